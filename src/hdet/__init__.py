@@ -1,0 +1,29 @@
+"""hdet: Hyperparameter-Divergent Ensemble Training (arXiv 2604.24708) on torch.distributed."""
+
+from .controller import PaperController, gamma_as_printed, gamma_decay, softmax_weights
+from .ensemble import Ensemble, HDETConfig, NonFiniteReplicaError, SyncRecord
+from .init import warm_init_
+from .replicas import ProcessGroupReplicas, Replicas, SingleReplica
+from .schedulers import HDETLR, OneCycleAutoLR
+from .spread import Dealer, linear_multipliers
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "OneCycleAutoLR",
+    "HDETLR",
+    "warm_init_",
+    "linear_multipliers",
+    "Dealer",
+    "PaperController",
+    "softmax_weights",
+    "gamma_as_printed",
+    "gamma_decay",
+    "Ensemble",
+    "HDETConfig",
+    "SyncRecord",
+    "NonFiniteReplicaError",
+    "Replicas",
+    "SingleReplica",
+    "ProcessGroupReplicas",
+]

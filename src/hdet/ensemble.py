@@ -1,0 +1,354 @@
+"""One HDET ensemble: observe losses -> at a sync step: converge (Eq. 3), control (Eqs. 4-8), deal (Eq. 9).
+
+The ensemble explores one scalar per "slot" (here: the learning rate of each optimizer param group;
+paper section 3.4). Slot ``j`` has a base value, a permutation ``pi_j`` (replica ``r`` uses multiplier
+``rho[pi_j[r]]``) and, once auto-LR has started, a controller that owns its base value.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .controller import ControllerStep, PaperController
+from .replicas import Replicas
+from .spread import Dealer, check_alpha, linear_multipliers
+
+__all__ = ["HDETConfig", "Ensemble", "NonFiniteReplicaError", "SyncRecord"]
+
+
+class NonFiniteReplicaError(FloatingPointError):
+    """A replica's window loss or weights are NaN/Inf at a converge step; nothing was averaged."""
+
+
+@dataclass
+class HDETConfig:
+    """Settings of one ensemble; names after the reference implementation, paper symbols noted."""
+
+    alpha: float = 0.0  # spread ratio, Eq. 1 (ensemble_lr_spread_ratio)
+    sync_interval: int = 1000  # T, Eq. 3 (model_sync_interval)
+    auto_lr: bool = False  # enable_auto_lr
+    auto_lr_warmup_steps: int = 100_000  # S_warm
+    sigma: float = 0.1  # loss temperature, Eq. 4 (loss_scale)
+    lam: float = 0.5  # lambda, Eq. 7 (lr_of_lr)
+    beta: float = 0.9  # velocity momentum, Eq. 7 (momentum_of_lr)
+    eq8: str = "decay"  # "decay" (toward the schedule's final value) or "as_printed"
+    seed: int = 0  # seed of the permutation generator, identical on every replica
+    average_optimizer_state: bool = False
+
+    def validate(self) -> None:
+        check_alpha(self.alpha)
+        _check_int("model_sync_interval", self.sync_interval, lo=1)
+        if not isinstance(self.auto_lr, bool):
+            raise ValueError(f"Expected enable_auto_lr to be a bool, but got {self.auto_lr!r}")
+        _check_int("auto_lr_warmup_steps", self.auto_lr_warmup_steps, lo=0)
+        if not _is_real(self.sigma) or not self.sigma > 0 or not math.isfinite(self.sigma):
+            raise ValueError(f"Expected loss_scale (sigma) > 0, but got {self.sigma!r}")
+        if not _is_real(self.lam) or not self.lam >= 0 or not math.isfinite(self.lam):
+            raise ValueError(f"Expected lr_of_lr (lambda) >= 0, but got {self.lam!r}")
+        if not _is_real(self.beta) or not 0.0 <= self.beta < 1.0:
+            raise ValueError(f"Expected 0 <= momentum_of_lr (beta) < 1, but got {self.beta!r}")
+        if self.eq8 not in ("decay", "as_printed"):
+            raise ValueError(f"Expected eq8 to be 'decay' or 'as_printed', but got {self.eq8!r}")
+        _check_int("seed", self.seed, lo=0)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_int(name: str, value: Any, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"Expected integer {name} >= {lo}, but got {value!r}")
+
+
+def _all_finite(tensors: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
+    """One bool on ``dev``: every element of every tensor is finite. No host sync (one small copy
+    per device)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for x in tensors:
+        by_device.setdefault(x.device, []).append(torch.isfinite(x).all())
+    flags = [torch.stack(fs).all().to(dev) for fs in by_device.values()]
+    return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=dev)
+
+
+@dataclass
+class SyncRecord:
+    """What one sync step saw and did; ``controller`` holds one entry per slot when auto-LR ran."""
+
+    step: int
+    losses: list[float] | None
+    multipliers: list[list[float]]  # per slot, per replica, after dealing
+    bases: list[float]  # per slot, after the update
+    controller: list[ControllerStep] | None
+
+
+MakeController = Callable[[int, float], PaperController]
+
+
+class Ensemble:
+    """The HDET state machine of one replica. Collectives happen only in :meth:`sync`."""
+
+    def __init__(
+        self,
+        config: HDETConfig,
+        replicas: Replicas,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module | None = None,
+    ) -> None:
+        config.validate()
+        if model is not None and not isinstance(model, nn.Module):
+            raise ValueError(f"Expected model to be a torch.nn.Module, but got {type(model).__name__}")
+        self.config = config
+        self.replicas = replicas
+        self.optimizer = optimizer
+        self.model = model
+        self.num_slots = len(optimizer.param_groups)
+        N = replicas.world_size
+        self.rho = linear_multipliers(N, config.alpha)  # Eq. 1
+        self.perms: list[list[int]] = [list(range(N)) for _ in range(self.num_slots)]  # rank r -> rho_r
+        self.current_bases: list[float] = [0.0] * self.num_slots
+        self.controllers: list[PaperController | None] = [None] * self.num_slots
+        self.dealer = Dealer(config.seed)
+        self.total_steps: int | None = None
+        self.make_controller: MakeController | None = None
+        self.last_sync: SyncRecord | None = None
+        self.on_sync: list[Callable[[SyncRecord], None]] = []
+        self._controlled: list[float | None] = [None] * self.num_slots  # controller-owned bases
+        self._loss_sum: torch.Tensor | None = None  # stays on the loss's device: no host sync
+        self._loss_count = 0
+
+    # ----------------------------------------------------------------- schedule
+    def set_total_steps(self, total_steps: int) -> None:
+        c = self.config
+        self.total_steps = total_steps
+        if c.auto_lr:
+            if c.auto_lr_warmup_steps >= total_steps:
+                raise ValueError(
+                    f"Expected auto_lr_warmup_steps < total_steps with enable_auto_lr=True, but got "
+                    f"auto_lr_warmup_steps={c.auto_lr_warmup_steps} and total_steps={total_steps}"
+                )
+            if self.first_control_step() > total_steps:
+                raise ValueError(
+                    f"enable_auto_lr=True but no sync step (a multiple of model_sync_interval="
+                    f"{c.sync_interval}) falls in [auto_lr_warmup_steps={c.auto_lr_warmup_steps}, "
+                    f"total_steps={total_steps}]: the controller would never run"
+                )
+
+    def first_control_step(self) -> int:
+        T = self.config.sync_interval
+        return max(T, -(-self.config.auto_lr_warmup_steps // T) * T)
+
+    @property
+    def num_control_syncs(self) -> float:
+        """K of Eq. 8: ``(S - S_warm) / T``."""
+        assert self.total_steps is not None
+        return (self.total_steps - self.config.auto_lr_warmup_steps) / self.config.sync_interval
+
+    def is_sync_step(self, t: int) -> bool:
+        """Converge after optimizer step ``t`` when ``t mod T == 0``, and after the last step."""
+        return t > 0 and (t % self.config.sync_interval == 0 or t == self.total_steps)
+
+    def multiplier(self, j: int) -> float:
+        """This replica's multiplier for slot ``j``: ``rho[pi_j[rank]]`` (Eq. 9)."""
+        return self.rho[self.perms[j][self.replicas.rank]]
+
+    def values(self, scheduled_bases: list[float]) -> list[float]:
+        """This replica's values for the next step: ``base_j * rho[pi_j[rank]]`` (Eqs. 1, 9).
+
+        ``scheduled_bases`` come from the base schedule; a slot whose controller has started
+        uses the controller's base instead (Eq. 7 replaces the schedule)."""
+        out = []
+        for j, b in enumerate(scheduled_bases):
+            controlled = self._controlled[j]
+            base = controlled if controlled is not None else b
+            self.current_bases[j] = base
+            out.append(base * self.multiplier(j))
+        return out
+
+    # ----------------------------------------------------------------- losses
+    def observe(self, loss: torch.Tensor | float) -> None:
+        """Accumulate this replica's training loss of the step just taken. No host sync."""
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ValueError(f"Expected a scalar loss, but got a tensor of shape {tuple(loss.shape)}")
+            value = loss.detach().reshape(())
+            dtype = torch.float32 if value.device.type == "mps" else torch.float64
+            value = value.to(dtype)
+        elif _is_real(loss):
+            value = torch.tensor(float(loss), dtype=torch.float64)
+        else:
+            raise ValueError(f"Expected the loss as a scalar tensor or a float, but got {type(loss).__name__}")
+        if self._loss_sum is None:
+            self._loss_sum = value.clone()
+        else:
+            if self._loss_sum.device != value.device:
+                self._loss_sum = self._loss_sum.to(value.device)  # once, after a load_state_dict
+            self._loss_sum += value.to(self._loss_sum.dtype)
+        self._loss_count += 1
+
+    # ----------------------------------------------------------------- tensors
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors to average, in an order fixed by the optimizer and the model: floating-point
+        parameters of the param groups, the model's floating-point buffers (BatchNorm statistics;
+        integer buffers such as ``num_batches_tracked`` are left alone) and, optionally, the
+        optimizer's floating-point state (except ``step``)."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.is_floating_point()]
+        out = [p.detach() for p in params]
+        if self.model is not None:
+            out += [b.detach() for _, b in self.model.named_buffers() if b.is_floating_point()]
+        if self.config.average_optimizer_state:
+            for p in params:
+                state = self.optimizer.state.get(p, {})
+                for key in sorted(state):
+                    v = state[key]
+                    if key != "step" and isinstance(v, torch.Tensor) and v.is_floating_point():
+                        out.append(v.detach())
+        return out
+
+    @staticmethod
+    def _layout_signature(tensors: list[torch.Tensor]) -> int:
+        text = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in tensors)
+        return zlib.crc32(text.encode())  # < 2**32: exact in float64
+
+    # ----------------------------------------------------------------- the sync step
+    def sync(self, t: int) -> SyncRecord:
+        """Converge (and maybe control and deal) after optimizer step ``t``. Runs on every replica.
+
+        Collectives: one all_gather of a few float64 scalars, then one all_reduce per bucket of
+        flattened tensors. Host syncs: the gathered scalars are read on the host once."""
+        c = self.config
+        N = self.replicas.world_size
+        tensors = self.tensors()
+        dev = self.replicas.comm_device()
+        finite = _all_finite(tensors, dev)
+        loss_sum = self._loss_sum if self._loss_sum is not None else torch.zeros((), dtype=torch.float64)
+        local = torch.cat([
+            loss_sum.reshape(1).to(dev, torch.float64),
+            finite.reshape(1).to(torch.float64),
+            torch.tensor([self._loss_count, self._layout_signature(tensors), len(tensors), c.seed],
+                         dtype=torch.float64, device=dev),
+        ])
+        g = self.replicas.gather(local).tolist()  # COLLECTIVE (all_gather) + HOST SYNC
+        sums, finite_r, counts, sigs, ntens, seeds = (list(col) for col in zip(*g))
+
+        if len(set(zip(sigs, ntens))) > 1:
+            raise RuntimeError(
+                f"At sync step {t} the replicas hold different tensors to average "
+                f"(count per replica: {[int(n) for n in ntens]}, layout hashes: {[int(s) for s in sigs]}). "
+                "Every replica must build the optimizer, its param groups and the model identically."
+            )
+        if len(set(seeds)) > 1:
+            raise ValueError(f"Expected the same seed on every replica, but got {[int(s) for s in seeds]}")
+        bad_loss = [r for r in range(N) if counts[r] > 0 and not math.isfinite(sums[r])]
+        bad_weights = [r for r in range(N) if finite_r[r] != 1.0]
+        if bad_loss or bad_weights:
+            raise NonFiniteReplicaError(
+                f"At sync step {t}: non-finite window loss on replica(s) {bad_loss}, non-finite weights on "
+                f"replica(s) {bad_weights}. Nothing was averaged, so the other replicas are untouched."
+            )
+
+        self.replicas.average_(tensors)  # Eq. 3. COLLECTIVES: one all_reduce per bucket
+
+        losses = [sums[r] / counts[r] if counts[r] else float("nan") for r in range(N)]
+        steps: list[ControllerStep] | None = None
+        if c.auto_lr and t >= c.auto_lr_warmup_steps and t % c.sync_interval == 0:
+            missing = [r for r in range(N) if counts[r] == 0]
+            if missing:
+                raise ValueError(
+                    f"enable_auto_lr=True needs the training loss: call scheduler.step(loss) after each "
+                    f"optimizer step; replica(s) {missing} passed no loss in the window ending at step {t}"
+                )
+            steps = self._control(losses)
+        record = SyncRecord(
+            step=t,
+            losses=losses if any(counts) else None,
+            multipliers=[[self.rho[p] for p in perm] for perm in self.perms],
+            bases=list(self.current_bases),
+            controller=steps,
+        )
+        self._loss_sum = None
+        self._loss_count = 0
+        self.last_sync = record
+        for hook in self.on_sync:
+            hook(record)
+        return record
+
+    def _control(self, losses: list[float]) -> list[ControllerStep]:
+        """Eqs. 4-9 for every slot, then a fresh permutation per slot (drawn in slot order)."""
+        if self.make_controller is None:
+            raise RuntimeError("auto-LR is on but the scheduler gave the ensemble no controller factory")
+        steps = []
+        for j in range(self.num_slots):
+            if self.controllers[j] is None:
+                self.controllers[j] = self.make_controller(j, self.current_bases[j])
+            ctrl = self.controllers[j]
+            assert ctrl is not None
+            values = [self.current_bases[j] * self.rho[p] for p in self.perms[j]]  # eta_r, Eq. 5
+            step = ctrl.update(values, losses)
+            self._controlled[j] = step.new_base
+            self.current_bases[j] = step.new_base
+            self.perms[j] = self.dealer.permutation(len(self.rho))  # Eq. 9
+            steps.append(step)
+        return steps
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "config": asdict(self.config),
+            "world_size": self.replicas.world_size,
+            "rank": self.replicas.rank,
+            "rho": list(self.rho),
+            "perms": [list(p) for p in self.perms],
+            "current_bases": list(self.current_bases),
+            "controlled": list(self._controlled),
+            "controllers": [c.state_dict() if c is not None else None for c in self.controllers],
+            "dealer": self.dealer.state_dict(),
+            "loss_sum": None if self._loss_sum is None else self._loss_sum.detach().cpu().clone(),
+            "loss_count": self._loss_count,
+            "total_steps": self.total_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        N = self.replicas.world_size
+        if state["world_size"] != N:
+            raise ValueError(
+                f"Expected a state saved with {N} replicas, but got one saved with {state['world_size']}"
+            )
+        if len(state["perms"]) != self.num_slots:
+            raise ValueError(
+                f"Expected a state for {self.num_slots} param groups, but got one for {len(state['perms'])}"
+            )
+        if state["rank"] != self.replicas.rank and state["loss_count"]:
+            warnings.warn(
+                f"Loading replica {state['rank']}'s HDET state into replica {self.replicas.rank} in the middle "
+                "of a window: the window's loss accumulator is not this replica's. Save each rank's "
+                "scheduler state, or save at a sync step.",
+                stacklevel=3,
+            )
+        config = HDETConfig(**state["config"])
+        config.validate()
+        self.config = config
+        self.rho = [float(x) for x in state["rho"]]
+        self.perms = [[int(i) for i in p] for p in state["perms"]]
+        self.current_bases = [float(x) for x in state["current_bases"]]
+        self._controlled = [None if x is None else float(x) for x in state["controlled"]]
+        self.controllers = []
+        for cs in state["controllers"]:
+            if cs is None:
+                self.controllers.append(None)
+            else:
+                ctrl = PaperController()
+                ctrl.load_state_dict(cs)
+                self.controllers.append(ctrl)
+        self.dealer.load_state_dict(state["dealer"])
+        self._loss_sum = None if state["loss_sum"] is None else state["loss_sum"].clone()
+        self._loss_count = int(state["loss_count"])
+        self.total_steps = state["total_steps"]

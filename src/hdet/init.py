@@ -1,0 +1,63 @@
+"""Warm noisy initialisation, Eq. 10: ``theta_r = theta_0 + eps_r``, ``eps_r ~ N(0, nu^2 ||theta_0||^2 / d)``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["warm_init_"]
+
+
+@torch.no_grad()
+def warm_init_(
+    params: nn.Module | Iterable[torch.Tensor],
+    rank: int | None = None,
+    nu: float = 0.01,
+    seed: int = 0,
+    scope: str = "model",
+) -> float:
+    """Add independent Gaussian noise to this replica's parameters, in place, and return its std.
+
+    Call it once on every replica, after wrapping the model in DDP (DDP broadcasts rank 0's weights
+    when it wraps) and after building the scheduler; HDET never averages before the first sync step,
+    so the noise survives until then. ``rank`` defaults to the process group rank (0 without one);
+    replica ``r`` draws from a dedicated generator seeded ``seed + r`` on the parameters' device, so
+    the caller's global RNG is untouched.
+
+    ``scope="model"`` is Eq. 10: one std ``nu * ||theta_0|| / sqrt(d)`` over all parameters.
+    ``scope="tensor"`` uses each tensor's own ``nu * ||theta|| / sqrt(numel)`` (the reference README).
+    """
+    if not (isinstance(nu, (int, float)) and not isinstance(nu, bool) and nu >= 0):
+        raise ValueError(f"Expected nu >= 0, but got {nu!r}")
+    if scope not in ("model", "tensor"):
+        raise ValueError(f"Expected scope 'model' or 'tensor', but got {scope!r}")
+    if rank is None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    tensors = [p for p in (params.parameters() if isinstance(params, nn.Module) else params)
+               if p.is_floating_point()]
+    if not tensors:
+        raise ValueError("Expected at least one floating-point parameter, but got none")
+    generators: dict[torch.device, torch.Generator] = {}
+
+    def noise_like(p: torch.Tensor) -> torch.Tensor:
+        if p.device not in generators:
+            generators[p.device] = torch.Generator(device=p.device).manual_seed(seed + rank)
+        return torch.randn(p.shape, generator=generators[p.device], device=p.device, dtype=torch.float32)
+
+    if scope == "model":
+        d = sum(p.numel() for p in tensors)
+        sq = sum(float(p.detach().float().pow(2).sum()) for p in tensors)  # host sync, once
+        std = nu * (sq / d) ** 0.5
+        for p in tensors:
+            p.add_(noise_like(p).mul_(std).to(p.dtype))
+        return std
+    stds = []
+    for p in tensors:
+        std = nu * float(p.detach().float().norm()) / p.numel() ** 0.5  # host sync, once per tensor
+        p.add_(noise_like(p).mul_(std).to(p.dtype))
+        stds.append(std)
+    return max(stds)

@@ -1,0 +1,161 @@
+"""Where replicas live. The only module that knows how replicas talk to each other.
+
+Two implementations share one interface:
+
+* :class:`ProcessGroupReplicas`: one replica per process (or per replicate-group of processes),
+  talking through ``torch.distributed`` collectives (NCCL on GPUs, gloo on CPU).
+* :class:`SingleReplica`: a lone replica (no process group); reductions fall back to local values,
+  so a one-replica run goes through the same code path as a distributed one.
+
+Both offer the two operations HDET needs at a sync step: gather a small vector of scalars from every
+replica, and average a list of tensors in place, bucketed (one collective per bucket, not per tensor).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+__all__ = ["Replicas", "SingleReplica", "ProcessGroupReplicas", "plan_buckets", "resolve_replicas"]
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+def plan_buckets(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[int]]:
+    """Split tensor indices into buckets of one (device, dtype), each at most ``cap_bytes``
+    (a single larger tensor gets a bucket of its own). Order within a bucket follows ``tensors``;
+    the plan depends only on shapes, dtypes and devices, so it is identical on every replica."""
+    buckets: list[list[int]] = []
+    open_bucket: dict[tuple[torch.device, torch.dtype], tuple[list[int], int]] = {}
+    for i, t in enumerate(tensors):
+        key = (t.device, t.dtype)
+        nbytes = t.numel() * t.element_size()
+        idx, size = open_bucket.get(key, ([], 0))
+        if idx and size + nbytes > cap_bytes:
+            buckets.append(idx)
+            idx, size = [], 0
+        idx.append(i)
+        open_bucket[key] = (idx, size + nbytes)
+    buckets.extend(idx for idx, _ in open_bucket.values() if idx)
+    return buckets
+
+
+class Replicas(ABC):
+    """The replicas of one HDET ensemble, seen from one of them."""
+
+    rank: int
+    world_size: int
+
+    @abstractmethod
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """All replicas' copies of a 1-D float64 vector, as a CPU tensor of shape ``[world_size, k]``.
+
+        Host sync: the result is copied to the CPU."""
+
+    @abstractmethod
+    def average_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Replace each tensor by its mean over replicas, in place (Eq. 3)."""
+
+    def comm_device(self, hint: torch.device | None = None) -> torch.device:
+        """The device a vector handed to :meth:`gather` should live on."""
+        return torch.device("cpu")
+
+
+class SingleReplica(Replicas):
+    """One replica, no process group: gather returns the local vector, averaging is a no-op."""
+
+    def __init__(self) -> None:
+        self.rank = 0
+        self.world_size = 1
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        return local.detach().to("cpu", torch.float64).reshape(1, -1)  # host sync (device -> CPU copy)
+
+    def average_(self, tensors: Sequence[torch.Tensor]) -> None:
+        return None
+
+
+class ProcessGroupReplicas(Replicas):
+    """One replica per rank of a process group (the default group when ``group`` is None).
+
+    ``bucket_cap_mb`` bounds the extra memory of averaging: one flat bucket at a time, never a
+    copy of the whole model. Averaging runs in each tensor's own dtype; NCCL averages with
+    ``ReduceOp.AVG`` (its own accumulation precision), other backends sum then divide by N."""
+
+    def __init__(self, group: Any = None, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "ProcessGroupReplicas needs an initialised torch.distributed process group; "
+                "call torch.distributed.init_process_group() first"
+            )
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"Expected bucket_cap_mb > 0, but got {bucket_cap_mb!r}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group))
+        self.cap_bytes = int(bucket_cap_mb * 2**20)
+
+    def comm_device(self, hint: torch.device | None = None) -> torch.device:
+        if "nccl" in self.backend:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        local = local.detach().to(self.comm_device(), torch.float64).reshape(-1)
+        out = torch.empty(self.world_size * local.numel(), dtype=local.dtype, device=local.device)
+        gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather_single(out, local, group=self.group)  # COLLECTIVE: one all_gather of k float64
+        return out.view(self.world_size, -1).cpu()  # host sync
+
+    def average_(self, tensors: Sequence[torch.Tensor]) -> None:
+        if self.world_size == 1 or not tensors:
+            return
+        use_avg = "nccl" in self.backend
+        with torch.no_grad():
+            for idx in plan_buckets(tensors, self.cap_bytes):
+                bucket = [tensors[i] for i in idx]
+                flat = _flatten_dense_tensors(bucket)  # one bucket of extra memory at a time
+                if use_avg:
+                    dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.group)  # COLLECTIVE
+                else:
+                    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)  # COLLECTIVE
+                    flat.div_(self.world_size)
+                torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))
+
+
+def resolve_replicas(
+    replicas: Replicas | None,
+    rank: int | None,
+    world_size: int | None,
+    process_group: Any = None,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+) -> Replicas:
+    """Choose the replicas from the arguments a scheduler was given.
+
+    An explicit ``replicas`` wins. Otherwise, with torch.distributed initialised, the replicas are
+    the ranks of ``process_group`` (default group); ``rank`` and ``world_size``, when passed, must
+    agree with it. Without a process group there is one replica."""
+    if replicas is not None:
+        return replicas
+    if dist.is_available() and dist.is_initialized():
+        found = ProcessGroupReplicas(process_group, bucket_cap_mb)
+        if rank is not None and rank != found.rank:
+            raise ValueError(f"Expected rank={found.rank} (from the process group), but got rank={rank}")
+        if world_size is not None and world_size != found.world_size:
+            raise ValueError(
+                f"Expected world_size={found.world_size} (from the process group), but got world_size={world_size}"
+            )
+        return found
+    if (world_size not in (None, 1)) or (rank not in (None, 0)):
+        raise ValueError(
+            f"Expected rank=0 and world_size=1 without an initialised torch.distributed process group, "
+            f"but got rank={rank}, world_size={world_size}; call torch.distributed.init_process_group() "
+            "before building the scheduler"
+        )
+    return SingleReplica()

@@ -1,0 +1,365 @@
+"""``OneCycleAutoLR`` (a drop-in for ``torch.optim.lr_scheduler.OneCycleLR``) and ``HDETLR``, the
+general form around any base schedule. Both are thin: the method lives in :mod:`hdet.ensemble`.
+
+Usage is the reference's: ``optimizer.step(); scheduler.step(loss)``. Step ``t`` (the number of
+optimizer steps taken) is a sync step when ``t mod T == 0`` and at the last step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler, OneCycleLR
+
+from .controller import PaperController, gamma_as_printed, gamma_decay
+from .ensemble import Ensemble, HDETConfig, SyncRecord
+from .replicas import DEFAULT_BUCKET_CAP_MB, Replicas, resolve_replicas
+
+__all__ = ["OneCycleAutoLR", "HDETLR"]
+
+
+def _float(x: float | torch.Tensor) -> float:
+    return float(x) if not isinstance(x, torch.Tensor) else float(x.detach().cpu())
+
+
+class _EnsembleScheduler(LRScheduler):
+    """What OneCycleAutoLR and HDETLR share: ``step(loss)``, the sync step, ``get_lr`` = base x rho,
+    and a state_dict that holds the ensemble's state and nothing unpicklable."""
+
+    _hdet: Ensemble
+    total_steps: int
+    _STATE_EXCLUDE: tuple[str, ...] = ("optimizer", "_hdet")
+
+    def _init_ensemble(self, optimizer: torch.optim.Optimizer, config: HDETConfig, model: nn.Module | None,
+                       replicas: Replicas | None, rank: int | None, world_size: int | None,
+                       process_group: Any, bucket_cap_mb: float) -> None:
+        resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb)
+        self._hdet = Ensemble(config, resolved, optimizer, model)
+        self._hdet.make_controller = self._make_controller
+
+    # -- the schedule underneath ------------------------------------------------------------
+    def _scheduled_bases(self) -> list[float]:
+        """The base schedule's value of every param group at step ``self.last_epoch``."""
+        raise NotImplementedError
+
+    def _final_bases(self) -> list[float] | None:
+        """The base schedule's last value per group, the target of Eq. 8's decay; None if unknown."""
+        return None
+
+    def _default_bounds(self, j: int, start: float) -> tuple[float, float]:
+        return (0.0, math.inf)
+
+    def _gamma_as_printed(self, K: float) -> float:
+        raise ValueError("eq8='as_printed' needs OneCycle's div_factor and final_div_factor; use OneCycleAutoLR")
+
+    def _make_controller(self, j: int, start: float) -> PaperController:
+        c = self._hdet.config
+        K = self._hdet.num_control_syncs
+        if c.eq8 == "as_printed":
+            gamma = self._gamma_as_printed(K)
+        else:
+            finals = self._final_bases()
+            gamma = 0.0 if finals is None else gamma_decay(start, finals[j], K)
+        bounds = self._auto_lr_bounds[j] if self._auto_lr_bounds is not None else self._default_bounds(j, start)
+        return PaperController(beta=c.beta, sigma=c.sigma, lam=c.lam, gamma=gamma, bounds=bounds)
+
+    _auto_lr_bounds: list[tuple[float, float]] | None = None
+
+    def _set_bounds(self, bounds: tuple[float, float] | Sequence[tuple[float, float]] | None) -> None:
+        if bounds is None:
+            self._auto_lr_bounds = None
+            return
+        n = len(self.optimizer.param_groups)
+        per_group = [bounds] * n if _is_pair(bounds) else list(bounds)  # type: ignore[list-item]
+        if len(per_group) != n or not all(_is_pair(b) and 0 <= b[0] <= b[1] for b in per_group):
+            raise ValueError(
+                f"Expected auto_lr_bounds as (low, high) with 0 <= low <= high, or one such pair per param "
+                f"group ({n}), but got {bounds!r}"
+            )
+        self._auto_lr_bounds = [(float(lo), float(hi)) for lo, hi in per_group]  # type: ignore[misc]
+
+    # -- LRScheduler -------------------------------------------------------------------------
+    def get_lr(self) -> list[float]:  # type: ignore[override]
+        return self._hdet.values([_float(b) for b in self._scheduled_bases()])  # Eqs. 1, 9
+
+    def step(self, loss: torch.Tensor | float | None = None) -> None:  # type: ignore[override]
+        """Call after ``optimizer.step()``, with that step's training loss (needed by auto-LR).
+
+        Off a sync step this only accumulates the loss on its device (no host sync). On a sync
+        step every replica must call it: it runs the collectives of :meth:`Ensemble.sync`."""
+        if loss is not None:
+            self._hdet.observe(loss)
+        t = self.last_epoch + 1  # optimizer steps taken so far
+        initial = getattr(self, "_step_count", 0) == 0  # the base constructor's own first step()
+        if not initial:
+            if t > self.total_steps:
+                raise ValueError(
+                    f"Expected at most total_steps={self.total_steps} calls of scheduler.step() after "
+                    f"optimizer steps, but this is call {t}; raise total_steps or stop stepping"
+                )
+            self._before_step(t)
+            if self._hdet.is_sync_step(t):
+                self._hdet.sync(t)
+        super().step()
+
+    def _before_step(self, t: int) -> None:
+        return None
+
+    # -- conveniences ----------------------------------------------------------------------
+    @property
+    def multipliers(self) -> list[float]:
+        """This replica's current multiplier per param group."""
+        return [self._hdet.multiplier(j) for j in range(self._hdet.num_slots)]
+
+    @property
+    def base_lrs_now(self) -> list[float]:
+        """The base (pre-multiplier) learning rate per group in effect for the next step."""
+        return list(self._hdet.current_bases)
+
+    @property
+    def rank(self) -> int:
+        return self._hdet.replicas.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._hdet.replicas.world_size
+
+    @property
+    def last_sync(self) -> SyncRecord | None:
+        return self._hdet.last_sync
+
+    @property
+    def ensemble(self) -> Ensemble:
+        return self._hdet
+
+    def is_sync_step(self, t: int | None = None) -> bool:
+        """Whether optimizer step ``t`` (default: the last one taken) was a sync step."""
+        return self._hdet.is_sync_step(self.last_epoch if t is None else t)
+
+    # -- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k not in self._STATE_EXCLUDE}
+        state["hdet"] = self._hdet.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "hdet" not in state_dict:
+            raise ValueError(
+                f"Expected a {type(self).__name__} state_dict (with an 'hdet' entry), but got one with keys "
+                f"{sorted(state_dict)[:8]}"
+            )
+        state = {k: v for k, v in state_dict.items() if k not in self._STATE_EXCLUDE and k != "hdet"}
+        self._hdet.load_state_dict(state_dict["hdet"])
+        self.__dict__.update(state)
+
+
+def _is_pair(x: Any) -> bool:
+    return isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(v, (int, float)) for v in x)
+
+
+class OneCycleAutoLR(_EnsembleScheduler, OneCycleLR):
+    """OneCycleLR with HDET: per-replica LR spread, weight averaging every T steps, optional auto-LR.
+
+    Takes every ``OneCycleLR`` argument and the reference implementation's extra arguments under the
+    same names (paper symbols in brackets):
+
+    * ``ensemble_lr_spread_ratio`` [alpha], in [0, 1): replica r's LR is ``OneCycle(t) * rho_r`` (Eq. 1).
+    * ``model_sync_interval`` [T]: average weights (and float buffers of ``model``) every T steps (Eq. 3).
+    * ``enable_auto_lr``, ``auto_lr_warmup_steps`` [S_warm], ``loss_scale`` [sigma], ``lr_of_lr``
+      [lambda], ``momentum_of_lr`` [beta]: the auto-LR controller (Eqs. 4-9).
+    * ``rank``, ``world_size``: checked against the process group when one is initialised.
+
+    hdet's own keyword arguments: ``model`` (whose floating-point buffers are averaged too), ``eq8``
+    ("decay": gamma takes the base from its value when auto-LR starts to OneCycle's ``min_lr``;
+    "as_printed": the paper's formula, which grows the LR), ``auto_lr_bounds`` (default: per group
+    ``(min_lr, 10 * max_lr)``), ``seed`` (of the permutation generator; identical on all ranks),
+    ``average_optimizer_state``, ``process_group``, ``replicas``, ``bucket_cap_mb``.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_lr: float | list[float],
+        total_steps: int | None = None,
+        epochs: int | None = None,
+        steps_per_epoch: int | None = None,
+        pct_start: float = 0.3,
+        anneal_strategy: str = "cos",
+        cycle_momentum: bool = True,
+        base_momentum: float | list[float] = 0.85,
+        max_momentum: float | list[float] = 0.95,
+        div_factor: float = 25.0,
+        final_div_factor: float = 1e4,
+        three_phase: bool = False,
+        last_epoch: int = -1,
+        *,
+        ensemble_lr_spread_ratio: float = 0.0,
+        model_sync_interval: int = 1000,
+        auto_lr_warmup_steps: int = 100_000,
+        enable_auto_lr: bool = False,
+        loss_scale: float = 0.1,
+        lr_of_lr: float = 0.5,
+        momentum_of_lr: float = 0.9,
+        rank: int | None = None,
+        world_size: int | None = None,
+        model: nn.Module | None = None,
+        eq8: str = "decay",
+        auto_lr_bounds: tuple[float, float] | Sequence[tuple[float, float]] | None = None,
+        seed: int = 0,
+        average_optimizer_state: bool = False,
+        process_group: Any = None,
+        replicas: Replicas | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    ) -> None:
+        config = HDETConfig(
+            alpha=ensemble_lr_spread_ratio, sync_interval=model_sync_interval, auto_lr=enable_auto_lr,
+            auto_lr_warmup_steps=auto_lr_warmup_steps, sigma=loss_scale, lam=lr_of_lr, beta=momentum_of_lr,
+            eq8=eq8, seed=seed, average_optimizer_state=average_optimizer_state,
+        )
+        # Attributes first: OneCycleLR.__init__ already calls self.step().
+        self.div_factor = float(div_factor)
+        self.final_div_factor = float(final_div_factor)
+        self._init_ensemble(optimizer, config, model, replicas, rank, world_size, process_group, bucket_cap_mb)
+        self.total_steps = 0  # set for real by OneCycleLR.__init__ before its first step
+        self.optimizer = optimizer
+        self._set_bounds(auto_lr_bounds)
+        super().__init__(
+            optimizer, max_lr, total_steps=total_steps, epochs=epochs, steps_per_epoch=steps_per_epoch,
+            pct_start=pct_start, anneal_strategy=anneal_strategy, cycle_momentum=cycle_momentum,
+            base_momentum=base_momentum, max_momentum=max_momentum, div_factor=div_factor,
+            final_div_factor=final_div_factor, three_phase=three_phase, last_epoch=last_epoch,
+        )
+        self._hdet.set_total_steps(self.total_steps)
+
+    def _scheduled_bases(self) -> list[float]:
+        return OneCycleLR.get_lr(self)  # type: ignore[return-value]  # also cycles momentum
+
+    def _final_bases(self) -> list[float]:
+        return [_float(g["min_lr"]) for g in self.optimizer.param_groups]
+
+    def _default_bounds(self, j: int, start: float) -> tuple[float, float]:
+        g = self.optimizer.param_groups[j]
+        return (_float(g["min_lr"]), 10.0 * _float(g["max_lr"]))
+
+    def _gamma_as_printed(self, K: float) -> float:
+        return gamma_as_printed(self.div_factor, self.final_div_factor, K)  # Eq. 8 as printed
+
+
+BaseSchedule = LRScheduler | Callable[[int], "float | Sequence[float]"] | None
+
+
+class HDETLR(_EnsembleScheduler):
+    """HDET around any base schedule.
+
+    ``base`` is an ``LRScheduler`` built on the same optimizer (stepped by this scheduler: do not
+    step it yourself), or a callable ``step -> lr`` (one float for all groups or one per group), or
+    None for the groups' constant learning rates. Each param group's LR is explored separately,
+    with its own permutation (paper section 3.4). Remaining arguments are OneCycleAutoLR's.
+    ``final_lr`` (per group, or one float) is the target of Eq. 8's decay once auto-LR starts; for a
+    callable base it defaults to ``base(total_steps)``, otherwise to no decay (gamma = 0).
+    """
+
+    _STATE_EXCLUDE = ("optimizer", "_hdet", "_base", "_base_fn")
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        base: BaseSchedule,
+        total_steps: int,
+        *,
+        ensemble_lr_spread_ratio: float = 0.0,
+        model_sync_interval: int = 1000,
+        auto_lr_warmup_steps: int = 0,
+        enable_auto_lr: bool = False,
+        loss_scale: float = 0.1,
+        lr_of_lr: float = 0.5,
+        momentum_of_lr: float = 0.9,
+        final_lr: float | Sequence[float] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        model: nn.Module | None = None,
+        auto_lr_bounds: tuple[float, float] | Sequence[tuple[float, float]] | None = None,
+        seed: int = 0,
+        average_optimizer_state: bool = False,
+        process_group: Any = None,
+        replicas: Replicas | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        last_epoch: int = -1,
+    ) -> None:
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0:
+            raise ValueError(f"Expected positive integer total_steps, but got {total_steps!r}")
+        self._base: LRScheduler | None = None
+        self._base_fn: Callable[[int], Any] | None = None
+        if isinstance(base, LRScheduler):
+            if base.optimizer is not optimizer:
+                raise ValueError("Expected the base scheduler to be built on the same optimizer as HDETLR")
+            self._base = base
+        elif callable(base):
+            self._base_fn = base
+        elif base is not None:
+            raise ValueError(
+                f"Expected base to be an LRScheduler, a callable of the step, or None, but got {type(base).__name__}"
+            )
+        config = HDETConfig(
+            alpha=ensemble_lr_spread_ratio, sync_interval=model_sync_interval, auto_lr=enable_auto_lr,
+            auto_lr_warmup_steps=auto_lr_warmup_steps, sigma=loss_scale, lam=lr_of_lr, beta=momentum_of_lr,
+            eq8="decay", seed=seed, average_optimizer_state=average_optimizer_state,
+        )
+        self.total_steps = total_steps
+        self.optimizer = optimizer
+        self._init_ensemble(optimizer, config, model, replicas, rank, world_size, process_group, bucket_cap_mb)
+        self._hdet.set_total_steps(total_steps)
+        self._constant = [_float(g["lr"]) for g in optimizer.param_groups]
+        self._final = self._resolve_final(final_lr)
+        self._set_bounds(auto_lr_bounds)
+        super().__init__(optimizer, last_epoch)
+
+    def _per_group(self, value: Any, what: str) -> list[float]:
+        n = len(self.optimizer.param_groups)
+        if isinstance(value, (int, float, torch.Tensor)) and not isinstance(value, bool):
+            return [_float(value)] * n
+        values = list(value)
+        if len(values) != n:
+            raise ValueError(f"Expected {what} as one float or {n} floats (one per param group), but got {value!r}")
+        return [_float(v) for v in values]
+
+    def _resolve_final(self, final_lr: Any) -> list[float] | None:
+        if final_lr is not None:
+            return self._per_group(final_lr, "final_lr")
+        if self._base_fn is not None:
+            return self._per_group(self._base_fn(self.total_steps), "base(step)")
+        return None
+
+    def _before_step(self, t: int) -> None:
+        if self._base is not None:
+            # Chainable schedulers compute from group['lr']: give them the base, not base * rho.
+            for g, b in zip(self.optimizer.param_groups, self._hdet.current_bases):
+                g["lr"] = b if not isinstance(g["lr"], torch.Tensor) else g["lr"].fill_(b)
+            self._base.step()
+
+    def _scheduled_bases(self) -> list[float]:
+        if self._base is not None:
+            return [_float(x) for x in self._base.get_last_lr()]
+        if self._base_fn is not None:
+            return self._per_group(self._base_fn(self.last_epoch), "base(step)")
+        return list(self._constant)
+
+    def _final_bases(self) -> list[float] | None:
+        return self._final
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self._base is not None:
+            state["base"] = self._base.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        base_state = state.pop("base", None)
+        super().load_state_dict(state)
+        if self._base is not None and base_state is not None:
+            self._base.load_state_dict(base_state)

@@ -1,0 +1,74 @@
+"""Shared test helpers: a scripted stand-in for N replicas in one process, and a gloo spawner."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hdet.replicas import Replicas
+
+
+class ScriptedReplicas(Replicas):
+    """Replica ``rank`` of ``world_size``, alone in this process. ``gather`` returns this replica's
+    vector for its own row and, for the others, the vector with its loss entries replaced by
+    ``other_losses(step)`` (a list of N window-loss means); ``average_`` does nothing."""
+
+    def __init__(self, rank: int, world_size: int, window_losses: Callable[[], list[float]] | None = None):
+        self.rank = rank
+        self.world_size = world_size
+        self.window_losses = window_losses
+        self.gathers = 0
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        self.gathers += 1
+        rows = local.detach().to(torch.float64).reshape(1, -1).repeat(self.world_size, 1)
+        if self.window_losses is not None:
+            count = rows[0, 2].item()
+            rows[:, 0] = torch.tensor(self.window_losses(), dtype=torch.float64) * count
+        return rows
+
+    def average_(self, tensors):
+        return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"rank{rank}.pt"))
+    except BaseException as e:  # report to the parent, which re-raises
+        torch.save({"ok": False, "type": type(e).__name__, "msg": str(e), "tb": traceback.format_exc()},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(fn, world_size: int, *args) -> list:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes; return the
+    per-rank results, or per-rank error dicts ``{"error": type, "msg": ...}`` if a rank raised."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_entry, args=(world_size, free_port(), fn, args, out_dir), nprocs=world_size, join=True)
+        outs = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+    return [o["result"] if o["ok"] else {"error": o["type"], "msg": o["msg"], "tb": o["tb"]} for o in outs]
+
+
+def check_ok(results: list) -> list:
+    for r, res in enumerate(results):
+        if isinstance(res, dict) and "error" in res and "tb" in res:
+            raise AssertionError(f"rank {r} raised {res['error']}: {res['msg']}\n{res['tb']}")
+    return results
