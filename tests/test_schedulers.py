@@ -1,0 +1,456 @@
+import io
+import math
+import random
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import CosineAnnealingLR, ExponentialLR, OneCycleLR
+
+import hdet
+from hdet import HDETLR, OneCycleAutoLR, linear_multipliers
+from helpers import ScriptedReplicas
+
+
+def _opt(kind="sgd", groups=1, lr=0.1):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    params = [{"params": m[0].parameters()}, {"params": m[1].parameters()}] if groups == 2 else m.parameters()
+    if kind == "sgd":
+        return m, torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return m, torch.optim.Adam(params, lr=lr)
+
+
+ONECYCLE_CASES = [
+    dict(max_lr=0.1, total_steps=60),
+    dict(max_lr=0.1, epochs=3, steps_per_epoch=20),
+    dict(max_lr=0.05, total_steps=50, pct_start=0.5, anneal_strategy="linear", div_factor=10.0,
+         final_div_factor=100.0),
+    dict(max_lr=0.1, total_steps=45, three_phase=True, cycle_momentum=False),
+    dict(max_lr=[0.1, 0.02], total_steps=40, base_momentum=[0.8, 0.7], max_momentum=[0.9, 0.95]),
+]
+
+
+@pytest.mark.parametrize("kwargs", ONECYCLE_CASES)
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_alpha_zero_equals_onecyclelr_exactly(kwargs, kind):
+    groups = 2 if isinstance(kwargs["max_lr"], list) else 1
+    _, o1 = _opt(kind, groups)
+    _, o2 = _opt(kind, groups)
+    s1 = OneCycleLR(o1, **kwargs)
+    s2 = OneCycleAutoLR(o2, **kwargs, model_sync_interval=7)
+    total = s1.total_steps
+    mom = "betas" if kind == "adam" else "momentum"
+    for _ in range(total):
+        assert s1.get_last_lr() == s2.get_last_lr()
+        assert [g[mom] for g in o1.param_groups] == [g[mom] for g in o2.param_groups]
+        o1.step()
+        o2.step()
+        s1.step()
+        s2.step(torch.tensor(0.5))
+    assert s1.get_last_lr() == s2.get_last_lr()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_spread_applied_from_first_step(world):
+    for rank in range(world):
+        _, o = _opt()
+        _, o_ref = _opt()
+        ref = OneCycleLR(o_ref, max_lr=0.1, total_steps=40)
+        s = OneCycleAutoLR(o, max_lr=0.1, total_steps=40, ensemble_lr_spread_ratio=0.3,
+                           model_sync_interval=10, replicas=ScriptedReplicas(rank, world))
+        rho = linear_multipliers(world, 0.3)[rank]
+        for _ in range(40):
+            assert s.get_last_lr()[0] == pytest.approx(ref.get_last_lr()[0] * rho, rel=1e-15)
+            o.step(); o_ref.step()
+            s.step(1.0); ref.step()
+
+
+def _reference_auto_lr(S, T, S_warm, N, rank, alpha, sigma, beta, lam, seed, base_of_t, min_lrs, max_lrs, script):
+    """Eqs. 1, 4-9 written out independently, in plain Python, per param group."""
+    delta_ = max((N - 1) / 2, 0.5)
+    rho = [1 + alpha * (r - (N - 1) / 2) / delta_ for r in range(N)]
+    G = len(min_lrs)
+    perm = [list(range(N)) for _ in range(G)]
+    gen = torch.Generator().manual_seed(seed)
+    controlled = [None] * G
+    v = [0.0] * G
+    gamma = [None] * G
+    cur = list(base_of_t(0))
+    out = [[cur[j] * rho[perm[j][rank]] for j in range(G)]]
+    k = 0
+    for t in range(1, S + 1):
+        if t % T == 0 and t >= S_warm:
+            L = script[k]
+            k += 1
+            L_bar = sum(L) / N
+            e = [math.exp((L_bar - Lr) / sigma) for Lr in L]
+            w = [x / sum(e) for x in e]
+            for j in range(G):
+                if gamma[j] is None:
+                    K = (S - S_warm) / T
+                    gamma[j] = 1 - (min_lrs[j] / cur[j]) ** (1 / K)
+                vals = [cur[j] * rho[perm[j][r]] for r in range(N)]
+                d = sum(wr * x for wr, x in zip(w, vals)) - sum(vals) / N
+                v[j] = beta * v[j] + (1 - beta) * d
+                new = (sum(vals) / N) * (1 - gamma[j]) + lam * v[j]
+                controlled[j] = min(max(new, min_lrs[j]), 10 * max_lrs[j])
+                perm[j] = torch.randperm(N, generator=gen).tolist()
+        b = base_of_t(t)
+        cur = [controlled[j] if controlled[j] is not None else b[j] for j in range(G)]
+        out.append([cur[j] * rho[perm[j][rank]] for j in range(G)])
+    return out
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_auto_lr_matches_plain_python_equations(rank):
+    S, T, S_warm, N = 200, 10, 50, 4
+    cfg = dict(alpha=0.25, sigma=0.05, beta=0.8, lam=0.7, seed=5)
+    rng = random.Random(1)
+    script = [[1.0 + 0.1 * rng.uniform(-1, 1) for _ in range(N)] for _ in range(S // T)]
+    calls = iter(script)
+
+    def window_losses():
+        return next(calls)
+
+    _, o = _opt("adam", groups=2)
+    s = OneCycleAutoLR(o, max_lr=[0.01, 0.002], total_steps=S, ensemble_lr_spread_ratio=cfg["alpha"],
+                       model_sync_interval=T, auto_lr_warmup_steps=S_warm, enable_auto_lr=True,
+                       loss_scale=cfg["sigma"], momentum_of_lr=cfg["beta"], lr_of_lr=cfg["lam"],
+                       seed=cfg["seed"], replicas=ScriptedReplicas(rank, N, None))
+    # only syncs from S_warm on consume the script: pre-warmup syncs gather but do not control
+    s.ensemble.replicas.window_losses = lambda: next(calls) if s.last_epoch + 1 >= S_warm else [1.0] * N
+    _, o_ref = _opt("adam", groups=2)
+    ref_sched = OneCycleLR(o_ref, max_lr=[0.01, 0.002], total_steps=S)
+    bases = [ref_sched.get_last_lr()]
+    for _ in range(S):
+        o_ref.step(); ref_sched.step()
+        bases.append(ref_sched.get_last_lr())
+    min_lrs = [g["min_lr"] for g in o_ref.param_groups]
+    expected = _reference_auto_lr(S, T, S_warm, N, rank, cfg["alpha"], cfg["sigma"], cfg["beta"], cfg["lam"],
+                                  cfg["seed"], lambda t: bases[t], min_lrs, [0.01, 0.002], script)
+    got = [s.get_last_lr()]
+    for _ in range(S):
+        o.step()
+        s.step(1.0)
+        got.append(s.get_last_lr())
+        assert all(isinstance(g["lr"], float) for g in o.param_groups)
+    for t, (g, e) in enumerate(zip(got, expected)):
+        assert g == pytest.approx(e, rel=1e-6), f"step {t}"
+    # the controller really moved the schedule away from OneCycle, per group differently
+    assert abs(got[-1][0] / bases[-1][0] - 1) > 1e-3
+    assert s.ensemble.controllers[0].updates == (S - S_warm) // T + 1
+
+
+def _auto_lr_run(eq8, bounds=None, S=300, T=10, S_warm=100):
+    _, o = _opt("adam")
+    s = OneCycleAutoLR(o, max_lr=0.01, total_steps=S, ensemble_lr_spread_ratio=0.2, model_sync_interval=T,
+                       auto_lr_warmup_steps=S_warm, enable_auto_lr=True, eq8=eq8, auto_lr_bounds=bounds,
+                       replicas=ScriptedReplicas(1, 4, lambda: [2.0] * 4))
+    bases = []
+    for _ in range(S):
+        o.step()
+        s.step(2.0)
+        bases.append(s.base_lrs_now[0])
+    return s, o, bases
+
+
+def test_eq8_decay_default_stays_below_max_lr_with_equal_losses():
+    s, o, bases = _auto_lr_run("decay")
+    max_lr, min_lr = o.param_groups[0]["max_lr"], o.param_groups[0]["min_lr"]
+    assert max(bases) <= max_lr
+    # monotone decay from the auto-LR start toward OneCycle's floor, reached at the last sync
+    after = bases[100:]
+    assert all(b2 <= b1 for b1, b2 in zip(after, after[1:]))
+    assert bases[-1] == pytest.approx(min_lr, rel=1e-6)
+
+
+def test_eq8_as_printed_grows_the_lr():
+    _, o, bases = _auto_lr_run("as_printed", bounds=(0.0, math.inf))
+    start = bases[99]
+    assert bases[-1] / start == pytest.approx(400.0, rel=1e-6)  # the paper's sign: LR x400
+    assert bases[-1] > o.param_groups[0]["max_lr"]
+    # with the default bounds it is capped at 10 x max_lr
+    _, o, bases = _auto_lr_run("as_printed")
+    assert max(bases) == pytest.approx(10 * o.param_groups[0]["max_lr"])
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.Adam(p, lr=0.01, foreach=True),
+    lambda p: torch.optim.AdamW(p, lr=0.01, fused=True),
+    lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, foreach=True),
+])
+def test_lr_stays_float_and_foreach_fused_optimizers_work(make_opt):
+    torch.manual_seed(0)
+    m = nn.Linear(4, 1)
+    o = make_opt(m.parameters())
+    s = OneCycleAutoLR(o, max_lr=0.01, total_steps=40, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                       auto_lr_warmup_steps=5, enable_auto_lr=True,
+                       replicas=ScriptedReplicas(0, 4, lambda: [1.0, 0.9, 1.1, 1.0]))
+    x = torch.randn(8, 4)
+    for _ in range(40):
+        loss = m(x).pow(2).mean()
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        s.step(loss)
+        assert isinstance(o.param_groups[0]["lr"], float)
+    assert s.ensemble.controllers[0].updates == 8
+
+
+class _HostReadSpy(torch.Tensor):
+    """A loss tensor that records every host read (item, float, tolist, numpy, bool, cpu copies)."""
+
+    reads: list = []
+    _HOST = {"item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__", "cpu", "__format__",
+             "__repr__", "__array__"}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name in cls._HOST:
+            cls.reads.append(name)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_no_host_read_of_the_loss_off_sync_steps():
+    _, o = _opt()
+    s = OneCycleAutoLR(o, max_lr=0.1, total_steps=30, model_sync_interval=10, auto_lr_warmup_steps=10,
+                       enable_auto_lr=True, ensemble_lr_spread_ratio=0.1)
+    _HostReadSpy.reads = []
+    for t in range(1, 30):
+        loss = torch.tensor(1.0 + t).as_subclass(_HostReadSpy)
+        o.step()
+        s.step(loss)
+        if t % 10 != 0:
+            assert _HostReadSpy.reads == [], f"host read of the loss at step {t}: {_HostReadSpy.reads}"
+        _HostReadSpy.reads = []
+
+
+def test_scheduler_never_touches_global_rng():
+    m, o = _opt()
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    s = OneCycleAutoLR(o, max_lr=0.1, total_steps=50, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                       auto_lr_warmup_steps=5, enable_auto_lr=True,
+                       replicas=ScriptedReplicas(2, 4, lambda: [1.0, 1.1, 0.9, 1.0]))
+    for _ in range(50):
+        o.step()
+        s.step(1.0)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_constructor_does_not_touch_weights():
+    m, o = _opt()
+    before = [p.detach().clone() for p in m.parameters()]
+    OneCycleAutoLR(o, max_lr=0.1, total_steps=50, ensemble_lr_spread_ratio=0.5, model_sync_interval=5, model=m)
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+
+
+def _roundtrip(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("stop", [20, 23])
+def test_state_dict_resume_into_differently_built_instance(stop):
+    S = 60
+    script = lambda: [1.0, 1.2, 0.8, 1.1]  # noqa: E731
+    kw = dict(max_lr=0.05, total_steps=S, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+              auto_lr_warmup_steps=10, enable_auto_lr=True, loss_scale=0.05)
+    _, o = _opt("adam")
+    s = OneCycleAutoLR(o, **kw, replicas=ScriptedReplicas(1, 4, script))
+    full = []
+    for t in range(S):
+        o.step()
+        s.step(torch.tensor(1.0))
+        full.append(s.get_last_lr())
+        if t + 1 == stop:
+            saved_sched, saved_opt = _roundtrip(s.state_dict()), _roundtrip(o.state_dict())
+    _, o2 = _opt("adam")
+    s2 = OneCycleAutoLR(o2, max_lr=0.5, total_steps=S, ensemble_lr_spread_ratio=0.0, model_sync_interval=3,
+                        enable_auto_lr=False, seed=9, replicas=ScriptedReplicas(1, 4, script))
+    o2.load_state_dict(saved_opt)
+    s2.load_state_dict(saved_sched)
+    ref = s.state_dict()  # compare every field at the stop point
+    a = _roundtrip(s2.state_dict())
+    for key in saved_sched:
+        if key != "hdet":
+            assert _eq(a[key], saved_sched[key]), key
+    for key in saved_sched["hdet"]:
+        assert _eq(a["hdet"][key], saved_sched["hdet"][key]), key
+    assert s2.get_last_lr() == full[stop - 1]
+    resumed = []
+    for _ in range(stop, S):
+        o2.step()
+        s2.step(torch.tensor(1.0))
+        resumed.append(s2.get_last_lr())
+    assert resumed == full[stop:]
+    assert ref["hdet"]["controllers"][0]["updates"] > 0
+
+
+def _eq(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_eq(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_eq(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_load_state_dict_rejects_foreign_state():
+    _, o = _opt()
+    s = OneCycleAutoLR(o, max_lr=0.1, total_steps=10)
+    _, o2 = _opt()
+    plain = OneCycleLR(o2, max_lr=0.1, total_steps=10)
+    with pytest.raises(ValueError, match="Expected a OneCycleAutoLR state_dict"):
+        s.load_state_dict(plain.state_dict())
+    _, o3 = _opt()
+    other = OneCycleAutoLR(o3, max_lr=0.1, total_steps=10, replicas=ScriptedReplicas(0, 4))
+    with pytest.raises(ValueError, match="saved with 1 replicas, but got one saved with 4"):
+        s.load_state_dict(other.state_dict())
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(ensemble_lr_spread_ratio=-0.1), r"0 <= ensemble_lr_spread_ratio \(alpha\) < 1, but got -0.1"),
+    (dict(ensemble_lr_spread_ratio=1.0), r"0 <= ensemble_lr_spread_ratio \(alpha\) < 1, but got 1.0"),
+    (dict(model_sync_interval=0), r"model_sync_interval >= 1, but got 0"),
+    (dict(model_sync_interval=2.5), r"model_sync_interval >= 1, but got 2.5"),
+    (dict(enable_auto_lr=True, auto_lr_warmup_steps=100), r"auto_lr_warmup_steps < total_steps.*got "
+                                                         r"auto_lr_warmup_steps=100 and total_steps=50"),
+    (dict(enable_auto_lr=True, auto_lr_warmup_steps=10, model_sync_interval=60), r"controller would never run"),
+    (dict(loss_scale=0.0), r"loss_scale \(sigma\) > 0, but got 0.0"),
+    (dict(loss_scale=-1), r"loss_scale \(sigma\) > 0, but got -1"),
+    (dict(momentum_of_lr=1.0), r"0 <= momentum_of_lr \(beta\) < 1, but got 1.0"),
+    (dict(momentum_of_lr=-0.5), r"0 <= momentum_of_lr \(beta\) < 1, but got -0.5"),
+    (dict(lr_of_lr=-1.0), r"lr_of_lr \(lambda\) >= 0, but got -1.0"),
+    (dict(eq8="bogus"), r"eq8 to be 'decay' or 'as_printed', but got 'bogus'"),
+    (dict(world_size=4), r"rank=0 and world_size=1 without an initialised torch.distributed process group"),
+    (dict(auto_lr_bounds=(1.0, 0.5)), r"auto_lr_bounds as \(low, high\)"),
+    (dict(seed=-3), r"seed >= 0, but got -3"),
+])
+def test_bad_input_raises_value_error_naming_argument(kwargs, match):
+    _, o = _opt()
+    with pytest.raises(ValueError, match=match):
+        OneCycleAutoLR(o, max_lr=0.1, total_steps=50, **kwargs)
+
+
+def test_stepping_past_total_steps():
+    _, o = _opt()
+    s = OneCycleAutoLR(o, max_lr=0.1, total_steps=5)
+    for _ in range(5):
+        o.step()
+        s.step()
+    o.step()
+    with pytest.raises(ValueError, match="at most total_steps=5 calls of scheduler.step.*this is call 6"):
+        s.step()
+
+
+def test_step_without_loss_when_auto_lr_needs_it():
+    _, o = _opt()
+    s = OneCycleAutoLR(o, max_lr=0.1, total_steps=30, model_sync_interval=10, auto_lr_warmup_steps=10,
+                       enable_auto_lr=True)
+    for _ in range(9):
+        o.step()
+        s.step()
+    o.step()
+    with pytest.raises(ValueError, match=r"enable_auto_lr=True needs the training loss.*scheduler.step\(loss\)"):
+        s.step()
+
+
+def test_bad_loss_shape():
+    _, o = _opt()
+    s = OneCycleAutoLR(o, max_lr=0.1, total_steps=30)
+    with pytest.raises(ValueError, match=r"Expected a scalar loss, but got a tensor of shape \(3,\)"):
+        s.step(torch.ones(3))
+
+
+def test_single_replica_non_finite_loss_is_named():
+    _, o = _opt()
+    s = OneCycleAutoLR(o, max_lr=0.1, total_steps=30, model_sync_interval=5)
+    for t in range(1, 5):
+        o.step()
+        s.step(torch.tensor(float("nan")) if t == 3 else torch.tensor(1.0))
+    o.step()
+    with pytest.raises(hdet.NonFiniteReplicaError, match=r"non-finite window loss on replica\(s\) \[0\]"):
+        s.step(torch.tensor(1.0))
+
+
+# ------------------------------------------------------------------ the general form
+def test_hdetlr_alpha_zero_equals_wrapped_scheduler():
+    _, o1 = _opt()
+    _, o2 = _opt()
+    ref = CosineAnnealingLR(o1, T_max=30, eta_min=1e-4)
+    s = HDETLR(o2, CosineAnnealingLR(o2, T_max=30, eta_min=1e-4), total_steps=30, model_sync_interval=4)
+    for _ in range(30):
+        assert s.get_last_lr() == pytest.approx(ref.get_last_lr(), rel=1e-12)
+        o1.step(); o2.step()
+        ref.step(); s.step(1.0)
+
+
+def test_hdetlr_chainable_base_is_not_compounded_by_the_multiplier():
+    _, o1 = _opt()
+    _, o2 = _opt()
+    ref = ExponentialLR(o1, gamma=0.9)
+    s = HDETLR(o2, ExponentialLR(o2, gamma=0.9), total_steps=30, ensemble_lr_spread_ratio=0.5,
+               model_sync_interval=4, replicas=ScriptedReplicas(3, 4))
+    rho = linear_multipliers(4, 0.5)[3]
+    for _ in range(30):
+        assert s.get_last_lr()[0] == pytest.approx(ref.get_last_lr()[0] * rho, rel=1e-12)
+        o1.step(); o2.step()
+        ref.step(); s.step(1.0)
+
+
+def test_hdetlr_callable_per_group_and_each_group_its_own_permutation():
+    _, o = _opt(groups=2)
+    base = lambda t: [0.1 * (1 - t / 100), 0.01]  # noqa: E731
+    s = HDETLR(o, base, total_steps=100, ensemble_lr_spread_ratio=0.3, model_sync_interval=5,
+               enable_auto_lr=True, auto_lr_warmup_steps=0, final_lr=[1e-3, 1e-3],
+               replicas=ScriptedReplicas(0, 8, lambda: [1.0 + 0.01 * r for r in range(8)]))
+    assert s.get_last_lr() == pytest.approx([0.1 * 0.7, 0.01 * 0.7])
+    differ = 0
+    for _ in range(100):
+        o.step()
+        s.step(1.0)
+        perms = s.ensemble.perms
+        assert all(sorted(p) == list(range(8)) for p in perms)
+        differ += perms[0] != perms[1]
+        assert all(isinstance(g["lr"], float) for g in o.param_groups)
+    assert differ > 50
+    # lower-LR replicas scripted as better: the controller pushes the base below the schedule
+    assert s.base_lrs_now[1] < 0.01
+
+
+def test_hdetlr_rejects_bad_base():
+    _, o = _opt()
+    _, other = _opt()
+    with pytest.raises(ValueError, match="same optimizer"):
+        HDETLR(o, CosineAnnealingLR(other, T_max=5), total_steps=5)
+    with pytest.raises(ValueError, match="Expected base to be an LRScheduler, a callable"):
+        HDETLR(o, 3.0, total_steps=5)
+    with pytest.raises(ValueError, match="positive integer total_steps, but got 0"):
+        HDETLR(o, None, total_steps=0)
+
+
+# ------------------------------------------------------------------ warm init (Eq. 10)
+def test_warm_init_eq10_std_and_independent_per_rank():
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(50, 50), nn.Linear(50, 10))
+    theta0 = torch.cat([p.detach().flatten() for p in base.parameters()])
+    replicas = []
+    models = [nn.Sequential(nn.Linear(50, 50), nn.Linear(50, 10)) for _ in range(2)]
+    rng_state = torch.get_rng_state()
+    for rank, m in enumerate(models):
+        m.load_state_dict(base.state_dict())
+        std = hdet.warm_init_(m, rank=rank, nu=0.01)
+        assert std == pytest.approx(0.01 * theta0.norm().item() / theta0.numel() ** 0.5, rel=1e-5)
+        eps = torch.cat([p.detach().flatten() for p in m.parameters()]) - theta0
+        assert eps.std().item() == pytest.approx(std, rel=0.05)
+        replicas.append(eps)
+    assert torch.equal(torch.get_rng_state(), rng_state)
+    assert torch.corrcoef(torch.stack(replicas))[0, 1].abs() < 0.05
+    with pytest.raises(ValueError, match="nu >= 0, but got -1"):
+        hdet.warm_init_(base, nu=-1)
