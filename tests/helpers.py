@@ -6,6 +6,7 @@ import os
 import socket
 import tempfile
 import traceback
+from datetime import timedelta
 from collections.abc import Callable
 
 import torch
@@ -47,7 +48,8 @@ def free_port() -> int:
 def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=120))  # a hang becomes an error, never a stuck CI
     try:
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -55,7 +57,10 @@ def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str) -> Non
         torch.save({"ok": False, "type": type(e).__name__, "msg": str(e), "tb": traceback.format_exc()},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        try:
+            dist.barrier()  # let every rank finish its collectives before any tears the group down
+        finally:
+            dist.destroy_process_group()
 
 
 def run_gloo(fn, world_size: int, *args) -> list:

@@ -1,0 +1,183 @@
+"""Worker functions for the spawned gloo tests (importable by the child processes)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.lr_scheduler import OneCycleLR
+
+import hdet
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(8, 6, generator=g)
+    return x, x[:, :1] * 2 - x[:, 1:2] + 0.1 * torch.randn(8, 1, generator=g)
+
+
+def gather_flat(tensors) -> list[torch.Tensor]:
+    flat = torch.cat([t.detach().reshape(-1).double() for t in tensors])
+    out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, flat)
+    return out
+
+
+def float_buffers(m: nn.Module) -> list[torch.Tensor]:
+    return [b for b in m.buffers() if b.is_floating_point()]
+
+
+def train(rank, world, *, steps=40, alpha=0.0, T=10, auto=False, warm=10, use_hdet=True, seed_model=0,
+          uneven_rng=False, check_syncs=False, save_at=None, ckpt_dir=None, resume_from=None, opt="adam",
+          loss_scale=0.05):
+    """DDP training of make_model() on rank-specific batches; returns a dict of observations."""
+    model = make_model(seed_model)
+    ddp = DDP(model, broadcast_buffers=False)
+    o = torch.optim.Adam(ddp.parameters(), lr=0.01) if opt == "adam" else torch.optim.SGD(
+        ddp.parameters(), lr=0.01, momentum=0.9)
+    if use_hdet:
+        s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=alpha,
+                                model_sync_interval=T, enable_auto_lr=auto, auto_lr_warmup_steps=warm,
+                                loss_scale=loss_scale, rank=rank, world_size=world, model=ddp, seed=3)
+    else:
+        s = OneCycleLR(o, max_lr=0.02, total_steps=steps)
+    start = 0
+    if resume_from is not None:
+        ck = torch.load(os.path.join(resume_from, f"rank{rank}.pt"), weights_only=True)
+        model.load_state_dict(ck["model"])
+        o.load_state_dict(ck["opt"])
+        s.load_state_dict(ck["sched"])
+        start = ck["step"]
+    obs = {"lrs": [s.get_last_lr()[0]], "equal_after_sync": [], "differ_before_sync": [],
+           "mults_after_control": [], "rng_untouched": True, "nbt": None}
+    for t in range(start + 1, steps + 1):
+        x, y = batch(rank, t)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        if uneven_rng and rank == 1:
+            torch.rand(3)  # this rank consumes the global RNG more than the others
+        if use_hdet and check_syncs and s.ensemble.is_sync_step(t):
+            before = gather_flat(list(model.parameters()) + float_buffers(model))
+            obs["differ_before_sync"].append(any(not torch.equal(before[0], b) for b in before[1:]))
+        rng = torch.get_rng_state()
+        s.step(loss) if use_hdet else s.step()
+        obs["rng_untouched"] &= torch.equal(rng, torch.get_rng_state())
+        obs["lrs"].append(s.get_last_lr()[0])
+        if use_hdet and check_syncs and s.ensemble.is_sync_step(t):
+            after = gather_flat(list(model.parameters()) + float_buffers(model))
+            obs["equal_after_sync"].append(all(torch.equal(after[0], a) for a in after[1:]))
+            if auto and t >= warm and t % T == 0:
+                m = torch.tensor([s.multipliers[0]], dtype=torch.float64)
+                ms = [torch.empty_like(m) for _ in range(world)]
+                dist.all_gather(ms, m)
+                obs["mults_after_control"].append([float(v) for v in ms])
+        if save_at is not None and t == save_at:
+            torch.save({"model": model.state_dict(), "opt": o.state_dict(), "sched": s.state_dict(), "step": t},
+                       os.path.join(ckpt_dir, f"rank{rank}.pt"))
+            return {"saved": t}
+    obs["params"] = [p.detach().clone() for p in model.parameters()]
+    obs["buffers"] = {k: b.detach().clone() for k, b in model.named_buffers()}
+    return obs
+
+
+def alpha_zero_vs_plain_ddp(rank, world):
+    a = train(rank, world, alpha=0.0, T=7, use_hdet=True)
+    b = train(rank, world, use_hdet=False)
+    return {"equal_params": all(torch.equal(p, q) for p, q in zip(a["params"], b["params"])),
+            "equal_lrs": a["lrs"] == b["lrs"], "lrs": a["lrs"]}
+
+
+def bn_and_int_buffers(rank, world):
+    """Integer buffers stay per replica; float BatchNorm statistics are averaged."""
+    model = make_model()
+    ddp = DDP(model, broadcast_buffers=False)
+    o = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.01, total_steps=5, ensemble_lr_spread_ratio=0.1, model_sync_interval=5,
+                            model=ddp)
+    extra = rank  # rank r runs r extra forwards in train mode: its num_batches_tracked differs
+    for t in range(1, 6):
+        for _ in range(1 + (extra if t == 1 else 0)):
+            x, y = batch(rank, t)
+            loss = nn.functional.mse_loss(ddp(x), y)
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        s.step(loss)
+    bn = model[1]
+    stats = gather_flat([bn.running_mean, bn.running_var])
+    return {"nbt": int(bn.num_batches_tracked), "stats_equal": all(torch.equal(stats[0], x) for x in stats[1:])}
+
+
+def layout_mismatch(rank, world):
+    model = make_model()
+    params = list(model.parameters())
+    if rank == 1:
+        params = params + [nn.Parameter(torch.zeros(3))]  # this rank's optimizer holds one more tensor
+    o = torch.optim.SGD(params, lr=0.01)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.01, total_steps=10, model_sync_interval=2)
+    o.step()
+    s.step(1.0)
+    o.step()
+    s.step(1.0)  # first sync: must raise on every rank, not hang
+
+
+def non_finite_weights(rank, world):
+    model = make_model()
+    o = torch.optim.SGD(model.parameters(), lr=0.01)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.01, total_steps=10, model_sync_interval=2, model=model)
+    o.step()
+    s.step(1.0)
+    if rank == 1:
+        with torch.no_grad():
+            model[0].weight[0, 0] = float("nan")
+    o.step()
+    try:
+        s.step(1.0)
+    except hdet.NonFiniteReplicaError as e:
+        finite = all(torch.isfinite(p).all() for p in model.parameters())
+        return {"error": "NonFiniteReplicaError", "msg": str(e), "finite_after": bool(finite)}
+    return {"error": None}
+
+
+def missing_loss_on_one_rank(rank, world):
+    model = make_model()
+    o = torch.optim.SGD(model.parameters(), lr=0.01)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.01, total_steps=10, model_sync_interval=2, enable_auto_lr=True,
+                            auto_lr_warmup_steps=2)
+    for _ in range(2):
+        o.step()
+        s.step(None if rank == 1 else 1.0)
+
+
+def averaging_collectives(rank, world, n_tensors, numel, cap_mb):
+    """Count all_reduce calls of one converge step over ``n_tensors`` tensors."""
+    torch.manual_seed(rank)
+    tensors = [torch.randn(numel) for _ in range(n_tensors)]
+    expected = [t.clone() for t in tensors]
+    for e in expected:
+        dist.all_reduce(e)
+        e.div_(world)
+    calls = []
+    real = dist.all_reduce
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    dist.all_reduce = counting
+    try:
+        hdet.ProcessGroupReplicas(bucket_cap_mb=cap_mb).average_(tensors)
+    finally:
+        dist.all_reduce = real
+    close = all(torch.allclose(t, e, rtol=1e-6, atol=1e-7) for t, e in zip(tensors, expected))
+    return {"calls": len(calls), "close": close}

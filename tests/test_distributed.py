@@ -1,0 +1,108 @@
+"""Real multi-process tests: spawned gloo processes on CPU, world size 2 and 4."""
+
+import math
+
+import pytest
+import torch
+
+from dist_workers import (alpha_zero_vs_plain_ddp, averaging_collectives, bn_and_int_buffers, layout_mismatch,
+                          missing_loss_on_one_rank, non_finite_weights, train)
+from helpers import check_ok, run_gloo
+from hdet import linear_multipliers
+
+pytestmark = pytest.mark.distributed
+
+
+def test_alpha_zero_is_bitwise_plain_ddp_onecycle():
+    res = check_ok(run_gloo(alpha_zero_vs_plain_ddp, 2))
+    for r in res:
+        assert r["equal_params"] and r["equal_lrs"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("auto", [False, True])
+def test_spread_and_converge(world, auto):
+    res = check_ok(run_gloo(_train_spread, world, auto))
+    rho = linear_multipliers(world, 0.3)
+    ref = res[0]["ref_lrs"]
+    for rank, r in enumerate(res):
+        assert r["rng_untouched"]
+        # weights (and BatchNorm statistics) equal right after every sync, different just before
+        assert r["equal_after_sync"] and all(r["equal_after_sync"])
+        assert all(r["differ_before_sync"])
+        if not auto:  # replica r's LR is OneCycle(t) * rho_r from the very first step
+            assert r["lrs"] == pytest.approx([lr * rho[rank] for lr in ref], rel=1e-12)
+    if auto:  # after every controller sync the multipliers across replicas are a permutation of rho
+        n_syncs = len(res[0]["mults_after_control"])
+        assert n_syncs == 5
+        for k in range(n_syncs):
+            got = sorted(res[0]["mults_after_control"][k])
+            assert got == pytest.approx(rho, rel=1e-12)
+            assert all(r["mults_after_control"][k] == res[0]["mults_after_control"][k] for r in res)
+
+
+def _train_spread(rank, world, auto):
+    out = train(rank, world, steps=50, alpha=0.3, T=10, auto=auto, warm=10, check_syncs=True, uneven_rng=True)
+    from torch.optim.lr_scheduler import OneCycleLR
+    o = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    s = OneCycleLR(o, max_lr=0.02, total_steps=50)
+    ref = [s.get_last_lr()[0]]
+    for _ in range(50):
+        o.step()
+        s.step()
+        ref.append(s.get_last_lr()[0])
+    out["ref_lrs"] = ref
+    return out
+
+
+def test_batchnorm_stats_averaged_integer_buffers_untouched():
+    res = check_ok(run_gloo(bn_and_int_buffers, 2))
+    assert all(r["stats_equal"] for r in res)
+    assert [r["nbt"] for r in res] == [5, 6]  # per-replica counts survive the converge step
+
+
+@pytest.mark.parametrize("stop", [20, 23])
+def test_resume_in_fresh_processes_is_bitwise(tmp_path, stop):
+    kw = dict(steps=40, alpha=0.3, T=10, auto=True, warm=10, loss_scale=0.01)
+    full = check_ok(run_gloo(_train_kw, 2, kw))
+    check_ok(run_gloo(_train_kw, 2, dict(kw, save_at=stop, ckpt_dir=str(tmp_path))))
+    resumed = check_ok(run_gloo(_train_kw, 2, dict(kw, resume_from=str(tmp_path))))
+    for a, b in zip(full, resumed):
+        assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
+        assert all(torch.equal(a["buffers"][k], b["buffers"][k]) for k in a["buffers"])
+        assert a["lrs"][stop + 1:] == b["lrs"][1:]
+    assert full[0]["lrs"] != full[1]["lrs"]
+
+
+def _train_kw(rank, world, kw):
+    return train(rank, world, **kw)
+
+
+def test_layout_mismatch_is_a_clear_error_on_every_rank():
+    res = run_gloo(layout_mismatch, 2)
+    for r in res:
+        assert r["error"] == "RuntimeError"
+        assert "different tensors to average" in r["msg"]
+
+
+def test_non_finite_replica_is_named_and_never_averaged():
+    res = check_ok(run_gloo(non_finite_weights, 4))
+    for rank, r in enumerate(res):
+        assert r["error"] == "NonFiniteReplicaError"
+        assert "non-finite weights on replica(s) [1]" in r["msg"]
+        assert r["finite_after"] == (rank != 1)
+
+
+def test_missing_loss_on_one_rank_fails_on_all_ranks():
+    res = run_gloo(missing_loss_on_one_rank, 2)
+    for r in res:
+        assert r["error"] == "ValueError" and "replica(s) [1] passed no loss" in r["msg"]
+
+
+def test_one_collective_per_bucket():
+    # 150 tensors of 1000 floats (600 KB): one bucket with the default cap, ~6 with a 0.1 MB cap
+    res = check_ok(run_gloo(averaging_collectives, 2, 150, 1000, 25.0))
+    assert all(r["calls"] == 1 and r["close"] for r in res)
+    res = check_ok(run_gloo(averaging_collectives, 2, 150, 1000, 0.1))
+    expected = math.ceil(150 * 4000 / (0.1 * 2**20))
+    assert all(r["calls"] == expected and r["close"] for r in res)
