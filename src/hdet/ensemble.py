@@ -69,12 +69,24 @@ def _check_int(name: str, value: Any, lo: int) -> None:
         raise ValueError(f"Expected integer {name} >= {lo}, but got {value!r}")
 
 
-def _all_finite(tensors: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
-    """One bool on ``dev``: every element of every tensor is finite. No host sync (one small copy
-    per device)."""
+def _persistent_float_buffers(model: nn.Module) -> list[torch.Tensor]:
+    out, seen = [], set()
+    for mod in model.modules():
+        for name, b in mod._buffers.items():
+            if b is None or name in mod._non_persistent_buffers_set or not b.is_floating_point() or id(b) in seen:
+                continue
+            seen.add(id(b))
+            out.append(b.detach())
+    return out
+
+
+def _all_finite(tensors: list[torch.Tensor], strict: list[bool], dev: torch.device) -> torch.Tensor:
+    """One bool on ``dev``: every element is finite (``strict``) or at least not NaN. No host sync
+    (one small copy per device)."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for x in tensors:
-        by_device.setdefault(x.device, []).append(torch.isfinite(x).all())
+    for x, must_be_finite in zip(tensors, strict):
+        ok = torch.isfinite(x).all() if must_be_finite else ~torch.isnan(x).any()
+        by_device.setdefault(x.device, []).append(ok)
     flags = [torch.stack(fs).all().to(dev) for fs in by_device.values()]
     return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=dev)
 
@@ -197,13 +209,22 @@ class Ensemble:
     # ----------------------------------------------------------------- tensors
     def tensors(self) -> list[torch.Tensor]:
         """The tensors to average, in an order fixed by the optimizer and the model: floating-point
-        parameters of the param groups, the model's floating-point buffers (BatchNorm statistics;
-        integer buffers such as ``num_batches_tracked`` are left alone) and, optionally, the
+        parameters of the param groups, the model's persistent floating-point buffers (BatchNorm
+        statistics; integer buffers such as ``num_batches_tracked`` and non-persistent buffers such as
+        attention masks are left alone) and, optionally, the
         optimizer's floating-point state (except ``step``)."""
+        return self._tensors()[0]
+
+    def _tensors(self) -> tuple[list[torch.Tensor], list[bool]]:
+        """The tensors to average, and per tensor whether it must be finite (parameters, optimizer
+        state) or only free of NaN (buffers: a mask may hold -inf)."""
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.is_floating_point()]
         out = [p.detach() for p in params]
+        strict = [True] * len(out)
         if self.model is not None:
-            out += [b.detach() for _, b in self.model.named_buffers() if b.is_floating_point()]
+            buffers = _persistent_float_buffers(self.model)
+            out += buffers
+            strict += [False] * len(buffers)
         if self.config.average_optimizer_state:
             for p in params:
                 state = self.optimizer.state.get(p, {})
@@ -211,7 +232,8 @@ class Ensemble:
                     v = state[key]
                     if key != "step" and isinstance(v, torch.Tensor) and v.is_floating_point():
                         out.append(v.detach())
-        return out
+                        strict.append(True)
+        return out, strict
 
     @staticmethod
     def _layout_signature(tensors: list[torch.Tensor]) -> int:
@@ -226,9 +248,9 @@ class Ensemble:
         flattened tensors. Host syncs: the gathered scalars are read on the host once."""
         c = self.config
         N = self.replicas.world_size
-        tensors = self.tensors()
+        tensors, strict = self._tensors()
         dev = self.replicas.comm_device()
-        finite = _all_finite(tensors, dev)
+        finite = _all_finite(tensors, strict, dev)
         loss_sum = self._loss_sum if self._loss_sum is not None else torch.zeros((), dtype=torch.float64)
         local = torch.cat([
             loss_sum.reshape(1).to(dev, torch.float64),

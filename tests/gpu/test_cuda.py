@@ -1,0 +1,54 @@
+"""GPU checks (run on the GPU machine: `python -m pytest tests/gpu` or `python tests/gpu/test_cuda.py`)."""
+
+import pytest
+import torch
+from torch import nn
+
+import hdet
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def test_no_host_sync_off_sync_steps():
+    """torch.cuda.set_sync_debug_mode('error') raises on any host-device sync: it is on for every
+    step except the sync steps."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 1)).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    sched = hdet.OneCycleAutoLR(opt, max_lr=1e-3, total_steps=60, ensemble_lr_spread_ratio=0.2,
+                                model_sync_interval=10, enable_auto_lr=True, auto_lr_warmup_steps=10, model=model)
+    x = torch.randn(32, 64, device=dev)
+    y = torch.randn(32, 1, device=dev)
+    checked = 0
+    for t in range(1, 61):
+        sync_step = sched.ensemble.is_sync_step(t)
+        torch.cuda.set_sync_debug_mode(0 if sync_step else "error")
+        try:
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step(loss)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        checked += not sync_step
+        assert isinstance(opt.param_groups[0]["lr"], float)
+    assert checked == 54 and sched.ensemble.controllers[0].updates == 6
+
+
+def test_sync_debug_mode_catches_a_host_sync():
+    """The check above can fail: an .item() under the same mode raises."""
+    x = torch.ones(2, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):
+            x.sum().item()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+if __name__ == "__main__":
+    test_no_host_sync_off_sync_steps()
+    test_sync_debug_mode_catches_a_host_sync()
+    print("2 passed, 0 failed")
