@@ -1,3 +1,4 @@
+import contextlib
 import io
 import math
 import random
@@ -454,3 +455,22 @@ def test_warm_init_eq10_std_and_independent_per_rank():
     assert torch.corrcoef(torch.stack(replicas))[0, 1].abs() < 0.05
     with pytest.raises(ValueError, match="nu >= 0, but got -1"):
         hdet.warm_init_(base, nu=-1)
+
+
+def test_buffers_averaged_are_persistent_floats_and_masks_may_hold_inf():
+    m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    m.register_buffer("mask", torch.full((2, 2), float("-inf")), persistent=False)
+    m.register_buffer("table", torch.tensor([0.0, float("-inf")]))  # persistent, -inf is allowed
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    s = OneCycleAutoLR(o, max_lr=0.1, total_steps=4, model_sync_interval=2, model=m)
+    got = {n for n, b in m.named_buffers() for t in s.ensemble.tensors() if t.data_ptr() == b.data_ptr()}
+    assert got == {"1.running_mean", "1.running_var", "table"}
+    for _ in range(2):
+        o.step()
+        s.step(1.0)  # the sync at step 2 accepts -inf in buffers
+    with torch.no_grad():
+        m[1].running_mean[0] = float("nan")
+    for _ in range(2):
+        o.step()
+        with pytest.raises(hdet.NonFiniteReplicaError) if _ == 1 else contextlib.nullcontext():
+            s.step(1.0)
