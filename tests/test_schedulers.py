@@ -474,3 +474,25 @@ def test_buffers_averaged_are_persistent_floats_and_masks_may_hold_inf():
         o.step()
         with pytest.raises(hdet.NonFiniteReplicaError) if _ == 1 else contextlib.nullcontext():
             s.step(1.0)
+
+
+def test_average_optimizer_state_option_adds_moments_not_step():
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2)
+    o = torch.optim.Adam(m.parameters(), lr=0.01)
+    seen = []
+
+    class Recording(ScriptedReplicas):
+        def average_(self, tensors):
+            seen.append([t.data_ptr() for t in tensors])
+
+    s = OneCycleAutoLR(o, max_lr=0.01, total_steps=4, model_sync_interval=2, average_optimizer_state=True,
+                       replicas=Recording(0, 2))
+    m(torch.randn(4, 3)).sum().backward()
+    for _ in range(2):
+        o.step()
+        s.step(1.0)
+    state_ptrs = {k: [o.state[p][k].data_ptr() for p in m.parameters()] for k in ("exp_avg", "exp_avg_sq", "step")}
+    assert len(seen) == 1 and len(seen[0]) == 2 + 4
+    assert set(state_ptrs["exp_avg"] + state_ptrs["exp_avg_sq"]) <= set(seen[0])
+    assert not set(state_ptrs["step"]) & set(seen[0])
