@@ -181,3 +181,23 @@ def averaging_collectives(rank, world, n_tensors, numel, cap_mb):
         dist.all_reduce = real
     close = all(torch.allclose(t, e, rtol=1e-6, atol=1e-7) for t, e in zip(tensors, expected))
     return {"calls": len(calls), "close": close}
+
+
+def engine_run(world, *, steps=30, alpha=0.3, T=10, auto=False, warm=10, opt="adam"):
+    """The same training as ``train`` (BatchNorm, rank-specific batches) in the one-process engine."""
+    from hdet.engine import ReplicaEngine
+
+    model = make_model(0)
+    eng = ReplicaEngine(
+        model, world,
+        (lambda p: torch.optim.Adam(p, lr=0.01)) if opt == "adam" else (lambda p: torch.optim.SGD(p, lr=0.01,
+                                                                                                  momentum=0.9)),
+        lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=alpha,
+                                              model_sync_interval=T, enable_auto_lr=auto, auto_lr_warmup_steps=warm,
+                                              loss_scale=0.05, model=m, seed=3, replicas=rep))
+    lrs = [[s.get_last_lr()[0] for s in eng.schedulers]]
+    for t in range(1, steps + 1):
+        eng.step([batch(r, t) for r in range(world)], lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+        lrs.append([s.get_last_lr()[0] for s in eng.schedulers])
+    return {"params": [[p.detach().clone() for p in m.parameters()] for m in eng.models],
+            "buffers": [{k: b.detach().clone() for k, b in m.named_buffers()} for m in eng.models], "lrs": lrs}

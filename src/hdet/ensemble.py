@@ -241,6 +241,20 @@ class Ensemble:
         return zlib.crc32(text.encode())  # < 2**32: exact in float64
 
     # ----------------------------------------------------------------- the sync step
+    def local_vector(self) -> torch.Tensor:
+        """What this replica contributes to a sync's all_gather, on the communication device:
+        ``[window loss sum, weights finite, loss count, layout hash, tensor count, seed]``. No host sync."""
+        tensors, strict = self._tensors()
+        dev = self.replicas.comm_device()
+        finite = _all_finite(tensors, strict, dev)
+        loss_sum = self._loss_sum if self._loss_sum is not None else torch.zeros((), dtype=torch.float64)
+        return torch.cat([
+            loss_sum.reshape(1).to(dev, torch.float64),
+            finite.reshape(1).to(torch.float64),
+            torch.tensor([self._loss_count, self._layout_signature(tensors), len(tensors), self.config.seed],
+                         dtype=torch.float64, device=dev),
+        ])
+
     def sync(self, t: int) -> SyncRecord:
         """Converge (and maybe control and deal) after optimizer step ``t``. Runs on every replica.
 
@@ -248,17 +262,8 @@ class Ensemble:
         flattened tensors. Host syncs: the gathered scalars are read on the host once."""
         c = self.config
         N = self.replicas.world_size
-        tensors, strict = self._tensors()
-        dev = self.replicas.comm_device()
-        finite = _all_finite(tensors, strict, dev)
-        loss_sum = self._loss_sum if self._loss_sum is not None else torch.zeros((), dtype=torch.float64)
-        local = torch.cat([
-            loss_sum.reshape(1).to(dev, torch.float64),
-            finite.reshape(1).to(torch.float64),
-            torch.tensor([self._loss_count, self._layout_signature(tensors), len(tensors), c.seed],
-                         dtype=torch.float64, device=dev),
-        ])
-        g = self.replicas.gather(local).tolist()  # COLLECTIVE (all_gather) + HOST SYNC
+        tensors, _ = self._tensors()
+        g = self.replicas.gather(self.local_vector()).tolist()  # COLLECTIVE (all_gather) + HOST SYNC
         sums, finite_r, counts, sigs, ntens, seeds = (list(col) for col in zip(*g))
 
         if len(set(zip(sigs, ntens))) > 1:

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["Replicas", "SingleReplica", "ProcessGroupReplicas", "plan_buckets", "resolve_replicas"]
+__all__ = ["Replicas", "SingleReplica", "ProcessGroupReplicas", "LocalReplicaGroup", "LocalReplica", "plan_buckets",
+           "resolve_replicas"]
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 
@@ -159,3 +160,65 @@ def resolve_replicas(
             "before building the scheduler"
         )
     return SingleReplica()
+
+
+class LocalReplicaGroup:
+    """N replicas living in one process (the one-process engine). Each replica's scheduler gets a
+    :class:`LocalReplica` view; the views' "collectives" act across all N replicas at once.
+
+    The engine that owns the group must step every replica's optimizer, and let every ensemble
+    observe its loss, before it calls any replica's ``scheduler.step()`` (so that a sync sees all
+    replicas at the same step), and must set :attr:`step` first. The first view to gather or average
+    at a step does it for everyone; the others reuse the result, so the maths is the distributed
+    path's, with reductions over the replica axis instead of collectives."""
+
+    def __init__(self, world_size: int) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"Expected a positive integer number of replicas, but got {world_size!r}")
+        self.world_size = world_size
+        self.views = [LocalReplica(self, r) for r in range(world_size)]
+        self.ensembles: list[Any] = []  # the replicas' Ensemble objects, index = rank; set by the engine
+        self.step = 0
+        self._gathered: tuple[int, torch.Tensor] | None = None
+        self._averaged_at: int | None = None
+
+    def _check(self) -> None:
+        if len(self.ensembles) != self.world_size:
+            raise RuntimeError(f"Expected {self.world_size} ensembles attached, but got {len(self.ensembles)}")
+
+    def gather(self, rank: int, local: torch.Tensor) -> torch.Tensor:
+        self._check()
+        if self._gathered is None or self._gathered[0] != self.step:
+            rows = [local if r == rank else ens.local_vector() for r, ens in enumerate(self.ensembles)]
+            self._gathered = (self.step, torch.stack([x.detach().to("cpu", torch.float64) for x in rows]))
+        return self._gathered[1]
+
+    def average_(self) -> None:
+        """Eq. 3 over the replica axis: sum in replica order, divide by N (as gloo does), copy back."""
+        self._check()
+        if self._averaged_at == self.step:
+            return
+        self._averaged_at = self.step
+        lists = [ens.tensors() for ens in self.ensembles]
+        with torch.no_grad():
+            acc = [t.clone() for t in lists[0]]
+            for other in lists[1:]:
+                torch._foreach_add_(acc, other)
+            torch._foreach_div_(acc, self.world_size)
+            for tensors in lists:
+                torch._foreach_copy_(tensors, acc)
+
+
+class LocalReplica(Replicas):
+    """Replica ``rank`` of a :class:`LocalReplicaGroup`."""
+
+    def __init__(self, group: LocalReplicaGroup, rank: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.world_size = group.world_size
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        return self.group.gather(self.rank, local)
+
+    def average_(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.group.average_()
