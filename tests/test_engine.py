@@ -40,3 +40,28 @@ def test_engine_equals_gloo_processes(world, auto):
         for k, b in dist_res[r]["buffers"].items():
             torch.testing.assert_close(eng["buffers"][r][k], b, rtol=1e-5, atol=1e-6)
         assert [row[r] for row in eng["lrs"]] == pytest.approx(dist_res[r]["lrs"], rel=1e-6)
+
+
+def test_engine_bad_input():
+    from torch import nn
+
+    import hdet
+    from hdet.engine import ReplicaEngine
+
+    def make_sched(o, rep, m):
+        return hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=5, replicas=rep)
+
+    with pytest.raises(ValueError, match="positive integer number of replicas, but got 0"):
+        ReplicaEngine(nn.Linear(2, 1), 0, lambda p: torch.optim.SGD(p, lr=0.1), make_sched)
+    with pytest.raises(ValueError, match="replicas=<the given view>"):
+        ReplicaEngine(nn.Linear(2, 1), 2, lambda p: torch.optim.SGD(p, lr=0.1),
+                      lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=5))
+    eng = ReplicaEngine(nn.Linear(2, 1), 2, lambda p: torch.optim.SGD(p, lr=0.1), make_sched)
+    with pytest.raises(ValueError, match=r"one batch per replica \(2\), but got 3"):
+        eng.step([None] * 3, lambda m, b: m(b).sum())
+    # dropout: each replica draws its own mask
+    drop = ReplicaEngine(nn.Sequential(nn.Linear(4, 64), nn.Dropout(0.5)), 2, lambda p: torch.optim.SGD(p, lr=0.0),
+                         make_sched)
+    outs = []
+    drop.step([torch.ones(1, 4)] * 2, lambda m, b: outs.append(m(b)) or outs[-1].sum())
+    assert not torch.equal(outs[0], outs[1])
