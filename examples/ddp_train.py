@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import sysconfig
 import time
 import zlib
@@ -137,7 +138,7 @@ def main() -> None:
         if a.out:
             summary = {
                 "command": "torchrun --nproc-per-node {} examples/ddp_train.py {}".format(
-                    world, " ".join(os.sys.argv[1:])),
+                    world, " ".join(sys.argv[1:])),
                 "args": vars(a), "world_size": world, "device": torch.cuda.get_device_name() if device.type == "cuda"
                 else platform.processor() or "cpu", "backend": dist.get_backend() if distributed else None,
                 "python": platform.python_version(), "torch": torch.__version__, "hdet": hdet.__version__,

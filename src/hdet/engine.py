@@ -53,7 +53,7 @@ class ReplicaEngine:
         """The all-reduce of DDP over the replica axis: ``sum_r g_r / N`` in replica order."""
         N = self.num_replicas
         params = [list(m.parameters()) for m in self.models]
-        for i, p0 in enumerate(params[0]):
+        for i in range(len(params[0])):
             grads = [ps[i].grad for ps in params]
             if all(g is None for g in grads):
                 continue

@@ -244,7 +244,9 @@ class Ensemble:
     def local_vector(self) -> torch.Tensor:
         """What this replica contributes to a sync's all_gather, on the communication device:
         ``[window loss sum, weights finite, loss count, layout hash, tensor count, seed]``. No host sync."""
-        tensors, strict = self._tensors()
+        return self._local_vector(*self._tensors())
+
+    def _local_vector(self, tensors: list[torch.Tensor], strict: list[bool]) -> torch.Tensor:
         dev = self.replicas.comm_device()
         finite = _all_finite(tensors, strict, dev)
         loss_sum = self._loss_sum if self._loss_sum is not None else torch.zeros((), dtype=torch.float64)
@@ -262,8 +264,8 @@ class Ensemble:
         flattened tensors. Host syncs: the gathered scalars are read on the host once."""
         c = self.config
         N = self.replicas.world_size
-        tensors, _ = self._tensors()
-        g = self.replicas.gather(self.local_vector()).tolist()  # COLLECTIVE (all_gather) + HOST SYNC
+        tensors, strict = self._tensors()
+        g = self.replicas.gather(self._local_vector(tensors, strict)).tolist()  # COLLECTIVE (all_gather) + HOST SYNC
         sums, finite_r, counts, sigs, ntens, seeds = (list(col) for col in zip(*g))
 
         if len(set(zip(sigs, ntens))) > 1:
