@@ -183,7 +183,7 @@ def averaging_collectives(rank, world, n_tensors, numel, cap_mb):
     return {"calls": len(calls), "close": close}
 
 
-def engine_run(world, *, steps=30, alpha=0.3, T=10, auto=False, warm=10, opt="adam"):
+def engine_run(world, *, steps=30, alpha=0.3, T=10, auto=False, warm=10, opt="adam", mode="loop"):
     """The same training as ``train`` (BatchNorm, rank-specific batches) in the one-process engine."""
     from hdet.engine import ReplicaEngine
 
@@ -194,7 +194,9 @@ def engine_run(world, *, steps=30, alpha=0.3, T=10, auto=False, warm=10, opt="ad
                                                                                                   momentum=0.9)),
         lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=alpha,
                                               model_sync_interval=T, enable_auto_lr=auto, auto_lr_warmup_steps=warm,
-                                              loss_scale=0.05, model=m, seed=3, replicas=rep))
+                                              loss_scale=0.05, model=m, seed=3, replicas=rep),
+        mode=mode)
+    assert eng.mode == mode
     lrs = [[s.get_last_lr()[0] for s in eng.schedulers]]
     for t in range(1, steps + 1):
         eng.step([batch(r, t) for r in range(world)], lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))

@@ -1,5 +1,7 @@
 """The one-process engine against real gloo processes: same model, data and seeds."""
 
+import functools
+
 import pytest
 import torch
 
@@ -13,27 +15,35 @@ def _train_kw(rank, world, kw):
     return train(rank, world, **kw)
 
 
+@functools.lru_cache(maxsize=None)
+def _gloo_result(world, auto):
+    """The gloo run of one (world, auto) case, shared by the loop and vmap comparisons."""
+    kw = dict(steps=30, alpha=0.3, T=10, auto=auto, warm=10, opt="sgd")
+    return check_ok(run_gloo(_train_kw, world, kw)), kw
+
+
 # Tolerance: the engine sums the N gradients (and weights at a sync) in replica order; gloo's
 # all-reduce may add them in another order, and float addition is not associative, so results can
 # differ in the last bits (~1e-7 relative). SGD keeps such differences that small; Adam would not here
 # (the bias of a Linear before BatchNorm has an exactly-zero true gradient, and Adam normalises its
 # rounding noise into full-size steps). With 2 replicas
-# a + b = b + a, so the runs agree bit for bit. Both sides use one intra-op thread: a different thread
+# a + b = b + a, so the loop agrees bit for bit; vmap runs batched kernels (a batched matmul sums in
+# another order than N separate ones), so it agrees within the same tolerance at 2 and 4. Both sides use one intra-op thread: a different thread
 # count changes the summation order inside matmuls, and Adam amplifies those last-bit differences.
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("auto", [False, True])
-def test_engine_equals_gloo_processes(world, auto):
-    kw = dict(steps=30, alpha=0.3, T=10, auto=auto, warm=10, opt="sgd")
-    dist_res = check_ok(run_gloo(_train_kw, world, kw))
+@pytest.mark.parametrize("mode", ["loop", "vmap"])
+def test_engine_equals_gloo_processes(world, auto, mode):
+    dist_res, kw = _gloo_result(world, auto)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the gloo workers (tests/helpers.py)
     try:
-        eng = engine_run(world, **kw)
+        eng = engine_run(world, mode=mode, **kw)
     finally:
         torch.set_num_threads(threads)
     for r in range(world):
         for p_eng, p_dist in zip(eng["params"][r], dist_res[r]["params"]):
-            if world == 2:
+            if world == 2 and mode == "loop":
                 assert torch.equal(p_eng, p_dist)
             else:
                 torch.testing.assert_close(p_eng, p_dist, rtol=1e-5, atol=1e-6)
@@ -59,9 +69,100 @@ def test_engine_bad_input():
     eng = ReplicaEngine(nn.Linear(2, 1), 2, lambda p: torch.optim.SGD(p, lr=0.1), make_sched)
     with pytest.raises(ValueError, match=r"one batch per replica \(2\), but got 3"):
         eng.step([None] * 3, lambda m, b: m(b).sum())
-    # dropout: each replica draws its own mask
-    drop = ReplicaEngine(nn.Sequential(nn.Linear(4, 64), nn.Dropout(0.5)), 2, lambda p: torch.optim.SGD(p, lr=0.0),
-                         make_sched)
-    outs = []
-    drop.step([torch.ones(1, 4)] * 2, lambda m, b: outs.append(m(b)) or outs[-1].sum())
-    assert not torch.equal(outs[0], outs[1])
+
+
+def _sched(steps=5, alpha=0.0):
+    import hdet
+
+    return lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=steps, ensemble_lr_spread_ratio=alpha,
+                                                 replicas=rep, model=m)
+
+
+def _sgd(lr=0.1):
+    return lambda p: torch.optim.SGD(p, lr=lr)
+
+
+@pytest.mark.parametrize("mode", ["loop", "vmap"])
+def test_engine_dropout_differs_per_replica(mode):
+    from torch import nn
+
+    from hdet.engine import ReplicaEngine
+
+    torch.manual_seed(0)
+    eng = ReplicaEngine(nn.Sequential(nn.Linear(4, 64), nn.Dropout(0.5)), 3, _sgd(0.0), _sched(), mode=mode)
+    # the per-replica output (64 values, half of them dropped) is the loss, so the losses tell the masks apart
+    losses = eng.step([torch.ones(1, 4)] * 3, lambda m, b: (m(b) ** 2).sum() * 0 + m(b).ne(0).sum().float())
+    assert eng.mode == mode
+    assert len(set(losses.tolist())) > 1  # identical weights and inputs: only the masks differ
+
+
+def test_engine_vmap_matches_loop_and_keeps_views():
+    """vmap and loop on a model with tied weights, a frozen parameter and dropout 0: same parameters after
+    a sync-crossing run; every replica's parameters are views of the stacked tensors; stacked=True input."""
+    from torch import nn
+
+    from hdet.engine import ReplicaEngine
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 8)
+            self.mid = nn.Linear(8, 8)
+            self.frozen = nn.Parameter(torch.ones(8), requires_grad=False)
+            self.out = nn.Linear(8, 10, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.mid(self.emb(x))) * self.frozen)
+
+    torch.manual_seed(0)
+    model = Tied()
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 10, (12, 4, 5), generator=g)
+    loss_fn = lambda m, b: nn.functional.cross_entropy(m(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten())  # noqa: E731
+    runs = {}
+    for mode in ("loop", "vmap"):
+        eng = ReplicaEngine(model, 4, _sgd(0.5), _sched(steps=12, alpha=0.5), mode=mode)
+        for t in range(3):  # T = 1000 > steps: the sync is the last step's
+            eng.step(data[4 * t: 4 * t + 4], loss_fn, stacked=True)
+        runs[mode] = eng
+    for ma, mb in zip(runs["loop"].models, runs["vmap"].models):
+        assert ma.out.weight is ma.emb.weight and mb.out.weight is mb.emb.weight
+        for a, b in zip(ma.parameters(), mb.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert torch.equal(mb.frozen, torch.ones(8))
+    # replicas differ (alpha 0.5, no sync yet) and each is a view of the stacked tensor
+    v = runs["vmap"]
+    assert not torch.equal(v.models[0].mid.weight, v.models[3].mid.weight)
+    for r, m in enumerate(v.models):
+        assert m.mid.weight.data_ptr() == v.stacked_params["mid.weight"][r].data_ptr()
+
+
+def test_engine_falls_back_to_loop_with_a_warning():
+    from torch import nn
+
+    from hdet.engine import ReplicaEngine
+
+    class DataDependent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 1)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y * 2 if y.sum() > 0 else y  # data-dependent control flow: vmap cannot batch it
+
+    eng = ReplicaEngine(DataDependent(), 2, _sgd(), _sched())
+    with pytest.warns(UserWarning, match="vmap cannot run this model"):
+        eng.step([torch.ones(2, 3)] * 2, lambda m, b: m(b).sum())
+    assert eng.mode == "loop"
+    eng.step([torch.ones(2, 3)] * 2, lambda m, b: m(b).sum())  # and keeps training
+    with pytest.raises(RuntimeError, match="vmap"):
+        ReplicaEngine(DataDependent(), 2, _sgd(), _sched(), mode="vmap").step(
+            [torch.ones(2, 3)] * 2, lambda m, b: m(b).sum())
+    with pytest.raises(ValueError, match="mode in"):
+        ReplicaEngine(DataDependent(), 2, _sgd(), _sched(), mode="fast")
+    with pytest.raises(ValueError, match=r"one batch per replica \(2\), but got 3"):
+        eng.step(torch.ones(3, 2, 3), lambda m, b: m(b).sum(), stacked=True)
+    with pytest.raises(ValueError, match="scalar loss"):
+        eng.step([torch.ones(2, 3)] * 2, lambda m, b: m(b))

@@ -1,23 +1,35 @@
 """N replicas of a module in one process, with the semantics of N DDP processes.
 
-Each replica is a full copy of the module with its own optimizer and its own HDET scheduler; the
-schedulers talk through a :class:`~hdet.replicas.LocalReplicaGroup`, so the HDET maths is the very
-code the distributed path runs. A step: every replica runs forward/backward on its own micro-batch
-(its own dropout masks, drawn in replica order from the global RNG), gradients are averaged across
-replicas as DDP's all-reduce does (each divided by N, then summed in replica order), every replica
-steps with its own hyperparameters, then the schedulers step (sync every T steps).
+Each replica is a copy of the module with its own optimizer and its own HDET scheduler; the schedulers
+talk through a :class:`~hdet.replicas.LocalReplicaGroup`, so the HDET maths is the very code the
+distributed path runs (reductions over the replica axis instead of collectives). A step: every replica
+runs forward/backward on its own micro-batch with its own dropout masks, gradients are averaged across
+replicas as DDP's all-reduce does (``sum_r g_r / N``), every replica steps with its own
+hyperparameters, then the schedulers step (weights averaged every T steps, controller, permutation).
 
-This is the plain loop over replica copies; it works for any module.
+Two ways to run the replicas:
+
+* ``"vmap"`` (fast path): the replicas' parameters and buffers are stacked into tensors with a leading
+  replica axis ``[N, ...]``; one ``torch.func.vmap`` of ``functional_call`` runs all N forward/backward
+  passes as batched kernels (``randomness="different"``: each replica draws its own dropout masks).
+  Each replica's module and optimizer see views ``stacked[r]`` of those tensors, so optimizers,
+  schedulers and weight averaging are unchanged.
+* ``"loop"`` (fallback): a plain loop over the replica copies; works for any module.
+
+``mode="auto"`` (default) uses vmap and falls back to the loop, with a warning naming the reason, if
+the first step cannot be vectorised (data-dependent control flow, ``.item()`` in forward, ...).
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.func import functional_call, vmap
 
 from .replicas import LocalReplicaGroup, Replicas
 
@@ -26,6 +38,52 @@ __all__ = ["ReplicaEngine"]
 MakeOptimizer = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 MakeScheduler = Callable[[torch.optim.Optimizer, Replicas, nn.Module], Any]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
+MODES = ("auto", "vmap", "loop")
+
+
+def _stack_batches(batches: Sequence[Any]) -> Any:
+    """N per-replica batches (tensors, or tuples/lists/dicts of them) -> one batch with a leading N axis."""
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(list(batches))
+    if isinstance(first, (tuple, list)):
+        return type(first)(_stack_batches([b[i] for b in batches]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: _stack_batches([b[k] for b in batches]) for k in first}
+    raise TypeError(f"Expected batches made of tensors, tuples, lists or dicts, but got {type(first).__name__}")
+
+
+def _index_batch(batch: Any, r: int) -> Any:
+    """Replica ``r``'s batch out of a stacked batch (inverse of :func:`_stack_batches`)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[r]
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_index_batch(b, r) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _index_batch(v, r) for k, v in batch.items()}
+    raise TypeError(f"Expected a stacked batch of tensors, tuples, lists or dicts, but got {type(batch).__name__}")
+
+
+def _leading(batch: Any) -> int | None:
+    """Size of the leading axis shared by the tensors of a stacked batch (None if they disagree)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else None
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else None
+    if not items:
+        return None
+    sizes = {_leading(b) for b in items}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+class _Call(nn.Module):
+    """``loss_fn(module, batch)`` as a module, so that ``functional_call`` can swap its tensors."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.m = module
+
+    def forward(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
+        return loss_fn(self.m, batch)
 
 
 class ReplicaEngine:
@@ -33,12 +91,22 @@ class ReplicaEngine:
 
     ``make_optimizer(params)`` builds one replica's optimizer; ``make_scheduler(optimizer, replicas,
     module)`` builds its scheduler and must pass ``replicas=replicas`` (and usually ``model=module``)
-    to ``OneCycleAutoLR``/``HDETLR``."""
+    to ``OneCycleAutoLR``/``HDETLR``. ``mode`` is ``"auto"``, ``"vmap"`` or ``"loop"`` (module
+    docstring). :attr:`models` are the replicas' modules; in vmap mode their parameters and buffers
+    are views of the stacked tensors :attr:`stacked_params` / :attr:`stacked_buffers`."""
 
     def __init__(self, model: nn.Module, num_replicas: int, make_optimizer: MakeOptimizer,
-                 make_scheduler: MakeScheduler) -> None:
+                 make_scheduler: MakeScheduler, *, mode: str = "auto") -> None:
+        if mode not in MODES:
+            raise ValueError(f"Expected mode in {MODES}, but got {mode!r}")
         self.group = LocalReplicaGroup(num_replicas)
+        self.num_replicas = num_replicas
         self.models = [copy.deepcopy(model) for _ in range(num_replicas)]
+        self.mode = mode
+        self.stacked_params: dict[str, torch.Tensor] = {}
+        self.stacked_buffers: dict[str, torch.Tensor] = {}
+        if mode != "loop":
+            self._stack_replicas()
         self.optimizers = [make_optimizer(m.parameters()) for m in self.models]
         self.schedulers = [make_scheduler(o, self.group.views[r], m)
                            for r, (o, m) in enumerate(zip(self.optimizers, self.models))]
@@ -46,8 +114,74 @@ class ReplicaEngine:
             if getattr(s, "ensemble", None) is None or s.ensemble.replicas is not self.group.views[r]:
                 raise ValueError("Expected make_scheduler to build an hdet scheduler with replicas=<the given view>")
         self.group.ensembles = [s.ensemble for s in self.schedulers]
-        self.num_replicas = num_replicas
         self.steps_taken = 0
+        self._call = _Call(self.models[0])
+
+    # -- stacking (vmap path) -------------------------------------------------------------------
+    def _stack_replicas(self) -> None:
+        """Stack every replica's parameters/buffers into ``[N, ...]`` tensors and make each replica's
+        module hold views ``stacked[r]`` of them (tied weights stay tied: one view per unique tensor)."""
+        for kind, named, store in (("param", "named_parameters", self.stacked_params),
+                                   ("buffer", "named_buffers", self.stacked_buffers)):
+            per_replica = [dict(getattr(m, named)()) for m in self.models]
+            for name, t in per_replica[0].items():
+                s = torch.stack([d[name].detach() for d in per_replica])
+                store[name] = s.requires_grad_(t.requires_grad) if kind == "param" else s
+        for r, m in enumerate(self.models):
+            new: dict[int, torch.Tensor] = {}
+            for name, p in m.named_parameters():
+                new[id(p)] = nn.Parameter(self.stacked_params[name].data[r], requires_grad=p.requires_grad)
+            for name, b in m.named_buffers():
+                new[id(b)] = self.stacked_buffers[name][r]
+            for mod in m.modules():
+                for k, p in mod._parameters.items():
+                    if p is not None:
+                        mod._parameters[k] = new[id(p)]
+                for k, b in mod._buffers.items():
+                    if b is not None:
+                        mod._buffers[k] = new[id(b)]
+        self._views = {name: [dict(m.named_parameters())[name] for m in self.models] for name in self.stacked_params}
+
+    def _vmap_losses(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
+        """Forward + backward of all replicas at once; leaves ``sum_r g_r / N`` in every replica's grad."""
+        params = {"m." + k: v for k, v in self.stacked_params.items()}
+        buffers = {"m." + k: v for k, v in self.stacked_buffers.items()}
+
+        def one(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], x: Any) -> torch.Tensor:
+            return functional_call(self._call, (p, b), (x, loss_fn))
+
+        for p in self.stacked_params.values():
+            p.grad = None
+        losses = vmap(one, randomness="different")(params, buffers, batch)
+        if losses.shape != (self.num_replicas,):
+            raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(losses.shape[1:])}")
+        losses.sum().backward()
+        N = self.num_replicas
+        with torch.no_grad():
+            for s in self.stacked_params.values():
+                if s.grad is not None:  # DDP's all-reduce over the replica axis: every replica gets the mean
+                    s.grad.copy_(s.grad.sum(0, keepdim=True).div_(N).expand_as(s.grad))
+        return losses.detach()
+
+    def _point_grads(self) -> None:
+        """Each replica's parameter views get the matching slice of the stacked gradient."""
+        for name, s in self.stacked_params.items():
+            for r, p in enumerate(self._views[name]):
+                p.grad = None if s.grad is None else s.grad[r]
+
+    # -- loop path ----------------------------------------------------------------------------------
+    def _loop_losses(self, batches: Sequence[Any], loss_fn: LossFn) -> torch.Tensor:
+        losses = []
+        for m, b in zip(self.models, batches):
+            for p in m.parameters():
+                p.grad = None
+            loss = loss_fn(m, b)
+            if loss.dim() != 0:
+                raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(loss.shape)}")
+            loss.backward()
+            losses.append(loss.detach())
+        self._average_gradients()
+        return torch.stack(losses)
 
     def _average_gradients(self) -> None:
         """The all-reduce of DDP over the replica axis: ``sum_r g_r / N`` in replica order."""
@@ -65,18 +199,39 @@ class ReplicaEngine:
             for g in grads:
                 g.copy_(acc)
 
-    def step(self, batches: Sequence[Any], loss_fn: LossFn) -> torch.Tensor:
+    # -- one step ---------------------------------------------------------------------------------
+    def step(self, batches: Sequence[Any] | Any, loss_fn: LossFn, *, stacked: bool = False) -> torch.Tensor:
         """One optimizer step of every replica on its own batch; returns the losses, shape ``[N]``
-        (on the device, no host sync except at sync steps)."""
-        if len(batches) != self.num_replicas:
-            raise ValueError(f"Expected one batch per replica ({self.num_replicas}), but got {len(batches)}")
-        losses = []
-        for m, o, b in zip(self.models, self.optimizers, batches):
-            o.zero_grad(set_to_none=True)
-            loss = loss_fn(m, b)
-            loss.backward()
-            losses.append(loss.detach())
-        self._average_gradients()
+        (on the device, no host sync except at sync steps).
+
+        ``batches``: a sequence of N per-replica batches, or with ``stacked=True`` one batch whose
+        tensors have a leading replica axis of size N. ``loss_fn(module, batch)`` returns a scalar."""
+        N = self.num_replicas
+        n = _leading(batches) if stacked else (len(batches) if isinstance(batches, Sequence) else None)
+        if n != N:
+            raise ValueError(f"Expected one batch per replica ({N}), but got {n}")
+        if self.mode in ("vmap", "auto"):
+            batch = batches if stacked else _stack_batches(batches)
+            if self.mode == "vmap":
+                losses = self._vmap_losses(batch, loss_fn)
+            else:
+                saved = {k: b.clone() for k, b in self.stacked_buffers.items()}
+                try:
+                    losses = self._vmap_losses(batch, loss_fn)
+                    self.mode = "vmap"
+                except Exception as e:  # noqa: BLE001 - any failure of vmap: fall back, say why
+                    for k, b in self.stacked_buffers.items():
+                        b.copy_(saved[k])
+                    for p in self.stacked_params.values():
+                        p.grad = None
+                    warnings.warn(f"hdet: torch.func.vmap cannot run this model ({type(e).__name__}: {e}); "
+                                  "using the loop over replica copies", stacklevel=2)
+                    self.mode = "loop"
+            if self.mode == "vmap":
+                self._point_grads()
+        if self.mode == "loop":
+            per_replica = [_index_batch(batches, r) for r in range(N)] if stacked else list(batches)
+            losses = self._loop_losses(per_replica, loss_fn)
         for o in self.optimizers:
             o.step()
         for s, loss in zip(self.schedulers, losses):
@@ -85,4 +240,4 @@ class ReplicaEngine:
         self.group.step = self.steps_taken
         for s in self.schedulers:
             s.step()
-        return torch.stack(losses)
+        return losses
