@@ -190,8 +190,8 @@ def engine_run(world, *, steps=30, alpha=0.3, T=10, auto=False, warm=10, opt="ad
     model = make_model(0)
     eng = ReplicaEngine(
         model, world,
-        (lambda p: torch.optim.Adam(p, lr=0.01)) if opt == "adam" else (lambda p: torch.optim.SGD(p, lr=0.01,
-                                                                                                  momentum=0.9)),
+        (lambda m: torch.optim.Adam(m.parameters(), lr=0.01)) if opt == "adam" else (
+            lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)),
         lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=alpha,
                                               model_sync_interval=T, enable_auto_lr=auto, auto_lr_warmup_steps=warm,
                                               loss_scale=0.05, model=m, seed=3, replicas=rep),

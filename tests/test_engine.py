@@ -62,11 +62,11 @@ def test_engine_bad_input():
         return hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=5, replicas=rep)
 
     with pytest.raises(ValueError, match="positive integer number of replicas, but got 0"):
-        ReplicaEngine(nn.Linear(2, 1), 0, lambda p: torch.optim.SGD(p, lr=0.1), make_sched)
+        ReplicaEngine(nn.Linear(2, 1), 0, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), make_sched)
     with pytest.raises(ValueError, match="replicas=<the given view>"):
-        ReplicaEngine(nn.Linear(2, 1), 2, lambda p: torch.optim.SGD(p, lr=0.1),
+        ReplicaEngine(nn.Linear(2, 1), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
                       lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=5))
-    eng = ReplicaEngine(nn.Linear(2, 1), 2, lambda p: torch.optim.SGD(p, lr=0.1), make_sched)
+    eng = ReplicaEngine(nn.Linear(2, 1), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), make_sched)
     with pytest.raises(ValueError, match=r"one batch per replica \(2\), but got 3"):
         eng.step([None] * 3, lambda m, b: m(b).sum())
 
@@ -79,7 +79,7 @@ def _sched(steps=5, alpha=0.0):
 
 
 def _sgd(lr=0.1):
-    return lambda p: torch.optim.SGD(p, lr=lr)
+    return lambda m: torch.optim.SGD(m.parameters(), lr=lr)
 
 
 @pytest.mark.parametrize("mode", ["loop", "vmap"])

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from .replicas import LocalReplicaGroup, Replicas
 
 __all__ = ["ReplicaEngine"]
 
-MakeOptimizer = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+MakeOptimizer = Callable[[nn.Module], torch.optim.Optimizer]
 MakeScheduler = Callable[[torch.optim.Optimizer, Replicas, nn.Module], Any]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 MODES = ("auto", "vmap", "loop")
@@ -89,7 +89,8 @@ class _Call(nn.Module):
 class ReplicaEngine:
     """``num_replicas`` copies of ``model`` (identical start weights) trained as one HDET ensemble.
 
-    ``make_optimizer(params)`` builds one replica's optimizer; ``make_scheduler(optimizer, replicas,
+    ``make_optimizer(module)`` builds one replica's optimizer over ``module``'s parameters (param
+    groups by name are possible: ``module.named_parameters()``); ``make_scheduler(optimizer, replicas,
     module)`` builds its scheduler and must pass ``replicas=replicas`` (and usually ``model=module``)
     to ``OneCycleAutoLR``/``HDETLR``. ``mode`` is ``"auto"``, ``"vmap"`` or ``"loop"`` (module
     docstring). :attr:`models` are the replicas' modules; in vmap mode their parameters and buffers
@@ -107,7 +108,7 @@ class ReplicaEngine:
         self.stacked_buffers: dict[str, torch.Tensor] = {}
         if mode != "loop":
             self._stack_replicas()
-        self.optimizers = [make_optimizer(m.parameters()) for m in self.models]
+        self.optimizers = [make_optimizer(m) for m in self.models]
         self.schedulers = [make_scheduler(o, self.group.views[r], m)
                            for r, (o, m) in enumerate(zip(self.optimizers, self.models))]
         for r, s in enumerate(self.schedulers):

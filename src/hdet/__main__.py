@@ -1,0 +1,7 @@
+"""``python -m hdet`` (and ``torchrun ... -m hdet train``) runs the CLI."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,156 @@
+"""``hdet``: train on an embedded default task, plot runs, compare the paper's ablations.
+
+    hdet train                               # 4 replicas in one process, byte-level GPT on the stdlib
+    torchrun --nproc-per-node 2 -m hdet train  # the same under real DDP (gloo on CPU, NCCL on GPUs)
+    hdet plot runs/latest                    # loss.png and lr.png
+    hdet compare                             # the paper's six ablations (Table 1), with plots
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+from .run import RunConfig, RunError
+
+__all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not usage + error
+        self.exit(2, f"hdet: error: {message} (see hdet {self.prog.split()[-1]} --help)\n")
+
+
+def _train_args(p: argparse.ArgumentParser, steps: int, out: str) -> None:
+    d = RunConfig()
+    p.add_argument("--task", default=d.task, help="bytes (stdlib byte-level GPT) or fashion (Fashion-MNIST CNN)")
+    p.add_argument("--data", default=None, help="Fashion-MNIST folder (default /usr/share/datasets/fashion-mnist)")
+    p.add_argument("--replicas", type=int, default=None, help="N in one process (default 4); under torchrun: "
+                   "the world size")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch", type=int, default=d.batch, help="examples per replica per step")
+    p.add_argument("--alpha", type=float, default=d.alpha, help="LR spread ratio (Eq. 1); 0 = plain data parallel")
+    p.add_argument("--T", type=int, default=d.T, help="sync interval: average weights every T steps")
+    p.add_argument("--auto-lr", action=argparse.BooleanOptionalAction, default=False, help="the paper's controller")
+    p.add_argument("--warmup", type=int, default=None, help="auto-LR warmup steps (default: half the run)")
+    p.add_argument("--max-lr", type=float, default=d.max_lr)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--dropout", type=float, default=d.dropout)
+    p.add_argument("--warm-init", action=argparse.BooleanOptionalAction, default=False, help="Eq. 10 noise")
+    p.add_argument("--init-from", default=None, help="start from this model.pt")
+    p.add_argument("--ctx", type=int, default=d.ctx, help="bytes task: context length")
+    p.add_argument("--width", type=int, default=d.width, help="model width")
+    p.add_argument("--layers", type=int, default=d.layers, help="bytes task: transformer layers")
+    p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--mode", default=d.mode, help="engine: auto (vmap, loop if it cannot), vmap or loop")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out", default=out, help="output folder")
+    p.add_argument("--eval-every", type=int, default=None, help="validate every ~N steps (at syncs; default T)")
+    p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to OUT/tb")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def _config(a: argparse.Namespace) -> RunConfig:
+    return RunConfig(task=a.task, data=a.data, replicas=a.replicas, steps=a.steps, batch=a.batch, alpha=a.alpha,
+                     T=a.T, auto_lr=a.auto_lr, warmup=a.warmup, max_lr=a.max_lr, weight_decay=a.weight_decay,
+                     dropout=a.dropout, warm_init=a.warm_init, init_from=a.init_from, ctx=a.ctx, width=a.width,
+                     layers=a.layers, device=a.device, mode=a.mode, seed=a.seed, out=a.out,
+                     eval_every=a.eval_every, tensorboard=a.tensorboard, progress=a.progress)
+
+
+def _cmd_train(a: argparse.Namespace, argv: list[str]) -> int:
+    from .plot import plot_dir
+    from .run import train
+
+    s = train(_config(a), argv=argv)
+    if s.get("config") is None:  # not rank 0
+        return 0
+    msg = (f"{s['mode']}: {s['steps_done']} steps x {s['replicas']} replicas in {s['train_seconds']:.1f}s "
+           f"({s['steps_per_second']:.1f} steps/s); ")
+    if s["crashed"]:
+        print(msg + f"crashed at {s['crashed']}")
+        return 1
+    print(msg + f"train loss {s['final_train_loss']:.4f}, validation loss {s['final_val_loss']:.4f} -> {a.out}")
+    try:
+        paths = plot_dir(a.out)
+        print("plots: " + ", ".join(str(p) for p in paths))
+    except ImportError:
+        print("plots skipped: matplotlib is not installed (pip install matplotlib)")
+    return 0
+
+
+def _cmd_plot(a: argparse.Namespace, argv: list[str]) -> int:
+    from .plot import plot_dir
+
+    for d in a.run_dirs:
+        for p in plot_dir(d, a.out):
+            print(p)
+    return 0
+
+
+def _cmd_compare(a: argparse.Namespace, argv: list[str]) -> int:
+    from .compare import compare
+    from .plot import plot_dir
+
+    if not 0 < a.lr_low < a.lr_high:
+        raise RunError(f"Expected 0 < --lr-low < --lr-high, but got {a.lr_low} and {a.lr_high}")
+    if a.pretrain_steps < 1:
+        raise RunError(f"Expected --pretrain-steps >= 1, but got {a.pretrain_steps}")
+    cfg = _config(a)
+    result = compare(cfg, a.lr_low, a.lr_high, a.pretrain_steps)
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"Table 1 layout, our numbers: {result['title']}")
+    for col in ("Config", "Description", "LR", "Train loss", "Val loss", "Time (s)"):
+        t.add_column(col, justify="left" if col in ("Config", "Description") else "right")
+    for r in result["runs"]:
+        dagger = " †" if r["crashed"] else ""
+        t.add_row(r["config"], r["description"], f"{r['lr']:g}",
+                  (f"{r['final_train_loss']:.4f}" if r["final_train_loss"] is not None else "-") + dagger,
+                  f"{r['final_val_loss']:.4f}" if r["final_val_loss"] is not None else "-",
+                  f"{r['train_seconds']:.0f}")
+    con = Console()
+    con.print(t)
+    for n in result["notes"]:
+        con.print(f"  {n}")
+    con.print("  † crashed (non-finite loss or weights).")
+    for p in plot_dir(a.out):
+        print(p)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="hdet", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    t = sub.add_parser("train", help="train on an embedded task (no download)")
+    _train_args(t, steps=RunConfig().steps, out="runs/latest")
+    pl = sub.add_parser("plot", help="loss.png and lr.png for run folders")
+    pl.add_argument("run_dirs", nargs="+")
+    pl.add_argument("--out", default=None, help="write the PNGs here (default: into each run folder)")
+    c = sub.add_parser("compare", help="the paper's six ablation configurations (Table 1)")
+    _train_args(c, steps=200, out="runs/compare")
+    c.add_argument("--lr-low", type=float, default=1e-3, help="Baseline-Low's max LR")
+    c.add_argument("--lr-high", type=float, default=9e-3, help="everyone else's max LR (the paper: 9x low)")
+    c.add_argument("--pretrain-steps", type=int, default=100, help="pre-training for the warm-init checkpoint")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = build_parser().parse_args(argv)
+    from .tasks import TaskError
+
+    try:
+        return {"train": _cmd_train, "plot": _cmd_plot, "compare": _cmd_compare}[a.cmd](a, argv)
+    except (RunError, TaskError, FileNotFoundError, ValueError) as e:
+        print(f"hdet: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hdet: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""PNG plots of run folders written by :func:`hdet.run.train` (matplotlib, no display needed).
+
+* ``loss.png``: training and validation loss against steps for one run or every run of a comparison
+  (the layout of the paper's Figure 2).
+* ``lr.png``: the per-group learning rates of replica 0 (dashed) and the mean over replicas (solid,
+  the base schedule) against steps (the paper's Figure 3).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["load_run", "plot_losses", "plot_lrs", "plot_dir"]
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def load_run(run_dir: str | Path) -> dict[str, Any]:
+    """config, metrics, syncs and summary of one run folder."""
+    d = Path(run_dir)
+    if not (d / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"Expected a run folder with metrics.jsonl (from `hdet train`), but {d} has none")
+    cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
+    summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
+    return {"dir": d, "config": cfg, "metrics": _jsonl(d / "metrics.jsonl"), "syncs": _jsonl(d / "syncs.jsonl"),
+            "summary": summary, "label": cfg.get("config", {}).get("label") or d.name}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_losses(runs: list[dict[str, Any]], path: str | Path, title: str = "") -> Path:
+    plt = _pyplot()
+    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
+    finite_first = []
+    for run in runs:
+        steps = [m["step"] for m in run["metrics"]]
+        loss = [m["train_loss"] if math.isfinite(m["train_loss"]) else float("nan") for m in run["metrics"]]
+        crashed = run["summary"].get("crashed")
+        label = run["label"] + (" (crashed)" if crashed else "")
+        (line,) = ax_t.plot(steps, loss, label=label, lw=1.2)
+        val = [(m["step"], m["val_loss"]) for m in run["metrics"] if "val_loss" in m]
+        if val:
+            ax_v.plot(*zip(*val), "o-", ms=3, color=line.get_color(), label=label)
+        finite_first += [v for v in loss[:3] if math.isfinite(v)]
+    if finite_first:  # keep a diverged run from squashing the others
+        top = max(finite_first) * 1.05
+        for ax in (ax_t, ax_v):
+            ax.set_ylim(top=top)
+    ax_t.set(xlabel="step", ylabel="training loss (mean over replicas)", title="training loss")
+    ax_v.set(xlabel="step", ylabel="validation loss (averaged model)", title="validation loss")
+    for ax in (ax_t, ax_v):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_lrs(run: dict[str, Any], path: str | Path) -> Path:
+    plt = _pyplot()
+    groups = list(run["metrics"][0]["lr"]) if run["metrics"] else []
+    if not groups:
+        raise ValueError(f"Expected learning rates in {run['dir']}/metrics.jsonl, but found none")
+    cols = min(len(groups), 2)
+    rows = math.ceil(len(groups) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.2 * rows), squeeze=False)
+    steps = [m["step"] for m in run["metrics"]]
+    n = run["config"].get("replicas", "N")
+    for ax, g in zip(axes.flat, groups):
+        ax.plot(steps, [m["lr_mean"][g] for m in run["metrics"]], "-", label=f"mean of {n} replicas (base)")
+        ax.plot(steps, [m["lr"][g] for m in run["metrics"]], "--", label="replica 0")
+        j = groups.index(g)
+        if run["syncs"]:  # every replica's LR right after each sync
+            xs = [s["step"] for s in run["syncs"] for _ in s["values"][j]]
+            ys = [v for s in run["syncs"] for v in s["values"][j]]
+            ax.plot(xs, ys, ".", ms=3, color="gray", label="all replicas at syncs")
+        ax.set(title=f"group {g}", xlabel="step", ylabel="learning rate")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(groups):]:
+        ax.axis("off")
+    fig.suptitle(f"per-group learning rates: {run['label']}")
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_dir(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
+    """Plots for a run folder, or for a comparison folder (one with ``compare.json``)."""
+    d = Path(run_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"Expected a run folder, but {d} does not exist")
+    out_dir = Path(out) if out is not None else d
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if (d / "compare.json").exists():
+        comp = json.loads((d / "compare.json").read_text())
+        runs = [load_run(d / r["folder"]) for r in comp["runs"]]
+        for run, r in zip(runs, comp["runs"]):
+            run["label"] = r["config"]
+        lr_run = next((r for r in runs if r["label"] == "HDET (full)"), runs[-1])
+        return [plot_losses(runs, out_dir / "loss.png", comp.get("title", "")),
+                plot_lrs(lr_run, out_dir / "lr.png")]
+    run = load_run(d)
+    return [plot_losses([run], out_dir / "loss.png"), plot_lrs(run, out_dir / "lr.png")]

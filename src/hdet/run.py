@@ -1,0 +1,362 @@
+"""One training run of a task with HDET: in the one-process engine, or one replica per process under
+torchrun (DDP). Writes a run folder: ``config.json``, ``metrics.jsonl`` (training loss and LRs every
+``log_every`` steps, validation loss at evaluations), ``syncs.jsonl`` (one record per sync: step,
+per-replica window losses, multipliers and values, controller weights w, Delta, velocity, base),
+``summary.json``, ``model.pt`` (the averaged model) and optionally TensorBoard events under ``tb/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import __version__
+from .engine import ReplicaEngine
+from .ensemble import NonFiniteReplicaError
+from .init import warm_init_
+from .schedulers import OneCycleAutoLR
+from .tasks import Task, make_task, param_groups
+
+__all__ = ["RunConfig", "RunError", "train", "resolve_device"]
+
+
+class RunError(ValueError):
+    """A run cannot start with what was given (the CLI prints it as one line)."""
+
+
+@dataclass
+class RunConfig:
+    task: str = "bytes"
+    data: str | None = None
+    replicas: int | None = None  # None: 4 in one process, the world size under torchrun
+    steps: int = 400
+    batch: int = 16  # per replica
+    ctx: int = 64
+    width: int = 128
+    layers: int = 2
+    dropout: float = 0.0
+    max_lr: float = 3e-3
+    weight_decay: float = 0.01
+    alpha: float = 0.2
+    T: int = 25
+    auto_lr: bool = False
+    warmup: int | None = None  # auto-LR warmup steps; None: half the run
+    eq8: str = "decay"
+    warm_init: bool = False
+    nu: float = 0.01
+    init_from: str | None = None  # a model.pt to start from
+    device: str = "auto"
+    mode: str = "auto"  # engine: auto | vmap | loop
+    seed: int = 0
+    out: str = "runs/latest"
+    log_every: int = 10
+    eval_every: int | None = None  # steps; rounded up to a sync step; None: every sync
+    eval_batches: int = 8
+    tensorboard: bool = False
+    progress: bool = True
+    data_bytes: int = 4_000_000
+    label: str | None = None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise RunError(f"Expected --device auto, cpu, cuda or cuda:N, but got {name!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RunError(f"Expected a CUDA device for --device {name}, but torch sees none")
+    return dev
+
+
+def _check(cfg: RunConfig) -> None:
+    for name in ("steps", "batch", "ctx", "width", "layers", "T", "log_every", "eval_batches"):
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or v < 1:
+            raise RunError(f"Expected --{name.replace('_', '-')} to be a positive integer, but got {v!r}")
+    if cfg.replicas is not None and cfg.replicas < 1:
+        raise RunError(f"Expected --replicas to be at least 1, but got {cfg.replicas}")
+    if not 0 <= cfg.alpha < 1:
+        raise RunError(f"Expected --alpha in [0, 1), but got {cfg.alpha}")
+    if not (cfg.max_lr > 0 and math.isfinite(cfg.max_lr)):
+        raise RunError(f"Expected --max-lr > 0, but got {cfg.max_lr}")
+    if not 0 <= cfg.dropout < 1:
+        raise RunError(f"Expected --dropout in [0, 1), but got {cfg.dropout}")
+    if cfg.mode not in ("auto", "vmap", "loop"):
+        raise RunError(f"Expected --mode auto, vmap or loop, but got {cfg.mode!r}")
+    if cfg.init_from is not None and not Path(cfg.init_from).is_file():
+        raise RunError(f"Expected --init-from to name a model.pt file, but {cfg.init_from} does not exist")
+
+
+def _prepare_out(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise RunError(f"Expected a writable output folder at {out}, but got: {e.strerror or e}") from None
+
+
+def _make_optimizer(task: Task, cfg: RunConfig):
+    return lambda module: torch.optim.AdamW(param_groups(module, task.group_of, cfg.weight_decay), lr=cfg.max_lr)
+
+
+def _make_scheduler(cfg: RunConfig, warmup: int, **kw: Any):
+    def make(optimizer: torch.optim.Optimizer, replicas: Any = None, module: nn.Module | None = None):
+        return OneCycleAutoLR(optimizer, max_lr=cfg.max_lr, total_steps=cfg.steps,
+                              ensemble_lr_spread_ratio=cfg.alpha, model_sync_interval=cfg.T,
+                              enable_auto_lr=cfg.auto_lr, auto_lr_warmup_steps=warmup, eq8=cfg.eq8,
+                              model=module, seed=cfg.seed, replicas=replicas, **kw)
+    return make
+
+
+class _EngineReplicas:
+    """All N replicas in this process (:class:`~hdet.engine.ReplicaEngine`)."""
+
+    def __init__(self, task: Task, model: nn.Module, N: int, cfg: RunConfig, warmup: int) -> None:
+        self.task = task
+        self.engine = ReplicaEngine(model, N, _make_optimizer(task, cfg), _make_scheduler(cfg, warmup), mode=cfg.mode)
+        self.local = list(range(N))
+        self.N = N
+        self.schedulers = self.engine.schedulers
+        if cfg.warm_init:
+            for r, m in enumerate(self.engine.models):
+                warm_init_(m, rank=r, nu=cfg.nu, seed=cfg.seed)
+
+    @property
+    def mode(self) -> str:
+        return "engine-" + self.engine.mode
+
+    def step(self, batches: list[Any]) -> torch.Tensor:
+        return self.engine.step(batches, self.task.loss_fn)
+
+    def mean_loss(self, losses: torch.Tensor) -> float:
+        return losses.mean().item()  # host sync (logging steps only)
+
+    def eval_model(self) -> nn.Module:
+        return self.engine.models[0]
+
+
+class _DDPReplicas:
+    """One replica per process under torchrun: DDP on the default process group."""
+
+    def __init__(self, task: Task, model: nn.Module, cfg: RunConfig, warmup: int, device: torch.device) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.task = task
+        self.model = model
+        self.ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.optimizer = _make_optimizer(task, cfg)(model)
+        self.schedulers = [_make_scheduler(cfg, warmup)(self.optimizer, None, self.ddp)]
+        self.local = [dist.get_rank()]
+        self.N = dist.get_world_size()
+        self.mode = "ddp-" + dist.get_backend()
+        if cfg.warm_init:
+            warm_init_(model, nu=cfg.nu, seed=cfg.seed)  # rank from the process group
+
+    def step(self, batches: list[Any]) -> torch.Tensor:
+        loss = self.task.loss_fn(self.ddp, batches[0])
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # gradient all-reduce (DDP)
+        self.optimizer.step()
+        self.schedulers[0].step(loss)
+        return loss.detach()[None]
+
+    def mean_loss(self, losses: torch.Tensor) -> float:
+        x = losses.sum().float()
+        dist.all_reduce(x)  # collective + host sync below (logging steps only)
+        return x.item() / self.N
+
+    def eval_model(self) -> nn.Module:
+        return self.model
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    return type(batch)(_to(b, device) for b in batch)
+
+
+@torch.no_grad()
+def evaluate(task: Task, model: nn.Module, n_batches: int, batch: int, device: torch.device) -> float:
+    """Mean validation loss over a fixed set of held-out batches (the same for every run)."""
+    g = torch.Generator().manual_seed(12345)
+    was = model.training
+    model.eval()
+    total = sum(task.loss_fn(model, _to(task.sample("val", batch, g), device)).item()  # host sync
+                for _ in range(n_batches))
+    model.train(was)
+    return total / n_batches
+
+
+def _sync_record(t: int, sched: OneCycleAutoLR, values: list[list[float]]) -> dict[str, Any]:
+    rec = sched.last_sync
+    out: dict[str, Any] = {"step": t, "losses": rec.losses, "multipliers": rec.multipliers, "bases": rec.bases,
+                           "values": values}
+    if rec.controller is not None:
+        out["controller"] = [{"weights": c.weights, "h_tilde": c.h_tilde, "h_bar": c.h_bar, "delta": c.delta,
+                              "velocity": c.velocity, "base": c.new_base, "clamped": c.clamped}
+                             for c in rec.controller]
+    return out
+
+
+class _Progress:
+    """A rich progress bar with loss, base LR and the multipliers' spread (or nothing)."""
+
+    def __init__(self, enabled: bool, total: int, label: str) -> None:
+        self.p = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.p = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                              TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False)
+            self.p.start()
+            self.task = self.p.add_task(label, total=total, info="")
+
+    def update(self, step: int, info: str | None = None) -> None:
+        if self.p is not None:
+            self.p.update(self.task, completed=step, **({"info": info} if info is not None else {}))
+
+    def close(self) -> None:
+        if self.p is not None:
+            self.p.stop()
+
+
+def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
+    """Run ``cfg``; returns the summary (also written to ``<out>/summary.json`` on rank 0)."""
+    _check(cfg)
+    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    device = resolve_device(cfg.device)
+    if distributed and not dist.is_initialized():
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank() if distributed else 0
+    N = dist.get_world_size() if distributed else (cfg.replicas or 4)
+    if distributed and cfg.replicas not in (None, N):
+        raise RunError(f"Expected --replicas to match the torchrun world size ({N}), but got {cfg.replicas}")
+    warmup = cfg.warmup if cfg.warmup is not None else cfg.steps // 2
+    if cfg.auto_lr and not 0 <= warmup < cfg.steps:
+        raise RunError(f"Expected --warmup in [0, --steps) with --auto-lr, but got {warmup} (steps {cfg.steps})")
+    out = Path(cfg.out)
+    if rank == 0:
+        _prepare_out(out)
+    task = make_task(cfg.task, data=cfg.data, ctx=cfg.ctx, width=cfg.width, layers=cfg.layers,
+                     dropout=cfg.dropout, data_bytes=cfg.data_bytes)
+
+    torch.manual_seed(cfg.seed)
+    model = task.make_model()
+    if cfg.init_from is not None:
+        try:
+            model.load_state_dict(torch.load(cfg.init_from, map_location="cpu", weights_only=True))
+        except (RuntimeError, KeyError, OSError) as e:
+            raise RunError(f"Expected --init-from to hold this task's model weights, but loading failed: "
+                           f"{str(e).splitlines()[0]}") from None
+    model.to(device)
+    reps = (_DDPReplicas(task, model, cfg, warmup, device) if distributed
+            else _EngineReplicas(task, model, N, cfg, warmup))
+    gens = {r: torch.Generator().manual_seed(cfg.seed * 1000 + r) for r in reps.local}  # each replica its data
+    sched0 = reps.schedulers[0]
+    groups = [g.get("name", str(j)) for j, g in enumerate(sched0.optimizer.param_groups)]
+    eval_every = cfg.eval_every or cfg.T
+
+    writer = None
+    if rank == 0:
+        meta = {"command": "hdet " + " ".join(argv if argv is not None else sys.argv[1:]),
+                "config": dataclasses.asdict(cfg), "replicas": N, "groups": groups, "task": task.describe,
+                "python": platform.python_version(), "torch": torch.__version__, "hdet": __version__,
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
+                (platform.processor() or platform.machine() or "cpu")}
+        (out / "config.json").write_text(json.dumps(meta, indent=1))
+        metrics_f = (out / "metrics.jsonl").open("w")
+        syncs_f = (out / "syncs.jsonl").open("w")
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise RunError("Expected the tensorboard package for --tensorboard (pip install tensorboard), "
+                               "but it is not installed") from None
+            writer = SummaryWriter(str(out / "tb"))
+
+    def log(f, rec: dict[str, Any]) -> None:
+        if rank == 0:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+
+    progress = _Progress(cfg.progress and rank == 0, cfg.steps, cfg.label or f"{cfg.task} x{N}")
+    crashed, train_losses, val_curve = None, [], []
+    t0 = time.perf_counter()
+    t = last_eval = 0
+    try:
+        for t in range(1, cfg.steps + 1):
+            batches = [_to(task.sample("train", cfg.batch, gens[r]), device) for r in reps.local]
+            try:
+                losses = reps.step(batches)
+            except NonFiniteReplicaError as e:
+                crashed = f"step {t}: {e}"
+                break
+            sync = sched0.is_sync_step(t)
+            if t % cfg.log_every == 0 or sync or t == cfg.steps:
+                loss = reps.mean_loss(losses)
+                train_losses.append((t, loss))
+                rec = {"step": t, "train_loss": loss,
+                       "lr": dict(zip(groups, sched0.get_last_lr())),  # replica 0 (rank 0 under torchrun)
+                       "lr_mean": dict(zip(groups, sched0.base_lrs_now)),  # mean over replicas (mean rho = 1)
+                       "seconds": time.perf_counter() - t0}
+                if sync:
+                    rec_s = sched0.last_sync
+                    values = [[b * m for m in ms] for b, ms in zip(rec_s.bases, rec_s.multipliers)]
+                    log(syncs_f, _sync_record(t, sched0, values)) if rank == 0 else None
+                    if t - last_eval >= eval_every or t == cfg.steps:  # after averaging: replicas are equal
+                        last_eval = t
+                        rec["val_loss"] = evaluate(task, reps.eval_model(), cfg.eval_batches, 32, device)
+                        val_curve.append((t, rec["val_loss"]))
+                log(metrics_f, rec)
+                if writer is not None:
+                    writer.add_scalar("train/loss", loss, t)
+                    for g, v in rec["lr_mean"].items():
+                        writer.add_scalar(f"lr_mean/{g}", v, t)
+                    if "val_loss" in rec:
+                        writer.add_scalar("val/loss", rec["val_loss"], t)
+                ms = sched0.ensemble.rho  # all replicas' multipliers (Eq. 1)
+                progress.update(t, f"loss {loss:.3f}  base lr {sched0.base_lrs_now[0]:.2e}  "
+                                   f"rho {min(ms):.2f}..{max(ms):.2f}" if N > 1 else f"loss {loss:.3f}")
+                if not math.isfinite(loss):
+                    crashed = f"step {t}: training loss is {loss}"
+                    break
+            else:
+                progress.update(t)
+    finally:
+        progress.close()
+    elapsed = time.perf_counter() - t0
+    final_val = evaluate(task, reps.eval_model(), cfg.eval_batches, 32, device) if crashed is None else None
+    tail = [v for s, v in train_losses if s > cfg.steps * 0.9] or [v for _, v in train_losses[-1:]]
+    summary = {**({} if rank else meta), "mode": reps.mode, "steps_done": t,
+               "crashed": crashed, "train_seconds": elapsed, "steps_per_second": t / elapsed if elapsed else None,
+               "final_train_loss": sum(tail) / len(tail) if tail else None, "final_val_loss": final_val,
+               "val_curve": val_curve}
+    if rank == 0:
+        metrics_f.close()
+        syncs_f.close()
+        if writer is not None:
+            writer.close()
+        if crashed is None:
+            # clone: in vmap mode the weights are views of [N, ...] tensors, which torch.save would store whole
+            torch.save({k: v.detach().clone() for k, v in reps.eval_model().state_dict().items()}, out / "model.pt")
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
