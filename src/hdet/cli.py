@@ -111,7 +111,7 @@ def _cmd_compare(a: argparse.Namespace, argv: list[str]) -> int:
                   (f"{r['final_train_loss']:.4f}" if r["final_train_loss"] is not None else "-") + dagger,
                   f"{r['final_val_loss']:.4f}" if r["final_val_loss"] is not None else "-",
                   f"{r['train_seconds']:.0f}")
-    con = Console()
+    con = Console(width=None if sys.stdout.isatty() else 120)
     con.print(t)
     for n in result["notes"]:
         con.print(f"  {n}")

@@ -275,7 +275,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
     groups = [g.get("name", str(j)) for j, g in enumerate(sched0.optimizer.param_groups)]
     eval_every = cfg.eval_every or cfg.T
 
-    writer = None
+    writer = metrics_f = syncs_f = None
     if rank == 0:
         meta = {"command": "hdet " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "config": dataclasses.asdict(cfg), "replicas": N, "groups": groups, "task": task.describe,
