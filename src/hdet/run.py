@@ -219,6 +219,10 @@ class _Progress:
 
     def __init__(self, enabled: bool, total: int, label: str) -> None:
         self.p = None
+        try:
+            import rich.progress  # noqa: F401
+        except ImportError:
+            enabled = False
         if enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 

@@ -1,0 +1,143 @@
+"""Throughput of the one-process engine: N replicas of a small GPT against one copy at N x the batch.
+
+Same FLOPs per step on both sides: the engine runs N replicas on B sequences each; the baseline runs one
+model (AdamW + OneCycleLR, no hdet) on N * B sequences. Each timed step is forward + backward +
+optimizer + scheduler (the engine also averages gradients across replicas and weights every T steps).
+Reported: tokens/s of each and the ratio engine / baseline, for the vmap fast path and the loop
+fallback, plus peak GPU memory. Writes JSON (with the command, device, versions) to --out.
+
+    python benchmarks/engine_throughput.py --out benchmarks/results/gpu_h100/engine_throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import hdet
+from hdet.engine import ReplicaEngine
+from hdet.tasks import ByteGPT
+
+
+def lm_loss(m, b):
+    logits = m(b[..., :-1])
+    return F.cross_entropy(logits.reshape(-1, 256), b[..., 1:].reshape(-1))
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(step, n_warm: int, n_timed: int, device) -> float:
+    for _ in range(n_warm):
+        step()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n_timed):
+        step()
+    sync(device)
+    return (time.perf_counter() - t0) / n_timed
+
+
+def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, modes: list[str]) -> dict:
+    ctx = size["ctx"]
+    g = torch.Generator(device=device).manual_seed(0)
+    data = torch.randint(0, 256, (N * B * 4, ctx + 1), device=device, generator=g)
+    out = {"size": size, "N": N, "batch_per_replica": B, "tokens_per_step": N * B * ctx, "T": T}
+    total = warm + steps + 1
+
+    def fresh_model():
+        torch.manual_seed(0)
+        return ByteGPT(ctx, size["d"], size["layers"], size["heads"]).to(device)
+
+    # baseline: one model, N x the batch
+    model = fresh_model()
+    out["params"] = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=total)
+    i = [0]
+
+    def base_step():
+        b = data[(i[0] % 4) * N * B: (i[0] % 4 + 1) * N * B]
+        i[0] += 1
+        loss = lm_loss(model, b)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    dt = time_steps(base_step, warm, steps, device)
+    out["baseline"] = {"seconds_per_step": dt, "tokens_per_s": N * B * ctx / dt,
+                       "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+    del model, opt, sched
+
+    for mode in modes:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            eng = ReplicaEngine(
+                fresh_model(), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+                lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=total, ensemble_lr_spread_ratio=0.2,
+                                                      model_sync_interval=T, replicas=rep, model=m), mode=mode)
+            j = [0]
+
+            def eng_step():
+                b = data[(j[0] % 4) * N * B: (j[0] % 4 + 1) * N * B].view(N, B, ctx + 1)
+                j[0] += 1
+                eng.step(b, lm_loss, stacked=True)
+
+            dt = time_steps(eng_step, warm, steps, device)
+        out[mode] = {"seconds_per_step": dt, "tokens_per_s": N * B * ctx / dt,
+                     "ratio_to_baseline": out["baseline"]["seconds_per_step"] / dt, "engine_mode": eng.mode,
+                     "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+                     "warnings": sorted({str(w.message)[:200] for w in caught})}
+        del eng
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warm", type=int, default=5)
+    p.add_argument("--T", type=int, default=25)
+    p.add_argument("--sizes", default="small", help="comma list of: tiny, small, medium")
+    p.add_argument("--modes", default="vmap,loop")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    sizes = {"tiny": dict(d=128, layers=2, heads=4, ctx=64, B=16),
+             "small": dict(d=384, layers=6, heads=6, ctx=256, B=8),
+             "medium": dict(d=768, layers=8, heads=12, ctx=256, B=8)}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    results = []
+    for name in a.sizes.split(","):
+        s = dict(sizes[name])
+        B = s.pop("B")
+        r = bench({**s, "name": name}, a.replicas, B, a.steps, a.warm, a.T, device, a.modes.split(","))
+        print(json.dumps({k: v for k, v in r.items() if k not in ("size",)}, default=str), flush=True)
+        results.append(r)
+    rec = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name() if device.type == "cuda"
+           else platform.processor() or "cpu", "python": platform.python_version(), "torch": torch.__version__,
+           "hdet": hdet.__version__, "tf32": device.type == "cuda", "results": results}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(rec, indent=1))
+    print(json.dumps(rec))
+
+
+if __name__ == "__main__":
+    main()
