@@ -55,33 +55,14 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
     out = {"size": size, "N": N, "batch_per_replica": B, "tokens_per_step": N * B * ctx, "T": T}
     total = warm + steps + 1
 
-    def fresh_model():
+    def fresh_model(attn="auto"):
         torch.manual_seed(0)
-        return ByteGPT(ctx, size["d"], size["layers"], size["heads"]).to(device)
+        return ByteGPT(ctx, size["d"], size["layers"], size["heads"], attn=attn).to(device)
 
-    # baseline: one model, N x the batch
-    model = fresh_model()
-    out["params"] = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=total)
-    i = [0]
-
-    def base_step():
-        b = data[(i[0] % 4) * N * B: (i[0] % 4 + 1) * N * B]
-        i[0] += 1
-        loss = lm_loss(model, b)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    dt = time_steps(base_step, warm, steps, device)
-    out["baseline"] = {"seconds_per_step": dt, "tokens_per_s": N * B * ctx / dt,
-                       "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
-    del model, opt, sched
-
+    for base_attn in ("auto", "math"):
+        out["baseline" if base_attn == "auto" else "baseline_math_attention"] = bench_single(
+            fresh_model(base_attn), data, N, B, ctx, total, warm, steps, device)
+    out["params"] = sum(p.numel() for p in fresh_model().parameters())
     for mode in modes:
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -101,11 +82,36 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
 
             dt = time_steps(eng_step, warm, steps, device)
         out[mode] = {"seconds_per_step": dt, "tokens_per_s": N * B * ctx / dt,
-                     "ratio_to_baseline": out["baseline"]["seconds_per_step"] / dt, "engine_mode": eng.mode,
+                     "ratio_to_baseline": out["baseline"]["seconds_per_step"] / dt,
+                     "ratio_to_baseline_math_attention": out["baseline_math_attention"]["seconds_per_step"] / dt,
+                     "engine_mode": eng.mode,
                      "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
                      "warnings": sorted({str(w.message)[:200] for w in caught})}
         del eng
     return out
+
+
+def bench_single(model, data, N, B, ctx, total, warm, steps, device) -> dict:
+    """One model (plain AdamW + OneCycleLR, no hdet) at N x B sequences per step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=total)
+    i = [0]
+
+    def base_step():
+        b = data[(i[0] % 4) * N * B: (i[0] % 4 + 1) * N * B]
+        i[0] += 1
+        loss = lm_loss(model, b)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    dt = time_steps(base_step, warm, steps, device)
+    return {"seconds_per_step": dt, "tokens_per_s": N * B * ctx / dt,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
 
 
 def main() -> None:

@@ -35,10 +35,16 @@ class TaskError(ValueError):
 
 
 # -- models -------------------------------------------------------------------------------------------
+def _under_vmap(t: torch.Tensor) -> bool:
+    is_batched = getattr(torch._C._functorch, "is_batchedtensor", None)
+    return bool(is_batched is not None and is_batched(t))
+
+
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int, dropout: float) -> None:
+    def __init__(self, d: int, heads: int, dropout: float, attn: str = "auto") -> None:
         super().__init__()
         self.heads = heads
+        self.attn = attn
         self.ln1 = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
@@ -49,9 +55,10 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         B, L, d = h.shape
         q, k, v = self.qkv(self.ln1(h)).view(B, L, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        if h.is_cuda:  # fused kernels (with vmap batching rules on CUDA)
+        if self.attn == "sdpa" or (self.attn == "auto" and h.is_cuda and not _under_vmap(q)):
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # explicit attention: torch.func has no batching rule for SDPA's CPU flash kernel
+        else:  # explicit attention: under torch.func.vmap, SDPA's CPU kernel has no batching rule and
+            # the CUDA memory-efficient kernel's backward fails ("LSE is not correctly aligned")
             causal = torch.ones(L, L, dtype=torch.bool, device=h.device).triu_(1)
             a = (q @ k.transpose(-2, -1)).mul_(q.shape[-1] ** -0.5).masked_fill_(causal, float("-inf"))
             a = a.softmax(-1) @ v
@@ -60,15 +67,20 @@ class Block(nn.Module):
 
 
 class ByteGPT(nn.Module):
-    """A small pre-norm causal transformer over bytes (vocabulary 256), head tied to the embedding."""
+    """A small pre-norm causal transformer over bytes (vocabulary 256), head tied to the embedding.
 
-    def __init__(self, ctx: int = 64, d: int = 128, layers: int = 2, heads: int = 4, dropout: float = 0.0):
+    ``attn="auto"``: fused SDPA on CUDA outside vmap, explicit attention otherwise; "sdpa"/"math" force one."""
+
+    def __init__(self, ctx: int = 64, d: int = 128, layers: int = 2, heads: int = 4, dropout: float = 0.0,
+                 attn: str = "auto"):
         super().__init__()
+        if attn not in ("auto", "sdpa", "math"):
+            raise TaskError(f"Expected attn 'auto', 'sdpa' or 'math', but got {attn!r}")
         if d % heads:
             raise TaskError(f"Expected the width ({d}) to be a multiple of the number of heads ({heads})")
         self.tok = nn.Embedding(256, d)
         self.pos = nn.Parameter(torch.randn(ctx, d) * 0.02)
-        self.blocks = nn.Sequential(*[Block(d, heads, dropout) for _ in range(layers)])
+        self.blocks = nn.Sequential(*[Block(d, heads, dropout, attn) for _ in range(layers)])
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, 256, bias=False)
         self.head.weight = self.tok.weight
