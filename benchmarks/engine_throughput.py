@@ -48,20 +48,23 @@ def time_steps(step, n_warm: int, n_timed: int, device) -> float:
     return (time.perf_counter() - t0) / n_timed
 
 
-def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, modes: list[str]) -> dict:
+def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, modes: list[str], optim: str) -> dict:
     ctx = size["ctx"]
     g = torch.Generator(device=device).manual_seed(0)
     data = torch.randint(0, 256, (N * B * 4, ctx + 1), device=device, generator=g)
-    out = {"size": size, "N": N, "batch_per_replica": B, "tokens_per_step": N * B * ctx, "T": T}
-    total = warm + steps + 1
+    out = {"size": size, "N": N, "batch_per_replica": B, "tokens_per_step": N * B * ctx, "T": T, "optimizer": optim}
+    kw = {"fused": True} if optim == "fused" else {"foreach": True}
+    total = warm + steps + 4  # compiled modes warm up 3 more steps
 
     def fresh_model(attn="auto"):
         torch.manual_seed(0)
         return ByteGPT(ctx, size["d"], size["layers"], size["heads"], attn=attn).to(device)
 
-    for base_attn in ("auto", "math"):
-        out["baseline" if base_attn == "auto" else "baseline_math_attention"] = bench_single(
-            fresh_model(base_attn), data, N, B, ctx, total, warm, steps, device)
+    for key, base_attn, comp in (("baseline", "auto", False), ("baseline_math_attention", "math", False),
+                                 ("baseline_compiled", "auto", True)):
+        if comp and not any(m.endswith("+compile") for m in modes):
+            continue
+        out[key] = bench_single(fresh_model(base_attn), data, N, B, ctx, total, warm, steps, device, kw, comp)
     out["params"] = sum(p.numel() for p in fresh_model().parameters())
     for mode in modes:
         if device.type == "cuda":
@@ -70,9 +73,10 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             eng = ReplicaEngine(
-                fresh_model(), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+                fresh_model(), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, **kw),
                 lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=total, ensemble_lr_spread_ratio=0.2,
-                                                      model_sync_interval=T, replicas=rep, model=m), mode=mode)
+                                                      model_sync_interval=T, replicas=rep, model=m),
+                mode=mode.split("+")[0], compile=mode.endswith("+compile"))
             j = [0]
 
             def eng_step():
@@ -80,10 +84,12 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
                 j[0] += 1
                 eng.step(b, lm_loss, stacked=True)
 
-            dt = time_steps(eng_step, warm, steps, device)
+            dt = time_steps(eng_step, warm + (3 if mode.endswith("+compile") else 0), steps, device)
         out[mode] = {"seconds_per_step": dt, "tokens_per_s": N * B * ctx / dt,
                      "ratio_to_baseline": out["baseline"]["seconds_per_step"] / dt,
                      "ratio_to_baseline_math_attention": out["baseline_math_attention"]["seconds_per_step"] / dt,
+                     **({"ratio_to_baseline_compiled": out["baseline_compiled"]["seconds_per_step"] / dt}
+                        if "baseline_compiled" in out else {}),
                      "engine_mode": eng.mode,
                      "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
                      "warnings": sorted({str(w.message)[:200] for w in caught})}
@@ -91,9 +97,12 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
     return out
 
 
-def bench_single(model, data, N, B, ctx, total, warm, steps, device) -> dict:
+def bench_single(model, data, N, B, ctx, total, warm, steps, device, kw, comp=False) -> dict:
     """One model (plain AdamW + OneCycleLR, no hdet) at N x B sequences per step."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **kw)
+    if comp:
+        model = torch.compile(model)
+        warm += 3
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=total)
     i = [0]
 
@@ -121,7 +130,8 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=5)
     p.add_argument("--T", type=int, default=25)
     p.add_argument("--sizes", default="small", help="comma list of: tiny, small, medium")
-    p.add_argument("--modes", default="vmap,loop")
+    p.add_argument("--modes", default="vmap,vmap+compile,loop")
+    p.add_argument("--optimizers", default="fused,foreach", help="AdamW implementations to run (comma list)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     sizes = {"tiny": dict(d=128, layers=2, heads=4, ctx=64, B=16),
@@ -131,18 +141,21 @@ def main() -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     results = []
-    for name in a.sizes.split(","):
-        s = dict(sizes[name])
-        B = s.pop("B")
-        r = bench({**s, "name": name}, a.replicas, B, a.steps, a.warm, a.T, device, a.modes.split(","))
-        print(json.dumps({k: v for k, v in r.items() if k not in ("size",)}, default=str), flush=True)
-        results.append(r)
+    for optim in a.optimizers.split(","):
+        for name in a.sizes.split(","):
+            s = dict(sizes[name])
+            B = s.pop("B")
+            r = bench({**s, "name": name}, a.replicas, B, a.steps, a.warm, a.T, device, a.modes.split(","), optim)
+            print(json.dumps({"size": name, "optimizer": optim, "params": r["params"],
+                              **{m: {k: round(v, 4) for k, v in r[m].items() if k.startswith(("ratio", "tokens"))}
+                                 for m in ("baseline", "baseline_compiled", *a.modes.split(",")) if m in r}}),
+                  flush=True)
+            results.append(r)
     rec = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name() if device.type == "cuda"
            else platform.processor() or "cpu", "python": platform.python_version(), "torch": torch.__version__,
            "hdet": hdet.__version__, "tf32": device.type == "cuda", "results": results}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rec, indent=1))
-    print(json.dumps(rec))
 
 
 if __name__ == "__main__":

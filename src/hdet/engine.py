@@ -94,10 +94,11 @@ class ReplicaEngine:
     module)`` builds its scheduler and must pass ``replicas=replicas`` (and usually ``model=module``)
     to ``OneCycleAutoLR``/``HDETLR``. ``mode`` is ``"auto"``, ``"vmap"`` or ``"loop"`` (module
     docstring). :attr:`models` are the replicas' modules; in vmap mode their parameters and buffers
-    are views of the stacked tensors :attr:`stacked_params` / :attr:`stacked_buffers`."""
+    are views of the stacked tensors :attr:`stacked_params` / :attr:`stacked_buffers`. ``compile=True``
+    runs the vmapped forward through ``torch.compile`` (vmap path only; the first steps compile)."""
 
     def __init__(self, model: nn.Module, num_replicas: int, make_optimizer: MakeOptimizer,
-                 make_scheduler: MakeScheduler, *, mode: str = "auto") -> None:
+                 make_scheduler: MakeScheduler, *, mode: str = "auto", compile: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(f"Expected mode in {MODES}, but got {mode!r}")
         self.group = LocalReplicaGroup(num_replicas)
@@ -117,6 +118,8 @@ class ReplicaEngine:
         self.group.ensembles = [s.ensemble for s in self.schedulers]
         self.steps_taken = 0
         self._call = _Call(self.models[0])
+        self.compile = compile
+        self._fns: dict[Any, Callable[..., torch.Tensor]] = {}  # loss_fn -> the vmapped (compiled) function
 
     # -- stacking (vmap path) -------------------------------------------------------------------
     def _stack_replicas(self) -> None:
@@ -148,20 +151,25 @@ class ReplicaEngine:
         params = {"m." + k: v for k, v in self.stacked_params.items()}
         buffers = {"m." + k: v for k, v in self.stacked_buffers.items()}
 
-        def one(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], x: Any) -> torch.Tensor:
-            return functional_call(self._call, (p, b), (x, loss_fn))
+        fn = self._fns.get(loss_fn)
+        if fn is None:
+            def one(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], x: Any) -> torch.Tensor:
+                return functional_call(self._call, (p, b), (x, loss_fn))
 
+            fn = vmap(one, randomness="different")
+            if self.compile:
+                fn = torch.compile(fn)
+            self._fns[loss_fn] = fn
         for p in self.stacked_params.values():
             p.grad = None
-        losses = vmap(one, randomness="different")(params, buffers, batch)
+        losses = fn(params, buffers, batch)
         if losses.shape != (self.num_replicas,):
             raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(losses.shape[1:])}")
         losses.sum().backward()
-        N = self.num_replicas
         with torch.no_grad():
             for s in self.stacked_params.values():
                 if s.grad is not None:  # DDP's all-reduce over the replica axis: every replica gets the mean
-                    s.grad.copy_(s.grad.sum(0, keepdim=True).div_(N).expand_as(s.grad))
+                    s.grad.copy_(s.grad.mean(0, keepdim=True).expand_as(s.grad))
         return losses.detach()
 
     def _point_grads(self) -> None:
