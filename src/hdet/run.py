@@ -1,6 +1,7 @@
 """One training run of a task with HDET: in the one-process engine, or one replica per process under
 torchrun (DDP). Writes a run folder: ``config.json``, ``metrics.jsonl`` (training loss and LRs every
-``log_every`` steps, validation loss at evaluations), ``syncs.jsonl`` (one record per sync: step,
+``log_every`` steps, each the mean over replicas and over the steps since the previous record;
+validation loss at evaluations), ``syncs.jsonl`` (one record per sync: step,
 per-replica window losses, multipliers and values, controller weights w, Delta, velocity, base),
 ``summary.json``, ``model.pt`` (the averaged model) and optionally TensorBoard events under ``tb/``.
 """
@@ -144,8 +145,8 @@ class _EngineReplicas:
     def step(self, batches: list[Any]) -> torch.Tensor:
         return self.engine.step(batches, self.task.loss_fn)
 
-    def mean_loss(self, losses: torch.Tensor) -> float:
-        return losses.mean().item()  # host sync (logging steps only)
+    def mean_loss(self, loss_sum: torch.Tensor, count: int) -> float:
+        return loss_sum.item() / count / self.N  # host sync (logging steps only)
 
     def eval_model(self) -> nn.Module:
         return self.engine.models[0]
@@ -176,10 +177,10 @@ class _DDPReplicas:
         self.schedulers[0].step(loss)
         return loss.detach()[None]
 
-    def mean_loss(self, losses: torch.Tensor) -> float:
-        x = losses.sum().float()
+    def mean_loss(self, loss_sum: torch.Tensor, count: int) -> float:
+        x = loss_sum.clone()
         dist.all_reduce(x)  # collective + host sync below (logging steps only)
-        return x.item() / self.N
+        return x.item() / count / self.N
 
     def eval_model(self) -> nn.Module:
         return self.model
@@ -305,7 +306,8 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
     progress = _Progress(cfg.progress and rank == 0, cfg.steps, cfg.label or f"{cfg.task} x{N}")
     crashed, train_losses, val_curve = None, [], []
     t0 = time.perf_counter()
-    t = last_eval = 0
+    t = last_eval = n_logged = 0
+    loss_sum = torch.zeros((), device=device)
     try:
         for t in range(1, cfg.steps + 1):
             batches = [_to(task.sample("train", cfg.batch, gens[r]), device) for r in reps.local]
@@ -315,8 +317,11 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
                 crashed = f"step {t}: {e}"
                 break
             sync = sched0.is_sync_step(t)
+            loss_sum = loss_sum + losses.detach().float().sum()  # on the device: no host sync
+            n_logged += 1
             if t % cfg.log_every == 0 or sync or t == cfg.steps:
-                loss = reps.mean_loss(losses)
+                loss = reps.mean_loss(loss_sum, n_logged)  # mean over replicas and steps since the last record
+                loss_sum, n_logged = torch.zeros((), device=device), 0
                 train_losses.append((t, loss))
                 rec = {"step": t, "train_loss": loss,
                        "lr": dict(zip(groups, sched0.get_last_lr())),  # replica 0 (rank 0 under torchrun)
