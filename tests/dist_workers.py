@@ -203,3 +203,31 @@ def engine_run(world, *, steps=30, alpha=0.3, T=10, auto=False, warm=10, opt="ad
         lrs.append([s.get_last_lr()[0] for s in eng.schedulers])
     return {"params": [[p.detach().clone() for p in m.parameters()] for m in eng.models],
             "buffers": [{k: b.detach().clone() for k, b in m.named_buffers()} for m in eng.models], "lrs": lrs}
+
+
+def explore_hypers(rank, world, steps=30):
+    """DDP with weight decay (log), beta2 (additive) and a clipping norm (log) explored next to the LR."""
+    model = make_model(0)
+    ddp = DDP(model, broadcast_buffers=False)
+    o = torch.optim.AdamW(ddp.parameters(), lr=0.01, weight_decay=0.05)
+    clip = hdet.GradClip(1.0, alpha=1.0)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                            enable_auto_lr=True, auto_lr_warmup_steps=10, loss_scale=0.05, model=ddp, seed=3,
+                            cycle_momentum=False, explore=[hdet.WeightDecay(o, alpha=1.0), hdet.AdamBeta(o, 1), clip])
+    seen = []
+    for t in range(1, steps + 1):
+        x, y = batch(rank, t)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        o.zero_grad()
+        loss.backward()
+        clip.clip_(ddp.parameters())
+        o.step()
+        g = o.param_groups[0]
+        mine = torch.tensor([g["lr"], g["weight_decay"], g["betas"][1], clip.max_norm], dtype=torch.float64)
+        out = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(out, mine)
+        seen.append(torch.stack(out).tolist())
+        s.step(loss)
+    return {"seen": seen, "params": gather_flat(model.parameters()), "floats": all(
+        type(g["weight_decay"]) is float and all(type(b) is float for b in g["betas"]) for g in o.param_groups),
+        "names": s.last_sync.names, "ctrl": [c.delta for c in s.last_sync.controller]}

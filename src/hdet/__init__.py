@@ -2,6 +2,8 @@
 
 from .controller import PaperController, gamma_as_printed, gamma_decay, softmax_weights
 from .ensemble import Ensemble, HDETConfig, NonFiniteReplicaError, SyncRecord
+from .hyper import (AdamBeta, Dropout, GradClip, Hyperparameter, LabelSmoothing, Setter, Spread, WeightDecay,
+                    group_params)
 from .init import warm_init_
 from .replicas import ProcessGroupReplicas, Replicas, SingleReplica
 from .schedulers import HDETLR, OneCycleAutoLR
@@ -26,4 +28,13 @@ __all__ = [
     "Replicas",
     "SingleReplica",
     "ProcessGroupReplicas",
+    "Hyperparameter",
+    "Spread",
+    "WeightDecay",
+    "AdamBeta",
+    "Dropout",
+    "LabelSmoothing",
+    "GradClip",
+    "Setter",
+    "group_params",
 ]

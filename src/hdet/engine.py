@@ -95,10 +95,15 @@ class ReplicaEngine:
     to ``OneCycleAutoLR``/``HDETLR``. ``mode`` is ``"auto"``, ``"vmap"`` or ``"loop"`` (module
     docstring). :attr:`models` are the replicas' modules; in vmap mode their parameters and buffers
     are views of the stacked tensors :attr:`stacked_params` / :attr:`stacked_buffers`. ``compile=True``
-    runs the vmapped forward through ``torch.compile`` (vmap path only; the first steps compile)."""
+    runs the vmapped forward through ``torch.compile`` (vmap path only; the first steps compile).
+    ``before_optimizer_step(r, module, optimizer)`` runs for every replica after the gradients are
+    averaged (e.g. ``clip.clip_(module.parameters())`` with an explored :class:`hdet.GradClip`). Explored
+    hyperparameters that live in a module's Python state (dropout p, label smoothing, ...) make
+    ``mode="auto"`` use the loop: vmap would share one value across replicas."""
 
     def __init__(self, model: nn.Module, num_replicas: int, make_optimizer: MakeOptimizer,
-                 make_scheduler: MakeScheduler, *, mode: str = "auto", compile: bool = False) -> None:
+                 make_scheduler: MakeScheduler, *, mode: str = "auto", compile: bool = False,
+                 before_optimizer_step: Callable[[int, nn.Module, torch.optim.Optimizer], None] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"Expected mode in {MODES}, but got {mode!r}")
         self.group = LocalReplicaGroup(num_replicas)
@@ -116,6 +121,13 @@ class ReplicaEngine:
             if getattr(s, "ensemble", None) is None or s.ensemble.replicas is not self.group.views[r]:
                 raise ValueError("Expected make_scheduler to build an hdet scheduler with replicas=<the given view>")
         self.group.ensembles = [s.ensemble for s in self.schedulers]
+        unsafe = [h.name for h in self.schedulers[0].ensemble.hypers if not h.vmap_safe]
+        if unsafe and self.mode != "loop":
+            if mode == "vmap":
+                raise ValueError(f"Expected hyperparameters that vmap can batch, but {unsafe} live in the module's "
+                                 "Python state, which vmap shares across replicas: use mode='loop' or 'auto'")
+            self.mode = "loop"  # per-replica Python attributes (dropout p, ...) need one module call each
+        self.before_optimizer_step = before_optimizer_step
         self.steps_taken = 0
         self._call = _Call(self.models[0])
         self.compile = compile
@@ -241,6 +253,9 @@ class ReplicaEngine:
         if self.mode == "loop":
             per_replica = [_index_batch(batches, r) for r in range(N)] if stacked else list(batches)
             losses = self._loop_losses(per_replica, loss_fn)
+        if self.before_optimizer_step is not None:  # e.g. per-replica gradient clipping (hdet.GradClip)
+            for r, (m, o) in enumerate(zip(self.models, self.optimizers)):
+                self.before_optimizer_step(r, m, o)
         for o in self.optimizers:
             o.step()
         for s, loss in zip(self.schedulers, losses):

@@ -1,8 +1,9 @@
 """One HDET ensemble: observe losses -> at a sync step: converge (Eq. 3), control (Eqs. 4-8), deal (Eq. 9).
 
-The ensemble explores one scalar per "slot" (here: the learning rate of each optimizer param group;
-paper section 3.4). Slot ``j`` has a base value, a permutation ``pi_j`` (replica ``r`` uses multiplier
-``rho[pi_j[r]]``) and, once auto-LR has started, a controller that owns its base value.
+The ensemble explores one scalar per "slot": the learning rate of each optimizer param group (paper
+section 3.4), then any extra :class:`~hdet.hyper.Hyperparameter` (Remark 1). Slot ``j`` has a base
+value, a :class:`~hdet.hyper.Spread`, a permutation ``pi_j`` (replica ``r`` takes position ``pi_j[r]``
+of the spread) and, once the controller has started, a controller that owns its base value.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from .controller import ControllerStep, PaperController
+from .hyper import Hyperparameter, Spread
 from .replicas import Replicas
 from .spread import Dealer, check_alpha, linear_multipliers
 
@@ -97,9 +99,11 @@ class SyncRecord:
 
     step: int
     losses: list[float] | None
-    multipliers: list[list[float]]  # per slot, per replica, after dealing
+    multipliers: list[list[float]]  # per slot, per replica, after dealing (offsets for additive spreads)
     bases: list[float]  # per slot, after the update
-    controller: list[ControllerStep] | None
+    controller: list[ControllerStep] | None  # per slot; log-spread slots in log space
+    names: list[str] | None = None  # per slot: "lr/<group>" or the hyperparameter's name
+    values: list[list[float]] | None = None  # per slot, per replica: the value for the next window
 
 
 MakeController = Callable[[int, float], PaperController]
@@ -114,17 +118,30 @@ class Ensemble:
         replicas: Replicas,
         optimizer: torch.optim.Optimizer,
         model: nn.Module | None = None,
+        hypers: list[Hyperparameter] | tuple[Hyperparameter, ...] = (),
     ) -> None:
         config.validate()
+        hypers = list(hypers)
+        for h in hypers:
+            if not isinstance(h, Hyperparameter):
+                raise ValueError(f"Expected explore= to hold hdet hyperparameters, but got {type(h).__name__}")
+        names = [h.name for h in hypers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Expected distinct hyperparameter names, but got {names}")
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"Expected model to be a torch.nn.Module, but got {type(model).__name__}")
         self.config = config
         self.replicas = replicas
         self.optimizer = optimizer
         self.model = model
-        self.num_slots = len(optimizer.param_groups)
+        self.hypers = hypers
+        self.num_lr_slots = len(optimizer.param_groups)
+        self.num_slots = self.num_lr_slots + len(hypers)
         N = replicas.world_size
         self.rho = linear_multipliers(N, config.alpha)  # Eq. 1
+        self.spreads = [Spread("linear", config.alpha)] * self.num_lr_slots + [h.spread for h in hypers]
+        self.offsets = [list(self.rho)] * self.num_lr_slots + [h.spread.offsets(N) for h in hypers]
+        self.names = [f"lr/{g.get('name', j)}" for j, g in enumerate(optimizer.param_groups)] + names
         self.perms: list[list[int]] = [list(range(N)) for _ in range(self.num_slots)]  # rank r -> rho_r
         self.current_bases: list[float] = [0.0] * self.num_slots
         self.controllers: list[PaperController | None] = [None] * self.num_slots
@@ -169,21 +186,29 @@ class Ensemble:
         return t > 0 and (t % self.config.sync_interval == 0 or t == self.total_steps)
 
     def multiplier(self, j: int) -> float:
-        """This replica's multiplier for slot ``j``: ``rho[pi_j[rank]]`` (Eq. 9)."""
-        return self.rho[self.perms[j][self.replicas.rank]]
+        """This replica's multiplier (offset for additive spreads) for slot ``j``: ``rho[pi_j[rank]]`` (Eq. 9)."""
+        return self.offsets[j][self.perms[j][self.replicas.rank]]
 
     def values(self, scheduled_bases: list[float]) -> list[float]:
-        """This replica's values for the next step: ``base_j * rho[pi_j[rank]]`` (Eqs. 1, 9).
+        """This replica's values for the next step, one per slot: ``base_j * rho[pi_j[rank]]`` for the LR
+        (Eqs. 1, 9), the slot's spread for other hyperparameters, clamped into their bounds.
 
-        ``scheduled_bases`` come from the base schedule; a slot whose controller has started
+        ``scheduled_bases`` come from the base schedules; a slot whose controller has started
         uses the controller's base instead (Eq. 7 replaces the schedule)."""
+        if len(scheduled_bases) != self.num_slots:
+            raise ValueError(f"Expected {self.num_slots} base values, but got {len(scheduled_bases)}")
         out = []
         for j, b in enumerate(scheduled_bases):
             controlled = self._controlled[j]
             base = controlled if controlled is not None else b
             self.current_bases[j] = base
-            out.append(base * self.multiplier(j))
+            out.append(self.spreads[j].apply(base, self.multiplier(j)))
         return out
+
+    def all_values(self) -> list[list[float]]:
+        """Every replica's value per slot, from the current bases (what each replica uses next)."""
+        return [[self.spreads[j].apply(self.current_bases[j], self.offsets[j][p]) for p in self.perms[j]]
+                for j in range(self.num_slots)]
 
     # ----------------------------------------------------------------- losses
     def observe(self, loss: torch.Tensor | float) -> None:
@@ -299,9 +324,11 @@ class Ensemble:
         record = SyncRecord(
             step=t,
             losses=losses if any(counts) else None,
-            multipliers=[[self.rho[p] for p in perm] for perm in self.perms],
+            multipliers=[[self.offsets[j][p] for p in perm] for j, perm in enumerate(self.perms)],
             bases=list(self.current_bases),
             controller=steps,
+            names=list(self.names),
+            values=self.all_values(),
         )
         self._loss_sum = None
         self._loss_count = 0
@@ -315,16 +342,21 @@ class Ensemble:
         if self.make_controller is None:
             raise RuntimeError("auto-LR is on but the scheduler gave the ensemble no controller factory")
         steps = []
+        c = self.config
         for j in range(self.num_slots):
+            spread = self.spreads[j]
             if self.controllers[j] is None:
-                self.controllers[j] = self.make_controller(j, self.current_bases[j])
+                self.controllers[j] = (
+                    self.make_controller(j, self.current_bases[j]) if j < self.num_lr_slots
+                    else PaperController(beta=c.beta, sigma=c.sigma, lam=c.lam, gamma=0.0, bounds=spread.ctrl_bounds()))
             ctrl = self.controllers[j]
             assert ctrl is not None
-            values = [self.current_bases[j] * self.rho[p] for p in self.perms[j]]  # eta_r, Eq. 5
-            step = ctrl.update(values, losses)
-            self._controlled[j] = step.new_base
-            self.current_bases[j] = step.new_base
-            self.perms[j] = self.dealer.permutation(len(self.rho))  # Eq. 9
+            values = [spread.apply(self.current_bases[j], self.offsets[j][p]) for p in self.perms[j]]  # h_r, Eq. 5
+            step = ctrl.update([spread.to_ctrl(v) for v in values], losses)  # Eqs. 4-7 (log space for log spreads)
+            new_base = step.new_base if j < self.num_lr_slots else spread.from_ctrl(step.new_base)
+            self._controlled[j] = new_base
+            self.current_bases[j] = new_base
+            self.perms[j] = self.dealer.permutation(len(self.rho))  # Eq. 9, one permutation per slot
             steps.append(step)
         return steps
 
@@ -343,6 +375,7 @@ class Ensemble:
             "loss_sum": None if self._loss_sum is None else self._loss_sum.detach().cpu().clone(),
             "loss_count": self._loss_count,
             "total_steps": self.total_steps,
+            "names": list(self.names),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -351,9 +384,10 @@ class Ensemble:
             raise ValueError(
                 f"Expected a state saved with {N} replicas, but got one saved with {state['world_size']}"
             )
-        if len(state["perms"]) != self.num_slots:
+        names = state.get("names", self.names[: len(state["perms"])])
+        if len(state["perms"]) != self.num_slots or list(names) != self.names:
             raise ValueError(
-                f"Expected a state for {self.num_slots} param groups, but got one for {len(state['perms'])}"
+                f"Expected a state for the explored slots {self.names}, but got one for {list(names)}"
             )
         if state["rank"] != self.replicas.rank and state["loss_count"]:
             warnings.warn(
@@ -366,6 +400,9 @@ class Ensemble:
         config.validate()
         self.config = config
         self.rho = [float(x) for x in state["rho"]]
+        n_lr = self.num_lr_slots
+        self.spreads[:n_lr] = [Spread("linear", config.alpha)] * n_lr
+        self.offsets[:n_lr] = [list(self.rho)] * n_lr
         self.perms = [[int(i) for i in p] for p in state["perms"]]
         self.current_bases = [float(x) for x in state["current_bases"]]
         self._controlled = [None if x is None else float(x) for x in state["controlled"]]

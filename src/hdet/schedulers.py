@@ -17,6 +17,7 @@ from torch.optim.lr_scheduler import LRScheduler, OneCycleLR
 
 from .controller import PaperController, gamma_as_printed, gamma_decay
 from .ensemble import Ensemble, HDETConfig, SyncRecord
+from .hyper import AdamBeta, Hyperparameter
 from .replicas import DEFAULT_BUCKET_CAP_MB, Replicas, resolve_replicas
 
 __all__ = ["OneCycleAutoLR", "HDETLR"]
@@ -36,9 +37,11 @@ class _EnsembleScheduler(LRScheduler):
 
     def _init_ensemble(self, optimizer: torch.optim.Optimizer, config: HDETConfig, model: nn.Module | None,
                        replicas: Replicas | None, rank: int | None, world_size: int | None,
-                       process_group: Any, bucket_cap_mb: float) -> None:
+                       process_group: Any, bucket_cap_mb: float, explore: Sequence[Hyperparameter] = ()) -> None:
+        if isinstance(explore, Hyperparameter):
+            explore = [explore]
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb)
-        self._hdet = Ensemble(config, resolved, optimizer, model)
+        self._hdet = Ensemble(config, resolved, optimizer, model, list(explore))
         self._hdet.make_controller = self._make_controller
 
     # -- the schedule underneath ------------------------------------------------------------
@@ -84,7 +87,13 @@ class _EnsembleScheduler(LRScheduler):
 
     # -- LRScheduler -------------------------------------------------------------------------
     def get_lr(self) -> list[float]:  # type: ignore[override]
-        return self._hdet.values([_float(b) for b in self._scheduled_bases()])  # Eqs. 1, 9
+        """This replica's LR per group (Eqs. 1, 9); also sets every explored hyperparameter's value."""
+        ens = self._hdet
+        bases = [_float(b) for b in self._scheduled_bases()] + [h.base(self.last_epoch) for h in ens.hypers]
+        values = ens.values(bases)
+        for h, v in zip(ens.hypers, values[ens.num_lr_slots:]):
+            h.set(v)
+        return values[: ens.num_lr_slots]
 
     def step(self, loss: torch.Tensor | float | None = None) -> None:  # type: ignore[override]
         """Call after ``optimizer.step()``, with that step's training loss (needed by auto-LR).
@@ -113,12 +122,17 @@ class _EnsembleScheduler(LRScheduler):
     @property
     def multipliers(self) -> list[float]:
         """This replica's current multiplier per param group."""
-        return [self._hdet.multiplier(j) for j in range(self._hdet.num_slots)]
+        return [self._hdet.multiplier(j) for j in range(self._hdet.num_lr_slots)]
 
     @property
     def base_lrs_now(self) -> list[float]:
         """The base (pre-multiplier) learning rate per group in effect for the next step."""
-        return list(self._hdet.current_bases)
+        return list(self._hdet.current_bases[: self._hdet.num_lr_slots])
+
+    @property
+    def hyperparameters(self) -> dict[str, float]:
+        """This replica's current value of every explored hyperparameter other than the LR."""
+        return {h.name: h.get() for h in self._hdet.hypers}
 
     @property
     def rank(self) -> int:
@@ -144,6 +158,7 @@ class _EnsembleScheduler(LRScheduler):
     def state_dict(self) -> dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items() if k not in self._STATE_EXCLUDE}
         state["hdet"] = self._hdet.state_dict()
+        state["hdet"]["hyper_values"] = [h.get() for h in self._hdet.hypers]  # restored exactly on load
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -155,6 +170,8 @@ class _EnsembleScheduler(LRScheduler):
         state = {k: v for k, v in state_dict.items() if k not in self._STATE_EXCLUDE and k != "hdet"}
         self._hdet.load_state_dict(state_dict["hdet"])
         self.__dict__.update(state)
+        for h, v in zip(self._hdet.hypers, state_dict["hdet"].get("hyper_values", [])):
+            h.set(v)
 
 
 def _is_pair(x: Any) -> bool:
@@ -177,7 +194,8 @@ class OneCycleAutoLR(_EnsembleScheduler, OneCycleLR):
     ("decay": gamma takes the base from its value when auto-LR starts to OneCycle's ``min_lr``;
     "as_printed": the paper's formula, which grows the LR), ``auto_lr_bounds`` (default: per group
     ``(min_lr, 10 * max_lr)``), ``seed`` (of the permutation generator; identical on all ranks),
-    ``average_optimizer_state``, ``process_group``, ``replicas``, ``bucket_cap_mb``.
+    ``average_optimizer_state``, ``process_group``, ``replicas``, ``bucket_cap_mb``, ``explore`` (extra
+    hyperparameters to spread and control, :mod:`hdet.hyper`).
     """
 
     def __init__(
@@ -214,16 +232,22 @@ class OneCycleAutoLR(_EnsembleScheduler, OneCycleLR):
         process_group: Any = None,
         replicas: Replicas | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        explore: Sequence[Hyperparameter] = (),
     ) -> None:
         config = HDETConfig(
             alpha=ensemble_lr_spread_ratio, sync_interval=model_sync_interval, auto_lr=enable_auto_lr,
             auto_lr_warmup_steps=auto_lr_warmup_steps, sigma=loss_scale, lam=lr_of_lr, beta=momentum_of_lr,
             eq8=eq8, seed=seed, average_optimizer_state=average_optimizer_state,
         )
+        if cycle_momentum and any(isinstance(h, AdamBeta) and h.index == 0 for h in
+                                  ([explore] if isinstance(explore, Hyperparameter) else explore)):
+            raise ValueError("Expected cycle_momentum=False when exploring beta1 (AdamBeta(index=0)): "
+                             "OneCycleLR's momentum cycle would overwrite it")
         # Attributes first: OneCycleLR.__init__ already calls self.step().
         self.div_factor = float(div_factor)
         self.final_div_factor = float(final_div_factor)
-        self._init_ensemble(optimizer, config, model, replicas, rank, world_size, process_group, bucket_cap_mb)
+        self._init_ensemble(optimizer, config, model, replicas, rank, world_size, process_group, bucket_cap_mb,
+                            explore)
         self.total_steps = 0  # set for real by OneCycleLR.__init__ before its first step
         self.optimizer = optimizer
         self._set_bounds(auto_lr_bounds)
@@ -289,6 +313,7 @@ class HDETLR(_EnsembleScheduler):
         replicas: Replicas | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         last_epoch: int = -1,
+        explore: Sequence[Hyperparameter] = (),
     ) -> None:
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0:
             raise ValueError(f"Expected positive integer total_steps, but got {total_steps!r}")
@@ -311,7 +336,8 @@ class HDETLR(_EnsembleScheduler):
         )
         self.total_steps = total_steps
         self.optimizer = optimizer
-        self._init_ensemble(optimizer, config, model, replicas, rank, world_size, process_group, bucket_cap_mb)
+        self._init_ensemble(optimizer, config, model, replicas, rank, world_size, process_group, bucket_cap_mb,
+                            explore)
         self._hdet.set_total_steps(total_steps)
         self._constant = [_float(g["lr"]) for g in optimizer.param_groups]
         self._final = self._resolve_final(final_lr)

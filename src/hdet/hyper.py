@@ -1,0 +1,275 @@
+"""Explored hyperparameters beyond the learning rate (paper Remark 1, section 3.4).
+
+Any scalar that leaves the architecture unchanged can be spread across replicas and steered by the
+controller: each :class:`Hyperparameter` can read its current value on this replica, set it, and
+carries a :class:`Spread` (how replicas' values are placed around the base, and the bounds they never
+leave). Pass them to a scheduler: ``OneCycleAutoLR(..., explore=[WeightDecay(opt), Dropout(model)])``.
+Each gets its own synchronised permutation and, with the controller on, its own velocity.
+
+Built-ins: :class:`WeightDecay` (per param group), :class:`AdamBeta`, :class:`Dropout` (chosen
+modules), :class:`LabelSmoothing` (a loss object), :class:`GradClip` (a clipping norm you apply), and
+:class:`Setter` (any getter/setter pair, e.g. an attention temperature).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .spread import linear_multipliers
+
+__all__ = ["Spread", "Hyperparameter", "WeightDecay", "AdamBeta", "Dropout", "LabelSmoothing", "GradClip",
+           "Setter", "group_params"]
+
+KINDS = ("linear", "log", "additive")
+UNIT = (0.0, 0.999)  # [0, 1) values (dropout, label smoothing) stay at most here
+
+
+@dataclass(frozen=True)
+class Spread:
+    """How N replicas' values sit around a base value ``b``; position ``z_r = (r - (N-1)/2) / delta`` in
+    [-1, 1] (Eq. 1's normalisation):
+
+    * ``"linear"`` (Eq. 1): ``b * (1 + alpha z)``, alpha in [0, 1);
+    * ``"log"`` (scale-like values): ``b * (1 + alpha)^z``, so the extremes are ``b * rho`` and ``b / rho``
+      (alpha >= 0); the controller then works on ``log(value)``;
+    * ``"additive"``: ``b + alpha z`` (alpha >= 0), for values whose base may be 0 (dropout).
+
+    Values, and the controller's new base, are clamped into ``bounds`` (inclusive)."""
+
+    kind: str = "linear"
+    alpha: float = 0.0
+    bounds: tuple[float, float] | None = None  # default: (0, inf) for log, unbounded otherwise
+
+    def __post_init__(self) -> None:
+        if self.bounds is None:
+            object.__setattr__(self, "bounds", (0.0, math.inf) if self.kind == "log" else (-math.inf, math.inf))
+        if self.kind not in KINDS:
+            raise ValueError(f"Expected a spread kind in {KINDS}, but got {self.kind!r}")
+        a = self.alpha
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) or a < 0 or (
+                self.kind == "linear" and a >= 1):
+            want = "0 <= alpha < 1" if self.kind == "linear" else "a finite alpha >= 0"
+            raise ValueError(f"Expected {want} for a {self.kind} spread, but got {a!r}")
+        lo, hi = self.bounds  # type: ignore[misc]
+        if not lo <= hi:
+            raise ValueError(f"Expected bounds (low, high) with low <= high, but got {self.bounds!r}")
+        if self.kind == "log" and lo < 0:
+            raise ValueError(f"Expected bounds >= 0 for a log spread (values are scales), but got {self.bounds!r}")
+
+    def offsets(self, n: int) -> list[float]:
+        """Per position: the multiplier (linear, log) or the offset (additive)."""
+        if self.kind == "linear":
+            return linear_multipliers(n, self.alpha)
+        centre, delta = (n - 1) / 2, max((n - 1) / 2, 0.5)
+        z = [(r - centre) / delta for r in range(n)]
+        return [(1.0 + self.alpha) ** x for x in z] if self.kind == "log" else [self.alpha * x for x in z]
+
+    def clamp(self, v: float) -> float:
+        return min(max(v, self.bounds[0]), self.bounds[1])
+
+    def apply(self, base: float, offset: float) -> float:
+        return self.clamp(base + offset if self.kind == "additive" else base * offset)
+
+    # the controller's space: log for scale-like values
+    def to_ctrl(self, v: float) -> float:
+        return (math.log(v) if v > 0 else -math.inf) if self.kind == "log" else v
+
+    def from_ctrl(self, x: float) -> float:
+        return self.clamp(math.exp(x) if self.kind == "log" else x)
+
+    def ctrl_bounds(self) -> tuple[float, float]:
+        return (self.to_ctrl(self.bounds[0]), self.to_ctrl(self.bounds[1])) if self.kind == "log" else self.bounds
+
+
+class Hyperparameter:
+    """One explored scalar. Subclasses implement :meth:`get` and :meth:`set`.
+
+    ``base`` is the value the spread is centred on: by default the value read when the object is
+    made; ``schedule(step) -> base`` replaces it with a schedule. ``vmap_safe`` is False for values
+    that live in a module's or loss's Python state, which the engine's vmap path shares across
+    replicas (the engine then runs its loop)."""
+
+    vmap_safe = True
+
+    def __init__(self, name: str, spread: Spread, base: float | None = None,
+                 schedule: Callable[[int], float] | None = None) -> None:
+        if not isinstance(spread, Spread):
+            raise ValueError(f"Expected spread to be an hdet.Spread, but got {type(spread).__name__}")
+        self.name = name
+        self.spread = spread
+        self.schedule = schedule
+        start = self.get() if base is None else float(base)
+        if not math.isfinite(start) or spread.clamp(start) != start:
+            raise ValueError(f"Expected {name}'s base value inside {spread.bounds}, but got {start!r}")
+        self.initial = start
+
+    def get(self) -> float:
+        raise NotImplementedError
+
+    def set(self, value: float) -> None:
+        raise NotImplementedError
+
+    def base(self, step: int) -> float:
+        return float(self.schedule(step)) if self.schedule is not None else self.initial
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, {self.spread})"
+
+
+def _group_index(optimizer: torch.optim.Optimizer, group: int | str) -> int:
+    groups = optimizer.param_groups
+    if isinstance(group, int) and not isinstance(group, bool) and 0 <= group < len(groups):
+        return group
+    names = [g.get("name") for g in groups]
+    if isinstance(group, str) and group in names:
+        return names.index(group)
+    raise ValueError(f"Expected a param group index in [0, {len(groups)}) or a name in {names}, but got {group!r}")
+
+
+class WeightDecay(Hyperparameter):
+    """``param_groups[group]['weight_decay']``, explored on a log scale by default (x (1+alpha)^{+-1})."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, group: int | str = 0, alpha: float = 1.0,
+                 kind: str = "log", bounds: tuple[float, float] = (0.0, math.inf), **kw: Any) -> None:
+        self.group = optimizer.param_groups[_group_index(optimizer, group)]
+        if "weight_decay" not in self.group:
+            raise ValueError(f"Expected an optimizer with weight_decay, but {type(optimizer).__name__} has none")
+        name = self.group.get("name", str(_group_index(optimizer, group)))
+        super().__init__(f"weight_decay/{name}", Spread(kind, alpha, bounds), **kw)
+
+    @classmethod
+    def per_group(cls, optimizer: torch.optim.Optimizer, **kw: Any) -> list[WeightDecay]:
+        """One per param group whose weight decay is not 0 (a log spread of 0 stays 0)."""
+        return [cls(optimizer, j, **kw) for j, g in enumerate(optimizer.param_groups) if g.get("weight_decay")]
+
+    def get(self) -> float:
+        return float(self.group["weight_decay"])
+
+    def set(self, value: float) -> None:
+        self.group["weight_decay"] = float(value)
+
+
+class AdamBeta(Hyperparameter):
+    """``betas[index]`` of one param group (Adam, AdamW, ...); additive spread in [0, 0.9999] by default."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, index: int = 0, group: int | str = 0, alpha: float = 0.02,
+                 kind: str = "additive", bounds: tuple[float, float] = (0.0, 0.9999), **kw: Any) -> None:
+        j = _group_index(optimizer, group)
+        self.group = optimizer.param_groups[j]
+        if "betas" not in self.group or index not in (0, 1):
+            raise ValueError(f"Expected an optimizer with betas and index 0 or 1, but got "
+                             f"{type(optimizer).__name__} and index {index!r}")
+        if isinstance(self.group["betas"][index], torch.Tensor):
+            raise ValueError("Expected float betas; tensor betas are not supported")
+        self.index = index
+        super().__init__(f"beta{index + 1}/{self.group.get('name', str(j))}", Spread(kind, alpha, bounds), **kw)
+
+    def get(self) -> float:
+        return float(self.group["betas"][self.index])
+
+    def set(self, value: float) -> None:
+        betas = list(self.group["betas"])
+        betas[self.index] = float(value)
+        self.group["betas"] = tuple(betas)
+
+
+class Dropout(Hyperparameter):
+    """The probability ``p`` of every ``nn.Dropout*`` module inside ``modules`` (one shared value);
+    additive spread, kept in [0, 0.999]."""
+
+    vmap_safe = False
+
+    def __init__(self, modules: nn.Module | Iterable[nn.Module], alpha: float = 0.05, kind: str = "additive",
+                 bounds: tuple[float, float] = UNIT, name: str = "dropout", **kw: Any) -> None:
+        roots = [modules] if isinstance(modules, nn.Module) else list(modules)
+        self.modules = [m for root in roots for m in root.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+        if not self.modules:
+            raise ValueError("Expected at least one nn.Dropout module to explore, but found none")
+        super().__init__(name, Spread(kind, alpha, bounds), **kw)
+
+    def get(self) -> float:
+        return float(self.modules[0].p)
+
+    def set(self, value: float) -> None:
+        for m in self.modules:
+            m.p = float(value)
+
+
+class LabelSmoothing(Hyperparameter):
+    """``label_smoothing`` of a loss object (e.g. ``nn.CrossEntropyLoss``); additive, kept in [0, 0.999]."""
+
+    vmap_safe = False
+
+    def __init__(self, loss: Any, alpha: float = 0.05, kind: str = "additive", bounds: tuple[float, float] = UNIT,
+                 **kw: Any) -> None:
+        if not hasattr(loss, "label_smoothing"):
+            raise ValueError(f"Expected a loss with a label_smoothing attribute, but got {type(loss).__name__}")
+        self.loss = loss
+        super().__init__("label_smoothing", Spread(kind, alpha, bounds), **kw)
+
+    def get(self) -> float:
+        return float(self.loss.label_smoothing)
+
+    def set(self, value: float) -> None:
+        self.loss.label_smoothing = float(value)
+
+
+class GradClip(Hyperparameter):
+    """A gradient-clipping norm that you apply: ``clip.clip_(model.parameters())`` between
+    ``loss.backward()`` and ``optimizer.step()`` (in the engine: ``before_optimizer_step``). Log spread."""
+
+    def __init__(self, max_norm: float, alpha: float = 1.0, kind: str = "log",
+                 bounds: tuple[float, float] = (1e-8, math.inf), **kw: Any) -> None:
+        self.max_norm = float(max_norm)
+        super().__init__("grad_clip_norm", Spread(kind, alpha, bounds), **kw)
+
+    def get(self) -> float:
+        return self.max_norm
+
+    def set(self, value: float) -> None:
+        self.max_norm = float(value)
+
+    def clip_(self, parameters: Iterable[torch.Tensor]) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(parameters, self.max_norm)
+
+
+class Setter(Hyperparameter):
+    """Any scalar through a getter/setter pair, e.g. an attention temperature:
+    ``Setter("temperature", lambda: attn.scale, lambda v: setattr(attn, "scale", v), Spread("log", 0.2, (0, inf)))``.
+    ``vmap_safe`` defaults to False (the value usually lives in the module)."""
+
+    def __init__(self, name: str, get: Callable[[], float], set: Callable[[float], None], spread: Spread,
+                 vmap_safe: bool = False, **kw: Any) -> None:
+        self._get, self._set = get, set
+        self.vmap_safe = vmap_safe
+        super().__init__(name, spread, **kw)
+
+    def get(self) -> float:
+        return float(self._get())
+
+    def set(self, value: float) -> None:
+        self._set(float(value))
+
+
+def group_params(model: nn.Module, group_of: Callable[[str, nn.Parameter], str],
+                 **per_group: dict[str, Any]) -> list[dict[str, Any]]:
+    """Optimizer param groups by a user-given grouping: ``group_of(name, param) -> group name``, in
+    first-seen order, each with ``name`` set (its LR is explored separately) and ``per_group[name]``'s
+    options, e.g. the paper's four groups::
+
+        group_params(model, lambda n, p: "embedding" if "emb" in n else "no_decay" if p.ndim < 2 else
+                     "transformer" if "blocks" in n else "non_embedding", no_decay={"weight_decay": 0.0})
+    """
+    groups: dict[str, list[nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        groups.setdefault(group_of(name, p), []).append(p)
+    unknown = set(per_group) - set(groups)
+    if unknown:
+        raise ValueError(f"Expected options only for existing groups {sorted(groups)}, but got {sorted(unknown)}")
+    return [{"params": ps, "name": g, **per_group.get(g, {})} for g, ps in groups.items()]

@@ -1,0 +1,251 @@
+"""Explored hyperparameters beyond the LR: spreads, bounds, per-hyperparameter control, independence of
+assignments, telemetry, state, engine and torchrun behaviour."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import hdet
+from hdet import AdamBeta, Dropout, GradClip, LabelSmoothing, Setter, Spread, WeightDecay
+from helpers import ScriptedReplicas
+
+
+def _sgd(wd=0.01):
+    m = nn.Linear(3, 1)
+    return m, torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=wd)
+
+
+# --------------------------------------------------------------------------- spreads
+def test_spread_kinds_and_bounds():
+    lin = Spread("linear", 0.2).offsets(4)
+    assert lin == hdet.linear_multipliers(4, 0.2)
+    log = Spread("log", 1.0).offsets(4)
+    assert log[0] == pytest.approx(0.5) and log[-1] == pytest.approx(2.0)  # rho and 1/rho
+    assert all(a * b == pytest.approx(1.0) for a, b in zip(log, reversed(log)))  # log-symmetric
+    assert math.prod(log) == pytest.approx(1.0)
+    add = Spread("additive", 0.1, (0.0, 0.999))
+    assert add.offsets(3) == pytest.approx([-0.1, 0.0, 0.1])
+    assert [add.apply(0.05, o) for o in add.offsets(3)] == pytest.approx([0.0, 0.05, 0.15])  # clamped at 0
+    assert add.apply(0.95, 0.1) == 0.999  # never reaches 1
+    with pytest.raises(ValueError, match="0 <= alpha < 1 for a linear spread, but got 1.0"):
+        Spread("linear", 1.0)
+    with pytest.raises(ValueError, match="spread kind in"):
+        Spread("cubic", 0.1)
+    with pytest.raises(ValueError, match="bounds >= 0 for a log spread"):
+        Spread("log", 0.5, (-1.0, 1.0))
+    with pytest.raises(ValueError, match="low <= high"):
+        Spread("additive", 0.1, (1.0, 0.0))
+
+
+def test_builtins_get_set_and_bad_input():
+    m, opt = _sgd()
+    wd = WeightDecay(opt)
+    assert wd.get() == 0.01 and wd.name == "weight_decay/0"
+    wd.set(0.02)
+    assert opt.param_groups[0]["weight_decay"] == 0.02 and type(opt.param_groups[0]["weight_decay"]) is float
+    b1 = AdamBeta(opt, index=1)
+    b1.set(0.99)
+    assert opt.param_groups[0]["betas"] == (0.9, 0.99) and all(type(b) is float for b in opt.param_groups[0]["betas"])
+    net = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.3), nn.Sequential(nn.Dropout(0.3)))
+    d = Dropout(net)
+    d.set(0.1)
+    assert [x.p for x in net.modules() if isinstance(x, nn.Dropout)] == [0.1, 0.1]
+    ce = nn.CrossEntropyLoss(label_smoothing=0.1)
+    LabelSmoothing(ce).set(0.2)
+    assert ce.label_smoothing == 0.2
+    box = {"t": 1.0}
+    temp = Setter("temperature", lambda: box["t"], lambda v: box.__setitem__("t", v), Spread("log", 0.2))
+    temp.set(2.0)
+    assert box["t"] == 2.0 and not temp.vmap_safe
+    clip = GradClip(1.0)
+    m(torch.ones(1, 3)).sum().mul(100).backward()
+    clip.set(0.5)
+    clip.clip_(m.parameters())
+    assert torch.cat([p.grad.flatten() for p in m.parameters()]).norm() <= 0.5 + 1e-6
+    with pytest.raises(ValueError, match="at least one nn.Dropout"):
+        Dropout(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="param group index in"):
+        WeightDecay(opt, group=3)
+    with pytest.raises(ValueError, match="label_smoothing attribute"):
+        LabelSmoothing(nn.MSELoss())
+    with pytest.raises(ValueError, match=r"base value inside \(0.0, 0.999\), but got 1.5"):
+        Dropout(net, base=1.5)
+    with pytest.raises(ValueError, match="distinct hyperparameter names"):
+        hdet.HDETLR(opt, None, 10, explore=[WeightDecay(opt), WeightDecay(opt)])
+    with pytest.raises(ValueError, match="hdet hyperparameters"):
+        hdet.HDETLR(opt, None, 10, explore=["dropout"])
+    with pytest.raises(ValueError, match="cycle_momentum=False when exploring beta1"):
+        hdet.OneCycleAutoLR(opt, max_lr=0.1, total_steps=10, explore=[AdamBeta(opt, 0)])
+
+
+def test_values_spread_from_step_one_and_all_replicas_form_the_spread():
+    """Replica r of 4 applies its own weight decay from the first step; across replicas the values are the
+    spread's, a permutation after each controller sync; bounds hold for dropout."""
+    seen = []
+    for r in range(4):
+        m, opt = _sgd(0.01)
+        net = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.02))
+        s = hdet.HDETLR(opt, None, 20, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                        replicas=ScriptedReplicas(r, 4, lambda: [1.0, 1.0, 1.0, 1.0]),
+                        explore=[WeightDecay(opt, alpha=1.0), Dropout(net, alpha=0.05)])
+        seen.append((opt.param_groups[0]["weight_decay"], net[1].p))
+    assert sorted(w for w, _ in seen) == pytest.approx([0.005, 0.01 * 2 ** (-1 / 3), 0.01 * 2 ** (1 / 3), 0.02])
+    assert sorted(p for _, p in seen) == pytest.approx([0.0, 0.02 - 0.05 / 3, 0.02 + 0.05 / 3, 0.07])  # 0.02-0.05 -> 0
+    assert min(p for _, p in seen) >= 0
+
+
+def _ensemble_with(hypers, N=4, rank=0, alpha=0.2, auto=True, T=1, warm=0, sigma=0.1, script=None):
+    m, opt = _sgd()
+    s = hdet.HDETLR(opt, None, 100_000, ensemble_lr_spread_ratio=alpha, model_sync_interval=T,
+                    enable_auto_lr=auto, auto_lr_warmup_steps=warm, loss_scale=sigma,
+                    replicas=ScriptedReplicas(rank, N, script or (lambda: [1.0] * N)), explore=hypers(opt))
+    return s, opt
+
+
+def _chi_square(counts):
+    n = sum(map(sum, counts))
+    rows, cols = [sum(r) for r in counts], [sum(c) for c in zip(*counts)]
+    return sum((counts[i][j] - rows[i] * cols[j] / n) ** 2 / (rows[i] * cols[j] / n)
+               for i in range(len(rows)) for j in range(len(cols)))
+
+
+def test_assignments_of_two_hyperparameters_are_independent():
+    """Over 3000 controller syncs, the joint counts of (replica 0's position for the LR, for the weight
+    decay) pass a chi-square test of independence (df 9, p = 0.001 critical value 27.88); the same test
+    does flag a dependent pairing, so it can fail."""
+    N = 4
+    s, opt = _ensemble_with(lambda o: [WeightDecay(o)], N=N)
+    ens = s.ensemble
+    joint = [[0] * N for _ in range(N)]
+    dependent = [[0] * N for _ in range(N)]
+    prev_lr = 0
+    for _ in range(3000):
+        opt.step()
+        s.step(torch.tensor(1.0))
+        a, b = ens.perms[0][0], ens.perms[1][0]
+        joint[a][b] += 1
+        dependent[a][prev_lr] += 1  # position now against the LR's own previous position: independent too
+        prev_lr = a
+    assert _chi_square(joint) < 27.88
+    assert _chi_square([[n if i == j else 0 for j, n in enumerate(row)] for i, row in enumerate(joint)]) > 27.88
+    assert all(c > 0 for row in joint for c in row)
+    assert _chi_square(dependent) < 27.88
+
+
+def test_controller_runs_per_hyperparameter_in_log_space():
+    """A log-spread weight decay: the controller sees log(value), its base moves toward the replica with
+    the lowest loss, and the recorded telemetry names every slot with every replica's value."""
+    N = 4
+    s, opt = _ensemble_with(lambda o: [WeightDecay(o, alpha=1.0)], N=N, alpha=0.0, sigma=0.05)
+    ens = s.ensemble
+    bases = []
+    for _ in range(6):
+        wds = ens.all_values()[1]  # every replica's weight decay this window
+        best = min(range(N), key=lambda r: wds[r])  # the replica with the smallest weight decay ...
+        losses = [1.0 + (0.0 if r == best else 0.2) for r in range(N)]  # ... has the lowest loss
+        ens.replicas.window_losses = lambda losses=losses: losses
+        opt.step()
+        s.step(torch.tensor(1.0))
+        rec = s.last_sync
+        step = rec.controller[1]
+        assert rec.names == ["lr/0", "weight_decay/0"]
+        assert step.h_bar == pytest.approx(sum(math.log(v) for v in wds) / N)  # log space
+        assert step.h_tilde == pytest.approx(sum(w * math.log(v) for w, v in zip(step.weights, wds)))
+        assert step.delta < 0
+        bases.append(rec.bases[1])
+    assert bases == sorted(bases, reverse=True) and bases[-1] < 0.01 * 0.8
+    assert sorted(rec.values[1]) == pytest.approx(sorted(bases[-1] * o for o in Spread("log", 1.0).offsets(N)))
+
+
+@pytest.mark.parametrize("mode", ["loop", "auto"])
+def test_lower_dropout_wins_and_the_base_dropout_decreases(mode):
+    """A task built so that dropout only hurts (a linear regression with dropout on its input): with the
+    controller on, the base dropout falls over the syncs. In the engine, a dropout hyperparameter makes
+    mode 'auto' run the loop (vmap would share one p across replicas)."""
+    from hdet.engine import ReplicaEngine
+
+    torch.manual_seed(0)
+    w_true = torch.randn(16, 1)
+    model = nn.Sequential(nn.Dropout(0.3), nn.Linear(16, 1))
+    eng = ReplicaEngine(
+        model, 4, lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
+        lambda o, rep, m: hdet.HDETLR(o, None, 300, model_sync_interval=10, enable_auto_lr=True,
+                                      auto_lr_warmup_steps=20, loss_scale=0.05, replicas=rep, model=m,
+                                      explore=[Dropout(m, alpha=0.1)]), mode=mode)
+    assert eng.mode == "loop"
+    g = torch.Generator().manual_seed(1)
+    for _ in range(300):
+        xs = [torch.randn(32, 16, generator=g) for _ in range(4)]
+        eng.step([(x, x @ w_true) for x in xs], lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    bases = [eng.schedulers[0].ensemble.current_bases[1]]
+    ctrl = eng.schedulers[0].ensemble.controllers[1]
+    assert ctrl.updates == 29  # syncs 20, 30, ..., 300
+    assert bases[-1] < 0.3 - 0.15
+    assert all(0.0 <= s.hyperparameters["dropout"] <= 0.999 for s in eng.schedulers)
+    with pytest.raises(ValueError, match="vmap can batch"):
+        ReplicaEngine(model, 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
+                      lambda o, rep, m: hdet.HDETLR(o, None, 10, replicas=rep, explore=[Dropout(m)]), mode="vmap")
+
+
+def test_module_attributes_restored_exactly_on_load():
+    def build(p=0.3, wd=0.01):
+        net = nn.Sequential(nn.Linear(3, 3), nn.Dropout(p))
+        opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=wd)
+        s = hdet.HDETLR(opt, None, 50, ensemble_lr_spread_ratio=0.2, model_sync_interval=5, enable_auto_lr=True,
+                        auto_lr_warmup_steps=5, loss_scale=0.05,
+                        replicas=ScriptedReplicas(2, 4, lambda: [1.0, 1.3, 0.9, 1.1]),
+                        explore=[Dropout(net, alpha=0.1), WeightDecay(opt, alpha=0.5)])
+        return net, opt, s
+
+    net, opt, s = build()
+    for _ in range(17):
+        opt.step()
+        s.step(torch.tensor(1.0))
+    saved = s.state_dict()
+    net2, opt2, s2 = build(p=0.0, wd=0.5)
+    s2.load_state_dict(saved)
+    assert net2[1].p == net[1].p and opt2.param_groups[0]["weight_decay"] == opt.param_groups[0]["weight_decay"]
+    for _ in range(10):  # and they go on identically
+        for o, sc in ((opt, s), (opt2, s2)):
+            o.step()
+            sc.step(torch.tensor(1.0))
+        assert net2[1].p == net[1].p and s2.hyperparameters == s.hyperparameters
+    _, opt3, s3 = build()
+    s3_small = hdet.HDETLR(opt3, None, 50, replicas=ScriptedReplicas(2, 4, lambda: [1.0] * 4))
+    with pytest.raises(ValueError, match="explored slots"):
+        s3_small.load_state_dict(saved)
+
+
+def _explore(rank, world):
+    from dist_workers import explore_hypers
+
+    return explore_hypers(rank, world)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+def test_explore_under_gloo(world):
+    """Real DDP: every step the replicas' weight decays, beta2s and clipping norms are the spread's values
+    (one each), dealt independently of the LR; weights end equal; group values stay floats."""
+    from helpers import check_ok, run_gloo
+
+    res = check_ok(run_gloo(_explore, world))
+    r0 = res[0]
+    assert r0["names"] == ["lr/0", "weight_decay/0", "beta2/0", "grad_clip_norm"]
+    assert len(r0["ctrl"]) == 4
+    wd_offsets = Spread("log", 1.0).offsets(world)
+    for step in r0["seen"][:9]:  # before the first controller sync: bases are the initial values
+        assert sorted(row[1] for row in step) == pytest.approx(sorted(0.05 * o for o in wd_offsets))
+        assert sorted(row[2] for row in step) == pytest.approx(sorted(min(0.999 + o, 0.9999) for o in  # bound
+                                                               Spread("additive", 0.02).offsets(world)))
+        assert sorted(row[3] for row in step) == pytest.approx(sorted(wd_offsets))
+    lr_rank = [tuple(sorted(range(world), key=lambda r: step[r][0])) for step in r0["seen"]]
+    wd_rank = [tuple(sorted(range(world), key=lambda r: step[r][1])) for step in r0["seen"]]
+    if world == 4:  # dealt separately (with 2 replicas and 4 controller syncs they may agree by chance)
+        assert lr_rank != wd_rank
+    assert all(torch.equal(r["params"][0], r["params"][-1]) for r in res.values())
+    assert all(r["floats"] for r in res.values())
