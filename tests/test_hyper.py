@@ -247,5 +247,5 @@ def test_explore_under_gloo(world):
     wd_rank = [tuple(sorted(range(world), key=lambda r: step[r][1])) for step in r0["seen"]]
     if world == 4:  # dealt separately (with 2 replicas and 4 controller syncs they may agree by chance)
         assert lr_rank != wd_rank
-    assert all(torch.equal(r["params"][0], r["params"][-1]) for r in res.values())
-    assert all(r["floats"] for r in res.values())
+    assert all(torch.equal(r["params"][0], r["params"][-1]) for r in res)
+    assert all(r["floats"] for r in res)
