@@ -91,6 +91,7 @@ def test_train_fashion_from_data_dir(tmp_path, fashion_dir):
     (["train", "--alpha", "1.5"], "--alpha in [0, 1), but got 1.5"),
     (["train", "--mode", "fast"], "--mode auto, vmap or loop, but got 'fast'"),
     (["train", "--steps", "abc"], "invalid int value: 'abc'"),
+    (["train", "--explore", "momentum"], "Expected --explore items from lr-groups, weight-decay"),
     (["plot", "/nonexistent/run"], "Expected a run folder, but /nonexistent/run does not exist"),
     (["compare", "--lr-low", "0.01", "--lr-high", "0.001"], "0 < --lr-low < --lr-high"),
 ])
@@ -158,3 +159,20 @@ def test_compare_runs_six_configurations(tmp_path, capsys):
     for r in res["runs"]:
         assert f"{r['final_val_loss']:.4f}" in shown
     assert (out / "loss.png").exists() and (out / "lr.png").exists()
+
+
+def test_train_explores_several_hyperparameters(tmp_path):
+    out = tmp_path / "ex"
+    rc = main(["train", *TINY, "--replicas", "2", "--auto-lr", "--warmup", "5", "--dropout", "0.1",
+               "--explore", "lr-groups,weight-decay,dropout,grad-clip", "--out", str(out)])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mode"] == "engine-loop"  # dropout lives in the modules: vmap would share it
+    syncs = _jsonl(out / "syncs.jsonl")
+    names = syncs[-1]["names"]
+    assert names == ["lr/embed", "lr/norm", "lr/attn", "lr/mlp", "weight_decay/embed", "weight_decay/attn",
+                     "weight_decay/mlp", "dropout", "grad_clip_norm"]
+    j = names.index("dropout")
+    assert sorted(syncs[0]["values"][j]) == pytest.approx([0.05, 0.15])  # 0.1 -+ 0.05 for 2 replicas
+    assert len(syncs[-1]["controller"]) == len(names)
+    assert (out / "hparams.png").stat().st_size > 1000

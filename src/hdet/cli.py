@@ -49,6 +49,9 @@ def _train_args(p: argparse.ArgumentParser, steps: int, out: str) -> None:
     p.add_argument("--eval-every", type=int, default=None, help="validate every ~N steps (at syncs; default T)")
     p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to OUT/tb")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--explore", default="", help="also explore, comma-separated: lr-groups (per-group LRs, always on "
+                   "when alpha > 0), weight-decay (per group, x2../2), dropout (+-0.05), grad-clip (norm x2../2)")
+    p.add_argument("--clip", type=float, default=1.0, help="base gradient-clipping norm for --explore grad-clip")
 
 
 def _config(a: argparse.Namespace) -> RunConfig:
@@ -56,7 +59,8 @@ def _config(a: argparse.Namespace) -> RunConfig:
                      T=a.T, auto_lr=a.auto_lr, warmup=a.warmup, max_lr=a.max_lr, weight_decay=a.weight_decay,
                      dropout=a.dropout, warm_init=a.warm_init, init_from=a.init_from, ctx=a.ctx, width=a.width,
                      layers=a.layers, device=a.device, mode=a.mode, seed=a.seed, out=a.out,
-                     eval_every=a.eval_every, tensorboard=a.tensorboard, progress=a.progress)
+                     eval_every=a.eval_every, tensorboard=a.tensorboard, progress=a.progress,
+                     explore=tuple(x.strip() for x in a.explore.split(",") if x.strip()), clip=a.clip)
 
 
 def _cmd_train(a: argparse.Namespace, argv: list[str]) -> int:

@@ -4,6 +4,8 @@
   (the layout of the paper's Figure 2).
 * ``lr.png``: the per-group learning rates of replica 0 (dashed) and the mean over replicas (solid,
   the base schedule) against steps (the paper's Figure 3).
+* ``hparams.png`` (runs that explore more than the LR): for every explored hyperparameter, every
+  replica's value and the base at each sync, and the controller's zero-order hypergradient Delta.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_run", "plot_losses", "plot_lrs", "plot_dir"]
+__all__ = ["load_run", "plot_losses", "plot_lrs", "plot_hparams", "plot_dir"]
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -103,6 +105,41 @@ def plot_lrs(run: dict[str, Any], path: str | Path) -> Path:
     return out
 
 
+def plot_hparams(run: dict[str, Any], path: str | Path) -> Path | None:
+    """Values, base and Delta of every explored hyperparameter other than the LR; None if there is none."""
+    syncs = [x for x in run["syncs"] if x.get("names")]
+    if not syncs:
+        return None
+    slots = [j for j, n in enumerate(syncs[0]["names"]) if not n.startswith("lr/")]
+    if not slots:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, len(slots), figsize=(4.2 * len(slots), 6), squeeze=False, sharex=True)
+    steps = [x["step"] for x in syncs]
+    for col, j in enumerate(slots):
+        ax, ax_d = axes[0][col], axes[1][col]
+        n = len(syncs[0]["values"][j])
+        for r in range(n):
+            ax.plot(steps, [x["values"][j][r] for x in syncs], ".", ms=4, alpha=0.7, label=f"replica {r}")
+        ax.plot(steps, [x["bases"][j] for x in syncs], "k-", lw=1.2, label="base")
+        ax.set(title=syncs[0]["names"][j], ylabel="value")
+        ctrl = [(x["step"], x["controller"][j]["delta"]) for x in syncs if x.get("controller")]
+        if ctrl:
+            ax_d.axhline(0, color="gray", lw=0.8)
+            ax_d.plot(*zip(*ctrl), "o-", ms=3)
+        ax_d.set(xlabel="step", ylabel="Delta = h~ - h_bar")
+        for a in (ax, ax_d):
+            a.grid(alpha=0.3)
+        if col == 0:
+            ax.legend(fontsize=7)
+    fig.suptitle(f"explored hyperparameters: {run['label']} (Delta of log-spread values in log units)")
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot_dir(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     """Plots for a run folder, or for a comparison folder (one with ``compare.json``)."""
     d = Path(run_dir)
@@ -119,4 +156,5 @@ def plot_dir(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
         return [plot_losses(runs, out_dir / "loss.png", comp.get("title", "")),
                 plot_lrs(lr_run, out_dir / "lr.png")]
     run = load_run(d)
-    return [plot_losses([run], out_dir / "loss.png"), plot_lrs(run, out_dir / "lr.png")]
+    hp = plot_hparams(run, out_dir / "hparams.png")
+    return [plot_losses([run], out_dir / "loss.png"), plot_lrs(run, out_dir / "lr.png"), *([hp] if hp else [])]

@@ -26,6 +26,7 @@ from torch import nn
 from . import __version__
 from .engine import ReplicaEngine
 from .ensemble import NonFiniteReplicaError
+from .hyper import Dropout, GradClip, Hyperparameter, WeightDecay
 from .init import warm_init_
 from .schedulers import OneCycleAutoLR
 from .tasks import Task, make_task, param_groups
@@ -69,6 +70,8 @@ class RunConfig:
     progress: bool = True
     data_bytes: int = 4_000_000
     label: str | None = None
+    explore: tuple[str, ...] = ()  # of EXPLORE
+    clip: float = 1.0  # base gradient-clipping norm for --explore grad-clip
 
 
 def resolve_device(name: str) -> torch.device:
@@ -98,6 +101,9 @@ def _check(cfg: RunConfig) -> None:
         raise RunError(f"Expected --dropout in [0, 1), but got {cfg.dropout}")
     if cfg.mode not in ("auto", "vmap", "loop"):
         raise RunError(f"Expected --mode auto, vmap or loop, but got {cfg.mode!r}")
+    bad = [e for e in cfg.explore if e not in EXPLORE]
+    if bad:
+        raise RunError(f"Expected --explore items from {', '.join(EXPLORE)}, but got {', '.join(bad)}")
     if cfg.init_from is not None and not Path(cfg.init_from).is_file():
         raise RunError(f"Expected --init-from to name a model.pt file, but {cfg.init_from} does not exist")
 
@@ -116,12 +122,34 @@ def _make_optimizer(task: Task, cfg: RunConfig):
     return lambda module: torch.optim.AdamW(param_groups(module, task.group_of, cfg.weight_decay), lr=cfg.max_lr)
 
 
+EXPLORE = ("lr-groups", "weight-decay", "dropout", "grad-clip")
+
+
+def _explored(cfg: RunConfig, optimizer: torch.optim.Optimizer, module: nn.Module) -> list[Hyperparameter]:
+    """The CLI's ``--explore`` choices (the LR of every param group is always explored when alpha > 0)."""
+    out: list[Hyperparameter] = []
+    if "weight-decay" in cfg.explore:
+        out += WeightDecay.per_group(optimizer, alpha=1.0)  # x2 .. /2, log scale
+    if "dropout" in cfg.explore:
+        out.append(Dropout(module, alpha=0.05))  # +-0.05, kept in [0, 0.999]
+    if "grad-clip" in cfg.explore:
+        out.append(GradClip(cfg.clip, alpha=1.0))  # x2 .. /2
+    return out
+
+
+def _clip(sched: OneCycleAutoLR) -> GradClip | None:
+    return next((h for h in sched.ensemble.hypers if isinstance(h, GradClip)), None)
+
+
 def _make_scheduler(cfg: RunConfig, warmup: int, **kw: Any):
     def make(optimizer: torch.optim.Optimizer, replicas: Any = None, module: nn.Module | None = None):
+        assert module is not None
+        inner = module.module if hasattr(module, "module") else module  # DDP wraps the model
         return OneCycleAutoLR(optimizer, max_lr=cfg.max_lr, total_steps=cfg.steps,
                               ensemble_lr_spread_ratio=cfg.alpha, model_sync_interval=cfg.T,
                               enable_auto_lr=cfg.auto_lr, auto_lr_warmup_steps=warmup, eq8=cfg.eq8,
-                              model=module, seed=cfg.seed, replicas=replicas, **kw)
+                              model=module, seed=cfg.seed, replicas=replicas,
+                              explore=_explored(cfg, optimizer, inner), **kw)
     return make
 
 
@@ -130,13 +158,19 @@ class _EngineReplicas:
 
     def __init__(self, task: Task, model: nn.Module, N: int, cfg: RunConfig, warmup: int) -> None:
         self.task = task
-        self.engine = ReplicaEngine(model, N, _make_optimizer(task, cfg), _make_scheduler(cfg, warmup), mode=cfg.mode)
+        self.engine = ReplicaEngine(model, N, _make_optimizer(task, cfg), _make_scheduler(cfg, warmup), mode=cfg.mode,
+                                    before_optimizer_step=self._clip_grads)
         self.local = list(range(N))
         self.N = N
         self.schedulers = self.engine.schedulers
         if cfg.warm_init:
             for r, m in enumerate(self.engine.models):
                 warm_init_(m, rank=r, nu=cfg.nu, seed=cfg.seed)
+
+    def _clip_grads(self, r: int, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        clip = _clip(self.engine.schedulers[r])
+        if clip is not None:
+            clip.clip_(module.parameters())
 
     @property
     def mode(self) -> str:
@@ -173,6 +207,9 @@ class _DDPReplicas:
         loss = self.task.loss_fn(self.ddp, batches[0])
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # gradient all-reduce (DDP)
+        clip = _clip(self.schedulers[0])
+        if clip is not None:
+            clip.clip_(self.model.parameters())
         self.optimizer.step()
         self.schedulers[0].step(loss)
         return loss.detach()[None]
@@ -206,8 +243,8 @@ def evaluate(task: Task, model: nn.Module, n_batches: int, batch: int, device: t
 
 def _sync_record(t: int, sched: OneCycleAutoLR, values: list[list[float]]) -> dict[str, Any]:
     rec = sched.last_sync
-    out: dict[str, Any] = {"step": t, "losses": rec.losses, "multipliers": rec.multipliers, "bases": rec.bases,
-                           "values": values}
+    out: dict[str, Any] = {"step": t, "names": rec.names, "losses": rec.losses, "multipliers": rec.multipliers,
+                           "bases": rec.bases, "values": values}
     if rec.controller is not None:
         out["controller"] = [{"weights": c.weights, "h_tilde": c.h_tilde, "h_bar": c.h_bar, "delta": c.delta,
                               "velocity": c.velocity, "base": c.new_base, "clamped": c.clamped}
@@ -329,8 +366,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
                        "seconds": time.perf_counter() - t0}
                 if sync:
                     rec_s = sched0.last_sync
-                    values = [[b * m for m in ms] for b, ms in zip(rec_s.bases, rec_s.multipliers)]
-                    log(syncs_f, _sync_record(t, sched0, values)) if rank == 0 else None
+                    log(syncs_f, _sync_record(t, sched0, rec_s.values)) if rank == 0 else None
                     if t - last_eval >= eval_every or t == cfg.steps:  # after averaging: replicas are equal
                         last_eval = t
                         rec["val_loss"] = evaluate(task, reps.eval_model(), cfg.eval_batches, 32, device)
