@@ -74,6 +74,8 @@ def test_builtins_get_set_and_bad_input():
         LabelSmoothing(nn.MSELoss())
     with pytest.raises(ValueError, match=r"base value inside \(0.0, 0.999\), but got 1.5"):
         Dropout(net, base=1.5)
+    with pytest.raises(ValueError, match="base value > 0 for weight_decay/0's log spread"):
+        WeightDecay(torch.optim.AdamW(m.parameters(), weight_decay=0.0))
     with pytest.raises(ValueError, match="distinct hyperparameter names"):
         hdet.HDETLR(opt, None, 10, explore=[WeightDecay(opt), WeightDecay(opt)])
     with pytest.raises(ValueError, match="hdet hyperparameters"):
@@ -249,3 +251,32 @@ def test_explore_under_gloo(world):
         assert lr_rank != wd_rank
     assert all(torch.equal(r["params"][0], r["params"][-1]) for r in res)
     assert all(r["floats"] for r in res)
+
+
+def test_controller_update_never_leaves_the_bounds():
+    """Losses always favour the lowest dropout: the base is pushed below 0 by the controller and clamped
+    there; no replica's value ever leaves [0, 0.999]."""
+    net = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.05))
+    s, opt = _ensemble_with(lambda o: [Dropout(net, alpha=0.04)], N=4, alpha=0.0, sigma=0.01)
+    ens = s.ensemble
+    for _ in range(40):
+        ps = ens.all_values()[1]
+        ens.replicas.window_losses = lambda ps=ps: [1.0 + p for p in ps]  # lower dropout, lower loss
+        opt.step()
+        s.step(torch.tensor(1.0))
+        assert all(0.0 <= v <= 0.999 for v in s.last_sync.values[1])
+    assert ens.current_bases[1] == 0.0 and ens.controllers[1].bounds == (0.0, 0.999)
+    assert any(c.clamped for c in [s.last_sync.controller[1]])
+
+
+def test_group_params_by_a_user_grouping():
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.LayerNorm(4))
+    groups = hdet.group_params(model, lambda n, p: "embedding" if n.startswith("0.") else
+                               "no_decay" if p.ndim < 2 else "transformer", no_decay={"weight_decay": 0.0})
+    assert [g["name"] for g in groups] == ["embedding", "transformer", "no_decay"]
+    assert [len(g["params"]) for g in groups] == [1, 1, 3] and groups[2]["weight_decay"] == 0.0
+    opt = torch.optim.AdamW(groups, lr=0.1, weight_decay=0.1)
+    s = hdet.HDETLR(opt, None, 10, ensemble_lr_spread_ratio=0.2, replicas=ScriptedReplicas(0, 4))
+    assert s.ensemble.names == ["lr/embedding", "lr/transformer", "lr/no_decay"]
+    with pytest.raises(ValueError, match="options only for existing groups"):
+        hdet.group_params(model, lambda n, p: "all", decay={"weight_decay": 0.1})

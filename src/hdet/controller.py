@@ -75,8 +75,12 @@ class PaperController:
     v: float = 0.0
     updates: int = field(default=0)
 
-    def update(self, values: Sequence[float], losses: Sequence[float]) -> ControllerStep:
-        """One sync: ``values[r]`` is replica r's value during the window, ``losses[r]`` its mean loss."""
+    def update(self, values: Sequence[float], losses: Sequence[float], anchor: float | None = None) -> ControllerStep:
+        """One sync: ``values[r]`` is replica r's value during the window, ``losses[r]`` its mean loss.
+
+        ``anchor`` replaces ``h_bar`` as the point Eq. 7 updates from. They are equal for a symmetric
+        spread; when bounds clamp some values, h_bar drifts away from the base, and the base is the
+        better anchor (hdet passes it for hyperparameters other than the LR)."""
         if len(values) != len(losses) or not values:
             raise ValueError(f"Expected one value per loss, but got {len(values)} values and {len(losses)} losses")
         w = softmax_weights(losses, self.sigma)  # Eq. 4
@@ -84,7 +88,7 @@ class PaperController:
         h_bar = sum(values) / len(values)  # Eq. 5
         delta = h_tilde - h_bar  # Eq. 6
         self.v = self.beta * self.v + (1.0 - self.beta) * delta  # Eq. 7
-        new_base = h_bar * (1.0 - self.gamma) + self.v * self.lam  # Eq. 7
+        new_base = (h_bar if anchor is None else anchor) * (1.0 - self.gamma) + self.v * self.lam  # Eq. 7
         lo, hi = self.bounds
         clamped = not lo <= new_base <= hi
         new_base = min(max(new_base, lo), hi)

@@ -352,7 +352,8 @@ class Ensemble:
             ctrl = self.controllers[j]
             assert ctrl is not None
             values = [spread.apply(self.current_bases[j], self.offsets[j][p]) for p in self.perms[j]]  # h_r, Eq. 5
-            step = ctrl.update([spread.to_ctrl(v) for v in values], losses)  # Eqs. 4-7 (log space for log spreads)
+            anchor = None if j < self.num_lr_slots else spread.to_ctrl(self.current_bases[j])  # = h_bar unless clamped
+            step = ctrl.update([spread.to_ctrl(v) for v in values], losses, anchor)  # Eqs. 4-7 (log space if log)
             new_base = step.new_base if j < self.num_lr_slots else spread.from_ctrl(step.new_base)
             self._controlled[j] = new_base
             self.current_bases[j] = new_base

@@ -107,6 +107,8 @@ class Hyperparameter:
         start = self.get() if base is None else float(base)
         if not math.isfinite(start) or spread.clamp(start) != start:
             raise ValueError(f"Expected {name}'s base value inside {spread.bounds}, but got {start!r}")
+        if spread.kind == "log" and start <= 0:
+            raise ValueError(f"Expected a base value > 0 for {name}'s log spread (a scale), but got {start!r}")
         self.initial = start
 
     def get(self) -> float:
