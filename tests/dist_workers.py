@@ -134,7 +134,8 @@ def layout_mismatch(rank, world):
 def non_finite_weights(rank, world):
     model = make_model()
     o = torch.optim.SGD(model.parameters(), lr=0.01)
-    s = hdet.OneCycleAutoLR(o, max_lr=0.01, total_steps=10, model_sync_interval=2, model=model)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.01, total_steps=10, model_sync_interval=2, model=model,
+                            on_nonfinite="raise")
     o.step()
     s.step(1.0)
     if rank == 1:
@@ -231,3 +232,44 @@ def explore_hypers(rank, world, steps=30):
     return {"seen": seen, "params": gather_flat(model.parameters()), "floats": all(
         type(g["weight_decay"]) is float and all(type(b) is float for b in g["betas"]) for g in o.param_groups),
         "names": s.last_sync.names, "ctrl": [c.delta for c in s.last_sync.controller]}
+
+
+def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20, T=5, guard=True):
+    """DDP + Adam + auto-LR; at step ``at`` replica ``bad_rank`` gets a NaN weight (mid-window) or a NaN
+    loss. Records, after every step, whether each rank's weights are finite, and after every sync
+    whether the replicas are equal."""
+    import warnings
+
+    model = make_model(0)
+    ddp = DDP(model, broadcast_buffers=False)
+    o = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.2, model_sync_interval=T,
+                            enable_auto_lr=True, auto_lr_warmup_steps=T, loss_scale=0.05, model=ddp, seed=3,
+                            guard_gradients=guard)
+    finite, equal, recovered, caught = [], [], [], []
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for t in range(1, steps + 1):
+                if fault == "weights" and t == at and rank == bad_rank:
+                    with torch.no_grad():
+                        model[0].weight[0, 0] = float("nan")
+                x, y = batch(rank, t)
+                loss = nn.functional.mse_loss(ddp(x), y)
+                if fault == "loss" and t == at and rank == bad_rank:
+                    loss = loss * float("nan")
+                o.zero_grad()
+                loss.backward()
+                o.step()
+                s.step(loss)
+                finite.append(bool(all(torch.isfinite(p).all() for p in model.parameters())
+                                   and all(torch.isfinite(v).all() for st in o.state.values() for v in st.values())))
+                if s.is_sync_step(t):
+                    flat = gather_flat(list(model.parameters()) + float_buffers(model))
+                    equal.append(all(torch.equal(flat[0], f) for f in flat[1:]))
+                    recovered.append(list(s.last_sync.recovered))
+            caught = [str(x.message) for x in w if "non-finite" in str(x.message)]
+    except hdet.NonFiniteReplicaError as e:
+        return {"error": "NonFiniteReplicaError", "msg": str(e), "finite": finite}
+    return {"error": None, "finite": finite, "equal": equal, "recovered": recovered, "warnings": caught,
+            "guard": s.gradient_guard, "losses_at_recovery": s.ensemble.controllers[0].updates}

@@ -106,3 +106,37 @@ def test_one_collective_per_bucket():
     res = check_ok(run_gloo(averaging_collectives, 2, 150, 1000, 0.1))
     expected = math.ceil(150 * 4000 / (0.1 * 2**20))
     assert all(r["calls"] == expected and r["close"] for r in res)
+
+
+def _fault(rank, world, kw):
+    from dist_workers import fault_injection
+
+    return fault_injection(rank, world, **kw)
+
+
+@pytest.mark.parametrize("fault", ["weights", "loss"])
+def test_non_finite_replica_is_dropped_reset_and_training_goes_on(fault):
+    """4 gloo replicas, Adam, auto-LR. At step 7 replica 2 gets a NaN weight (or a NaN loss) mid-window:
+    no other replica ever sees a NaN (the gradient guard keeps it out of the all-reduce), the converge
+    step at 10 leaves replica 2 out and resets it, all replicas are finite and equal after it, and the
+    run finishes."""
+    res = check_ok(run_gloo(_fault, 4, {"fault": fault}))
+    for r, out in enumerate(res):
+        assert out["error"] is None and out["guard"] is True
+        if r == 2 and fault == "weights":
+            assert out["finite"][:6] == [True] * 6 and not any(out["finite"][6:9])  # NaN from step 7 to 9
+        else:
+            assert all(out["finite"]), (r, out["finite"])  # the others never see a NaN
+        assert out["finite"][9:] == [True] * 11  # the sync at step 10 reset replica 2
+        assert out["equal"] == [True] * 4
+        assert out["recovered"] == [[], [2], [], []]
+        assert len(out["warnings"]) == 1 and "replica(s) [2]" in out["warnings"][0]
+
+
+def test_without_the_guard_a_nan_loss_reaches_every_replica():
+    """The same NaN loss with guard_gradients=False: the all-reduce spreads it to all replicas, so the
+    converge step finds every replica non-finite and stops with a clear error (what the guard prevents)."""
+    res = check_ok(run_gloo(_fault, 4, {"fault": "loss", "guard": False}))
+    for out in res:
+        assert out["error"] == "NonFiniteReplicaError" and "(every replica)" in out["msg"]
+        assert out["finite"] == [True] * 6 + [False] * 3  # NaN everywhere from step 7; the sync at 10 stops

@@ -1,8 +1,11 @@
 """The one-process engine against real gloo processes: same model, data and seeds."""
 
+import contextlib
 import functools
 
 import pytest
+
+import hdet
 import torch
 
 from dist_workers import engine_run, train
@@ -55,7 +58,6 @@ def test_engine_equals_gloo_processes(world, auto, mode):
 def test_engine_bad_input():
     from torch import nn
 
-    import hdet
     from hdet.engine import ReplicaEngine
 
     def make_sched(o, rep, m):
@@ -72,7 +74,6 @@ def test_engine_bad_input():
 
 
 def _sched(steps=5, alpha=0.0):
-    import hdet
 
     return lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=steps, ensemble_lr_spread_ratio=alpha,
                                                  replicas=rep, model=m)
@@ -186,3 +187,39 @@ def test_engine_compile_matches_eager():
     for me, mc in zip(eager.models, compiled.models):
         for a, b in zip([*me.parameters(), *me.buffers()], [*mc.parameters(), *mc.buffers()]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["loop", "vmap"])
+@pytest.mark.parametrize("fault", ["weights", "loss"])
+def test_engine_recovers_a_non_finite_replica(mode, fault):
+    """The engine's semantics match the gloo test (tests/test_distributed.py): replica 2's NaN stays its
+    own (guarded gradient average), the converge step resets it, training goes on."""
+    from torch import nn
+
+    from dist_workers import batch, make_model
+    from hdet.engine import ReplicaEngine
+
+    eng = ReplicaEngine(make_model(0), 4, lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+                        lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=20,
+                                                              ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                                                              enable_auto_lr=True, auto_lr_warmup_steps=5,
+                                                              loss_scale=0.05, replicas=rep, model=m), mode=mode)
+
+    def loss_fn(m, b):
+        loss = nn.functional.mse_loss(m(b[0]), b[1])
+        return loss * b[2]  # b[2]: 1, or NaN for the faulty replica's loss
+
+    for t in range(1, 21):
+        if fault == "weights" and t == 7:
+            with torch.no_grad():
+                eng.models[2][0].weight[0, 0] = float("nan")
+        scale = [torch.tensor(float("nan") if (fault == "loss" and t == 7 and r == 2) else 1.0) for r in range(4)]
+        with pytest.warns(UserWarning, match=r"replica\(s\) \[2\]") if t == 10 else contextlib.nullcontext():
+            eng.step([(*batch(r, t), scale[r]) for r in range(4)], loss_fn)
+        for r, m in enumerate(eng.models):
+            ok = all(torch.isfinite(p).all() for p in m.parameters())
+            assert ok or (r == 2 and fault == "weights" and 7 <= t < 10), (t, r)
+    assert eng.schedulers[0].ensemble.controllers[0].updates == 4
+    ref = list(eng.models[0].parameters())
+    for m in eng.models[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(ref, m.parameters()))

@@ -181,7 +181,10 @@ class ReplicaEngine:
         with torch.no_grad():
             for s in self.stacked_params.values():
                 if s.grad is not None:  # DDP's all-reduce over the replica axis: every replica gets the mean
-                    s.grad.copy_(s.grad.mean(0, keepdim=True).expand_as(s.grad))
+                    g = s.grad  # of the finite contributions only (the gradient guard, hdet.guard)
+                    ok = torch.isfinite(g).flatten(1).all(1).view(-1, *[1] * (g.dim() - 1))
+                    mean = torch.where(ok, g, torch.zeros_like(g)).sum(0, keepdim=True) / ok.sum().clamp(min=1)
+                    g.copy_(mean.expand_as(g))
         return losses.detach()
 
     def _point_grads(self) -> None:
@@ -205,8 +208,8 @@ class ReplicaEngine:
         return torch.stack(losses)
 
     def _average_gradients(self) -> None:
-        """The all-reduce of DDP over the replica axis: ``sum_r g_r / N`` in replica order."""
-        N = self.num_replicas
+        """The all-reduce of DDP over the replica axis: ``sum_r g_r / N`` in replica order, leaving out
+        non-finite contributions as hdet's gradient guard does under DDP."""
         params = [list(m.parameters()) for m in self.models]
         for i in range(len(params[0])):
             grads = [ps[i].grad for ps in params]
@@ -214,9 +217,12 @@ class ReplicaEngine:
                 continue
             if any(g is None for g in grads):
                 raise RuntimeError(f"Parameter {i} has a gradient on some replicas and not on others")
-            acc = grads[0] / N
-            for g in grads[1:]:
-                acc.add_(g / N)
+            # sum_r g_r / n over the replicas whose gradient is finite (the gradient guard, hdet.guard)
+            oks = [torch.isfinite(g).all() for g in grads]
+            n = torch.stack(oks).sum().clamp(min=1).to(grads[0].dtype)
+            acc = torch.where(oks[0], grads[0] / n, 0.0)
+            for g, ok in zip(grads[1:], oks[1:]):
+                acc.add_(torch.where(ok, g / n, 0.0))
             for g in grads:
                 g.copy_(acc)
 

@@ -12,7 +12,7 @@ import math
 import warnings
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ class HDETConfig:
     eq8: str = "decay"  # "decay" (toward the schedule's final value) or "as_printed"
     seed: int = 0  # seed of the permutation generator, identical on every replica
     average_optimizer_state: bool = False
+    on_nonfinite: str = "recover"  # "recover": drop and reset non-finite replicas; "raise": stop
 
     def validate(self) -> None:
         check_alpha(self.alpha)
@@ -60,6 +61,8 @@ class HDETConfig:
         if self.eq8 not in ("decay", "as_printed"):
             raise ValueError(f"Expected eq8 to be 'decay' or 'as_printed', but got {self.eq8!r}")
         _check_int("seed", self.seed, lo=0)
+        if self.on_nonfinite not in ("recover", "raise"):
+            raise ValueError(f"Expected on_nonfinite to be 'recover' or 'raise', but got {self.on_nonfinite!r}")
 
 
 def _is_real(x: Any) -> bool:
@@ -104,6 +107,7 @@ class SyncRecord:
     controller: list[ControllerStep] | None  # per slot; log-spread slots in log space
     names: list[str] | None = None  # per slot: "lr/<group>" or the hyperparameter's name
     values: list[list[float]] | None = None  # per slot, per replica: the value for the next window
+    recovered: list[int] = field(default_factory=list)  # replicas reset after a non-finite window
 
 
 MakeController = Callable[[int, float], PaperController]
@@ -251,14 +255,28 @@ class Ensemble:
             out += buffers
             strict += [False] * len(buffers)
         if self.config.average_optimizer_state:
-            for p in params:
-                state = self.optimizer.state.get(p, {})
-                for key in sorted(state):
-                    v = state[key]
-                    if key != "step" and isinstance(v, torch.Tensor) and v.is_floating_point():
-                        out.append(v.detach())
-                        strict.append(True)
+            state = self._optimizer_state(params)
+            out += state
+            strict += [True] * len(state)
         return out, strict
+
+    def _optimizer_state(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for p in params:
+            state = self.optimizer.state.get(p, {})
+            for key in sorted(state):
+                v = state[key]
+                if key != "step" and isinstance(v, torch.Tensor) and v.is_floating_point():
+                    out.append(v.detach())
+        return out
+
+    def recovery_tensors(self) -> list[torch.Tensor]:
+        """What a recovery averages besides :meth:`tensors`: the optimizer state (moments), unless it
+        is averaged anyway. A non-finite replica's moments may be NaN; the healthy ones' are equal."""
+        if self.config.average_optimizer_state:
+            return []
+        return self._optimizer_state([p for g in self.optimizer.param_groups for p in g["params"]
+                                      if p.is_floating_point()])
 
     @staticmethod
     def _layout_signature(tensors: list[torch.Tensor]) -> int:
@@ -303,15 +321,34 @@ class Ensemble:
             raise ValueError(f"Expected the same seed on every replica, but got {[int(s) for s in seeds]}")
         bad_loss = [r for r in range(N) if counts[r] > 0 and not math.isfinite(sums[r])]
         bad_weights = [r for r in range(N) if finite_r[r] != 1.0]
-        if bad_loss or bad_weights:
+        bad = sorted(set(bad_loss) | set(bad_weights))
+        if bad and (c.on_nonfinite == "raise" or len(bad) == N):
             raise NonFiniteReplicaError(
                 f"At sync step {t}: non-finite window loss on replica(s) {bad_loss}, non-finite weights on "
-                f"replica(s) {bad_weights}. Nothing was averaged, so the other replicas are untouched."
+                f"replica(s) {bad_weights}"
+                + (" (every replica)" if len(bad) == N else "")
+                + ". Nothing was averaged, so the other replicas are untouched."
             )
 
-        self.replicas.average_(tensors)  # Eq. 3. COLLECTIVES: one all_reduce per bucket
+        if bad:  # Eq. 3 over the healthy replicas. COLLECTIVES: one all_reduce per bucket
+            self.replicas.average_(tensors, exclude=bad)
+        else:  # Eq. 3. COLLECTIVES: one all_reduce per bucket
+            self.replicas.average_(tensors)
+        if bad:  # recovery: the bad replicas now hold the healthy replicas' mean weights; moments too
+            extra = self.recovery_tensors()
+            if extra:
+                self.replicas.average_(extra, exclude=bad)  # COLLECTIVES: one all_reduce per bucket
+            warnings.warn(
+                f"hdet: at sync step {t} replica(s) {bad} had a non-finite window loss or weights; they were "
+                "left out of the average, reset to the other replicas' mean, and ranked worst by the controller",
+                stacklevel=3,
+            )
 
         losses = [sums[r] / counts[r] if counts[r] else float("nan") for r in range(N)]
+        if bad:  # rank the bad replicas worst: ten loss temperatures above the worst healthy loss
+            healthy = [losses[r] for r in range(N) if r not in bad and math.isfinite(losses[r])]
+            worst = (max(healthy) if healthy else 0.0) + 10 * c.sigma
+            losses = [worst if r in bad else x for r, x in enumerate(losses)]
         steps: list[ControllerStep] | None = None
         if c.auto_lr and t >= c.auto_lr_warmup_steps and t % c.sync_interval == 0:
             missing = [r for r in range(N) if counts[r] == 0]
@@ -329,6 +366,7 @@ class Ensemble:
             controller=steps,
             names=list(self.names),
             values=self.all_values(),
+            recovered=bad,
         )
         self._loss_sum = None
         self._loss_count = 0

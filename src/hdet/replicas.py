@@ -59,8 +59,9 @@ class Replicas(ABC):
         Host sync: the result is copied to the CPU."""
 
     @abstractmethod
-    def average_(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Replace each tensor by its mean over replicas, in place (Eq. 3)."""
+    def average_(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int] = ()) -> None:
+        """Replace each tensor by its mean over replicas, in place (Eq. 3). Replicas in ``exclude``
+        (the same list on every replica) contribute nothing and receive the others' mean."""
 
     def comm_device(self, hint: torch.device | None = None) -> torch.device:
         """The device a vector handed to :meth:`gather` should live on."""
@@ -77,7 +78,7 @@ class SingleReplica(Replicas):
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         return local.detach().to("cpu", torch.float64).reshape(1, -1)  # host sync (device -> CPU copy)
 
-    def average_(self, tensors: Sequence[torch.Tensor]) -> None:
+    def average_(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int] = ()) -> None:
         return None
 
 
@@ -114,19 +115,22 @@ class ProcessGroupReplicas(Replicas):
         gather_single(out, local, group=self.group)  # COLLECTIVE: one all_gather of k float64
         return out.view(self.world_size, -1).cpu()  # host sync
 
-    def average_(self, tensors: Sequence[torch.Tensor]) -> None:
+    def average_(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int] = ()) -> None:
         if self.world_size == 1 or not tensors:
             return
-        use_avg = "nccl" in self.backend
+        n = self.world_size - len(set(exclude))
+        use_avg = "nccl" in self.backend and n == self.world_size
         with torch.no_grad():
             for idx in plan_buckets(tensors, self.cap_bytes):
                 bucket = [tensors[i] for i in idx]
                 flat = _flatten_dense_tensors(bucket)  # one bucket of extra memory at a time
+                if self.rank in exclude:
+                    flat.zero_()  # NaN * 0 is NaN: contribute exact zeros instead
                 if use_avg:
                     dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.group)  # COLLECTIVE
                 else:
                     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)  # COLLECTIVE
-                    flat.div_(self.world_size)
+                    flat.div_(n)
                 torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))
 
 
@@ -180,7 +184,7 @@ class LocalReplicaGroup:
         self.ensembles: list[Any] = []  # the replicas' Ensemble objects, index = rank; set by the engine
         self.step = 0
         self._gathered: tuple[int, torch.Tensor] | None = None
-        self._averaged_at: int | None = None
+        self._averaged_at: tuple[int, bool] | None = None
 
     def _check(self) -> None:
         if len(self.ensembles) != self.world_size:
@@ -193,18 +197,22 @@ class LocalReplicaGroup:
             self._gathered = (self.step, torch.stack([x.detach().to("cpu", torch.float64) for x in rows]))
         return self._gathered[1]
 
-    def average_(self) -> None:
-        """Eq. 3 over the replica axis: sum in replica order, divide by N (as gloo does), copy back."""
+    def average_(self, exclude: Sequence[int] = (), extra: bool = False) -> None:
+        """Eq. 3 over the replica axis: sum in replica order, divide by N (as gloo does), copy back.
+        Replicas in ``exclude`` are left out of the sum and receive the others' mean. ``extra``: a
+        second averaging at the same step (the optimizer state during a recovery)."""
         self._check()
-        if self._averaged_at == self.step:
+        key = (self.step, extra)
+        if self._averaged_at == key:
             return
-        self._averaged_at = self.step
-        lists = [ens.tensors() for ens in self.ensembles]
+        self._averaged_at = key
+        lists = [ens.recovery_tensors() if extra else ens.tensors() for ens in self.ensembles]
+        keep = [r for r in range(self.world_size) if r not in set(exclude)]
         with torch.no_grad():
-            acc = [t.clone() for t in lists[0]]
-            for other in lists[1:]:
-                torch._foreach_add_(acc, other)
-            torch._foreach_div_(acc, self.world_size)
+            acc = [t.clone() for t in lists[keep[0]]]
+            for r in keep[1:]:
+                torch._foreach_add_(acc, lists[r])
+            torch._foreach_div_(acc, len(keep))
             for tensors in lists:
                 torch._foreach_copy_(tensors, acc)
 
@@ -216,9 +224,13 @@ class LocalReplica(Replicas):
         self.group = group
         self.rank = rank
         self.world_size = group.world_size
+        self._calls = (-1, 0)  # (step, averaging calls at that step)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         return self.group.gather(self.rank, local)
 
-    def average_(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.group.average_()
+    def average_(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int] = ()) -> None:
+        # the first averaging of a step is the weights', a second one the optimizer state's (recovery)
+        step, n = self._calls
+        self._calls = (self.group.step, n + 1 if step == self.group.step else 1)
+        self.group.average_(exclude, extra=self._calls[1] > 1)

@@ -16,7 +16,10 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, OneCycleLR
 
 from .controller import PaperController, gamma_as_printed, gamma_decay
+from torch.nn.parallel import DistributedDataParallel
+
 from .ensemble import Ensemble, HDETConfig, SyncRecord
+from .guard import install_gradient_guard
 from .hyper import AdamBeta, Hyperparameter
 from .replicas import DEFAULT_BUCKET_CAP_MB, Replicas, resolve_replicas
 
@@ -37,11 +40,15 @@ class _EnsembleScheduler(LRScheduler):
 
     def _init_ensemble(self, optimizer: torch.optim.Optimizer, config: HDETConfig, model: nn.Module | None,
                        replicas: Replicas | None, rank: int | None, world_size: int | None,
-                       process_group: Any, bucket_cap_mb: float, explore: Sequence[Hyperparameter] = ()) -> None:
+                       process_group: Any, bucket_cap_mb: float, explore: Sequence[Hyperparameter] = (),
+                       guard_gradients: bool = True) -> None:
         if isinstance(explore, Hyperparameter):
             explore = [explore]
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb)
         self._hdet = Ensemble(config, resolved, optimizer, model, list(explore))
+        self.gradient_guard = False
+        if guard_gradients and isinstance(model, DistributedDataParallel) and resolved.world_size > 1:
+            self.gradient_guard = install_gradient_guard(model, process_group)
         self._hdet.make_controller = self._make_controller
 
     # -- the schedule underneath ------------------------------------------------------------
@@ -195,7 +202,10 @@ class OneCycleAutoLR(_EnsembleScheduler, OneCycleLR):
     "as_printed": the paper's formula, which grows the LR), ``auto_lr_bounds`` (default: per group
     ``(min_lr, 10 * max_lr)``), ``seed`` (of the permutation generator; identical on all ranks),
     ``average_optimizer_state``, ``process_group``, ``replicas``, ``bucket_cap_mb``, ``explore`` (extra
-    hyperparameters to spread and control, :mod:`hdet.hyper`).
+    hyperparameters to spread and control, :mod:`hdet.hyper`), ``on_nonfinite`` ("recover": a replica
+    with a non-finite window loss or weights is left out of the converge step and reset to the others'
+    mean; "raise": stop with NonFiniteReplicaError), ``guard_gradients`` (when ``model`` is a DDP module,
+    install :func:`hdet.guard.finite_allreduce_hook` so one replica's NaN gradient never reaches the others).
     """
 
     def __init__(
@@ -233,11 +243,13 @@ class OneCycleAutoLR(_EnsembleScheduler, OneCycleLR):
         replicas: Replicas | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         explore: Sequence[Hyperparameter] = (),
+        on_nonfinite: str = "recover",
+        guard_gradients: bool = True,
     ) -> None:
         config = HDETConfig(
             alpha=ensemble_lr_spread_ratio, sync_interval=model_sync_interval, auto_lr=enable_auto_lr,
             auto_lr_warmup_steps=auto_lr_warmup_steps, sigma=loss_scale, lam=lr_of_lr, beta=momentum_of_lr,
-            eq8=eq8, seed=seed, average_optimizer_state=average_optimizer_state,
+            eq8=eq8, seed=seed, average_optimizer_state=average_optimizer_state, on_nonfinite=on_nonfinite,
         )
         if cycle_momentum and any(isinstance(h, AdamBeta) and h.index == 0 for h in
                                   ([explore] if isinstance(explore, Hyperparameter) else explore)):
@@ -247,7 +259,7 @@ class OneCycleAutoLR(_EnsembleScheduler, OneCycleLR):
         self.div_factor = float(div_factor)
         self.final_div_factor = float(final_div_factor)
         self._init_ensemble(optimizer, config, model, replicas, rank, world_size, process_group, bucket_cap_mb,
-                            explore)
+                            explore, guard_gradients)
         self.total_steps = 0  # set for real by OneCycleLR.__init__ before its first step
         self.optimizer = optimizer
         self._set_bounds(auto_lr_bounds)
@@ -314,6 +326,8 @@ class HDETLR(_EnsembleScheduler):
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         last_epoch: int = -1,
         explore: Sequence[Hyperparameter] = (),
+        on_nonfinite: str = "recover",
+        guard_gradients: bool = True,
     ) -> None:
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0:
             raise ValueError(f"Expected positive integer total_steps, but got {total_steps!r}")
@@ -332,12 +346,12 @@ class HDETLR(_EnsembleScheduler):
         config = HDETConfig(
             alpha=ensemble_lr_spread_ratio, sync_interval=model_sync_interval, auto_lr=enable_auto_lr,
             auto_lr_warmup_steps=auto_lr_warmup_steps, sigma=loss_scale, lam=lr_of_lr, beta=momentum_of_lr,
-            eq8="decay", seed=seed, average_optimizer_state=average_optimizer_state,
+            eq8="decay", seed=seed, average_optimizer_state=average_optimizer_state, on_nonfinite=on_nonfinite,
         )
         self.total_steps = total_steps
         self.optimizer = optimizer
         self._init_ensemble(optimizer, config, model, replicas, rank, world_size, process_group, bucket_cap_mb,
-                            explore)
+                            explore, guard_gradients)
         self._hdet.set_total_steps(total_steps)
         self._constant = [_float(g["lr"]) for g in optimizer.param_groups]
         self._final = self._resolve_final(final_lr)
