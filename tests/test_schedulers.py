@@ -309,10 +309,50 @@ def test_load_state_dict_rejects_foreign_state():
     plain = OneCycleLR(o2, max_lr=0.1, total_steps=10)
     with pytest.raises(ValueError, match="Expected a OneCycleAutoLR state_dict"):
         s.load_state_dict(plain.state_dict())
-    _, o3 = _opt()
-    other = OneCycleAutoLR(o3, max_lr=0.1, total_steps=10, replicas=ScriptedReplicas(0, 4))
-    with pytest.raises(ValueError, match="saved with 1 replicas, but got one saved with 4"):
-        s.load_state_dict(other.state_dict())
+    good = s.state_dict()
+    for corrupt, match in [
+        (lambda st: st["hdet"].pop("dealer"), r"lacks \['dealer'\]: a corrupted or foreign state_dict"),
+        (lambda st: st["hdet"].__setitem__("perms", [[0, 0]]), "a corrupted state_dict"),
+        (lambda st: st["hdet"].__setitem__("current_bases", [float("nan")]), "a corrupted state_dict"),
+        (lambda st: st.__setitem__("hdet", [1, 2]), "Expected an hdet ensemble state \\(a dict\\), but got list"),
+    ]:
+        st = _roundtrip(good)
+        corrupt(st)
+        with pytest.raises(ValueError, match=match):
+            s.load_state_dict(st)
+
+
+def test_elastic_resume_keeps_bases_and_velocity_and_redeals():
+    """A state saved by 4 replicas (controller running) resumed on 2 and on 8: bases and velocities are
+    kept, multipliers are re-dealt for the new N (a permutation of its rho, the same on every replica),
+    the loss window is dropped, a warning says so, and training goes on."""
+    kw = dict(max_lr=0.05, total_steps=60, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+              auto_lr_warmup_steps=10, enable_auto_lr=True, loss_scale=0.05)
+    _, o = _opt("adam")
+    s = OneCycleAutoLR(o, **kw, replicas=ScriptedReplicas(1, 4, lambda: [1.0, 1.2, 0.8, 1.1]))
+    for _ in range(23):
+        o.step()
+        s.step(torch.tensor(1.0))
+    saved = _roundtrip(s.state_dict())
+    for M in (2, 8):
+        perms = []
+        for r in range(M):
+            _, o2 = _opt("adam")
+            s2 = OneCycleAutoLR(o2, **kw, replicas=ScriptedReplicas(r, M, lambda M=M: [1.0] * M))
+            with pytest.warns(UserWarning, match=f"elastic resume from 4 to {M} replicas"):
+                s2.load_state_dict(saved)
+            e = s2.ensemble
+            assert e.current_bases == s.ensemble.current_bases
+            assert e.controllers[0].v == s.ensemble.controllers[0].v and e.controllers[0].updates == 3
+            assert e.rho == hdet.linear_multipliers(M, 0.2) and sorted(e.perms[0]) == list(range(M))
+            assert e._loss_count == 0
+            perms.append(e.perms)
+            assert s2.get_last_lr()[0] == pytest.approx(e.current_bases[0] * e.rho[e.perms[0][r]])
+            for _ in range(10):
+                o2.step()
+                s2.step(torch.tensor(1.0))
+            assert math.isfinite(s2.get_last_lr()[0]) and s2.get_last_lr()[0] > 0
+        assert all(p == perms[0] for p in perms)  # one shared deal
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -417,18 +417,40 @@ class Ensemble:
             "names": list(self.names),
         }
 
+    _STATE_KEYS = ("config", "world_size", "rank", "rho", "perms", "current_bases", "controlled", "controllers",
+                   "dealer", "loss_sum", "loss_count", "total_steps")
+
+    def _check_state(self, state: Any) -> None:
+        if not isinstance(state, dict):
+            raise ValueError(f"Expected an hdet ensemble state (a dict), but got {type(state).__name__}")
+        missing = [k for k in self._STATE_KEYS if k not in state]
+        if missing:
+            raise ValueError(f"Expected an hdet ensemble state with keys {list(self._STATE_KEYS)}, but it lacks "
+                             f"{missing}: a corrupted or foreign state_dict")
+        W = state["world_size"]
+        n = len(state["perms"]) if isinstance(state["perms"], list) else -1
+        ok = (isinstance(W, int) and W >= 1 and isinstance(state["rho"], list) and len(state["rho"]) == W
+              and all(isinstance(p, list) and sorted(p) == list(range(W)) for p in state["perms"])
+              and all(isinstance(x, list) and len(x) == n for x in (state["current_bases"], state["controlled"],
+                                                                   state["controllers"]))
+              and all(isinstance(x, (int, float)) and math.isfinite(x) for x in state["rho"] + state["current_bases"]))
+        if not ok:
+            raise ValueError("Expected an hdet ensemble state whose world_size, rho, perms (permutations of the "
+                             "replicas), bases and controllers agree, but they do not: a corrupted state_dict")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a saved state. Saved with another number of replicas (elastic resume), the bases,
+        velocities and controllers are kept, the multipliers are re-dealt for this number, the current
+        loss window is dropped, and a warning says so."""
+        self._check_state(state)
         N = self.replicas.world_size
-        if state["world_size"] != N:
-            raise ValueError(
-                f"Expected a state saved with {N} replicas, but got one saved with {state['world_size']}"
-            )
+        elastic = state["world_size"] != N
         names = state.get("names", self.names[: len(state["perms"])])
         if len(state["perms"]) != self.num_slots or list(names) != self.names:
             raise ValueError(
                 f"Expected a state for the explored slots {self.names}, but got one for {list(names)}"
             )
-        if state["rank"] != self.replicas.rank and state["loss_count"]:
+        if not elastic and state["rank"] != self.replicas.rank and state["loss_count"]:
             warnings.warn(
                 f"Loading replica {state['rank']}'s HDET state into replica {self.replicas.rank} in the middle "
                 "of a window: the window's loss accumulator is not this replica's. Save each rank's "
@@ -438,11 +460,11 @@ class Ensemble:
         config = HDETConfig(**state["config"])
         config.validate()
         self.config = config
-        self.rho = [float(x) for x in state["rho"]]
         n_lr = self.num_lr_slots
+        self.rho = linear_multipliers(N, config.alpha) if elastic else [float(x) for x in state["rho"]]
         self.spreads[:n_lr] = [Spread("linear", config.alpha)] * n_lr
         self.offsets[:n_lr] = [list(self.rho)] * n_lr
-        self.perms = [[int(i) for i in p] for p in state["perms"]]
+        self.offsets[n_lr:] = [sp.offsets(N) for sp in self.spreads[n_lr:]]
         self.current_bases = [float(x) for x in state["current_bases"]]
         self._controlled = [None if x is None else float(x) for x in state["controlled"]]
         self.controllers = []
@@ -454,6 +476,14 @@ class Ensemble:
                 ctrl.load_state_dict(cs)
                 self.controllers.append(ctrl)
         self.dealer.load_state_dict(state["dealer"])
-        self._loss_sum = None if state["loss_sum"] is None else state["loss_sum"].clone()
-        self._loss_count = int(state["loss_count"])
         self.total_steps = state["total_steps"]
+        if elastic:  # Eq. 9 for the new N: a fresh permutation per slot from the (restored) shared dealer
+            self.perms = [self.dealer.permutation(N) for _ in range(self.num_slots)]
+            self._loss_sum, self._loss_count = None, 0
+            warnings.warn(
+                f"hdet: elastic resume from {state['world_size']} to {N} replicas: kept the bases and controller "
+                f"velocities, re-dealt the multipliers for {N}, dropped the current loss window", stacklevel=3)
+        else:
+            self.perms = [[int(i) for i in p] for p in state["perms"]]
+            self._loss_sum = None if state["loss_sum"] is None else state["loss_sum"].clone()
+            self._loss_count = int(state["loss_count"])

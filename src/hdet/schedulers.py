@@ -8,6 +8,7 @@ optimizer steps taken) is a sync step when ``t mod T == 0`` and at the last step
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -175,10 +176,19 @@ class _EnsembleScheduler(LRScheduler):
                 f"{sorted(state_dict)[:8]}"
             )
         state = {k: v for k, v in state_dict.items() if k not in self._STATE_EXCLUDE and k != "hdet"}
+        elastic = isinstance(state_dict["hdet"], dict) and state_dict["hdet"].get("world_size") != self.world_size
         self._hdet.load_state_dict(state_dict["hdet"])
         self.__dict__.update(state)
-        for h, v in zip(self._hdet.hypers, state_dict["hdet"].get("hyper_values", [])):
-            h.set(v)
+        if elastic:  # this replica's multipliers changed: apply them now (and to explored hyperparameters)
+            with warnings.catch_warnings():  # torch warns when get_lr runs outside step()
+                warnings.simplefilter("ignore", UserWarning)
+                values = self.get_lr()
+            for group, lr in zip(self.optimizer.param_groups, values):
+                group["lr"] = lr
+            self._last_lr = values
+        else:
+            for h, v in zip(self._hdet.hypers, state_dict["hdet"].get("hyper_values", [])):
+                h.set(v)
 
 
 def _is_pair(x: Any) -> bool:
