@@ -273,3 +273,30 @@ def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20,
         return {"error": "NonFiniteReplicaError", "msg": str(e), "finite": finite}
     return {"error": None, "finite": finite, "equal": equal, "recovered": recovered, "warnings": caught,
             "guard": s.gradient_guard, "losses_at_recovery": s.ensemble.controllers[0].updates}
+
+
+def _timeout_entry(rank, world, port, out_dir, skip_rank, timeout_s):
+    """Own spawn entry: a short process-group timeout; replica ``skip_rank`` never reaches the sync."""
+    import time
+    from datetime import timedelta
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    model = make_model()
+    o = torch.optim.SGD(model.parameters(), lr=0.01)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.01, total_steps=10, model_sync_interval=2, model=model)
+    res = {"error": None}
+    o.step()
+    if rank == skip_rank:
+        time.sleep(timeout_s * 3)  # never arrives at the sync of step 2
+    else:
+        t0 = time.perf_counter()
+        try:
+            o.step()
+            s.step(1.0)
+            s.step(1.0)  # step 2: a sync step
+        except hdet.ReplicaSyncError as e:
+            res = {"error": "ReplicaSyncError", "msg": str(e), "seconds": time.perf_counter() - t0}
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(0)  # no teardown: the group is broken

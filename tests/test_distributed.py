@@ -140,3 +140,18 @@ def test_without_the_guard_a_nan_loss_reaches_every_replica():
     for out in res:
         assert out["error"] == "NonFiniteReplicaError" and "(every replica)" in out["msg"]
         assert out["finite"] == [True] * 6 + [False] * 3  # NaN everywhere from step 7; the sync at 10 stops
+
+
+def test_a_replica_that_never_arrives_is_a_clear_error_within_the_timeout(tmp_path):
+    """Replica 1 never reaches the converge step; with a 3 s process-group timeout, replica 0 gets a
+    ReplicaSyncError that says what happened within a few seconds, not a silent hang."""
+    import torch.multiprocessing as mp
+
+    from dist_workers import _timeout_entry
+    from helpers import free_port
+
+    mp.spawn(_timeout_entry, args=(2, free_port(), str(tmp_path), 1, 3), nprocs=2, join=True)
+    res = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert res["error"] == "ReplicaSyncError"
+    assert "never arrived within the process group's timeout" in res["msg"] and "optimizer step 2" in res["msg"]
+    assert res["seconds"] < 30

@@ -1,7 +1,7 @@
 """hdet: Hyperparameter-Divergent Ensemble Training (arXiv 2604.24708) on torch.distributed."""
 
 from .controller import PaperController, gamma_as_printed, gamma_decay, softmax_weights
-from .ensemble import Ensemble, HDETConfig, NonFiniteReplicaError, SyncRecord
+from .ensemble import Ensemble, HDETConfig, NonFiniteReplicaError, ReplicaSyncError, SyncRecord
 from .hyper import (AdamBeta, Dropout, GradClip, Hyperparameter, LabelSmoothing, Setter, Spread, WeightDecay,
                     group_params)
 from .init import warm_init_
@@ -25,6 +25,7 @@ __all__ = [
     "HDETConfig",
     "SyncRecord",
     "NonFiniteReplicaError",
+    "ReplicaSyncError",
     "Replicas",
     "SingleReplica",
     "ProcessGroupReplicas",

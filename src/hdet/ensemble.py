@@ -23,7 +23,12 @@ from .hyper import Hyperparameter, Spread
 from .replicas import Replicas
 from .spread import Dealer, check_alpha, linear_multipliers
 
-__all__ = ["HDETConfig", "Ensemble", "NonFiniteReplicaError", "SyncRecord"]
+__all__ = ["HDETConfig", "Ensemble", "NonFiniteReplicaError", "ReplicaSyncError", "SyncRecord"]
+
+
+class ReplicaSyncError(RuntimeError):
+    """A converge step's collective failed, usually because a replica never arrived within the process
+    group's timeout (it died, hung, or skipped ``scheduler.step()``)."""
 
 
 class NonFiniteReplicaError(FloatingPointError):
@@ -308,7 +313,15 @@ class Ensemble:
         c = self.config
         N = self.replicas.world_size
         tensors, strict = self._tensors()
-        g = self.replicas.gather(self._local_vector(tensors, strict)).tolist()  # COLLECTIVE (all_gather) + HOST SYNC
+        try:
+            g = self.replicas.gather(self._local_vector(tensors, strict)).tolist()  # COLLECTIVE (all_gather) + HOST SYNC
+        except RuntimeError as e:  # a timeout (DistBackendError), a closed connection, ...
+            raise ReplicaSyncError(
+                f"hdet: the converge step after optimizer step {t} failed in its first collective (all_gather): "
+                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}. A replica never arrived within the "
+                "process group's timeout: it died, hung, or skipped scheduler.step() at this step (every replica "
+                "must call it after every optimizer step)."
+            ) from e
         sums, finite_r, counts, sigs, ntens, seeds = (list(col) for col in zip(*g))
 
         if len(set(zip(sigs, ntens))) > 1:
