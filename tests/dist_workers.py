@@ -300,3 +300,65 @@ def _timeout_entry(rank, world, port, out_dir, skip_rank, timeout_s):
             res = {"error": "ReplicaSyncError", "msg": str(e), "seconds": time.perf_counter() - t0}
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     os._exit(0)  # no teardown: the group is broken
+
+
+def soak(rank, world, *, steps=1500, T=10, seed=0):
+    """Many small steps with random faults, decided identically on every rank by a shared generator:
+    a NaN loss or a NaN weight on one replica, a skipped optimizer step (all replicas, as AMP does), a
+    save/load round trip (sometimes into a freshly built scheduler). Checks invariants after every sync."""
+    import io
+    import math
+    import warnings
+
+    warnings.filterwarnings("ignore", message="hdet: at sync step")  # each recovery warns; expected here
+    model = make_model(0)
+    ddp = DDP(model, broadcast_buffers=False)
+    o = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    kw = dict(max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.3, model_sync_interval=T,
+              enable_auto_lr=True, auto_lr_warmup_steps=100, loss_scale=0.05, model=ddp, seed=3)
+    s = hdet.OneCycleAutoLR(o, **kw)
+    g = torch.Generator().manual_seed(seed)  # the same fault plan on every rank
+    rho = sorted(s.ensemble.rho)
+    lo, hi = 0.02 / 25 / 1e4 * 0.7 * (1 - 1e-9), 0.2 * 1.3 * (1 + 1e-9)
+    counts = {"nan_loss": 0, "nan_weight": 0, "skip": 0, "save_load": 0, "rebuild": 0, "syncs": 0, "recovered": 0}
+    for t in range(1, steps + 1):
+        u, victim = torch.rand(1, generator=g).item(), int(torch.randint(world, (1,), generator=g))
+        fault = ("nan_loss" if u < 0.01 else "nan_weight" if u < 0.015 else "skip" if u < 0.03
+                 else "save_load" if u < 0.05 else None)
+        if fault == "nan_weight" and rank == victim:
+            with torch.no_grad():
+                model[3].weight.view(-1)[0] = float("nan")
+        x, y = batch(rank, t)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        if fault == "nan_loss" and rank == victim:
+            loss = loss * float("nan")
+        o.zero_grad()
+        loss.backward()
+        if fault != "skip":
+            o.step()
+        s.step(loss)
+        if fault:
+            counts[fault] += 1
+        if fault == "save_load":
+            buf = io.BytesIO()
+            torch.save({"opt": o.state_dict(), "sched": s.state_dict()}, buf)
+            buf.seek(0)
+            ck = torch.load(buf, weights_only=True)
+            o.load_state_dict(ck["opt"])
+            if victim % 2:  # a freshly built scheduler (the DDP hook is already there)
+                s = hdet.OneCycleAutoLR(o, **kw, guard_gradients=False)
+                counts["rebuild"] += 1
+            s.load_state_dict(ck["sched"])
+        lr = s.get_last_lr()[0]
+        assert math.isfinite(lr) and lo <= lr <= hi, (t, lr)
+        if s.is_sync_step(t):
+            counts["syncs"] += 1
+            counts["recovered"] += len(s.last_sync.recovered)
+            flat = gather_flat(list(model.parameters()) + float_buffers(model))
+            assert all(torch.equal(flat[0], f) for f in flat[1:]), f"replicas differ after the sync at {t}"
+            assert all(torch.isfinite(f).all() for f in flat), f"non-finite weights after the sync at {t}"
+            m = torch.tensor([s.multipliers[0]], dtype=torch.float64)
+            ms = [torch.empty_like(m) for _ in range(world)]
+            dist.all_gather(ms, m)
+            assert sorted(x.item() for x in ms) == rho, f"multipliers not a permutation of rho at {t}"
+    return counts

@@ -155,3 +155,19 @@ def test_a_replica_that_never_arrives_is_a_clear_error_within_the_timeout(tmp_pa
     assert res["error"] == "ReplicaSyncError"
     assert "never arrived within the process group's timeout" in res["msg"] and "optimizer step 2" in res["msg"]
     assert res["seconds"] < 30
+
+
+def _soak(rank, world):
+    from dist_workers import soak
+
+    return soak(rank, world)
+
+
+def test_soak_with_random_faults():
+    """4 gloo replicas, 1500 steps, random NaN losses and weights, skipped steps and save/load round
+    trips; after every sync: equal, finite weights, multipliers a permutation of rho, LR within bounds."""
+    res = check_ok(run_gloo(_soak, 4))
+    c = res[0]
+    assert all(r == c for r in res)
+    assert c["syncs"] == 150 and c["nan_loss"] > 5 and c["nan_weight"] >= 3 and c["skip"] > 10
+    assert c["save_load"] > 15 and c["rebuild"] > 3 and c["recovered"] >= c["nan_loss"] // 2
