@@ -34,18 +34,20 @@ def main() -> None:
         x = torch.randn(32, 64, device=dev, generator=g)
         y = x[:, :1] * 2
         sync = s.is_sync_step(t)
-        torch.cuda.set_sync_debug_mode(0 if sync else "error")
+        loss = nn.functional.mse_loss(ddp(x), y)  # DDP's own forward may sync (buffers, bucket rebuild)
+        if rank == 1 and t in (7, 33):
+            loss = loss * float("nan")  # a NaN loss (and so NaN gradients) on replica 1
+        opt.zero_grad(set_to_none=True)
+        # hdet's part: backward (the gradient guard hook), the optimizer, the scheduler
+        check = not sync and t > 1  # step 1: DDP rebuilds its buckets
+        torch.cuda.set_sync_debug_mode("error" if check else 0)
         try:
-            loss = nn.functional.mse_loss(ddp(x), y)
-            if rank == 1 and t in (7, 33):
-                loss = loss * float("nan")  # a NaN loss (and so NaN gradients) on replica 1
-            opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             s.step(loss)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        checked += not sync
+        checked += check
         ok = all(torch.isfinite(p).all().item() for p in model.parameters())
         finite_others &= ok or rank == 1
         if sync:
