@@ -54,6 +54,7 @@ def main() -> None:
     p.add_argument("--block", type=int, default=50)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--only", default=None, help="comma list of HDET configs to run next to plain")
     a = p.parse_args()
     cuda = torch.cuda.is_available() and not a.tiny
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -73,6 +74,7 @@ def main() -> None:
     runs = {}
     configs = [("plain", None, True), ("hdet_T100", 100, True), ("hdet_T1000", 1000, True),
                ("hdet_T100_noguard", 100, False), ("hdet_T1000_noguard", 1000, False)]
+    configs = [c for c in configs if c[0] == "plain" or a.only is None or c[0] in a.only.split(",")]
     for name, T, guard in configs:
         T = T if T is None or not a.tiny else T // 10
         torch.manual_seed(0)
@@ -127,7 +129,7 @@ def main() -> None:
                      for k, r in runs.items() if r["T"]}}
 
     # 2. one converge step's averaging against the floor and the per-parameter loop
-    ens = runs["hdet_T100"]["sched"].ensemble
+    ens = next(r["sched"].ensemble for r in runs.values() if r["T"])
     tensors = ens.tensors()
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     flat = torch.zeros(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=dev)

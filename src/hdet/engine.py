@@ -183,7 +183,7 @@ class ReplicaEngine:
                 if s.grad is not None:  # DDP's all-reduce over the replica axis: every replica gets the mean
                     g = s.grad  # of the finite contributions only (the gradient guard, hdet.guard)
                     ok = torch.isfinite(g).flatten(1).all(1).view(-1, *[1] * (g.dim() - 1))
-                    mean = torch.where(ok, g, torch.zeros_like(g)).sum(0, keepdim=True) / ok.sum().clamp(min=1)
+                    mean = torch.where(ok, g, torch.zeros_like(g)).mean(0, keepdim=True)  # bad ones count as 0
                     g.copy_(mean.expand_as(g))
         return losses.detach()
 
@@ -217,12 +217,12 @@ class ReplicaEngine:
                 continue
             if any(g is None for g in grads):
                 raise RuntimeError(f"Parameter {i} has a gradient on some replicas and not on others")
-            # sum_r g_r / n over the replicas whose gradient is finite (the gradient guard, hdet.guard)
+            # sum_r g_r / N with non-finite contributions as 0 (the gradient guard, hdet.guard)
+            N = self.num_replicas
             oks = [torch.isfinite(g).all() for g in grads]
-            n = torch.stack(oks).sum().clamp(min=1).to(grads[0].dtype)
-            acc = torch.where(oks[0], grads[0] / n, 0.0)
+            acc = torch.where(oks[0], grads[0] / N, 0.0)  # a non-finite contribution counts as 0
             for g, ok in zip(grads[1:], oks[1:]):
-                acc.add_(torch.where(ok, g / n, 0.0))
+                acc.add_(torch.where(ok, g / N, 0.0))
             for g in grads:
                 g.copy_(acc)
 

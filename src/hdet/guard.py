@@ -2,10 +2,11 @@
 
 With gradients all-reduced every step, one replica's NaN/Inf gradient would reach every replica at
 once, before any converge step could leave it out. This hook, installed by the HDET schedulers when
-``model=`` is a ``DistributedDataParallel`` module, all-reduces each bucket with non-finite
-contributions replaced by zeros, and a count of finite contributors, and divides by that count. All on
-the device: no host sync. Its cost over DDP's default hook: one extra read and write of each bucket
-and one one-element all_reduce per bucket (measured in ``benchmarks/ddp_overhead.py``). The non-finite replica's own window loss (or weights) are caught at the next
+``model=`` is a ``DistributedDataParallel`` module, zeroes a replica's whole contribution to a bucket
+when it holds a NaN or Inf and then averages as DDP does (so in such a step the healthy replicas' mean
+gradient is scaled by (N - bad) / N: one collective, no extra count). All on the device, no host sync.
+Its cost over DDP's default hook: one read and one select pass over each bucket
+(``benchmarks/ddp_overhead.py``). A bucket whose finite values sum to infinity counts as non-finite. The non-finite replica's own window loss (or weights) are caught at the next
 converge step, which resets it (see ``on_nonfinite``).
 """
 
@@ -20,20 +21,17 @@ __all__ = ["finite_allreduce_hook", "install_gradient_guard"]
 
 def finite_allreduce_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     # (no `from __future__ import annotations` here: DDP checks these annotations at registration)
-    """``sum of finite contributions / number of finite contributors``, per bucket: the bucket (zeroed
-    in place if any value is non-finite) and a one-element count are all-reduced together."""
+    """DDP's average with every non-finite contribution replaced by zeros: ``sum of finite
+    contributions / N``. One read of the bucket (its sum: NaN and Inf propagate), one in-place select,
+    then the same single all_reduce as DDP's default hook."""
     buf = bucket.buffer()
-    ok = torch.isfinite(buf).all()  # one read of the bucket, on the device
-    buf.masked_fill_(~ok, 0.0)  # NaN * 0 is NaN: zero the whole contribution instead
-    count = ok.to(buf.dtype).reshape(1)
-    f_buf = dist.all_reduce(buf, group=process_group, async_op=True).get_future()  # COLLECTIVE
-    f_cnt = dist.all_reduce(count, group=process_group, async_op=True).get_future()  # COLLECTIVE (1 value)
-
-    def finish(f: torch.futures.Future[list[torch.futures.Future[Any]]]) -> torch.Tensor:
-        # no finite contributor at all: zero gradient (the converge step then stops the run)
-        return buf.div_(count.clamp_(min=1))
-
-    return torch.futures.collect_all([f_buf, f_cnt]).then(finish)
+    ok = torch.isfinite(buf.sum())  # on the device: no host sync
+    torch.where(ok, buf, torch.zeros((), dtype=buf.dtype, device=buf.device), out=buf)  # NaN * 0 is NaN
+    avg = "nccl" in str(dist.get_backend(process_group))
+    op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
+    fut = dist.all_reduce(buf, op=op, group=process_group, async_op=True).get_future()  # COLLECTIVE
+    world = dist.get_world_size(process_group)
+    return fut.then(lambda f: f.value()[0] if avg else f.value()[0].div_(world))
 
 
 def install_gradient_guard(ddp: "torch.nn.parallel.DistributedDataParallel", process_group: Any = None) -> bool:
