@@ -73,7 +73,8 @@ def main() -> None:
 
     runs = {}
     configs = [("plain", None, True), ("hdet_T100", 100, True), ("hdet_T1000", 1000, True),
-               ("hdet_T100_noguard", 100, False), ("hdet_T1000_noguard", 1000, False)]
+               ("hdet_T100_noguard", 100, False), ("hdet_T1000_noguard", 1000, False),
+               ("hdet_T100_stock_python_hook", 100, "stock")]
     configs = [c for c in configs if c[0] == "plain" or a.only is None or c[0] in a.only.split(",")]
     for name, T, guard in configs:
         T = T if T is None or not a.tiny else T // 10
@@ -85,7 +86,10 @@ def main() -> None:
             sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=6e-4, total_steps=steps)
         else:
             sched = hdet.OneCycleAutoLR(opt, max_lr=6e-4, total_steps=steps, ensemble_lr_spread_ratio=0.2,
-                                        model_sync_interval=T, model=ddp, guard_gradients=guard)
+                                        model_sync_interval=T, model=ddp, guard_gradients=guard is True)
+            if guard == "stock":  # torch's own Python allreduce hook: the cost of any Python comm hook
+                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+                ddp.register_comm_hook(None, allreduce_hook)
         runs[name] = {"model": model, "ddp": ddp, "opt": opt, "sched": sched, "T": T, "seconds": 0.0, "done": 0,
                       "params": sum(q.numel() for q in model.parameters())}
     g = torch.Generator(device=dev).manual_seed(rank)
