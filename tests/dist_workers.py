@@ -362,3 +362,90 @@ def soak(rank, world, *, steps=1500, T=10, seed=0):
             dist.all_gather(ms, m)
             assert sorted(x.item() for x in ms) == rho, f"multipliers not a permutation of rho at {t}"
     return counts
+
+
+def accumulate(rank, world, *, micro=3, steps=12, T=4):
+    """The same data as one batch of 8 * micro per step, or as ``micro`` micro-batches with DDP's no_sync
+    on all but the last: HDET counts optimizer steps, so both runs match."""
+    out = {}
+    for mode in ("one_batch", "accumulate"):
+        torch.manual_seed(0)  # no BatchNorm here: its batch statistics differ between 24 and 3 x 8 samples
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+        ddp = DDP(model, broadcast_buffers=False)
+        o = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.3,
+                                model_sync_interval=T, enable_auto_lr=True, auto_lr_warmup_steps=T,
+                                loss_scale=0.05, model=ddp, seed=3)
+        for t in range(1, steps + 1):
+            parts = [batch(rank, t * 10 + i) for i in range(micro)]
+            o.zero_grad()
+            if mode == "one_batch":
+                x = torch.cat([p[0] for p in parts])
+                y = torch.cat([p[1] for p in parts])
+                loss = nn.functional.mse_loss(ddp(x), y)
+                loss.backward()
+            else:
+                total = 0.0
+                for i, (x, y) in enumerate(parts):
+                    ctx = ddp.no_sync() if i < micro - 1 else torch.enable_grad()
+                    with ctx:
+                        part = nn.functional.mse_loss(ddp(x), y) / micro
+                        part.backward()
+                    total = total + part.detach()
+                loss = total
+            o.step()
+            s.step(loss)  # once per optimizer step, with the step's loss
+        out[mode] = {"params": [p.detach().clone() for p in model.parameters()], "lr": s.get_last_lr(),
+                     "updates": s.ensemble.controllers[0].updates}
+    return out
+
+
+def local_mode(rank, world, *, steps=10, T=5):
+    """No gradient all-reduce at all (DDP's no_sync every step): replicas truly diverge between converge
+    steps and are equal after each."""
+    model = make_model(0)
+    ddp = DDP(model, broadcast_buffers=False)
+    o = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.2, model_sync_interval=T,
+                            model=ddp, seed=3)
+    before, after = [], []
+    for t in range(1, steps + 1):
+        x, y = batch(rank, t)
+        with ddp.no_sync():
+            loss = nn.functional.mse_loss(ddp(x), y)
+            o.zero_grad()
+            loss.backward()
+        o.step()
+        flat = gather_flat(model.parameters())
+        before.append(not torch.equal(flat[0], flat[1]))
+        s.step(loss)
+        if s.is_sync_step(t):
+            flat = gather_flat(model.parameters())
+            after.append(torch.equal(flat[0], flat[1]))
+    return {"differ_every_step": before, "equal_after_sync": after}
+
+
+def compiled(rank, world, *, steps=10, T=5):
+    """A torch.compile'd DDP model: the compiled forward sees the averaged weights after a converge step
+    (its output equals the eager module's on the same input)."""
+    model = make_model(0)
+    ddp = DDP(model, broadcast_buffers=False)
+    fast = torch.compile(ddp)
+    o = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.3, model_sync_interval=T,
+                            model=ddp, seed=3)
+    agree = []
+    for t in range(1, steps + 1):
+        x, y = batch(rank, t)
+        loss = nn.functional.mse_loss(fast(x), y)
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        s.step(loss)
+        if s.is_sync_step(t):
+            model.eval()
+            probe = torch.ones(4, 6)
+            with torch.no_grad():
+                agree.append(bool(torch.allclose(fast(probe), model(probe), atol=1e-6)))
+            model.train()
+    return {"agree": agree, "params": gather_flat(model.parameters())}

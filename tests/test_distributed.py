@@ -171,3 +171,43 @@ def test_soak_with_random_faults():
     assert all(r == c for r in res)
     assert c["syncs"] == 150 and c["nan_loss"] > 5 and c["nan_weight"] >= 3 and c["skip"] > 10
     assert c["save_load"] > 15 and c["rebuild"] > 3 and c["recovered"] >= c["nan_loss"] // 2
+
+
+def _acc(rank, world):
+    from dist_workers import accumulate
+
+    return accumulate(rank, world)
+
+
+def test_gradient_accumulation_counts_optimizer_steps():
+    res = check_ok(run_gloo(_acc, 2))
+    for r in res:
+        a, b = r["one_batch"], r["accumulate"]
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-5) and a["updates"] == b["updates"] == 3
+        for p, q in zip(a["params"], b["params"]):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)  # sums of micro-batches round differently
+
+
+def _local(rank, world):
+    from dist_workers import local_mode
+
+    return local_mode(rank, world)
+
+
+def test_local_mode_without_gradient_sharing():
+    res = check_ok(run_gloo(_local, 2))
+    assert res[0]["differ_every_step"] == [True] * 10  # no all-reduce: replicas differ before every sync
+    assert res[0]["equal_after_sync"] == [True, True]
+
+
+def _compiled(rank, world):
+    from dist_workers import compiled
+
+    return compiled(rank, world)
+
+
+def test_torch_compile_sees_the_averaged_weights():
+    res = check_ok(run_gloo(_compiled, 2))
+    for r in res:
+        assert r["agree"] == [True, True]
+        assert torch.equal(r["params"][0], r["params"][1])
