@@ -449,3 +449,31 @@ def compiled(rank, world, *, steps=10, T=5):
                 agree.append(bool(torch.allclose(fast(probe), model(probe), atol=1e-6)))
             model.train()
     return {"agree": agree, "params": gather_flat(model.parameters())}
+
+
+def hsdp(rank, world, *, mesh_shape=(2, 2), steps=10, T=5):
+    """FSDP2 through a (replicate, shard) DeviceMesh: HDET replicas are the replicate dimension."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+    fully_shard(model, mesh=mesh)
+    o = torch.optim.Adam(model.parameters(), lr=0.01)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.3, model_sync_interval=T,
+                            enable_auto_lr=True, auto_lr_warmup_steps=T, loss_scale=0.05, model=model, seed=3,
+                            device_mesh=mesh)
+    lrs, full_after = [], []
+    for t in range(1, steps + 1):
+        x, y = batch(rank, t)
+        loss = nn.functional.mse_loss(model(x), y)
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        s.step(loss)
+        lrs.append(s.get_last_lr()[0])
+        if s.is_sync_step(t):
+            full_after.append(torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()]))
+    return {"lrs": lrs, "full_after": full_after, "replica": s.rank, "N": s.world_size,
+            "bases": s.base_lrs_now, "updates": s.ensemble.controllers[0].updates}

@@ -211,3 +211,26 @@ def test_torch_compile_sees_the_averaged_weights():
     for r in res:
         assert r["agree"] == [True, True]
         assert torch.equal(r["params"][0], r["params"][1])
+
+
+def _hsdp(rank, world, shape):
+    from dist_workers import hsdp
+
+    return hsdp(rank, world, mesh_shape=shape)
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (4, 1), (1, 4)])
+def test_fsdp2_hsdp_replicas_are_the_replicate_dimension(shape):
+    """4 gloo processes, FSDP2 over a (replicate, shard) mesh: the shards of one replica share its LR
+    multiplier at every step, replicas differ, the controller's bases agree everywhere, and after each
+    converge step the full weights are equal across replicas. (1, 4) is plain FSDP: one replica."""
+    res = check_ok(run_gloo(_hsdp, 4, shape))
+    R, S = shape
+    assert [r["replica"] for r in res] == [i // S for i in range(4)] and all(r["N"] == R for r in res)
+    for i in range(4):
+        assert res[i]["lrs"] == res[i // S * S]["lrs"]  # every shard of a replica: the same LR
+        assert res[i]["bases"] == res[0]["bases"] and res[i]["updates"] == 2
+    if R > 1:
+        assert res[0]["lrs"] != res[S]["lrs"]  # replicas differ (with one replica, FSDP alone: nothing to do)
+    for k in range(2):
+        assert all(torch.equal(res[0]["full_after"][k], r["full_after"][k]) for r in res)

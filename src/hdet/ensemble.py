@@ -90,6 +90,12 @@ def _persistent_float_buffers(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2), or the tensor itself: averaging runs on local shards."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def _all_finite(tensors: list[torch.Tensor], strict: list[bool], dev: torch.device) -> torch.Tensor:
     """One bool on ``dev``: every element is finite (``strict``) or at least not NaN. No host sync
     (one small copy per device)."""
@@ -253,7 +259,7 @@ class Ensemble:
         """The tensors to average, and per tensor whether it must be finite (parameters, optimizer
         state) or only free of NaN (buffers: a mask may hold -inf)."""
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.is_floating_point()]
-        out = [p.detach() for p in params]
+        out = [_local(p.detach()) for p in params]
         strict = [True] * len(out)
         if self.model is not None:
             buffers = _persistent_float_buffers(self.model)
@@ -272,7 +278,7 @@ class Ensemble:
             for key in sorted(state):
                 v = state[key]
                 if key != "step" and isinstance(v, torch.Tensor) and v.is_floating_point():
-                    out.append(v.detach())
+                    out.append(_local(v.detach()))
         return out
 
     def recovery_tensors(self) -> list[torch.Tensor]:

@@ -89,7 +89,7 @@ class ProcessGroupReplicas(Replicas):
     copy of the whole model. Averaging runs in each tensor's own dtype; NCCL averages with
     ``ReduceOp.AVG`` (its own accumulation precision), other backends sum then divide by N."""
 
-    def __init__(self, group: Any = None, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
+    def __init__(self, group: Any = None, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, shard_group: Any = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "ProcessGroupReplicas needs an initialised torch.distributed process group; "
@@ -98,6 +98,7 @@ class ProcessGroupReplicas(Replicas):
         if not bucket_cap_mb > 0:
             raise ValueError(f"Expected bucket_cap_mb > 0, but got {bucket_cap_mb!r}")
         self.group = group
+        self.shard_group = shard_group  # the ranks that hold one replica's shards (FSDP2/HSDP), or None
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
@@ -110,6 +111,13 @@ class ProcessGroupReplicas(Replicas):
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         local = local.detach().to(self.comm_device(), torch.float64).reshape(-1)
+        if self.shard_group is not None and dist.get_world_size(self.shard_group) > 1:
+            # one replica = its shard group: sum its ranks' loss sums and counts, AND their finite flags
+            sums = local[[0, 2]].clone()
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.shard_group)  # COLLECTIVE (2 values)
+            finite = local[1:2].clone()
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=self.shard_group)  # COLLECTIVE (1 value)
+            local = torch.cat([sums[:1], finite, sums[1:], local[3:]])
         out = torch.empty(self.world_size * local.numel(), dtype=local.dtype, device=local.device)
         gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather_single(out, local, group=self.group)  # COLLECTIVE: one all_gather of k float64
@@ -140,6 +148,7 @@ def resolve_replicas(
     world_size: int | None,
     process_group: Any = None,
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    device_mesh: Any = None,
 ) -> Replicas:
     """Choose the replicas from the arguments a scheduler was given.
 
@@ -148,8 +157,17 @@ def resolve_replicas(
     agree with it. Without a process group there is one replica."""
     if replicas is not None:
         return replicas
+    shard_group = None
+    if device_mesh is not None:  # FSDP2/HSDP: replicas along dim 0 ("replicate"), shards along dim 1
+        if process_group is not None:
+            raise ValueError("Expected process_group or device_mesh, not both")
+        if device_mesh.ndim not in (1, 2):
+            raise ValueError(f"Expected a 1-D (replicate) or 2-D (replicate, shard) device mesh, but got "
+                             f"{device_mesh.ndim} dimensions")
+        process_group = device_mesh.get_group(0)
+        shard_group = device_mesh.get_group(1) if device_mesh.ndim == 2 else None
     if dist.is_available() and dist.is_initialized():
-        found = ProcessGroupReplicas(process_group, bucket_cap_mb)
+        found = ProcessGroupReplicas(process_group, bucket_cap_mb, shard_group)
         if rank is not None and rank != found.rank:
             raise ValueError(f"Expected rank={found.rank} (from the process group), but got rank={rank}")
         if world_size is not None and world_size != found.world_size:

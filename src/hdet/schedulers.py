@@ -42,10 +42,10 @@ class _EnsembleScheduler(LRScheduler):
     def _init_ensemble(self, optimizer: torch.optim.Optimizer, config: HDETConfig, model: nn.Module | None,
                        replicas: Replicas | None, rank: int | None, world_size: int | None,
                        process_group: Any, bucket_cap_mb: float, explore: Sequence[Hyperparameter] = (),
-                       guard_gradients: bool = True) -> None:
+                       guard_gradients: bool = True, device_mesh: Any = None) -> None:
         if isinstance(explore, Hyperparameter):
             explore = [explore]
-        resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb)
+        resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
         self._hdet = Ensemble(config, resolved, optimizer, model, list(explore))
         self.gradient_guard = False
         if guard_gradients and isinstance(model, DistributedDataParallel) and resolved.world_size > 1:
@@ -215,7 +215,9 @@ class OneCycleAutoLR(_EnsembleScheduler, OneCycleLR):
     hyperparameters to spread and control, :mod:`hdet.hyper`), ``on_nonfinite`` ("recover": a replica
     with a non-finite window loss or weights is left out of the converge step and reset to the others'
     mean; "raise": stop with NonFiniteReplicaError), ``guard_gradients`` (when ``model`` is a DDP module,
-    install :func:`hdet.guard.finite_allreduce_hook` so one replica's NaN gradient never reaches the others).
+    install :func:`hdet.guard.finite_allreduce_hook` so one replica's NaN gradient never reaches the others),
+    ``device_mesh`` (FSDP2/HSDP: a (replicate, shard) mesh; HDET replicas are the replicate dimension,
+    weights are averaged over it on local shards, a replica's loss is the mean over its shard ranks).
     """
 
     def __init__(
@@ -255,6 +257,7 @@ class OneCycleAutoLR(_EnsembleScheduler, OneCycleLR):
         explore: Sequence[Hyperparameter] = (),
         on_nonfinite: str = "recover",
         guard_gradients: bool = True,
+        device_mesh: Any = None,
     ) -> None:
         config = HDETConfig(
             alpha=ensemble_lr_spread_ratio, sync_interval=model_sync_interval, auto_lr=enable_auto_lr,
@@ -269,7 +272,7 @@ class OneCycleAutoLR(_EnsembleScheduler, OneCycleLR):
         self.div_factor = float(div_factor)
         self.final_div_factor = float(final_div_factor)
         self._init_ensemble(optimizer, config, model, replicas, rank, world_size, process_group, bucket_cap_mb,
-                            explore, guard_gradients)
+                            explore, guard_gradients, device_mesh)
         self.total_steps = 0  # set for real by OneCycleLR.__init__ before its first step
         self.optimizer = optimizer
         self._set_bounds(auto_lr_bounds)
@@ -338,6 +341,7 @@ class HDETLR(_EnsembleScheduler):
         explore: Sequence[Hyperparameter] = (),
         on_nonfinite: str = "recover",
         guard_gradients: bool = True,
+        device_mesh: Any = None,
     ) -> None:
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0:
             raise ValueError(f"Expected positive integer total_steps, but got {total_steps!r}")
@@ -361,7 +365,7 @@ class HDETLR(_EnsembleScheduler):
         self.total_steps = total_steps
         self.optimizer = optimizer
         self._init_ensemble(optimizer, config, model, replicas, rank, world_size, process_group, bucket_cap_mb,
-                            explore, guard_gradients)
+                            explore, guard_gradients, device_mesh)
         self._hdet.set_total_steps(total_steps)
         self._constant = [_float(g["lr"]) for g in optimizer.param_groups]
         self._final = self._resolve_final(final_lr)
