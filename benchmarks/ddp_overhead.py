@@ -55,6 +55,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--only", default=None, help="comma list of HDET configs to run next to plain")
+    p.add_argument("--converge-only", action="store_true", help="skip the step-time part (one HDET model)")
     a = p.parse_args()
     cuda = torch.cuda.is_available() and not a.tiny
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -76,6 +77,8 @@ def main() -> None:
                ("hdet_T100_noguard", 100, False), ("hdet_T1000_noguard", 1000, False),
                ("hdet_T100_stock_python_hook", 100, "stock")]
     configs = [c for c in configs if c[0] == "plain" or a.only is None or c[0] in a.only.split(",")]
+    if a.converge_only:
+        configs = [("hdet_T100", 100, True)]
     for name, T, guard in configs:
         T = T if T is None or not a.tiny else T // 10
         torch.manual_seed(0)
@@ -112,35 +115,50 @@ def main() -> None:
         run["seconds"] += time.perf_counter() - t0
 
     warm = 10
+    out = {"command": "torchrun --nproc-per-node {} benchmarks/ddp_overhead.py{}{}".format(
+               world, " --tiny" * a.tiny, " --converge-only" * a.converge_only),
+           "world": world, "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+           "torch": torch.__version__, "python": platform.python_version(),
+           "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+           "params": next(iter(runs.values()))["params"]}
+    if not a.converge_only:
+        out.update(step_times(runs, train_block, steps, warm, block, a, ctx))
+    ens = next(r["sched"].ensemble for r in runs.values() if r["T"])
+    if a.converge_only:
+        train_block(next(r for r in runs.values() if r["T"]), 2)  # optimizer state exists, weights are real
+    converge(out, ens, dev, a.reps, sync_dev)
+    if rank == 0:
+        print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+def step_times(runs, train_block, steps, warm, block, a, ctx) -> dict:
     for run in runs.values():  # warm-up steps are not timed... but count against total_steps
         train_block(run, warm)
         run["seconds"] = 0.0
     while runs["plain"]["done"] < steps:
         n = min(block, steps - runs["plain"]["done"])
-        for run in runs.values():  # round robin: the same GPU state for all three
+        for run in runs.values():  # round robin: the same GPU state for all
             train_block(run, n)
     timed = steps - warm
-    out = {"command": "torchrun --nproc-per-node {} benchmarks/ddp_overhead.py{}".format(world, " --tiny" * a.tiny),
-           "world": world, "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-           "torch": torch.__version__, "python": platform.python_version(),
-           "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-           "params": runs["plain"]["params"], "tokens_per_step_per_gpu": a.batch * ctx, "timed_steps": timed,
-           "seconds": {k: r["seconds"] for k, r in runs.items()},
-           "ms_per_step": {k: 1000 * r["seconds"] / timed for k, r in runs.items()},
-           "ratio_to_plain": {k: r["seconds"] / runs["plain"]["seconds"] for k, r in runs.items() if r["T"]},
-           "syncs": {k: r["sched"].ensemble.is_sync_step(steps) and sum(r["sched"].ensemble.is_sync_step(t)
-                                                                         for t in range(warm + 1, steps + 1))
-                     for k, r in runs.items() if r["T"]}}
+    return {"tokens_per_step_per_gpu": a.batch * ctx, "timed_steps": timed,
+            "seconds": {k: r["seconds"] for k, r in runs.items()},
+            "ms_per_step": {k: 1000 * r["seconds"] / timed for k, r in runs.items()},
+            "ratio_to_plain": {k: r["seconds"] / runs["plain"]["seconds"] for k, r in runs.items() if r["T"]},
+            "syncs": {k: sum(r["sched"].ensemble.is_sync_step(t) for t in range(warm + 1, steps + 1))
+                      for k, r in runs.items() if r["T"]}}
 
-    # 2. one converge step's averaging against the floor and the per-parameter loop
-    ens = next(r["sched"].ensemble for r in runs.values() if r["T"])
+
+def converge(out: dict, ens, dev, reps: int, sync_dev) -> None:
+    """One converge step's averaging against the floor (one all_reduce of a ready flat buffer of the same
+    bytes) and against the reference's loop of one all_reduce per parameter."""
     tensors = ens.tensors()
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     flat = torch.zeros(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=dev)
 
     def timed_op(fn) -> float:
         times = []
-        for _ in range(a.reps):
+        for _ in range(reps):
             dist.barrier()
             sync_dev()
             t0 = time.perf_counter()
@@ -156,9 +174,6 @@ def main() -> None:
                 "ms_converge_average": 1000 * t_avg, "ms_flat_all_reduce": 1000 * t_flat,
                 "ms_per_tensor_loop": 1000 * t_loop, "ratio_converge_to_flat": t_avg / t_flat,
                 "ratio_loop_to_flat": t_loop / t_flat, "bucket_cap_mb": ens.replicas.cap_bytes / 2**20})
-    if rank == 0:
-        print(json.dumps(out), flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

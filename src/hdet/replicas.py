@@ -85,8 +85,8 @@ class SingleReplica(Replicas):
 class ProcessGroupReplicas(Replicas):
     """One replica per rank of a process group (the default group when ``group`` is None).
 
-    ``bucket_cap_mb`` bounds the extra memory of averaging: one flat bucket at a time, never a
-    copy of the whole model. Averaging runs in each tensor's own dtype; NCCL averages with
+    ``bucket_cap_mb`` bounds the extra memory of averaging: two flat buckets at a time (one being
+    reduced while the next is flattened), never a copy of the whole model. Averaging runs in each tensor's own dtype; NCCL averages with
     ``ReduceOp.AVG`` (its own accumulation precision), other backends sum then divide by N."""
 
     def __init__(self, group: Any = None, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, shard_group: Any = None) -> None:
@@ -124,22 +124,34 @@ class ProcessGroupReplicas(Replicas):
         return out.view(self.world_size, -1).cpu()  # host sync
 
     def average_(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int] = ()) -> None:
+        """Bucketed and pipelined: while bucket k is being all-reduced, bucket k+1 is flattened (at most
+        two buckets of extra memory), then bucket k is copied back."""
         if self.world_size == 1 or not tensors:
             return
         n = self.world_size - len(set(exclude))
         use_avg = "nccl" in self.backend and n == self.world_size
+        op = dist.ReduceOp.AVG if use_avg else dist.ReduceOp.SUM
+
+        def finish(item: tuple[Any, torch.Tensor, list[torch.Tensor]]) -> None:
+            work, flat, bucket = item
+            work.wait()  # NCCL: the current stream waits for the collective (no host block)
+            if not use_avg:
+                flat.div_(n)
+            torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))
+
         with torch.no_grad():
+            in_flight: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
             for idx in plan_buckets(tensors, self.cap_bytes):
                 bucket = [tensors[i] for i in idx]
-                flat = _flatten_dense_tensors(bucket)  # one bucket of extra memory at a time
+                flat = _flatten_dense_tensors(bucket)
                 if self.rank in exclude:
                     flat.zero_()  # NaN * 0 is NaN: contribute exact zeros instead
-                if use_avg:
-                    dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.group)  # COLLECTIVE
-                else:
-                    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)  # COLLECTIVE
-                    flat.div_(n)
-                torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))
+                work = dist.all_reduce(flat, op=op, group=self.group, async_op=True)  # COLLECTIVE (one per bucket)
+                in_flight.append((work, flat, bucket))
+                if len(in_flight) > 1:
+                    finish(in_flight.pop(0))
+            for item in in_flight:
+                finish(item)
 
 
 def resolve_replicas(
