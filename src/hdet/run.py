@@ -282,12 +282,14 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
     """Run ``cfg``; returns the summary (also written to ``<out>/summary.json`` on rank 0)."""
     _check(cfg)
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    owns_group = False
     device = resolve_device(cfg.device)
     if distributed and not dist.is_initialized():
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        owns_group = True
     rank = dist.get_rank() if distributed else 0
     N = dist.get_world_size() if distributed else (cfg.replicas or 4)
     if distributed and cfg.replicas not in (None, N):
@@ -404,4 +406,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
             # clone: in vmap mode the weights are views of [N, ...] tensors, which torch.save would store whole
             torch.save({k: v.detach().clone() for k, v in reps.eval_model().state_dict().items()}, out / "model.pt")
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if owns_group:
+        dist.barrier()  # every rank is done with its collectives before the group goes
+        dist.destroy_process_group()
     return summary
