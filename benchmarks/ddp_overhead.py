@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--only", default=None, help="comma list of HDET configs to run next to plain")
     p.add_argument("--converge-only", action="store_true", help="skip the step-time part (one HDET model)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="HDET's averaging bucket size")
     a = p.parse_args()
     cuda = torch.cuda.is_available() and not a.tiny
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -89,7 +90,8 @@ def main() -> None:
             sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=6e-4, total_steps=steps)
         else:
             sched = hdet.OneCycleAutoLR(opt, max_lr=6e-4, total_steps=steps, ensemble_lr_spread_ratio=0.2,
-                                        model_sync_interval=T, model=ddp, guard_gradients=guard is True)
+                                        model_sync_interval=T, model=ddp, guard_gradients=guard is True,
+                                        bucket_cap_mb=a.bucket_mb)
             if guard == "stock":  # torch's own Python allreduce hook: the cost of any Python comm hook
                 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
                 ddp.register_comm_hook(None, allreduce_hook)
@@ -116,7 +118,7 @@ def main() -> None:
 
     warm = 10
     out = {"command": "torchrun --nproc-per-node {} benchmarks/ddp_overhead.py{}{}".format(
-               world, " --tiny" * a.tiny, " --converge-only" * a.converge_only),
+               world, " --tiny" * a.tiny, " --converge-only" * a.converge_only) + (f" --bucket-mb {a.bucket_mb:g}" if a.bucket_mb != 25 else ""),
            "world": world, "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "python": platform.python_version(),
            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
