@@ -103,23 +103,32 @@ def _cmd_compare(a: argparse.Namespace, argv: list[str]) -> int:
         raise RunError(f"Expected --pretrain-steps >= 1, but got {a.pretrain_steps}")
     cfg = _config(a)
     result = compare(cfg, a.lr_low, a.lr_high, a.pretrain_steps)
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title=f"Table 1 layout, our numbers: {result['title']}")
-    for col in ("Config", "Description", "LR", "Train loss", "Val loss", "Time (s)"):
-        t.add_column(col, justify="left" if col in ("Config", "Description") else "right")
-    for r in result["runs"]:
-        dagger = " †" if r["crashed"] else ""
-        t.add_row(r["config"], r["description"], f"{r['lr']:g}",
-                  (f"{r['final_train_loss']:.4f}" if r["final_train_loss"] is not None else "-") + dagger,
-                  f"{r['final_val_loss']:.4f}" if r["final_val_loss"] is not None else "-",
-                  f"{r['train_seconds']:.0f}")
-    con = Console(width=None if sys.stdout.isatty() else 120)
-    con.print(t)
-    for n in result["notes"]:
-        con.print(f"  {n}")
-    con.print("  † crashed (non-finite loss or weights).")
+    rows = [(r["config"], r["description"], f"{r['lr']:g}",
+             (f"{r['final_train_loss']:.4f}" if r["final_train_loss"] is not None else "-")
+             + (" †" if r["crashed"] else ""),
+             f"{r['final_val_loss']:.4f}" if r["final_val_loss"] is not None else "-", f"{r['train_seconds']:.0f}")
+            for r in result["runs"]]
+    cols = ("Config", "Description", "LR", "Train loss", "Val loss", "Time (s)")
+    title = f"Table 1 layout, our numbers: {result['title']}"
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # plain text without rich
+        print(title)
+        for row in [cols, *rows]:
+            print("  ".join(f"{c:<38}" if k == 1 else f"{c:<20}" if k == 0 else f"{c:>10}" for k, c in enumerate(row)))
+        lines = [*result["notes"], "† crashed (non-finite loss or weights)."]
+        print("\n".join(f"  {n}" for n in lines))
+    else:
+        t = Table(title=title)
+        for col in cols:
+            t.add_column(col, justify="left" if col in ("Config", "Description") else "right")
+        for row in rows:
+            t.add_row(*row)
+        con = Console(width=None if sys.stdout.isatty() else 120)
+        con.print(t)
+        for n in [*result["notes"], "† crashed (non-finite loss or weights)."]:
+            con.print(f"  {n}")
     for p in plot_dir(a.out):
         print(p)
     return 0
