@@ -176,3 +176,13 @@ def test_train_explores_several_hyperparameters(tmp_path):
     assert sorted(syncs[0]["values"][j]) == pytest.approx([0.05, 0.15])  # 0.1 -+ 0.05 for 2 replicas
     assert len(syncs[-1]["controller"]) == len(names)
     assert (out / "hparams.png").stat().st_size > 1000
+
+
+def test_compare_without_rich_prints_plain_text(tmp_path, capsys, monkeypatch):
+    for mod in ("rich", "rich.console", "rich.table", "rich.progress"):
+        monkeypatch.setitem(sys.modules, mod, None)  # import fails: the CLI must not need rich
+    out = tmp_path / "cmp"
+    assert main(["compare", *TINY, "--steps", "4", "--T", "2", "--replicas", "2", "--pretrain-steps", "2",
+                 "--out", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "Table 1 layout" in shown and "HDET (full)" in shown and "Baseline-Low" in shown
