@@ -302,7 +302,7 @@ def _timeout_entry(rank, world, port, out_dir, skip_rank, timeout_s):
     os._exit(0)  # no teardown: the group is broken
 
 
-def soak(rank, world, *, steps=1500, T=10, seed=0):
+def soak(rank, world, *, steps=2500, T=10, seed=0):
     """Many small steps with random faults, decided identically on every rank by a shared generator:
     a NaN loss or a NaN weight on one replica, a skipped optimizer step (all replicas, as AMP does), a
     save/load round trip (sometimes into a freshly built scheduler). Checks invariants after every sync."""
@@ -339,16 +339,6 @@ def soak(rank, world, *, steps=1500, T=10, seed=0):
         s.step(loss)
         if fault:
             counts[fault] += 1
-        if fault == "save_load":
-            buf = io.BytesIO()
-            torch.save({"opt": o.state_dict(), "sched": s.state_dict()}, buf)
-            buf.seek(0)
-            ck = torch.load(buf, weights_only=True)
-            o.load_state_dict(ck["opt"])
-            if victim % 2:  # a freshly built scheduler (the DDP hook is already there)
-                s = hdet.OneCycleAutoLR(o, **kw, guard_gradients=False)
-                counts["rebuild"] += 1
-            s.load_state_dict(ck["sched"])
         lr = s.get_last_lr()[0]
         assert math.isfinite(lr) and lo <= lr <= hi, (t, lr)
         if s.is_sync_step(t):
@@ -361,6 +351,16 @@ def soak(rank, world, *, steps=1500, T=10, seed=0):
             ms = [torch.empty_like(m) for _ in range(world)]
             dist.all_gather(ms, m)
             assert sorted(x.item() for x in ms) == rho, f"multipliers not a permutation of rho at {t}"
+        if fault == "save_load":
+            buf = io.BytesIO()
+            torch.save({"opt": o.state_dict(), "sched": s.state_dict()}, buf)
+            buf.seek(0)
+            ck = torch.load(buf, weights_only=True)
+            o.load_state_dict(ck["opt"])
+            if victim % 2:  # a freshly built scheduler (the DDP hook is already there)
+                s = hdet.OneCycleAutoLR(o, **kw, guard_gradients=False)
+                counts["rebuild"] += 1
+            s.load_state_dict(ck["sched"])
     return counts
 
 
