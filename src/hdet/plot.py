@@ -42,6 +42,14 @@ def _pyplot():
     return plt
 
 
+def _save(fig: Any, path: str | Path, dpi: int) -> Path:
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=dpi)
+    _pyplot().close(fig)
+    return out
+
+
 def plot_losses(runs: list[dict[str, Any]], path: str | Path, title: str = "") -> Path:
     plt = _pyplot()
     fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -67,11 +75,7 @@ def plot_losses(runs: list[dict[str, Any]], path: str | Path, title: str = "") -
         ax.legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _save(fig, path, 120)
 
 
 def plot_lrs(run: dict[str, Any], path: str | Path) -> Path:
@@ -98,11 +102,7 @@ def plot_lrs(run: dict[str, Any], path: str | Path) -> Path:
     for ax in list(axes.flat)[len(groups):]:
         ax.axis("off")
     fig.suptitle(f"per-group learning rates: {run['label']}")
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _save(fig, path, 120)
 
 
 def plot_hparams(run: dict[str, Any], path: str | Path) -> Path | None:
@@ -133,11 +133,7 @@ def plot_hparams(run: dict[str, Any], path: str | Path) -> Path | None:
         if col == 0:
             ax.legend(fontsize=7)
     fig.suptitle(f"explored hyperparameters: {run['label']} (Delta of log-spread values in log units)")
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, path, 110)
 
 
 def plot_dir(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
