@@ -46,6 +46,8 @@ def test_train_writes_records_and_plots(tmp_path):
     assert all(set(m["lr"]) == {"embed", "norm", "attn", "mlp"} for m in metrics)
     for f in ("loss.png", "lr.png", "model.pt"):
         assert (out / f).stat().st_size > 1000
+    schedule = json.loads((out / "schedule.json").read_text())
+    assert schedule["names"][:4] == ["lr/embed", "lr/norm", "lr/attn", "lr/mlp"] and len(schedule["bases"]) == 13
     assert list((out / "tb").iterdir())
     # the saved model is the averaged one and holds no [N, ...] storage
     sd = torch.load(out / "model.pt", weights_only=True)

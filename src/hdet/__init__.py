@@ -6,6 +6,7 @@ from .hyper import (AdamBeta, Dropout, GradClip, Hyperparameter, LabelSmoothing,
                     group_params)
 from .init import warm_init_
 from .replicas import ProcessGroupReplicas, Replicas, SingleReplica
+from .replay import ReplayLR
 from .schedulers import HDETLR, OneCycleAutoLR
 from .spread import Dealer, linear_multipliers
 
@@ -38,4 +39,5 @@ __all__ = [
     "GradClip",
     "Setter",
     "group_params",
+    "ReplayLR",
 ]

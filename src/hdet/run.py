@@ -3,7 +3,8 @@ torchrun (DDP). Writes a run folder: ``config.json``, ``metrics.jsonl`` (trainin
 ``log_every`` steps, each the mean over replicas and over the steps since the previous record;
 validation loss at evaluations), ``syncs.jsonl`` (one record per sync: step,
 per-replica window losses, multipliers and values, controller weights w, Delta, velocity, base),
-``summary.json``, ``model.pt`` (the averaged model) and optionally TensorBoard events under ``tb/``.
+``summary.json``, ``model.pt`` (the averaged model), ``schedule.json`` (every step's base values, for
+:class:`hdet.ReplayLR`) and optionally TensorBoard events under ``tb/``.
 """
 
 from __future__ import annotations
@@ -315,7 +316,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
     reps = (_DDPReplicas(task, model, cfg, warmup, device) if distributed
             else _EngineReplicas(task, model, N, cfg, warmup))
     gens = {r: torch.Generator().manual_seed(cfg.seed * 1000 + r) for r in reps.local}  # each replica its data
-    sched0 = reps.schedulers[0]
+    sched0 = reps.schedulers[0].record_schedule()  # the discovered schedule, for hdet.ReplayLR
     groups = [g.get("name", str(j)) for j, g in enumerate(sched0.optimizer.param_groups)]
     eval_every = cfg.eval_every or cfg.T
 
@@ -402,6 +403,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
         syncs_f.close()
         if writer is not None:
             writer.close()
+        (out / "schedule.json").write_text(json.dumps(sched0.discovered_schedule()))
         if crashed is None:
             # clone: in vmap mode the weights are views of [N, ...] tensors, which torch.save would store whole
             torch.save({k: v.detach().clone() for k, v in reps.eval_model().state_dict().items()}, out / "model.pt")

@@ -101,7 +101,30 @@ class _EnsembleScheduler(LRScheduler):
         values = ens.values(bases)
         for h, v in zip(ens.hypers, values[ens.num_lr_slots:]):
             h.set(v)
+        history = getattr(self, "_history", None)
+        if history is not None:  # the base of every slot in effect for step last_epoch + 1
+            history[str(self.last_epoch)] = list(ens.current_bases)
         return values[: ens.num_lr_slots]
+
+    def record_schedule(self) -> "_EnsembleScheduler":
+        """Remember, from now on, every step's base value per explored slot (see :mod:`hdet.replay`).
+        The record is part of the state_dict, so a resumed run keeps it."""
+        if getattr(self, "_history", None) is None:
+            self._history: dict[str, list[float]] | None = {str(self.last_epoch): list(self._hdet.current_bases)}
+        return self
+
+    def discovered_schedule(self) -> dict[str, Any]:
+        """The recorded bases as plain data: ``{"names": [...], "bases": [[per slot] per step]}``, step 0
+        first (what :class:`hdet.ReplayLR` plays back)."""
+        history = getattr(self, "_history", None)
+        if not history:
+            raise ValueError("Expected sched.record_schedule() to have been called before training, but nothing "
+                             "was recorded")
+        steps = sorted(int(k) for k in history)
+        if steps != list(range(steps[0], steps[-1] + 1)) or steps[0] != 0:
+            raise ValueError(f"Expected a record from step 0 without gaps, but it covers steps {steps[0]}..{steps[-1]}"
+                             f" with {len(steps)} entries (call record_schedule() before the first step)")
+        return {"names": list(self._hdet.names), "bases": [history[str(t)] for t in steps]}
 
     def step(self, loss: torch.Tensor | float | None = None) -> None:  # type: ignore[override]
         """Call after ``optimizer.step()``, with that step's training loss (needed by auto-LR).

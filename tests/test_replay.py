@@ -1,0 +1,75 @@
+"""Export the schedule an HDET run discovered and replay it in a plain single-replica run."""
+
+import io
+import json
+
+import pytest
+import torch
+
+import hdet
+from helpers import ScriptedReplicas
+
+
+def _opt(wd=0.01):
+    p = torch.nn.Parameter(torch.zeros(2))
+    return torch.optim.AdamW([p], lr=0.01, weight_decay=wd)
+
+
+def _hdet_run(steps=40, stop=None):
+    opt = _opt()
+    sched = hdet.OneCycleAutoLR(opt, max_lr=0.05, total_steps=steps, ensemble_lr_spread_ratio=0.2,
+                                model_sync_interval=5, enable_auto_lr=True, auto_lr_warmup_steps=10, loss_scale=0.05,
+                                replicas=ScriptedReplicas(1, 4, lambda: [1.0, 1.2, 0.8, 1.1]),
+                                explore=[hdet.WeightDecay(opt, alpha=1.0)]).record_schedule()
+    seen = [(sched.base_lrs_now[0], sched.ensemble.current_bases[1])]
+    for t in range(stop or steps):
+        opt.step()
+        sched.step(torch.tensor(1.0))
+        seen.append((sched.base_lrs_now[0], sched.ensemble.current_bases[1]))
+    return opt, sched, seen
+
+
+def test_replay_plays_back_the_discovered_bases():
+    _, sched, seen = _hdet_run()
+    schedule = json.loads(json.dumps(sched.discovered_schedule()))  # plain data
+    assert schedule["names"] == ["lr/0", "weight_decay/0"] and len(schedule["bases"]) == 41
+    assert sched.ensemble.controllers[0].updates == 7  # the controller moved the base: not just OneCycle
+    opt = _opt(wd=0.5)
+    wd = hdet.WeightDecay(opt)
+    replay = hdet.ReplayLR(opt, schedule, explore=[wd])
+    got = [(opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"])]
+    for _ in range(40):
+        opt.step()
+        replay.step()
+        got.append((opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"]))
+    assert got == seen  # the mean over replicas, step by step, for the LR and the weight decay
+    with pytest.raises(ValueError, match="at most 40 steps"):
+        replay.step()
+
+
+def test_record_survives_a_resume_and_bad_input_is_refused():
+    opt, sched, _ = _hdet_run(stop=17)
+    buf = io.BytesIO()
+    torch.save(sched.state_dict(), buf)
+    buf.seek(0)
+    opt2 = _opt()
+    s2 = hdet.OneCycleAutoLR(opt2, max_lr=0.05, total_steps=40, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                             enable_auto_lr=True, auto_lr_warmup_steps=10, loss_scale=0.05,
+                             replicas=ScriptedReplicas(1, 4, lambda: [1.0, 1.2, 0.8, 1.1]),
+                             explore=[hdet.WeightDecay(opt2, alpha=1.0)])
+    s2.load_state_dict(torch.load(buf, weights_only=True))
+    for _ in range(23):
+        opt2.step()
+        s2.step(torch.tensor(1.0))
+    _, full, _ = _hdet_run()
+    assert s2.discovered_schedule() == full.discovered_schedule()
+    with pytest.raises(ValueError, match="record_schedule"):
+        hdet.OneCycleAutoLR(_opt(), max_lr=0.1, total_steps=5).discovered_schedule()
+    two_groups = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))]},
+                                  {"params": [torch.nn.Parameter(torch.zeros(1))]}], lr=0.1)
+    with pytest.raises(ValueError, match="optimizer with 1 param groups"):
+        hdet.ReplayLR(two_groups, full.discovered_schedule())
+    with pytest.raises(ValueError, match="were not recorded"):
+        hdet.ReplayLR(_opt(), full.discovered_schedule(), explore=[hdet.AdamBeta(_opt(), 1)])
+    with pytest.raises(ValueError, match="discovered_schedule"):
+        hdet.ReplayLR(_opt(), {"bases": []})
