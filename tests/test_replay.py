@@ -73,3 +73,23 @@ def test_record_survives_a_resume_and_bad_input_is_refused():
         hdet.ReplayLR(_opt(), full.discovered_schedule(), explore=[hdet.AdamBeta(_opt(), 1)])
     with pytest.raises(ValueError, match="discovered_schedule"):
         hdet.ReplayLR(_opt(), {"bases": []})
+
+
+def test_sync_logger_writes_jsonl_tensorboard_and_callback(tmp_path):
+    got = []
+    opt = _opt()
+    sched = hdet.OneCycleAutoLR(opt, max_lr=0.05, total_steps=20, ensemble_lr_spread_ratio=0.2,
+                                model_sync_interval=5, enable_auto_lr=True, auto_lr_warmup_steps=10,
+                                replicas=ScriptedReplicas(0, 4, lambda: [1.0, 1.2, 0.8, 1.1]))
+    log = hdet.SyncLogger(sched, tmp_path / "syncs.jsonl", tensorboard_dir=tmp_path / "tb", callback=got.append)
+    quiet = hdet.SyncLogger(hdet.OneCycleAutoLR(_opt(), max_lr=0.05, total_steps=20, model_sync_interval=5,
+                                                replicas=ScriptedReplicas(1, 4)), tmp_path / "other.jsonl")
+    for _ in range(20):
+        opt.step()
+        sched.step(torch.tensor(1.0))
+    log.close()
+    lines = [json.loads(x) for x in (tmp_path / "syncs.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [5, 10, 15, 20] and lines == got
+    assert "controller" in lines[1] and len(lines[1]["controller"][0]["weights"]) == 4
+    assert list((tmp_path / "tb").iterdir())
+    assert not quiet.active and not (tmp_path / "other.jsonl").exists()  # replica 1 writes nothing

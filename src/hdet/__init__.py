@@ -8,6 +8,7 @@ from .init import warm_init_
 from .replicas import ProcessGroupReplicas, Replicas, SingleReplica
 from .replay import ReplayLR
 from .schedulers import HDETLR, OneCycleAutoLR
+from .telemetry import SyncLogger
 from .spread import Dealer, linear_multipliers
 
 __version__ = "0.1.0"
@@ -40,4 +41,5 @@ __all__ = [
     "Setter",
     "group_params",
     "ReplayLR",
+    "SyncLogger",
 ]

@@ -31,6 +31,7 @@ from .hyper import Dropout, GradClip, Hyperparameter, WeightDecay
 from .init import warm_init_
 from .schedulers import OneCycleAutoLR
 from .tasks import Task, make_task, param_groups
+from .telemetry import SyncLogger
 
 __all__ = ["RunConfig", "RunError", "train", "resolve_device"]
 
@@ -242,17 +243,6 @@ def evaluate(task: Task, model: nn.Module, n_batches: int, batch: int, device: t
     return total / n_batches
 
 
-def _sync_record(t: int, sched: OneCycleAutoLR, values: list[list[float]]) -> dict[str, Any]:
-    rec = sched.last_sync
-    out: dict[str, Any] = {"step": t, "names": rec.names, "losses": rec.losses, "multipliers": rec.multipliers,
-                           "bases": rec.bases, "values": values}
-    if rec.controller is not None:
-        out["controller"] = [{"weights": c.weights, "h_tilde": c.h_tilde, "h_bar": c.h_bar, "delta": c.delta,
-                              "velocity": c.velocity, "base": c.new_base, "clamped": c.clamped}
-                             for c in rec.controller]
-    return out
-
-
 class _Progress:
     """A rich progress bar with loss, base LR and the multipliers' spread (or nothing)."""
 
@@ -329,7 +319,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
                 (platform.processor() or platform.machine() or "cpu")}
         (out / "config.json").write_text(json.dumps(meta, indent=1))
         metrics_f = (out / "metrics.jsonl").open("w")
-        syncs_f = (out / "syncs.jsonl").open("w")
+        syncs_f = SyncLogger(sched0, out / "syncs.jsonl")
         if cfg.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -368,8 +358,6 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
                        "lr_mean": dict(zip(groups, sched0.base_lrs_now)),  # mean over replicas (mean rho = 1)
                        "seconds": time.perf_counter() - t0}
                 if sync:
-                    rec_s = sched0.last_sync
-                    log(syncs_f, _sync_record(t, sched0, rec_s.values)) if rank == 0 else None
                     if t - last_eval >= eval_every or t == cfg.steps:  # after averaging: replicas are equal
                         last_eval = t
                         rec["val_loss"] = evaluate(task, reps.eval_model(), cfg.eval_batches, 32, device)

@@ -1,0 +1,73 @@
+"""Per-sync telemetry of an HDET scheduler: JSON Lines always, TensorBoard when installed, and any
+callback (W&B, MLflow, ...). Only the process of replica 0 writes; the others stay quiet.
+
+    hdet.SyncLogger(sched, "syncs.jsonl", tensorboard_dir="tb", callback=lambda rec: wandb.log(...))
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .ensemble import SyncRecord
+
+__all__ = ["SyncLogger", "sync_record_dict"]
+
+
+def sync_record_dict(rec: SyncRecord) -> dict[str, Any]:
+    """One sync as plain data: step, per-replica window losses, per slot its name, every replica's
+    multiplier and value, the base, and with the controller its weights w, h~, h_bar, Delta, velocity."""
+    out: dict[str, Any] = {"step": rec.step, "names": rec.names, "losses": rec.losses,
+                           "multipliers": rec.multipliers, "bases": rec.bases, "values": rec.values,
+                           "recovered": rec.recovered}
+    if rec.controller is not None:
+        out["controller"] = [{"weights": c.weights, "h_tilde": c.h_tilde, "h_bar": c.h_bar, "delta": c.delta,
+                              "velocity": c.velocity, "base": c.new_base, "clamped": c.clamped}
+                             for c in rec.controller]
+    return out
+
+
+class SyncLogger:
+    """Attach to a scheduler (``OneCycleAutoLR``/``HDETLR``): every sync is written as one JSON line to
+    ``path``, as TensorBoard scalars under ``tensorboard_dir`` (if given and tensorboard is installed),
+    and handed to ``callback(record_dict)``. Replicas other than 0 write nothing. ``close()`` at the end."""
+
+    def __init__(self, scheduler: Any, path: str | Path | None = None, tensorboard_dir: str | Path | None = None,
+                 callback: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.active = scheduler.rank == 0
+        self.callback = callback
+        self._file = Path(path).open("w") if (self.active and path is not None) else None
+        self._tb = None
+        if self.active and tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ValueError("Expected the tensorboard package for tensorboard_dir (pip install tensorboard), "
+                                 "but it is not installed") from None
+            self._tb = SummaryWriter(str(tensorboard_dir))
+        scheduler.ensemble.on_sync.append(self)
+
+    def __call__(self, rec: SyncRecord) -> None:
+        if not self.active:
+            return
+        d = sync_record_dict(rec)
+        if self._file is not None:
+            self._file.write(json.dumps(d) + "\n")
+            self._file.flush()
+        if self._tb is not None:
+            for r, loss in enumerate(rec.losses or []):
+                self._tb.add_scalar(f"hdet/window_loss/replica{r}", loss, rec.step)
+            for name, base in zip(rec.names or [], rec.bases):
+                self._tb.add_scalar(f"hdet/base/{name}", base, rec.step)
+            for name, c in zip(rec.names or [], rec.controller or []):
+                self._tb.add_scalar(f"hdet/delta/{name}", c.delta, rec.step)
+        if self.callback is not None:
+            self.callback(d)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
