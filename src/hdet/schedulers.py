@@ -106,6 +106,17 @@ class _EnsembleScheduler(LRScheduler):
             history[str(self.last_epoch)] = list(ens.current_bases)
         return values[: ens.num_lr_slots]
 
+    def reapply(self) -> None:
+        """Set this replica's current values on the optimizer (and explored hyperparameters) again. For
+        frameworks that restore one rank's optimizer state on every rank (the Hugging Face Trainer saves
+        rank 0's), which would otherwise give every replica rank 0's learning rate until the next step."""
+        with warnings.catch_warnings():  # torch warns when get_lr runs outside step()
+            warnings.simplefilter("ignore", UserWarning)
+            values = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, values):
+            group["lr"] = lr
+        self._last_lr = values
+
     def record_schedule(self) -> "_EnsembleScheduler":
         """Remember, from now on, every step's base value per explored slot (see :mod:`hdet.replay`).
         The record is part of the state_dict, so a resumed run keeps it."""
@@ -203,12 +214,7 @@ class _EnsembleScheduler(LRScheduler):
         self._hdet.load_state_dict(state_dict["hdet"])
         self.__dict__.update(state)
         if elastic:  # this replica's multipliers changed: apply them now (and to explored hyperparameters)
-            with warnings.catch_warnings():  # torch warns when get_lr runs outside step()
-                warnings.simplefilter("ignore", UserWarning)
-                values = self.get_lr()
-            for group, lr in zip(self.optimizer.param_groups, values):
-                group["lr"] = lr
-            self._last_lr = values
+            self.reapply()
         else:
             for h, v in zip(self._hdet.hypers, state_dict["hdet"].get("hyper_values", [])):
                 h.set(v)

@@ -1,0 +1,1 @@
+"""Framework integrations (each an optional extra; the core depends on torch only)."""

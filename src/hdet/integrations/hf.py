@@ -1,0 +1,70 @@
+"""Hugging Face Trainer: ``HDETTrainer`` is a ``transformers.Trainer`` whose scheduler is HDET around the
+schedule the Trainer would have built (``lr_scheduler_type``, warmup, ...).
+
+    trainer = HDETTrainer(model=model, args=args, train_dataset=ds,
+                          hdet=dict(ensemble_lr_spread_ratio=0.2, model_sync_interval=100))
+    trainer.train()                      # under torchrun: one replica per process
+
+Why a subclass: the Trainer's logged loss is already averaged over ranks and logging steps, and its
+callbacks see no loss at all, so this rank's own training loss is captured in ``compute_loss`` (every
+micro-batch of a gradient-accumulation step counts toward the window mean). The Trainer steps the
+scheduler once per optimizer step (and not after an AMP-skipped step, on every rank alike), which is
+what HDET counts. Its scheduler state goes into the Trainer's checkpoints, so
+``trainer.train(resume_from_checkpoint=...)`` resumes HDET; the Trainer saves rank 0's optimizer and
+scheduler states only, so after loading them each rank re-applies its own learning rate, and
+``save_steps`` should be a multiple of ``model_sync_interval`` (a warning says so otherwise). Install with ``pip install hdet[hf]``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from ..schedulers import HDETLR
+
+try:
+    from transformers import Trainer
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("hdet.integrations.hf needs transformers: pip install 'hdet[hf]'") from e
+
+__all__ = ["HDETTrainer"]
+
+
+class HDETTrainer(Trainer):
+    """``Trainer`` + HDET. ``hdet``: keyword arguments of :class:`hdet.HDETLR` (``ensemble_lr_spread_ratio``,
+    ``model_sync_interval``, ``enable_auto_lr``, ``auto_lr_warmup_steps``, ``explore``, ...)."""
+
+    def __init__(self, *args: Any, hdet: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self.hdet_kwargs = dict(hdet or {})
+        bad = {"optimizer", "base", "total_steps", "model"} & set(self.hdet_kwargs)
+        if bad:
+            raise ValueError(f"Expected HDETLR options other than {sorted(bad)} in hdet= (the Trainer supplies them)")
+        super().__init__(*args, **kwargs)
+        T = self.hdet_kwargs.get("model_sync_interval", 1000)
+        if self.args.save_strategy == "steps" and self.args.save_steps and self.args.save_steps % T:
+            warnings.warn(f"hdet: save_steps={self.args.save_steps} is not a multiple of model_sync_interval={T}; "
+                          "the Trainer saves rank 0's scheduler state, so a resume between converge steps gives "
+                          "every replica rank 0's loss window", stacklevel=2)
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        if self.lr_scheduler is None:
+            base = super().create_scheduler(num_training_steps, optimizer)  # the Trainer's own schedule
+            self.lr_scheduler = HDETLR(self.optimizer if optimizer is None else optimizer, base,
+                                       total_steps=num_training_steps, model=self.model, **self.hdet_kwargs)
+        return self.lr_scheduler
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and isinstance(self.lr_scheduler, HDETLR):
+            # the Trainer saved rank 0's optimizer and scheduler states and loads them on every rank
+            self.lr_scheduler.reapply()
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any):
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+        loss = out[0] if return_outputs else out
+        sched = self.lr_scheduler
+        if model.training and isinstance(sched, HDETLR) and isinstance(loss, torch.Tensor):
+            sched.ensemble.observe(loss.detach().float().mean())  # this rank's own loss, on its device
+        return out

@@ -1,0 +1,75 @@
+"""Run under torchrun (tests/test_integrations.py): a tiny GPT-2 from GPT2Config trained by HDETTrainer
+on 2 gloo processes, gradient accumulation 2; optionally stopped at a step and resumed from the
+checkpoint. Each rank writes its final weights, LRs seen and HDET state."""
+
+import argparse
+import os
+import sys
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+
+sys.path.insert(0, os.path.dirname(__file__))
+from hdet.integrations.hf import HDETTrainer  # noqa: E402
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=256, ctx=16):
+        g = torch.Generator().manual_seed(0)
+        base = torch.arange(ctx) * 3
+        self.x = (base + torch.randint(0, 8, (n, 1), generator=g)) % 64  # learnable: arithmetic sequences
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+class Record(TrainerCallback):
+    def __init__(self, stop_at=None):
+        self.lrs, self.stop_at = [], stop_at
+
+    def on_step_end(self, args, state, control, optimizer=None, **kw):
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+        if self.stop_at is not None and state.global_step == self.stop_at:
+            control.should_training_stop = True  # a "crash" right after the checkpoint of this step
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--stop-at", type=int, default=None)
+    p.add_argument("--resume", default=None)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                       attn_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    args = TrainingArguments(output_dir=a.out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                             max_steps=20, save_steps=10, logging_steps=5, learning_rate=3e-3,
+                             lr_scheduler_type="linear", warmup_steps=2, use_cpu=True, report_to=[], seed=0,
+                             ddp_backend="gloo", save_only_model=False, dataloader_num_workers=0)
+    rec = Record(a.stop_at)
+    trainer = HDETTrainer(model=model, args=args, train_dataset=Tokens(), callbacks=[rec],
+                          hdet=dict(ensemble_lr_spread_ratio=0.3, model_sync_interval=5, enable_auto_lr=True,
+                                    auto_lr_warmup_steps=10, loss_scale=0.05))
+    trainer.train(resume_from_checkpoint=a.resume)
+    s = trainer.lr_scheduler
+    rank = int(os.environ.get("RANK", 0))
+    torch.save({"params": [q.detach().clone() for q in model.parameters()], "lrs": rec.lrs,
+                "bases": s.base_lrs_now, "updates": s.ensemble.controllers[0].updates if s.ensemble.controllers[0]
+                else 0, "perms": s.ensemble.perms, "step": s.last_epoch, "world": s.world_size},
+               os.path.join(a.out, f"result_rank{rank}.pt"))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    # leave without C++ destructors: gloo may abort at teardown ("terminate called without an active
+    # exception"), which would turn a finished run into a failed one
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

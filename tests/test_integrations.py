@@ -1,0 +1,60 @@
+"""Framework integrations with the real libraries on CPU (tiny models from configs, no downloads)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.distributed
+transformers = pytest.importorskip("transformers")
+WORKER = str(Path(__file__).with_name("hf_worker.py"))
+
+
+def _torchrun(out: Path, *args: str) -> None:
+    out.mkdir(exist_ok=True)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        WORKER, "--out", str(out), *args], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def _results(out: Path):
+    return [torch.load(out / f"result_rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf") / "full"
+    _torchrun(out)
+    return out, _results(out)
+
+
+def test_hf_trainer_two_gloo_processes(full_run):
+    """HDETTrainer on a tiny GPT-2 (GPT2Config), 2 gloo processes, gradient accumulation 2, 20 optimizer
+    steps: each rank steps with its own LR, the controller ran at steps 10, 15, 20 (HDET counted
+    optimizer steps, not micro-batches), and the replicas end with equal weights."""
+    _, res = full_run
+    r0, r1 = res
+    assert r0["world"] == 2 and r0["step"] == 20 and r0["updates"] == r1["updates"] == 3
+    assert len(r0["lrs"]) == 20 and r0["lrs"] != r1["lrs"]  # the spread
+    assert r0["bases"] == r1["bases"] and r0["perms"] == r1["perms"]
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
+
+
+def test_hf_trainer_resume_from_checkpoint(full_run, tmp_path):
+    """Stopped right after the checkpoint at step 10 and resumed with resume_from_checkpoint: the HDET state
+    and the final weights match the uninterrupted run."""
+    full_out, full = full_run
+    out = tmp_path / "resumed"
+    _torchrun(out, "--stop-at", "10")
+    _torchrun(out, "--resume", str(out / "checkpoint-10"))
+    res = _results(out)
+    for got, ref in zip(res, full):
+        assert got["step"] == 20 and got["updates"] == ref["updates"]
+        assert got["bases"] == pytest.approx(ref["bases"], rel=1e-6) and got["perms"] == ref["perms"]
+        assert got["lrs"] == pytest.approx(ref["lrs"][10:], rel=1e-6)
+        for a, b in zip(got["params"], ref["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
