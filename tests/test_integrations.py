@@ -58,3 +58,20 @@ def test_hf_trainer_resume_from_checkpoint(full_run, tmp_path):
         assert got["lrs"] == pytest.approx(ref["lrs"][10:], rel=1e-6)
         for a, b in zip(got["params"], ref["params"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_accelerate_two_gloo_processes(tmp_path):
+    """HDET next to Accelerate (prepared model and optimizer, gradient accumulation 2): 12 optimizer steps
+    from 24 micro-batches, per-rank LRs, 3 controller updates, the gradient guard on the prepared DDP
+    model, equal weights at the end."""
+    pytest.importorskip("accelerate")
+    out = tmp_path / "acc"
+    out.mkdir()
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(Path(__file__).with_name("accelerate_worker.py")), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    r0, r1 = (torch.load(out / f"result_rank{r}.pt", weights_only=True) for r in range(2))
+    assert r0["done"] == r1["done"] == 12 and r0["updates"] == r1["updates"] == 3
+    assert r0["guard"] and r0["lrs"] != r1["lrs"]
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))

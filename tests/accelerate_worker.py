@@ -1,0 +1,56 @@
+"""Run under torchrun (tests/test_integrations.py): HDET with Hugging Face Accelerate on 2 gloo
+processes, gradient accumulation 2. The HDET scheduler is NOT passed to accelerator.prepare (a prepared
+scheduler is stepped num_processes times per optimizer step); it is stepped once per real optimizer step,
+and each micro-batch's loss is observed."""
+
+import argparse
+import os
+import sys
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+import hdet  # noqa: E402
+from dist_workers import batch  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model, opt = acc.prepare(model, opt)
+    steps = 12
+    sched = hdet.OneCycleAutoLR(opt.optimizer, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.3,
+                                model_sync_interval=4, enable_auto_lr=True, auto_lr_warmup_steps=4,
+                                loss_scale=0.05, model=model, seed=3)
+    rank, lrs, done = acc.process_index, [], 0
+    for micro in range(1, 2 * steps + 1):
+        x, y = batch(rank, micro)
+        with acc.accumulate(model):
+            loss = nn.functional.mse_loss(model(x), y)
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        sched.ensemble.observe(loss.detach())  # every micro-batch counts toward the window mean
+        if acc.sync_gradients and not acc.optimizer_step_was_skipped:
+            sched.step()  # once per optimizer step (collectives at sync steps run on every rank alike)
+            lrs.append(sched.get_last_lr()[0])
+            done += 1
+    torch.save({"params": [q.detach().clone() for q in model.parameters()], "lrs": lrs, "done": done,
+                "updates": sched.ensemble.controllers[0].updates, "guard": sched.gradient_guard},
+               os.path.join(a.out, f"result_rank{rank}.pt"))
+    acc.wait_for_everyone()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
