@@ -75,3 +75,33 @@ def test_accelerate_two_gloo_processes(tmp_path):
     assert r0["done"] == r1["done"] == 12 and r0["updates"] == r1["updates"] == 3
     assert r0["guard"] and r0["lrs"] != r1["lrs"]
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
+
+
+LIGHTNING_WORKER = str(Path(__file__).with_name("lightning_worker.py"))
+
+
+def _lightning(out: Path, *args: str) -> list:
+    out.mkdir(exist_ok=True)
+    p = subprocess.run([sys.executable, LIGHTNING_WORKER, "--out", str(out), *args], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [torch.load(out / f"result_rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+def test_lightning_ddp_spawn_and_resume(tmp_path):
+    """Lightning, ddp_spawn on CPU with 2 devices, accumulate_grad_batches=2, a step-interval HDET
+    scheduler and HDETCallback: 16 optimizer steps, 4 controller updates, per-rank LRs, equal weights;
+    stopped after the checkpoint of step 8 and resumed from it, the run ends where the uninterrupted
+    one does."""
+    pytest.importorskip("lightning")
+    full = _lightning(tmp_path / "full")
+    r0, r1 = full
+    assert r0["step"] == 16 and r0["updates"] == r1["updates"] == 4
+    assert r0["lrs"] != r1["lrs"] and torch.equal(r0["params"][0], r0["params"][1])
+    out = tmp_path / "resumed"
+    _lightning(out, "--max-steps", "8")
+    res = _lightning(out, "--resume", str(out / "epoch=0-step=8.ckpt"))
+    for got, ref in zip(res, full):
+        assert got["step"] == 16 and got["updates"] == 4 and got["bases"] == pytest.approx(ref["bases"], rel=1e-6)
+        assert got["lrs"] == pytest.approx(ref["lrs"][16:], rel=1e-6)  # per micro-batch, after the resume
+        torch.testing.assert_close(got["params"], ref["params"], rtol=1e-5, atol=1e-6)

@@ -1,0 +1,58 @@
+"""Lightning: ``HDETCallback`` feeds each rank's own training loss to the HDET scheduler and re-applies
+each rank's learning rate after a checkpoint is restored.
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        sched = hdet.OneCycleAutoLR(opt, max_lr=1e-3, total_steps=steps, ensemble_lr_spread_ratio=0.2,
+                                    model_sync_interval=100)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    trainer = L.Trainer(strategy="ddp", callbacks=[HDETCallback()], ...)
+
+Lightning steps a step-interval scheduler once per optimizer step, without arguments; the callback
+observes ``outputs["loss"]`` of every training batch on this rank (unreduced), so under gradient
+accumulation every micro-batch counts toward the window mean. Lightning saves rank 0's checkpoint only;
+after a resume each rank re-applies its own LR (as with the Hugging Face Trainer). Install with
+``pip install 'hdet[lightning]'``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..schedulers import _EnsembleScheduler
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("hdet.integrations.lightning needs lightning: pip install 'hdet[lightning]'") from e
+
+__all__ = ["HDETCallback"]
+
+
+def _hdet_schedulers(trainer: Any) -> list[_EnsembleScheduler]:
+    return [cfg.scheduler for cfg in trainer.lr_scheduler_configs if isinstance(cfg.scheduler, _EnsembleScheduler)]
+
+
+class HDETCallback(Callback):
+    """Observe this rank's loss for every HDET scheduler of the module; re-apply LRs after a restore."""
+
+    def __init__(self) -> None:
+        self._restored = False
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            for sched in _hdet_schedulers(trainer):
+                sched.ensemble.observe(loss.detach().float())  # this rank's own loss, on its device
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        self._restored = True
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._restored:  # rank 0's optimizer and scheduler states were loaded on every rank
+            for sched in _hdet_schedulers(trainer):
+                sched.reapply()
+            self._restored = False

@@ -1,0 +1,84 @@
+"""Run as a plain script (tests/test_integrations.py): Lightning ddp_spawn on CPU, 2 devices, with
+HDETCallback; optionally stopped after a checkpoint and resumed from it. Rank 0 writes the results."""
+
+import argparse
+import os
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+import lightning as L  # noqa: E402
+
+import hdet  # noqa: E402
+from hdet.integrations.lightning import HDETCallback  # noqa: E402
+
+STEPS = 16
+
+
+class Data(torch.utils.data.Dataset):
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(512, 6, generator=g)
+        self.y = self.x[:, :1] * 2 - self.x[:, 1:2]
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class Module(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.lrs = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=0.01)
+        sched = hdet.OneCycleAutoLR(opt, max_lr=0.02, total_steps=STEPS, ensemble_lr_spread_ratio=0.3,
+                                    model_sync_interval=4, enable_auto_lr=True, auto_lr_warmup_steps=4,
+                                    loss_scale=0.05, seed=3)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Report(L.Callback):
+    def __init__(self, out):
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module):
+        sched = trainer.lr_scheduler_configs[0].scheduler
+        params = [p.detach().clone() for p in pl_module.parameters()]
+        gathered = [pl_module.all_gather(torch.cat([p.reshape(-1) for p in params]))]
+        torch.save({"params": gathered[0], "lrs": pl_module.lrs, "updates": sched.ensemble.controllers[0].updates,
+                    "step": sched.last_epoch, "bases": sched.base_lrs_now},
+                   os.path.join(self.out, f"result_rank{trainer.global_rank}.pt"))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-steps", type=int, default=STEPS)
+    p.add_argument("--resume", default=None)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=a.out, every_n_train_steps=8, save_top_k=-1)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=a.max_steps,
+                        accumulate_grad_batches=2, callbacks=[HDETCallback(), ckpt, Report(a.out)],
+                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+    loader = torch.utils.data.DataLoader(Data(), batch_size=8, shuffle=False)
+    trainer.fit(Module(), loader, ckpt_path=a.resume)
+
+
+if __name__ == "__main__":
+    main()
