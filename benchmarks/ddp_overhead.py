@@ -8,7 +8,8 @@ Run with torchrun on 2+ GPUs (NCCL; gloo on CPU for a smoke test with --tiny):
 1. Step time, interleaved in one run: three models train side by side in blocks of --block steps, round
    robin: plain DDP + OneCycleLR, HDET at T = 100 and HDET at T = 1000 (alpha 0.2). Ratios HDET / plain
    over the same number of steps (syncs included).
-   Also both without the gradient guard (``guard_gradients=False``), to show its share.
+   Also both without the gradient guard (``guard_gradients=False``), to show its share, and local mode
+   (``ddp.no_sync()`` every step: no gradient all-reduce between converge steps).
 2. One converge step's averaging (``ProcessGroupReplicas.average_`` over the weights) against one
    all_reduce of a ready flat buffer of the same bytes (the floor), and against the reference's loop of
    one all_reduce per parameter; medians of --reps.
@@ -16,6 +17,7 @@ Rank 0 prints one JSON line.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -76,7 +78,7 @@ def main() -> None:
     runs = {}
     configs = [("plain", None, True), ("hdet_T100", 100, True), ("hdet_T1000", 1000, True),
                ("hdet_T100_noguard", 100, False), ("hdet_T1000_noguard", 1000, False),
-               ("hdet_T100_stock_python_hook", 100, "stock")]
+               ("hdet_T100_stock_python_hook", 100, "stock"), ("hdet_T100_local", 100, "local")]
     configs = [c for c in configs if c[0] == "plain" or a.only is None or c[0] in a.only.split(",")]
     if a.converge_only:
         configs = [("hdet_T100", 100, True)]
@@ -96,6 +98,7 @@ def main() -> None:
                 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
                 ddp.register_comm_hook(None, allreduce_hook)
         runs[name] = {"model": model, "ddp": ddp, "opt": opt, "sched": sched, "T": T, "seconds": 0.0, "done": 0,
+                      "local": guard == "local",
                       "params": sum(q.numel() for q in model.parameters())}
     g = torch.Generator(device=dev).manual_seed(rank)
     data = torch.randint(0, vocab, (4, a.batch, ctx + 1), device=dev, generator=g)
@@ -105,11 +108,13 @@ def main() -> None:
         t0 = time.perf_counter()
         for _ in range(n):
             b = data[run["done"] % 4]
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
-                logits = run["ddp"](b[:, :-1])
-            loss = F.cross_entropy(logits.float().reshape(-1, vocab), b[:, 1:].reshape(-1))
-            run["opt"].zero_grad(set_to_none=True)
-            loss.backward()
+            # local mode: no gradient all-reduce at all between converge steps (DDP's no_sync)
+            with run["ddp"].no_sync() if run["local"] else contextlib.nullcontext():
+                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+                    logits = run["ddp"](b[:, :-1])
+                loss = F.cross_entropy(logits.float().reshape(-1, vocab), b[:, 1:].reshape(-1))
+                run["opt"].zero_grad(set_to_none=True)
+                loss.backward()
             run["opt"].step()
             run["sched"].step(loss) if run["T"] else run["sched"].step()
             run["done"] += 1
