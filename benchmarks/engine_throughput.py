@@ -93,7 +93,7 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
                      "engine_mode": eng.mode,
                      "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
                      "warnings": sorted({str(w.message)[:200] for w in caught})}
-        del eng
+        eng = None  # free it before the next mode
     return out
 
 

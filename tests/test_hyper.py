@@ -91,7 +91,7 @@ def test_values_spread_from_step_one_and_all_replicas_form_the_spread():
     for r in range(4):
         m, opt = _sgd(0.01)
         net = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.02))
-        s = hdet.HDETLR(opt, None, 20, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+        hdet.HDETLR(opt, None, 20, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
                         replicas=ScriptedReplicas(r, 4, lambda: [1.0, 1.0, 1.0, 1.0]),
                         explore=[WeightDecay(opt, alpha=1.0), Dropout(net, alpha=0.05)])
         seen.append((opt.param_groups[0]["weight_decay"], net[1].p))

@@ -10,6 +10,7 @@ per-replica window losses, multipliers and values, controller weights w, Delta, 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -249,9 +250,10 @@ class _Progress:
     def __init__(self, enabled: bool, total: int, label: str) -> None:
         self.p = None
         try:
-            import rich.progress  # noqa: F401
-        except ImportError:
-            enabled = False
+            found = importlib.util.find_spec("rich.progress") is not None  # the progress bar is optional
+        except (ImportError, ValueError):
+            found = False
+        enabled = enabled and found
         if enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
