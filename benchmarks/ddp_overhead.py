@@ -27,26 +27,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hdet
-from hdet.tasks import Block
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int, ctx: int, d: int, layers: int, heads: int) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Parameter(torch.randn(ctx, d) * 0.02)
-        self.blocks = nn.Sequential(*[Block(d, heads, 0.0) for _ in range(layers)])
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.tok.weight
-        nn.init.normal_(self.tok.weight, std=0.02)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self.blocks(self.tok(x) + self.pos[: x.shape[1]])))
+from hdet.tasks import ByteGPT
 
 
 def main() -> None:
@@ -85,7 +69,7 @@ def main() -> None:
     for name, T, guard in configs:
         T = T if T is None or not a.tiny else T // 10
         torch.manual_seed(0)
-        model = GPT(vocab, ctx, d, layers, heads).to(dev)
+        model = ByteGPT(ctx, d, layers, heads, vocab=vocab).to(dev)  # GPT-2 small's shape at vocab 50304
         ddp = DDP(model, device_ids=[dev.index] if cuda else None)
         opt = torch.optim.AdamW(ddp.parameters(), lr=6e-4, weight_decay=0.1, fused=cuda)
         if T is None:

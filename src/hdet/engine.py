@@ -157,12 +157,12 @@ class ReplicaEngine:
                     if b is not None:
                         mod._buffers[k] = new[id(b)]
         self._views = {name: [dict(m.named_parameters())[name] for m in self.models] for name in self.stacked_params}
+        # the names functional_call sees through the _Call wrapper (built once: the stacked tensors never change)
+        self._call_params = {"m." + k: v for k, v in self.stacked_params.items()}
+        self._call_buffers = {"m." + k: v for k, v in self.stacked_buffers.items()}
 
     def _vmap_losses(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
         """Forward + backward of all replicas at once; leaves ``sum_r g_r / N`` in every replica's grad."""
-        params = {"m." + k: v for k, v in self.stacked_params.items()}
-        buffers = {"m." + k: v for k, v in self.stacked_buffers.items()}
-
         fn = self._fns.get(loss_fn)
         if fn is None:
             def one(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], x: Any) -> torch.Tensor:
@@ -174,7 +174,7 @@ class ReplicaEngine:
             self._fns[loss_fn] = fn
         for p in self.stacked_params.values():
             p.grad = None
-        losses = fn(params, buffers, batch)
+        losses = fn(self._call_params, self._call_buffers, batch)
         if losses.shape != (self.num_replicas,):
             raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(losses.shape[1:])}")
         losses.sum().backward()
@@ -210,6 +210,7 @@ class ReplicaEngine:
     def _average_gradients(self) -> None:
         """The all-reduce of DDP over the replica axis: ``sum_r g_r / N`` in replica order, leaving out
         non-finite contributions as hdet's gradient guard does under DDP."""
+        N = self.num_replicas
         params = [list(m.parameters()) for m in self.models]
         for i in range(len(params[0])):
             grads = [ps[i].grad for ps in params]
@@ -218,7 +219,6 @@ class ReplicaEngine:
             if any(g is None for g in grads):
                 raise RuntimeError(f"Parameter {i} has a gradient on some replicas and not on others")
             # sum_r g_r / N with non-finite contributions as 0 (the gradient guard, hdet.guard)
-            N = self.num_replicas
             oks = [torch.isfinite(g).all() for g in grads]
             acc = torch.where(oks[0], grads[0] / N, 0.0)  # a non-finite contribution counts as 0
             for g, ok in zip(grads[1:], oks[1:]):

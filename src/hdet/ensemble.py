@@ -258,7 +258,7 @@ class Ensemble:
     def _tensors(self) -> tuple[list[torch.Tensor], list[bool]]:
         """The tensors to average, and per tensor whether it must be finite (parameters, optimizer
         state) or only free of NaN (buffers: a mask may hold -inf)."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.is_floating_point()]
+        params = self._float_params()
         out = [_local(p.detach()) for p in params]
         strict = [True] * len(out)
         if self.model is not None:
@@ -286,8 +286,10 @@ class Ensemble:
         is averaged anyway. A non-finite replica's moments may be NaN; the healthy ones' are equal."""
         if self.config.average_optimizer_state:
             return []
-        return self._optimizer_state([p for g in self.optimizer.param_groups for p in g["params"]
-                                      if p.is_floating_point()])
+        return self._optimizer_state(self._float_params())
+
+    def _float_params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"] if p.is_floating_point()]
 
     @staticmethod
     def _layout_signature(tensors: list[torch.Tensor]) -> int:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import __version__
-from .engine import ReplicaEngine
+from .engine import MODES, ReplicaEngine
 from .ensemble import NonFiniteReplicaError
 from .hyper import Dropout, GradClip, Hyperparameter, WeightDecay
 from .init import warm_init_
@@ -102,7 +102,7 @@ def _check(cfg: RunConfig) -> None:
         raise RunError(f"Expected --max-lr > 0, but got {cfg.max_lr}")
     if not 0 <= cfg.dropout < 1:
         raise RunError(f"Expected --dropout in [0, 1), but got {cfg.dropout}")
-    if cfg.mode not in ("auto", "vmap", "loop"):
+    if cfg.mode not in MODES:
         raise RunError(f"Expected --mode auto, vmap or loop, but got {cfg.mode!r}")
     bad = [e for e in cfg.explore if e not in EXPLORE]
     if bad:
@@ -144,7 +144,7 @@ def _clip(sched: OneCycleAutoLR) -> GradClip | None:
     return next((h for h in sched.ensemble.hypers if isinstance(h, GradClip)), None)
 
 
-def _make_scheduler(cfg: RunConfig, warmup: int, **kw: Any):
+def _make_scheduler(cfg: RunConfig, warmup: int):
     def make(optimizer: torch.optim.Optimizer, replicas: Any = None, module: nn.Module | None = None):
         assert module is not None
         inner = module.module if hasattr(module, "module") else module  # DDP wraps the model
@@ -152,7 +152,7 @@ def _make_scheduler(cfg: RunConfig, warmup: int, **kw: Any):
                               ensemble_lr_spread_ratio=cfg.alpha, model_sync_interval=cfg.T,
                               enable_auto_lr=cfg.auto_lr, auto_lr_warmup_steps=warmup, eq8=cfg.eq8,
                               model=module, seed=cfg.seed, replicas=replicas,
-                              explore=_explored(cfg, optimizer, inner), **kw)
+                              explore=_explored(cfg, optimizer, inner))
     return make
 
 
@@ -382,7 +382,10 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         progress.close()
     elapsed = time.perf_counter() - t0
-    final_val = evaluate(task, reps.eval_model(), cfg.eval_batches, 32, device) if crashed is None else None
+    final_val = None
+    if crashed is None:  # the last step is a sync step and was evaluated in the loop: the same model and batches
+        final_val = val_curve[-1][1] if val_curve and val_curve[-1][0] == t else \
+            evaluate(task, reps.eval_model(), cfg.eval_batches, 32, device)
     tail = [v for s, v in train_losses if s > cfg.steps * 0.9] or [v for _, v in train_losses[-1:]]
     summary = {**({} if rank else meta), "mode": reps.mode, "steps_done": t,
                "crashed": crashed, "train_seconds": elapsed, "steps_per_second": t / elapsed if elapsed else None,

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .hyper import group_params
+
 __all__ = ["ByteGPT", "SmallCNN", "Task", "make_task", "load_stdlib", "load_fashion_mnist", "FASHION_DIR",
            "TaskError", "param_groups"]
 
@@ -72,17 +74,17 @@ class ByteGPT(nn.Module):
     ``attn="auto"``: fused SDPA on CUDA outside vmap, explicit attention otherwise; "sdpa"/"math" force one."""
 
     def __init__(self, ctx: int = 64, d: int = 128, layers: int = 2, heads: int = 4, dropout: float = 0.0,
-                 attn: str = "auto"):
+                 attn: str = "auto", vocab: int = 256):
         super().__init__()
         if attn not in ("auto", "sdpa", "math"):
             raise TaskError(f"Expected attn 'auto', 'sdpa' or 'math', but got {attn!r}")
         if d % heads:
             raise TaskError(f"Expected the width ({d}) to be a multiple of the number of heads ({heads})")
-        self.tok = nn.Embedding(256, d)
+        self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.randn(ctx, d) * 0.02)
         self.blocks = nn.Sequential(*[Block(d, heads, dropout, attn) for _ in range(layers)])
         self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, 256, bias=False)
+        self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.tok.weight
         nn.init.normal_(self.tok.weight, std=0.02)  # tied: N(0, 1) embeddings would give huge logits
 
@@ -184,11 +186,10 @@ def _cnn_group(name: str) -> str:
 
 def param_groups(model: nn.Module, group_of: Callable[[str], str], weight_decay: float) -> list[dict[str, Any]]:
     """Optimizer param groups named by ``group_of`` (in first-seen order); no weight decay on norms."""
-    groups: dict[str, list[nn.Parameter]] = {}
-    for name, p in model.named_parameters():
-        groups.setdefault(group_of(name), []).append(p)
-    return [{"params": ps, "name": g, "weight_decay": 0.0 if g in ("norm", "bn") else weight_decay}
-            for g, ps in groups.items()]
+    groups = group_params(model, lambda name, p: group_of(name))
+    for g in groups:
+        g["weight_decay"] = 0.0 if g["name"] in ("norm", "bn") else weight_decay
+    return groups
 
 
 def _lm_loss(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
