@@ -35,9 +35,21 @@ def float_buffers(m: nn.Module) -> list[torch.Tensor]:
     return [b for b in m.buffers() if b.is_floating_point()]
 
 
+class Probe:
+    """The fit controller's probe: MSE on a batch that every replica draws alike (the k-th call's)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, model):
+        x, y = batch(0, 100_000 + self.calls)
+        self.calls += 1
+        return nn.functional.mse_loss(model(x), y)
+
+
 def train(rank, world, *, steps=40, alpha=0.0, T=10, auto=False, warm=10, use_hdet=True, seed_model=0,
           uneven_rng=False, check_syncs=False, save_at=None, ckpt_dir=None, resume_from=None, opt="adam",
-          loss_scale=0.05):
+          loss_scale=0.05, controller="paper"):
     """DDP training of make_model() on rank-specific batches; returns a dict of observations."""
     model = make_model(seed_model)
     ddp = DDP(model, broadcast_buffers=False)
@@ -46,7 +58,8 @@ def train(rank, world, *, steps=40, alpha=0.0, T=10, auto=False, warm=10, use_hd
     if use_hdet:
         s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=alpha,
                                 model_sync_interval=T, enable_auto_lr=auto, auto_lr_warmup_steps=warm,
-                                loss_scale=loss_scale, rank=rank, world_size=world, model=ddp, seed=3)
+                                loss_scale=loss_scale, rank=rank, world_size=world, model=ddp, seed=3,
+                                controller=controller, probe=Probe() if controller == "fit" else None)
     else:
         s = OneCycleLR(o, max_lr=0.02, total_steps=steps)
     start = 0
@@ -184,7 +197,7 @@ def averaging_collectives(rank, world, n_tensors, numel, cap_mb):
     return {"calls": len(calls), "close": close}
 
 
-def engine_run(world, *, steps=30, alpha=0.3, T=10, auto=False, warm=10, opt="adam", mode="loop"):
+def engine_run(world, *, steps=30, alpha=0.3, T=10, auto=False, warm=10, opt="adam", mode="loop", controller="paper"):
     """The same training as ``train`` (BatchNorm, rank-specific batches) in the one-process engine."""
     from hdet.engine import ReplicaEngine
 
@@ -195,7 +208,8 @@ def engine_run(world, *, steps=30, alpha=0.3, T=10, auto=False, warm=10, opt="ad
             lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)),
         lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=alpha,
                                               model_sync_interval=T, enable_auto_lr=auto, auto_lr_warmup_steps=warm,
-                                              loss_scale=0.05, model=m, seed=3, replicas=rep),
+                                              loss_scale=0.05, model=m, seed=3, replicas=rep, controller=controller,
+                                              probe=Probe() if controller == "fit" else None),
         mode=mode)
     assert eng.mode == mode
     lrs = [[s.get_last_lr()[0] for s in eng.schedulers]]

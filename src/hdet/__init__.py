@@ -1,6 +1,6 @@
 """hdet: Hyperparameter-Divergent Ensemble Training (arXiv 2604.24708) on torch.distributed."""
 
-from .controller import PaperController, gamma_as_printed, gamma_decay, softmax_weights
+from .controller import FitController, PaperController, gamma_as_printed, gamma_decay, softmax_weights
 from .ensemble import Ensemble, HDETConfig, NonFiniteReplicaError, ReplicaSyncError, SyncRecord
 from .hyper import (AdamBeta, Dropout, GradClip, Hyperparameter, LabelSmoothing, Setter, Spread, WeightDecay,
                     group_params)
@@ -20,6 +20,7 @@ __all__ = [
     "linear_multipliers",
     "Dealer",
     "PaperController",
+    "FitController",
     "softmax_weights",
     "gamma_as_printed",
     "gamma_decay",

@@ -32,7 +32,12 @@ def _train_args(p: argparse.ArgumentParser, steps: int, out: str) -> None:
     p.add_argument("--batch", type=int, default=d.batch, help="examples per replica per step")
     p.add_argument("--alpha", type=float, default=d.alpha, help="LR spread ratio (Eq. 1); 0 = plain data parallel")
     p.add_argument("--T", type=int, default=d.T, help="sync interval: average weights every T steps")
-    p.add_argument("--auto-lr", action=argparse.BooleanOptionalAction, default=False, help="the paper's controller")
+    p.add_argument("--auto-lr", action=argparse.BooleanOptionalAction, default=False, help="run the auto-LR controller")
+    p.add_argument("--controller", default=d.controller, help="auto-LR controller: paper (Eqs. 4-8) or fit (hdet's: "
+                   "probe loss at each replica's mean iterate, multiplicative correction of the schedule)")
+    p.add_argument("--probe-batches", type=int, default=d.probe_batches, help="fit controller: batches per probe")
+    p.add_argument("--tie-lr-groups", action=argparse.BooleanOptionalAction, default=d.tie_lr_groups,
+                   help="one LR multiplier per replica for all param groups (default: one per group)")
     p.add_argument("--warmup", type=int, default=None, help="auto-LR warmup steps (default: half the run)")
     p.add_argument("--max-lr", type=float, default=d.max_lr)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
@@ -56,7 +61,8 @@ def _train_args(p: argparse.ArgumentParser, steps: int, out: str) -> None:
 
 def _config(a: argparse.Namespace) -> RunConfig:
     return RunConfig(task=a.task, data=a.data, replicas=a.replicas, steps=a.steps, batch=a.batch, alpha=a.alpha,
-                     T=a.T, auto_lr=a.auto_lr, warmup=a.warmup, max_lr=a.max_lr, weight_decay=a.weight_decay,
+                     T=a.T, auto_lr=a.auto_lr, warmup=a.warmup, controller=a.controller,
+                     probe_batches=a.probe_batches, tie_lr_groups=a.tie_lr_groups, max_lr=a.max_lr, weight_decay=a.weight_decay,
                      dropout=a.dropout, warm_init=a.warm_init, init_from=a.init_from, ctx=a.ctx, width=a.width,
                      layers=a.layers, device=a.device, mode=a.mode, seed=a.seed, out=a.out,
                      eval_every=a.eval_every, tensorboard=a.tensorboard, progress=a.progress,

@@ -1,8 +1,18 @@
-"""Auto-LR controllers over per-replica window losses and values. Pure Python: no torch.distributed.
+"""Auto-LR controllers over per-replica losses and values. Pure Python: no torch.distributed.
 
-The paper's controller (Eqs. 4-8) is :class:`PaperController`. It is written for learning rates but,
-as the paper's Remark 1 notes, it applies to any scalar hyperparameter ``h``: ``Delta = h~ - h_bar``
-is a zero-order estimate of ``-dL/dh``.
+* :class:`PaperController` (``controller="paper"``): the paper's Eqs. 4-8 on the replicas' training
+  losses of the window. It is written for learning rates but, as the paper's Remark 1 notes, it applies
+  to any scalar hyperparameter ``h``: ``Delta = h~ - h_bar`` is a zero-order estimate of ``-dL/dh``.
+  It replaces the base schedule by its own value.
+* :class:`FitController` (``controller="fit"``): hdet's own. Between two converge steps the replicas
+  share every gradient, so (with Adam's shared moments) replica r sits at ``x0 + rho_r * D`` on one line
+  along the window's update ``D``: the replicas are a line search over the step size. The window's
+  training loss answers it with the short-horizon bias (a shorter step has less noise *now*, so it
+  always wins). hdet instead evaluates every replica at the *average of its iterates over the window*
+  (Polyak), on one probe batch that every replica sees (a paired comparison: no data noise): averaging
+  removes the noise term, so what is left is progress. It fits the probe losses against the replicas'
+  log multipliers with a parabola, and moves a multiplicative correction of the base schedule (kept in
+  log space, so the schedule's shape is kept) toward the fitted optimum, within a trust region.
 """
 
 from __future__ import annotations
@@ -12,7 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["softmax_weights", "gamma_as_printed", "gamma_decay", "PaperController", "ControllerStep"]
+__all__ = ["softmax_weights", "gamma_as_printed", "gamma_decay", "PaperController", "FitController", "ControllerStep",
+           "fit_parabola", "CONTROLLERS"]
+
+CONTROLLERS = ("paper", "fit")
 
 GammaMode = Literal["decay", "as_printed"]
 
@@ -103,4 +116,124 @@ class PaperController:
         for key in ("beta", "sigma", "lam", "gamma", "v"):
             setattr(self, key, float(state[key]))
         self.bounds = (float(state["bounds"][0]), float(state["bounds"][1]))
+        self.updates = int(state["updates"])
+
+
+def fit_parabola(x: Sequence[float], y: Sequence[float]) -> tuple[float, float, float]:
+    """Least squares ``y ~ a + b x + q x^2``; returns ``(a, b, q)``. Needs 3 distinct x (else q = 0 and a
+    straight line; a single x gives b = q = 0)."""
+    n = len(x)
+    mx = sum(x) / n
+    u = [xi - mx for xi in x]  # centred: better conditioned
+    S = [sum(ui ** k for ui in u) for k in range(5)]  # S0..S4
+    T = [sum(yi * ui ** k for yi, ui in zip(y, u)) for k in range(3)]
+    A = [[S[0], S[1], S[2]], [S[1], S[2], S[3]], [S[2], S[3], S[4]]]
+    det = _det3(A)
+    scale = max(abs(v) for row in A for v in row) ** 3 or 1.0
+    if len(set(x)) >= 3 and abs(det) > 1e-12 * scale:
+        sol = []
+        for col in range(3):  # Cramer's rule on a 3x3 system
+            M = [row[:] for row in A]
+            for i in range(3):
+                M[i][col] = T[i]
+            sol.append(_det3(M) / det)
+        a, b, q = sol
+    elif len(set(x)) >= 2:
+        q = 0.0
+        b = T[1] / S[2]
+        a = T[0] / S[0]
+    else:
+        return (T[0] / S[0], 0.0, 0.0)
+    # back from the centred variable: y = a + b (x - mx) + q (x - mx)^2
+    return (a - b * mx + q * mx * mx, b - 2 * q * mx, q)
+
+
+def _det3(m: list[list[float]]) -> float:
+    return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+
+
+@dataclass
+class FitController:
+    """hdet's controller: a log-space (multiplicative) correction ``c`` of the base schedule, moved at
+    every control sync toward the parabola-fitted optimum of the replicas' probe losses.
+
+    ``update(x, losses, weight)``: ``x[r]`` is replica r's offset from the base in the control coordinate
+    (``log rho_r`` for learning rates), ``losses[r]`` its probe loss (non-finite entries are left out).
+    With ``w`` the spread's half-width (``(max x - min x) / 2``):
+
+    * ``x* = -b / 2q`` of the fit ``L ~ a + b x + q x^2``, clipped to ``[-2w, 2w]`` (the spread only sees
+      that far); a concave or flat fit (``q <= 0``) means "go further in the downhill direction": ``x* =
+      -2w sign(b)``.
+    * smoothed: ``m = beta m + (1 - beta) x*``;
+    * trust region: the step ``kappa * weight * m`` is clipped to ``[-max_step w, +max_step w]``;
+      ``weight`` in [0, 1] is the schedule's current value over its peak so far (an annealed schedule
+      moves little: the probe's signal is biased low there);
+    * bounds: ``c`` stays in ``[log lo, log hi]`` (``bounds``, as factors of the base schedule).
+    """
+
+    kappa: float = 0.5
+    beta: float = 0.5
+    max_step: float = 0.4
+    bounds: tuple[float, float] = (1 / 32, 32.0)
+    log_scale: bool = True  # bounds are factors (LR, log spreads); False: additive offsets
+    c: float = 0.0
+    m: float = 0.0
+    updates: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        for name in ("kappa", "max_step"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+                raise ValueError(f"Expected {name} > 0, but got {v!r}")
+        if not 0.0 <= self.beta < 1.0:
+            raise ValueError(f"Expected 0 <= beta < 1, but got {self.beta!r}")
+        lo, hi = self.bounds
+        if self.log_scale and not 0 < lo <= 1 <= hi < math.inf:
+            raise ValueError(f"Expected correction bounds (lo, hi) with 0 < lo <= 1 <= hi < inf, but got {self.bounds!r}")
+        if not self.log_scale and not lo <= 0 <= hi:
+            raise ValueError(f"Expected offset bounds (lo, hi) with lo <= 0 <= hi, but got {self.bounds!r}")
+
+    @property
+    def c_bounds(self) -> tuple[float, float]:
+        lo, hi = self.bounds
+        return (math.log(lo), math.log(hi)) if self.log_scale else (lo, hi)
+
+    @property
+    def factor(self) -> float:
+        """What multiplies the base schedule (log-scale) or is added to it (additive)."""
+        return math.exp(self.c) if self.log_scale else self.c
+
+    def update(self, x: Sequence[float], losses: Sequence[float], weight: float = 1.0) -> ControllerStep:
+        if len(x) != len(losses) or not x:
+            raise ValueError(f"Expected one offset per loss, but got {len(x)} offsets and {len(losses)} losses")
+        ok = [(xi, yi) for xi, yi in zip(x, losses) if math.isfinite(yi)]
+        w = (max(x) - min(x)) / 2
+        x_star = 0.0
+        if len(ok) >= 2 and w > 0:  # two replicas: a line, so a step downhill
+            _, b, q = fit_parabola([p[0] for p in ok], [p[1] for p in ok])
+            if q > 0:
+                x_star = min(max(-b / (2 * q), -2 * w), 2 * w)
+            elif b != 0:
+                x_star = -2 * w * math.copysign(1.0, b)
+        self.m = self.beta * self.m + (1.0 - self.beta) * x_star
+        step = min(max(self.kappa * min(max(weight, 0.0), 1.0) * self.m, -self.max_step * w), self.max_step * w)
+        lo, hi = self.c_bounds
+        new_c = self.c + step
+        clamped = not lo <= new_c <= hi
+        self.c = min(max(new_c, lo), hi)
+        self.updates += 1
+        return ControllerStep(values=list(x), losses=list(losses), weights=[], h_tilde=x_star, h_bar=weight,
+                              delta=step, velocity=self.m, new_base=self.factor, clamped=clamped)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "fit", "kappa": self.kappa, "beta": self.beta, "max_step": self.max_step,
+                "bounds": tuple(self.bounds), "log_scale": self.log_scale, "c": self.c, "m": self.m,
+                "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("kappa", "beta", "max_step", "c", "m"):
+            setattr(self, key, float(state[key]))
+        self.bounds = (float(state["bounds"][0]), float(state["bounds"][1]))
+        self.log_scale = bool(state["log_scale"])
         self.updates = int(state["updates"])

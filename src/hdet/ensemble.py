@@ -3,7 +3,9 @@
 The ensemble explores one scalar per "slot": the learning rate of each optimizer param group (paper
 section 3.4), then any extra :class:`~hdet.hyper.Hyperparameter` (Remark 1). Slot ``j`` has a base
 value, a :class:`~hdet.hyper.Spread`, a permutation ``pi_j`` (replica ``r`` takes position ``pi_j[r]``
-of the spread) and, once the controller has started, a controller that owns its base value.
+of the spread) and, once the controller has started, a controller: the paper's owns the slot's base
+value; hdet's ``"fit"`` controller corrects the base schedule by a factor (an offset for additive
+spreads) and ranks replicas by a probe loss at the mean of their iterates over the window.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .controller import ControllerStep, PaperController
+from .controller import CONTROLLERS, ControllerStep, FitController, PaperController
 from .hyper import Hyperparameter, Spread
 from .replicas import Replicas
 from .spread import Dealer, check_alpha, linear_multipliers
@@ -50,6 +52,8 @@ class HDETConfig:
     seed: int = 0  # seed of the permutation generator, identical on every replica
     average_optimizer_state: bool = False
     on_nonfinite: str = "recover"  # "recover": drop and reset non-finite replicas; "raise": stop
+    controller: str = "paper"  # "paper" (Eqs. 4-8 on window losses) or "fit" (hdet.controller.FitController)
+    tie_lr_groups: bool = False  # one multiplier per replica for all its LR groups (one permutation)
 
     def validate(self) -> None:
         check_alpha(self.alpha)
@@ -66,6 +70,10 @@ class HDETConfig:
         if self.eq8 not in ("decay", "as_printed"):
             raise ValueError(f"Expected eq8 to be 'decay' or 'as_printed', but got {self.eq8!r}")
         _check_int("seed", self.seed, lo=0)
+        if not isinstance(self.tie_lr_groups, bool):
+            raise ValueError(f"Expected tie_lr_groups to be a bool, but got {self.tie_lr_groups!r}")
+        if self.controller not in CONTROLLERS:
+            raise ValueError(f"Expected controller in {CONTROLLERS}, but got {self.controller!r}")
         if self.on_nonfinite not in ("recover", "raise"):
             raise ValueError(f"Expected on_nonfinite to be 'recover' or 'raise', but got {self.on_nonfinite!r}")
 
@@ -121,7 +129,9 @@ class SyncRecord:
     recovered: list[int] = field(default_factory=list)  # replicas reset after a non-finite window
 
 
-MakeController = Callable[[int, float], PaperController]
+Controller = PaperController | FitController
+MakeController = Callable[[int, float], Controller]
+Probe = Callable[[nn.Module], "torch.Tensor | float"]
 
 
 class Ensemble:
@@ -159,7 +169,7 @@ class Ensemble:
         self.names = [f"lr/{g.get('name', j)}" for j, g in enumerate(optimizer.param_groups)] + names
         self.perms: list[list[int]] = [list(range(N)) for _ in range(self.num_slots)]  # rank r -> rho_r
         self.current_bases: list[float] = [0.0] * self.num_slots
-        self.controllers: list[PaperController | None] = [None] * self.num_slots
+        self.controllers: list[Controller | None] = [None] * self.num_slots
         self.dealer = Dealer(config.seed)
         self.total_steps: int | None = None
         self.make_controller: MakeController | None = None
@@ -168,6 +178,16 @@ class Ensemble:
         self._controlled: list[float | None] = [None] * self.num_slots  # controller-owned bases
         self._loss_sum: torch.Tensor | None = None  # stays on the loss's device: no host sync
         self._loss_count = 0
+        # controller="fit": probe(model) -> loss on a batch every replica sees; the window's iterate sum
+        self.probe: Probe | None = None
+        self._polyak: list[torch.Tensor] | None = None  # float32 sum of the parameters after each step
+        self._polyak_n = 0
+        self._polyak_fresh = False  # this optimizer step's parameters are in the sum already
+        self._probed: torch.Tensor | None = None  # this window's probe loss, once computed
+        self._t = 0  # optimizer steps taken, counted by accumulate() (fit controller only)
+        self._peak0 = 0.0  # the largest scheduled base of slot 0 so far (the fit controller's weight)
+        self._sched0 = 0.0
+        self._scheduled: list[float] = [0.0] * self.num_slots
 
     # ----------------------------------------------------------------- schedule
     def set_total_steps(self, total_steps: int) -> None:
@@ -213,9 +233,16 @@ class Ensemble:
         if len(scheduled_bases) != self.num_slots:
             raise ValueError(f"Expected {self.num_slots} base values, but got {len(scheduled_bases)}")
         out = []
+        self._scheduled = [float(b) for b in scheduled_bases]
+        self._sched0 = self._scheduled[0] if scheduled_bases else 0.0
+        self._peak0 = max(self._peak0, self._sched0)
         for j, b in enumerate(scheduled_bases):
             controlled = self._controlled[j]
-            base = controlled if controlled is not None else b
+            ctrl = self.controllers[j]
+            if isinstance(ctrl, FitController):  # a correction of the schedule: a factor, or an offset
+                base = self.spreads[j].clamp(b * ctrl.factor if ctrl.log_scale else b + ctrl.factor)
+            else:
+                base = controlled if controlled is not None else b
             self.current_bases[j] = base
             out.append(self.spreads[j].apply(base, self.multiplier(j)))
         return out
@@ -299,7 +326,8 @@ class Ensemble:
     # ----------------------------------------------------------------- the sync step
     def local_vector(self) -> torch.Tensor:
         """What this replica contributes to a sync's all_gather, on the communication device:
-        ``[window loss sum, weights finite, loss count, layout hash, tensor count, seed]``. No host sync."""
+        ``[window loss sum, weights finite, loss count, layout hash, tensor count, seed, probe loss]``
+        (the probe loss is NaN unless the fit controller runs at this sync). No host sync."""
         return self._local_vector(*self._tensors())
 
     def _local_vector(self, tensors: list[torch.Tensor], strict: list[bool]) -> torch.Tensor:
@@ -311,7 +339,83 @@ class Ensemble:
             finite.reshape(1).to(torch.float64),
             torch.tensor([self._loss_count, self._layout_signature(tensors), len(tensors), self.config.seed],
                          dtype=torch.float64, device=dev),
+            self._probe_at_mean().reshape(1).to(dev, torch.float64),
         ])
+
+    # ----------------------------------------------------------------- the fit controller's probe
+    @property
+    def probing(self) -> bool:
+        return self.config.auto_lr and self.config.controller == "fit"
+
+    @torch.no_grad()
+    def accumulate(self) -> None:
+        """Add this optimizer step's parameters to the window's sum (fit controller only; once per step).
+        One foreach add on the parameters' devices, no host sync."""
+        if not self.probing or self._polyak_fresh:
+            return
+        self._polyak_fresh = True
+        self._t += 1  # optimizer steps taken (the fit controller's own count)
+        T = self.config.sync_interval
+        if -(-self._t // T) * T < self.config.auto_lr_warmup_steps:
+            return  # this window ends before the controller starts: no probe, no sum
+        params = [_local(p.detach()) for p in self._float_params()]
+        if self._polyak is None:
+            self._polyak = [p.to(torch.float32, copy=True) for p in params]
+        else:
+            torch._foreach_add_(self._polyak, [p.float() for p in params] if any(
+                p.dtype != torch.float32 for p in params) else params)
+        self._polyak_n += 1
+
+    def step_done(self) -> None:
+        """The scheduler's step is over: the next parameters belong to the next optimizer step."""
+        self._polyak_fresh = False
+
+    @torch.no_grad()
+    def _probe_at_mean(self) -> torch.Tensor:
+        """``probe(model)`` evaluated at the mean of this replica's iterates over the window (the
+        parameters' storage is swapped for the mean's and back: no copy in float32), in eval mode.
+        NaN when the fit controller does not run."""
+        if not self.probing or self.probe is None or self.model is None:
+            return torch.full((), float("nan"), dtype=torch.float64)
+        self.accumulate()
+        c = self.config
+        if self._t % c.sync_interval or self._t < c.auto_lr_warmup_steps:  # not a control sync
+            return torch.full((), float("nan"), dtype=torch.float64)
+        if self._probed is not None:  # the engine asks each replica's vector more than once per sync
+            return self._probed
+        if self._polyak is None:
+            return torch.full((), float("nan"), dtype=torch.float64)
+        params = self._float_params()
+        if any(p is not _local(p) for p in params):
+            raise NotImplementedError("controller='fit' does not support sharded (FSDP2/DTensor) parameters yet")
+        means = torch._foreach_div(self._polyak, float(self._polyak_n))
+        means = [m if m.dtype == p.dtype else m.to(p.dtype) for m, p in zip(means, params)]
+        saved = [p.data for p in params]
+        model = getattr(self.model, "module", self.model)  # the module under DDP
+        was_training = model.training
+        try:
+            for p, m in zip(params, means):
+                p.data = m
+            model.eval()
+            loss = self.probe(model)
+        finally:
+            for p, d in zip(params, saved):
+                p.data = d
+            model.train(was_training)
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ValueError(f"Expected probe(model) to return a scalar loss, but got shape {tuple(loss.shape)}")
+            self._probed = loss.detach().reshape(()).to(torch.float64)
+        else:
+            self._probed = torch.tensor(float(loss), dtype=torch.float64)
+        return self._probed
+
+    def _reset_window_mean(self) -> None:
+        self._probed = None
+        if self._polyak is not None:
+            for s in self._polyak:
+                s.zero_()
+        self._polyak_n = 0
 
     def sync(self, t: int) -> SyncRecord:
         """Converge (and maybe control and deal) after optimizer step ``t``. Runs on every replica.
@@ -330,7 +434,7 @@ class Ensemble:
                 "process group's timeout: it died, hung, or skipped scheduler.step() at this step (every replica "
                 "must call it after every optimizer step)."
             ) from e
-        sums, finite_r, counts, sigs, ntens, seeds = (list(col) for col in zip(*g))
+        sums, finite_r, counts, sigs, ntens, seeds, probes = (list(col) for col in zip(*g))
 
         if len(set(zip(sigs, ntens))) > 1:
             raise RuntimeError(
@@ -378,7 +482,16 @@ class Ensemble:
                     f"enable_auto_lr=True needs the training loss: call scheduler.step(loss) after each "
                     f"optimizer step; replica(s) {missing} passed no loss in the window ending at step {t}"
                 )
-            steps = self._control(losses)
+            if c.controller == "fit":
+                if self.probe is None:
+                    raise ValueError("controller='fit' needs probe=: a function probe(model) -> loss on a batch that "
+                                     "is the same on every replica")
+                fit_losses = [float("nan") if r in bad else probes[r] for r in range(N)]  # bad: left out
+                steps = self._control(fit_losses)
+            else:
+                steps = self._control(losses)
+        if self.probing and t % c.sync_interval == 0:
+            self._reset_window_mean()  # a new window starts
         record = SyncRecord(
             step=t,
             losses=losses if any(counts) else None,
@@ -405,20 +518,42 @@ class Ensemble:
         for j in range(self.num_slots):
             spread = self.spreads[j]
             if self.controllers[j] is None:
-                self.controllers[j] = (
-                    self.make_controller(j, self.current_bases[j]) if j < self.num_lr_slots
-                    else PaperController(beta=c.beta, sigma=c.sigma, lam=c.lam, gamma=0.0, bounds=spread.ctrl_bounds()))
+                if j < self.num_lr_slots:
+                    self.controllers[j] = self.make_controller(j, self.current_bases[j])
+                elif c.controller == "fit":
+                    self.controllers[j] = FitController(log_scale=spread.kind != "additive", **(
+                        {} if spread.kind != "additive" else {"bounds": (-math.inf, math.inf)}))
+                else:
+                    self.controllers[j] = PaperController(beta=c.beta, sigma=c.sigma, lam=c.lam, gamma=0.0,
+                                                          bounds=spread.ctrl_bounds())
             ctrl = self.controllers[j]
             assert ctrl is not None
+            if isinstance(ctrl, FitController):  # x_r: log multiplier (an offset for additive spreads)
+                offs = [self.offsets[j][p] for p in self.perms[j]]
+                x = [math.log(o) if ctrl.log_scale else o for o in offs]
+                weight = self._sched0 / self._peak0 if self._peak0 > 0 else 1.0  # an annealed schedule moves little
+                step = ctrl.update(x, losses, weight)
+                b = self._scheduled[j]  # the base schedule's value now, corrected anew
+                self.current_bases[j] = spread.clamp(b * ctrl.factor if ctrl.log_scale else b + ctrl.factor)
+                self._deal(j)
+                steps.append(step)
+                continue
             values = [spread.apply(self.current_bases[j], self.offsets[j][p]) for p in self.perms[j]]  # h_r, Eq. 5
             anchor = None if j < self.num_lr_slots else spread.to_ctrl(self.current_bases[j])  # = h_bar unless clamped
             step = ctrl.update([spread.to_ctrl(v) for v in values], losses, anchor)  # Eqs. 4-7 (log space if log)
             new_base = step.new_base if j < self.num_lr_slots else spread.from_ctrl(step.new_base)
             self._controlled[j] = new_base
             self.current_bases[j] = new_base
-            self.perms[j] = self.dealer.permutation(len(self.rho))  # Eq. 9, one permutation per slot
+            self._deal(j)
             steps.append(step)
         return steps
+
+    def _deal(self, j: int) -> None:
+        """Eq. 9: a fresh permutation for slot ``j`` (tied LR groups share slot 0's)."""
+        if self.config.tie_lr_groups and 0 < j < self.num_lr_slots:
+            self.perms[j] = list(self.perms[0])
+        else:
+            self.perms[j] = self.dealer.permutation(len(self.rho))
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -431,6 +566,11 @@ class Ensemble:
             "current_bases": list(self.current_bases),
             "controlled": list(self._controlled),
             "controllers": [c.state_dict() if c is not None else None for c in self.controllers],
+            "window_mean": None if self._polyak is None else {
+                "sum": [x.detach().cpu().clone() for x in self._polyak], "n": self._polyak_n},
+            "fit_steps": self._t, "fit_fresh": self._polyak_fresh,
+            "peak0": self._peak0,
+            "scheduled": list(self._scheduled),
             "dealer": self.dealer.state_dict(),
             "loss_sum": None if self._loss_sum is None else self._loss_sum.detach().cpu().clone(),
             "loss_count": self._loss_count,
@@ -493,13 +633,28 @@ class Ensemble:
             if cs is None:
                 self.controllers.append(None)
             else:
-                ctrl = PaperController()
+                ctrl = FitController() if cs.get("kind") == "fit" else PaperController()
                 ctrl.load_state_dict(cs)
                 self.controllers.append(ctrl)
+        self._peak0 = float(state.get("peak0", 0.0))
+        self._scheduled = [float(x) for x in state.get("scheduled", self._scheduled)]
+        self._sched0 = self._scheduled[0] if self._scheduled else 0.0
+        wm = state.get("window_mean")
+        self._t, self._polyak_fresh, self._probed = int(state.get("fit_steps", 0)), bool(state.get("fit_fresh")), None
+        if wm is None or elastic:
+            self._polyak, self._polyak_n = None, 0
+        else:
+            devs = [p.device for p in self._float_params()]
+            if len(wm["sum"]) != len(devs):
+                raise ValueError(f"Expected a window mean of {len(devs)} tensors, but the state holds {len(wm['sum'])}")
+            self._polyak = [x.to(d) for x, d in zip(wm["sum"], devs)]
+            self._polyak_n = int(wm["n"])
         self.dealer.load_state_dict(state["dealer"])
         self.total_steps = state["total_steps"]
         if elastic:  # Eq. 9 for the new N: a fresh permutation per slot from the (restored) shared dealer
             self.perms = [self.dealer.permutation(N) for _ in range(self.num_slots)]
+            if config.tie_lr_groups:
+                self.perms[1:self.num_lr_slots] = [list(self.perms[0]) for _ in range(1, self.num_lr_slots)]
             self._loss_sum, self._loss_count = None, 0
             warnings.warn(
                 f"hdet: elastic resume from {state['world_size']} to {N} replicas: kept the bases and controller "

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import __version__
+from .controller import CONTROLLERS
 from .engine import MODES, ReplicaEngine
 from .ensemble import NonFiniteReplicaError
 from .hyper import Dropout, GradClip, Hyperparameter, WeightDecay
@@ -58,6 +59,9 @@ class RunConfig:
     T: int = 25
     auto_lr: bool = False
     warmup: int | None = None  # auto-LR warmup steps; None: half the run
+    controller: str = "paper"  # auto-LR controller: paper | fit
+    probe_batches: int = 4  # fit controller: batches (of --batch examples) in each sync's common probe
+    tie_lr_groups: bool = False  # one LR multiplier per replica for all param groups
     eq8: str = "decay"
     warm_init: bool = False
     nu: float = 0.01
@@ -90,7 +94,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def _check(cfg: RunConfig) -> None:
-    for name in ("steps", "batch", "ctx", "width", "layers", "T", "log_every", "eval_batches"):
+    for name in ("steps", "batch", "ctx", "width", "layers", "T", "log_every", "eval_batches", "probe_batches"):
         v = getattr(cfg, name)
         if not isinstance(v, int) or v < 1:
             raise RunError(f"Expected --{name.replace('_', '-')} to be a positive integer, but got {v!r}")
@@ -102,6 +106,8 @@ def _check(cfg: RunConfig) -> None:
         raise RunError(f"Expected --max-lr > 0, but got {cfg.max_lr}")
     if not 0 <= cfg.dropout < 1:
         raise RunError(f"Expected --dropout in [0, 1), but got {cfg.dropout}")
+    if cfg.controller not in CONTROLLERS:
+        raise RunError(f"Expected --controller {' or '.join(CONTROLLERS)}, but got {cfg.controller!r}")
     if cfg.mode not in MODES:
         raise RunError(f"Expected --mode auto, vmap or loop, but got {cfg.mode!r}")
     bad = [e for e in cfg.explore if e not in EXPLORE]
@@ -144,7 +150,25 @@ def _clip(sched: OneCycleAutoLR) -> GradClip | None:
     return next((h for h in sched.ensemble.hypers if isinstance(h, GradClip)), None)
 
 
-def _make_scheduler(cfg: RunConfig, warmup: int):
+class _Probe:
+    """The fit controller's probe: ``probe_batches`` training batches, the same on every replica at the
+    same sync (the k-th call of every replica draws from a generator seeded by the run's seed and k)."""
+
+    def __init__(self, task: Task, cfg: RunConfig, device: torch.device) -> None:
+        self.task, self.cfg, self.device, self.calls = task, cfg, device, 0
+
+    def __call__(self, model: nn.Module) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1_000_003 * (self.cfg.seed + 1) + self.calls)
+        self.calls += 1
+        losses = [self.task.loss_fn(model, _to(self.task.sample("train", self.cfg.batch, g), self.device))
+                  for _ in range(self.cfg.probe_batches)]
+        return torch.stack(losses).mean()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"calls": self.calls}
+
+
+def _make_scheduler(cfg: RunConfig, warmup: int, task: Task, device: torch.device):
     def make(optimizer: torch.optim.Optimizer, replicas: Any = None, module: nn.Module | None = None):
         assert module is not None
         inner = module.module if hasattr(module, "module") else module  # DDP wraps the model
@@ -152,16 +176,19 @@ def _make_scheduler(cfg: RunConfig, warmup: int):
                               ensemble_lr_spread_ratio=cfg.alpha, model_sync_interval=cfg.T,
                               enable_auto_lr=cfg.auto_lr, auto_lr_warmup_steps=warmup, eq8=cfg.eq8,
                               model=module, seed=cfg.seed, replicas=replicas,
-                              explore=_explored(cfg, optimizer, inner))
+                              explore=_explored(cfg, optimizer, inner), controller=cfg.controller,
+                              probe=_Probe(task, cfg, device) if cfg.controller == "fit" else None,
+                              tie_lr_groups=cfg.tie_lr_groups)
     return make
 
 
 class _EngineReplicas:
     """All N replicas in this process (:class:`~hdet.engine.ReplicaEngine`)."""
 
-    def __init__(self, task: Task, model: nn.Module, N: int, cfg: RunConfig, warmup: int) -> None:
+    def __init__(self, task: Task, model: nn.Module, N: int, cfg: RunConfig, warmup: int, device: torch.device) -> None:
         self.task = task
-        self.engine = ReplicaEngine(model, N, _make_optimizer(task, cfg), _make_scheduler(cfg, warmup), mode=cfg.mode,
+        self.engine = ReplicaEngine(model, N, _make_optimizer(task, cfg), _make_scheduler(cfg, warmup, task, device),
+                                    mode=cfg.mode,
                                     before_optimizer_step=self._clip_grads)
         self.local = list(range(N))
         self.N = N
@@ -199,7 +226,7 @@ class _DDPReplicas:
         self.model = model
         self.ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         self.optimizer = _make_optimizer(task, cfg)(model)
-        self.schedulers = [_make_scheduler(cfg, warmup)(self.optimizer, None, self.ddp)]
+        self.schedulers = [_make_scheduler(cfg, warmup, task, device)(self.optimizer, None, self.ddp)]
         self.local = [dist.get_rank()]
         self.N = dist.get_world_size()
         self.mode = "ddp-" + dist.get_backend()
@@ -306,7 +333,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
                            f"{str(e).splitlines()[0]}") from None
     model.to(device)
     reps = (_DDPReplicas(task, model, cfg, warmup, device) if distributed
-            else _EngineReplicas(task, model, N, cfg, warmup))
+            else _EngineReplicas(task, model, N, cfg, warmup, device))
     gens = {r: torch.Generator().manual_seed(cfg.seed * 1000 + r) for r in reps.local}  # each replica its data
     sched0 = reps.schedulers[0].record_schedule()  # the discovered schedule, for hdet.ReplayLR
     groups = [g.get("name", str(j)) for j, g in enumerate(sched0.optimizer.param_groups)]

@@ -7,6 +7,7 @@ optimizer steps taken) is a sync step when ``t mod T == 0`` and at the last step
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, OneCycleLR
 
-from .controller import PaperController, gamma_as_printed, gamma_decay
+from .controller import CONTROLLERS, FitController, PaperController, gamma_as_printed, gamma_decay
 from torch.nn.parallel import DistributedDataParallel
 
 from .ensemble import Ensemble, HDETConfig, SyncRecord
@@ -42,15 +43,26 @@ class _EnsembleScheduler(LRScheduler):
     def _init_ensemble(self, optimizer: torch.optim.Optimizer, config: HDETConfig, model: nn.Module | None,
                        replicas: Replicas | None, rank: int | None, world_size: int | None,
                        process_group: Any, bucket_cap_mb: float, explore: Sequence[Hyperparameter] = (),
-                       guard_gradients: bool = True, device_mesh: Any = None) -> None:
+                       guard_gradients: bool = True, device_mesh: Any = None,
+                       probe: Callable[[nn.Module], Any] | None = None) -> None:
         if isinstance(explore, Hyperparameter):
             explore = [explore]
+        if config.auto_lr and config.controller == "fit":
+            if probe is None or not callable(probe):
+                raise ValueError("Expected probe=<function(model) -> scalar loss on a batch that is the same on every "
+                                 f"replica> with controller='fit', but got {probe!r}")
+            if model is None:
+                raise ValueError("Expected model=<the module> with controller='fit': the probe evaluates it at the "
+                                 "mean of its iterates over the window")
+            if device_mesh is not None:
+                raise ValueError("controller='fit' does not support device_mesh (sharded replicas) yet; use 'paper'")
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
         self._hdet = Ensemble(config, resolved, optimizer, model, list(explore))
         self.gradient_guard = False
         if guard_gradients and isinstance(model, DistributedDataParallel) and resolved.world_size > 1:
             self.gradient_guard = install_gradient_guard(model, process_group)
         self._hdet.make_controller = self._make_controller
+        self._hdet.probe = probe
 
     # -- the schedule underneath ------------------------------------------------------------
     def _scheduled_bases(self) -> list[float]:
@@ -67,8 +79,22 @@ class _EnsembleScheduler(LRScheduler):
     def _gamma_as_printed(self, K: float) -> float:
         raise ValueError("eq8='as_printed' needs OneCycle's div_factor and final_div_factor; use OneCycleAutoLR")
 
-    def _make_controller(self, j: int, start: float) -> PaperController:
+    _fit_template: FitController | None = None
+
+    @staticmethod
+    def _controller_kind(controller: Any) -> tuple[str, FitController | None]:
+        """``controller``: "paper", "fit", or a FitController whose settings every slot copies."""
+        if isinstance(controller, FitController):
+            return "fit", controller
+        if controller not in CONTROLLERS:
+            raise ValueError(f"Expected controller in {CONTROLLERS} or a hdet.FitController, but got {controller!r}")
+        return controller, None
+
+    def _make_controller(self, j: int, start: float) -> PaperController | FitController:
         c = self._hdet.config
+        if c.controller == "fit":
+            t = self._fit_template
+            return FitController() if t is None else dataclasses.replace(t, c=0.0, m=0.0, updates=0)
         K = self._hdet.num_control_syncs
         if c.eq8 == "as_printed":
             gamma = self._gamma_as_printed(K)
@@ -153,9 +179,11 @@ class _EnsembleScheduler(LRScheduler):
                     f"optimizer steps, but this is call {t}; raise total_steps or stop stepping"
                 )
             self._before_step(t)
+            self._hdet.accumulate()  # the fit controller's window mean (no-op otherwise)
             if self._hdet.is_sync_step(t):
                 self._hdet.sync(t)
         super().step()
+        self._hdet.step_done()
 
     def _before_step(self, t: int) -> None:
         return None
@@ -246,7 +274,15 @@ class OneCycleAutoLR(_EnsembleScheduler, OneCycleLR):
     mean; "raise": stop with NonFiniteReplicaError), ``guard_gradients`` (when ``model`` is a DDP module,
     install :func:`hdet.guard.finite_allreduce_hook` so one replica's NaN gradient never reaches the others),
     ``device_mesh`` (FSDP2/HSDP: a (replicate, shard) mesh; HDET replicas are the replicate dimension,
-    weights are averaged over it on local shards, a replica's loss is the mean over its shard ranks).
+    weights are averaged over it on local shards, a replica's loss is the mean over its shard ranks),
+    ``controller`` ("paper": Eqs. 4-8 on the window's training losses, replacing the schedule; "fit", or a
+    :class:`hdet.FitController` with other settings: hdet's controller, a bounded multiplicative
+    correction of the schedule from a probe loss at each replica's mean iterate, see
+    :mod:`hdet.controller`), ``probe`` (with "fit": ``probe(model) -> scalar loss`` on a batch that every
+    replica sees, e.g. a few training batches from a generator seeded identically on every rank; it is
+    called once per replica at each control sync, in eval mode, under no_grad), ``tie_lr_groups`` (one
+    multiplier per replica for all its param groups, one permutation: the controller then sees the LR
+    scale alone, not each group's LR through the others' noise).
     """
 
     def __init__(
@@ -287,12 +323,18 @@ class OneCycleAutoLR(_EnsembleScheduler, OneCycleLR):
         on_nonfinite: str = "recover",
         guard_gradients: bool = True,
         device_mesh: Any = None,
+        controller: str | FitController = "paper",
+        probe: Callable[[nn.Module], Any] | None = None,
+        tie_lr_groups: bool = False,
     ) -> None:
         config = HDETConfig(
             alpha=ensemble_lr_spread_ratio, sync_interval=model_sync_interval, auto_lr=enable_auto_lr,
             auto_lr_warmup_steps=auto_lr_warmup_steps, sigma=loss_scale, lam=lr_of_lr, beta=momentum_of_lr,
             eq8=eq8, seed=seed, average_optimizer_state=average_optimizer_state, on_nonfinite=on_nonfinite,
+            controller=self._controller_kind(controller)[0],
+            tie_lr_groups=tie_lr_groups,
         )
+        self._fit_template = self._controller_kind(controller)[1]
         if cycle_momentum and any(isinstance(h, AdamBeta) and h.index == 0 for h in
                                   ([explore] if isinstance(explore, Hyperparameter) else explore)):
             raise ValueError("Expected cycle_momentum=False when exploring beta1 (AdamBeta(index=0)): "
@@ -301,7 +343,7 @@ class OneCycleAutoLR(_EnsembleScheduler, OneCycleLR):
         self.div_factor = float(div_factor)
         self.final_div_factor = float(final_div_factor)
         self._init_ensemble(optimizer, config, model, replicas, rank, world_size, process_group, bucket_cap_mb,
-                            explore, guard_gradients, device_mesh)
+                            explore, guard_gradients, device_mesh, probe)
         self.total_steps = 0  # set for real by OneCycleLR.__init__ before its first step
         self.optimizer = optimizer
         self._set_bounds(auto_lr_bounds)
@@ -371,6 +413,9 @@ class HDETLR(_EnsembleScheduler):
         on_nonfinite: str = "recover",
         guard_gradients: bool = True,
         device_mesh: Any = None,
+        controller: str | FitController = "paper",
+        probe: Callable[[nn.Module], Any] | None = None,
+        tie_lr_groups: bool = False,
     ) -> None:
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0:
             raise ValueError(f"Expected positive integer total_steps, but got {total_steps!r}")
@@ -390,11 +435,14 @@ class HDETLR(_EnsembleScheduler):
             alpha=ensemble_lr_spread_ratio, sync_interval=model_sync_interval, auto_lr=enable_auto_lr,
             auto_lr_warmup_steps=auto_lr_warmup_steps, sigma=loss_scale, lam=lr_of_lr, beta=momentum_of_lr,
             eq8="decay", seed=seed, average_optimizer_state=average_optimizer_state, on_nonfinite=on_nonfinite,
+            controller=self._controller_kind(controller)[0],
+            tie_lr_groups=tie_lr_groups,
         )
+        self._fit_template = self._controller_kind(controller)[1]
         self.total_steps = total_steps
         self.optimizer = optimizer
         self._init_ensemble(optimizer, config, model, replicas, rank, world_size, process_group, bucket_cap_mb,
-                            explore, guard_gradients, device_mesh)
+                            explore, guard_gradients, device_mesh, probe)
         self._hdet.set_total_steps(total_steps)
         self._constant = [_float(g["lr"]) for g in optimizer.param_groups]
         self._final = self._resolve_final(final_lr)

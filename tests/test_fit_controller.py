@@ -1,0 +1,267 @@
+"""hdet's fit controller: the parabola fit, the trust region and bounds, and its wiring into the ensemble
+(the probe at each replica's mean iterate, a multiplicative correction of the schedule, state, errors)."""
+
+import math
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import hdet
+from hdet import FitController
+from hdet.controller import fit_parabola
+from hdet.engine import ReplicaEngine
+
+from dist_workers import Probe, batch, engine_run, train
+from helpers import check_ok, run_gloo
+
+LOG_RHO = [math.log(r) for r in (0.5, 0.643, 0.786, 0.929, 1.071, 1.214, 1.357, 1.5)]
+
+
+def test_fit_parabola_recovers_coefficients_and_degenerates_cleanly():
+    xs = [-0.7, -0.2, 0.1, 0.4, 0.9]
+    a, b, q = fit_parabola(xs, [1.5 - 2.0 * x + 3.0 * x * x for x in xs])
+    assert (a, b, q) == pytest.approx((1.5, -2.0, 3.0), rel=1e-9)
+    a, b, q = fit_parabola([0.0, 1.0, 0.0, 1.0], [1.0, 3.0, 1.0, 3.0])  # two distinct x: a line
+    assert (a, b, q) == pytest.approx((1.0, 2.0, 0.0))
+    assert fit_parabola([0.3, 0.3, 0.3], [1.0, 2.0, 3.0]) == (2.0, 0.0, 0.0)  # one x: no slope
+
+
+@pytest.mark.parametrize("opt", [0.25, -0.3])
+def test_moves_toward_the_fitted_optimum_within_the_trust_region(opt):
+    c = FitController(kappa=0.5, beta=0.0, max_step=0.4)
+    w = (max(LOG_RHO) - min(LOG_RHO)) / 2
+    step = c.update(LOG_RHO, [(x - opt) ** 2 for x in LOG_RHO])
+    assert step.h_tilde == pytest.approx(opt, rel=1e-9)  # x* of the parabola
+    assert step.delta == pytest.approx(max(min(0.5 * opt, 0.4 * w), -0.4 * w))
+    assert c.factor == pytest.approx(math.exp(step.delta))
+    far = FitController(kappa=1.0, beta=0.0, max_step=0.4)
+    step = far.update(LOG_RHO, [(x - 5.0) ** 2 for x in LOG_RHO])  # x* beyond the spread: clipped
+    assert step.h_tilde == pytest.approx(2 * w) and step.delta == pytest.approx(0.4 * w)
+
+
+def test_no_signal_no_move_and_weight_scales_the_step():
+    c = FitController(beta=0.0)
+    assert c.update(LOG_RHO, [2.0] * 8).delta == 0.0  # flat: a line with b = 0
+    assert c.update(LOG_RHO, [(x - 0.1) ** 2 for x in LOG_RHO], weight=0.0).delta == 0.0
+    half = FitController(beta=0.0).update(LOG_RHO, [(x - 0.1) ** 2 for x in LOG_RHO], weight=0.5).delta
+    full = FitController(beta=0.0).update(LOG_RHO, [(x - 0.1) ** 2 for x in LOG_RHO], weight=1.0).delta
+    assert half == pytest.approx(full / 2) and full > 0
+
+
+def test_concave_fit_goes_downhill_and_nan_losses_are_left_out():
+    c = FitController(beta=0.0)
+    step = c.update(LOG_RHO, [-(x ** 2) - 0.5 * x for x in LOG_RHO])  # concave, falling with x
+    assert step.delta > 0
+    ys = [(x - 0.2) ** 2 for x in LOG_RHO]
+    ys[3] = float("nan")
+    step = FitController(beta=0.0).update(LOG_RHO, ys)
+    assert step.h_tilde == pytest.approx(0.2, rel=1e-9)
+    assert FitController().update(LOG_RHO[:2] + [0.0] * 6, [float("nan")] * 8).delta == 0.0
+
+
+def test_bounds_hold_under_any_signal():
+    rng = random.Random(0)
+    c = FitController(kappa=5.0, beta=0.0, max_step=10.0, bounds=(0.25, 4.0))
+    for _ in range(200):
+        ys = [rng.gauss(0, 1) + rng.choice([-3, 3]) * x for x in LOG_RHO]
+        step = c.update(LOG_RHO, ys)
+        assert 0.25 - 1e-12 <= c.factor <= 4.0 + 1e-12 and math.isfinite(step.new_base)
+
+
+@pytest.mark.parametrize("start", [0.1, 10.0])
+def test_closed_loop_finds_the_scale_on_a_noisy_landscape(start):
+    """Probe loss (log(scale * rho) - log(best))^2 + noise: from 0.1x or 10x the scale ends near best."""
+    rng = random.Random(1)
+    c = FitController()
+    for _ in range(60):
+        ys = [(math.log(start * c.factor) + x) ** 2 + rng.gauss(0, 0.01) for x in LOG_RHO]
+        c.update(LOG_RHO, ys)
+    assert abs(math.log(start * c.factor)) < 0.15
+
+
+def test_bad_settings_are_clear_errors():
+    with pytest.raises(ValueError, match="kappa > 0"):
+        FitController(kappa=0.0)
+    with pytest.raises(ValueError, match="0 <= beta < 1"):
+        FitController(beta=1.0)
+    with pytest.raises(ValueError, match="lo <= 1 <= hi"):
+        FitController(bounds=(2.0, 4.0))
+    with pytest.raises(ValueError, match="one offset per loss"):
+        FitController().update([0.0, 1.0], [1.0])
+
+
+def test_state_dict_round_trip():
+    c = FitController(kappa=0.3)
+    c.update(LOG_RHO, [(x - 0.2) ** 2 for x in LOG_RHO])
+    d = FitController()
+    d.load_state_dict(c.state_dict())
+    assert d == c
+
+
+# -- in the ensemble ------------------------------------------------------------------------------------
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 1))
+
+
+class RecordingProbe(Probe):
+    """The test probe, also recording the parameters and mode it was called with."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __call__(self, model):
+        self.seen.append(([p.detach().clone() for p in model.parameters()], model.training))
+        return super().__call__(model)
+
+
+def _engine(N=4, steps=40, T=10, warm=10, probe_cls=RecordingProbe, mode="loop", **kw):
+    probes = []
+
+    def make_sched(o, rep, m):
+        probes.append(probe_cls())
+        return hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=steps, ensemble_lr_spread_ratio=0.5,
+                                   model_sync_interval=T, enable_auto_lr=True, auto_lr_warmup_steps=warm, model=m,
+                                   replicas=rep, controller="fit", probe=probes[-1], **kw)
+
+    eng = ReplicaEngine(_model(), N, lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), make_sched, mode=mode)
+    return eng, probes
+
+
+def _loss(m, b):
+    return nn.functional.mse_loss(m(b[0]), b[1])
+
+
+@pytest.mark.parametrize("mode", ["loop", "vmap"])
+def test_probe_sees_each_replicas_mean_iterate_in_eval_mode_and_weights_come_back(mode):
+    """The probe at a sync sees mean_r = (w_1 + ... + w_T) / T of replica r's iterates. The last iterate
+    w_T (before averaging) is not observable from outside, but it follows: w_T = T mean_r - (w_1 + ... +
+    w_{T-1}), and the weights after the sync must be the replicas' average of those w_T (Eq. 3)."""
+    N, T = 4, 10
+    eng, probes = _engine(N=N, T=T, mode=mode)
+    sums = [[torch.zeros_like(p, dtype=torch.float64) for p in m.parameters()] for m in eng.models]
+    for t in range(1, 21):
+        eng.step([batch(r, t) for r in range(N)], _loss)
+        if t % T:
+            for r, m in enumerate(eng.models):
+                for s, p in zip(sums[r], m.parameters()):
+                    s += p.detach().double()
+            continue
+        last = []
+        for r in range(N):
+            params, training = probes[r].seen[-1]
+            assert training is False
+            last.append([T * mean.double() - s for mean, s in zip(params, sums[r])])  # w_T of replica r
+        assert any(not torch.allclose(a, b) for a, b in zip(last[0], last[1]))  # replicas differed
+        for m in eng.models:
+            assert m.training  # train mode restored
+            for p, *ws in zip(m.parameters(), *last):  # the weights came back and were averaged
+                torch.testing.assert_close(p.detach().double(), sum(ws) / N, rtol=1e-4, atol=1e-5)
+        sums = [[torch.zeros_like(p, dtype=torch.float64) for p in m.parameters()] for m in eng.models]
+    assert [len(p.seen) for p in probes] == [2] * N  # one call per replica per control sync
+
+
+def test_lr_is_the_schedule_times_the_correction_within_bounds():
+    eng, _ = _engine(N=4, steps=60, T=5, warm=5)
+    ref = torch.optim.lr_scheduler.OneCycleLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.05),
+                                              max_lr=0.05, total_steps=60)
+    for t in range(1, 60):
+        eng.step([batch(r, t) for r in range(4)], _loss)
+        ref.step()
+        s = eng.schedulers[0]
+        ctrl = s.ensemble.controllers[0]
+        factor = ctrl.factor if ctrl is not None else 1.0
+        assert s.base_lrs_now[0] == pytest.approx(ref.get_last_lr()[0] * factor, rel=1e-9)
+        assert 1 / 32 <= factor <= 32
+    assert s.ensemble.controllers[0].updates == 11  # syncs 5..55
+
+
+def test_tied_lr_groups_share_one_multiplier():
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def make_opt(m):
+        return torch.optim.AdamW([{"params": m[0].parameters()}, {"params": m[2].parameters()}], lr=0.05)
+
+    def make_sched(o, rep, m):
+        return hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=30, ensemble_lr_spread_ratio=0.5, model_sync_interval=5,
+                                   enable_auto_lr=True, auto_lr_warmup_steps=5, model=m, replicas=rep,
+                                   controller="fit", probe=Probe(), tie_lr_groups=True)
+
+    eng = ReplicaEngine(model, 4, make_opt, make_sched, mode="loop")
+    for t in range(1, 26):
+        eng.step([batch(r, t) for r in range(4)], _loss)
+        for s in eng.schedulers:
+            assert s.multipliers[0] == s.multipliers[1]
+    assert len({tuple(s.multipliers) for s in eng.schedulers}) == 4  # still one multiplier per replica
+
+
+def test_fit_needs_a_probe_and_a_model():
+    o = torch.optim.SGD(_model().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="probe="):
+        hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=20, enable_auto_lr=True, auto_lr_warmup_steps=5,
+                            model_sync_interval=5, controller="fit", model=_model())
+    with pytest.raises(ValueError, match="model="):
+        hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=20, enable_auto_lr=True, auto_lr_warmup_steps=5,
+                            model_sync_interval=5, controller="fit", probe=Probe())
+    with pytest.raises(ValueError, match="controller in"):
+        hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=20, controller="pid")
+
+
+def test_resume_mid_window_is_exact(tmp_path):
+    """Save at step 13 (mid-window, window mean and controller state inside), load into a fresh engine."""
+    def run(stop=None, resume=None):
+        eng, _ = _engine(N=2, steps=30, T=5, warm=5, probe_cls=Probe)
+        start = 0
+        if resume is not None:
+            ck = torch.load(resume, weights_only=False)
+            for m, o, s, st in zip(eng.models, eng.optimizers, eng.schedulers, ck):
+                m.load_state_dict(st["m"])
+                o.load_state_dict(st["o"])
+                s.load_state_dict(st["s"])
+            for s in eng.schedulers:  # the probes' call counters (user objects)
+                s.ensemble.probe.calls = ck[0]["calls"]
+            torch.set_rng_state(ck[0]["rng"])  # dropout's masks
+            start = ck[0]["t"]
+        for t in range(start + 1, 31):
+            eng.step([batch(r, t) for r in range(2)], _loss)
+            if t == stop:
+                torch.save([{"m": m.state_dict(), "o": o.state_dict(), "s": s.state_dict(), "t": t,
+                             "calls": s.ensemble.probe.calls, "rng": torch.get_rng_state()}
+                            for m, o, s in zip(eng.models, eng.optimizers, eng.schedulers)], tmp_path / "ck.pt")
+                return None
+        return [[p.detach().clone() for p in m.parameters()] for m in eng.models], \
+            [s.ensemble.controllers[0].c for s in eng.schedulers]
+
+    full_params, full_c = run()
+    run(stop=13)
+    res_params, res_c = run(resume=tmp_path / "ck.pt")
+    assert res_c == full_c and full_c[0] != 0.0
+    for a, b in zip(full_params, res_params):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
+def _train_kw(rank, world, kw):
+    return train(rank, world, **kw)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["loop", "vmap"])
+def test_fit_engine_equals_gloo_processes(mode):
+    """2 gloo processes (DDP, real collectives) and the engine: same weights, LRs and correction."""
+    kw = dict(steps=30, alpha=0.3, T=10, auto=True, warm=10, opt="sgd", controller="fit")
+    dist_res = check_ok(run_gloo(_train_kw, 2, kw))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        eng = engine_run(2, mode=mode, **kw)
+    finally:
+        torch.set_num_threads(threads)
+    for r in range(2):
+        for p_eng, p_dist in zip(eng["params"][r], dist_res[r]["params"]):
+            torch.testing.assert_close(p_eng, p_dist, rtol=1e-5, atol=1e-6)
+        assert [row[r] for row in eng["lrs"]] == pytest.approx(dist_res[r]["lrs"], rel=1e-6)
+    assert len(set(round(x, 12) for x in dist_res[0]["lrs"][11:])) > 1
