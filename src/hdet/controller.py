@@ -167,14 +167,16 @@ class FitController:
       -2w sign(b)``.
     * smoothed: ``m = beta m + (1 - beta) x*``;
     * trust region: the step ``kappa * weight * m`` is clipped to ``[-max_step w, +max_step w]``;
-      ``weight`` in [0, 1] is the schedule's current value over its peak so far (an annealed schedule
-      moves little: the probe's signal is biased low there);
+      ``weight`` in [0, 1] is given by the caller: hdet passes ``clip((s / peak - 0.5) / 0.5, 0, 1)`` with
+      ``s / peak`` the schedule's current value over its peak so far. The controller sets the scale
+      while the schedule is near its peak and leaves the annealing alone: once the schedule decays, a
+      faster decay always looks better over one window (the short-horizon bias again), averaging or not;
     * bounds: ``c`` stays in ``[log lo, log hi]`` (``bounds``, as factors of the base schedule).
     """
 
     kappa: float = 0.5
     beta: float = 0.5
-    max_step: float = 0.4
+    max_step: float = 0.6
     bounds: tuple[float, float] = (1 / 32, 32.0)
     log_scale: bool = True  # bounds are factors (LR, log spreads); False: additive offsets
     c: float = 0.0

@@ -531,7 +531,8 @@ class Ensemble:
             if isinstance(ctrl, FitController):  # x_r: log multiplier (an offset for additive spreads)
                 offs = [self.offsets[j][p] for p in self.perms[j]]
                 x = [math.log(o) if ctrl.log_scale else o for o in offs]
-                weight = self._sched0 / self._peak0 if self._peak0 > 0 else 1.0  # an annealed schedule moves little
+                ratio = self._sched0 / self._peak0 if self._peak0 > 0 else 1.0
+                weight = min(max((ratio - 0.5) / 0.5, 0.0), 1.0)  # near the peak only: see FitController
                 step = ctrl.update(x, losses, weight)
                 b = self._scheduled[j]  # the base schedule's value now, corrected anew
                 self.current_bases[j] = spread.clamp(b * ctrl.factor if ctrl.log_scale else b + ctrl.factor)

@@ -271,6 +271,36 @@ def evaluate(task: Task, model: nn.Module, n_batches: int, batch: int, device: t
     return total / n_batches
 
 
+@torch.no_grad()
+def final_metrics(task: Task, model: nn.Module, device: torch.device, limit: int = 2048) -> dict[str, float]:
+    """The held-out split, deterministically: Fashion-MNIST's whole test set (loss and accuracy); for the
+    byte GPT, loss over up to ``limit`` consecutive non-overlapping windows from the start of the
+    held-out files."""
+    was = model.training
+    model.eval()
+    try:
+        split = task.splits.get("val") if task.splits else None
+        if split is None:
+            return {}
+        if task.name == "fashion":
+            x, y = split
+            loss = correct = 0.0
+            for i in range(0, x.shape[0], 1000):
+                logits = model(x[i:i + 1000].to(device))
+                yy = y[i:i + 1000].to(device)
+                loss += torch.nn.functional.cross_entropy(logits, yy, reduction="sum").item()  # host sync
+                correct += (logits.argmax(-1) == yy).sum().item()  # host sync
+            return {"test_loss": loss / x.shape[0], "test_accuracy": 100.0 * correct / x.shape[0]}
+        ctx = task.ctx
+        n = min(limit, (split.numel() - 1) // ctx)
+        windows = torch.stack([split[i * ctx: i * ctx + ctx + 1] for i in range(n)]).long()
+        total = sum(task.loss_fn(model, windows[i:i + 64].to(device)).item() * windows[i:i + 64].shape[0]
+                    for i in range(0, n, 64))  # host sync per chunk
+        return {"val_loss_full": total / n, "val_tokens": n * ctx}
+    finally:
+        model.train(was)
+
+
 class _Progress:
     """A rich progress bar with loss, base LR and the multipliers' spread (or nothing)."""
 
@@ -417,6 +447,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
     summary = {**({} if rank else meta), "mode": reps.mode, "steps_done": t,
                "crashed": crashed, "train_seconds": elapsed, "steps_per_second": t / elapsed if elapsed else None,
                "final_train_loss": sum(tail) / len(tail) if tail else None, "final_val_loss": final_val,
+               "final_metrics": final_metrics(task, reps.eval_model(), device) if crashed is None else {},
                "val_curve": val_curve}
     if rank == 0:
         metrics_f.close()

@@ -166,6 +166,8 @@ class Task:
     loss_fn: Callable[[nn.Module, Any], torch.Tensor]
     describe: str
     group_of: Callable[[str], str]  # parameter name -> param group name (each group's LR explored separately)
+    splits: dict[str, Any] | None = None  # the raw data per split (for a full evaluation)
+    ctx: int = 0  # context length (byte GPT)
 
 
 def _byte_group(name: str) -> str:
@@ -214,7 +216,8 @@ def make_task(name: str, *, data: str | Path | None = None, ctx: int = 64, width
 
         return Task("bytes", lambda: ByteGPT(ctx, width, layers, max(1, width // 32), dropout), sample, _lm_loss,
                     f"byte-level GPT (ctx {ctx}, width {width}, {layers} layers) on the stdlib's .py files "
-                    f"({train.numel() / 1e6:.1f} MB train, {val.numel() / 1e6:.2f} MB held-out files)", _byte_group)
+                    f"({train.numel() / 1e6:.1f} MB train, {val.numel() / 1e6:.2f} MB held-out files)", _byte_group,
+                    splits, ctx)
     if name == "fashion":
         root = Path(data) if data is not None else FASHION_DIR
         if not root.is_dir():
@@ -230,5 +233,5 @@ def make_task(name: str, *, data: str | Path | None = None, ctx: int = 64, width
 
         return Task("fashion", lambda: SmallCNN(max(8, width // 4), dropout), fsample, _cls_loss,
                     f"small CNN (BatchNorm) on Fashion-MNIST from {root} ({xt.shape[0]} train, {xv.shape[0]} test)",
-                    _cnn_group)
+                    _cnn_group, fsplits)
     raise TaskError(f"Expected task 'bytes' or 'fashion', but got {name!r}")

@@ -1,0 +1,196 @@
+"""The evidence suite (issue 5): does HDET's auto-LR find a good schedule on real tasks?
+
+One task per invocation, N = 8 replicas in the one-process engine (exact DDP semantics: the engine is
+tested equal to gloo processes), many runs in parallel on one GPU (small models leave it mostly idle).
+
+1. LR grid of plain data parallel (alpha = 0: every replica the same LR, gradients averaged every step,
+   i.e. DDP + OneCycleLR): 7 max_lr values a factor 2 apart, seed 0; the best by the task's metric
+   (validation loss for the GPT, test accuracy for Fashion-MNIST) and its two neighbours get seeds 1, 2.
+2. Controllers, each started at 0.1x, 1x and 10x the grid's best max_lr, seeds 0-2:
+   ``none`` (HDET spread, no controller), ``paper`` (Eqs. 4-8, per-group multipliers as in the paper) and
+   ``fit`` (hdet's, tied LR groups). The controller starts at the end of OneCycle's warm-up (30%).
+3. The paper's Table 1 layout (six configurations; warm rows start from a short pre-training run), plus the
+   two auto-LR rows with the fit controller.
+
+Jobs run in priority order; none starts once ``--deadline`` seconds would be exceeded by its expected
+duration (skipped jobs are listed). ``--previous`` takes an earlier JSON and skips what it finished.
+Writes ``--out`` (JSON: every run's config, final metrics, LR and validation curves, the command).
+
+    python benchmarks/evidence.py --task bytes --device cuda:0 --jobs 12 --deadline 540 --out bytes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SIZES = {  # per task: the model, the run, and the centre of the LR grid
+    "bytes": dict(width=256, layers=4, ctx=128, batch=16, steps=1500, T=25, weight_decay=0.01, centre=2e-3),
+    "fashion": dict(width=128, layers=1, ctx=64, batch=32, steps=1500, T=25, weight_decay=0.01, centre=2e-3),
+}
+GRID = [2.0 ** k for k in range(-3, 4)]  # x centre
+STARTS = [0.1, 1.0, 10.0]
+ALPHA = 0.5
+
+
+def _metric(task: str, s: dict[str, Any]) -> float | None:
+    """Higher is better: test accuracy, or minus the validation loss. None for a crashed run."""
+    m = s.get("final_metrics") or {}
+    if s.get("crashed") or not m:
+        return None
+    return m["test_accuracy"] if task == "fashion" else -m["val_loss_full"]
+
+
+def run_job(job: dict[str, Any], deadline: float, expected: float) -> dict[str, Any]:
+    """One training run (in a worker process)."""
+    if time.time() + expected > deadline:
+        return {**job, "skipped": "deadline"}
+    import torch
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    from hdet.run import RunConfig, train
+
+    cfg = RunConfig(**job["cfg"])
+    t0 = time.time()
+    try:
+        s = train(cfg, argv=["(evidence)", job["name"]])
+    except Exception as e:  # noqa: BLE001 - a failed run is a result, not the end of the suite
+        return {**job, "error": f"{type(e).__name__}: {e}", "seconds": time.time() - t0}
+    lr, base = [], []
+    with open(Path(cfg.out) / "metrics.jsonl") as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec["step"] % 50 == 0 or rec["step"] == cfg.steps:
+                lr.append((rec["step"], next(iter(rec["lr_mean"].values()))))
+    return {**job, "seconds": time.time() - t0, "crashed": s["crashed"], "final_metrics": s["final_metrics"],
+            "final_val_loss": s["final_val_loss"], "final_train_loss": s["final_train_loss"],
+            "val_curve": s["val_curve"], "lr_curve": lr, "mode": s["mode"], "device": s.get("device"),
+            "steps_per_second": s["steps_per_second"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--task", choices=sorted(SIZES), required=True)
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--jobs", type=int, default=12)
+    ap.add_argument("--deadline", type=float, default=540.0, help="seconds from start")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--runs", default="runs/evidence")
+    ap.add_argument("--previous", default=None)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--set", action="append", default=[], help="override a size entry, e.g. --set width=32")
+    a = ap.parse_args()
+    t_start = time.time()
+    deadline = t_start + a.deadline
+    size = dict(SIZES[a.task])
+    centre = size.pop("centre")
+    if a.steps:
+        size["steps"] = a.steps
+    for kv in a.set:
+        k, v = kv.split("=")
+        size[k] = type(size[k])(v)
+    steps = size["steps"]
+    warm = int(0.3 * steps) // size["T"] * size["T"]  # end of OneCycle's warm-up, on a sync step
+    base = dict(task=a.task, data=a.data, replicas=8, device=a.device, mode="vmap", progress=False,
+                eval_every=steps // 10, eval_batches=8, alpha=0.0, auto_lr=False, **size)
+    runs = Path(a.runs) / a.task
+    done: dict[str, dict[str, Any]] = {}
+    if a.previous and Path(a.previous).is_file():
+        done = {r["name"]: r for r in json.loads(Path(a.previous).read_text())["runs"]
+                if "final_metrics" in r or r.get("crashed")}
+        if not (runs / "pretrain" / "model.pt").is_file():
+            done.pop("pretrain", None)  # the warm rows need its checkpoint on this machine
+
+    def job(name: str, group: str, **over: Any) -> dict[str, Any]:
+        cfg = {**base, "label": name, **over, "out": str(runs / name)}
+        return {"name": name, "group": group, "cfg": cfg}
+
+    results: list[dict[str, Any]] = [r for r in done.values()]
+    ctx = mp.get_context("spawn")
+    durations: list[float] = [r["seconds"] for r in results if "seconds" in r]
+
+    def expected(factor: float = 1.0) -> float:
+        return factor * (sum(durations) / len(durations) if durations else 0.0)
+
+    def run_all(jobs: list[dict[str, Any]], pool: cf.ProcessPoolExecutor) -> None:
+        todo = [j for j in jobs if j["name"] not in done]
+        futs = [pool.submit(run_job, j, deadline, expected(1.1 if j["cfg"].get("auto_lr") else 1.0)) for j in todo]
+        for f in cf.as_completed(futs):
+            r = f.result()
+            results.append(r)
+            if "seconds" in r:
+                durations.append(r["seconds"])
+            done[r["name"]] = r
+            status = r.get("skipped") or r.get("error") or r.get("crashed") or r.get("final_metrics")
+            print(f"[{time.time() - t_start:6.0f}s] {r['name']}: {status}", flush=True)
+
+    with cf.ProcessPoolExecutor(max_workers=a.jobs, mp_context=ctx) as pool:
+        # 1. the grid (seed 0) and the pre-training run of the warm rows, together
+        grid = [job(f"grid-{m:g}x-s0", "grid", max_lr=centre * m, seed=0) for m in GRID]
+        pre = job("pretrain", "table1", replicas=1, max_lr=centre / 4, steps=steps // 10, seed=1)
+        run_all(grid + [pre], pool)
+        scored = [(r["cfg"]["max_lr"], _metric(a.task, r)) for r in results if r["group"] == "grid"
+                  and r["name"].endswith("-s0") and _metric(a.task, r) is not None]
+        if not scored:
+            raise SystemExit("every grid run crashed")
+        best_lr = max(scored, key=lambda x: x[1])[0]
+        i = min(range(len(GRID)), key=lambda k: abs(centre * GRID[k] - best_lr))
+        neighbours = [GRID[k] for k in (i - 1, i, i + 1) if 0 <= k < len(GRID)]
+        print(f"grid best max_lr {best_lr:g}", flush=True)
+
+        later: list[dict[str, Any]] = []
+        for seed in (0, 1, 2):  # in priority order: seed 0 of everything first
+            if seed:
+                later += [job(f"grid-{m:g}x-s{seed}", "grid", max_lr=centre * m, seed=seed) for m in neighbours]
+            for start in STARTS:
+                for ctrl in ("fit", "paper", "none"):
+                    over = dict(alpha=ALPHA, max_lr=best_lr * start, seed=seed, warmup=warm)
+                    if ctrl == "fit":
+                        over.update(auto_lr=True, controller="fit", tie_lr_groups=True)
+                    elif ctrl == "paper":
+                        over.update(auto_lr=True, controller="paper")
+                    later.append(job(f"{ctrl}-{start:g}x-s{seed}", ctrl, **over))
+            if seed == 0:  # 3. Table 1 (seed 0), after the controllers' first seed
+                ckpt = str(runs / "pretrain" / "model.pt")
+                low, high = best_lr / 4, best_lr
+                rows = [("Baseline-Low", dict(max_lr=low)), ("Baseline-High", dict(max_lr=high)),
+                        ("Warm-Init", dict(max_lr=high, warm_init=True, init_from=ckpt, T=steps)),
+                        ("HDET w/o auto-LR", dict(max_lr=high, alpha=ALPHA, warm_init=True, init_from=ckpt)),
+                        ("HDET w/o warm init", dict(max_lr=high, alpha=ALPHA, auto_lr=True, warmup=warm)),
+                        ("HDET (full)", dict(max_lr=high, alpha=ALPHA, auto_lr=True, warmup=warm, warm_init=True,
+                                             init_from=ckpt)),
+                        ("HDET w/o warm init [fit]", dict(max_lr=high, alpha=ALPHA, auto_lr=True, warmup=warm,
+                                                          controller="fit", tie_lr_groups=True)),
+                        ("HDET (full) [fit]", dict(max_lr=high, alpha=ALPHA, auto_lr=True, warmup=warm, warm_init=True,
+                                                   init_from=ckpt, controller="fit", tie_lr_groups=True))]
+                later += [job("t1-" + n.lower().replace(" ", "-").replace("/", "").replace("(", "").replace(")", "")
+                              .replace("[", "").replace("]", ""), "table1", label=n, **o) for n, o in rows]
+        run_all(later, pool)
+
+    import torch
+
+    out = {"command": "python " + " ".join(sys.argv), "task": a.task, "size": SIZES[a.task], "steps": steps,
+           "alpha": ALPHA, "controller_start_step": warm, "grid_centre": centre, "grid": GRID, "starts": STARTS,
+           "best_max_lr": best_lr, "python": platform.python_version(), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.machine(),
+           "wall_seconds": time.time() - t_start, "runs": sorted(results, key=lambda r: r["name"])}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=1))
+    print(f"wrote {a.out}: {sum('final_metrics' in r for r in results)} runs finished, "
+          f"{sum('skipped' in r for r in results)} skipped, {sum('error' in r for r in results)} failed", flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

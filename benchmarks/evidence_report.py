@@ -1,0 +1,208 @@
+"""Tables and plots from ``benchmarks/evidence.py`` results: one markdown file and two PNGs per task.
+
+    python benchmarks/evidence_report.py benchmarks/results/evidence/bytes.json benchmarks/results/evidence/fashion.json
+
+Metrics: the GPT's validation loss over 2048 held-out windows (262k bytes), lower is better; Fashion-MNIST's
+test accuracy over the 10,000 test images, higher is better (its test loss is reported too).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def onecycle(t: int, max_lr: float, total: int, pct: float = 0.3, div: float = 25.0, final_div: float = 1e4) -> float:
+    """torch's OneCycleLR (cos, two phases) at step t."""
+    start, low = max_lr / div, max_lr / div / final_div
+    up = pct * total - 1
+    if t <= up:
+        return start + (max_lr - start) * (1 - math.cos(math.pi * t / up)) / 2
+    x = (t - up) / (total - 1 - up)
+    return low + (max_lr - low) * (1 + math.cos(math.pi * x)) / 2
+
+
+def metric(task: str, r: dict[str, Any]) -> float | None:
+    m = r.get("final_metrics") or {}
+    if not m:
+        return None
+    return m["test_accuracy"] if task == "fashion" else m["val_loss_full"]
+
+
+def fmt(xs: list[float], task: str) -> str:
+    if not xs:
+        return "—"
+    d = 2 if task == "fashion" else 4
+    sd = f" ± {statistics.stdev(xs):.{d}f}" if len(xs) > 1 else ""
+    return f"{statistics.mean(xs):.{d}f}{sd} (n={len(xs)})"
+
+
+def factor_at(r: dict[str, Any], steps: int, frac: float) -> float | None:
+    """The run's mean LR over replicas at ``frac`` of the run, over its nominal OneCycle value."""
+    curve = r.get("lr_curve") or []
+    if not curve:
+        return None
+    t, lr = min(curve, key=lambda p: abs(p[0] - frac * steps))
+    return lr / onecycle(t, r["cfg"]["max_lr"], steps)
+
+
+def report(path: Path) -> str:
+    d = json.loads(path.read_text())
+    task, steps, runs = d["task"], d["steps"], d["runs"]
+    better = max if task == "fashion" else min
+    unit = "test accuracy (%)" if task == "fashion" else "validation loss"
+    by = {r["name"]: r for r in runs}
+
+    def seeds(prefix: str) -> list[float]:
+        return [m for s in range(3) if (r := by.get(f"{prefix}-s{s}")) and (m := metric(task, r)) is not None]
+
+    lines = [f"# Evidence: {task}", "",
+             f"Command: `{d['command']}`  ", f"Device: {d['device']}, torch {d['torch']}, Python {d['python']}; "
+             f"{d['wall_seconds']:.0f} s wall. N = 8 replicas (one-process engine), {steps} steps, HDET spread "
+             f"alpha = {d['alpha']}, T = {d['size']['T']}, controllers from step {d['controller_start_step']}. "
+             f"Metric: {unit}; mean ± sd over seeds.", ""]
+    skipped = [r["name"] for r in runs if "skipped" in r or "error" in r]
+    if skipped:
+        lines += [f"Not run (deadline or error): {', '.join(skipped)}", ""]
+    # grid
+    lines += ["## LR grid, plain data parallel (alpha = 0)", "", f"| max_lr | {unit} | crashed |", "|---|---|---|"]
+    grid_means = {}
+    for m in d["grid"]:
+        lr = d["grid_centre"] * m
+        xs = seeds(f"grid-{m:g}x")
+        crashed = [r["name"] for s in range(3) if (r := by.get(f"grid-{m:g}x-s{s}")) and r.get("crashed")]
+        grid_means[lr] = statistics.mean(xs) if xs else None
+        mark = " **best**" if math.isclose(lr, d["best_max_lr"]) else ""
+        lines.append(f"| {lr:.3g}{mark} | {fmt(xs, task)} | {len(crashed) or ''} |")
+    best = grid_means[min(grid_means, key=lambda k: abs(k - d["best_max_lr"]))]
+    best_over_seeds = better(v for v in grid_means.values() if v is not None)
+    lines += ["", f"Grid best (seed 0 picks it): max_lr = {d['best_max_lr']:.3g}, {unit} {best:.4f} over its seeds.", ""]
+    # controllers
+    lines += ["## Controllers started at 0.1x, 1x, 10x the grid's best max_lr", "",
+              f"| start | controller | {unit} | vs no controller | vs grid best | LR factor at 45% / 60% of the run |",
+              "|---|---|---|---|---|---|"]
+    verdict = {}
+    for start in d["starts"]:
+        none = seeds(f"none-{start:g}x")
+        for ctrl in ("none", "paper", "fit"):
+            xs = seeds(f"{ctrl}-{start:g}x")
+            if not xs:
+                continue
+            mean = statistics.mean(xs)
+            if task == "fashion":
+                vs_none = f"{mean - statistics.mean(none):+.2f} pt" if none and ctrl != "none" else ""
+                vs_best = f"{mean - best:+.2f} pt"
+            else:
+                vs_none = f"{100 * (mean / statistics.mean(none) - 1):+.2f}%" if none and ctrl != "none" else ""
+                vs_best = f"{100 * (mean / best - 1):+.2f}%"
+            fs = [factor_at(by[f"{ctrl}-{start:g}x-s{s}"], steps, f) for s in range(3) for f in (0.45, 0.6)
+                  if f"{ctrl}-{start:g}x-s{s}" in by]
+            f45 = [x for x in fs[0::2] if x is not None]
+            f60 = [x for x in fs[1::2] if x is not None]
+            fac = f"{statistics.mean(f45):.2f} / {statistics.mean(f60):.2f}" if f45 and f60 else ""
+            lines.append(f"| {start:g}x | {ctrl} | {fmt(xs, task)} | {vs_none} | {vs_best} | {fac} |")
+            verdict[(ctrl, start)] = (mean, statistics.mean(none) if none else None)
+    # targets
+    lines += ["", "## Targets (issue 5), mean over seeds", ""]
+    for ctrl in ("paper", "fit"):
+        if (ctrl, 1.0) in verdict and verdict[(ctrl, 1.0)][1] is not None:
+            m, n = verdict[(ctrl, 1.0)]
+            if task == "fashion":
+                ok, txt = m >= n - 0.2, f"{m - n:+.2f} points (target >= -0.2)"
+            else:
+                ok, txt = m <= n * 1.005, f"{100 * (m / n - 1):+.2f}% (target <= +0.5%)"
+            lines.append(f"- {ctrl}, do no harm at 1x: {txt}: **{'met' if ok else 'not met'}**")
+        for start in (0.1, 10.0):
+            if (ctrl, start) not in verdict:
+                continue
+            m = verdict[(ctrl, start)][0]
+            if task == "fashion":
+                ok, txt = m >= best - 0.5, f"{m - best:+.2f} points from the grid best (target >= -0.5)"
+            else:
+                ok, txt = m <= best * 1.02, f"{100 * (m / best - 1):+.2f}% from the grid best (target <= +2%)"
+            lines.append(f"- {ctrl}, recover from {start:g}x: {txt}: **{'met' if ok else 'not met'}**")
+    # Table 1
+    t1 = [r for r in runs if r["name"].startswith("t1-") and "cfg" in r]
+    if t1:
+        lines += ["", "## The paper's Table 1 layout (seed 0; warm rows start from a pre-trained checkpoint)", "",
+                  f"| configuration | max_lr | alpha | auto-LR | warm init | {unit} |", "|---|---|---|---|---|---|"]
+        for r in sorted(t1, key=lambda r: r["name"]):
+            c = r["cfg"]
+            auto = (c.get("controller", "paper") if c.get("auto_lr") else "no")
+            m = metric(task, r)
+            lines.append(f"| {c['label']} | {c['max_lr']:.3g} | {c['alpha']} | {auto} | {bool(c.get('warm_init'))} | "
+                         f"{'crashed' if m is None else f'{m:.4f}'} |")
+    del best_over_seeds
+    return "\n".join(lines) + "\n"
+
+
+def plots(path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = json.loads(path.read_text())
+    task, steps = d["task"], d["steps"]
+    by = {r["name"]: r for r in d["runs"]}
+    fig, ax = plt.subplots(figsize=(6, 4))
+    lrs, means, sds = [], [], []
+    for m in d["grid"]:
+        xs = [metric(task, by[n]) for s in range(3) if (n := f"grid-{m:g}x-s{s}") in by and metric(task, by[n]) is not None]
+        if xs:
+            lrs.append(d["grid_centre"] * m)
+            means.append(statistics.mean(xs))
+            sds.append(statistics.stdev(xs) if len(xs) > 1 else 0.0)
+    ax.errorbar(lrs, means, yerr=sds, marker="o", color="k", label="plain DP (grid)")
+    for ctrl, col in (("none", "tab:gray"), ("paper", "tab:red"), ("fit", "tab:blue")):
+        for start in d["starts"]:
+            xs = [metric(task, by[n]) for s in range(3) if (n := f"{ctrl}-{start:g}x-s{s}") in by
+                  and metric(task, by[n]) is not None]
+            if xs:
+                ax.scatter([d["best_max_lr"] * start], [statistics.mean(xs)], color=col, marker="s",
+                           label=f"HDET {ctrl}" if start == d["starts"][0] else None, zorder=3)
+    ax.set_xscale("log")
+    ax.set_xlabel("max_lr at the start")
+    ax.set_ylabel("test accuracy (%)" if task == "fashion" else "validation loss")
+    if task != "fashion":
+        lo = min(means)
+        ax.set_ylim(lo - 0.05, lo + 0.6)
+    else:
+        hi = max(means)
+        ax.set_ylim(hi - 6, hi + 1)
+    ax.legend(fontsize=8)
+    ax.set_title(f"{task}: final metric vs starting max_lr (mean over seeds)")
+    fig.tight_layout()
+    fig.savefig(path.with_name(f"{task}_grid.png"), dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(d["starts"]), figsize=(12, 3.6), sharey=True)
+    ts = list(range(0, steps + 1, 10))
+    for ax, start in zip(axes, d["starts"]):
+        ax.plot(ts, [onecycle(t, d["best_max_lr"], steps) for t in ts], "k--", lw=1, label="grid-best schedule")
+        for ctrl, col in (("none", "tab:gray"), ("paper", "tab:red"), ("fit", "tab:blue")):
+            r = by.get(f"{ctrl}-{start:g}x-s0")
+            if r and r.get("lr_curve"):
+                t, lr = zip(*r["lr_curve"])
+                ax.plot(t, lr, color=col, label=ctrl)
+        ax.set_yscale("log")
+        ax.set_title(f"start {start:g}x best (seed 0)")
+        ax.set_xlabel("step")
+    axes[0].set_ylabel("base LR (mean over replicas)")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path.with_name(f"{task}_lr.png"), dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        p = Path(arg)
+        text = report(p)
+        p.with_suffix(".md").write_text(text)
+        plots(p)
+        print(text)
