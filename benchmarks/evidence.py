@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -57,6 +56,8 @@ def run_job(job: dict[str, Any], deadline: float, expected: float) -> dict[str, 
     import torch
 
     torch.set_num_threads(1)
+    torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls and convolutions on the GPU (recorded)
+    torch.backends.cudnn.allow_tf32 = True
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from hdet.run import RunConfig, train
 
@@ -66,7 +67,7 @@ def run_job(job: dict[str, Any], deadline: float, expected: float) -> dict[str, 
         s = train(cfg, argv=["(evidence)", job["name"]])
     except Exception as e:  # noqa: BLE001 - a failed run is a result, not the end of the suite
         return {**job, "error": f"{type(e).__name__}: {e}", "seconds": time.time() - t0}
-    lr, base = [], []
+    lr = []
     with open(Path(cfg.out) / "metrics.jsonl") as f:
         for line in f:
             rec = json.loads(line)
@@ -90,6 +91,7 @@ def main() -> None:
     ap.add_argument("--previous", default=None)
     ap.add_argument("--out", required=True)
     ap.add_argument("--set", action="append", default=[], help="override a size entry, e.g. --set width=32")
+    ap.add_argument("--only-grid", action="store_true", help="stop after the grid's first seed and the pre-training run")
     a = ap.parse_args()
     t_start = time.time()
     deadline = t_start + a.deadline
@@ -150,7 +152,7 @@ def main() -> None:
         print(f"grid best max_lr {best_lr:g}", flush=True)
 
         later: list[dict[str, Any]] = []
-        for seed in (0, 1, 2):  # in priority order: seed 0 of everything first
+        for seed in (0, 1, 2) if not a.only_grid else ():  # in priority order: seed 0 of everything first
             if seed:
                 later += [job(f"grid-{m:g}x-s{seed}", "grid", max_lr=centre * m, seed=seed) for m in neighbours]
             for start in STARTS:
@@ -180,7 +182,7 @@ def main() -> None:
 
     import torch
 
-    out = {"command": "python " + " ".join(sys.argv), "task": a.task, "size": SIZES[a.task], "steps": steps,
+    out = {"command": "python " + " ".join(sys.argv), "task": a.task, "precision": "float32 weights, TF32 matmuls", "size": SIZES[a.task], "steps": steps,
            "alpha": ALPHA, "controller_start_step": warm, "grid_centre": centre, "grid": GRID, "starts": STARTS,
            "best_max_lr": best_lr, "python": platform.python_version(), "torch": torch.__version__,
            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.machine(),
