@@ -34,7 +34,7 @@ from typing import Any
 
 SIZES = {  # per task: the model, the run, and the centre of the LR grid
     "bytes": dict(width=256, layers=4, ctx=128, batch=16, steps=1500, T=25, weight_decay=0.01, centre=2e-3),
-    "fashion": dict(width=128, layers=1, ctx=64, batch=32, steps=1500, T=25, weight_decay=0.01, centre=2e-3),
+    "fashion": dict(width=128, layers=1, ctx=64, batch=32, steps=1500, T=25, weight_decay=0.01, centre=8e-3),
 }
 GRID = [2.0 ** k for k in range(-3, 4)]  # x centre
 STARTS = [0.1, 1.0, 10.0]
@@ -82,7 +82,7 @@ def run_job(job: dict[str, Any], deadline: float, expected: float) -> dict[str, 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--task", choices=sorted(SIZES), required=True)
-    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--device", default="cuda:0", help="one device, or several comma-separated (jobs alternate)")
     ap.add_argument("--data", default=None)
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds from start")
@@ -114,8 +114,12 @@ def main() -> None:
         if not (runs / "pretrain" / "model.pt").is_file():
             done.pop("pretrain", None)  # the warm rows need its checkpoint on this machine
 
+    devices = a.device.split(",")
+    counter = [0]
+
     def job(name: str, group: str, **over: Any) -> dict[str, Any]:
-        cfg = {**base, "label": name, **over, "out": str(runs / name)}
+        counter[0] += 1
+        cfg = {**base, "label": name, **over, "out": str(runs / name), "device": devices[counter[0] % len(devices)]}
         return {"name": name, "group": group, "cfg": cfg}
 
     results: list[dict[str, Any]] = [r for r in done.values()]

@@ -8,9 +8,9 @@ set -u
 phase=$1; out=$2; prev=${3:-}
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 nvidia-smi -L > "$out/gpus.txt"; python -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__)" >> "$out/gpus.txt"
-if [ "$phase" = grid ]; then
-  A="--steps 300 --T 25 --width 128 --layers 2 --alpha 0.5 --max-lr 3e-3 --auto-lr --controller fit --tie-lr-groups --warmup 90 --no-progress"
-  ( torchrun --standalone --nproc_per_node 2 -m hdet train $A --out runs/check-ddp > runs/check.log 2>&1
+mkdir -p runs
+A="--steps 300 --T 25 --width 128 --layers 2 --alpha 0.5 --max-lr 3e-3 --auto-lr --controller fit --tie-lr-groups --warmup 90 --no-progress"
+( torchrun --standalone --nproc_per_node 2 -m hdet train $A --out runs/check-ddp > runs/check.log 2>&1
     python -m hdet train $A --replicas 2 --device cuda:0 --mode vmap --out runs/check-engine >> runs/check.log 2>&1
     python -c "
 import json
@@ -20,12 +20,13 @@ print(json.dumps({k: {'mode': v['mode'], 'final_val_loss': v['final_val_loss'], 
 for k in ('ddp', 'engine'):
     print(k, [json.loads(l)['bases'][0] for l in open(f'runs/check-{k}/syncs.jsonl')])
 " ) > "$out/ddp_vs_engine.txt" 2>&1 &
-  G="--only-grid --deadline 420"
-else
-  G="--deadline 540 --previous $prev/bytes.json"
+if [ "$phase" = grid ]; then
+  python benchmarks/evidence.py --task bytes --device cuda:0 --jobs 12 --only-grid --deadline 420 --out "$out/bytes.json" > "$out/bytes.log" 2>&1 &
+  python benchmarks/evidence.py --task fashion --device cuda:1 --data data/fashion --jobs 12 --only-grid --deadline 420 --out "$out/fashion.json" > "$out/fashion.log" 2>&1 &
+else  # the GPT needs both GPUs; Fashion-MNIST is light
+  P=${prev:+--previous $prev/bytes.json}; F=${prev:+--previous $prev/fashion.json}
+  python benchmarks/evidence.py --task bytes --device cuda:0,cuda:1 --jobs 20 --deadline ${DEADLINE:-530} $P --out "$out/bytes.json" > "$out/bytes.log" 2>&1 &
+  python benchmarks/evidence.py --task fashion --device cuda:1 --data data/fashion --jobs 8 --deadline ${DEADLINE:-530} $F --out "$out/fashion.json" > "$out/fashion.log" 2>&1 &
 fi
-python benchmarks/evidence.py --task bytes --device cuda:0 --jobs 12 $G --out "$out/bytes.json" > "$out/bytes.log" 2>&1 &
-G2=${G/bytes.json/fashion.json}
-python benchmarks/evidence.py --task fashion --device cuda:1 --data data/fashion --jobs 12 $G2 --out "$out/fashion.json" > "$out/fashion.log" 2>&1 &
 wait
 tail -n 4 "$out"/*.log; cat "$out/ddp_vs_engine.txt" 2>/dev/null | head -30
