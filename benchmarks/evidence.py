@@ -92,6 +92,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--set", action="append", default=[], help="override a size entry, e.g. --set width=32")
     ap.add_argument("--only-grid", action="store_true", help="stop after the grid's first seed and the pre-training run")
+    ap.add_argument("--sync-interval", type=int, default=None, metavar="T",
+                    help="a follow-up: only HDET none/fit at 0.1x and 1x with this T (names get a -T<n> suffix)")
     a = ap.parse_args()
     t_start = time.time()
     deadline = t_start + a.deadline
@@ -145,7 +147,7 @@ def main() -> None:
         # 1. the grid (seed 0) and the pre-training run of the warm rows, together
         grid = [job(f"grid-{m:g}x-s0", "grid", max_lr=centre * m, seed=0) for m in GRID]
         pre = job("pretrain", "table1", replicas=1, max_lr=centre / 4, steps=steps // 10, seed=1)
-        run_all(grid + [pre], pool)
+        run_all(grid + ([] if a.sync_interval else [pre]), pool)
         scored = [(r["cfg"]["max_lr"], _metric(a.task, r)) for r in results if r["group"] == "grid"
                   and r["name"].endswith("-s0") and _metric(a.task, r) is not None]
         if not scored:
@@ -182,6 +184,12 @@ def main() -> None:
                                                    init_from=ckpt, controller="fit", tie_lr_groups=True))]
                 later += [job("t1-" + n.lower().replace(" ", "-").replace("/", "").replace("(", "").replace(")", "")
                               .replace("[", "").replace("]", ""), "table1", label=n, **o) for n, o in rows]
+        if a.sync_interval:  # the follow-up replaces the main suite
+            Tn = a.sync_interval
+            later = [job(f"{ctrl}-{start:g}x-T{Tn}-s{seed}", f"{ctrl}-T{Tn}", alpha=ALPHA, max_lr=best_lr * start,
+                         seed=seed, T=Tn, warmup=-(-warm // Tn) * Tn,
+                         **(dict(auto_lr=True, controller="fit", tie_lr_groups=True) if ctrl == "fit" else {}))
+                     for seed in (0, 1, 2) for start in (1.0, 0.1) for ctrl in ("fit", "none")]
         run_all(later, pool)
 
     import torch

@@ -125,6 +125,30 @@ def report(path: Path) -> str:
             else:
                 ok, txt = m <= best * 1.02, f"{100 * (m / best - 1):+.2f}% from the grid best (target <= +2%)"
             lines.append(f"- {ctrl}, recover from {start:g}x: {txt}: **{'met' if ok else 'not met'}**")
+    # follow-ups with another sync interval
+    Ts = sorted({int(n.split("-T")[1].split("-")[0]) for n in by if "-T" in n})
+    for Tn in Ts:
+        lines += ["", f"## Follow-up: T = {Tn} instead of {d['size']['T']} (HDET without and with the fit controller)",
+                  "", f"| start | controller | {unit} | vs no controller (same T) | vs grid best | "
+                  "LR factor at 45% / 60% of the run |", "|---|---|---|---|---|---|"]
+        for start in (0.1, 1.0):
+            none = seeds(f"none-{start:g}x-T{Tn}")
+            for ctrl in ("none", "fit"):
+                xs = seeds(f"{ctrl}-{start:g}x-T{Tn}")
+                if not xs:
+                    continue
+                mean = statistics.mean(xs)
+                if task == "fashion":
+                    vs_none = f"{mean - statistics.mean(none):+.2f} pt" if none and ctrl != "none" else ""
+                    vs_best = f"{mean - best:+.2f} pt"
+                else:
+                    vs_none = f"{100 * (mean / statistics.mean(none) - 1):+.2f}%" if none and ctrl != "none" else ""
+                    vs_best = f"{100 * (mean / best - 1):+.2f}%"
+                rs = [by[n] for s in range(3) if (n := f"{ctrl}-{start:g}x-T{Tn}-s{s}") in by]
+                f45 = [x for r in rs if (x := factor_at(r, steps, 0.45)) is not None]
+                f60 = [x for r in rs if (x := factor_at(r, steps, 0.6)) is not None]
+                fac = f"{statistics.mean(f45):.2f} / {statistics.mean(f60):.2f}" if f45 and f60 else ""
+                lines.append(f"| {start:g}x | {ctrl} | {fmt(xs, task)} | {vs_none} | {vs_best} | {fac} |")
     # Table 1
     t1 = [r for r in runs if r["name"].startswith("t1-") and "cfg" in r]
     if t1:
