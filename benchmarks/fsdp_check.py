@@ -25,7 +25,7 @@ def run(shape, rank, world, steps=10, T=5):
     fully_shard(model, mesh=mesh)
     o = torch.optim.Adam(model.parameters(), lr=1e-3)
     s = hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=steps, ensemble_lr_spread_ratio=0.3, model_sync_interval=T,
-                            enable_auto_lr=True, auto_lr_warmup_steps=T, model=model, device_mesh=mesh)
+                            controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=T, model=model, device_mesh=mesh)
     g = torch.Generator(device="cuda").manual_seed(rank)
     equal_after, lrs = [], []
     for t in range(1, steps + 1):

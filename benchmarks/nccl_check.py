@@ -43,7 +43,7 @@ def main() -> None:
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
     warm = a.steps // 2
     sched = hdet.OneCycleAutoLR(opt, max_lr=1e-3, total_steps=a.steps, ensemble_lr_spread_ratio=0.2,
-                                model_sync_interval=a.T, enable_auto_lr=True, auto_lr_warmup_steps=warm, model=ddp)
+                                model_sync_interval=a.T, controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=warm, model=ddp)
     ref_opt = torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=1e-3)
     ref = OneCycleLR(ref_opt, max_lr=1e-3, total_steps=a.steps)
     rho = hdet.linear_multipliers(world, 0.2)

@@ -27,7 +27,7 @@ def main() -> None:
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, fused=True)
     s = hdet.OneCycleAutoLR(opt, max_lr=1e-3, total_steps=60, ensemble_lr_spread_ratio=0.2, model_sync_interval=10,
-                            enable_auto_lr=True, auto_lr_warmup_steps=10, model=ddp)
+                            controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=10, model=ddp)
     g = torch.Generator(device=dev).manual_seed(rank)
     finite_others, recovered, equal_after, checked = True, [], [], 0
     for t in range(1, 61):

@@ -103,7 +103,7 @@ def main() -> None:
     opt = torch.optim.AdamW(ddp.parameters(), lr=a.max_lr, weight_decay=0.01)
     sched = hdet.OneCycleAutoLR(
         opt, max_lr=a.max_lr, total_steps=a.steps, ensemble_lr_spread_ratio=a.alpha, model_sync_interval=a.T,
-        enable_auto_lr=a.auto_lr, auto_lr_warmup_steps=a.warmup, model=ddp, seed=a.seed,
+        controller="paper", enable_auto_lr=a.auto_lr, auto_lr_warmup_steps=a.warmup, model=ddp, seed=a.seed,
     )
     if a.warm_init:
         hdet.warm_init_(model, nu=0.01, seed=a.seed)

@@ -28,7 +28,7 @@ def main():
     model, opt = acc.prepare(model, opt)
     steps = 12
     sched = hdet.OneCycleAutoLR(opt.optimizer, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.3,
-                                model_sync_interval=4, enable_auto_lr=True, auto_lr_warmup_steps=4,
+                                model_sync_interval=4, controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=4,
                                 loss_scale=0.05, model=model, seed=3)
     rank, lrs, done = acc.process_index, [], 0
     for micro in range(1, 2 * steps + 1):

@@ -35,7 +35,7 @@ def main() -> None:
     ddp = DDP(model, broadcast_buffers=False)
     o = torch.optim.Adam(ddp.parameters(), lr=0.01)
     s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=a.steps, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
-                            enable_auto_lr=True, auto_lr_warmup_steps=5, loss_scale=0.05, model=ddp, seed=3)
+                            controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=5, loss_scale=0.05, model=ddp, seed=3)
     latest = os.path.join(a.out, "latest")
     start = 0
     if os.path.exists(latest):

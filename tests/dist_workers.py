@@ -166,7 +166,7 @@ def non_finite_weights(rank, world):
 def missing_loss_on_one_rank(rank, world):
     model = make_model()
     o = torch.optim.SGD(model.parameters(), lr=0.01)
-    s = hdet.OneCycleAutoLR(o, max_lr=0.01, total_steps=10, model_sync_interval=2, enable_auto_lr=True,
+    s = hdet.OneCycleAutoLR(o, max_lr=0.01, total_steps=10, model_sync_interval=2, controller="paper", enable_auto_lr=True,
                             auto_lr_warmup_steps=2)
     for _ in range(2):
         o.step()
@@ -227,7 +227,7 @@ def explore_hypers(rank, world, steps=30):
     o = torch.optim.AdamW(ddp.parameters(), lr=0.01, weight_decay=0.05)
     clip = hdet.GradClip(1.0, alpha=1.0)
     s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
-                            enable_auto_lr=True, auto_lr_warmup_steps=10, loss_scale=0.05, model=ddp, seed=3,
+                            controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=10, loss_scale=0.05, model=ddp, seed=3,
                             cycle_momentum=False, explore=[hdet.WeightDecay(o, alpha=1.0), hdet.AdamBeta(o, 1), clip])
     seen = []
     for t in range(1, steps + 1):
@@ -258,7 +258,7 @@ def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20,
     ddp = DDP(model, broadcast_buffers=False)
     o = torch.optim.Adam(ddp.parameters(), lr=0.01)
     s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.2, model_sync_interval=T,
-                            enable_auto_lr=True, auto_lr_warmup_steps=T, loss_scale=0.05, model=ddp, seed=3,
+                            controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=T, loss_scale=0.05, model=ddp, seed=3,
                             guard_gradients=guard)
     finite, equal, recovered, caught = [], [], [], []
     try:
@@ -329,7 +329,7 @@ def soak(rank, world, *, steps=2500, T=10, seed=0):
     ddp = DDP(model, broadcast_buffers=False)
     o = torch.optim.Adam(ddp.parameters(), lr=0.01)
     kw = dict(max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.3, model_sync_interval=T,
-              enable_auto_lr=True, auto_lr_warmup_steps=100, loss_scale=0.05, model=ddp, seed=3)
+              controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=100, loss_scale=0.05, model=ddp, seed=3)
     s = hdet.OneCycleAutoLR(o, **kw)
     g = torch.Generator().manual_seed(seed)  # the same fault plan on every rank
     rho = sorted(s.ensemble.rho)
@@ -388,7 +388,7 @@ def accumulate(rank, world, *, micro=3, steps=12, T=4):
         ddp = DDP(model, broadcast_buffers=False)
         o = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
         s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.3,
-                                model_sync_interval=T, enable_auto_lr=True, auto_lr_warmup_steps=T,
+                                model_sync_interval=T, controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=T,
                                 loss_scale=0.05, model=ddp, seed=3)
         for t in range(1, steps + 1):
             parts = [batch(rank, t * 10 + i) for i in range(micro)]
@@ -476,7 +476,7 @@ def hsdp(rank, world, *, mesh_shape=(2, 2), steps=10, T=5):
     fully_shard(model, mesh=mesh)
     o = torch.optim.Adam(model.parameters(), lr=0.01)
     s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.3, model_sync_interval=T,
-                            enable_auto_lr=True, auto_lr_warmup_steps=T, loss_scale=0.05, model=model, seed=3,
+                            controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=T, loss_scale=0.05, model=model, seed=3,
                             device_mesh=mesh)
     lrs, full_after = [], []
     for t in range(1, steps + 1):

@@ -52,7 +52,7 @@ def main():
                              ddp_backend="gloo", save_only_model=False, dataloader_num_workers=0)
     rec = Record(a.stop_at)
     trainer = HDETTrainer(model=model, args=args, train_dataset=Tokens(), callbacks=[rec],
-                          hdet=dict(ensemble_lr_spread_ratio=0.3, model_sync_interval=5, enable_auto_lr=True,
+                          hdet=dict(ensemble_lr_spread_ratio=0.3, model_sync_interval=5, controller="paper", enable_auto_lr=True,
                                     auto_lr_warmup_steps=10, loss_scale=0.05))
     trainer.train(resume_from_checkpoint=a.resume)
     s = trainer.lr_scheduler

@@ -47,7 +47,7 @@ class Module(L.LightningModule):
     def configure_optimizers(self):
         opt = torch.optim.Adam(self.parameters(), lr=0.01)
         sched = hdet.OneCycleAutoLR(opt, max_lr=0.02, total_steps=STEPS, ensemble_lr_spread_ratio=0.3,
-                                    model_sync_interval=4, enable_auto_lr=True, auto_lr_warmup_steps=4,
+                                    model_sync_interval=4, controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=4,
                                     loss_scale=0.05, seed=3)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 

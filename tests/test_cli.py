@@ -27,7 +27,8 @@ def _jsonl(p: Path) -> list[dict]:
 
 def test_train_writes_records_and_plots(tmp_path):
     out = tmp_path / "run"
-    rc = main(["train", *TINY, "--replicas", "3", "--auto-lr", "--warmup", "5", "--out", str(out), "--tensorboard"])
+    rc = main(["train", *TINY, "--replicas", "3", "--auto-lr", "--controller", "paper", "--warmup", "5", "--out", str(out),
+               "--tensorboard"])
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mode"] == "engine-vmap" and summary["replicas"] == 3 and summary["crashed"] is None
@@ -55,6 +56,21 @@ def test_train_writes_records_and_plots(tmp_path):
     # `hdet plot` redraws them
     (out / "loss.png").unlink()
     assert main(["plot", str(out)]) == 0 and (out / "loss.png").exists()
+
+
+def test_train_with_the_fit_controller_records_its_correction(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--replicas", "4", "--auto-lr", "--warmup", "4", "--tie-lr-groups", "--out", str(out)]) == 0
+    syncs = _jsonl(out / "syncs.jsonl")
+    ctrl = [s for s in syncs if "controller" in s]
+    assert [s["step"] for s in ctrl] == [4, 8, 12]
+    for s in ctrl:
+        for c, base in zip(s["controller"], s["bases"]):
+            assert c["kind"] == "fit" and 1 / 32 <= c["factor"] <= 32 and c["base"] == pytest.approx(base)
+            assert len(c["probe_losses"]) == 4 and all(math.isfinite(x) for x in c["probe_losses"])
+        assert len({c["factor"] for c in s["controller"][:4]}) == 1  # tied LR groups: one correction
+        assert all(len(set(m)) == 4 for m in s["multipliers"][:4]) and len({tuple(m) for m in s["multipliers"][:4]}) == 1
+    assert any(c["factor"] != 1.0 for c in ctrl[-1]["controller"])
 
 
 def _write_idx(path: Path, data: torch.Tensor) -> None:

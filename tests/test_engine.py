@@ -202,7 +202,7 @@ def test_engine_recovers_a_non_finite_replica(mode, fault):
     eng = ReplicaEngine(make_model(0), 4, lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
                         lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=20,
                                                               ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
-                                                              enable_auto_lr=True, auto_lr_warmup_steps=5,
+                                                              controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=5,
                                                               loss_scale=0.05, replicas=rep, model=m), mode=mode)
 
     def loss_fn(m, b):

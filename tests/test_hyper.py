@@ -103,7 +103,7 @@ def test_values_spread_from_step_one_and_all_replicas_form_the_spread():
 def _ensemble_with(hypers, N=4, rank=0, alpha=0.2, auto=True, T=1, warm=0, sigma=0.1, script=None):
     m, opt = _sgd()
     s = hdet.HDETLR(opt, None, 100_000, ensemble_lr_spread_ratio=alpha, model_sync_interval=T,
-                    enable_auto_lr=auto, auto_lr_warmup_steps=warm, loss_scale=sigma,
+                    controller="paper", enable_auto_lr=auto, auto_lr_warmup_steps=warm, loss_scale=sigma,
                     replicas=ScriptedReplicas(rank, N, script or (lambda: [1.0] * N)), explore=hypers(opt))
     return s, opt
 
@@ -175,7 +175,7 @@ def test_lower_dropout_wins_and_the_base_dropout_decreases(mode):
     model = nn.Sequential(nn.Dropout(0.3), nn.Linear(16, 1))
     eng = ReplicaEngine(
         model, 4, lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
-        lambda o, rep, m: hdet.HDETLR(o, None, 300, model_sync_interval=10, enable_auto_lr=True,
+        lambda o, rep, m: hdet.HDETLR(o, None, 300, model_sync_interval=10, controller="paper", enable_auto_lr=True,
                                       auto_lr_warmup_steps=20, loss_scale=0.05, replicas=rep, model=m,
                                       explore=[Dropout(m, alpha=0.1)]), mode=mode)
     assert eng.mode == "loop"
@@ -197,7 +197,7 @@ def test_module_attributes_restored_exactly_on_load():
     def build(p=0.3, wd=0.01):
         net = nn.Sequential(nn.Linear(3, 3), nn.Dropout(p))
         opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=wd)
-        s = hdet.HDETLR(opt, None, 50, ensemble_lr_spread_ratio=0.2, model_sync_interval=5, enable_auto_lr=True,
+        s = hdet.HDETLR(opt, None, 50, ensemble_lr_spread_ratio=0.2, model_sync_interval=5, controller="paper", enable_auto_lr=True,
                         auto_lr_warmup_steps=5, loss_scale=0.05,
                         replicas=ScriptedReplicas(2, 4, lambda: [1.0, 1.3, 0.9, 1.1]),
                         explore=[Dropout(net, alpha=0.1), WeightDecay(opt, alpha=0.5)])

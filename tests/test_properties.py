@@ -24,7 +24,7 @@ def scheduler_args(draw):
         args = dict(
             ensemble_lr_spread_ratio=draw(st.floats(0.0, 0.999)),
             model_sync_interval=draw(st.integers(1, total)),
-            enable_auto_lr=draw(st.booleans()),
+            controller="paper", enable_auto_lr=draw(st.booleans()),
             auto_lr_warmup_steps=draw(st.integers(0, total - 1)) if total > 1 else 0,
             loss_scale=draw(st.floats(1e-4, 5.0)),
             lr_of_lr=draw(st.floats(0.0, 3.0)),
@@ -34,7 +34,7 @@ def scheduler_args(draw):
         args = dict(
             ensemble_lr_spread_ratio=draw(st.floats(-0.5, 1.5)),
             model_sync_interval=draw(st.integers(-1, 40)),
-            enable_auto_lr=draw(st.booleans()),
+            controller="paper", enable_auto_lr=draw(st.booleans()),
             auto_lr_warmup_steps=draw(st.integers(-5, 130)),
             loss_scale=draw(st.floats(-1.0, 5.0)),
             lr_of_lr=draw(st.floats(-1.0, 3.0)),

@@ -18,7 +18,7 @@ def _opt(wd=0.01):
 def _hdet_run(steps=40, stop=None):
     opt = _opt()
     sched = hdet.OneCycleAutoLR(opt, max_lr=0.05, total_steps=steps, ensemble_lr_spread_ratio=0.2,
-                                model_sync_interval=5, enable_auto_lr=True, auto_lr_warmup_steps=10, loss_scale=0.05,
+                                model_sync_interval=5, controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=10, loss_scale=0.05,
                                 replicas=ScriptedReplicas(1, 4, lambda: [1.0, 1.2, 0.8, 1.1]),
                                 explore=[hdet.WeightDecay(opt, alpha=1.0)]).record_schedule()
     seen = [(sched.base_lrs_now[0], sched.ensemble.current_bases[1])]
@@ -54,7 +54,7 @@ def test_record_survives_a_resume_and_bad_input_is_refused():
     buf.seek(0)
     opt2 = _opt()
     s2 = hdet.OneCycleAutoLR(opt2, max_lr=0.05, total_steps=40, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
-                             enable_auto_lr=True, auto_lr_warmup_steps=10, loss_scale=0.05,
+                             controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=10, loss_scale=0.05,
                              replicas=ScriptedReplicas(1, 4, lambda: [1.0, 1.2, 0.8, 1.1]),
                              explore=[hdet.WeightDecay(opt2, alpha=1.0)])
     s2.load_state_dict(torch.load(buf, weights_only=True))
@@ -79,7 +79,7 @@ def test_sync_logger_writes_jsonl_tensorboard_and_callback(tmp_path):
     got = []
     opt = _opt()
     sched = hdet.OneCycleAutoLR(opt, max_lr=0.05, total_steps=20, ensemble_lr_spread_ratio=0.2,
-                                model_sync_interval=5, enable_auto_lr=True, auto_lr_warmup_steps=10,
+                                model_sync_interval=5, controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=10,
                                 replicas=ScriptedReplicas(0, 4, lambda: [1.0, 1.2, 0.8, 1.1]))
     log = hdet.SyncLogger(sched, tmp_path / "syncs.jsonl", tensorboard_dir=tmp_path / "tb", callback=got.append)
     quiet = hdet.SyncLogger(hdet.OneCycleAutoLR(_opt(), max_lr=0.05, total_steps=20, model_sync_interval=5,

@@ -116,7 +116,7 @@ def test_auto_lr_matches_plain_python_equations(rank):
 
     _, o = _opt("adam", groups=2)
     s = OneCycleAutoLR(o, max_lr=[0.01, 0.002], total_steps=S, ensemble_lr_spread_ratio=cfg["alpha"],
-                       model_sync_interval=T, auto_lr_warmup_steps=S_warm, enable_auto_lr=True,
+                       model_sync_interval=T, auto_lr_warmup_steps=S_warm, controller="paper", enable_auto_lr=True,
                        loss_scale=cfg["sigma"], momentum_of_lr=cfg["beta"], lr_of_lr=cfg["lam"],
                        seed=cfg["seed"], replicas=ScriptedReplicas(rank, N, None))
     # only syncs from S_warm on consume the script: pre-warmup syncs gather but do not control
@@ -146,7 +146,7 @@ def test_auto_lr_matches_plain_python_equations(rank):
 def _auto_lr_run(eq8, bounds=None, S=300, T=10, S_warm=100):
     _, o = _opt("adam")
     s = OneCycleAutoLR(o, max_lr=0.01, total_steps=S, ensemble_lr_spread_ratio=0.2, model_sync_interval=T,
-                       auto_lr_warmup_steps=S_warm, enable_auto_lr=True, eq8=eq8, auto_lr_bounds=bounds,
+                       auto_lr_warmup_steps=S_warm, controller="paper", enable_auto_lr=True, eq8=eq8, auto_lr_bounds=bounds,
                        replicas=ScriptedReplicas(1, 4, lambda: [2.0] * 4))
     bases = []
     for _ in range(S):
@@ -186,7 +186,7 @@ def test_lr_stays_float_and_foreach_fused_optimizers_work(make_opt):
     m = nn.Linear(4, 1)
     o = make_opt(m.parameters())
     s = OneCycleAutoLR(o, max_lr=0.01, total_steps=40, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
-                       auto_lr_warmup_steps=5, enable_auto_lr=True,
+                       auto_lr_warmup_steps=5, controller="paper", enable_auto_lr=True,
                        replicas=ScriptedReplicas(0, 4, lambda: [1.0, 0.9, 1.1, 1.0]))
     x = torch.randn(8, 4)
     for _ in range(40):
@@ -217,7 +217,7 @@ class _HostReadSpy(torch.Tensor):
 def test_no_host_read_of_the_loss_off_sync_steps():
     _, o = _opt()
     s = OneCycleAutoLR(o, max_lr=0.1, total_steps=30, model_sync_interval=10, auto_lr_warmup_steps=10,
-                       enable_auto_lr=True, ensemble_lr_spread_ratio=0.1)
+                       controller="paper", enable_auto_lr=True, ensemble_lr_spread_ratio=0.1)
     _HostReadSpy.reads = []
     for t in range(1, 30):
         loss = torch.tensor(1.0 + t).as_subclass(_HostReadSpy)
@@ -233,7 +233,7 @@ def test_scheduler_never_touches_global_rng():
     torch.manual_seed(123)
     state = torch.get_rng_state()
     s = OneCycleAutoLR(o, max_lr=0.1, total_steps=50, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
-                       auto_lr_warmup_steps=5, enable_auto_lr=True,
+                       auto_lr_warmup_steps=5, controller="paper", enable_auto_lr=True,
                        replicas=ScriptedReplicas(2, 4, lambda: [1.0, 1.1, 0.9, 1.0]))
     for _ in range(50):
         o.step()
@@ -260,7 +260,7 @@ def test_state_dict_resume_into_differently_built_instance(stop):
     S = 60
     script = lambda: [1.0, 1.2, 0.8, 1.1]  # noqa: E731
     kw = dict(max_lr=0.05, total_steps=S, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
-              auto_lr_warmup_steps=10, enable_auto_lr=True, loss_scale=0.05)
+              auto_lr_warmup_steps=10, controller="paper", enable_auto_lr=True, loss_scale=0.05)
     _, o = _opt("adam")
     s = OneCycleAutoLR(o, **kw, replicas=ScriptedReplicas(1, 4, script))
     full = []
@@ -272,7 +272,7 @@ def test_state_dict_resume_into_differently_built_instance(stop):
             saved_sched, saved_opt = _roundtrip(s.state_dict()), _roundtrip(o.state_dict())
     _, o2 = _opt("adam")
     s2 = OneCycleAutoLR(o2, max_lr=0.5, total_steps=S, ensemble_lr_spread_ratio=0.0, model_sync_interval=3,
-                        enable_auto_lr=False, seed=9, replicas=ScriptedReplicas(1, 4, script))
+                        controller="paper", enable_auto_lr=False, seed=9, replicas=ScriptedReplicas(1, 4, script))
     o2.load_state_dict(saved_opt)
     s2.load_state_dict(saved_sched)
     ref = s.state_dict()  # compare every field at the stop point
@@ -327,7 +327,7 @@ def test_elastic_resume_keeps_bases_and_velocity_and_redeals():
     kept, multipliers are re-dealt for the new N (a permutation of its rho, the same on every replica),
     the loss window is dropped, a warning says so, and training goes on."""
     kw = dict(max_lr=0.05, total_steps=60, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
-              auto_lr_warmup_steps=10, enable_auto_lr=True, loss_scale=0.05)
+              auto_lr_warmup_steps=10, controller="paper", enable_auto_lr=True, loss_scale=0.05)
     _, o = _opt("adam")
     s = OneCycleAutoLR(o, **kw, replicas=ScriptedReplicas(1, 4, lambda: [1.0, 1.2, 0.8, 1.1]))
     for _ in range(23):
@@ -360,9 +360,9 @@ def test_elastic_resume_keeps_bases_and_velocity_and_redeals():
     (dict(ensemble_lr_spread_ratio=1.0), r"0 <= ensemble_lr_spread_ratio \(alpha\) < 1, but got 1.0"),
     (dict(model_sync_interval=0), r"model_sync_interval >= 1, but got 0"),
     (dict(model_sync_interval=2.5), r"model_sync_interval >= 1, but got 2.5"),
-    (dict(enable_auto_lr=True, auto_lr_warmup_steps=100), r"auto_lr_warmup_steps < total_steps.*got "
+    (dict(controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=100), r"auto_lr_warmup_steps < total_steps.*got "
                                                          r"auto_lr_warmup_steps=100 and total_steps=50"),
-    (dict(enable_auto_lr=True, auto_lr_warmup_steps=10, model_sync_interval=60), r"controller would never run"),
+    (dict(controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=10, model_sync_interval=60), r"controller would never run"),
     (dict(loss_scale=0.0), r"loss_scale \(sigma\) > 0, but got 0.0"),
     (dict(loss_scale=-1), r"loss_scale \(sigma\) > 0, but got -1"),
     (dict(momentum_of_lr=1.0), r"0 <= momentum_of_lr \(beta\) < 1, but got 1.0"),
@@ -393,7 +393,7 @@ def test_stepping_past_total_steps():
 def test_step_without_loss_when_auto_lr_needs_it():
     _, o = _opt()
     s = OneCycleAutoLR(o, max_lr=0.1, total_steps=30, model_sync_interval=10, auto_lr_warmup_steps=10,
-                       enable_auto_lr=True)
+                       controller="paper", enable_auto_lr=True)
     for _ in range(9):
         o.step()
         s.step()
@@ -449,7 +449,7 @@ def test_hdetlr_callable_per_group_and_each_group_its_own_permutation():
     _, o = _opt(groups=2)
     base = lambda t: [0.1 * (1 - t / 100), 0.01]  # noqa: E731
     s = HDETLR(o, base, total_steps=100, ensemble_lr_spread_ratio=0.3, model_sync_interval=5,
-               enable_auto_lr=True, auto_lr_warmup_steps=0, final_lr=[1e-3, 1e-3],
+               controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=0, final_lr=[1e-3, 1e-3],
                replicas=ScriptedReplicas(0, 8, lambda: [1.0 + 0.01 * r for r in range(8)]))
     assert s.get_last_lr() == pytest.approx([0.1 * 0.7, 0.01 * 0.7])
     differ = 0

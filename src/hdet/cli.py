@@ -33,8 +33,9 @@ def _train_args(p: argparse.ArgumentParser, steps: int, out: str) -> None:
     p.add_argument("--alpha", type=float, default=d.alpha, help="LR spread ratio (Eq. 1); 0 = plain data parallel")
     p.add_argument("--T", type=int, default=d.T, help="sync interval: average weights every T steps")
     p.add_argument("--auto-lr", action=argparse.BooleanOptionalAction, default=False, help="run the auto-LR controller")
-    p.add_argument("--controller", default=d.controller, help="auto-LR controller: paper (Eqs. 4-8) or fit (hdet's: "
-                   "probe loss at each replica's mean iterate, multiplicative correction of the schedule)")
+    p.add_argument("--controller", default=d.controller, help="auto-LR controller: fit (hdet's, the default: "
+                   "probe loss at each replica's mean iterate, multiplicative correction of the schedule) or paper "
+                   "(Eqs. 4-8)")
     p.add_argument("--probe-batches", type=int, default=d.probe_batches, help="fit controller: batches per probe")
     p.add_argument("--tie-lr-groups", action=argparse.BooleanOptionalAction, default=d.tie_lr_groups,
                    help="one LR multiplier per replica for all param groups (default: one per group)")

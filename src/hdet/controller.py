@@ -69,6 +69,8 @@ class ControllerStep:
     velocity: float
     new_base: float
     clamped: bool = False
+    kind: str = "paper"  # "fit": h_tilde = x*, h_bar = weight, delta = the log step, velocity = m, factor set
+    factor: float | None = None  # fit: the correction of the base schedule after this update
 
 
 @dataclass
@@ -226,7 +228,8 @@ class FitController:
         self.c = min(max(new_c, lo), hi)
         self.updates += 1
         return ControllerStep(values=list(x), losses=list(losses), weights=[], h_tilde=x_star, h_bar=weight,
-                              delta=step, velocity=self.m, new_base=self.factor, clamped=clamped)
+                              delta=step, velocity=self.m, new_base=self.factor, clamped=clamped, kind="fit",
+                              factor=self.factor)
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "fit", "kappa": self.kappa, "beta": self.beta, "max_step": self.max_step,

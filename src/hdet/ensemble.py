@@ -52,7 +52,7 @@ class HDETConfig:
     seed: int = 0  # seed of the permutation generator, identical on every replica
     average_optimizer_state: bool = False
     on_nonfinite: str = "recover"  # "recover": drop and reset non-finite replicas; "raise": stop
-    controller: str = "paper"  # "paper" (Eqs. 4-8 on window losses) or "fit" (hdet.controller.FitController)
+    controller: str = "fit"  # "fit" (hdet.controller.FitController) or "paper" (Eqs. 4-8 on window losses)
     tie_lr_groups: bool = False  # one multiplier per replica for all its LR groups (one permutation)
 
     def validate(self) -> None:
@@ -536,6 +536,7 @@ class Ensemble:
                 step = ctrl.update(x, losses, weight)
                 b = self._scheduled[j]  # the base schedule's value now, corrected anew
                 self.current_bases[j] = spread.clamp(b * ctrl.factor if ctrl.log_scale else b + ctrl.factor)
+                step.new_base = self.current_bases[j]
                 self._deal(j)
                 steps.append(step)
                 continue
@@ -619,7 +620,7 @@ class Ensemble:
                 "scheduler state, or save at a sync step.",
                 stacklevel=3,
             )
-        config = HDETConfig(**state["config"])
+        config = HDETConfig(**{"controller": "paper", **state["config"]})  # states before "fit" existed: the paper's
         config.validate()
         self.config = config
         n_lr = self.num_lr_slots

@@ -123,11 +123,13 @@ def plot_hparams(run: dict[str, Any], path: str | Path) -> Path | None:
             ax.plot(steps, [x["values"][j][r] for x in syncs], ".", ms=4, alpha=0.7, label=f"replica {r}")
         ax.plot(steps, [x["bases"][j] for x in syncs], "k-", lw=1.2, label="base")
         ax.set(title=syncs[0]["names"][j], ylabel="value")
-        ctrl = [(x["step"], x["controller"][j]["delta"]) for x in syncs if x.get("controller")]
+        recs = [(x["step"], x["controller"][j]) for x in syncs if x.get("controller")]
+        fit = bool(recs) and recs[0][1].get("kind") == "fit"
+        ctrl = [(t, c["x_star"] if fit else c["delta"]) for t, c in recs]
         if ctrl:
             ax_d.axhline(0, color="gray", lw=0.8)
             ax_d.plot(*zip(*ctrl), "o-", ms=3)
-        ax_d.set(xlabel="step", ylabel="Delta = h~ - h_bar")
+        ax_d.set(xlabel="step", ylabel="fitted optimum x* (offset)" if fit else "Delta = h~ - h_bar")
         for a in (ax, ax_d):
             a.grid(alpha=0.3)
         if col == 0:

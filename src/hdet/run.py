@@ -59,7 +59,7 @@ class RunConfig:
     T: int = 25
     auto_lr: bool = False
     warmup: int | None = None  # auto-LR warmup steps; None: half the run
-    controller: str = "paper"  # auto-LR controller: paper | fit
+    controller: str = "fit"  # auto-LR controller: fit | paper
     probe_batches: int = 4  # fit controller: batches (of --batch examples) in each sync's common probe
     tie_lr_groups: bool = False  # one LR multiplier per replica for all param groups
     eq8: str = "decay"

@@ -49,8 +49,10 @@ class _EnsembleScheduler(LRScheduler):
             explore = [explore]
         if config.auto_lr and config.controller == "fit":
             if probe is None or not callable(probe):
-                raise ValueError("Expected probe=<function(model) -> scalar loss on a batch that is the same on every "
-                                 f"replica> with controller='fit', but got {probe!r}")
+                raise ValueError(
+                    "Expected probe=<function(model) -> scalar loss on a batch that is the same on every replica> for "
+                    f"the auto-LR controller 'fit' (the default), but got {probe!r}. Or pass controller='paper' for the "
+                    "paper's controller, which lowered the LR from every start in hdet's benchmarks (README, Auto-LR)")
             if model is None:
                 raise ValueError("Expected model=<the module> with controller='fit': the probe evaluates it at the "
                                  "mean of its iterates over the window")
@@ -275,10 +277,10 @@ class OneCycleAutoLR(_EnsembleScheduler, OneCycleLR):
     install :func:`hdet.guard.finite_allreduce_hook` so one replica's NaN gradient never reaches the others),
     ``device_mesh`` (FSDP2/HSDP: a (replicate, shard) mesh; HDET replicas are the replicate dimension,
     weights are averaged over it on local shards, a replica's loss is the mean over its shard ranks),
-    ``controller`` ("paper": Eqs. 4-8 on the window's training losses, replacing the schedule; "fit", or a
-    :class:`hdet.FitController` with other settings: hdet's controller, a bounded multiplicative
+    ``controller`` ("fit", the default, or a :class:`hdet.FitController` with other settings: hdet's controller, a bounded multiplicative
     correction of the schedule from a probe loss at each replica's mean iterate, see
-    :mod:`hdet.controller`), ``probe`` (with "fit": ``probe(model) -> scalar loss`` on a batch that every
+    :mod:`hdet.controller`; "paper": Eqs. 4-8 on the window's training losses, replacing the schedule;
+    see the README's "Auto-LR" for what each does on real tasks), ``probe`` (with "fit": ``probe(model) -> scalar loss`` on a batch that every
     replica sees, e.g. a few training batches from a generator seeded identically on every rank; it is
     called once per replica at each control sync, in eval mode, under no_grad), ``tie_lr_groups`` (one
     multiplier per replica for all its param groups, one permutation: the controller then sees the LR
@@ -323,7 +325,7 @@ class OneCycleAutoLR(_EnsembleScheduler, OneCycleLR):
         on_nonfinite: str = "recover",
         guard_gradients: bool = True,
         device_mesh: Any = None,
-        controller: str | FitController = "paper",
+        controller: str | FitController = "fit",
         probe: Callable[[nn.Module], Any] | None = None,
         tie_lr_groups: bool = False,
     ) -> None:
@@ -413,7 +415,7 @@ class HDETLR(_EnsembleScheduler):
         on_nonfinite: str = "recover",
         guard_gradients: bool = True,
         device_mesh: Any = None,
-        controller: str | FitController = "paper",
+        controller: str | FitController = "fit",
         probe: Callable[[nn.Module], Any] | None = None,
         tie_lr_groups: bool = False,
     ) -> None:

@@ -18,14 +18,20 @@ __all__ = ["SyncLogger", "sync_record_dict"]
 
 def sync_record_dict(rec: SyncRecord) -> dict[str, Any]:
     """One sync as plain data: step, per-replica window losses, per slot its name, every replica's
-    multiplier and value, the base, and with the controller its weights w, h~, h_bar, Delta, velocity."""
+    multiplier and value, the base, and with the controller per slot: the paper's weights w, h~, h_bar,
+    Delta, velocity; or the fit controller's fitted optimum x*, weight, log step, smoothed m, factor and
+    the replicas' probe losses."""
     out: dict[str, Any] = {"step": rec.step, "names": rec.names, "losses": rec.losses,
                            "multipliers": rec.multipliers, "bases": rec.bases, "values": rec.values,
                            "recovered": rec.recovered}
     if rec.controller is not None:
-        out["controller"] = [{"weights": c.weights, "h_tilde": c.h_tilde, "h_bar": c.h_bar, "delta": c.delta,
-                              "velocity": c.velocity, "base": c.new_base, "clamped": c.clamped}
-                             for c in rec.controller]
+        out["controller"] = [
+            {"kind": "fit", "x_star": c.h_tilde, "weight": c.h_bar, "step": c.delta, "m": c.velocity,
+             "factor": c.factor, "base": c.new_base, "clamped": c.clamped, "probe_losses": c.losses}
+            if c.kind == "fit" else
+            {"kind": "paper", "weights": c.weights, "h_tilde": c.h_tilde, "h_bar": c.h_bar, "delta": c.delta,
+             "velocity": c.velocity, "base": c.new_base, "clamped": c.clamped}
+            for c in rec.controller]
     return out
 
 

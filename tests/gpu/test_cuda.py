@@ -17,7 +17,7 @@ def test_no_host_sync_off_sync_steps():
     model = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 1)).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     sched = hdet.OneCycleAutoLR(opt, max_lr=1e-3, total_steps=60, ensemble_lr_spread_ratio=0.2,
-                                model_sync_interval=10, enable_auto_lr=True, auto_lr_warmup_steps=10, model=model)
+                                model_sync_interval=10, controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=10, model=model)
     x = torch.randn(32, 64, device=dev)
     y = torch.randn(32, 1, device=dev)
     checked = 0

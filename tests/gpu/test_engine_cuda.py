@@ -22,7 +22,7 @@ def _engine(mode, N=4, steps=20, auto=True):
     return ReplicaEngine(model, N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True),
                          lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=steps,
                                                                ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
-                                                               enable_auto_lr=auto, auto_lr_warmup_steps=5,
+                                                               controller="paper", enable_auto_lr=auto, auto_lr_warmup_steps=5,
                                                                replicas=rep, model=m), mode=mode)
 
 
