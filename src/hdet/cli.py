@@ -38,7 +38,8 @@ def _train_args(p: argparse.ArgumentParser, steps: int, out: str) -> None:
                    "(Eqs. 4-8)")
     p.add_argument("--probe-batches", type=int, default=d.probe_batches, help="fit controller: batches per probe")
     p.add_argument("--tie-lr-groups", action=argparse.BooleanOptionalAction, default=d.tie_lr_groups,
-                   help="one LR multiplier per replica for all param groups (default: one per group)")
+                   help="one LR multiplier per replica for all param groups (default: on with the fit controller, "
+                   "as measured; otherwise one multiplier per group, as in the paper)")
     p.add_argument("--warmup", type=int, default=None, help="auto-LR warmup steps (default: half the run)")
     p.add_argument("--max-lr", type=float, default=d.max_lr)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)

@@ -61,7 +61,7 @@ class RunConfig:
     warmup: int | None = None  # auto-LR warmup steps; None: half the run
     controller: str = "fit"  # auto-LR controller: fit | paper
     probe_batches: int = 4  # fit controller: batches (of --batch examples) in each sync's common probe
-    tie_lr_groups: bool = False  # one LR multiplier per replica for all param groups
+    tie_lr_groups: bool | None = None  # one LR multiplier per replica for all groups; None: with the fit controller
     eq8: str = "decay"
     warm_init: bool = False
     nu: float = 0.01
@@ -178,7 +178,8 @@ def _make_scheduler(cfg: RunConfig, warmup: int, task: Task, device: torch.devic
                               model=module, seed=cfg.seed, replicas=replicas,
                               explore=_explored(cfg, optimizer, inner), controller=cfg.controller,
                               probe=_Probe(task, cfg, device) if cfg.controller == "fit" else None,
-                              tie_lr_groups=cfg.tie_lr_groups)
+                              tie_lr_groups=cfg.tie_lr_groups if cfg.tie_lr_groups is not None else
+                              (cfg.auto_lr and cfg.controller == "fit"))
     return make
 
 
