@@ -40,7 +40,8 @@ def _train_args(p: argparse.ArgumentParser, steps: int, out: str) -> None:
     p.add_argument("--tie-lr-groups", action=argparse.BooleanOptionalAction, default=d.tie_lr_groups,
                    help="one LR multiplier per replica for all param groups (default: on with the fit controller, "
                    "as measured; otherwise one multiplier per group, as in the paper)")
-    p.add_argument("--warmup", type=int, default=None, help="auto-LR warmup steps (default: half the run)")
+    p.add_argument("--warmup", type=int, default=None, help="auto-LR warmup steps (default: the end of OneCycle's warm-up, "
+                   "30%% of the run, for the fit controller; half the run for the paper's)")
     p.add_argument("--max-lr", type=float, default=d.max_lr)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--dropout", type=float, default=d.dropout)

@@ -58,7 +58,7 @@ class RunConfig:
     alpha: float = 0.2
     T: int = 25
     auto_lr: bool = False
-    warmup: int | None = None  # auto-LR warmup steps; None: half the run
+    warmup: int | None = None  # auto-LR warmup steps; None: 30% of the run (fit), half of it (paper)
     controller: str = "fit"  # auto-LR controller: fit | paper
     probe_batches: int = 4  # fit controller: batches (of --batch examples) in each sync's common probe
     tie_lr_groups: bool | None = None  # one LR multiplier per replica for all groups; None: with the fit controller
@@ -345,7 +345,12 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
     N = dist.get_world_size() if distributed else (cfg.replicas or 4)
     if distributed and cfg.replicas not in (None, N):
         raise RunError(f"Expected --replicas to match the torchrun world size ({N}), but got {cfg.replicas}")
-    warmup = cfg.warmup if cfg.warmup is not None else cfg.steps // 2
+    if cfg.warmup is not None:
+        warmup = cfg.warmup
+    elif cfg.controller == "fit":  # the end of OneCycle's warm-up (pct_start 0.3), as in the evidence suite
+        warmup = int(0.3 * cfg.steps) // cfg.T * cfg.T
+    else:
+        warmup = cfg.steps // 2
     if cfg.auto_lr and not 0 <= warmup < cfg.steps:
         raise RunError(f"Expected --warmup in [0, --steps) with --auto-lr, but got {warmup} (steps {cfg.steps})")
     out = Path(cfg.out)
