@@ -93,7 +93,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="override a size entry, e.g. --set width=32")
     ap.add_argument("--only-grid", action="store_true", help="stop after the grid's first seed and the pre-training run")
     ap.add_argument("--sync-interval", type=int, default=None, metavar="T",
-                    help="a follow-up: only HDET none/fit at 0.1x and 1x with this T (names get a -T<n> suffix)")
+                    help="a follow-up: only HDET none/fit at --follow-starts with this T (names get a -T<n> suffix)")
+    ap.add_argument("--follow-starts", default="1,0.1", help="the follow-up's starts, x the grid's best max_lr")
     a = ap.parse_args()
     t_start = time.time()
     deadline = t_start + a.deadline
@@ -189,7 +190,8 @@ def main() -> None:
             later = [job(f"{ctrl}-{start:g}x-T{Tn}-s{seed}", f"{ctrl}-T{Tn}", alpha=ALPHA, max_lr=best_lr * start,
                          seed=seed, T=Tn, warmup=-(-warm // Tn) * Tn,
                          **(dict(auto_lr=True, controller="fit", tie_lr_groups=True) if ctrl == "fit" else {}))
-                     for seed in (0, 1, 2) for start in (1.0, 0.1) for ctrl in ("fit", "none")]
+                     for seed in (0, 1, 2) for start in [float(x) for x in a.follow_starts.split(",")]
+                     for ctrl in ("fit", "none")]
         run_all(later, pool)
 
     import torch

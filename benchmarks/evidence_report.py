@@ -134,7 +134,7 @@ def report(path: Path) -> str:
         lines += ["", f"## Follow-up: T = {Tn} instead of {d['size']['T']} (HDET without and with the fit controller)",
                   "", f"| start | controller | {unit} | vs no controller (same T) | vs grid best | "
                   "LR factor at 45% / 60% of the run |", "|---|---|---|---|---|---|"]
-        for start in (0.1, 1.0):
+        for start in (0.1, 1.0, 10.0):
             none = seeds(f"none-{start:g}x-T{Tn}")
             for ctrl in ("none", "fit"):
                 xs = seeds(f"{ctrl}-{start:g}x-T{Tn}")
