@@ -84,31 +84,35 @@ def report(path: Path) -> str:
     lines += ["", f"Seed 0 picked max_lr = {d['best_max_lr']:.3g} ({unit} {picked:.4f} over 3 seeds); the controllers "
               f"start from it. The grid best, the reference of the targets below, is the best 3-seed mean: "
               f"max_lr = {best_lr:.3g}, {best:.4f}.", ""]
+    def diff(m: float, ref: float) -> str:  # accuracy in points, a loss in percent
+        return f"{m - ref:+.2f} pt" if task == "fashion" else f"{100 * (m / ref - 1):+.2f}%"
+
+    def row(ctrl: str, start: float, suffix: str = "") -> tuple[str, float, float | None] | None:
+        """One table row (controller ``ctrl`` from ``start``; ``suffix`` "-T<n>" for a follow-up), its mean,
+        and the mean of no controller from the same start."""
+        xs = seeds(f"{ctrl}-{start:g}x{suffix}")
+        if not xs:
+            return None
+        none = seeds(f"none-{start:g}x{suffix}")
+        mean = statistics.mean(xs)
+        none_mean = statistics.mean(none) if none else None
+        vs_none = diff(mean, none_mean) if none_mean is not None and ctrl != "none" else ""
+        rs = [by[n] for s in range(3) if (n := f"{ctrl}-{start:g}x{suffix}-s{s}") in by]
+        f45 = [x for r in rs if (x := factor_at(r, steps, 0.45)) is not None]
+        f60 = [x for r in rs if (x := factor_at(r, steps, 0.6)) is not None]
+        fac = f"{statistics.mean(f45):.2f} / {statistics.mean(f60):.2f}" if f45 and f60 else ""
+        return (f"| {start:g}x | {ctrl} | {fmt(xs, task)} | {vs_none} | {diff(mean, best)} | {fac} |", mean, none_mean)
+
     # controllers
     lines += ["## Controllers started at 0.1x, 1x, 10x the grid's best max_lr", "",
               f"| start | controller | {unit} | vs no controller | vs grid best | LR factor at 45% / 60% of the run |",
               "|---|---|---|---|---|---|"]
     verdict = {}
     for start in d["starts"]:
-        none = seeds(f"none-{start:g}x")
         for ctrl in ("none", "paper", "fit"):
-            xs = seeds(f"{ctrl}-{start:g}x")
-            if not xs:
-                continue
-            mean = statistics.mean(xs)
-            if task == "fashion":
-                vs_none = f"{mean - statistics.mean(none):+.2f} pt" if none and ctrl != "none" else ""
-                vs_best = f"{mean - best:+.2f} pt"
-            else:
-                vs_none = f"{100 * (mean / statistics.mean(none) - 1):+.2f}%" if none and ctrl != "none" else ""
-                vs_best = f"{100 * (mean / best - 1):+.2f}%"
-            fs = [factor_at(by[f"{ctrl}-{start:g}x-s{s}"], steps, f) for s in range(3) for f in (0.45, 0.6)
-                  if f"{ctrl}-{start:g}x-s{s}" in by]
-            f45 = [x for x in fs[0::2] if x is not None]
-            f60 = [x for x in fs[1::2] if x is not None]
-            fac = f"{statistics.mean(f45):.2f} / {statistics.mean(f60):.2f}" if f45 and f60 else ""
-            lines.append(f"| {start:g}x | {ctrl} | {fmt(xs, task)} | {vs_none} | {vs_best} | {fac} |")
-            verdict[(ctrl, start)] = (mean, statistics.mean(none) if none else None)
+            if (r := row(ctrl, start)) is not None:
+                lines.append(r[0])
+                verdict[(ctrl, start)] = r[1:]
     # targets
     lines += ["", "## Targets (issue 5), mean over seeds", ""]
     for ctrl in ("paper", "fit"):
@@ -135,23 +139,9 @@ def report(path: Path) -> str:
                   "", f"| start | controller | {unit} | vs no controller (same T) | vs grid best | "
                   "LR factor at 45% / 60% of the run |", "|---|---|---|---|---|---|"]
         for start in (0.1, 1.0, 10.0):
-            none = seeds(f"none-{start:g}x-T{Tn}")
             for ctrl in ("none", "fit"):
-                xs = seeds(f"{ctrl}-{start:g}x-T{Tn}")
-                if not xs:
-                    continue
-                mean = statistics.mean(xs)
-                if task == "fashion":
-                    vs_none = f"{mean - statistics.mean(none):+.2f} pt" if none and ctrl != "none" else ""
-                    vs_best = f"{mean - best:+.2f} pt"
-                else:
-                    vs_none = f"{100 * (mean / statistics.mean(none) - 1):+.2f}%" if none and ctrl != "none" else ""
-                    vs_best = f"{100 * (mean / best - 1):+.2f}%"
-                rs = [by[n] for s in range(3) if (n := f"{ctrl}-{start:g}x-T{Tn}-s{s}") in by]
-                f45 = [x for r in rs if (x := factor_at(r, steps, 0.45)) is not None]
-                f60 = [x for r in rs if (x := factor_at(r, steps, 0.6)) is not None]
-                fac = f"{statistics.mean(f45):.2f} / {statistics.mean(f60):.2f}" if f45 and f60 else ""
-                lines.append(f"| {start:g}x | {ctrl} | {fmt(xs, task)} | {vs_none} | {vs_best} | {fac} |")
+                if (r := row(ctrl, start, f"-T{Tn}")) is not None:
+                    lines.append(r[0])
     # Table 1
     t1 = [r for r in runs if r["name"].startswith("t1-") and "cfg" in r]
     if t1:
