@@ -208,6 +208,10 @@ class FitController:
         """What multiplies the base schedule (log-scale) or is added to it (additive)."""
         return math.exp(self.c) if self.log_scale else self.c
 
+    def correct(self, base: float) -> float:
+        """The base schedule's value corrected: ``base * factor``, or ``base + offset`` (additive)."""
+        return base * self.factor if self.log_scale else base + self.c
+
     def update(self, x: Sequence[float], losses: Sequence[float], weight: float = 1.0) -> ControllerStep:
         if len(x) != len(losses) or not x:
             raise ValueError(f"Expected one offset per loss, but got {len(x)} offsets and {len(losses)} losses")

@@ -186,8 +186,7 @@ class Ensemble:
         self._probed: torch.Tensor | None = None  # this window's probe loss, once computed
         self._t = 0  # optimizer steps taken, counted by accumulate() (fit controller only)
         self._peak0 = 0.0  # the largest scheduled base of slot 0 so far (the fit controller's weight)
-        self._sched0 = 0.0
-        self._scheduled: list[float] = [0.0] * self.num_slots
+        self._scheduled: list[float] = [0.0] * self.num_slots  # the base schedules' values now
 
     # ----------------------------------------------------------------- schedule
     def set_total_steps(self, total_steps: int) -> None:
@@ -234,13 +233,12 @@ class Ensemble:
             raise ValueError(f"Expected {self.num_slots} base values, but got {len(scheduled_bases)}")
         out = []
         self._scheduled = [float(b) for b in scheduled_bases]
-        self._sched0 = self._scheduled[0] if scheduled_bases else 0.0
-        self._peak0 = max(self._peak0, self._sched0)
+        self._peak0 = max(self._peak0, self._scheduled[0])
         for j, b in enumerate(scheduled_bases):
             controlled = self._controlled[j]
             ctrl = self.controllers[j]
             if isinstance(ctrl, FitController):  # a correction of the schedule: a factor, or an offset
-                base = self.spreads[j].clamp(b * ctrl.factor if ctrl.log_scale else b + ctrl.factor)
+                base = self.spreads[j].clamp(ctrl.correct(b))
             else:
                 base = controlled if controlled is not None else b
             self.current_bases[j] = base
@@ -531,11 +529,10 @@ class Ensemble:
             if isinstance(ctrl, FitController):  # x_r: log multiplier (an offset for additive spreads)
                 offs = [self.offsets[j][p] for p in self.perms[j]]
                 x = [math.log(o) if ctrl.log_scale else o for o in offs]
-                ratio = self._sched0 / self._peak0 if self._peak0 > 0 else 1.0
+                ratio = self._scheduled[0] / self._peak0 if self._peak0 > 0 else 1.0
                 weight = min(max((ratio - 0.5) / 0.5, 0.0), 1.0)  # near the peak only: see FitController
                 step = ctrl.update(x, losses, weight)
-                b = self._scheduled[j]  # the base schedule's value now, corrected anew
-                self.current_bases[j] = spread.clamp(b * ctrl.factor if ctrl.log_scale else b + ctrl.factor)
+                self.current_bases[j] = spread.clamp(ctrl.correct(self._scheduled[j]))  # corrected anew
                 step.new_base = self.current_bases[j]
                 self._deal(j)
                 steps.append(step)
@@ -640,7 +637,6 @@ class Ensemble:
                 self.controllers.append(ctrl)
         self._peak0 = float(state.get("peak0", 0.0))
         self._scheduled = [float(x) for x in state.get("scheduled", self._scheduled)]
-        self._sched0 = self._scheduled[0] if self._scheduled else 0.0
         wm = state.get("window_mean")
         self._t, self._polyak_fresh, self._probed = int(state.get("fit_steps", 0)), bool(state.get("fit_fresh")), None
         if wm is None or elastic:
@@ -654,9 +650,8 @@ class Ensemble:
         self.dealer.load_state_dict(state["dealer"])
         self.total_steps = state["total_steps"]
         if elastic:  # Eq. 9 for the new N: a fresh permutation per slot from the (restored) shared dealer
-            self.perms = [self.dealer.permutation(N) for _ in range(self.num_slots)]
-            if config.tie_lr_groups:
-                self.perms[1:self.num_lr_slots] = [list(self.perms[0]) for _ in range(1, self.num_lr_slots)]
+            for j in range(self.num_slots):
+                self._deal(j)
             self._loss_sum, self._loss_count = None, 0
             warnings.warn(
                 f"hdet: elastic resume from {state['world_size']} to {N} replicas: kept the bases and controller "

@@ -164,9 +164,6 @@ class _Probe:
                   for _ in range(self.cfg.probe_batches)]
         return torch.stack(losses).mean()
 
-    def state_dict(self) -> dict[str, int]:
-        return {"calls": self.calls}
-
 
 def _make_scheduler(cfg: RunConfig, warmup: int, task: Task, device: torch.device):
     def make(optimizer: torch.optim.Optimizer, replicas: Any = None, module: nn.Module | None = None):
@@ -294,7 +291,7 @@ def final_metrics(task: Task, model: nn.Module, device: torch.device, limit: int
             return {"test_loss": loss / x.shape[0], "test_accuracy": 100.0 * correct / x.shape[0]}
         ctx = task.ctx
         n = min(limit, (split.numel() - 1) // ctx)
-        windows = torch.stack([split[i * ctx: i * ctx + ctx + 1] for i in range(n)]).long()
+        windows = split.unfold(0, ctx + 1, ctx)[:n].long()  # window i: bytes i*ctx .. i*ctx + ctx
         total = sum(task.loss_fn(model, windows[i:i + 64].to(device)).item() * windows[i:i + 64].shape[0]
                     for i in range(0, n, 64))  # host sync per chunk
         return {"val_loss_full": total / n, "val_tokens": n * ctx}

@@ -329,14 +329,13 @@ class OneCycleAutoLR(_EnsembleScheduler, OneCycleLR):
         probe: Callable[[nn.Module], Any] | None = None,
         tie_lr_groups: bool = False,
     ) -> None:
+        kind, self._fit_template = self._controller_kind(controller)
         config = HDETConfig(
             alpha=ensemble_lr_spread_ratio, sync_interval=model_sync_interval, auto_lr=enable_auto_lr,
             auto_lr_warmup_steps=auto_lr_warmup_steps, sigma=loss_scale, lam=lr_of_lr, beta=momentum_of_lr,
             eq8=eq8, seed=seed, average_optimizer_state=average_optimizer_state, on_nonfinite=on_nonfinite,
-            controller=self._controller_kind(controller)[0],
-            tie_lr_groups=tie_lr_groups,
+            controller=kind, tie_lr_groups=tie_lr_groups,
         )
-        self._fit_template = self._controller_kind(controller)[1]
         if cycle_momentum and any(isinstance(h, AdamBeta) and h.index == 0 for h in
                                   ([explore] if isinstance(explore, Hyperparameter) else explore)):
             raise ValueError("Expected cycle_momentum=False when exploring beta1 (AdamBeta(index=0)): "
@@ -433,14 +432,13 @@ class HDETLR(_EnsembleScheduler):
             raise ValueError(
                 f"Expected base to be an LRScheduler, a callable of the step, or None, but got {type(base).__name__}"
             )
+        kind, self._fit_template = self._controller_kind(controller)
         config = HDETConfig(
             alpha=ensemble_lr_spread_ratio, sync_interval=model_sync_interval, auto_lr=enable_auto_lr,
             auto_lr_warmup_steps=auto_lr_warmup_steps, sigma=loss_scale, lam=lr_of_lr, beta=momentum_of_lr,
             eq8="decay", seed=seed, average_optimizer_state=average_optimizer_state, on_nonfinite=on_nonfinite,
-            controller=self._controller_kind(controller)[0],
-            tie_lr_groups=tie_lr_groups,
+            controller=kind, tie_lr_groups=tie_lr_groups,
         )
-        self._fit_template = self._controller_kind(controller)[1]
         self.total_steps = total_steps
         self.optimizer = optimizer
         self._init_ensemble(optimizer, config, model, replicas, rank, world_size, process_group, bucket_cap_mb,
