@@ -248,23 +248,24 @@ def explore_hypers(rank, world, steps=30):
         "names": s.last_sync.names, "ctrl": [c.delta for c in s.last_sync.controller]}
 
 
-def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20, T=5, guard=True):
-    """DDP + Adam + auto-LR; at step ``at`` replica ``bad_rank`` gets a NaN weight (mid-window) or a NaN
-    loss. Records, after every step, whether each rank's weights are finite, and after every sync
-    whether the replicas are equal."""
+def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20, T=5, guard=True, fused=False):
+    """DDP + Adam (``fused``: torch's fused Adam) + auto-LR; at step ``at`` replica ``bad_rank`` gets a NaN
+    weight (mid-window) or a NaN loss. Records, after every step, whether each rank's weights are finite
+    and whether they changed, and after every sync whether the replicas are equal."""
     import warnings
 
     model = make_model(0)
     ddp = DDP(model, broadcast_buffers=False)
-    o = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    o = torch.optim.Adam(ddp.parameters(), lr=0.01, fused=fused or None)
     s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.2, model_sync_interval=T,
                             controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=T, loss_scale=0.05, model=ddp, seed=3,
                             guard_gradients=guard)
-    finite, equal, recovered, caught = [], [], [], []
+    finite, equal, recovered, caught, changed = [], [], [], [], []
     try:
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             for t in range(1, steps + 1):
+                before = torch.cat([p.detach().flatten() for p in model.parameters()])
                 if fault == "weights" and t == at and rank == bad_rank:
                     with torch.no_grad():
                         model[0].weight[0, 0] = float("nan")
@@ -275,6 +276,7 @@ def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20,
                 o.zero_grad()
                 loss.backward()
                 o.step()
+                changed.append(not torch.equal(before, torch.cat([p.detach().flatten() for p in model.parameters()])))
                 s.step(loss)
                 finite.append(bool(all(torch.isfinite(p).all() for p in model.parameters())
                                    and all(torch.isfinite(v).all() for st in o.state.values() for v in st.values())))
@@ -286,7 +288,9 @@ def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20,
     except hdet.NonFiniteReplicaError as e:
         return {"error": "NonFiniteReplicaError", "msg": str(e), "finite": finite}
     return {"error": None, "finite": finite, "equal": equal, "recovered": recovered, "warnings": caught,
-            "guard": s.gradient_guard, "losses_at_recovery": s.ensemble.controllers[0].updates}
+            "guard": s.gradient_guard, "losses_at_recovery": s.ensemble.controllers[0].updates, "changed": changed,
+            "skipped": None if s.skip_guard is None else float(s.skip_guard.skipped),
+            "steps": [int(st["step"]) for st in o.state.values()][:1]}
 
 
 def _timeout_entry(rank, world, port, out_dir, skip_rank, timeout_s):

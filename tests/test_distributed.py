@@ -122,7 +122,7 @@ def test_non_finite_replica_is_dropped_reset_and_training_goes_on(fault):
     run finishes."""
     res = check_ok(run_gloo(_fault, 4, {"fault": fault}))
     for r, out in enumerate(res):
-        assert out["error"] is None and out["guard"] is True
+        assert out["error"] is None and out["guard"] == "hook"  # a non-fused optimizer: "auto" picks the hook
         if r == 2 and fault == "weights":
             assert out["finite"][:6] == [True] * 6 and not any(out["finite"][6:9])  # NaN from step 7 to 9
         else:
@@ -131,6 +131,26 @@ def test_non_finite_replica_is_dropped_reset_and_training_goes_on(fault):
         assert out["equal"] == [True] * 4
         assert out["recovered"] == [[], [2], [], []]
         assert len(out["warnings"]) == 1 and "replica(s) [2]" in out["warnings"][0]
+
+
+@pytest.mark.parametrize("fault", ["weights", "loss"])
+def test_skip_guard_skips_the_step_everywhere_and_the_bad_replica_is_reset(fault):
+    """The same faults with torch's fused Adam, so "auto" picks the "skip" guard (no comm hook): while
+    replica 2 is non-finite (step 7 for a NaN loss, steps 7-10 for a NaN weight) the averaged gradient is
+    non-finite on every replica and every replica skips the step on the device (weights and Adam's step
+    count untouched); no healthy replica ever sees a NaN; the sync at step 10 resets replica 2."""
+    res = check_ok(run_gloo(_fault, 4, {"fault": fault, "fused": True}))
+    bad = [7] if fault == "loss" else [7, 8, 9, 10]  # the NaN weight is in step 10's forward too
+    for r, out in enumerate(res):
+        assert out["error"] is None and out["guard"] == "skip"
+        if r == 2 and fault == "weights":
+            assert not any(out["finite"][6:9])  # its own NaN weight, until the sync
+        else:
+            assert all(out["finite"]), (r, out["finite"])
+            assert [t for t, c in enumerate(out["changed"], 1) if not c] == bad  # skipped exactly then
+        assert out["skipped"] == len(bad) and out["steps"] == [20 - len(bad)]
+        assert out["finite"][9:] == [True] * 11 and out["equal"] == [True] * 4
+        assert out["recovered"] == [[], [2], [], []]
 
 
 def test_without_the_guard_a_nan_loss_reaches_every_replica():

@@ -1,13 +1,24 @@
-"""A DDP communication hook that averages only the finite gradient contributions.
+"""The gradient guard: one replica's NaN/Inf gradient must never reach the other replicas' weights.
 
-With gradients all-reduced every step, one replica's NaN/Inf gradient would reach every replica at
-once, before any converge step could leave it out. This hook, installed by the HDET schedulers when
-``model=`` is a ``DistributedDataParallel`` module, zeroes a replica's whole contribution to a bucket
-when it holds a NaN or Inf and then averages as DDP does (so in such a step the healthy replicas' mean
-gradient is scaled by (N - bad) / N: one collective, no extra count). All on the device, no host sync.
-Its cost over DDP's default hook: one read and one select pass over each bucket
-(``benchmarks/ddp_overhead.py``). A bucket whose finite values sum to infinity counts as non-finite. The non-finite replica's own window loss (or weights) are caught at the next
-converge step, which resets it (see ``on_nonfinite``).
+With gradients all-reduced every step (DDP), one replica's non-finite gradient reaches every replica at
+once, before any converge step could leave it out. Two guards, chosen by ``guard_gradients`` when
+``model=`` is a ``DistributedDataParallel`` module (``"auto"``, the default: ``"skip"`` when the
+optimizer can skip a step on the device, i.e. every param group is ``fused``; ``"hook"`` otherwise):
+
+* ``"hook"`` (:func:`finite_allreduce_hook`): a DDP communication hook that zeroes a replica's whole
+  contribution to a bucket when it holds a NaN or Inf and then averages as DDP does, so the healthy
+  replicas still step, with their mean gradient scaled by (N - bad) / N. A bucket whose finite values
+  sum to infinity counts as non-finite. Cost: DDP calls it from Python once per bucket; on a 124M GPT
+  on 2 x H200 that costs about 15% of the step (``benchmarks/results/gpu_2x_h200/ddp_overhead.json``).
+* ``"skip"`` (:class:`SkipNonFiniteStep`): no hook; DDP averages as usual, so a NaN/Inf on any replica
+  is in the averaged gradient, bit-identical on every replica. Just before ``optimizer.step()`` one
+  fused read of the gradients (``torch._foreach_norm``) says whether the averaged gradient is finite,
+  and the fused optimizer skips the step on the device when it is not (``found_inf``, the mechanism
+  of ``torch.amp.GradScaler``): every replica skips that step together, weights and optimizer state
+  untouched. A gradient whose float32 norm overflows counts as non-finite.
+
+Both run on the device with no host sync. The non-finite replica's own window loss (or weights) is
+caught at the next converge step, which resets it (see ``on_nonfinite``).
 """
 
 import warnings
@@ -16,7 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["finite_allreduce_hook", "install_gradient_guard"]
+__all__ = ["finite_allreduce_hook", "install_gradient_guard", "SkipNonFiniteStep", "GUARDS"]
+
+GUARDS = ("auto", "hook", "skip")
 
 
 def finite_allreduce_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -32,6 +45,74 @@ def finite_allreduce_hook(process_group: Any, bucket: dist.GradBucket) -> torch.
     fut = dist.all_reduce(buf, op=op, group=process_group, async_op=True).get_future()  # COLLECTIVE
     world = dist.get_world_size(process_group)
     return fut.then(lambda f: f.value()[0] if avg else f.value()[0].div_(world))
+
+
+def _fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` honours ``found_inf`` on the device (torch's fused Adam/AdamW/SGD/...)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+        g.get("fused") for g in optimizer.param_groups)
+
+
+class SkipNonFiniteStep:
+    """Skip ``optimizer.step()`` on the device when any gradient is NaN/Inf (the ``"skip"`` guard).
+
+    A step pre-hook computes ``found_inf`` (1.0 when the gradients' total norm is not finite) and hands
+    it to the fused optimizer, which then leaves weights, state and step count untouched; a step
+    post-hook restores whatever ``found_inf`` was there before (``torch.amp.GradScaler`` sets its own;
+    the two are combined by ``max``). :attr:`skipped` counts skipped steps on the device (reading it
+    is a host sync). Needs an optimizer whose every param group is ``fused``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        if not _fused(optimizer):
+            raise ValueError("Expected an optimizer that can skip a step on the device (torch's Adam, AdamW, SGD, "
+                             f"... with fused=True in every param group) for guard_gradients='skip', but got "
+                             f"{type(optimizer).__name__} with fused={[g.get('fused') for g in optimizer.param_groups]}; "
+                             "use guard_gradients='hook'")
+        self.optimizer = optimizer
+        self.skipped: torch.Tensor | None = None
+        self._saved: list[Any] = []
+        self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
+
+    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            self._saved.append(None)
+            return
+        dev = grads[0].device
+        with torch.no_grad():
+            norms = torch._foreach_norm(grads)  # one fused read of every gradient (on the device)
+            total = torch.stack([n.to(dev, torch.float32) for n in norms]).sum()
+            found = (~torch.isfinite(total)).to(torch.float32)  # on the device: no host sync
+            self.skipped = found.clone() if self.skipped is None else self.skipped.add_(found)
+        prev = getattr(optimizer, "found_inf", None)
+        self._saved.append(("set", prev))
+        optimizer.found_inf = found if prev is None else torch.maximum(found, prev.to(dev))  # type: ignore[attr-defined]
+
+    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        saved = self._saved.pop() if self._saved else None
+        if saved is None:
+            return
+        if saved[1] is None:
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        else:
+            optimizer.found_inf = saved[1]  # type: ignore[attr-defined]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def resolve_guard(guard: Any, optimizer: torch.optim.Optimizer) -> str | None:
+    """``guard_gradients`` -> "hook", "skip" or None (off); "auto"/True picks "skip" for fused optimizers."""
+    if guard is False or guard is None:
+        return None
+    if guard is True:
+        guard = "auto"
+    if guard not in GUARDS:
+        raise ValueError(f"Expected guard_gradients in {GUARDS} or True/False, but got {guard!r}")
+    if guard == "auto":
+        return "skip" if _fused(optimizer) else "hook"
+    return guard
 
 
 def install_gradient_guard(ddp: "torch.nn.parallel.DistributedDataParallel", process_group: Any = None) -> bool:

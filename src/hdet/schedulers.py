@@ -21,7 +21,7 @@ from .controller import CONTROLLERS, FitController, PaperController, gamma_as_pr
 from torch.nn.parallel import DistributedDataParallel
 
 from .ensemble import Ensemble, HDETConfig, SyncRecord
-from .guard import install_gradient_guard
+from .guard import SkipNonFiniteStep, install_gradient_guard, resolve_guard
 from .hyper import AdamBeta, Hyperparameter
 from .replicas import DEFAULT_BUCKET_CAP_MB, Replicas, resolve_replicas
 
@@ -43,7 +43,7 @@ class _EnsembleScheduler(LRScheduler):
     def _init_ensemble(self, optimizer: torch.optim.Optimizer, config: HDETConfig, model: nn.Module | None,
                        replicas: Replicas | None, rank: int | None, world_size: int | None,
                        process_group: Any, bucket_cap_mb: float, explore: Sequence[Hyperparameter] = (),
-                       guard_gradients: bool = True, device_mesh: Any = None,
+                       guard_gradients: bool | str = "auto", device_mesh: Any = None,
                        probe: Callable[[nn.Module], Any] | None = None) -> None:
         if isinstance(explore, Hyperparameter):
             explore = [explore]
@@ -60,9 +60,15 @@ class _EnsembleScheduler(LRScheduler):
                 raise ValueError("controller='fit' does not support device_mesh (sharded replicas) yet; use 'paper'")
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
         self._hdet = Ensemble(config, resolved, optimizer, model, list(explore))
-        self.gradient_guard = False
-        if guard_gradients and isinstance(model, DistributedDataParallel) and resolved.world_size > 1:
-            self.gradient_guard = install_gradient_guard(model, process_group)
+        guard = resolve_guard(guard_gradients, optimizer)  # "hook", "skip" or None (hdet.guard)
+        self.gradient_guard: str | None = None  # the guard installed, if any
+        self.skip_guard: SkipNonFiniteStep | None = None
+        if guard and isinstance(model, DistributedDataParallel) and resolved.world_size > 1:
+            if guard == "skip":
+                self.skip_guard = SkipNonFiniteStep(optimizer)
+                self.gradient_guard = "skip"
+            elif install_gradient_guard(model, process_group):
+                self.gradient_guard = "hook"
         self._hdet.make_controller = self._make_controller
         self._hdet.probe = probe
 
@@ -274,7 +280,10 @@ class OneCycleAutoLR(_EnsembleScheduler, OneCycleLR):
     hyperparameters to spread and control, :mod:`hdet.hyper`), ``on_nonfinite`` ("recover": a replica
     with a non-finite window loss or weights is left out of the converge step and reset to the others'
     mean; "raise": stop with NonFiniteReplicaError), ``guard_gradients`` (when ``model`` is a DDP module,
-    install :func:`hdet.guard.finite_allreduce_hook` so one replica's NaN gradient never reaches the others),
+    keep one replica's NaN gradient from reaching the others' weights: "skip" skips the step on every
+    replica on the device, for fused optimizers; "hook" averages only the finite contributions in a DDP
+    comm hook, slower; "auto" (default) picks "skip" when the optimizer is fused; False: none;
+    :mod:`hdet.guard`),
     ``device_mesh`` (FSDP2/HSDP: a (replicate, shard) mesh; HDET replicas are the replicate dimension,
     weights are averaged over it on local shards, a replica's loss is the mean over its shard ranks),
     ``controller`` ("fit", the default, or a :class:`hdet.FitController` with other settings: hdet's controller, a bounded multiplicative
@@ -323,7 +332,7 @@ class OneCycleAutoLR(_EnsembleScheduler, OneCycleLR):
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         explore: Sequence[Hyperparameter] = (),
         on_nonfinite: str = "recover",
-        guard_gradients: bool = True,
+        guard_gradients: bool | str = "auto",
         device_mesh: Any = None,
         controller: str | FitController = "fit",
         probe: Callable[[nn.Module], Any] | None = None,
@@ -412,7 +421,7 @@ class HDETLR(_EnsembleScheduler):
         last_epoch: int = -1,
         explore: Sequence[Hyperparameter] = (),
         on_nonfinite: str = "recover",
-        guard_gradients: bool = True,
+        guard_gradients: bool | str = "auto",
         device_mesh: Any = None,
         controller: str | FitController = "fit",
         probe: Callable[[nn.Module], Any] | None = None,

@@ -1,0 +1,66 @@
+"""The "skip" gradient guard on its own (one process): hdet.guard.SkipNonFiniteStep."""
+
+import pytest
+import torch
+
+from hdet.guard import SkipNonFiniteStep, resolve_guard
+
+
+def _setup(fused=True):
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5))
+    q = torch.nn.Parameter(torch.randn(3, 2))
+    return p, q, torch.optim.AdamW([{"params": [p]}, {"params": [q], "lr": 0.1}], lr=0.01, fused=fused)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_gradient_skips_the_step_and_a_finite_one_does_not(bad):
+    p, q, opt = _setup()
+    guard = SkipNonFiniteStep(opt)
+    p.grad, q.grad = torch.ones(5), torch.ones(3, 2)
+    opt.step()
+    after1 = [p.detach().clone(), q.detach().clone()]
+    state1 = {k: v.clone() for k, v in opt.state[q].items()}
+    q.grad = torch.ones(3, 2)
+    q.grad[1, 0] = bad
+    opt.step()  # skipped: nothing moves, Adam's step count stays
+    assert torch.equal(p, after1[0]) and torch.equal(q, after1[1])
+    assert all(torch.equal(v, state1[k]) for k, v in opt.state[q].items())
+    assert not hasattr(opt, "found_inf")  # the post-hook removed what the pre-hook set
+    q.grad = torch.ones(3, 2)
+    opt.step()
+    assert not torch.equal(q, after1[1]) and float(opt.state[q]["step"]) == 2.0
+    assert float(guard.skipped) == 1.0
+
+
+def test_a_huge_finite_gradient_whose_norm_overflows_counts_as_non_finite():
+    p, q, opt = _setup()
+    guard = SkipNonFiniteStep(opt)
+    p.grad, q.grad = torch.full((5,), 1e30), torch.zeros(3, 2)
+    before = p.detach().clone()
+    opt.step()
+    assert torch.equal(p, before) and float(guard.skipped) == 1.0
+
+
+def test_a_found_inf_set_by_someone_else_is_combined_and_restored():
+    """torch.amp.GradScaler hands its own found_inf to fused optimizers: the guard must keep it (max of
+    both) and leave it in place afterwards."""
+    p, q, opt = _setup()
+    SkipNonFiniteStep(opt)
+    theirs = torch.ones(())  # "their" inf: skip although our gradients are finite
+    opt.found_inf = theirs
+    p.grad, q.grad = torch.ones(5), torch.ones(3, 2)
+    before = p.detach().clone()
+    opt.step()
+    assert torch.equal(p, before) and opt.found_inf is theirs
+
+
+def test_guard_arguments_are_checked():
+    p, q, opt = _setup(fused=False)
+    with pytest.raises(ValueError, match=r"fused=True in every param group.*got AdamW with fused=\[False, False\]"):
+        SkipNonFiniteStep(opt)
+    assert resolve_guard(True, opt) == "hook" and resolve_guard("auto", opt) == "hook"
+    assert resolve_guard(False, opt) is None and resolve_guard("skip", opt) == "skip"
+    assert resolve_guard("auto", _setup(fused=True)[2]) == "skip"
+    with pytest.raises(ValueError, match=r"guard_gradients in \('auto', 'hook', 'skip'\).*got 'always'"):
+        resolve_guard("always", opt)
