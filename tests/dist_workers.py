@@ -49,9 +49,12 @@ class Probe:
 
 def train(rank, world, *, steps=40, alpha=0.0, T=10, auto=False, warm=10, use_hdet=True, seed_model=0,
           uneven_rng=False, check_syncs=False, save_at=None, ckpt_dir=None, resume_from=None, opt="adam",
-          loss_scale=0.05, controller="paper"):
-    """DDP training of make_model() on rank-specific batches; returns a dict of observations."""
+          loss_scale=0.05, controller="paper", contiguous=False):
+    """DDP training of make_model() on rank-specific batches; returns a dict of observations.
+    ``contiguous``: parameters laid out in one flat buffer (hdet.contiguous_parameters_)."""
     model = make_model(seed_model)
+    if contiguous:
+        hdet.contiguous_parameters_(model)
     ddp = DDP(model, broadcast_buffers=False)
     o = torch.optim.Adam(ddp.parameters(), lr=0.01) if opt == "adam" else torch.optim.SGD(
         ddp.parameters(), lr=0.01, momentum=0.9)
@@ -100,6 +103,7 @@ def train(rank, world, *, steps=40, alpha=0.0, T=10, auto=False, warm=10, use_hd
             return {"saved": t}
     obs["params"] = [p.detach().clone() for p in model.parameters()]
     obs["buffers"] = {k: b.detach().clone() for k, b in model.named_buffers()}
+    obs["runs"] = len(hdet.flat.contiguous_runs(list(model.parameters())))
     return obs
 
 
@@ -173,14 +177,28 @@ def missing_loss_on_one_rank(rank, world):
         s.step(None if rank == 1 else 1.0)
 
 
-def averaging_collectives(rank, world, n_tensors, numel, cap_mb):
-    """Count all_reduce calls of one converge step over ``n_tensors`` tensors."""
+def averaging_collectives(rank, world, n_tensors, numel, cap_mb, layout="separate", exclude=()):
+    """Count all_reduce calls of one converge step over ``n_tensors`` tensors. ``layout``: "separate"
+    tensors, "contiguous" (views of one flat buffer) or "mixed" (the first half views, then separate
+    tensors, then a float64 one). Replicas in ``exclude`` hold NaNs and must get the others' mean."""
     torch.manual_seed(rank)
     tensors = [torch.randn(numel) for _ in range(n_tensors)]
+    if layout != "separate":
+        k = n_tensors if layout == "contiguous" else n_tensors // 2
+        flat = torch.cat(tensors[:k])
+        tensors[:k] = [flat[i * numel:(i + 1) * numel] for i in range(k)]
+        if layout == "mixed":
+            tensors.append(torch.randn(numel, dtype=torch.float64))
     expected = [t.clone() for t in tensors]
     for e in expected:
+        if rank in exclude:
+            e.zero_()
         dist.all_reduce(e)
-        e.div_(world)
+        e.div_(world - len(exclude))
+    if rank in exclude:
+        for t in tensors:
+            t.fill_(float("nan"))
+    ptrs = [t.data_ptr() for t in tensors]
     calls = []
     real = dist.all_reduce
 
@@ -190,11 +208,11 @@ def averaging_collectives(rank, world, n_tensors, numel, cap_mb):
 
     dist.all_reduce = counting
     try:
-        hdet.ProcessGroupReplicas(bucket_cap_mb=cap_mb).average_(tensors)
+        hdet.ProcessGroupReplicas(bucket_cap_mb=cap_mb).average_(tensors, exclude=exclude)
     finally:
         dist.all_reduce = real
     close = all(torch.allclose(t, e, rtol=1e-6, atol=1e-7) for t, e in zip(tensors, expected))
-    return {"calls": len(calls), "close": close}
+    return {"calls": len(calls), "close": close, "same_storage": ptrs == [t.data_ptr() for t in tensors]}
 
 
 def engine_run(world, *, steps=30, alpha=0.3, T=10, auto=False, warm=10, opt="adam", mode="loop", controller="paper"):

@@ -108,6 +108,35 @@ def test_one_collective_per_bucket():
     assert all(r["calls"] == expected and r["close"] for r in res)
 
 
+@pytest.mark.parametrize("exclude", [(), (1,)])
+def test_contiguous_tensors_are_averaged_in_place_in_one_collective(exclude):
+    """Tensors that are views of one flat buffer: one all_reduce over that buffer whatever the bucket
+    cap (no copy: the tensors keep their storage); mixed with separate tensors (and another dtype) the
+    rest still goes through buckets; a left-out replica (NaNs) gets the others' mean on every path."""
+    res = check_ok(run_gloo(averaging_collectives, 2, 150, 1000, 0.1, "contiguous", exclude))
+    assert all(r["calls"] == 1 and r["close"] and r["same_storage"] for r in res)
+    res = check_ok(run_gloo(averaging_collectives, 2, 150, 1000, 0.1, "mixed", exclude))
+    expected = 1 + math.ceil(75 * 4000 / (0.1 * 2**20)) + 1  # the run, float32 buckets, the float64 tensor
+    assert all(r["calls"] == expected and r["close"] and r["same_storage"] for r in res)
+
+
+def _train_contiguous(rank, world, contiguous):
+    return train(rank, world, steps=20, alpha=0.3, T=5, auto=True, warm=5, check_syncs=True, contiguous=contiguous)
+
+
+def test_contiguous_parameters_train_bitwise_like_separate_ones():
+    """hdet.contiguous_parameters_ changes where the weights live, not what they are: 2 gloo replicas,
+    auto-LR, 4 syncs: bitwise the same weights and buffers as separate parameters, and the parameters
+    are still one run (one collective) at the end."""
+    a = check_ok(run_gloo(_train_contiguous, 2, False))
+    b = check_ok(run_gloo(_train_contiguous, 2, True))
+    for ra, rb in zip(a, b):
+        assert all(torch.equal(x, y) for x, y in zip(ra["params"], rb["params"]))
+        assert all(torch.equal(ra["buffers"][k], rb["buffers"][k]) for k in ra["buffers"])
+        assert all(rb["equal_after_sync"]) and len(rb["equal_after_sync"]) == 4
+        assert rb["runs"] == 1 and ra["runs"] == 6  # 6 parameters
+
+
 def _fault(rank, world, kw):
     from dist_workers import fault_injection
 

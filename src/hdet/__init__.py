@@ -1,6 +1,7 @@
 """hdet: Hyperparameter-Divergent Ensemble Training (arXiv 2604.24708) on torch.distributed."""
 
 from .controller import FitController, PaperController, gamma_as_printed, gamma_decay, softmax_weights
+from .flat import contiguous_parameters_
 from .ensemble import Ensemble, HDETConfig, NonFiniteReplicaError, ReplicaSyncError, SyncRecord
 from .hyper import (AdamBeta, Dropout, GradClip, Hyperparameter, LabelSmoothing, Setter, Spread, WeightDecay,
                     group_params)
@@ -43,4 +44,5 @@ __all__ = [
     "group_params",
     "ReplayLR",
     "SyncLogger",
+    "contiguous_parameters_",
 ]

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .flat import contiguous_runs
+
 __all__ = ["Replicas", "SingleReplica", "ProcessGroupReplicas", "LocalReplicaGroup", "LocalReplica", "plan_buckets",
            "resolve_replicas"]
 
@@ -86,7 +88,8 @@ class ProcessGroupReplicas(Replicas):
     """One replica per rank of a process group (the default group when ``group`` is None).
 
     ``bucket_cap_mb`` bounds the extra memory of averaging: two flat buckets at a time (one being
-    reduced while the next is flattened), never a copy of the whole model. Averaging runs in each tensor's own dtype; NCCL averages with
+    reduced while the next is flattened), never a copy of the whole model; contiguous parameters
+    (:func:`hdet.contiguous_parameters_`) need no bucket at all. Averaging runs in each tensor's own dtype; NCCL averages with
     ``ReduceOp.AVG`` (its own accumulation precision), other backends sum then divide by N."""
 
     def __init__(self, group: Any = None, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, shard_group: Any = None) -> None:
@@ -124,33 +127,48 @@ class ProcessGroupReplicas(Replicas):
         return out.view(self.world_size, -1).cpu()  # host sync
 
     def average_(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int] = ()) -> None:
-        """Bucketed and pipelined: while bucket k is being all-reduced, bucket k+1 is flattened (at most
-        two buckets of extra memory), then bucket k is copied back."""
+        """Tensors that lie back to back in one storage (:func:`hdet.flat.contiguous_parameters_`), and
+        any tensor of at least one bucket, are all-reduced where they live: no copy. The rest goes
+        through flat buckets, pipelined: while bucket k is being all-reduced, bucket k+1 is flattened (at
+        most two buckets of extra memory), then bucket k is copied back."""
         if self.world_size == 1 or not tensors:
             return
         n = self.world_size - len(set(exclude))
         use_avg = "nccl" in self.backend and n == self.world_size
         op = dist.ReduceOp.AVG if use_avg else dist.ReduceOp.SUM
+        excluded = self.rank in exclude
 
-        def finish(item: tuple[Any, torch.Tensor, list[torch.Tensor]]) -> None:
+        def finish(item: tuple[Any, torch.Tensor, list[torch.Tensor] | None]) -> None:
             work, flat, bucket = item
             work.wait()  # NCCL: the current stream waits for the collective (no host block)
             if not use_avg:
                 flat.div_(n)
-            torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))
+            if bucket is not None:
+                torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))
 
         with torch.no_grad():
-            in_flight: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
-            for idx in plan_buckets(tensors, self.cap_bytes):
-                bucket = [tensors[i] for i in idx]
+            in_place, rest = [], []
+            for idx, flat in contiguous_runs(tensors):
+                if flat is not None and (len(idx) > 1 or flat.numel() * flat.element_size() >= self.cap_bytes):
+                    in_place.append(flat)
+                else:
+                    rest.extend(idx)
+            direct = []
+            for flat in in_place:
+                if excluded:
+                    flat.zero_()  # NaN * 0 is NaN: contribute exact zeros instead (this replica gets the mean)
+                direct.append((dist.all_reduce(flat, op=op, group=self.group, async_op=True), flat, None))  # COLLECTIVE (one per run)
+            in_flight: list[tuple[Any, torch.Tensor, list[torch.Tensor] | None]] = []
+            for idx in plan_buckets([tensors[i] for i in rest], self.cap_bytes):
+                bucket = [tensors[rest[i]] for i in idx]
                 flat = _flatten_dense_tensors(bucket)
-                if self.rank in exclude:
-                    flat.zero_()  # NaN * 0 is NaN: contribute exact zeros instead
+                if excluded:
+                    flat.zero_()
                 work = dist.all_reduce(flat, op=op, group=self.group, async_op=True)  # COLLECTIVE (one per bucket)
                 in_flight.append((work, flat, bucket))
                 if len(in_flight) > 1:
                     finish(in_flight.pop(0))
-            for item in in_flight:
+            for item in direct + in_flight:
                 finish(item)
 
 

@@ -1,0 +1,76 @@
+"""Contiguous parameters: lay a module's parameters out back to back, so a converge step all-reduces
+them where they live, with no copy.
+
+A converge step averages every weight (Eq. 3). Parameters that are separate tensors must be copied into
+a flat bucket, all-reduced, and copied back: two extra passes over the model's memory.
+:func:`contiguous_parameters_` makes each (device, dtype) group of a module's parameters views of one
+flat buffer; :func:`contiguous_runs` finds such runs in any list of tensors, and
+``ProcessGroupReplicas.average_`` all-reduces each run in place (one collective over the run's own
+memory), so the converge step is as cheap as one all_reduce of a ready flat buffer of the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["contiguous_parameters_", "contiguous_runs"]
+
+
+def contiguous_parameters_(module: nn.Module) -> dict[tuple[torch.device, torch.dtype], torch.Tensor]:
+    """Make every parameter of ``module`` a view of one flat buffer per (device, dtype), in
+    ``module.parameters()`` order (values unchanged, the same ``Parameter`` objects). Returns the buffers.
+
+    Call it after moving the module to its device and before wrapping it (DDP, torch.compile) and
+    building the optimizer; a later ``module.to(...)`` gives each parameter its own storage again (the
+    averaging then falls back to copying through buckets: slower, same result). Gradients keep their
+    own layout (DDP's ``gradient_as_bucket_view`` handles those)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
+    for p in module.parameters():
+        groups.setdefault((p.device, p.dtype), []).append(p)
+    flats = {}
+    with torch.no_grad():
+        for (device, dtype), params in groups.items():
+            flat = torch.empty(sum(p.numel() for p in params), device=device, dtype=dtype)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                view = flat[offset:offset + n].view_as(p)
+                view.copy_(p)
+                p.data = view
+                offset += n
+            flats[(device, dtype)] = flat
+    return flats
+
+
+def contiguous_runs(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor | None]]:
+    """Split ``tensors`` (in order) into runs of consecutive tensors that lie back to back in one
+    storage (same device and dtype, each contiguous). Returns ``(indices, flat)`` per run, where ``flat``
+    is a 1-D view of the run's memory (writing it writes the tensors), or None for a tensor that cannot
+    be viewed so (not contiguous)."""
+    runs: list[tuple[list[int], torch.Tensor | None]] = []
+    start = end = -1  # storage offsets (elements) of the open run
+    for i, t in enumerate(tensors):
+        if not t.is_contiguous():
+            runs.append(([i], None))
+            start = -1
+            continue
+        prev = tensors[runs[-1][0][-1]] if runs and runs[-1][1] is not None and start >= 0 else None
+        if (prev is not None and t.device == prev.device and t.dtype == prev.dtype
+                and t.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+                and t.storage_offset() == end):
+            runs[-1][0].append(i)
+            end += t.numel()
+        else:
+            runs.append(([i], t))
+            start, end = t.storage_offset(), t.storage_offset() + t.numel()
+    out = []
+    for idx, first in runs:
+        if first is None:
+            out.append((idx, None))
+        else:
+            total = sum(tensors[i].numel() for i in idx)
+            out.append((idx, first.detach().as_strided((total,), (1,), first.storage_offset())))
+    return out

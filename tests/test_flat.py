@@ -1,0 +1,41 @@
+"""hdet.flat: contiguous parameters and the runs the converge step all-reduces in place."""
+
+import torch
+from torch import nn
+
+import hdet
+from hdet.flat import contiguous_runs
+
+
+def _model():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10))
+    m[1].weight = m[0].weight  # tied: one parameter, listed once
+    m.extra = nn.Parameter(torch.randn(3, dtype=torch.float64))
+    return m
+
+
+def test_contiguous_parameters_keep_values_objects_and_ties():
+    m = _model()
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    ids = [id(p) for p in m.parameters()]
+    flats = hdet.contiguous_parameters_(m)
+    assert [id(p) for p in m.parameters()] == ids and m[1].weight is m[0].weight
+    assert all(torch.equal(p, before[n]) for n, p in m.named_parameters())
+    assert [d for _, d in flats] == [torch.float64, torch.float32]  # m.extra is listed first and flats[(torch.device("cpu"), torch.float32)].numel() == 50
+    runs = contiguous_runs(list(m.parameters()))
+    assert [idx for idx, _ in runs] == [[0], [1, 2]]  # the float64 one; the tied weight + bias in one run
+    runs[1][1].fill_(7.0)  # the run's view is the parameters' own memory
+    assert (m[0].weight == 7).all() and (m[1].bias == 7).all()
+    out = m[1](torch.ones(2, 4)).sum()
+    out.backward()  # autograd is unaffected
+    assert m[0].weight.grad is not None and m[0].weight.grad.shape == (10, 4)
+
+
+def test_runs_break_at_gaps_transposes_and_dtypes():
+    buf = torch.arange(20.0)
+    a, b, c = buf[0:4], buf[4:8], buf[10:14]  # a, b back to back; c after a gap
+    t = buf[:16].view(4, 4).t()  # not contiguous
+    runs = contiguous_runs([a, b, c, t, torch.zeros(3, dtype=torch.float64)])
+    assert [idx for idx, _ in runs] == [[0, 1], [2], [3], [4]]
+    assert runs[0][1].data_ptr() == a.data_ptr() and runs[0][1].numel() == 8 and runs[2][1] is None
