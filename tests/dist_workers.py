@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -49,9 +50,10 @@ class Probe:
 
 def train(rank, world, *, steps=40, alpha=0.0, T=10, auto=False, warm=10, use_hdet=True, seed_model=0,
           uneven_rng=False, check_syncs=False, save_at=None, ckpt_dir=None, resume_from=None, opt="adam",
-          loss_scale=0.05, controller="paper", contiguous=False):
+          loss_scale=0.05, controller="paper", contiguous=False, local=False):
     """DDP training of make_model() on rank-specific batches; returns a dict of observations.
-    ``contiguous``: parameters laid out in one flat buffer (hdet.contiguous_parameters_)."""
+    ``contiguous``: parameters laid out in one flat buffer (hdet.contiguous_parameters_); ``local``: DDP's
+    no_sync() on every step (no gradient all-reduce between converge steps)."""
     model = make_model(seed_model)
     if contiguous:
         hdet.contiguous_parameters_(model)
@@ -76,9 +78,10 @@ def train(rank, world, *, steps=40, alpha=0.0, T=10, auto=False, warm=10, use_hd
            "mults_after_control": [], "rng_untouched": True, "nbt": None}
     for t in range(start + 1, steps + 1):
         x, y = batch(rank, t)
-        loss = nn.functional.mse_loss(ddp(x), y)
-        o.zero_grad()
-        loss.backward()
+        with ddp.no_sync() if local else contextlib.nullcontext():
+            loss = nn.functional.mse_loss(ddp(x), y)
+            o.zero_grad()
+            loss.backward()
         o.step()
         if uneven_rng and rank == 1:
             torch.rand(3)  # this rank consumes the global RNG more than the others
@@ -215,7 +218,8 @@ def averaging_collectives(rank, world, n_tensors, numel, cap_mb, layout="separat
     return {"calls": len(calls), "close": close, "same_storage": ptrs == [t.data_ptr() for t in tensors]}
 
 
-def engine_run(world, *, steps=30, alpha=0.3, T=10, auto=False, warm=10, opt="adam", mode="loop", controller="paper"):
+def engine_run(world, *, steps=30, alpha=0.3, T=10, auto=False, warm=10, opt="adam", mode="loop", controller="paper",
+               local=False):
     """The same training as ``train`` (BatchNorm, rank-specific batches) in the one-process engine."""
     from hdet.engine import ReplicaEngine
 
@@ -228,7 +232,7 @@ def engine_run(world, *, steps=30, alpha=0.3, T=10, auto=False, warm=10, opt="ad
                                               model_sync_interval=T, enable_auto_lr=auto, auto_lr_warmup_steps=warm,
                                               loss_scale=0.05, model=m, seed=3, replicas=rep, controller=controller,
                                               probe=Probe() if controller == "fit" else None),
-        mode=mode)
+        mode=mode, share_gradients=not local)
     assert eng.mode == mode
     lrs = [[s.get_last_lr()[0] for s in eng.schedulers]]
     for t in range(1, steps + 1):

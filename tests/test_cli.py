@@ -132,9 +132,11 @@ def test_unwritable_output_folder_real_entry_point(tmp_path):
 
 
 @pytest.mark.distributed
-def test_train_under_torchrun_matches_engine(tmp_path):
-    """The same command under torchrun (2 gloo processes, real DDP) and in the engine (2 replicas)."""
-    args = [*TINY, "--steps", "8", "--alpha", "0.3", "--mode", "loop"]
+@pytest.mark.parametrize("local", [False, True])
+def test_train_under_torchrun_matches_engine(tmp_path, local):
+    """The same command under torchrun (2 gloo processes, real DDP) and in the engine (2 replicas);
+    also in local mode (--no-grad-sync: DDP's no_sync, the engine's share_gradients=False)."""
+    args = [*TINY, "--steps", "8", "--alpha", "0.3", "--mode", "loop"] + ["--no-grad-sync"] * local
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
                         "-m", "hdet", "train", *args, "--out", str(tmp_path / "ddp")],
@@ -142,6 +144,7 @@ def test_train_under_torchrun_matches_engine(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert ddp["mode"] == "ddp-gloo" and ddp["replicas"] == 2
+    assert json.loads((tmp_path / "ddp" / "config.json").read_text())["config"]["local"] is local
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

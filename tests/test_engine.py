@@ -55,6 +55,27 @@ def test_engine_equals_gloo_processes(world, auto, mode):
         assert [row[r] for row in eng["lrs"]] == pytest.approx(dist_res[r]["lrs"], rel=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["loop", "vmap"])
+def test_engine_local_mode_equals_gloo_processes_under_no_sync(mode):
+    """share_gradients=False is DDP's no_sync() on every step: 2 gloo processes against the engine,
+    SGD, spread and auto-LR, 3 syncs; the replicas differ between syncs (no gradient sharing)."""
+    kw = dict(steps=30, alpha=0.3, T=10, auto=True, warm=10, opt="sgd", local=True)
+    dist_res = check_ok(run_gloo(_train_kw, 2, {**kw, "check_syncs": True}))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        eng = engine_run(2, mode=mode, **kw)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(dist_res[0]["differ_before_sync"]) and all(dist_res[0]["equal_after_sync"])
+    for r in range(2):
+        for p_eng, p_dist in zip(eng["params"][r], dist_res[r]["params"]):
+            torch.testing.assert_close(p_eng, p_dist, rtol=1e-5, atol=1e-6)
+        assert [row[r] for row in eng["lrs"]] == pytest.approx(dist_res[r]["lrs"], rel=1e-6)
+    shared = engine_run(2, mode=mode, **{**kw, "local": False})
+    assert not torch.allclose(shared["params"][0][0], eng["params"][0][0])  # local mode is another run
+
+
 def test_engine_bad_input():
     from torch import nn
 

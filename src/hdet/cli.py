@@ -40,6 +40,8 @@ def _train_args(p: argparse.ArgumentParser, steps: int, out: str) -> None:
     p.add_argument("--tie-lr-groups", action=argparse.BooleanOptionalAction, default=d.tie_lr_groups,
                    help="one LR multiplier per replica for all param groups (default: on with the fit controller, "
                    "as measured; otherwise one multiplier per group, as in the paper)")
+    p.add_argument("--grad-sync", action=argparse.BooleanOptionalAction, default=True, help="average gradients every "
+                   "step (DDP); --no-grad-sync is the local mode: replicas meet only at converge steps, every T steps")
     p.add_argument("--warmup", type=int, default=None, help="auto-LR warmup steps (default: the end of OneCycle's warm-up, "
                    "30%% of the run, for the fit controller; half the run for the paper's)")
     p.add_argument("--max-lr", type=float, default=d.max_lr)
@@ -65,7 +67,7 @@ def _train_args(p: argparse.ArgumentParser, steps: int, out: str) -> None:
 def _config(a: argparse.Namespace) -> RunConfig:
     return RunConfig(task=a.task, data=a.data, replicas=a.replicas, steps=a.steps, batch=a.batch, alpha=a.alpha,
                      T=a.T, auto_lr=a.auto_lr, warmup=a.warmup, controller=a.controller,
-                     probe_batches=a.probe_batches, tie_lr_groups=a.tie_lr_groups, max_lr=a.max_lr, weight_decay=a.weight_decay,
+                     probe_batches=a.probe_batches, tie_lr_groups=a.tie_lr_groups, local=not a.grad_sync, max_lr=a.max_lr, weight_decay=a.weight_decay,
                      dropout=a.dropout, warm_init=a.warm_init, init_from=a.init_from, ctx=a.ctx, width=a.width,
                      layers=a.layers, device=a.device, mode=a.mode, seed=a.seed, out=a.out,
                      eval_every=a.eval_every, tensorboard=a.tensorboard, progress=a.progress,

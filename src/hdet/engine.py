@@ -18,6 +18,9 @@ Two ways to run the replicas:
 
 ``mode="auto"`` (default) uses vmap and falls back to the loop, with a warning naming the reason, if
 the first step cannot be vectorised (data-dependent control flow, ``.item()`` in forward, ...).
+
+``share_gradients=False`` is the local mode (DDP's ``no_sync`` on every step): each replica steps on
+its own gradient and the replicas meet only at converge steps.
 """
 
 from __future__ import annotations
@@ -99,11 +102,13 @@ class ReplicaEngine:
     ``before_optimizer_step(r, module, optimizer)`` runs for every replica after the gradients are
     averaged (e.g. ``clip.clip_(module.parameters())`` with an explored :class:`hdet.GradClip`). Explored
     hyperparameters that live in a module's Python state (dropout p, label smoothing, ...) make
-    ``mode="auto"`` use the loop: vmap would share one value across replicas."""
+    ``mode="auto"`` use the loop: vmap would share one value across replicas. ``share_gradients=False``:
+    local mode, no gradient averaging between converge steps (as DDP under ``no_sync()``)."""
 
     def __init__(self, model: nn.Module, num_replicas: int, make_optimizer: MakeOptimizer,
                  make_scheduler: MakeScheduler, *, mode: str = "auto", compile: bool = False,
-                 before_optimizer_step: Callable[[int, nn.Module, torch.optim.Optimizer], None] | None = None) -> None:
+                 before_optimizer_step: Callable[[int, nn.Module, torch.optim.Optimizer], None] | None = None,
+                 share_gradients: bool = True) -> None:
         if mode not in MODES:
             raise ValueError(f"Expected mode in {MODES}, but got {mode!r}")
         self.group = LocalReplicaGroup(num_replicas)
@@ -128,6 +133,7 @@ class ReplicaEngine:
                                  "Python state, which vmap shares across replicas: use mode='loop' or 'auto'")
             self.mode = "loop"  # per-replica Python attributes (dropout p, ...) need one module call each
         self.before_optimizer_step = before_optimizer_step
+        self.share_gradients = share_gradients
         self.steps_taken = 0
         self._call = _Call(self.models[0])
         self.compile = compile
@@ -162,7 +168,8 @@ class ReplicaEngine:
         self._call_buffers = {"m." + k: v for k, v in self.stacked_buffers.items()}
 
     def _vmap_losses(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
-        """Forward + backward of all replicas at once; leaves ``sum_r g_r / N`` in every replica's grad."""
+        """Forward + backward of all replicas at once; leaves ``sum_r g_r / N`` in every replica's grad
+        (its own ``g_r`` in local mode)."""
         fn = self._fns.get(loss_fn)
         if fn is None:
             def one(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], x: Any) -> torch.Tensor:
@@ -178,6 +185,8 @@ class ReplicaEngine:
         if losses.shape != (self.num_replicas,):
             raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(losses.shape[1:])}")
         losses.sum().backward()
+        if not self.share_gradients:  # local mode: each replica keeps its own gradient
+            return losses.detach()
         with torch.no_grad():
             for s in self.stacked_params.values():
                 if s.grad is not None:  # DDP's all-reduce over the replica axis: every replica gets the mean
@@ -204,7 +213,8 @@ class ReplicaEngine:
                 raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(loss.shape)}")
             loss.backward()
             losses.append(loss.detach())
-        self._average_gradients()
+        if self.share_gradients:
+            self._average_gradients()
         return torch.stack(losses)
 
     def _average_gradients(self) -> None:

@@ -9,6 +9,7 @@ per-replica window losses, multipliers and values, controller weights w, Delta, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -62,6 +63,7 @@ class RunConfig:
     controller: str = "fit"  # auto-LR controller: fit | paper
     probe_batches: int = 4  # fit controller: batches (of --batch examples) in each sync's common probe
     tie_lr_groups: bool | None = None  # one LR multiplier per replica for all groups; None: with the fit controller
+    local: bool = False  # local mode: no gradient averaging between converge steps (DDP no_sync)
     eq8: str = "decay"
     warm_init: bool = False
     nu: float = 0.01
@@ -186,7 +188,7 @@ class _EngineReplicas:
     def __init__(self, task: Task, model: nn.Module, N: int, cfg: RunConfig, warmup: int, device: torch.device) -> None:
         self.task = task
         self.engine = ReplicaEngine(model, N, _make_optimizer(task, cfg), _make_scheduler(cfg, warmup, task, device),
-                                    mode=cfg.mode,
+                                    mode=cfg.mode, share_gradients=not cfg.local,
                                     before_optimizer_step=self._clip_grads)
         self.local = list(range(N))
         self.N = N
@@ -228,13 +230,15 @@ class _DDPReplicas:
         self.local = [dist.get_rank()]
         self.N = dist.get_world_size()
         self.mode = "ddp-" + dist.get_backend()
+        self.local_mode = cfg.local
         if cfg.warm_init:
             warm_init_(model, nu=cfg.nu, seed=cfg.seed)  # rank from the process group
 
     def step(self, batches: list[Any]) -> torch.Tensor:
-        loss = self.task.loss_fn(self.ddp, batches[0])
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # gradient all-reduce (DDP)
+        with self.ddp.no_sync() if self.local_mode else contextlib.nullcontext():  # local mode: no all-reduce
+            loss = self.task.loss_fn(self.ddp, batches[0])
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # COLLECTIVE: gradient all-reduce (DDP), unless local mode
         clip = _clip(self.schedulers[0])
         if clip is not None:
             clip.clip_(self.model.parameters())
