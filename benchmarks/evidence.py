@@ -95,6 +95,10 @@ def main() -> None:
     ap.add_argument("--sync-interval", type=int, default=None, metavar="T",
                     help="a follow-up: only HDET none/fit at --follow-starts with this T (names get a -T<n> suffix)")
     ap.add_argument("--follow-starts", default="1,0.1", help="the follow-up's starts, x the grid's best max_lr")
+    ap.add_argument("--follow-controllers", default="fit,none",
+                    help="the follow-up's runs: fit, none (HDET spread), plain (alpha 0: data parallel at that max_lr)")
+    ap.add_argument("--local", action="store_true", help="the follow-up in local mode (no gradient averaging between "
+                    "converge steps; names get a -local suffix)")
     a = ap.parse_args()
     t_start = time.time()
     deadline = t_start + a.deadline
@@ -186,12 +190,12 @@ def main() -> None:
                 later += [job("t1-" + n.lower().replace(" ", "-").replace("/", "").replace("(", "").replace(")", "")
                               .replace("[", "").replace("]", ""), "table1", label=n, **o) for n, o in rows]
         if a.sync_interval:  # the follow-up replaces the main suite
-            Tn = a.sync_interval
-            later = [job(f"{ctrl}-{start:g}x-T{Tn}-s{seed}", f"{ctrl}-T{Tn}", alpha=ALPHA, max_lr=best_lr * start,
-                         seed=seed, T=Tn, warmup=-(-warm // Tn) * Tn,
+            Tn, sfx = a.sync_interval, "-local" * a.local
+            later = [job(f"{ctrl}-{start:g}x-T{Tn}{sfx}-s{seed}", f"{ctrl}-T{Tn}{sfx}", alpha=0.0 if ctrl == "plain" else ALPHA,
+                         max_lr=best_lr * start, seed=seed, T=Tn, warmup=-(-warm // Tn) * Tn, local=a.local,
                          **(dict(auto_lr=True, controller="fit", tie_lr_groups=True) if ctrl == "fit" else {}))
                      for seed in (0, 1, 2) for start in [float(x) for x in a.follow_starts.split(",")]
-                     for ctrl in ("fit", "none")]
+                     for ctrl in a.follow_controllers.split(",")]
         run_all(later, pool)
 
     import torch

@@ -132,16 +132,31 @@ def report(path: Path) -> str:
             else:
                 ok, txt = m <= best * 1.02, f"{100 * (m / best - 1):+.2f}% from the grid best (target <= +2%)"
             lines.append(f"- {ctrl}, recover from {start:g}x: {txt}: **{'met' if ok else 'not met'}**")
-    # follow-ups with another sync interval
-    Ts = sorted({int(n.split("-T")[1].split("-")[0]) for n in by if "-T" in n})
-    for Tn in Ts:
-        lines += ["", f"## Follow-up: T = {Tn} instead of {d['size']['T']} (HDET without and with the fit controller)",
-                  "", f"| start | controller | {unit} | vs no controller (same T) | vs grid best | "
+    # follow-ups with another sync interval, and local mode
+    sfxs = sorted({"-T" + n.split("-T")[1].rsplit("-s", 1)[0] for n in by if "-T" in n},
+                  key=lambda x: (x.endswith("-local"), int(x[2:].split("-")[0])))
+    for sfx in sfxs:
+        Tn, local = int(sfx[2:].split("-")[0]), sfx.endswith("-local")
+        title = (f"Local mode (no gradient averaging between converge steps), T = {Tn}" if local else
+                 f"Follow-up: T = {Tn} instead of {d['size']['T']} (HDET without and with the fit controller)")
+        lines += ["", f"## {title}", "", f"| start | controller | {unit} | vs no controller (same T) | vs grid best | "
                   "LR factor at 45% / 60% of the run |", "|---|---|---|---|---|---|"]
         for start in (0.1, 1.0, 10.0):
-            for ctrl in ("none", "fit"):
-                if (r := row(ctrl, start, f"-T{Tn}")) is not None:
+            for ctrl in ("plain", "none", "fit"):
+                if (r := row(ctrl, start, sfx)) is not None:
                     lines.append(r[0])
+        if local:  # the same runs with gradients averaged every step
+            lines += ["", f"Local against gradients averaged every step (T = {Tn}, 1x; plain: the grid at the same "
+                      "max_lr, where T does not matter):", "", "| controller | local | shared | local vs shared |",
+                      "|---|---|---|---|"]
+            m_best = d["best_max_lr"] / d["grid_centre"]
+            for ctrl in ("plain", "none", "fit"):
+                shared_name = (f"grid-{m_best:g}x" if ctrl == "plain" else
+                               f"{ctrl}-1x" + ("" if Tn == d["size"]["T"] else f"-T{Tn}"))
+                xl, xs = seeds(f"{ctrl}-1x{sfx}"), seeds(shared_name)
+                if xl and xs:
+                    ml, ms = statistics.mean(xl), statistics.mean(xs)
+                    lines.append(f"| {ctrl} | {fmt(xl, task)} | {fmt(xs, task)} | {diff(ml, ms)} |")
     # Table 1
     t1 = [r for r in runs if r["name"].startswith("t1-") and "cfg" in r]
     if t1:
