@@ -5,15 +5,20 @@ Run with torchrun on 2+ GPUs (NCCL; gloo on CPU for a smoke test with --tiny):
     torchrun --nproc-per-node 2 benchmarks/ddp_overhead.py            # GPT ~124M, bf16 autocast
     torchrun --nproc-per-node 2 benchmarks/ddp_overhead.py --tiny     # CPU smoke test
 
-1. Step time, interleaved in one run: three models train side by side in blocks of --block steps, round
-   robin: plain DDP + OneCycleLR, HDET at T = 100 and HDET at T = 1000 (alpha 0.2). Ratios HDET / plain
-   over the same number of steps (syncs included).
-   Also both without the gradient guard (``guard_gradients=False``), to show its share, and local mode
-   (``ddp.no_sync()`` every step: no gradient all-reduce between converge steps).
-2. One converge step's averaging (``ProcessGroupReplicas.average_`` over the weights) against one
-   all_reduce of a ready flat buffer of the same bytes (the floor), and against the reference's loop of
-   one all_reduce per parameter; medians of --reps.
-Rank 0 prints one JSON line.
+1. Step time, interleaved in one run: the models train side by side in blocks of --block steps, round
+   robin: plain DDP + OneCycleLR, and HDET (alpha 0.2) at T = 100 and T = 1000 with the default gradient
+   guard ("auto": "skip" for this fused AdamW), with the comm-hook guard ("hook"), without a guard, with
+   contiguous parameters (``hdet.contiguous_parameters_``) and in local mode (``ddp.no_sync()`` every
+   step: no gradient all-reduce between converge steps). Ratios HDET / plain over the same steps (syncs
+   included).
+2. No host sync on non-sync steps: 2T more steps of the default HDET model with
+   ``torch.cuda.set_sync_debug_mode("error")`` on every non-sync step (any host sync raises).
+3. One converge step's averaging (``ProcessGroupReplicas.average_`` over the weights) against one
+   all_reduce of a ready flat buffer of the same bytes (the floor): the model's own separate parameters
+   (bucketed copies, 25 and 100 MB buckets), the same tensors laid out contiguously (in place, no copy),
+   the reference's loop of one all_reduce per parameter, and that loop coalesced into one NCCL group
+   (``_coalescing_manager``); medians of --reps.
+Rank 0 prints one JSON line (and writes it to --out when given).
 """
 
 import argparse
@@ -22,6 +27,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -43,6 +49,7 @@ def main() -> None:
     p.add_argument("--only", default=None, help="comma list of HDET configs to run next to plain")
     p.add_argument("--converge-only", action="store_true", help="skip the step-time part (one HDET model)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="HDET's averaging bucket size")
+    p.add_argument("--out", default=None, help="also write the JSON line here (rank 0)")
     a = p.parse_args()
     cuda = torch.cuda.is_available() and not a.tiny
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -60,38 +67,44 @@ def main() -> None:
             torch.cuda.synchronize()
 
     runs = {}
-    configs = [("plain", None, True), ("hdet_T100", 100, True), ("hdet_T1000", 1000, True),
-               ("hdet_T100_noguard", 100, False), ("hdet_T1000_noguard", 1000, False),
-               ("hdet_T100_stock_python_hook", 100, "stock"), ("hdet_T100_local", 100, "local")]
-    configs = [c for c in configs if c[0] == "plain" or a.only is None or c[0] in a.only.split(",")]
+    # name: (T, guard_gradients, local mode, contiguous parameters)
+    configs = {"plain": (None, False, False, False), "hdet_T100": (100, "auto", False, False),
+               "hdet_T1000": (1000, "auto", False, False), "hdet_T100_hook": (100, "hook", False, False),
+               "hdet_T100_noguard": (100, False, False, False), "hdet_T1000_noguard": (1000, False, False, False),
+               "hdet_T100_contiguous": (100, "auto", False, True), "hdet_T100_local": (100, "auto", True, False)}
+    configs = {k: v for k, v in configs.items() if k == "plain" or a.only is None or k in a.only.split(",")}
     if a.converge_only:
-        configs = [("hdet_T100", 100, True)]
-    for name, T, guard in configs:
+        configs = {"hdet_T100": configs.get("hdet_T100", (100, "auto", False, False))}
+    for name, (T, guard, local, contiguous) in configs.items():
         T = T if T is None or not a.tiny else T // 10
         torch.manual_seed(0)
         model = ByteGPT(ctx, d, layers, heads, vocab=vocab).to(dev)  # GPT-2 small's shape at vocab 50304
+        if contiguous:
+            hdet.contiguous_parameters_(model)
         ddp = DDP(model, device_ids=[dev.index] if cuda else None)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=6e-4, weight_decay=0.1, fused=cuda)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=6e-4, weight_decay=0.1, fused=True)
         if T is None:
-            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=6e-4, total_steps=steps)
-        else:
-            sched = hdet.OneCycleAutoLR(opt, max_lr=6e-4, total_steps=steps, ensemble_lr_spread_ratio=0.2,
-                                        model_sync_interval=T, model=ddp, guard_gradients=guard is True,
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=6e-4, total_steps=steps + 300)
+        else:  # (+300: room for the host-sync check's steps after the timed ones)
+            sched = hdet.OneCycleAutoLR(opt, max_lr=6e-4, total_steps=steps + 300, ensemble_lr_spread_ratio=0.2,
+                                        model_sync_interval=T, model=ddp, guard_gradients=guard,
                                         bucket_cap_mb=a.bucket_mb)
-            if guard == "stock":  # torch's own Python allreduce hook: the cost of any Python comm hook
-                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-                ddp.register_comm_hook(None, allreduce_hook)
         runs[name] = {"model": model, "ddp": ddp, "opt": opt, "sched": sched, "T": T, "seconds": 0.0, "done": 0,
-                      "local": guard == "local",
+                      "local": local, "guard": getattr(sched, "gradient_guard", None),
                       "params": sum(q.numel() for q in model.parameters())}
     g = torch.Generator(device=dev).manual_seed(rank)
     data = torch.randint(0, vocab, (4, a.batch, ctx + 1), device=dev, generator=g)
 
-    def train_block(run: dict, n: int) -> None:
+    def train_block(run: dict, n: int, check_sync: bool = False) -> int:
         sync_dev()
         t0 = time.perf_counter()
+        checked = 0
         for _ in range(n):
             b = data[run["done"] % 4]
+            quiet = check_sync and not run["sched"].ensemble.is_sync_step(run["done"] + 1)
+            if quiet:  # a non-sync step: any host-device sync raises
+                torch.cuda.set_sync_debug_mode("error")
+                checked += 1
             # local mode: no gradient all-reduce at all between converge steps (DDP's no_sync)
             with run["ddp"].no_sync() if run["local"] else contextlib.nullcontext():
                 with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
@@ -101,25 +114,35 @@ def main() -> None:
                 loss.backward()
             run["opt"].step()
             run["sched"].step(loss) if run["T"] else run["sched"].step()
+            if quiet:
+                torch.cuda.set_sync_debug_mode(0)
             run["done"] += 1
         sync_dev()
         run["seconds"] += time.perf_counter() - t0
+        return checked
 
     warm = 10
-    out = {"command": "torchrun --nproc-per-node {} benchmarks/ddp_overhead.py{}{}".format(
-               world, " --tiny" * a.tiny, " --converge-only" * a.converge_only) + (f" --bucket-mb {a.bucket_mb:g}" if a.bucket_mb != 25 else ""),
+    out = {"command": f"torchrun --nproc-per-node {world} benchmarks/ddp_overhead.py " + " ".join(sys.argv[1:]),
            "world": world, "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "python": platform.python_version(),
            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-           "params": next(iter(runs.values()))["params"]}
+           "params": next(iter(runs.values()))["params"],
+           "guards": {k: r["guard"] for k, r in runs.items() if r["T"]}}
     if not a.converge_only:
         out.update(step_times(runs, train_block, steps, warm, block, a, ctx))
-    ens = next(r["sched"].ensemble for r in runs.values() if r["T"])
+    main_run = next(r for r in runs.values() if r["T"])
     if a.converge_only:
-        train_block(next(r for r in runs.values() if r["T"]), 2)  # optimizer state exists, weights are real
-    converge(out, ens, dev, a.reps, sync_dev)
+        train_block(main_run, 2)  # optimizer state exists, weights are real
+    if cuda:  # 2. no host sync on non-sync steps (the default guard included)
+        out["sync_debug_mode_error"] = {"config": next(k for k, r in runs.items() if r is main_run),
+                                        "guard": main_run["guard"],
+                                        "non_sync_steps_checked": train_block(main_run, 2 * main_run["T"], True)}
+    converge(out, main_run["sched"].ensemble, dev, a.reps, sync_dev)
     if rank == 0:
         print(json.dumps(out), flush=True)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(out, f, indent=1)
     dist.destroy_process_group()
 
 
@@ -142,12 +165,20 @@ def step_times(runs, train_block, steps, warm, block, a, ctx) -> dict:
 
 def converge(out: dict, ens, dev, reps: int, sync_dev) -> None:
     """One converge step's averaging against the floor (one all_reduce of a ready flat buffer of the same
-    bytes) and against the reference's loop of one all_reduce per parameter."""
+    bytes): separate parameters (bucketed copies), contiguous ones (in place), the reference's loop of one
+    all_reduce per parameter, and that loop in one NCCL group."""
     tensors = ens.tensors()
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     flat = torch.zeros(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=dev)
+    cont = torch.cat([t.detach().reshape(-1) for t in tensors])  # the same tensors laid out back to back
+    views, o = [], 0  # (what hdet.contiguous_parameters_ does)
+    for t in tensors:
+        views.append(cont[o:o + t.numel()].view_as(t))
+        o += t.numel()
+    big = hdet.ProcessGroupReplicas(bucket_cap_mb=100)
 
     def timed_op(fn) -> float:
+        fn()  # one untimed call (first-use set-up of the communicator for this buffer)
         times = []
         for _ in range(reps):
             dist.barrier()
@@ -158,13 +189,25 @@ def converge(out: dict, ens, dev, reps: int, sync_dev) -> None:
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
-    t_avg = timed_op(lambda: ens.replicas.average_(tensors))
-    t_flat = timed_op(lambda: dist.all_reduce(flat))
-    t_loop = timed_op(lambda: [dist.all_reduce(t) for t in tensors])  # the reference's way (no division)
+    def coalesced() -> None:
+        with dist._coalescing_manager(device=dev, async_ops=True) as cm:
+            for t in tensors:
+                dist.all_reduce(t)
+        cm.wait()
+
+    ms = {"converge_separate": timed_op(lambda: ens.replicas.average_(tensors)),
+          "converge_separate_100mb": timed_op(lambda: big.average_(tensors)),
+          "converge_contiguous": timed_op(lambda: ens.replicas.average_(views)),
+          "flat_all_reduce": timed_op(lambda: dist.all_reduce(flat)),
+          "per_tensor_loop": timed_op(lambda: [dist.all_reduce(t) for t in tensors])}  # the reference's way
+    try:
+        ms["per_tensor_coalesced"] = timed_op(coalesced)
+    except Exception as e:  # noqa: BLE001 - a private torch API: record why it did not run
+        out["per_tensor_coalesced_error"] = f"{type(e).__name__}: {e}"
     out.update({"averaged_tensors": len(tensors), "averaged_mb": nbytes / 2**20,
-                "ms_converge_average": 1000 * t_avg, "ms_flat_all_reduce": 1000 * t_flat,
-                "ms_per_tensor_loop": 1000 * t_loop, "ratio_converge_to_flat": t_avg / t_flat,
-                "ratio_loop_to_flat": t_loop / t_flat, "bucket_cap_mb": ens.replicas.cap_bytes / 2**20})
+                "bucket_cap_mb": ens.replicas.cap_bytes / 2**20,
+                "ms": {k: 1000 * v for k, v in ms.items()},
+                "ratio_to_flat": {k: v / ms["flat_all_reduce"] for k, v in ms.items() if k != "flat_all_reduce"}})
 
 
 if __name__ == "__main__":

@@ -136,6 +136,25 @@ def main() -> None:
     def expected(factor: float = 1.0) -> float:
         return factor * (sum(durations) / len(durations) if durations else 0.0)
 
+    def save(final: bool = False) -> None:
+        """Write --out (after every finished run, so a killed suite keeps what it finished)."""
+        import torch
+
+        out = {"command": "python " + " ".join(sys.argv), "task": a.task, "precision": "float32 weights, TF32 matmuls",
+               "size": SIZES[a.task], "steps": steps, "alpha": ALPHA, "controller_start_step": warm,
+               "grid_centre": centre, "grid": GRID, "starts": STARTS, "best_max_lr": best[0], "python": platform.python_version(),
+               "torch": torch.__version__,
+               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.machine(),
+               "wall_seconds": time.time() - t_start, "complete": final,
+               "runs": sorted(results, key=lambda r: r["name"])}
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=1))
+        if final:
+            print(f"wrote {a.out}: {sum('final_metrics' in r for r in results)} runs finished, "
+                  f"{sum('skipped' in r for r in results)} skipped, {sum('error' in r for r in results)} failed", flush=True)
+
+    best: list[float | None] = [None]
+
     def run_all(jobs: list[dict[str, Any]], pool: cf.ProcessPoolExecutor) -> None:
         todo = [j for j in jobs if j["name"] not in done]
         futs = [pool.submit(run_job, j, deadline, expected(1.1 if j["cfg"].get("auto_lr") else 1.0)) for j in todo]
@@ -147,6 +166,7 @@ def main() -> None:
             done[r["name"]] = r
             status = r.get("skipped") or r.get("error") or r.get("crashed") or r.get("final_metrics")
             print(f"[{time.time() - t_start:6.0f}s] {r['name']}: {status}", flush=True)
+            save()
 
     with cf.ProcessPoolExecutor(max_workers=a.jobs, mp_context=ctx) as pool:
         # 1. the grid (seed 0) and the pre-training run of the warm rows, together
@@ -158,6 +178,7 @@ def main() -> None:
         if not scored:
             raise SystemExit("every grid run crashed")
         best_lr = max(scored, key=lambda x: x[1])[0]
+        best[0] = best_lr
         i = min(range(len(GRID)), key=lambda k: abs(centre * GRID[k] - best_lr))
         neighbours = [GRID[k] for k in (i - 1, i, i + 1) if 0 <= k < len(GRID)]
         print(f"grid best max_lr {best_lr:g}", flush=True)
@@ -197,18 +218,7 @@ def main() -> None:
                      for seed in (0, 1, 2) for start in [float(x) for x in a.follow_starts.split(",")]
                      for ctrl in a.follow_controllers.split(",")]
         run_all(later, pool)
-
-    import torch
-
-    out = {"command": "python " + " ".join(sys.argv), "task": a.task, "precision": "float32 weights, TF32 matmuls", "size": SIZES[a.task], "steps": steps,
-           "alpha": ALPHA, "controller_start_step": warm, "grid_centre": centre, "grid": GRID, "starts": STARTS,
-           "best_max_lr": best_lr, "python": platform.python_version(), "torch": torch.__version__,
-           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.machine(),
-           "wall_seconds": time.time() - t_start, "runs": sorted(results, key=lambda r: r["name"])}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1))
-    print(f"wrote {a.out}: {sum('final_metrics' in r for r in results)} runs finished, "
-          f"{sum('skipped' in r for r in results)} skipped, {sum('error' in r for r in results)} failed", flush=True)
+    save(final=True)
 
 
 if __name__ == "__main__":

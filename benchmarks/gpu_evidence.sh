@@ -4,11 +4,24 @@
 # the four Fashion-MNIST gz files):
 #   bash benchmarks/gpu_evidence.sh grid OUT          # the grids (seed 0) + the DDP/engine check
 #   bash benchmarks/gpu_evidence.sh main OUT PREV     # everything else, skipping what PREV/*.json finished
+#   bash benchmarks/gpu_evidence.sh local OUT         # local mode (issue 6), next to the committed results
 set -u
 phase=$1; out=$2; prev=${3:-}
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 nvidia-smi -L > "$out/gpus.txt"; python -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__)" >> "$out/gpus.txt"
 mkdir -p runs
+if [ "$phase" = local ]; then  # no gradient averaging between converge steps, T = 100 and 25, from the grid's best
+  R=benchmarks/results/evidence
+  L="--sync-interval 100 --local --follow-starts 1 --follow-controllers plain,none,fit --deadline ${DEADLINE:-500}"
+  python benchmarks/evidence.py --task bytes --device cuda:0 --jobs 9 $L --previous $R/followup_T/bytes_T100.json --runs runs/l100 --out "$out/bytes_T100_local.json" > "$out/bytes_T100_local.log" 2>&1 &
+  python benchmarks/evidence.py --task fashion --device cuda:0 --data data/fashion --jobs 5 $L --previous $R/followup_T/fashion_T100.json --runs runs/l100 --out "$out/fashion_T100_local.json" > "$out/fashion_T100_local.log" 2>&1 &
+  L=${L/--sync-interval 100/--sync-interval 25}
+  python benchmarks/evidence.py --task bytes --device cuda:1 --jobs 9 $L --previous $R/final/bytes.json --runs runs/l25 --out "$out/bytes_T25_local.json" > "$out/bytes_T25_local.log" 2>&1 &
+  python benchmarks/evidence.py --task fashion --device cuda:1 --data data/fashion --jobs 5 $L --previous $R/final/fashion.json --runs runs/l25 --out "$out/fashion_T25_local.json" > "$out/fashion_T25_local.log" 2>&1 &
+  wait
+  tail -n 3 "$out"/*.log
+  exit 0
+fi
 A="--steps 300 --T 25 --width 128 --layers 2 --alpha 0.5 --max-lr 3e-3 --auto-lr --controller fit --tie-lr-groups --warmup 90 --no-progress"
 ( torchrun --standalone --nproc_per_node 2 -m hdet train $A --out runs/check-ddp > runs/check.log 2>&1
     python -m hdet train $A --replicas 2 --device cuda:0 --mode vmap --out runs/check-engine >> runs/check.log 2>&1
