@@ -137,6 +137,7 @@ def main() -> None:
         out["sync_debug_mode_error"] = {"config": next(k for k, r in runs.items() if r is main_run),
                                         "guard": main_run["guard"],
                                         "non_sync_steps_checked": train_block(main_run, 2 * main_run["T"], True)}
+    out["skip_guard_check"] = guard_cost(main_run, sync_dev)
     converge(out, main_run["sched"].ensemble, dev, a.reps, sync_dev)
     if rank == 0:
         print(json.dumps(out), flush=True)
@@ -161,6 +162,25 @@ def step_times(runs, train_block, steps, warm, block, a, ctx) -> dict:
             "ratio_to_plain": {k: r["seconds"] / runs["plain"]["seconds"] for k, r in runs.items() if r["T"]},
             "syncs": {k: sum(r["sched"].ensemble.is_sync_step(t) for t in range(warm + 1, steps + 1))
                       for k, r in runs.items() if r["T"]}}
+
+
+def guard_cost(run: dict, sync_dev, n: int = 50) -> dict:
+    """The "skip" guard's check alone on the model's real gradients: host time to enqueue it, and the time
+    until the device has run it (the larger of host and device time), per call."""
+    guard, opt = run["sched"].skip_guard, run["opt"]
+    if guard is None:
+        return {}
+    sync_dev()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        guard._pre(opt, (), {})
+        guard._post(opt, (), {})
+    t_host = time.perf_counter() - t0
+    sync_dev()
+    t_done = time.perf_counter() - t0
+    return {"ms_host": 1000 * t_host / n, "ms_until_done": 1000 * t_done / n,
+            "gradient_mb": sum(p.grad.numel() * p.grad.element_size() for p in run["model"].parameters()
+                               if p.grad is not None) / 2**20}
 
 
 def converge(out: dict, ens, dev, reps: int, sync_dev) -> None:

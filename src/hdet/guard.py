@@ -78,15 +78,17 @@ class SkipNonFiniteStep:
         if not grads:
             self._saved.append(None)
             return
-        dev = grads[0].device
         with torch.no_grad():
             norms = torch._foreach_norm(grads)  # one fused read of every gradient (on the device)
-            total = torch.stack([n.to(dev, torch.float32) for n in norms]).sum()
-            found = (~torch.isfinite(total)).to(torch.float32)  # on the device: no host sync
+            try:
+                total = torch.stack(norms).sum()
+            except RuntimeError:  # gradients on several devices
+                total = torch.stack([n.to(grads[0].device, torch.float32) for n in norms]).sum()
+            found = torch.isfinite(total).logical_not_().float()  # on the device: no host sync
             self.skipped = found.clone() if self.skipped is None else self.skipped.add_(found)
         prev = getattr(optimizer, "found_inf", None)
         self._saved.append(("set", prev))
-        optimizer.found_inf = found if prev is None else torch.maximum(found, prev.to(dev))  # type: ignore[attr-defined]
+        optimizer.found_inf = found if prev is None else torch.maximum(found, prev.to(found.device))  # type: ignore[attr-defined]
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         saved = self._saved.pop() if self._saved else None
