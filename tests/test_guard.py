@@ -33,13 +33,20 @@ def test_a_non_finite_gradient_skips_the_step_and_a_finite_one_does_not(bad):
     assert float(guard.skipped) == 1.0
 
 
-def test_a_huge_finite_gradient_whose_norm_overflows_counts_as_non_finite():
+def test_huge_finite_gradients_and_other_dtypes_are_checked_elementwise():
+    """Only NaN/Inf count (a finite 1e30 steps; the gradient is not rescaled), in every dtype group."""
     p, q, opt = _setup()
+    r = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    opt.add_param_group({"params": [r], "fused": True})
     guard = SkipNonFiniteStep(opt)
-    p.grad, q.grad = torch.full((5,), 1e30), torch.zeros(3, 2)
+    p.grad, q.grad, r.grad = torch.full((5,), 1e30), torch.zeros(3, 2), torch.zeros(2, dtype=torch.float64)
     before = p.detach().clone()
     opt.step()
-    assert torch.equal(p, before) and float(guard.skipped) == 1.0
+    assert not torch.equal(p, before) and float(guard.skipped) == 0.0 and (p.grad == 1e30).all()
+    r.grad = torch.tensor([0.0, float("nan")], dtype=torch.float64)
+    before = [t.detach().clone() for t in (p, q, r)]
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, (p, q))) and float(guard.skipped) == 1.0
 
 
 def test_a_found_inf_set_by_someone_else_is_combined_and_restored():

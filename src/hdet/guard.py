@@ -12,10 +12,10 @@ optimizer can skip a step on the device, i.e. every param group is ``fused``; ``
   on 2 x H200 that costs about 15% of the step (``benchmarks/results/gpu_2x_h200/ddp_overhead.json``).
 * ``"skip"`` (:class:`SkipNonFiniteStep`): no hook; DDP averages as usual, so a NaN/Inf on any replica
   is in the averaged gradient, bit-identical on every replica. Just before ``optimizer.step()`` one
-  fused read of the gradients (``torch._foreach_norm``) says whether the averaged gradient is finite,
-  and the fused optimizer skips the step on the device when it is not (``found_inf``, the mechanism
-  of ``torch.amp.GradScaler``): every replica skips that step together, weights and optimizer state
-  untouched. A gradient whose float32 norm overflows counts as non-finite.
+  fused pass over the gradients (GradScaler's own check, ``_amp_foreach_non_finite_check_and_unscale_``
+  with scale 1) says whether the averaged gradient is finite, and the fused optimizer skips the step on
+  the device when it is not (``found_inf``, the mechanism of ``torch.amp.GradScaler``): every replica
+  skips that step together, weights and optimizer state untouched.
 
 Both run on the device with no host sync. The non-finite replica's own window loss (or weights) is
 caught at the next converge step, which resets it (see ``on_nonfinite``).
@@ -56,8 +56,8 @@ def _fused(optimizer: torch.optim.Optimizer) -> bool:
 class SkipNonFiniteStep:
     """Skip ``optimizer.step()`` on the device when any gradient is NaN/Inf (the ``"skip"`` guard).
 
-    A step pre-hook computes ``found_inf`` (1.0 when the gradients' total norm is not finite) and hands
-    it to the fused optimizer, which then leaves weights, state and step count untouched; a step
+    A step pre-hook computes ``found_inf`` (1.0 when any gradient holds a NaN or Inf) and hands it to
+    the fused optimizer, which then leaves weights, state and step count untouched; a step
     post-hook restores whatever ``found_inf`` was there before (``torch.amp.GradScaler`` sets its own;
     the two are combined by ``max``). :attr:`skipped` counts skipped steps on the device (reading it
     is a host sync). Needs an optimizer whose every param group is ``fused``."""
@@ -70,25 +70,41 @@ class SkipNonFiniteStep:
                              "use guard_gradients='hook'")
         self.optimizer = optimizer
         self.skipped: torch.Tensor | None = None
+        self._flags: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # per device: (found, 1.0), reused
         self._saved: list[Any] = []
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        if not groups:
             self._saved.append(None)
             return
+        flags = {}
         with torch.no_grad():
-            norms = torch._foreach_norm(grads)  # one fused read of every gradient (on the device)
-            try:
-                total = torch.stack(norms).sum()
-            except RuntimeError:  # gradients on several devices
-                total = torch.stack([n.to(grads[0].device, torch.float32) for n in norms]).sum()
-            found = torch.isfinite(total).logical_not_().float()  # on the device: no host sync
-            self.skipped = found.clone() if self.skipped is None else self.skipped.add_(found)
+            for (device, _), grads in groups.items():  # one pass over the gradients (a read, and a write of
+                # x 1.0), GradScaler's own check: the flag becomes 1.0 on any NaN/Inf, on the device: no host sync
+                if device not in flags:
+                    flags[device] = self._flag(device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, *flags[device])
+            found = None
+            for f, _ in flags.values():
+                found = f if found is None else torch.maximum(found, f.to(found.device))
+            self.skipped = found.clone() if self.skipped is None else self.skipped.add_(found.to(self.skipped.device))
         prev = getattr(optimizer, "found_inf", None)
         self._saved.append(("set", prev))
         optimizer.found_inf = found if prev is None else torch.maximum(found, prev.to(found.device))  # type: ignore[attr-defined]
+
+    def _flag(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This device's found flag, zeroed, and the scale 1.0 (allocated once)."""
+        if device not in self._flags:
+            self._flags[device] = (torch.zeros((), device=device), torch.ones((), device=device))
+        found, one = self._flags[device]
+        found.zero_()
+        return found, one
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         saved = self._saved.pop() if self._saved else None
