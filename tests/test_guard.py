@@ -71,3 +71,17 @@ def test_guard_arguments_are_checked():
     assert resolve_guard("auto", _setup(fused=True)[2]) == "skip"
     with pytest.raises(ValueError, match=r"guard_gradients in \('auto', 'hook', 'skip'\).*got 'always'"):
         resolve_guard("always", opt)
+
+
+def test_the_guard_reaches_the_real_optimizer_under_accelerate():
+    """Accelerate's AcceleratedOptimizer keeps the real optimizer as .optimizer and has no step hooks of its
+    own: "auto" sees the fused optimizer inside and the skip happens there."""
+    accelerate = pytest.importorskip("accelerate")
+    p, q, opt = _setup()
+    wrapped = accelerate.Accelerator(cpu=True).prepare(opt)
+    assert resolve_guard("auto", wrapped) == "skip"
+    guard = SkipNonFiniteStep(wrapped)
+    p.grad, q.grad = torch.ones(5), torch.full((3, 2), float("nan"))
+    before = p.detach().clone()
+    wrapped.step()
+    assert torch.equal(p, before) and float(guard.skipped) == 1.0

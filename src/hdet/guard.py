@@ -47,10 +47,18 @@ def finite_allreduce_hook(process_group: Any, bucket: dist.GradBucket) -> torch.
     return fut.then(lambda f: f.value()[0] if avg else f.value()[0].div_(world))
 
 
+def _innermost(optimizer: Any) -> Any:
+    """The optimizer that really steps, under wrappers that keep it as ``.optimizer`` (Accelerate's
+    ``AcceleratedOptimizer``, ...): its ``step()`` reads ``found_inf`` and runs the step hooks."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def _fused(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` honours ``found_inf`` on the device (torch's fused Adam/AdamW/SGD/...)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
-        g.get("fused") for g in optimizer.param_groups)
+    inner = _innermost(optimizer)
+    return bool(getattr(inner, "_step_supports_amp_scaling", False)) and all(g.get("fused") for g in inner.param_groups)
 
 
 class SkipNonFiniteStep:
@@ -60,9 +68,11 @@ class SkipNonFiniteStep:
     the fused optimizer, which then leaves weights, state and step count untouched; a step
     post-hook restores whatever ``found_inf`` was there before (``torch.amp.GradScaler`` sets its own;
     the two are combined by ``max``). :attr:`skipped` counts skipped steps on the device (reading it
-    is a host sync). Needs an optimizer whose every param group is ``fused``."""
+    is a host sync). Needs an optimizer whose every param group is ``fused``; a wrapper that keeps the
+    real optimizer as ``.optimizer`` (Accelerate) gets the hooks on the real one."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer = _innermost(optimizer)
         if not _fused(optimizer):
             raise ValueError("Expected an optimizer that can skip a step on the device (torch's Adam, AdamW, SGD, "
                              f"... with fused=True in every param group) for guard_gradients='skip', but got "
