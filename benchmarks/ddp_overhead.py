@@ -6,7 +6,8 @@ Run with torchrun on 2+ GPUs (NCCL; gloo on CPU for a smoke test with --tiny):
     torchrun --nproc-per-node 2 benchmarks/ddp_overhead.py --tiny     # CPU smoke test
 
 1. Step time, interleaved in one run: the models train side by side in blocks of --block steps, round
-   robin: plain DDP + OneCycleLR, and HDET (alpha 0.2) at T = 100 and T = 1000 with the default gradient
+   robin (the order reversed every other round): plain DDP + OneCycleLR, a second plain model (the
+   noise floor of the ratios), and HDET (alpha 0.2) at T = 100 and T = 1000 with the default gradient
    guard ("auto": "skip" for this fused AdamW), with the comm-hook guard ("hook"), without a guard, with
    contiguous parameters (``hdet.contiguous_parameters_``) and in local mode (``ddp.no_sync()`` every
    step: no gradient all-reduce between converge steps). Ratios HDET / plain over the same steps (syncs
@@ -68,7 +69,8 @@ def main() -> None:
 
     runs = {}
     # name: (T, guard_gradients, local mode, contiguous parameters)
-    configs = {"plain": (None, False, False, False), "hdet_T100": (100, "auto", False, False),
+    configs = {"plain": (None, False, False, False), "plain_again": (None, False, False, False),
+               "hdet_T100": (100, "auto", False, False),
                "hdet_T1000": (1000, "auto", False, False), "hdet_T100_hook": (100, "hook", False, False),
                "hdet_T100_noguard": (100, False, False, False), "hdet_T1000_noguard": (1000, False, False, False),
                "hdet_T100_contiguous": (100, "auto", False, True), "hdet_T100_local": (100, "auto", True, False)}
@@ -96,6 +98,7 @@ def main() -> None:
     data = torch.randint(0, vocab, (4, a.batch, ctx + 1), device=dev, generator=g)
 
     def train_block(run: dict, n: int, check_sync: bool = False) -> int:
+        start = run["seconds"]
         sync_dev()
         t0 = time.perf_counter()
         checked = 0
@@ -119,6 +122,7 @@ def main() -> None:
             run["done"] += 1
         sync_dev()
         run["seconds"] += time.perf_counter() - t0
+        run.setdefault("blocks", []).append(run["seconds"] - start)
         return checked
 
     warm = 10
@@ -148,18 +152,28 @@ def main() -> None:
 
 
 def step_times(runs, train_block, steps, warm, block, a, ctx) -> dict:
+    """Round robin over the models in blocks of ``block`` steps, the order reversed every other round (no
+    model always follows the same one). ``plain_again``, a second plain DDP model, measures the noise
+    floor of the ratios in the same run. Ratios: total time, and the median over rounds of the per-round
+    ratio to plain."""
     for run in runs.values():  # warm-up steps are not timed... but count against total_steps
         train_block(run, warm)
-        run["seconds"] = 0.0
+        run["seconds"], run["blocks"] = 0.0, []
+    order, rnd = list(runs.values()), 0
     while runs["plain"]["done"] < steps:
         n = min(block, steps - runs["plain"]["done"])
-        for run in runs.values():  # round robin: the same GPU state for all
+        for run in (order if rnd % 2 == 0 else order[::-1]):  # the same GPU state for all
             train_block(run, n)
+        rnd += 1
     timed = steps - warm
-    return {"tokens_per_step_per_gpu": a.batch * ctx, "timed_steps": timed,
+    plain = runs["plain"]
+    return {"tokens_per_step_per_gpu": a.batch * ctx, "timed_steps": timed, "rounds": rnd,
             "seconds": {k: r["seconds"] for k, r in runs.items()},
             "ms_per_step": {k: 1000 * r["seconds"] / timed for k, r in runs.items()},
-            "ratio_to_plain": {k: r["seconds"] / runs["plain"]["seconds"] for k, r in runs.items() if r["T"]},
+            "ratio_to_plain": {k: r["seconds"] / plain["seconds"] for k, r in runs.items() if k != "plain"},
+            "ratio_to_plain_median_of_rounds": {
+                k: statistics.median(b / p for b, p in zip(r["blocks"], plain["blocks"]))
+                for k, r in runs.items() if k != "plain"},
             "syncs": {k: sum(r["sched"].ensemble.is_sync_step(t) for t in range(warm + 1, steps + 1))
                       for k, r in runs.items() if r["T"]}}
 
