@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -80,3 +81,15 @@ def check_ok(results: list) -> list:
         if isinstance(res, dict) and "error" in res and "tb" in res:
             raise AssertionError(f"rank {r} raised {res['error']}: {res['msg']}\n{res['tb']}")
     return results
+
+
+@contextlib.contextmanager
+def one_thread():
+    """One intra-op thread, as the gloo workers use: the same summation order inside matmuls on both sides
+    of an engine-vs-processes comparison."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

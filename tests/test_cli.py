@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hdet.cli import main
-from helpers import free_port
+from helpers import free_port, one_thread
 
 TINY = ["--steps", "12", "--batch", "4", "--ctx", "16", "--width", "32", "--layers", "1", "--T", "4",
         "--no-progress"]
@@ -145,12 +145,8 @@ def test_train_under_torchrun_matches_engine(tmp_path, local):
     ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert ddp["mode"] == "ddp-gloo" and ddp["replicas"] == 2
     assert json.loads((tmp_path / "ddp" / "config.json").read_text())["config"]["local"] is local
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():  # as the gloo workers (tests/helpers.py)
         assert main(["train", *args, "--replicas", "2", "--out", str(tmp_path / "eng")]) == 0
-    finally:
-        torch.set_num_threads(threads)
     eng = json.loads((tmp_path / "eng" / "summary.json").read_text())
     # same init, data streams and LRs; sums of 2 gradients agree bit for bit (a + b = b + a) but DDP's
     # bucketed kernels and the engine's may round differently: compare within float tolerance

@@ -9,7 +9,7 @@ import hdet
 import torch
 
 from dist_workers import engine_run, train
-from helpers import check_ok, run_gloo
+from helpers import check_ok, one_thread, run_gloo
 
 pytestmark = pytest.mark.distributed
 
@@ -38,12 +38,8 @@ def _gloo_result(world, auto):
 @pytest.mark.parametrize("mode", ["loop", "vmap"])
 def test_engine_equals_gloo_processes(world, auto, mode):
     dist_res, kw = _gloo_result(world, auto)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the gloo workers (tests/helpers.py)
-    try:
+    with one_thread():  # as the gloo workers (tests/helpers.py)
         eng = engine_run(world, mode=mode, **kw)
-    finally:
-        torch.set_num_threads(threads)
     for r in range(world):
         for p_eng, p_dist in zip(eng["params"][r], dist_res[r]["params"]):
             if world == 2 and mode == "loop":
@@ -61,12 +57,8 @@ def test_engine_local_mode_equals_gloo_processes_under_no_sync(mode):
     SGD, spread and auto-LR, 3 syncs; the replicas differ between syncs (no gradient sharing)."""
     kw = dict(steps=30, alpha=0.3, T=10, auto=True, warm=10, opt="sgd", local=True)
     dist_res = check_ok(run_gloo(_train_kw, 2, {**kw, "check_syncs": True}))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():  # as the gloo workers (tests/helpers.py)
         eng = engine_run(2, mode=mode, **kw)
-    finally:
-        torch.set_num_threads(threads)
     assert all(dist_res[0]["differ_before_sync"]) and all(dist_res[0]["equal_after_sync"])
     for r in range(2):
         for p_eng, p_dist in zip(eng["params"][r], dist_res[r]["params"]):

@@ -14,7 +14,7 @@ from hdet.controller import fit_parabola
 from hdet.engine import ReplicaEngine
 
 from dist_workers import Probe, batch, engine_run, train
-from helpers import check_ok, run_gloo
+from helpers import check_ok, one_thread, run_gloo
 
 LOG_RHO = [math.log(r) for r in (0.5, 0.643, 0.786, 0.929, 1.071, 1.214, 1.357, 1.5)]
 
@@ -254,12 +254,8 @@ def test_fit_engine_equals_gloo_processes(mode):
     """2 gloo processes (DDP, real collectives) and the engine: same weights, LRs and correction."""
     kw = dict(steps=30, alpha=0.3, T=10, auto=True, warm=10, opt="sgd", controller="fit")
     dist_res = check_ok(run_gloo(_train_kw, 2, kw))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():  # as the gloo workers (tests/helpers.py)
         eng = engine_run(2, mode=mode, **kw)
-    finally:
-        torch.set_num_threads(threads)
     for r in range(2):
         for p_eng, p_dist in zip(eng["params"][r], dist_res[r]["params"]):
             torch.testing.assert_close(p_eng, p_dist, rtol=1e-5, atol=1e-6)
