@@ -85,3 +85,24 @@ def test_the_guard_reaches_the_real_optimizer_under_accelerate():
     before = p.detach().clone()
     wrapped.step()
     assert torch.equal(p, before) and float(guard.skipped) == 1.0
+
+
+def test_a_step_that_raises_does_not_leave_a_stale_flag():
+    """optimizer.step() raising after the pre-hook (no post-hook): the flag it left must not be taken for
+    someone else's found_inf at the next step, or every later step would be skipped."""
+    p, q, opt = _setup()
+    guard = SkipNonFiniteStep(opt)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    handle = opt.register_step_pre_hook(boom)  # runs after the guard's pre-hook
+    p.grad, q.grad = torch.ones(5), torch.full((3, 2), float("nan"))
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step()
+    handle.remove()
+    q.grad = torch.ones(3, 2)
+    before = p.detach().clone()
+    opt.step()  # finite gradients: this step happens
+    assert not torch.equal(p, before) and not hasattr(opt, "found_inf")
+    assert float(guard.skipped) == 1.0  # the aborted step's check counted; the real step did not skip

@@ -83,6 +83,7 @@ class SkipNonFiniteStep:
         self.skipped: torch.Tensor | None = None
         self._flags: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # per device: (found, 1.0), reused
         self._saved: list[Any] = []
+        self._mine: torch.Tensor | None = None  # the found_inf this guard set last
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -106,8 +107,11 @@ class SkipNonFiniteStep:
                 found = f if found is None else torch.maximum(found, f.to(found.device))
             self.skipped = found.clone() if self.skipped is None else self.skipped.add_(found.to(self.skipped.device))
         prev = getattr(optimizer, "found_inf", None)
+        if prev is not None and prev is self._mine:  # ours, left by a step that raised before its post-hook
+            prev, self._saved = None, []
         self._saved.append(("set", prev))
-        optimizer.found_inf = found if prev is None else torch.maximum(found, prev.to(found.device))  # type: ignore[attr-defined]
+        self._mine = found if prev is None else torch.maximum(found, prev.to(found.device))
+        optimizer.found_inf = self._mine  # type: ignore[attr-defined]
 
     def _flag(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """This device's found flag, zeroed, and the scale 1.0 (allocated once)."""
