@@ -39,3 +39,24 @@ def test_runs_break_at_gaps_transposes_and_dtypes():
     runs = contiguous_runs([a, b, c, t, torch.zeros(3, dtype=torch.float64)])
     assert [idx for idx, _ in runs] == [[0, 1], [2], [3], [4]]
     assert runs[0][1].data_ptr() == a.data_ptr() and runs[0][1].numel() == 8 and runs[2][1] is None
+
+
+def test_a_compiled_model_sees_in_place_updates_of_the_flat_buffer():
+    """A converge step writes the flat buffer in place: a torch.compile'd forward must see the new weights
+    (no stale copy), as the eager module does."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    (flat,) = hdet.contiguous_parameters_(m).values()
+    fast = torch.compile(m)
+    x = torch.randn(3, 4)
+    before = fast(x)
+    torch.testing.assert_close(before, m(x))
+    with torch.no_grad():
+        flat.mul_(0.5)  # what an all_reduce(AVG) over the run does to every weight at once
+    assert m[0].weight.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # still views
+    after = fast(x)
+    assert not torch.allclose(after, before)
+    torch.testing.assert_close(after, m(x))
+    out = fast(x).sum()
+    out.backward()  # gradients flow to the view parameters
+    assert m[2].weight.grad is not None
