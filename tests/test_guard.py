@@ -73,6 +73,21 @@ def test_guard_arguments_are_checked():
         resolve_guard("always", opt)
 
 
+def test_auto_on_a_device_with_a_non_fused_optimizer_says_what_the_hook_costs():
+    """Off the CPU (here the meta device stands in for a GPU), "auto" falling back to the slow hook warns
+    once with the remedy; an explicit choice is silent."""
+    import warnings
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3, device="meta"))], lr=0.1, foreach=False)
+    with pytest.warns(UserWarning, match=r"not fused.*'hook'.*fused=True"):
+        assert resolve_guard("auto", opt) == "hook"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_guard("hook", opt) == "hook" and resolve_guard("auto", _setup()[2]) == "skip"
+        assert resolve_guard("auto", _setup(fused=False)[2]) == "hook"  # on the CPU: no warning
+        assert resolve_guard("auto", opt, advise=False) == "hook"  # no DDP model: nothing is installed
+
+
 def test_the_guard_reaches_the_real_optimizer_under_accelerate():
     """Accelerate's AcceleratedOptimizer keeps the real optimizer as .optimizer and has no step hooks of its
     own: "auto" sees the fused optimizer inside and the skip happens there."""

@@ -135,8 +135,9 @@ class SkipNonFiniteStep:
             h.remove()
 
 
-def resolve_guard(guard: Any, optimizer: torch.optim.Optimizer) -> str | None:
-    """``guard_gradients`` -> "hook", "skip" or None (off); "auto"/True picks "skip" for fused optimizers."""
+def resolve_guard(guard: Any, optimizer: torch.optim.Optimizer, advise: bool = True) -> str | None:
+    """``guard_gradients`` -> "hook", "skip" or None (off); "auto"/True picks "skip" for fused optimizers.
+    ``advise``: warn when "auto" falls back to the slow hook off the CPU (only where it will be installed)."""
     if guard is False or guard is None:
         return None
     if guard is True:
@@ -144,7 +145,14 @@ def resolve_guard(guard: Any, optimizer: torch.optim.Optimizer) -> str | None:
     if guard not in GUARDS:
         raise ValueError(f"Expected guard_gradients in {GUARDS} or True/False, but got {guard!r}")
     if guard == "auto":
-        return "skip" if _fused(optimizer) else "hook"
+        if _fused(optimizer):
+            return "skip"
+        if advise and any(p.device.type != "cpu" for g in _innermost(optimizer).param_groups for p in g["params"]):
+            warnings.warn("hdet: the optimizer is not fused, so the gradient guard is the DDP comm hook ('hook'), "
+                          "which cost 6-15% of the step on a 124M GPT on 2 x H200; with fused=True the 'skip' guard "
+                          "costs about 1%. Pass guard_gradients='hook' (or False) to choose and silence this",
+                          stacklevel=4)
+        return "hook"
     return guard
 
 

@@ -60,10 +60,11 @@ class _EnsembleScheduler(LRScheduler):
                 raise ValueError("controller='fit' does not support device_mesh (sharded replicas) yet; use 'paper'")
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
         self._hdet = Ensemble(config, resolved, optimizer, model, list(explore))
-        guard = resolve_guard(guard_gradients, optimizer)  # "hook", "skip" or None (hdet.guard)
+        needed = isinstance(model, DistributedDataParallel) and resolved.world_size > 1  # gradients are all-reduced
+        guard = resolve_guard(guard_gradients, optimizer, advise=needed)  # "hook", "skip" or None (hdet.guard)
         self.gradient_guard: str | None = None  # the guard installed, if any
         self.skip_guard: SkipNonFiniteStep | None = None
-        if guard and isinstance(model, DistributedDataParallel) and resolved.world_size > 1:
+        if guard and needed:
             if guard == "skip":
                 self.skip_guard = SkipNonFiniteStep(optimizer)
                 self.gradient_guard = "skip"
