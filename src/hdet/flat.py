@@ -51,21 +51,20 @@ def contiguous_runs(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], to
     is a 1-D view of the run's memory (writing it writes the tensors), or None for a tensor that cannot
     be viewed so (not contiguous)."""
     runs: list[tuple[list[int], torch.Tensor | None]] = []
-    start = end = -1  # storage offsets (elements) of the open run
+    end = -1  # storage offset (elements) just past the open run; -1: no run open
     for i, t in enumerate(tensors):
         if not t.is_contiguous():
             runs.append(([i], None))
-            start = -1
+            end = -1
             continue
-        prev = tensors[runs[-1][0][-1]] if runs and runs[-1][1] is not None and start >= 0 else None
+        prev = tensors[runs[-1][0][-1]] if end >= 0 else None
         if (prev is not None and t.device == prev.device and t.dtype == prev.dtype
                 and t.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
                 and t.storage_offset() == end):
             runs[-1][0].append(i)
-            end += t.numel()
         else:
             runs.append(([i], t))
-            start, end = t.storage_offset(), t.storage_offset() + t.numel()
+        end = t.storage_offset() + t.numel()
     out = []
     for idx, first in runs:
         if first is None:
