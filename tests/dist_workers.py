@@ -517,3 +517,43 @@ def hsdp(rank, world, *, mesh_shape=(2, 2), steps=10, T=5):
             full_after.append(torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()]))
     return {"lrs": lrs, "full_after": full_after, "replica": s.rank, "N": s.world_size,
             "bases": s.base_lrs_now, "updates": s.ensemble.controllers[0].updates}
+
+
+def hsdp_guard(rank, world, *, fault="loss", steps=10, T=5, at=3):
+    """FSDP2 on a (2, 2) mesh with torch's fused AdamW, so "auto" installs the "skip" guard. At step ``at``
+    rank 1 (a shard of replica 0) gets a NaN loss, or rank 3 a NaN in its own gradient shard after the
+    reductions (no other rank sees it). Records, per step, whether this rank's shards changed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+    fully_shard(model, mesh=mesh)
+    o = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.3, model_sync_interval=T,
+                            controller="paper", model=model, seed=3, device_mesh=mesh)
+    changed, finite, recovered = [], [], []
+    for t in range(1, steps + 1):
+        before = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+        x, y = batch(rank, t)
+        loss = nn.functional.mse_loss(model(x), y)
+        if fault == "loss" and t == at and rank == 1:
+            loss = loss * float("nan")
+        o.zero_grad()
+        loss.backward()
+        if fault == "shard" and t == at and rank == 3:
+            with torch.no_grad():
+                next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("nan")
+        o.step()
+        after = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+        changed.append(not torch.equal(before, after))
+        s.step(loss)
+        finite.append(bool(torch.isfinite(after).all()))
+        if s.is_sync_step(t):
+            recovered.append(list(s.last_sync.recovered))
+    mine = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+    peers = [torch.empty_like(mine) for _ in range(2)]  # the same shards of both replicas
+    dist.all_gather(peers, mine, group=mesh.get_group("replicate"))
+    return {"guard": s.gradient_guard, "changed": changed, "finite": finite, "recovered": recovered,
+            "skipped": float(s.skip_guard.skipped), "replicas_equal": torch.equal(peers[0], peers[1])}

@@ -182,6 +182,26 @@ def test_skip_guard_skips_the_step_everywhere_and_the_bad_replica_is_reset(fault
         assert out["recovered"] == [[], [2], [], []]
 
 
+def _hsdp_guard(rank, world, fault):
+    from dist_workers import hsdp_guard
+
+    return hsdp_guard(rank, world, fault=fault)
+
+
+@pytest.mark.parametrize("fault", ["loss", "shard"])
+def test_skip_guard_on_sharded_replicas_decides_once_for_the_whole_mesh(fault):
+    """FSDP2/HSDP, (2, 2) mesh, fused AdamW: a NaN loss on one shard rank of replica 0, or a NaN in one
+    rank's own gradient shard that no other rank sees: all four ranks skip that step (their flags are
+    all-reduced over the mesh), no shard ever holds a NaN, and the replicas are equal after the syncs."""
+    res = check_ok(run_gloo(_hsdp_guard, 4, fault))
+    for out in res:
+        assert out["guard"] == "skip"
+        assert [t for t, c in enumerate(out["changed"], 1) if not c] == [3] and out["skipped"] == 1.0
+        assert all(out["finite"])
+        assert out["recovered"] == ([[0], []] if fault == "loss" else [[], []])  # replica 0's NaN window loss
+        assert out["replicas_equal"]  # this rank's shards equal those of the other replica's matching rank
+
+
 def test_without_the_guard_a_nan_loss_reaches_every_replica():
     """The same NaN loss with guard_gradients=False: the all-reduce spreads it to all replicas, so the
     converge step finds every replica non-finite and stops with a clear error (what the guard prevents)."""

@@ -121,3 +121,19 @@ def test_a_step_that_raises_does_not_leave_a_stale_flag():
     opt.step()  # finite gradients: this step happens
     assert not torch.equal(p, before) and not hasattr(opt, "found_inf")
     assert float(guard.skipped) == 1.0  # the aborted step's check counted; the real step did not skip
+
+
+def test_sharded_replicas_have_only_the_skip_guard():
+    """With device_mesh (FSDP2/HSDP) there is no DDP hook: "hook" is refused, "auto" with a non-fused
+    optimizer installs nothing and says so, "auto" with a fused one gives "skip"."""
+    import warnings
+
+    opt = _setup(fused=False)[2]
+    with pytest.raises(ValueError, match=r"'skip', 'auto' or False with device_mesh.*got 'hook'"):
+        resolve_guard("hook", opt, mesh=True)
+    with pytest.warns(UserWarning, match=r"no gradient guard for these sharded replicas.*fused=True"):
+        assert resolve_guard("auto", opt, mesh=True) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_guard("auto", _setup()[2], mesh=True) == "skip"
+        assert resolve_guard(False, opt, mesh=True) is None

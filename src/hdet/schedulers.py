@@ -60,16 +60,18 @@ class _EnsembleScheduler(LRScheduler):
                 raise ValueError("controller='fit' does not support device_mesh (sharded replicas) yet; use 'paper'")
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
         self._hdet = Ensemble(config, resolved, optimizer, model, list(explore))
-        needed = isinstance(model, DistributedDataParallel) and resolved.world_size > 1  # gradients are all-reduced
-        guard = resolve_guard(guard_gradients, optimizer, advise=needed)  # "hook", "skip" or None (hdet.guard)
-        self.gradient_guard: str | None = None  # the guard installed, if any
+        ddp = isinstance(model, DistributedDataParallel) and resolved.world_size > 1  # gradients all-reduced
+        sharded = device_mesh is not None and resolved.world_size > 1  # FSDP2/HSDP with several replicas
+        guard = resolve_guard(guard_gradients, optimizer, advise=ddp, mesh=sharded)
+        self.gradient_guard: str | None = None  # the guard installed, if any: "hook", "skip" (hdet.guard)
         self.skip_guard: SkipNonFiniteStep | None = None
-        if guard and needed:
-            if guard == "skip":
-                self.skip_guard = SkipNonFiniteStep(optimizer)
-                self.gradient_guard = "skip"
-            elif install_gradient_guard(model, process_group):
-                self.gradient_guard = "hook"
+        if guard == "skip" and (ddp or sharded):
+            # FSDP2/HSDP: ranks hold different shards, so they agree on the decision over the whole mesh
+            mesh_groups = [device_mesh.get_group(i) for i in range(device_mesh.ndim)] if sharded else []
+            self.skip_guard = SkipNonFiniteStep(optimizer, agree_over=mesh_groups)
+            self.gradient_guard = "skip"
+        elif guard == "hook" and ddp and install_gradient_guard(model, process_group):
+            self.gradient_guard = "hook"
         self._hdet.make_controller = self._make_controller
         self._hdet.probe = probe
 
@@ -281,10 +283,10 @@ class OneCycleAutoLR(_EnsembleScheduler, OneCycleLR):
     hyperparameters to spread and control, :mod:`hdet.hyper`), ``on_nonfinite`` ("recover": a replica
     with a non-finite window loss or weights is left out of the converge step and reset to the others'
     mean; "raise": stop with NonFiniteReplicaError), ``guard_gradients`` (when ``model`` is a DDP module,
-    keep one replica's NaN gradient from reaching the others' weights: "skip" skips the step on every
-    replica on the device, for fused optimizers; "hook" averages only the finite contributions in a DDP
-    comm hook, slower; "auto" (default) picks "skip" when the optimizer is fused; False: none;
-    :mod:`hdet.guard`),
+    or with ``device_mesh``, keep one replica's NaN gradient from reaching the others' weights: "skip"
+    skips the step on every replica on the device, for fused optimizers; "hook" averages only the finite
+    contributions in a DDP comm hook, slower, DDP only; "auto" (default) picks "skip" when the optimizer is
+    fused; False: none; :mod:`hdet.guard`),
     ``device_mesh`` (FSDP2/HSDP: a (replicate, shard) mesh; HDET replicas are the replicate dimension,
     weights are averaged over it on local shards, a replica's loss is the mean over its shard ranks),
     ``controller`` ("fit", the default, or a :class:`hdet.FitController` with other settings: hdet's controller, a bounded multiplicative
