@@ -22,7 +22,7 @@ from torch import nn
 
 from .controller import CONTROLLERS, ControllerStep, FitController, PaperController
 from .hyper import Hyperparameter, Spread
-from .replicas import Replicas
+from .replicas import Replicas, local_shard
 from .spread import Dealer, check_alpha, linear_multipliers
 
 __all__ = ["HDETConfig", "Ensemble", "NonFiniteReplicaError", "ReplicaSyncError", "SyncRecord"]
@@ -96,12 +96,6 @@ def _persistent_float_buffers(model: nn.Module) -> list[torch.Tensor]:
             seen.add(id(b))
             out.append(b.detach())
     return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2), or the tensor itself: averaging runs on local shards."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 def _all_finite(tensors: list[torch.Tensor], strict: list[bool], dev: torch.device) -> torch.Tensor:
@@ -284,7 +278,7 @@ class Ensemble:
         """The tensors to average, and per tensor whether it must be finite (parameters, optimizer
         state) or only free of NaN (buffers: a mask may hold -inf)."""
         params = self._float_params()
-        out = [_local(p.detach()) for p in params]
+        out = [local_shard(p.detach()) for p in params]
         strict = [True] * len(out)
         if self.model is not None:
             buffers = _persistent_float_buffers(self.model)
@@ -303,7 +297,7 @@ class Ensemble:
             for key in sorted(state):
                 v = state[key]
                 if key != "step" and isinstance(v, torch.Tensor) and v.is_floating_point():
-                    out.append(_local(v.detach()))
+                    out.append(local_shard(v.detach()))
         return out
 
     def recovery_tensors(self) -> list[torch.Tensor]:
@@ -356,7 +350,7 @@ class Ensemble:
         T = self.config.sync_interval
         if -(-self._t // T) * T < self.config.auto_lr_warmup_steps:
             return  # this window ends before the controller starts: no probe, no sum
-        params = [_local(p.detach()) for p in self._float_params()]
+        params = [local_shard(p.detach()) for p in self._float_params()]
         if self._polyak is None:
             self._polyak = [p.to(torch.float32, copy=True) for p in params]
         else:
@@ -384,7 +378,7 @@ class Ensemble:
         if self._polyak is None:
             return torch.full((), float("nan"), dtype=torch.float64)
         params = self._float_params()
-        if any(p is not _local(p) for p in params):
+        if any(p is not local_shard(p) for p in params):
             raise NotImplementedError("controller='fit' does not support sharded (FSDP2/DTensor) parameters yet")
         means = torch._foreach_div(self._polyak, float(self._polyak_n))
         means = [m if m.dtype == p.dtype else m.to(p.dtype) for m, p in zip(means, params)]

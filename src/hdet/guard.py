@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .replicas import local_shard
+
 __all__ = ["finite_allreduce_hook", "install_gradient_guard", "SkipNonFiniteStep", "GUARDS"]
 
 GUARDS = ("auto", "hook", "skip")
@@ -101,7 +103,7 @@ class SkipNonFiniteStep:
         for g in optimizer.param_groups:
             for p in g["params"]:
                 if p.grad is not None:
-                    grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: this rank's shard
+                    grad = local_shard(p.grad)  # FSDP2: this rank's shard
                     groups.setdefault((grad.device, grad.dtype), []).append(grad)
         if not groups:
             self._saved.append(None)

@@ -29,6 +29,12 @@ __all__ = ["Replicas", "SingleReplica", "ProcessGroupReplicas", "LocalReplicaGro
 DEFAULT_BUCKET_CAP_MB = 100.0  # a converge step overlaps no compute: fewer, larger buckets are faster
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2), or the tensor itself: averaging and checks run on local shards."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def plan_buckets(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[int]]:
     """Split tensor indices into buckets of one (device, dtype), each at most ``cap_bytes``
     (a single larger tensor gets a bucket of its own). Order within a bucket follows ``tensors``;
