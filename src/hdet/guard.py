@@ -37,6 +37,7 @@ from .replicas import local_shard
 __all__ = ["finite_allreduce_hook", "install_gradient_guard", "SkipNonFiniteStep", "GUARDS"]
 
 GUARDS = ("auto", "hook", "skip")
+_UNSET = object()  # SkipNonFiniteStep: the pre-hook set no found_inf
 
 
 def finite_allreduce_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -94,7 +95,7 @@ class SkipNonFiniteStep:
         self.agree_over = list(agree_over)
         self.skipped: torch.Tensor | None = None
         self._flags: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # per device: (found, 1.0), reused
-        self._saved: list[Any] = []
+        self._saved: list[Any] = []  # per step in flight: the found_inf to restore (None: there was none)
         self._mine: torch.Tensor | None = None  # the found_inf this guard set last
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 
@@ -106,7 +107,7 @@ class SkipNonFiniteStep:
                     grad = local_shard(p.grad)  # FSDP2: this rank's shard
                     groups.setdefault((grad.device, grad.dtype), []).append(grad)
         if not groups:
-            self._saved.append(None)
+            self._saved.append(_UNSET)  # nothing to check: found_inf left alone
             return
         flags = {}
         with torch.no_grad():
@@ -124,7 +125,7 @@ class SkipNonFiniteStep:
         prev = getattr(optimizer, "found_inf", None)
         if prev is not None and prev is self._mine:  # ours, left by a step that raised before its post-hook
             prev, self._saved = None, []
-        self._saved.append(("set", prev))
+        self._saved.append(prev)
         self._mine = found if prev is None else torch.maximum(found, prev.to(found.device))
         optimizer.found_inf = self._mine  # type: ignore[attr-defined]
 
@@ -137,13 +138,13 @@ class SkipNonFiniteStep:
         return found, one
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        saved = self._saved.pop() if self._saved else None
-        if saved is None:
+        prev = self._saved.pop() if self._saved else _UNSET
+        if prev is _UNSET:
             return
-        if saved[1] is None:
+        if prev is None:
             del optimizer.found_inf  # type: ignore[attr-defined]
         else:
-            optimizer.found_inf = saved[1]  # type: ignore[attr-defined]
+            optimizer.found_inf = prev  # type: ignore[attr-defined]
 
     def remove(self) -> None:
         for h in self._handles:

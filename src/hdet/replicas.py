@@ -153,14 +153,12 @@ class ProcessGroupReplicas(Replicas):
                 torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))
 
         with torch.no_grad():
-            in_place, rest = [], []
+            direct: list[tuple[Any, torch.Tensor, None]] = []  # reduced where they live
+            rest: list[int] = []  # through buckets
             for idx, flat in contiguous_runs(tensors):
-                if flat is not None and (len(idx) > 1 or flat.numel() * flat.element_size() >= self.cap_bytes):
-                    in_place.append(flat)
-                else:
+                if flat is None or (len(idx) == 1 and flat.numel() * flat.element_size() < self.cap_bytes):
                     rest.extend(idx)
-            direct = []
-            for flat in in_place:
+                    continue
                 if excluded:
                     flat.zero_()  # NaN * 0 is NaN: contribute exact zeros instead (this replica gets the mean)
                 direct.append((dist.all_reduce(flat, op=op, group=self.group, async_op=True), flat, None))  # COLLECTIVE (one per run)
