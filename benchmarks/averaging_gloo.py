@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -31,9 +30,9 @@ def shapes(n_tensors: int, total: int) -> list[int]:
     return sizes
 
 
-def worker(rank, world, port, n_tensors, total, repeats, out):
+def worker(rank, world, init_method, n_tensors, total, repeats, out):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     torch.manual_seed(rank)
     tensors = [torch.randn(n) for n in shapes(n_tensors, total)]
     flat = torch.randn(total)
@@ -78,11 +77,11 @@ def main():
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", default="benchmarks/results/averaging_gloo.json")
     a = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    import tempfile
+
+    rdzv = tempfile.mkdtemp()  # a file:// rendezvous: no probed TCP port
     tmp = a.out + ".part"
-    mp.spawn(worker, args=(a.world, port, a.tensors, a.floats, a.repeats, tmp), nprocs=a.world)
+    mp.spawn(worker, args=(a.world, "file://" + os.path.join(rdzv, "store"), a.tensors, a.floats, a.repeats, tmp), nprocs=a.world)
     res = json.load(open(tmp))
     os.remove(tmp)
     res = {"command": "python benchmarks/averaging_gloo.py " + " ".join(sys.argv[1:]), "world_size": a.world,

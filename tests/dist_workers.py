@@ -50,32 +50,40 @@ class Probe:
 
 def train(rank, world, *, steps=40, alpha=0.0, T=10, auto=False, warm=10, use_hdet=True, seed_model=0,
           uneven_rng=False, check_syncs=False, save_at=None, ckpt_dir=None, resume_from=None, opt="adam",
-          loss_scale=0.05, controller="paper", contiguous=False, local=False):
+          loss_scale=0.05, controller="paper", contiguous=False, local=False, explore_wd=False, fused=False,
+          load_rank=None):
     """DDP training of make_model() on rank-specific batches; returns a dict of observations.
     ``contiguous``: parameters laid out in one flat buffer (hdet.contiguous_parameters_); ``local``: DDP's
-    no_sync() on every step (no gradient all-reduce between converge steps)."""
+    no_sync() on every step (no gradient all-reduce between converge steps); ``explore_wd``: Adam's weight
+    decay explored too (hdet.WeightDecay); ``fused``: fused Adam (the 'skip' guard); ``resume_from``: a
+    folder, or one folder per rank; ``load_rank``: every rank loads this rank's checkpoint."""
     model = make_model(seed_model)
     if contiguous:
         hdet.contiguous_parameters_(model)
     ddp = DDP(model, broadcast_buffers=False)
-    o = torch.optim.Adam(ddp.parameters(), lr=0.01) if opt == "adam" else torch.optim.SGD(
-        ddp.parameters(), lr=0.01, momentum=0.9)
+    kw = dict(weight_decay=0.01) if explore_wd else {}
+    o = torch.optim.Adam(ddp.parameters(), lr=0.01, fused=fused or None, **kw) if opt == "adam" else \
+        torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     if use_hdet:
         s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=alpha,
                                 model_sync_interval=T, enable_auto_lr=auto, auto_lr_warmup_steps=warm,
                                 loss_scale=loss_scale, rank=rank, world_size=world, model=ddp, seed=3,
-                                controller=controller, probe=Probe() if controller == "fit" else None)
+                                controller=controller, probe=Probe() if controller == "fit" else None,
+                                explore=[hdet.WeightDecay(o, alpha=0.5)] if explore_wd else ())
     else:
         s = OneCycleLR(o, max_lr=0.02, total_steps=steps)
     start = 0
     if resume_from is not None:
-        ck = torch.load(os.path.join(resume_from, f"rank{rank}.pt"), weights_only=True)
+        folder = resume_from[rank] if isinstance(resume_from, (list, tuple)) else resume_from
+        ck = torch.load(os.path.join(folder, f"rank{rank if load_rank is None else load_rank}.pt"),
+                        weights_only=True)
         model.load_state_dict(ck["model"])
         o.load_state_dict(ck["opt"])
         s.load_state_dict(ck["sched"])
         start = ck["step"]
     obs = {"lrs": [s.get_last_lr()[0]], "equal_after_sync": [], "differ_before_sync": [],
-           "mults_after_control": [], "rng_untouched": True, "nbt": None}
+           "mults_after_control": [], "rng_untouched": True, "nbt": None,
+           "wd": [o.param_groups[0].get("weight_decay")], "wd_hdet": [s.hyperparameters if use_hdet else None]}
     for t in range(start + 1, steps + 1):
         x, y = batch(rank, t)
         with ddp.no_sync() if local else contextlib.nullcontext():
@@ -92,6 +100,8 @@ def train(rank, world, *, steps=40, alpha=0.0, T=10, auto=False, warm=10, use_hd
         s.step(loss) if use_hdet else s.step()
         obs["rng_untouched"] &= torch.equal(rng, torch.get_rng_state())
         obs["lrs"].append(s.get_last_lr()[0])
+        obs["wd"].append(o.param_groups[0].get("weight_decay"))
+        obs["wd_hdet"].append(s.hyperparameters if use_hdet else None)
         if use_hdet and check_syncs and s.ensemble.is_sync_step(t):
             after = gather_flat(list(model.parameters()) + float_buffers(model))
             obs["equal_after_sync"].append(all(torch.equal(after[0], a) for a in after[1:]))
@@ -282,7 +292,7 @@ def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20,
     s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.2, model_sync_interval=T,
                             controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=T, loss_scale=0.05, model=ddp, seed=3,
                             guard_gradients=guard)
-    finite, equal, recovered, caught, changed = [], [], [], [], []
+    finite, equal, recovered, caught, changed, nonfinite = [], [], [], [], [], []
     try:
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
@@ -306,22 +316,26 @@ def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20,
                     flat = gather_flat(list(model.parameters()) + float_buffers(model))
                     equal.append(all(torch.equal(flat[0], f) for f in flat[1:]))
                     recovered.append(list(s.last_sync.recovered))
+                    nonfinite.append(list(s.last_sync.nonfinite_losses))
             caught = [str(x.message) for x in w if "non-finite" in str(x.message)]
     except hdet.NonFiniteReplicaError as e:
         return {"error": "NonFiniteReplicaError", "msg": str(e), "finite": finite}
     return {"error": None, "finite": finite, "equal": equal, "recovered": recovered, "warnings": caught,
+            "nonfinite_losses": nonfinite,
             "guard": s.gradient_guard, "losses_at_recovery": s.ensemble.controllers[0].updates, "changed": changed,
             "skipped": None if s.skip_guard is None else float(s.skip_guard.skipped),
             "steps": [int(st["step"]) for st in o.state.values()][:1]}
 
 
-def _timeout_entry(rank, world, port, out_dir, skip_rank, timeout_s):
+def _timeout_entry(rank, world, out_dir, skip_rank, timeout_s):
     """Own spawn entry: a short process-group timeout; replica ``skip_rank`` never reaches the sync."""
     import time
     from datetime import timedelta
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    from helpers import file_init_method
+
+    dist.init_process_group("gloo", init_method=file_init_method(out_dir), rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
     model = make_model()
     o = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -360,7 +374,8 @@ def soak(rank, world, *, steps=2500, T=10, seed=0):
     g = torch.Generator().manual_seed(seed)  # the same fault plan on every rank
     rho = sorted(s.ensemble.rho)
     lo, hi = 0.02 / 25 / 1e4 * 0.7 * (1 - 1e-9), 0.2 * 1.3 * (1 + 1e-9)
-    counts = {"nan_loss": 0, "nan_weight": 0, "skip": 0, "save_load": 0, "rebuild": 0, "syncs": 0, "recovered": 0}
+    counts = {"nan_loss": 0, "nan_weight": 0, "skip": 0, "save_load": 0, "rebuild": 0, "syncs": 0, "recovered": 0,
+              "counted_losses": 0}
     for t in range(1, steps + 1):
         u, victim = torch.rand(1, generator=g).item(), int(torch.randint(world, (1,), generator=g))
         fault = ("nan_loss" if u < 0.01 else "nan_weight" if u < 0.015 else "skip" if u < 0.03
@@ -384,6 +399,7 @@ def soak(rank, world, *, steps=2500, T=10, seed=0):
         if s.is_sync_step(t):
             counts["syncs"] += 1
             counts["recovered"] += len(s.last_sync.recovered)
+            counts["counted_losses"] += sum(s.last_sync.nonfinite_losses)
             flat = gather_flat(list(model.parameters()) + float_buffers(model))
             assert all(torch.equal(flat[0], f) for f in flat[1:]), f"replicas differ after the sync at {t}"
             assert all(torch.isfinite(f).all() for f in flat), f"non-finite weights after the sync at {t}"
@@ -533,7 +549,7 @@ def hsdp_guard(rank, world, *, fault="loss", steps=10, T=5, at=3):
     o = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.3, model_sync_interval=T,
                             controller="paper", model=model, seed=3, device_mesh=mesh)
-    changed, finite, recovered = [], [], []
+    changed, finite, recovered, nonfinite = [], [], [], []
     for t in range(1, steps + 1):
         before = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
         x, y = batch(rank, t)
@@ -552,8 +568,17 @@ def hsdp_guard(rank, world, *, fault="loss", steps=10, T=5, at=3):
         finite.append(bool(torch.isfinite(after).all()))
         if s.is_sync_step(t):
             recovered.append(list(s.last_sync.recovered))
+            nonfinite.append(list(s.last_sync.nonfinite_losses))
     mine = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
     peers = [torch.empty_like(mine) for _ in range(2)]  # the same shards of both replicas
     dist.all_gather(peers, mine, group=mesh.get_group("replicate"))
+    import io  # the scheduler's state under HSDP: plain data, weights_only, the live guard kept
+
+    buf = io.BytesIO()
+    torch.save(s.state_dict(), buf)
+    buf.seek(0)
+    guard = s.skip_guard
+    s.load_state_dict(torch.load(buf, weights_only=True))
     return {"guard": s.gradient_guard, "changed": changed, "finite": finite, "recovered": recovered,
-            "skipped": float(s.skip_guard.skipped), "replicas_equal": torch.equal(peers[0], peers[1])}
+            "nonfinite_losses": nonfinite, "skipped": float(s.skip_guard.skipped),
+            "replicas_equal": torch.equal(peers[0], peers[1]), "guard_kept": s.skip_guard is guard}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import tempfile
 import traceback
 from datetime import timedelta
@@ -28,7 +27,7 @@ class ScriptedReplicas(Replicas):
         self.window_losses = window_losses
         self.gathers = 0
 
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
+    def gather(self, local: torch.Tensor, shard_sum=(), shard_min=()) -> torch.Tensor:
         self.gathers += 1
         rows = local.detach().to(torch.float64).reshape(1, -1).repeat(self.world_size, 1)
         if self.window_losses is not None:
@@ -40,16 +39,16 @@ class ScriptedReplicas(Replicas):
         return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def file_init_method(folder: str) -> str:
+    """A ``file://`` rendezvous in ``folder`` (fresh per run): no TCP port is probed, so no other process can
+    take it between the probe and the bind (EADDRINUSE on a busy machine)."""
+    return "file://" + os.path.join(os.path.abspath(folder), "rendezvous")
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str) -> None:
+def _entry(rank: int, world_size: int, fn, args, out_dir: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+    dist.init_process_group("gloo", init_method=file_init_method(out_dir), rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=120))  # a hang becomes an error, never a stuck CI
     try:
         result = fn(rank, world_size, *args)
@@ -71,7 +70,7 @@ def run_gloo(fn, world_size: int, *args) -> list:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes; return the
     per-rank results, or per-rank error dicts ``{"error": type, "msg": ...}`` if a rank raised."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world_size, free_port(), fn, args, out_dir), nprocs=world_size, join=True)
+        mp.spawn(_entry, args=(world_size, fn, args, out_dir), nprocs=world_size, join=True)
         outs = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
     return [o["result"] if o["ok"] else {"error": o["type"], "msg": o["msg"], "tb": o["tb"]} for o in outs]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hdet.cli import main
-from helpers import free_port, one_thread
+from helpers import one_thread
 
 TINY = ["--steps", "12", "--batch", "4", "--ctx", "16", "--width", "32", "--layers", "1", "--T", "4",
         "--no-progress"]
@@ -138,7 +138,7 @@ def test_train_under_torchrun_matches_engine(tmp_path, local):
     also in local mode (--no-grad-sync: DDP's no_sync, the engine's share_gradients=False)."""
     args = [*TINY, "--steps", "8", "--alpha", "0.3", "--mode", "loop"] + ["--no-grad-sync"] * local
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "-m", "hdet", "train", *args, "--out", str(tmp_path / "ddp")],
                        capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-3000:]

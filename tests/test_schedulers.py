@@ -409,14 +409,30 @@ def test_bad_loss_shape():
         s.step(torch.ones(3))
 
 
-def test_single_replica_non_finite_loss_is_named():
+def test_single_replica_non_finite_loss_is_counted_and_the_run_goes_on():
+    """A non-finite loss with finite weights is a handled fault (issue 17.9): counted, reported, ranked
+    worst, and the run goes on; the next window starts clean. on_nonfinite='raise' stops, naming it."""
     _, o = _opt()
     s = OneCycleAutoLR(o, max_lr=0.1, total_steps=30, model_sync_interval=5)
     for t in range(1, 5):
         o.step()
+        s.step(torch.tensor(float("inf")) if t == 3 else torch.tensor(1.0))
+    o.step()
+    with pytest.warns(UserWarning, match=r"replica\(s\) \[0\] had non-finite training losses \(\[1\] in the window\)"):
+        s.step(torch.tensor(2.0))
+    assert s.last_sync.nonfinite_losses == [1] and s.last_sync.recovered == []
+    for t in range(6, 11):  # the next window holds no stale Inf: no warning, no error
+        o.step()
+        s.step(torch.tensor(1.0))
+    assert s.last_sync.step == 10 and s.last_sync.nonfinite_losses == [0] and s.last_sync.losses == [1.0]
+
+    _, o = _opt()
+    s = OneCycleAutoLR(o, max_lr=0.1, total_steps=30, model_sync_interval=5, on_nonfinite="raise")
+    for t in range(1, 5):
+        o.step()
         s.step(torch.tensor(float("nan")) if t == 3 else torch.tensor(1.0))
     o.step()
-    with pytest.raises(hdet.NonFiniteReplicaError, match=r"non-finite window loss on replica\(s\) \[0\]"):
+    with pytest.raises(hdet.NonFiniteReplicaError, match=r"non-finite training losses on replica\(s\) \[0\]"):
         s.step(torch.tensor(1.0))
 
 

@@ -2,7 +2,7 @@
 
 from .controller import FitController, PaperController, gamma_as_printed, gamma_decay, softmax_weights
 from .flat import contiguous_parameters_
-from .ensemble import Ensemble, HDETConfig, NonFiniteReplicaError, ReplicaSyncError, SyncRecord
+from .ensemble import Ensemble, HDETConfig, NonFiniteReplicaError, ReplicaMismatchError, ReplicaSyncError, SyncRecord
 from .hyper import (AdamBeta, Dropout, GradClip, Hyperparameter, LabelSmoothing, Setter, Spread, WeightDecay,
                     group_params)
 from .init import warm_init_
@@ -30,6 +30,7 @@ __all__ = [
     "SyncRecord",
     "NonFiniteReplicaError",
     "ReplicaSyncError",
+    "ReplicaMismatchError",
     "Replicas",
     "SingleReplica",
     "ProcessGroupReplicas",

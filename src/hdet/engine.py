@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
+from .ensemble import ReplicaMismatchError
 from .replicas import LocalReplicaGroup, Replicas
 
 __all__ = ["ReplicaEngine"]
@@ -236,6 +237,45 @@ class ReplicaEngine:
             for g in grads:
                 g.copy_(acc)
 
+    # -- state ----------------------------------------------------------------------------------------
+    STATE_VERSION = 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every replica's model, optimizer and scheduler state, as plain data (``torch.load(weights_only=True)``
+        reads it). The global RNG (dropout masks, data order) is the caller's to save, as in any training loop."""
+        return {"version": self.STATE_VERSION, "num_replicas": self.num_replicas,
+                "share_gradients": self.share_gradients,
+                "replicas": [{"model": m.state_dict(), "optimizer": o.state_dict(), "scheduler": s.state_dict()}
+                             for m, o, s in zip(self.models, self.optimizers, self.schedulers)]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`: models, then optimizers, then schedulers (which set each replica's own
+        values on its optimizer). The number of replicas and the gradient mode must match; every scheduler
+        state is checked before anything is loaded."""
+        if not isinstance(state, dict) or not isinstance(state.get("replicas"), list) or "num_replicas" not in state:
+            got = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"Expected a ReplicaEngine state_dict (keys 'version', 'num_replicas', 'replicas'), but "
+                             f"got {got}")
+        if state.get("version", 1) > self.STATE_VERSION:
+            raise ValueError(f"Expected a ReplicaEngine state of version <= {self.STATE_VERSION}, but got "
+                             f"{state['version']}: saved by a newer hdet")
+        if state["num_replicas"] != self.num_replicas or len(state["replicas"]) != self.num_replicas:
+            raise ValueError(f"Expected a state of {self.num_replicas} replicas, but got one of "
+                             f"{state['num_replicas']} ({len(state['replicas'])} entries)")
+        if state.get("share_gradients", True) != self.share_gradients:
+            raise ValueError(f"Expected a state saved with share_gradients={self.share_gradients}, but got "
+                             f"share_gradients={state.get('share_gradients')}")
+        for r, (rs, sched) in enumerate(zip(state["replicas"], self.schedulers)):
+            if not isinstance(rs, dict) or set(rs) != {"model", "optimizer", "scheduler"}:
+                raise ValueError(f"Expected replica {r}'s state with 'model', 'optimizer' and 'scheduler', but got "
+                                 f"{sorted(rs) if isinstance(rs, dict) else type(rs).__name__}")
+            sched.ensemble.check_state(rs["scheduler"].get("hdet") if isinstance(rs["scheduler"], dict) else None)
+        for m, o, s, rs in zip(self.models, self.optimizers, self.schedulers, state["replicas"]):
+            m.load_state_dict(rs["model"])  # in place: in vmap mode the stacked tensors follow
+            o.load_state_dict(rs["optimizer"])
+            s.load_state_dict(rs["scheduler"])
+        self.steps_taken = self.schedulers[0].last_epoch
+
     # -- one step ---------------------------------------------------------------------------------
     def step(self, batches: Sequence[Any] | Any, loss_fn: LossFn, *, stacked: bool = False) -> torch.Tensor:
         """One optimizer step of every replica on its own batch; returns the losses, shape ``[N]``
@@ -276,7 +316,12 @@ class ReplicaEngine:
             o.step()
         for s, loss in zip(self.schedulers, losses):
             s.ensemble.observe(loss)
-        self.steps_taken += 1
+        steps = {s.last_epoch for s in self.schedulers}  # host-side counters: no sync
+        if len(steps) > 1:
+            raise ReplicaMismatchError(f"Expected every replica's scheduler at the same step, but their last_epoch "
+                                       f"values are {[s.last_epoch for s in self.schedulers]} (loaded from different "
+                                       "checkpoints?)")
+        self.steps_taken = steps.pop() + 1  # the schedulers' count: right after a load_state_dict too
         self.group.step = self.steps_taken
         for s in self.schedulers:
             s.step()

@@ -10,7 +10,9 @@ spreads) and ranks replicas by a probe loss at the mean of their iterates over t
 
 from __future__ import annotations
 
+import json
 import math
+import numbers
 import warnings
 import zlib
 from collections.abc import Callable
@@ -22,15 +24,18 @@ from torch import nn
 
 from .controller import CONTROLLERS, ControllerStep, FitController, PaperController
 from .hyper import Hyperparameter, Spread
-from .replicas import Replicas, local_shard
+from .replicas import Replicas, ReplicaSyncError, local_shard
 from .spread import Dealer, check_alpha, linear_multipliers
 
-__all__ = ["HDETConfig", "Ensemble", "NonFiniteReplicaError", "ReplicaSyncError", "SyncRecord"]
+__all__ = ["HDETConfig", "Ensemble", "NonFiniteReplicaError", "ReplicaSyncError", "ReplicaMismatchError",
+           "SyncRecord", "STATE_VERSION"]
+
+STATE_VERSION = 2  # of Ensemble.state_dict(); 1: before the version field (hdet <= 0.1 sessions 1-13)
 
 
-class ReplicaSyncError(RuntimeError):
-    """A converge step's collective failed, usually because a replica never arrived within the process
-    group's timeout (it died, hung, or skipped ``scheduler.step()``)."""
+class ReplicaMismatchError(RuntimeError):
+    """At a converge step the replicas disagree on what they are: a different step, sync interval,
+    total_steps, configuration or tensor layout (e.g. one rank resumed from an older checkpoint)."""
 
 
 class NonFiniteReplicaError(FloatingPointError):
@@ -56,20 +61,22 @@ class HDETConfig:
     tie_lr_groups: bool = False  # one multiplier per replica for all its LR groups (one permutation)
 
     def validate(self) -> None:
-        check_alpha(self.alpha)
-        _check_int("model_sync_interval", self.sync_interval, lo=1)
+        """Check every field; numpy scalars become Python numbers."""
+        self.alpha = check_alpha(self.alpha)
+        self.sync_interval = _check_int("model_sync_interval", self.sync_interval, lo=1)
         if not isinstance(self.auto_lr, bool):
             raise ValueError(f"Expected enable_auto_lr to be a bool, but got {self.auto_lr!r}")
-        _check_int("auto_lr_warmup_steps", self.auto_lr_warmup_steps, lo=0)
+        self.auto_lr_warmup_steps = _check_int("auto_lr_warmup_steps", self.auto_lr_warmup_steps, lo=0)
         if not _is_real(self.sigma) or not self.sigma > 0 or not math.isfinite(self.sigma):
             raise ValueError(f"Expected loss_scale (sigma) > 0, but got {self.sigma!r}")
         if not _is_real(self.lam) or not self.lam >= 0 or not math.isfinite(self.lam):
             raise ValueError(f"Expected lr_of_lr (lambda) >= 0, but got {self.lam!r}")
         if not _is_real(self.beta) or not 0.0 <= self.beta < 1.0:
             raise ValueError(f"Expected 0 <= momentum_of_lr (beta) < 1, but got {self.beta!r}")
+        self.sigma, self.lam, self.beta = float(self.sigma), float(self.lam), float(self.beta)
         if self.eq8 not in ("decay", "as_printed"):
             raise ValueError(f"Expected eq8 to be 'decay' or 'as_printed', but got {self.eq8!r}")
-        _check_int("seed", self.seed, lo=0)
+        self.seed = _check_int("seed", self.seed, lo=0)
         if not isinstance(self.tie_lr_groups, bool):
             raise ValueError(f"Expected tie_lr_groups to be a bool, but got {self.tie_lr_groups!r}")
         if self.controller not in CONTROLLERS:
@@ -77,36 +84,71 @@ class HDETConfig:
         if self.on_nonfinite not in ("recover", "raise"):
             raise ValueError(f"Expected on_nonfinite to be 'recover' or 'raise', but got {self.on_nonfinite!r}")
 
+    def fingerprint(self) -> int:
+        """A hash of every setting, exchanged at each sync: replicas built differently are an error."""
+        return zlib.crc32(json.dumps(asdict(self), sort_keys=True).encode())  # < 2**32: exact in float64
+
 
 def _is_real(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A real number, numpy scalars included (they register as ``numbers.Real``); not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def _check_int(name: str, value: Any, lo: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+def _check_int(name: str, value: Any, lo: int) -> int:
+    """``value`` as an int (numpy integers included), or a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
         raise ValueError(f"Expected integer {name} >= {lo}, but got {value!r}")
+    return int(value)
+
+
+def _averaged(t: torch.Tensor) -> bool:
+    """Whether a tensor is averaged at a converge step: floating point, or complex (as a real view)."""
+    return t.is_floating_point() or t.is_complex()
+
+
+def _as_real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as a real ``[..., 2]`` view of the same memory (averaged and checked in place)."""
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def _persistent_float_buffers(model: nn.Module) -> list[torch.Tensor]:
     out, seen = [], set()
     for mod in model.modules():
         for name, b in mod._buffers.items():
-            if b is None or name in mod._non_persistent_buffers_set or not b.is_floating_point() or id(b) in seen:
+            if b is None or name in mod._non_persistent_buffers_set or not _averaged(b) or id(b) in seen:
                 continue
             seen.add(id(b))
-            out.append(b.detach())
+            out.append(_as_real(b.detach()))
     return out
 
 
-def _all_finite(tensors: list[torch.Tensor], strict: list[bool], dev: torch.device) -> torch.Tensor:
-    """One bool on ``dev``: every element is finite (``strict``) or at least not NaN. No host sync
+def _health(tensors: list[torch.Tensor], strict: list[bool], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """On ``dev``: (every ``strict`` tensor is finite and no tensor holds a NaN, the number of +-Inf
+    elements in the non-strict tensors (buffers)). A buffer may hold -inf by design (a persistent
+    attention mask), so its Inf count is compared across replicas at the sync instead. No host sync
     (one small copy per device)."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for x, must_be_finite in zip(tensors, strict):
-        ok = torch.isfinite(x).all() if must_be_finite else ~torch.isnan(x).any()
-        by_device.setdefault(x.device, []).append(ok)
-    flags = [torch.stack(fs).all().to(dev) for fs in by_device.values()]
-    return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=dev)
+        oks, infs = by_device.setdefault(x.device, ([], []))
+        if must_be_finite:
+            oks.append(torch.isfinite(x).all())
+        else:
+            oks.append(~torch.isnan(x).any())
+            infs.append(torch.isinf(x).sum())
+    ok = torch.ones((), dtype=torch.bool, device=dev)
+    inf = torch.zeros((), dtype=torch.float64, device=dev)
+    for oks, infs in by_device.values():
+        ok = ok & torch.stack(oks).all().to(dev)
+        if infs:
+            inf = inf + torch.stack(infs).sum().to(dev, torch.float64)
+    return ok, inf
+
+
+# The vector each replica contributes to a sync's all_gather (float64), by column.
+(V_LOSS_SUM, V_LOSS_N, V_OBSERVED, V_FINITE, V_BUF_INF, V_LAYOUT, V_NTENSORS, V_SEED, V_PROBE, V_STEP, V_T,
+ V_TOTAL, V_CONFIG) = range(13)
+SHARD_SUM = (V_LOSS_SUM, V_LOSS_N, V_OBSERVED, V_BUF_INF)  # FSDP2/HSDP: summed over one replica's shard ranks
+SHARD_MIN = (V_FINITE,)  # ... and AND-ed (min) over them
 
 
 @dataclass
@@ -120,7 +162,8 @@ class SyncRecord:
     controller: list[ControllerStep] | None  # per slot; log-spread slots in log space
     names: list[str] | None = None  # per slot: "lr/<group>" or the hyperparameter's name
     values: list[list[float]] | None = None  # per slot, per replica: the value for the next window
-    recovered: list[int] = field(default_factory=list)  # replicas reset after a non-finite window
+    recovered: list[int] = field(default_factory=list)  # replicas with non-finite weights, reset to the others' mean
+    nonfinite_losses: list[int] = field(default_factory=list)  # per replica: non-finite losses in the window
 
 
 Controller = PaperController | FitController
@@ -170,8 +213,9 @@ class Ensemble:
         self.last_sync: SyncRecord | None = None
         self.on_sync: list[Callable[[SyncRecord], None]] = []
         self._controlled: list[float | None] = [None] * self.num_slots  # controller-owned bases
-        self._loss_sum: torch.Tensor | None = None  # stays on the loss's device: no host sync
-        self._loss_count = 0
+        self._loss_sum: torch.Tensor | None = None  # sum of the window's finite losses, on the loss's device
+        self._loss_n: torch.Tensor | None = None  # how many of them were finite (on the device: no host sync)
+        self._loss_count = 0  # losses observed in the window (finite or not)
         # controller="fit": probe(model) -> loss on a batch every replica sees; the window's iterate sum
         self.probe: Probe | None = None
         self._polyak: list[torch.Tensor] | None = None  # float32 sum of the parameters after each step
@@ -181,6 +225,9 @@ class Ensemble:
         self._t = 0  # optimizer steps taken, counted by accumulate() (fit controller only)
         self._peak0 = 0.0  # the largest scheduled base of slot 0 so far (the fit controller's weight)
         self._scheduled: list[float] = [0.0] * self.num_slots  # the base schedules' values now
+        if self.probing and any(p.is_complex() for p in self._params()):
+            raise ValueError("controller='fit' does not support complex parameters (its probe averages real "
+                             "iterates); use controller='paper' or auto-LR off")
 
     # ----------------------------------------------------------------- schedule
     def set_total_steps(self, total_steps: int) -> None:
@@ -257,12 +304,14 @@ class Ensemble:
             value = torch.tensor(float(loss), dtype=torch.float64)
         else:
             raise ValueError(f"Expected the loss as a scalar tensor or a float, but got {type(loss).__name__}")
-        if self._loss_sum is None:
-            self._loss_sum = value.clone()
-        else:
-            if self._loss_sum.device != value.device:
-                self._loss_sum = self._loss_sum.to(value.device)  # once, after a load_state_dict
-            self._loss_sum += value.to(self._loss_sum.dtype)
+        if self._loss_sum is None or self._loss_n is None:
+            self._loss_sum = torch.zeros((), dtype=value.dtype, device=value.device)
+            self._loss_n = torch.zeros((), dtype=value.dtype, device=value.device)
+        elif self._loss_sum.device != value.device:  # once, after a load_state_dict
+            self._loss_sum, self._loss_n = self._loss_sum.to(value.device), self._loss_n.to(value.device)
+        finite = torch.isfinite(value)  # a non-finite loss is counted, not summed: a handled fault
+        self._loss_sum += torch.where(finite, value, torch.zeros_like(value)).to(self._loss_sum.dtype)
+        self._loss_n += finite
         self._loss_count += 1
 
     # ----------------------------------------------------------------- tensors
@@ -277,8 +326,8 @@ class Ensemble:
     def _tensors(self) -> tuple[list[torch.Tensor], list[bool]]:
         """The tensors to average, and per tensor whether it must be finite (parameters, optimizer
         state) or only free of NaN (buffers: a mask may hold -inf)."""
-        params = self._float_params()
-        out = [local_shard(p.detach()) for p in params]
+        params = self._params()
+        out = [_as_real(local_shard(p.detach())) for p in params]
         strict = [True] * len(out)
         if self.model is not None:
             buffers = _persistent_float_buffers(self.model)
@@ -296,16 +345,20 @@ class Ensemble:
             state = self.optimizer.state.get(p, {})
             for key in sorted(state):
                 v = state[key]
-                if key != "step" and isinstance(v, torch.Tensor) and v.is_floating_point():
-                    out.append(local_shard(v.detach()))
+                if key != "step" and isinstance(v, torch.Tensor) and _averaged(v):
+                    out.append(_as_real(local_shard(v.detach())))
         return out
 
     def recovery_tensors(self) -> list[torch.Tensor]:
         """What a recovery averages besides :meth:`tensors`: the optimizer state (moments), unless it
-        is averaged anyway. A non-finite replica's moments may be NaN; the healthy ones' are equal."""
-        if self.config.average_optimizer_state:
-            return []
-        return self._optimizer_state(self._float_params())
+        is averaged anyway, and the fit controller's running sum of the window's iterates. A non-finite
+        replica's may be NaN; the healthy ones' moments are equal."""
+        out = [] if self.config.average_optimizer_state else self._optimizer_state(self._params())
+        return out + (self._polyak if self._polyak is not None else [])
+
+    def _params(self) -> list[torch.Tensor]:
+        """The parameters averaged at a converge step: floating point and complex."""
+        return [p for g in self.optimizer.param_groups for p in g["params"] if _averaged(p)]
 
     def _float_params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"] if p.is_floating_point()]
@@ -316,22 +369,30 @@ class Ensemble:
         return zlib.crc32(text.encode())  # < 2**32: exact in float64
 
     # ----------------------------------------------------------------- the sync step
-    def local_vector(self) -> torch.Tensor:
-        """What this replica contributes to a sync's all_gather, on the communication device:
-        ``[window loss sum, weights finite, loss count, layout hash, tensor count, seed, probe loss]``
-        (the probe loss is NaN unless the fit controller runs at this sync). No host sync."""
-        return self._local_vector(*self._tensors())
+    def local_vector(self, t: int) -> torch.Tensor:
+        """What this replica contributes to the all_gather of the sync after optimizer step ``t``, on the
+        communication device: the columns ``V_*`` (window loss sum over finite losses, their count, losses
+        observed, weights finite, buffer Inf count, layout hash, tensor count, seed, probe loss (NaN unless
+        the fit controller runs at this sync), step, T, total_steps, config fingerprint). No host sync."""
+        return self._local_vector(*self._tensors(), t)
 
-    def _local_vector(self, tensors: list[torch.Tensor], strict: list[bool]) -> torch.Tensor:
+    def _local_vector(self, tensors: list[torch.Tensor], strict: list[bool], t: int) -> torch.Tensor:
         dev = self.replicas.comm_device()
-        finite = _all_finite(tensors, strict, dev)
-        loss_sum = self._loss_sum if self._loss_sum is not None else torch.zeros((), dtype=torch.float64)
+        finite, buf_inf = _health(tensors, strict, dev)
+        zero = torch.zeros((), dtype=torch.float64)
+        loss_sum = self._loss_sum if self._loss_sum is not None else zero
+        loss_n = self._loss_n if self._loss_n is not None else zero
+        c = self.config
         return torch.cat([
             loss_sum.reshape(1).to(dev, torch.float64),
+            loss_n.reshape(1).to(dev, torch.float64),
+            torch.tensor([self._loss_count], dtype=torch.float64, device=dev),
             finite.reshape(1).to(torch.float64),
-            torch.tensor([self._loss_count, self._layout_signature(tensors), len(tensors), self.config.seed],
-                         dtype=torch.float64, device=dev),
+            buf_inf.reshape(1),
+            torch.tensor([self._layout_signature(tensors), len(tensors), c.seed], dtype=torch.float64, device=dev),
             self._probe_at_mean().reshape(1).to(dev, torch.float64),
+            torch.tensor([t, c.sync_interval, -1 if self.total_steps is None else self.total_steps, c.fingerprint()],
+                         dtype=torch.float64, device=dev),
         ])
 
     # ----------------------------------------------------------------- the fit controller's probe
@@ -409,6 +470,57 @@ class Ensemble:
                 s.zero_()
         self._polyak_n = 0
 
+    def _exchange(self, t: int, tensors: list[torch.Tensor], strict: list[bool]) -> list[list[float]]:
+        """The sync's all_gather of every replica's vector (columns ``V_*``), checked for agreement."""
+        local = self._local_vector(tensors, strict, t)  # may run the user's probe: its errors stay its own
+        try:
+            g = self.replicas.gather(local, shard_sum=SHARD_SUM, shard_min=SHARD_MIN).tolist()  # COLLECTIVE (all_gather) + HOST SYNC
+        except ReplicaSyncError as e:
+            raise ReplicaSyncError(f"hdet: the converge step after optimizer step {t} failed in its first "
+                                   f"collective (all_gather): {e}") from e
+        col = [list(x) for x in zip(*g)]
+        self._check_agreement(t, col)
+        return col
+
+    def _converge(self, t: int, tensors: list[torch.Tensor], col: list[list[float]], everyone: bool = True) -> list[int]:
+        """Eq. 3, leaving out replicas with non-finite weights or buffers, which receive the others' mean
+        (weights, buffers and optimizer moments). ``everyone=False`` (an early recovery): nothing is
+        averaged when no replica is bad. Returns the bad replicas."""
+        c = self.config
+        N = self.replicas.world_size
+        buf_inf = col[V_BUF_INF]
+        bad = [r for r in range(N) if col[V_FINITE][r] != 1.0 or buf_inf[r] > min(buf_inf)]  # weights, buffers
+        bad_loss = [r for r in range(N) if col[V_OBSERVED][r] > col[V_LOSS_N][r]]
+        if ((bad or (bad_loss and everyone)) and c.on_nonfinite == "raise") or len(bad) == N:
+            raise NonFiniteReplicaError(
+                f"At sync step {t}: non-finite training losses on replica(s) {bad_loss}, non-finite weights on "
+                f"replica(s) {bad} (parameters or buffers)"
+                + (" (every replica)" if len(bad) == N else "")
+                + ". Nothing was averaged, so the other replicas are untouched."
+            )
+        if everyone or bad:  # Eq. 3 (over the healthy replicas). COLLECTIVES: one all_reduce per bucket
+            self._average(t, tensors, exclude=bad)
+        if bad:  # recovery: the bad replicas now hold the healthy replicas' mean weights; moments too
+            extra = self.recovery_tensors()
+            if extra:
+                self._average(t, extra, exclude=bad)  # COLLECTIVES: one all_reduce per bucket
+            warnings.warn(
+                f"hdet: at {'sync' if everyone else 'an early recovery at'} step {t} replica(s) {bad} had non-finite "
+                "weights or buffers; they were left out of the average, reset to the other replicas' mean, and ranked "
+                "worst by the controller",
+                stacklevel=4,
+            )
+        return bad
+
+    def recover(self, t: int) -> list[int]:
+        """An early converge between syncs, for replicas with non-finite weights or buffers (the scheduler
+        calls it when the skip guard skipped every step of a stretch: one NaN weight on one replica would
+        otherwise freeze every replica until the next sync). The healthy replicas are averaged and the bad
+        ones reset to their mean; the loss window and the controller are left alone. Returns the bad
+        replicas (none: nothing was averaged). Collectives as :meth:`sync`."""
+        tensors, strict = self._tensors()
+        return self._converge(t, tensors, self._exchange(t, tensors, strict), everyone=False)
+
     def sync(self, t: int) -> SyncRecord:
         """Converge (and maybe control and deal) after optimizer step ``t``. Runs on every replica.
 
@@ -418,54 +530,31 @@ class Ensemble:
         N = self.replicas.world_size
         tensors, strict = self._tensors()
         try:
-            g = self.replicas.gather(self._local_vector(tensors, strict)).tolist()  # COLLECTIVE (all_gather) + HOST SYNC
-        except RuntimeError as e:  # a timeout (DistBackendError), a closed connection, ...
-            raise ReplicaSyncError(
-                f"hdet: the converge step after optimizer step {t} failed in its first collective (all_gather): "
-                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}. A replica never arrived within the "
-                "process group's timeout: it died, hung, or skipped scheduler.step() at this step (every replica "
-                "must call it after every optimizer step)."
-            ) from e
-        sums, finite_r, counts, sigs, ntens, seeds, probes = (list(col) for col in zip(*g))
-
-        if len(set(zip(sigs, ntens))) > 1:
-            raise RuntimeError(
-                f"At sync step {t} the replicas hold different tensors to average "
-                f"(count per replica: {[int(n) for n in ntens]}, layout hashes: {[int(s) for s in sigs]}). "
-                "Every replica must build the optimizer, its param groups and the model identically."
-            )
-        if len(set(seeds)) > 1:
-            raise ValueError(f"Expected the same seed on every replica, but got {[int(s) for s in seeds]}")
-        bad_loss = [r for r in range(N) if counts[r] > 0 and not math.isfinite(sums[r])]
-        bad_weights = [r for r in range(N) if finite_r[r] != 1.0]
-        bad = sorted(set(bad_loss) | set(bad_weights))
-        if bad and (c.on_nonfinite == "raise" or len(bad) == N):
-            raise NonFiniteReplicaError(
-                f"At sync step {t}: non-finite window loss on replica(s) {bad_loss}, non-finite weights on "
-                f"replica(s) {bad_weights}"
-                + (" (every replica)" if len(bad) == N else "")
-                + ". Nothing was averaged, so the other replicas are untouched."
-            )
-
-        if bad:  # Eq. 3 over the healthy replicas. COLLECTIVES: one all_reduce per bucket
-            self.replicas.average_(tensors, exclude=bad)
-        else:  # Eq. 3. COLLECTIVES: one all_reduce per bucket
-            self.replicas.average_(tensors)
-        if bad:  # recovery: the bad replicas now hold the healthy replicas' mean weights; moments too
-            extra = self.recovery_tensors()
-            if extra:
-                self.replicas.average_(extra, exclude=bad)  # COLLECTIVES: one all_reduce per bucket
+            col = self._exchange(t, tensors, strict)
+        finally:
+            self._loss_sum, self._loss_n, self._loss_count = None, None, 0  # a new window, whatever happens next
+        bad = self._converge(t, tensors, col)
+        sums, n_finite, observed = col[V_LOSS_SUM], col[V_LOSS_N], col[V_OBSERVED]
+        nonfinite_losses = [int(observed[r] - n_finite[r]) for r in range(N)]
+        bad_loss = [r for r in range(N) if nonfinite_losses[r] > 0]
+        healthy_loss = [r for r in bad_loss if r not in bad]
+        if healthy_loss:
             warnings.warn(
-                f"hdet: at sync step {t} replica(s) {bad} had a non-finite window loss or weights; they were "
-                "left out of the average, reset to the other replicas' mean, and ranked worst by the controller",
+                f"hdet: at sync step {t} replica(s) {healthy_loss} had non-finite training losses "
+                f"({[nonfinite_losses[r] for r in healthy_loss]} in the window) but finite weights (a step the "
+                "gradient guard skipped, or a bad batch): counted in sched.last_sync.nonfinite_losses, ranked "
+                "worst by the controller; training goes on",
                 stacklevel=3,
             )
 
-        losses = [sums[r] / counts[r] if counts[r] else float("nan") for r in range(N)]
-        if bad:  # rank the bad replicas worst: ten loss temperatures above the worst healthy loss
-            healthy = [losses[r] for r in range(N) if r not in bad and math.isfinite(losses[r])]
+        losses = [sums[r] / n_finite[r] if n_finite[r] else float("nan") for r in range(N)]
+        worst_ranked = set(bad) | set(bad_loss)
+        if worst_ranked:  # rank them worst: ten loss temperatures above the worst healthy loss
+            healthy = [losses[r] for r in range(N) if r not in worst_ranked and math.isfinite(losses[r])]
             worst = (max(healthy) if healthy else 0.0) + 10 * c.sigma
-            losses = [worst if r in bad else x for r, x in enumerate(losses)]
+            losses = [worst if r in worst_ranked else x for r, x in enumerate(losses)]
+        counts = observed
+        probes = col[V_PROBE]
         steps: list[ControllerStep] | None = None
         if c.auto_lr and t >= c.auto_lr_warmup_steps and t % c.sync_interval == 0:
             missing = [r for r in range(N) if counts[r] == 0]
@@ -493,13 +582,43 @@ class Ensemble:
             names=list(self.names),
             values=self.all_values(),
             recovered=bad,
+            nonfinite_losses=nonfinite_losses,
         )
-        self._loss_sum = None
-        self._loss_count = 0
         self.last_sync = record
         for hook in self.on_sync:
             hook(record)
         return record
+
+    def _average(self, t: int, tensors: list[torch.Tensor], exclude: list[int] | None = None) -> None:
+        """Eq. 3 through the replicas; a failed collective names the step."""
+        try:
+            self.replicas.average_(tensors, exclude=exclude or ())
+        except ReplicaSyncError as e:
+            raise ReplicaSyncError(f"hdet: the converge step after optimizer step {t} failed while averaging: "
+                                   f"{e}") from e
+
+    def _check_agreement(self, t: int, col: list[list[float]]) -> None:
+        """Every replica must be at the same step of the same run: same layout, seed, step, T, total_steps
+        and settings. Averaging replicas that disagree would be silently wrong."""
+        if len(set(zip(col[V_LAYOUT], col[V_NTENSORS]))) > 1:
+            raise ReplicaMismatchError(
+                f"At sync step {t} the replicas hold different tensors to average "
+                f"(count per replica: {[int(n) for n in col[V_NTENSORS]]}, layout hashes: "
+                f"{[int(x) for x in col[V_LAYOUT]]}). Every replica must build the optimizer, its param groups and "
+                "the model identically."
+            )
+        if len(set(col[V_SEED])) > 1:
+            raise ValueError(f"Expected the same seed on every replica, but got {[int(x) for x in col[V_SEED]]}")
+        fields = {"optimizer steps": V_STEP, "model_sync_interval": V_T, "total_steps": V_TOTAL,
+                  "settings fingerprints": V_CONFIG}
+        differ = {name: [int(x) for x in col[i]] for name, i in fields.items() if len(set(col[i])) > 1}
+        if differ:
+            raise ReplicaMismatchError(
+                f"At the converge step after optimizer step {t} the replicas disagree: "
+                + "; ".join(f"{name} per replica {v}" for name, v in differ.items())
+                + ". Nothing was averaged. Every replica must be built with the same settings and resume from "
+                "the same checkpoint step."
+            )
 
     def _control(self, losses: list[float]) -> list[ControllerStep]:
         """Eqs. 4-9 for every slot, then a fresh permutation per slot (drawn in slot order)."""
@@ -550,7 +669,9 @@ class Ensemble:
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
+        """Plain data (numbers, strings, lists, dicts, CPU tensors): loads with ``torch.load(weights_only=True)``."""
         return {
+            "version": STATE_VERSION,
             "config": asdict(self.config),
             "world_size": self.replicas.world_size,
             "rank": self.replicas.rank,
@@ -566,6 +687,7 @@ class Ensemble:
             "scheduled": list(self._scheduled),
             "dealer": self.dealer.state_dict(),
             "loss_sum": None if self._loss_sum is None else self._loss_sum.detach().cpu().clone(),
+            "loss_n": None if self._loss_n is None else self._loss_n.detach().cpu().clone(),
             "loss_count": self._loss_count,
             "total_steps": self.total_steps,
             "names": list(self.names),
@@ -574,36 +696,21 @@ class Ensemble:
     _STATE_KEYS = ("config", "world_size", "rank", "rho", "perms", "current_bases", "controlled", "controllers",
                    "dealer", "loss_sum", "loss_count", "total_steps")
 
-    def _check_state(self, state: Any) -> None:
-        if not isinstance(state, dict):
-            raise ValueError(f"Expected an hdet ensemble state (a dict), but got {type(state).__name__}")
-        missing = [k for k in self._STATE_KEYS if k not in state]
-        if missing:
-            raise ValueError(f"Expected an hdet ensemble state with keys {list(self._STATE_KEYS)}, but it lacks "
-                             f"{missing}: a corrupted or foreign state_dict")
-        W = state["world_size"]
-        n = len(state["perms"]) if isinstance(state["perms"], list) else -1
-        ok = (isinstance(W, int) and W >= 1 and isinstance(state["rho"], list) and len(state["rho"]) == W
-              and all(isinstance(p, list) and sorted(p) == list(range(W)) for p in state["perms"])
-              and all(isinstance(x, list) and len(x) == n for x in (state["current_bases"], state["controlled"],
-                                                                   state["controllers"]))
-              and all(isinstance(x, (int, float)) and math.isfinite(x) for x in state["rho"] + state["current_bases"]))
-        if not ok:
-            raise ValueError("Expected an hdet ensemble state whose world_size, rho, perms (permutations of the "
-                             "replicas), bases and controllers agree, but they do not: a corrupted state_dict")
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a saved state. Saved with another number of replicas (elastic resume), the bases,
-        velocities and controllers are kept, the multipliers are re-dealt for this number, the current
-        loss window is dropped, and a warning says so."""
-        self._check_state(state)
-        N = self.replicas.world_size
-        elastic = state["world_size"] != N
-        names = state.get("names", self.names[: len(state["perms"])])
-        if len(state["perms"]) != self.num_slots or list(names) != self.names:
-            raise ValueError(
-                f"Expected a state for the explored slots {self.names}, but got one for {list(names)}"
-            )
+        """Restore a saved state. Everything is checked first; a state that is corrupted, foreign, or from a
+        newer hdet gets a ValueError that says why, and nothing is changed. Saved with another number of
+        replicas (elastic resume), the bases, velocities and controllers are kept, the multipliers are
+        re-dealt for this number, the current loss window is dropped, and a warning says so."""
+        self.commit_state(self.check_state(state), state)
+
+    def check_state(self, state: Any) -> dict[str, Any]:
+        """Check a saved state completely, change nothing; returns what :meth:`commit_state` sets."""
+        return self._parse_state(state)
+
+    def commit_state(self, new: dict[str, Any], state: dict[str, Any]) -> None:
+        """Set a state checked by :meth:`check_state` (cannot fail)."""
+        new = dict(new)
+        elastic = new.pop("elastic")
         if not elastic and state["rank"] != self.replicas.rank and state["loss_count"]:
             warnings.warn(
                 f"Loading replica {state['rank']}'s HDET state into replica {self.replicas.rank} in the middle "
@@ -611,46 +718,132 @@ class Ensemble:
                 "scheduler state, or save at a sync step.",
                 stacklevel=3,
             )
-        config = HDETConfig(**{"controller": "paper", **state["config"]})  # states before "fit" existed: the paper's
-        config.validate()
-        self.config = config
+        self.__dict__.update(new)
         n_lr = self.num_lr_slots
-        self.rho = linear_multipliers(N, config.alpha) if elastic else [float(x) for x in state["rho"]]
-        self.spreads[:n_lr] = [Spread("linear", config.alpha)] * n_lr
+        self.spreads[:n_lr] = [Spread("linear", self.config.alpha)] * n_lr
         self.offsets[:n_lr] = [list(self.rho)] * n_lr
-        self.offsets[n_lr:] = [sp.offsets(N) for sp in self.spreads[n_lr:]]
-        self.current_bases = [float(x) for x in state["current_bases"]]
-        self._controlled = [None if x is None else float(x) for x in state["controlled"]]
-        self.controllers = []
-        for cs in state["controllers"]:
-            if cs is None:
-                self.controllers.append(None)
-            else:
-                ctrl = FitController() if cs.get("kind") == "fit" else PaperController()
-                ctrl.load_state_dict(cs)
-                self.controllers.append(ctrl)
-        self._peak0 = float(state.get("peak0", 0.0))
-        self._scheduled = [float(x) for x in state.get("scheduled", self._scheduled)]
-        wm = state.get("window_mean")
-        self._t, self._polyak_fresh, self._probed = int(state.get("fit_steps", 0)), bool(state.get("fit_fresh")), None
-        if wm is None or elastic:
-            self._polyak, self._polyak_n = None, 0
-        else:
-            devs = [p.device for p in self._float_params()]
-            if len(wm["sum"]) != len(devs):
-                raise ValueError(f"Expected a window mean of {len(devs)} tensors, but the state holds {len(wm['sum'])}")
-            self._polyak = [x.to(d) for x, d in zip(wm["sum"], devs)]
-            self._polyak_n = int(wm["n"])
-        self.dealer.load_state_dict(state["dealer"])
-        self.total_steps = state["total_steps"]
+        self.offsets[n_lr:] = [sp.offsets(self.replicas.world_size) for sp in self.spreads[n_lr:]]
         if elastic:  # Eq. 9 for the new N: a fresh permutation per slot from the (restored) shared dealer
             for j in range(self.num_slots):
                 self._deal(j)
-            self._loss_sum, self._loss_count = None, 0
             warnings.warn(
-                f"hdet: elastic resume from {state['world_size']} to {N} replicas: kept the bases and controller "
-                f"velocities, re-dealt the multipliers for {N}, dropped the current loss window", stacklevel=3)
+                f"hdet: elastic resume from {state['world_size']} to {self.replicas.world_size} replicas: kept the "
+                f"bases and controller velocities, re-dealt the multipliers for {self.replicas.world_size}, dropped "
+                "the current loss window", stacklevel=3)
+
+    def _parse_state(self, state: Any) -> dict[str, Any]:
+        """The attributes a saved state sets, all checked; raises ValueError and changes nothing."""
+        if not isinstance(state, dict):
+            raise ValueError(f"Expected an hdet ensemble state (a dict), but got {type(state).__name__}")
+        version = state.get("version", 1)
+        if not isinstance(version, int) or version < 1:
+            raise ValueError(f"Expected an hdet ensemble state version >= 1, but got {version!r}: a corrupted state")
+        if version > STATE_VERSION:
+            raise ValueError(f"Expected an hdet ensemble state of version <= {STATE_VERSION}, but got version "
+                             f"{version}: it was saved by a newer hdet; upgrade hdet to load it")
+        missing = [k for k in self._STATE_KEYS if k not in state]
+        if missing:
+            raise ValueError(f"Expected an hdet ensemble state with keys {list(self._STATE_KEYS)}, but it lacks "
+                             f"{missing}: a corrupted or foreign state_dict")
+        try:
+            return self._parse_fields(state)
+        except ValueError:
+            raise
+        except (KeyError, TypeError, AttributeError, IndexError, RuntimeError) as e:
+            raise ValueError(f"Expected a well-formed hdet ensemble state, but reading it failed "
+                             f"({type(e).__name__}: {e}): a corrupted state_dict") from e
+
+    def _parse_fields(self, state: dict[str, Any]) -> dict[str, Any]:
+        cfg = state["config"]
+        if not isinstance(cfg, dict):
+            raise ValueError(f"Expected the state's config as a dict, but got {type(cfg).__name__}")
+        unknown = sorted(set(cfg) - set(HDETConfig.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"Expected the settings of this hdet ({sorted(HDETConfig.__dataclass_fields__)}), but the "
+                             f"state also has {unknown}: it was saved by a newer hdet, or is corrupted")
+        config = HDETConfig(**{"controller": "paper", **cfg})  # states before "fit" existed: the paper's
+        config.validate()
+        N, W = self.replicas.world_size, state["world_size"]
+        if isinstance(W, bool) or not isinstance(W, int) or W < 1:
+            raise ValueError(f"Expected the state's world_size as a positive integer, but got {W!r}")
+        rank = state["rank"]
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < W:
+            raise ValueError(f"Expected the state's rank in [0, {W}), but got {rank!r}")
+        rho = state["rho"]
+        want = linear_multipliers(W, config.alpha)
+        if (not isinstance(rho, list) or len(rho) != W or not all(_is_real(x) for x in rho)
+                or any(abs(float(x) - y) > 1e-9 for x, y in zip(rho, want))):
+            raise ValueError(f"Expected the state's rho to be Eq. 1's multipliers for {W} replicas at alpha "
+                             f"{config.alpha} ({want}), but got {rho!r}: a corrupted state_dict")
+        perms = state["perms"]
+        names = list(state.get("names", self.names[: len(perms) if isinstance(perms, list) else 0]))
+        if not isinstance(perms, list) or len(perms) != self.num_slots or names != self.names:
+            raise ValueError(f"Expected a state for the explored slots {self.names}, but got one for {names}")
+        if not all(isinstance(p, list) and sorted(p) == list(range(W)) for p in perms):
+            raise ValueError(f"Expected the state's perms to be permutations of range({W}), but got {perms!r}: "
+                             "a corrupted state_dict")
+        lists = {k: state[k] for k in ("current_bases", "controlled", "controllers")}
+        if not all(isinstance(x, list) and len(x) == self.num_slots for x in lists.values()):
+            raise ValueError(f"Expected current_bases, controlled and controllers with one entry per slot "
+                             f"({self.num_slots}), but they do not: a corrupted state_dict")
+        bases = state["current_bases"]
+        if not all(_is_real(x) and math.isfinite(x) for x in bases):
+            raise ValueError(f"Expected finite base values in the state, but got {bases!r}: a corrupted state_dict")
+        controlled = state["controlled"]
+        if not all(x is None or (_is_real(x) and math.isfinite(x)) for x in controlled):
+            raise ValueError(f"Expected None or finite values in the state's 'controlled', but got {controlled!r}: "
+                             "a corrupted state_dict")
+        controllers: list[Controller | None] = []
+        for cs in state["controllers"]:
+            if cs is None:
+                controllers.append(None)
+                continue
+            ctrl = FitController() if cs.get("kind") == "fit" else PaperController()
+            ctrl.load_state_dict(cs)
+            controllers.append(ctrl)
+        dealer = Dealer(0)
+        dealer.load_state_dict(state["dealer"])
+        total = state["total_steps"]
+        if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
+            raise ValueError(f"Expected the state's total_steps as a positive integer, but got {total!r}")
+        count = state["loss_count"]
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"Expected the state's loss_count as an integer >= 0, but got {count!r}")
+        loss_sum, loss_n = state["loss_sum"], state.get("loss_n")
+        for name, x in (("loss_sum", loss_sum), ("loss_n", loss_n)):
+            if x is not None and (not isinstance(x, torch.Tensor) or x.numel() != 1):
+                raise ValueError(f"Expected the state's {name} as None or a scalar tensor, but got {x!r}")
+        if loss_sum is not None and loss_n is None:  # version 1: every observed loss was summed
+            loss_n = torch.tensor(float(count), dtype=loss_sum.dtype)
+        elastic = W != N
+        new: dict[str, Any] = {
+            "elastic": elastic, "config": config, "rho": linear_multipliers(N, config.alpha) if elastic else want,
+            "current_bases": [float(x) for x in bases],
+            "_controlled": [None if x is None else float(x) for x in controlled],
+            "controllers": controllers, "dealer": dealer, "total_steps": total,
+            "_peak0": float(state.get("peak0", 0.0)),
+            "_scheduled": [float(x) for x in state.get("scheduled", self._scheduled)],
+            "_t": int(state.get("fit_steps", 0)), "_polyak_fresh": bool(state.get("fit_fresh")), "_probed": None,
+            "_polyak": None, "_polyak_n": 0,
+        }
+        if len(new["_scheduled"]) != self.num_slots:
+            raise ValueError(f"Expected one scheduled value per slot ({self.num_slots}), but got {new['_scheduled']}")
+        wm = state.get("window_mean")
+        if wm is not None and not elastic:
+            params = self._float_params()
+            sums = wm["sum"]
+            if len(sums) != len(params) or any(tuple(x.shape) != tuple(local_shard(p).shape)
+                                               for x, p in zip(sums, params)):
+                raise ValueError(f"Expected a window mean of {len(params)} tensors shaped like the parameters, but the "
+                                 f"state holds {len(sums)} that do not match")
+            new["_polyak"] = [x.to(p.device) for x, p in zip(sums, params)]
+            new["_polyak_n"] = int(wm["n"])
+        if elastic:
+            new.update(perms=[list(range(N)) for _ in range(self.num_slots)], _loss_sum=None, _loss_n=None,
+                       _loss_count=0)
         else:
-            self.perms = [[int(i) for i in p] for p in state["perms"]]
-            self._loss_sum = None if state["loss_sum"] is None else state["loss_sum"].clone()
-            self._loss_count = int(state["loss_count"])
+            new.update(perms=[[int(i) for i in p] for p in perms],
+                       _loss_sum=None if loss_sum is None else loss_sum.clone().reshape(()),
+                       _loss_n=None if loss_n is None else loss_n.clone().reshape(()),
+                       _loss_count=count)
+        return new

@@ -7,8 +7,8 @@ optimizer can skip a step on the device, i.e. every param group is ``fused``; ``
 
 * ``"hook"`` (:func:`finite_allreduce_hook`): a DDP communication hook that zeroes a replica's whole
   contribution to a bucket when it holds a NaN or Inf and then averages as DDP does, so the healthy
-  replicas still step, with their mean gradient scaled by (N - bad) / N. A bucket whose finite values
-  sum to infinity counts as non-finite. Cost: DDP calls it from Python once per bucket; on a 124M GPT
+  replicas still step, with their mean gradient scaled by (N - bad) / N. The check sums the bucket in
+  float64, where no sum of finite 16/32-bit values overflows. Cost: DDP calls it from Python once per bucket; on a 124M GPT
   on 2 x H200 that cost 6-15% of the step (``benchmarks/results/gpu_2x_h200/ddp_overhead.json``).
 * ``"skip"`` (:class:`SkipNonFiniteStep`): no hook; DDP averages as usual, so a NaN/Inf on any replica
   is in the averaged gradient, bit-identical on every replica. Just before ``optimizer.step()`` one
@@ -21,8 +21,9 @@ optimizer can skip a step on the device, i.e. every param group is ``fused``; ``
 With FSDP2/HSDP replicas (``device_mesh``) only "skip" exists: each rank checks its own gradient shards
 and the ranks agree through a MAX all_reduce of the flag over each mesh dimension.
 
-Both run on the device with no host sync. The non-finite replica's own window loss (or weights) is
-caught at the next converge step, which resets it (see ``on_nonfinite``).
+Both run on the device with no host sync. A replica's non-finite weights are caught at the next converge
+step, which resets it (see ``on_nonfinite``); under "skip", :class:`SkipWatch` notices sooner when every
+replica has been skipping for a stretch and the scheduler resets the bad replica early.
 """
 
 import warnings
@@ -34,7 +35,7 @@ import torch.distributed as dist
 
 from .replicas import local_shard
 
-__all__ = ["finite_allreduce_hook", "install_gradient_guard", "SkipNonFiniteStep", "GUARDS"]
+__all__ = ["finite_allreduce_hook", "install_gradient_guard", "SkipNonFiniteStep", "SkipWatch", "GUARDS"]
 
 GUARDS = ("auto", "hook", "skip")
 _UNSET = object()  # SkipNonFiniteStep: the pre-hook set no found_inf
@@ -43,16 +44,26 @@ _UNSET = object()  # SkipNonFiniteStep: the pre-hook set no found_inf
 def finite_allreduce_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     # (no `from __future__ import annotations` here: DDP checks these annotations at registration)
     """DDP's average with every non-finite contribution replaced by zeros: ``sum of finite
-    contributions / N``. One read of the bucket (its sum: NaN and Inf propagate), one in-place select,
-    then the same single all_reduce as DDP's default hook."""
+    contributions / N``. One read of the bucket (its sum in float64: NaN and Inf propagate, and no sum of
+    finite fp16/bf16/fp32 elements overflows there), one in-place select, then the same single all_reduce
+    as DDP's default hook."""
     buf = bucket.buffer()
-    ok = torch.isfinite(buf.sum())  # on the device: no host sync
+    ok = _all_finite(buf)  # on the device: no host sync
     torch.where(ok, buf, torch.zeros((), dtype=buf.dtype, device=buf.device), out=buf)  # NaN * 0 is NaN
     avg = "nccl" in str(dist.get_backend(process_group))
     op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
     fut = dist.all_reduce(buf, op=op, group=process_group, async_op=True).get_future()  # COLLECTIVE
     world = dist.get_world_size(process_group)
     return fut.then(lambda f: f.value()[0] if avg else f.value()[0].div_(world))
+
+
+def _all_finite(buf: torch.Tensor) -> torch.Tensor:
+    """Whether every element is finite, as a device bool. A sum in the buffer's own dtype would overflow
+    (fp16: 65504) while every element is finite, and zero a healthy gradient; a float64 sum of 16/32-bit
+    elements cannot overflow. float64 buffers are checked element by element."""
+    if buf.element_size() < 8:
+        return torch.isfinite(buf.sum(dtype=torch.float64))
+    return torch.isfinite(buf).all()
 
 
 def _innermost(optimizer: Any) -> Any:
@@ -149,6 +160,56 @@ class SkipNonFiniteStep:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+class SkipWatch:
+    """Notices, without a host sync, that the skip guard skipped every step of a stretch.
+
+    One NaN weight on one replica makes its gradient NaN at every step, so the averaged gradient is NaN
+    on every replica and the guard skips every replica's step until a converge step resets the bad
+    replica (up to ``T`` steps). Every ``every`` steps :meth:`poll` starts a non-blocking copy of the
+    guard's skip counter to the host and reads the copy started ``every`` steps before (long finished:
+    waiting on its event costs nothing in practice); when all ``every`` steps between the two copies
+    before that were skipped, it returns True and the scheduler runs an early recovery
+    (:meth:`hdet.Ensemble.recover`). A stall is thus bounded by about ``2 * every`` steps. The counter
+    is the same on every replica (DDP averages the gradient; sharded replicas agree by an all_reduce),
+    so every replica takes the same decision at the same step."""
+
+    def __init__(self, guard: SkipNonFiniteStep, every: int = 10) -> None:
+        self.guard = guard
+        self.every = every
+        self._pending: tuple[torch.Tensor, Any] | None = None  # (host copy of the counter, its CUDA event)
+        self._seen = 0.0  # the counter at the copy before (no step skipped yet)
+
+    def poll(self, t: int) -> bool:
+        if t % self.every:
+            return False
+        stalled = False
+        if self._pending is not None:
+            copy, event = self._pending
+            if event is not None:
+                event.synchronize()  # HOST SYNC on an event recorded `every` steps ago: finished long since
+            now = float(copy)
+            stalled = now - self._seen >= self.every
+            self._seen = now
+        skipped = self.guard.skipped
+        if skipped is None:  # no step checked yet
+            self._pending = (torch.zeros(()), None)
+        elif skipped.device.type == "cuda":
+            copy = torch.empty((), dtype=skipped.dtype, pin_memory=True)
+            copy.copy_(skipped, non_blocking=True)  # device -> host, no wait
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (copy, event)
+        else:
+            self._pending = (skipped.detach().clone(), None)
+        return stalled
+
+    def reset(self) -> None:
+        """After a converge step or a recovery (which have synchronised with the device already): the
+        stretch starts anew from the counter now."""
+        skipped = self.guard.skipped
+        self._pending, self._seen = None, 0.0 if skipped is None else float(skipped)  # HOST SYNC (after a sync's)
 
 
 def resolve_guard(guard: Any, optimizer: torch.optim.Optimizer, advise: bool = True, mesh: bool = False) -> str | None:

@@ -124,6 +124,19 @@ class Hyperparameter:
         return f"{type(self).__name__}({self.name!r}, {self.spread})"
 
 
+class _GroupValue(Hyperparameter):
+    """A value that lives in one optimizer param group. The group is looked up on every read and write:
+    ``optimizer.load_state_dict()`` replaces the param-group dicts, so a kept reference would go stale
+    (hdet would report values the optimizer no longer uses)."""
+
+    optimizer: torch.optim.Optimizer
+    group_index: int
+
+    @property
+    def group(self) -> dict[str, Any]:
+        return self.optimizer.param_groups[self.group_index]
+
+
 def _group_index(optimizer: torch.optim.Optimizer, group: int | str) -> int:
     groups = optimizer.param_groups
     if isinstance(group, int) and not isinstance(group, bool) and 0 <= group < len(groups):
@@ -134,15 +147,15 @@ def _group_index(optimizer: torch.optim.Optimizer, group: int | str) -> int:
     raise ValueError(f"Expected a param group index in [0, {len(groups)}) or a name in {names}, but got {group!r}")
 
 
-class WeightDecay(Hyperparameter):
+class WeightDecay(_GroupValue):
     """``param_groups[group]['weight_decay']``, explored on a log scale by default (x (1+alpha)^{+-1})."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, group: int | str = 0, alpha: float = 1.0,
                  kind: str = "log", bounds: tuple[float, float] = (0.0, math.inf), **kw: Any) -> None:
-        self.group = optimizer.param_groups[_group_index(optimizer, group)]
+        self.optimizer, self.group_index = optimizer, _group_index(optimizer, group)
         if "weight_decay" not in self.group:
             raise ValueError(f"Expected an optimizer with weight_decay, but {type(optimizer).__name__} has none")
-        name = self.group.get("name", str(_group_index(optimizer, group)))
+        name = self.group.get("name", str(self.group_index))
         super().__init__(f"weight_decay/{name}", Spread(kind, alpha, bounds), **kw)
 
     @classmethod
@@ -157,13 +170,13 @@ class WeightDecay(Hyperparameter):
         self.group["weight_decay"] = float(value)
 
 
-class AdamBeta(Hyperparameter):
+class AdamBeta(_GroupValue):
     """``betas[index]`` of one param group (Adam, AdamW, ...); additive spread in [0, 0.9999] by default."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, index: int = 0, group: int | str = 0, alpha: float = 0.02,
                  kind: str = "additive", bounds: tuple[float, float] = (0.0, 0.9999), **kw: Any) -> None:
         j = _group_index(optimizer, group)
-        self.group = optimizer.param_groups[j]
+        self.optimizer, self.group_index = optimizer, j
         if "betas" not in self.group or index not in (0, 1):
             raise ValueError(f"Expected an optimizer with betas and index 0 or 1, but got "
                              f"{type(optimizer).__name__} and index {index!r}")

@@ -13,8 +13,9 @@ replica, and average a list of tensors in place, bucketed (one collective per bu
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +25,28 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from .flat import contiguous_runs
 
 __all__ = ["Replicas", "SingleReplica", "ProcessGroupReplicas", "LocalReplicaGroup", "LocalReplica", "plan_buckets",
-           "resolve_replicas"]
+           "resolve_replicas", "ReplicaSyncError"]
+
+
+class ReplicaSyncError(RuntimeError):
+    """A converge step's collective failed, usually because a replica never arrived within the process
+    group's timeout (it died, hung, or skipped ``scheduler.step()``)."""
+
+
+@contextlib.contextmanager
+def _collective(what: str) -> Iterator[None]:
+    """Turn a failed collective (a timeout, a closed connection: gloo and NCCL raise RuntimeError
+    subclasses) into a :class:`ReplicaSyncError` that says what it usually means."""
+    try:
+        yield
+    except ReplicaSyncError:
+        raise
+    except RuntimeError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ReplicaSyncError(
+            f"{what} failed: {first}. A replica never arrived within the process group's timeout: it died, hung, "
+            "or skipped scheduler.step() at this step (every replica must call it after every optimizer step)."
+        ) from e
 
 DEFAULT_BUCKET_CAP_MB = 100.0  # a converge step overlaps no compute: fewer, larger buckets are faster
 
@@ -61,10 +83,12 @@ class Replicas(ABC):
     world_size: int
 
     @abstractmethod
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
+    def gather(self, local: torch.Tensor, shard_sum: Sequence[int] = (), shard_min: Sequence[int] = ()) -> torch.Tensor:
         """All replicas' copies of a 1-D float64 vector, as a CPU tensor of shape ``[world_size, k]``.
+        Where one replica is several ranks (FSDP2/HSDP shards), the entries ``shard_sum`` are first summed
+        and ``shard_min`` min-reduced over them.
 
-        Host sync: the result is copied to the CPU."""
+        Host sync: the result is copied to the CPU. A failed collective raises :class:`ReplicaSyncError`."""
 
     @abstractmethod
     def average_(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int] = ()) -> None:
@@ -83,7 +107,7 @@ class SingleReplica(Replicas):
         self.rank = 0
         self.world_size = 1
 
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
+    def gather(self, local: torch.Tensor, shard_sum: Sequence[int] = (), shard_min: Sequence[int] = ()) -> torch.Tensor:
         return local.detach().to("cpu", torch.float64).reshape(1, -1)  # host sync (device -> CPU copy)
 
     def average_(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int] = ()) -> None:
@@ -118,19 +142,21 @@ class ProcessGroupReplicas(Replicas):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
+    def gather(self, local: torch.Tensor, shard_sum: Sequence[int] = (), shard_min: Sequence[int] = ()) -> torch.Tensor:
         local = local.detach().to(self.comm_device(), torch.float64).reshape(-1)
-        if self.shard_group is not None and dist.get_world_size(self.shard_group) > 1:
-            # one replica = its shard group: sum its ranks' loss sums and counts, AND their finite flags
-            sums = local[[0, 2]].clone()
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.shard_group)  # COLLECTIVE (2 values)
-            finite = local[1:2].clone()
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=self.shard_group)  # COLLECTIVE (1 value)
-            local = torch.cat([sums[:1], finite, sums[1:], local[3:]])
-        out = torch.empty(self.world_size * local.numel(), dtype=local.dtype, device=local.device)
-        gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather_single(out, local, group=self.group)  # COLLECTIVE: one all_gather of k float64
-        return out.view(self.world_size, -1).cpu()  # host sync
+        with _collective("the all_gather of the replicas' sync vectors"):
+            if self.shard_group is not None and dist.get_world_size(self.shard_group) > 1:
+                # one replica = its shard group: sum some entries over its ranks (losses, counts), min others (flags)
+                local = local.clone()
+                for idx, op in ((list(shard_sum), dist.ReduceOp.SUM), (list(shard_min), dist.ReduceOp.MIN)):
+                    if idx:
+                        part = local[idx].clone()
+                        dist.all_reduce(part, op=op, group=self.shard_group)  # COLLECTIVE (a few values)
+                        local[idx] = part
+            out = torch.empty(self.world_size * local.numel(), dtype=local.dtype, device=local.device)
+            gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather_single(out, local, group=self.group)  # COLLECTIVE: one all_gather of k float64
+            return out.view(self.world_size, -1).cpu()  # host sync
 
     def average_(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int] = ()) -> None:
         """Tensors that lie back to back in one storage (:func:`hdet.flat.contiguous_parameters_`), and
@@ -139,6 +165,10 @@ class ProcessGroupReplicas(Replicas):
         most two buckets of extra memory), then bucket k is copied back."""
         if self.world_size == 1 or not tensors:
             return
+        with _collective("the all_reduce of the averaged tensors"):
+            self._average(tensors, exclude)
+
+    def _average(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int]) -> None:
         n = self.world_size - len(set(exclude))
         use_avg = "nccl" in self.backend and n == self.world_size
         op = dist.ReduceOp.AVG if use_avg else dist.ReduceOp.SUM
@@ -245,7 +275,7 @@ class LocalReplicaGroup:
     def gather(self, rank: int, local: torch.Tensor) -> torch.Tensor:
         self._check()
         if self._gathered is None or self._gathered[0] != self.step:
-            rows = [local if r == rank else ens.local_vector() for r, ens in enumerate(self.ensembles)]
+            rows = [local if r == rank else ens.local_vector(self.step) for r, ens in enumerate(self.ensembles)]
             self._gathered = (self.step, torch.stack([x.detach().to("cpu", torch.float64) for x in rows]))
         return self._gathered[1]
 
@@ -278,7 +308,7 @@ class LocalReplica(Replicas):
         self.world_size = group.world_size
         self._calls = (-1, 0)  # (step, averaging calls at that step)
 
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
+    def gather(self, local: torch.Tensor, shard_sum: Sequence[int] = (), shard_min: Sequence[int] = ()) -> torch.Tensor:
         return self.group.gather(self.rank, local)
 
     def average_(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int] = ()) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,7 +22,7 @@ from .controller import CONTROLLERS, FitController, PaperController, gamma_as_pr
 from torch.nn.parallel import DistributedDataParallel
 
 from .ensemble import Ensemble, HDETConfig, SyncRecord
-from .guard import SkipNonFiniteStep, install_gradient_guard, resolve_guard
+from .guard import SkipNonFiniteStep, SkipWatch, install_gradient_guard, resolve_guard
 from .hyper import AdamBeta, Hyperparameter
 from .replicas import DEFAULT_BUCKET_CAP_MB, Replicas, resolve_replicas
 
@@ -38,7 +39,9 @@ class _EnsembleScheduler(LRScheduler):
 
     _hdet: Ensemble
     total_steps: int
-    _STATE_EXCLUDE: tuple[str, ...] = ("optimizer", "_hdet")
+    # live objects and this instance's own set-up: never saved, never overwritten by a load
+    _STATE_EXCLUDE: tuple[str, ...] = ("optimizer", "_hdet", "skip_guard", "_skip_watch", "_fit_template",
+                                       "gradient_guard")
 
     def _init_ensemble(self, optimizer: torch.optim.Optimizer, config: HDETConfig, model: nn.Module | None,
                        replicas: Replicas | None, rank: int | None, world_size: int | None,
@@ -65,10 +68,12 @@ class _EnsembleScheduler(LRScheduler):
         guard = resolve_guard(guard_gradients, optimizer, advise=ddp, mesh=sharded)
         self.gradient_guard: str | None = None  # the guard installed, if any: "hook", "skip" (hdet.guard)
         self.skip_guard: SkipNonFiniteStep | None = None
+        self._skip_watch: SkipWatch | None = None  # early recovery when the skip guard stalls every replica
         if guard == "skip" and (ddp or sharded):
             # FSDP2/HSDP: ranks hold different shards, so they agree on the decision over the whole mesh
             mesh_groups = [device_mesh.get_group(i) for i in range(device_mesh.ndim)] if sharded else []
             self.skip_guard = SkipNonFiniteStep(optimizer, agree_over=mesh_groups)
+            self._skip_watch = SkipWatch(self.skip_guard)
             self.gradient_guard = "skip"
         elif guard == "hook" and ddp and install_gradient_guard(model, process_group):
             self.gradient_guard = "hook"
@@ -191,8 +196,18 @@ class _EnsembleScheduler(LRScheduler):
                 )
             self._before_step(t)
             self._hdet.accumulate()  # the fit controller's window mean (no-op otherwise)
+            stalled = self._skip_watch is not None and self._skip_watch.poll(t)  # every 10 steps: a lagged read
             if self._hdet.is_sync_step(t):
                 self._hdet.sync(t)
+                if self._skip_watch is not None:
+                    self._skip_watch.reset()
+            elif stalled:  # every step of a stretch skipped on every replica: reset the bad replica now
+                if not self._hdet.recover(t):
+                    warnings.warn(f"hdet: the gradient guard skipped every step of the last {self._skip_watch.every} "
+                                  "(at least) on every replica, but every replica's weights are finite: the loss or "
+                                  "gradients are non-finite for another reason (data, loss scale, learning rate)",
+                                  stacklevel=2)
+                self._skip_watch.reset()
         super().step()
         self._hdet.step_done()
 
@@ -237,26 +252,83 @@ class _EnsembleScheduler(LRScheduler):
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """Plain data only (numbers, strings, lists, dicts, CPU tensors), so ``torch.load(weights_only=True)``
+        reads it: the scheduler's counters and last LRs (the keys torch's scheduler has, so an
+        ``OneCycleAutoLR`` state also loads into ``OneCycleLR``), and under ``"hdet"`` the ensemble's
+        versioned state. Live objects (the optimizer, the guard, a controller template, callables) stay out."""
         state = {k: v for k, v in self.__dict__.items() if k not in self._STATE_EXCLUDE}
         state["hdet"] = self._hdet.state_dict()
+        state["hdet"]["scheduler"] = type(self).__name__
         state["hdet"]["hyper_values"] = [h.get() for h in self._hdet.hypers]  # restored exactly on load
+        _check_plain(state, "state_dict()")
         return state
 
+    def _check_own_state(self, state: dict[str, Any]) -> None:
+        """The scheduler's own fields, before anything is set."""
+        kind = state["hdet"].get("scheduler") if isinstance(state["hdet"], dict) else None
+        if kind is None:  # states saved before the field: tell the two apart by their own keys
+            kind = "HDETLR" if "_constant" in state else "OneCycleAutoLR" if "_schedule_phases" in state else None
+        if kind is not None and kind != type(self).__name__:
+            raise ValueError(f"Expected a {type(self).__name__} state_dict, but got one saved by {kind}")
+        n = len(self.optimizer.param_groups)
+        last = state.get("last_epoch")
+        if isinstance(last, bool) or not isinstance(last, int) or last < -1:
+            raise ValueError(f"Expected the state's last_epoch as an integer >= -1, but got {last!r}")
+        total = state.get("total_steps", self.total_steps)
+        if isinstance(total, bool) or not isinstance(total, int) or last > total:
+            raise ValueError(f"Expected the state's total_steps as an integer >= last_epoch ({last}), but got {total!r}")
+        for key in ("_last_lr", "base_lrs"):
+            v = state.get(key)
+            if v is not None and (not isinstance(v, list) or len(v) != n):
+                raise ValueError(f"Expected the state's {key} with one value per param group ({n}), but got {v!r}")
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "hdet" not in state_dict:
-            raise ValueError(
-                f"Expected a {type(self).__name__} state_dict (with an 'hdet' entry), but got one with keys "
-                f"{sorted(state_dict)[:8]}"
-            )
-        state = {k: v for k, v in state_dict.items() if k not in self._STATE_EXCLUDE and k != "hdet"}
-        elastic = isinstance(state_dict["hdet"], dict) and state_dict["hdet"].get("world_size") != self.world_size
-        self._hdet.load_state_dict(state_dict["hdet"])
+        """Restore a state from :meth:`state_dict`. Everything is checked before anything is set: a foreign,
+        corrupted or newer state raises ValueError and leaves the scheduler as it was. Then this replica's own
+        values are set on the optimizer (:meth:`reapply`): a state saved by another rank (e.g. rank 0's,
+        loaded on every rank) never gives this replica another replica's learning rate."""
+        if not isinstance(state_dict, dict) or "hdet" not in state_dict:
+            keys = sorted(state_dict)[:8] if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"Expected a {type(self).__name__} state_dict (with an 'hdet' entry), but got {keys}")
+        self._check_own_state(state_dict)
+        parsed = self._hdet.check_state(state_dict["hdet"])
+        self._check_extra_state(state_dict)
+        state = {k: v for k, v in state_dict.items() if k not in self._STATE_EXCLUDE + ("hdet", "base", "base_scheduler")}
+        hdet_state = state_dict["hdet"]
+        same_replica = not parsed["elastic"] and hdet_state["rank"] == self.rank
+        self._hdet.commit_state(parsed, hdet_state)
         self.__dict__.update(state)
-        if elastic:  # this replica's multipliers changed: apply them now (and to explored hyperparameters)
-            self.reapply()
-        else:
-            for h, v in zip(self._hdet.hypers, state_dict["hdet"].get("hyper_values", [])):
+        self._load_extra_state(state_dict)
+        self.reapply()  # this replica's values on the optimizer and hyperparameters
+        if same_replica:  # exactly the values this replica had (they equal what reapply computed)
+            for h, v in zip(self._hdet.hypers, hdet_state.get("hyper_values", [])):
                 h.set(v)
+
+    def _check_extra_state(self, state_dict: dict[str, Any]) -> None:
+        return None
+
+    def _load_extra_state(self, state_dict: dict[str, Any]) -> None:
+        return None
+
+
+def _check_plain(x: Any, where: str) -> None:
+    """A state must be plain data: what ``torch.load(weights_only=True)`` reads back."""
+    if x is None or isinstance(x, (bool, int, float, str, torch.Tensor, torch.dtype, torch.device)):
+        return
+    if isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            _check_plain(v, f"{where}[{i}]")
+        return
+    if isinstance(x, dict):
+        for k, v in x.items():
+            _check_plain(v, f"{where}[{k!r}]")
+        return
+    raise TypeError(f"hdet bug: {where} holds a {type(x).__name__}, which is not plain data")
+
+
+def _as_int(x: Any) -> Any:
+    """numpy integers (``numbers.Integral``) as Python ints; anything else unchanged (checked later)."""
+    return int(x) if isinstance(x, numbers.Integral) and not isinstance(x, bool) else x
 
 
 def _is_pair(x: Any) -> bool:
@@ -342,6 +414,7 @@ class OneCycleAutoLR(_EnsembleScheduler, OneCycleLR):
         tie_lr_groups: bool = False,
     ) -> None:
         kind, self._fit_template = self._controller_kind(controller)
+        total_steps, epochs, steps_per_epoch = (_as_int(x) for x in (total_steps, epochs, steps_per_epoch))
         config = HDETConfig(
             alpha=ensemble_lr_spread_ratio, sync_interval=model_sync_interval, auto_lr=enable_auto_lr,
             auto_lr_warmup_steps=auto_lr_warmup_steps, sigma=loss_scale, lam=lr_of_lr, beta=momentum_of_lr,
@@ -396,7 +469,7 @@ class HDETLR(_EnsembleScheduler):
     callable base it defaults to ``base(total_steps)``, otherwise to no decay (gamma = 0).
     """
 
-    _STATE_EXCLUDE = ("optimizer", "_hdet", "_base", "_base_fn")
+    _STATE_EXCLUDE = _EnsembleScheduler._STATE_EXCLUDE + ("_base", "_base_fn")
 
     def __init__(
         self,
@@ -430,6 +503,7 @@ class HDETLR(_EnsembleScheduler):
         probe: Callable[[nn.Module], Any] | None = None,
         tie_lr_groups: bool = False,
     ) -> None:
+        total_steps = _as_int(total_steps)
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0:
             raise ValueError(f"Expected positive integer total_steps, but got {total_steps!r}")
         self._base: LRScheduler | None = None
@@ -498,11 +572,23 @@ class HDETLR(_EnsembleScheduler):
         state = super().state_dict()
         if self._base is not None:
             state["base"] = self._base.state_dict()
+            state["base_scheduler"] = type(self._base).__name__
+            _check_plain(state["base"], "the base scheduler's state_dict()")
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = dict(state_dict)
-        base_state = state.pop("base", None)
-        super().load_state_dict(state)
-        if self._base is not None and base_state is not None:
-            self._base.load_state_dict(base_state)
+    def _check_extra_state(self, state_dict: dict[str, Any]) -> None:
+        base_state = state_dict.get("base")
+        if self._base is None:
+            if base_state is not None:
+                raise ValueError(f"Expected a state of an HDETLR without a base scheduler, but this one was saved with "
+                                 f"a {state_dict.get('base_scheduler', 'base scheduler')}")
+            return
+        kind = state_dict.get("base_scheduler")
+        if not isinstance(base_state, dict) or (kind is not None and kind != type(self._base).__name__) or (
+                set(base_state) != set(self._base.state_dict())):
+            raise ValueError(f"Expected the state of a {type(self._base).__name__} base, but the state holds "
+                             f"{kind or (sorted(base_state) if isinstance(base_state, dict) else base_state)!r}")
+
+    def _load_extra_state(self, state_dict: dict[str, Any]) -> None:
+        if self._base is not None:
+            self._base.load_state_dict(state_dict["base"])

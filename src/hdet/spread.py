@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ def linear_multipliers(num_replicas: int, alpha: float) -> list[float]:
 
 
 def check_alpha(alpha: float, name: str = "ensemble_lr_spread_ratio") -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha < 1.0:
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0.0 <= alpha < 1.0:
         raise ValueError(f"Expected 0 <= {name} (alpha) < 1, but got {alpha!r}")
     return float(alpha)
 
@@ -37,9 +38,9 @@ class Dealer:
     """
 
     def __init__(self, seed: int) -> None:
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
             raise ValueError(f"Expected a non-negative integer seed, but got {seed!r}")
-        self.seed = seed
+        self.seed = int(seed)
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(seed)
 

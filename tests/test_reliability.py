@@ -1,0 +1,641 @@
+"""Reliability (issue 17): resumes and checkpoints that never lie, guards that never poison or stall healthy
+replicas. Each test reproduces a user's set-up: DDP under spawned gloo processes, or the one-process engine."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hdet
+from hdet.engine import ReplicaEngine
+from hdet.guard import _all_finite, finite_allreduce_hook
+from helpers import ScriptedReplicas, check_ok, file_init_method, run_gloo
+
+
+def _train_kw(rank, world, kw):
+    from dist_workers import train
+
+    return train(rank, world, **kw)
+
+
+def _roundtrip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+# ------------------------------------------------------------ 1. explored values reach the optimizer after a resume
+def test_explored_weight_decay_and_betas_follow_a_reloaded_optimizer():
+    """optimizer.load_state_dict() replaces the param-group dicts; WeightDecay/AdamBeta must write into the
+    new ones, so what hdet reports is what the optimizer uses."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    o = torch.optim.Adam(m.parameters(), lr=0.1, weight_decay=0.01)
+    wd, b2 = hdet.WeightDecay(o, alpha=0.5), hdet.AdamBeta(o, index=1, alpha=0.01)
+    s = hdet.HDETLR(o, None, total_steps=20, replicas=ScriptedReplicas(3, 4), explore=[wd, b2],
+                    model_sync_interval=5)
+    o.load_state_dict(_roundtrip(o.state_dict()))  # what a resume does: new param-group dicts
+    s.load_state_dict(_roundtrip(s.state_dict()))
+    g = o.param_groups[0]
+    assert g["weight_decay"] == s.hyperparameters[wd.name] != 0.01  # replica 3's own, not the saved base
+    assert g["betas"][1] == s.hyperparameters[b2.name]
+    o.step()
+    s.step(1.0)
+    assert o.param_groups[0]["weight_decay"] == s.hyperparameters[wd.name]
+
+
+@pytest.mark.distributed
+def test_ddp_resume_with_explored_weight_decay_is_bitwise(tmp_path):
+    """2 gloo ranks, Adam, weight decay explored, paper controller on: resume at 23 (mid-window) equals the
+    uninterrupted run bit for bit, and the optimizer's weight decay equals hdet's reported value each step."""
+    kw = dict(steps=40, alpha=0.3, T=10, auto=True, warm=10, loss_scale=0.01, explore_wd=True)
+    full = check_ok(run_gloo(_train_kw, 2, kw))
+    check_ok(run_gloo(_train_kw, 2, dict(kw, save_at=23, ckpt_dir=str(tmp_path))))
+    resumed = check_ok(run_gloo(_train_kw, 2, dict(kw, resume_from=str(tmp_path))))
+    for a, b in zip(full, resumed):
+        assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
+        assert a["wd"][24:] == b["wd"][1:] and a["lrs"][24:] == b["lrs"][1:]
+        for wd, seen in zip(b["wd"], b["wd_hdet"]):
+            assert [wd] == list(seen.values())
+    assert full[0]["wd"] != full[1]["wd"]  # the two replicas explore different weight decays
+
+
+# ------------------------------------------------------------ 2. replicas at different steps
+@pytest.mark.distributed
+def test_replicas_resumed_from_different_steps_are_an_error(tmp_path):
+    """Rank 1 resumes from an older checkpoint (step 10) than rank 0 (step 20): the next converge step raises
+    ReplicaMismatchError on both ranks, naming the steps, instead of averaging mismatched replicas."""
+    kw = dict(steps=40, alpha=0.3, T=10)
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir(), new.mkdir()
+    check_ok(run_gloo(_train_kw, 2, dict(kw, save_at=10, ckpt_dir=str(old))))
+    check_ok(run_gloo(_train_kw, 2, dict(kw, save_at=20, ckpt_dir=str(new))))
+    res = run_gloo(_train_kw, 2, dict(kw, resume_from=[str(new), str(old)]))
+    for r in res:
+        assert r["error"] == "ReplicaMismatchError", r
+        assert "optimizer steps per replica [30, 20]" in r["msg"]
+
+
+@pytest.mark.parametrize("differ, match", [("total_steps", r"total_steps per replica \[20, 21\]\."),
+                                           ("alpha", r"settings fingerprints per replica \[\d+, \d+\]\.")])
+def test_replicas_with_different_settings_are_an_error_in_the_engine(differ, match):
+    """One replica built with another total_steps or spread (in the engine, where nothing else would notice)."""
+    def make_sched(o, rep, m):
+        r = rep.rank
+        return hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=20 + r * (differ == "total_steps"), model_sync_interval=2,
+                                   replicas=rep, model=m, ensemble_lr_spread_ratio=0.1 * r * (differ == "alpha"))
+
+    eng = ReplicaEngine(nn.Linear(3, 1), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), make_sched,
+                        mode="loop")
+    batch = [(torch.randn(4, 3), torch.randn(4, 1))] * 2
+    eng.step(batch, lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    with pytest.raises(hdet.ReplicaMismatchError, match=match):
+        eng.step(batch, lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+
+
+# ------------------------------------------------------------ 3. the hook guard and fp16
+def test_the_hook_guard_checks_elements_not_an_overflowing_fp16_sum():
+    big = torch.full((100,), 60000.0, dtype=torch.float16)  # every element finite, the fp16 sum is inf
+    assert not torch.isfinite(big.sum()) and bool(_all_finite(big))
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        x = torch.ones(10, dtype=dtype)
+        assert bool(_all_finite(x))
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            y = x.clone()
+            y[3] = bad
+            assert not bool(_all_finite(y))
+    huge = torch.full((4,), 1e308, dtype=torch.float64)  # float64: element by element
+    assert bool(_all_finite(huge))
+
+
+class _Bucket:
+    def __init__(self, t):
+        self.t = t
+
+    def buffer(self):
+        return self.t
+
+
+def _hook_fp16(rank, world):
+    buf = torch.full((100,), 600.0 * (rank + 1), dtype=torch.float16)  # the bucket's fp16 sum overflows
+    out = finite_allreduce_hook(None, _Bucket(buf)).wait()
+    bad = torch.ones(4, dtype=torch.float16) * (float("nan") if rank == 1 else 1.0)
+    out_bad = finite_allreduce_hook(None, _Bucket(bad)).wait()
+    return {"healthy": out.float().tolist(), "bad": out_bad.float().tolist()}
+
+
+@pytest.mark.distributed
+def test_hook_guard_keeps_healthy_fp16_gradients_under_gloo():
+    res = check_ok(run_gloo(_hook_fp16, 2))
+    for r in res:
+        assert r["healthy"] == [900.0] * 100  # (600 + 1200) / 2: not zeroed
+        assert r["bad"] == [0.5] * 4  # rank 1's NaN contribution counts as 0
+
+
+# ------------------------------------------------------------ 4-5. buffers with Inf, complex parameters
+class _BN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.register_buffer("mask", torch.tensor([0.0, -math.inf]))  # persistent, -inf by design
+
+    def forward(self, x):
+        return self.bn(self.lin(x)).sum(1, keepdim=True) + self.mask.clamp(min=-1).sum()
+
+
+def _engine_bn(N=3, T=4, steps=8, poison=None):
+    def make_sched(o, rep, m):
+        return hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=steps, model_sync_interval=T, replicas=rep, model=m,
+                                   ensemble_lr_spread_ratio=0.2)
+
+    torch.manual_seed(0)
+    eng = ReplicaEngine(_BN(), N, lambda m: torch.optim.Adam(m.parameters(), lr=0.01), make_sched, mode="loop")
+    g = torch.Generator().manual_seed(1)
+    records = []
+    for t in range(1, steps + 1):
+        batches = [(torch.randn(8, 3, generator=g), torch.randn(8, 1, generator=g)) for _ in range(N)]
+        if poison is not None and t == poison[0]:
+            with torch.no_grad():
+                poison[1](eng.models[1])
+        eng.step(batches, lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+        if eng.schedulers[0].is_sync_step(t):
+            records.append(eng.schedulers[0].last_sync)
+    return eng, records
+
+
+def test_inf_in_one_replicas_batchnorm_variance_is_recovered_not_averaged():
+    def poison(m):
+        m.bn.running_var[0] = math.inf
+
+    with pytest.warns(UserWarning, match=r"replica\(s\) \[1\] had non-finite weights or buffers"):
+        eng, records = _engine_bn(poison=(2, poison))
+    assert records[0].recovered == [1] and records[1].recovered == []
+    for m in eng.models:
+        assert torch.isfinite(m.bn.running_var).all()
+        assert torch.equal(m.bn.running_var, eng.models[0].bn.running_var)
+        assert m.mask[1] == -math.inf  # the same -inf on every replica is no fault
+
+
+def test_a_persistent_inf_mask_alone_is_not_a_fault():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eng, records = _engine_bn()
+    assert [r.recovered for r in records] == [[], []]
+
+
+class _Complex(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+
+    def forward(self, x):
+        return (x * self.w).abs().sum()
+
+
+def _complex(rank, world, nan):
+    model = _Complex()
+    o = torch.optim.Adam(model.parameters(), lr=0.05)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=6, model_sync_interval=3, ensemble_lr_spread_ratio=0.5,
+                            model=model)
+    out = {}
+    for t in range(1, 7):
+        g = torch.Generator().manual_seed(10 * t + rank)
+        x = torch.randn(4, dtype=torch.complex64, generator=g)
+        loss = model(x)
+        o.zero_grad()
+        loss.backward()
+        for p in model.parameters():  # DDP's average of the (complex) gradient
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        o.step()
+        if nan and t == 3 and rank == 1:  # after the step: the sync at 3 finds it
+            with torch.no_grad():
+                model.w[0] = complex(float("nan"), 0.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            s.step(loss)
+        if t == 2:
+            out["differ"] = _gathered(model.w)
+        if t == 3:
+            out["after"] = _gathered(model.w)
+            out["recovered"] = s.last_sync.recovered
+    return out
+
+
+def _gathered(w):
+    x = torch.view_as_real(w.detach()).reshape(-1).double()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    return [p.tolist() for p in parts]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nan", [False, True])
+def test_complex_parameters_are_averaged_and_their_nans_seen(nan):
+    res = check_ok(run_gloo(_complex, 2, nan))
+    for r in res:
+        assert r["differ"][0] != r["differ"][1]  # the spread moved the replicas apart
+        assert r["after"][0] == r["after"][1] and all(math.isfinite(v) for v in r["after"][0])
+        assert r["recovered"] == ([1] if nan else [])
+
+
+def test_fit_controller_refuses_complex_parameters():
+    m = _Complex()
+    o = torch.optim.Adam(m.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="does not support complex parameters"):
+        hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=10, model=m, enable_auto_lr=True, auto_lr_warmup_steps=0,
+                            model_sync_interval=5, probe=lambda mod: torch.tensor(0.0))
+
+
+# ------------------------------------------------------------ 6. rank 0's state on every rank
+@pytest.mark.distributed
+def test_rank0_state_loaded_on_every_rank_gives_each_its_own_lr(tmp_path):
+    """Saved at the sync step 20, rank 0's checkpoint loaded on both ranks: each rank's LR right after the
+    load is its own (not rank 0's), and the run ends bitwise as the uninterrupted one."""
+    kw = dict(steps=40, alpha=0.3, T=10, auto=True, warm=10, loss_scale=0.01)
+    full = check_ok(run_gloo(_train_kw, 2, kw))
+    check_ok(run_gloo(_train_kw, 2, dict(kw, save_at=20, ckpt_dir=str(tmp_path))))
+    resumed = check_ok(run_gloo(_train_kw, 2, dict(kw, resume_from=str(tmp_path), load_rank=0)))
+    for a, b in zip(full, resumed):
+        assert b["lrs"][0] == a["lrs"][20]  # this replica's own LR for step 21
+        assert a["lrs"][20:] == b["lrs"]
+        assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
+    assert full[0]["lrs"][20] != full[1]["lrs"][20]
+
+
+# ------------------------------------------------------------ 7. plain-data checkpoints
+def _fused_ddp_state(rank, world):
+    """The README's recommended set-up (DDP, fused AdamW: the skip guard) with a FitController template:
+    the state is plain data, loads with weights_only=True, and the live guard stays the live one."""
+    from dist_workers import Probe, batch, make_model
+
+    model = make_model(0)
+    ddp = DDP(model, broadcast_buffers=False)
+    o = torch.optim.AdamW(ddp.parameters(), lr=0.01, fused=True)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=20, ensemble_lr_spread_ratio=0.3, model_sync_interval=5,
+                            enable_auto_lr=True, auto_lr_warmup_steps=5, model=ddp, probe=Probe(),
+                            controller=hdet.FitController(kappa=0.3), explore=[hdet.WeightDecay(o)])
+    s.record_schedule()
+    for t in range(1, 8):
+        x, y = batch(rank, t)
+        loss = nn.functional.mse_loss(ddp(x), y) * (float("nan") if t == 3 else 1.0)
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            s.step(loss)
+    guard = s.skip_guard
+    state = _roundtrip(s.state_dict())
+    s2 = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=20, ensemble_lr_spread_ratio=0.3, model_sync_interval=5,
+                             enable_auto_lr=True, auto_lr_warmup_steps=5, model=ddp, probe=Probe(),
+                             controller=hdet.FitController(kappa=0.3), explore=[hdet.WeightDecay(o)])
+    s.load_state_dict(state)
+    return {"keys": sorted(state), "guard_kept": s.skip_guard is guard, "skipped": float(guard.skipped),
+            "lr": s.get_last_lr(), "lr_fresh_load": (s2.load_state_dict(state), s2.get_last_lr())[1],
+            "template": s._fit_template.kappa}
+
+
+@pytest.mark.distributed
+def test_recommended_setup_state_loads_with_weights_only():
+    res = check_ok(run_gloo(_fused_ddp_state, 2))
+    for r in res:
+        assert "skip_guard" not in r["keys"] and "_fit_template" not in r["keys"] and "gradient_guard" not in r["keys"]
+        assert r["guard_kept"] and r["skipped"] == 1.0 and r["template"] == 0.3
+        assert r["lr"] == r["lr_fresh_load"]
+
+
+@pytest.mark.parametrize("setup", ["onecycle", "hdetlr-step", "hdetlr-callable", "engine"])
+def test_every_readme_setup_saves_plain_data(setup):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.1), nn.Linear(4, 1))
+    o = torch.optim.AdamW(m.parameters(), lr=0.1)
+    explore = [hdet.WeightDecay(o), hdet.Dropout(m), hdet.GradClip(1.0)]
+    if setup == "onecycle":
+        s = hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=20, ensemble_lr_spread_ratio=0.2, model=m,
+                                explore=explore, enable_auto_lr=True, auto_lr_warmup_steps=5, model_sync_interval=5,
+                                controller="paper").record_schedule()
+    elif setup == "hdetlr-step":
+        s = hdet.HDETLR(o, torch.optim.lr_scheduler.StepLR(o, 5), total_steps=20, model=m, explore=explore)
+    elif setup == "hdetlr-callable":
+        s = hdet.HDETLR(o, lambda t: 0.1 / (1 + t), total_steps=20, model=m, explore=explore)
+    else:
+        eng = ReplicaEngine(m, 2, lambda mod: torch.optim.AdamW(mod.parameters(), lr=0.1),
+                            lambda opt, rep, mod: hdet.OneCycleAutoLR(opt, max_lr=0.1, total_steps=20, replicas=rep,
+                                                                      model=mod, model_sync_interval=3))
+        for _ in range(4):
+            eng.step([torch.randn(2, 3)] * 2, lambda mod, x: mod(x).pow(2).mean())
+        eng.load_state_dict(_roundtrip(eng.state_dict()))
+        return
+    for _ in range(4):
+        o.step()
+        s.step(torch.tensor(1.0))
+    s.load_state_dict(_roundtrip(s.state_dict()))
+
+
+# ------------------------------------------------------------ 8. state checks: validate first, then assign
+def _fresh(kind="onecycle", base=None):
+    torch.manual_seed(0)
+    m = nn.Linear(3, 1)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    if kind == "onecycle":
+        return hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=20, model=m, replicas=ScriptedReplicas(1, 2),
+                                   ensemble_lr_spread_ratio=0.2, model_sync_interval=5)
+    sched = None if base is None else base(o)
+    return hdet.HDETLR(o, sched, total_steps=20, model=m, replicas=ScriptedReplicas(1, 2),
+                       ensemble_lr_spread_ratio=0.2, model_sync_interval=5)
+
+
+def _snapshot(s):
+    st = s.state_dict()
+    return repr({k: v for k, v in st.items() if k != "hdet"}), repr(st["hdet"]), [g["lr"] for g in s.optimizer.param_groups]
+
+
+def test_foreign_states_are_refused():
+    one = _fresh("onecycle")
+    for _ in range(3):
+        one.optimizer.step()
+        one.step(1.0)
+    h = _fresh("hdetlr")
+    with pytest.raises(ValueError, match="Expected a HDETLR state_dict, but got one saved by OneCycleAutoLR"):
+        h.load_state_dict(one.state_dict())
+    with pytest.raises(ValueError, match="Expected a OneCycleAutoLR state_dict, but got one saved by HDETLR"):
+        one.load_state_dict(h.state_dict())
+    cos = _fresh("hdetlr", lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 10))
+    step = _fresh("hdetlr", lambda o: torch.optim.lr_scheduler.StepLR(o, 5))
+    with pytest.raises(ValueError, match="Expected the state of a StepLR base, but the state holds 'CosineAnnealingLR'"):
+        step.load_state_dict(cos.state_dict())
+    legacy = cos.state_dict()
+    del legacy["base_scheduler"]  # a state from before the field: the keys still tell
+    with pytest.raises(ValueError, match="Expected the state of a StepLR base"):
+        step.load_state_dict(legacy)
+    with pytest.raises(ValueError, match="without a base scheduler"):
+        h.load_state_dict(cos.state_dict())
+
+
+@pytest.mark.parametrize("corrupt, match", [
+    (lambda st: st["hdet"].__setitem__("rho", [-5.0, 1.0]), r"Eq. 1's multipliers for 2 replicas"),
+    (lambda st: st["hdet"]["config"].__setitem__("future_option", 1), r"also has \['future_option'\]: it was saved by a newer"),
+    (lambda st: st["hdet"].__setitem__("version", 99), "saved by a newer hdet"),
+    (lambda st: st["hdet"]["config"].__setitem__("alpha", "x"), "alpha"),
+    (lambda st: st["hdet"].__setitem__("dealer", {"seed": 0}), "a corrupted state_dict"),
+    (lambda st: st["hdet"].__setitem__("dealer", {"seed": 0, "generator": torch.zeros(3)}), "a corrupted state_dict"),
+    (lambda st: st["hdet"].__setitem__("controllers", [{"kind": "fit"}]), "a corrupted state_dict"),
+    (lambda st: st["hdet"].__setitem__("loss_count", -1), "loss_count"),
+    (lambda st: st["hdet"].__setitem__("rank", 5), r"rank in \[0, 2\)"),
+    (lambda st: st.__setitem__("last_epoch", "3"), "last_epoch"),
+    (lambda st: st.__setitem__("_last_lr", [0.1, 0.2]), "one value per param group"),
+])
+def test_bad_states_raise_value_error_and_change_nothing(corrupt, match):
+    s = _fresh()
+    for _ in range(7):
+        s.optimizer.step()
+        s.step(1.0)
+    good = s.state_dict()
+    st = _roundtrip(good)
+    corrupt(st)
+    other = _fresh()
+    before = _snapshot(other)
+    with pytest.raises(ValueError, match=match):
+        other.load_state_dict(st)
+    assert _snapshot(other) == before  # nothing half-written
+    other.load_state_dict(_roundtrip(good))  # and the good state still loads
+    assert other.get_last_lr() == s.get_last_lr()
+
+
+def test_a_state_saved_before_the_version_field_still_loads():
+    s = _fresh()
+    for _ in range(7):
+        s.optimizer.step()
+        s.step(torch.tensor(2.0))
+    st = _roundtrip(s.state_dict())
+    for key in ("version", "scheduler", "loss_n"):  # what the previous format lacked
+        st["hdet"].pop(key)
+    st["skip_guard"] = None  # ... and held
+    other = _fresh()
+    other.load_state_dict(st)
+    assert other.get_last_lr() == s.get_last_lr() and other.ensemble._loss_count == 2
+    assert float(other.ensemble._loss_n) == 2.0 and "skip_guard" not in other.state_dict()
+
+
+# ------------------------------------------------------------ 9-10. faults: skipped steps, stalls
+def _fused_fault(rank, world, kw):
+    from dist_workers import fault_injection
+
+    return fault_injection(rank, world, **kw)
+
+
+@pytest.mark.distributed
+def test_one_nan_loss_per_rank_in_a_window_is_counted_not_fatal():
+    """Skip guard, 2 ranks: rank 0 has a NaN loss at step 2, rank 1 at step 3 (the same window): both steps
+    are skipped everywhere, the weights stay finite, and the sync counts the faults instead of stopping."""
+    res = check_ok(run_gloo(_two_nan_losses, 2))
+    for r in res:
+        assert r["error"] is None, r
+        assert r["nonfinite_losses"] == [[1, 1], [0, 0]] and r["recovered"] == [[], []]
+        assert r["skipped"] == 2.0 and r["finite"]
+
+
+def _two_nan_losses(rank, world):
+    from dist_workers import batch, make_model
+
+    model = make_model(0)
+    ddp = DDP(model, broadcast_buffers=False)
+    o = torch.optim.Adam(ddp.parameters(), lr=0.01, fused=True)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=10, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                            model=ddp, enable_auto_lr=True, auto_lr_warmup_steps=5, controller="paper")
+    nonfinite, recovered = [], []
+    try:
+        for t in range(1, 11):
+            x, y = batch(rank, t)
+            loss = nn.functional.mse_loss(ddp(x), y)
+            if t == 2 + rank:
+                loss = loss * float("nan")
+            o.zero_grad()
+            loss.backward()
+            o.step()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                s.step(loss)
+            if s.is_sync_step(t):
+                nonfinite.append(s.last_sync.nonfinite_losses)
+                recovered.append(s.last_sync.recovered)
+    except hdet.NonFiniteReplicaError as e:
+        return {"error": str(e)}
+    return {"error": None, "nonfinite_losses": nonfinite, "recovered": recovered,
+            "skipped": float(s.skip_guard.skipped), "finite": all(torch.isfinite(p).all() for p in model.parameters())}
+
+
+@pytest.mark.distributed
+def test_a_nan_weight_under_the_skip_guard_stalls_the_replicas_for_a_bounded_stretch():
+    """Skip guard, T = 100: a NaN weight on replica 2 at step 7 would freeze every replica until step 100.
+    The skip counter, read 10 steps late (no host sync), shows steps 11-20 all skipped at step 30, when
+    replica 2 is reset early; every replica trains again, finite and equal after the reset."""
+    res = check_ok(run_gloo(_fused_fault, 4, {"fault": "weights", "fused": True, "T": 100, "steps": 120,
+                                               "at": 7}))
+    for r, out in enumerate(res):
+        assert out["error"] is None and out["guard"] == "skip"
+        frozen = [t for t, c in enumerate(out["changed"], 1) if not c]
+        if r != 2:  # (replica 2's own NaN never compares equal to itself)
+            assert frozen == list(range(7, 31)), frozen  # NaN in step 7's forward .. the recovery after step 30
+        assert out["skipped"] == 24 and all(out["changed"][30:])
+        assert all(out["finite"][30:])
+        assert any("early recovery at step 30 replica(s) [2]" in w for w in out["warnings"])
+
+
+# ------------------------------------------------------------ 11. errors that say what happened
+def test_an_error_in_the_users_probe_is_the_users_error():
+    class Boom(RuntimeError):
+        pass
+
+    def probe(model):
+        raise Boom("my probe broke")
+
+    for mode in ("process", "engine"):
+        torch.manual_seed(0)
+        m = nn.Linear(3, 1)
+        mk = lambda o, rep, mod: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=10, model_sync_interval=2,  # noqa: E731
+                                                     enable_auto_lr=True, auto_lr_warmup_steps=0, model=mod,
+                                                     probe=probe, replicas=rep)
+        with pytest.raises(Boom, match="my probe broke"):
+            if mode == "process":
+                o = torch.optim.SGD(m.parameters(), lr=0.1)
+                s = mk(o, None, m)
+                for _ in range(2):
+                    o.step()
+                    s.step(1.0)
+            else:
+                eng = ReplicaEngine(m, 2, lambda mod: torch.optim.SGD(mod.parameters(), lr=0.1), mk, mode="loop")
+                for _ in range(2):
+                    eng.step([torch.randn(2, 3)] * 2, lambda mod, x: mod(x).pow(2).mean())
+
+
+def _dies_while_averaging(rank, world, out_dir):
+    from datetime import timedelta
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=file_init_method(out_dir), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=20))
+    m = nn.Linear(200, 200)
+    o = torch.optim.SGD(m.parameters(), lr=0.01)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.01, total_steps=10, model_sync_interval=2, model=m, bucket_cap_mb=0.01)
+    if rank == 1:
+        s.ensemble.replicas._average = lambda *a: os._exit(0)  # dies after the all_gather, before averaging
+    res = {"error": None}
+    try:
+        for _ in range(2):
+            o.step()
+            s.step(1.0)
+    except hdet.ReplicaSyncError as e:
+        res = {"error": "ReplicaSyncError", "msg": str(e)}
+    except Exception as e:  # noqa: BLE001 - the test wants to see what came out
+        res = {"error": type(e).__name__, "msg": str(e)}
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(0)
+
+
+@pytest.mark.distributed
+def test_a_rank_dying_during_averaging_is_a_replica_sync_error(tmp_path):
+    mp.spawn(_dies_while_averaging, args=(2, str(tmp_path)), nprocs=2, join=True)
+    res = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert res["error"] == "ReplicaSyncError", res
+    assert "failed while averaging" in res["msg"] and "optimizer step 2" in res["msg"]
+
+
+def test_numpy_scalars_are_numbers():
+    m = nn.Linear(3, 1)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    s = hdet.OneCycleAutoLR(o, max_lr=np.float32(0.1), total_steps=np.int64(10), model_sync_interval=np.int64(5),
+                            ensemble_lr_spread_ratio=np.float64(0.2), seed=np.int32(3), model=m,
+                            replicas=ScriptedReplicas(0, 2))
+    for _ in range(5):
+        o.step()
+        s.step(np.float32(1.5))
+    assert s.last_sync.losses == [1.5, 1.5]
+    assert type(s.ensemble.config.sync_interval) is int and type(s.ensemble.config.alpha) is float
+    h = hdet.HDETLR(o, None, total_steps=np.int64(10))
+    assert h.total_steps == 10 and type(h.total_steps) is int
+
+
+# ------------------------------------------------------------ 12. the engine's own state
+def _engine(N=3, steps=20, stop=None, state=None):
+    def make_sched(o, rep, m):
+        return hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=steps, model_sync_interval=4, replicas=rep, model=m,
+                                   ensemble_lr_spread_ratio=0.3, enable_auto_lr=True, auto_lr_warmup_steps=4,
+                                   controller="paper", explore=[hdet.WeightDecay(o, alpha=0.5)])
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+    eng = ReplicaEngine(model, N, lambda m: torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.01),
+                        make_sched, mode="vmap")
+    start = 0
+    if state is not None:
+        eng.load_state_dict(state)
+        start = eng.steps_taken
+    for t in range(start + 1, steps + 1):
+        g = torch.Generator().manual_seed(t)
+        x = torch.randn(N, 8, 3, generator=g)
+        eng.step((x, x[..., :1].sin()), lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), stacked=True)
+        if t == stop:
+            return _roundtrip(eng.state_dict())
+    return eng
+
+
+@pytest.mark.parametrize("stop", [8, 10])
+def test_engine_state_dict_resumes_bit_for_bit(stop):
+    full = _engine()
+    resumed = _engine(state=_engine(stop=stop))
+    assert resumed.steps_taken == full.steps_taken == 20
+    for k in full.stacked_params:
+        assert torch.equal(full.stacked_params[k], resumed.stacked_params[k])
+    for k in full.stacked_buffers:
+        assert torch.equal(full.stacked_buffers[k], resumed.stacked_buffers[k])
+    for a, b in zip(full.schedulers, resumed.schedulers):
+        assert a.get_last_lr() == b.get_last_lr() and a.hyperparameters == b.hyperparameters
+    assert len({s.get_last_lr()[0] for s in full.schedulers}) == 3
+
+
+def test_engine_state_checks():
+    eng = _engine(steps=8)
+    st = eng.state_dict()
+    with pytest.raises(ValueError, match="Expected a state of 2 replicas, but got one of 3"):
+        _engine(N=2, steps=8, state=st)
+    with pytest.raises(ValueError, match="Expected a ReplicaEngine state_dict"):
+        eng.load_state_dict({"model": 1})
+
+
+def test_replay_writes_explored_weight_decay_into_a_reloaded_optimizer():
+    """ReplayLR after a resume: the optimizer's reloaded param groups get the recorded weight decay."""
+    p = nn.Parameter(torch.zeros(2))
+    o = torch.optim.AdamW([p], lr=0.01, weight_decay=0.01)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=10, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                            replicas=ScriptedReplicas(1, 4), explore=[hdet.WeightDecay(o, alpha=1.0)],
+                            controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=5).record_schedule()
+    for _ in range(10):
+        o.step()
+        s.step(1.0)
+    schedule = s.discovered_schedule()
+    q = nn.Parameter(torch.zeros(2))
+    o2 = torch.optim.AdamW([q], lr=0.01, weight_decay=0.5)
+    replay = hdet.ReplayLR(o2, schedule, explore=[hdet.WeightDecay(o2)])
+    for _ in range(3):
+        o2.step()
+        replay.step()
+    o2.load_state_dict(_roundtrip(o2.state_dict()))
+    replay.load_state_dict(_roundtrip(replay.state_dict()))
+    o2.step()
+    replay.step()
+    assert o2.param_groups[0]["weight_decay"] == schedule["bases"][4][1]
