@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .optimizers import innermost as _innermost
 from .replicas import local_shard
 
 __all__ = ["finite_allreduce_hook", "install_gradient_guard", "SkipNonFiniteStep", "SkipWatch", "GUARDS"]
@@ -64,14 +65,6 @@ def _all_finite(buf: torch.Tensor) -> torch.Tensor:
     if buf.element_size() < 8:
         return torch.isfinite(buf.sum(dtype=torch.float64))
     return torch.isfinite(buf).all()
-
-
-def _innermost(optimizer: Any) -> Any:
-    """The optimizer that really steps, under wrappers that keep it as ``.optimizer`` (Accelerate's
-    ``AcceleratedOptimizer``, ...): its ``step()`` reads ``found_inf`` and runs the step hooks."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
 
 
 def _fused(optimizer: torch.optim.Optimizer) -> bool:

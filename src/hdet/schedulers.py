@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .ensemble import Ensemble, HDETConfig, SyncRecord
 from .guard import SkipNonFiniteStep, SkipWatch, install_gradient_guard, resolve_guard
 from .hyper import AdamBeta, Hyperparameter
+from .optimizers import check_optimizer
 from .replicas import DEFAULT_BUCKET_CAP_MB, Replicas, resolve_replicas
 
 __all__ = ["OneCycleAutoLR", "HDETLR"]
@@ -61,6 +62,8 @@ class _EnsembleScheduler(LRScheduler):
                                  "mean of its iterates over the window")
             if device_mesh is not None:
                 raise ValueError("controller='fit' does not support device_mesh (sharded replicas) yet; use 'paper'")
+        spreading = config.alpha > 0 or any(h.spread.alpha > 0 for h in explore)
+        check_optimizer(optimizer, spreading, config.average_optimizer_state)  # LR-free optimizers: refused clearly
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
         self._hdet = Ensemble(config, resolved, optimizer, model, list(explore))
         ddp = isinstance(model, DistributedDataParallel) and resolved.world_size > 1  # gradients all-reduced
