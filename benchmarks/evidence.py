@@ -99,6 +99,11 @@ def main() -> None:
                     help="the follow-up's runs: fit, none (HDET spread), plain (alpha 0: data parallel at that max_lr)")
     ap.add_argument("--local", action="store_true", help="the follow-up in local mode (no gradient averaging between "
                     "converge steps; names get a -local suffix)")
+    ap.add_argument("--peers", type=float, default=None, metavar="BEST_MAX_LR",
+                    help="the learning-rate-free peers instead of the main suite (issue 15), beside plain DP at "
+                    "BEST_MAX_LR (the plain grid's best, seeds 0-2, a same-machine anchor): D-Adaptation Adam and "
+                    "Prodigy at lr 1 with the OneCycle shape (seeds 0-2); Schedule-Free AdamW: its own 7-LR grid "
+                    "(seed 0, centred at 2x the task's centre), then 0.1x, 1x and 10x its best (seeds 0-2)")
     a = ap.parse_args()
     t_start = time.time()
     deadline = t_start + a.deadline
@@ -167,6 +172,27 @@ def main() -> None:
             status = r.get("skipped") or r.get("error") or r.get("crashed") or r.get("final_metrics")
             print(f"[{time.time() - t_start:6.0f}s] {r['name']}: {status}", flush=True)
             save()
+
+    if a.peers is not None:
+        with cf.ProcessPoolExecutor(max_workers=a.jobs, mp_context=ctx) as pool:
+            best[0] = a.peers
+            sf_grid = [job(f"sf-grid-{m:g}x-s0", "sf-grid", optimizer="schedulefree-adamw", max_lr=2 * centre * m, seed=0)
+                       for m in GRID]
+            first = [job(f"{name}-s0", name, optimizer=opt, max_lr=1.0, seed=0)
+                     for name, opt in (("dadapt", "dadapt-adam"), ("prodigy", "prodigy"))]
+            run_all(sf_grid + first + [job("plain-1x-s0", "plain", max_lr=a.peers, seed=0)], pool)
+            scored = [(r["cfg"]["max_lr"], _metric(a.task, r)) for r in results if r["group"] == "sf-grid"
+                      and _metric(a.task, r) is not None]
+            sf_best = max(scored, key=lambda x: x[1])[0] if scored else 2 * centre
+            print(f"Schedule-Free grid best lr {sf_best:g}", flush=True)
+            later = [job(f"sf-{start:g}x-s{seed}", "sf", optimizer="schedulefree-adamw", max_lr=sf_best * start, seed=seed)
+                     for seed in (0, 1, 2) for start in STARTS]
+            later += [job(f"{name}-s{seed}", name, optimizer=opt, max_lr=1.0, seed=seed) for seed in (1, 2)
+                      for name, opt in (("dadapt", "dadapt-adam"), ("prodigy", "prodigy"))]
+            later += [job(f"plain-1x-s{seed}", "plain", max_lr=a.peers, seed=seed) for seed in (1, 2)]
+            run_all(later, pool)
+        save(final=True)
+        return
 
     with cf.ProcessPoolExecutor(max_workers=a.jobs, mp_context=ctx) as pool:
         # 1. the grid (seed 0) and the pre-training run of the warm rows, together

@@ -62,6 +62,9 @@ def _train_args(p: argparse.ArgumentParser, steps: int, out: str) -> None:
     p.add_argument("--explore", default="", help="also explore, comma-separated: lr-groups (per-group LRs, always on "
                    "when alpha > 0), weight-decay (per group, x2../2), dropout (+-0.05), grad-clip (norm x2../2)")
     p.add_argument("--clip", type=float, default=1.0, help="base gradient-clipping norm for --explore grad-clip")
+    p.add_argument("--optimizer", default=d.optimizer, help="adamw, or a learning-rate-free peer to compare with "
+                   "(pip install 'hdet[bench]'): dadapt-adam, prodigy (at --max-lr 1, OneCycle shape), "
+                   "schedulefree-adamw (constant LR after its own warm-up); peers need --alpha 0")
 
 
 def _config(a: argparse.Namespace) -> RunConfig:
@@ -71,7 +74,8 @@ def _config(a: argparse.Namespace) -> RunConfig:
                      dropout=a.dropout, warm_init=a.warm_init, init_from=a.init_from, ctx=a.ctx, width=a.width,
                      layers=a.layers, device=a.device, mode=a.mode, seed=a.seed, out=a.out,
                      eval_every=a.eval_every, tensorboard=a.tensorboard, progress=a.progress,
-                     explore=tuple(x.strip() for x in a.explore.split(",") if x.strip()), clip=a.clip)
+                     explore=tuple(x.strip() for x in a.explore.split(",") if x.strip()), clip=a.clip,
+                     optimizer=a.optimizer)
 
 
 def _cmd_train(a: argparse.Namespace, argv: list[str]) -> int:

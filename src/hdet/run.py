@@ -32,7 +32,7 @@ from .engine import MODES, ReplicaEngine
 from .ensemble import NonFiniteReplicaError
 from .hyper import Dropout, GradClip, Hyperparameter, WeightDecay
 from .init import warm_init_
-from .schedulers import OneCycleAutoLR
+from .schedulers import HDETLR, OneCycleAutoLR
 from .tasks import Task, make_task, param_groups
 from .telemetry import SyncLogger
 
@@ -81,6 +81,7 @@ class RunConfig:
     label: str | None = None
     explore: tuple[str, ...] = ()  # of EXPLORE
     clip: float = 1.0  # base gradient-clipping norm for --explore grad-clip
+    optimizer: str = "adamw"  # of OPTIMIZERS; the LR-free ones are peers for the benchmarks (alpha 0 only)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -115,6 +116,8 @@ def _check(cfg: RunConfig) -> None:
     bad = [e for e in cfg.explore if e not in EXPLORE]
     if bad:
         raise RunError(f"Expected --explore items from {', '.join(EXPLORE)}, but got {', '.join(bad)}")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise RunError(f"Expected --optimizer in {', '.join(OPTIMIZERS)}, but got {cfg.optimizer!r}")
     if cfg.init_from is not None and not Path(cfg.init_from).is_file():
         raise RunError(f"Expected --init-from to name a model.pt file, but {cfg.init_from} does not exist")
 
@@ -129,8 +132,66 @@ def _prepare_out(out: Path) -> None:
         raise RunError(f"Expected a writable output folder at {out}, but got: {e.strerror or e}") from None
 
 
+OPTIMIZERS = ("adamw", "dadapt-adam", "prodigy", "schedulefree-adamw")
+
+
 def _make_optimizer(task: Task, cfg: RunConfig):
-    return lambda module: torch.optim.AdamW(param_groups(module, task.group_of, cfg.weight_decay), lr=cfg.max_lr)
+    """AdamW (hdet's default), or a learning-rate-free peer (pip install hdet[bench]): D-Adaptation Adam and
+    Prodigy at ``--max-lr`` (1 is their documented use) under the same OneCycle shape, or Schedule-Free AdamW
+    at a constant ``--max-lr`` after its own warm-up (5% of the run), with no schedule (its documented use)."""
+    def make(module: nn.Module) -> torch.optim.Optimizer:
+        groups = param_groups(module, task.group_of, cfg.weight_decay)
+        if cfg.optimizer == "adamw":
+            return torch.optim.AdamW(groups, lr=cfg.max_lr)
+        try:
+            if cfg.optimizer == "dadapt-adam":
+                import dadaptation
+
+                return dadaptation.DAdaptAdam(groups, lr=cfg.max_lr, decouple=True)
+            if cfg.optimizer == "prodigy":
+                import prodigyopt
+
+                return prodigyopt.Prodigy(groups, lr=cfg.max_lr, decouple=True)
+            import schedulefree
+
+            opt = schedulefree.AdamWScheduleFree(groups, lr=cfg.max_lr, warmup_steps=max(1, cfg.steps // 20))
+            opt.train()
+            return opt
+        except ImportError as e:
+            raise RunError(f"Expected the package for --optimizer {cfg.optimizer} (pip install 'hdet[bench]'), but "
+                           f"got: {e}") from None
+    return make
+
+
+@contextlib.contextmanager
+def eval_weights(task: Task, model: nn.Module, optimizers: list[torch.optim.Optimizer], cfg: RunConfig,
+                 device: torch.device):
+    """The weights to evaluate: as they are, or for Schedule-Free its average ``x`` (``optimizer.eval()``),
+    with BatchNorm statistics recomputed at ``x`` on 50 training batches (the recipe in schedulefree's README);
+    everything is put back afterwards."""
+    sf = [o for o in optimizers if hasattr(o, "eval") and any("train_mode" in g for g in o.param_groups)]
+    if not sf:
+        yield
+        return
+    for o in sf:
+        o.eval()  # y -> x
+    bn = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    saved = [{k: v.clone() for k, v in m.state_dict().items()} for m in bn]
+    try:
+        if bn:
+            was = model.training
+            model.train()
+            g = torch.Generator().manual_seed(54321)
+            with torch.no_grad():
+                for _ in range(50):
+                    task.loss_fn(model, _to(task.sample("train", cfg.batch, g), device))
+            model.train(was)
+        yield
+    finally:
+        for m, st in zip(bn, saved):
+            m.load_state_dict(st)
+        for o in sf:
+            o.train()  # x -> y
 
 
 EXPLORE = ("lr-groups", "weight-decay", "dropout", "grad-clip")
@@ -171,6 +232,10 @@ def _make_scheduler(cfg: RunConfig, warmup: int, task: Task, device: torch.devic
     def make(optimizer: torch.optim.Optimizer, replicas: Any = None, module: nn.Module | None = None):
         assert module is not None
         inner = module.module if hasattr(module, "module") else module  # DDP wraps the model
+        if cfg.optimizer == "schedulefree-adamw":  # no schedule: Schedule-Free's own warm-up, then constant
+            return HDETLR(optimizer, None, total_steps=cfg.steps, ensemble_lr_spread_ratio=cfg.alpha,
+                          model_sync_interval=cfg.T, model=module, seed=cfg.seed, replicas=replicas,
+                          average_optimizer_state=True)
         return OneCycleAutoLR(optimizer, max_lr=cfg.max_lr, total_steps=cfg.steps,
                               ensemble_lr_spread_ratio=cfg.alpha, model_sync_interval=cfg.T,
                               enable_auto_lr=cfg.auto_lr, auto_lr_warmup_steps=warmup, eq8=cfg.eq8,
@@ -215,6 +280,10 @@ class _EngineReplicas:
     def eval_model(self) -> nn.Module:
         return self.engine.models[0]
 
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.engine.optimizers[0]]  # replica 0's: the evaluated model's
+
 
 class _DDPReplicas:
     """One replica per process under torchrun: DDP on the default process group."""
@@ -253,6 +322,10 @@ class _DDPReplicas:
 
     def eval_model(self) -> nn.Module:
         return self.model
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer]
 
 
 def _to(batch: Any, device: torch.device) -> Any:
@@ -426,7 +499,8 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
                 if sync:
                     if t - last_eval >= eval_every or t == cfg.steps:  # after averaging: replicas are equal
                         last_eval = t
-                        rec["val_loss"] = evaluate(task, reps.eval_model(), cfg.eval_batches, 32, device)
+                        with eval_weights(task, reps.eval_model(), reps.optimizers, cfg, device):
+                            rec["val_loss"] = evaluate(task, reps.eval_model(), cfg.eval_batches, 32, device)
                         val_curve.append((t, rec["val_loss"]))
                 log(metrics_f, rec)
                 if writer is not None:
@@ -446,15 +520,17 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         progress.close()
     elapsed = time.perf_counter() - t0
-    final_val = None
+    final_val, final = None, {}
     if crashed is None:  # the last step is a sync step and was evaluated in the loop: the same model and batches
-        final_val = val_curve[-1][1] if val_curve and val_curve[-1][0] == t else \
-            evaluate(task, reps.eval_model(), cfg.eval_batches, 32, device)
+        with eval_weights(task, reps.eval_model(), reps.optimizers, cfg, device):
+            final_val = val_curve[-1][1] if val_curve and val_curve[-1][0] == t else \
+                evaluate(task, reps.eval_model(), cfg.eval_batches, 32, device)
+            final = final_metrics(task, reps.eval_model(), device)
     tail = [v for s, v in train_losses if s > cfg.steps * 0.9] or [v for _, v in train_losses[-1:]]
     summary = {**({} if rank else meta), "mode": reps.mode, "steps_done": t,
                "crashed": crashed, "train_seconds": elapsed, "steps_per_second": t / elapsed if elapsed else None,
                "final_train_loss": sum(tail) / len(tail) if tail else None, "final_val_loss": final_val,
-               "final_metrics": final_metrics(task, reps.eval_model(), device) if crashed is None else {},
+               "final_metrics": final,
                "val_curve": val_curve}
     if rank == 0:
         metrics_f.close()
@@ -464,7 +540,8 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
         (out / "schedule.json").write_text(json.dumps(sched0.discovered_schedule()))
         if crashed is None:
             # clone: in vmap mode the weights are views of [N, ...] tensors, which torch.save would store whole
-            torch.save({k: v.detach().clone() for k, v in reps.eval_model().state_dict().items()}, out / "model.pt")
+            with eval_weights(task, reps.eval_model(), reps.optimizers, cfg, device):  # Schedule-Free: its x
+                torch.save({k: v.detach().clone() for k, v in reps.eval_model().state_dict().items()}, out / "model.pt")
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if owns_group:
         dist.barrier()  # every rank is done with its collectives before the group goes
