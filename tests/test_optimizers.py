@@ -3,6 +3,8 @@ a converge step would silently break them; averaging alone works."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -80,3 +82,19 @@ def test_schedule_free_local_mode_converge_keeps_y_and_z_consistent():
     for pa, pb in zip(eng.models[0].parameters(), eng.models[1].parameters()):
         assert torch.equal(pa, pb)
         assert torch.equal(eng.optimizers[0].state[pa]["z"], eng.optimizers[1].state[pb]["z"])
+
+
+def test_the_cli_run_trains_with_each_peer(tmp_path):
+    """`hdet train --optimizer ...` (what benchmarks/evidence.py --peers runs): each peer trains at alpha 0;
+    Schedule-Free is evaluated at its average x and left in train mode; a spread over a peer is a one-line error."""
+    from hdet.run import RunConfig, RunError, train
+
+    tiny = dict(steps=20, T=10, alpha=0.0, replicas=2, width=16, layers=1, ctx=16, batch=4, progress=False,
+                data_bytes=200_000, device="cpu", mode="loop")
+    for opt, lr in (("dadapt-adam", 1.0), ("prodigy", 1.0), ("schedulefree-adamw", 3e-3)):
+        s = train(RunConfig(**tiny, optimizer=opt, max_lr=lr, out=str(tmp_path / opt)))
+        assert s["crashed"] is None and math.isfinite(s["final_val_loss"]), opt
+    with pytest.raises(ValueError, match="own distance estimate d"):
+        train(RunConfig(**{**tiny, "alpha": 0.2}, optimizer="prodigy", max_lr=1.0, out=str(tmp_path / "x")))
+    with pytest.raises(RunError, match="Expected --optimizer in adamw, dadapt-adam"):
+        train(RunConfig(**tiny, optimizer="sgd", out=str(tmp_path / "y")))

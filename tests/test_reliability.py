@@ -188,6 +188,21 @@ def test_inf_in_one_replicas_batchnorm_variance_is_recovered_not_averaged():
         assert m.mask[1] == -math.inf  # the same -inf on every replica is no fault
 
 
+def test_plus_inf_in_a_buffer_is_a_fault_even_when_every_replica_has_it():
+    """+Inf is no mask value: with one replica (nothing to compare with) it is still seen."""
+    torch.manual_seed(0)
+    m = _BN()
+    o = torch.optim.SGD(m.parameters(), lr=0.01)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.01, total_steps=4, model_sync_interval=2, model=m)
+    with torch.no_grad():
+        m.bn.running_var[1] = math.inf
+    o.step()
+    s.step(1.0)
+    o.step()
+    with pytest.raises(hdet.NonFiniteReplicaError, match=r"non-finite weights on replica\(s\) \[0\]"):
+        s.step(1.0)
+
+
 def test_a_persistent_inf_mask_alone_is_not_a_fault():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -276,6 +291,17 @@ def test_rank0_state_loaded_on_every_rank_gives_each_its_own_lr(tmp_path):
     assert full[0]["lrs"][20] != full[1]["lrs"][20]
 
 
+def _ddp_step(ddp, o, s, x, y, nan=False):
+    """One DDP training step (a NaN loss if ``nan``), the scheduler's warnings silenced."""
+    loss = nn.functional.mse_loss(ddp(x), y) * (float("nan") if nan else 1.0)
+    o.zero_grad()
+    loss.backward()
+    o.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s.step(loss)
+
+
 # ------------------------------------------------------------ 7. plain-data checkpoints
 def _fused_ddp_state(rank, world):
     """The README's recommended set-up (DDP, fused AdamW: the skip guard) with a FitController template:
@@ -290,14 +316,7 @@ def _fused_ddp_state(rank, world):
                             controller=hdet.FitController(kappa=0.3), explore=[hdet.WeightDecay(o)])
     s.record_schedule()
     for t in range(1, 8):
-        x, y = batch(rank, t)
-        loss = nn.functional.mse_loss(ddp(x), y) * (float("nan") if t == 3 else 1.0)
-        o.zero_grad()
-        loss.backward()
-        o.step()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            s.step(loss)
+        _ddp_step(ddp, o, s, *batch(rank, t), nan=t == 3)
     guard = s.skip_guard
     state = _roundtrip(s.state_dict())
     s2 = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=20, ensemble_lr_spread_ratio=0.3, model_sync_interval=5,
@@ -376,12 +395,16 @@ def test_foreign_states_are_refused():
         one.load_state_dict(h.state_dict())
     cos = _fresh("hdetlr", lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 10))
     step = _fresh("hdetlr", lambda o: torch.optim.lr_scheduler.StepLR(o, 5))
-    with pytest.raises(ValueError, match="Expected the state of a StepLR base, but the state holds 'CosineAnnealingLR'"):
+    with pytest.raises(ValueError, match="Expected the state of a StepLR base, but the state holds a CosineAnnealingLR's"):
         step.load_state_dict(cos.state_dict())
     legacy = cos.state_dict()
     del legacy["base_scheduler"]  # a state from before the field: the keys still tell
-    with pytest.raises(ValueError, match="Expected the state of a StepLR base"):
+    with pytest.raises(ValueError, match=r"StepLR base, but its keys differ: missing \['gamma', 'step_size'\], "
+                                         r"unexpected \['T_max', 'eta_min'\]"):
         step.load_state_dict(legacy)
+    same = step.state_dict()
+    same["base"]["_a_private_key_of_another_torch"] = 1  # private keys vary between torch versions: fine
+    step.load_state_dict(same)
     with pytest.raises(ValueError, match="without a base scheduler"):
         h.load_state_dict(cos.state_dict())
 
@@ -460,16 +483,7 @@ def _two_nan_losses(rank, world):
     nonfinite, recovered = [], []
     try:
         for t in range(1, 11):
-            x, y = batch(rank, t)
-            loss = nn.functional.mse_loss(ddp(x), y)
-            if t == 2 + rank:
-                loss = loss * float("nan")
-            o.zero_grad()
-            loss.backward()
-            o.step()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                s.step(loss)
+            _ddp_step(ddp, o, s, *batch(rank, t), nan=t == 2 + rank)
             if s.is_sync_step(t):
                 nonfinite.append(s.last_sync.nonfinite_losses)
                 recovered.append(s.last_sync.recovered)
@@ -566,8 +580,16 @@ def test_numpy_scalars_are_numbers():
         s.step(np.float32(1.5))
     assert s.last_sync.losses == [1.5, 1.5]
     assert type(s.ensemble.config.sync_interval) is int and type(s.ensemble.config.alpha) is float
-    h = hdet.HDETLR(o, None, total_steps=np.int64(10))
+    h = hdet.HDETLR(o, None, total_steps=np.int64(10), average_optimizer_state=np.bool_(True),
+                    enable_auto_lr=np.bool_(False), replicas=ScriptedReplicas(0, 2), model_sync_interval=5)
     assert h.total_steps == 10 and type(h.total_steps) is int
+    assert h.ensemble.config.average_optimizer_state is True
+    for _ in range(5):
+        o.step()
+        h.step(1.0)
+    assert h.last_sync.step == 5  # the settings fingerprint is plain data
+    with pytest.raises(ValueError, match="Expected average_optimizer_state to be a bool, but got 'yes'"):
+        hdet.HDETLR(o, None, total_steps=10, average_optimizer_state="yes")
 
 
 # ------------------------------------------------------------ 12. the engine's own state
@@ -639,3 +661,22 @@ def test_replay_writes_explored_weight_decay_into_a_reloaded_optimizer():
     o2.step()
     replay.step()
     assert o2.param_groups[0]["weight_decay"] == schedule["bases"][4][1]
+
+
+def test_engine_load_that_fails_changes_nothing():
+    """Replica 1's scheduler state is bad: replica 0 must not be loaded either (checked first, then set)."""
+    st = _engine(steps=8, stop=3)
+    target = _engine(steps=8)
+    before = {k: v.clone() for k, v in target.stacked_params.items()}
+    bad = _roundtrip(st)
+    bad["replicas"][1]["scheduler"]["last_epoch"] = "x"
+    with pytest.raises(ValueError, match="last_epoch"):
+        target.load_state_dict(bad)
+    bad = _roundtrip(st)
+    bad["replicas"][2]["scheduler"]["last_epoch"] = 2
+    with pytest.raises(ValueError, match="at the same step"):
+        target.load_state_dict(bad)
+    assert all(torch.equal(before[k], target.stacked_params[k]) for k in before)
+    assert {s.last_epoch for s in target.schedulers} == {8}
+    target.load_state_dict(st)
+    assert target.steps_taken == 3

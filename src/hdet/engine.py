@@ -265,11 +265,26 @@ class ReplicaEngine:
         if state.get("share_gradients", True) != self.share_gradients:
             raise ValueError(f"Expected a state saved with share_gradients={self.share_gradients}, but got "
                              f"share_gradients={state.get('share_gradients')}")
-        for r, (rs, sched) in enumerate(zip(state["replicas"], self.schedulers)):
+        for r, (rs, m, o, sched) in enumerate(zip(state["replicas"], self.models, self.optimizers, self.schedulers)):
             if not isinstance(rs, dict) or set(rs) != {"model", "optimizer", "scheduler"}:
                 raise ValueError(f"Expected replica {r}'s state with 'model', 'optimizer' and 'scheduler', but got "
                                  f"{sorted(rs) if isinstance(rs, dict) else type(rs).__name__}")
-            sched.ensemble.check_state(rs["scheduler"].get("hdet") if isinstance(rs["scheduler"], dict) else None)
+            sched.check_state_dict(rs["scheduler"])  # everything checked before anything is loaded
+            want = {k: tuple(v.shape) for k, v in m.state_dict().items()}
+            got = rs["model"] if isinstance(rs["model"], dict) else {}
+            if {k: tuple(getattr(v, "shape", ())) for k, v in got.items()} != want:
+                raise ValueError(f"Expected replica {r}'s model state with this model's keys and shapes, but it "
+                                 f"differs (missing {sorted(set(want) - set(got))[:5]}, unexpected "
+                                 f"{sorted(set(got) - set(want))[:5]})")
+            groups = rs["optimizer"].get("param_groups") if isinstance(rs["optimizer"], dict) else None
+            if not isinstance(groups, list) or [len(g.get("params", ())) for g in groups] != [
+                    len(g["params"]) for g in o.param_groups]:
+                raise ValueError(f"Expected replica {r}'s optimizer state with this optimizer's param groups, but "
+                                 "it differs")
+        steps = {rs["scheduler"]["last_epoch"] for rs in state["replicas"]}
+        if len(steps) > 1:
+            raise ValueError(f"Expected every replica's scheduler state at the same step, but got last_epoch "
+                             f"{[rs['scheduler']['last_epoch'] for rs in state['replicas']]}")
         for m, o, s, rs in zip(self.models, self.optimizers, self.schedulers, state["replicas"]):
             m.load_state_dict(rs["model"])  # in place: in vmap mode the stacked tensors follow
             o.load_state_dict(rs["optimizer"])
@@ -284,6 +299,12 @@ class ReplicaEngine:
         ``batches``: a sequence of N per-replica batches, or with ``stacked=True`` one batch whose
         tensors have a leading replica axis of size N. ``loss_fn(module, batch)`` returns a scalar."""
         N = self.num_replicas
+        steps = {s.last_epoch for s in self.schedulers}  # host-side counters: no sync
+        if len(steps) > 1:
+            raise ReplicaMismatchError(f"Expected every replica's scheduler at the same step, but their last_epoch "
+                                       f"values are {[s.last_epoch for s in self.schedulers]} (stepped or loaded "
+                                       "apart?); nothing was run")
+        t = steps.pop() + 1  # this step's number: the schedulers' count, right after a load_state_dict too
         n = _leading(batches) if stacked else (len(batches) if isinstance(batches, Sequence) else None)
         if n != N:
             raise ValueError(f"Expected one batch per replica ({N}), but got {n}")
@@ -316,13 +337,8 @@ class ReplicaEngine:
             o.step()
         for s, loss in zip(self.schedulers, losses):
             s.ensemble.observe(loss)
-        steps = {s.last_epoch for s in self.schedulers}  # host-side counters: no sync
-        if len(steps) > 1:
-            raise ReplicaMismatchError(f"Expected every replica's scheduler at the same step, but their last_epoch "
-                                       f"values are {[s.last_epoch for s in self.schedulers]} (loaded from different "
-                                       "checkpoints?)")
-        self.steps_taken = steps.pop() + 1  # the schedulers' count: right after a load_state_dict too
-        self.group.step = self.steps_taken
+        self.steps_taken = t
+        self.group.step = t
         for s in self.schedulers:
             s.step()
         return losses

@@ -64,8 +64,9 @@ class HDETConfig:
         """Check every field; numpy scalars become Python numbers."""
         self.alpha = check_alpha(self.alpha)
         self.sync_interval = _check_int("model_sync_interval", self.sync_interval, lo=1)
-        if not isinstance(self.auto_lr, bool):
-            raise ValueError(f"Expected enable_auto_lr to be a bool, but got {self.auto_lr!r}")
+        self.auto_lr = _check_bool("enable_auto_lr", self.auto_lr)
+        self.average_optimizer_state = _check_bool("average_optimizer_state", self.average_optimizer_state)
+        self.tie_lr_groups = _check_bool("tie_lr_groups", self.tie_lr_groups)
         self.auto_lr_warmup_steps = _check_int("auto_lr_warmup_steps", self.auto_lr_warmup_steps, lo=0)
         if not _is_real(self.sigma) or not self.sigma > 0 or not math.isfinite(self.sigma):
             raise ValueError(f"Expected loss_scale (sigma) > 0, but got {self.sigma!r}")
@@ -77,8 +78,6 @@ class HDETConfig:
         if self.eq8 not in ("decay", "as_printed"):
             raise ValueError(f"Expected eq8 to be 'decay' or 'as_printed', but got {self.eq8!r}")
         self.seed = _check_int("seed", self.seed, lo=0)
-        if not isinstance(self.tie_lr_groups, bool):
-            raise ValueError(f"Expected tie_lr_groups to be a bool, but got {self.tie_lr_groups!r}")
         if self.controller not in CONTROLLERS:
             raise ValueError(f"Expected controller in {CONTROLLERS}, but got {self.controller!r}")
         if self.on_nonfinite not in ("recover", "raise"):
@@ -92,6 +91,14 @@ class HDETConfig:
 def _is_real(x: Any) -> bool:
     """A real number, numpy scalars included (they register as ``numbers.Real``); not a bool."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    """``value`` as a bool (a numpy bool included), or a ValueError naming ``name``."""
+    item = value.item() if hasattr(value, "item") and getattr(value, "shape", None) == () else value
+    if not isinstance(item, bool):
+        raise ValueError(f"Expected {name} to be a bool, but got {value!r}")
+    return item
 
 
 def _check_int(name: str, value: Any, lo: int) -> int:
@@ -123,18 +130,18 @@ def _persistent_float_buffers(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _health(tensors: list[torch.Tensor], strict: list[bool], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """On ``dev``: (every ``strict`` tensor is finite and no tensor holds a NaN, the number of +-Inf
+    """On ``dev``: (every ``strict`` tensor is finite and no tensor holds a NaN or +Inf, the number of -Inf
     elements in the non-strict tensors (buffers)). A buffer may hold -inf by design (a persistent
-    attention mask), so its Inf count is compared across replicas at the sync instead. No host sync
-    (one small copy per device)."""
+    attention mask), so its -Inf count is compared across replicas at the sync instead; +Inf (a BatchNorm
+    variance gone to infinity) is a fault everywhere. No host sync (one small copy per device)."""
     by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for x, must_be_finite in zip(tensors, strict):
         oks, infs = by_device.setdefault(x.device, ([], []))
         if must_be_finite:
             oks.append(torch.isfinite(x).all())
         else:
-            oks.append(~torch.isnan(x).any())
-            infs.append(torch.isinf(x).sum())
+            oks.append(~(torch.isnan(x) | torch.isposinf(x)).any())
+            infs.append(torch.isneginf(x).sum())
     ok = torch.ones((), dtype=torch.bool, device=dev)
     inf = torch.zeros((), dtype=torch.float64, device=dev)
     for oks, infs in by_device.values():
@@ -351,10 +358,12 @@ class Ensemble:
 
     def recovery_tensors(self) -> list[torch.Tensor]:
         """What a recovery averages besides :meth:`tensors`: the optimizer state (moments), unless it
-        is averaged anyway, and the fit controller's running sum of the window's iterates. A non-finite
-        replica's may be NaN; the healthy ones' moments are equal."""
-        out = [] if self.config.average_optimizer_state else self._optimizer_state(self._params())
-        return out + (self._polyak if self._polyak is not None else [])
+        is averaged anyway. A non-finite replica's moments may be NaN; the healthy ones' are equal. (The
+        fit controller's window sums are left alone: a reset replica's is NaN until the window ends, so its
+        probe is left out of that one fit, and the healthy replicas keep their own signal.)"""
+        if self.config.average_optimizer_state:
+            return []
+        return self._optimizer_state(self._params())
 
     def _params(self) -> list[torch.Tensor]:
         """The parameters averaged at a converge step: floating point and complex."""

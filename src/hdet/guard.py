@@ -166,25 +166,42 @@ class SkipWatch:
     before that were skipped, it returns True and the scheduler runs an early recovery
     (:meth:`hdet.Ensemble.recover`). A stall is thus bounded by about ``2 * every`` steps. The counter
     is the same on every replica (DDP averages the gradient; sharded replicas agree by an all_reduce),
-    so every replica takes the same decision at the same step."""
+    so every replica takes the same decision at the same step, provided every parameter the optimizer
+    steps gets its gradient through DDP (a parameter outside the DDP module could be NaN on one rank
+    only, and the ranks would then disagree on the recovery, a collective)."""
 
     def __init__(self, guard: SkipNonFiniteStep, every: int = 10) -> None:
         self.guard = guard
         self.every = every
         self._pending: tuple[torch.Tensor, Any] | None = None  # (host copy of the counter, its CUDA event)
-        self._seen = 0.0  # the counter at the copy before (no step skipped yet)
+        self._seen: float | None = 0.0  # the counter at the copy before (none yet: after a reset)
 
     def poll(self, t: int) -> bool:
         if t % self.every:
             return False
-        stalled = False
-        if self._pending is not None:
-            copy, event = self._pending
-            if event is not None:
-                event.synchronize()  # HOST SYNC on an event recorded `every` steps ago: finished long since
-            now = float(copy)
-            stalled = now - self._seen >= self.every
-            self._seen = now
+        stalled = self._read()
+        self._snapshot()
+        return stalled
+
+    def reset(self) -> None:
+        """After a converge step or a recovery: the stretch starts anew from the counter now (a copy, read at
+        the next poll: no wait for the averaging in flight)."""
+        self._snapshot()
+        self._seen = None
+
+    def _read(self) -> bool:
+        """Read the copy started one poll ago; True when every step since the copy before was skipped."""
+        if self._pending is None:
+            return False
+        copy, event = self._pending
+        if event is not None:
+            event.synchronize()  # HOST SYNC on an event recorded `every` steps ago: finished long since
+        now = float(copy)
+        stalled = self._seen is not None and now - self._seen >= self.every
+        self._seen = now
+        return stalled
+
+    def _snapshot(self) -> None:
         skipped = self.guard.skipped
         if skipped is None:  # no step checked yet
             self._pending = (torch.zeros(()), None)
@@ -196,13 +213,6 @@ class SkipWatch:
             self._pending = (copy, event)
         else:
             self._pending = (skipped.detach().clone(), None)
-        return stalled
-
-    def reset(self) -> None:
-        """After a converge step or a recovery (which have synchronised with the device already): the
-        stretch starts anew from the counter now."""
-        skipped = self.guard.skipped
-        self._pending, self._seen = None, 0.0 if skipped is None else float(skipped)  # HOST SYNC (after a sync's)
 
 
 def resolve_guard(guard: Any, optimizer: torch.optim.Optimizer, advise: bool = True, mesh: bool = False) -> str | None:

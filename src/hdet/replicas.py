@@ -39,13 +39,14 @@ def _collective(what: str) -> Iterator[None]:
     subclasses) into a :class:`ReplicaSyncError` that says what it usually means."""
     try:
         yield
-    except ReplicaSyncError:
-        raise
+    except (ReplicaSyncError, torch.OutOfMemoryError, getattr(torch, "AcceleratorError", torch.OutOfMemoryError)):
+        raise  # this process's own failure (out of memory, a CUDA error), not another replica's
     except RuntimeError as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ReplicaSyncError(
-            f"{what} failed: {first}. A replica never arrived within the process group's timeout: it died, hung, "
-            "or skipped scheduler.step() at this step (every replica must call it after every optimizer step)."
+            f"{what} failed: {first}. Usually a replica never arrived within the process group's timeout: it "
+            "died, hung, or skipped scheduler.step() at this step (every replica must call it after every "
+            "optimizer step)."
         ) from e
 
 DEFAULT_BUCKET_CAP_MB = 100.0  # a converge step overlaps no compute: fewer, larger buckets are faster

@@ -62,10 +62,10 @@ class _EnsembleScheduler(LRScheduler):
                                  "mean of its iterates over the window")
             if device_mesh is not None:
                 raise ValueError("controller='fit' does not support device_mesh (sharded replicas) yet; use 'paper'")
-        spreading = config.alpha > 0 or any(h.spread.alpha > 0 for h in explore)
-        check_optimizer(optimizer, spreading, config.average_optimizer_state)  # LR-free optimizers: refused clearly
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
         self._hdet = Ensemble(config, resolved, optimizer, model, list(explore))
+        spreading = config.alpha > 0 or any(h.spread.alpha > 0 for h in self._hdet.hypers)
+        check_optimizer(optimizer, spreading, config.average_optimizer_state)  # LR-free optimizers: refused clearly
         ddp = isinstance(model, DistributedDataParallel) and resolved.world_size > 1  # gradients all-reduced
         sharded = device_mesh is not None and resolved.world_size > 1  # FSDP2/HSDP with several replicas
         guard = resolve_guard(guard_gradients, optimizer, advise=ddp, mesh=sharded)
@@ -285,17 +285,23 @@ class _EnsembleScheduler(LRScheduler):
             if v is not None and (not isinstance(v, list) or len(v) != n):
                 raise ValueError(f"Expected the state's {key} with one value per param group ({n}), but got {v!r}")
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict`. Everything is checked before anything is set: a foreign,
-        corrupted or newer state raises ValueError and leaves the scheduler as it was. Then this replica's own
-        values are set on the optimizer (:meth:`reapply`): a state saved by another rank (e.g. rank 0's,
-        loaded on every rank) never gives this replica another replica's learning rate."""
+    def check_state_dict(self, state_dict: Any) -> dict[str, Any]:
+        """Check a state completely, change nothing (ValueError on any problem); returns the parsed ensemble
+        state that :meth:`load_state_dict` sets."""
         if not isinstance(state_dict, dict) or "hdet" not in state_dict:
             keys = sorted(state_dict)[:8] if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(f"Expected a {type(self).__name__} state_dict (with an 'hdet' entry), but got {keys}")
         self._check_own_state(state_dict)
         parsed = self._hdet.check_state(state_dict["hdet"])
         self._check_extra_state(state_dict)
+        return parsed
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a state from :meth:`state_dict`. Everything is checked before anything is set: a foreign,
+        corrupted or newer state raises ValueError and leaves the scheduler as it was. Then this replica's own
+        values are set on the optimizer (:meth:`reapply`): a state saved by another rank (e.g. rank 0's,
+        loaded on every rank) never gives this replica another replica's learning rate."""
+        parsed = self.check_state_dict(state_dict)
         state = {k: v for k, v in state_dict.items() if k not in self._STATE_EXCLUDE + ("hdet", "base", "base_scheduler")}
         hdet_state = state_dict["hdet"]
         same_replica = not parsed["elastic"] and hdet_state["rank"] == self.rank
@@ -586,11 +592,16 @@ class HDETLR(_EnsembleScheduler):
                 raise ValueError(f"Expected a state of an HDETLR without a base scheduler, but this one was saved with "
                                  f"a {state_dict.get('base_scheduler', 'base scheduler')}")
             return
-        kind = state_dict.get("base_scheduler")
-        if not isinstance(base_state, dict) or (kind is not None and kind != type(self._base).__name__) or (
-                set(base_state) != set(self._base.state_dict())):
-            raise ValueError(f"Expected the state of a {type(self._base).__name__} base, but the state holds "
-                             f"{kind or (sorted(base_state) if isinstance(base_state, dict) else base_state)!r}")
+        kind, want = state_dict.get("base_scheduler"), type(self._base).__name__
+        if not isinstance(base_state, dict):
+            raise ValueError(f"Expected the state of a {want} base, but the state holds {base_state!r}")
+        if kind is not None and kind != want:
+            raise ValueError(f"Expected the state of a {want} base, but the state holds a {kind}'s")
+        public = {k for k in self._base.state_dict() if not k.startswith("_")}  # private keys vary with torch
+        got = {k for k in base_state if not k.startswith("_")}
+        if got != public:
+            raise ValueError(f"Expected the state of a {want} base, but its keys differ: missing "
+                             f"{sorted(public - got)}, unexpected {sorted(got - public)}")
 
     def _load_extra_state(self, state_dict: dict[str, Any]) -> None:
         if self._base is not None:

@@ -1,0 +1,26 @@
+"""The skip guard and its early recovery on real GPUs (NCCL, 2 processes): run on the GPU machine."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+
+
+def test_nan_weight_under_the_skip_guard_is_reset_early_without_host_syncs(tmp_path):
+    worker = Path(__file__).with_name("skip_guard_nccl.py")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(worker), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for r in range(2):
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert res["guard"] == "skip" and res["finite"]
+        if r == 0:  # rank 1's own NaN never compares equal to itself
+            assert res["frozen_steps"] == list(range(7, 31)), res["frozen_steps"]
+        assert res["skipped"] == 24.0
+        assert any("early recovery at step 30 replica(s) [1]" in w for w in res["warnings"])
+        assert res["steps_under_sync_debug_error"] == 115  # steps 3-120 but the syncs at 100, 120 and the recovery
