@@ -19,7 +19,7 @@ __all__ = ["main"]
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not usage + error
-        self.exit(2, f"hdet: error: {message} (see hdet {self.prog.split()[-1]} --help)\n")
+        self.exit(2, f"hdet: error: {message} (see {self.prog} --help)\n")
 
 
 def _train_args(p: argparse.ArgumentParser, steps: int, out: str) -> None:
@@ -28,7 +28,7 @@ def _train_args(p: argparse.ArgumentParser, steps: int, out: str) -> None:
     p.add_argument("--data", default=None, help="Fashion-MNIST folder (default /usr/share/datasets/fashion-mnist)")
     p.add_argument("--replicas", type=int, default=None, help="N in one process (default 4); under torchrun: "
                    "the world size")
-    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--steps", type=int, default=steps, help="optimizer steps of the run")
     p.add_argument("--batch", type=int, default=d.batch, help="examples per replica per step")
     p.add_argument("--alpha", type=float, default=d.alpha, help="LR spread ratio (Eq. 1); 0 = plain data parallel")
     p.add_argument("--T", type=int, default=d.T, help="sync interval: average weights every T steps")
@@ -44,9 +44,10 @@ def _train_args(p: argparse.ArgumentParser, steps: int, out: str) -> None:
                    "step (DDP); --no-grad-sync is the local mode: replicas meet only at converge steps, every T steps")
     p.add_argument("--warmup", type=int, default=None, help="auto-LR warmup steps (default: the end of OneCycle's warm-up, "
                    "30%% of the run, for the fit controller; half the run for the paper's)")
-    p.add_argument("--max-lr", type=float, default=d.max_lr)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--dropout", type=float, default=d.dropout)
+    p.add_argument("--max-lr", type=float, default=d.max_lr, help="OneCycle's peak learning rate")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW's decoupled weight decay "
+                   "(none on norms and biases)")
+    p.add_argument("--dropout", type=float, default=d.dropout, help="dropout probability of the model")
     p.add_argument("--warm-init", action=argparse.BooleanOptionalAction, default=False, help="Eq. 10 noise")
     p.add_argument("--init-from", default=None, help="start from this model.pt")
     p.add_argument("--ctx", type=int, default=d.ctx, help="bytes task: context length")
@@ -54,7 +55,7 @@ def _train_args(p: argparse.ArgumentParser, steps: int, out: str) -> None:
     p.add_argument("--layers", type=int, default=d.layers, help="bytes task: transformer layers")
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     p.add_argument("--mode", default=d.mode, help="engine: auto (vmap, loop if it cannot), vmap or loop")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the model, the data and the permutations")
     p.add_argument("--out", default=out, help="output folder")
     p.add_argument("--eval-every", type=int, default=None, help="validate every ~N steps (at syncs; default T)")
     p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to OUT/tb")
@@ -150,14 +151,19 @@ def _cmd_compare(a: argparse.Namespace, argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     p = _Parser(prog="hdet", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
-    t = sub.add_parser("train", help="train on an embedded task (no download)")
+    p.add_argument("--version", action="version", version=f"hdet {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser, metavar="{train,plot,compare}",
+                           title="commands")
+    fmt = dict(formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # --help shows every default
+    t = sub.add_parser("train", help="train on an embedded task (no download)", **fmt)
     _train_args(t, steps=RunConfig().steps, out="runs/latest")
-    pl = sub.add_parser("plot", help="loss.png and lr.png for run folders")
-    pl.add_argument("run_dirs", nargs="+")
+    pl = sub.add_parser("plot", help="loss.png and lr.png for run folders", **fmt)
+    pl.add_argument("run_dirs", nargs="+", help="run folders written by hdet train")
     pl.add_argument("--out", default=None, help="write the PNGs here (default: into each run folder)")
-    c = sub.add_parser("compare", help="the paper's six ablation configurations (Table 1)")
+    c = sub.add_parser("compare", help="the paper's six ablation configurations (Table 1)", **fmt)
     _train_args(c, steps=200, out="runs/compare")
     c.add_argument("--lr-low", type=float, default=1e-3, help="Baseline-Low's max LR")
     c.add_argument("--lr-high", type=float, default=9e-3, help="everyone else's max LR (the paper: 9x low)")

@@ -14,6 +14,7 @@ replica, and average a list of tensors in place, bucketed (one collective per bu
 from __future__ import annotations
 
 import contextlib
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -240,6 +241,14 @@ def resolve_replicas(
                 f"Expected world_size={found.world_size} (from the process group), but got world_size={world_size}"
             )
         return found
+    env_world = os.environ.get("WORLD_SIZE", "1")
+    if world_size is None and env_world.isdigit() and int(env_world) > 1:
+        raise ValueError(
+            f"Expected an initialised torch.distributed process group: the environment says WORLD_SIZE={env_world} "
+            "(torchrun), but none is initialised yet, so this scheduler would silently be a single replica (no spread, "
+            "no averaging). Build the scheduler after torch.distributed.init_process_group() (with the Hugging Face "
+            "Trainer: after TrainingArguments, which initialise it), or pass world_size=1 to mean one replica."
+        )
     if (world_size not in (None, 1)) or (rank not in (None, 0)):
         raise ValueError(
             f"Expected rank=0 and world_size=1 without an initialised torch.distributed process group, "

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LRScheduler, OneCycleLR
+from torch.optim.lr_scheduler import LRScheduler, OneCycleLR, ReduceLROnPlateau
 
 from .controller import CONTROLLERS, FitController, PaperController, gamma_as_printed, gamma_decay
 from torch.nn.parallel import DistributedDataParallel
@@ -517,6 +517,11 @@ class HDETLR(_EnsembleScheduler):
             raise ValueError(f"Expected positive integer total_steps, but got {total_steps!r}")
         self._base: LRScheduler | None = None
         self._base_fn: Callable[[int], Any] | None = None
+        if isinstance(base, ReduceLROnPlateau):
+            raise ValueError("Expected a base schedule of the step (an LRScheduler stepped once per optimizer step, or a "
+                             "callable of the step), but got ReduceLROnPlateau, which steps on a validation metric; "
+                             "HDET cannot wrap it (lr_scheduler_type='reduce_lr_on_plateau' in the Hugging Face Trainer "
+                             "is the same)")
         if isinstance(base, LRScheduler):
             if base.optimizer is not optimizer:
                 raise ValueError("Expected the base scheduler to be built on the same optimizer as HDETLR")

@@ -52,6 +52,13 @@ class HDETCallback(Callback):
         self._restored = True
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        for cfg in trainer.lr_scheduler_configs:
+            if isinstance(cfg.scheduler, _EnsembleScheduler) and (cfg.interval != "step" or cfg.frequency != 1):
+                raise ValueError(
+                    f"Expected the HDET scheduler with {{'interval': 'step', 'frequency': 1}}, but got interval "
+                    f"{cfg.interval!r}, frequency {cfg.frequency}: HDET counts optimizer steps (its converge steps "
+                    "and schedule would run once per epoch). Return {'optimizer': opt, 'lr_scheduler': "
+                    "{'scheduler': sched, 'interval': 'step'}} from configure_optimizers")
         if self._restored:  # rank 0's optimizer and scheduler states were loaded on every rank
             for sched in _hdet_schedulers(trainer):
                 sched.reapply()
