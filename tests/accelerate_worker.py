@@ -19,6 +19,10 @@ from dist_workers import batch  # noqa: E402
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--save-at", type=int, default=None, help="accelerator.save_state after this optimizer step, stop")
+    p.add_argument("--resume", default=None, help="accelerator.load_state from this folder, then go on")
+    p.add_argument("--prepared", action="store_true", help="pass the HDET scheduler to accelerator.prepare, as a "
+                   "user might: hdet must say that it is stepped twice per optimizer step")
     a = p.parse_args()
     torch.set_num_threads(1)
     acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
@@ -31,7 +35,34 @@ def main():
                                 model_sync_interval=4, controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=4,
                                 loss_scale=0.05, model=model, seed=3)
     rank, lrs, done = acc.process_index, [], 0
-    for micro in range(1, 2 * steps + 1):
+    acc.register_for_checkpointing(sched)  # the docs' recipe: save_state/load_state include the HDET scheduler
+    start = 1
+    if a.resume:
+        acc.load_state(a.resume)  # rank 0's scheduler state on every rank: each rank gets its own LR back
+        done = sched.last_epoch
+        start = 2 * done + 1
+        lrs.append(sched.get_last_lr()[0])
+    if a.prepared:  # Accelerate's usual recipe: the prepared scheduler steps num_processes (2) times per step
+        import warnings
+
+        prepared = acc.prepare(sched)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for micro in range(1, 7):  # 3 optimizer steps
+                x, y = batch(rank, micro)
+                with acc.accumulate(model):
+                    loss = nn.functional.mse_loss(model(x), y)
+                    acc.backward(loss)
+                    opt.step()
+                    prepared.step()
+                    opt.zero_grad()
+                sched.ensemble.observe(loss.detach())
+        torch.save({"warnings": [str(x.message) for x in w if "hdet" in str(x.message)],
+                    "last_epoch": sched.last_epoch}, os.path.join(a.out, f"result_rank{rank}.pt"))
+        acc.wait_for_everyone()
+        torch.distributed.destroy_process_group()
+        os._exit(0)
+    for micro in range(start, 2 * steps + 1):
         x, y = batch(rank, micro)
         with acc.accumulate(model):
             loss = nn.functional.mse_loss(model(x), y)
@@ -43,6 +74,9 @@ def main():
             sched.step()  # once per optimizer step (collectives at sync steps run on every rank alike)
             lrs.append(sched.get_last_lr()[0])
             done += 1
+            if done == a.save_at:
+                acc.save_state(os.path.join(a.out, "state"))
+                break
     torch.save({"params": [q.detach().clone() for q in model.parameters()], "lrs": lrs, "done": done,
                 "updates": sched.ensemble.controllers[0].updates, "guard": sched.gradient_guard},
                os.path.join(a.out, f"result_rank{rank}.pt"))

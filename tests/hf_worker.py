@@ -28,7 +28,14 @@ class Tokens(torch.utils.data.Dataset):
 
 class Record(TrainerCallback):
     def __init__(self, stop_at=None):
-        self.lrs, self.stop_at = [], stop_at
+        self.lrs, self.stop_at, self.logs, self.windows = [], stop_at, [], []
+
+    def on_train_begin(self, args, state, control, lr_scheduler=None, **kw):  # hdet's window losses at each sync
+        lr_scheduler.ensemble.on_sync.append(lambda r: self.windows.append((r.step, r.losses)))
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if logs and "loss" in logs:
+            self.logs.append((state.global_step, logs["loss"], logs.get("learning_rate")))
 
     def on_step_end(self, args, state, control, optimizer=None, **kw):
         self.lrs.append(optimizer.param_groups[0]["lr"])
@@ -41,25 +48,37 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--stop-at", type=int, default=None)
     p.add_argument("--resume", default=None)
+    p.add_argument("--ga", type=int, default=2, help="gradient accumulation steps")
+    p.add_argument("--nan-at", type=int, default=None, help="rank 1's loss is NaN in this optimizer step")
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                                        attn_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0))
-    args = TrainingArguments(output_dir=a.out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+    args = TrainingArguments(output_dir=a.out, per_device_train_batch_size=4, gradient_accumulation_steps=a.ga,
                              max_steps=20, save_steps=10, logging_steps=5, learning_rate=3e-3,
                              lr_scheduler_type="linear", warmup_steps=2, use_cpu=True, report_to=[], seed=0,
                              ddp_backend="gloo", save_only_model=False, dataloader_num_workers=0)
     rec = Record(a.stop_at)
-    trainer = HDETTrainer(model=model, args=args, train_dataset=Tokens(), callbacks=[rec],
+    rank = int(os.environ.get("RANK", 0))
+
+    class Trainer(HDETTrainer):  # the user's own compute_loss, with a fault on rank 1 if asked
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            loss = super().compute_loss(model, inputs, *args, **kwargs)
+            if rank == 1 and self.state.global_step + 1 == a.nan_at:
+                loss = loss * float("nan")
+            return loss
+
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[rec],
                           hdet=dict(ensemble_lr_spread_ratio=0.3, model_sync_interval=5, controller="paper", enable_auto_lr=True,
                                     auto_lr_warmup_steps=10, loss_scale=0.05))
     trainer.train(resume_from_checkpoint=a.resume)
     s = trainer.lr_scheduler
-    rank = int(os.environ.get("RANK", 0))
     torch.save({"params": [q.detach().clone() for q in model.parameters()], "lrs": rec.lrs,
                 "bases": s.base_lrs_now, "updates": s.ensemble.controllers[0].updates if s.ensemble.controllers[0]
-                else 0, "perms": s.ensemble.perms, "step": s.last_epoch, "world": s.world_size},
+                else 0, "perms": s.ensemble.perms, "step": s.last_epoch, "world": s.world_size, "logs": rec.logs,
+                "windows": rec.windows, "guard": s.gradient_guard,
+                "finite": all(bool(torch.isfinite(q).all()) for q in model.parameters())},
                os.path.join(a.out, f"result_rank{rank}.pt"))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -20,7 +20,7 @@ STEPS = 16
 class Data(torch.utils.data.Dataset):
     def __init__(self):
         g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(512, 6, generator=g)
+        self.x = torch.randn(128, 6, generator=g)  # 8 batches per rank and epoch: checkpoints at epoch ends
         self.y = self.x[:, :1] * 2 - self.x[:, 1:2]
 
     def __len__(self):
@@ -31,15 +31,17 @@ class Data(torch.utils.data.Dataset):
 
 
 class Module(L.LightningModule):
-    def __init__(self):
+    def __init__(self, bn=False):
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
-        self.lrs = []
+        self.net = nn.Sequential(nn.Linear(6, 16), *([nn.BatchNorm1d(16)] if bn else []), nn.ReLU(), nn.Linear(16, 1))
+        self.lrs, self.raw_losses, self.windows = [], [], []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.raw_losses.append(float(loss))  # the true per-batch loss (Lightning divides what it backpropagates)
+        return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
@@ -48,7 +50,8 @@ class Module(L.LightningModule):
         opt = torch.optim.Adam(self.parameters(), lr=0.01)
         sched = hdet.OneCycleAutoLR(opt, max_lr=0.02, total_steps=STEPS, ensemble_lr_spread_ratio=0.3,
                                     model_sync_interval=4, controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=4,
-                                    loss_scale=0.05, seed=3)
+                                    loss_scale=0.05, seed=3)  # no model=: as the docs write it
+        sched.ensemble.on_sync.append(lambda r: self.windows.append((r.step, r.losses)))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
@@ -60,8 +63,12 @@ class Report(L.Callback):
         sched = trainer.lr_scheduler_configs[0].scheduler
         params = [p.detach().clone() for p in pl_module.parameters()]
         gathered = [pl_module.all_gather(torch.cat([p.reshape(-1) for p in params]))]
+        bufs = [b.reshape(-1).float() for b in pl_module.buffers() if b.is_floating_point()]
+        bufs = pl_module.all_gather(torch.cat(bufs)) if bufs else None
         torch.save({"params": gathered[0], "lrs": pl_module.lrs, "updates": sched.ensemble.controllers[0].updates,
-                    "step": sched.last_epoch, "bases": sched.base_lrs_now},
+                    "step": sched.last_epoch, "bases": sched.base_lrs_now, "buffers": bufs,
+                    "guard": sched.gradient_guard, "raw_losses": pl_module.raw_losses, "windows": pl_module.windows,
+                    "rank": sched.rank},
                    os.path.join(self.out, f"result_rank{trainer.global_rank}.pt"))
 
 
@@ -70,6 +77,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--max-steps", type=int, default=STEPS)
     p.add_argument("--resume", default=None)
+    p.add_argument("--bn", action="store_true", help="a BatchNorm layer in the model")
     a = p.parse_args()
     torch.set_num_threads(1)
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=a.out, every_n_train_steps=8, save_top_k=-1)
@@ -77,7 +85,7 @@ def main():
                         accumulate_grad_batches=2, callbacks=[HDETCallback(), ckpt, Report(a.out)],
                         logger=False, enable_progress_bar=False, enable_model_summary=False)
     loader = torch.utils.data.DataLoader(Data(), batch_size=8, shuffle=False)
-    trainer.fit(Module(), loader, ckpt_path=a.resume)
+    trainer.fit(Module(a.bn), loader, ckpt_path=a.resume)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,39 @@ def test_hf_trainer_two_gloo_processes(full_run):
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
 
 
+def _check_losses_and_logged_lr(res):
+    """hdet's window losses, averaged over the two ranks, are what the Trainer logs at the same steps (its
+    loss is averaged over ranks and over the logging window, here T); the logged learning rate is the base
+    schedule's, the same on both ranks, not rank 0's multiplied LR."""
+    r0, r1 = res
+    logged = {step: (loss, lr) for step, loss, lr in r0["logs"]}
+    assert [s for s, _ in r0["windows"]] == [5, 10, 15, 20] == sorted(logged)
+    for (step, l0), (_, l1) in zip(r0["windows"], r1["windows"]):
+        assert (l0[0] + l1[0]) / 2 == pytest.approx(logged[step][0], rel=1e-5)
+    assert r0["logs"] == r1["logs"]
+    assert [lr for _, _, lr in r0["logs"]] != [r0["lrs"][s - 1] for s in sorted(logged)]  # not the multiplied LR
+
+
+def test_hf_trainer_window_loss_is_the_logged_loss_with_accumulation_2(full_run):
+    _check_losses_and_logged_lr(full_run[1])
+
+
+@pytest.mark.parametrize("ga", [1, 4])
+def test_hf_trainer_window_loss_is_the_logged_loss_whatever_the_accumulation(tmp_path, ga):
+    out = tmp_path / f"ga{ga}"
+    _torchrun(out, "--ga", str(ga))
+    _check_losses_and_logged_lr(_results(out))
+
+
+def test_hf_trainer_guard_keeps_a_nan_loss_on_one_rank_from_the_others(tmp_path):
+    """A NaN loss on rank 1 at step 7: the guard the Trainer's DDP model got keeps every replica finite and
+    the run finishes (without it, the next sync found every replica non-finite)."""
+    out = tmp_path / "nan"
+    _torchrun(out, "--nan-at", "7")
+    for r in _results(out):
+        assert r["guard"] in ("skip", "hook") and r["finite"] and r["step"] == 20
+
+
 def test_hf_trainer_resume_from_checkpoint(full_run, tmp_path):
     """Stopped right after the checkpoint at step 10 and resumed with resume_from_checkpoint: the HDET state
     and the final weights match the uninterrupted run."""
@@ -77,6 +110,43 @@ def test_accelerate_two_gloo_processes(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
 
 
+def _accelerate(out: Path, *args: str) -> list:
+    out.mkdir(exist_ok=True)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(Path(__file__).with_name("accelerate_worker.py")), "--out", str(out), *args],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [torch.load(out / f"result_rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+def test_accelerate_resume_through_load_state(tmp_path):
+    """The docs' recipe: the HDET scheduler registered for checkpointing, save_state after optimizer step 4
+    (a sync step), load_state in fresh processes: each rank's LR right after the load is its own (Accelerate
+    saved rank 0's), and the run ends as the uninterrupted one."""
+    pytest.importorskip("accelerate")
+    full = _accelerate(tmp_path / "full")
+    _accelerate(tmp_path / "part", "--save-at", "4")
+    res = _accelerate(tmp_path / "part", "--resume", str(tmp_path / "part" / "state"))
+    for got, ref in zip(res, full):
+        assert got["done"] == 12 and got["lrs"] == ref["lrs"][3:]  # from step 4's LR (this rank's own) on
+        assert all(torch.equal(a, b) for a, b in zip(got["params"], ref["params"]))
+    assert full[0]["lrs"][3] != full[1]["lrs"][3]
+
+
+def test_accelerate_prepared_hdet_scheduler_is_called_out(tmp_path):
+    """Accelerate's usual recipe, prepare(..., sched), steps the scheduler twice per optimizer step on 2
+    processes: hdet warns, naming the cause, on every rank."""
+    pytest.importorskip("accelerate")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(Path(__file__).with_name("accelerate_worker.py")), "--out", str(tmp_path), "--prepared"],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    for r in range(2):
+        res = torch.load(tmp_path / f"result_rank{r}.pt", weights_only=True)
+        assert res["last_epoch"] == 6  # 3 optimizer steps, 6 scheduler steps: what the warning is about
+        assert len(res["warnings"]) == 1 and "passed to accelerator.prepare()" in res["warnings"][0]
+
+
 LIGHTNING_WORKER = str(Path(__file__).with_name("lightning_worker.py"))
 
 
@@ -88,19 +158,37 @@ def _lightning(out: Path, *args: str) -> list:
     return [torch.load(out / f"result_rank{r}.pt", weights_only=True) for r in range(2)]
 
 
+def test_lightning_docs_setup_averages_batchnorm_and_guards(tmp_path):
+    """The docs' set-up (no model= in the scheduler) with a BatchNorm layer: the callback gives the scheduler
+    the DDP model, so BatchNorm statistics are averaged (equal on both ranks at the end, a sync step) and
+    the gradient guard is on."""
+    pytest.importorskip("lightning")
+    r0, _ = _lightning(tmp_path / "bn", "--bn")
+    assert torch.equal(r0["buffers"][0], r0["buffers"][1]) and r0["guard"] == "hook" and r0["step"] == 16
+
+
 def test_lightning_ddp_spawn_and_resume(tmp_path):
     """Lightning, ddp_spawn on CPU with 2 devices, accumulate_grad_batches=2, a step-interval HDET
     scheduler and HDETCallback: 16 optimizer steps, 4 controller updates, per-rank LRs, equal weights;
-    stopped after the checkpoint of step 8 and resumed from it, the run ends where the uninterrupted
-    one does."""
+    stopped after the checkpoint of step 8 (an epoch's end: Lightning does not restore a plain loader's
+    position mid-epoch) and resumed from it, the run ends where the uninterrupted one does. (Before the
+    callback observed the true loss, the controller drove the LR to its floor in both runs, so this
+    comparison held whatever the data after the resume.)"""
     pytest.importorskip("lightning")
     full = _lightning(tmp_path / "full")
     r0, r1 = full
     assert r0["step"] == 16 and r0["updates"] == r1["updates"] == 4
     assert r0["lrs"] != r1["lrs"] and torch.equal(r0["params"][0], r0["params"][1])
+    # each window's loss is the mean of this rank's true batch losses (8 micro-batches = 4 optimizer steps),
+    # not Lightning's loss divided by accumulate_grad_batches, nor shifted by a batch
+    for r in full:
+        assert [s for s, _ in r["windows"]] == [4, 8, 12, 16]
+        for k, (_, losses) in enumerate(r["windows"]):
+            want = sum(r["raw_losses"][8 * k:8 * k + 8]) / 8
+            assert losses[r["rank"]] == pytest.approx(want, rel=1e-5)
     out = tmp_path / "resumed"
     _lightning(out, "--max-steps", "8")
-    res = _lightning(out, "--resume", str(out / "epoch=0-step=8.ckpt"))
+    res = _lightning(out, "--resume", str(out / "epoch=1-step=8.ckpt"))
     for got, ref in zip(res, full):
         assert got["step"] == 16 and got["updates"] == 4 and got["bases"] == pytest.approx(ref["bases"], rel=1e-6)
         assert got["lrs"] == pytest.approx(ref["lrs"][16:], rel=1e-6)  # per micro-batch, after the resume

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .ensemble import Ensemble, HDETConfig, SyncRecord
 from .guard import SkipNonFiniteStep, SkipWatch, install_gradient_guard, resolve_guard
 from .hyper import AdamBeta, Hyperparameter
-from .optimizers import check_optimizer
+from .optimizers import check_optimizer, innermost
 from .replicas import DEFAULT_BUCKET_CAP_MB, Replicas, resolve_replicas
 
 __all__ = ["OneCycleAutoLR", "HDETLR"]
@@ -42,7 +42,8 @@ class _EnsembleScheduler(LRScheduler):
     total_steps: int
     # live objects and this instance's own set-up: never saved, never overwritten by a load
     _STATE_EXCLUDE: tuple[str, ...] = ("optimizer", "_hdet", "skip_guard", "_skip_watch", "_fit_template",
-                                       "gradient_guard")
+                                       "gradient_guard", "_opt_hook", "_opt_steps", "_opt_steps_seen",
+                                       "_warned_double_step", "_guard_setting")
 
     def _init_ensemble(self, optimizer: torch.optim.Optimizer, config: HDETConfig, model: nn.Module | None,
                        replicas: Replicas | None, rank: int | None, world_size: int | None,
@@ -66,22 +67,62 @@ class _EnsembleScheduler(LRScheduler):
         self._hdet = Ensemble(config, resolved, optimizer, model, list(explore))
         spreading = config.alpha > 0 or any(h.spread.alpha > 0 for h in self._hdet.hypers)
         check_optimizer(optimizer, spreading, config.average_optimizer_state)  # LR-free optimizers: refused clearly
-        ddp = isinstance(model, DistributedDataParallel) and resolved.world_size > 1  # gradients all-reduced
-        sharded = device_mesh is not None and resolved.world_size > 1  # FSDP2/HSDP with several replicas
-        guard = resolve_guard(guard_gradients, optimizer, advise=ddp, mesh=sharded)
         self.gradient_guard: str | None = None  # the guard installed, if any: "hook", "skip" (hdet.guard)
         self.skip_guard: SkipNonFiniteStep | None = None
         self._skip_watch: SkipWatch | None = None  # early recovery when the skip guard stalls every replica
-        if guard == "skip" and (ddp or sharded):
+        self._guard_setting = (guard_gradients, process_group, device_mesh)
+        resolve_guard(guard_gradients, optimizer, advise=False)  # a bad value fails here, not later
+        self._install_guard(model)
+        self._hdet.make_controller = self._make_controller
+        self._hdet.probe = probe
+        # optimizer steps counted by a post-hook (the real optimizer under wrappers): a second scheduler.step()
+        # with none in between is what a prepared Accelerate scheduler does (num_processes calls per step)
+        self._opt_steps = self._opt_steps_seen = 0
+        self._opt_hook = innermost(optimizer).register_step_post_hook(self._count_optimizer_step)
+        self._warned_double_step = False
+
+    def _install_guard(self, model: nn.Module | None) -> None:
+        """The gradient guard for ``model`` when its gradients are all-reduced (DDP with several replicas, or
+        FSDP2/HSDP replicas); nothing otherwise."""
+        guard_gradients, process_group, device_mesh = self._guard_setting
+        N = self._hdet.replicas.world_size
+        ddp = isinstance(model, DistributedDataParallel) and N > 1  # gradients all-reduced
+        sharded = device_mesh is not None and N > 1  # FSDP2/HSDP with several replicas
+        if self.gradient_guard is not None or not (ddp or sharded):
+            return
+        guard = resolve_guard(guard_gradients, self._hdet.optimizer, advise=ddp, mesh=sharded)
+        if guard == "skip":
             # FSDP2/HSDP: ranks hold different shards, so they agree on the decision over the whole mesh
             mesh_groups = [device_mesh.get_group(i) for i in range(device_mesh.ndim)] if sharded else []
-            self.skip_guard = SkipNonFiniteStep(optimizer, agree_over=mesh_groups)
+            self.skip_guard = SkipNonFiniteStep(self._hdet.optimizer, agree_over=mesh_groups)
             self._skip_watch = SkipWatch(self.skip_guard)
             self.gradient_guard = "skip"
         elif guard == "hook" and ddp and install_gradient_guard(model, process_group):
             self.gradient_guard = "hook"
-        self._hdet.make_controller = self._make_controller
-        self._hdet.probe = probe
+
+    def attach_model(self, model: nn.Module) -> None:
+        """Give the scheduler its model after construction, for frameworks that wrap the model later (the
+        Hugging Face Trainer, Lightning): its floating-point buffers are averaged from now on (when no model
+        was given) and, once it is the DDP-wrapped module, the gradient guard is installed. Call it on every
+        replica, before the first step (integrations do)."""
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"Expected a torch.nn.Module, but got {type(model).__name__}")
+        if self._hdet.model is None:
+            self._hdet.model = model
+        self._install_guard(model)
+
+    def _count_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._opt_steps += 1
+
+    def _check_optimizer_stepped(self) -> None:
+        if self._opt_steps == self._opt_steps_seen and not self._warned_double_step:
+            self._warned_double_step = True
+            warnings.warn(
+                "hdet: scheduler.step() was called with no optimizer.step() since the previous call. HDET counts "
+                "optimizer steps: its converge steps and schedule now run ahead of training. Causes: a scheduler "
+                "passed to accelerator.prepare() (stepped num_processes times per optimizer step: do not prepare "
+                "it), or a step skipped by GradScaler (then skip scheduler.step() too)", stacklevel=3)
+        self._opt_steps_seen = self._opt_steps
 
     # -- the schedule underneath ------------------------------------------------------------
     def _scheduled_bases(self) -> list[float]:
@@ -197,6 +238,7 @@ class _EnsembleScheduler(LRScheduler):
                     f"Expected at most total_steps={self.total_steps} calls of scheduler.step() after "
                     f"optimizer steps, but this is call {t}; raise total_steps or stop stepping"
                 )
+            self._check_optimizer_stepped()
             self._before_step(t)
             self._hdet.accumulate()  # the fit controller's window mean (no-op otherwise)
             stalled = self._skip_watch is not None and self._skip_watch.poll(t)  # every 10 steps: a lagged read

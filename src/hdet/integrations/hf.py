@@ -6,8 +6,12 @@ schedule the Trainer would have built (``lr_scheduler_type``, warmup, ...).
     trainer.train()                      # under torchrun: one replica per process
 
 Why a subclass: the Trainer's logged loss is already averaged over ranks and logging steps, and its
-callbacks see no loss at all, so this rank's own training loss is captured in ``compute_loss`` (every
-micro-batch of a gradient-accumulation step counts toward the window mean). The Trainer steps the
+callbacks see no loss at all, so this rank's own training loss is captured from ``training_step``: the
+micro-batches' losses as the Trainer returns them (each already divided for the accumulation window, or
+normalised by the window's token count) are summed over the window and observed once per optimizer step,
+right after it (``on_optimizer_step``), so HDET sees the loss the Trainer logs, whatever the accumulation.
+The logged learning rate is the base schedule's (the mean over replicas), not rank 0's multiplied one; the
+gradient guard is installed on the Trainer's DDP-wrapped model when training starts. The Trainer steps the
 scheduler once per optimizer step (and not after an AMP-skipped step, on every rank alike), which is
 what HDET counts. Its scheduler state goes into the Trainer's checkpoints, so
 ``trainer.train(resume_from_checkpoint=...)`` resumes HDET; the Trainer saves rank 0's optimizer and
@@ -25,7 +29,7 @@ import torch
 from ..schedulers import HDETLR
 
 try:
-    from transformers import Trainer
+    from transformers import Trainer, TrainerCallback
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("hdet.integrations.hf needs transformers: pip install 'hdet[hf]'") from e
 
@@ -42,6 +46,8 @@ class HDETTrainer(Trainer):
         if bad:
             raise ValueError(f"Expected HDETLR options other than {sorted(bad)} in hdet= (the Trainer supplies them)")
         super().__init__(*args, **kwargs)
+        self._hdet_loss: torch.Tensor | None = None  # this optimizer step's micro-batch losses, summed on the device
+        self.add_callback(_HDETHooks(self))
         T = self.hdet_kwargs.get("model_sync_interval", 1000)
         if self.args.save_strategy == "steps" and self.args.save_steps and self.args.save_steps % T:
             warnings.warn(f"hdet: save_steps={self.args.save_steps} is not a multiple of model_sync_interval={T}; "
@@ -61,10 +67,34 @@ class HDETTrainer(Trainer):
             # the Trainer saved rank 0's optimizer and scheduler states and loads them on every rank
             self.lr_scheduler.reapply()
 
-    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any):
-        out = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
-        loss = out[0] if return_outputs else out
+    def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        loss = super().training_step(model, inputs, *args, **kwargs)  # scaled for the window, as the Trainer logs it
+        if isinstance(loss, torch.Tensor):
+            part = loss.detach().float().mean()
+            self._hdet_loss = part if self._hdet_loss is None else self._hdet_loss + part  # on the device
+        return loss
+
+    def _get_learning_rate(self) -> float:
         sched = self.lr_scheduler
-        if model.training and isinstance(sched, HDETLR) and isinstance(loss, torch.Tensor):
-            sched.ensemble.observe(loss.detach().float().mean())  # this rank's own loss, on its device
-        return out
+        if isinstance(sched, HDETLR):
+            return sched.base_lrs_now[0]  # the base schedule (mean over replicas), not this rank's multiplied LR
+        return super()._get_learning_rate()
+
+
+class _HDETHooks(TrainerCallback):
+    """Observe the optimizer step's loss right after the step and before the Trainer steps the scheduler;
+    install the gradient guard once the Trainer has wrapped the model."""
+
+    def __init__(self, trainer: HDETTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        t = self.trainer
+        if isinstance(t.lr_scheduler, HDETLR):
+            t.lr_scheduler.attach_model(t.model_wrapped)  # DDP under torchrun: the guard goes on it
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        t = self.trainer
+        loss, t._hdet_loss = t._hdet_loss, None
+        if loss is not None and isinstance(t.lr_scheduler, HDETLR) and not t.accelerator.optimizer_step_was_skipped:
+            t.lr_scheduler.ensemble.observe(loss)  # this rank's own loss of the step, on its device

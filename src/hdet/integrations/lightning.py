@@ -10,8 +10,11 @@ each rank's learning rate after a checkpoint is restored.
     trainer = L.Trainer(strategy="ddp", callbacks=[HDETCallback()], ...)
 
 Lightning steps a step-interval scheduler once per optimizer step, without arguments; the callback
-observes ``outputs["loss"]`` of every training batch on this rank (unreduced), so under gradient
-accumulation every micro-batch counts toward the window mean. Lightning saves rank 0's checkpoint only;
+observes this rank's loss of every training batch before its backward pass (``on_before_backward``, so
+before Lightning steps the scheduler), times ``accumulate_grad_batches`` (Lightning divides it for the
+accumulation window), so every micro-batch counts toward the window mean with its true value. When
+training starts, the callback gives every HDET scheduler the strategy's (DDP-wrapped) model if it has
+none (BatchNorm statistics are then averaged) and installs the gradient guard on it. Lightning saves rank 0's checkpoint only;
 after a resume each rank re-applies its own LR (as with the Hugging Face Trainer). Install with
 ``pip install 'hdet[lightning]'``.
 """
@@ -42,11 +45,10 @@ class HDETCallback(Callback):
     def __init__(self) -> None:
         self._restored = False
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if isinstance(loss, torch.Tensor):
-            for sched in _hdet_schedulers(trainer):
-                sched.ensemble.observe(loss.detach().float())  # this rank's own loss, on its device
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1  # undo Lightning's division
+        for sched in _hdet_schedulers(trainer):
+            sched.ensemble.observe(loss.detach().float() * scale)  # this rank's own loss, on its device
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         self._restored = True
@@ -59,6 +61,8 @@ class HDETCallback(Callback):
                     f"{cfg.interval!r}, frequency {cfg.frequency}: HDET counts optimizer steps (its converge steps "
                     "and schedule would run once per epoch). Return {'optimizer': opt, 'lr_scheduler': "
                     "{'scheduler': sched, 'interval': 'step'}} from configure_optimizers")
+        for sched in _hdet_schedulers(trainer):
+            sched.attach_model(trainer.strategy.model)  # buffers averaged if no model= was given; the guard on DDP
         if self._restored:  # rank 0's optimizer and scheduler states were loaded on every rank
             for sched in _hdet_schedulers(trainer):
                 sched.reapply()
