@@ -28,7 +28,7 @@ class Tokens(torch.utils.data.Dataset):
 
 class Record(TrainerCallback):
     def __init__(self, stop_at=None):
-        self.lrs, self.stop_at, self.logs, self.windows = [], stop_at, [], []
+        self.lrs, self.stop_at, self.logs, self.windows, self.hdet_logged = [], stop_at, [], [], 0
 
     def on_train_begin(self, args, state, control, lr_scheduler=None, **kw):  # hdet's window losses at each sync
         lr_scheduler.ensemble.on_sync.append(lambda r: self.windows.append((r.step, r.losses)))
@@ -36,6 +36,7 @@ class Record(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs:
             self.logs.append((state.global_step, logs["loss"], logs.get("learning_rate")))
+            self.hdet_logged += "hdet/base/lr/0" in logs and "hdet/window_loss/replica1" in logs
 
     def on_step_end(self, args, state, control, optimizer=None, **kw):
         self.lrs.append(optimizer.param_groups[0]["lr"])
@@ -77,7 +78,7 @@ def main():
     torch.save({"params": [q.detach().clone() for q in model.parameters()], "lrs": rec.lrs,
                 "bases": s.base_lrs_now, "updates": s.ensemble.controllers[0].updates if s.ensemble.controllers[0]
                 else 0, "perms": s.ensemble.perms, "step": s.last_epoch, "world": s.world_size, "logs": rec.logs,
-                "windows": rec.windows, "guard": s.gradient_guard,
+                "windows": rec.windows, "guard": s.gradient_guard, "hdet_logged": rec.hdet_logged,
                 "finite": all(bool(torch.isfinite(q).all()) for q in model.parameters())},
                os.path.join(a.out, f"result_rank{rank}.pt"))
     if torch.distributed.is_initialized():

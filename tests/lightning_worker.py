@@ -68,7 +68,7 @@ class Report(L.Callback):
         torch.save({"params": gathered[0], "lrs": pl_module.lrs, "updates": sched.ensemble.controllers[0].updates,
                     "step": sched.last_epoch, "bases": sched.base_lrs_now, "buffers": bufs,
                     "guard": sched.gradient_guard, "raw_losses": pl_module.raw_losses, "windows": pl_module.windows,
-                    "rank": sched.rank},
+                    "rank": sched.rank, "logged": sorted(k for k in trainer.callback_metrics if k.startswith("hdet/"))},
                    os.path.join(self.out, f"result_rank{trainer.global_rank}.pt"))
 
 

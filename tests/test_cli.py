@@ -112,6 +112,12 @@ def test_train_fashion_from_data_dir(tmp_path, fashion_dir):
     (["train", "--explore", "momentum"], "Expected --explore items from lr-groups, weight-decay"),
     (["plot", "/nonexistent/run"], "Expected a run folder, but /nonexistent/run does not exist"),
     (["compare", "--lr-low", "0.01", "--lr-high", "0.001"], "0 < --lr-low < --lr-high"),
+    (["train", "--eval-every", "0"], "--eval-every to be a positive integer, but got 0"),
+    (["train", "--eval-every", "-1"], "--eval-every to be a positive integer, but got -1"),
+    (["train", "--weight-decay", "-1"], "--weight-decay >= 0, but got -1.0"),
+    (["train", "--ctx", "100000"], "--ctx at most 4096"),
+    (["train", "--init-from", __file__], "could not be read as one (UnpicklingError)"),
+    (["plot", __file__], f"Expected a run folder, but {__file__} is a file"),
 ])
 def test_bad_input_gives_one_line(args, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
@@ -119,6 +125,38 @@ def test_bad_input_gives_one_line(args, message, capsys, tmp_path):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("hdet: error:") and message in err, err
+
+
+def test_init_from_another_models_weights_names_the_keys(tmp_path, capsys):
+    ck = tmp_path / "other.pt"
+    torch.save({"weight": torch.zeros(2)}, ck)
+    assert main(["train", *TINY, "--init-from", str(ck), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "but they differ: Missing key(s)" in err and 'Unexpected key(s) in state_dict: "weight"' in err
+
+
+def test_plot_several_runs_into_one_folder_overlays_them(tmp_path, capsys):
+    """`hdet plot A B --out D`: one loss.png with both runs, each run's LR plot under its own name."""
+    for name, extra in (("a", []), ("b", ["--explore", "weight-decay"])):
+        assert main(["train", *TINY, "--replicas", "2", "--out", str(tmp_path / name), *extra]) == 0
+    capsys.readouterr()
+    assert main(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "d")]) == 0
+    written = sorted(p.name for p in (tmp_path / "d").iterdir())
+    assert written == ["hparams-b.png", "loss.png", "lr-a.png", "lr-b.png"]
+    assert main(["plot", str(tmp_path / "a"), "--out", "/proc/hdet-cannot-write-here"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("hdet: error:")
+
+
+def test_a_run_into_a_used_folder_leaves_no_stale_files(tmp_path):
+    out = tmp_path / "latest"
+    assert main(["train", *TINY, "--replicas", "2", "--explore", "weight-decay", "--tensorboard", "--out", str(out)]) == 0
+    assert (out / "hparams.png").is_file() and (out / "tb").is_dir()
+    (out / "mine.txt").write_text("not hdet's")
+    assert main(["train", *TINY, "--replicas", "2", "--out", str(out)]) == 0
+    assert not (out / "hparams.png").exists() and not (out / "tb").exists() and (out / "mine.txt").is_file()
+    metrics = _jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics][:4] == [1, 2, 3, 4]  # a short run logs every step: its warm-up shows
 
 
 def test_unwritable_output_folder_real_entry_point(tmp_path):

@@ -51,10 +51,12 @@ def _check_losses_and_logged_lr(res):
     r0, r1 = res
     logged = {step: (loss, lr) for step, loss, lr in r0["logs"]}
     assert [s for s, _ in r0["windows"]] == [5, 10, 15, 20] == sorted(logged)
-    for (step, l0), (_, l1) in zip(r0["windows"], r1["windows"]):
-        assert (l0[0] + l1[0]) / 2 == pytest.approx(logged[step][0], rel=1e-5)
+    assert r0["windows"] == r1["windows"]  # every replica's window loss, the same record on both ranks
+    for step, losses in r0["windows"]:
+        assert sum(losses) / 2 == pytest.approx(logged[step][0], rel=1e-5)
     assert r0["logs"] == r1["logs"]
     assert [lr for _, _, lr in r0["logs"]] != [r0["lrs"][s - 1] for s in sorted(logged)]  # not the multiplied LR
+    assert r0["hdet_logged"] == 4  # each sync's scalars joined the Trainer's logs (hence report_to)
 
 
 def test_hf_trainer_window_loss_is_the_logged_loss_with_accumulation_2(full_run):
@@ -165,6 +167,7 @@ def test_lightning_docs_setup_averages_batchnorm_and_guards(tmp_path):
     pytest.importorskip("lightning")
     r0, _ = _lightning(tmp_path / "bn", "--bn")
     assert torch.equal(r0["buffers"][0], r0["buffers"][1]) and r0["guard"] == "hook" and r0["step"] == 16
+    assert "hdet/base/lr/0" in r0["logged"] and "hdet/window_loss/replica1" in r0["logged"]  # to the logger
 
 
 def test_lightning_ddp_spawn_and_resume(tmp_path):

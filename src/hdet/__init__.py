@@ -9,7 +9,7 @@ from .init import warm_init_
 from .replicas import ProcessGroupReplicas, Replicas, SingleReplica
 from .replay import ReplayLR
 from .schedulers import HDETLR, OneCycleAutoLR
-from .telemetry import SyncLogger
+from .telemetry import SyncLogger, sync_scalars
 from .spread import Dealer, linear_multipliers
 
 __version__ = "0.1.0"
@@ -45,5 +45,6 @@ __all__ = [
     "group_params",
     "ReplayLR",
     "SyncLogger",
+    "sync_scalars",
     "contiguous_parameters_",
 ]

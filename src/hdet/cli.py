@@ -101,11 +101,14 @@ def _cmd_train(a: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _cmd_plot(a: argparse.Namespace, argv: list[str]) -> int:
-    from .plot import plot_dir
+    from .plot import plot_dir, plot_runs
 
-    for d in a.run_dirs:
-        for p in plot_dir(d, a.out):
-            print(p)
+    if a.out is not None and len(a.run_dirs) > 1:  # one folder: the runs overlaid, nothing overwritten
+        paths = plot_runs(a.run_dirs, a.out)
+    else:
+        paths = [p for d in a.run_dirs for p in plot_dir(d, a.out)]
+    for p in paths:
+        print(p)
     return 0
 
 
@@ -162,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     _train_args(t, steps=RunConfig().steps, out="runs/latest")
     pl = sub.add_parser("plot", help="loss.png and lr.png for run folders", **fmt)
     pl.add_argument("run_dirs", nargs="+", help="run folders written by hdet train")
-    pl.add_argument("--out", default=None, help="write the PNGs here (default: into each run folder)")
+    pl.add_argument("--out", default=None, help="write the PNGs here, several runs overlaid in one loss.png "
+                    "(default: into each run folder)")
     c = sub.add_parser("compare", help="the paper's six ablation configurations (Table 1)", **fmt)
     _train_args(c, steps=200, out="runs/compare")
     c.add_argument("--lr-low", type=float, default=1e-3, help="Baseline-Low's max LR")
@@ -178,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return {"train": _cmd_train, "plot": _cmd_plot, "compare": _cmd_compare}[a.cmd](a, argv)
-    except (RunError, TaskError, FileNotFoundError, ValueError) as e:
-        print(f"hdet: error: {e}", file=sys.stderr)
+    except (RunError, TaskError, ValueError, OSError) as e:  # OSError: missing files, permissions, a full disk
+        msg = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror and e.filename else str(e)
+        print(f"hdet: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("hdet: interrupted", file=sys.stderr)

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_run", "plot_losses", "plot_lrs", "plot_hparams", "plot_dir"]
+__all__ = ["load_run", "plot_losses", "plot_lrs", "plot_hparams", "plot_dir", "plot_runs"]
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -114,7 +114,7 @@ def plot_hparams(run: dict[str, Any], path: str | Path) -> Path | None:
     if not slots:
         return None
     plt = _pyplot()
-    fig, axes = plt.subplots(2, len(slots), figsize=(4.2 * len(slots), 6), squeeze=False, sharex=True)
+    fig, axes = plt.subplots(2, len(slots), figsize=(max(7.0, 4.2 * len(slots)), 6), squeeze=False, sharex=True)
     steps = [x["step"] for x in syncs]
     for col, j in enumerate(slots):
         ax, ax_d = axes[0][col], axes[1][col]
@@ -129,20 +129,47 @@ def plot_hparams(run: dict[str, Any], path: str | Path) -> Path | None:
         if ctrl:
             ax_d.axhline(0, color="gray", lw=0.8)
             ax_d.plot(*zip(*ctrl), "o-", ms=3)
+        else:
+            ax_d.text(0.5, 0.5, "no controller ran\n(enable auto-LR to steer it)", ha="center", va="center",
+                      transform=ax_d.transAxes, color="gray")
         ax_d.set(xlabel="step", ylabel="fitted optimum x* (offset)" if fit else "Delta = h~ - h_bar")
         for a in (ax, ax_d):
             a.grid(alpha=0.3)
         if col == 0:
             ax.legend(fontsize=7)
-    fig.suptitle(f"explored hyperparameters: {run['label']} (Delta of log-spread values in log units)")
+    fig.suptitle(f"explored hyperparameters: {run['label']}\n(Delta of log-spread values in log units)", fontsize=10)
     return _save(fig, path, 110)
+
+
+def _run_folder(run_dir: str | Path) -> Path:
+    d = Path(run_dir)
+    if not d.exists():
+        raise FileNotFoundError(f"Expected a run folder, but {d} does not exist")
+    if not d.is_dir():
+        raise FileNotFoundError(f"Expected a run folder, but {d} is a file")
+    return d
+
+
+def plot_runs(run_dirs: list[str | Path], out: str | Path) -> list[Path]:
+    """Several runs into one folder: their losses overlaid in ``loss.png``, and each run's own ``lr-<name>.png``
+    (and ``hparams-<name>.png``), so no run's plots overwrite another's."""
+    runs = [load_run(_run_folder(d)) for d in run_dirs]
+    names = [r["dir"].name for r in runs]
+    if len(set(names)) < len(names):  # folders of the same name from different places
+        names = [f"{k}-{n}" for k, n in enumerate(names)]
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [plot_losses(runs, out_dir / "loss.png")]
+    for run, name in zip(runs, names):
+        paths.append(plot_lrs(run, out_dir / f"lr-{name}.png"))
+        hp = plot_hparams(run, out_dir / f"hparams-{name}.png")
+        paths += [hp] if hp else []
+    return paths
 
 
 def plot_dir(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     """Plots for a run folder, or for a comparison folder (one with ``compare.json``)."""
-    d = Path(run_dir)
-    if not d.is_dir():
-        raise FileNotFoundError(f"Expected a run folder, but {d} does not exist")
+    d = _run_folder(run_dir)
     out_dir = Path(out) if out is not None else d
     out_dir.mkdir(parents=True, exist_ok=True)
     if (d / "compare.json").exists():

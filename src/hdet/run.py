@@ -16,6 +16,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ class RunConfig:
     mode: str = "auto"  # engine: auto | vmap | loop
     seed: int = 0
     out: str = "runs/latest"
-    log_every: int = 10
+    log_every: int | None = None  # steps between records; None: steps // 100, between 1 and 10 (a short run's warm-up shows)
     eval_every: int | None = None  # steps; rounded up to a sync step; None: every sync
     eval_batches: int = 8
     tensorboard: bool = False
@@ -99,8 +100,17 @@ def resolve_device(name: str) -> torch.device:
 def _check(cfg: RunConfig) -> None:
     for name in ("steps", "batch", "ctx", "width", "layers", "T", "log_every", "eval_batches", "probe_batches"):
         v = getattr(cfg, name)
+        if name == "log_every" and v is None:
+            continue
         if not isinstance(v, int) or v < 1:
             raise RunError(f"Expected --{name.replace('_', '-')} to be a positive integer, but got {v!r}")
+    if cfg.eval_every is not None and (not isinstance(cfg.eval_every, int) or cfg.eval_every < 1):
+        raise RunError(f"Expected --eval-every to be a positive integer, but got {cfg.eval_every!r}")
+    if not (cfg.weight_decay >= 0 and math.isfinite(cfg.weight_decay)):
+        raise RunError(f"Expected --weight-decay >= 0, but got {cfg.weight_decay}")
+    if cfg.ctx > MAX_CTX:
+        raise RunError(f"Expected --ctx at most {MAX_CTX} (the embedded tasks' models are small; attention memory "
+                       f"grows with ctx squared), but got {cfg.ctx}")
     if cfg.replicas is not None and cfg.replicas < 1:
         raise RunError(f"Expected --replicas to be at least 1, but got {cfg.replicas}")
     if not 0 <= cfg.alpha < 1:
@@ -122,9 +132,23 @@ def _check(cfg: RunConfig) -> None:
         raise RunError(f"Expected --init-from to name a model.pt file, but {cfg.init_from} does not exist")
 
 
-def _prepare_out(out: Path) -> None:
+MAX_CTX = 4096
+OUTPUTS = ("config.json", "metrics.jsonl", "syncs.jsonl", "summary.json", "schedule.json", "model.pt", "loss.png",
+           "lr.png", "hparams.png", "tb")  # what a run writes: an earlier run's copies go first
+
+
+def _prepare_out(out: Path, keep: str | None = None) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
+        earlier_run = (out / "config.json").is_file() and (out / "metrics.jsonl").is_file()
+        for name in OUTPUTS if earlier_run else ():  # no stale file from an earlier run here (runs/latest)
+            old = out / name
+            if keep is not None and old.exists() and old.resolve() == Path(keep).resolve():
+                continue  # --init-from may point into the folder it writes to
+            if old.is_dir():
+                shutil.rmtree(old)
+            elif old.exists():
+                old.unlink()
         probe = out / ".write-test"
         probe.write_text("")
         probe.unlink()
@@ -429,7 +453,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
         raise RunError(f"Expected --warmup in [0, --steps) with --auto-lr, but got {warmup} (steps {cfg.steps})")
     out = Path(cfg.out)
     if rank == 0:
-        _prepare_out(out)
+        _prepare_out(out, keep=cfg.init_from)
     task = make_task(cfg.task, data=cfg.data, ctx=cfg.ctx, width=cfg.width, layers=cfg.layers,
                      dropout=cfg.dropout, data_bytes=cfg.data_bytes)
 
@@ -437,10 +461,18 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
     model = task.make_model()
     if cfg.init_from is not None:
         try:
-            model.load_state_dict(torch.load(cfg.init_from, map_location="cpu", weights_only=True))
-        except (RuntimeError, KeyError, OSError) as e:
-            raise RunError(f"Expected --init-from to hold this task's model weights, but loading failed: "
-                           f"{str(e).splitlines()[0]}") from None
+            state = torch.load(cfg.init_from, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unreadable file: one line, what it is
+            raise RunError(f"Expected --init-from to be a model.pt written by hdet train (torch.save of a state "
+                           f"dict), but {cfg.init_from} could not be read as one ({type(e).__name__})") from None
+        if not isinstance(state, dict):
+            raise RunError(f"Expected --init-from to hold a state dict, but it holds a {type(state).__name__}")
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:
+            detail = " ".join(line.strip() for line in str(e).splitlines()[1:])[:600]
+            raise RunError(f"Expected --init-from to hold this task's model weights (same --task, --width, "
+                           f"--layers, --ctx), but they differ: {detail}") from None
     model.to(device)
     reps = (_DDPReplicas(task, model, cfg, warmup, device) if distributed
             else _EngineReplicas(task, model, N, cfg, warmup, device))
@@ -448,6 +480,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
     sched0 = reps.schedulers[0].record_schedule()  # the discovered schedule, for hdet.ReplayLR
     groups = [g.get("name", str(j)) for j, g in enumerate(sched0.optimizer.param_groups)]
     eval_every = cfg.eval_every or cfg.T
+    log_every = cfg.log_every or min(10, max(1, cfg.steps // 100))
 
     writer = metrics_f = syncs_f = None
     if rank == 0:
@@ -488,7 +521,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
             sync = sched0.is_sync_step(t)
             loss_sum = loss_sum + losses.detach().float().sum()  # on the device: no host sync
             n_logged += 1
-            if t % cfg.log_every == 0 or sync or t == cfg.steps:
+            if t % log_every == 0 or sync or t == cfg.steps:
                 loss = reps.mean_loss(loss_sum, n_logged)  # mean over replicas and steps since the last record
                 loss_sum, n_logged = torch.zeros((), device=device), 0
                 train_losses.append((t, loss))

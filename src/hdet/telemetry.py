@@ -13,7 +13,7 @@ from typing import Any
 
 from .ensemble import SyncRecord
 
-__all__ = ["SyncLogger", "sync_record_dict"]
+__all__ = ["SyncLogger", "sync_record_dict", "sync_scalars"]
 
 
 def sync_record_dict(rec: SyncRecord) -> dict[str, Any]:
@@ -32,6 +32,25 @@ def sync_record_dict(rec: SyncRecord) -> dict[str, Any]:
             {"kind": "paper", "weights": c.weights, "h_tilde": c.h_tilde, "h_bar": c.h_bar, "delta": c.delta,
              "velocity": c.velocity, "base": c.new_base, "clamped": c.clamped}
             for c in rec.controller]
+    return out
+
+
+def sync_scalars(rec: SyncRecord) -> dict[str, float]:
+    """One sync as flat scalars, for the trackers frameworks log to (TensorBoard, W&B, MLflow through the
+    Hugging Face Trainer's ``report_to``, Lightning's logger, ``accelerator.log``): per replica its window
+    loss, per slot the base, the spread's lowest and highest value, and the controller's Delta (the fit
+    controller: its log step); how many replicas were reset and how many losses were non-finite."""
+    out: dict[str, float] = {}
+    for r, loss in enumerate(rec.losses or []):
+        out[f"hdet/window_loss/replica{r}"] = loss
+    for j, name in enumerate(rec.names or []):
+        out[f"hdet/base/{name}"] = rec.bases[j]
+        if rec.values is not None:
+            out[f"hdet/min/{name}"], out[f"hdet/max/{name}"] = min(rec.values[j]), max(rec.values[j])
+        if rec.controller is not None:
+            out[f"hdet/delta/{name}"] = rec.controller[j].delta
+    out["hdet/recovered"] = float(len(rec.recovered))
+    out["hdet/nonfinite_losses"] = float(sum(rec.nonfinite_losses))
     return out
 
 
@@ -63,12 +82,8 @@ class SyncLogger:
             self._file.write(json.dumps(d) + "\n")
             self._file.flush()
         if self._tb is not None:
-            for r, loss in enumerate(rec.losses or []):
-                self._tb.add_scalar(f"hdet/window_loss/replica{r}", loss, rec.step)
-            for name, base in zip(rec.names or [], rec.bases):
-                self._tb.add_scalar(f"hdet/base/{name}", base, rec.step)
-            for name, c in zip(rec.names or [], rec.controller or []):
-                self._tb.add_scalar(f"hdet/delta/{name}", c.delta, rec.step)
+            for key, value in sync_scalars(rec).items():
+                self._tb.add_scalar(key, value, rec.step)
         if self.callback is not None:
             self.callback(d)
 

@@ -10,8 +10,10 @@ callbacks see no loss at all, so this rank's own training loss is captured from 
 micro-batches' losses as the Trainer returns them (each already divided for the accumulation window, or
 normalised by the window's token count) are summed over the window and observed once per optimizer step,
 right after it (``on_optimizer_step``), so HDET sees the loss the Trainer logs, whatever the accumulation.
-The logged learning rate is the base schedule's (the mean over replicas), not rank 0's multiplied one; the
-gradient guard is installed on the Trainer's DDP-wrapped model when training starts. The Trainer steps the
+The logged learning rate is the base schedule's (the mean over replicas), not rank 0's multiplied one, and
+each new sync's scalars (:func:`hdet.sync_scalars`: window losses, bases, spread, Delta) join the Trainer's
+logs, so they reach every ``report_to`` tracker; the gradient guard is installed on the Trainer's
+DDP-wrapped model when training starts. The Trainer steps the
 scheduler once per optimizer step (and not after an AMP-skipped step, on every rank alike), which is
 what HDET counts. Its scheduler state goes into the Trainer's checkpoints, so
 ``trainer.train(resume_from_checkpoint=...)`` resumes HDET; the Trainer saves rank 0's optimizer and
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from ..schedulers import HDETLR
+from ..telemetry import sync_scalars
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -73,6 +76,15 @@ class HDETTrainer(Trainer):
             part = loss.detach().float().mean()
             self._hdet_loss = part if self._hdet_loss is None else self._hdet_loss + part  # on the device
         return loss
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's logs (to every ``report_to`` tracker), plus hdet's scalars of each new sync."""
+        sched = self.lr_scheduler
+        rec = sched.last_sync if isinstance(sched, HDETLR) else None
+        if rec is not None and rec.step != getattr(self, "_hdet_logged", None) and "loss" in logs:
+            self._hdet_logged = rec.step
+            logs = {**logs, **sync_scalars(rec)}
+        super().log(logs, *args, **kwargs)
 
     def _get_learning_rate(self) -> float:
         sched = self.lr_scheduler

@@ -14,7 +14,8 @@ observes this rank's loss of every training batch before its backward pass (``on
 before Lightning steps the scheduler), times ``accumulate_grad_batches`` (Lightning divides it for the
 accumulation window), so every micro-batch counts toward the window mean with its true value. When
 training starts, the callback gives every HDET scheduler the strategy's (DDP-wrapped) model if it has
-none (BatchNorm statistics are then averaged) and installs the gradient guard on it. Lightning saves rank 0's checkpoint only;
+none (BatchNorm statistics are then averaged) and installs the gradient guard on it. Each sync's
+scalars (window losses, bases, spread, Delta) go to the module's logger. Lightning saves rank 0's checkpoint only;
 after a resume each rank re-applies its own LR (as with the Hugging Face Trainer). Install with
 ``pip install 'hdet[lightning]'``.
 """
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from ..schedulers import _EnsembleScheduler
+from ..telemetry import sync_scalars
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -44,11 +46,23 @@ class HDETCallback(Callback):
 
     def __init__(self) -> None:
         self._restored = False
+        self._logged: dict[int, int] = {}  # scheduler index -> the sync step last logged
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1  # undo Lightning's division
         for sched in _hdet_schedulers(trainer):
             sched.ensemble.observe(loss.detach().float() * scale)  # this rank's own loss, on its device
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Each new sync's scalars (:func:`hdet.sync_scalars`) to the module's logger. (Lightning's
+        ``LearningRateMonitor`` reads the optimizer, i.e. this rank's multiplied LR: the base is
+        ``hdet/base/lr/...`` here.)"""
+        for k, sched in enumerate(_hdet_schedulers(trainer)):
+            rec = sched.last_sync
+            if rec is not None and rec.step != self._logged.get(k):
+                self._logged[k] = rec.step
+                pl_module.log_dict({f"{key}" if k == 0 else f"{key}/{k}": v for key, v in sync_scalars(rec).items()},
+                                   on_step=True, on_epoch=False)
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         self._restored = True
