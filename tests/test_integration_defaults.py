@@ -77,3 +77,9 @@ def test_cli_messages_name_the_commands(capsys):
         main(["train", "--help"])
     out = capsys.readouterr().out
     assert "(default: 400)" in out and "(default: 0.2)" in out
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--max-lr", "--auto-lr", "--warm-init", "--init-from", "--optimizer"):  # compare sets these itself
+        assert flag not in out
+    assert "--lr-high" in out and "--alpha" in out

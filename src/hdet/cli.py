@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from .run import RunConfig, RunError
 
@@ -22,8 +22,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"hdet: error: {message} (see {self.prog} --help)\n")
 
 
-def _train_args(p: argparse.ArgumentParser, steps: int, out: str) -> None:
+COMPARE_SETS = ("max_lr", "auto_lr", "warm_init", "init_from", "optimizer")  # compare sets these per configuration
+
+
+def _train_args(p: argparse.ArgumentParser, steps: int, out: str, compare: bool = False) -> None:
+    """The run's options; ``compare``: without those that ``hdet compare`` sets per configuration itself."""
     d = RunConfig()
+    add = p.add_argument
+
+    def only_train(*args: Any, **kw: Any) -> None:
+        if not compare:
+            add(*args, **kw)
+
     p.add_argument("--task", default=d.task, help="bytes (stdlib byte-level GPT) or fashion (Fashion-MNIST CNN)")
     p.add_argument("--data", default=None, help="Fashion-MNIST folder (default /usr/share/datasets/fashion-mnist)")
     p.add_argument("--replicas", type=int, default=None, help="N in one process (default 4); under torchrun: "
@@ -32,7 +42,7 @@ def _train_args(p: argparse.ArgumentParser, steps: int, out: str) -> None:
     p.add_argument("--batch", type=int, default=d.batch, help="examples per replica per step")
     p.add_argument("--alpha", type=float, default=d.alpha, help="LR spread ratio (Eq. 1); 0 = plain data parallel")
     p.add_argument("--T", type=int, default=d.T, help="sync interval: average weights every T steps")
-    p.add_argument("--auto-lr", action=argparse.BooleanOptionalAction, default=False, help="run the auto-LR controller")
+    only_train("--auto-lr", action=argparse.BooleanOptionalAction, default=False, help="run the auto-LR controller")
     p.add_argument("--controller", default=d.controller, help="auto-LR controller: fit (hdet's, the default: "
                    "probe loss at each replica's mean iterate, multiplicative correction of the schedule) or paper "
                    "(Eqs. 4-8)")
@@ -44,12 +54,12 @@ def _train_args(p: argparse.ArgumentParser, steps: int, out: str) -> None:
                    "step (DDP); --no-grad-sync is the local mode: replicas meet only at converge steps, every T steps")
     p.add_argument("--warmup", type=int, default=None, help="auto-LR warmup steps (default: the end of OneCycle's warm-up, "
                    "30%% of the run, for the fit controller; half the run for the paper's)")
-    p.add_argument("--max-lr", type=float, default=d.max_lr, help="OneCycle's peak learning rate")
+    only_train("--max-lr", type=float, default=d.max_lr, help="OneCycle's peak learning rate")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW's decoupled weight decay "
                    "(none on norms and biases)")
     p.add_argument("--dropout", type=float, default=d.dropout, help="dropout probability of the model")
-    p.add_argument("--warm-init", action=argparse.BooleanOptionalAction, default=False, help="Eq. 10 noise")
-    p.add_argument("--init-from", default=None, help="start from this model.pt")
+    only_train("--warm-init", action=argparse.BooleanOptionalAction, default=False, help="Eq. 10 noise")
+    only_train("--init-from", default=None, help="start from this model.pt")
     p.add_argument("--ctx", type=int, default=d.ctx, help="bytes task: context length")
     p.add_argument("--width", type=int, default=d.width, help="model width")
     p.add_argument("--layers", type=int, default=d.layers, help="bytes task: transformer layers")
@@ -63,12 +73,16 @@ def _train_args(p: argparse.ArgumentParser, steps: int, out: str) -> None:
     p.add_argument("--explore", default="", help="also explore, comma-separated: lr-groups (per-group LRs, always on "
                    "when alpha > 0), weight-decay (per group, x2../2), dropout (+-0.05), grad-clip (norm x2../2)")
     p.add_argument("--clip", type=float, default=1.0, help="base gradient-clipping norm for --explore grad-clip")
-    p.add_argument("--optimizer", default=d.optimizer, help="adamw, or a learning-rate-free peer to compare with "
+    only_train("--optimizer", default=d.optimizer, help="adamw, or a learning-rate-free peer to compare with "
                    "(pip install 'hdet[bench]'): dadapt-adam, prodigy (at --max-lr 1, OneCycle shape), "
                    "schedulefree-adamw (constant LR after its own warm-up); peers need --alpha 0")
 
 
 def _config(a: argparse.Namespace) -> RunConfig:
+    d = RunConfig()
+    for name in COMPARE_SETS:  # absent from compare's parser
+        if not hasattr(a, name):
+            setattr(a, name, getattr(d, name))
     return RunConfig(task=a.task, data=a.data, replicas=a.replicas, steps=a.steps, batch=a.batch, alpha=a.alpha,
                      T=a.T, auto_lr=a.auto_lr, warmup=a.warmup, controller=a.controller,
                      probe_batches=a.probe_batches, tie_lr_groups=a.tie_lr_groups, local=not a.grad_sync, max_lr=a.max_lr, weight_decay=a.weight_decay,
@@ -168,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", default=None, help="write the PNGs here, several runs overlaid in one loss.png "
                     "(default: into each run folder)")
     c = sub.add_parser("compare", help="the paper's six ablation configurations (Table 1)", **fmt)
-    _train_args(c, steps=200, out="runs/compare")
+    _train_args(c, steps=200, out="runs/compare", compare=True)
     c.add_argument("--lr-low", type=float, default=1e-3, help="Baseline-Low's max LR")
     c.add_argument("--lr-high", type=float, default=9e-3, help="everyone else's max LR (the paper: 9x low)")
     c.add_argument("--pretrain-steps", type=int, default=100, help="pre-training for the warm-init checkpoint")
