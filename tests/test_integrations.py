@@ -10,7 +10,8 @@ import torch
 
 pytestmark = pytest.mark.distributed
 transformers = pytest.importorskip("transformers")
-WORKER = str(Path(__file__).with_name("hf_worker.py"))
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"  # the docs' runnable examples, run as users run them
+WORKER = str(EXAMPLES / "hf_trainer.py")
 
 
 def _torchrun(out: Path, *args: str) -> None:
@@ -103,7 +104,7 @@ def test_accelerate_two_gloo_processes(tmp_path):
     out = tmp_path / "acc"
     out.mkdir()
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(Path(__file__).with_name("accelerate_worker.py")), "--out", str(out)],
+                        str(EXAMPLES / "accelerate_ddp.py"), "--out", str(out)],
                        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     r0, r1 = (torch.load(out / f"result_rank{r}.pt", weights_only=True) for r in range(2))
@@ -115,7 +116,7 @@ def test_accelerate_two_gloo_processes(tmp_path):
 def _accelerate(out: Path, *args: str) -> list:
     out.mkdir(exist_ok=True)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(Path(__file__).with_name("accelerate_worker.py")), "--out", str(out), *args],
+                        str(EXAMPLES / "accelerate_ddp.py"), "--out", str(out), *args],
                        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     return [torch.load(out / f"result_rank{r}.pt", weights_only=True) for r in range(2)]
@@ -140,7 +141,7 @@ def test_accelerate_prepared_hdet_scheduler_is_called_out(tmp_path):
     processes: hdet warns, naming the cause, on every rank."""
     pytest.importorskip("accelerate")
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(Path(__file__).with_name("accelerate_worker.py")), "--out", str(tmp_path), "--prepared"],
+                        str(EXAMPLES / "accelerate_ddp.py"), "--out", str(tmp_path), "--prepared"],
                        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     for r in range(2):
@@ -149,7 +150,7 @@ def test_accelerate_prepared_hdet_scheduler_is_called_out(tmp_path):
         assert len(res["warnings"]) == 1 and "passed to accelerator.prepare()" in res["warnings"][0]
 
 
-LIGHTNING_WORKER = str(Path(__file__).with_name("lightning_worker.py"))
+LIGHTNING_WORKER = str(EXAMPLES / "lightning_ddp.py")
 
 
 def _lightning(out: Path, *args: str) -> list:

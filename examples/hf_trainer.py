@@ -1,4 +1,8 @@
-"""Run under torchrun (tests/test_integrations.py): a tiny GPT-2 from GPT2Config trained by HDETTrainer
+"""HDETTrainer (docs/hf_trainer.md), run by tests/test_integrations.py:
+
+    torchrun --standalone --nproc-per-node 2 examples/hf_trainer.py --out /tmp/hf
+
+A tiny GPT-2 from GPT2Config trained by HDETTrainer
 on 2 gloo processes, gradient accumulation 2; optionally stopped at a step and resumed from the
 checkpoint. Each rank writes its final weights, LRs seen and HDET state."""
 
@@ -9,8 +13,7 @@ import sys
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
-sys.path.insert(0, os.path.dirname(__file__))
-from hdet.integrations.hf import HDETTrainer  # noqa: E402
+from hdet.integrations.hf import HDETTrainer
 
 
 class Tokens(torch.utils.data.Dataset):

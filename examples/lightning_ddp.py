@@ -1,18 +1,19 @@
-"""Run as a plain script (tests/test_integrations.py): Lightning ddp_spawn on CPU, 2 devices, with
+"""HDETCallback with Lightning (docs/lightning.md), run by tests/test_integrations.py:
+
+    python examples/lightning_ddp.py --out /tmp/lt
+
+Lightning ddp_spawn on CPU, 2 devices, with
 HDETCallback; optionally stopped after a checkpoint and resumed from it. Rank 0 writes the results."""
 
 import argparse
 import os
-import sys
 
+import lightning as L
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(__file__))
-import lightning as L  # noqa: E402
-
-import hdet  # noqa: E402
-from hdet.integrations.lightning import HDETCallback  # noqa: E402
+import hdet
+from hdet.integrations.lightning import HDETCallback
 
 STEPS = 16
 

@@ -1,4 +1,8 @@
-"""Run under torchrun (tests/test_integrations.py): HDET with Hugging Face Accelerate on 2 gloo
+"""HDET with Hugging Face Accelerate (docs/accelerate.md), run by tests/test_integrations.py:
+
+    torchrun --standalone --nproc-per-node 2 examples/accelerate_ddp.py --out /tmp/acc
+
+HDET with Hugging Face Accelerate on 2 gloo
 processes, gradient accumulation 2. The HDET scheduler is NOT passed to accelerator.prepare (a prepared
 scheduler is stepped num_processes times per optimizer step); it is stepped once per real optimizer step,
 and each micro-batch's loss is observed."""
@@ -11,9 +15,14 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(__file__))
-import hdet  # noqa: E402
-from dist_workers import batch  # noqa: E402
+import hdet
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's batch of a step: a noisy linear target."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(8, 6, generator=g)
+    return x, x[:, :1] * 2 - x[:, 1:2] + 0.1 * torch.randn(8, 1, generator=g)
 
 
 def main():
