@@ -83,3 +83,21 @@ def test_cli_messages_name_the_commands(capsys):
     for flag in ("--max-lr", "--auto-lr", "--warm-init", "--init-from", "--optimizer"):  # compare sets these itself
         assert flag not in out
     assert "--lr-high" in out and "--alpha" in out
+
+
+def test_hf_trainer_with_reduce_lr_on_plateau_is_refused(tmp_path):
+    """HDETTrainer with lr_scheduler_type='reduce_lr_on_plateau' (one process): a clear ValueError when the
+    Trainer builds its scheduler, not a TypeError at the first step."""
+    transformers = pytest.importorskip("transformers")
+    from hdet.integrations.hf import HDETTrainer
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1,
+                                                                 n_head=1))
+    data = [{"input_ids": torch.arange(8) % 16, "labels": torch.arange(8) % 16}] * 8
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2,
+                                          lr_scheduler_type="reduce_lr_on_plateau", use_cpu=True, report_to=[],
+                                          save_strategy="no", eval_strategy="steps", eval_steps=1)
+    trainer = HDETTrainer(model=model, args=args, train_dataset=data, eval_dataset=data,
+                          hdet=dict(ensemble_lr_spread_ratio=0.2))
+    with pytest.raises(ValueError, match="got ReduceLROnPlateau, which steps on a validation metric"):
+        trainer.train()
