@@ -97,6 +97,8 @@ def main() -> None:
     ap.add_argument("--follow-starts", default="1,0.1", help="the follow-up's starts, x the grid's best max_lr")
     ap.add_argument("--follow-controllers", default="fit,none",
                     help="the follow-up's runs: fit, none (HDET spread), plain (alpha 0: data parallel at that max_lr)")
+    ap.add_argument("--alpha", type=float, default=ALPHA, help="the follow-up's spread (names get an -a<alpha> suffix "
+                    "when it is not the suite's 0.5)")
     ap.add_argument("--local", action="store_true", help="the follow-up in local mode (no gradient averaging between "
                     "converge steps; names get a -local suffix)")
     ap.add_argument("--peers", type=float, default=None, metavar="BEST_MAX_LR",
@@ -146,7 +148,7 @@ def main() -> None:
         import torch
 
         out = {"command": "python " + " ".join(sys.argv), "task": a.task, "precision": "float32 weights, TF32 matmuls",
-               "size": SIZES[a.task], "steps": steps, "alpha": ALPHA, "controller_start_step": warm,
+               "size": SIZES[a.task], "steps": steps, "alpha": a.alpha, "controller_start_step": warm,
                "grid_centre": centre, "grid": GRID, "starts": STARTS, "best_max_lr": best[0], "python": platform.python_version(),
                "torch": torch.__version__,
                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.machine(),
@@ -237,8 +239,8 @@ def main() -> None:
                 later += [job("t1-" + n.lower().replace(" ", "-").replace("/", "").replace("(", "").replace(")", "")
                               .replace("[", "").replace("]", ""), "table1", label=n, **o) for n, o in rows]
         if a.sync_interval:  # the follow-up replaces the main suite
-            Tn, sfx = a.sync_interval, "-local" * a.local
-            later = [job(f"{ctrl}-{start:g}x-T{Tn}{sfx}-s{seed}", f"{ctrl}-T{Tn}{sfx}", alpha=0.0 if ctrl == "plain" else ALPHA,
+            Tn, sfx = a.sync_interval, "-local" * a.local + (f"-a{a.alpha:g}" if a.alpha != ALPHA else "")
+            later = [job(f"{ctrl}-{start:g}x-T{Tn}{sfx}-s{seed}", f"{ctrl}-T{Tn}{sfx}", alpha=0.0 if ctrl == "plain" else a.alpha,
                          max_lr=best_lr * start, seed=seed, T=Tn, warmup=-(-warm // Tn) * Tn, local=a.local,
                          **(dict(auto_lr=True, controller="fit", tie_lr_groups=True) if ctrl == "fit" else {}))
                      for seed in (0, 1, 2) for start in [float(x) for x in a.follow_starts.split(",")]
