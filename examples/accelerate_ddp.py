@@ -10,6 +10,7 @@ and each micro-batch's loss is observed."""
 import argparse
 import os
 import sys
+import warnings
 
 import torch
 from accelerate import Accelerator
@@ -51,43 +52,30 @@ def main():
         done = sched.last_epoch
         start = 2 * done + 1
         lrs.append(sched.get_last_lr()[0])
-    if a.prepared:  # Accelerate's usual recipe: the prepared scheduler steps num_processes (2) times per step
-        import warnings
-
-        prepared = acc.prepare(sched)
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            for micro in range(1, 7):  # 3 optimizer steps
-                x, y = batch(rank, micro)
-                with acc.accumulate(model):
-                    loss = nn.functional.mse_loss(model(x), y)
-                    acc.backward(loss)
-                    opt.step()
-                    prepared.step()
-                    opt.zero_grad()
-                sched.ensemble.observe(loss.detach())
-        torch.save({"warnings": [str(x.message) for x in w if "hdet" in str(x.message)],
-                    "last_epoch": sched.last_epoch}, os.path.join(a.out, f"result_rank{rank}.pt"))
-        acc.wait_for_everyone()
-        torch.distributed.destroy_process_group()
-        os._exit(0)
-    for micro in range(start, 2 * steps + 1):
-        x, y = batch(rank, micro)
-        with acc.accumulate(model):
-            loss = nn.functional.mse_loss(model(x), y)
-            acc.backward(loss)
-            opt.step()
-            opt.zero_grad()
-        sched.ensemble.observe(loss.detach())  # every micro-batch counts toward the window mean
-        if acc.sync_gradients and not acc.optimizer_step_was_skipped:
-            sched.step()  # once per optimizer step (collectives at sync steps run on every rank alike)
-            lrs.append(sched.get_last_lr()[0])
-            done += 1
-            if done == a.save_at:
-                acc.save_state(os.path.join(a.out, "state"))
-                break
+    prepared = acc.prepare(sched) if a.prepared else None  # Accelerate's usual recipe: do not (hdet warns)
+    last = 2 * steps if prepared is None else 6  # prepared: 3 optimizer steps, 6 scheduler steps
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for micro in range(start, last + 1):
+            x, y = batch(rank, micro)
+            with acc.accumulate(model):
+                loss = nn.functional.mse_loss(model(x), y)
+                acc.backward(loss)
+                opt.step()
+                if prepared is not None:
+                    prepared.step()  # steps hdet num_processes (2) times per optimizer step
+                opt.zero_grad()
+            sched.ensemble.observe(loss.detach())  # every micro-batch counts toward the window mean
+            if prepared is None and acc.sync_gradients and not acc.optimizer_step_was_skipped:
+                sched.step()  # once per optimizer step (collectives at sync steps run on every rank alike)
+                lrs.append(sched.get_last_lr()[0])
+                done += 1
+                if done == a.save_at:
+                    acc.save_state(os.path.join(a.out, "state"))
+                    break
     torch.save({"params": [q.detach().clone() for q in model.parameters()], "lrs": lrs, "done": done,
-                "updates": sched.ensemble.controllers[0].updates, "guard": sched.gradient_guard},
+                "updates": sched.ensemble.controllers[0].updates, "guard": sched.gradient_guard,
+                "warnings": [str(w.message) for w in caught if "hdet" in str(w.message)], "last_epoch": sched.last_epoch},
                os.path.join(a.out, f"result_rank{rank}.pt"))
     acc.wait_for_everyone()
     torch.distributed.destroy_process_group()

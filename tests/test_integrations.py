@@ -110,6 +110,7 @@ def test_accelerate_two_gloo_processes(tmp_path):
     r0, r1 = (torch.load(out / f"result_rank{r}.pt", weights_only=True) for r in range(2))
     assert r0["done"] == r1["done"] == 12 and r0["updates"] == r1["updates"] == 3
     assert r0["guard"] and r0["lrs"] != r1["lrs"]
+    assert r0["warnings"] == r1["warnings"] == []  # the docs' recipe: no double-step warning
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
 
 
