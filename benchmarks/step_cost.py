@@ -46,6 +46,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="Detected call of")  # no optimizer steps here
+    warnings.filterwarnings("ignore", message="hdet: scheduler.step() was called with no optimizer.step()")
     total = a.calls + 100
     model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(16)) for _ in range(a.tensors)])
     loss = torch.tensor(1.0)

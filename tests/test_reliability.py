@@ -680,3 +680,16 @@ def test_engine_load_that_fails_changes_nothing():
     assert {s.last_epoch for s in target.schedulers} == {8}
     target.load_state_dict(st)
     assert target.steps_taken == 3
+
+
+def test_a_loss_tensor_reused_in_place_is_observed_per_step():
+    """The window keeps each step's value (a copy), not a reference to a buffer the loop overwrites."""
+    m = nn.Linear(2, 1)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=4, model_sync_interval=2, model=m)
+    buf = torch.zeros(())
+    for v in (1.0, 3.0):
+        buf.fill_(v)
+        o.step()
+        s.step(buf)
+    assert s.last_sync.losses == [2.0]

@@ -220,7 +220,8 @@ class Ensemble:
         self.last_sync: SyncRecord | None = None
         self.on_sync: list[Callable[[SyncRecord], None]] = []
         self._controlled: list[float | None] = [None] * self.num_slots  # controller-owned bases
-        self._loss_sum: torch.Tensor | None = None  # sum of the window's finite losses, on the loss's device
+        self._window: list[torch.Tensor] = []  # this window's losses (copies), not yet reduced
+        self._loss_sum: torch.Tensor | None = None  # sum of the window's finite losses so far, on the loss's device
         self._loss_n: torch.Tensor | None = None  # how many of them were finite (on the device: no host sync)
         self._loss_count = 0  # losses observed in the window (finite or not)
         # controller="fit": probe(model) -> loss on a batch every replica sees; the window's iterate sum
@@ -300,26 +301,40 @@ class Ensemble:
 
     # ----------------------------------------------------------------- losses
     def observe(self, loss: torch.Tensor | float) -> None:
-        """Accumulate this replica's training loss of the step just taken. No host sync."""
+        """Keep this replica's training loss of the step just taken for the window: one copy on its device
+        (so a loss tensor reused in place, or a CUDA-graph output, keeps this step's value), no host sync; the
+        sync reduces the window."""
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
                 raise ValueError(f"Expected a scalar loss, but got a tensor of shape {tuple(loss.shape)}")
-            value = loss.detach().reshape(())
-            dtype = torch.float32 if value.device.type == "mps" else torch.float64
-            value = value.to(dtype)
+            self._window.append(loss.detach().clone())
         elif _is_real(loss):
-            value = torch.tensor(float(loss), dtype=torch.float64)
+            self._window.append(torch.tensor(float(loss), dtype=torch.float64))
         else:
             raise ValueError(f"Expected the loss as a scalar tensor or a float, but got {type(loss).__name__}")
-        if self._loss_sum is None or self._loss_n is None:
-            self._loss_sum = torch.zeros((), dtype=value.dtype, device=value.device)
-            self._loss_n = torch.zeros((), dtype=value.dtype, device=value.device)
-        elif self._loss_sum.device != value.device:  # once, after a load_state_dict
-            self._loss_sum, self._loss_n = self._loss_sum.to(value.device), self._loss_n.to(value.device)
-        finite = torch.isfinite(value)  # a non-finite loss is counted, not summed: a handled fault
-        self._loss_sum += torch.where(finite, value, torch.zeros_like(value)).to(self._loss_sum.dtype)
-        self._loss_n += finite
         self._loss_count += 1
+
+    def _fold_window(self) -> None:
+        """Reduce the kept losses into the window's sum of finite losses and their count (a non-finite loss is
+        counted, not summed: a handled fault), on the losses' device: one stack and a few small ops, at a sync
+        or a save only."""
+        if not self._window:
+            return
+        w, self._window = self._window, []
+        dev = w[0].device
+        dtype = torch.float32 if dev.type == "mps" else torch.float64
+        if all(x.device == dev and x.dtype == w[0].dtype for x in w):
+            vals = torch.stack([x.reshape(()) for x in w]).to(dtype)  # one kernel for the whole window
+        else:
+            vals = torch.stack([x.reshape(()).to(dev, dtype) for x in w])
+        finite = torch.isfinite(vals)
+        s = torch.where(finite, vals, torch.zeros_like(vals)).sum()
+        n = finite.sum().to(dtype)
+        if self._loss_sum is None or self._loss_n is None:
+            self._loss_sum, self._loss_n = s, n
+        else:  # a window restored from a state_dict, continued
+            self._loss_sum = self._loss_sum.to(dev, dtype) + s
+            self._loss_n = self._loss_n.to(dev, dtype) + n
 
     # ----------------------------------------------------------------- tensors
     def tensors(self) -> list[torch.Tensor]:
@@ -386,6 +401,7 @@ class Ensemble:
         return self._local_vector(*self._tensors(), t)
 
     def _local_vector(self, tensors: list[torch.Tensor], strict: list[bool], t: int) -> torch.Tensor:
+        self._fold_window()
         dev = self.replicas.comm_device()
         finite, buf_inf = _health(tensors, strict, dev)
         zero = torch.zeros((), dtype=torch.float64)
@@ -541,7 +557,7 @@ class Ensemble:
         try:
             col = self._exchange(t, tensors, strict)
         finally:
-            self._loss_sum, self._loss_n, self._loss_count = None, None, 0  # a new window, whatever happens next
+            self._loss_sum, self._loss_n, self._loss_count, self._window = None, None, 0, []  # a new window, whatever happens
         bad = self._converge(t, tensors, col)
         sums, n_finite, observed = col[V_LOSS_SUM], col[V_LOSS_N], col[V_OBSERVED]
         nonfinite_losses = [int(observed[r] - n_finite[r]) for r in range(N)]
@@ -679,6 +695,7 @@ class Ensemble:
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """Plain data (numbers, strings, lists, dicts, CPU tensors): loads with ``torch.load(weights_only=True)``."""
+        self._fold_window()
         return {
             "version": STATE_VERSION,
             "config": asdict(self.config),
@@ -849,10 +866,10 @@ class Ensemble:
             new["_polyak_n"] = int(wm["n"])
         if elastic:
             new.update(perms=[list(range(N)) for _ in range(self.num_slots)], _loss_sum=None, _loss_n=None,
-                       _loss_count=0)
+                       _loss_count=0, _window=[])
         else:
             new.update(perms=[[int(i) for i in p] for p in perms],
                        _loss_sum=None if loss_sum is None else loss_sum.clone().reshape(()),
                        _loss_n=None if loss_n is None else loss_n.clone().reshape(()),
-                       _loss_count=count)
+                       _loss_count=count, _window=[])
         return new
