@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hdet
-from hdet.tasks import ByteGPT
+from hdet.app.tasks import ByteGPT
 
 
 def main() -> None:

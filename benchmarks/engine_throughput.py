@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import hdet
 from hdet.engine import ReplicaEngine
-from hdet.tasks import ByteGPT
+from hdet.app.tasks import ByteGPT
 
 
 def lm_loss(m, b):

@@ -59,7 +59,7 @@ def run_job(job: dict[str, Any], deadline: float, expected: float) -> dict[str, 
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls and convolutions on the GPU (recorded)
     torch.backends.cudnn.allow_tf32 = True
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from hdet.run import RunConfig, train
+    from hdet.app.run import RunConfig, train
 
     cfg = RunConfig(**job["cfg"])
     t0 = time.time()

@@ -29,10 +29,10 @@ if len(sys.argv) > 1 and sys.argv[1] == "--analyse":
     sys.exit(0)
 import sys, math, json, time, torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from hdet.tasks import make_task
+from hdet.app.tasks import make_task
 from hdet.engine import ReplicaEngine
 from hdet.schedulers import OneCycleAutoLR
-from hdet.run import evaluate
+from hdet.app.run import evaluate
 torch.set_num_threads(1)
 lr = float(sys.argv[1]); steps = int(sys.argv[2]); T = int(sys.argv[3]); alpha = float(sys.argv[4]) if len(sys.argv) > 4 else 0.5
 N = 8; B = 16

@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import hdet
 from hdet.engine import ReplicaEngine
-from hdet.tasks import ByteGPT
+from hdet.app.tasks import ByteGPT
 
 import engine_throughput as et  # same folder
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hdet.cli import main
+from hdet.app.cli import main
 from helpers import one_thread
 
 TINY = ["--steps", "12", "--batch", "4", "--ctx", "16", "--width", "32", "--layers", "1", "--T", "4",

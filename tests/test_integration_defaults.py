@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import hdet
-from hdet.cli import main
+from hdet.app.cli import main
 
 
 def test_a_scheduler_built_before_the_process_group_under_torchrun_is_refused(monkeypatch):

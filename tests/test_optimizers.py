@@ -87,7 +87,7 @@ def test_schedule_free_local_mode_converge_keeps_y_and_z_consistent():
 def test_the_cli_run_trains_with_each_peer(tmp_path):
     """`hdet train --optimizer ...` (what benchmarks/evidence.py --peers runs): each peer trains at alpha 0;
     Schedule-Free is evaluated at its average x and left in train mode; a spread over a peer is a one-line error."""
-    from hdet.run import RunConfig, RunError, train
+    from hdet.app.run import RunConfig, RunError, train
 
     tiny = dict(steps=20, T=10, alpha=0.0, replicas=2, width=16, layers=1, ctx=16, batch=4, progress=False,
                 data_bytes=200_000, device="cpu", mode="loop")

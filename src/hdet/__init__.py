@@ -5,7 +5,7 @@ from .flat import contiguous_parameters_
 from .ensemble import Ensemble, HDETConfig, NonFiniteReplicaError, ReplicaMismatchError, ReplicaSyncError, SyncRecord
 from .hyper import (AdamBeta, Dropout, GradClip, Hyperparameter, LabelSmoothing, Setter, Spread, WeightDecay,
                     group_params)
-from .init import warm_init_
+from .warm_init import warm_init_
 from .replicas import ProcessGroupReplicas, Replicas, SingleReplica
 from .replay import ReplayLR
 from .schedulers import HDETLR, OneCycleAutoLR

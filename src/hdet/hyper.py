@@ -15,76 +15,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .spread import linear_multipliers
+from .spread import Spread
 
 __all__ = ["Spread", "Hyperparameter", "WeightDecay", "AdamBeta", "Dropout", "LabelSmoothing", "GradClip",
            "Setter", "group_params"]
 
-KINDS = ("linear", "log", "additive")
 UNIT = (0.0, 0.999)  # [0, 1) values (dropout, label smoothing) stay at most here
-
-
-@dataclass(frozen=True)
-class Spread:
-    """How N replicas' values sit around a base value ``b``; position ``z_r = (r - (N-1)/2) / delta`` in
-    [-1, 1] (Eq. 1's normalisation):
-
-    * ``"linear"`` (Eq. 1): ``b * (1 + alpha z)``, alpha in [0, 1);
-    * ``"log"`` (scale-like values): ``b * (1 + alpha)^z``, so the extremes are ``b * rho`` and ``b / rho``
-      (alpha >= 0); the controller then works on ``log(value)``;
-    * ``"additive"``: ``b + alpha z`` (alpha >= 0), for values whose base may be 0 (dropout).
-
-    Values, and the controller's new base, are clamped into ``bounds`` (inclusive)."""
-
-    kind: str = "linear"
-    alpha: float = 0.0
-    bounds: tuple[float, float] | None = None  # default: (0, inf) for log, unbounded otherwise
-
-    def __post_init__(self) -> None:
-        if self.bounds is None:
-            object.__setattr__(self, "bounds", (0.0, math.inf) if self.kind == "log" else (-math.inf, math.inf))
-        if self.kind not in KINDS:
-            raise ValueError(f"Expected a spread kind in {KINDS}, but got {self.kind!r}")
-        a = self.alpha
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) or a < 0 or (
-                self.kind == "linear" and a >= 1):
-            want = "0 <= alpha < 1" if self.kind == "linear" else "a finite alpha >= 0"
-            raise ValueError(f"Expected {want} for a {self.kind} spread, but got {a!r}")
-        lo, hi = self.bounds  # type: ignore[misc]
-        if not lo <= hi:
-            raise ValueError(f"Expected bounds (low, high) with low <= high, but got {self.bounds!r}")
-        if self.kind == "log" and lo < 0:
-            raise ValueError(f"Expected bounds >= 0 for a log spread (values are scales), but got {self.bounds!r}")
-
-    def offsets(self, n: int) -> list[float]:
-        """Per position: the multiplier (linear, log) or the offset (additive)."""
-        if self.kind == "linear":
-            return linear_multipliers(n, self.alpha)
-        centre, delta = (n - 1) / 2, max((n - 1) / 2, 0.5)
-        z = [(r - centre) / delta for r in range(n)]
-        return [(1.0 + self.alpha) ** x for x in z] if self.kind == "log" else [self.alpha * x for x in z]
-
-    def clamp(self, v: float) -> float:
-        return min(max(v, self.bounds[0]), self.bounds[1])
-
-    def apply(self, base: float, offset: float) -> float:
-        return self.clamp(base + offset if self.kind == "additive" else base * offset)
-
-    # the controller's space: log for scale-like values
-    def to_ctrl(self, v: float) -> float:
-        return (math.log(v) if v > 0 else -math.inf) if self.kind == "log" else v
-
-    def from_ctrl(self, x: float) -> float:
-        return self.clamp(math.exp(x) if self.kind == "log" else x)
-
-    def ctrl_bounds(self) -> tuple[float, float]:
-        return (self.to_ctrl(self.bounds[0]), self.to_ctrl(self.bounds[1])) if self.kind == "log" else self.bounds
 
 
 class Hyperparameter:

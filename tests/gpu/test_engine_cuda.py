@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import hdet
 from hdet.engine import ReplicaEngine
-from hdet.tasks import ByteGPT
+from hdet.app.tasks import ByteGPT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

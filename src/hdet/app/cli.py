@@ -168,7 +168,7 @@ def _cmd_compare(a: argparse.Namespace, argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     p = _Parser(prog="hdet", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"hdet {__version__}")

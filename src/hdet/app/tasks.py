@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .hyper import group_params
+from ..hyper import group_params
 
 __all__ = ["ByteGPT", "SmallCNN", "Task", "make_task", "load_stdlib", "load_fashion_mnist", "FASHION_DIR",
            "TaskError", "param_groups"]

@@ -27,15 +27,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import __version__
-from .controller import CONTROLLERS
-from .engine import MODES, ReplicaEngine
-from .ensemble import NonFiniteReplicaError
-from .hyper import Dropout, GradClip, Hyperparameter, WeightDecay
-from .init import warm_init_
-from .schedulers import HDETLR, OneCycleAutoLR
+from .. import __version__
+from ..controller import CONTROLLERS
+from ..engine import MODES, ReplicaEngine
+from ..ensemble import NonFiniteReplicaError
+from ..hyper import Dropout, GradClip, Hyperparameter, WeightDecay
+from ..warm_init import warm_init_
+from ..schedulers import HDETLR, OneCycleAutoLR
 from .tasks import Task, make_task, param_groups
-from .telemetry import SyncLogger
+from ..telemetry import SyncLogger
 
 __all__ = ["RunConfig", "RunError", "train", "resolve_device"]
 
