@@ -325,7 +325,7 @@ def _fused_ddp_state(rank, world):
     s.load_state_dict(state)
     return {"keys": sorted(state), "guard_kept": s.skip_guard is guard, "skipped": float(guard.skipped),
             "lr": s.get_last_lr(), "lr_fresh_load": (s2.load_state_dict(state), s2.get_last_lr())[1],
-            "template": s._fit_template.kappa}
+            "template": s.ensemble.config.controller.kappa}
 
 
 @pytest.mark.distributed
@@ -450,8 +450,8 @@ def test_a_state_saved_before_the_version_field_still_loads():
     st["skip_guard"] = None  # ... and held
     other = _fresh()
     other.load_state_dict(st)
-    assert other.get_last_lr() == s.get_last_lr() and other.ensemble._loss_count == 2
-    assert float(other.ensemble._loss_n) == 2.0 and "skip_guard" not in other.state_dict()
+    assert other.get_last_lr() == s.get_last_lr() and other.ensemble.window.count == 2
+    assert float(other.ensemble.window.finite) == 2.0 and "skip_guard" not in other.state_dict()
 
 
 # ------------------------------------------------------------ 9-10. faults: skipped steps, stalls
@@ -579,7 +579,7 @@ def test_numpy_scalars_are_numbers():
         o.step()
         s.step(np.float32(1.5))
     assert s.last_sync.losses == [1.5, 1.5]
-    assert type(s.ensemble.config.sync_interval) is int and type(s.ensemble.config.alpha) is float
+    assert type(s.ensemble.config.model_sync_interval) is int and type(s.ensemble.config.ensemble_lr_spread_ratio) is float
     h = hdet.HDETLR(o, None, total_steps=np.int64(10), average_optimizer_state=np.bool_(True),
                     enable_auto_lr=np.bool_(False), replicas=ScriptedReplicas(0, 2), model_sync_interval=5)
     assert h.total_steps == 10 and type(h.total_steps) is int

@@ -345,7 +345,7 @@ def test_elastic_resume_keeps_bases_and_velocity_and_redeals():
             assert e.current_bases == s.ensemble.current_bases
             assert e.controllers[0].v == s.ensemble.controllers[0].v and e.controllers[0].updates == 3
             assert e.rho == hdet.linear_multipliers(M, 0.2) and sorted(e.perms[0]) == list(range(M))
-            assert e._loss_count == 0
+            assert e.window.count == 0
             perms.append(e.perms)
             assert s2.get_last_lr()[0] == pytest.approx(e.current_bases[0] * e.rho[e.perms[0][r]])
             for _ in range(10):

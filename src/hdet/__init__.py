@@ -2,15 +2,16 @@
 
 from .controller import FitController, PaperController, gamma_as_printed, gamma_decay, softmax_weights
 from .flat import contiguous_parameters_
-from .ensemble import Ensemble, HDETConfig, NonFiniteReplicaError, ReplicaMismatchError, ReplicaSyncError, SyncRecord
+from .config import HDETConfig
+from .ensemble import Ensemble, NonFiniteReplicaError, ReplicaMismatchError, ReplicaSyncError, SyncRecord
 from .hyper import (AdamBeta, Dropout, GradClip, Hyperparameter, LabelSmoothing, Setter, Spread, WeightDecay,
                     group_params)
 from .warm_init import warm_init_
 from .replicas import ProcessGroupReplicas, Replicas, SingleReplica
 from .replay import ReplayLR
 from .schedulers import HDETLR, OneCycleAutoLR
-from .telemetry import SyncLogger, sync_scalars
 from .spread import Dealer, linear_multipliers
+from .telemetry import SyncLogger, sync_scalars
 
 __version__ = "0.1.0"
 

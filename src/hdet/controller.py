@@ -20,12 +20,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 __all__ = ["softmax_weights", "gamma_as_printed", "gamma_decay", "PaperController", "FitController", "ControllerStep",
-           "fit_parabola", "CONTROLLERS"]
-
-CONTROLLERS = ("paper", "fit")
+           "Observation", "fit_parabola", "CONTROLLERS", "controller_from_state"]
 
 GammaMode = Literal["decay", "as_printed"]
 
@@ -74,6 +72,21 @@ class ControllerStep:
 
 
 @dataclass
+class Observation:
+    """What a controller sees of one slot at a control sync, one entry per replica (rank order).
+
+    ``values`` and ``offsets`` are in the slot's natural space (a learning rate, a dropout p); a controller
+    that works in log space (log spreads) maps them itself."""
+
+    values: list[float]  # h_r: replica r's value during the window
+    offsets: list[float]  # replica r's multiplier (linear, log spreads) or offset (additive) from the base
+    window_losses: list[float]  # replica r's mean training loss over the window (non-finite ones ranked worst)
+    probe_losses: list[float]  # replica r's probe loss at its window mean (NaN: not measured)
+    anchor: float | None  # the base to update from (None: h_bar, the paper's choice)
+    weight: float  # in [0, 1]: how near the base schedule is to its peak so far
+
+
+@dataclass
 class PaperController:
     """The paper's auto-LR controller, Eqs. 4-7, with Eq. 8's gamma given.
 
@@ -89,6 +102,23 @@ class PaperController:
     bounds: tuple[float, float] = (0.0, math.inf)
     v: float = 0.0
     updates: int = field(default=0)
+    log_space: bool = False  # a log spread: Eqs. 4-7 on log values; ``bounds`` in log space too
+    value: float | None = None  # the base it set at its last update (natural space): it replaces the schedule
+
+    kind: ClassVar[str] = "paper"
+    uses_probe: ClassVar[bool] = False
+
+    def base(self, scheduled: float) -> float:
+        """The slot's base: the controller's own value once it has updated (Eq. 7 replaces the schedule)."""
+        return scheduled if self.value is None else self.value
+
+    def control(self, obs: Observation) -> ControllerStep:
+        """Eqs. 4-7 on the window's training losses (log values for a log spread)."""
+        to = (lambda v: math.log(v) if v > 0 else -math.inf) if self.log_space else (lambda v: v)
+        anchor = None if obs.anchor is None else to(obs.anchor)
+        step = self.update([to(v) for v in obs.values], obs.window_losses, anchor)
+        self.value = math.exp(step.new_base) if self.log_space else step.new_base
+        return step
 
     def update(self, values: Sequence[float], losses: Sequence[float], anchor: float | None = None) -> ControllerStep:
         """One sync: ``values[r]`` is replica r's value during the window, ``losses[r]`` its mean loss.
@@ -111,14 +141,20 @@ class PaperController:
         return ControllerStep(list(values), list(losses), w, h_tilde, h_bar, delta, self.v, new_base, clamped)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"beta": self.beta, "sigma": self.sigma, "lam": self.lam, "gamma": self.gamma,
-                "bounds": tuple(self.bounds), "v": self.v, "updates": self.updates}
+        return {"kind": "paper", "beta": self.beta, "sigma": self.sigma, "lam": self.lam, "gamma": self.gamma,
+                "bounds": tuple(self.bounds), "v": self.v, "updates": self.updates, "log_space": self.log_space,
+                "value": self.value}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("beta", "sigma", "lam", "gamma", "v"):
             setattr(self, key, float(state[key]))
         self.bounds = (float(state["bounds"][0]), float(state["bounds"][1]))
         self.updates = int(state["updates"])
+        self.log_space = bool(state.get("log_space", False))
+        value = state.get("value")
+        if value is not None and not math.isfinite(float(value)):
+            raise ValueError(f"Expected a finite controlled base, but got {value!r}")
+        self.value = None if value is None else float(value)
 
 
 def fit_parabola(x: Sequence[float], y: Sequence[float]) -> tuple[float, float, float]:
@@ -185,6 +221,9 @@ class FitController:
     m: float = 0.0
     updates: int = field(default=0)
 
+    kind: ClassVar[str] = "fit"
+    uses_probe: ClassVar[bool] = True
+
     def __post_init__(self) -> None:
         for name in ("kappa", "max_step"):
             v = getattr(self, name)
@@ -211,6 +250,15 @@ class FitController:
     def correct(self, base: float) -> float:
         """The base schedule's value corrected: ``base * factor``, or ``base + offset`` (additive)."""
         return base * self.factor if self.log_scale else base + self.c
+
+    def base(self, scheduled: float) -> float:
+        """The slot's base: the schedule's value, corrected."""
+        return self.correct(scheduled)
+
+    def control(self, obs: Observation) -> ControllerStep:
+        """One fit on the probe losses against the replicas' offsets (log multipliers for scale-like values)."""
+        x = [math.log(o) if self.log_scale else o for o in obs.offsets]
+        return self.update(x, obs.probe_losses, obs.weight)
 
     def update(self, x: Sequence[float], losses: Sequence[float], weight: float = 1.0) -> ControllerStep:
         if len(x) != len(losses) or not x:
@@ -246,3 +294,16 @@ class FitController:
         self.bounds = (float(state["bounds"][0]), float(state["bounds"][1]))
         self.log_scale = bool(state["log_scale"])
         self.updates = int(state["updates"])
+
+
+CONTROLLERS: dict[str, type[PaperController] | type[FitController]] = {"paper": PaperController, "fit": FitController}
+
+
+def controller_from_state(state: dict[str, Any]) -> PaperController | FitController:
+    """A controller rebuilt from its ``state_dict()`` (states without a kind are the paper's)."""
+    kind = state.get("kind", "paper")
+    if kind not in CONTROLLERS:
+        raise ValueError(f"Expected a controller state of kind {tuple(CONTROLLERS)}, but got {kind!r}")
+    ctrl = CONTROLLERS[kind]()
+    ctrl.load_state_dict(state)
+    return ctrl

@@ -35,7 +35,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from .ensemble import ReplicaMismatchError
-from .replicas import LocalReplicaGroup, Replicas
+from .replicas import LocalReplicaGroup, Replicas, average_local
 
 __all__ = ["ReplicaEngine"]
 
@@ -126,7 +126,6 @@ class ReplicaEngine:
         for r, s in enumerate(self.schedulers):
             if getattr(s, "ensemble", None) is None or s.ensemble.replicas is not self.group.views[r]:
                 raise ValueError("Expected make_scheduler to build an hdet scheduler with replicas=<the given view>")
-        self.group.ensembles = [s.ensemble for s in self.schedulers]
         unsafe = [h.name for h in self.schedulers[0].ensemble.hypers if not h.vmap_safe]
         if unsafe and self.mode != "loop":
             if mode == "vmap":
@@ -336,9 +335,25 @@ class ReplicaEngine:
         for o in self.optimizers:
             o.step()
         for s, loss in zip(self.schedulers, losses):
-            s.ensemble.observe(loss)
+            s.observe(loss)
         self.steps_taken = t
-        self.group.step = t
         for s in self.schedulers:
-            s.step()
+            s.begin_step()
+        if self.schedulers[0].ensemble.is_sync_step(t):
+            self._sync(t)
+        for s in self.schedulers:
+            s.end_step()
         return losses
+
+    def _sync(self, t: int) -> None:
+        """One sync of the N ensembles, in the three phases of :class:`hdet.ensemble.Ensemble`, with the
+        replica axis as the transport. HOST SYNC: the stacked vectors are read once."""
+        ens = [s.ensemble for s in self.schedulers]
+        rows = torch.stack([e.prepare_sync(t).to("cpu", torch.float64) for e in ens])
+        checked = [e.check_sync(t, rows) for e in ens]  # the same verdict on every replica
+        bad = checked[0][1]
+        average_local([e.tensors() for e in ens], bad)  # Eq. 3 over the healthy replicas
+        if bad:
+            average_local([e.recovery_tensors() for e in ens], bad)  # the reset replicas' moments too
+        for e, (col, b) in zip(ens, checked):
+            e.finish_sync(t, col, b)

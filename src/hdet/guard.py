@@ -36,7 +36,7 @@ import torch.distributed as dist
 from .optimizers import innermost as _innermost
 from .replicas import local_shard
 
-__all__ = ["finite_allreduce_hook", "install_gradient_guard", "SkipNonFiniteStep", "SkipWatch", "GUARDS"]
+__all__ = ["finite_allreduce_hook", "install_gradient_guard", "SkipNonFiniteStep", "SkipWatch", "GuardSetting", "GUARDS"]
 
 GUARDS = ("auto", "hook", "skip")
 _UNSET = object()  # SkipNonFiniteStep: the pre-hook set no found_inf
@@ -239,8 +239,8 @@ def resolve_guard(guard: Any, optimizer: torch.optim.Optimizer, advise: bool = T
             return None
         if advise and any(p.device.type != "cpu" for g in _innermost(optimizer).param_groups for p in g["params"]):
             warnings.warn("hdet: the optimizer is not fused, so the gradient guard is the DDP comm hook ('hook'), "
-                          "which cost 6-15% of the step on a 124M GPT on 2 x H200; with fused=True the 'skip' guard "
-                          "costs about 1%. Pass guard_gradients='hook' (or False) to choose and silence this",
+                          "which costs far more than the 'skip' guard of a fused optimizer (fused=True; "
+                          "docs/cost.md). Pass guard_gradients='hook' (or False) to choose and silence this",
                           stacklevel=4)
         return "hook"
     return guard
@@ -256,3 +256,34 @@ def install_gradient_guard(ddp: "torch.nn.parallel.DistributedDataParallel", pro
                       "gradient on one replica will reach all of them", stacklevel=3)
         return False
     return True
+
+
+class GuardSetting:
+    """A scheduler's ``guard_gradients`` and what it installed: the guard goes on once the model is one
+    whose gradients are all-reduced (DDP with several replicas, or FSDP2/HSDP replicas), at construction
+    or at :meth:`install` from ``attach_model``; never twice."""
+
+    def __init__(self, guard: Any, process_group: Any, device_mesh: Any, optimizer: torch.optim.Optimizer,
+                 world_size: int) -> None:
+        resolve_guard(guard, optimizer, advise=False)  # a bad value fails here, not later
+        self.guard, self.process_group, self.device_mesh = guard, process_group, device_mesh
+        self.optimizer, self.world_size = optimizer, world_size
+        self.installed: str | None = None  # "hook" or "skip"
+        self.skip: SkipNonFiniteStep | None = None
+        self.watch: SkipWatch | None = None  # early recovery when the skip guard stalls every replica
+
+    def install(self, model: Any) -> None:
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.world_size > 1
+        sharded = self.device_mesh is not None and self.world_size > 1
+        if self.installed is not None or not (ddp or sharded):
+            return
+        guard = resolve_guard(self.guard, self.optimizer, advise=ddp, mesh=sharded)
+        if guard == "skip":
+            # FSDP2/HSDP: ranks hold different shards, so they agree on the decision over the whole mesh
+            mesh = self.device_mesh
+            groups = [mesh.get_group(i) for i in range(mesh.ndim)] if sharded else []
+            self.skip = SkipNonFiniteStep(self.optimizer, agree_over=groups)
+            self.watch = SkipWatch(self.skip)
+            self.installed = "skip"
+        elif guard == "hook" and ddp and install_gradient_guard(model, self.process_group):
+            self.installed = "hook"

@@ -26,7 +26,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from .flat import contiguous_runs
 
 __all__ = ["Replicas", "SingleReplica", "ProcessGroupReplicas", "LocalReplicaGroup", "LocalReplica", "plan_buckets",
-           "resolve_replicas", "ReplicaSyncError"]
+           "resolve_replicas", "ReplicaSyncError", "average_local"]
 
 
 class ReplicaSyncError(RuntimeError):
@@ -259,70 +259,46 @@ def resolve_replicas(
 
 
 class LocalReplicaGroup:
-    """N replicas living in one process (the one-process engine). Each replica's scheduler gets a
-    :class:`LocalReplica` view; the views' "collectives" act across all N replicas at once.
-
-    The engine that owns the group must step every replica's optimizer, and let every ensemble
-    observe its loss, before it calls any replica's ``scheduler.step()`` (so that a sync sees all
-    replicas at the same step), and must set :attr:`step` first. The first view to gather or average
-    at a step does it for everyone; the others reuse the result, so the maths is the distributed
-    path's, with reductions over the replica axis instead of collectives."""
+    """N replicas living in one process (the one-process engine): one :class:`LocalReplica` view per
+    replica, handed to its scheduler. The engine drives every sync itself (each ensemble's
+    ``prepare_sync``, the rows stacked, :func:`average_local`, ``finish_sync``), so the views never
+    communicate: the maths is the distributed path's, with reductions over the replica axis."""
 
     def __init__(self, world_size: int) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"Expected a positive integer number of replicas, but got {world_size!r}")
         self.world_size = world_size
         self.views = [LocalReplica(self, r) for r in range(world_size)]
-        self.ensembles: list[Any] = []  # the replicas' Ensemble objects, index = rank; set by the engine
-        self.step = 0
-        self._gathered: tuple[int, torch.Tensor] | None = None
-        self._averaged_at: tuple[int, bool] | None = None
 
-    def _check(self) -> None:
-        if len(self.ensembles) != self.world_size:
-            raise RuntimeError(f"Expected {self.world_size} ensembles attached, but got {len(self.ensembles)}")
 
-    def gather(self, rank: int, local: torch.Tensor) -> torch.Tensor:
-        self._check()
-        if self._gathered is None or self._gathered[0] != self.step:
-            rows = [local if r == rank else ens.local_vector(self.step) for r, ens in enumerate(self.ensembles)]
-            self._gathered = (self.step, torch.stack([x.detach().to("cpu", torch.float64) for x in rows]))
-        return self._gathered[1]
-
-    def average_(self, exclude: Sequence[int] = (), extra: bool = False) -> None:
-        """Eq. 3 over the replica axis: sum in replica order, divide by N (as gloo does), copy back.
-        Replicas in ``exclude`` are left out of the sum and receive the others' mean. ``extra``: a
-        second averaging at the same step (the optimizer state during a recovery)."""
-        self._check()
-        key = (self.step, extra)
-        if self._averaged_at == key:
-            return
-        self._averaged_at = key
-        lists = [ens.recovery_tensors() if extra else ens.tensors() for ens in self.ensembles]
-        keep = [r for r in range(self.world_size) if r not in set(exclude)]
-        with torch.no_grad():
-            acc = [t.clone() for t in lists[keep[0]]]
-            for r in keep[1:]:
-                torch._foreach_add_(acc, lists[r])
-            torch._foreach_div_(acc, len(keep))
-            for tensors in lists:
-                torch._foreach_copy_(tensors, acc)
+def average_local(lists: Sequence[Sequence[torch.Tensor]], exclude: Sequence[int] = ()) -> None:
+    """Eq. 3 over the replica axis: ``lists[r]`` is replica r's tensors; sum in replica order, divide by the
+    count (as gloo does), copy back into every replica's. Replicas in ``exclude`` are left out of the sum
+    and receive the others' mean."""
+    keep = [r for r in range(len(lists)) if r not in set(exclude)]
+    if not lists or not lists[0]:
+        return
+    with torch.no_grad():
+        acc = [t.clone() for t in lists[keep[0]]]
+        for r in keep[1:]:
+            torch._foreach_add_(acc, list(lists[r]))
+        torch._foreach_div_(acc, len(keep))
+        for tensors in lists:
+            torch._foreach_copy_(list(tensors), acc)
 
 
 class LocalReplica(Replicas):
-    """Replica ``rank`` of a :class:`LocalReplicaGroup`."""
+    """Replica ``rank`` of a :class:`LocalReplicaGroup`: its rank and the group's size. It has no transport
+    of its own: the engine runs the sync (:meth:`hdet.ReplicaEngine.step`)."""
 
     def __init__(self, group: LocalReplicaGroup, rank: int) -> None:
         self.group = group
         self.rank = rank
         self.world_size = group.world_size
-        self._calls = (-1, 0)  # (step, averaging calls at that step)
 
     def gather(self, local: torch.Tensor, shard_sum: Sequence[int] = (), shard_min: Sequence[int] = ()) -> torch.Tensor:
-        return self.group.gather(self.rank, local)
+        raise RuntimeError("A LocalReplica's sync is run by its ReplicaEngine (engine.step), not by the scheduler: "
+                           "step the engine, not the replicas' schedulers")
 
     def average_(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int] = ()) -> None:
-        # the first averaging of a step is the weights', a second one the optimizer state's (recovery)
-        step, n = self._calls
-        self._calls = (self.group.step, n + 1 if step == self.group.step else 1)
-        self.group.average_(exclude, extra=self._calls[1] > 1)
+        raise RuntimeError("A LocalReplica's averaging is run by its ReplicaEngine (engine.step)")

@@ -109,4 +109,4 @@ class _HDETHooks(TrainerCallback):
         t = self.trainer
         loss, t._hdet_loss = t._hdet_loss, None
         if loss is not None and isinstance(t.lr_scheduler, HDETLR) and not t.accelerator.optimizer_step_was_skipped:
-            t.lr_scheduler.ensemble.observe(loss)  # this rank's own loss of the step, on its device
+            t.lr_scheduler.observe(loss)  # this rank's own loss of the step, on its device

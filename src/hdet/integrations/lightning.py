@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..schedulers import _EnsembleScheduler
+from ..schedulers import HDETLR
 from ..telemetry import sync_scalars
 
 try:
@@ -37,8 +37,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 __all__ = ["HDETCallback"]
 
 
-def _hdet_schedulers(trainer: Any) -> list[_EnsembleScheduler]:
-    return [cfg.scheduler for cfg in trainer.lr_scheduler_configs if isinstance(cfg.scheduler, _EnsembleScheduler)]
+def _hdet_schedulers(trainer: Any) -> list[HDETLR]:
+    return [cfg.scheduler for cfg in trainer.lr_scheduler_configs if isinstance(cfg.scheduler, HDETLR)]
 
 
 class HDETCallback(Callback):
@@ -51,7 +51,7 @@ class HDETCallback(Callback):
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1  # undo Lightning's division
         for sched in _hdet_schedulers(trainer):
-            sched.ensemble.observe(loss.detach().float() * scale)  # this rank's own loss, on its device
+            sched.observe(loss.detach().float() * scale)  # this rank's own loss, on its device
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Each new sync's scalars (:func:`hdet.sync_scalars`) to the module's logger. (Lightning's
@@ -69,7 +69,7 @@ class HDETCallback(Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         for cfg in trainer.lr_scheduler_configs:
-            if isinstance(cfg.scheduler, _EnsembleScheduler) and (cfg.interval != "step" or cfg.frequency != 1):
+            if isinstance(cfg.scheduler, HDETLR) and (cfg.interval != "step" or cfg.frequency != 1):
                 raise ValueError(
                     f"Expected the HDET scheduler with {{'interval': 'step', 'frequency': 1}}, but got interval "
                     f"{cfg.interval!r}, frequency {cfg.frequency}: HDET counts optimizer steps (its converge steps "

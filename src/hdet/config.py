@@ -1,0 +1,131 @@
+"""The one list of HDET options. The field names are the keyword arguments both schedulers take (the
+reference implementation's names); the paper's symbols are in brackets. Validated once, in
+``__post_init__``; a config is plain data (it goes into every state_dict and is exchanged, as a
+fingerprint, at every sync).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import zlib
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from .controller import CONTROLLERS, FitController
+from .spread import check_alpha
+
+__all__ = ["HDETConfig", "OPTIONS"]
+
+
+@dataclass
+class HDETConfig:
+    """Every option of one HDET ensemble (see ``docs/reference.md`` for what each does).
+
+    Args:
+        ensemble_lr_spread_ratio: [alpha] replica r's LR is ``base * rho_r``, ``rho_r`` in
+            ``[1 - alpha, 1 + alpha]`` (Eq. 1); in [0, 1). Default 0 (no spread).
+        model_sync_interval: [T] average the replicas every T optimizer steps (Eq. 3). Default 1000.
+        enable_auto_lr: run the controller (Eqs. 4-9, or hdet's ``"fit"``). Default False.
+        auto_lr_warmup_steps: [S_warm] optimizer steps before the controller starts. Default 0 (OneCycleAutoLR
+            keeps the reference's 100000).
+        loss_scale: [sigma] the paper controller's loss temperature (Eq. 4). Default 0.1.
+        lr_of_lr: [lambda] the paper controller's step size (Eq. 7). Default 0.5.
+        momentum_of_lr: [beta] the paper controller's velocity momentum (Eq. 7). Default 0.9.
+        eq8: "decay" (gamma takes the base to the schedule's final value) or "as_printed" (the paper's formula).
+        seed: seed of the permutation generator (Eq. 9); the same on every replica. Default 0.
+        average_optimizer_state: average the optimizer's floating-point state too. Default False.
+        on_nonfinite: "recover" (a non-finite replica is left out and reset to the others' mean) or "raise".
+        controller: "fit" (default), "paper", or a :class:`hdet.FitController` whose settings every LR slot copies.
+        tie_lr_groups: one multiplier per replica for all its LR groups (one permutation). Default False.
+    """
+
+    ensemble_lr_spread_ratio: float = 0.0
+    model_sync_interval: int = 1000
+    enable_auto_lr: bool = False
+    auto_lr_warmup_steps: int = 0
+    loss_scale: float = 0.1
+    lr_of_lr: float = 0.5
+    momentum_of_lr: float = 0.9
+    eq8: str = "decay"
+    seed: int = 0
+    average_optimizer_state: bool = False
+    on_nonfinite: str = "recover"
+    controller: str | FitController = "fit"
+    tie_lr_groups: bool = False
+
+    def __post_init__(self) -> None:
+        """Check every field; numpy scalars become Python numbers."""
+        self.ensemble_lr_spread_ratio = check_alpha(self.ensemble_lr_spread_ratio)
+        self.model_sync_interval = _check_int("model_sync_interval", self.model_sync_interval, lo=1)
+        self.auto_lr_warmup_steps = _check_int("auto_lr_warmup_steps", self.auto_lr_warmup_steps, lo=0)
+        self.seed = _check_int("seed", self.seed, lo=0)
+        for name in ("enable_auto_lr", "average_optimizer_state", "tie_lr_groups"):
+            setattr(self, name, _check_bool(name, getattr(self, name)))
+        for name, symbol, ok, want in (("loss_scale", "sigma", lambda v: v > 0, "{} > 0"),
+                                       ("lr_of_lr", "lambda", lambda v: v >= 0, "{} >= 0"),
+                                       ("momentum_of_lr", "beta", lambda v: 0 <= v < 1, "0 <= {} < 1")):
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(v) or not ok(v):
+                raise ValueError(f"Expected {want.format(f'{name} ({symbol})')}, but got {v!r}")
+            setattr(self, name, float(v))
+        if self.eq8 not in ("decay", "as_printed"):
+            raise ValueError(f"Expected eq8 to be 'decay' or 'as_printed', but got {self.eq8!r}")
+        if self.on_nonfinite not in ("recover", "raise"):
+            raise ValueError(f"Expected on_nonfinite to be 'recover' or 'raise', but got {self.on_nonfinite!r}")
+        if isinstance(self.controller, dict):  # from a state_dict: a FitController's settings
+            keep = ("kappa", "beta", "max_step", "bounds", "log_scale")
+            self.controller = FitController(**{k: (tuple(v) if k == "bounds" else v)
+                                               for k, v in self.controller.items() if k in keep})
+        if not isinstance(self.controller, FitController) and self.controller not in CONTROLLERS:
+            raise ValueError(f"Expected controller in {tuple(CONTROLLERS)} or a hdet.FitController, but got "
+                             f"{self.controller!r}")
+
+    @property
+    def controller_kind(self) -> str:
+        """The controller's registry name: "fit" or "paper"."""
+        return "fit" if isinstance(self.controller, FitController) else str(self.controller)
+
+    @property
+    def probing(self) -> bool:
+        """Whether the controller reads a probe at each replica's window mean (it needs ``probe=``)."""
+        return self.enable_auto_lr and CONTROLLERS[self.controller_kind].uses_probe
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (a FitController template as its settings)."""
+        out = asdict(self)
+        if isinstance(self.controller, FitController):
+            out["controller"] = {k: out["controller"][k] for k in ("kappa", "beta", "max_step", "bounds", "log_scale")}
+        return out
+
+    def fingerprint(self) -> int:
+        """A hash of every setting, exchanged at each sync: replicas built differently are an error."""
+        return zlib.crc32(json.dumps(self.to_dict(), sort_keys=True).encode())  # < 2**32: exact in float64
+
+
+OPTIONS = tuple(f.name for f in fields(HDETConfig))  # the keyword names both schedulers accept for the config
+
+# The field names before hdet 0.1 session 16 (state_dict version <= 2), for loading older states.
+LEGACY_NAMES = {"alpha": "ensemble_lr_spread_ratio", "sync_interval": "model_sync_interval", "auto_lr": "enable_auto_lr",
+                "sigma": "loss_scale", "lam": "lr_of_lr", "beta": "momentum_of_lr"}
+
+
+def _is_real(x: Any) -> bool:
+    """A real number, numpy scalars included (they register as ``numbers.Real``); not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    """``value`` as a bool (a numpy bool included), or a ValueError naming ``name``."""
+    item = value.item() if hasattr(value, "item") and getattr(value, "shape", None) == () else value
+    if not isinstance(item, bool):
+        raise ValueError(f"Expected {name} to be a bool, but got {value!r}")
+    return item
+
+
+def _check_int(name: str, value: Any, lo: int) -> int:
+    """``value`` as an int (numpy integers included), or a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
+        raise ValueError(f"Expected integer {name} >= {lo}, but got {value!r}")
+    return int(value)

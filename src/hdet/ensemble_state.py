@@ -1,0 +1,167 @@
+"""An ensemble's state_dict: plain data, versioned, checked completely before anything is set.
+
+Version 3 (this hdet): the config under its public option names, each controller's own state (the
+paper controller's base included). Version 2 (the previous sessions' format: the config's short names,
+a separate ``controlled`` list) and version 1 (no version field) still load.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from .config import LEGACY_NAMES, OPTIONS, HDETConfig, _is_real
+from .controller import PaperController, controller_from_state
+from .spread import Dealer, linear_multipliers
+from .window import LossWindow
+
+if TYPE_CHECKING:
+    from .ensemble import Ensemble
+
+__all__ = ["STATE_VERSION", "state_dict", "parse", "commit"]
+
+STATE_VERSION = 3
+REQUIRED = ("config", "world_size", "rank", "rho", "perms", "current_bases", "controllers", "dealer", "loss_sum",
+            "loss_count", "total_steps")
+
+
+def state_dict(ens: "Ensemble") -> dict[str, Any]:
+    s = ens.slots
+    return {
+        "version": STATE_VERSION,
+        "config": ens.config.to_dict(),
+        "world_size": ens.replicas.world_size,
+        "rank": ens.replicas.rank,
+        "rho": list(s.rho),
+        "perms": [list(p) for p in s.perms],
+        "current_bases": list(s.bases),
+        "controllers": [c.state_dict() if c is not None else None for c in s.controllers],
+        "window_mean": None if ens.window_mean is None else ens.window_mean.state_dict(),
+        "peak0": s.peak0,
+        "scheduled": list(s.scheduled),
+        "dealer": s.dealer.state_dict(),
+        **ens.window.state_dict(),
+        "total_steps": ens.total_steps,
+        "names": list(s.names),
+    }
+
+
+def parse(ens: "Ensemble", state: Any) -> dict[str, Any]:
+    """What a saved state sets, all checked; raises ValueError and changes nothing."""
+    if not isinstance(state, dict):
+        raise ValueError(f"Expected an hdet ensemble state (a dict), but got {type(state).__name__}")
+    version = state.get("version", 1)
+    if not isinstance(version, int) or version < 1:
+        raise ValueError(f"Expected an hdet ensemble state version >= 1, but got {version!r}: a corrupted state")
+    if version > STATE_VERSION:
+        raise ValueError(f"Expected an hdet ensemble state of version <= {STATE_VERSION}, but got version "
+                         f"{version}: it was saved by a newer hdet; upgrade hdet to load it")
+    missing = [k for k in REQUIRED if k not in state]
+    if missing:
+        raise ValueError(f"Expected an hdet ensemble state with keys {list(REQUIRED)}, but it lacks {missing}: a "
+                         "corrupted or foreign state_dict")
+    try:
+        return _parse_fields(ens, state, version)
+    except ValueError:
+        raise
+    except (KeyError, TypeError, AttributeError, IndexError, RuntimeError) as e:
+        raise ValueError(f"Expected a well-formed hdet ensemble state, but reading it failed "
+                         f"({type(e).__name__}: {e}): a corrupted state_dict") from e
+
+
+def _parse_config(cfg: Any, version: int) -> HDETConfig:
+    if not isinstance(cfg, dict):
+        raise ValueError(f"Expected the state's config as a dict, but got {type(cfg).__name__}")
+    if version <= 2:  # the short field names of before
+        cfg = {LEGACY_NAMES.get(k, k): v for k, v in cfg.items()}
+    unknown = sorted(set(cfg) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"Expected the settings of this hdet ({sorted(OPTIONS)}), but the state also has {unknown}: "
+                         "it was saved by a newer hdet, or is corrupted")
+    return HDETConfig(**{"controller": "paper", **cfg})  # states before "fit" existed: the paper's
+
+
+def _parse_fields(ens: "Ensemble", state: dict[str, Any], version: int) -> dict[str, Any]:
+    config = _parse_config(state["config"], version)
+    N, W = ens.replicas.world_size, state["world_size"]
+    if isinstance(W, bool) or not isinstance(W, int) or W < 1:
+        raise ValueError(f"Expected the state's world_size as a positive integer, but got {W!r}")
+    rank = state["rank"]
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < W:
+        raise ValueError(f"Expected the state's rank in [0, {W}), but got {rank!r}")
+    rho = state["rho"]
+    want = linear_multipliers(W, config.ensemble_lr_spread_ratio)
+    if (not isinstance(rho, list) or len(rho) != W or not all(_is_real(x) for x in rho)
+            or any(abs(float(x) - y) > 1e-9 for x, y in zip(rho, want))):
+        raise ValueError(f"Expected the state's rho to be Eq. 1's multipliers for {W} replicas at alpha "
+                         f"{config.ensemble_lr_spread_ratio} ({want}), but got {rho!r}: a corrupted state_dict")
+    n = ens.num_slots
+    perms = state["perms"]
+    names = list(state.get("names", ens.names[: len(perms) if isinstance(perms, list) else 0]))
+    if not isinstance(perms, list) or len(perms) != n or names != ens.names:
+        raise ValueError(f"Expected a state for the explored slots {ens.names}, but got one for {names}")
+    if not all(isinstance(p, list) and sorted(p) == list(range(W)) for p in perms):
+        raise ValueError(f"Expected the state's perms to be permutations of range({W}), but got {perms!r}: "
+                         "a corrupted state_dict")
+    controlled = state.get("controlled", [None] * n)  # version <= 2: the paper controllers' bases, apart
+    if not all(isinstance(state[k], list) and len(state[k]) == n for k in ("current_bases", "controllers")) or (
+            not isinstance(controlled, list) or len(controlled) != n):
+        raise ValueError(f"Expected current_bases, controlled and controllers with one entry per slot ({n}), but "
+                         "they do not: a corrupted state_dict")
+    bases = state["current_bases"]
+    if not all(_is_real(x) and math.isfinite(x) for x in bases):
+        raise ValueError(f"Expected finite base values in the state, but got {bases!r}: a corrupted state_dict")
+    if not all(x is None or (_is_real(x) and math.isfinite(x)) for x in controlled):
+        raise ValueError(f"Expected None or finite values in the state's 'controlled', but got {controlled!r}: "
+                         "a corrupted state_dict")
+    controllers = [None if cs is None else controller_from_state(cs) for cs in state["controllers"]]
+    for j, (ctrl, value) in enumerate(zip(controllers, controlled)):
+        if isinstance(ctrl, PaperController) and value is not None:
+            ctrl.value = float(value)
+            ctrl.log_space = ens.slots.spreads[j].kind == "log"
+    dealer = Dealer(0)
+    dealer.load_state_dict(state["dealer"])
+    total = state["total_steps"]
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
+        raise ValueError(f"Expected the state's total_steps as a positive integer, but got {total!r}")
+    window = LossWindow.parse(state)
+    scheduled = [float(x) for x in state.get("scheduled", ens.slots.scheduled)]
+    if len(scheduled) != n:
+        raise ValueError(f"Expected one scheduled value per slot ({n}), but got {scheduled}")
+    elastic = W != N
+    window_mean = (None, 0)
+    if ens.window_mean is not None and not elastic:
+        window_mean = ens.window_mean.parse(state.get("window_mean"))
+    return {"elastic": elastic, "config": config, "bases": [float(x) for x in bases], "controllers": controllers,
+            "dealer": dealer, "total_steps": total, "peak0": float(state.get("peak0", 0.0)), "scheduled": scheduled,
+            "perms": [[int(i) for i in p] for p in perms], "window": (None, None, 0) if elastic else window,
+            "window_mean": window_mean}
+
+
+def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
+    """Set a parsed state (cannot fail)."""
+    elastic = new["elastic"]
+    if not elastic and state["rank"] != ens.replicas.rank and state["loss_count"]:
+        warnings.warn(
+            f"Loading replica {state['rank']}'s HDET state into replica {ens.replicas.rank} in the middle of a "
+            "window: the window's loss accumulator is not this replica's. Save each rank's scheduler state, or "
+            "save at a sync step.", stacklevel=4)
+    ens.config = new["config"]
+    ens.slots.config = new["config"]
+    ens.total_steps = new["total_steps"]
+    s = ens.slots
+    s.bases, s.controllers, s.dealer = new["bases"], new["controllers"], new["dealer"]
+    s.peak0, s.scheduled, s.perms = new["peak0"], new["scheduled"], new["perms"]
+    ens.window.load(new["window"])
+    if ens.window_mean is not None:
+        ens.window_mean.load(new["window_mean"])
+    if elastic:  # Eq. 9 for the new N: a fresh permutation per slot from the (restored) shared dealer
+        s.resize(ens.replicas.world_size, redeal=True)
+        warnings.warn(
+            f"hdet: elastic resume from {state['world_size']} to {ens.replicas.world_size} replicas: kept the "
+            f"bases and controller velocities, re-dealt the multipliers for {ens.replicas.world_size}, dropped "
+            "the current loss window", stacklevel=4)
+    else:
+        s.resize(ens.replicas.world_size, redeal=False)  # the loaded config's alpha
+

@@ -1,0 +1,130 @@
+"""A scheduler's state_dict, chosen on purpose: torch's counters and last LRs, the recorded schedule, the
+base scheduler's own state (``"base"``), and the ensemble's versioned state (``"hdet"``). Never the
+optimizer, the guard, a hook or a callable. Checked completely before anything is set.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.optim.lr_scheduler import OneCycleLR
+
+if TYPE_CHECKING:
+    from .schedulers import HDETLR
+
+__all__ = ["state_dict", "check", "load", "check_plain"]
+
+OWN = ("last_epoch", "_step_count", "_last_lr", "base_lrs", "total_steps", "_history", "_constant")
+
+
+def state_dict(s: "HDETLR") -> dict[str, Any]:
+    state: dict[str, Any] = {k: getattr(s, k) for k in OWN if hasattr(s, k)}
+    state["hdet"] = s.ensemble.state_dict()
+    state["hdet"]["scheduler"] = type(s).__name__
+    state["hdet"]["hyper_values"] = [h.get() for h in s.ensemble.hypers]  # restored exactly on load
+    if s._base is not None:
+        state["base"] = s._base.state_dict()
+        state["base_scheduler"] = type(s._base).__name__
+    check_plain(state, "state_dict()")
+    return state
+
+
+def check(s: "HDETLR", state: Any) -> dict[str, Any]:
+    """Check a state completely, change nothing; returns the parsed ensemble state."""
+    if not isinstance(state, dict) or "hdet" not in state:
+        keys = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"Expected a {type(s).__name__} state_dict (with an 'hdet' entry), but got {keys}")
+    _check_own(s, state)
+    parsed = s.ensemble.check_state(state["hdet"])
+    _check_base(s, state)
+    return parsed
+
+
+def load(s: "HDETLR", state: dict[str, Any]) -> None:
+    parsed = check(s, state)
+    hdet_state = state["hdet"]
+    same_replica = not parsed["elastic"] and hdet_state["rank"] == s.rank
+    s.ensemble.commit_state(parsed, hdet_state)
+    for key in OWN:
+        if key in state:
+            setattr(s, key, state[key])
+    if s._base is not None:
+        _load_base(s, state)
+    s.reapply()  # this replica's values on the optimizer and hyperparameters
+    if same_replica:  # exactly the values this replica had (they equal what reapply computed)
+        for h, v in zip(s.ensemble.hypers, hdet_state.get("hyper_values", [])):
+            h.set(v)
+
+
+def _check_own(s: "HDETLR", state: dict[str, Any]) -> None:
+    kind = state["hdet"].get("scheduler") if isinstance(state["hdet"], dict) else None
+    if kind is None and isinstance(state["hdet"], dict):  # states saved before the field: their own keys tell
+        kind = "OneCycleAutoLR" if "_schedule_phases" in state else "HDETLR" if "_final" in state else None
+    if kind is not None and kind != type(s).__name__:
+        raise ValueError(f"Expected a {type(s).__name__} state_dict, but got one saved by {kind}")
+    n = len(s.optimizer.param_groups)
+    last = state.get("last_epoch")
+    if isinstance(last, bool) or not isinstance(last, int) or last < -1:
+        raise ValueError(f"Expected the state's last_epoch as an integer >= -1, but got {last!r}")
+    total = state.get("total_steps", s.total_steps)
+    if isinstance(total, bool) or not isinstance(total, int) or last > total:
+        raise ValueError(f"Expected the state's total_steps as an integer >= last_epoch ({last}), but got {total!r}")
+    for key in ("_last_lr", "base_lrs", "_constant"):
+        v = state.get(key)
+        if v is not None and (not isinstance(v, list) or len(v) != n):
+            raise ValueError(f"Expected the state's {key} with one value per param group ({n}), but got {v!r}")
+
+
+def _flat_onecycle(s: "HDETLR", state: dict[str, Any]) -> bool:
+    """A OneCycleAutoLR state of hdet <= session 15: OneCycleLR's fields at the top level, no "base"."""
+    return isinstance(s._base, OneCycleLR) and "base" not in state and "_schedule_phases" in state
+
+
+def _check_base(s: "HDETLR", state: dict[str, Any]) -> None:
+    base_state = state.get("base")
+    if s._base is None:
+        if base_state is not None:
+            raise ValueError(f"Expected a state of an HDETLR without a base scheduler, but this one was saved with "
+                             f"a {state.get('base_scheduler', 'base scheduler')}")
+        return
+    if _flat_onecycle(s, state):
+        return
+    kind, want = state.get("base_scheduler"), type(s._base).__name__
+    if not isinstance(base_state, dict):
+        raise ValueError(f"Expected the state of a {want} base, but the state holds {base_state!r}")
+    if kind is not None and kind != want:
+        raise ValueError(f"Expected the state of a {want} base, but the state holds a {kind}'s")
+    public = {k for k in s._base.state_dict() if not k.startswith("_")}  # private keys vary with torch
+    got = {k for k in base_state if not k.startswith("_")}
+    if got != public:
+        raise ValueError(f"Expected the state of a {want} base, but its keys differ: missing "
+                         f"{sorted(public - got)}, unexpected {sorted(got - public)}")
+
+
+def _load_base(s: "HDETLR", state: dict[str, Any]) -> None:
+    base = s._base
+    assert base is not None
+    if not _flat_onecycle(s, state):
+        base.load_state_dict(state["base"])
+        return
+    base.load_state_dict({k: state[k] for k in base.state_dict() if k in state and k != "_last_lr"})
+    with warnings.catch_warnings():  # torch warns when get_lr runs outside step()
+        warnings.simplefilter("ignore", UserWarning)
+        base._last_lr = base.get_lr()  # the schedule's own value at last_epoch (the saved one was base * rho)
+
+
+def check_plain(x: Any, where: str) -> None:
+    """A state must be plain data: what ``torch.load(weights_only=True)`` reads back."""
+    if x is None or isinstance(x, (bool, int, float, str, torch.Tensor, torch.dtype, torch.device)):
+        return
+    if isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            check_plain(v, f"{where}[{i}]")
+        return
+    if isinstance(x, dict):
+        for k, v in x.items():
+            check_plain(v, f"{where}[{k!r}]")
+        return
+    raise TypeError(f"hdet bug: {where} holds a {type(x).__name__}, which is not plain data")

@@ -1,0 +1,147 @@
+"""The slot table: one row per explored scalar (each param group's LR, then each extra hyperparameter).
+
+A slot ``j`` has a :class:`~hdet.spread.Spread` (its positions ``offsets[j]``: multipliers, or offsets
+for additive spreads), a permutation ``perms[j]`` (replica ``r`` takes position ``perms[j][r]``, Eq. 9), a
+base value and, once auto-LR has started, a controller. A replica's value is ``spread.apply(base,
+offsets[j][perms[j][r]])`` (Eqs. 1, 9). Pure bookkeeping: no tensors, no collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from .config import HDETConfig
+from .controller import CONTROLLERS, ControllerStep, FitController, Observation, PaperController, gamma_decay
+from .spread import Dealer, Spread, linear_multipliers
+
+__all__ = ["Slots", "LRControl"]
+
+Controller = PaperController | FitController
+
+
+@dataclass
+class LRControl:
+    """What the base schedule tells the LR slots' controllers (plain data, given by the scheduler).
+
+    Args:
+        bounds: per param group, the (low, high) range the paper controller keeps the LR in.
+        finals: per param group, the schedule's last value (Eq. 8's decay target), or None (no decay).
+        gamma_as_printed: Eq. 8's gamma as printed (OneCycle bases only), or None.
+    """
+
+    bounds: list[tuple[float, float]]
+    finals: list[float] | None = None
+    gamma_as_printed: float | None = None
+
+
+class Slots:
+    """Every slot's spread, positions, permutation, base and controller, seen from replica ``rank``."""
+
+    def __init__(self, config: HDETConfig, world_size: int, lr_names: list[str], spreads: list[Spread],
+                 names: list[str]) -> None:
+        self.config = config
+        self.world_size = world_size
+        self.num_lr_slots = len(lr_names)
+        self.rho = linear_multipliers(world_size, config.ensemble_lr_spread_ratio)  # Eq. 1
+        self.spreads = [Spread("linear", config.ensemble_lr_spread_ratio)] * self.num_lr_slots + list(spreads)
+        self.names = list(lr_names) + list(names)
+        self.num_slots = len(self.names)
+        self.offsets = [s.offsets(world_size) for s in self.spreads]
+        self.perms: list[list[int]] = [list(range(world_size)) for _ in range(self.num_slots)]  # rank r -> position
+        self.bases: list[float] = [0.0] * self.num_slots  # in effect for the next step
+        self.scheduled: list[float] = [0.0] * self.num_slots  # the base schedules' values now
+        self.peak0 = 0.0  # the largest scheduled base of slot 0 so far (the fit controller's weight)
+        self.controllers: list[Controller | None] = [None] * self.num_slots
+        self.dealer = Dealer(config.seed)
+
+    def resize(self, world_size: int, redeal: bool) -> None:
+        """Positions for ``world_size`` replicas under the current config (after a load); ``redeal``: a fresh
+        permutation for every slot (Eq. 9; an elastic resume)."""
+        self.world_size = world_size
+        self.rho = linear_multipliers(world_size, self.config.ensemble_lr_spread_ratio)
+        self.spreads[: self.num_lr_slots] = [Spread("linear", self.config.ensemble_lr_spread_ratio)] * self.num_lr_slots
+        self.offsets = [s.offsets(world_size) for s in self.spreads]
+        for j in range(self.num_slots if redeal else 0):
+            self.deal(j)
+
+    # ----------------------------------------------------------------- values
+    def multiplier(self, j: int, rank: int) -> float:
+        """Replica ``rank``'s multiplier (offset for additive spreads) for slot ``j``: ``rho[pi_j[rank]]`` (Eq. 9)."""
+        return self.offsets[j][self.perms[j][rank]]
+
+    def apply_schedule(self, scheduled: list[float], rank: int) -> list[float]:
+        """Take the base schedules' values now; returns replica ``rank``'s value per slot for the next step.
+
+        A slot whose controller has started takes its base from the controller (the paper's replaces the
+        schedule, hdet's fit corrects it); values are clamped into the spread's bounds."""
+        if len(scheduled) != self.num_slots:
+            raise ValueError(f"Expected {self.num_slots} base values, but got {len(scheduled)}")
+        self.scheduled = [float(b) for b in scheduled]
+        self.peak0 = max(self.peak0, self.scheduled[0])
+        for j, (b, ctrl) in enumerate(zip(self.scheduled, self.controllers)):
+            self.bases[j] = b if ctrl is None else self.spreads[j].clamp(ctrl.base(b))
+        return [self.spreads[j].apply(self.bases[j], self.multiplier(j, rank)) for j in range(self.num_slots)]
+
+    def all_values(self) -> list[list[float]]:
+        """Every replica's value per slot, from the current bases (what each replica uses next)."""
+        return [[self.spreads[j].apply(self.bases[j], self.offsets[j][p]) for p in self.perms[j]]
+                for j in range(self.num_slots)]
+
+    def all_offsets(self) -> list[list[float]]:
+        """Every replica's multiplier (offset for additive spreads) per slot."""
+        return [[self.offsets[j][p] for p in perm] for j, perm in enumerate(self.perms)]
+
+    def deal(self, j: int) -> None:
+        """Eq. 9: a fresh permutation for slot ``j`` (tied LR groups share slot 0's)."""
+        if self.config.tie_lr_groups and 0 < j < self.num_lr_slots:
+            self.perms[j] = list(self.perms[0])
+        else:
+            self.perms[j] = self.dealer.permutation(self.world_size)
+
+    # ----------------------------------------------------------------- control (Eqs. 4-9)
+    def control(self, window_losses: list[float], probe_losses: list[float], lr: LRControl,
+                num_control_syncs: float) -> list[ControllerStep]:
+        """One controller update per slot, then a fresh permutation per slot (drawn in slot order)."""
+        ratio = self.scheduled[0] / self.peak0 if self.peak0 > 0 else 1.0
+        weight = min(max((ratio - 0.5) / 0.5, 0.0), 1.0)  # near the peak only: see FitController
+        steps = []
+        for j in range(self.num_slots):
+            ctrl = self.controllers[j]
+            if ctrl is None:
+                ctrl = self.controllers[j] = self._new_controller(j, lr, num_control_syncs)
+            lr_slot = j < self.num_lr_slots
+            obs = Observation(values=self.all_values()[j], offsets=[self.offsets[j][p] for p in self.perms[j]],
+                              window_losses=window_losses, probe_losses=probe_losses,
+                              anchor=None if lr_slot else self.bases[j], weight=weight)
+            step = ctrl.control(obs)
+            self.bases[j] = self.spreads[j].clamp(ctrl.base(self.scheduled[j]))
+            if ctrl.kind == "fit":
+                step.new_base = self.bases[j]
+            self.deal(j)
+            steps.append(step)
+        return steps
+
+    def _new_controller(self, j: int, lr: LRControl, K: float) -> Controller:
+        """Slot ``j``'s controller, started from its current base (the registry's kind in the config)."""
+        c = self.config
+        spread = self.spreads[j]
+        template = c.controller if isinstance(c.controller, FitController) else None
+        if CONTROLLERS[c.controller_kind] is FitController:
+            if j < self.num_lr_slots:
+                return FitController() if template is None else dataclasses.replace(template, c=0.0, m=0.0, updates=0)
+            additive = spread.kind == "additive"
+            return FitController(log_scale=not additive, **({"bounds": (-math.inf, math.inf)} if additive else {}))
+        if j >= self.num_lr_slots:
+            return PaperController(beta=c.momentum_of_lr, sigma=c.loss_scale, lam=c.lr_of_lr, gamma=0.0,
+                                   bounds=spread.ctrl_bounds(), log_space=spread.kind == "log")
+        if c.eq8 == "as_printed":
+            if lr.gamma_as_printed is None:
+                raise ValueError("eq8='as_printed' needs OneCycle's div_factor and final_div_factor; use "
+                                 "OneCycleAutoLR (or a OneCycleLR base)")
+            gamma = lr.gamma_as_printed
+        else:
+            gamma = 0.0 if lr.finals is None else gamma_decay(self.bases[j], lr.finals[j], K)
+        return PaperController(beta=c.momentum_of_lr, sigma=c.loss_scale, lam=c.lr_of_lr, gamma=gamma,
+                               bounds=lr.bounds[j])

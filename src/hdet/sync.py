@@ -1,0 +1,129 @@
+"""The sync exchange: what each replica contributes to a sync's all_gather (:class:`SyncVector`), which
+tensors a converge step averages, and the checks every replica runs on the gathered rows.
+
+A sync is two phases with the transport in between (:meth:`hdet.ensemble.Ensemble.prepare_sync`, then
+:meth:`~hdet.ensemble.Ensemble.finish_sync`): the transport (``Replicas`` or the one-process engine) only
+moves the vectors and averages tensors.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+__all__ = ["SyncVector", "ReplicaMismatchError", "averaged", "as_real", "persistent_float_buffers", "health",
+           "layout_signature"]
+
+
+class ReplicaMismatchError(RuntimeError):
+    """At a converge step the replicas disagree on what they are: a different step, sync interval,
+    total_steps, configuration or tensor layout (e.g. one rank resumed from an older checkpoint)."""
+
+
+class SyncVector(NamedTuple):
+    """One replica's contribution to a sync (float64 on the wire), or, after the gather, every replica's
+    (each field then a list indexed by rank)."""
+
+    loss_sum: Any  # the window's sum of finite training losses
+    loss_n: Any  # how many of them were finite
+    observed: Any  # losses observed in the window (finite or not)
+    finite: Any  # 1 when the weights (and optimizer state) are finite and the buffers hold no NaN/+Inf
+    buf_inf: Any  # -Inf elements in the buffers (an attention mask may hold them: compared across replicas)
+    layout: Any  # hash of the averaged tensors' shapes and dtypes
+    ntensors: Any  # how many tensors are averaged
+    seed: Any  # of the permutation generator
+    probe: Any  # the fit controller's probe loss at the window mean (NaN when not measured)
+    step: Any  # optimizer steps taken
+    interval: Any  # model_sync_interval
+    total_steps: Any  # -1 when unknown
+    config: Any  # fingerprint of the settings
+
+    def to_tensor(self, dev: torch.device) -> torch.Tensor:
+        """The 1-D float64 vector on ``dev`` (tensors stay on their device until this copy: no host sync)."""
+        return torch.cat([x.reshape(1).to(dev, torch.float64) if isinstance(x, torch.Tensor)
+                          else torch.tensor([float(x)], dtype=torch.float64, device=dev) for x in self])
+
+    @classmethod
+    def from_rows(cls, rows: torch.Tensor) -> "SyncVector":
+        """Every replica's vector (a CPU ``[N, k]`` tensor) as fields of per-replica lists. Host: ``tolist``."""
+        return cls(*[list(col) for col in zip(*rows.tolist())])
+
+
+# FSDP2/HSDP: one replica is several ranks; these fields are summed (or min-reduced) over its shard ranks first
+SHARD_SUM = tuple(SyncVector._fields.index(f) for f in ("loss_sum", "loss_n", "observed", "buf_inf"))
+SHARD_MIN = (SyncVector._fields.index("finite"),)
+
+
+def averaged(t: torch.Tensor) -> bool:
+    """Whether a tensor is averaged at a converge step: floating point, or complex (as a real view)."""
+    return t.is_floating_point() or t.is_complex()
+
+
+def as_real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as a real ``[..., 2]`` view of the same memory (averaged and checked in place)."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def persistent_float_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The model's persistent floating-point buffers (BatchNorm statistics), each once."""
+    out, seen = [], set()
+    for mod in model.modules():
+        for name, b in mod._buffers.items():
+            if b is None or name in mod._non_persistent_buffers_set or not averaged(b) or id(b) in seen:
+                continue
+            seen.add(id(b))
+            out.append(as_real(b.detach()))
+    return out
+
+
+def health(tensors: list[torch.Tensor], strict: list[bool], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """On ``dev``: (every ``strict`` tensor is finite and no tensor holds a NaN or +Inf, the number of -Inf
+    elements in the non-strict tensors (buffers)). A buffer may hold -inf by design (a persistent
+    attention mask), so its -Inf count is compared across replicas at the sync instead; +Inf (a BatchNorm
+    variance gone to infinity) is a fault everywhere. No host sync (one small copy per device)."""
+    by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for x, must_be_finite in zip(tensors, strict):
+        oks, infs = by_device.setdefault(x.device, ([], []))
+        if must_be_finite:
+            oks.append(torch.isfinite(x).all())
+        else:
+            oks.append(~(torch.isnan(x) | torch.isposinf(x)).any())
+            infs.append(torch.isneginf(x).sum())
+    ok = torch.ones((), dtype=torch.bool, device=dev)
+    inf = torch.zeros((), dtype=torch.float64, device=dev)
+    for oks, infs in by_device.values():
+        ok = ok & torch.stack(oks).all().to(dev)
+        if infs:
+            inf = inf + torch.stack(infs).sum().to(dev, torch.float64)
+    return ok, inf
+
+
+def layout_signature(tensors: list[torch.Tensor]) -> int:
+    text = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in tensors)
+    return zlib.crc32(text.encode())  # < 2**32: exact in float64
+
+
+def check_agreement(t: int, col: SyncVector) -> None:
+    """Every replica must be at the same step of the same run: same layout, seed, step, T, total_steps and
+    settings. Averaging replicas that disagree would be silently wrong."""
+    if len(set(zip(col.layout, col.ntensors))) > 1:
+        raise ReplicaMismatchError(
+            f"At sync step {t} the replicas hold different tensors to average "
+            f"(count per replica: {[int(n) for n in col.ntensors]}, layout hashes: {[int(x) for x in col.layout]}). "
+            "Every replica must build the optimizer, its param groups and the model identically."
+        )
+    if len(set(col.seed)) > 1:
+        raise ValueError(f"Expected the same seed on every replica, but got {[int(x) for x in col.seed]}")
+    named = {"optimizer steps": col.step, "model_sync_interval": col.interval, "total_steps": col.total_steps,
+             "settings fingerprints": col.config}
+    differ = {name: [int(x) for x in v] for name, v in named.items() if len(set(v)) > 1}
+    if differ:
+        raise ReplicaMismatchError(
+            f"At the converge step after optimizer step {t} the replicas disagree: "
+            + "; ".join(f"{name} per replica {v}" for name, v in differ.items())
+            + ". Nothing was averaged. Every replica must be built with the same settings and resume from "
+            "the same checkpoint step."
+        )

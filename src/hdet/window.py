@@ -1,0 +1,159 @@
+"""What one replica remembers between two syncs: its training losses (:class:`LossWindow`) and, for the
+fit controller, the mean of its iterates (:class:`WindowMean`) with the probe evaluated there.
+
+Neither talks to other replicas; neither reads a value on the host (no host sync).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["LossWindow", "WindowMean", "Probe"]
+
+Probe = Callable[[nn.Module], "torch.Tensor | float"]
+
+
+class LossWindow:
+    """This replica's training losses since the last sync: one copy per step on the loss's device (so a loss
+    tensor reused in place, or a CUDA-graph output, keeps its step's value), reduced at the sync."""
+
+    def __init__(self) -> None:
+        self._kept: list[torch.Tensor] = []  # this window's losses, not yet reduced
+        self.sum: torch.Tensor | None = None  # sum of the reduced finite losses
+        self.finite: torch.Tensor | None = None  # how many of them were finite
+        self.count = 0  # losses observed (finite or not)
+
+    def observe(self, loss: torch.Tensor | float) -> None:
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ValueError(f"Expected a scalar loss, but got a tensor of shape {tuple(loss.shape)}")
+            self._kept.append(loss.detach().clone())
+        elif isinstance(loss, numbers.Real) and not isinstance(loss, bool):
+            self._kept.append(torch.tensor(float(loss), dtype=torch.float64))
+        else:
+            raise ValueError(f"Expected the loss as a scalar tensor or a float, but got {type(loss).__name__}")
+        self.count += 1
+
+    def fold(self) -> None:
+        """Reduce the kept losses into :attr:`sum` (finite ones) and :attr:`finite` (their count), on the
+        losses' device: one stack and a few small ops. A non-finite loss is counted, not summed."""
+        if not self._kept:
+            return
+        w, self._kept = self._kept, []
+        dev = w[0].device
+        dtype = torch.float32 if dev.type == "mps" else torch.float64
+        if all(x.device == dev and x.dtype == w[0].dtype for x in w):
+            vals = torch.stack([x.reshape(()) for x in w]).to(dtype)  # one kernel for the whole window
+        else:
+            vals = torch.stack([x.reshape(()).to(dev, dtype) for x in w])
+        ok = torch.isfinite(vals)
+        s = torch.where(ok, vals, torch.zeros_like(vals)).sum()
+        n = ok.sum().to(dtype)
+        if self.sum is None or self.finite is None:
+            self.sum, self.finite = s, n
+        else:  # a window restored from a state_dict, continued
+            self.sum = self.sum.to(dev, dtype) + s
+            self.finite = self.finite.to(dev, dtype) + n
+
+    def reset(self) -> None:
+        self._kept, self.sum, self.finite, self.count = [], None, None, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        self.fold()
+        return {"loss_sum": None if self.sum is None else self.sum.detach().cpu().clone(),
+                "loss_n": None if self.finite is None else self.finite.detach().cpu().clone(),
+                "loss_count": self.count}
+
+    @staticmethod
+    def parse(state: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+        """``(sum, finite, count)`` from a saved state, checked (ValueError); changes nothing."""
+        count = state["loss_count"]
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"Expected the state's loss_count as an integer >= 0, but got {count!r}")
+        loss_sum, loss_n = state["loss_sum"], state.get("loss_n")
+        for name, x in (("loss_sum", loss_sum), ("loss_n", loss_n)):
+            if x is not None and (not isinstance(x, torch.Tensor) or x.numel() != 1):
+                raise ValueError(f"Expected the state's {name} as None or a scalar tensor, but got {x!r}")
+        if loss_sum is not None and loss_n is None:  # version 1: every observed loss was summed
+            loss_n = torch.tensor(float(count), dtype=loss_sum.dtype)
+        return (None if loss_sum is None else loss_sum.clone().reshape(()),
+                None if loss_n is None else loss_n.clone().reshape(()), count)
+
+    def load(self, parsed: tuple[torch.Tensor | None, torch.Tensor | None, int]) -> None:
+        self._kept = []
+        self.sum, self.finite, self.count = parsed
+
+
+class WindowMean:
+    """The mean of this replica's iterates over the window (Polyak), for the fit controller: a float32 sum
+    of the parameters after each optimizer step, and the probe evaluated at the mean (the parameters'
+    storage swapped for the mean's and back, as schedule_free's ``eval()`` swaps to its average)."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params  # floating-point parameters (local tensors)
+        self.sum: list[torch.Tensor] | None = None
+        self.n = 0
+
+    @torch.no_grad()
+    def add(self) -> None:
+        """Add the parameters now: one foreach add on their devices, no host sync. Once per optimizer step."""
+        params = [p.detach() for p in self.params]
+        if self.sum is None:
+            self.sum = [p.to(torch.float32, copy=True) for p in params]
+        else:
+            torch._foreach_add_(self.sum, [p.float() for p in params] if any(
+                p.dtype != torch.float32 for p in params) else params)
+        self.n += 1
+
+    def reset(self) -> None:
+        if self.sum is not None:
+            for s in self.sum:
+                s.zero_()
+        self.n = 0
+
+    @torch.no_grad()
+    def probe(self, model: nn.Module, probe: Probe) -> torch.Tensor:
+        """``probe(model)`` at the window mean, in eval mode; a float64 scalar on the probe's device (NaN
+        with nothing summed). The parameters are restored whatever happens."""
+        if self.sum is None or self.n == 0:
+            return torch.full((), float("nan"), dtype=torch.float64)
+        means = torch._foreach_div(self.sum, float(self.n))
+        means = [m if m.dtype == p.dtype else m.to(p.dtype) for m, p in zip(means, self.params)]
+        saved = [p.data for p in self.params]
+        module = getattr(model, "module", model)  # the module under DDP
+        was_training = module.training
+        try:
+            for p, m in zip(self.params, means):
+                p.data = m
+            module.eval()
+            loss = probe(module)
+        finally:
+            for p, d in zip(self.params, saved):
+                p.data = d
+            module.train(was_training)
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ValueError(f"Expected probe(model) to return a scalar loss, but got shape {tuple(loss.shape)}")
+            return loss.detach().reshape(()).to(torch.float64)
+        return torch.tensor(float(loss), dtype=torch.float64)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None if self.sum is None else {"sum": [x.detach().cpu().clone() for x in self.sum], "n": self.n}
+
+    def parse(self, state: dict[str, Any] | None) -> tuple[list[torch.Tensor] | None, int]:
+        """``(sum, n)`` from a saved state, checked against the parameters (ValueError); changes nothing."""
+        if state is None:
+            return None, 0
+        sums = state["sum"]
+        if len(sums) != len(self.params) or any(tuple(x.shape) != tuple(p.shape) for x, p in zip(sums, self.params)):
+            raise ValueError(f"Expected a window mean of {len(self.params)} tensors shaped like the parameters, but "
+                             f"the state holds {len(sums)} that do not match")
+        return [x.to(p.device) for x, p in zip(sums, self.params)], int(state["n"])
+
+    def load(self, parsed: tuple[list[torch.Tensor] | None, int]) -> None:
+        self.sum, self.n = parsed
