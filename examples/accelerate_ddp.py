@@ -65,7 +65,7 @@ def main():
                 if prepared is not None:
                     prepared.step()  # steps hdet num_processes (2) times per optimizer step
                 opt.zero_grad()
-            sched.ensemble.observe(loss.detach())  # every micro-batch counts toward the window mean
+            sched.observe(loss.detach())  # every micro-batch counts toward the window mean
             if prepared is None and acc.sync_gradients and not acc.optimizer_step_was_skipped:
                 sched.step()  # once per optimizer step (collectives at sync steps run on every rank alike)
                 lrs.append(sched.get_last_lr()[0])

@@ -8,15 +8,15 @@ optimizer can skip a step on the device, i.e. every param group is ``fused``; ``
 * ``"hook"`` (:func:`finite_allreduce_hook`): a DDP communication hook that zeroes a replica's whole
   contribution to a bucket when it holds a NaN or Inf and then averages as DDP does, so the healthy
   replicas still step, with their mean gradient scaled by (N - bad) / N. The check sums the bucket in
-  float64, where no sum of finite 16/32-bit values overflows. Cost: DDP calls it from Python once per bucket; on a 124M GPT
-  on 2 x H200 that cost 6-15% of the step (``benchmarks/results/gpu_2x_h200/ddp_overhead.json``).
+  float64, where no sum of finite 16/32-bit values overflows. DDP calls it from Python once per bucket,
+  which makes it much slower than "skip" (measured in ``docs/cost.md``).
 * ``"skip"`` (:class:`SkipNonFiniteStep`): no hook; DDP averages as usual, so a NaN/Inf on any replica
   is in the averaged gradient, bit-identical on every replica. Just before ``optimizer.step()`` one
   fused pass over the gradients (GradScaler's own check, ``_amp_foreach_non_finite_check_and_unscale_``
   with scale 1) says whether the averaged gradient is finite, and the fused optimizer skips the step on
   the device when it is not (``found_inf``, the mechanism of ``torch.amp.GradScaler``): every replica
-  skips that step together, weights and optimizer state untouched. Cost on the same GPT: 0.32 ms of
-  device time a step (one read and one write of the gradients), about 1% of the step.
+  skips that step together, weights and optimizer state untouched. Cost: one read and one write of the
+  gradients a step (measured in ``docs/cost.md``).
 
 With FSDP2/HSDP replicas (``device_mesh``) only "skip" exists: each rank checks its own gradient shards
 and the ranks agree through a MAX all_reduce of the flag over each mesh dimension.

@@ -56,8 +56,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, spreading: bool, average_o
         raise ValueError(
             f"Expected an optimizer whose step size is the learning rate, but got {name}, which scales each "
             "replica's step by its own distance estimate d (D-Adaptation/Prodigy): d feeds on the replica's LR "
-            "multiplier and the replicas run away (hdet measured d fanning out 29x at alpha 0.2 and a divergence "
-            "at alpha 0.5). Use ensemble_lr_spread_ratio=0 and no explored spread (weight averaging only, which "
+            "multiplier and the replicas run away (measured in docs/auto-lr.md). Use ensemble_lr_spread_ratio=0 and no explored spread (weight averaging only, which "
             "matches the optimizer alone), or an ordinary optimizer such as AdamW."
         )
     if kind == "schedule-free":

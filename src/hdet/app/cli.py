@@ -9,10 +9,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any, NoReturn
 
-from .run import RunConfig, RunError
+from .options import RunConfig, RunError
 
 __all__ = ["main"]
 
@@ -25,72 +26,41 @@ class _Parser(argparse.ArgumentParser):
 COMPARE_SETS = ("max_lr", "auto_lr", "warm_init", "init_from", "optimizer")  # compare sets these per configuration
 
 
+class _Inverted(argparse.BooleanOptionalAction):
+    """``--grad-sync`` / ``--no-grad-sync`` into a field that means the opposite (``local``)."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, bool(option_string and option_string.startswith("--no-")))
+
+
 def _train_args(p: argparse.ArgumentParser, steps: int, out: str, compare: bool = False) -> None:
-    """The run's options; ``compare``: without those that ``hdet compare`` sets per configuration itself."""
-    d = RunConfig()
-    add = p.add_argument
+    """A flag for every RunConfig field with command-line metadata (:func:`hdet.app.options._cli`); ``compare``:
+    without those that ``hdet compare`` sets per configuration itself."""
+    for f in dataclasses.fields(RunConfig):
+        cli = f.metadata.get("cli")
+        if cli is None or (compare and f.name in COMPARE_SETS):
+            continue
+        kw = dict(cli["kw"])
+        default = {"steps": steps, "out": out}.get(f.name, f.default)
+        flag = cli["flag"] or "--" + f.name.replace("_", "-")
+        if kw.pop("invert", False):
+            kw.update(action=_Inverted, default=default)
+        elif kw.pop("comma", False):
+            kw.update(type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()), default=default)
+        elif "action" in kw:
+            kw.update(default=default)
+        elif f.type in ("bool", "bool | None"):
+            kw.update(action=argparse.BooleanOptionalAction, default=default)
+        else:
+            kw.update(type=_TYPES[f.type.split(" |")[0]], default=default)
+        p.add_argument(flag, dest=f.name, help=cli["help"], **kw)
 
-    def only_train(*args: Any, **kw: Any) -> None:
-        if not compare:
-            add(*args, **kw)
 
-    p.add_argument("--task", default=d.task, help="bytes (stdlib byte-level GPT) or fashion (Fashion-MNIST CNN)")
-    p.add_argument("--data", default=None, help="Fashion-MNIST folder (default /usr/share/datasets/fashion-mnist)")
-    p.add_argument("--replicas", type=int, default=None, help="N in one process (default 4); under torchrun: "
-                   "the world size")
-    p.add_argument("--steps", type=int, default=steps, help="optimizer steps of the run")
-    p.add_argument("--batch", type=int, default=d.batch, help="examples per replica per step")
-    p.add_argument("--alpha", type=float, default=d.alpha, help="LR spread ratio (Eq. 1); 0 = plain data parallel")
-    p.add_argument("--T", type=int, default=d.T, help="sync interval: average weights every T steps")
-    only_train("--auto-lr", action=argparse.BooleanOptionalAction, default=False, help="run the auto-LR controller")
-    p.add_argument("--controller", default=d.controller, help="auto-LR controller: fit (hdet's, the default: "
-                   "probe loss at each replica's mean iterate, multiplicative correction of the schedule) or paper "
-                   "(Eqs. 4-8)")
-    p.add_argument("--probe-batches", type=int, default=d.probe_batches, help="fit controller: batches per probe")
-    p.add_argument("--tie-lr-groups", action=argparse.BooleanOptionalAction, default=d.tie_lr_groups,
-                   help="one LR multiplier per replica for all param groups (default: on with the fit controller, "
-                   "as measured; otherwise one multiplier per group, as in the paper)")
-    p.add_argument("--grad-sync", action=argparse.BooleanOptionalAction, default=True, help="average gradients every "
-                   "step (DDP); --no-grad-sync is the local mode: replicas meet only at converge steps, every T steps")
-    p.add_argument("--warmup", type=int, default=None, help="auto-LR warmup steps (default: the end of OneCycle's warm-up, "
-                   "30%% of the run, for the fit controller; half the run for the paper's)")
-    only_train("--max-lr", type=float, default=d.max_lr, help="OneCycle's peak learning rate")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW's decoupled weight decay "
-                   "(none on norms and biases)")
-    p.add_argument("--dropout", type=float, default=d.dropout, help="dropout probability of the model")
-    only_train("--warm-init", action=argparse.BooleanOptionalAction, default=False, help="Eq. 10 noise")
-    only_train("--init-from", default=None, help="start from this model.pt")
-    p.add_argument("--ctx", type=int, default=d.ctx, help="bytes task: context length")
-    p.add_argument("--width", type=int, default=d.width, help="model width")
-    p.add_argument("--layers", type=int, default=d.layers, help="bytes task: transformer layers")
-    p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--mode", default=d.mode, help="engine: auto (vmap, loop if it cannot), vmap or loop")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of the model, the data and the permutations")
-    p.add_argument("--out", default=out, help="output folder")
-    p.add_argument("--eval-every", type=int, default=None, help="validate every ~N steps (at syncs; default T)")
-    p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to OUT/tb")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    p.add_argument("--explore", default="", help="also explore, comma-separated: lr-groups (per-group LRs, always on "
-                   "when alpha > 0), weight-decay (per group, x2../2), dropout (+-0.05), grad-clip (norm x2../2)")
-    p.add_argument("--clip", type=float, default=1.0, help="base gradient-clipping norm for --explore grad-clip")
-    only_train("--optimizer", default=d.optimizer, help="adamw, or a learning-rate-free peer to compare with "
-                   "(pip install 'hdet[bench]'): dadapt-adam, prodigy (at --max-lr 1, OneCycle shape), "
-                   "schedulefree-adamw (constant LR after its own warm-up); peers need --alpha 0")
+_TYPES = {"int": int, "float": float, "str": str}
 
 
 def _config(a: argparse.Namespace) -> RunConfig:
-    d = RunConfig()
-    for name in COMPARE_SETS:  # absent from compare's parser
-        if not hasattr(a, name):
-            setattr(a, name, getattr(d, name))
-    return RunConfig(task=a.task, data=a.data, replicas=a.replicas, steps=a.steps, batch=a.batch, alpha=a.alpha,
-                     T=a.T, auto_lr=a.auto_lr, warmup=a.warmup, controller=a.controller,
-                     probe_batches=a.probe_batches, tie_lr_groups=a.tie_lr_groups, local=not a.grad_sync, max_lr=a.max_lr, weight_decay=a.weight_decay,
-                     dropout=a.dropout, warm_init=a.warm_init, init_from=a.init_from, ctx=a.ctx, width=a.width,
-                     layers=a.layers, device=a.device, mode=a.mode, seed=a.seed, out=a.out,
-                     eval_every=a.eval_every, tensorboard=a.tensorboard, progress=a.progress,
-                     explore=tuple(x.strip() for x in a.explore.split(",") if x.strip()), clip=a.clip,
-                     optimizer=a.optimizer)
+    return RunConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(RunConfig) if hasattr(a, f.name)})
 
 
 def _cmd_train(a: argparse.Namespace, argv: list[str]) -> int:

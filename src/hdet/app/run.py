@@ -9,7 +9,6 @@ per-replica window losses, multipliers and values, controller weights w, Delta, 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -19,7 +18,6 @@ import platform
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,111 +26,15 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import __version__
-from ..controller import CONTROLLERS
-from ..engine import MODES, ReplicaEngine
 from ..ensemble import NonFiniteReplicaError
-from ..hyper import Dropout, GradClip, Hyperparameter, WeightDecay
-from ..warm_init import warm_init_
-from ..schedulers import HDETLR, OneCycleAutoLR
-from .tasks import Task, make_task, param_groups
 from ..telemetry import SyncLogger
+from .options import RunConfig, RunError, check, resolve_device
+from .runs import DDPRun, EngineRun, eval_weights, to_device
+from .tasks import Task, make_task
 
 __all__ = ["RunConfig", "RunError", "train", "resolve_device"]
 
 
-class RunError(ValueError):
-    """A run cannot start with what was given (the CLI prints it as one line)."""
-
-
-@dataclass
-class RunConfig:
-    task: str = "bytes"
-    data: str | None = None
-    replicas: int | None = None  # None: 4 in one process, the world size under torchrun
-    steps: int = 400
-    batch: int = 16  # per replica
-    ctx: int = 64
-    width: int = 128
-    layers: int = 2
-    dropout: float = 0.0
-    max_lr: float = 3e-3
-    weight_decay: float = 0.01
-    alpha: float = 0.2
-    T: int = 25
-    auto_lr: bool = False
-    warmup: int | None = None  # auto-LR warmup steps; None: 30% of the run (fit), half of it (paper)
-    controller: str = "fit"  # auto-LR controller: fit | paper
-    probe_batches: int = 4  # fit controller: batches (of --batch examples) in each sync's common probe
-    tie_lr_groups: bool | None = None  # one LR multiplier per replica for all groups; None: with the fit controller
-    local: bool = False  # local mode: no gradient averaging between converge steps (DDP no_sync)
-    eq8: str = "decay"
-    warm_init: bool = False
-    nu: float = 0.01
-    init_from: str | None = None  # a model.pt to start from
-    device: str = "auto"
-    mode: str = "auto"  # engine: auto | vmap | loop
-    seed: int = 0
-    out: str = "runs/latest"
-    log_every: int | None = None  # steps between records; None: steps // 100, between 1 and 10 (a short run's warm-up shows)
-    eval_every: int | None = None  # steps; rounded up to a sync step; None: every sync
-    eval_batches: int = 8
-    tensorboard: bool = False
-    progress: bool = True
-    data_bytes: int = 4_000_000
-    label: str | None = None
-    explore: tuple[str, ...] = ()  # of EXPLORE
-    clip: float = 1.0  # base gradient-clipping norm for --explore grad-clip
-    optimizer: str = "adamw"  # of OPTIMIZERS; the LR-free ones are peers for the benchmarks (alpha 0 only)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise RunError(f"Expected --device auto, cpu, cuda or cuda:N, but got {name!r}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RunError(f"Expected a CUDA device for --device {name}, but torch sees none")
-    return dev
-
-
-def _check(cfg: RunConfig) -> None:
-    for name in ("steps", "batch", "ctx", "width", "layers", "T", "log_every", "eval_batches", "probe_batches"):
-        v = getattr(cfg, name)
-        if name == "log_every" and v is None:
-            continue
-        if not isinstance(v, int) or v < 1:
-            raise RunError(f"Expected --{name.replace('_', '-')} to be a positive integer, but got {v!r}")
-    if cfg.eval_every is not None and (not isinstance(cfg.eval_every, int) or cfg.eval_every < 1):
-        raise RunError(f"Expected --eval-every to be a positive integer, but got {cfg.eval_every!r}")
-    if not (cfg.weight_decay >= 0 and math.isfinite(cfg.weight_decay)):
-        raise RunError(f"Expected --weight-decay >= 0, but got {cfg.weight_decay}")
-    if cfg.ctx > MAX_CTX:
-        raise RunError(f"Expected --ctx at most {MAX_CTX} (the embedded tasks' models are small; attention memory "
-                       f"grows with ctx squared), but got {cfg.ctx}")
-    if cfg.replicas is not None and cfg.replicas < 1:
-        raise RunError(f"Expected --replicas to be at least 1, but got {cfg.replicas}")
-    if not 0 <= cfg.alpha < 1:
-        raise RunError(f"Expected --alpha in [0, 1), but got {cfg.alpha}")
-    if not (cfg.max_lr > 0 and math.isfinite(cfg.max_lr)):
-        raise RunError(f"Expected --max-lr > 0, but got {cfg.max_lr}")
-    if not 0 <= cfg.dropout < 1:
-        raise RunError(f"Expected --dropout in [0, 1), but got {cfg.dropout}")
-    if cfg.controller not in CONTROLLERS:
-        raise RunError(f"Expected --controller {' or '.join(CONTROLLERS)}, but got {cfg.controller!r}")
-    if cfg.mode not in MODES:
-        raise RunError(f"Expected --mode auto, vmap or loop, but got {cfg.mode!r}")
-    bad = [e for e in cfg.explore if e not in EXPLORE]
-    if bad:
-        raise RunError(f"Expected --explore items from {', '.join(EXPLORE)}, but got {', '.join(bad)}")
-    if cfg.optimizer not in OPTIMIZERS:
-        raise RunError(f"Expected --optimizer in {', '.join(OPTIMIZERS)}, but got {cfg.optimizer!r}")
-    if cfg.init_from is not None and not Path(cfg.init_from).is_file():
-        raise RunError(f"Expected --init-from to name a model.pt file, but {cfg.init_from} does not exist")
-
-
-MAX_CTX = 4096
 OUTPUTS = ("config.json", "metrics.jsonl", "syncs.jsonl", "summary.json", "schedule.json", "model.pt", "loss.png",
            "lr.png", "hparams.png", "tb")  # what a run writes: an earlier run's copies go first
 
@@ -156,215 +58,13 @@ def _prepare_out(out: Path, keep: str | None = None) -> None:
         raise RunError(f"Expected a writable output folder at {out}, but got: {e.strerror or e}") from None
 
 
-OPTIMIZERS = ("adamw", "dadapt-adam", "prodigy", "schedulefree-adamw")
-
-
-def _make_optimizer(task: Task, cfg: RunConfig):
-    """AdamW (hdet's default), or a learning-rate-free peer (pip install hdet[bench]): D-Adaptation Adam and
-    Prodigy at ``--max-lr`` (1 is their documented use) under the same OneCycle shape, or Schedule-Free AdamW
-    at a constant ``--max-lr`` after its own warm-up (5% of the run), with no schedule (its documented use)."""
-    def make(module: nn.Module) -> torch.optim.Optimizer:
-        groups = param_groups(module, task.group_of, cfg.weight_decay)
-        if cfg.optimizer == "adamw":
-            return torch.optim.AdamW(groups, lr=cfg.max_lr)
-        try:
-            if cfg.optimizer == "dadapt-adam":
-                import dadaptation
-
-                return dadaptation.DAdaptAdam(groups, lr=cfg.max_lr, decouple=True)
-            if cfg.optimizer == "prodigy":
-                import prodigyopt
-
-                return prodigyopt.Prodigy(groups, lr=cfg.max_lr, decouple=True)
-            import schedulefree
-
-            opt = schedulefree.AdamWScheduleFree(groups, lr=cfg.max_lr, warmup_steps=max(1, cfg.steps // 20))
-            opt.train()
-            return opt
-        except ImportError as e:
-            raise RunError(f"Expected the package for --optimizer {cfg.optimizer} (pip install 'hdet[bench]'), but "
-                           f"got: {e}") from None
-    return make
-
-
-@contextlib.contextmanager
-def eval_weights(task: Task, model: nn.Module, optimizers: list[torch.optim.Optimizer], cfg: RunConfig,
-                 device: torch.device):
-    """The weights to evaluate: as they are, or for Schedule-Free its average ``x`` (``optimizer.eval()``),
-    with BatchNorm statistics recomputed at ``x`` on 50 training batches (the recipe in schedulefree's README);
-    everything is put back afterwards."""
-    sf = [o for o in optimizers if hasattr(o, "eval") and any("train_mode" in g for g in o.param_groups)]
-    if not sf:
-        yield
-        return
-    for o in sf:
-        o.eval()  # y -> x
-    bn = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    saved = [{k: v.clone() for k, v in m.state_dict().items()} for m in bn]
-    try:
-        if bn:
-            was = model.training
-            model.train()
-            g = torch.Generator().manual_seed(54321)
-            with torch.no_grad():
-                for _ in range(50):
-                    task.loss_fn(model, _to(task.sample("train", cfg.batch, g), device))
-            model.train(was)
-        yield
-    finally:
-        for m, st in zip(bn, saved):
-            m.load_state_dict(st)
-        for o in sf:
-            o.train()  # x -> y
-
-
-EXPLORE = ("lr-groups", "weight-decay", "dropout", "grad-clip")
-
-
-def _explored(cfg: RunConfig, optimizer: torch.optim.Optimizer, module: nn.Module) -> list[Hyperparameter]:
-    """The CLI's ``--explore`` choices (the LR of every param group is always explored when alpha > 0)."""
-    out: list[Hyperparameter] = []
-    if "weight-decay" in cfg.explore:
-        out += WeightDecay.per_group(optimizer, alpha=1.0)  # x2 .. /2, log scale
-    if "dropout" in cfg.explore:
-        out.append(Dropout(module, alpha=0.05))  # +-0.05, kept in [0, 0.999]
-    if "grad-clip" in cfg.explore:
-        out.append(GradClip(cfg.clip, alpha=1.0))  # x2 .. /2
-    return out
-
-
-def _clip(sched: OneCycleAutoLR) -> GradClip | None:
-    return next((h for h in sched.ensemble.hypers if isinstance(h, GradClip)), None)
-
-
-class _Probe:
-    """The fit controller's probe: ``probe_batches`` training batches, the same on every replica at the
-    same sync (the k-th call of every replica draws from a generator seeded by the run's seed and k)."""
-
-    def __init__(self, task: Task, cfg: RunConfig, device: torch.device) -> None:
-        self.task, self.cfg, self.device, self.calls = task, cfg, device, 0
-
-    def __call__(self, model: nn.Module) -> torch.Tensor:
-        g = torch.Generator().manual_seed(1_000_003 * (self.cfg.seed + 1) + self.calls)
-        self.calls += 1
-        losses = [self.task.loss_fn(model, _to(self.task.sample("train", self.cfg.batch, g), self.device))
-                  for _ in range(self.cfg.probe_batches)]
-        return torch.stack(losses).mean()
-
-
-def _make_scheduler(cfg: RunConfig, warmup: int, task: Task, device: torch.device):
-    def make(optimizer: torch.optim.Optimizer, replicas: Any = None, module: nn.Module | None = None):
-        assert module is not None
-        inner = module.module if hasattr(module, "module") else module  # DDP wraps the model
-        if cfg.optimizer == "schedulefree-adamw":  # no schedule: Schedule-Free's own warm-up, then constant
-            return HDETLR(optimizer, None, total_steps=cfg.steps, ensemble_lr_spread_ratio=cfg.alpha,
-                          model_sync_interval=cfg.T, model=module, seed=cfg.seed, replicas=replicas,
-                          average_optimizer_state=True)
-        return OneCycleAutoLR(optimizer, max_lr=cfg.max_lr, total_steps=cfg.steps,
-                              ensemble_lr_spread_ratio=cfg.alpha, model_sync_interval=cfg.T,
-                              enable_auto_lr=cfg.auto_lr, auto_lr_warmup_steps=warmup, eq8=cfg.eq8,
-                              model=module, seed=cfg.seed, replicas=replicas,
-                              explore=_explored(cfg, optimizer, inner), controller=cfg.controller,
-                              probe=_Probe(task, cfg, device) if cfg.controller == "fit" else None,
-                              tie_lr_groups=cfg.tie_lr_groups if cfg.tie_lr_groups is not None else
-                              (cfg.auto_lr and cfg.controller == "fit"))
-    return make
-
-
-class _EngineReplicas:
-    """All N replicas in this process (:class:`~hdet.engine.ReplicaEngine`)."""
-
-    def __init__(self, task: Task, model: nn.Module, N: int, cfg: RunConfig, warmup: int, device: torch.device) -> None:
-        self.task = task
-        self.engine = ReplicaEngine(model, N, _make_optimizer(task, cfg), _make_scheduler(cfg, warmup, task, device),
-                                    mode=cfg.mode, share_gradients=not cfg.local,
-                                    before_optimizer_step=self._clip_grads)
-        self.local = list(range(N))
-        self.N = N
-        self.schedulers = self.engine.schedulers
-        if cfg.warm_init:
-            for r, m in enumerate(self.engine.models):
-                warm_init_(m, rank=r, nu=cfg.nu, seed=cfg.seed)
-
-    def _clip_grads(self, r: int, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        clip = _clip(self.engine.schedulers[r])
-        if clip is not None:
-            clip.clip_(module.parameters())
-
-    @property
-    def mode(self) -> str:
-        return "engine-" + self.engine.mode
-
-    def step(self, batches: list[Any]) -> torch.Tensor:
-        return self.engine.step(batches, self.task.loss_fn)
-
-    def mean_loss(self, loss_sum: torch.Tensor, count: int) -> float:
-        return loss_sum.item() / count / self.N  # host sync (logging steps only)
-
-    def eval_model(self) -> nn.Module:
-        return self.engine.models[0]
-
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [self.engine.optimizers[0]]  # replica 0's: the evaluated model's
-
-
-class _DDPReplicas:
-    """One replica per process under torchrun: DDP on the default process group."""
-
-    def __init__(self, task: Task, model: nn.Module, cfg: RunConfig, warmup: int, device: torch.device) -> None:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        self.task = task
-        self.model = model
-        self.ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        self.optimizer = _make_optimizer(task, cfg)(model)
-        self.schedulers = [_make_scheduler(cfg, warmup, task, device)(self.optimizer, None, self.ddp)]
-        self.local = [dist.get_rank()]
-        self.N = dist.get_world_size()
-        self.mode = "ddp-" + dist.get_backend()
-        self.local_mode = cfg.local
-        if cfg.warm_init:
-            warm_init_(model, nu=cfg.nu, seed=cfg.seed)  # rank from the process group
-
-    def step(self, batches: list[Any]) -> torch.Tensor:
-        with self.ddp.no_sync() if self.local_mode else contextlib.nullcontext():  # local mode: no all-reduce
-            loss = self.task.loss_fn(self.ddp, batches[0])
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # COLLECTIVE: gradient all-reduce (DDP), unless local mode
-        clip = _clip(self.schedulers[0])
-        if clip is not None:
-            clip.clip_(self.model.parameters())
-        self.optimizer.step()
-        self.schedulers[0].step(loss)
-        return loss.detach()[None]
-
-    def mean_loss(self, loss_sum: torch.Tensor, count: int) -> float:
-        x = loss_sum.clone()
-        dist.all_reduce(x)  # collective + host sync below (logging steps only)
-        return x.item() / count / self.N
-
-    def eval_model(self) -> nn.Module:
-        return self.model
-
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [self.optimizer]
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    return type(batch)(_to(b, device) for b in batch)
-
-
 @torch.no_grad()
 def evaluate(task: Task, model: nn.Module, n_batches: int, batch: int, device: torch.device) -> float:
     """Mean validation loss over a fixed set of held-out batches (the same for every run)."""
     g = torch.Generator().manual_seed(12345)
     was = model.training
     model.eval()
-    total = sum(task.loss_fn(model, _to(task.sample("val", batch, g), device)).item()  # host sync
+    total = sum(task.loss_fn(model, to_device(task.sample("val", batch, g), device)).item()  # host sync
                 for _ in range(n_batches))
     model.train(was)
     return total / n_batches
@@ -429,7 +129,7 @@ class _Progress:
 
 def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
     """Run ``cfg``; returns the summary (also written to ``<out>/summary.json`` on rank 0)."""
-    _check(cfg)
+    check(cfg)
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     owns_group = False
     device = resolve_device(cfg.device)
@@ -474,8 +174,8 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
             raise RunError(f"Expected --init-from to hold this task's model weights (same --task, --width, "
                            f"--layers, --ctx), but they differ: {detail}") from None
     model.to(device)
-    reps = (_DDPReplicas(task, model, cfg, warmup, device) if distributed
-            else _EngineReplicas(task, model, N, cfg, warmup, device))
+    reps = (DDPRun(task, model, cfg, warmup, device) if distributed
+            else EngineRun(task, model, N, cfg, warmup, device))
     gens = {r: torch.Generator().manual_seed(cfg.seed * 1000 + r) for r in reps.local}  # each replica its data
     sched0 = reps.schedulers[0].record_schedule()  # the discovered schedule, for hdet.ReplayLR
     groups = [g.get("name", str(j)) for j, g in enumerate(sched0.optimizer.param_groups)]
@@ -512,7 +212,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
     loss_sum = torch.zeros((), device=device)
     try:
         for t in range(1, cfg.steps + 1):
-            batches = [_to(task.sample("train", cfg.batch, gens[r]), device) for r in reps.local]
+            batches = [to_device(task.sample("train", cfg.batch, gens[r]), device) for r in reps.local]
             try:
                 losses = reps.step(batches)
             except NonFiniteReplicaError as e:

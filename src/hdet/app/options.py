@@ -1,0 +1,137 @@
+"""The options of one ``hdet train`` run: :class:`RunConfig` (each field declared once, with its flag's
+help), its checks, and the device choice."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..controller import CONTROLLERS
+from ..engine import MODES
+
+__all__ = ["RunConfig", "RunError", "resolve_device", "check", "OPTIMIZERS", "EXPLORE", "MAX_CTX"]
+
+OPTIMIZERS = ("adamw", "dadapt-adam", "prodigy", "schedulefree-adamw")
+EXPLORE = ("lr-groups", "weight-decay", "dropout", "grad-clip")
+
+
+class RunError(ValueError):
+    """A run cannot start with what was given (the CLI prints it as one line)."""
+
+
+def _cli(help: str, flag: str | None = None, **argparse_kw: Any) -> dict[str, Any]:
+    """A RunConfig field's command-line flag: its help text (and, where the default does not fit, its flag
+    name and argparse keywords). ``hdet.app.cli`` builds every flag from these."""
+    return {"cli": {"help": help, "flag": flag, "kw": argparse_kw}}
+
+
+@dataclass
+class RunConfig:
+    """One training run of the ``hdet`` command: every field with ``_cli`` metadata is a flag of ``hdet train``."""
+
+    task: str = field(default="bytes", metadata=_cli("bytes (stdlib byte-level GPT) or fashion (Fashion-MNIST CNN)"))
+    data: str | None = field(default=None, metadata=_cli(
+        "Fashion-MNIST folder (default /usr/share/datasets/fashion-mnist)"))
+    replicas: int | None = field(default=None, metadata=_cli("N in one process (default 4); under torchrun: the "
+                                                             "world size"))
+    steps: int = field(default=400, metadata=_cli("optimizer steps of the run"))
+    batch: int = field(default=16, metadata=_cli("examples per replica per step"))
+    alpha: float = field(default=0.2, metadata=_cli("LR spread ratio (Eq. 1); 0 = plain data parallel"))
+    T: int = field(default=25, metadata=_cli("sync interval: average weights every T steps"))
+    auto_lr: bool = field(default=False, metadata=_cli("run the auto-LR controller"))
+    controller: str = field(default="fit", metadata=_cli(
+        "auto-LR controller: fit (hdet's, the default: probe loss at each replica's mean iterate, multiplicative "
+        "correction of the schedule) or paper (Eqs. 4-8)"))
+    probe_batches: int = field(default=4, metadata=_cli("fit controller: batches per probe"))
+    tie_lr_groups: bool | None = field(default=None, metadata=_cli(
+        "one LR multiplier per replica for all param groups (default: on with the fit controller, as measured; "
+        "otherwise one multiplier per group, as in the paper)"))
+    local: bool = field(default=False, metadata=_cli(
+        "average gradients every step (DDP); --no-grad-sync is the local mode: replicas meet only at converge "
+        "steps, every T steps", flag="--grad-sync", invert=True))
+    warmup: int | None = field(default=None, metadata=_cli(
+        "auto-LR warmup steps (default: the end of OneCycle's warm-up, 30%% of the run, for the fit controller; "
+        "half the run for the paper's)"))
+    max_lr: float = field(default=3e-3, metadata=_cli("OneCycle's peak learning rate"))
+    weight_decay: float = field(default=0.01, metadata=_cli("AdamW's decoupled weight decay (none on norms and biases)"))
+    dropout: float = field(default=0.0, metadata=_cli("dropout probability of the model"))
+    warm_init: bool = field(default=False, metadata=_cli("Eq. 10 noise"))
+    init_from: str | None = field(default=None, metadata=_cli("start from this model.pt"))
+    ctx: int = field(default=64, metadata=_cli("bytes task: context length"))
+    width: int = field(default=128, metadata=_cli("model width"))
+    layers: int = field(default=2, metadata=_cli("bytes task: transformer layers"))
+    device: str = field(default="auto", metadata=_cli("auto, cpu, cuda or cuda:N"))
+    mode: str = field(default="auto", metadata=_cli("engine: auto (vmap, loop if it cannot), vmap or loop"))
+    seed: int = field(default=0, metadata=_cli("seed of the model, the data and the permutations"))
+    out: str = field(default="runs/latest", metadata=_cli("output folder"))
+    eval_every: int | None = field(default=None, metadata=_cli("validate every ~N steps (at syncs; default T)"))
+    tensorboard: bool = field(default=False, metadata=_cli("also write TensorBoard events to OUT/tb",
+                                                           action="store_true"))
+    progress: bool = field(default=True, metadata=_cli("no progress bar", flag="--no-progress", action="store_false"))
+    explore: tuple[str, ...] = field(default=(), metadata=_cli(
+        "also explore, comma-separated: lr-groups (per-group LRs, always on when alpha > 0), weight-decay (per "
+        "group, x2../2), dropout (+-0.05), grad-clip (norm x2../2)", comma=True))
+    clip: float = field(default=1.0, metadata=_cli("base gradient-clipping norm for --explore grad-clip"))
+    optimizer: str = field(default="adamw", metadata=_cli(
+        "adamw, or a learning-rate-free peer to compare with (pip install 'hdet[bench]'): dadapt-adam, prodigy (at "
+        "--max-lr 1, OneCycle shape), schedulefree-adamw (constant LR after its own warm-up); peers need --alpha 0"))
+    eq8: str = "decay"
+    nu: float = 0.01  # Eq. 10's noise scale with --warm-init
+    log_every: int | None = None  # steps between records; None: steps // 100, between 1 and 10 (a short run's warm-up shows)
+    eval_batches: int = 8
+    data_bytes: int = 4_000_000
+    label: str | None = None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise RunError(f"Expected --device auto, cpu, cuda or cuda:N, but got {name!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RunError(f"Expected a CUDA device for --device {name}, but torch sees none")
+    return dev
+
+
+def check(cfg: RunConfig) -> None:
+    for name in ("steps", "batch", "ctx", "width", "layers", "T", "log_every", "eval_batches", "probe_batches"):
+        v = getattr(cfg, name)
+        if name == "log_every" and v is None:
+            continue
+        if not isinstance(v, int) or v < 1:
+            raise RunError(f"Expected --{name.replace('_', '-')} to be a positive integer, but got {v!r}")
+    if cfg.eval_every is not None and (not isinstance(cfg.eval_every, int) or cfg.eval_every < 1):
+        raise RunError(f"Expected --eval-every to be a positive integer, but got {cfg.eval_every!r}")
+    if not (cfg.weight_decay >= 0 and math.isfinite(cfg.weight_decay)):
+        raise RunError(f"Expected --weight-decay >= 0, but got {cfg.weight_decay}")
+    if cfg.ctx > MAX_CTX:
+        raise RunError(f"Expected --ctx at most {MAX_CTX} (the embedded tasks' models are small; attention memory "
+                       f"grows with ctx squared), but got {cfg.ctx}")
+    if cfg.replicas is not None and cfg.replicas < 1:
+        raise RunError(f"Expected --replicas to be at least 1, but got {cfg.replicas}")
+    if not 0 <= cfg.alpha < 1:
+        raise RunError(f"Expected --alpha in [0, 1), but got {cfg.alpha}")
+    if not (cfg.max_lr > 0 and math.isfinite(cfg.max_lr)):
+        raise RunError(f"Expected --max-lr > 0, but got {cfg.max_lr}")
+    if not 0 <= cfg.dropout < 1:
+        raise RunError(f"Expected --dropout in [0, 1), but got {cfg.dropout}")
+    if cfg.controller not in CONTROLLERS:
+        raise RunError(f"Expected --controller {' or '.join(CONTROLLERS)}, but got {cfg.controller!r}")
+    if cfg.mode not in MODES:
+        raise RunError(f"Expected --mode auto, vmap or loop, but got {cfg.mode!r}")
+    bad = [e for e in cfg.explore if e not in EXPLORE]
+    if bad:
+        raise RunError(f"Expected --explore items from {', '.join(EXPLORE)}, but got {', '.join(bad)}")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise RunError(f"Expected --optimizer in {', '.join(OPTIMIZERS)}, but got {cfg.optimizer!r}")
+    if cfg.init_from is not None and not Path(cfg.init_from).is_file():
+        raise RunError(f"Expected --init-from to name a model.pt file, but {cfg.init_from} does not exist")
+
+
+MAX_CTX = 4096

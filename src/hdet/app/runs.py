@@ -1,0 +1,217 @@
+"""How a run of the ``hdet`` command is built: the optimizer and scheduler of each replica, and the two
+ways to run the replicas (:class:`EngineRun`: all N in this process; :class:`DDPRun`: one per process
+under torchrun), which the training loop in :mod:`hdet.app.run` drives alike."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..engine import ReplicaEngine
+from ..hyper import Dropout, GradClip, Hyperparameter, WeightDecay
+from ..schedulers import HDETLR, OneCycleAutoLR
+from ..warm_init import warm_init_
+from .options import RunConfig, RunError
+from .tasks import Task, param_groups
+
+__all__ = ["EngineRun", "DDPRun", "make_optimizer", "make_scheduler", "eval_weights", "to_device"]
+
+
+def make_optimizer(task: Task, cfg: RunConfig):
+    """AdamW (hdet's default), or a learning-rate-free peer (pip install hdet[bench]): D-Adaptation Adam and
+    Prodigy at ``--max-lr`` (1 is their documented use) under the same OneCycle shape, or Schedule-Free AdamW
+    at a constant ``--max-lr`` after its own warm-up (5% of the run), with no schedule (its documented use)."""
+    def make(module: nn.Module) -> torch.optim.Optimizer:
+        groups = param_groups(module, task.group_of, cfg.weight_decay)
+        if cfg.optimizer == "adamw":
+            return torch.optim.AdamW(groups, lr=cfg.max_lr)
+        try:
+            if cfg.optimizer == "dadapt-adam":
+                import dadaptation
+
+                return dadaptation.DAdaptAdam(groups, lr=cfg.max_lr, decouple=True)
+            if cfg.optimizer == "prodigy":
+                import prodigyopt
+
+                return prodigyopt.Prodigy(groups, lr=cfg.max_lr, decouple=True)
+            import schedulefree
+
+            opt = schedulefree.AdamWScheduleFree(groups, lr=cfg.max_lr, warmup_steps=max(1, cfg.steps // 20))
+            opt.train()
+            return opt
+        except ImportError as e:
+            raise RunError(f"Expected the package for --optimizer {cfg.optimizer} (pip install 'hdet[bench]'), but "
+                           f"got: {e}") from None
+    return make
+
+
+@contextlib.contextmanager
+def eval_weights(task: Task, model: nn.Module, optimizers: list[torch.optim.Optimizer], cfg: RunConfig,
+                 device: torch.device):
+    """The weights to evaluate: as they are, or for Schedule-Free its average ``x`` (``optimizer.eval()``),
+    with BatchNorm statistics recomputed at ``x`` on 50 training batches (the recipe in schedulefree's README);
+    everything is put back afterwards."""
+    sf = [o for o in optimizers if hasattr(o, "eval") and any("train_mode" in g for g in o.param_groups)]
+    if not sf:
+        yield
+        return
+    for o in sf:
+        o.eval()  # y -> x
+    bn = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    saved = [{k: v.clone() for k, v in m.state_dict().items()} for m in bn]
+    try:
+        if bn:
+            was = model.training
+            model.train()
+            g = torch.Generator().manual_seed(54321)
+            with torch.no_grad():
+                for _ in range(50):
+                    task.loss_fn(model, to_device(task.sample("train", cfg.batch, g), device))
+            model.train(was)
+        yield
+    finally:
+        for m, st in zip(bn, saved):
+            m.load_state_dict(st)
+        for o in sf:
+            o.train()  # x -> y
+
+
+def _explored(cfg: RunConfig, optimizer: torch.optim.Optimizer, module: nn.Module) -> list[Hyperparameter]:
+    """The CLI's ``--explore`` choices (the LR of every param group is always explored when alpha > 0)."""
+    out: list[Hyperparameter] = []
+    if "weight-decay" in cfg.explore:
+        out += WeightDecay.per_group(optimizer, alpha=1.0)  # x2 .. /2, log scale
+    if "dropout" in cfg.explore:
+        out.append(Dropout(module, alpha=0.05))  # +-0.05, kept in [0, 0.999]
+    if "grad-clip" in cfg.explore:
+        out.append(GradClip(cfg.clip, alpha=1.0))  # x2 .. /2
+    return out
+
+
+def _clip(sched: OneCycleAutoLR) -> GradClip | None:
+    return next((h for h in sched.ensemble.hypers if isinstance(h, GradClip)), None)
+
+
+class _Probe:
+    """The fit controller's probe: ``probe_batches`` training batches, the same on every replica at the
+    same sync (the k-th call of every replica draws from a generator seeded by the run's seed and k)."""
+
+    def __init__(self, task: Task, cfg: RunConfig, device: torch.device) -> None:
+        self.task, self.cfg, self.device, self.calls = task, cfg, device, 0
+
+    def __call__(self, model: nn.Module) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1_000_003 * (self.cfg.seed + 1) + self.calls)
+        self.calls += 1
+        losses = [self.task.loss_fn(model, to_device(self.task.sample("train", self.cfg.batch, g), self.device))
+                  for _ in range(self.cfg.probe_batches)]
+        return torch.stack(losses).mean()
+
+
+def make_scheduler(cfg: RunConfig, warmup: int, task: Task, device: torch.device):
+    def make(optimizer: torch.optim.Optimizer, replicas: Any = None, module: nn.Module | None = None):
+        assert module is not None
+        inner = module.module if hasattr(module, "module") else module  # DDP wraps the model
+        if cfg.optimizer == "schedulefree-adamw":  # no schedule: Schedule-Free's own warm-up, then constant
+            return HDETLR(optimizer, None, total_steps=cfg.steps, ensemble_lr_spread_ratio=cfg.alpha,
+                          model_sync_interval=cfg.T, model=module, seed=cfg.seed, replicas=replicas,
+                          average_optimizer_state=True)
+        return OneCycleAutoLR(optimizer, max_lr=cfg.max_lr, total_steps=cfg.steps,
+                              ensemble_lr_spread_ratio=cfg.alpha, model_sync_interval=cfg.T,
+                              enable_auto_lr=cfg.auto_lr, auto_lr_warmup_steps=warmup, eq8=cfg.eq8,
+                              model=module, seed=cfg.seed, replicas=replicas,
+                              explore=_explored(cfg, optimizer, inner), controller=cfg.controller,
+                              probe=_Probe(task, cfg, device) if cfg.controller == "fit" else None,
+                              tie_lr_groups=cfg.tie_lr_groups if cfg.tie_lr_groups is not None else
+                              (cfg.auto_lr and cfg.controller == "fit"))
+    return make
+
+
+class EngineRun:
+    """All N replicas in this process (:class:`~hdet.engine.ReplicaEngine`)."""
+
+    def __init__(self, task: Task, model: nn.Module, N: int, cfg: RunConfig, warmup: int, device: torch.device) -> None:
+        self.task = task
+        self.engine = ReplicaEngine(model, N, make_optimizer(task, cfg), make_scheduler(cfg, warmup, task, device),
+                                    mode=cfg.mode, share_gradients=not cfg.local,
+                                    before_optimizer_step=self._clip_grads)
+        self.local = list(range(N))
+        self.N = N
+        self.schedulers = self.engine.schedulers
+        if cfg.warm_init:
+            for r, m in enumerate(self.engine.models):
+                warm_init_(m, rank=r, nu=cfg.nu, seed=cfg.seed)
+
+    def _clip_grads(self, r: int, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        clip = _clip(self.engine.schedulers[r])
+        if clip is not None:
+            clip.clip_(module.parameters())
+
+    @property
+    def mode(self) -> str:
+        return "engine-" + self.engine.mode
+
+    def step(self, batches: list[Any]) -> torch.Tensor:
+        return self.engine.step(batches, self.task.loss_fn)
+
+    def mean_loss(self, loss_sum: torch.Tensor, count: int) -> float:
+        return loss_sum.item() / count / self.N  # host sync (logging steps only)
+
+    def eval_model(self) -> nn.Module:
+        return self.engine.models[0]
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.engine.optimizers[0]]  # replica 0's: the evaluated model's
+
+
+class DDPRun:
+    """One replica per process under torchrun: DDP on the default process group."""
+
+    def __init__(self, task: Task, model: nn.Module, cfg: RunConfig, warmup: int, device: torch.device) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.task = task
+        self.model = model
+        self.ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.optimizer = make_optimizer(task, cfg)(model)
+        self.schedulers = [make_scheduler(cfg, warmup, task, device)(self.optimizer, None, self.ddp)]
+        self.local = [dist.get_rank()]
+        self.N = dist.get_world_size()
+        self.mode = "ddp-" + dist.get_backend()
+        self.local_mode = cfg.local
+        if cfg.warm_init:
+            warm_init_(model, nu=cfg.nu, seed=cfg.seed)  # rank from the process group
+
+    def step(self, batches: list[Any]) -> torch.Tensor:
+        with self.ddp.no_sync() if self.local_mode else contextlib.nullcontext():  # local mode: no all-reduce
+            loss = self.task.loss_fn(self.ddp, batches[0])
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # COLLECTIVE: gradient all-reduce (DDP), unless local mode
+        clip = _clip(self.schedulers[0])
+        if clip is not None:
+            clip.clip_(self.model.parameters())
+        self.optimizer.step()
+        self.schedulers[0].step(loss)
+        return loss.detach()[None]
+
+    def mean_loss(self, loss_sum: torch.Tensor, count: int) -> float:
+        x = loss_sum.clone()
+        dist.all_reduce(x)  # collective + host sync below (logging steps only)
+        return x.item() / count / self.N
+
+    def eval_model(self) -> nn.Module:
+        return self.model
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer]
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    return type(batch)(to_device(b, device) for b in batch)
