@@ -93,18 +93,20 @@ class _Call(nn.Module):
 class ReplicaEngine:
     """``num_replicas`` copies of ``model`` (identical start weights) trained as one HDET ensemble.
 
-    ``make_optimizer(module)`` builds one replica's optimizer over ``module``'s parameters (param
-    groups by name are possible: ``module.named_parameters()``); ``make_scheduler(optimizer, replicas,
-    module)`` builds its scheduler and must pass ``replicas=replicas`` (and usually ``model=module``)
-    to ``OneCycleAutoLR``/``HDETLR``. ``mode`` is ``"auto"``, ``"vmap"`` or ``"loop"`` (module
-    docstring). :attr:`models` are the replicas' modules; in vmap mode their parameters and buffers
-    are views of the stacked tensors :attr:`stacked_params` / :attr:`stacked_buffers`. ``compile=True``
-    runs the vmapped forward through ``torch.compile`` (vmap path only; the first steps compile).
-    ``before_optimizer_step(r, module, optimizer)`` runs for every replica after the gradients are
-    averaged (e.g. ``clip.clip_(module.parameters())`` with an explored :class:`hdet.GradClip`). Explored
-    hyperparameters that live in a module's Python state (dropout p, label smoothing, ...) make
-    ``mode="auto"`` use the loop: vmap would share one value across replicas. ``share_gradients=False``:
-    local mode, no gradient averaging between converge steps (as DDP under ``no_sync()``)."""
+    Args:
+        model: the module; each replica gets a deep copy. :attr:`models` are the replicas' modules; in vmap
+            mode their parameters and buffers are views of :attr:`stacked_params` / :attr:`stacked_buffers`.
+        num_replicas: N.
+        make_optimizer: ``make_optimizer(module)`` builds one replica's optimizer over ``module``'s parameters.
+        make_scheduler: ``make_scheduler(optimizer, replicas, module)`` builds its hdet scheduler and must pass
+            ``replicas=replicas`` (and usually ``model=module``) to ``OneCycleAutoLR``/``HDETLR``.
+        mode: "auto" (vmap, the loop if the first step cannot be vectorised), "vmap" or "loop". Explored values
+            that live in a module's Python state (dropout p, label smoothing) make "auto" use the loop.
+        compile: run the vmapped forward through ``torch.compile`` (vmap path only).
+        before_optimizer_step: ``f(r, module, optimizer)`` for every replica after the gradients are averaged
+            (e.g. ``clip.clip_(module.parameters())`` with an explored :class:`hdet.GradClip`).
+        share_gradients: False is the local mode: no gradient averaging between syncs (DDP's ``no_sync``).
+    """
 
     def __init__(self, model: nn.Module, num_replicas: int, make_optimizer: MakeOptimizer,
                  make_scheduler: MakeScheduler, *, mode: str = "auto", compile: bool = False,
@@ -134,7 +136,6 @@ class ReplicaEngine:
             self.mode = "loop"  # per-replica Python attributes (dropout p, ...) need one module call each
         self.before_optimizer_step = before_optimizer_step
         self.share_gradients = share_gradients
-        self.steps_taken = 0
         self._call = _Call(self.models[0])
         self.compile = compile
         self._fns: dict[Any, Callable[..., torch.Tensor]] = {}  # loss_fn -> the vmapped (compiled) function
@@ -236,6 +237,11 @@ class ReplicaEngine:
             for g in grads:
                 g.copy_(acc)
 
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps taken: the schedulers' own count (one counter, not two)."""
+        return self.schedulers[0].last_epoch
+
     # -- state ----------------------------------------------------------------------------------------
     STATE_VERSION = 1
 
@@ -288,7 +294,6 @@ class ReplicaEngine:
             m.load_state_dict(rs["model"])  # in place: in vmap mode the stacked tensors follow
             o.load_state_dict(rs["optimizer"])
             s.load_state_dict(rs["scheduler"])
-        self.steps_taken = self.schedulers[0].last_epoch
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self, batches: Sequence[Any] | Any, loss_fn: LossFn, *, stacked: bool = False) -> torch.Tensor:
@@ -336,7 +341,6 @@ class ReplicaEngine:
             o.step()
         for s, loss in zip(self.schedulers, losses):
             s.observe(loss)
-        self.steps_taken = t
         for s in self.schedulers:
             s.begin_step()
         if self.schedulers[0].ensemble.is_sync_step(t):

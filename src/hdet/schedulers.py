@@ -157,9 +157,7 @@ class HDETLR(LRScheduler):
         """The gradient guard installed, if any: "hook" or "skip" (:mod:`hdet.guard`)."""
         return self._guard.installed
 
-    @property
-    def skip_guard(self) -> Any:
-        return self._guard.skip
+    skip_guard = property(lambda self: self._guard.skip)  # the SkipNonFiniteStep guard, if installed
 
     def attach_model(self, model: nn.Module) -> None:
         """Give the scheduler its model after construction, for frameworks that wrap the model later (the
@@ -296,10 +294,7 @@ class HDETLR(LRScheduler):
     rank = property(lambda self: self._hdet.replicas.rank)
     world_size = property(lambda self: self._hdet.replicas.world_size)
     ensemble = property(lambda self: self._hdet)
-
-    @property
-    def last_sync(self) -> SyncRecord | None:
-        return self._hdet.last_sync
+    last_sync: SyncRecord | None = property(lambda self: self._hdet.last_sync)  # type: ignore[assignment]
 
     def is_sync_step(self, t: int | None = None) -> bool:
         """Whether optimizer step ``t`` (default: the last one taken) was a sync step."""

@@ -57,7 +57,14 @@ def sync_scalars(rec: SyncRecord) -> dict[str, float]:
 class SyncLogger:
     """Attach to a scheduler (``OneCycleAutoLR``/``HDETLR``): every sync is written as one JSON line to
     ``path``, as TensorBoard scalars under ``tensorboard_dir`` (if given and tensorboard is installed),
-    and handed to ``callback(record_dict)``. Replicas other than 0 write nothing. ``close()`` at the end."""
+    and handed to ``callback(record_dict)``. Replicas other than 0 write nothing. ``close()`` at the end.
+
+    Args:
+        scheduler: an hdet scheduler (``OneCycleAutoLR`` or ``HDETLR``).
+        path: a JSON-lines file, one line per sync (None: none).
+        tensorboard_dir: write TensorBoard scalars here (needs tensorboard; None: none).
+        callback: called with each sync's record as a dict (e.g. ``wandb.log``).
+    """
 
     def __init__(self, scheduler: Any, path: str | Path | None = None, tensorboard_dir: str | Path | None = None,
                  callback: Callable[[dict[str, Any]], None] | None = None) -> None:

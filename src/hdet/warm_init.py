@@ -28,6 +28,13 @@ def warm_init_(
 
     ``scope="model"`` is Eq. 10: one std ``nu * ||theta_0|| / sqrt(d)`` over all parameters.
     ``scope="tensor"`` uses each tensor's own ``nu * ||theta|| / sqrt(numel)`` (the reference README).
+
+    Args:
+        params: this replica's module (the DDP-wrapped one's ``.module``) or its parameters.
+        rank: this replica's index (default: the process group's rank, 0 without one).
+        nu: the noise scale of Eq. 10.
+        seed: replica ``r`` draws from a generator seeded ``seed + r``.
+        scope: "model" (Eq. 10) or "tensor".
     """
     if not (isinstance(nu, (int, float)) and not isinstance(nu, bool) and nu >= 0):
         raise ValueError(f"Expected nu >= 0, but got {nu!r}")
