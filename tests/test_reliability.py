@@ -337,7 +337,7 @@ def test_recommended_setup_state_loads_with_weights_only():
         assert r["lr"] == r["lr_fresh_load"]
 
 
-@pytest.mark.parametrize("setup", ["onecycle", "hdetlr-step", "hdetlr-callable", "engine"])
+@pytest.mark.parametrize("setup", ["onecycle", "hdetlr-step", "hdetlr-callable", "engine", "config", "fit-template"])
 def test_every_readme_setup_saves_plain_data(setup):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.1), nn.Linear(4, 1))
@@ -351,6 +351,14 @@ def test_every_readme_setup_saves_plain_data(setup):
         s = hdet.HDETLR(o, torch.optim.lr_scheduler.StepLR(o, 5), total_steps=20, model=m, explore=explore)
     elif setup == "hdetlr-callable":
         s = hdet.HDETLR(o, lambda t: 0.1 / (1 + t), total_steps=20, model=m, explore=explore)
+    elif setup == "config":
+        cfg = hdet.HDETConfig(ensemble_lr_spread_ratio=0.2, model_sync_interval=5, enable_auto_lr=True,
+                              controller="paper")
+        s = hdet.HDETLR(o, torch.optim.lr_scheduler.CosineAnnealingLR(o, 20), total_steps=20, config=cfg, model=m)
+    elif setup == "fit-template":
+        s = hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=20, model=m, enable_auto_lr=True, auto_lr_warmup_steps=5,
+                                model_sync_interval=2, controller=hdet.FitController(kappa=0.3),
+                                probe=lambda mod: mod(torch.ones(4, 3)).pow(2).mean())
     else:
         eng = ReplicaEngine(m, 2, lambda mod: torch.optim.AdamW(mod.parameters(), lr=0.1),
                             lambda opt, rep, mod: hdet.OneCycleAutoLR(opt, max_lr=0.1, total_steps=20, replicas=rep,
@@ -359,10 +367,13 @@ def test_every_readme_setup_saves_plain_data(setup):
             eng.step([torch.randn(2, 3)] * 2, lambda mod, x: mod(x).pow(2).mean())
         eng.load_state_dict(_roundtrip(eng.state_dict()))
         return
-    for _ in range(4):
+    for _ in range(8):
         o.step()
         s.step(torch.tensor(1.0))
-    s.load_state_dict(_roundtrip(s.state_dict()))
+    state = _roundtrip(s.state_dict())  # weights_only=True
+    s.load_state_dict(state)
+    if setup == "fit-template":
+        assert s.ensemble.config.controller.kappa == 0.3 and s.ensemble.controllers[0].kappa == 0.3
 
 
 # ------------------------------------------------------------ 8. state checks: validate first, then assign
