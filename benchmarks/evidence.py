@@ -73,7 +73,16 @@ def run_job(job: dict[str, Any], deadline: float, expected: float) -> dict[str, 
             rec = json.loads(line)
             if rec["step"] % 50 == 0 or rec["step"] == cfg.steps:
                 lr.append((rec["step"], next(iter(rec["lr_mean"].values()))))
+    events = []  # syncs that found a runaway replica or cut the LR (on_runaway="recover")
+    syncs = Path(cfg.out) / "syncs.jsonl"
+    scale = 1.0
+    for line in (syncs.read_text().splitlines() if syncs.is_file() else []):
+        rec = json.loads(line)
+        if rec.get("runaway") or rec.get("lr_scale", 1.0) != scale:
+            events.append([rec["step"], rec.get("runaway"), rec.get("lr_scale")])
+            scale = rec.get("lr_scale", 1.0)
     return {**job, "seconds": time.time() - t0, "crashed": s["crashed"], "final_metrics": s["final_metrics"],
+            "runaway_events": events, "final_lr_scale": scale,
             "final_val_loss": s["final_val_loss"], "final_train_loss": s["final_train_loss"],
             "val_curve": s["val_curve"], "lr_curve": lr, "mode": s["mode"], "device": s.get("device"),
             "steps_per_second": s["steps_per_second"]}
@@ -106,6 +115,11 @@ def main() -> None:
                     "BEST_MAX_LR (the plain grid's best, seeds 0-2, a same-machine anchor): D-Adaptation Adam and "
                     "Prodigy at lr 1 with the OneCycle shape (seeds 0-2); Schedule-Free AdamW: its own 7-LR grid "
                     "(seed 0, centred at 2x the task's centre), then 0.1x, 1x and 10x its best (seeds 0-2)")
+    ap.add_argument("--stability", type=float, default=None, metavar="BEST_MAX_LR",
+                    help="runaway replicas (issue 15, item 2) instead of the main suite: at 3x and 10x BEST_MAX_LR, "
+                    "seeds 0-2, plain DP, HDET (--alpha, T from the size) as the paper has it, HDET with "
+                    "on_runaway='recover', and plain DP with on_runaway='recover' (its rising-loss rule alone); at 1x "
+                    "HDET with on_runaway='recover' (no harm?)")
     a = ap.parse_args()
     t_start = time.time()
     deadline = t_start + a.deadline
@@ -174,6 +188,18 @@ def main() -> None:
             status = r.get("skipped") or r.get("error") or r.get("crashed") or r.get("final_metrics")
             print(f"[{time.time() - t_start:6.0f}s] {r['name']}: {status}", flush=True)
             save()
+
+    if a.stability is not None:
+        best[0] = a.stability
+        configs = {"plain": dict(alpha=0.0), "hdet": dict(alpha=a.alpha), "guard": dict(alpha=a.alpha, on_runaway="recover"),
+                   "plainguard": dict(alpha=0.0, on_runaway="recover")}
+        jobs = [job(f"{name}-{start:g}x-s{seed}", name, max_lr=a.stability * start, seed=seed, **over)
+                for seed in (0, 1, 2) for start in (3.0, 10.0) for name, over in configs.items()]
+        jobs += [job(f"guard-1x-s{seed}", "guard", max_lr=a.stability, seed=seed, **configs["guard"]) for seed in (0, 1, 2)]
+        with cf.ProcessPoolExecutor(max_workers=a.jobs, mp_context=ctx) as pool:
+            run_all(jobs, pool)
+        save(final=True)
+        return
 
     if a.peers is not None:
         with cf.ProcessPoolExecutor(max_workers=a.jobs, mp_context=ctx) as pool:

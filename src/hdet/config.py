@@ -39,6 +39,16 @@ class HDETConfig:
         on_nonfinite: "recover" (a non-finite replica is left out and reset to the others' mean) or "raise".
         controller: "fit" (default), "paper", or a :class:`hdet.FitController` whose settings every LR slot copies.
         tie_lr_groups: one multiplier per replica for all its LR groups (one permutation). Default False.
+        on_runaway: "ignore" (default: the paper's HDET) or "recover": a replica whose window loss is finite
+            but runs away from the others' is left out of the average, reset to the others' mean and ranked
+            worst, like a non-finite one, and the LR schedule is cut (also when the ensemble's loss rises).
+        outlier_threshold: with "recover": a replica runs away when its window loss is above the replicas'
+            median by more than this many robust deviations (1.4826 MAD, at least 1% of the median) and above
+            the previous sync's ensemble loss. Default 5.
+        rise_threshold: with "recover": the ensemble is unstable when its median window loss rises by more
+            than this fraction from one sync to the next. Default 0.05.
+        lr_cut: with "recover": at each sync with a runaway replica or an unstable ensemble, the LR schedule
+            is multiplied by this factor for the rest of the run. Default 0.7.
     """
 
     ensemble_lr_spread_ratio: float = 0.0
@@ -54,6 +64,10 @@ class HDETConfig:
     on_nonfinite: str = "recover"
     controller: str | FitController = "fit"
     tie_lr_groups: bool = False
+    on_runaway: str = "ignore"
+    outlier_threshold: float = 5.0
+    rise_threshold: float = 0.05
+    lr_cut: float = 0.7
 
     def __post_init__(self) -> None:
         """Check every field; numpy scalars become Python numbers."""
@@ -65,13 +79,18 @@ class HDETConfig:
             setattr(self, name, _check_bool(name, getattr(self, name)))
         for name, symbol, ok, want in (("loss_scale", "sigma", lambda v: v > 0, "{} > 0"),
                                        ("lr_of_lr", "lambda", lambda v: v >= 0, "{} >= 0"),
-                                       ("momentum_of_lr", "beta", lambda v: 0 <= v < 1, "0 <= {} < 1")):
+                                       ("momentum_of_lr", "beta", lambda v: 0 <= v < 1, "0 <= {} < 1"),
+                                       ("outlier_threshold", "", lambda v: v > 0, "{} > 0"),
+                                       ("rise_threshold", "", lambda v: v > 0, "{} > 0"),
+                                       ("lr_cut", "", lambda v: 0 < v <= 1, "0 < {} <= 1")):
             v = getattr(self, name)
             if not _is_real(v) or not math.isfinite(v) or not ok(v):
-                raise ValueError(f"Expected {want.format(f'{name} ({symbol})')}, but got {v!r}")
+                raise ValueError(f"Expected {want.format(f'{name} ({symbol})' if symbol else name)}, but got {v!r}")
             setattr(self, name, float(v))
         if self.eq8 not in ("decay", "as_printed"):
             raise ValueError(f"Expected eq8 to be 'decay' or 'as_printed', but got {self.eq8!r}")
+        if self.on_runaway not in ("ignore", "recover"):
+            raise ValueError(f"Expected on_runaway to be 'ignore' or 'recover', but got {self.on_runaway!r}")
         if self.on_nonfinite not in ("recover", "raise"):
             raise ValueError(f"Expected on_nonfinite to be 'recover' or 'raise', but got {self.on_nonfinite!r}")
         if isinstance(self.controller, dict):  # from a state_dict: a FitController's settings

@@ -354,10 +354,10 @@ class ReplicaEngine:
         replica axis as the transport. HOST SYNC: the stacked vectors are read once."""
         ens = [s.ensemble for s in self.schedulers]
         rows = torch.stack([e.prepare_sync(t).to("cpu", torch.float64) for e in ens])
-        checked = [e.check_sync(t, rows) for e in ens]  # the same verdict on every replica
-        bad = checked[0][1]
+        verdicts = [e.check_sync(t, rows) for e in ens]  # the same verdict on every replica
+        bad = verdicts[0].exclude
         average_local([e.tensors() for e in ens], bad)  # Eq. 3 over the healthy replicas
         if bad:
             average_local([e.recovery_tensors() for e in ens], bad)  # the reset replicas' moments too
-        for e, (col, b) in zip(ens, checked):
-            e.finish_sync(t, col, b)
+        for e, v in zip(ens, verdicts):
+            e.finish_sync(t, v)

@@ -13,10 +13,11 @@ that sequence through ``torch.distributed``. Glossary: ``docs/architecture.md``.
 from __future__ import annotations
 
 import math
+import statistics
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ from .sync import (SHARD_MIN, SHARD_SUM, ReplicaMismatchError, SyncVector, as_re
                    layout_signature, persistent_float_buffers)
 from .window import LossWindow, Probe, WindowMean
 
-__all__ = ["Ensemble", "NonFiniteReplicaError", "ReplicaSyncError", "ReplicaMismatchError", "SyncRecord",
+__all__ = ["Ensemble", "Verdict", "NonFiniteReplicaError", "ReplicaSyncError", "ReplicaMismatchError", "SyncRecord",
            "STATE_VERSION", "HDETConfig"]
 
 STATE_VERSION = ensemble_state.STATE_VERSION
@@ -39,6 +40,17 @@ STATE_VERSION = ensemble_state.STATE_VERSION
 
 class NonFiniteReplicaError(FloatingPointError):
     """A replica's window loss or weights are NaN/Inf at a converge step; nothing was averaged."""
+
+
+class Verdict(NamedTuple):
+    """What :meth:`Ensemble.check_sync` decided from every replica's vector (the same on every replica)."""
+
+    col: SyncVector  # every replica's vector, by field
+    exclude: list[int]  # left out of the average, reset to the others' mean: nonfinite + runaway
+    nonfinite: list[int]  # non-finite weights or buffers
+    runaway: list[int]  # finite, but the window loss ran away from the others' (outlier_threshold)
+    rising: bool  # the ensemble's median window loss rose by more than rise_threshold since the last sync
+    losses: list[float]  # per replica: the window's mean training loss (NaN without a finite one)
 
 
 @dataclass
@@ -54,6 +66,8 @@ class SyncRecord:
     values: list[list[float]] | None = None  # per slot, per replica: the value for the next window
     recovered: list[int] = field(default_factory=list)  # replicas with non-finite weights, reset to the others' mean
     nonfinite_losses: list[int] = field(default_factory=list)  # per replica: non-finite losses in the window
+    runaway: list[int] = field(default_factory=list)  # replicas whose finite window loss ran away, reset too
+    lr_scale: float = 1.0  # the LR schedule's cut so far (runaway replicas or a rising ensemble loss)
 
 
 class Ensemble:
@@ -94,6 +108,7 @@ class Ensemble:
         self.window = LossWindow()
         self.window_mean = WindowMean(self._float_params()) if config.probing else None
         self.total_steps: int | None = None
+        self.prev_loss: float | None = None  # the healthy replicas' median window loss at the last sync
         self.last_sync: SyncRecord | None = None
         self.on_sync: list[Callable[[SyncRecord], None]] = []
         if config.probing and any(p.is_complex() for p in self._params()):
@@ -241,10 +256,12 @@ class Ensemble:
         return vec
 
     # ----------------------------------------------------------------- phase 2: checks on every replica's rows
-    def check_sync(self, t: int, rows: torch.Tensor, everyone: bool = True) -> tuple[SyncVector, list[int]]:
-        """Every replica's vectors (``[N, k]`` on the CPU) checked for agreement; returns them by field and the
-        replicas to leave out of the average (non-finite weights or buffers). Raises, before anything is
-        averaged, on disagreement, with ``on_nonfinite="raise"``, or when every replica is bad."""
+    def check_sync(self, t: int, rows: torch.Tensor, everyone: bool = True) -> Verdict:
+        """Every replica's vectors (``[N, k]`` on the CPU) checked for agreement; decides which replicas to leave
+        out of the average: non-finite weights or buffers, and (at a sync, ``everyone``) replicas whose finite
+        window loss ran away. Raises, before anything is averaged, on disagreement, with
+        ``on_nonfinite="raise"``, or when every replica is bad. Pure arithmetic on the rows: every replica
+        decides the same."""
         col = SyncVector.from_rows(rows)
         check_agreement(t, col)
         N = self.replicas.world_size
@@ -257,15 +274,47 @@ class Ensemble:
                 + (" (every replica)" if len(bad) == N else "")
                 + ". Nothing was averaged, so the other replicas are untouched."
             )
-        return col, bad
+        losses = [col.loss_sum[r] / col.loss_n[r] if col.loss_n[r] else float("nan") for r in range(N)]
+        guard = everyone and self.config.on_runaway == "recover"
+        runaway, rising = self._runaway(losses, bad) if guard else ([], False)
+        return Verdict(col, sorted(bad + runaway), bad, runaway, rising, losses)
+
+    def _runaway(self, losses: list[float], bad: list[int]) -> tuple[list[int], bool]:
+        """Replicas whose finite window loss runs away from the others' (robust z-score above
+        ``outlier_threshold`` and above the last sync's ensemble loss), and whether the ensemble's median
+        loss rose by more than ``rise_threshold`` since the last sync."""
+        c = self.config
+        ok = [r for r, x in enumerate(losses) if r not in bad and math.isfinite(x)]
+        prev = self.prev_loss
+        if len(ok) < 3 or prev is None:
+            return [], False
+        med = statistics.median(losses[r] for r in ok)
+        scale = max(1.4826 * statistics.median(abs(losses[r] - med) for r in ok), 0.01 * abs(med))
+        runaway = [r for r in ok if losses[r] - med > c.outlier_threshold * scale and losses[r] > prev]
+        healthy = [losses[r] for r in ok if r not in runaway]
+        rising = statistics.median(healthy) > prev * (1 + c.rise_threshold)
+        return runaway, rising
 
     # ----------------------------------------------------------------- phase 3: control, deal, record
-    def finish_sync(self, t: int, col: SyncVector, bad: list[int]) -> SyncRecord:
-        """After the average: rank faulty replicas worst, run the controller at a control sync, deal, record."""
+    def finish_sync(self, t: int, verdict: Verdict) -> SyncRecord:
+        """After the average: cut the LR if the ensemble is unstable, rank faulty replicas worst, run the
+        controller at a control sync, deal, record."""
         c = self.config
         N = self.replicas.world_size
-        if bad:
-            _warn_recovered(t, bad, "sync")
+        col, bad, losses = verdict.col, verdict.exclude, list(verdict.losses)
+        if verdict.nonfinite:
+            _warn_recovered(t, verdict.nonfinite, "sync")
+        ok = [x for r, x in enumerate(losses) if r not in bad and math.isfinite(x)]
+        if ok:
+            self.prev_loss = statistics.median(ok)
+        if verdict.runaway or verdict.rising:
+            self.slots.cut_lr(c.lr_cut)
+            warnings.warn(
+                f"hdet: at sync step {t} " + (f"replica(s) {verdict.runaway} ran away (window losses "
+                f"{[round(losses[r], 4) for r in verdict.runaway]} against a median of {self.prev_loss:.4f}): "
+                "left out of the average, reset to the others' mean and ranked worst; " if verdict.runaway else
+                f"the ensemble's median window loss rose to {self.prev_loss:.4f}; ")
+                + f"the LR schedule is cut to {self.slots.lr_scale:.3g} of its value", stacklevel=3)
         nonfinite_losses = [int(col.observed[r] - col.loss_n[r]) for r in range(N)]
         bad_loss = [r for r in range(N) if nonfinite_losses[r] > 0]
         healthy_loss = [r for r in bad_loss if r not in bad]
@@ -275,7 +324,6 @@ class Ensemble:
                 f"({[nonfinite_losses[r] for r in healthy_loss]} in the window) but finite weights (a step the "
                 "gradient guard skipped, or a bad batch): counted in sched.last_sync.nonfinite_losses, ranked "
                 "worst by the controller; training goes on", stacklevel=3)
-        losses = [col.loss_sum[r] / col.loss_n[r] if col.loss_n[r] else float("nan") for r in range(N)]
         worst_ranked = set(bad) | set(bad_loss)
         if worst_ranked:  # rank them worst: ten loss temperatures above the worst healthy loss
             healthy = [losses[r] for r in range(N) if r not in worst_ranked and math.isfinite(losses[r])]
@@ -297,7 +345,8 @@ class Ensemble:
             self.window_mean.reset()  # a new window starts
         record = SyncRecord(step=t, losses=losses if any(col.observed) else None, multipliers=self.slots.all_offsets(),
                             bases=list(self.slots.bases), controller=steps, names=list(self.names),
-                            values=self.all_values(), recovered=bad, nonfinite_losses=nonfinite_losses)
+                            values=self.all_values(), recovered=verdict.nonfinite, nonfinite_losses=nonfinite_losses,
+                            runaway=verdict.runaway, lr_scale=self.slots.lr_scale)
         self.last_sync = record
         for hook in self.on_sync:
             hook(record)
@@ -309,18 +358,18 @@ class Ensemble:
 
         Collectives: one all_gather of a few float64 scalars, then one all_reduce per bucket of
         flattened tensors. Host syncs: the gathered scalars are read on the host once."""
-        col, bad = self.check_sync(t, self._gather(t, self.prepare_sync(t)))
-        self._average(t, self.tensors(), bad)  # Eq. 3 over the healthy replicas
-        if bad:
-            self._average(t, self.recovery_tensors(), bad)  # the reset replicas' moments too
-        return self.finish_sync(t, col, bad)
+        verdict = self.check_sync(t, self._gather(t, self.prepare_sync(t)))
+        self._average(t, self.tensors(), verdict.exclude)  # Eq. 3 over the healthy replicas
+        if verdict.exclude:
+            self._average(t, self.recovery_tensors(), verdict.exclude)  # the reset replicas' moments too
+        return self.finish_sync(t, verdict)
 
     def recover(self, t: int) -> list[int]:
         """An early converge between syncs, for replicas with non-finite weights or buffers (the scheduler
         calls it when the skip guard skipped every step of a stretch). The healthy replicas are averaged
         only when some replica is bad; the loss window and the controller are left alone. Returns the bad
         replicas. Collectives as :meth:`sync`."""
-        _, bad = self.check_sync(t, self._gather(t, self.prepare_sync(t, new_window=False)), everyone=False)
+        bad = self.check_sync(t, self._gather(t, self.prepare_sync(t, new_window=False)), everyone=False).exclude
         if bad:
             self._average(t, self.tensors(), bad)
             self._average(t, self.recovery_tensors(), bad)

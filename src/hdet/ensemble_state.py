@@ -44,6 +44,8 @@ def state_dict(ens: "Ensemble") -> dict[str, Any]:
         **ens.window.state_dict(),
         "total_steps": ens.total_steps,
         "names": list(s.names),
+        "lr_scale": s.lr_scale,
+        "prev_loss": ens.prev_loss,
     }
 
 
@@ -136,7 +138,14 @@ def _parse_fields(ens: "Ensemble", state: dict[str, Any], version: int) -> dict[
     return {"elastic": elastic, "config": config, "bases": [float(x) for x in bases], "controllers": controllers,
             "dealer": dealer, "total_steps": total, "peak0": float(state.get("peak0", 0.0)), "scheduled": scheduled,
             "perms": [[int(i) for i in p] for p in perms], "window": (None, None, 0) if elastic else window,
-            "window_mean": window_mean}
+            "window_mean": window_mean, "lr_scale": _positive(state.get("lr_scale", 1.0), "lr_scale"),
+            "prev_loss": None if state.get("prev_loss") is None else float(state["prev_loss"])}
+
+
+def _positive(x: Any, name: str) -> float:
+    if not _is_real(x) or not 0 < x < math.inf:
+        raise ValueError(f"Expected the state's {name} as a positive number, but got {x!r}: a corrupted state_dict")
+    return float(x)
 
 
 def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
@@ -152,7 +161,8 @@ def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
     ens.total_steps = new["total_steps"]
     s = ens.slots
     s.bases, s.controllers, s.dealer = new["bases"], new["controllers"], new["dealer"]
-    s.peak0, s.scheduled, s.perms = new["peak0"], new["scheduled"], new["perms"]
+    s.peak0, s.scheduled, s.perms, s.lr_scale = new["peak0"], new["scheduled"], new["perms"], new["lr_scale"]
+    ens.prev_loss = new["prev_loss"]
     ens.window.load(new["window"])
     if ens.window_mean is not None:
         ens.window_mean.load(new["window_mean"])

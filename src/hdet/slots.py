@@ -55,6 +55,7 @@ class Slots:
         self.peak0 = 0.0  # the largest scheduled base of slot 0 so far (the fit controller's weight)
         self.controllers: list[Controller | None] = [None] * self.num_slots
         self.dealer = Dealer(config.seed)
+        self.lr_scale = 1.0  # the cuts of the LR schedule so far (runaway replicas, an unstable ensemble)
 
     def resize(self, world_size: int, redeal: bool) -> None:
         """Positions for ``world_size`` replicas under the current config (after a load); ``redeal``: a fresh
@@ -80,9 +81,24 @@ class Slots:
             raise ValueError(f"Expected {self.num_slots} base values, but got {len(scheduled)}")
         self.scheduled = [float(b) for b in scheduled]
         self.peak0 = max(self.peak0, self.scheduled[0])
-        for j, (b, ctrl) in enumerate(zip(self.scheduled, self.controllers)):
-            self.bases[j] = b if ctrl is None else self.spreads[j].clamp(ctrl.base(b))
+        for j in range(self.num_slots):
+            self.bases[j] = self._base(j)
         return [self.spreads[j].apply(self.bases[j], self.multiplier(j, rank)) for j in range(self.num_slots)]
+
+    def _base(self, j: int) -> float:
+        """Slot ``j``'s base now: the schedule's value (LR slots: times :attr:`lr_scale`), or its controller's."""
+        b = self.scheduled[j] * (self.lr_scale if j < self.num_lr_slots else 1.0)
+        ctrl = self.controllers[j]
+        return b if ctrl is None else self.spreads[j].clamp(ctrl.base(b))
+
+    def cut_lr(self, factor: float) -> None:
+        """Multiply every LR slot's base by ``factor`` from now on (a paper controller's own base too)."""
+        self.lr_scale *= factor
+        for j in range(self.num_lr_slots):
+            ctrl = self.controllers[j]
+            if isinstance(ctrl, PaperController) and ctrl.value is not None:
+                ctrl.value *= factor
+            self.bases[j] = self._base(j)
 
     def all_values(self) -> list[list[float]]:
         """Every replica's value per slot, from the current bases (what each replica uses next)."""
@@ -116,7 +132,7 @@ class Slots:
                               window_losses=window_losses, probe_losses=probe_losses,
                               anchor=None if lr_slot else self.bases[j], weight=weight)
             step = ctrl.control(obs)
-            self.bases[j] = self.spreads[j].clamp(ctrl.base(self.scheduled[j]))
+            self.bases[j] = self._base(j)
             if ctrl.kind == "fit":
                 step.new_base = self.bases[j]
             self.deal(j)

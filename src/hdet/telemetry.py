@@ -23,7 +23,7 @@ def sync_record_dict(rec: SyncRecord) -> dict[str, Any]:
     the replicas' probe losses."""
     out: dict[str, Any] = {"step": rec.step, "names": rec.names, "losses": rec.losses,
                            "multipliers": rec.multipliers, "bases": rec.bases, "values": rec.values,
-                           "recovered": rec.recovered}
+                           "recovered": rec.recovered, "runaway": rec.runaway, "lr_scale": rec.lr_scale}
     if rec.controller is not None:
         out["controller"] = [
             {"kind": "fit", "x_star": c.h_tilde, "weight": c.h_bar, "step": c.delta, "m": c.velocity,
@@ -39,7 +39,8 @@ def sync_scalars(rec: SyncRecord) -> dict[str, float]:
     """One sync as flat scalars, for the trackers frameworks log to (TensorBoard, W&B, MLflow through the
     Hugging Face Trainer's ``report_to``, Lightning's logger, ``accelerator.log``): per replica its window
     loss, per slot the base, the spread's lowest and highest value, and the controller's Delta (the fit
-    controller: its log step); how many replicas were reset and how many losses were non-finite."""
+    controller: its log step); how many replicas were reset (non-finite, runaway), how many losses were
+    non-finite, and the LR schedule's cut so far."""
     out: dict[str, float] = {}
     for r, loss in enumerate(rec.losses or []):
         out[f"hdet/window_loss/replica{r}"] = loss
@@ -50,6 +51,8 @@ def sync_scalars(rec: SyncRecord) -> dict[str, float]:
         if rec.controller is not None:
             out[f"hdet/delta/{name}"] = rec.controller[j].delta
     out["hdet/recovered"] = float(len(rec.recovered))
+    out["hdet/runaway"] = float(len(rec.runaway))
+    out["hdet/lr_scale"] = rec.lr_scale
     out["hdet/nonfinite_losses"] = float(sum(rec.nonfinite_losses))
     return out
 

@@ -53,6 +53,9 @@ class RunConfig:
     local: bool = field(default=False, metadata=_cli(
         "average gradients every step (DDP); --no-grad-sync is the local mode: replicas meet only at converge "
         "steps, every T steps", flag="--grad-sync", invert=True))
+    on_runaway: str = field(default="ignore", metadata=_cli(
+        "recover: a replica whose finite window loss runs away is reset like a non-finite one and the LR schedule "
+        "is cut (also when the ensemble's loss rises); ignore: the paper's HDET"))
     warmup: int | None = field(default=None, metadata=_cli(
         "auto-LR warmup steps (default: the end of OneCycle's warm-up, 30%% of the run, for the fit controller; "
         "half the run for the paper's)"))
@@ -123,6 +126,8 @@ def check(cfg: RunConfig) -> None:
         raise RunError(f"Expected --dropout in [0, 1), but got {cfg.dropout}")
     if cfg.controller not in CONTROLLERS:
         raise RunError(f"Expected --controller {' or '.join(CONTROLLERS)}, but got {cfg.controller!r}")
+    if cfg.on_runaway not in ("ignore", "recover"):
+        raise RunError(f"Expected --on-runaway ignore or recover, but got {cfg.on_runaway!r}")
     if cfg.mode not in MODES:
         raise RunError(f"Expected --mode auto, vmap or loop, but got {cfg.mode!r}")
     bad = [e for e in cfg.explore if e not in EXPLORE]

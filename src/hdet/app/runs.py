@@ -122,6 +122,7 @@ def make_scheduler(cfg: RunConfig, warmup: int, task: Task, device: torch.device
         return OneCycleAutoLR(optimizer, max_lr=cfg.max_lr, total_steps=cfg.steps,
                               ensemble_lr_spread_ratio=cfg.alpha, model_sync_interval=cfg.T,
                               enable_auto_lr=cfg.auto_lr, auto_lr_warmup_steps=warmup, eq8=cfg.eq8,
+                              on_runaway=cfg.on_runaway,
                               model=module, seed=cfg.seed, replicas=replicas,
                               explore=_explored(cfg, optimizer, inner), controller=cfg.controller,
                               probe=_Probe(task, cfg, device) if cfg.controller == "fit" else None,

@@ -1,0 +1,113 @@
+"""Runaway replicas (issue 15, item 2): a replica whose window loss is finite but runs away from the others'
+is handled like a non-finite one (left out, reset to the healthy mean, ranked worst) and the LR schedule is
+cut; a rising ensemble loss cuts it too. Off by default (``on_runaway="ignore"``: the paper's HDET)."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+from helpers import ScriptedReplicas
+from torch import nn
+
+import hdet
+from hdet.engine import ReplicaEngine
+
+
+def _scripted(script, mode="recover", N=8, T=5):
+    torch.manual_seed(0)
+    m = nn.Linear(3, 1)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    it = iter(script)
+    s = hdet.HDETLR(o, None, total_steps=100, model=m, replicas=ScriptedReplicas(0, N, lambda: next(it)),
+                    ensemble_lr_spread_ratio=0.2, model_sync_interval=T, on_runaway=mode)
+    return m, o, s
+
+
+def _window(o, s, T=5):
+    for _ in range(T):
+        o.step()
+        s.step(torch.tensor(1.0))
+
+
+def test_a_runaway_replica_is_left_out_reset_and_the_lr_is_cut():
+    script = [[2.0] * 8, [1.9] * 7 + [2.6], [1.8] * 8]
+    m, o, s = _scripted(script)
+    _window(o, s)  # first sync: no previous loss, nothing decided
+    assert s.last_sync.runaway == [] and s.last_sync.lr_scale == 1.0
+    with pytest.warns(UserWarning, match=r"replica\(s\) \[7\] ran away .* cut to 0.7 of its value"):
+        _window(o, s)
+    rec = s.last_sync
+    assert rec.runaway == [7] and rec.recovered == [] and rec.lr_scale == pytest.approx(0.7)
+    assert s.base_lrs_now[0] == pytest.approx(0.1 * 0.7)
+    assert o.param_groups[0]["lr"] == pytest.approx(0.1 * 0.7 * s.multipliers[0])
+    state = torch.load(io.BytesIO(_bytes(s.state_dict())), weights_only=True)
+    _, o2, s2 = _scripted(script)
+    s2.load_state_dict(state)
+    assert s2.base_lrs_now == s.base_lrs_now and s2.ensemble.prev_loss == s.ensemble.prev_loss
+
+
+def _bytes(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def test_a_rising_ensemble_cuts_the_lr_and_a_slow_falling_replica_is_left_alone():
+    m, o, s = _scripted([[3.0] * 8, [2.5] + [1.9] * 7, [2.2] * 8])
+    _window(o, s)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the slow replica (2.5 < 3.0: falling) is not a runaway
+        _window(o, s)
+    assert s.last_sync.runaway == [] and s.last_sync.lr_scale == 1.0
+    with pytest.warns(UserWarning, match=r"median window loss rose to 2.2000; the LR schedule is cut to 0.7"):
+        _window(o, s)  # 2.2 > 1.9 * 1.05
+    assert s.last_sync.runaway == [] and s.base_lrs_now[0] == pytest.approx(0.07)
+
+
+def test_off_by_default_the_paper_hdet_is_unchanged():
+    m, o, s = _scripted([[2.0] * 8, [1.9] * 7 + [2.6], [3.0] * 8], mode="ignore")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            _window(o, s)
+    assert s.last_sync.runaway == [] and s.base_lrs_now[0] == 0.1
+    assert hdet.HDETConfig().on_runaway == "ignore"
+    with pytest.raises(ValueError, match="on_runaway to be 'ignore' or 'recover', but got 'yes'"):
+        hdet.HDETConfig(on_runaway="yes")
+    with pytest.raises(ValueError, match=r"Expected 0 < lr_cut <= 1, but got 1.5"):
+        hdet.HDETConfig(lr_cut=1.5)
+
+
+def _quadratic(alpha, mode, steps=60):
+    """4 replicas in local mode (each on its own gradient between syncs) on a least-squares problem at 1.5 / L:
+    stable for rho <= 1.33, unstable for the replica at rho 1.6 (alpha 0.6)."""
+    torch.manual_seed(0)
+    m = nn.Linear(8, 1, bias=False)
+    A = torch.randn(256, 8)
+    y = A @ torch.randn(8, 1)
+    L = torch.linalg.eigvalsh(A.T @ A * 2 / 256).max().item()
+    eng = ReplicaEngine(m, 4, lambda mod: torch.optim.SGD(mod.parameters(), lr=1.5 / L),
+                        lambda o, rep, mod: hdet.HDETLR(o, None, total_steps=steps, replicas=rep, model=mod,
+                                                        ensemble_lr_spread_ratio=alpha, model_sync_interval=4,
+                                                        on_runaway=mode),
+                        mode="loop", share_gradients=False)
+    runaway = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(steps):
+            losses = eng.step([(A, y)] * 4, lambda mod, b: (mod(b[0]) - b[1]).pow(2).mean())
+            if eng.schedulers[0].is_sync_step():
+                runaway += eng.schedulers[0].last_sync.runaway
+    return losses.max().item(), eng.schedulers[0].ensemble.slots.lr_scale, runaway
+
+
+def test_the_spread_no_longer_tips_a_stable_run_over():
+    plain, _, _ = _quadratic(0.0, "ignore")
+    tipped, _, _ = _quadratic(0.6, "ignore")
+    kept, scale, runaway = _quadratic(0.6, "recover")
+    assert plain < 1e-6  # plain data parallel at this LR converges
+    assert tipped > 1.0  # the replica at rho 1.6 blows up and every sync averages it into the rest
+    assert kept < 1e-6 and scale == pytest.approx(0.7) and len(runaway) == 1  # caught, reset, LR cut once
