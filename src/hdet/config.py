@@ -39,16 +39,17 @@ class HDETConfig:
         on_nonfinite: "recover" (a non-finite replica is left out and reset to the others' mean) or "raise".
         controller: "fit" (default), "paper", or a :class:`hdet.FitController` whose settings every LR slot copies.
         tie_lr_groups: one multiplier per replica for all its LR groups (one permutation). Default False.
-        on_runaway: "ignore" (default: the paper's HDET) or "recover": a replica whose window loss is finite
-            but runs away from the others' is left out of the average, reset to the others' mean and ranked
-            worst, like a non-finite one, and the LR schedule is cut (also when the ensemble's loss rises).
+        on_runaway: "ignore" (default: the paper's HDET) or "recover" (:mod:`hdet.stability`): a replica whose
+            window loss is finite but runs away from the others' is reset like a non-finite one; when the
+            ensemble's loss rises, every replica goes back to its state at the best sync; and the LR schedule
+            is cut. Keeps one copy of the weights and optimizer state in memory.
         outlier_threshold: with "recover": a replica runs away when its window loss is above the replicas'
-            median by more than this many robust deviations (1.4826 MAD, at least 1% of the median) and above
-            the previous sync's ensemble loss. Default 5.
-        rise_threshold: with "recover": the ensemble is unstable when its median window loss rises by more
-            than this fraction from one sync to the next. Default 0.05.
-        lr_cut: with "recover": at each sync with a runaway replica or an unstable ensemble, the LR schedule
-            is multiplied by this factor for the rest of the run. Default 0.7.
+            median by more than this many robust deviations (1.4826 MAD, at least 2% of the median) and above
+            the best ensemble loss so far. Default 5.
+        rise_threshold: with "recover": the ensemble is rising when its median window loss is more than this
+            fraction above its best so far. Default 0.05.
+        lr_cut: with "recover": at each sync with a runaway replica or a rising ensemble, the LR schedule is
+            multiplied by this factor for the rest of the run. Default 0.5.
     """
 
     ensemble_lr_spread_ratio: float = 0.0
@@ -67,7 +68,7 @@ class HDETConfig:
     on_runaway: str = "ignore"
     outlier_threshold: float = 5.0
     rise_threshold: float = 0.05
-    lr_cut: float = 0.7
+    lr_cut: float = 0.5
 
     def __post_init__(self) -> None:
         """Check every field; numpy scalars become Python numbers."""

@@ -13,7 +13,6 @@ that sequence through ``torch.distributed``. Glossary: ``docs/architecture.md``.
 from __future__ import annotations
 
 import math
-import statistics
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from .controller import ControllerStep
 from .hyper import Hyperparameter
 from .replicas import Replicas, ReplicaSyncError, local_shard
 from .slots import LRControl, Slots
+from .stability import StabilityGuard
 from .sync import (SHARD_MIN, SHARD_SUM, ReplicaMismatchError, SyncVector, as_real, averaged, check_agreement, health,
                    layout_signature, persistent_float_buffers)
 from .window import LossWindow, Probe, WindowMean
@@ -49,7 +49,7 @@ class Verdict(NamedTuple):
     exclude: list[int]  # left out of the average, reset to the others' mean: nonfinite + runaway
     nonfinite: list[int]  # non-finite weights or buffers
     runaway: list[int]  # finite, but the window loss ran away from the others' (outlier_threshold)
-    rising: bool  # the ensemble's median window loss rose by more than rise_threshold since the last sync
+    rising: bool  # the ensemble's median window loss is more than rise_threshold above its best so far
     losses: list[float]  # per replica: the window's mean training loss (NaN without a finite one)
 
 
@@ -68,6 +68,7 @@ class SyncRecord:
     nonfinite_losses: list[int] = field(default_factory=list)  # per replica: non-finite losses in the window
     runaway: list[int] = field(default_factory=list)  # replicas whose finite window loss ran away, reset too
     lr_scale: float = 1.0  # the LR schedule's cut so far (runaway replicas or a rising ensemble loss)
+    went_back_to: int | None = None  # the sync step whose state every replica went back to (a rising loss)
 
 
 class Ensemble:
@@ -108,7 +109,7 @@ class Ensemble:
         self.window = LossWindow()
         self.window_mean = WindowMean(self._float_params()) if config.probing else None
         self.total_steps: int | None = None
-        self.prev_loss: float | None = None  # the healthy replicas' median window loss at the last sync
+        self.stability = StabilityGuard(config)  # on_runaway="recover"
         self.last_sync: SyncRecord | None = None
         self.on_sync: list[Callable[[SyncRecord], None]] = []
         if config.probing and any(p.is_complex() for p in self._params()):
@@ -275,25 +276,8 @@ class Ensemble:
                 + ". Nothing was averaged, so the other replicas are untouched."
             )
         losses = [col.loss_sum[r] / col.loss_n[r] if col.loss_n[r] else float("nan") for r in range(N)]
-        guard = everyone and self.config.on_runaway == "recover"
-        runaway, rising = self._runaway(losses, bad) if guard else ([], False)
+        runaway, rising = self.stability.judge(losses, bad) if everyone else ([], False)
         return Verdict(col, sorted(bad + runaway), bad, runaway, rising, losses)
-
-    def _runaway(self, losses: list[float], bad: list[int]) -> tuple[list[int], bool]:
-        """Replicas whose finite window loss runs away from the others' (robust z-score above
-        ``outlier_threshold`` and above the last sync's ensemble loss), and whether the ensemble's median
-        loss rose by more than ``rise_threshold`` since the last sync."""
-        c = self.config
-        ok = [r for r, x in enumerate(losses) if r not in bad and math.isfinite(x)]
-        prev = self.prev_loss
-        if len(ok) < 3 or prev is None:
-            return [], False
-        med = statistics.median(losses[r] for r in ok)
-        scale = max(1.4826 * statistics.median(abs(losses[r] - med) for r in ok), 0.01 * abs(med))
-        runaway = [r for r in ok if losses[r] - med > c.outlier_threshold * scale and losses[r] > prev]
-        healthy = [losses[r] for r in ok if r not in runaway]
-        rising = statistics.median(healthy) > prev * (1 + c.rise_threshold)
-        return runaway, rising
 
     # ----------------------------------------------------------------- phase 3: control, deal, record
     def finish_sync(self, t: int, verdict: Verdict) -> SyncRecord:
@@ -304,16 +288,16 @@ class Ensemble:
         col, bad, losses = verdict.col, verdict.exclude, list(verdict.losses)
         if verdict.nonfinite:
             _warn_recovered(t, verdict.nonfinite, "sync")
-        ok = [x for r, x in enumerate(losses) if r not in bad and math.isfinite(x)]
-        if ok:
-            self.prev_loss = statistics.median(ok)
+        back = self.stability.after_average(t, losses, bad, verdict.rising, self.tensors() + self.recovery_tensors())
         if verdict.runaway or verdict.rising:
             self.slots.cut_lr(c.lr_cut)
             warnings.warn(
                 f"hdet: at sync step {t} " + (f"replica(s) {verdict.runaway} ran away (window losses "
-                f"{[round(losses[r], 4) for r in verdict.runaway]} against a median of {self.prev_loss:.4f}): "
-                "left out of the average, reset to the others' mean and ranked worst; " if verdict.runaway else
-                f"the ensemble's median window loss rose to {self.prev_loss:.4f}; ")
+                f"{[round(losses[r], 4) for r in verdict.runaway]}): left out of the average, reset to the others' "
+                "mean and ranked worst; " if verdict.runaway else "")
+                + (f"the ensemble's loss rose more than {c.rise_threshold:g} above its best "
+                   f"({self.stability.best_loss:.4f}); " if verdict.rising else "")
+                + (f"every replica went back to its state at step {self.stability.best_step}; " if back else "")
                 + f"the LR schedule is cut to {self.slots.lr_scale:.3g} of its value", stacklevel=3)
         nonfinite_losses = [int(col.observed[r] - col.loss_n[r]) for r in range(N)]
         bad_loss = [r for r in range(N) if nonfinite_losses[r] > 0]
@@ -346,7 +330,8 @@ class Ensemble:
         record = SyncRecord(step=t, losses=losses if any(col.observed) else None, multipliers=self.slots.all_offsets(),
                             bases=list(self.slots.bases), controller=steps, names=list(self.names),
                             values=self.all_values(), recovered=verdict.nonfinite, nonfinite_losses=nonfinite_losses,
-                            runaway=verdict.runaway, lr_scale=self.slots.lr_scale)
+                            runaway=verdict.runaway, lr_scale=self.slots.lr_scale,
+                            went_back_to=self.stability.best_step if back else None)
         self.last_sync = record
         for hook in self.on_sync:
             hook(record)

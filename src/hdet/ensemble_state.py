@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from .config import LEGACY_NAMES, OPTIONS, HDETConfig, _is_real
 from .controller import PaperController, controller_from_state
 from .spread import Dealer, linear_multipliers
+from .stability import StabilityGuard
 from .window import LossWindow
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ def state_dict(ens: "Ensemble") -> dict[str, Any]:
         "total_steps": ens.total_steps,
         "names": list(s.names),
         "lr_scale": s.lr_scale,
-        "prev_loss": ens.prev_loss,
+        "stability": ens.stability.state_dict(),
     }
 
 
@@ -139,7 +140,7 @@ def _parse_fields(ens: "Ensemble", state: dict[str, Any], version: int) -> dict[
             "dealer": dealer, "total_steps": total, "peak0": float(state.get("peak0", 0.0)), "scheduled": scheduled,
             "perms": [[int(i) for i in p] for p in perms], "window": (None, None, 0) if elastic else window,
             "window_mean": window_mean, "lr_scale": _positive(state.get("lr_scale", 1.0), "lr_scale"),
-            "prev_loss": None if state.get("prev_loss") is None else float(state["prev_loss"])}
+            "stability": StabilityGuard.parse(state.get("stability"))}
 
 
 def _positive(x: Any, name: str) -> float:
@@ -162,7 +163,7 @@ def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
     s = ens.slots
     s.bases, s.controllers, s.dealer = new["bases"], new["controllers"], new["dealer"]
     s.peak0, s.scheduled, s.perms, s.lr_scale = new["peak0"], new["scheduled"], new["perms"], new["lr_scale"]
-    ens.prev_loss = new["prev_loss"]
+    ens.stability.load(new["stability"], ens.tensors() + ens.recovery_tensors())
     ens.window.load(new["window"])
     if ens.window_mean is not None:
         ens.window_mean.load(new["window_mean"])

@@ -23,7 +23,8 @@ def sync_record_dict(rec: SyncRecord) -> dict[str, Any]:
     the replicas' probe losses."""
     out: dict[str, Any] = {"step": rec.step, "names": rec.names, "losses": rec.losses,
                            "multipliers": rec.multipliers, "bases": rec.bases, "values": rec.values,
-                           "recovered": rec.recovered, "runaway": rec.runaway, "lr_scale": rec.lr_scale}
+                           "recovered": rec.recovered, "runaway": rec.runaway, "lr_scale": rec.lr_scale,
+                           "went_back_to": rec.went_back_to}
     if rec.controller is not None:
         out["controller"] = [
             {"kind": "fit", "x_star": c.h_tilde, "weight": c.h_bar, "step": c.delta, "m": c.velocity,

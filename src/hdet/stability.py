@@ -1,0 +1,103 @@
+"""``on_runaway="recover"``: what the ensemble does when training turns unstable while every value is finite.
+
+At each sync, from the replicas' window losses (the same numbers on every replica, so every replica
+decides the same, with no communication):
+
+* a **runaway** replica, whose window loss is far above the others' (more than ``outlier_threshold``
+  robust deviations above the median) and above the best ensemble loss so far, is left out of the
+  average and reset to the others' mean, like a non-finite one;
+* the ensemble is **rising** when its median window loss is more than ``rise_threshold`` above the best
+  so far: then every replica goes back to the weights (and optimizer state) it had, averaged, at the sync
+  with the best loss, kept in memory like a checkpoint;
+* either way the LR schedule is cut by ``lr_cut`` for the rest of the run.
+
+Memory: one copy of the averaged tensors and the optimizer state per replica (taken at syncs only).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+import torch
+
+from .config import HDETConfig, _is_real
+
+__all__ = ["StabilityGuard"]
+
+
+class StabilityGuard:
+    """The best ensemble loss so far and the state of the run at that sync."""
+
+    def __init__(self, config: HDETConfig) -> None:
+        self.config = config
+        self.best_loss: float | None = None  # the healthy replicas' median window loss, lowest so far
+        self.best_step: int | None = None
+        self._snapshot: list[torch.Tensor] | None = None  # the tensors at the best sync (on their devices)
+
+    @property
+    def on(self) -> bool:
+        return self.config.on_runaway == "recover"
+
+    def judge(self, losses: list[float], bad: list[int]) -> tuple[list[int], bool]:
+        """The runaway replicas and whether the ensemble is rising (pure arithmetic on the gathered losses)."""
+        c = self.config
+        ok = [r for r, x in enumerate(losses) if r not in bad and math.isfinite(x)]
+        best = self.best_loss
+        if not self.on or len(ok) < 2 or best is None:
+            return [], False
+        med = statistics.median(losses[r] for r in ok)
+        scale = max(1.4826 * statistics.median(abs(losses[r] - med) for r in ok), 0.02 * abs(med))
+        runaway = [r for r in ok if losses[r] - med > c.outlier_threshold * scale and losses[r] > best] if len(ok) >= 3 else []
+        healthy = [losses[r] for r in ok if r not in runaway]
+        return runaway, statistics.median(healthy) > best * (1 + c.rise_threshold)
+
+    @torch.no_grad()
+    def after_average(self, step: int, losses: list[float], exclude: list[int], rising: bool,
+                      tensors: list[torch.Tensor]) -> bool:
+        """After the sync's average (every replica holds the same ``tensors``): go back to the best sync's
+        state when ``rising``, or remember this one when its loss is the best so far. Returns whether it went
+        back. No collective; one foreach copy on the tensors' devices when it remembers or goes back."""
+        if not self.on:
+            return False
+        ok = [x for r, x in enumerate(losses) if r not in exclude and math.isfinite(x)]
+        if not ok:
+            return False
+        loss = statistics.median(ok)
+        if rising and self._snapshot is not None and _same_layout(self._snapshot, tensors):
+            torch._foreach_copy_(tensors, self._snapshot)
+            return True
+        if self.best_loss is None or loss < self.best_loss:
+            self.best_loss, self.best_step = loss, step
+            if self._snapshot is not None and _same_layout(self._snapshot, tensors):
+                torch._foreach_copy_(self._snapshot, tensors)
+            else:
+                self._snapshot = [t.detach().clone() for t in tensors]
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best_loss": self.best_loss, "best_step": self.best_step,
+                "snapshot": None if self._snapshot is None else [t.detach().cpu().clone() for t in self._snapshot]}
+
+    @staticmethod
+    def parse(state: dict[str, Any] | None) -> dict[str, Any]:
+        state = state or {}
+        best = state.get("best_loss")
+        if best is not None and (not _is_real(best) or not math.isfinite(best)):
+            raise ValueError(f"Expected the state's best_loss as a finite number or None, but got {best!r}")
+        snap = state.get("snapshot")
+        if snap is not None and (not isinstance(snap, list) or not all(isinstance(t, torch.Tensor) for t in snap)):
+            raise ValueError("Expected the state's stability snapshot as a list of tensors: a corrupted state_dict")
+        return {"best_loss": None if best is None else float(best), "best_step": state.get("best_step"),
+                "snapshot": snap}
+
+    def load(self, parsed: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        self.best_loss, self.best_step = parsed["best_loss"], parsed["best_step"]
+        snap = parsed["snapshot"]
+        self._snapshot = None if snap is None or not _same_layout(snap, tensors) else [
+            s.to(t.device, t.dtype) for s, t in zip(snap, tensors)]
+
+
+def _same_layout(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape for x, y in zip(a, b))
