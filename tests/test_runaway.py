@@ -123,3 +123,32 @@ def test_the_spread_no_longer_tips_a_stable_run_over():
     assert plain < 1e-6  # plain data parallel at this LR converges
     assert tipped > 1.0  # the replica at rho 1.6 blows up and every sync averages it into the rest
     assert kept < 1e-6 and scale < 1 and runaway  # caught, reset, LR cut
+
+
+def test_a_noisy_plateau_is_not_a_rise():
+    """The same window means (best 0.95, then 1.05: 10% up): with steady step losses it is a rise, with step
+    losses that swing by +-0.5 inside the windows (a noisy loss on a plateau) it is not."""
+    def run(swing):
+        m, o, s = _scripted([[1.0] * 8, [0.95] * 8, [1.05] * 8])
+        for w, mean in enumerate((1.0, 0.95, 1.05)):
+            for k in range(5):
+                o.step()
+                s.step(torch.tensor(mean + (swing if k % 2 else -swing)))
+        return s.last_sync.went_back_to, s.ensemble.slots.lr_scale
+
+    with pytest.warns(UserWarning, match="went back"):
+        assert run(0.0) == (10, 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run(0.5) == (None, 1.0)
+
+
+def test_the_cuts_stop_at_min_lr_scale():
+    from hdet.stability import MIN_LR_SCALE
+
+    m, o, s = _scripted([[2.0] * 8] + [[2.0 + 0.2 * k] * 8 for k in range(1, 10)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(10):
+            _window(o, s)
+    assert s.ensemble.slots.lr_scale == MIN_LR_SCALE == 1 / 64 and s.last_sync.went_back_to == 5

@@ -27,7 +27,7 @@ from .controller import ControllerStep
 from .hyper import Hyperparameter
 from .replicas import Replicas, ReplicaSyncError, local_shard
 from .slots import LRControl, Slots
-from .stability import StabilityGuard
+from .stability import MIN_LR_SCALE, StabilityGuard
 from .sync import (SHARD_MIN, SHARD_SUM, ReplicaMismatchError, SyncVector, as_real, averaged, check_agreement, health,
                    layout_signature, persistent_float_buffers)
 from .window import LossWindow, Probe, WindowMean
@@ -247,7 +247,8 @@ class Ensemble:
             probe = self.window_mean.probe(self.model, self.probe)
         vec = SyncVector(
             loss_sum=self.window.sum if self.window.sum is not None else zero,
-            loss_n=self.window.finite if self.window.finite is not None else zero, observed=self.window.count,
+            loss_n=self.window.finite if self.window.finite is not None else zero,
+            loss_sq=self.window.sq if self.window.sq is not None else zero, observed=self.window.count,
             finite=finite, buf_inf=buf_inf, layout=layout_signature(tensors), ntensors=len(tensors), seed=c.seed,
             probe=probe, step=t, interval=c.model_sync_interval,
             total_steps=-1 if self.total_steps is None else self.total_steps, config=c.fingerprint(),
@@ -276,7 +277,7 @@ class Ensemble:
                 + ". Nothing was averaged, so the other replicas are untouched."
             )
         losses = [col.loss_sum[r] / col.loss_n[r] if col.loss_n[r] else float("nan") for r in range(N)]
-        runaway, rising = self.stability.judge(losses, bad) if everyone else ([], False)
+        runaway, rising = self.stability.judge(losses, bad, col) if everyone else ([], False)
         return Verdict(col, sorted(bad + runaway), bad, runaway, rising, losses)
 
     # ----------------------------------------------------------------- phase 3: control, deal, record
@@ -288,9 +289,10 @@ class Ensemble:
         col, bad, losses = verdict.col, verdict.exclude, list(verdict.losses)
         if verdict.nonfinite:
             _warn_recovered(t, verdict.nonfinite, "sync")
-        back = self.stability.after_average(t, losses, bad, verdict.rising, self.tensors() + self.recovery_tensors())
+        back = self.stability.after_average(t, losses, bad, verdict.rising, self.tensors() + self.recovery_tensors(),
+                                           verdict.col)
         if verdict.runaway or verdict.rising:
-            self.slots.cut_lr(c.lr_cut)
+            self.slots.cut_lr(max(c.lr_cut, MIN_LR_SCALE / self.slots.lr_scale))
             warnings.warn(
                 f"hdet: at sync step {t} " + (f"replica(s) {verdict.runaway} ran away (window losses "
                 f"{[round(losses[r], 4) for r in verdict.runaway]}): left out of the average, reset to the others' "

@@ -138,7 +138,7 @@ def _parse_fields(ens: "Ensemble", state: dict[str, Any], version: int) -> dict[
         window_mean = ens.window_mean.parse(state.get("window_mean"))
     return {"elastic": elastic, "config": config, "bases": [float(x) for x in bases], "controllers": controllers,
             "dealer": dealer, "total_steps": total, "peak0": float(state.get("peak0", 0.0)), "scheduled": scheduled,
-            "perms": [[int(i) for i in p] for p in perms], "window": (None, None, 0) if elastic else window,
+            "perms": [[int(i) for i in p] for p in perms], "window": (None, None, 0, None) if elastic else window,
             "window_mean": window_mean, "lr_scale": _positive(state.get("lr_scale", 1.0), "lr_scale"),
             "stability": StabilityGuard.parse(state.get("stability"))}
 

@@ -4,12 +4,15 @@ At each sync, from the replicas' window losses (the same numbers on every replic
 decides the same, with no communication):
 
 * a **runaway** replica, whose window loss is far above the others' (more than ``outlier_threshold``
-  robust deviations above the median) and above the best ensemble loss so far, is left out of the
-  average and reset to the others' mean, like a non-finite one;
-* the ensemble is **rising** when its median window loss is more than ``rise_threshold`` above the best
-  so far: then every replica goes back to the weights (and optimizer state) it had, averaged, at the sync
-  with the best loss, kept in memory like a checkpoint;
-* either way the LR schedule is cut by ``lr_cut`` for the rest of the run.
+  deviations above the median: 1.4826 MAD across replicas, but at least 2% of the median and the standard
+  error of one replica's window mean) and above the best ensemble loss so far, is left out of the average
+  and reset to the others' mean, like a non-finite one;
+* the ensemble is **rising** when its median window loss is above the best so far by more than
+  ``rise_threshold`` of it and by more than ``NOISE_Z`` standard errors of the two windows' losses (from
+  the spread of the step losses inside the windows: a noisy loss's plateau is not a rise): then every
+  replica goes back to the weights (and optimizer state) it had, averaged, at the sync with the best
+  loss, kept in memory like a checkpoint;
+* either way the LR schedule is cut by ``lr_cut`` for the rest of the run, to ``MIN_LR_SCALE`` at most.
 
 Memory: one copy of the averaged tensors and the optimizer state per replica (taken at syncs only).
 """
@@ -24,7 +27,23 @@ import torch
 
 from .config import HDETConfig, _is_real
 
-__all__ = ["StabilityGuard"]
+__all__ = ["StabilityGuard", "NOISE_Z", "MIN_LR_SCALE"]
+
+NOISE_Z = 4.0  # a rise must exceed this many standard errors of the window losses
+MIN_LR_SCALE = 1 / 64  # the LR schedule is never cut below this fraction of itself
+
+
+def window_noise(col: Any, ok: list[int]) -> tuple[float, float]:
+    """From every replica's window (sum, sum of squares, count of finite step losses): the standard error of
+    one replica's window mean, and of the ensemble's (median ~ 1.25 x the mean's), from the median replica's
+    spread of step losses. That spread includes the window's own trend: an overestimate, on the safe side."""
+    n = [col.loss_n[r] for r in ok if col.loss_n[r] > 0]
+    if not n:
+        return 0.0, 0.0
+    var = [max(col.loss_sq[r] / col.loss_n[r] - (col.loss_sum[r] / col.loss_n[r]) ** 2, 0.0)
+           for r in ok if col.loss_n[r] > 0]
+    sigma2 = statistics.median(var)  # robust: a runaway replica's own spread does not hide it
+    return math.sqrt(sigma2 / (sum(n) / len(n))), 1.25 * math.sqrt(sigma2 / sum(n))
 
 
 class StabilityGuard:
@@ -34,42 +53,46 @@ class StabilityGuard:
         self.config = config
         self.best_loss: float | None = None  # the healthy replicas' median window loss, lowest so far
         self.best_step: int | None = None
+        self.best_se = 0.0  # the standard error of the best sync's ensemble loss
         self._snapshot: list[torch.Tensor] | None = None  # the tensors at the best sync (on their devices)
 
     @property
     def on(self) -> bool:
         return self.config.on_runaway == "recover"
 
-    def judge(self, losses: list[float], bad: list[int]) -> tuple[list[int], bool]:
-        """The runaway replicas and whether the ensemble is rising (pure arithmetic on the gathered losses)."""
+    def judge(self, losses: list[float], bad: list[int], col: Any) -> tuple[list[int], bool]:
+        """The runaway replicas and whether the ensemble is rising (pure arithmetic on the gathered rows)."""
         c = self.config
         ok = [r for r, x in enumerate(losses) if r not in bad and math.isfinite(x)]
         best = self.best_loss
         if not self.on or len(ok) < 2 or best is None:
             return [], False
+        se_replica, se_ensemble = window_noise(col, ok)
         med = statistics.median(losses[r] for r in ok)
-        scale = max(1.4826 * statistics.median(abs(losses[r] - med) for r in ok), 0.02 * abs(med))
-        runaway = [r for r in ok if losses[r] - med > c.outlier_threshold * scale and losses[r] > best] if len(ok) >= 3 else []
+        scale = max(1.4826 * statistics.median(abs(losses[r] - med) for r in ok), 0.02 * abs(med), se_replica)
+        runaway = [r for r in ok if len(ok) >= 3 and losses[r] - med > c.outlier_threshold * scale
+                   and losses[r] > best]
         healthy = [losses[r] for r in ok if r not in runaway]
-        return runaway, statistics.median(healthy) > best * (1 + c.rise_threshold)
+        margin = max(c.rise_threshold * abs(best), NOISE_Z * math.hypot(se_ensemble, self.best_se))
+        return runaway, statistics.median(healthy) > best + margin
 
     @torch.no_grad()
     def after_average(self, step: int, losses: list[float], exclude: list[int], rising: bool,
-                      tensors: list[torch.Tensor]) -> bool:
+                      tensors: list[torch.Tensor], col: Any) -> bool:
         """After the sync's average (every replica holds the same ``tensors``): go back to the best sync's
         state when ``rising``, or remember this one when its loss is the best so far. Returns whether it went
         back. No collective; one foreach copy on the tensors' devices when it remembers or goes back."""
         if not self.on:
             return False
-        ok = [x for r, x in enumerate(losses) if r not in exclude and math.isfinite(x)]
-        if not ok:
+        keep = [r for r, x in enumerate(losses) if r not in exclude and math.isfinite(x)]
+        if not keep:
             return False
-        loss = statistics.median(ok)
+        loss = statistics.median(losses[r] for r in keep)
         if rising and self._snapshot is not None and _same_layout(self._snapshot, tensors):
             torch._foreach_copy_(tensors, self._snapshot)
             return True
         if self.best_loss is None or loss < self.best_loss:
-            self.best_loss, self.best_step = loss, step
+            self.best_loss, self.best_step, self.best_se = loss, step, window_noise(col, keep)[1]
             if self._snapshot is not None and _same_layout(self._snapshot, tensors):
                 torch._foreach_copy_(self._snapshot, tensors)
             else:
@@ -77,7 +100,7 @@ class StabilityGuard:
         return False
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best_loss": self.best_loss, "best_step": self.best_step,
+        return {"best_loss": self.best_loss, "best_step": self.best_step, "best_se": self.best_se,
                 "snapshot": None if self._snapshot is None else [t.detach().cpu().clone() for t in self._snapshot]}
 
     @staticmethod
@@ -90,10 +113,11 @@ class StabilityGuard:
         if snap is not None and (not isinstance(snap, list) or not all(isinstance(t, torch.Tensor) for t in snap)):
             raise ValueError("Expected the state's stability snapshot as a list of tensors: a corrupted state_dict")
         return {"best_loss": None if best is None else float(best), "best_step": state.get("best_step"),
+                "best_se": float(state.get("best_se", 0.0)),
                 "snapshot": snap}
 
     def load(self, parsed: dict[str, Any], tensors: list[torch.Tensor]) -> None:
-        self.best_loss, self.best_step = parsed["best_loss"], parsed["best_step"]
+        self.best_loss, self.best_step, self.best_se = parsed["best_loss"], parsed["best_step"], parsed["best_se"]
         snap = parsed["snapshot"]
         self._snapshot = None if snap is None or not _same_layout(snap, tensors) else [
             s.to(t.device, t.dtype) for s, t in zip(snap, tensors)]

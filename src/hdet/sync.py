@@ -40,6 +40,7 @@ class SyncVector(NamedTuple):
     interval: Any  # model_sync_interval
     total_steps: Any  # -1 when unknown
     config: Any  # fingerprint of the settings
+    loss_sq: Any  # the sum of the squares of the window's finite training losses (its noise, hdet.stability)
 
     def to_tensor(self, dev: torch.device) -> torch.Tensor:
         """The 1-D float64 vector on ``dev`` (tensors stay on their device until this copy: no host sync)."""
@@ -53,7 +54,7 @@ class SyncVector(NamedTuple):
 
 
 # FSDP2/HSDP: one replica is several ranks; these fields are summed (or min-reduced) over its shard ranks first
-SHARD_SUM = tuple(SyncVector._fields.index(f) for f in ("loss_sum", "loss_n", "observed", "buf_inf"))
+SHARD_SUM = tuple(SyncVector._fields.index(f) for f in ("loss_sum", "loss_n", "observed", "buf_inf", "loss_sq"))
 SHARD_MIN = (SyncVector._fields.index("finite"),)
 
 

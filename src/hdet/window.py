@@ -26,6 +26,7 @@ class LossWindow:
         self._kept: list[torch.Tensor] = []  # this window's losses, not yet reduced
         self.sum: torch.Tensor | None = None  # sum of the reduced finite losses
         self.finite: torch.Tensor | None = None  # how many of them were finite
+        self.sq: torch.Tensor | None = None  # sum of their squares (the window's noise, hdet.stability)
         self.count = 0  # losses observed (finite or not)
 
     def observe(self, loss: torch.Tensor | float) -> None:
@@ -52,41 +53,45 @@ class LossWindow:
         else:
             vals = torch.stack([x.reshape(()).to(dev, dtype) for x in w])
         ok = torch.isfinite(vals)
-        s = torch.where(ok, vals, torch.zeros_like(vals)).sum()
+        kept = torch.where(ok, vals, torch.zeros_like(vals))
+        s, q = kept.sum(), kept.square().sum()
         n = ok.sum().to(dtype)
         if self.sum is None or self.finite is None:
-            self.sum, self.finite = s, n
+            self.sum, self.finite, self.sq = s, n, q
         else:  # a window restored from a state_dict, continued
             self.sum = self.sum.to(dev, dtype) + s
             self.finite = self.finite.to(dev, dtype) + n
+            self.sq = q if self.sq is None else self.sq.to(dev, dtype) + q
 
     def reset(self) -> None:
-        self._kept, self.sum, self.finite, self.count = [], None, None, 0
+        self._kept, self.sum, self.finite, self.sq, self.count = [], None, None, None, 0
 
     def state_dict(self) -> dict[str, Any]:
         self.fold()
         return {"loss_sum": None if self.sum is None else self.sum.detach().cpu().clone(),
                 "loss_n": None if self.finite is None else self.finite.detach().cpu().clone(),
+                "loss_sq": None if self.sq is None else self.sq.detach().cpu().clone(),
                 "loss_count": self.count}
 
     @staticmethod
-    def parse(state: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
-        """``(sum, finite, count)`` from a saved state, checked (ValueError); changes nothing."""
+    def parse(state: dict[str, Any]) -> tuple[Any, ...]:
+        """``(sum, finite, count, sq)`` from a saved state, checked (ValueError); changes nothing."""
         count = state["loss_count"]
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"Expected the state's loss_count as an integer >= 0, but got {count!r}")
-        loss_sum, loss_n = state["loss_sum"], state.get("loss_n")
-        for name, x in (("loss_sum", loss_sum), ("loss_n", loss_n)):
+        loss_sum, loss_n, loss_sq = state["loss_sum"], state.get("loss_n"), state.get("loss_sq")
+        for name, x in (("loss_sum", loss_sum), ("loss_n", loss_n), ("loss_sq", loss_sq)):
             if x is not None and (not isinstance(x, torch.Tensor) or x.numel() != 1):
                 raise ValueError(f"Expected the state's {name} as None or a scalar tensor, but got {x!r}")
         if loss_sum is not None and loss_n is None:  # version 1: every observed loss was summed
             loss_n = torch.tensor(float(count), dtype=loss_sum.dtype)
         return (None if loss_sum is None else loss_sum.clone().reshape(()),
-                None if loss_n is None else loss_n.clone().reshape(()), count)
+                None if loss_n is None else loss_n.clone().reshape(()), count,
+                None if loss_sq is None else loss_sq.clone().reshape(()))
 
-    def load(self, parsed: tuple[torch.Tensor | None, torch.Tensor | None, int]) -> None:
+    def load(self, parsed: tuple[Any, ...]) -> None:
         self._kept = []
-        self.sum, self.finite, self.count = parsed
+        self.sum, self.finite, self.count, self.sq = parsed
 
 
 class WindowMean:
