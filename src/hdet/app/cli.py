@@ -41,7 +41,8 @@ def _train_args(p: argparse.ArgumentParser, steps: int, out: str, compare: bool 
         if cli is None or (compare and f.name in COMPARE_SETS):
             continue
         kw = dict(cli["kw"])
-        default = {"steps": steps, "out": out}.get(f.name, f.default)
+        # hdet compare reproduces the paper's table: its HDET rows are the paper's (no stability guard)
+        default = {"steps": steps, "out": out, **({"on_runaway": "ignore"} if compare else {})}.get(f.name, f.default)
         flag = cli["flag"] or "--" + f.name.replace("_", "-")
         if kw.pop("invert", False):
             kw.update(action=_Inverted, default=default)

@@ -53,7 +53,7 @@ class RunConfig:
     local: bool = field(default=False, metadata=_cli(
         "average gradients every step (DDP); --no-grad-sync is the local mode: replicas meet only at converge "
         "steps, every T steps", flag="--grad-sync", invert=True))
-    on_runaway: str = field(default="ignore", metadata=_cli(
+    on_runaway: str = field(default="recover", metadata=_cli(
         "recover: a replica whose finite window loss runs away is reset like a non-finite one and the LR schedule "
         "is cut (also when the ensemble's loss rises); ignore: the paper's HDET"))
     warmup: int | None = field(default=None, metadata=_cli(
