@@ -133,7 +133,7 @@ def main() -> None:
     steps = size["steps"]
     warm = int(0.3 * steps) // size["T"] * size["T"]  # end of OneCycle's warm-up, on a sync step
     base = dict(task=a.task, data=a.data, replicas=8, device=a.device, mode="vmap", progress=False,
-                eval_every=steps // 10, eval_batches=8, alpha=0.0, auto_lr=False, **size)
+                eval_every=steps // 10, eval_batches=8, alpha=0.0, auto_lr=False, on_runaway="ignore", **size)
     runs = Path(a.runs) / a.task
     done: dict[str, dict[str, Any]] = {}
     if a.previous and Path(a.previous).is_file():
