@@ -152,3 +152,43 @@ def test_the_cuts_stop_at_min_lr_scale():
         for _ in range(10):
             _window(o, s)
     assert s.ensemble.slots.lr_scale == MIN_LR_SCALE == 1 / 64 and s.last_sync.went_back_to == 5
+
+
+def _quadratic_rank(rank, world, mode):
+    """One replica per gloo process, each on its own gradient between syncs (local mode, as DDP under
+    no_sync), on the same least-squares problem as the engine test: the replica at rho 1.6 is unstable."""
+    torch.manual_seed(0)
+    m = nn.Linear(8, 1, bias=False)
+    A = torch.randn(256, 8)
+    y = A @ torch.randn(8, 1)
+    L = torch.linalg.eigvalsh(A.T @ A * 2 / 256).max().item()
+    o = torch.optim.SGD(m.parameters(), lr=1.5 / L)
+    s = hdet.HDETLR(o, None, total_steps=60, model=m, ensemble_lr_spread_ratio=0.6, model_sync_interval=4,
+                    on_runaway=mode)
+    runaway = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(60):
+            loss = (m(A) - y).pow(2).mean()
+            o.zero_grad()
+            loss.backward()
+            o.step()
+            s.step(loss.detach())
+            if s.is_sync_step():
+                runaway += s.last_sync.runaway
+    return {"loss": loss.item(), "scale": s.ensemble.slots.lr_scale, "runaway": runaway,
+            "w": m.weight.detach().clone()}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["ignore", "recover"])
+def test_gloo_world_4_every_rank_decides_the_same(mode):
+    from helpers import check_ok, run_gloo
+
+    res = check_ok(run_gloo(_quadratic_rank, 4, mode))
+    assert all(torch.equal(r["w"], res[0]["w"]) for r in res)  # averaged after the last step
+    assert len({r["scale"] for r in res}) == 1 and len({tuple(r["runaway"]) for r in res}) == 1
+    if mode == "ignore":
+        assert max(r["loss"] for r in res) > 1.0  # the spread tips the run over
+    else:
+        assert max(r["loss"] for r in res) < 1e-6 and res[0]["scale"] < 1 and res[0]["runaway"]

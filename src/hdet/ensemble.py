@@ -293,14 +293,7 @@ class Ensemble:
                                            verdict.col)
         if verdict.runaway or verdict.rising:
             self.slots.cut_lr(max(c.lr_cut, MIN_LR_SCALE / self.slots.lr_scale))
-            warnings.warn(
-                f"hdet: at sync step {t} " + (f"replica(s) {verdict.runaway} ran away (window losses "
-                f"{[round(losses[r], 4) for r in verdict.runaway]}): left out of the average, reset to the others' "
-                "mean and ranked worst; " if verdict.runaway else "")
-                + (f"the ensemble's loss rose more than {c.rise_threshold:g} above its best "
-                   f"({self.stability.best_loss:.4f}); " if verdict.rising else "")
-                + (f"every replica went back to its state at step {self.stability.best_step}; " if back else "")
-                + f"the LR schedule is cut to {self.slots.lr_scale:.3g} of its value", stacklevel=3)
+            self.stability.warn(t, verdict.runaway, losses, verdict.rising, back, self.slots.lr_scale)
         nonfinite_losses = [int(col.observed[r] - col.loss_n[r]) for r in range(N)]
         bad_loss = [r for r in range(N) if nonfinite_losses[r] > 0]
         healthy_loss = [r for r in bad_loss if r not in bad]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from typing import Any
 
 import torch
@@ -98,6 +99,17 @@ class StabilityGuard:
             else:
                 self._snapshot = [t.detach().clone() for t in tensors]
         return False
+
+    def warn(self, t: int, runaway: list[int], losses: list[float], rising: bool, back: bool, scale: float) -> None:
+        """Say what this sync did (a UserWarning pointing at the training loop)."""
+        warnings.warn(
+            f"hdet: at sync step {t} " + (f"replica(s) {runaway} ran away (window losses "
+            f"{[round(losses[r], 4) for r in runaway]}): left out of the average, reset to the others' mean and "
+            "ranked worst; " if runaway else "")
+            + (f"the ensemble's loss rose more than {self.config.rise_threshold:g} above its best "
+               f"({self.best_loss:.4f}); " if rising else "")
+            + (f"every replica went back to its state at step {self.best_step}; " if back else "")
+            + f"the LR schedule is cut to {scale:.3g} of its value", stacklevel=5)
 
     def state_dict(self) -> dict[str, Any]:
         return {"best_loss": self.best_loss, "best_step": self.best_step, "best_se": self.best_se,
