@@ -69,6 +69,7 @@ class ControllerStep:
     clamped: bool = False
     kind: str = "paper"  # "fit": h_tilde = x*, h_bar = weight, delta = the log step, velocity = m, factor set
     factor: float | None = None  # fit: the correction of the base schedule after this update
+    base: float | None = None  # the slot's base after this update (its natural space), set by the slot table
 
 
 @dataclass
@@ -111,6 +112,11 @@ class PaperController:
     def base(self, scheduled: float) -> float:
         """The slot's base: the controller's own value once it has updated (Eq. 7 replaces the schedule)."""
         return scheduled if self.value is None else self.value
+
+    def scale(self, factor: float) -> None:
+        """The LR schedule was cut by ``factor`` (:mod:`hdet.stability`): so is the controller's own base."""
+        if self.value is not None:
+            self.value *= factor
 
     def control(self, obs: Observation) -> ControllerStep:
         """Eqs. 4-7 on the window's training losses (log values for a log spread)."""
@@ -254,6 +260,9 @@ class FitController:
     def base(self, scheduled: float) -> float:
         """The slot's base: the schedule's value, corrected."""
         return self.correct(scheduled)
+
+    def scale(self, factor: float) -> None:
+        """The LR schedule was cut: the correction applies to the cut schedule, so nothing changes here."""
 
     def control(self, obs: Observation) -> ControllerStep:
         """One fit on the probe losses against the replicas' offsets (log multipliers for scale-like values)."""

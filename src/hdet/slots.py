@@ -96,8 +96,8 @@ class Slots:
         self.lr_scale *= factor
         for j in range(self.num_lr_slots):
             ctrl = self.controllers[j]
-            if isinstance(ctrl, PaperController) and ctrl.value is not None:
-                ctrl.value *= factor
+            if ctrl is not None:
+                ctrl.scale(factor)
             self.bases[j] = self._base(j)
 
     def all_values(self) -> list[list[float]]:
@@ -132,9 +132,7 @@ class Slots:
                               window_losses=window_losses, probe_losses=probe_losses,
                               anchor=None if lr_slot else self.bases[j], weight=weight)
             step = ctrl.control(obs)
-            self.bases[j] = self._base(j)
-            if ctrl.kind == "fit":
-                step.new_base = self.bases[j]
+            self.bases[j] = step.base = self._base(j)
             self.deal(j)
             steps.append(step)
         return steps

@@ -28,7 +28,7 @@ def sync_record_dict(rec: SyncRecord) -> dict[str, Any]:
     if rec.controller is not None:
         out["controller"] = [
             {"kind": "fit", "x_star": c.h_tilde, "weight": c.h_bar, "step": c.delta, "m": c.velocity,
-             "factor": c.factor, "base": c.new_base, "clamped": c.clamped, "probe_losses": c.losses}
+             "factor": c.factor, "base": c.base, "clamped": c.clamped, "probe_losses": c.losses}
             if c.kind == "fit" else
             {"kind": "paper", "weights": c.weights, "h_tilde": c.h_tilde, "h_bar": c.h_bar, "delta": c.delta,
              "velocity": c.velocity, "base": c.new_base, "clamped": c.clamped}
