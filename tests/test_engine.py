@@ -236,3 +236,42 @@ def test_engine_recovers_a_non_finite_replica(mode, fault):
     ref = list(eng.models[0].parameters())
     for m in eng.models[1:]:
         assert all(torch.equal(a, b) for a, b in zip(ref, m.parameters()))
+
+
+def test_compile_that_fails_falls_back_to_eager_vmap_with_a_warning(monkeypatch):
+    """torch.compile of a vmapped model can fail (issue 19: a second model in one process met a fake-tensor
+    error): the engine says so and runs the same vmapped model eagerly, never a crash."""
+    import warnings as _w
+
+    import hdet
+    from hdet.engine import ReplicaEngine
+
+    def broken(fn, *a, **k):
+        def call(*args, **kw):
+            raise RuntimeError("RuntimeError when making fake tensor call\nmore lines")
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 1)
+    results = []
+    for compile in (False, True):
+        eng = ReplicaEngine(m, 2, lambda mod: torch.optim.SGD(mod.parameters(), lr=0.1),
+                            lambda o, rep, mod: hdet.HDETLR(o, None, total_steps=4, replicas=rep, model=mod,
+                                                            ensemble_lr_spread_ratio=0.2, model_sync_interval=2),
+                            mode="vmap", compile=compile)
+        g = torch.Generator().manual_seed(1)
+
+        def loss_fn(mod, x):
+            return mod(x).pow(2).mean()
+
+        with _w.catch_warnings(record=True) as seen:
+            _w.simplefilter("always")
+            for _ in range(4):
+                eng.step([torch.randn(4, 3, generator=g) for _ in range(2)], loss_fn)
+        results.append([p.detach().clone() for p in eng.models[0].parameters()])
+        msgs = [str(w.message) for w in seen if "torch.compile cannot run" in str(w.message)]
+        assert len(msgs) == (1 if compile else 0) and eng.mode == "vmap"
+        if compile:
+            assert "RuntimeError: RuntimeError when making fake tensor call); running it eagerly" in msgs[0]
+    assert all(torch.equal(a, b) for a, b in zip(*results))  # the same training, compiled or not

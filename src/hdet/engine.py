@@ -138,7 +138,7 @@ class ReplicaEngine:
         self.share_gradients = share_gradients
         self._call = _Call(self.models[0])
         self.compile = compile
-        self._fns: dict[Any, Callable[..., torch.Tensor]] = {}  # loss_fn -> the vmapped (compiled) function
+        self._fns: dict[Any, list[Any]] = {}  # loss_fn -> [the vmapped function, its compiled form or None]
 
     # -- stacking (vmap path) -------------------------------------------------------------------
     def _stack_replicas(self) -> None:
@@ -171,18 +171,27 @@ class ReplicaEngine:
     def _vmap_losses(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
         """Forward + backward of all replicas at once; leaves ``sum_r g_r / N`` in every replica's grad
         (its own ``g_r`` in local mode)."""
-        fn = self._fns.get(loss_fn)
-        if fn is None:
+        fns = self._fns.get(loss_fn)
+        if fns is None:
             def one(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], x: Any) -> torch.Tensor:
                 return functional_call(self._call, (p, b), (x, loss_fn))
 
-            fn = vmap(one, randomness="different")
-            if self.compile:
-                fn = torch.compile(fn)
-            self._fns[loss_fn] = fn
+            eager = vmap(one, randomness="different")
+            fns = self._fns[loss_fn] = [eager, torch.compile(eager) if self.compile else None]
         for p in self.stacked_params.values():
             p.grad = None
-        losses = fn(self._call_params, self._call_buffers, batch)
+        args = (self._call_params, self._call_buffers, batch)
+        if fns[1] is not None:
+            try:
+                losses = fns[1](*args)
+            except Exception as e:  # noqa: BLE001 - torch.compile of a vmapped model can fail: say so, run eagerly
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                warnings.warn(f"hdet: torch.compile cannot run this vmapped model ({type(e).__name__}: {first}); "
+                              "running it eagerly (still vmapped)", stacklevel=3)
+                fns[1] = None
+                losses = fns[0](*args)
+        else:
+            losses = fns[0](*args)
         if losses.shape != (self.num_replicas,):
             raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(losses.shape[1:])}")
         losses.sum().backward()
