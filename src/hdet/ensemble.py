@@ -289,8 +289,8 @@ class Ensemble:
         col, bad, losses = verdict.col, verdict.exclude, list(verdict.losses)
         if verdict.nonfinite:
             _warn_recovered(t, verdict.nonfinite, "sync")
-        back = self.stability.after_average(t, losses, bad, verdict.rising, self.tensors() + self.recovery_tensors(),
-                                           verdict.col)
+        back = self.stability.on and self.stability.after_average(  # the tensors are listed only when it is on
+            t, losses, bad, verdict.rising, self.tensors() + self.recovery_tensors(), verdict.col)
         if verdict.runaway or verdict.rising:
             self.slots.cut_lr(max(c.lr_cut, MIN_LR_SCALE / self.slots.lr_scale))
             self.stability.warn(t, verdict.runaway, losses, verdict.rising, back, self.slots.lr_scale)
