@@ -74,15 +74,20 @@ def run_job(job: dict[str, Any], deadline: float, expected: float) -> dict[str, 
             if rec["step"] % 50 == 0 or rec["step"] == cfg.steps:
                 lr.append((rec["step"], next(iter(rec["lr_mean"].values()))))
     events = []  # syncs that found a runaway replica or cut the LR (on_runaway="recover")
+    window = []  # per sync: step, the replicas' median window loss, slot 0's base LR for the next window
     syncs = Path(cfg.out) / "syncs.jsonl"
     scale = 1.0
     for line in (syncs.read_text().splitlines() if syncs.is_file() else []):
         rec = json.loads(line)
+        ok = sorted(x for x in rec.get("losses") or [] if x == x)
+        if ok:
+            window.append([rec["step"], ok[len(ok) // 2] if len(ok) % 2 else (ok[len(ok) // 2 - 1] + ok[len(ok) // 2]) / 2,
+                           rec["bases"][0]])
         if rec.get("runaway") or rec.get("lr_scale", 1.0) != scale:
             events.append([rec["step"], rec.get("runaway"), rec.get("lr_scale")])
             scale = rec.get("lr_scale", 1.0)
     return {**job, "seconds": time.time() - t0, "crashed": s["crashed"], "final_metrics": s["final_metrics"],
-            "runaway_events": events, "final_lr_scale": scale,
+            "runaway_events": events, "final_lr_scale": scale, "window_curve": window,
             "final_val_loss": s["final_val_loss"], "final_train_loss": s["final_train_loss"],
             "val_curve": s["val_curve"], "lr_curve": lr, "mode": s["mode"], "device": s.get("device"),
             "steps_per_second": s["steps_per_second"]}
@@ -120,6 +125,9 @@ def main() -> None:
                     "seeds 0-2, plain DP, HDET (--alpha, T from the size) as the paper has it, HDET with "
                     "on_runaway='recover', and plain DP with on_runaway='recover' (its rising-loss rule alone); at 1x "
                     "HDET with on_runaway='recover' (no harm?)")
+    ap.add_argument("--signals", type=float, default=None, metavar="BEST_MAX_LR",
+                    help="the warm-up signal study (issue 15, item 3): plain DP and HDET (--alpha) from 0.1x, 0.3x, 1x, "
+                    "3x and 10x BEST_MAX_LR, seed 0, with every sync's median window loss and base LR recorded")
     a = ap.parse_args()
     t_start = time.time()
     deadline = t_start + a.deadline
@@ -188,6 +196,15 @@ def main() -> None:
             status = r.get("skipped") or r.get("error") or r.get("crashed") or r.get("final_metrics")
             print(f"[{time.time() - t_start:6.0f}s] {r['name']}: {status}", flush=True)
             save()
+
+    if a.signals is not None:
+        best[0] = a.signals
+        jobs = [job(f"{name}-{start:g}x-s0", name, max_lr=a.signals * start, seed=0, alpha=alpha)
+                for start in (0.1, 0.3, 1.0, 3.0, 10.0) for name, alpha in (("plain", 0.0), ("hdet", a.alpha))]
+        with cf.ProcessPoolExecutor(max_workers=a.jobs, mp_context=ctx) as pool:
+            run_all(jobs, pool)
+        save(final=True)
+        return
 
     if a.stability is not None:
         best[0] = a.stability
