@@ -185,17 +185,24 @@ def main() -> None:
     best: list[float | None] = [None]
 
     def run_all(jobs: list[dict[str, Any]], pool: cf.ProcessPoolExecutor) -> None:
+        """At most --jobs runs in flight; each is submitted when a worker is free, with the expected duration
+        known then (a job queued behind a full pool used to carry the estimate of the start, often 0)."""
         todo = [j for j in jobs if j["name"] not in done]
-        futs = [pool.submit(run_job, j, deadline, expected(1.1 if j["cfg"].get("auto_lr") else 1.0)) for j in todo]
-        for f in cf.as_completed(futs):
-            r = f.result()
-            results.append(r)
-            if "seconds" in r:
-                durations.append(r["seconds"])
-            done[r["name"]] = r
-            status = r.get("skipped") or r.get("error") or r.get("crashed") or r.get("final_metrics")
-            print(f"[{time.time() - t_start:6.0f}s] {r['name']}: {status}", flush=True)
-            save()
+        in_flight: set[cf.Future] = set()
+        while todo or in_flight:
+            while todo and len(in_flight) < a.jobs:
+                j = todo.pop(0)
+                in_flight.add(pool.submit(run_job, j, deadline, expected(1.1 if j["cfg"].get("auto_lr") else 1.0)))
+            finished, in_flight = cf.wait(in_flight, return_when=cf.FIRST_COMPLETED)
+            for f in finished:
+                r = f.result()
+                results.append(r)
+                if "seconds" in r:
+                    durations.append(r["seconds"])
+                done[r["name"]] = r
+                status = r.get("skipped") or r.get("error") or r.get("crashed") or r.get("final_metrics")
+                print(f"[{time.time() - t_start:6.0f}s] {r['name']}: {status}", flush=True)
+                save()
 
     if a.signals is not None:
         best[0] = a.signals
