@@ -44,11 +44,10 @@ class Slots:
         self.config = config
         self.world_size = world_size
         self.num_lr_slots = len(lr_names)
-        self.rho = linear_multipliers(world_size, config.ensemble_lr_spread_ratio)  # Eq. 1
         self.spreads = [Spread("linear", config.ensemble_lr_spread_ratio)] * self.num_lr_slots + list(spreads)
         self.names = list(lr_names) + list(names)
         self.num_slots = len(self.names)
-        self.offsets = [s.offsets(world_size) for s in self.spreads]
+        self.resize(world_size, redeal=False)  # rho (Eq. 1) and every slot's positions
         self.perms: list[list[int]] = [list(range(world_size)) for _ in range(self.num_slots)]  # rank r -> position
         self.bases: list[float] = [0.0] * self.num_slots  # in effect for the next step
         self.scheduled: list[float] = [0.0] * self.num_slots  # the base schedules' values now
@@ -100,14 +99,21 @@ class Slots:
                 ctrl.scale(factor)
             self.bases[j] = self._base(j)
 
+    def offsets_of(self, j: int) -> list[float]:
+        """Every replica's multiplier (offset for additive spreads) for slot ``j``, in rank order."""
+        return [self.offsets[j][p] for p in self.perms[j]]
+
+    def values_of(self, j: int) -> list[float]:
+        """Every replica's value for slot ``j`` from its current base, in rank order."""
+        return [self.spreads[j].apply(self.bases[j], o) for o in self.offsets_of(j)]
+
     def all_values(self) -> list[list[float]]:
         """Every replica's value per slot, from the current bases (what each replica uses next)."""
-        return [[self.spreads[j].apply(self.bases[j], self.offsets[j][p]) for p in self.perms[j]]
-                for j in range(self.num_slots)]
+        return [self.values_of(j) for j in range(self.num_slots)]
 
     def all_offsets(self) -> list[list[float]]:
         """Every replica's multiplier (offset for additive spreads) per slot."""
-        return [[self.offsets[j][p] for p in perm] for j, perm in enumerate(self.perms)]
+        return [self.offsets_of(j) for j in range(self.num_slots)]
 
     def deal(self, j: int) -> None:
         """Eq. 9: a fresh permutation for slot ``j`` (tied LR groups share slot 0's)."""
@@ -128,7 +134,7 @@ class Slots:
             if ctrl is None:
                 ctrl = self.controllers[j] = self._new_controller(j, lr, num_control_syncs)
             lr_slot = j < self.num_lr_slots
-            obs = Observation(values=self.all_values()[j], offsets=[self.offsets[j][p] for p in self.perms[j]],
+            obs = Observation(values=self.values_of(j), offsets=self.offsets_of(j),
                               window_losses=window_losses, probe_losses=probe_losses,
                               anchor=None if lr_slot else self.bases[j], weight=weight)
             step = ctrl.control(obs)
