@@ -43,9 +43,13 @@ class SyncVector(NamedTuple):
     loss_sq: Any  # the sum of the squares of the window's finite training losses (its noise, hdet.stability)
 
     def to_tensor(self, dev: torch.device) -> torch.Tensor:
-        """The 1-D float64 vector on ``dev`` (tensors stay on their device until this copy: no host sync)."""
-        return torch.cat([x.reshape(1).to(dev, torch.float64) if isinstance(x, torch.Tensor)
-                          else torch.tensor([float(x)], dtype=torch.float64, device=dev) for x in self])
+        """The 1-D float64 vector on ``dev`` (tensors stay on their device until this copy: no host sync; the
+        Python numbers go over in one copy)."""
+        numbers = torch.tensor([0.0 if isinstance(x, torch.Tensor) else float(x) for x in self], dtype=torch.float64,
+                               device=dev)
+        parts = [x.reshape(1).to(dev, torch.float64) if isinstance(x, torch.Tensor) else numbers[i:i + 1]
+                 for i, x in enumerate(self)]
+        return torch.cat(parts)
 
     @classmethod
     def from_rows(cls, rows: torch.Tensor) -> "SyncVector":
