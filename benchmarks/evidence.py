@@ -77,8 +77,11 @@ def run_job(job: dict[str, Any], deadline: float, expected: float) -> dict[str, 
     window = []  # per sync: step, the replicas' median window loss, slot 0's base LR for the next window
     syncs = Path(cfg.out) / "syncs.jsonl"
     scale = 1.0
+    range_end = None  # lr_range_test: [step, why, slot 0's base LR for the next window]
     for line in (syncs.read_text().splitlines() if syncs.is_file() else []):
         rec = json.loads(line)
+        if rec.get("range_ended"):
+            range_end = [rec["step"], rec["range_ended"], rec["bases"][0], rec.get("went_back_to")]
         ok = sorted(x for x in rec.get("losses") or [] if x == x)
         if ok:
             window.append([rec["step"], ok[len(ok) // 2] if len(ok) % 2 else (ok[len(ok) // 2 - 1] + ok[len(ok) // 2]) / 2,
@@ -87,7 +90,7 @@ def run_job(job: dict[str, Any], deadline: float, expected: float) -> dict[str, 
             events.append([rec["step"], rec.get("runaway"), rec.get("lr_scale")])
             scale = rec.get("lr_scale", 1.0)
     return {**job, "seconds": time.time() - t0, "crashed": s["crashed"], "final_metrics": s["final_metrics"],
-            "runaway_events": events, "final_lr_scale": scale, "window_curve": window,
+            "runaway_events": events, "final_lr_scale": scale, "window_curve": window, "range_end": range_end,
             "final_val_loss": s["final_val_loss"], "final_train_loss": s["final_train_loss"],
             "val_curve": s["val_curve"], "lr_curve": lr, "mode": s["mode"], "device": s.get("device"),
             "steps_per_second": s["steps_per_second"]}
@@ -128,6 +131,10 @@ def main() -> None:
     ap.add_argument("--signals", type=float, default=None, metavar="BEST_MAX_LR",
                     help="the warm-up signal study (issue 15, item 3): plain DP and HDET (--alpha) from 0.1x, 0.3x, 1x, "
                     "3x and 10x BEST_MAX_LR, seed 0, with every sync's median window loss and base LR recorded")
+    ap.add_argument("--range", type=float, default=None, dest="range_best", metavar="BEST_MAX_LR",
+                    help="the in-run LR range test (issue 15, item 3) instead of the main suite: HDET (--alpha) with "
+                    "lr_range_test=True from 0.1x, 1x and 10x BEST_MAX_LR, seeds 0-2, once per --range-backoffs value")
+    ap.add_argument("--range-backoffs", default="4,2", help="the range test's backoffs to run (names: range-b<value>)")
     a = ap.parse_args()
     t_start = time.time()
     deadline = t_start + a.deadline
@@ -208,6 +215,17 @@ def main() -> None:
         best[0] = a.signals
         jobs = [job(f"{name}-{start:g}x-s0", name, max_lr=a.signals * start, seed=0, alpha=alpha)
                 for start in (0.1, 0.3, 1.0, 3.0, 10.0) for name, alpha in (("plain", 0.0), ("hdet", a.alpha))]
+        with cf.ProcessPoolExecutor(max_workers=a.jobs, mp_context=ctx) as pool:
+            run_all(jobs, pool)
+        save(final=True)
+        return
+
+    if a.range_best is not None:
+        best[0] = a.range_best
+        backoffs = [float(x) for x in a.range_backoffs.split(",")]
+        jobs = [job(f"range-b{b:g}-{start:g}x-s{seed}", f"range-b{b:g}", max_lr=a.range_best * start, seed=seed,
+                    alpha=a.alpha, range_test=True, range_backoff=b, on_runaway="recover", warmup=warm)
+                for seed in (0, 1, 2) for b in backoffs for start in STARTS]
         with cf.ProcessPoolExecutor(max_workers=a.jobs, mp_context=ctx) as pool:
             run_all(jobs, pool)
         save(final=True)

@@ -50,6 +50,15 @@ class HDETConfig:
             fraction above its best so far. Default 0.05.
         lr_cut: with "recover": at each sync with a runaway replica or a rising ensemble, the LR schedule is
             multiplied by this factor for the rest of the run. Default 0.5.
+        lr_range_test: an LR range test during the warm-up (the first ``auto_lr_warmup_steps`` steps,
+            :mod:`hdet.range_test`): the LR schedule is multiplied by a factor that grows at every sync until
+            the ensemble's loss stalls or turns unstable; every replica then goes back to the best sync and the
+            peak LR becomes the LR of that sync over ``range_backoff``. The user's peak LR is a first guess.
+            Turns ``on_runaway="recover"`` on (the test drives the LR to the edge on purpose). Default False.
+        range_max_factor: with the range test: the most its factor multiplies the schedule by (reached at the
+            end of the warm-up if nothing stops it). Default 300.
+        range_backoff: with the range test: the peak LR is the best sync's LR divided by this. Default 4.
+        range_patience: with the range test: this many windows without a new best loss end it. Default 3.
     """
 
     ensemble_lr_spread_ratio: float = 0.0
@@ -69,6 +78,10 @@ class HDETConfig:
     outlier_threshold: float = 5.0
     rise_threshold: float = 0.05
     lr_cut: float = 0.5
+    lr_range_test: bool = False
+    range_max_factor: float = 300.0
+    range_backoff: float = 4.0
+    range_patience: int = 3
 
     def __post_init__(self) -> None:
         """Check every field; numpy scalars become Python numbers."""
@@ -76,14 +89,17 @@ class HDETConfig:
         self.model_sync_interval = _check_int("model_sync_interval", self.model_sync_interval, lo=1)
         self.auto_lr_warmup_steps = _check_int("auto_lr_warmup_steps", self.auto_lr_warmup_steps, lo=0)
         self.seed = _check_int("seed", self.seed, lo=0)
-        for name in ("enable_auto_lr", "average_optimizer_state", "tie_lr_groups"):
+        self.range_patience = _check_int("range_patience", self.range_patience, lo=1)
+        for name in ("enable_auto_lr", "average_optimizer_state", "tie_lr_groups", "lr_range_test"):
             setattr(self, name, _check_bool(name, getattr(self, name)))
         for name, symbol, ok, want in (("loss_scale", "sigma", lambda v: v > 0, "{} > 0"),
                                        ("lr_of_lr", "lambda", lambda v: v >= 0, "{} >= 0"),
                                        ("momentum_of_lr", "beta", lambda v: 0 <= v < 1, "0 <= {} < 1"),
                                        ("outlier_threshold", "", lambda v: v > 0, "{} > 0"),
                                        ("rise_threshold", "", lambda v: v > 0, "{} > 0"),
-                                       ("lr_cut", "", lambda v: 0 < v <= 1, "0 < {} <= 1")):
+                                       ("lr_cut", "", lambda v: 0 < v <= 1, "0 < {} <= 1"),
+                                       ("range_max_factor", "", lambda v: v >= 1, "{} >= 1"),
+                                       ("range_backoff", "", lambda v: v >= 1, "{} >= 1")):
             v = getattr(self, name)
             if not _is_real(v) or not math.isfinite(v) or not ok(v):
                 raise ValueError(f"Expected {want.format(f'{name} ({symbol})' if symbol else name)}, but got {v!r}")
@@ -106,6 +122,11 @@ class HDETConfig:
     def controller_kind(self) -> str:
         """The controller's registry name: "fit" or "paper"."""
         return "fit" if isinstance(self.controller, FitController) else str(self.controller)
+
+    @property
+    def recovering(self) -> bool:
+        """Whether runaway replicas and a rising loss are acted on (``on_runaway="recover"``, or the range test)."""
+        return self.on_runaway == "recover" or self.lr_range_test
 
     @property
     def probing(self) -> bool:

@@ -26,6 +26,7 @@ from .config import HDETConfig
 from .controller import ControllerStep
 from .hyper import Hyperparameter
 from .replicas import Replicas, ReplicaSyncError, local_shard
+from .range_test import MAX_RANGE_GROWTH, RangeTest
 from .slots import LRControl, Slots
 from .stability import MIN_LR_SCALE, StabilityGuard
 from .sync import (SHARD_MIN, SHARD_SUM, ReplicaMismatchError, SyncVector, as_real, averaged, check_agreement, health,
@@ -51,6 +52,7 @@ class Verdict(NamedTuple):
     runaway: list[int]  # finite, but the window loss ran away from the others' (outlier_threshold)
     rising: bool  # the ensemble's median window loss is more than rise_threshold above its best so far
     losses: list[float]  # per replica: the window's mean training loss (NaN without a finite one)
+    collapsed: bool = False  # every replica non-finite, and the stability guard goes back to its best sync
 
 
 @dataclass
@@ -69,6 +71,8 @@ class SyncRecord:
     runaway: list[int] = field(default_factory=list)  # replicas whose finite window loss ran away, reset too
     lr_scale: float = 1.0  # the LR schedule's cut so far (runaway replicas or a rising ensemble loss)
     went_back_to: int | None = None  # the sync step whose state every replica went back to (a rising loss)
+    range_scale: float | None = None  # lr_range_test: what the range test multiplies the LR schedule by now
+    range_ended: str | None = None  # lr_range_test: why the test ended at this sync (None: it did not end here)
 
 
 class Ensemble:
@@ -129,6 +133,17 @@ class Ensemble:
     def set_total_steps(self, total_steps: int) -> None:
         c = self.config
         self.total_steps = total_steps
+        if c.lr_range_test:
+            T, warm = c.model_sync_interval, c.auto_lr_warmup_steps
+            if not 2 * T <= warm < total_steps:
+                raise ValueError(
+                    f"Expected auto_lr_warmup_steps (the range test's length) in [2 * model_sync_interval, total_steps) "
+                    f"= [{2 * T}, {total_steps}) with lr_range_test=True, but got {warm}: the test needs at least two "
+                    "windows of the warm-up (e.g. OneCycle's pct_start * total_steps)")
+            if self.slots.range is None:
+                growth = min(c.range_max_factor ** (T / warm), MAX_RANGE_GROWTH)  # a short warm-up: slower, not coarser
+                self.slots.range = RangeTest(growth=growth, max_factor=c.range_max_factor,
+                                             backoff=c.range_backoff, patience=c.range_patience)
         if c.enable_auto_lr:
             if c.auto_lr_warmup_steps >= total_steps:
                 raise ValueError(
@@ -269,7 +284,11 @@ class Ensemble:
         N = self.replicas.world_size
         bad = [r for r in range(N) if col.finite[r] != 1.0 or col.buf_inf[r] > min(col.buf_inf)]
         bad_loss = [r for r in range(N) if col.observed[r] > col.loss_n[r]]
-        if ((bad or (bad_loss and everyone)) and self.config.on_nonfinite == "raise") or len(bad) == N:
+        # every replica bad: with on_runaway="recover" (or the range test) and a best sync to go back to, that
+        # is where every replica goes (a collapse); otherwise nothing can be recovered
+        collapsed = len(bad) == N and everyone and self.stability.on and self.stability.can_go_back(
+            self.tensors() + self.recovery_tensors())
+        if ((bad or (bad_loss and everyone)) and self.config.on_nonfinite == "raise") or (len(bad) == N and not collapsed):
             raise NonFiniteReplicaError(
                 f"At sync step {t}: non-finite training losses on replica(s) {bad_loss}, non-finite weights on "
                 f"replica(s) {bad} (parameters or buffers)"
@@ -277,6 +296,8 @@ class Ensemble:
                 + ". Nothing was averaged, so the other replicas are untouched."
             )
         losses = [col.loss_sum[r] / col.loss_n[r] if col.loss_n[r] else float("nan") for r in range(N)]
+        if collapsed:  # nothing healthy to average: every replica is overwritten by the best sync's state
+            return Verdict(col, [], bad, [], True, losses, collapsed=True)
         runaway, rising = self.stability.judge(losses, bad, col) if everyone else ([], False)
         return Verdict(col, sorted(bad + runaway), bad, runaway, rising, losses)
 
@@ -287,13 +308,21 @@ class Ensemble:
         c = self.config
         N = self.replicas.world_size
         col, bad, losses = verdict.col, verdict.exclude, list(verdict.losses)
-        if verdict.nonfinite:
+        if verdict.nonfinite and not verdict.collapsed:
             _warn_recovered(t, verdict.nonfinite, "sync")
-        back = self.stability.on and self.stability.after_average(  # the tensors are listed only when it is on
-            t, losses, bad, verdict.rising, self.tensors() + self.recovery_tensors(), verdict.col)
-        if verdict.runaway or verdict.rising:
+        if verdict.collapsed:
+            back = self.stability.go_back(self.tensors() + self.recovery_tensors())
+        else:
+            back = self.stability.on and self.stability.after_average(  # the tensors are listed only when it is on
+                t, losses, bad, verdict.rising, self.tensors() + self.recovery_tensors(), verdict.col)
+        rt = self.slots.range
+        range_ended = None
+        if rt is not None and rt.ramping and t <= c.auto_lr_warmup_steps:  # the range test decides, no cut
+            back = self._range_step(t, verdict, back)
+            range_ended = rt.reason if not rt.ramping else None
+        elif verdict.runaway or verdict.rising:
             self.slots.cut_lr(max(c.lr_cut, MIN_LR_SCALE / self.slots.lr_scale))
-            self.stability.warn(t, verdict.runaway, losses, verdict.rising, back, self.slots.lr_scale)
+            self.stability.warn(t, verdict.runaway, losses, verdict.rising, back, self.slots.lr_scale, verdict.collapsed)
         nonfinite_losses = [int(col.observed[r] - col.loss_n[r]) for r in range(N)]
         bad_loss = [r for r in range(N) if nonfinite_losses[r] > 0]
         healthy_loss = [r for r in bad_loss if r not in bad]
@@ -326,11 +355,26 @@ class Ensemble:
                             bases=list(self.slots.bases), controller=steps, names=list(self.names),
                             values=self.all_values(), recovered=verdict.nonfinite, nonfinite_losses=nonfinite_losses,
                             runaway=verdict.runaway, lr_scale=self.slots.lr_scale,
-                            went_back_to=self.stability.best_step if back else None)
+                            went_back_to=self.stability.best_step if back else None,
+                            range_scale=None if rt is None else rt.scale(self.slots.peak0), range_ended=range_ended)
         self.last_sync = record
         for hook in self.on_sync:
             hook(record)
         return record
+
+    def _range_step(self, t: int, verdict: Verdict, back: bool) -> bool:
+        """One sync of the LR range test (:mod:`hdet.range_test`): grow its factor, or end it and go back to the
+        best sync. Returns whether every replica went back. No collective; a foreach copy when it goes back."""
+        rt, guard, T = self.slots.range, self.stability, self.config.model_sync_interval
+        assert rt is not None
+        stale = 0 if guard.best_step is None else (t - guard.best_step) // T
+        too_high = rt.update(t, self.slots.bases[0], new_best=guard.best_step == t and not back, stale_windows=stale,
+                             runaway=bool(verdict.runaway), rising=verdict.rising,
+                             last=t + T > self.config.auto_lr_warmup_steps)
+        if too_high and not back:
+            back = guard.go_back(self.tensors() + self.recovery_tensors())
+        self.slots.refresh()
+        return back
 
     # ----------------------------------------------------------------- the three phases through torch.distributed
     def sync(self, t: int) -> SyncRecord:

@@ -325,7 +325,8 @@ class OneCycleAutoLR(HDETLR):
     Args:
         optimizer, max_lr, total_steps, epochs, steps_per_epoch, pct_start, anneal_strategy, cycle_momentum,
             base_momentum, max_momentum, div_factor, final_div_factor, three_phase, last_epoch: ``OneCycleLR``'s.
-        auto_lr_warmup_steps: [S_warm] the reference's default, 100000 (``HDETLR``'s is 0).
+        auto_lr_warmup_steps: [S_warm] the reference's default, 100000 (``HDETLR``'s is 0); with
+            ``lr_range_test=True``, OneCycle's warm-up (``int(pct_start * total_steps)``) unless given.
         **kwargs: every other :class:`HDETLR` keyword and HDET option (``ensemble_lr_spread_ratio``,
             ``model_sync_interval``, ``enable_auto_lr``, ``model``, ``probe``, ``explore``, ...). Eq. 8's decay
             targets OneCycle's ``min_lr``; ``auto_lr_bounds`` defaults to ``(min_lr, 10 max_lr)`` per group.
@@ -335,7 +336,7 @@ class OneCycleAutoLR(HDETLR):
                  epochs: int | None = None, steps_per_epoch: int | None = None, pct_start: float = 0.3,
                  anneal_strategy: str = "cos", cycle_momentum: bool = True, base_momentum: float | list[float] = 0.85,
                  max_momentum: float | list[float] = 0.95, div_factor: float = 25.0, final_div_factor: float = 1e4,
-                 three_phase: bool = False, last_epoch: int = -1, *, auto_lr_warmup_steps: int = 100_000,
+                 three_phase: bool = False, last_epoch: int = -1, *, auto_lr_warmup_steps: int | None = None,
                  **kwargs: Any) -> None:
         explore = kwargs.get("explore", ())
         if cycle_momentum and any(isinstance(h, AdamBeta) and h.index == 0 for h in
@@ -348,6 +349,9 @@ class OneCycleAutoLR(HDETLR):
                           base_momentum=base_momentum, max_momentum=max_momentum, div_factor=div_factor,
                           final_div_factor=final_div_factor, three_phase=three_phase, last_epoch=last_epoch)
         self.div_factor, self.final_div_factor = float(div_factor), float(final_div_factor)
+        if auto_lr_warmup_steps is None:  # the range test runs during OneCycle's warm-up
+            ranging = kwargs.get("lr_range_test", getattr(kwargs.get("config"), "lr_range_test", False))
+            auto_lr_warmup_steps = int(float(pct_start) * base.total_steps) if ranging is True else 100_000
         super().__init__(optimizer, base, base.total_steps, auto_lr_warmup_steps=auto_lr_warmup_steps,
                          last_epoch=last_epoch, **kwargs)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from .config import HDETConfig
 from .controller import CONTROLLERS, ControllerStep, FitController, Observation, PaperController, gamma_decay
+from .range_test import RangeTest
 from .spread import Dealer, Spread, linear_multipliers
 
 __all__ = ["Slots", "LRControl"]
@@ -55,6 +56,7 @@ class Slots:
         self.controllers: list[Controller | None] = [None] * self.num_slots
         self.dealer = Dealer(config.seed)
         self.lr_scale = 1.0  # the cuts of the LR schedule so far (runaway replicas, an unstable ensemble)
+        self.range: RangeTest | None = None  # the in-run LR range test (lr_range_test=True), set with the run's length
 
     def resize(self, world_size: int, redeal: bool) -> None:
         """Positions for ``world_size`` replicas under the current config (after a load); ``redeal``: a fresh
@@ -85,10 +87,19 @@ class Slots:
         return [self.spreads[j].apply(self.bases[j], self.multiplier(j, rank)) for j in range(self.num_slots)]
 
     def _base(self, j: int) -> float:
-        """Slot ``j``'s base now: the schedule's value (LR slots: times :attr:`lr_scale`), or its controller's."""
-        b = self.scheduled[j] * (self.lr_scale if j < self.num_lr_slots else 1.0)
+        """Slot ``j``'s base now: the schedule's value (LR slots: times :meth:`lr_factor`), or its controller's."""
+        b = self.scheduled[j] * (self.lr_factor() if j < self.num_lr_slots else 1.0)
         ctrl = self.controllers[j]
         return b if ctrl is None else self.spreads[j].clamp(ctrl.base(b))
+
+    def lr_factor(self) -> float:
+        """What multiplies every LR slot's schedule: the cuts so far, and the range test's scale."""
+        return self.lr_scale * (1.0 if self.range is None else self.range.scale(self.peak0))
+
+    def refresh(self) -> None:
+        """Recompute every base after the LR factor changed (the range test's step)."""
+        for j in range(self.num_slots):
+            self.bases[j] = self._base(j)
 
     def cut_lr(self, factor: float) -> None:
         """Multiply every LR slot's base by ``factor`` from now on (a paper controller's own base too)."""

@@ -59,7 +59,7 @@ class StabilityGuard:
 
     @property
     def on(self) -> bool:
-        return self.config.on_runaway == "recover"
+        return self.config.recovering
 
     def judge(self, losses: list[float], bad: list[int], col: Any) -> tuple[list[int], bool]:
         """The runaway replicas and whether the ensemble is rising (pure arithmetic on the gathered rows)."""
@@ -100,14 +100,28 @@ class StabilityGuard:
                 self._snapshot = [t.detach().clone() for t in tensors]
         return False
 
-    def warn(self, t: int, runaway: list[int], losses: list[float], rising: bool, back: bool, scale: float) -> None:
+    def can_go_back(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether a best sync's state is kept for these tensors."""
+        return self._snapshot is not None and _same_layout(self._snapshot, tensors)
+
+    @torch.no_grad()
+    def go_back(self, tensors: list[torch.Tensor]) -> bool:
+        """Every replica back to the best sync's state (the range test's end); False without a snapshot."""
+        if not self.can_go_back(tensors):
+            return False
+        torch._foreach_copy_(tensors, self._snapshot)
+        return True
+
+    def warn(self, t: int, runaway: list[int], losses: list[float], rising: bool, back: bool, scale: float,
+             collapsed: bool = False) -> None:
         """Say what this sync did (a UserWarning pointing at the training loop)."""
         warnings.warn(
-            f"hdet: at sync step {t} " + (f"replica(s) {runaway} ran away (window losses "
+            f"hdet: at sync step {t} " + ("every replica had non-finite weights or buffers; " if collapsed else "")
+            + (f"replica(s) {runaway} ran away (window losses "
             f"{[round(losses[r], 4) for r in runaway]}): left out of the average, reset to the others' mean and "
             "ranked worst; " if runaway else "")
             + (f"the ensemble's loss rose more than {self.config.rise_threshold:g} above its best "
-               f"({self.best_loss:.4f}); " if rising else "")
+               f"({self.best_loss:.4f}); " if rising and not collapsed else "")
             + (f"every replica went back to its state at step {self.best_step}; " if back else "")
             + f"the LR schedule is cut to {scale:.3g} of its value", stacklevel=5)
 

@@ -24,7 +24,8 @@ def sync_record_dict(rec: SyncRecord) -> dict[str, Any]:
     out: dict[str, Any] = {"step": rec.step, "names": rec.names, "losses": rec.losses,
                            "multipliers": rec.multipliers, "bases": rec.bases, "values": rec.values,
                            "recovered": rec.recovered, "runaway": rec.runaway, "lr_scale": rec.lr_scale,
-                           "went_back_to": rec.went_back_to}
+                           "went_back_to": rec.went_back_to, "range_scale": rec.range_scale,
+                           "range_ended": rec.range_ended}
     if rec.controller is not None:
         out["controller"] = [
             {"kind": "fit", "x_star": c.h_tilde, "weight": c.h_bar, "step": c.delta, "m": c.velocity,
@@ -54,6 +55,8 @@ def sync_scalars(rec: SyncRecord) -> dict[str, float]:
     out["hdet/recovered"] = float(len(rec.recovered))
     out["hdet/runaway"] = float(len(rec.runaway))
     out["hdet/lr_scale"] = rec.lr_scale
+    if rec.range_scale is not None:
+        out["hdet/range_scale"] = rec.range_scale
     out["hdet/nonfinite_losses"] = float(sum(rec.nonfinite_losses))
     return out
 

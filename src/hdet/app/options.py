@@ -56,9 +56,13 @@ class RunConfig:
     on_runaway: str = field(default="recover", metadata=_cli(
         "recover: a replica whose finite window loss runs away is reset like a non-finite one and the LR schedule "
         "is cut (also when the ensemble's loss rises); ignore: the paper's HDET"))
+    range_test: bool = field(default=False, metadata=_cli(
+        "an LR range test during OneCycle's warm-up: --max-lr is a first guess; the LR ramps past it until the "
+        "loss stalls or turns unstable, then goes back to the best sync at that LR / --range-backoff"))
+    range_backoff: float = field(default=4.0, metadata=_cli("range test: the peak LR is the best sync's LR over this"))
     warmup: int | None = field(default=None, metadata=_cli(
-        "auto-LR warmup steps (default: the end of OneCycle's warm-up, 30%% of the run, for the fit controller; "
-        "half the run for the paper's)"))
+        "auto-LR warmup steps, and the range test's length (default: the end of OneCycle's warm-up, 30%% of the run, "
+        "for the fit controller and the range test; half the run for the paper's)"))
     max_lr: float = field(default=3e-3, metadata=_cli("OneCycle's peak learning rate"))
     weight_decay: float = field(default=0.01, metadata=_cli("AdamW's decoupled weight decay (none on norms and biases)"))
     dropout: float = field(default=0.0, metadata=_cli("dropout probability of the model"))
@@ -128,6 +132,11 @@ def check(cfg: RunConfig) -> None:
         raise RunError(f"Expected --controller {' or '.join(CONTROLLERS)}, but got {cfg.controller!r}")
     if cfg.on_runaway not in ("ignore", "recover"):
         raise RunError(f"Expected --on-runaway ignore or recover, but got {cfg.on_runaway!r}")
+    if not (cfg.range_backoff >= 1 and math.isfinite(cfg.range_backoff)):
+        raise RunError(f"Expected --range-backoff >= 1, but got {cfg.range_backoff}")
+    if cfg.range_test and cfg.optimizer != "adamw":
+        raise RunError(f"Expected --optimizer adamw with --range-test (it scales the learning rate; the peers set "
+                       f"their own step size), but got {cfg.optimizer}")
     if cfg.mode not in MODES:
         raise RunError(f"Expected --mode auto, vmap or loop, but got {cfg.mode!r}")
     bad = [e for e in cfg.explore if e not in EXPLORE]

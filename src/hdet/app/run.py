@@ -145,12 +145,15 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
         raise RunError(f"Expected --replicas to match the torchrun world size ({N}), but got {cfg.replicas}")
     if cfg.warmup is not None:
         warmup = cfg.warmup
-    elif cfg.controller == "fit":  # the end of OneCycle's warm-up (pct_start 0.3), as in the evidence suite
+    elif cfg.controller == "fit" or cfg.range_test:  # the end of OneCycle's warm-up (pct_start 0.3), as in the evidence suite
         warmup = int(0.3 * cfg.steps) // cfg.T * cfg.T
     else:
         warmup = cfg.steps // 2
     if cfg.auto_lr and not 0 <= warmup < cfg.steps:
         raise RunError(f"Expected --warmup in [0, --steps) with --auto-lr, but got {warmup} (steps {cfg.steps})")
+    if cfg.range_test and not 2 * cfg.T <= warmup < cfg.steps:
+        raise RunError(f"Expected --warmup (the range test's length) in [2 T, --steps) = [{2 * cfg.T}, {cfg.steps}) "
+                       f"with --range-test, but got {warmup}")
     out = Path(cfg.out)
     if rank == 0:
         _prepare_out(out, keep=cfg.init_from)
