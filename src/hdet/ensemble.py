@@ -13,6 +13,7 @@ that sequence through ``torch.distributed``. Glossary: ``docs/architecture.md``.
 from __future__ import annotations
 
 import math
+import statistics
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from .config import HDETConfig
 from .controller import ControllerStep
 from .hyper import Hyperparameter
 from .replicas import Replicas, ReplicaSyncError, local_shard
-from .range_test import MAX_RANGE_GROWTH, RangeTest
+from .range_test import MAX_RANGE_GROWTH, RampSnapshots, RangeTest
 from .slots import LRControl, Slots
 from .stability import MIN_LR_SCALE, StabilityGuard
 from .sync import (SHARD_MIN, SHARD_SUM, ReplicaMismatchError, SyncVector, as_real, averaged, check_agreement, health,
@@ -114,6 +115,7 @@ class Ensemble:
         self.window_mean = WindowMean(self._float_params()) if config.probing else None
         self.total_steps: int | None = None
         self.stability = StabilityGuard(config)  # on_runaway="recover"
+        self._ramp = RampSnapshots()  # lr_range_test: the ramp's recent states
         self.last_sync: SyncRecord | None = None
         self.on_sync: list[Callable[[SyncRecord], None]] = []
         if config.probing and any(p.is_complex() for p in self._params()):
@@ -363,16 +365,26 @@ class Ensemble:
         return record
 
     def _range_step(self, t: int, verdict: Verdict, back: bool) -> bool:
-        """One sync of the LR range test (:mod:`hdet.range_test`): grow its factor, or end it and go back to the
-        best sync. Returns whether every replica went back. No collective; a foreach copy when it goes back."""
+        """One sync of the LR range test (:mod:`hdet.range_test`): keep this sync's state and grow the ramp, or
+        end it and go back to the ramp's last sync at an LR of at most the new peak. Returns whether every
+        replica went back. No collective; a foreach copy of the averaged tensors per sync of the ramp."""
         rt, guard, T = self.slots.range, self.stability, self.config.model_sync_interval
         assert rt is not None
+        ok = [x for r, x in enumerate(verdict.losses) if r not in verdict.exclude and math.isfinite(x)]
+        loss = statistics.median(ok) if ok else math.nan
         stale = 0 if guard.best_step is None else (t - guard.best_step) // T
-        too_high = rt.update(t, self.slots.bases[0], new_best=guard.best_step == t and not back, stale_windows=stale,
-                             runaway=bool(verdict.runaway), rising=verdict.rising,
-                             last=t + T > self.config.auto_lr_warmup_steps)
-        if too_high and not back:
-            back = guard.go_back(self.tensors() + self.recovery_tensors())
+        lr = self.slots.bases[0]
+        tensors = self.tensors() + self.recovery_tensors()
+        if rt.update(t, lr, loss, stale_windows=stale, runaway=bool(verdict.runaway),
+                     rising=verdict.rising or verdict.collapsed, last=t + T > self.config.auto_lr_warmup_steps):
+            gone = self._ramp.go_back(rt.peak, tensors)
+            if gone is not None:
+                guard.remember(gone[0], gone[1], tensors)
+                back = True
+        elif rt.ramping:
+            self._ramp.add(t, lr, loss, tensors, rt.keep_from())
+        if not rt.ramping:
+            self._ramp.clear()
         self.slots.refresh()
         return back
 

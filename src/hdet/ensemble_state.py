@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import LEGACY_NAMES, OPTIONS, HDETConfig, _is_real
 from .controller import PaperController, controller_from_state
-from .range_test import RangeTest
+from .range_test import RampSnapshots, RangeTest
 from .spread import Dealer, linear_multipliers
 from .stability import StabilityGuard
 from .window import LossWindow
@@ -49,6 +49,7 @@ def state_dict(ens: "Ensemble") -> dict[str, Any]:
         "lr_scale": s.lr_scale,
         "stability": ens.stability.state_dict(),
         "range_test": None if s.range is None else s.range.state_dict(),
+        "range_snapshots": ens._ramp.state_dict(),
     }
 
 
@@ -143,7 +144,8 @@ def _parse_fields(ens: "Ensemble", state: dict[str, Any], version: int) -> dict[
             "perms": [[int(i) for i in p] for p in perms], "window": (None, None, 0, None) if elastic else window,
             "window_mean": window_mean, "lr_scale": _positive(state.get("lr_scale", 1.0), "lr_scale"),
             "stability": StabilityGuard.parse(state.get("stability")),
-            "range_test": _parse_range(state.get("range_test"), config, ens)}
+            "range_test": _parse_range(state.get("range_test"), config, ens),
+            "range_snapshots": RampSnapshots.parse(state.get("range_snapshots"))}
 
 
 def _parse_range(state: Any, config: HDETConfig, ens: "Ensemble") -> RangeTest | None:
@@ -176,6 +178,7 @@ def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
     s.bases, s.controllers, s.dealer = new["bases"], new["controllers"], new["dealer"]
     s.peak0, s.scheduled, s.perms, s.lr_scale = new["peak0"], new["scheduled"], new["perms"], new["lr_scale"]
     s.range = new["range_test"]
+    ens._ramp.load(new["range_snapshots"], ens.tensors() + ens.recovery_tensors())
     ens.stability.load(new["stability"], ens.tensors() + ens.recovery_tensors())
     ens.window.load(new["window"])
     if ens.window_mean is not None:

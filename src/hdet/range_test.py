@@ -3,31 +3,41 @@
 The user's peak LR becomes a first guess. From step 0 to ``auto_lr_warmup_steps`` (the warm-up), the LR
 schedule is multiplied by a factor ``c`` that grows by ``growth`` at every sync (``growth =
 range_max_factor ** (T / S_warm)``, at most 2: unchecked, it reaches ``range_max_factor`` at the end of the
-warm-up),
-so the ramp runs past the user's ``max_lr`` when that is too low. The test ends when the LR is too high:
+warm-up), so the ramp runs past the user's ``max_lr`` when that is too low. The test ends when the LR is too
+high, which the ensemble's median window loss ``L_k`` shows (every replica sees the same numbers):
 
-* the ensemble's median window loss has made no new best for ``range_patience`` windows (the loss
-  stalls: measured, this comes one to three windows before it rises; ``benchmarks/results/evidence/signals``),
-* or the stability guard sees a runaway replica or a rising ensemble loss (:mod:`hdet.stability`).
+* its improvement collapses: ``(L_{k-1} - L_k) / L_{k-1}`` falls below ``COLLAPSE`` of the median
+  improvement of the ramp's windows so far (measured on the GPT: the improvement falls from 7-12% a window
+  to under 3% one or two windows before the loss rises; ``benchmarks/results/evidence/signals``),
+* or it makes no new best for ``range_patience`` windows,
+* or the stability guard sees a runaway replica or a rising loss (:mod:`hdet.stability`).
 
-Then every replica goes back to the state of the best sync, and the peak LR becomes ``P = lr_best /
-range_backoff``, where ``lr_best`` is slot 0's LR at the end of the best window. For the rest of the
-warm-up the LR stays at ``P``; after it, the schedule's own shape continues from ``P`` (the LR is
-``P * s(t) / max_s``, ``s`` the schedule, ``max_s`` its peak so far). A test that finds no edge by the end
-of the warm-up ends at ``P = lr_best`` (the highest LR that still made a new best).
+The peak LR becomes ``P = lr_good / range_backoff``, where ``lr_good`` is slot 0's LR at the end of the
+last window before the one that ended the test. A transformer is damaged by a few dozen steps far above
+its best LR before its loss shows it (measured: going back to the best sync alone left the GPT 7% short),
+so every replica goes back to the ramp's last sync whose LR was at most ``P`` (:class:`RampSnapshots`):
+the state of a warm-up to ``P``. For the rest of the warm-up the LR stays at ``P``; after it, the
+schedule's own shape continues from ``P`` (the LR is ``P * s(t) / max_s``, ``s`` the schedule, ``max_s``
+its peak so far). A test that sees no edge by the end of the warm-up ends at ``P = lr_good`` (the
+highest LR that still made progress).
 
-Every replica computes the same from the same gathered numbers: no communication. Pure Python.
+The decisions are pure arithmetic on gathered numbers: every replica decides the same, with no
+communication.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+import statistics
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["RangeTest", "MAX_RANGE_GROWTH"]
+import torch
+
+__all__ = ["RangeTest", "RampSnapshots", "MAX_RANGE_GROWTH", "COLLAPSE"]
 
 MAX_RANGE_GROWTH = 2.0  # the ramp at most doubles the LR from one window to the next (short warm-ups)
+COLLAPSE = 1 / 3  # an improvement below this fraction of the ramp's median improvement ends the test
 
 
 @dataclass
@@ -42,10 +52,12 @@ class RangeTest:
     backoff: float
     patience: int  # windows without a new best that end the test
     factor: float = 1.0  # c
-    best_lr: float | None = None  # slot 0's LR at the end of the window with the best loss so far
+    last_loss: float | None = None  # the previous window's median loss
+    improvements: list[float] = field(default_factory=list)  # per window of the ramp: (L_{k-1} - L_k) / L_{k-1}
+    good_lr: float | None = None  # slot 0's LR at the end of the last window that made progress
     peak: float | None = None  # P, once the test has ended
     ended_at: int | None = None  # the sync step where it ended
-    reason: str | None = None  # why: "stalled", "runaway", "rising" or "warm-up over"
+    reason: str | None = None  # why: "collapse", "stalled", "runaway", "rising" or "warm-up over"
 
     def __post_init__(self) -> None:
         for name in ("growth", "max_factor", "backoff"):
@@ -63,20 +75,34 @@ class RangeTest:
             return self.factor
         return self.peak / peak0 if peak0 > 0 else 1.0
 
-    def update(self, t: int, window_lr: float, new_best: bool, stale_windows: int, runaway: bool, rising: bool,
+    def keep_from(self) -> float:
+        """The lowest peak the test can still end at: snapshots of windows at lower LRs are no longer needed."""
+        return (self.good_lr or 0.0) / self.backoff
+
+    def update(self, t: int, window_lr: float, loss: float, stale_windows: int, runaway: bool, rising: bool,
                last: bool) -> bool:
-        """One sync of the ramp. ``window_lr``: slot 0's LR at the end of the window that just ended;
-        ``new_best``: its loss is the best so far; ``stale_windows``: windows since the best one. Returns
-        whether the test ended here because the LR is too high (the caller then goes back to the best sync)."""
-        if new_best or self.best_lr is None:
-            self.best_lr = window_lr
-        reason = "runaway" if runaway else "rising" if rising else (
-            "stalled" if stale_windows >= self.patience else None)
+        """One sync of the ramp. ``window_lr``: slot 0's LR at the end of the window that just ended; ``loss``:
+        its median window loss (NaN: none finite); ``stale_windows``: windows since the best one. Returns
+        whether the test ended here because the LR is too high (the caller then goes back)."""
+        reason = "runaway" if runaway else "rising" if rising else None
+        if reason is None and not math.isfinite(loss):
+            reason = "rising"
+        if reason is None and self.last_loss is not None and self.last_loss > 0:
+            gain = (self.last_loss - loss) / self.last_loss
+            if len(self.improvements) >= 2 and gain < COLLAPSE * max(statistics.median(self.improvements), 0.0):
+                reason = "collapse"
+            self.improvements.append(gain)
+        if reason is None and stale_windows >= self.patience:
+            reason = "stalled"
+        if reason is None:
+            self.good_lr, self.last_loss = window_lr, loss
+        if self.good_lr is None:  # too high from the first window on
+            self.good_lr = window_lr / self.growth
         if reason is not None:
-            self._end(t, self.best_lr / self.backoff, reason)
+            self._end(t, self.good_lr / self.backoff, reason)
             return True
         if last:
-            self._end(t, self.best_lr, "warm-up over")
+            self._end(t, self.good_lr, "warm-up over")
         else:
             self.factor = min(self.factor * self.growth, self.max_factor)
         return False
@@ -95,8 +121,75 @@ class RangeTest:
             rt = cls(**state)
         except TypeError as e:
             raise ValueError(f"Expected a range test state with keys {sorted(cls.__dataclass_fields__)}: {e}") from e
-        for name in ("factor", "best_lr", "peak"):
+        for name in ("factor", "good_lr", "peak"):
             v = getattr(rt, name)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"Expected the range test's {name} as a positive number, but got {v!r}")
+        rt.improvements = [float(x) for x in rt.improvements]
         return rt
+
+
+class RampSnapshots:
+    """The averaged tensors (weights, buffers, optimizer state) at the ramp's recent syncs, with each sync's
+    step, LR and median loss: what the range test goes back to. Only the snapshots the test can still go
+    back to are kept (those from the last one at an LR below :meth:`RangeTest.keep_from` on): with the
+    default settings three to five copies, on the tensors' devices, during the warm-up only."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int, float, float, list[torch.Tensor]]] = []
+
+    @torch.no_grad()
+    def add(self, step: int, lr: float, loss: float, tensors: list[torch.Tensor], keep_from: float) -> None:
+        older = [i for i, item in enumerate(self.items) if item[1] <= keep_from]
+        recycled = None
+        if len(older) > 1:  # only the latest one below keep_from can still be gone back to
+            drop = set(older[:-1])
+            recycled = self.items[older[0]][3]
+            self.items = [item for i, item in enumerate(self.items) if i not in drop]
+        if recycled is not None and _same_layout(recycled, tensors):
+            torch._foreach_copy_(recycled, tensors)
+            copy = recycled
+        else:
+            copy = [t.detach().clone() for t in tensors]
+        self.items.append((step, lr, loss, copy))
+
+    @torch.no_grad()
+    def go_back(self, peak: float, tensors: list[torch.Tensor]) -> tuple[int, float] | None:
+        """Copy the latest snapshot at an LR of at most ``peak`` (else the earliest kept) into ``tensors``;
+        returns its (step, loss), or None when nothing is kept."""
+        fits = [item for item in self.items if item[1] <= peak and _same_layout(item[3], tensors)]
+        item = fits[-1] if fits else next((i for i in self.items if _same_layout(i[3], tensors)), None)
+        if item is None:
+            return None
+        torch._foreach_copy_(tensors, item[3])
+        return item[0], item[2]
+
+    def clear(self) -> None:
+        self.items = []
+
+    def state_dict(self) -> list[list[Any]]:
+        return [[step, lr, loss, [t.detach().cpu().clone() for t in ts]] for step, lr, loss, ts in self.items]
+
+    @staticmethod
+    def parse(state: Any) -> list[tuple[int, float, float, list[torch.Tensor]]]:
+        """A saved list of snapshots, checked (an absent one: none)."""
+        if state is None:
+            return []
+        ok = isinstance(state, list) and all(
+            isinstance(x, list) and len(x) == 4 and isinstance(x[0], int) and isinstance(x[1], float)
+            and isinstance(x[2], float) and isinstance(x[3], list) and all(isinstance(t, torch.Tensor) for t in x[3])
+            for x in state)
+        if not ok:
+            raise ValueError("Expected the range test's snapshots as [step, lr, loss, [tensors]] lists: a corrupted "
+                             "state_dict")
+        return [(x[0], x[1], x[2], x[3]) for x in state]
+
+    def load(self, items: list[tuple[int, float, float, list[torch.Tensor]]], tensors: list[torch.Tensor]) -> None:
+        """Set parsed snapshots onto the devices of ``tensors`` (snapshots of another layout are dropped)."""
+        self.items = [(step, lr, loss, [s.to(t.device, t.dtype) for s, t in zip(ts, tensors)])
+                      for step, lr, loss, ts in items if len(ts) == len(tensors)
+                      and all(s.shape == t.shape for s, t in zip(ts, tensors))]
+
+
+def _same_layout(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))

@@ -112,6 +112,16 @@ class StabilityGuard:
         torch._foreach_copy_(tensors, self._snapshot)
         return True
 
+    @torch.no_grad()
+    def remember(self, step: int, loss: float, tensors: list[torch.Tensor]) -> None:
+        """Make the state in ``tensors`` (that of sync ``step``, median loss ``loss``) the best sync: where the
+        range test went back to."""
+        self.best_loss, self.best_step = (loss if math.isfinite(loss) else self.best_loss), step
+        if self.can_go_back(tensors):
+            torch._foreach_copy_(self._snapshot, tensors)
+        else:
+            self._snapshot = [t.detach().clone() for t in tensors]
+
     def warn(self, t: int, runaway: list[int], losses: list[float], rising: bool, back: bool, scale: float,
              collapsed: bool = False) -> None:
         """Say what this sync did (a UserWarning pointing at the training loop)."""
