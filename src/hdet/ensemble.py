@@ -27,7 +27,7 @@ from .config import HDETConfig
 from .controller import ControllerStep
 from .hyper import Hyperparameter
 from .replicas import Replicas, ReplicaSyncError, local_shard
-from .range_test import MAX_RANGE_GROWTH, RampSnapshots, RangeTest
+from .range_test import MAX_RANGE_GROWTH, RANGE_START, RampSnapshots, RangeTest
 from .slots import LRControl, Slots
 from .stability import MIN_LR_SCALE, StabilityGuard
 from .sync import (SHARD_MIN, SHARD_SUM, ReplicaMismatchError, SyncVector, as_real, averaged, check_agreement, health,
@@ -143,8 +143,8 @@ class Ensemble:
                     f"= [{2 * T}, {total_steps}) with lr_range_test=True, but got {warm}: the test needs at least two "
                     "windows of the warm-up (e.g. OneCycle's pct_start * total_steps)")
             if self.slots.range is None:
-                growth = min(c.range_max_factor ** (T / warm), MAX_RANGE_GROWTH)  # a short warm-up: slower, not coarser
-                self.slots.range = RangeTest(growth=growth, max_factor=c.range_max_factor,
+                growth = min((c.range_max_factor / RANGE_START) ** (T / warm), MAX_RANGE_GROWTH)  # short: slower
+                self.slots.range = RangeTest(growth=growth, max_factor=c.range_max_factor, factor=RANGE_START,
                                              backoff=c.range_backoff, patience=c.range_patience)
         if c.enable_auto_lr:
             if c.auto_lr_warmup_steps >= total_steps:
