@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--range", type=float, default=None, dest="range_best", metavar="BEST_MAX_LR",
                     help="the in-run LR range test (issue 15, item 3) instead of the main suite: HDET (--alpha) with "
                     "lr_range_test=True from 0.1x, 1x and 10x BEST_MAX_LR, seeds 0-2, once per --range-backoffs value")
-    ap.add_argument("--range-backoffs", default="4,2", help="the range test's backoffs to run (names: range-b<value>)")
+    ap.add_argument("--range-backoffs", default="2", help="the range test's backoffs to run (names: range-b<value>)")
     a = ap.parse_args()
     t_start = time.time()
     deadline = t_start + a.deadline

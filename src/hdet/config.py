@@ -51,13 +51,14 @@ class HDETConfig:
         lr_cut: with "recover": at each sync with a runaway replica or a rising ensemble, the LR schedule is
             multiplied by this factor for the rest of the run. Default 0.5.
         lr_range_test: an LR range test during the warm-up (the first ``auto_lr_warmup_steps`` steps,
-            :mod:`hdet.range_test`): the LR schedule is multiplied by a factor that grows at every sync until
-            the ensemble's loss stalls or turns unstable; every replica then goes back to the best sync and the
-            peak LR becomes the LR of that sync over ``range_backoff``. The user's peak LR is a first guess.
-            Turns ``on_runaway="recover"`` on (the test drives the LR to the edge on purpose). Default False.
+            :mod:`hdet.range_test`): the LR schedule is multiplied by a factor that starts at 1/25 and grows at
+            every sync until the ensemble's loss stops making progress or turns unstable; the peak LR becomes the
+            last good window's LR over ``range_backoff`` and every replica goes back to the ramp's state at that
+            LR. The user's peak LR is a first guess. Turns ``on_runaway="recover"`` on (the test drives the LR
+            to the edge on purpose). Default False.
         range_max_factor: with the range test: the most its factor multiplies the schedule by (reached at the
             end of the warm-up if nothing stops it). Default 300.
-        range_backoff: with the range test: the peak LR is the best sync's LR divided by this. Default 4.
+        range_backoff: with the range test: the peak LR is the last good window's LR over this. Default 2.
         range_patience: with the range test: this many windows without a new best loss end it. Default 3.
     """
 
@@ -80,7 +81,7 @@ class HDETConfig:
     lr_cut: float = 0.5
     lr_range_test: bool = False
     range_max_factor: float = 300.0
-    range_backoff: float = 4.0
+    range_backoff: float = 2.0
     range_patience: int = 3
 
     def __post_init__(self) -> None:

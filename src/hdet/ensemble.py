@@ -29,7 +29,7 @@ from .hyper import Hyperparameter
 from .replicas import Replicas, ReplicaSyncError, local_shard
 from .range_test import MAX_RANGE_GROWTH, RANGE_START, RampSnapshots, RangeTest
 from .slots import LRControl, Slots
-from .stability import MIN_LR_SCALE, StabilityGuard, window_noise
+from .stability import MIN_LR_SCALE, StabilityGuard
 from .sync import (SHARD_MIN, SHARD_SUM, ReplicaMismatchError, SyncVector, as_real, averaged, check_agreement, health,
                    layout_signature, persistent_float_buffers)
 from .window import LossWindow, Probe, WindowMean
@@ -370,14 +370,13 @@ class Ensemble:
         replica went back. No collective; a foreach copy of the averaged tensors per sync of the ramp."""
         rt, guard, T = self.slots.range, self.stability, self.config.model_sync_interval
         assert rt is not None
-        keep = [r for r, x in enumerate(verdict.losses) if r not in verdict.exclude and math.isfinite(x)]
-        loss = statistics.median(verdict.losses[r] for r in keep) if keep else math.nan
+        ok = [x for r, x in enumerate(verdict.losses) if r not in verdict.exclude and math.isfinite(x)]
+        loss = statistics.median(ok) if ok else math.nan
         stale = 0 if guard.best_step is None else (t - guard.best_step) // T
         lr = self.slots.bases[0]
         tensors = self.tensors() + self.recovery_tensors()
         if rt.update(t, lr, loss, stale_windows=stale, runaway=bool(verdict.runaway),
-                     rising=verdict.rising or verdict.collapsed, last=t + T > self.config.auto_lr_warmup_steps,
-                     se=window_noise(verdict.col, keep)[1]):
+                     rising=verdict.rising or verdict.collapsed, last=t + T > self.config.auto_lr_warmup_steps):
             gone = self._ramp.go_back(rt.peak, tensors)
             if gone is not None:
                 guard.remember(gone[0], gone[1], tensors)

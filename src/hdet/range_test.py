@@ -10,9 +10,7 @@ high, which the ensemble's median window loss ``L_k`` shows (every replica sees 
 
 * its improvement collapses: ``(L_{k-1} - L_k) / L_{k-1}`` falls below ``COLLAPSE`` of the median
   improvement of the ramp's windows so far (measured on the GPT: the improvement falls from 7-12% a window
-  to under 3% one or two windows before the loss rises; ``benchmarks/results/evidence/signals``) and the
-  drop ``L_{k-1} - L_k`` is under ``COLLAPSE_Z`` standard errors of the difference (a task whose fast
-  early progress slows down by itself, as Fashion-MNIST's, is not stopped while it still clearly improves),
+  to under 3% one or two windows before the loss rises; ``benchmarks/results/evidence/signals``),
 * or it makes no new best for ``range_patience`` windows,
 * or the stability guard sees a runaway replica or a rising loss (:mod:`hdet.stability`).
 
@@ -38,13 +36,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["RangeTest", "RampSnapshots", "MAX_RANGE_GROWTH", "COLLAPSE", "COLLAPSE_Z", "RANGE_START"]
+__all__ = ["RangeTest", "RampSnapshots", "MAX_RANGE_GROWTH", "COLLAPSE", "RANGE_START"]
 
 RANGE_START = 1 / 25  # the ramp starts at this fraction of the schedule (OneCycle: max_lr / 625)
 
 MAX_RANGE_GROWTH = 2.0  # the ramp at most doubles the LR from one window to the next (short warm-ups)
-COLLAPSE = 1 / 3  # an improvement below this fraction of the ramp's median improvement ends the test ...
-COLLAPSE_Z = 2.0  # ... unless it exceeds this many standard errors of the difference of two window losses
+COLLAPSE = 1 / 3  # an improvement below this fraction of the ramp's median improvement ends the test
 
 
 @dataclass
@@ -87,19 +84,16 @@ class RangeTest:
         return (self.good_lr or 0.0) / self.backoff
 
     def update(self, t: int, window_lr: float, loss: float, stale_windows: int, runaway: bool, rising: bool,
-               last: bool, se: float = 0.0) -> bool:
+               last: bool) -> bool:
         """One sync of the ramp. ``window_lr``: slot 0's LR at the end of the window that just ended; ``loss``:
-        its median window loss (NaN: none finite), ``se`` that median's standard error; ``stale_windows``:
-        windows since the best one. Returns whether the test ended here because the LR is too high (the caller
-        then goes back)."""
+        its median window loss (NaN: none finite); ``stale_windows``: windows since the best one. Returns
+        whether the test ended here because the LR is too high (the caller then goes back)."""
         reason = "runaway" if runaway else "rising" if rising else None
         if reason is None and not math.isfinite(loss):
             reason = "rising"
         if reason is None and self.last_loss is not None and self.last_loss > 0:
             gain = (self.last_loss - loss) / self.last_loss
-            small = gain < COLLAPSE * max(statistics.median(self.improvements), 0.0) if len(self.improvements) >= 2 \
-                else False
-            if small and self.last_loss - loss < COLLAPSE_Z * math.sqrt(2.0) * se:  # and not a clear improvement
+            if len(self.improvements) >= 2 and gain < COLLAPSE * max(statistics.median(self.improvements), 0.0):
                 reason = "collapse"
             self.improvements.append(gain)
         if reason is None and stale_windows >= self.patience:

@@ -57,9 +57,11 @@ class RunConfig:
         "recover: a replica whose finite window loss runs away is reset like a non-finite one and the LR schedule "
         "is cut (also when the ensemble's loss rises); ignore: the paper's HDET"))
     range_test: bool = field(default=False, metadata=_cli(
-        "an LR range test during OneCycle's warm-up: --max-lr is a first guess; the LR ramps past it until the "
-        "loss stalls or turns unstable, then goes back to the best sync at that LR / --range-backoff"))
-    range_backoff: float = field(default=4.0, metadata=_cli("range test: the peak LR is the best sync's LR over this"))
+        "an LR range test during OneCycle's warm-up: --max-lr is a first guess; the LR ramps from 1/25 of the "
+        "schedule past it until the loss's progress collapses or it turns unstable, then every replica goes back to "
+        "the ramp's state at the new peak, the last good LR / --range-backoff (measured: docs/auto-lr.md)"))
+    range_backoff: float = field(default=2.0, metadata=_cli(
+        "range test: the peak LR is the LR of the last window that made progress over this"))
     warmup: int | None = field(default=None, metadata=_cli(
         "auto-LR warmup steps, and the range test's length (default: the end of OneCycle's warm-up, 30%% of the run, "
         "for the fit controller and the range test; half the run for the paper's)"))
