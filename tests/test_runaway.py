@@ -192,3 +192,22 @@ def test_gloo_world_4_every_rank_decides_the_same(mode):
         assert max(r["loss"] for r in res) > 1.0  # the spread tips the run over
     else:
         assert max(r["loss"] for r in res) < 1e-6 and res[0]["scale"] < 1 and res[0]["runaway"]
+
+
+def test_every_replica_nonfinite_goes_back_to_the_best_sync_with_recover_and_raises_without():
+    for mode in ("recover", "ignore"):
+        m, o, s = _scripted([[2.0] * 8, [1.9] * 8, [1.8] * 8], mode=mode)
+        _window(o, s)
+        _window(o, s)
+        best = [p.detach().clone() for p in m.parameters()]
+        with torch.no_grad():
+            m.weight.fill_(float("nan"))  # every replica (the scripted gather copies this replica's health)
+        if mode == "ignore":
+            with pytest.raises(hdet.NonFiniteReplicaError, match="every replica"):
+                _window(o, s)
+            continue
+        with pytest.warns(UserWarning, match=r"every replica had non-finite weights or buffers; every replica went "
+                                             r"back to its state at step 10; the LR schedule is cut to 0.5"):
+            _window(o, s)
+        assert s.last_sync.went_back_to == 10 and s.base_lrs_now[0] == pytest.approx(0.05)
+        assert all(torch.equal(p, b) for p, b in zip(m.parameters(), best))
