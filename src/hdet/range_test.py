@@ -9,15 +9,13 @@ runs past the user's ``max_lr`` when that is too low. The test ends when the LR 
 high, which the ensemble's median window loss ``L_k`` shows (every replica sees the same numbers):
 
 * its improvement collapses: ``(L_{k-1} - L_k) / L_{k-1}`` falls below ``COLLAPSE`` of the median
-  improvement of the ramp's windows so far in ``COLLAPSE_WINDOWS`` windows in a row (measured on the GPT: the
-  improvement falls from 7-12% a window to under 3% one or two windows before the loss rises,
-  ``benchmarks/results/evidence/signals``; Fashion-MNIST's loss has a knee of its own, one low window after
-  its fast start, at a fraction of its best LR),
+  improvement of the ramp's windows so far (measured on the GPT: the improvement falls from 7-12% a window
+  to under 3% one or two windows before the loss rises; ``benchmarks/results/evidence/signals``),
 * or it makes no new best for ``range_patience`` windows,
 * or the stability guard sees a runaway replica or a rising loss (:mod:`hdet.stability`).
 
 The peak LR becomes ``P = lr_good / range_backoff``, where ``lr_good`` is slot 0's LR at the end of the
-last window before the ones that ended the test. A transformer is damaged by a few dozen steps far above
+last window before the one that ended the test. A transformer is damaged by a few dozen steps far above
 its best LR before its loss shows it (measured: going back to the best sync alone left the GPT 7% short),
 so every replica goes back to the ramp's last sync whose LR was at most ``P`` (:class:`RampSnapshots`):
 the state of a warm-up to ``P``. For the rest of the warm-up the LR stays at ``P``; after it, the
@@ -38,13 +36,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["RangeTest", "RampSnapshots", "MAX_RANGE_GROWTH", "COLLAPSE", "COLLAPSE_WINDOWS", "RANGE_START"]
+__all__ = ["RangeTest", "RampSnapshots", "MAX_RANGE_GROWTH", "COLLAPSE", "RANGE_START"]
 
 RANGE_START = 1 / 25  # the ramp starts at this fraction of the schedule (OneCycle: max_lr / 625)
 
 MAX_RANGE_GROWTH = 2.0  # the ramp at most doubles the LR from one window to the next (short warm-ups)
-COLLAPSE = 1 / 3  # an improvement below this fraction of the ramp's median improvement is low ...
-COLLAPSE_WINDOWS = 2  # ... and this many low windows in a row end the test (a task's own knee is one window)
+COLLAPSE = 1 / 3  # an improvement below this fraction of the ramp's median improvement ends the test
 
 
 @dataclass
@@ -61,7 +58,6 @@ class RangeTest:
     factor: float = 1.0  # c
     last_loss: float | None = None  # the previous window's median loss
     improvements: list[float] = field(default_factory=list)  # per window of the ramp: (L_{k-1} - L_k) / L_{k-1}
-    low_windows: int = 0  # consecutive windows whose improvement collapsed
     good_lr: float | None = None  # slot 0's LR at the end of the last window that made progress
     peak: float | None = None  # P, once the test has ended
     ended_at: int | None = None  # the sync step where it ended
@@ -95,20 +91,15 @@ class RangeTest:
         reason = "runaway" if runaway else "rising" if rising else None
         if reason is None and not math.isfinite(loss):
             reason = "rising"
-        low = False
         if reason is None and self.last_loss is not None and self.last_loss > 0:
             gain = (self.last_loss - loss) / self.last_loss
-            low = len(self.improvements) >= 2 and gain < COLLAPSE * max(statistics.median(self.improvements), 0.0)
+            if len(self.improvements) >= 2 and gain < COLLAPSE * max(statistics.median(self.improvements), 0.0):
+                reason = "collapse"
             self.improvements.append(gain)
-        self.low_windows = self.low_windows + 1 if low else 0
-        if reason is None and self.low_windows >= COLLAPSE_WINDOWS:
-            reason = "collapse"
         if reason is None and stale_windows >= self.patience:
             reason = "stalled"
         if reason is None:
-            self.last_loss = loss
-            if not low:  # the peak comes from the last window before a run of low ones
-                self.good_lr = window_lr
+            self.good_lr, self.last_loss = window_lr, loss
         if self.good_lr is None:  # too high from the first window on
             self.good_lr = window_lr / self.growth
         if reason is not None:
