@@ -102,7 +102,23 @@ def test_train_fashion_from_data_dir(tmp_path, fashion_dir):
     assert math.isfinite(summary["final_val_loss"])
 
 
+def test_train_with_the_range_test_records_the_ramp_and_its_end(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--steps", "40", "--replicas", "2", "--range-test", "--max-lr", "0.3",
+                 "--warmup", "20", "--out", str(out)]) == 0
+    syncs = _jsonl(out / "syncs.jsonl")
+    ramp = [s["range_scale"] for s in syncs if s["step"] < 20]
+    assert ramp[0] == pytest.approx(2 / 25)  # from 1/25 of the schedule, doubled (the growth cap) at each sync
+    ended = [s for s in syncs if s["range_ended"]]
+    assert len(ended) == 1 and ended[0]["step"] <= 20
+    assert all(s["range_scale"] is not None for s in syncs)
+    assert json.loads((out / "config.json").read_text())["config"]["range_test"] is True
+
+
 @pytest.mark.parametrize("args, message", [
+    (["train", "--range-test", "--warmup", "3"], "--warmup (the range test's length) in [2 T, --steps) = [50, 400)"),
+    (["train", "--range-test", "--optimizer", "prodigy", "--alpha", "0"], "--optimizer adamw with --range-test"),
+    (["train", "--range-backoff", "0.5"], "--range-backoff >= 1, but got 0.5"),
     (["train", "--task", "imagenet"], "Expected task 'bytes' or 'fashion', but got 'imagenet'"),
     (["train", "--task", "fashion", "--data", "/nonexistent/fm"], "Fashion-MNIST folder at /nonexistent/fm"),
     (["train", "--replicas", "0"], "--replicas to be at least 1, but got 0"),
