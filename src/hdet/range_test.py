@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from .stability import same_layout
+
 __all__ = ["RangeTest", "RampSnapshots", "MAX_RANGE_GROWTH", "COLLAPSE", "RANGE_START"]
 
 RANGE_START = 1 / 25  # the ramp starts at this fraction of the schedule (OneCycle: max_lr / 625)
@@ -150,7 +152,7 @@ class RampSnapshots:
             drop = set(older[:-1])
             recycled = self.items[older[0]][3]
             self.items = [item for i, item in enumerate(self.items) if i not in drop]
-        if recycled is not None and _same_layout(recycled, tensors):
+        if recycled is not None and same_layout(recycled, tensors):
             torch._foreach_copy_(recycled, tensors)
             copy = recycled
         else:
@@ -161,8 +163,8 @@ class RampSnapshots:
     def go_back(self, peak: float, tensors: list[torch.Tensor]) -> tuple[int, float] | None:
         """Copy the latest snapshot at an LR of at most ``peak`` (else the earliest kept) into ``tensors``;
         returns its (step, loss), or None when nothing is kept."""
-        fits = [item for item in self.items if item[1] <= peak and _same_layout(item[3], tensors)]
-        item = fits[-1] if fits else next((i for i in self.items if _same_layout(i[3], tensors)), None)
+        fits = [item for item in self.items if item[1] <= peak and same_layout(item[3], tensors)]
+        item = fits[-1] if fits else next((i for i in self.items if same_layout(i[3], tensors)), None)
         if item is None:
             return None
         torch._foreach_copy_(tensors, item[3])
@@ -194,6 +196,3 @@ class RampSnapshots:
                       for step, lr, loss, ts in items if len(ts) == len(tensors)
                       and all(s.shape == t.shape for s, t in zip(ts, tensors))]
 
-
-def _same_layout(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))

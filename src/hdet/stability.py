@@ -89,12 +89,12 @@ class StabilityGuard:
         if not keep:
             return False
         loss = statistics.median(losses[r] for r in keep)
-        if rising and self._snapshot is not None and _same_layout(self._snapshot, tensors):
+        if rising and self._snapshot is not None and same_layout(self._snapshot, tensors):
             torch._foreach_copy_(tensors, self._snapshot)
             return True
         if self.best_loss is None or loss < self.best_loss:
             self.best_loss, self.best_step, self.best_se = loss, step, window_noise(col, keep)[1]
-            if self._snapshot is not None and _same_layout(self._snapshot, tensors):
+            if self._snapshot is not None and same_layout(self._snapshot, tensors):
                 torch._foreach_copy_(self._snapshot, tensors)
             else:
                 self._snapshot = [t.detach().clone() for t in tensors]
@@ -102,7 +102,7 @@ class StabilityGuard:
 
     def can_go_back(self, tensors: list[torch.Tensor]) -> bool:
         """Whether a best sync's state is kept for these tensors."""
-        return self._snapshot is not None and _same_layout(self._snapshot, tensors)
+        return self._snapshot is not None and same_layout(self._snapshot, tensors)
 
     @torch.no_grad()
     def go_back(self, tensors: list[torch.Tensor]) -> bool:
@@ -155,9 +155,10 @@ class StabilityGuard:
     def load(self, parsed: dict[str, Any], tensors: list[torch.Tensor]) -> None:
         self.best_loss, self.best_step, self.best_se = parsed["best_loss"], parsed["best_step"], parsed["best_se"]
         snap = parsed["snapshot"]
-        self._snapshot = None if snap is None or not _same_layout(snap, tensors) else [
+        self._snapshot = None if snap is None or not same_layout(snap, tensors) else [
             s.to(t.device, t.dtype) for s, t in zip(snap, tensors)]
 
 
-def _same_layout(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(x.shape == y.shape for x, y in zip(a, b))
+def same_layout(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Whether a kept copy ``a`` fits the tensors ``b`` (a snapshot of the same tensors)."""
+    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))

@@ -23,7 +23,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"hdet: error: {message} (see {self.prog} --help)\n")
 
 
-COMPARE_SETS = ("max_lr", "auto_lr", "warm_init", "init_from", "optimizer")  # compare sets these per configuration
+COMPARE_SETS = ("max_lr", "auto_lr", "warm_init", "init_from", "optimizer",  # compare sets these per configuration
+                "range_test", "range_backoff")  # (the range test is not one of the paper's configurations)
 
 
 class _Inverted(argparse.BooleanOptionalAction):
