@@ -211,37 +211,32 @@ def main() -> None:
                 print(f"[{time.time() - t_start:6.0f}s] {r['name']}: {status}", flush=True)
                 save()
 
-    if a.signals is not None:
-        best[0] = a.signals
-        jobs = [job(f"{name}-{start:g}x-s0", name, max_lr=a.signals * start, seed=0, alpha=alpha)
-                for start in (0.1, 0.3, 1.0, 3.0, 10.0) for name, alpha in (("plain", 0.0), ("hdet", a.alpha))]
+    def run_study(best_lr: float, jobs: list[dict[str, Any]]) -> None:
+        """A study's fixed list of runs (no grid first): all of them, then the final JSON."""
+        best[0] = best_lr
         with cf.ProcessPoolExecutor(max_workers=a.jobs, mp_context=ctx) as pool:
             run_all(jobs, pool)
         save(final=True)
-        return
+
+    if a.signals is not None:
+        jobs = [job(f"{name}-{start:g}x-s0", name, max_lr=a.signals * start, seed=0, alpha=alpha)
+                for start in (0.1, 0.3, 1.0, 3.0, 10.0) for name, alpha in (("plain", 0.0), ("hdet", a.alpha))]
+        return run_study(a.signals, jobs)
 
     if a.range_best is not None:
-        best[0] = a.range_best
         backoffs = [float(x) for x in a.range_backoffs.split(",")]
         jobs = [job(f"range-b{b:g}-{start:g}x-s{seed}", f"range-b{b:g}", max_lr=a.range_best * start, seed=seed,
                     alpha=a.alpha, range_test=True, range_backoff=b, on_runaway="recover", warmup=warm)
                 for seed in (0, 1, 2) for b in backoffs for start in STARTS]
-        with cf.ProcessPoolExecutor(max_workers=a.jobs, mp_context=ctx) as pool:
-            run_all(jobs, pool)
-        save(final=True)
-        return
+        return run_study(a.range_best, jobs)
 
     if a.stability is not None:
-        best[0] = a.stability
         configs = {"plain": dict(alpha=0.0), "hdet": dict(alpha=a.alpha), "guard": dict(alpha=a.alpha, on_runaway="recover"),
                    "plainguard": dict(alpha=0.0, on_runaway="recover")}
         jobs = [job(f"{name}-{start:g}x-s{seed}", name, max_lr=a.stability * start, seed=seed, **over)
                 for seed in (0, 1, 2) for start in (3.0, 10.0) for name, over in configs.items()]
         jobs += [job(f"guard-1x-s{seed}", "guard", max_lr=a.stability, seed=seed, **configs["guard"]) for seed in (0, 1, 2)]
-        with cf.ProcessPoolExecutor(max_workers=a.jobs, mp_context=ctx) as pool:
-            run_all(jobs, pool)
-        save(final=True)
-        return
+        return run_study(a.stability, jobs)
 
     if a.peers is not None:
         with cf.ProcessPoolExecutor(max_workers=a.jobs, mp_context=ctx) as pool:

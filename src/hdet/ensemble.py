@@ -312,15 +312,15 @@ class Ensemble:
         col, bad, losses = verdict.col, verdict.exclude, list(verdict.losses)
         if verdict.nonfinite and not verdict.collapsed:
             _warn_recovered(t, verdict.nonfinite, "sync")
+        kept = self.tensors() + self.recovery_tensors() if self.stability.on else []  # listed once, when it is on
         if verdict.collapsed:
-            back = self.stability.go_back(self.tensors() + self.recovery_tensors())
+            back = self.stability.go_back(kept)
         else:
-            back = self.stability.on and self.stability.after_average(  # the tensors are listed only when it is on
-                t, losses, bad, verdict.rising, self.tensors() + self.recovery_tensors(), verdict.col)
+            back = self.stability.on and self.stability.after_average(t, losses, bad, verdict.rising, kept, verdict.col)
         rt = self.slots.range
         range_ended = None
         if rt is not None and rt.ramping and t <= c.auto_lr_warmup_steps:  # the range test decides, no cut
-            back = self._range_step(t, verdict, back)
+            back = self._range_step(t, verdict, back, kept)
             range_ended = rt.reason if not rt.ramping else None
         elif verdict.runaway or verdict.rising:
             self.slots.cut_lr(max(c.lr_cut, MIN_LR_SCALE / self.slots.lr_scale))
@@ -364,17 +364,17 @@ class Ensemble:
             hook(record)
         return record
 
-    def _range_step(self, t: int, verdict: Verdict, back: bool) -> bool:
-        """One sync of the LR range test (:mod:`hdet.range_test`): keep this sync's state and grow the ramp, or
-        end it and go back to the ramp's last sync at an LR of at most the new peak. Returns whether every
-        replica went back. No collective; a foreach copy of the averaged tensors per sync of the ramp."""
+    def _range_step(self, t: int, verdict: Verdict, back: bool, tensors: list[torch.Tensor]) -> bool:
+        """One sync of the LR range test (:mod:`hdet.range_test`): keep this sync's state (``tensors``: the
+        averaged tensors and optimizer state) and grow the ramp, or end it and go back to the ramp's last sync at
+        an LR of at most the new peak. Returns whether every replica went back. No collective; a foreach copy of
+        the tensors per sync of the ramp."""
         rt, guard, T = self.slots.range, self.stability, self.config.model_sync_interval
         assert rt is not None
         ok = [x for r, x in enumerate(verdict.losses) if r not in verdict.exclude and math.isfinite(x)]
         loss = statistics.median(ok) if ok else math.nan
         stale = 0 if guard.best_step is None else (t - guard.best_step) // T
         lr = self.slots.bases[0]
-        tensors = self.tensors() + self.recovery_tensors()
         if rt.update(t, lr, loss, stale_windows=stale, runaway=bool(verdict.runaway),
                      rising=verdict.rising or verdict.collapsed, last=t + T > self.config.auto_lr_warmup_steps):
             gone = self._ramp.go_back(rt.peak, tensors)
