@@ -4,7 +4,9 @@ Same FLOPs per step on both sides: the engine runs N replicas on B sequences eac
 model (AdamW + OneCycleLR, no hdet) on N * B sequences. Each timed step is forward + backward +
 optimizer + scheduler (the engine also averages gradients across replicas and weights every T steps).
 Reported: tokens/s of each and the ratio engine / baseline, for the vmap fast path and the loop
-fallback, plus peak GPU memory. Writes JSON (with the command, device, versions) to --out.
+fallback, plus peak GPU memory and the optimizer state's bytes. A mode ending in ``/per-replica`` runs the
+engine with ``stacked_optimizer=False`` (each replica's own ``optimizer.step()``), the engine before issue 19.
+Writes JSON (with the command, device, versions) to --out.
 
     python benchmarks/engine_throughput.py --out benchmarks/results/gpu_h100/engine_throughput.json
 """
@@ -62,7 +64,7 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
 
     for key, base_attn, comp in (("baseline", "auto", False), ("baseline_math_attention", "math", False),
                                  ("baseline_compiled", "auto", True)):
-        if comp and not any(m.endswith("+compile") for m in modes):
+        if comp and not any("+compile" in m for m in modes):
             continue
         out[key] = bench_single(fresh_model(base_attn), data, N, B, ctx, total, warm, steps, device, kw, comp)
     out["params"] = sum(p.numel() for p in fresh_model().parameters())
@@ -72,11 +74,13 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
             torch.cuda.reset_peak_memory_stats()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            engine_mode, _, path = mode.partition("/")
             eng = ReplicaEngine(
                 fresh_model(), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, **kw),
                 lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=total, ensemble_lr_spread_ratio=0.2,
                                                       model_sync_interval=T, replicas=rep, model=m),
-                mode=mode.split("+")[0], compile=mode.endswith("+compile"))
+                mode=engine_mode.split("+")[0], compile=engine_mode.endswith("+compile"),
+                stacked_optimizer=path != "per-replica")
             j = [0]
 
             def eng_step():
@@ -84,17 +88,29 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
                 j[0] += 1
                 eng.step(b, lm_loss, stacked=True)
 
-            dt = time_steps(eng_step, warm + (3 if mode.endswith("+compile") else 0), steps, device)
+            dt = time_steps(eng_step, warm + (3 if "+compile" in mode else 0), steps, device)
         out[mode] = {"seconds_per_step": dt, "tokens_per_s": N * B * ctx / dt,
                      "ratio_to_baseline": out["baseline"]["seconds_per_step"] / dt,
                      "ratio_to_baseline_math_attention": out["baseline_math_attention"]["seconds_per_step"] / dt,
                      **({"ratio_to_baseline_compiled": out["baseline_compiled"]["seconds_per_step"] / dt}
                         if "baseline_compiled" in out else {}),
-                     "engine_mode": eng.mode,
+                     "engine_mode": eng.mode, "optimizer_path": eng.optimizer_path,
+                     "optimizer_state_bytes": state_bytes(eng.optimizers),
                      "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
                      "warnings": sorted({str(w.message)[:200] for w in caught})}
         eng = None  # free it before the next mode
     return out
+
+
+def state_bytes(optimizers) -> int:
+    """Bytes of optimizer state (each storage counted once: the stacked step shares one copy)."""
+    seen = {}
+    for o in optimizers:
+        for st in o.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+    return sum(seen.values())
 
 
 def bench_single(model, data, N, B, ctx, total, warm, steps, device, kw, comp=False) -> dict:
@@ -119,7 +135,7 @@ def bench_single(model, data, N, B, ctx, total, warm, steps, device, kw, comp=Fa
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     dt = time_steps(base_step, warm, steps, device)
-    return {"seconds_per_step": dt, "tokens_per_s": N * B * ctx / dt,
+    return {"seconds_per_step": dt, "tokens_per_s": N * B * ctx / dt, "optimizer_state_bytes": state_bytes([opt]),
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
 
 
@@ -130,7 +146,8 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=5)
     p.add_argument("--T", type=int, default=25)
     p.add_argument("--sizes", default="small", help="comma list of: tiny, small, medium")
-    p.add_argument("--modes", default="vmap,vmap+compile,loop")
+    p.add_argument("--modes", default="vmap,vmap+compile,loop,vmap/per-replica",
+                   help="comma list of vmap, vmap+compile, loop, each with an optional /per-replica")
     p.add_argument("--optimizers", default="fused,foreach", help="AdamW implementations to run (comma list)")
     p.add_argument("--out", required=True)
     a = p.parse_args()

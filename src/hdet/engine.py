@@ -36,6 +36,7 @@ from torch.func import functional_call, vmap
 
 from .ensemble import ReplicaMismatchError
 from .replicas import LocalReplicaGroup, Replicas, average_local
+from .stacked_optim import Segment, StackedStep, unsupported
 
 __all__ = ["ReplicaEngine"]
 
@@ -106,12 +107,15 @@ class ReplicaEngine:
         before_optimizer_step: ``f(r, module, optimizer)`` for every replica after the gradients are averaged
             (e.g. ``clip.clip_(module.parameters())`` with an explored :class:`hdet.GradClip`).
         share_gradients: False is the local mode: no gradient averaging between syncs (DDP's ``no_sync``).
+        stacked_optimizer: in vmap mode, step every replica's Adam/AdamW/SGD at once on the stacked parameters
+            (:mod:`hdet.stacked_optim`; with shared gradients one copy of the moments). False: each replica's
+            ``optimizer.step()``. :attr:`optimizer_path` says which runs, and why.
     """
 
     def __init__(self, model: nn.Module, num_replicas: int, make_optimizer: MakeOptimizer,
                  make_scheduler: MakeScheduler, *, mode: str = "auto", compile: bool = False,
                  before_optimizer_step: Callable[[int, nn.Module, torch.optim.Optimizer], None] | None = None,
-                 share_gradients: bool = True) -> None:
+                 share_gradients: bool = True, stacked_optimizer: bool = True) -> None:
         if mode not in MODES:
             raise ValueError(f"Expected mode in {MODES}, but got {mode!r}")
         self.group = LocalReplicaGroup(num_replicas)
@@ -139,6 +143,105 @@ class ReplicaEngine:
         self._call = _Call(self.models[0])
         self.compile = compile
         self._fns: dict[Any, list[Any]] = {}  # loss_fn -> [the vmapped function, its compiled form or None]
+        self._stacked: StackedStep | None = None
+        self._grads_bound = False  # the stacked parameters' .grad are views of self._grad (from the first step)
+        # shared gradients and nothing that changes one replica's: every replica's .grad is row 0 of _grad
+        self._one_grad_row = share_gradients and before_optimizer_step is None
+        self.optimizer_path = "per-replica: loop mode" if self.mode == "loop" else self._setup_stacked(stacked_optimizer)
+
+    # -- the stacked optimizer step (vmap path) ---------------------------------------------------------
+    def _setup_stacked(self, wanted: bool) -> str:
+        """Lay the trainable parameters out flat and build the stacked step; returns :attr:`optimizer_path`."""
+        why = "per-replica: stacked_optimizer=False" if not wanted else None
+        why = why or (f"per-replica: {r}" if (r := unsupported(self.optimizers)) else None)
+        why = why or (f"per-replica: {r}" if (r := self._flatten()) else None)
+        if why:
+            return why
+        shared = self.share_gradients and self.before_optimizer_step is None
+        self._stacked = StackedStep(self.optimizers, self._theta, self._grad, self._segments, shared)
+        return "stacked"
+
+    def _flatten(self) -> str | None:
+        """Make the trainable stacked parameters views of one ``[N, D]`` tensor :attr:`_theta` (and their
+        gradients, from the first step, views of :attr:`_grad`), in the order of the optimizers' param
+        groups, so that each group is one run of columns. Returns why not, or None."""
+        N = self.num_replicas
+        trainable = [n for n, t in self.stacked_params.items() if t.requires_grad]
+        if not trainable or len({(self.stacked_params[n].device, self.stacked_params[n].dtype) for n in trainable}) != 1:
+            return "the parameters do not share one device and dtype"
+        names_of = [{id(self._views[n][r]): n for n in self._views} for r in range(N)]
+        order: list[str] = []
+        self._segments = []
+        groups0 = self.optimizers[0].param_groups
+        for k, g in enumerate(groups0):
+            names = [names_of[0].get(id(p)) for p in g["params"]]
+            if any(n is None or n not in trainable for n in names):
+                return "an optimizer holds tensors that are not the model's trainable parameters"
+            if any(len(o.param_groups) != len(groups0) or [names_of[r].get(id(p)) for p in o.param_groups[k]["params"]]
+                   != names for r, o in enumerate(self.optimizers)):
+                return "the replicas' optimizers group their parameters differently"
+            start = sum(self.stacked_params[n][0].numel() for n in order)
+            order += names
+            stop = start + sum(self.stacked_params[n][0].numel() for n in names)
+            self._segments.append(Segment(start, stop, [self.stacked_params[n].shape[1:] for n in names]))
+        if len(set(order)) != len(order):
+            return "a parameter is in two param groups"
+        order += [n for n in trainable if n not in set(order)]  # trained by no optimizer: left as they are
+        first = self.stacked_params[order[0]]
+        D = sum(self.stacked_params[n][0].numel() for n in order)
+        self._theta = torch.empty(N, D, device=first.device, dtype=first.dtype)
+        self._grad = torch.zeros_like(self._theta)
+        self._columns: dict[str, tuple[int, int]] = {}
+        col = 0
+        with torch.no_grad():
+            for n in order:
+                s = self.stacked_params[n]
+                k = s[0].numel()
+                self._theta[:, col:col + k].copy_(s.detach().reshape(N, k))
+                s.data = self._theta[:, col:col + k].view(s.shape)  # the same leaf tensor, now a view
+                for r, p in enumerate(self._views[n]):
+                    p.data = self._theta[r, col:col + k].view(s.shape[1:])  # the same Parameter: optimizers keep it
+                self._columns[n] = (col, col + k)
+                col += k
+        return None
+
+    def _bind_grads(self) -> bool:
+        """After the first backward: copy the gradients into :attr:`_grad` and make every trainable stacked
+        parameter's (and replica view's) ``.grad`` a view of it, so later backwards accumulate there. False
+        when a parameter got no gradient (the stacked step would move it; the per-replica optimizers skip it)."""
+        if any(self.stacked_params[n].grad is None for n in self._columns):
+            return False
+        self._grad_views: dict[str, list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for n, (a, b) in self._columns.items():
+                s = self.stacked_params[n]
+                view = self._grad[:, a:b].view(s.shape)
+                view.copy_(s.grad)
+                s.grad = view
+                rows = [0] * self.num_replicas if self._one_grad_row else range(self.num_replicas)
+                self._grad_views[n] = [self._grad[r, a:b].view(s.shape[1:]) for r in rows]
+                for p, v in zip(self._views[n], self._grad_views[n]):
+                    p.grad = v
+        self._grads_bound = True
+        return True
+
+    def _rebind_grads(self) -> None:
+        """A hook that set a replica's ``p.grad`` to a new tensor (not in place): copy it into :attr:`_grad`."""
+        if not self._grads_bound:
+            return
+        with torch.no_grad():
+            for n, views in self._grad_views.items():
+                for p, v in zip(self._views[n], views):
+                    if p.grad is not v:
+                        v.copy_(p.grad if p.grad is not None else torch.zeros_like(v))
+                        p.grad = v
+
+    def _stop_stacked(self, why: str) -> None:
+        """From now on each replica's ``optimizer.step()`` (its own copy of the state)."""
+        if self._stacked is not None:
+            self._stacked.release()
+            self._stacked = None
+        self.optimizer_path = f"per-replica: {why}"
 
     # -- stacking (vmap path) -------------------------------------------------------------------
     def _stack_replicas(self) -> None:
@@ -178,8 +281,11 @@ class ReplicaEngine:
 
             eager = vmap(one, randomness="different")
             fns = self._fns[loss_fn] = [eager, torch.compile(eager) if self.compile else None]
-        for p in self.stacked_params.values():
-            p.grad = None
+        if self._grads_bound:
+            self._grad.zero_()  # the backward adds into it (each .grad is a view)
+        else:
+            for p in self.stacked_params.values():
+                p.grad = None
         args = (self._call_params, self._call_buffers, batch)
         if fns[1] is not None:
             try:
@@ -194,20 +300,43 @@ class ReplicaEngine:
             losses = fns[0](*args)
         if losses.shape != (self.num_replicas,):
             raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(losses.shape[1:])}")
-        losses.sum().backward()
+        with warnings.catch_warnings():  # the .grad views of the [N, D] gradient are strided as their parameters
+            warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
+            losses.sum().backward()
+        if self._stacked is not None and not self._grads_bound and not self._bind_grads():
+            self._stop_stacked("a parameter got no gradient (unused in the loss)")
         if not self.share_gradients:  # local mode: each replica keeps its own gradient
             return losses.detach()
-        with torch.no_grad():
-            for s in self.stacked_params.values():
-                if s.grad is not None:  # DDP's all-reduce over the replica axis: every replica gets the mean
-                    g = s.grad  # of the finite contributions only (the gradient guard, hdet.guard)
-                    ok = torch.isfinite(g).flatten(1).all(1).view(-1, *[1] * (g.dim() - 1))
-                    mean = torch.where(ok, g, torch.zeros_like(g)).mean(0, keepdim=True)  # bad ones count as 0
-                    g.copy_(mean.expand_as(g))
+        with torch.no_grad():  # DDP's all-reduce over the replica axis: every replica gets the mean of the
+            if self._grads_bound:  # finite replicas' gradients, a non-finite one counting as 0 (hdet.guard)
+                G = self._grad
+                if G.device.type == "cpu":  # a host read costs nothing here: mask only when needed
+                    total = G.sum(0, keepdim=True)
+                    if not bool(torch.isfinite(total.sum())):  # HOST SYNC (CPU: free): a NaN/inf in some row
+                        G.masked_fill_(~torch.isfinite(G).all(1, keepdim=True), 0)
+                        total = G.sum(0, keepdim=True)
+                else:
+                    ok = torch.isfinite(G.sum(1, dtype=torch.float32))  # [N]: a NaN or inf anywhere makes the sum one
+                    G.masked_fill_(~ok.unsqueeze(1), 0)
+                    total = G.sum(0, keepdim=True)
+                mean = total.div_(self.num_replicas)
+                if self._one_grad_row:  # every replica's .grad is a view of row 0
+                    G[:1].copy_(mean)
+                else:
+                    G.copy_(mean.expand_as(G))
+            else:
+                grads = [s.grad for s in self.stacked_params.values() if s.grad is not None]
+                ok = torch.stack([torch.isfinite(g.flatten(1).sum(1, dtype=torch.float32)) for g in grads]).all(0)
+                for g in grads:
+                    keep = ok.view(-1, *[1] * (g.dim() - 1))
+                    g.copy_(torch.where(keep, g, torch.zeros_like(g)).mean(0, keepdim=True).expand_as(g))
         return losses.detach()
 
     def _point_grads(self) -> None:
-        """Each replica's parameter views get the matching slice of the stacked gradient."""
+        """Each replica's parameter views get the matching slice of the stacked gradient (bound once when the
+        gradients live in :attr:`_grad`)."""
+        if self._grads_bound:
+            return
         for name, s in self.stacked_params.items():
             for r, p in enumerate(self._views[name]):
                 p.grad = None if s.grad is None else s.grad[r]
@@ -232,15 +361,16 @@ class ReplicaEngine:
         non-finite contributions as hdet's gradient guard does under DDP."""
         N = self.num_replicas
         params = [list(m.parameters()) for m in self.models]
+        oks = [torch.stack([torch.isfinite(p.grad.sum()) for p in ps if p.grad is not None] or [torch.tensor(True)]).all()
+               for ps in params]  # per replica: is every gradient finite
         for i in range(len(params[0])):
             grads = [ps[i].grad for ps in params]
             if all(g is None for g in grads):
                 continue
             if any(g is None for g in grads):
                 raise RuntimeError(f"Parameter {i} has a gradient on some replicas and not on others")
-            # sum_r g_r / N with non-finite contributions as 0 (the gradient guard, hdet.guard)
-            oks = [torch.isfinite(g).all() for g in grads]
-            acc = torch.where(oks[0], grads[0] / N, 0.0)  # a non-finite contribution counts as 0
+            # sum_r g_r / N with a non-finite replica's gradient as 0 (the gradient guard, hdet.guard)
+            acc = torch.where(oks[0], grads[0] / N, 0.0)
             for g, ok in zip(grads[1:], oks[1:]):
                 acc.add_(torch.where(ok, g / N, 0.0))
             for g in grads:
@@ -301,7 +431,10 @@ class ReplicaEngine:
                              f"{[rs['scheduler']['last_epoch'] for rs in state['replicas']]}")
         for m, o, s, rs in zip(self.models, self.optimizers, self.schedulers, state["replicas"]):
             m.load_state_dict(rs["model"])  # in place: in vmap mode the stacked tensors follow
-            o.load_state_dict(rs["optimizer"])
+            o.load_state_dict(rs["optimizer"])  # the stacked step takes the loaded state in at its next step
+            if self._stacked is None:  # a state saved by the stacked step holds views of one shared copy
+                for st in o.state.values():
+                    st.update({k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)})
             s.load_state_dict(rs["scheduler"])
 
     # -- one step ---------------------------------------------------------------------------------
@@ -346,8 +479,14 @@ class ReplicaEngine:
         if self.before_optimizer_step is not None:  # e.g. per-replica gradient clipping (hdet.GradClip)
             for r, (m, o) in enumerate(zip(self.models, self.optimizers)):
                 self.before_optimizer_step(r, m, o)
-        for o in self.optimizers:
-            o.step()
+            self._rebind_grads()
+        if self._stacked is not None and self.mode == "vmap":
+            self._stacked.step()  # every replica's optimizer.step() at once
+        else:
+            if self._stacked is not None:  # "auto" fell back to the loop
+                self._stop_stacked("loop mode")
+            for o in self.optimizers:
+                o.step()
         for s, loss in zip(self.schedulers, losses):
             s.observe(loss)
         for s in self.schedulers:

@@ -84,7 +84,7 @@ class HDETLR(LRScheduler):
         self.total_steps = total_steps
         self.optimizer = optimizer
         self._base, self._base_fn = _resolve_base(base, optimizer)
-        explore = [explore] if isinstance(explore, Hyperparameter) else list(explore)
+        explore = [explore] if isinstance(explore, Hyperparameter) else list(explore or ())
         _check_probe(config, probe, model, device_mesh)
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
         self._constant = [_float(g["lr"]) for g in optimizer.param_groups]
@@ -338,7 +338,7 @@ class OneCycleAutoLR(HDETLR):
                  max_momentum: float | list[float] = 0.95, div_factor: float = 25.0, final_div_factor: float = 1e4,
                  three_phase: bool = False, last_epoch: int = -1, *, auto_lr_warmup_steps: int | None = None,
                  **kwargs: Any) -> None:
-        explore = kwargs.get("explore", ())
+        explore = kwargs.get("explore") or ()
         if cycle_momentum and any(isinstance(h, AdamBeta) and h.index == 0 for h in
                                   ([explore] if isinstance(explore, Hyperparameter) else explore)):
             raise ValueError("Expected cycle_momentum=False when exploring beta1 (AdamBeta(index=0)): "

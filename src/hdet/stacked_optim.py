@@ -1,0 +1,310 @@
+"""One optimizer step for all N replicas of the one-process engine (issue 19, item 1).
+
+In vmap mode the engine lays the replicas' trainable parameters out as one ``[N, D]`` tensor ``theta``
+(row r: replica r, columns: the parameters in the order of the optimizer's param groups) with the
+gradients in another, ``G`` (:meth:`hdet.ReplicaEngine._flatten`). :class:`StackedStep` then steps every
+replica with a few whole-tensor kernels per param group, whatever N is, instead of N optimizers of one
+kernel (or more) per parameter each.
+
+With shared gradients (DDP's semantics: every replica steps on ``g = sum_r g_r / N``) and the same betas
+on every replica, Adam's moments and SGD's momentum are the same on every replica, so one copy is kept
+(``rows == 1``): the update ``u`` is computed once and each replica applies it with its own learning rate,
+``theta_r <- theta_r - lr_r / (1 - beta1^t) * u`` (AdamW: ``theta_r <- (1 - lr_r wd_r) theta_r`` first).
+Optimizer memory is then one replica's. Where the moments differ (local mode, a ``before_optimizer_step``
+hook that changes gradients per replica, Adam/SGD's coupled weight decay, per-replica betas or momentum),
+they are kept stacked, ``[N, D]`` (``rows == N``), with every per-replica value as an ``[N, 1]`` column.
+
+Each replica's optimizer stays what the user built: its param groups (where the schedulers set each
+replica's LR and explored values, read here every step), its ``state`` (views of the stacked moments:
+``state_dict()``, checkpoints, moment averaging and the guards' snapshots see what torch would hold) and
+its step post-hooks (called here, as ``optimizer.step()`` would). Supported: ``torch.optim.Adam``,
+``AdamW`` (``amsgrad`` and ``maximize`` included) and ``SGD`` (momentum, dampening, Nesterov, weight
+decay, ``maximize``); :func:`unsupported` names why anything else steps per replica.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+__all__ = ["Segment", "StackedStep", "unsupported"]
+
+KINDS = {torch.optim.Adam: "adam", torch.optim.AdamW: "adam", torch.optim.SGD: "sgd"}
+# per group, values that must be the same on every replica (the rest become [N, 1] columns)
+SAME = {"adam": ("amsgrad", "maximize", "differentiable"), "sgd": ("nesterov", "maximize", "differentiable")}
+
+
+@dataclass
+class Segment:
+    """One param group's columns ``[start, stop)`` of the flat tensors, and its parameters' shapes in the
+    group's order (each replica's optimizer holds views of these columns, in this order)."""
+
+    start: int
+    stop: int
+    shapes: list[torch.Size]
+
+
+def unsupported(optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
+    """Why these optimizers cannot take the stacked step (None: they can)."""
+    kinds = {type(o) for o in optimizers}
+    if len(kinds) != 1 or next(iter(kinds)) not in KINDS:
+        return f"{sorted(k.__name__ for k in kinds)} is not one of Adam, AdamW, SGD"
+    if _global_optimizer_pre_hooks:
+        return "global optimizer step pre-hooks are registered"
+    for o in optimizers:
+        if o._optimizer_step_pre_hooks:  # a pre-hook may change or skip one replica's step
+            return "an optimizer has step pre-hooks"
+        for g in o.param_groups:
+            if g.get("differentiable") or any(p.is_complex() for p in g["params"]):
+                return "differentiable or complex parameters"
+    return None
+
+
+class StackedStep:
+    """``optimizer.step()`` of every replica at once on the flat ``theta`` / ``G`` (see the module doc).
+
+    ``shared``: every replica's gradient is the same (shared gradients, no per-replica hook): the step
+    reads ``G``'s first row only and keeps one copy of the moments while the optimizers' values allow it.
+    """
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], theta: torch.Tensor, grad: torch.Tensor,
+                 segments: Sequence[Segment], shared: bool) -> None:
+        self.optimizers = list(optimizers)
+        self.kind = KINDS[type(self.optimizers[0])]
+        self.theta, self.grad, self.segments, self.shared = theta, grad, list(segments), shared
+        self.N = theta.shape[0]
+        self.rows = 0  # 1 or N once bound; 0: bind at the next step
+        self.moments: dict[str, torch.Tensor] = {}  # name -> [rows, D]
+        self.steps: list[int] = []  # per group: Adam's t, SGD's steps with a momentum buffer
+        self._step_t: list[torch.Tensor] = []  # per group: the "step" tensor every state of the group shows
+        self._bound: list[Any] = []  # each optimizer's state object when bound (load_state_dict replaces it)
+        self._pinned: list[tuple[torch.Tensor, Any]] = []
+        self._slot = 0
+        for o in self.optimizers:
+            o.register_state_dict_post_hook(_own_step_tensors)
+
+    # -- the optimizers' state as views of the stacked moments ------------------------------------------
+    def _adopt(self, rows: int) -> None:
+        """(Re)bind: take the optimizers' current state (empty: a first step; else loaded, or this object's
+        own views) into ``rows`` stacked copies, then point every optimizer state at views of them."""
+        D, dev, dt = self.theta.shape[1], self.theta.device, self.theta.dtype
+        self.moments = {k: torch.zeros(rows, D, device=dev, dtype=dt) for k in self._moment_names()}
+        steps = []
+        for k, seg in enumerate(self.segments):
+            states = [[o.state.get(p) for p in o.param_groups[k]["params"]] for o in self.optimizers]
+            got = [s for per in states for s in per if s]
+            step = 0
+            if got:
+                counts = {int(_value(s.get("step", 1))) for s in got}  # SGD: a buffer exists, so a step was taken
+                if len(got) != self.N * len(seg.shapes) or len(counts) != 1:
+                    raise RuntimeError("hdet: the replicas' optimizer states differ in which parameters have state "
+                                       f"or in their step counts ({sorted(counts)}): they cannot be stacked")
+                step = counts.pop()
+                for name, dst in self.moments.items():
+                    for r in range(rows):
+                        col = seg.start
+                        for s, shape in zip(states[r], seg.shapes):
+                            n = shape.numel()
+                            v = s.get(name)
+                            if v is not None:
+                                dst[r, col:col + n].copy_(v.reshape(-1))
+                            col += n
+            steps.append(step)
+        self.steps = steps
+        self._step_t = [torch.tensor(float(s), dtype=torch.float32) for s in steps]
+        self.rows = rows
+        self._bind()
+
+    def _moment_names(self) -> list[str]:
+        groups = [g for o in self.optimizers for g in o.param_groups]
+        if self.kind == "sgd":  # SGD keeps no state without momentum
+            return ["momentum_buffer"] if any(_value(g["momentum"]) for g in groups) else []
+        return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if any(g["amsgrad"] for g in groups) else [])
+
+    def _bind(self) -> None:
+        for r, o in enumerate(self.optimizers):
+            row = 0 if self.rows == 1 else r
+            for k, seg in enumerate(self.segments):
+                col = seg.start
+                for p, shape in zip(o.param_groups[k]["params"], seg.shapes):
+                    n = shape.numel()
+                    st: dict[str, Any] = {}
+                    if self.kind == "adam":
+                        st["step"] = self._step_t[k]
+                    if self.kind == "adam" or (self.steps[k] > 0 and _value(o.param_groups[k]["momentum"])):
+                        for name, m in self.moments.items():
+                            st[name] = m[row, col:col + n].view(shape)
+                    o.state[p] = st
+                    col += n
+        self._bound = [o.state for o in self.optimizers]
+
+    def release(self) -> None:
+        """Give every optimizer its own copy of its state (so that ``optimizer.step()`` may run on each
+        replica again): after this, nothing is shared."""
+        if not self.rows:
+            return
+        for o in self.optimizers:
+            for k, g in enumerate(o.param_groups):
+                on_device = g.get("fused") or g.get("capturable")
+                for p in g["params"]:
+                    st = o.state.get(p)
+                    if st:
+                        o.state[p] = {key: (torch.tensor(float(self.steps[k]), dtype=torch.float32,
+                                                         device=p.device if on_device else "cpu")
+                                            if key == "step" else v.clone() if isinstance(v, torch.Tensor) else v)
+                                      for key, v in st.items()}
+        self.rows, self.moments, self._bound = 0, {}, []
+
+    # -- one step --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        """``optimizer.step()`` of every replica (then each optimizer's step post-hooks, as torch runs them)."""
+        values = [self._values(k) for k in range(len(self.segments))]
+        want = 1 if self.shared and all(v["same"] for v in values) else self.N
+        if not self.rows or any(o.state is not b for o, b in zip(self.optimizers, self._bound)):
+            self._adopt(want)
+        elif want > self.rows:  # the replicas' moments part from here (e.g. a weight decay that became coupled)
+            self._adopt(want)
+        host: list[float] = []
+        for k, v in enumerate(values):
+            self.steps[k] += 1
+            v["at"] = len(host) // self.N  # its first row of the columns
+            host += self._columns(v, self.steps[k])
+        cols = self._to_device(host)
+        g_all = self.grad[:1] if self.shared else self.grad  # shared: row 0 holds the mean
+        for k, (seg, v) in enumerate(zip(self.segments, values)):
+            c = cols[v["at"]:]
+            th, g = self.theta[:, seg.start:seg.stop], g_all[:, seg.start:seg.stop]
+            mom = {name: m[:, seg.start:seg.stop] for name, m in self.moments.items()}
+            if v["maximize"]:
+                g = -g
+            (self._adam if self.kind == "adam" else self._sgd)(th, g, mom, v, c, self.steps[k])
+            self._step_t[k].fill_(float(self.steps[k]))
+        if self.kind == "sgd" and 1 in self.steps:
+            self._bind()  # torch's SGD shows a momentum buffer from its first step on
+        for o in self.optimizers:
+            o._opt_called = True  # what torch's LRScheduler checks for "scheduler stepped before optimizer"
+            for hook in (*_global_optimizer_post_hooks.values(), *o._optimizer_step_post_hooks.values()):
+                hook(o, (), {})
+
+    def _values(self, k: int) -> dict[str, Any]:
+        """Group ``k``'s values on every replica; ``same``: those that shape the moments agree (and no
+        coupled weight decay mixes each replica's own weights into its gradient)."""
+        groups = [o.param_groups[k] for o in self.optimizers]
+        g0 = groups[0]
+        for g in groups[1:]:
+            for key in SAME[self.kind]:
+                if g.get(key) != g0.get(key):
+                    raise RuntimeError(f"hdet: the replicas' optimizers differ in {key!r} ({g0.get(key)} and "
+                                       f"{g.get(key)}): the stacked step needs the same value on every replica")
+        v: dict[str, Any] = {"maximize": bool(g0.get("maximize")),
+                             "lr": [_value(g["lr"]) for g in groups],
+                             "wd": [_value(g["weight_decay"]) for g in groups]}
+        if self.kind == "adam":
+            v["b1"] = [_value(g["betas"][0]) for g in groups]
+            v["b2"] = [_value(g["betas"][1]) for g in groups]
+            v["eps"] = [_value(g["eps"]) for g in groups]
+            v["amsgrad"] = bool(g0["amsgrad"])
+            v["decoupled"] = bool(g0.get("decoupled_weight_decay", isinstance(self.optimizers[0], torch.optim.AdamW)))
+            shaping = ("b1", "b2", "eps")
+        else:
+            v["momentum"] = [_value(g["momentum"]) for g in groups]
+            v["dampening"] = [_value(g["dampening"]) for g in groups]
+            v["nesterov"] = bool(g0["nesterov"])
+            v["decoupled"] = False
+            shaping = ("momentum", "dampening")
+        v["same"] = all(len(set(v[key])) == 1 for key in shaping) and (v["decoupled"] or not any(v["wd"]))
+        return v
+
+    def _columns(self, v: dict[str, Any], t: int) -> list[float]:
+        """The per-replica numbers of one group's step, N each, in the order :meth:`_adam`/:meth:`_sgd` read."""
+        out: list[float] = []
+        if self.kind == "adam":
+            out += [-lr / (1 - b1 ** t) for lr, b1 in zip(v["lr"], v["b1"])]  # -step_size
+            out += [1 - lr * wd for lr, wd in zip(v["lr"], v["wd"])]  # AdamW's decay (or the coupled wd below)
+            out += v["wd"] + [1 - b for b in v["b1"]] + v["b2"] + [1 - b for b in v["b2"]]
+            out += [math.sqrt(1 - b2 ** t) for b2 in v["b2"]] + v["eps"]
+        else:
+            out += [-lr for lr in v["lr"]] + v["wd"] + v["momentum"] + [1 - d for d in v["dampening"]]
+        return out
+
+    def _to_device(self, host: list[float]) -> torch.Tensor:
+        """``host`` as an ``[len / N, N, 1]`` tensor on theta's device: one copy (pinned and asynchronous on
+        CUDA, through a ring of buffers so a copy still queued is never overwritten). No host sync."""
+        dtype = torch.float64 if self.theta.dtype == torch.float64 else torch.float32  # bf16 weights: fp32 scalars
+        src = torch.tensor(host, dtype=dtype).view(-1, self.N, 1)
+        if self.theta.device.type != "cuda":
+            return src.to(self.theta.device)
+        if len(self._pinned) < 4 or self._pinned[0][0].shape != src.shape:
+            self._pinned = [(torch.empty(src.shape, dtype=dtype).pin_memory(), None) for _ in range(4)]
+        self._slot = (self._slot + 1) % len(self._pinned)
+        buf, event = self._pinned[self._slot]
+        if event is not None:
+            event.synchronize()  # that copy ran (the host waits only if it is 4 steps ahead of the device)
+        buf.copy_(src)
+        dev = buf.to(self.theta.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pinned[self._slot] = (buf, event)
+        return dev
+
+    def _one(self, c: torch.Tensor, i: int, per_replica: list[float]) -> Any:
+        """Column ``i`` of ``c`` (an [N, 1] tensor), or the plain number when every replica has the same."""
+        return per_replica[0] if len(set(per_replica)) == 1 else c[i]
+
+    def _adam(self, th: torch.Tensor, g: torch.Tensor, mom: dict[str, torch.Tensor], v: dict[str, Any],
+              c: torch.Tensor, t: int) -> None:
+        neg_step, decay, wd = c[0], c[1], self._one(c, 2, v["wd"])
+        if any(v["wd"]):
+            if v["decoupled"]:
+                th.mul_(decay)  # theta_r *= 1 - lr_r wd_r
+            else:
+                g = g + wd * th  # Adam's L2 term: the replicas' moments differ (rows == N)
+        b1c = self._one(c, 3, [1 - b for b in v["b1"]])
+        b2, b2c = self._one(c, 4, v["b2"]), self._one(c, 5, [1 - b for b in v["b2"]])
+        bc2 = self._one(c, 6, [math.sqrt(1 - b ** t) for b in v["b2"]])
+        eps = self._one(c, 7, v["eps"])
+        m, s = mom["exp_avg"], mom["exp_avg_sq"]
+        m.lerp_(g, b1c)
+        if isinstance(b2c, torch.Tensor):
+            s.mul_(b2).add_(g * g * b2c)
+        else:
+            s.mul_(b2).addcmul_(g, g, value=b2c)
+        if v["amsgrad"]:
+            torch.maximum(mom["max_exp_avg_sq"], s, out=mom["max_exp_avg_sq"])
+            s = mom["max_exp_avg_sq"]
+        u = m / (s.sqrt() / bc2).add_(eps)  # [rows, n]: once for the ensemble when rows == 1
+        th.addcmul_(u, neg_step)  # theta_r -= lr_r / (1 - beta1^t) * u
+
+    def _sgd(self, th: torch.Tensor, g: torch.Tensor, mom: dict[str, torch.Tensor], v: dict[str, Any],
+             c: torch.Tensor, t: int) -> None:
+        neg_lr, wd = c[0], self._one(c, 1, v["wd"])
+        if any(v["wd"]):
+            g = g + wd * th  # SGD's L2 term: the replicas' buffers differ (rows == N)
+        if any(v["momentum"]):
+            mu, keep = self._one(c, 2, v["momentum"]), self._one(c, 3, [1 - d for d in v["dampening"]])
+            buf = mom["momentum_buffer"]
+            if t == 1:
+                buf.copy_(g.expand_as(buf))  # torch: the first buffer is the gradient itself
+            else:
+                buf.mul_(mu).add_(g * keep if isinstance(keep, torch.Tensor) else g, alpha=1 if isinstance(
+                    keep, torch.Tensor) else keep)
+            g = g + mu * buf if v["nesterov"] else buf
+        th.addcmul_(g, neg_lr)  # theta_r -= lr_r * d
+
+
+def _value(x: Any) -> float:
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _own_step_tensors(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A state_dict post-hook: every parameter's ``step`` its own tensor (the stacked step shares one per
+    group; an optimizer that loaded a shared one would add 1 to it once per parameter)."""
+    state_dict["state"] = {i: ({**s, "step": s["step"].clone()} if isinstance(s.get("step"), torch.Tensor) else s)
+                           for i, s in state_dict["state"].items()}
+    return state_dict

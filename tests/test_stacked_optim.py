@@ -1,0 +1,206 @@
+"""The engine's stacked optimizer step (issue 19, item 1) against each replica's own ``optimizer.step()``:
+the same training (to float rounding), one copy of the moments with shared gradients, and the optimizers'
+state, checkpoints and hooks as torch's."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hdet
+from hdet.engine import ReplicaEngine
+
+N, STEPS = 4, 16
+torch.manual_seed(0)
+X, Y = torch.randn(STEPS, N, 8, 6), torch.randint(0, 3, (STEPS, N, 8))
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _loss(m, b):
+    return F.cross_entropy(m(b[0]), b[1])
+
+
+def _engine(make_opt, stacked=True, model=None, loss_fn=_loss, steps=STEPS, explore=None, **kw):
+    torch.manual_seed(1)
+    eng = ReplicaEngine(
+        model or _model(), N, make_opt,
+        lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=2 * STEPS, ensemble_lr_spread_ratio=0.3,
+                                              model_sync_interval=5, replicas=rep, model=m,
+                                              explore=explore(o) if explore else None),
+        mode="vmap", stacked_optimizer=stacked, **kw)
+    for t in range(steps):
+        eng.step((X[t], Y[t]), loss_fn, stacked=True)
+    return eng
+
+
+def _close(a, b):
+    for ma, mb in zip(a.models, b.models):
+        for pa, pb in zip(ma.parameters(), mb.parameters()):
+            torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+    for oa, ob in zip(a.optimizers, b.optimizers):
+        sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
+        assert sa.keys() == sb.keys()
+        for i in sb:
+            assert sa[i].keys() == sb[i].keys()
+            for k in sb[i]:
+                torch.testing.assert_close(sa[i][k], sb[i][k], rtol=1e-5, atol=1e-6)
+
+
+OPTIMIZERS = {
+    "adamw": (lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1), 1),
+    "adamw_amsgrad_maximize": (lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, amsgrad=True, maximize=True), 1),
+    "adam": (lambda m: torch.optim.Adam(m.parameters(), lr=0.01), 1),
+    "adam_l2": (lambda m: torch.optim.Adam(m.parameters(), lr=0.01, weight_decay=0.1), N),  # coupled decay
+    "sgd": (lambda m: torch.optim.SGD(m.parameters(), lr=0.05), 1),
+    "sgd_momentum": (lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, dampening=0.2), 1),
+    "sgd_nesterov_l2": (lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True,
+                                                  weight_decay=0.01), N),
+    "groups": (lambda m: torch.optim.AdamW([{"params": [m[2].weight, m[2].bias], "lr": 0.02},
+                                            {"params": [m[0].weight, m[0].bias], "weight_decay": 0.3}], lr=0.01), 1),
+}
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["shared", "local"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_stacked_step_trains_as_each_replicas_optimizer(name, local):
+    make, rows = OPTIMIZERS[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "scheduler stepped before the optimizer" from hdet or torch
+        fast = _engine(make, share_gradients=not local)
+    slow = _engine(make, stacked=False, share_gradients=not local)
+    assert fast.optimizer_path == "stacked" and slow.optimizer_path == "per-replica: stacked_optimizer=False"
+    assert fast._stacked.rows == (N if local else rows)
+    _close(fast, slow)
+    assert not torch.equal(fast.models[0][0].weight, fast.models[1][0].weight)  # the spread: replicas differ
+
+
+def test_shared_gradients_keep_one_copy_of_the_moments():
+    eng = _engine(OPTIMIZERS["adamw"][0])
+    D = sum(p.numel() for p in eng.models[0].parameters())
+    assert {k: tuple(v.shape) for k, v in eng._stacked.moments.items()} == {"exp_avg": (1, D), "exp_avg_sq": (1, D)}
+    for pa, pb in zip(eng.models[0].parameters(), eng.models[3].parameters()):
+        sa, sb = eng.optimizers[0].state[pa], eng.optimizers[3].state[pb]
+        assert sa["exp_avg"].data_ptr() == sb["exp_avg"].data_ptr()  # one copy, seen by every replica
+        assert float(sa["step"]) == STEPS
+        assert pa.grad.data_ptr() == pb.grad.data_ptr()  # every replica's .grad: the averaged gradient
+    # each replica's parameters are views of the stacked tensor
+    assert eng.models[2][0].weight.data_ptr() == eng.stacked_params["0.weight"][2].data_ptr()
+
+
+def test_per_replica_betas_keep_stacked_moments():
+    """An explored beta2 (hdet.AdamBeta) gives each replica its own moments."""
+    kw = dict(explore=lambda o: [hdet.AdamBeta(o, 1, alpha=0.05)])  # beta2 near 0.999 (at 0: chaotic)
+    fast = _engine(lambda m: torch.optim.AdamW(m.parameters(), lr=0.01), **kw)
+    slow = _engine(lambda m: torch.optim.AdamW(m.parameters(), lr=0.01), stacked=False, **kw)
+    assert len({o.param_groups[0]["betas"][1] for o in fast.optimizers}) > 1
+    assert fast._stacked.rows == N
+    _close(fast, slow)
+
+
+def test_a_coupled_weight_decay_set_mid_run_parts_the_moments():
+    def run(stacked):
+        eng = _engine(lambda m: torch.optim.Adam(m.parameters(), lr=0.01), stacked=stacked, steps=6)
+        assert not stacked or eng._stacked.rows == 1
+        for o in eng.optimizers:
+            o.param_groups[0]["weight_decay"] = 0.2
+        for t in range(6, STEPS):
+            eng.step((X[t], Y[t]), _loss, stacked=True)
+        return eng
+    fast, slow = run(True), run(False)
+    assert fast._stacked.rows == N
+    _close(fast, slow)
+
+
+def test_a_hook_that_changes_gradients_per_replica():
+    clip = [0.05, 0.1, 0.2, 10.0]
+
+    def hook(r, module, optimizer):
+        for p in module.parameters():
+            p.grad = p.grad.clamp(-clip[r], clip[r])  # a new tensor, not in place: still seen
+    fast = _engine(OPTIMIZERS["adamw"][0], before_optimizer_step=hook)
+    slow = _engine(OPTIMIZERS["adamw"][0], stacked=False, before_optimizer_step=hook)
+    assert fast._stacked.rows == N
+    _close(fast, slow)
+
+
+def test_a_non_finite_gradient_on_one_replica_is_left_out():
+    def loss_fn(m, b):  # replica 2's inputs hold a NaN at step 3: its gradient is NaN there
+        return F.cross_entropy(m(b[0]), b[1])
+    xs = X.clone()
+    xs[3, 2, 0, 0] = float("nan")
+
+    def run(stacked):
+        eng = _engine(OPTIMIZERS["adamw"][0], stacked=stacked, steps=0)
+        for t in range(8):
+            eng.step((xs[t], Y[t]), loss_fn, stacked=True)
+        return eng
+    fast, slow = run(True), run(False)
+    assert all(torch.isfinite(p).all() for m in fast.models for p in m.parameters())
+    _close(fast, slow)
+
+
+def test_checkpoint_resumes_exactly_and_loads_anywhere(tmp_path):
+    make = OPTIMIZERS["adamw"][0]
+    full = _engine(make)
+    half = _engine(make, steps=STEPS // 2)
+    buf = io.BytesIO()
+    torch.save(half.state_dict(), buf)
+    for stacked in (True, False):
+        buf.seek(0)
+        resumed = _engine(make, stacked=stacked, steps=0)
+        resumed.load_state_dict(torch.load(buf, weights_only=True))
+        for t in range(STEPS // 2, STEPS):
+            resumed.step((X[t], Y[t]), _loss, stacked=True)
+        if stacked:  # the same kernels in the same order: bit for bit
+            assert all(torch.equal(a, b) for ma, mb in zip(full.models, resumed.models)
+                       for a, b in zip(ma.parameters(), mb.parameters()))
+        else:
+            _close(full, resumed)
+    # one replica's optimizer state into a plain torch AdamW: every parameter has its own step tensor
+    state = full.optimizers[1].state_dict()
+    assert len({id(s["step"]) for s in state["state"].values()}) == len(state["state"])
+    model = _model()
+    plain = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    plain.load_state_dict(state)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    plain.step()
+    assert all(float(s["step"]) == STEPS + 1 for s in plain.state.values())
+
+
+def test_what_steps_per_replica_and_why():
+    rms = _engine(lambda m: torch.optim.RMSprop(m.parameters(), lr=0.01), steps=2)
+    assert rms.optimizer_path == "per-replica: ['RMSprop'] is not one of Adam, AdamW, SGD"
+
+    def with_pre_hook(m):
+        o = torch.optim.AdamW(m.parameters(), lr=0.01)
+        o.register_step_pre_hook(lambda *a: None)
+        return o
+    assert _engine(with_pre_hook, steps=1).optimizer_path == "per-replica: an optimizer has step pre-hooks"
+
+    class Unused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.spare = nn.Linear(6, 3), nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.used(x)
+    torch.manual_seed(0)
+    fast = _engine(OPTIMIZERS["adamw"][0], model=Unused(), steps=4)
+    torch.manual_seed(0)
+    slow = _engine(OPTIMIZERS["adamw"][0], model=Unused(), stacked=False, steps=4)
+    assert fast.optimizer_path == "per-replica: a parameter got no gradient (unused in the loss)"
+    assert fast._stacked is None
+    _close(fast, slow)
+    loop = ReplicaEngine(_model(), N, OPTIMIZERS["adamw"][0], lambda o, rep, m: hdet.OneCycleAutoLR(
+        o, max_lr=0.05, total_steps=10, replicas=rep, model=m), mode="loop")
+    assert loop.optimizer_path == "per-replica: loop mode"
