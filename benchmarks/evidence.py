@@ -135,6 +135,9 @@ def main() -> None:
                     help="the in-run LR range test (issue 15, item 3) instead of the main suite: HDET (--alpha) with "
                     "lr_range_test=True from 0.1x, 1x and 10x BEST_MAX_LR, seeds 0-2, once per --range-backoffs value")
     ap.add_argument("--range-backoffs", default="2", help="the range test's backoffs to run (names: range-b<value>)")
+    ap.add_argument("--range-controller", default="none", choices=["none", "fit"],
+                    help="the range test's decay phase: the schedule's own shape (none) or the fit controller from "
+                    "the end of the warm-up (fit; names: range-b<value>-fit)")
     a = ap.parse_args()
     t_start = time.time()
     deadline = t_start + a.deadline
@@ -225,8 +228,11 @@ def main() -> None:
 
     if a.range_best is not None:
         backoffs = [float(x) for x in a.range_backoffs.split(",")]
-        jobs = [job(f"range-b{b:g}-{start:g}x-s{seed}", f"range-b{b:g}", max_lr=a.range_best * start, seed=seed,
-                    alpha=a.alpha, range_test=True, range_backoff=b, on_runaway="recover", warmup=warm)
+        fit = a.range_controller == "fit"
+        ctrl = dict(auto_lr=True, controller="fit", tie_lr_groups=True) if fit else {}
+        tag = "-fit" if fit else ""
+        jobs = [job(f"range-b{b:g}{tag}-{start:g}x-s{seed}", f"range-b{b:g}{tag}", max_lr=a.range_best * start,
+                    seed=seed, alpha=a.alpha, range_test=True, range_backoff=b, on_runaway="recover", warmup=warm, **ctrl)
                 for seed in (0, 1, 2) for b in backoffs for start in STARTS]
         return run_study(a.range_best, jobs)
 
