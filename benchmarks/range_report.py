@@ -20,7 +20,9 @@ FILES = [("bytes.json", "v1: ramp from 1x the schedule, ends at a rise or 3 wind
          ("bytes_v3b.json", "v3"),
          ("bytes_v4.json", "v4: + a collapse must also be under 2 standard errors (reverted)"),
          ("bytes_v5.json", "v5: v3 + a collapse needs two low windows in a row (reverted)"),
+         ("bytes_v3_fit.json", "v3 + the fit controller after the warm-up (H100: the grid best is the H200's)"),
          ("fashion_v3.json", "v3 (the code now)"),
+         ("fashion_v3_fit.json", "v3 + the fit controller after the warm-up (H100: the grid best is the H200's)"),
          ("fashion_v4.json", "v4 (reverted)"),
          ("fashion_v5.json", "v5 (reverted)")]
 
