@@ -263,7 +263,9 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
                 evaluate(task, reps.eval_model(), cfg.eval_batches, 32, device)
             final = final_metrics(task, reps.eval_model(), device)
     tail = [v for s, v in train_losses if s > cfg.steps * 0.9] or [v for _, v in train_losses[-1:]]
+    engine = getattr(reps, "engine", None)
     summary = {**({} if rank else meta), "mode": reps.mode, "steps_done": t,
+               **({"optimizer_path": engine.optimizer_path} if engine is not None else {}),
                "crashed": crashed, "train_seconds": elapsed, "steps_per_second": t / elapsed if elapsed else None,
                "final_train_loss": sum(tail) / len(tail) if tail else None, "final_val_loss": final_val,
                "final_metrics": final,

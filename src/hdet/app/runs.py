@@ -138,8 +138,9 @@ class EngineRun:
     def __init__(self, task: Task, model: nn.Module, N: int, cfg: RunConfig, warmup: int, device: torch.device) -> None:
         self.task = task
         self.engine = ReplicaEngine(model, N, make_optimizer(task, cfg), make_scheduler(cfg, warmup, task, device),
-                                    mode=cfg.mode, share_gradients=not cfg.local,
-                                    before_optimizer_step=self._clip_grads)
+                                    mode=cfg.mode, compile=cfg.compile, share_gradients=not cfg.local,
+                                    # only with an explored clip: a hook keeps one moment copy per replica
+                                    before_optimizer_step=self._clip_grads if "grad-clip" in cfg.explore else None)
         self.local = list(range(N))
         self.N = N
         self.schedulers = self.engine.schedulers
