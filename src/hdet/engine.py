@@ -121,6 +121,9 @@ class ReplicaEngine:
         self.group = LocalReplicaGroup(num_replicas)
         self.num_replicas = num_replicas
         self.models = [copy.deepcopy(model) for _ in range(num_replicas)]
+        first = next(iter(model.parameters()), None)
+        if first is not None:  # the sync vectors are built there and read in one copy
+            self.group.device = first.device
         self.mode = mode
         self.stacked_params: dict[str, torch.Tensor] = {}
         self.stacked_buffers: dict[str, torch.Tensor] = {}
@@ -501,7 +504,7 @@ class ReplicaEngine:
         """One sync of the N ensembles, in the three phases of :class:`hdet.ensemble.Ensemble`, with the
         replica axis as the transport. HOST SYNC: the stacked vectors are read once."""
         ens = [s.ensemble for s in self.schedulers]
-        rows = torch.stack([e.prepare_sync(t).to("cpu", torch.float64) for e in ens])
+        rows = torch.stack([e.prepare_sync(t) for e in ens]).to("cpu", torch.float64)  # HOST SYNC: one copy
         verdicts = [e.check_sync(t, rows) for e in ens]  # the same verdict on every replica
         bad = verdicts[0].exclude
         average_local([e.tensors() for e in ens], bad)  # Eq. 3 over the healthy replicas

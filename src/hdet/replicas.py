@@ -268,6 +268,7 @@ class LocalReplicaGroup:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"Expected a positive integer number of replicas, but got {world_size!r}")
         self.world_size = world_size
+        self.device = torch.device("cpu")  # where the sync vectors are built (the engine sets its model's device)
         self.views = [LocalReplica(self, r) for r in range(world_size)]
 
 
@@ -295,6 +296,10 @@ class LocalReplica(Replicas):
         self.group = group
         self.rank = rank
         self.world_size = group.world_size
+
+    def comm_device(self, hint: torch.device | None = None) -> torch.device:
+        """The engine's device: the N vectors are stacked there and read in one copy (one host sync a sync)."""
+        return self.group.device
 
     def gather(self, local: torch.Tensor, shard_sum: Sequence[int] = (), shard_min: Sequence[int] = ()) -> torch.Tensor:
         raise RuntimeError("A LocalReplica's sync is run by its ReplicaEngine (engine.step), not by the scheduler: "

@@ -45,8 +45,11 @@ class SyncVector(NamedTuple):
     def to_tensor(self, dev: torch.device) -> torch.Tensor:
         """The 1-D float64 vector on ``dev`` (tensors stay on their device until this copy: no host sync; the
         Python numbers go over in one copy)."""
-        numbers = torch.tensor([0.0 if isinstance(x, torch.Tensor) else float(x) for x in self], dtype=torch.float64,
-                               device=dev)
+        numbers = torch.tensor([0.0 if isinstance(x, torch.Tensor) else float(x) for x in self], dtype=torch.float64)
+        if dev.type == "cuda":  # pinned and asynchronous: a plain copy would wait for the device (a host sync)
+            numbers = numbers.pin_memory().to(dev, non_blocking=True)
+        else:
+            numbers = numbers.to(dev)
         parts = [x.reshape(1).to(dev, torch.float64) if isinstance(x, torch.Tensor) else numbers[i:i + 1]
                  for i, x in enumerate(self)]
         return torch.cat(parts)
@@ -89,17 +92,20 @@ def health(tensors: list[torch.Tensor], strict: list[bool], dev: torch.device) -
     elements in the non-strict tensors (buffers)). A buffer may hold -inf by design (a persistent
     attention mask), so its -Inf count is compared across replicas at the sync instead; +Inf (a BatchNorm
     variance gone to infinity) is a fault everywhere. No host sync (one small copy per device)."""
-    by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
     for x, must_be_finite in zip(tensors, strict):
-        oks, infs = by_device.setdefault(x.device, ([], []))
+        finite, oks, infs = by_device.setdefault(x.device, ([], [], []))
         if must_be_finite:
-            oks.append(torch.isfinite(x).all())
+            if x.numel():
+                finite.append(x)
         else:
             oks.append(~(torch.isnan(x) | torch.isposinf(x)).any())
             infs.append(torch.isneginf(x).sum())
     ok = torch.ones((), dtype=torch.bool, device=dev)
     inf = torch.zeros((), dtype=torch.float64, device=dev)
-    for oks, infs in by_device.values():
+    for finite, oks, infs in by_device.values():
+        if finite:  # their largest magnitudes, one fused read on CUDA: a NaN or Inf anywhere makes one non-finite
+            oks.append(torch.isfinite(torch.stack(torch._foreach_norm(finite, float("inf")))).all())
         ok = ok & torch.stack(oks).all().to(dev)
         if infs:
             inf = inf + torch.stack(infs).sum().to(dev, torch.float64)
