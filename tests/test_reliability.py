@@ -704,3 +704,21 @@ def test_a_loss_tensor_reused_in_place_is_observed_per_step():
         o.step()
         s.step(buf)
     assert s.last_sync.losses == [2.0]
+
+
+def test_the_settings_fingerprint_follows_a_changed_setting():
+    """The fingerprint is cached between syncs; a setting changed in place (one replica's config edited by
+    hand) must still change it, or replicas built differently would average silently."""
+    from hdet import HDETConfig
+
+    c = HDETConfig(ensemble_lr_spread_ratio=0.2, model_sync_interval=10)
+    first = c.fingerprint()
+    assert c.fingerprint() == first == HDETConfig(ensemble_lr_spread_ratio=0.2, model_sync_interval=10).fingerprint()
+    c.model_sync_interval = 20
+    assert c.fingerprint() != first
+    c.model_sync_interval = 10
+    assert c.fingerprint() == first
+    fit = HDETConfig(controller=hdet.FitController())
+    before = fit.fingerprint()
+    fit.controller.kappa *= 2  # a mutable template, edited in place
+    assert fit.fingerprint() != before
