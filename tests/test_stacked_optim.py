@@ -66,6 +66,12 @@ OPTIMIZERS = {
                                                   weight_decay=0.01), N),
     "groups": (lambda m: torch.optim.AdamW([{"params": [m[2].weight, m[2].bias], "lr": 0.02},
                                             {"params": [m[0].weight, m[0].bias], "weight_decay": 0.3}], lr=0.01), 1),
+    "groups_own_betas": (lambda m: torch.optim.AdamW([{"params": [m[2].weight], "betas": (0.8, 0.99)},
+                                                      {"params": [m[2].bias, m[0].weight, m[0].bias]}], lr=0.01), 1),
+    "sgd_groups": (lambda m: torch.optim.SGD([{"params": [m[0].weight], "momentum": 0.5, "weight_decay": 0.01},
+                                              {"params": [m[0].bias, m[2].weight]},
+                                              {"params": [m[2].bias], "nesterov": True, "momentum": 0.9}],
+                                             lr=0.05, momentum=0.9), N),
 }
 
 
@@ -81,6 +87,14 @@ def test_stacked_step_trains_as_each_replicas_optimizer(name, local):
     assert fast._stacked.rows == (N if local else rows)
     _close(fast, slow)
     assert not torch.equal(fast.models[0][0].weight, fast.models[1][0].weight)  # the spread: replicas differ
+
+
+def test_groups_that_agree_update_their_moments_as_one_block():
+    fast = _engine(OPTIMIZERS["groups"][0], steps=1)
+    values = [fast._stacked._values(k) for k in range(2)]
+    assert fast._stacked._spans(values) == [[0, 1]]
+    fast = _engine(OPTIMIZERS["groups_own_betas"][0], steps=1)
+    assert fast._stacked._spans([fast._stacked._values(k) for k in range(2)]) == [[0], [1]]
 
 
 def test_shared_gradients_keep_one_copy_of_the_moments():

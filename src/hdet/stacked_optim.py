@@ -177,14 +177,20 @@ class StackedStep:
             host += self._columns(v, self.steps[k])
         cols = self._to_device(host)
         g_all = self.grad[:1] if self.shared else self.grad  # shared: row 0 holds the mean
-        for k, (seg, v) in enumerate(zip(self.segments, values)):
-            c = cols[v["at"]:]
-            th, g = self.theta[:, seg.start:seg.stop], g_all[:, seg.start:seg.stop]
-            mom = {name: m[:, seg.start:seg.stop] for name, m in self.moments.items()}
-            if v["maximize"]:
-                g = -g
-            (self._adam if self.kind == "adam" else self._sgd)(th, g, mom, v, c, self.steps[k])
-            self._step_t[k].fill_(float(self.steps[k]))
+        direction = self._adam_direction if self.kind == "adam" else self._sgd_direction
+        for ks in self._spans(values):  # groups whose moments follow the same values: one set of kernels
+            v0, first, last = values[ks[0]], self.segments[ks[0]], self.segments[ks[-1]]
+            a, b = first.start, last.stop
+            mom = {name: m[:, a:b] for name, m in self.moments.items()}
+            g = -g_all[:, a:b] if v0["maximize"] else g_all[:, a:b]
+            d = direction(self.theta[:, a:b], g, mom, v0, cols[v0["at"]:], self.steps[ks[0]])
+            for k in ks:  # then each group's own LR (and decoupled weight decay), per replica
+                seg, c = self.segments[k], cols[values[k]["at"]:]
+                th = self.theta[:, seg.start:seg.stop]
+                if self.kind == "adam" and v0["decoupled"] and any(values[k]["wd"]):
+                    th.mul_(c[1])  # theta_r *= 1 - lr_r wd_r
+                th.addcmul_(d[:, seg.start - a:seg.stop - a], c[0])  # theta_r -= step_r * d
+                self._step_t[k].fill_(float(self.steps[k]))
         if self.kind == "sgd" and 1 in self.steps:
             self._bind()  # torch's SGD shows a momentum buffer from its first step on
         for o in self.optimizers:
@@ -257,14 +263,29 @@ class StackedStep:
         """Column ``i`` of ``c`` (an [N, 1] tensor), or the plain number when every replica has the same."""
         return per_replica[0] if len(set(per_replica)) == 1 else c[i]
 
-    def _adam(self, th: torch.Tensor, g: torch.Tensor, mom: dict[str, torch.Tensor], v: dict[str, Any],
-              c: torch.Tensor, t: int) -> None:
-        neg_step, decay, wd = c[0], c[1], self._one(c, 2, v["wd"])
-        if any(v["wd"]):
-            if v["decoupled"]:
-                th.mul_(decay)  # theta_r *= 1 - lr_r wd_r
+    def _spans(self, values: list[dict[str, Any]]) -> list[list[int]]:
+        """Runs of consecutive groups whose moment updates agree (same betas/eps or momentum on every replica,
+        same step, no coupled weight decay): their moments update as one block of columns."""
+        def key(k: int) -> Any:
+            v = values[k]
+            if any(v["wd"]) and not v["decoupled"]:
+                return ("alone", k)  # the L2 term reads each group's own weight decay
+            shaping = ("b1", "b2", "eps", "amsgrad") if self.kind == "adam" else ("momentum", "dampening", "nesterov")
+            return (v["maximize"], self.steps[k], *(tuple(v[s]) if isinstance(v[s], list) else v[s] for s in shaping))
+        spans: list[list[int]] = []
+        for k in range(len(values)):
+            if spans and key(spans[-1][-1]) == key(k):
+                spans[-1].append(k)
             else:
-                g = g + wd * th  # Adam's L2 term: the replicas' moments differ (rows == N)
+                spans.append([k])
+        return spans
+
+    def _adam_direction(self, th: torch.Tensor, g: torch.Tensor, mom: dict[str, torch.Tensor], v: dict[str, Any],
+                        c: torch.Tensor, t: int) -> torch.Tensor:
+        """Adam's moments, updated in place, and ``u = m / (sqrt(v / (1 - beta2^t)) + eps)``: ``[rows, n]``,
+        computed once for the ensemble when rows == 1 (the LR and ``1 / (1 - beta1^t)`` are in ``c[0]``)."""
+        if any(v["wd"]) and not v["decoupled"]:
+            g = g + self._one(c, 2, v["wd"]) * th  # Adam's L2 term: the replicas' moments differ (rows == N)
         b1c = self._one(c, 3, [1 - b for b in v["b1"]])
         b2, b2c = self._one(c, 4, v["b2"]), self._one(c, 5, [1 - b for b in v["b2"]])
         bc2 = self._one(c, 6, [math.sqrt(1 - b ** t) for b in v["b2"]])
@@ -278,24 +299,24 @@ class StackedStep:
         if v["amsgrad"]:
             torch.maximum(mom["max_exp_avg_sq"], s, out=mom["max_exp_avg_sq"])
             s = mom["max_exp_avg_sq"]
-        u = m / (s.sqrt() / bc2).add_(eps)  # [rows, n]: once for the ensemble when rows == 1
-        th.addcmul_(u, neg_step)  # theta_r -= lr_r / (1 - beta1^t) * u
+        return m / (s.sqrt() / bc2).add_(eps)
 
-    def _sgd(self, th: torch.Tensor, g: torch.Tensor, mom: dict[str, torch.Tensor], v: dict[str, Any],
-             c: torch.Tensor, t: int) -> None:
-        neg_lr, wd = c[0], self._one(c, 1, v["wd"])
+    def _sgd_direction(self, th: torch.Tensor, g: torch.Tensor, mom: dict[str, torch.Tensor], v: dict[str, Any],
+                       c: torch.Tensor, t: int) -> torch.Tensor:
+        """SGD's direction (the LR is in ``c[0]``): the gradient (with the L2 term), or its momentum buffer."""
         if any(v["wd"]):
-            g = g + wd * th  # SGD's L2 term: the replicas' buffers differ (rows == N)
-        if any(v["momentum"]):
-            mu, keep = self._one(c, 2, v["momentum"]), self._one(c, 3, [1 - d for d in v["dampening"]])
-            buf = mom["momentum_buffer"]
-            if t == 1:
-                buf.copy_(g.expand_as(buf))  # torch: the first buffer is the gradient itself
-            else:
-                buf.mul_(mu).add_(g * keep if isinstance(keep, torch.Tensor) else g, alpha=1 if isinstance(
-                    keep, torch.Tensor) else keep)
-            g = g + mu * buf if v["nesterov"] else buf
-        th.addcmul_(g, neg_lr)  # theta_r -= lr_r * d
+            g = g + self._one(c, 1, v["wd"]) * th  # SGD's L2 term: the replicas' buffers differ (rows == N)
+        if not any(v["momentum"]):
+            return g
+        mu, keep = self._one(c, 2, v["momentum"]), self._one(c, 3, [1 - d for d in v["dampening"]])
+        buf = mom["momentum_buffer"]
+        if t == 1:
+            buf.copy_(g.expand_as(buf))  # torch: the first buffer is the gradient itself
+        elif isinstance(keep, torch.Tensor):
+            buf.mul_(mu).add_(g * keep)
+        else:
+            buf.mul_(mu).add_(g, alpha=keep)
+        return g + mu * buf if v["nesterov"] else buf
 
 
 def _value(x: Any) -> float:
