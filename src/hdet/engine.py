@@ -490,8 +490,9 @@ class ReplicaEngine:
                 self._stop_stacked("loop mode")
             for o in self.optimizers:
                 o.step()
-        for s, loss in zip(self.schedulers, losses):
-            s.observe(loss)
+        kept = losses.detach().clone()  # the windows' copy (the caller may write into what step() returns)
+        for s, loss in zip(self.schedulers, kept):
+            s.ensemble.window.keep(loss)  # = s.observe(loss), with one copy for the N replicas
         for s in self.schedulers:
             s.begin_step()
         if self.schedulers[0].ensemble.is_sync_step(t):

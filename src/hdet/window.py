@@ -40,6 +40,12 @@ class LossWindow:
             raise ValueError(f"Expected the loss as a scalar tensor or a float, but got {type(loss).__name__}")
         self.count += 1
 
+    def keep(self, loss: torch.Tensor) -> None:
+        """:meth:`observe` without the copy, for a scalar tensor nobody writes again (the engine's own copy of
+        its N losses: one copy a step instead of N)."""
+        self._kept.append(loss)
+        self.count += 1
+
     def fold(self) -> None:
         """Reduce the kept losses into :attr:`sum` (finite ones) and :attr:`finite` (their count), on the
         losses' device: one stack and a few small ops. A non-finite loss is counted, not summed."""
