@@ -50,11 +50,13 @@ def time_steps(step, n_warm: int, n_timed: int, device) -> float:
     return (time.perf_counter() - t0) / n_timed
 
 
-def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, modes: list[str], optim: str) -> dict:
+def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, modes: list[str], optim: str,
+          engine_attn: str = "auto") -> dict:
     ctx = size["ctx"]
     g = torch.Generator(device=device).manual_seed(0)
     data = torch.randint(0, 256, (N * B * 4, ctx + 1), device=device, generator=g)
-    out = {"size": size, "N": N, "batch_per_replica": B, "tokens_per_step": N * B * ctx, "T": T, "optimizer": optim}
+    out = {"size": size, "N": N, "batch_per_replica": B, "tokens_per_step": N * B * ctx, "T": T, "optimizer": optim,
+           "engine_attention": engine_attn}
     kw = {"fused": True} if optim == "fused" else {"foreach": True}
     total = warm + steps + 4  # compiled modes warm up 3 more steps
 
@@ -76,7 +78,7 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
             warnings.simplefilter("always")
             engine_mode, _, path = mode.partition("/")
             eng = ReplicaEngine(
-                fresh_model(), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, **kw),
+                fresh_model(engine_attn), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, **kw),
                 lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=total, ensemble_lr_spread_ratio=0.2,
                                                       model_sync_interval=T, replicas=rep, model=m),
                 mode=engine_mode.split("+")[0], compile=engine_mode.endswith("+compile"),
@@ -149,6 +151,8 @@ def main() -> None:
     p.add_argument("--modes", default="vmap,vmap+compile,loop,vmap/per-replica",
                    help="comma list of vmap, vmap+compile, loop, each with an optional /per-replica")
     p.add_argument("--optimizers", default="fused,foreach", help="AdamW implementations to run (comma list)")
+    p.add_argument("--engine-attn", default="auto", choices=["auto", "sdpa", "math"],
+                   help="the engine's attention (ByteGPT attn=): auto is explicit attention under vmap")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     sizes = {"tiny": dict(d=128, layers=2, heads=4, ctx=64, B=16),
@@ -162,7 +166,14 @@ def main() -> None:
         for name in a.sizes.split(","):
             s = dict(sizes[name])
             B = s.pop("B")
-            r = bench({**s, "name": name}, a.replicas, B, a.steps, a.warm, a.T, device, a.modes.split(","), optim)
+            try:
+                r = bench({**s, "name": name}, a.replicas, B, a.steps, a.warm, a.T, device, a.modes.split(","), optim,
+                          a.engine_attn)
+            except Exception as e:  # noqa: BLE001 - a configuration that cannot run is a result too
+                print(json.dumps({"size": name, "optimizer": optim, "error": f"{type(e).__name__}: {e}"[:500]}))
+                results.append({"size": {**s, "name": name}, "optimizer": optim, "engine_attention": a.engine_attn,
+                                "error": f"{type(e).__name__}: {e}"[:2000]})
+                continue
             print(json.dumps({"size": name, "optimizer": optim, "params": r["params"],
                               **{m: {k: round(v, 4) for k, v in r[m].items() if k.startswith(("ratio", "tokens"))}
                                  for m in ("baseline", "baseline_compiled", *a.modes.split(",")) if m in r}}),

@@ -209,18 +209,18 @@ class StackedStep:
                     raise RuntimeError(f"hdet: the replicas' optimizers differ in {key!r} ({g0.get(key)} and "
                                        f"{g.get(key)}): the stacked step needs the same value on every replica")
         v: dict[str, Any] = {"maximize": bool(g0.get("maximize")),
-                             "lr": [_value(g["lr"]) for g in groups],
-                             "wd": [_value(g["weight_decay"]) for g in groups]}
+                             "lr": [float(g["lr"]) for g in groups],
+                             "wd": [float(g["weight_decay"]) for g in groups]}
         if self.kind == "adam":
-            v["b1"] = [_value(g["betas"][0]) for g in groups]
-            v["b2"] = [_value(g["betas"][1]) for g in groups]
-            v["eps"] = [_value(g["eps"]) for g in groups]
+            v["b1"] = [float(g["betas"][0]) for g in groups]
+            v["b2"] = [float(g["betas"][1]) for g in groups]
+            v["eps"] = [float(g["eps"]) for g in groups]
             v["amsgrad"] = bool(g0["amsgrad"])
             v["decoupled"] = bool(g0.get("decoupled_weight_decay", isinstance(self.optimizers[0], torch.optim.AdamW)))
             shaping = ("b1", "b2", "eps")
         else:
-            v["momentum"] = [_value(g["momentum"]) for g in groups]
-            v["dampening"] = [_value(g["dampening"]) for g in groups]
+            v["momentum"] = [float(g["momentum"]) for g in groups]
+            v["dampening"] = [float(g["dampening"]) for g in groups]
             v["nesterov"] = bool(g0["nesterov"])
             v["decoupled"] = False
             shaping = ("momentum", "dampening")
