@@ -218,3 +218,28 @@ def test_what_steps_per_replica_and_why():
     loop = ReplicaEngine(_model(), N, OPTIMIZERS["adamw"][0], lambda o, rep, m: hdet.OneCycleAutoLR(
         o, max_lr=0.05, total_steps=10, replicas=rep, model=m), mode="loop")
     assert loop.optimizer_path == "per-replica: loop mode"
+
+
+def test_gradients_set_to_none_by_hand_are_bound_again():
+    """``p.grad = None`` on the stacked parameters (a habit from plain loops) must not leave the stacked
+    step with zero gradients."""
+    def run(clear):
+        eng = _engine(OPTIMIZERS["adamw"][0], steps=0)
+        for t in range(6):
+            if clear:
+                for p in eng.stacked_params.values():
+                    p.grad = None
+                for m in eng.models:
+                    m.zero_grad(set_to_none=True)
+            eng.step((X[t], Y[t]), _loss, stacked=True)
+        return eng
+    _close(run(True), run(False))
+
+
+def test_parameters_of_two_dtypes_step_per_replica():
+    model = _model()
+    model[2].double()
+    eng = _engine(OPTIMIZERS["adamw"][0], model=model, loss_fn=lambda m, b: F.cross_entropy(
+        m[2](m[1](m[0](b[0])).double()), b[1]), steps=3)
+    assert eng.optimizer_path == "per-replica: the parameters do not share one device and dtype"
+    assert all(torch.isfinite(p).all() for p in eng.models[0].parameters())

@@ -215,12 +215,13 @@ class ReplicaEngine:
         if any(self.stacked_params[n].grad is None for n in self._columns):
             return False
         self._grad_views: dict[str, list[torch.Tensor]] = {}
+        self._stacked_grads: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for n, (a, b) in self._columns.items():
                 s = self.stacked_params[n]
                 view = self._grad[:, a:b].view(s.shape)
                 view.copy_(s.grad)
-                s.grad = view
+                s.grad = self._stacked_grads[n] = view
                 rows = [0] * self.num_replicas if self._one_grad_row else range(self.num_replicas)
                 self._grad_views[n] = [self._grad[r, a:b].view(s.shape[1:]) for r in rows]
                 for p, v in zip(self._views[n], self._grad_views[n]):
@@ -286,6 +287,10 @@ class ReplicaEngine:
             fns = self._fns[loss_fn] = [eager, torch.compile(eager) if self.compile else None]
         if self._grads_bound:
             self._grad.zero_()  # the backward adds into it (each .grad is a view)
+            for n, v in self._stacked_grads.items():
+                p = self.stacked_params[n]
+                if p.grad is not v:  # someone set it to None or another tensor: bind it again
+                    p.grad = v
         else:
             for p in self.stacked_params.values():
                 p.grad = None
