@@ -10,10 +10,11 @@ hyperparameters, then the schedulers step (weights averaged every T steps, contr
 Two ways to run the replicas:
 
 * ``"vmap"`` (fast path): the replicas' parameters and buffers are stacked into tensors with a leading
-  replica axis ``[N, ...]``; one ``torch.func.vmap`` of ``functional_call`` runs all N forward/backward
-  passes as batched kernels (``randomness="different"``: each replica draws its own dropout masks).
-  Each replica's module and optimizer see views ``stacked[r]`` of those tensors, so optimizers,
-  schedulers and weight averaging are unchanged.
+  replica axis ``[N, ...]`` (:mod:`hdet.stacking`); one ``torch.func.vmap`` of ``functional_call`` runs all
+  N forward/backward passes as batched kernels (``randomness="different"``: each replica draws its own
+  dropout masks). Each replica's module and optimizer see views ``stacked[r]`` of those tensors, so
+  schedulers and weight averaging are unchanged, and Adam/AdamW/SGD step every replica at once
+  (:mod:`hdet.stacked_optim`).
 * ``"loop"`` (fallback): a plain loop over the replica copies; works for any module.
 
 ``mode="auto"`` (default) uses vmap and falls back to the loop, with a warning naming the reason, if
@@ -36,7 +37,8 @@ from torch.func import functional_call, vmap
 
 from .ensemble import ReplicaMismatchError
 from .replicas import LocalReplicaGroup, Replicas, average_local
-from .stacked_optim import Segment, StackedStep, unsupported
+from .stacked_optim import StackedStep, unsupported
+from .stacking import StackedReplicas
 
 __all__ = ["ReplicaEngine"]
 
@@ -125,10 +127,10 @@ class ReplicaEngine:
         if first is not None:  # the sync vectors are built there and read in one copy
             self.group.device = first.device
         self.mode = mode
-        self.stacked_params: dict[str, torch.Tensor] = {}
-        self.stacked_buffers: dict[str, torch.Tensor] = {}
-        if mode != "loop":
-            self._stack_replicas()
+        # vmap: the replicas' tensors stacked [N, ...]; every replica's .grad the average's (row 0) when nothing
+        # changes one replica's gradient
+        self.stack = StackedReplicas(self.models, share_gradients and before_optimizer_step is None) \
+            if mode != "loop" else None
         self.optimizers = [make_optimizer(m) for m in self.models]
         self.schedulers = [make_scheduler(o, self.group.views[r], m)
                            for r, (o, m) in enumerate(zip(self.optimizers, self.models))]
@@ -144,12 +146,12 @@ class ReplicaEngine:
         self.before_optimizer_step = before_optimizer_step
         self.share_gradients = share_gradients
         self._call = _Call(self.models[0])
+        # the names functional_call sees through the _Call wrapper (built once: the stacked tensors never change)
+        self._call_params = {"m." + k: v for k, v in self.stacked_params.items()}
+        self._call_buffers = {"m." + k: v for k, v in self.stacked_buffers.items()}
         self.compile = compile
         self._fns: dict[Any, list[Any]] = {}  # loss_fn -> [the vmapped function, its compiled form or None]
         self._stacked: StackedStep | None = None
-        self._grads_bound = False  # the stacked parameters' .grad are views of self._grad (from the first step)
-        # shared gradients and nothing that changes one replica's: every replica's .grad is row 0 of _grad
-        self._one_grad_row = share_gradients and before_optimizer_step is None
         self.optimizer_path = "per-replica: loop mode" if self.mode == "loop" else self._setup_stacked(stacked_optimizer)
 
     # -- the stacked optimizer step (vmap path) ---------------------------------------------------------
@@ -157,88 +159,12 @@ class ReplicaEngine:
         """Lay the trainable parameters out flat and build the stacked step; returns :attr:`optimizer_path`."""
         why = "per-replica: stacked_optimizer=False" if not wanted else None
         why = why or (f"per-replica: {r}" if (r := unsupported(self.optimizers)) else None)
-        why = why or (f"per-replica: {r}" if (r := self._flatten()) else None)
+        why = why or (f"per-replica: {r}" if (r := self.stack.flatten(self.optimizers)) else None)
         if why:
             return why
-        shared = self.share_gradients and self.before_optimizer_step is None
-        self._stacked = StackedStep(self.optimizers, self._theta, self._grad, self._segments, shared)
+        self._stacked = StackedStep(self.optimizers, self.stack.theta, self.stack.grad, self.stack.segments,
+                                    shared=self.stack.one_grad_row)
         return "stacked"
-
-    def _flatten(self) -> str | None:
-        """Make the trainable stacked parameters views of one ``[N, D]`` tensor :attr:`_theta` (and their
-        gradients, from the first step, views of :attr:`_grad`), in the order of the optimizers' param
-        groups, so that each group is one run of columns. Returns why not, or None."""
-        N = self.num_replicas
-        trainable = [n for n, t in self.stacked_params.items() if t.requires_grad]
-        if not trainable or len({(self.stacked_params[n].device, self.stacked_params[n].dtype) for n in trainable}) != 1:
-            return "the parameters do not share one device and dtype"
-        names_of = [{id(self._views[n][r]): n for n in self._views} for r in range(N)]
-        order: list[str] = []
-        self._segments = []
-        groups0 = self.optimizers[0].param_groups
-        for k, g in enumerate(groups0):
-            names = [names_of[0].get(id(p)) for p in g["params"]]
-            if any(n is None or n not in trainable for n in names):
-                return "an optimizer holds tensors that are not the model's trainable parameters"
-            if any(len(o.param_groups) != len(groups0) or [names_of[r].get(id(p)) for p in o.param_groups[k]["params"]]
-                   != names for r, o in enumerate(self.optimizers)):
-                return "the replicas' optimizers group their parameters differently"
-            start = sum(self.stacked_params[n][0].numel() for n in order)
-            order += names
-            stop = start + sum(self.stacked_params[n][0].numel() for n in names)
-            self._segments.append(Segment(start, stop, [self.stacked_params[n].shape[1:] for n in names]))
-        if len(set(order)) != len(order):
-            return "a parameter is in two param groups"
-        order += [n for n in trainable if n not in set(order)]  # trained by no optimizer: left as they are
-        first = self.stacked_params[order[0]]
-        D = sum(self.stacked_params[n][0].numel() for n in order)
-        self._theta = torch.empty(N, D, device=first.device, dtype=first.dtype)
-        self._grad = torch.zeros_like(self._theta)
-        self._columns: dict[str, tuple[int, int]] = {}
-        col = 0
-        with torch.no_grad():
-            for n in order:
-                s = self.stacked_params[n]
-                k = s[0].numel()
-                self._theta[:, col:col + k].copy_(s.detach().reshape(N, k))
-                s.data = self._theta[:, col:col + k].view(s.shape)  # the same leaf tensor, now a view
-                for r, p in enumerate(self._views[n]):
-                    p.data = self._theta[r, col:col + k].view(s.shape[1:])  # the same Parameter: optimizers keep it
-                self._columns[n] = (col, col + k)
-                col += k
-        return None
-
-    def _bind_grads(self) -> bool:
-        """After the first backward: copy the gradients into :attr:`_grad` and make every trainable stacked
-        parameter's (and replica view's) ``.grad`` a view of it, so later backwards accumulate there. False
-        when a parameter got no gradient (the stacked step would move it; the per-replica optimizers skip it)."""
-        if any(self.stacked_params[n].grad is None for n in self._columns):
-            return False
-        self._grad_views: dict[str, list[torch.Tensor]] = {}
-        self._stacked_grads: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for n, (a, b) in self._columns.items():
-                s = self.stacked_params[n]
-                view = self._grad[:, a:b].view(s.shape)
-                view.copy_(s.grad)
-                s.grad = self._stacked_grads[n] = view
-                rows = [0] * self.num_replicas if self._one_grad_row else range(self.num_replicas)
-                self._grad_views[n] = [self._grad[r, a:b].view(s.shape[1:]) for r in rows]
-                for p, v in zip(self._views[n], self._grad_views[n]):
-                    p.grad = v
-        self._grads_bound = True
-        return True
-
-    def _rebind_grads(self) -> None:
-        """A hook that set a replica's ``p.grad`` to a new tensor (not in place): copy it into :attr:`_grad`."""
-        if not self._grads_bound:
-            return
-        with torch.no_grad():
-            for n, views in self._grad_views.items():
-                for p, v in zip(self._views[n], views):
-                    if p.grad is not v:
-                        v.copy_(p.grad if p.grad is not None else torch.zeros_like(v))
-                        p.grad = v
 
     def _stop_stacked(self, why: str) -> None:
         """From now on each replica's ``optimizer.step()`` (its own copy of the state)."""
@@ -247,33 +173,15 @@ class ReplicaEngine:
             self._stacked = None
         self.optimizer_path = f"per-replica: {why}"
 
-    # -- stacking (vmap path) -------------------------------------------------------------------
-    def _stack_replicas(self) -> None:
-        """Stack every replica's parameters/buffers into ``[N, ...]`` tensors and make each replica's
-        module hold views ``stacked[r]`` of them (tied weights stay tied: one view per unique tensor)."""
-        for kind, named, store in (("param", "named_parameters", self.stacked_params),
-                                   ("buffer", "named_buffers", self.stacked_buffers)):
-            per_replica = [dict(getattr(m, named)()) for m in self.models]
-            for name, t in per_replica[0].items():
-                s = torch.stack([d[name].detach() for d in per_replica])
-                store[name] = s.requires_grad_(t.requires_grad) if kind == "param" else s
-        for r, m in enumerate(self.models):
-            new: dict[int, torch.Tensor] = {}
-            for name, p in m.named_parameters():
-                new[id(p)] = nn.Parameter(self.stacked_params[name].data[r], requires_grad=p.requires_grad)
-            for name, b in m.named_buffers():
-                new[id(b)] = self.stacked_buffers[name][r]
-            for mod in m.modules():
-                for k, p in mod._parameters.items():
-                    if p is not None:
-                        mod._parameters[k] = new[id(p)]
-                for k, b in mod._buffers.items():
-                    if b is not None:
-                        mod._buffers[k] = new[id(b)]
-        self._views = {name: [dict(m.named_parameters())[name] for m in self.models] for name in self.stacked_params}
-        # the names functional_call sees through the _Call wrapper (built once: the stacked tensors never change)
-        self._call_params = {"m." + k: v for k, v in self.stacked_params.items()}
-        self._call_buffers = {"m." + k: v for k, v in self.stacked_buffers.items()}
+    # -- vmap path ------------------------------------------------------------------------------------
+    @property
+    def stacked_params(self) -> dict[str, torch.Tensor]:
+        """vmap mode: every parameter stacked ``[N, ...]`` (the replicas' modules hold views of them)."""
+        return self.stack.params if self.stack is not None else {}
+
+    @property
+    def stacked_buffers(self) -> dict[str, torch.Tensor]:
+        return self.stack.buffers if self.stack is not None else {}
 
     def _vmap_losses(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
         """Forward + backward of all replicas at once; leaves ``sum_r g_r / N`` in every replica's grad
@@ -285,15 +193,7 @@ class ReplicaEngine:
 
             eager = vmap(one, randomness="different")
             fns = self._fns[loss_fn] = [eager, torch.compile(eager) if self.compile else None]
-        if self._grads_bound:
-            self._grad.zero_()  # the backward adds into it (each .grad is a view)
-            for n, v in self._stacked_grads.items():
-                p = self.stacked_params[n]
-                if p.grad is not v:  # someone set it to None or another tensor: bind it again
-                    p.grad = v
-        else:
-            for p in self.stacked_params.values():
-                p.grad = None
+        self.stack.before_backward()
         args = (self._call_params, self._call_buffers, batch)
         if fns[1] is not None:
             try:
@@ -308,46 +208,12 @@ class ReplicaEngine:
             losses = fns[0](*args)
         if losses.shape != (self.num_replicas,):
             raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(losses.shape[1:])}")
-        with warnings.catch_warnings():  # the .grad views of the [N, D] gradient are strided as their parameters
-            warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
-            losses.sum().backward()
-        if self._stacked is not None and not self._grads_bound and not self._bind_grads():
+        self.stack.backward(losses)
+        if self._stacked is not None and not self.stack.grads_bound and not self.stack.bind_grads():
             self._stop_stacked("a parameter got no gradient (unused in the loss)")
-        if not self.share_gradients:  # local mode: each replica keeps its own gradient
-            return losses.detach()
-        with torch.no_grad():  # DDP's all-reduce over the replica axis: every replica gets the mean of the
-            if self._grads_bound:  # finite replicas' gradients, a non-finite one counting as 0 (hdet.guard)
-                G = self._grad
-                if G.device.type == "cpu":  # a host read costs nothing here: mask only when needed
-                    total = G.sum(0, keepdim=True)
-                    if not bool(torch.isfinite(total.sum())):  # HOST SYNC (CPU: free): a NaN/inf in some row
-                        G.masked_fill_(~torch.isfinite(G).all(1, keepdim=True), 0)
-                        total = G.sum(0, keepdim=True)
-                else:
-                    ok = torch.isfinite(G.sum(1, dtype=torch.float32))  # [N]: a NaN or inf anywhere makes the sum one
-                    G.masked_fill_(~ok.unsqueeze(1), 0)
-                    total = G.sum(0, keepdim=True)
-                mean = total.div_(self.num_replicas)
-                if self._one_grad_row:  # every replica's .grad is a view of row 0
-                    G[:1].copy_(mean)
-                else:
-                    G.copy_(mean.expand_as(G))
-            else:
-                grads = [s.grad for s in self.stacked_params.values() if s.grad is not None]
-                ok = torch.stack([torch.isfinite(g.flatten(1).sum(1, dtype=torch.float32)) for g in grads]).all(0)
-                for g in grads:
-                    keep = ok.view(-1, *[1] * (g.dim() - 1))
-                    g.copy_(torch.where(keep, g, torch.zeros_like(g)).mean(0, keepdim=True).expand_as(g))
+        if self.share_gradients:  # (local mode: each replica keeps its own gradient)
+            self.stack.average_gradients()
         return losses.detach()
-
-    def _point_grads(self) -> None:
-        """Each replica's parameter views get the matching slice of the stacked gradient (bound once when the
-        gradients live in :attr:`_grad`)."""
-        if self._grads_bound:
-            return
-        for name, s in self.stacked_params.items():
-            for r, p in enumerate(self._views[name]):
-                p.grad = None if s.grad is None else s.grad[r]
 
     # -- loop path ----------------------------------------------------------------------------------
     def _loop_losses(self, batches: Sequence[Any], loss_fn: LossFn) -> torch.Tensor:
@@ -480,14 +346,15 @@ class ReplicaEngine:
                                   "using the loop over replica copies", stacklevel=2)
                     self.mode = "loop"
             if self.mode == "vmap":
-                self._point_grads()
+                self.stack.point_grads()
         if self.mode == "loop":
             per_replica = [_index_batch(batches, r) for r in range(N)] if stacked else list(batches)
             losses = self._loop_losses(per_replica, loss_fn)
         if self.before_optimizer_step is not None:  # e.g. per-replica gradient clipping (hdet.GradClip)
             for r, (m, o) in enumerate(zip(self.models, self.optimizers)):
                 self.before_optimizer_step(r, m, o)
-            self._rebind_grads()
+            if self.stack is not None:
+                self.stack.rebind_grads()
         if self._stacked is not None and self.mode == "vmap":
             self._stacked.step()  # every replica's optimizer.step() at once
         else:

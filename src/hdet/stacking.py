@@ -1,0 +1,191 @@
+"""The engine's replicas as stacked tensors (its vmap path): :class:`StackedReplicas`.
+
+N copies of a module's parameters and buffers are stacked into ``[N, ...]`` tensors (:attr:`params`,
+:attr:`buffers`), and each replica's module holds views ``stacked[r]`` of them, so its optimizer and
+scheduler see an ordinary module. :meth:`StackedReplicas.flatten` then lays the trainable parameters out as
+one ``[N, D]`` tensor ``theta`` (row r: replica r; columns in the order of the optimizers' param groups, so
+each group is one run of columns: what :class:`hdet.stacked_optim.StackedStep` steps) and, from the first
+backward, their gradients as views of a second one, ``grad``, into which later backwards accumulate.
+:meth:`StackedReplicas.average_gradients` is DDP's all-reduce over the replica axis.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .stacked_optim import Segment
+
+__all__ = ["StackedReplicas"]
+
+
+class StackedReplicas:
+    """The stacked tensors of ``models`` (N copies of one module, changed in place to hold views of them).
+
+    ``one_grad_row``: every replica's ``.grad`` is a view of ``grad``'s row 0, which holds the average (shared
+    gradients, nothing that changes one replica's gradient); else each replica's is its own row."""
+
+    def __init__(self, models: Sequence[nn.Module], one_grad_row: bool) -> None:
+        self.N = len(models)
+        self.one_grad_row = one_grad_row
+        self.params: dict[str, torch.Tensor] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+        for kind, named, store in (("param", "named_parameters", self.params), ("buffer", "named_buffers", self.buffers)):
+            per_replica = [dict(getattr(m, named)()) for m in models]
+            for name, t in per_replica[0].items():
+                s = torch.stack([d[name].detach() for d in per_replica])
+                store[name] = s.requires_grad_(t.requires_grad) if kind == "param" else s
+        for r, m in enumerate(models):  # each replica's module: views stacked[r] (tied weights stay tied)
+            new: dict[int, torch.Tensor] = {}
+            for name, p in m.named_parameters():
+                new[id(p)] = nn.Parameter(self.params[name].data[r], requires_grad=p.requires_grad)
+            for name, b in m.named_buffers():
+                new[id(b)] = self.buffers[name][r]
+            for mod in m.modules():
+                for k, p in mod._parameters.items():
+                    if p is not None:
+                        mod._parameters[k] = new[id(p)]
+                for k, b in mod._buffers.items():
+                    if b is not None:
+                        mod._buffers[k] = new[id(b)]
+        self.views = {name: [dict(m.named_parameters())[name] for m in models] for name in self.params}
+        self.theta: torch.Tensor | None = None  # [N, D] once flattened
+        self.grad: torch.Tensor | None = None
+        self.segments: list[Segment] = []
+        self.columns: dict[str, tuple[int, int]] = {}  # name -> its columns of theta
+        self.grads_bound = False  # the .grad of every flattened parameter is a view of self.grad
+        self._grads: dict[str, torch.Tensor] = {}  # name -> the stacked parameter's .grad view
+        self._replica_grads: dict[str, list[torch.Tensor]] = {}  # name -> each replica's .grad view
+
+    # -- the flat layout -------------------------------------------------------------------------------
+    def flatten(self, optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
+        """Make the trainable stacked parameters views of one ``[N, D]`` tensor :attr:`theta`, in the order of
+        the optimizers' param groups (each group one run of columns: :attr:`segments`). The tensors keep their
+        identity (``.data`` is re-pointed): optimizers and modules keep working. Returns why not, or None."""
+        N = self.N
+        trainable = [n for n, t in self.params.items() if t.requires_grad]
+        if not trainable or len({(self.params[n].device, self.params[n].dtype) for n in trainable}) != 1:
+            return "the parameters do not share one device and dtype"
+        names_of = [{id(self.views[n][r]): n for n in self.views} for r in range(N)]
+        groups0 = optimizers[0].param_groups
+        order: list[str] = []
+        segments = []
+        for k, g in enumerate(groups0):
+            names = [names_of[0].get(id(p)) for p in g["params"]]
+            if any(n is None or n not in trainable for n in names):
+                return "an optimizer holds tensors that are not the model's trainable parameters"
+            if any(len(o.param_groups) != len(groups0) or [names_of[r].get(id(p)) for p in o.param_groups[k]["params"]]
+                   != names for r, o in enumerate(optimizers)):
+                return "the replicas' optimizers group their parameters differently"
+            start = sum(self.params[n][0].numel() for n in order)
+            order += names
+            stop = start + sum(self.params[n][0].numel() for n in names)
+            segments.append(Segment(start, stop, [self.params[n].shape[1:] for n in names]))
+        if len(set(order)) != len(order):
+            return "a parameter is in two param groups"
+        order += [n for n in trainable if n not in set(order)]  # trained by no optimizer: left as they are
+        first = self.params[order[0]]
+        D = sum(self.params[n][0].numel() for n in order)
+        self.theta = torch.empty(N, D, device=first.device, dtype=first.dtype)
+        self.grad = torch.zeros_like(self.theta)
+        self.segments = segments
+        col = 0
+        with torch.no_grad():
+            for n in order:
+                s = self.params[n]
+                k = s[0].numel()
+                self.theta[:, col:col + k].copy_(s.detach().reshape(N, k))
+                s.data = self.theta[:, col:col + k].view(s.shape)  # the same leaf tensor, now a view
+                for r, p in enumerate(self.views[n]):
+                    p.data = self.theta[r, col:col + k].view(s.shape[1:])  # the same Parameter: optimizers keep it
+                self.columns[n] = (col, col + k)
+                col += k
+        return None
+
+    # -- gradients ---------------------------------------------------------------------------------------
+    def before_backward(self) -> None:
+        """Bound: zero :attr:`grad` (the backward adds into it), binding again any ``.grad`` set by hand to None
+        or to another tensor (the step would otherwise see zeros). Not bound: every ``.grad`` to None."""
+        if not self.grads_bound:
+            for p in self.params.values():
+                p.grad = None
+            return
+        self.grad.zero_()
+        for n, v in self._grads.items():
+            p = self.params[n]
+            if p.grad is not v:
+                p.grad = v
+
+    @staticmethod
+    def backward(losses: torch.Tensor) -> None:
+        with warnings.catch_warnings():  # the .grad views of the [N, D] gradient are strided as their parameters
+            warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
+            losses.sum().backward()
+
+    def bind_grads(self) -> bool:
+        """After the first backward: copy the gradients into :attr:`grad` and make every flattened stacked
+        parameter's (and replica view's) ``.grad`` a view of it. False when a parameter got no gradient (the
+        stacked step would move it; per-replica optimizers skip it)."""
+        if any(self.params[n].grad is None for n in self.columns):
+            return False
+        with torch.no_grad():
+            for n, (a, b) in self.columns.items():
+                s = self.params[n]
+                view = self.grad[:, a:b].view(s.shape)
+                view.copy_(s.grad)
+                s.grad = self._grads[n] = view
+                rows = [0] * self.N if self.one_grad_row else range(self.N)
+                self._replica_grads[n] = [self.grad[r, a:b].view(s.shape[1:]) for r in rows]
+                for p, v in zip(self.views[n], self._replica_grads[n]):
+                    p.grad = v
+        self.grads_bound = True
+        return True
+
+    def rebind_grads(self) -> None:
+        """A hook that set a replica's ``p.grad`` to a new tensor (not in place): copy it into :attr:`grad`."""
+        if not self.grads_bound:
+            return
+        with torch.no_grad():
+            for n, views in self._replica_grads.items():
+                for p, v in zip(self.views[n], views):
+                    if p.grad is not v:
+                        v.copy_(p.grad if p.grad is not None else torch.zeros_like(v))
+                        p.grad = v
+
+    def point_grads(self) -> None:
+        """Not bound: each replica's parameter views get the matching slice of the stacked gradient."""
+        if self.grads_bound:
+            return
+        for name, s in self.params.items():
+            for r, p in enumerate(self.views[name]):
+                p.grad = None if s.grad is None else s.grad[r]
+
+    @torch.no_grad()
+    def average_gradients(self) -> None:
+        """DDP's all-reduce over the replica axis: every replica gets ``sum_r g_r / N`` over the finite
+        replicas, a replica with a NaN or Inf anywhere counting as 0 (the gradient guard, :mod:`hdet.guard`)."""
+        if not self.grads_bound:
+            grads = [s.grad for s in self.params.values() if s.grad is not None]
+            ok = torch.stack([torch.isfinite(g.flatten(1).sum(1, dtype=torch.float32)) for g in grads]).all(0)
+            for g in grads:
+                keep = ok.view(-1, *[1] * (g.dim() - 1))
+                g.copy_(torch.where(keep, g, torch.zeros_like(g)).mean(0, keepdim=True).expand_as(g))
+            return
+        G = self.grad
+        if G.device.type == "cpu":  # a host read costs nothing here: mask only when needed
+            total = G.sum(0, keepdim=True)
+            if not bool(torch.isfinite(total.sum())):  # HOST SYNC (CPU: free): a NaN/Inf in some row
+                G.masked_fill_(~torch.isfinite(G).all(1, keepdim=True), 0)
+                total = G.sum(0, keepdim=True)
+        else:
+            ok = torch.isfinite(G.sum(1, dtype=torch.float32))  # [N]: a NaN or Inf anywhere makes its sum one
+            G.masked_fill_(~ok.unsqueeze(1), 0)
+            total = G.sum(0, keepdim=True)
+        mean = total.div_(self.N)
+        if self.one_grad_row:  # every replica's .grad is a view of row 0
+            G[:1].copy_(mean)
+        else:
+            G.copy_(mean.expand_as(G))
