@@ -208,6 +208,7 @@ class StackedStep:
                 if g.get(key) != g0.get(key):
                     raise RuntimeError(f"hdet: the replicas' optimizers differ in {key!r} ({g0.get(key)} and "
                                        f"{g.get(key)}): the stacked step needs the same value on every replica")
+        # float(): a tensor LR on the GPU would be a host read here (torch's own optimizers read it too)
         v: dict[str, Any] = {"maximize": bool(g0.get("maximize")),
                              "lr": [float(g["lr"]) for g in groups],
                              "wd": [float(g["weight_decay"]) for g in groups]}
@@ -228,7 +229,8 @@ class StackedStep:
         return v
 
     def _columns(self, v: dict[str, Any], t: int) -> list[float]:
-        """The per-replica numbers of one group's step, N each, in the order :meth:`_adam`/:meth:`_sgd` read."""
+        """The per-replica numbers of one group's step, N each, in the order the directions and
+        :meth:`step` read them (row 0: minus the step size; row 1: AdamW's decay factor; ...)."""
         out: list[float] = []
         if self.kind == "adam":
             out += [-lr / (1 - b1 ** t) for lr, b1 in zip(v["lr"], v["b1"])]  # -step_size
@@ -251,7 +253,7 @@ class StackedStep:
         self._slot = (self._slot + 1) % len(self._pinned)
         buf, event = self._pinned[self._slot]
         if event is not None:
-            event.synchronize()  # that copy ran (the host waits only if it is 4 steps ahead of the device)
+            event.synchronize()  # HOST SYNC, on a copy 4 steps old: waits only if the host is that far ahead
         buf.copy_(src)
         dev = buf.to(self.theta.device, non_blocking=True)
         event = torch.cuda.Event()
