@@ -243,3 +243,91 @@ def test_parameters_of_two_dtypes_step_per_replica():
         m[2](m[1](m[0](b[0])).double()), b[1]), steps=3)
     assert eng.optimizer_path == "per-replica: the parameters do not share one device and dtype"
     assert all(torch.isfinite(p).all() for p in eng.models[0].parameters())
+
+
+def _run_with(make, stacked, edit, steps=STEPS, **kw):
+    """Train, calling ``edit(t, eng)`` before every step (what a user's loop might do between steps)."""
+    eng = _engine(make, stacked=stacked, steps=0, **kw)
+    for t in range(steps):
+        edit(t, eng)
+        eng.step((X[t], Y[t]), _loss, stacked=True)
+    return eng
+
+
+def test_zero_grad_on_the_replicas_with_a_clipping_hook():
+    """``zero_grad()`` (set_to_none) on each replica's module between steps, with a per-replica hook that
+    reads the gradients: they must still be there for the hook and reach the step."""
+    def hook(r, module, optimizer):
+        torch.nn.utils.clip_grad_norm_(module.parameters(), [0.05, 0.1, 0.2, 10.0][r])
+
+    def edit(t, eng):
+        for m in eng.models:
+            m.zero_grad(set_to_none=True)
+    fast = _run_with(OPTIMIZERS["adamw"][0], True, edit, before_optimizer_step=hook)
+    slow = _run_with(OPTIMIZERS["adamw"][0], False, edit, before_optimizer_step=hook)
+    _close(fast, slow)
+
+
+def test_sgd_momentum_switched_on_mid_run():
+    def edit(t, eng):
+        if t == 5:
+            for o in eng.optimizers:
+                o.param_groups[0]["momentum"], o.param_groups[0]["dampening"] = 0.9, 0.3
+    make = lambda m: torch.optim.SGD(m.parameters(), lr=0.05)  # noqa: E731
+    _close(_run_with(make, True, edit), _run_with(make, False, edit))
+
+
+def test_per_replica_momentum_with_dampening():
+    def edit(t, eng):
+        for r, o in enumerate(eng.optimizers):
+            o.param_groups[0]["momentum"] = [0.0, 0.5, 0.9, 0.9][r]
+    make = lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, dampening=0.3)  # noqa: E731
+    fast = _run_with(make, True, edit)
+    assert fast._stacked.rows == N
+    _close(fast, _run_with(make, False, edit))
+
+
+def test_replicas_that_differ_in_an_option_step_each_with_the_reason():
+    def edit(t, eng):
+        if t == 3:
+            eng.optimizers[2].param_groups[0]["nesterov"] = True
+    make = lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)  # noqa: E731
+    fast = _run_with(make, True, edit)
+    assert fast.optimizer_path == "per-replica: the replicas' optimizers differ in 'nesterov' (False and True)"
+    _close(fast, _run_with(make, False, edit))
+
+
+def test_loaded_moments_that_differ_between_replicas_stay_apart():
+    """Adam with L2 decay (per-replica moments), the decay then set to 0 and a checkpoint loaded: the
+    replicas' own moments must survive (not replica 0's for all)."""
+    def edit(t, eng):
+        if t == 4:
+            for o in eng.optimizers:
+                o.param_groups[0]["weight_decay"] = 0.0
+    make = OPTIMIZERS["adam_l2"][0]
+    runs = []
+    for stacked in (True, False):
+        half = _run_with(make, stacked, edit, steps=6)
+        buf = io.BytesIO()
+        torch.save(half.state_dict(), buf)
+        buf.seek(0)
+        resumed = _engine(make, stacked=stacked, steps=0)
+        resumed.load_state_dict(torch.load(buf, weights_only=True))
+        for t in range(6, STEPS):
+            resumed.step((X[t], Y[t]), _loss, stacked=True)
+        runs.append(resumed)
+    assert runs[0]._stacked.rows == N
+    _close(*runs)
+
+
+def test_a_loaded_shared_state_is_private_to_each_replica():
+    """A checkpoint of the stacked step holds one copy of the moments; once loaded, each replica must own
+    its copy (else per-replica steps, after a fallback, would update one tensor N times)."""
+    buf = io.BytesIO()
+    torch.save(_engine(OPTIMIZERS["adamw"][0], steps=4).state_dict(), buf)
+    buf.seek(0)
+    eng = _engine(OPTIMIZERS["adamw"][0], steps=0)
+    eng.load_state_dict(torch.load(buf, weights_only=True))
+    pa, pb = next(eng.models[0].parameters()), next(eng.models[1].parameters())
+    sa, sb = eng.optimizers[0].state[pa]["exp_avg"], eng.optimizers[1].state[pb]["exp_avg"]
+    assert torch.equal(sa, sb) and sa.untyped_storage().data_ptr() != sb.untyped_storage().data_ptr()

@@ -37,7 +37,7 @@ from torch.func import functional_call, vmap
 
 from .ensemble import ReplicaMismatchError
 from .replicas import LocalReplicaGroup, Replicas, average_local
-from .stacked_optim import StackedStep, unsupported
+from .stacked_optim import StackedStep, Unstackable, unsupported
 from .stacking import StackedReplicas
 
 __all__ = ["ReplicaEngine"]
@@ -306,9 +306,8 @@ class ReplicaEngine:
         for m, o, s, rs in zip(self.models, self.optimizers, self.schedulers, state["replicas"]):
             m.load_state_dict(rs["model"])  # in place: in vmap mode the stacked tensors follow
             o.load_state_dict(rs["optimizer"])  # the stacked step takes the loaded state in at its next step
-            if self._stacked is None:  # a state saved by the stacked step holds views of one shared copy
-                for st in o.state.values():
-                    st.update({k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)})
+            for st in o.state.values():  # a state saved by the stacked step holds views of one shared copy
+                st.update({k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)})
             s.load_state_dict(rs["scheduler"])
 
     # -- one step ---------------------------------------------------------------------------------
@@ -355,9 +354,14 @@ class ReplicaEngine:
                 self.before_optimizer_step(r, m, o)
             if self.stack is not None:
                 self.stack.rebind_grads()
+        stepped = False
         if self._stacked is not None and self.mode == "vmap":
-            self._stacked.step()  # every replica's optimizer.step() at once
-        else:
+            try:
+                self._stacked.step()  # every replica's optimizer.step() at once
+                stepped = True
+            except Unstackable as e:  # raised before anything changed: step each replica, from now on
+                self._stop_stacked(str(e))
+        if not stepped:
             if self._stacked is not None:  # "auto" fell back to the loop
                 self._stop_stacked("loop mode")
             for o in self.optimizers:

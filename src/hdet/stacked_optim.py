@@ -32,11 +32,15 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-__all__ = ["Segment", "StackedStep", "unsupported"]
+__all__ = ["Segment", "StackedStep", "Unstackable", "unsupported"]
 
 KINDS = {torch.optim.Adam: "adam", torch.optim.AdamW: "adam", torch.optim.SGD: "sgd"}
 # per group, values that must be the same on every replica (the rest become [N, 1] columns)
 SAME = {"adam": ("amsgrad", "maximize", "differentiable"), "sgd": ("nesterov", "maximize", "differentiable")}
+
+
+class Unstackable(RuntimeError):
+    """The replicas' optimizers cannot be stepped as one (the engine then steps each; the message says why)."""
 
 
 @dataclass
@@ -93,17 +97,22 @@ class StackedStep:
         """(Re)bind: take the optimizers' current state (empty: a first step; else loaded, or this object's
         own views) into ``rows`` stacked copies, then point every optimizer state at views of them."""
         D, dev, dt = self.theta.shape[1], self.theta.device, self.theta.dtype
-        self.moments = {k: torch.zeros(rows, D, device=dev, dtype=dt) for k in self._moment_names()}
+        names = self._moment_names()
+        all_states = [[[o.state.get(p) for p in o.param_groups[k]["params"]] for o in self.optimizers]
+                      for k in range(len(self.segments))]
+        if rows == 1 and any(not _same_state(per_replica, names) for per_replica in all_states):
+            rows = self.N  # loaded moments that differ between replicas stay apart
+        self.moments = {k: torch.zeros(rows, D, device=dev, dtype=dt) for k in names}
         steps = []
         for k, seg in enumerate(self.segments):
-            states = [[o.state.get(p) for p in o.param_groups[k]["params"]] for o in self.optimizers]
+            states = all_states[k]
             got = [s for per in states for s in per if s]
             step = 0
             if got:
                 counts = {int(_value(s.get("step", 1))) for s in got}  # SGD: a buffer exists, so a step was taken
                 if len(got) != self.N * len(seg.shapes) or len(counts) != 1:
-                    raise RuntimeError("hdet: the replicas' optimizer states differ in which parameters have state "
-                                       f"or in their step counts ({sorted(counts)}): they cannot be stacked")
+                    raise Unstackable("the replicas' optimizer states differ in which parameters have state or in "
+                                      f"their step counts ({sorted(counts)})")
                 step = counts.pop()
                 for name, dst in self.moments.items():
                     for r in range(rows):
@@ -139,22 +148,24 @@ class StackedStep:
                     if self.kind == "adam" or (self.steps[k] > 0 and _value(o.param_groups[k]["momentum"])):
                         for name, m in self.moments.items():
                             st[name] = m[row, col:col + n].view(shape)
-                    o.state[p] = st
+                    if st:
+                        o.state[p] = st
+                    else:  # torch keeps no state for SGD without momentum
+                        o.state.pop(p, None)
                     col += n
         self._bound = [o.state for o in self.optimizers]
 
     def release(self) -> None:
         """Give every optimizer its own copy of its state (so that ``optimizer.step()`` may run on each
-        replica again): after this, nothing is shared."""
-        if not self.rows:
-            return
+        replica again): after this, nothing is shared (also a loaded state that shares one copy)."""
         for o in self.optimizers:
             for k, g in enumerate(o.param_groups):
                 on_device = g.get("fused") or g.get("capturable")
                 for p in g["params"]:
                     st = o.state.get(p)
                     if st:
-                        o.state[p] = {key: (torch.tensor(float(self.steps[k]), dtype=torch.float32,
+                        step = float(_value(st.get("step", 0)))  # its own (bound: kept current every step)
+                        o.state[p] = {key: (torch.tensor(step, dtype=torch.float32,
                                                          device=p.device if on_device else "cpu")
                                             if key == "step" else v.clone() if isinstance(v, torch.Tensor) else v)
                                       for key, v in st.items()}
@@ -166,13 +177,15 @@ class StackedStep:
         """``optimizer.step()`` of every replica (then each optimizer's step post-hooks, as torch runs them)."""
         values = [self._values(k) for k in range(len(self.segments))]
         want = 1 if self.shared and all(v["same"] for v in values) else self.N
-        if not self.rows or any(o.state is not b for o, b in zip(self.optimizers, self._bound)):
+        if not self.rows or any(o.state is not b for o, b in zip(self.optimizers, self._bound)) \
+                or list(self.moments) != self._moment_names():  # (a momentum switched on: its buffer appears)
             self._adopt(want)
         elif want > self.rows:  # the replicas' moments part from here (e.g. a weight decay that became coupled)
             self._adopt(want)
         host: list[float] = []
         for k, v in enumerate(values):
-            self.steps[k] += 1
+            if self.kind == "adam" or any(v["momentum"]):  # SGD counts the steps of its momentum buffer
+                self.steps[k] += 1
             v["at"] = len(host) // self.N  # its first row of the columns
             host += self._columns(v, self.steps[k])
         cols = self._to_device(host)
@@ -195,7 +208,7 @@ class StackedStep:
             self._bind()  # torch's SGD shows a momentum buffer from its first step on
         for o in self.optimizers:
             o._opt_called = True  # what torch's LRScheduler checks for "scheduler stepped before optimizer"
-            for hook in (*_global_optimizer_post_hooks.values(), *o._optimizer_step_post_hooks.values()):
+            for hook in (*o._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()):
                 hook(o, (), {})
 
     def _values(self, k: int) -> dict[str, Any]:
@@ -206,8 +219,7 @@ class StackedStep:
         for g in groups[1:]:
             for key in SAME[self.kind]:
                 if g.get(key) != g0.get(key):
-                    raise RuntimeError(f"hdet: the replicas' optimizers differ in {key!r} ({g0.get(key)} and "
-                                       f"{g.get(key)}): the stacked step needs the same value on every replica")
+                    raise Unstackable(f"the replicas' optimizers differ in {key!r} ({g0.get(key)} and {g.get(key)})")
         # float(): a tensor LR on the GPU would be a host read here (torch's own optimizers read it too)
         v: dict[str, Any] = {"maximize": bool(g0.get("maximize")),
                              "lr": [float(g["lr"]) for g in groups],
@@ -238,12 +250,14 @@ class StackedStep:
             out += v["wd"] + [1 - b for b in v["b1"]] + v["b2"] + [1 - b for b in v["b2"]]
             out += [math.sqrt(1 - b2 ** t) for b2 in v["b2"]] + v["eps"]
         else:
-            out += [-lr for lr in v["lr"]] + v["wd"] + v["momentum"] + [1 - d for d in v["dampening"]]
+            out += [-lr for lr in v["lr"]] + v["wd"] + v["momentum"]
+            out += [1 - d if mu else 1.0 for mu, d in zip(v["momentum"], v["dampening"])]  # no momentum: d = g
         return out
 
     def _to_device(self, host: list[float]) -> torch.Tensor:
         """``host`` as an ``[len / N, N, 1]`` tensor on theta's device: one copy (pinned and asynchronous on
-        CUDA, through a ring of buffers so a copy still queued is never overwritten). No host sync."""
+        CUDA, through a ring of buffers so a copy still queued is never overwritten; the host waits only when
+        it runs 4 steps ahead of the device)."""
         dtype = torch.float64 if self.theta.dtype == torch.float64 else torch.float32  # bf16 weights: fp32 scalars
         src = torch.tensor(host, dtype=dtype).view(-1, self.N, 1)
         if self.theta.device.type != "cuda":
@@ -257,7 +271,7 @@ class StackedStep:
         buf.copy_(src)
         dev = buf.to(self.theta.device, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.theta.device))  # the stream the copy was queued on
         self._pinned[self._slot] = (buf, event)
         return dev
 
@@ -310,7 +324,8 @@ class StackedStep:
             g = g + self._one(c, 1, v["wd"]) * th  # SGD's L2 term: the replicas' buffers differ (rows == N)
         if not any(v["momentum"]):
             return g
-        mu, keep = self._one(c, 2, v["momentum"]), self._one(c, 3, [1 - d for d in v["dampening"]])
+        mu = self._one(c, 2, v["momentum"])
+        keep = self._one(c, 3, [1 - d if m else 1.0 for m, d in zip(v["momentum"], v["dampening"])])
         buf = mom["momentum_buffer"]
         if t == 1:
             buf.copy_(g.expand_as(buf))  # torch: the first buffer is the gradient itself
@@ -319,6 +334,18 @@ class StackedStep:
         else:
             buf.mul_(mu).add_(g, alpha=keep)
         return g + mu * buf if v["nesterov"] else buf
+
+
+def _same_state(per_replica: list[list[Any]], names: list[str]) -> bool:
+    """Whether every replica's state of one group holds the same moments (as replica 0's)."""
+    first = per_replica[0]
+    for states in per_replica[1:]:
+        for a, b in zip(first, states):
+            for name in names:
+                x, y = (a or {}).get(name), (b or {}).get(name)
+                if (x is None) != (y is None) or (x is not None and not torch.equal(x, y)):
+                    return False
+    return True
 
 
 def _value(x: Any) -> float:

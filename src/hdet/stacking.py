@@ -107,8 +107,9 @@ class StackedReplicas:
 
     # -- gradients ---------------------------------------------------------------------------------------
     def before_backward(self) -> None:
-        """Bound: zero :attr:`grad` (the backward adds into it), binding again any ``.grad`` set by hand to None
-        or to another tensor (the step would otherwise see zeros). Not bound: every ``.grad`` to None."""
+        """Bound: zero :attr:`grad` (the backward adds into it), binding again any ``.grad`` (stacked or a
+        replica's) set by hand to None or to another tensor (the step or a per-replica hook would otherwise see
+        none, or zeros). Not bound: every ``.grad`` to None."""
         if not self.grads_bound:
             for p in self.params.values():
                 p.grad = None
@@ -118,6 +119,9 @@ class StackedReplicas:
             p = self.params[n]
             if p.grad is not v:
                 p.grad = v
+            for q, w in zip(self.views[n], self._replica_grads[n]):  # each replica's view (zero_grad sets None)
+                if q.grad is not w:
+                    q.grad = w
 
     @staticmethod
     def backward(losses: torch.Tensor) -> None:

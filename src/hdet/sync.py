@@ -106,7 +106,8 @@ def health(tensors: list[torch.Tensor], strict: list[bool], dev: torch.device) -
     for finite, oks, infs in by_device.values():
         if finite:  # their largest magnitudes, one fused read on CUDA: a NaN or Inf anywhere makes one non-finite
             oks.append(torch.isfinite(torch.stack(torch._foreach_norm(finite, float("inf")))).all())
-        ok = ok & torch.stack(oks).all().to(dev)
+        if oks:
+            ok = ok & torch.stack(oks).all().to(dev)
         if infs:
             inf = inf + torch.stack(infs).sum().to(dev, torch.float64)
     return ok, inf
