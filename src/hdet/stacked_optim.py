@@ -93,11 +93,11 @@ class StackedStep:
             o.register_state_dict_post_hook(_own_step_tensors)
 
     # -- the optimizers' state as views of the stacked moments ------------------------------------------
-    def _adopt(self, rows: int) -> None:
+    def _adopt(self, rows: int, values: list[dict[str, Any]]) -> None:
         """(Re)bind: take the optimizers' current state (empty: a first step; else loaded, or this object's
         own views) into ``rows`` stacked copies, then point every optimizer state at views of them."""
         D, dev, dt = self.theta.shape[1], self.theta.device, self.theta.dtype
-        names = self._moment_names()
+        names = self._moment_names(values)
         all_states = [[[o.state.get(p) for p in o.param_groups[k]["params"]] for o in self.optimizers]
                       for k in range(len(self.segments))]
         if rows == 1 and any(not _same_state(per_replica, names) for per_replica in all_states):
@@ -109,7 +109,7 @@ class StackedStep:
             got = [s for per in states for s in per if s]
             step = 0
             if got:
-                counts = {int(_value(s.get("step", 1))) for s in got}  # SGD: a buffer exists, so a step was taken
+                counts = {int(float(s.get("step", 1))) for s in got}  # SGD: a buffer exists, so a step was taken
                 if len(got) != self.N * len(seg.shapes) or len(counts) != 1:
                     raise Unstackable("the replicas' optimizer states differ in which parameters have state or in "
                                       f"their step counts ({sorted(counts)})")
@@ -129,11 +129,11 @@ class StackedStep:
         self.rows = rows
         self._bind()
 
-    def _moment_names(self) -> list[str]:
-        groups = [g for o in self.optimizers for g in o.param_groups]
+    def _moment_names(self, values: list[dict[str, Any]]) -> list[str]:
+        """The state each parameter keeps, from every group's values on every replica (:meth:`_values`)."""
         if self.kind == "sgd":  # SGD keeps no state without momentum
-            return ["momentum_buffer"] if any(_value(g["momentum"]) for g in groups) else []
-        return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if any(g["amsgrad"] for g in groups) else [])
+            return ["momentum_buffer"] if any(any(v["momentum"]) for v in values) else []
+        return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if any(v["amsgrad"] for v in values) else [])
 
     def _bind(self) -> None:
         for r, o in enumerate(self.optimizers):
@@ -145,7 +145,7 @@ class StackedStep:
                     st: dict[str, Any] = {}
                     if self.kind == "adam":
                         st["step"] = self._step_t[k]
-                    if self.kind == "adam" or (self.steps[k] > 0 and _value(o.param_groups[k]["momentum"])):
+                    if self.kind == "adam" or (self.steps[k] > 0 and float(o.param_groups[k]["momentum"])):
                         for name, m in self.moments.items():
                             st[name] = m[row, col:col + n].view(shape)
                     if st:
@@ -164,7 +164,7 @@ class StackedStep:
                 for p in g["params"]:
                     st = o.state.get(p)
                     if st:
-                        step = float(_value(st.get("step", 0)))  # its own (bound: kept current every step)
+                        step = float(st.get("step", 0))  # its own (bound: kept current every step)
                         o.state[p] = {key: (torch.tensor(step, dtype=torch.float32,
                                                          device=p.device if on_device else "cpu")
                                             if key == "step" else v.clone() if isinstance(v, torch.Tensor) else v)
@@ -178,10 +178,10 @@ class StackedStep:
         values = [self._values(k) for k in range(len(self.segments))]
         want = 1 if self.shared and all(v["same"] for v in values) else self.N
         if not self.rows or any(o.state is not b for o, b in zip(self.optimizers, self._bound)) \
-                or list(self.moments) != self._moment_names():  # (a momentum switched on: its buffer appears)
-            self._adopt(want)
+                or list(self.moments) != self._moment_names(values):  # (a momentum switched on: its buffer appears)
+            self._adopt(want, values)
         elif want > self.rows:  # the replicas' moments part from here (e.g. a weight decay that became coupled)
-            self._adopt(want)
+            self._adopt(want, values)
         host: list[float] = []
         for k, v in enumerate(values):
             if self.kind == "adam" or any(v["momentum"]):  # SGD counts the steps of its momentum buffer
@@ -346,10 +346,6 @@ def _same_state(per_replica: list[list[Any]], names: list[str]) -> bool:
                 if (x is None) != (y is None) or (x is not None and not torch.equal(x, y)):
                     return False
     return True
-
-
-def _value(x: Any) -> float:
-    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
 def _own_step_tensors(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
