@@ -44,3 +44,13 @@ def test_bounds_clamp_and_flag():
     c = PaperController(beta=0.0, sigma=0.01, lam=10.0, bounds=(0.5, 1.5))
     step = c.update([0.5, 1.5], [1.0, 0.0])  # high value far better: big push up
     assert step.new_base == 1.5 and step.clamped
+
+
+def test_softmax_weights_with_a_tiny_temperature_are_finite():
+    """sigma near the smallest float (found by hypothesis: an LR of NaN): the best replica takes all the
+    weight, no inf - inf."""
+    from hdet.controller import softmax_weights
+
+    assert softmax_weights([0.0, 4.0], 1.1125369292536007e-308) == [1.0, 0.0]
+    w = softmax_weights([1.0, 2.0, 3.0], 0.5)
+    assert abs(sum(w) - 1) < 1e-12 and w[0] > w[1] > w[2]

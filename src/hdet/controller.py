@@ -29,11 +29,10 @@ GammaMode = Literal["decay", "as_printed"]
 
 
 def softmax_weights(losses: Sequence[float], sigma: float) -> list[float]:
-    """Eq. 4: ``s_r = (mean(L) - L_r) / sigma``, ``w = softmax(s)`` (max-shifted for stability)."""
-    L_bar = sum(losses) / len(losses)
-    s = [(L_bar - L_r) / sigma for L_r in losses]
-    s_max = max(s)
-    e = [math.exp(s_r - s_max) for s_r in s]
+    """Eq. 4: ``s_r = (mean(L) - L_r) / sigma``, ``w = softmax(s)``, max-shifted before the division:
+    ``s_r - max(s) = (min(L) - L_r) / sigma`` (a tiny sigma then gives 0 and -inf, never inf - inf = NaN)."""
+    L_min = min(losses)
+    e = [math.exp((L_min - L_r) / sigma) for L_r in losses]
     Z = sum(e)
     return [e_r / Z for e_r in e]
 
