@@ -182,10 +182,51 @@ def best(paths: list[str]) -> float:
     return min(ok, key=lambda r: r["final_val_loss"])["args"]["max_lr"]
 
 
+def report(folder: Path) -> str:
+    """A markdown table of every run under ``folder`` (and ``curves.png``, if matplotlib is there)."""
+    runs = {str(f.relative_to(folder).with_suffix("")): json.loads(f.read_text()) for f in sorted(folder.rglob("*.json"))}
+    runs = {k: r for k, r in runs.items() if "final_val_loss" in r}
+    plain = [r["final_val_loss"] for r in runs.values() if r["world"] > 1 and r["args"]["alpha"] == 0
+             and not r["args"]["range_test"] and r["args"]["max_lr"] == best([p for p in map(str, folder.glob("grid_*.json"))])]
+    ref = sum(plain) / len(plain)
+    lines = [f"Reference: plain DDP at the grid's best max_lr, mean of {len(plain)} seeds: {ref:.4f}", "",
+             "| run | GPUs | max_lr | alpha | range test | seed | held-out loss | vs reference | events |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for k, r in runs.items():
+        a = r["args"]
+        ev = [f"step {s['step']}: " + ", ".join(
+            x for x in (f"reset {s['recovered'] + s['runaway']}" if s["recovered"] or s["runaway"] else "",
+                        f"back to {s['went_back_to']}" if s["went_back_to"] is not None else "",
+                        f"range ended ({s['range_ended']}) at x{s['range_scale']:.3g}" if s["range_ended"] else "",
+                        f"LR x{s['lr_scale']:.3g}" if s["went_back_to"] is not None or s["runaway"] else "") if x)
+              for s in r["syncs"] if s["recovered"] or s["runaway"] or s["went_back_to"] is not None or s["range_ended"]]
+        lines.append(f"| {k} | {r['world']} | {a['max_lr']:.4g} | {a['alpha']} | {'yes' if a['range_test'] else 'no'} | "
+                     f"{a['seed']} | {r['final_val_loss']:.4f} | {100 * (r['final_val_loss'] / ref - 1):+.1f}% | "
+                     f"{'; '.join(ev[:3]) + (f' (+{len(ev) - 3} more)' if len(ev) > 3 else '') or '-'} |")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "\n".join(lines)
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
+    for k, r in runs.items():
+        if r["world"] > 1:
+            ax[0].plot(*zip(*[(s, v) for s, v, _ in r["train_curve"]]), label=k, lw=1)
+            ax[1].plot(*zip(*[(s, lr) for s, _, lr in r["train_curve"]]), label=k, lw=1)
+    ax[0].set(xlabel="step", ylabel="training loss (rank 0)", ylim=(0.8, 3.3))
+    ax[1].set(xlabel="step", ylabel="rank 0's LR (group 0)", yscale="log")
+    ax[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(folder / "curves.png", dpi=110)
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prepare", action="store_true", help="build the corpus cache and exit")
     p.add_argument("--best", nargs="+", default=None, help="print the best max_lr of these result files")
+    p.add_argument("--report", default=None, help="print a markdown table of the runs in this folder")
     p.add_argument("--cache", default="/tmp/hdet_corpus")
     p.add_argument("--corpus-limit", type=int, default=400_000_000, help="--prepare: at most this many bytes")
     p.add_argument("--tiny", action="store_true", help="a small model on CPU (a check of the script)")
@@ -210,6 +251,8 @@ def main() -> None:
     a = p.parse_args()
     if a.best:
         print(best(a.best))
+    elif a.report:
+        print(report(Path(a.report)))
     elif a.prepare:
         print(json.dumps(prepare(Path(a.cache), a.corpus_limit)))
     else:

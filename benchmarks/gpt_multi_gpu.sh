@@ -8,7 +8,7 @@
 #    DDP over the same batch), one max_lr each (GRID, as many values as GPUs);
 # 3. under torchrun on every GPU: plain DDP and HDET at the grid's best max_lr and at 10x it.
 # Each run writes OUT/<name>.json (command, config, curves, final held-out loss); DEADLINE (seconds, default
-# 540) skips the runs that would not finish in time. EXTRA: more arguments for every run (a CPU check:
+# 540) skips the runs that would not finish in time; TAR (a path) packs OUT into one archive after each run. EXTRA: more arguments for every run (a CPU check:
 # EXTRA="--tiny --corpus-limit 3000000 --steps 60" with a stub nvidia-smi on PATH).
 set -u
 out=$1; steps=${2:-1000}; grid=${3:-"7.5e-4 1.5e-3 3e-3 6e-3"}
@@ -29,6 +29,10 @@ echo "grid done at ${SECONDS}s" | tee -a "$out/timeline.txt"
 best=$(python $S --best "$out"/grid_*.json) || exit 1
 echo "best max_lr $best" | tee -a "$out/timeline.txt"
 last=0
+pack() {  # TAR: one archive of OUT after every run (a device that returns few files gets them all)
+  if [ -n "${TAR:-}" ]; then tar czf "$TAR" -C "$out" .; fi
+}
+pack
 run() {  # name, multiplier of the best max_lr, extra arguments
   local name=$1 mult=$2; shift 2
   if [ $(( SECONDS + last )) -gt "${DEADLINE:-540}" ]; then
@@ -38,7 +42,8 @@ run() {  # name, multiplier of the best max_lr, extra arguments
   lr=$(python -c "print($best * $mult)")
   torchrun --standalone --nproc-per-node "$G" $S --steps "$steps" --max-lr "$lr" "$@" ${EXTRA:-} --out "$out/$name.json" > "$out/$name.log" 2>&1
   last=$(( SECONDS - t ))
-  echo "$name: ${last}s, $(tail -n 1 "$out/$name.log")" | tee -a "$out/timeline.txt"
+  echo "$name: ${last}s, $(grep '^{"final_val_loss' "$out/$name.log")" | tee -a "$out/timeline.txt"
+  pack
 }
 run plain_1x 1 --alpha 0
 run hdet_1x 1 --alpha 0.2 --T 25 --on-runaway recover
