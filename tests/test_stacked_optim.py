@@ -29,13 +29,13 @@ def _loss(m, b):
     return F.cross_entropy(m(b[0]), b[1])
 
 
-def _engine(make_opt, stacked=True, model=None, loss_fn=_loss, steps=STEPS, explore=None, **kw):
+def _engine(make_opt, stacked=True, model=None, loss_fn=_loss, steps=STEPS, explore=None, sched=None, **kw):
     torch.manual_seed(1)
+    options = {"max_lr": 0.05, "model_sync_interval": 5, **(sched or {})}
     eng = ReplicaEngine(
         model or _model(), N, make_opt,
-        lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=2 * STEPS, ensemble_lr_spread_ratio=0.3,
-                                              model_sync_interval=5, replicas=rep, model=m,
-                                              explore=explore(o) if explore else None),
+        lambda o, rep, m: hdet.OneCycleAutoLR(o, total_steps=2 * STEPS, ensemble_lr_spread_ratio=0.3, replicas=rep,
+                                              model=m, explore=explore(o) if explore else None, **options),
         mode="vmap", stacked_optimizer=stacked, **kw)
     for t in range(steps):
         eng.step((X[t], Y[t]), loss_fn, stacked=True)
@@ -189,6 +189,69 @@ def test_checkpoint_resumes_exactly_and_loads_anywhere(tmp_path):
         p.grad = torch.ones_like(p)
     plain.step()
     assert all(float(s["step"]) == STEPS + 1 for s in plain.state.values())
+
+
+def _snapshot_bytes(eng, which):
+    """Bytes of the distinct storages that every replica's snapshots hold (the guard's best state, or the
+    range test's ramp)."""
+    seen = {}
+    for s in eng.schedulers:
+        lists = [s.ensemble.stability._snapshot or []] if which == "guard" else [it[3] for it in s.ensemble._ramp.items]
+        for t in (t for ts in lists for t in ts):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+UNSTABLE = {"recover": {"max_lr": 3.0, "on_runaway": "recover", "model_sync_interval": 2},
+            "range_test": {"max_lr": 30.0, "lr_range_test": True, "auto_lr_warmup_steps": 12, "model_sync_interval": 2}}
+
+
+@pytest.mark.parametrize("kind", list(UNSTABLE))
+def test_snapshots_copy_the_shared_moments_once(kind):
+    """The stability guard and the range test keep copies of the averaged state (weights and moments); with
+    one copy of the moments they copy it once, not once per replica, and training is the per-replica path's,
+    going back to those copies included."""
+    make, sched = OPTIMIZERS["adamw"][0], UNSTABLE[kind]
+    P = 4 * sum(p.numel() for p in _model().parameters())  # bytes of one replica's weights (float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the runaway/range-test warnings
+        fast, slow = _engine(make, sched=sched), _engine(make, stacked=False, sched=sched)
+        recs = []
+        eng = _engine(make, sched=sched, steps=0)
+        eng.schedulers[0].ensemble.on_sync.append(recs.append)
+        for t in range(STEPS):
+            eng.step((X[t], Y[t]), _loss, stacked=True)
+        back = [r.step for r in recs if r.went_back_to is not None]
+        assert back, "the run must go back to a snapshot for this test to mean anything"
+        _close(fast, slow)
+        _close(eng, slow)
+        assert _snapshot_bytes(fast, "guard") == (N + 2) * P  # each replica's weights, the moments once
+        assert _snapshot_bytes(slow, "guard") == 3 * N * P
+        if kind == "range_test":  # mid-ramp: up to a few snapshots, each with the moments once
+            fast, slow = _engine(make, sched=sched, steps=6), _engine(make, stacked=False, sched=sched, steps=6)
+            k = len(fast.schedulers[0].ensemble._ramp.items)
+            assert k >= 1 and _snapshot_bytes(fast, "ramp") == k * (N + 2) * P
+            assert _snapshot_bytes(slow, "ramp") == k * 3 * N * P
+
+
+def test_a_resumed_guard_keeps_training_the_same():
+    """A checkpoint holds each replica's own copy of the guard's state; loaded into the stacked engine,
+    training goes on exactly as without the checkpoint."""
+    make, sched = OPTIMIZERS["adamw"][0], UNSTABLE["recover"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full, half = _engine(make, sched=sched), _engine(make, sched=sched, steps=STEPS // 2)
+        buf = io.BytesIO()
+        torch.save(half.state_dict(), buf)
+        buf.seek(0)
+        resumed = _engine(make, sched=sched, steps=0)
+        resumed.load_state_dict(torch.load(buf, weights_only=True))
+        recs = []
+        resumed.schedulers[0].ensemble.on_sync.append(recs.append)
+        for t in range(STEPS // 2, STEPS):
+            resumed.step((X[t], Y[t]), _loss, stacked=True)
+    assert any(r.went_back_to is not None for r in recs)  # it went back to the loaded best state
+    _close(full, resumed)
 
 
 def test_what_steps_per_replica_and_why():

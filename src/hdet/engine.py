@@ -37,6 +37,7 @@ from torch.func import functional_call, vmap
 
 from .ensemble import ReplicaMismatchError
 from .replicas import LocalReplicaGroup, Replicas, average_local
+from .stability import SharedCopies
 from .stacked_optim import StackedStep, Unstackable, unsupported
 from .stacking import StackedReplicas
 
@@ -137,6 +138,9 @@ class ReplicaEngine:
         for r, s in enumerate(self.schedulers):
             if getattr(s, "ensemble", None) is None or s.ensemble.replicas is not self.group.views[r]:
                 raise ValueError("Expected make_scheduler to build an hdet scheduler with replicas=<the given view>")
+        self._copies = (SharedCopies(), SharedCopies())  # snapshots: shared tensors (moments) copied once
+        for s in self.schedulers:
+            s.ensemble.share_copies(*self._copies)
         unsafe = [h.name for h in self.schedulers[0].ensemble.hypers if not h.vmap_safe]
         if unsafe and self.mode != "loop":
             if mode == "vmap":
@@ -381,6 +385,8 @@ class ReplicaEngine:
         """One sync of the N ensembles, in the three phases of :class:`hdet.ensemble.Ensemble`, with the
         replica axis as the transport. HOST SYNC: the stacked vectors are read once."""
         ens = [s.ensemble for s in self.schedulers]
+        for c in self._copies:
+            c.clear()
         rows = torch.stack([e.prepare_sync(t) for e in ens]).to("cpu", torch.float64)  # HOST SYNC: one copy
         verdicts = [e.check_sync(t, rows) for e in ens]  # the same verdict on every replica
         bad = verdicts[0].exclude
@@ -389,3 +395,5 @@ class ReplicaEngine:
             average_local([e.recovery_tensors() for e in ens], bad)  # the reset replicas' moments too
         for e, v in zip(ens, verdicts):
             e.finish_sync(t, v)
+        for c in self._copies:
+            c.clear()  # (the snapshots keep what they need)

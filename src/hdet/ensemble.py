@@ -29,7 +29,7 @@ from .hyper import Hyperparameter
 from .replicas import Replicas, ReplicaSyncError, local_shard
 from .range_test import MAX_RANGE_GROWTH, RANGE_START, RampSnapshots, RangeTest
 from .slots import LRControl, Slots
-from .stability import MIN_LR_SCALE, StabilityGuard
+from .stability import MIN_LR_SCALE, SharedCopies, StabilityGuard
 from .sync import (SHARD_MIN, SHARD_SUM, ReplicaMismatchError, SyncVector, as_real, averaged, check_agreement, health,
                    layout_signature, persistent_float_buffers)
 from .window import LossWindow, Probe, WindowMean
@@ -121,6 +121,11 @@ class Ensemble:
         if config.probing and any(p.is_complex() for p in self._params()):
             raise ValueError("controller='fit' does not support complex parameters (its probe averages real "
                              "iterates); use controller='paper' or auto-LR off")
+
+    def share_copies(self, guard: SharedCopies, ramp: SharedCopies) -> None:
+        """Replicas of one process (the engine): copies of tensors they share are made once per sync, for the
+        stability guard's best state and for the range test's ramp (one :class:`SharedCopies` each)."""
+        self.stability.copier.shared, self._ramp.copier.shared = guard, ramp
 
     # the slot table, as the scheduler and telemetry read it
     num_lr_slots = property(lambda self: self.slots.num_lr_slots)

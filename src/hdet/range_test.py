@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .stability import same_layout
+from .stability import Copier, same_layout
 
 __all__ = ["RangeTest", "RampSnapshots", "MAX_RANGE_GROWTH", "COLLAPSE", "RANGE_START"]
 
@@ -143,6 +143,7 @@ class RampSnapshots:
 
     def __init__(self) -> None:
         self.items: list[tuple[int, float, float, list[torch.Tensor]]] = []
+        self.copier = Copier()
 
     @torch.no_grad()
     def add(self, step: int, lr: float, loss: float, tensors: list[torch.Tensor], keep_from: float) -> None:
@@ -152,11 +153,7 @@ class RampSnapshots:
             drop = set(older[:-1])
             recycled = self.items[older[0]][3]
             self.items = [item for i, item in enumerate(self.items) if i not in drop]
-        if recycled is not None and same_layout(recycled, tensors):
-            torch._foreach_copy_(recycled, tensors)
-            copy = recycled
-        else:
-            copy = [t.detach().clone() for t in tensors]
+        copy = self.copier(tensors, recycled if recycled is not None and same_layout(recycled, tensors) else None)
         self.items.append((step, lr, loss, copy))
 
     @torch.no_grad()

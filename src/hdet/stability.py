@@ -14,7 +14,9 @@ decides the same, with no communication):
   loss, kept in memory like a checkpoint;
 * either way the LR schedule is cut by ``lr_cut`` for the rest of the run, to ``MIN_LR_SCALE`` at most.
 
-Memory: one copy of the averaged tensors and the optimizer state per replica (taken at syncs only).
+Memory: one copy of the averaged tensors and the optimizer state per replica (taken at syncs only); in the
+one-process engine, tensors that the replicas share (its one copy of the moments) are copied once
+(:class:`SharedCopies`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 
 from .config import HDETConfig, _is_real
 
-__all__ = ["StabilityGuard", "NOISE_Z", "MIN_LR_SCALE"]
+__all__ = ["StabilityGuard", "NOISE_Z", "MIN_LR_SCALE", "Copier", "SharedCopies"]
 
 NOISE_Z = 4.0  # a rise must exceed this many standard errors of the window losses
 MIN_LR_SCALE = 1 / 64  # the LR schedule is never cut below this fraction of itself
@@ -47,6 +49,55 @@ def window_noise(col: Any, ok: list[int]) -> tuple[float, float]:
     return math.sqrt(sigma2 / (sum(n) / len(n))), 1.25 * math.sqrt(sigma2 / sum(n))
 
 
+class SharedCopies:
+    """What the replicas of one process share when they keep copies of their state: where their tensors are
+    the same memory (the engine's one copy of the moments), the k-th copy a replica makes in a sync is the
+    k-th copy that an earlier replica made of the same view in that sync. Every replica makes the same copies
+    in the same order (its decisions are the same arithmetic on the same gathered numbers), so both are
+    copies of the same state. The engine clears it around every sync."""
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self._made: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def clear(self) -> None:
+        self.generation += 1
+        self._made = {}
+
+    def copy(self, k: int, tensors: list[torch.Tensor], into: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        out = []
+        for i, t in enumerate(tensors):
+            key = (k, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+                   t.device)
+            c = self._made.get(key)
+            if c is None:
+                c = into[i].copy_(t) if into is not None else t.detach().clone()
+                self._made[key] = c
+            out.append(c)
+        return out
+
+
+class Copier:
+    """Copies of a list of tensors (a snapshot), into an earlier snapshot of the same layout when given; with
+    ``shared`` set (the engine), a view that another replica copied in this sync is not copied again."""
+
+    def __init__(self) -> None:
+        self.shared: SharedCopies | None = None
+        self._generation, self._k = -1, 0
+
+    @torch.no_grad()
+    def __call__(self, tensors: list[torch.Tensor], into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        if self.shared is None:
+            if into is None:
+                return [t.detach().clone() for t in tensors]
+            torch._foreach_copy_(into, tensors)
+            return into
+        if self._generation != self.shared.generation:  # a new sync: count this replica's copies from 0
+            self._generation, self._k = self.shared.generation, 0
+        self._k += 1
+        return self.shared.copy(self._k, tensors, into)
+
+
 class StabilityGuard:
     """The best ensemble loss so far and the state of the run at that sync."""
 
@@ -56,6 +107,7 @@ class StabilityGuard:
         self.best_step: int | None = None
         self.best_se = 0.0  # the standard error of the best sync's ensemble loss
         self._snapshot: list[torch.Tensor] | None = None  # the tensors at the best sync (on their devices)
+        self.copier = Copier()
 
     @property
     def on(self) -> bool:
@@ -94,10 +146,7 @@ class StabilityGuard:
             return True
         if self.best_loss is None or loss < self.best_loss:
             self.best_loss, self.best_step, self.best_se = loss, step, window_noise(col, keep)[1]
-            if self._snapshot is not None and same_layout(self._snapshot, tensors):
-                torch._foreach_copy_(self._snapshot, tensors)
-            else:
-                self._snapshot = [t.detach().clone() for t in tensors]
+            self._snapshot = self.copier(tensors, self._snapshot if self.can_go_back(tensors) else None)
         return False
 
     def can_go_back(self, tensors: list[torch.Tensor]) -> bool:
@@ -117,10 +166,7 @@ class StabilityGuard:
         """Make the state in ``tensors`` (that of sync ``step``, median loss ``loss``) the best sync: where the
         range test went back to."""
         self.best_loss, self.best_step = (loss if math.isfinite(loss) else self.best_loss), step
-        if self.can_go_back(tensors):
-            torch._foreach_copy_(self._snapshot, tensors)
-        else:
-            self._snapshot = [t.detach().clone() for t in tensors]
+        self._snapshot = self.copier(tensors, self._snapshot if self.can_go_back(tensors) else None)
 
     def warn(self, t: int, runaway: list[int], losses: list[float], rising: bool, back: bool, scale: float,
              collapsed: bool = False) -> None:
