@@ -234,6 +234,34 @@ def test_snapshots_copy_the_shared_moments_once(kind):
             assert _snapshot_bytes(slow, "ramp") == k * 3 * N * P
 
 
+@pytest.mark.parametrize("stop", [False, True], ids=["moments_part", "per_replica_fallback"])
+def test_snapshots_of_moments_that_part_later_stay_each_replicas(stop):
+    """Moments shared when the guard kept its best state, then each replica's own (coupled weight decay set
+    mid-run stacks them per replica; or the per-replica fallback): every replica's snapshot holds its own
+    moments again, and going back restores each replica as the per-replica path does."""
+    make, sched = OPTIMIZERS["adam"][0], {"max_lr": 0.05, "on_runaway": "recover", "model_sync_interval": 2}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engines = [_engine(make, stacked=k, sched=sched, steps=8) for k in (True, False)]
+        for e in engines:
+            if stop and e._stacked is not None:
+                e._stop_stacked("a test")
+            for o in e.optimizers:
+                for g in o.param_groups:
+                    g["weight_decay"] = 0.1  # coupled (L2): the replicas' moments part
+            for t in range(8, 2 * STEPS):
+                e.step((X[t % STEPS], Y[t % STEPS]), _loss, stacked=True)
+    fast, slow = engines
+    assert stop or fast._stacked.rows == N
+    snaps = [s.ensemble.stability._snapshot for s in fast.schedulers]
+    k = len(list(fast.models[0].parameters()))
+    assert len({id(sn[k]) for sn in snaps}) == N  # each replica's own copy of its moments
+    for e in engines:
+        for s in e.schedulers:
+            assert s.ensemble.stability.go_back(s.ensemble.tensors() + s.ensemble.recovery_tensors())
+    _close(fast, slow)
+
+
 def test_a_resumed_guard_keeps_training_the_same():
     """A checkpoint holds each replica's own copy of the guard's state; loaded into the stacked engine,
     training goes on exactly as without the checkpoint."""
@@ -252,6 +280,31 @@ def test_a_resumed_guard_keeps_training_the_same():
             resumed.step((X[t], Y[t]), _loss, stacked=True)
     assert any(r.went_back_to is not None for r in recs)  # it went back to the loaded best state
     _close(full, resumed)
+
+
+def test_parameters_are_stored_the_way_their_gradients_come():
+    """After the first backward each flattened parameter is stored in the order its gradient comes out of
+    vmap's backward (an nn.Linear weight's: transposed), so later backwards add into the flat gradient in
+    memory order; values, optimizer state and training are those of the row-major layout."""
+    make = OPTIMIZERS["adamw"][0]
+    torch.manual_seed(1)
+    ref = ReplicaEngine(_model(), N, make, lambda o, rep, m: hdet.OneCycleAutoLR(
+        o, max_lr=0.05, total_steps=2 * STEPS, ensemble_lr_spread_ratio=0.3, model_sync_interval=5, replicas=rep,
+        model=m), mode="vmap")
+    ref.stack.relayout = False
+    for t in range(STEPS):
+        ref.step((X[t], Y[t]), _loss, stacked=True)
+    fast = _engine(make)
+    _close(fast, ref)
+    w = fast.stacked_params["0.weight"]  # [N, 16, 6]: stored [N, 6, 16]
+    assert fast.stack.orders["0.weight"] == (1, 0) and ref.stack.orders["0.weight"] is None
+    assert w.stride()[1:] == (1, 16) and w.grad.stride() == w.stride()
+    assert fast.stack._raw_strides["0.weight"] == (1, 16)  # what the backward produced
+    for r in range(N):
+        p = fast.models[r][0].weight
+        assert p.stride() == (1, 16) and torch.equal(p, w[r])
+        assert fast.optimizers[r].state[p]["exp_avg"].stride() == (1, 16)
+    assert fast.stack.orders["0.bias"] is None  # 1-d: nothing to reorder
 
 
 def test_what_steps_per_replica_and_why():

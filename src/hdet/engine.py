@@ -130,7 +130,8 @@ class ReplicaEngine:
         self.mode = mode
         # vmap: the replicas' tensors stacked [N, ...]; every replica's .grad the average's (row 0) when nothing
         # changes one replica's gradient
-        self.stack = StackedReplicas(self.models, share_gradients and before_optimizer_step is None) \
+        self.stack = StackedReplicas(self.models, share_gradients and before_optimizer_step is None,
+                                     relayout=not compile) \
             if mode != "loop" else None
         self.optimizers = [make_optimizer(m) for m in self.models]
         self.schedulers = [make_scheduler(o, self.group.views[r], m)
@@ -385,15 +386,17 @@ class ReplicaEngine:
         """One sync of the N ensembles, in the three phases of :class:`hdet.ensemble.Ensemble`, with the
         replica axis as the transport. HOST SYNC: the stacked vectors are read once."""
         ens = [s.ensemble for s in self.schedulers]
-        for c in self._copies:
-            c.clear()
         rows = torch.stack([e.prepare_sync(t) for e in ens]).to("cpu", torch.float64)  # HOST SYNC: one copy
         verdicts = [e.check_sync(t, rows) for e in ens]  # the same verdict on every replica
         bad = verdicts[0].exclude
         average_local([e.tensors() for e in ens], bad)  # Eq. 3 over the healthy replicas
         if bad:
             average_local([e.recovery_tensors() for e in ens], bad)  # the reset replicas' moments too
-        for e, v in zip(ens, verdicts):
-            e.finish_sync(t, v)
         for c in self._copies:
-            c.clear()  # (the snapshots keep what they need)
+            c.clear()
+        try:
+            for e, v in zip(ens, verdicts):
+                e.finish_sync(t, v)
+        finally:
+            for c in self._copies:
+                c.clear()  # (the snapshots keep what they need)

@@ -59,10 +59,11 @@ class SharedCopies:
     def __init__(self) -> None:
         self.generation = 0
         self._made: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._written: set[int] = set()  # ids of the copies written in this sync
 
     def clear(self) -> None:
         self.generation += 1
-        self._made = {}
+        self._made, self._written = {}, set()
 
     def copy(self, k: int, tensors: list[torch.Tensor], into: list[torch.Tensor] | None) -> list[torch.Tensor]:
         out = []
@@ -71,8 +72,12 @@ class SharedCopies:
                    t.device)
             c = self._made.get(key)
             if c is None:
-                c = into[i].copy_(t) if into is not None else t.detach().clone()
+                # an earlier copy of a tensor the replicas shared, which another replica wrote in this sync: the
+                # replicas' tensors have parted since (moments stacked per replica), so each gets its own again
+                reuse = into is not None and id(into[i]) not in self._written
+                c = into[i].copy_(t) if reuse else t.detach().clone()
                 self._made[key] = c
+                self._written.add(id(c))
             out.append(c)
         return out
 

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-__all__ = ["Segment", "StackedStep", "Unstackable", "unsupported"]
+__all__ = ["Segment", "StackedStep", "Unstackable", "param_view", "unsupported"]
 
 KINDS = {torch.optim.Adam: "adam", torch.optim.AdamW: "adam", torch.optim.SGD: "sgd"}
 # per group, values that must be the same on every replica (the rest become [N, 1] columns)
@@ -46,11 +46,30 @@ class Unstackable(RuntimeError):
 @dataclass
 class Segment:
     """One param group's columns ``[start, stop)`` of the flat tensors, and its parameters' shapes in the
-    group's order (each replica's optimizer holds views of these columns, in this order)."""
+    group's order (each replica's optimizer holds views of these columns, in this order) and the order their
+    dims are stored in (None: row-major; see :func:`param_view`)."""
 
     start: int
     stop: int
     shapes: list[torch.Size]
+    orders: list[tuple[int, ...] | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.orders = self.orders or [None] * len(self.shapes)
+
+
+def param_view(cols: torch.Tensor, shape: Sequence[int], order: tuple[int, ...] | None) -> torch.Tensor:
+    """One parameter's columns of a flat tensor (``[..., n]``) as the parameter (``[..., *shape]``), its dims
+    stored in ``order`` (None: row-major). The engine stores a parameter in the order its gradient comes out
+    of the backward (an ``nn.Linear`` weight's under vmap: transposed), so that accumulating it into the flat
+    gradient reads memory in order."""
+    lead = cols.shape[:-1]
+    if order is None:
+        return cols.view(*lead, *shape)
+    k = len(lead)
+    stored = cols.view(*lead, *[shape[i] for i in order])
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return stored.permute(*range(k), *[k + i for i in inverse])
 
 
 def unsupported(optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
@@ -117,11 +136,11 @@ class StackedStep:
                 for name, dst in self.moments.items():
                     for r in range(rows):
                         col = seg.start
-                        for s, shape in zip(states[r], seg.shapes):
+                        for s, shape, order in zip(states[r], seg.shapes, seg.orders):
                             n = shape.numel()
                             v = s.get(name)
                             if v is not None:
-                                dst[r, col:col + n].copy_(v.reshape(-1))
+                                param_view(dst[r, col:col + n], shape, order).copy_(v)
                             col += n
             steps.append(step)
         self.steps = steps
@@ -140,14 +159,14 @@ class StackedStep:
             row = 0 if self.rows == 1 else r
             for k, seg in enumerate(self.segments):
                 col = seg.start
-                for p, shape in zip(o.param_groups[k]["params"], seg.shapes):
+                for p, shape, order in zip(o.param_groups[k]["params"], seg.shapes, seg.orders):
                     n = shape.numel()
                     st: dict[str, Any] = {}
                     if self.kind == "adam":
                         st["step"] = self._step_t[k]
                     if self.kind == "adam" or (self.steps[k] > 0 and float(o.param_groups[k]["momentum"])):
                         for name, m in self.moments.items():
-                            st[name] = m[row, col:col + n].view(shape)
+                            st[name] = param_view(m[row, col:col + n], shape, order)
                     if st:
                         o.state[p] = st
                     else:  # torch keeps no state for SGD without momentum

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .stacked_optim import Segment
+from .stacked_optim import Segment, param_view
 
 __all__ = ["StackedReplicas"]
 
@@ -28,9 +28,10 @@ class StackedReplicas:
     ``one_grad_row``: every replica's ``.grad`` is a view of ``grad``'s row 0, which holds the average (shared
     gradients, nothing that changes one replica's gradient); else each replica's is its own row."""
 
-    def __init__(self, models: Sequence[nn.Module], one_grad_row: bool) -> None:
+    def __init__(self, models: Sequence[nn.Module], one_grad_row: bool, relayout: bool = True) -> None:
         self.N = len(models)
         self.one_grad_row = one_grad_row
+        self.relayout = relayout  # store each flattened parameter in the order of its gradient (bind_grads)
         self.params: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}
         for kind, named, store in (("param", "named_parameters", self.params), ("buffer", "named_buffers", self.buffers)):
@@ -59,6 +60,10 @@ class StackedReplicas:
         self.grads_bound = False  # the .grad of every flattened parameter is a view of self.grad
         self._grads: dict[str, torch.Tensor] = {}  # name -> the stacked parameter's .grad view
         self._replica_grads: dict[str, list[torch.Tensor]] = {}  # name -> each replica's .grad view
+        self.orders: dict[str, tuple[int, ...] | None] = {}  # name -> its dims' storage order in theta
+        self._segment_names: list[list[str]] = []
+        self._raw_strides: dict[str, tuple[int, ...]] = {}  # name -> its first gradient's strides, as produced
+        self._stride_hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     # -- the flat layout -------------------------------------------------------------------------------
     def flatten(self, optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
@@ -84,6 +89,7 @@ class StackedReplicas:
             order += names
             stop = start + sum(self.params[n][0].numel() for n in names)
             segments.append(Segment(start, stop, [self.params[n].shape[1:] for n in names]))
+            self._segment_names.append(names)
         if len(set(order)) != len(order):
             return "a parameter is in two param groups"
         order += [n for n in trainable if n not in set(order)]  # trained by no optimizer: left as they are
@@ -102,8 +108,57 @@ class StackedReplicas:
                 for r, p in enumerate(self.views[n]):
                     p.data = self.theta[r, col:col + k].view(s.shape[1:])  # the same Parameter: optimizers keep it
                 self.columns[n] = (col, col + k)
+                self.orders[n] = None
                 col += k
         return None
+
+    def _strides_hook(self, name: str):
+        def hook(g: torch.Tensor) -> None:
+            self._raw_strides.setdefault(name, g.stride()[1:])
+        return hook
+
+    def _gradient_order(self, name: str) -> tuple[int, ...] | None:
+        """The order a parameter's dims are stored in by its first gradient (None: row-major, or unknown)."""
+        shape, st = tuple(self.params[name].shape[1:]), self._raw_strides.get(name)
+        if st is None or len(shape) < 2:
+            return None
+
+        def strides(order: Sequence[int]) -> list[int]:  # of a tensor of this shape stored in this dim order
+            out, step = [0] * len(shape), 1
+            for i in reversed(order):
+                out[i], step = step, step * shape[i]
+            return out
+
+        order = tuple(sorted(range(len(shape)), key=lambda i: (-st[i], i)))
+        if any(shape[i] > 1 and x != st[i] for i, x in enumerate(strides(order))):
+            return None  # not a dense permutation of the parameter's dims: keep row-major
+        if all(shape[i] == 1 or x == st[i] for i, x in enumerate(strides(range(len(shape))))):
+            return None  # row-major already
+        return order
+
+    @torch.no_grad()
+    def _store_as_gradients(self) -> None:
+        """Before the gradients are bound: store each flattened parameter in the order its gradient came in
+        (the same columns of theta, the values moved), so that every later backward adds into :attr:`grad` in
+        memory order (an ``nn.Linear`` weight's gradient under vmap is transposed: accumulating it into a
+        row-major buffer reads it across)."""
+        for h in self._stride_hooks:
+            h.remove()
+        self._stride_hooks = []
+        for n, (a, b) in self.columns.items():
+            order = self._gradient_order(n)
+            if order == self.orders[n]:
+                continue
+            s = self.params[n]
+            shape = s.shape[1:]
+            values = s.detach().clone()
+            s.data = param_view(self.theta[:, a:b], shape, order)
+            s.data.copy_(values)
+            for r, p in enumerate(self.views[n]):
+                p.data = param_view(self.theta[r, a:b], shape, order)
+            self.orders[n] = order
+        for seg, names in zip(self.segments, self._segment_names):
+            seg.orders[:] = [self.orders[n] for n in names]
 
     # -- gradients ---------------------------------------------------------------------------------------
     def before_backward(self) -> None:
@@ -113,6 +168,9 @@ class StackedReplicas:
         if not self.grads_bound:
             for p in self.params.values():
                 p.grad = None
+            if self.relayout and self.theta is not None and not self._stride_hooks and not self._raw_strides:
+                for n in self.columns:  # the first backward: how each gradient comes (see bind_grads)
+                    self._stride_hooks.append(self.params[n].register_hook(self._strides_hook(n)))
             return
         self.grad.zero_()
         for n, v in self._grads.items():
@@ -135,14 +193,16 @@ class StackedReplicas:
         stacked step would move it; per-replica optimizers skip it)."""
         if any(self.params[n].grad is None for n in self.columns):
             return False
+        if self.relayout:
+            self._store_as_gradients()
         with torch.no_grad():
             for n, (a, b) in self.columns.items():
                 s = self.params[n]
-                view = self.grad[:, a:b].view(s.shape)
+                view = param_view(self.grad[:, a:b], s.shape[1:], self.orders[n])
                 view.copy_(s.grad)
                 s.grad = self._grads[n] = view
                 rows = [0] * self.N if self.one_grad_row else range(self.N)
-                self._replica_grads[n] = [self.grad[r, a:b].view(s.shape[1:]) for r in rows]
+                self._replica_grads[n] = [param_view(self.grad[r, a:b], s.shape[1:], self.orders[n]) for r in rows]
                 for p, v in zip(self.views[n], self._replica_grads[n]):
                     p.grad = v
         self.grads_bound = True
