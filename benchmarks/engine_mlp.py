@@ -2,7 +2,8 @@
 
 N = 8 replicas of a 784-W-W-10 MLP (Fashion-MNIST's shape; random data), B examples each, AdamW +
 ``hdet.OneCycleAutoLR`` (alpha 0.2, T 25) in ``ReplicaEngine(mode="vmap")``, with the stacked optimizer
-step and with each replica's own ``optimizer.step()``; the baseline is one model (AdamW + OneCycleLR) on
+step (row-major parameters, the default, and ``gradient_layout=True``) and with each replica's own
+``optimizer.step()``; the baseline is one model (AdamW + OneCycleLR) on
 N * B examples: the same FLOPs. Ratios are measured side by side, interleaved over ``--repeats`` rounds
 (the median is reported). Writes JSON with the command, machine and versions.
 
@@ -59,14 +60,14 @@ def main() -> None:
         opt.step()
         sched.step()
 
-    def engine(stacked: bool) -> ReplicaEngine:
+    def engine(stacked: bool, layout: bool = False) -> ReplicaEngine:
         return ReplicaEngine(mlp(), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
                              lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=total,
                                                                    ensemble_lr_spread_ratio=0.2, model_sync_interval=25,
                                                                    replicas=rep, model=m),
-                             mode="vmap", stacked_optimizer=stacked)
+                             mode="vmap", stacked_optimizer=stacked, gradient_layout=layout)
 
-    engines = {"stacked": engine(True), "per-replica": engine(False)}
+    engines = {"stacked": engine(True), "stacked, gradient_layout": engine(True, True), "per-replica": engine(False)}
     steps = {k: (lambda e=e: e.step((x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]), stacked=True))
              for k, e in engines.items()}
     times: dict[str, list[float]] = {"baseline": [], **{k: [] for k in engines}}

@@ -287,14 +287,7 @@ def test_parameters_are_stored_the_way_their_gradients_come():
     vmap's backward (an nn.Linear weight's: transposed), so later backwards add into the flat gradient in
     memory order; values, optimizer state and training are those of the row-major layout."""
     make = OPTIMIZERS["adamw"][0]
-    torch.manual_seed(1)
-    ref = ReplicaEngine(_model(), N, make, lambda o, rep, m: hdet.OneCycleAutoLR(
-        o, max_lr=0.05, total_steps=2 * STEPS, ensemble_lr_spread_ratio=0.3, model_sync_interval=5, replicas=rep,
-        model=m), mode="vmap")
-    ref.stack.relayout = False
-    for t in range(STEPS):
-        ref.step((X[t], Y[t]), _loss, stacked=True)
-    fast = _engine(make)
+    ref, fast = _engine(make), _engine(make, gradient_layout=True)  # row-major (the default), and as gradients
     _close(fast, ref)
     w = fast.stacked_params["0.weight"]  # [N, 16, 6]: stored [N, 6, 16]
     assert fast.stack.orders["0.weight"] == (1, 0) and ref.stack.orders["0.weight"] is None
@@ -305,6 +298,17 @@ def test_parameters_are_stored_the_way_their_gradients_come():
         assert p.stride() == (1, 16) and torch.equal(p, w[r])
         assert fast.optimizers[r].state[p]["exp_avg"].stride() == (1, 16)
     assert fast.stack.orders["0.bias"] is None  # 1-d: nothing to reorder
+    assert all(p.is_contiguous() for m in ref.models for p in m.parameters())  # the default: .view() works
+    assert not fast.stack._stride_hooks and not ref.stack._stride_hooks
+
+
+def test_stride_hooks_go_when_the_flat_step_is_given_up():
+    """A parameter with no gradient ends the stacked step at the first backward: the stride hooks go too."""
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3), nn.Linear(3, 3))  # the last: unused
+    eng = _engine(OPTIMIZERS["adamw"][0], model=model, steps=2, gradient_layout=True,
+                  loss_fn=lambda m, b: F.cross_entropy(m[2](m[1](m[0](b[0]))), b[1]))
+    assert eng.optimizer_path.startswith("per-replica: a parameter got no gradient")
+    assert not eng.stack._stride_hooks
 
 
 def test_what_steps_per_replica_and_why():

@@ -28,7 +28,7 @@ class StackedReplicas:
     ``one_grad_row``: every replica's ``.grad`` is a view of ``grad``'s row 0, which holds the average (shared
     gradients, nothing that changes one replica's gradient); else each replica's is its own row."""
 
-    def __init__(self, models: Sequence[nn.Module], one_grad_row: bool, relayout: bool = True) -> None:
+    def __init__(self, models: Sequence[nn.Module], one_grad_row: bool, relayout: bool = False) -> None:
         self.N = len(models)
         self.one_grad_row = one_grad_row
         self.relayout = relayout  # store each flattened parameter in the order of its gradient (bind_grads)
@@ -112,6 +112,12 @@ class StackedReplicas:
                 col += k
         return None
 
+    def drop_stride_hooks(self) -> None:
+        """The first backward's stride hooks, once no longer needed (or the flat step was given up)."""
+        for h in self._stride_hooks:
+            h.remove()
+        self._stride_hooks = []
+
     def _strides_hook(self, name: str):
         def hook(g: torch.Tensor) -> None:
             self._raw_strides.setdefault(name, g.stride()[1:])
@@ -142,9 +148,7 @@ class StackedReplicas:
         (the same columns of theta, the values moved), so that every later backward adds into :attr:`grad` in
         memory order (an ``nn.Linear`` weight's gradient under vmap is transposed: accumulating it into a
         row-major buffer reads it across)."""
-        for h in self._stride_hooks:
-            h.remove()
-        self._stride_hooks = []
+        self.drop_stride_hooks()
         for n, (a, b) in self.columns.items():
             order = self._gradient_order(n)
             if order == self.orders[n]:
@@ -192,6 +196,7 @@ class StackedReplicas:
         parameter's (and replica view's) ``.grad`` a view of it. False when a parameter got no gradient (the
         stacked step would move it; per-replica optimizers skip it)."""
         if any(self.params[n].grad is None for n in self.columns):
+            self.drop_stride_hooks()
             return False
         if self.relayout:
             self._store_as_gradients()
