@@ -399,11 +399,9 @@ class ReplicaEngine:
         average_local([e.tensors() for e in ens], bad)  # Eq. 3 over the healthy replicas
         if bad:
             average_local([e.recovery_tensors() for e in ens], bad)  # the reset replicas' moments too
-        for c in self._copies:
-            c.clear()
         try:
             for e, v in zip(ens, verdicts):
                 e.finish_sync(t, v)
-        finally:
+        finally:  # the next sync's copies start afresh (the snapshots keep what they need)
             for c in self._copies:
-                c.clear()  # (the snapshots keep what they need)
+                c.clear()
