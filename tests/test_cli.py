@@ -53,6 +53,7 @@ def test_train_writes_records_and_plots(tmp_path):
     # the saved model is the averaged one and holds no [N, ...] storage
     sd = torch.load(out / "model.pt", weights_only=True)
     assert sd["tok.weight"].untyped_storage().nbytes() == sd["tok.weight"].numel() * 4
+    assert all(v.is_contiguous() for v in sd.values())  # row-major, whatever layout the engine trained in
     # `hdet plot` redraws them
     (out / "loss.png").unlink()
     assert main(["plot", str(out)]) == 0 and (out / "loss.png").exists()

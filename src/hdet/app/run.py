@@ -277,9 +277,11 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
             writer.close()
         (out / "schedule.json").write_text(json.dumps(sched0.discovered_schedule()))
         if crashed is None:
-            # clone: in vmap mode the weights are views of [N, ...] tensors, which torch.save would store whole
+            # clone: in vmap mode the weights are views of [N, ...] tensors, which torch.save would store whole (and,
+            # with the engine's gradient layout, non-contiguous: saved row-major, as a plain model's)
             with eval_weights(task, reps.eval_model(), reps.optimizers, cfg, device):  # Schedule-Free: its x
-                torch.save({k: v.detach().clone() for k, v in reps.eval_model().state_dict().items()}, out / "model.pt")
+                torch.save({k: v.detach().clone(memory_format=torch.contiguous_format)
+                            for k, v in reps.eval_model().state_dict().items()}, out / "model.pt")
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if owns_group:
         dist.barrier()  # every rank is done with its collectives before the group goes
