@@ -262,6 +262,28 @@ def test_snapshots_of_moments_that_part_later_stay_each_replicas(stop):
     _close(fast, slow)
 
 
+def test_a_checkpoint_holds_the_shared_snapshot_once():
+    """The engine's state_dict holds the guard's copy of the one shared moments once (torch.save stores it
+    once), each replica's weights apart; a replica's own scheduler.state_dict() stays a fresh copy."""
+    make, sched = OPTIMIZERS["adamw"][0], UNSTABLE["recover"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast, slow = _engine(make, sched=sched, steps=8), _engine(make, stacked=False, sched=sched, steps=8)
+    snaps = [r["scheduler"]["hdet"]["stability"]["snapshot"] for r in fast.state_dict()["replicas"]]
+    k = len(list(fast.models[0].parameters()))
+    assert all(sn[k + i] is snaps[0][k + i] for sn in snaps for i in range(2 * k))  # the moments: one copy
+    assert len({id(sn[0]) for sn in snaps}) == N  # each replica's weights
+    sizes = []
+    for e in (fast, slow):
+        buf = io.BytesIO()
+        torch.save(e.state_dict(), buf)
+        sizes.append(len(buf.getvalue()))
+    P = 4 * sum(p.numel() for p in _model().parameters())
+    assert sizes[1] - sizes[0] >= (N - 1) * 2 * P  # the per-replica path saves N copies of the moments' snapshot
+    own = fast.schedulers[1].state_dict()["hdet"]["stability"]["snapshot"]
+    assert own[k] is not snaps[1][k] and torch.equal(own[k], snaps[1][k])
+
+
 def test_a_resumed_guard_keeps_training_the_same():
     """A checkpoint holds each replica's own copy of the guard's state; loaded into the stacked engine,
     training goes on exactly as without the checkpoint."""

@@ -272,11 +272,13 @@ class ReplicaEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """Every replica's model, optimizer and scheduler state, as plain data (``torch.load(weights_only=True)``
-        reads it). The global RNG (dropout masks, data order) is the caller's to save, as in any training loop."""
-        return {"version": self.STATE_VERSION, "num_replicas": self.num_replicas,
-                "share_gradients": self.share_gradients,
-                "replicas": [{"model": m.state_dict(), "optimizer": o.state_dict(), "scheduler": s.state_dict()}
-                             for m, o, s in zip(self.models, self.optimizers, self.schedulers)]}
+        reads it). The global RNG (dropout masks, data order) is the caller's to save, as in any training loop.
+        Snapshots the replicas share (:class:`hdet.stability.SharedCopies`) are one tensor in it."""
+        with self._copies[0].saving(), self._copies[1].saving():
+            return {"version": self.STATE_VERSION, "num_replicas": self.num_replicas,
+                    "share_gradients": self.share_gradients,
+                    "replicas": [{"model": m.state_dict(), "optimizer": o.state_dict(), "scheduler": s.state_dict()}
+                                 for m, o, s in zip(self.models, self.optimizers, self.schedulers)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`: models, then optimizers, then schedulers (which set each replica's own

@@ -171,7 +171,7 @@ class RampSnapshots:
         self.items = []
 
     def state_dict(self) -> list[list[Any]]:
-        return [[step, lr, loss, [t.detach().cpu().clone() for t in ts]] for step, lr, loss, ts in self.items]
+        return [[step, lr, loss, self.copier.saved(ts)] for step, lr, loss, ts in self.items]
 
     @staticmethod
     def parse(state: Any) -> list[tuple[int, float, float, list[torch.Tensor]]]:

@@ -21,9 +21,11 @@ one-process engine, tensors that the replicas share (its one copy of the moments
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -60,10 +62,30 @@ class SharedCopies:
         self.generation = 0
         self._made: dict[tuple[Any, ...], torch.Tensor] = {}
         self._written: set[int] = set()  # ids of the copies written in this sync
+        self._saved: dict[int, torch.Tensor] | None = None  # id of a kept copy -> its CPU copy (saving())
 
     def clear(self) -> None:
         self.generation += 1
         self._made, self._written = {}, set()
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """While the engine builds its state_dict: :meth:`saved` makes one CPU copy per kept tensor."""
+        self._saved = {}
+        try:
+            yield
+        finally:
+            self._saved = None
+
+    def saved(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of the kept ``t`` on the CPU for a checkpoint: within :meth:`saving`, one per kept tensor
+        however many replicas hold it (``torch.save`` then stores it once)."""
+        if self._saved is None:
+            return t.detach().cpu().clone()
+        c = self._saved.get(id(t))
+        if c is None:
+            c = self._saved[id(t)] = t.detach().cpu().clone()
+        return c
 
     def copy(self, k: int, tensors: list[torch.Tensor], into: list[torch.Tensor] | None) -> list[torch.Tensor]:
         out = []
@@ -101,6 +123,12 @@ class Copier:
             self._generation, self._k = self.shared.generation, 0
         self._k += 1
         return self.shared.copy(self._k, tensors, into)
+
+    def saved(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """CPU copies of kept tensors, for a state_dict (shared ones once, see :meth:`SharedCopies.saved`)."""
+        if self.shared is None:
+            return [t.detach().cpu().clone() for t in tensors]
+        return [self.shared.saved(t) for t in tensors]
 
 
 class StabilityGuard:
@@ -188,7 +216,7 @@ class StabilityGuard:
 
     def state_dict(self) -> dict[str, Any]:
         return {"best_loss": self.best_loss, "best_step": self.best_step, "best_se": self.best_se,
-                "snapshot": None if self._snapshot is None else [t.detach().cpu().clone() for t in self._snapshot]}
+                "snapshot": None if self._snapshot is None else self.copier.saved(self._snapshot)}
 
     @staticmethod
     def parse(state: dict[str, Any] | None) -> dict[str, Any]:
