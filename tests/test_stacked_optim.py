@@ -4,6 +4,7 @@ state, checkpoints and hooks as torch's."""
 
 from __future__ import annotations
 
+import copy
 import io
 import warnings
 
@@ -282,6 +283,26 @@ def test_a_checkpoint_holds_the_shared_snapshot_once():
     assert sizes[1] - sizes[0] >= (N - 1) * 2 * P  # the per-replica path saves N copies of the moments' snapshot
     own = fast.schedulers[1].state_dict()["hdet"]["stability"]["snapshot"]
     assert own[k] is not snaps[1][k] and torch.equal(own[k], snaps[1][k])
+
+
+def test_a_loaded_state_dict_stays_the_callers():
+    """Loading a state_dict (on the CPU, where .to() would return the very tensor) copies the snapshots: the
+    engine that trains on never writes into the caller's dict, nor into another engine loaded from it."""
+    make, sched = OPTIMIZERS["adamw"][0], UNSTABLE["recover"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sd = _engine(make, sched=sched, steps=8).state_dict()
+        before = copy.deepcopy(sd)
+        a, b = _engine(make, sched=sched, steps=0), _engine(make, sched=sched, steps=0)
+        a.load_state_dict(sd)
+        b.load_state_dict(sd)
+        for t in range(8, STEPS):
+            a.step((X[t], Y[t]), _loss, stacked=True)
+    snap = lambda d, r: d["replicas"][r]["scheduler"]["hdet"]["stability"]["snapshot"]  # noqa: E731
+    for r in range(N):
+        assert all(torch.equal(x, y) for x, y in zip(snap(sd, r), snap(before, r)))
+        assert all(x is not y for x, y in zip(b.schedulers[r].ensemble.stability._snapshot, snap(sd, r)))
+        assert all(torch.equal(x, y) for x, y in zip(b.schedulers[r].ensemble.stability._snapshot, snap(before, r)))
 
 
 def test_a_resumed_guard_keeps_training_the_same():

@@ -189,7 +189,7 @@ class RampSnapshots:
 
     def load(self, items: list[tuple[int, float, float, list[torch.Tensor]]], tensors: list[torch.Tensor]) -> None:
         """Set parsed snapshots onto the devices of ``tensors`` (snapshots of another layout are dropped)."""
-        self.items = [(step, lr, loss, [s.to(t.device, t.dtype) for s, t in zip(ts, tensors)])
+        self.items = [(step, lr, loss, [s.to(t.device, t.dtype, copy=True) for s, t in zip(ts, tensors)])
                       for step, lr, loss, ts in items if len(ts) == len(tensors)
                       and all(s.shape == t.shape for s, t in zip(ts, tensors))]
 

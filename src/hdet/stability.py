@@ -235,7 +235,7 @@ class StabilityGuard:
         self.best_loss, self.best_step, self.best_se = parsed["best_loss"], parsed["best_step"], parsed["best_se"]
         snap = parsed["snapshot"]
         self._snapshot = None if snap is None or not same_layout(snap, tensors) else [
-            s.to(t.device, t.dtype) for s, t in zip(snap, tensors)]
+            s.to(t.device, t.dtype, copy=True) for s, t in zip(snap, tensors)]  # never the caller's tensors
 
 
 def same_layout(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
