@@ -283,6 +283,10 @@ def test_a_checkpoint_holds_the_shared_snapshot_once():
     assert sizes[1] - sizes[0] >= (N - 1) * 2 * P  # the per-replica path saves N copies of the moments' snapshot
     own = fast.schedulers[1].state_dict()["hdet"]["stability"]["snapshot"]
     assert own[k] is not snaps[1][k] and torch.equal(own[k], snaps[1][k])
+    with fast._copies[0].saving():  # a state_dict taken inside another (a hook): still one copy
+        inner = [r["scheduler"]["hdet"]["stability"]["snapshot"] for r in fast.state_dict()["replicas"]]
+        assert fast._copies[0]._saved is not None  # the outer one's memo survives the inner call
+    assert all(sn[k] is inner[0][k] for sn in inner)
 
 
 def test_a_loaded_state_dict_stays_the_callers():

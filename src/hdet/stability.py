@@ -70,12 +70,16 @@ class SharedCopies:
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
-        """While the engine builds its state_dict: :meth:`saved` makes one CPU copy per kept tensor."""
-        self._saved = {}
+        """While the engine builds its state_dict: :meth:`saved` makes one CPU copy per kept tensor (a nested
+        call, from a hook inside one, shares the outer one's copies)."""
+        outer = self._saved is not None
+        if not outer:
+            self._saved = {}
         try:
             yield
         finally:
-            self._saved = None
+            if not outer:
+                self._saved = None
 
     def saved(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of the kept ``t`` on the CPU for a checkpoint: within :meth:`saving`, one per kept tensor
