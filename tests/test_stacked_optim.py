@@ -327,6 +327,8 @@ def test_a_resumed_guard_keeps_training_the_same():
             resumed.step((X[t], Y[t]), _loss, stacked=True)
     assert any(r.went_back_to is not None for r in recs)  # it went back to the loaded best state
     _close(full, resumed)
+    assert all(torch.equal(a, b) for ma, mb in zip(full.models, resumed.models)  # the same kernels: bit for bit
+               for a, b in zip(ma.parameters(), mb.parameters()))
 
 
 def test_parameters_are_stored_the_way_their_gradients_come():
