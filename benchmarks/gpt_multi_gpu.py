@@ -186,8 +186,9 @@ def report(folder: Path) -> str:
     """A markdown table of every run under ``folder`` (and ``curves.png``, if matplotlib is there)."""
     runs = {str(f.relative_to(folder).with_suffix("")): json.loads(f.read_text()) for f in sorted(folder.rglob("*.json"))}
     runs = {k: r for k, r in runs.items() if "final_val_loss" in r}
+    best_lr = best(list(map(str, folder.glob("grid_*.json"))))
     plain = [r["final_val_loss"] for r in runs.values() if r["world"] > 1 and r["args"]["alpha"] == 0
-             and not r["args"]["range_test"] and r["args"]["max_lr"] == best([p for p in map(str, folder.glob("grid_*.json"))])]
+             and not r["args"]["range_test"] and r["args"]["max_lr"] == best_lr]
     ref = sum(plain) / len(plain)
     lines = [f"Reference: plain DDP at the grid's best max_lr, mean of {len(plain)} seeds: {ref:.4f}", "",
              "| run | GPUs | max_lr | alpha | range test | seed | held-out loss | vs reference | events |",
