@@ -14,6 +14,11 @@ Run with torchrun on 2+ GPUs (NCCL; gloo on CPU for a smoke test with --tiny):
    included).
 2. No host sync on non-sync steps: 2T more steps of the default HDET model with
    ``torch.cuda.set_sync_debug_mode("error")`` on every non-sync step (any host sync raises).
+2b. A device timeline (``torch.profiler``, --profile-steps non-sync steps of every model): the device time
+   of every kernel, summed per step, and the kernels HDET adds to plain's (by name); the added time over
+   plain's step time is HDET's cost where step-time ratios cannot resolve it. The "skip" guard's check
+   alone (CUDA events, on the model's real gradients): the shipped read-only check, the earlier
+   read-and-write check (GradScaler's), a handed-over norm; and the check's verdict on planted NaN/Inf.
 3. One converge step's averaging (``ProcessGroupReplicas.average_`` over the weights) against one
    all_reduce of a ready flat buffer of the same bytes (the floor): the model's own separate parameters
    (bucketed copies, 25 and 100 MB buckets), the same tensors laid out contiguously (in place, no copy),
@@ -51,6 +56,8 @@ def main() -> None:
     p.add_argument("--converge-only", action="store_true", help="skip the step-time part (one HDET model)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="HDET's averaging bucket size")
     p.add_argument("--out", default=None, help="also write the JSON line here (rank 0)")
+    p.add_argument("--clip", type=float, default=None, help="every model clips its gradients to this norm")
+    p.add_argument("--profile-steps", type=int, default=20, help="steps per model in the device timeline (0: none)")
     a = p.parse_args()
     cuda = torch.cuda.is_available() and not a.tiny
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -73,7 +80,8 @@ def main() -> None:
                "hdet_T100": (100, "auto", False, False),
                "hdet_T1000": (1000, "auto", False, False), "hdet_T100_hook": (100, "hook", False, False),
                "hdet_T100_noguard": (100, False, False, False), "hdet_T1000_noguard": (1000, False, False, False),
-               "hdet_T100_contiguous": (100, "auto", False, True), "hdet_T100_local": (100, "auto", True, False)}
+               "hdet_T100_contiguous": (100, "auto", False, True), "hdet_T100_local": (100, "auto", True, False),
+               "hdet_T100_schedclip": (100, "auto", False, False), "hdet_T1000_schedclip": (1000, "auto", False, False)}
     configs = {k: v for k, v in configs.items() if k == "plain" or a.only is None or k in a.only.split(",")}
     if a.converge_only:
         configs = {"hdet_T100": configs.get("hdet_T100", (100, "auto", False, False))}
@@ -92,7 +100,7 @@ def main() -> None:
                                         model_sync_interval=T, model=ddp, guard_gradients=guard,
                                         bucket_cap_mb=a.bucket_mb)
         runs[name] = {"model": model, "ddp": ddp, "opt": opt, "sched": sched, "T": T, "seconds": 0.0, "done": 0,
-                      "local": local, "guard": getattr(sched, "gradient_guard", None),
+                      "local": local, "schedclip": name.endswith("_schedclip"), "guard": getattr(sched, "gradient_guard", None),
                       "params": sum(q.numel() for q in model.parameters())}
     g = torch.Generator(device=dev).manual_seed(rank)
     data = torch.randint(0, vocab, (4, a.batch, ctx + 1), device=dev, generator=g)
@@ -115,6 +123,10 @@ def main() -> None:
                 loss = F.cross_entropy(logits.float().reshape(-1, vocab), b[:, 1:].reshape(-1))
                 run["opt"].zero_grad(set_to_none=True)
                 loss.backward()
+            if a.clip is not None and run["schedclip"]:  # the clip's norm is the guard's verdict
+                run["sched"].clip_grad_norm_(a.clip)
+            elif a.clip is not None:
+                torch.nn.utils.clip_grad_norm_(run["model"].parameters(), a.clip)
             run["opt"].step()
             run["sched"].step(loss) if run["T"] else run["sched"].step()
             if quiet:
@@ -142,6 +154,8 @@ def main() -> None:
                                         "guard": main_run["guard"],
                                         "non_sync_steps_checked": train_block(main_run, 2 * main_run["T"], True)}
     out["skip_guard_check"] = guard_cost(main_run, sync_dev)
+    if cuda and a.profile_steps and not a.converge_only:
+        out["timeline"] = timeline(runs, train_block, a.profile_steps, out["ms_per_step"]["plain"])
     converge(out, main_run["sched"].ensemble, dev, a.reps, sync_dev)
     if rank == 0:
         print(json.dumps(out), flush=True)
@@ -179,11 +193,14 @@ def step_times(runs, train_block, steps, warm, block, a, ctx) -> dict:
 
 
 def guard_cost(run: dict, sync_dev, n: int = 50) -> dict:
-    """The "skip" guard's check alone on the model's real gradients: host time to enqueue it, and the time
-    until the device has run it (the larger of host and device time), per call."""
+    """The "skip" guard's check alone on the model's real gradients, per call: host time to enqueue it, and
+    the time until the device has run it; on CUDA also its device time (CUDA events) next to the earlier
+    read-and-write check (GradScaler's ``_amp_foreach_non_finite_check_and_unscale_``) and a handed-over
+    norm, and the shipped check's verdict with a NaN or Inf planted at several places."""
     guard, opt = run["sched"].skip_guard, run["opt"]
     if guard is None:
         return {}
+    grads = [p.grad for p in run["model"].parameters() if p.grad is not None]
     sync_dev()
     t0 = time.perf_counter()
     for _ in range(n):
@@ -192,9 +209,84 @@ def guard_cost(run: dict, sync_dev, n: int = 50) -> dict:
     t_host = time.perf_counter() - t0
     sync_dev()
     t_done = time.perf_counter() - t0
-    return {"ms_host": 1000 * t_host / n, "ms_until_done": 1000 * t_done / n,
-            "gradient_mb": sum(p.grad.numel() * p.grad.element_size() for p in run["model"].parameters()
-                               if p.grad is not None) / 2**20}
+    out = {"ms_host": 1000 * t_host / n, "ms_until_done": 1000 * t_done / n,
+           "gradient_mb": sum(g.numel() * g.element_size() for g in grads) / 2**20}
+    if grads[0].device.type != "cuda":
+        return out
+    from hdet.guard import _nonfinite
+
+    found, one = torch.zeros((), device=grads[0].device), torch.ones((), device=grads[0].device)
+    norm = torch.nn.utils.clip_grad_norm_(grads, 1e9)
+
+    def device_ms(fn) -> float:
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n
+
+    out["device_ms"] = {
+        "shipped_readonly_inf_norm": device_ms(lambda: _nonfinite(grads, grads[0].device)),
+        "guard_pre_hook_readonly": device_ms(lambda: (guard._pre(opt, (), {}), guard._post(opt, (), {}))),
+        "earlier_amp_read_write": device_ms(lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)),
+        "handed_over_norm": device_ms(lambda: (guard.use_norm(norm, grads), guard._pre(opt, (), {}),
+                                               guard._post(opt, (), {})))}
+    verdicts = {}  # the shipped check on planted values (restored after)
+    big = max(range(len(grads)), key=lambda i: grads[i].numel())
+    for name, i, pos in (("first", 0, 0), ("largest_middle", big, grads[big].numel() // 2 + 7),
+                         ("largest_last", big, grads[big].numel() - 1), ("last", len(grads) - 1, -1)):
+        flat = grads[i].view(-1)
+        keep = flat[pos].item()
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            flat[pos] = bad
+            verdicts[f"{name}_{bad}"] = bool(_nonfinite(grads, grads[0].device))
+        flat[pos] = keep
+    verdicts["clean"] = bool(_nonfinite(grads, grads[0].device))
+    out["verdicts_true_means_nonfinite"] = verdicts
+    return out
+
+
+def timeline(runs: dict, train_block, k: int, plain_ms: float) -> dict:
+    """``k`` non-sync steps of every model under ``torch.profiler``: device time per step of every kernel
+    (NCCL's apart: they overlap compute), and per HDET model the kernels whose time per step differs from
+    plain's by more than 2 us, largest first; ``added_ms_per_step`` over plain's measured step time is the
+    added fraction (an upper bound: added kernels may overlap communication)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    per = {}
+    for name, run in runs.items():
+        sched = run["sched"]
+        while run["T"] and any(sched.ensemble.is_sync_step(run["done"] + i) for i in range(1, k + 1)):
+            train_block(run, 1)  # move past the next converge step: the timeline is of ordinary steps
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            train_block(run, k)
+        kernels: dict[str, float] = {}
+        for e in prof.key_averages():
+            us = getattr(e, "self_device_time_total", None)
+            us = e.self_cuda_time_total if us is None else us
+            if us:
+                kernels[e.key] = kernels.get(e.key, 0.0) + us / k
+        per[name] = kernels
+    out = {}
+    plain = per["plain"]
+
+    def total(ks: dict, nccl: bool) -> float:
+        return sum(v for n, v in ks.items() if ("nccl" in n.lower()) == nccl) / 1000
+
+    for name, ks in per.items():
+        row = {"device_ms_per_step": total(ks, False), "nccl_ms_per_step": total(ks, True)}
+        if name != "plain":
+            diff = {n: ks.get(n, 0.0) - plain.get(n, 0.0) for n in set(ks) | set(plain) if "nccl" not in n.lower()}
+            row["added_ms_per_step"] = row["device_ms_per_step"] - total(plain, False)
+            row["added_fraction_of_plain_step"] = row["added_ms_per_step"] / plain_ms
+            row["kernels_us_vs_plain"] = {n[:90]: round(v, 2) for n, v in sorted(diff.items(), key=lambda x: -abs(x[1]))
+                                          if abs(v) > 2}
+        out[name] = row
+    out["steps_profiled"] = k
+    return out
 
 
 def converge(out: dict, ens, dev, reps: int, sync_dev) -> None:

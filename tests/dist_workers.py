@@ -280,11 +280,19 @@ def explore_hypers(rank, world, steps=30):
         "names": s.last_sync.names, "ctrl": [c.delta for c in s.last_sync.controller]}
 
 
-def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20, T=5, guard=True, fused=False):
+def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20, T=5, guard=True, fused=False,
+                    clip=False):
     """DDP + Adam (``fused``: torch's fused Adam) + auto-LR; at step ``at`` replica ``bad_rank`` gets a NaN
     weight (mid-window) or a NaN loss. Records, after every step, whether each rank's weights are finite
-    and whether they changed, and after every sync whether the replicas are equal."""
+    and whether they changed, and after every sync whether the replicas are equal. ``clip``: clip through
+    ``scheduler.clip_grad_norm_`` (max norm 1e6: no healthy gradient is changed) and count the guard's own
+    passes over the gradients."""
     import warnings
+
+    import hdet.guard
+
+    own_pass, passes = hdet.guard._nonfinite, []
+    hdet.guard._nonfinite = lambda grads, device: passes.append(len(grads)) or own_pass(grads, device)
 
     model = make_model(0)
     ddp = DDP(model, broadcast_buffers=False)
@@ -307,6 +315,8 @@ def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20,
                     loss = loss * float("nan")
                 o.zero_grad()
                 loss.backward()
+                if clip:
+                    s.clip_grad_norm_(1e6)
                 o.step()
                 changed.append(not torch.equal(before, torch.cat([p.detach().flatten() for p in model.parameters()])))
                 s.step(loss)
@@ -324,7 +334,7 @@ def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20,
             "nonfinite_losses": nonfinite,
             "guard": s.gradient_guard, "losses_at_recovery": s.ensemble.controllers[0].updates, "changed": changed,
             "skipped": None if s.skip_guard is None else float(s.skip_guard.skipped),
-            "steps": [int(st["step"]) for st in o.state.values()][:1]}
+            "steps": [int(st["step"]) for st in o.state.values()][:1], "own_passes": len(passes)}
 
 
 def _timeout_entry(rank, world, out_dir, skip_rank, timeout_s):

@@ -164,13 +164,15 @@ def test_non_finite_replica_is_dropped_reset_and_training_goes_on(fault):
         assert len(out["warnings"]) == 1 and "replica(s) [2]" in out["warnings"][0]
 
 
-@pytest.mark.parametrize("fault", ["weights", "loss"])
-def test_skip_guard_skips_the_step_everywhere_and_the_bad_replica_is_reset(fault):
+@pytest.mark.parametrize("fault,clip", [("weights", False), ("loss", False), ("weights", True), ("loss", True)])
+def test_skip_guard_skips_the_step_everywhere_and_the_bad_replica_is_reset(fault, clip):
     """The same faults with torch's fused Adam, so "auto" picks the "skip" guard (no comm hook): while
     replica 2 is non-finite (step 7 for a NaN loss, steps 7-10 for a NaN weight) the averaged gradient is
     non-finite on every replica and every replica skips the step on the device (weights and Adam's step
-    count untouched); no healthy replica ever sees a NaN; the sync at step 10 resets replica 2."""
-    res = check_ok(run_gloo(_fault, 4, {"fault": fault, "fused": True}))
+    count untouched); no healthy replica ever sees a NaN; the sync at step 10 resets replica 2. Clipping
+    through ``scheduler.clip_grad_norm_``, the clip's norm decides the same steps and the guard makes no
+    pass of its own (one a step otherwise)."""
+    res = check_ok(run_gloo(_fault, 4, {"fault": fault, "fused": True, "clip": clip}))
     bad = [7] if fault == "loss" else [7, 8, 9, 10]  # the NaN weight is in step 10's forward too
     for r, out in enumerate(res):
         assert out["error"] is None and out["guard"] == "skip"
@@ -180,6 +182,7 @@ def test_skip_guard_skips_the_step_everywhere_and_the_bad_replica_is_reset(fault
             assert all(out["finite"]), (r, out["finite"])
             assert [t for t, c in enumerate(out["changed"], 1) if not c] == bad  # skipped exactly then
         assert out["skipped"] == len(bad) and out["steps"] == [20 - len(bad)]
+        assert out["own_passes"] == (0 if clip else 20)
         assert out["finite"][9:] == [True] * 11 and out["equal"] == [True] * 4
         assert out["recovered"] == ([[], [2], [], []] if fault == "weights" else [[]] * 4)
         assert out["nonfinite_losses"][1] == ([0, 0, 1, 0] if fault == "loss" else [0, 0, 4, 0])  # NaN weight: steps 7-10

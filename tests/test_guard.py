@@ -137,3 +137,64 @@ def test_sharded_replicas_have_only_the_skip_guard():
         warnings.simplefilter("error")
         assert resolve_guard("auto", _setup()[2], mesh=True) == "skip"
         assert resolve_guard(False, opt, mesh=True) is None
+
+
+def test_a_handed_over_norm_decides_the_step_and_the_guard_makes_no_pass(monkeypatch):
+    """use_norm: the clip's total norm decides (finite: the step runs; non-finite: skipped) and the guard's
+    own pass over the gradients does not run; the norm counts for one step only."""
+    import hdet.guard
+
+    passes = []
+    own = hdet.guard._nonfinite
+    monkeypatch.setattr(hdet.guard, "_nonfinite", lambda grads, device: passes.append(len(grads)) or own(grads, device))
+    p, q, opt = _setup()
+    guard = SkipNonFiniteStep(opt)
+    p.grad, q.grad = torch.ones(5), torch.ones(3, 2)
+    norm = torch.nn.utils.clip_grad_norm_([p, q], 1e6)
+    guard.use_norm(norm, [p.grad, q.grad])
+    before = q.detach().clone()
+    opt.step()
+    assert not torch.equal(q, before) and passes == [] and float(guard.skipped) == 0.0
+    p.grad, q.grad = torch.ones(5), torch.ones(3, 2)
+    guard.use_norm(torch.tensor(float("nan")), [p.grad, q.grad])  # a NaN norm: skipped, no pass either
+    before = q.detach().clone()
+    opt.step()
+    assert torch.equal(q, before) and passes == [] and float(guard.skipped) == 1.0
+    opt.step()  # nothing handed over: the guard's own pass
+    assert passes == [2] and not torch.equal(q, before)
+
+
+@pytest.mark.parametrize("change", ["another backward", "new gradient tensor", "one more gradient"])
+def test_a_norm_of_other_gradients_than_the_step_applies_is_not_used(change, monkeypatch):
+    """A norm taken, then the gradients changed (accumulated into in place, replaced, or one more param got
+    a gradient): the guard checks for itself, and a NaN that came after the norm still skips the step."""
+    p, q, opt = _setup()
+    guard = SkipNonFiniteStep(opt)
+    p.grad = torch.ones(5)
+    q.grad = None if change == "one more gradient" else torch.ones(3, 2)
+    grads = [g for g in (p.grad, q.grad) if g is not None]
+    guard.use_norm(torch.nn.utils.clip_grad_norm_([p, q], 1e6), grads)  # finite
+    bad = torch.ones(3, 2)
+    bad[0, 0] = float("nan")
+    if change == "another backward":
+        q.grad.add_(bad)  # what autograd's accumulation does: in place
+    else:
+        q.grad = bad
+    before = [p.detach().clone(), q.detach().clone()]
+    opt.step()
+    assert torch.equal(p, before[0]) and torch.equal(q, before[1]) and float(guard.skipped) == 1.0
+
+
+def test_scheduler_clip_grad_norm_clips_every_gradient_the_optimizer_steps():
+    """HDETLR.clip_grad_norm_ is torch's clip over the optimizer's parameters (every group), returning the
+    total norm; in one process there is no guard to hand it to."""
+    import hdet
+
+    p, q, opt = _setup()
+    s = hdet.OneCycleAutoLR(opt, max_lr=0.01, total_steps=10)
+    p.grad, q.grad = torch.full((5,), 3.0), torch.full((3, 2), 4.0)
+    want = torch.cat([p.grad, q.grad.flatten()]).norm()
+    norm = s.clip_grad_norm_(1.0)
+    assert torch.allclose(norm, want)
+    assert torch.allclose(torch.cat([p.grad, q.grad.flatten()]).norm(), torch.tensor(1.0), atol=1e-5)
+    assert s.skip_guard is None

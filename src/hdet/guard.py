@@ -12,11 +12,13 @@ optimizer can skip a step on the device, i.e. every param group is ``fused``; ``
   which makes it much slower than "skip" (measured in ``docs/cost.md``).
 * ``"skip"`` (:class:`SkipNonFiniteStep`): no hook; DDP averages as usual, so a NaN/Inf on any replica
   is in the averaged gradient, bit-identical on every replica. Just before ``optimizer.step()`` one
-  fused pass over the gradients (GradScaler's own check, ``_amp_foreach_non_finite_check_and_unscale_``
-  with scale 1) says whether the averaged gradient is finite, and the fused optimizer skips the step on
-  the device when it is not (``found_inf``, the mechanism of ``torch.amp.GradScaler``): every replica
-  skips that step together, weights and optimizer state untouched. Cost: one read and one write of the
-  gradients a step (measured in ``docs/cost.md``).
+  fused read of the gradients (their max-abs norms, ``torch._foreach_norm(..., inf)``: NaN and Inf
+  propagate, and a max cannot overflow) says whether the averaged gradient is finite, and the fused
+  optimizer skips the step on the device when it is not (``found_inf``, the mechanism of
+  ``torch.amp.GradScaler``): every replica skips that step together, weights and optimizer state
+  untouched. Cost: one read of the gradients a step, or nothing when the step's gradient norm is handed
+  over (:meth:`SkipNonFiniteStep.use_norm`, which ``HDETLR.clip_grad_norm_`` does): a clipping user
+  has computed it anyway (measured in ``docs/cost.md``).
 
 With FSDP2/HSDP replicas (``device_mesh``) only "skip" exists: each rank checks its own gradient shards
 and the ranks agree through a MAX all_reduce of the flag over each mesh dimension.
@@ -67,6 +69,27 @@ def _all_finite(buf: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(buf).all()
 
 
+def _nonfinite(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Whether any element of ``grads`` (one device and dtype) is NaN or Inf, as a device bool: the
+    max-abs norm of each (one fused read; NaN and Inf propagate through a max, and no max of finite values
+    overflows, unlike a sum or a 2-norm), then whether all of them are finite."""
+    grads = [g for g in grads if g.numel()]  # an empty shard has no max-abs norm (and nothing to check)
+    if not grads:
+        return torch.zeros((), dtype=torch.bool, device=device)
+    norms = torch._foreach_norm(grads, float("inf"))
+    return torch.isfinite(torch.stack(norms)).all().logical_not()
+
+
+def _unchanged(seen: list[tuple[torch.Tensor, int]], groups: dict[Any, list[torch.Tensor]]) -> bool:
+    """Whether the gradients in ``groups`` are exactly the tensors in ``seen``, none modified in place since
+    (a tensor's ``_version`` counts its in-place writes: a backward accumulating into it, a clip)."""
+    now = [g for grads in groups.values() for g in grads]
+    if len(now) != len(seen):
+        return False
+    ids = {id(g): v for g, v in seen}
+    return all(ids.get(id(g)) == g._version for g in now)
+
+
 def _fused(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` honours ``found_inf`` on the device (torch's fused Adam/AdamW/SGD/...)."""
     inner = _innermost(optimizer)
@@ -98,12 +121,26 @@ class SkipNonFiniteStep:
         self.optimizer = optimizer
         self.agree_over = list(agree_over)
         self.skipped: torch.Tensor | None = None
-        self._flags: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # per device: (found, 1.0), reused
+        self._flags: dict[torch.device, torch.Tensor] = {}  # per device: the found flag, reused
+        self._norm: tuple[torch.Tensor, list[tuple[torch.Tensor, int]]] | None = None  # use_norm: (norm, versions)
         self._saved: list[Any] = []  # per step in flight: the found_inf to restore (None: there was none)
         self._mine: torch.Tensor | None = None  # the found_inf this guard set last
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 
+    def use_norm(self, total_norm: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
+        """The next step's verdict comes from ``total_norm``, a norm of ``grads`` (what
+        ``torch.nn.utils.clip_grad_norm_`` returns; any p-norm is non-finite when one element is), instead of
+        a pass of the guard's own. Used only if, at that step, ``grads`` are exactly the gradients the
+        optimizer holds, unmodified since (same tensors, same in-place version: clipping first and then
+        running another backward falls back to the guard's own pass). :meth:`hdet.HDETLR.clip_grad_norm_`
+        hands over its norm so. Not with ``agree_over`` (sharded replicas each hold other shards)."""
+        if self.agree_over:
+            raise ValueError("Expected no agree_over groups for use_norm (a plain DDP guard), but this guard agrees "
+                             f"over {len(self.agree_over)} mesh groups: sharded norms are not handed over")
+        self._norm = (total_norm, [(g, g._version) for g in grads])
+
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        handed, self._norm = self._norm, None
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for g in optimizer.param_groups:
             for p in g["params"]:
@@ -113,16 +150,17 @@ class SkipNonFiniteStep:
         if not groups:
             self._saved.append(_UNSET)  # nothing to check: found_inf left alone
             return
-        flags = {}
+        norm = handed[0] if handed is not None and _unchanged(handed[1], groups) else None
         with torch.no_grad():
-            for (device, _), grads in groups.items():  # one pass over the gradients (a read, and a write of
-                # x 1.0), GradScaler's own check: the flag becomes 1.0 on any NaN/Inf, on the device: no host sync
-                if device not in flags:
-                    flags[device] = self._flag(device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, *flags[device])
-            found = None
-            for f, _ in flags.values():
-                found = f if found is None else torch.maximum(found, f.to(found.device))
+            if norm is not None:  # the norm of exactly these gradients decides: no pass of our own
+                found = self._flag(norm.device)
+                found.copy_(torch.isfinite(norm).logical_not())  # on the device: no host sync
+            else:
+                found = None
+                for (device, _), grads in groups.items():
+                    flag = _nonfinite(grads, device)  # one read of the gradients, on the device: no host sync
+                    found = flag if found is None else found.logical_or(flag.to(found.device))
+                found = self._flag(found.device).copy_(found)
             for group in self.agree_over:  # sharded replicas: one decision for all of them
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)  # COLLECTIVE (one scalar, no host sync)
             self.skipped = found.clone() if self.skipped is None else self.skipped.add_(found.to(self.skipped.device))
@@ -133,13 +171,11 @@ class SkipNonFiniteStep:
         self._mine = found if prev is None else torch.maximum(found, prev.to(found.device))
         optimizer.found_inf = self._mine  # type: ignore[attr-defined]
 
-    def _flag(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """This device's found flag, zeroed, and the scale 1.0 (allocated once)."""
+    def _flag(self, device: torch.device) -> torch.Tensor:
+        """This device's found flag (a float 0-dim tensor, allocated once: the optimizer reads it)."""
         if device not in self._flags:
-            self._flags[device] = (torch.zeros((), device=device), torch.ones((), device=device))
-        found, one = self._flags[device]
-        found.zero_()
-        return found, one
+            self._flags[device] = torch.zeros((), device=device)
+        return self._flags[device]
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         prev = self._saved.pop() if self._saved else _UNSET

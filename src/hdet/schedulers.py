@@ -159,6 +159,19 @@ class HDETLR(LRScheduler):
 
     skip_guard = property(lambda self: self._guard.skip)  # the SkipNonFiniteStep guard, if installed
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over every gradient the optimizer steps; returns the total norm.
+
+        Call it between ``loss.backward()`` and ``optimizer.step()`` instead of clipping yourself: under the
+        "skip" gradient guard the norm then also decides whether the step is skipped (a non-finite norm
+        means a NaN/Inf gradient), so the guard makes no pass over the gradients of its own that step."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=foreach)
+        guard = self._guard.skip
+        if guard is not None and not guard.agree_over and params:  # sharded replicas check their own shards
+            guard.use_norm(norm, [p.grad for p in params])
+        return norm
+
     def attach_model(self, model: nn.Module) -> None:
         """Give the scheduler its model after construction, for frameworks that wrap the model later (the
         Hugging Face Trainer, Lightning): its floating-point buffers are averaged from now on (when no model
