@@ -164,7 +164,8 @@ class HDETLR(LRScheduler):
 
         Call it between ``loss.backward()`` and ``optimizer.step()`` instead of clipping yourself: under the
         "skip" gradient guard the norm then also decides whether the step is skipped (a non-finite norm
-        means a NaN/Inf gradient), so the guard makes no pass over the gradients of its own that step."""
+        means a NaN/Inf gradient), so the guard makes no pass over the gradients of its own that step.
+        With a ``GradScaler``, call ``scaler.unscale_(optimizer)`` first, as before torch's own clip."""
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=foreach)
         guard = self._guard.skip
