@@ -229,7 +229,7 @@ def guard_cost(run: dict, sync_dev, n: int = 50) -> dict:
         return start.elapsed_time(end) / n
 
     out["device_ms"] = {
-        "shipped_readonly_inf_norm": device_ms(lambda: _nonfinite(grads, grads[0].device)),
+        "shipped_readonly_inf_norm": device_ms(lambda: _nonfinite(grads, found)),
         "guard_pre_hook_readonly": device_ms(lambda: (guard._pre(opt, (), {}), guard._post(opt, (), {}))),
         "earlier_amp_read_write": device_ms(lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)),
         "handed_over_norm": device_ms(lambda: (guard.use_norm(norm, grads), guard._pre(opt, (), {}),
@@ -242,9 +242,9 @@ def guard_cost(run: dict, sync_dev, n: int = 50) -> dict:
         keep = flat[pos].item()
         for bad in (float("nan"), float("inf"), -float("inf")):
             flat[pos] = bad
-            verdicts[f"{name}_{bad}"] = bool(_nonfinite(grads, grads[0].device))
+            verdicts[f"{name}_{bad}"] = bool(_nonfinite(grads, found))
         flat[pos] = keep
-    verdicts["clean"] = bool(_nonfinite(grads, grads[0].device))
+    verdicts["clean"] = bool(_nonfinite(grads, found))
     out["verdicts_true_means_nonfinite"] = verdicts
     return out
 

@@ -11,6 +11,8 @@ ratio of device times measured side by side. Candidates: GradScaler's read-and-w
 (``_amp_foreach_non_finite_check_and_unscale_``, scale 1), the max-abs norms (``_foreach_norm(inf)``),
 the 2-norm of all gradients (``torch.nn.utils.get_total_norm``: what a clipping user computes anyway), the
 guard's pre-hook as shipped, and the pre-hook with a handed-over norm (``HDETLR.clip_grad_norm_``).
+Also the shipped check's verdicts on this device with NaN, +Inf and -Inf planted at several places, and
+on the scalars a handed-over norm can be.
 """
 
 import argparse
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from hdet.app.tasks import ByteGPT
-from hdet.guard import SkipNonFiniteStep, _nonfinite
+from hdet.guard import SkipNonFiniteStep, _nonfinite, _nonfinite_scalar
 
 
 def kernels(fn, calls: int, cuda: bool) -> dict:
@@ -48,6 +50,26 @@ def kernels(fn, calls: int, cuda: bool) -> dict:
             names[e.key[:160]] = round(t / calls, 2)
     return {"device_us_per_call" if cuda else "cpu_us_per_call": us / calls, "kernels_per_call": n / calls,
             "host_us_per_call_profiled": 1e6 * host, "by_kernel_us": dict(sorted(names.items(), key=lambda x: -x[1])[:6])}
+
+
+def verdicts(grads: list[torch.Tensor], flag: torch.Tensor) -> dict:
+    """The shipped check with NaN/+Inf/-Inf planted in the first, middle and last element of the largest
+    gradient and of the first and last ones (each restored after), a clean pass, and the handed-over
+    norm's test on NaN, +-Inf, 0, a huge finite value and a normal one."""
+    out = {}
+    big = max(range(len(grads)), key=lambda i: grads[i].numel())
+    for name, i, pos in (("first", 0, 0), ("largest_first", big, 0), ("largest_middle", big, grads[big].numel() // 2 + 7),
+                         ("largest_last", big, grads[big].numel() - 1), ("last", len(grads) - 1, -1)):
+        flat = grads[i].view(-1)
+        keep = flat[pos].item()
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            flat[pos] = bad
+            out[f"{name}_{bad}"] = bool(_nonfinite(grads, flag))
+        flat[pos] = keep
+    out["clean"] = bool(_nonfinite(grads, flag))
+    for v in (float("nan"), float("inf"), -float("inf"), 0.0, 3e38, 1.5):
+        out[f"norm_{v}"] = bool(_nonfinite_scalar(torch.tensor(v, device=flag.device), flag))
+    return out
 
 
 def main() -> None:
@@ -97,11 +119,12 @@ def main() -> None:
     guard = SkipNonFiniteStep(opt)
     out["checks"] = {
         "amp_read_write": kernels(lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one), a.calls, cuda),
-        "foreach_norm_inf": kernels(lambda: _nonfinite(grads, dev), a.calls, cuda),
+        "foreach_norm_inf": kernels(lambda: _nonfinite(grads, found), a.calls, cuda),
         "total_2norm": kernels(lambda: torch.isfinite(torch.nn.utils.get_total_norm(grads)), a.calls, cuda),
         "clip_grad_norm_": kernels(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9), a.calls, cuda),
         "guard_pre_hook_as_shipped": kernels(pre_hook, a.calls, cuda),
         "guard_pre_hook_handed_over_norm": kernels(handed_over, a.calls, cuda)}
+    out["verdicts_true_means_nonfinite"] = verdicts(grads, found)
     key = "device_us_per_call" if cuda else "cpu_us_per_call"
     step = out["train_step"][key]
     out["fraction_of_train_step"] = {k: v[key] / step for k, v in out["checks"].items()}

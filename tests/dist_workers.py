@@ -292,7 +292,7 @@ def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20,
     import hdet.guard
 
     own_pass, passes = hdet.guard._nonfinite, []
-    hdet.guard._nonfinite = lambda grads, device: passes.append(len(grads)) or own_pass(grads, device)
+    hdet.guard._nonfinite = lambda grads, out: passes.append(len(grads)) or own_pass(grads, out)
 
     model = make_model(0)
     ddp = DDP(model, broadcast_buffers=False)

@@ -146,7 +146,7 @@ def test_a_handed_over_norm_decides_the_step_and_the_guard_makes_no_pass(monkeyp
 
     passes = []
     own = hdet.guard._nonfinite
-    monkeypatch.setattr(hdet.guard, "_nonfinite", lambda grads, device: passes.append(len(grads)) or own(grads, device))
+    monkeypatch.setattr(hdet.guard, "_nonfinite", lambda grads, out: passes.append(len(grads)) or own(grads, out))
     p, q, opt = _setup()
     guard = SkipNonFiniteStep(opt)
     p.grad, q.grad = torch.ones(5), torch.ones(3, 2)

@@ -69,15 +69,21 @@ def _all_finite(buf: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(buf).all()
 
 
-def _nonfinite(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Whether any element of ``grads`` (one device and dtype) is NaN or Inf, as a device bool: the
-    max-abs norm of each (one fused read; NaN and Inf propagate through a max, and no max of finite values
-    overflows, unlike a sum or a 2-norm), then whether all of them are finite."""
+def _nonfinite(grads: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Write into ``out`` (a float 0-dim tensor on the gradients' device) 1.0 if any element of ``grads``
+    (one device and dtype) is NaN or Inf, else 0.0: the max-abs norm of each (one fused read; NaN and Inf
+    propagate through a max, and no max of finite values overflows, unlike a sum or a 2-norm), their max
+    ``m``, and ``m * 0 != 0`` (0 for finite ``m``, NaN otherwise). Four small kernels besides the read."""
     grads = [g for g in grads if g.numel()]  # an empty shard has no max-abs norm (and nothing to check)
     if not grads:
-        return torch.zeros((), dtype=torch.bool, device=device)
-    norms = torch._foreach_norm(grads, float("inf"))
-    return torch.isfinite(torch.stack(norms)).all().logical_not()
+        return out.zero_()
+    m = torch.stack(torch._foreach_norm(grads, float("inf"))).amax()
+    return _nonfinite_scalar(m, out)
+
+
+def _nonfinite_scalar(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` = 1.0 if the scalar ``x`` is NaN or +-Inf, else 0.0: ``x * 0 != 0``, two kernels, no host sync."""
+    return torch.ne(x.mul(0), 0, out=out)
 
 
 def _unchanged(seen: list[tuple[torch.Tensor, int]], groups: dict[Any, list[torch.Tensor]]) -> bool:
@@ -153,14 +159,14 @@ class SkipNonFiniteStep:
         norm = handed[0] if handed is not None and _unchanged(handed[1], groups) else None
         with torch.no_grad():
             if norm is not None:  # the norm of exactly these gradients decides: no pass of our own
-                found = self._flag(norm.device)
-                found.copy_(torch.isfinite(norm).logical_not())  # on the device: no host sync
+                found = _nonfinite_scalar(norm, self._flag(norm.device))
             else:
                 found = None
-                for (device, _), grads in groups.items():
-                    flag = _nonfinite(grads, device)  # one read of the gradients, on the device: no host sync
-                    found = flag if found is None else found.logical_or(flag.to(found.device))
-                found = self._flag(found.device).copy_(found)
+                for (device, _), grads in groups.items():  # one read of the gradients, on the device: no host sync
+                    if found is None:
+                        found = _nonfinite(grads, self._flag(device))
+                    else:  # another device or dtype (rare): combined by max
+                        found.copy_(torch.maximum(found, _nonfinite(grads, torch.empty((), device=device)).to(found.device)))
             for group in self.agree_over:  # sharded replicas: one decision for all of them
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)  # COLLECTIVE (one scalar, no host sync)
             self.skipped = found.clone() if self.skipped is None else self.skipped.add_(found.to(self.skipped.device))
