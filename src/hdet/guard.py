@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from .optimizers import innermost as _innermost
 from .replicas import local_shard
+from .sync import max_abs
 
 __all__ = ["finite_allreduce_hook", "install_gradient_guard", "SkipNonFiniteStep", "SkipWatch", "GuardSetting", "GUARDS"]
 
@@ -71,14 +72,12 @@ def _all_finite(buf: torch.Tensor) -> torch.Tensor:
 
 def _nonfinite(grads: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """Write into ``out`` (a float 0-dim tensor on the gradients' device) 1.0 if any element of ``grads``
-    (one device and dtype) is NaN or Inf, else 0.0: the max-abs norm of each (one fused read; NaN and Inf
-    propagate through a max, and no max of finite values overflows, unlike a sum or a 2-norm), their max
-    ``m``, and ``m * 0 != 0`` (0 for finite ``m``, NaN otherwise). Four small kernels besides the read."""
+    (one device and dtype) is NaN or Inf, else 0.0: their largest magnitude (:func:`hdet.sync.max_abs`, one
+    fused read), non-finite exactly then. Four small kernels besides the read."""
     grads = [g for g in grads if g.numel()]  # an empty shard has no max-abs norm (and nothing to check)
     if not grads:
         return out.zero_()
-    m = torch.stack(torch._foreach_norm(grads, float("inf"))).amax()
-    return _nonfinite_scalar(m, out)
+    return _nonfinite_scalar(max_abs(grads), out)
 
 
 def _nonfinite_scalar(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -104,13 +104,20 @@ def health(tensors: list[torch.Tensor], strict: list[bool], dev: torch.device) -
     ok = torch.ones((), dtype=torch.bool, device=dev)
     inf = torch.zeros((), dtype=torch.float64, device=dev)
     for finite, oks, infs in by_device.values():
-        if finite:  # their largest magnitudes, one fused read on CUDA: a NaN or Inf anywhere makes one non-finite
-            oks.append(torch.isfinite(torch.stack(torch._foreach_norm(finite, float("inf")))).all())
+        if finite:
+            oks.append(torch.isfinite(max_abs(finite)))
         if oks:
             ok = ok & torch.stack(oks).all().to(dev)
         if infs:
             inf = inf + torch.stack(infs).sum().to(dev, torch.float64)
     return ok, inf
+
+
+def max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The largest magnitude over non-empty ``tensors`` of one device, a 0-dim tensor on it: their max-abs
+    norms (one fused read on CUDA) and the max of those. A NaN or Inf anywhere makes it non-finite (both
+    propagate through a max), and no max of finite values overflows, unlike a sum or a 2-norm."""
+    return torch.stack(torch._foreach_norm(tensors, float("inf"))).amax()
 
 
 def layout_signature(tensors: list[torch.Tensor]) -> int:
