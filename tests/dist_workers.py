@@ -592,3 +592,37 @@ def hsdp_guard(rank, world, *, fault="loss", steps=10, T=5, at=3):
     return {"guard": s.gradient_guard, "changed": changed, "finite": finite, "recovered": recovered,
             "nonfinite_losses": nonfinite, "skipped": float(s.skip_guard.skipped),
             "replicas_equal": torch.equal(peers[0], peers[1]), "guard_kept": s.skip_guard is guard}
+
+
+def distance_estimator(rank, world, *, kind="dadapt", steps=30, T=10, alpha=0.5):
+    """DDP with D-Adaptation Adam or Prodigy under a spread (issue 15, item 4): every rank's LR is the base and
+    its multiplier scales the step; records per step whether the estimates agree across ranks."""
+    import dadaptation
+    import prodigyopt
+
+    model = make_model(0)
+    ddp = DDP(model, broadcast_buffers=False)
+    o = (dadaptation.DAdaptAdam(ddp.parameters(), lr=1.0, decouple=True) if kind == "dadapt"
+         else prodigyopt.Prodigy(ddp.parameters(), lr=1.0, decouple=True))
+    s = hdet.OneCycleAutoLR(o, max_lr=1.0, total_steps=steps, ensemble_lr_spread_ratio=alpha, model_sync_interval=T,
+                            model=ddp)
+    same_d, same_lr, equal_after, differ_before, losses = [], [], [], [], []
+    for t in range(1, steps + 1):
+        x, y = batch(rank, t)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        flat = gather_flat(model.parameters())
+        if t % T == 0:
+            differ_before.append(not torch.equal(flat[0], flat[1]))
+        s.step(loss)
+        ds = gather_flat([torch.tensor([o.param_groups[0]["d"], o.param_groups[0]["lr"]], dtype=torch.float64)])
+        same_d.append(all(float(v[0]) == float(ds[0][0]) for v in ds))
+        same_lr.append(all(float(v[1]) == float(ds[0][1]) for v in ds))
+        if t % T == 0:
+            flat = gather_flat(model.parameters())
+            equal_after.append(torch.equal(flat[0], flat[1]))
+        losses.append(float(loss))
+    return {"same_d": same_d, "same_lr": same_lr, "equal_after": equal_after, "differ_before": differ_before,
+            "d": o.param_groups[0]["d"], "mults": s.ensemble.step_scale.multipliers, "losses": losses}

@@ -1,8 +1,10 @@
-"""Learning-rate-free optimizers under HDET (issue 15, item 4): refused with the reason where a spread or
-a converge step would silently break them; averaging alone works."""
+"""Learning-rate-free optimizers under HDET (issue 15, item 4): distance estimators (D-Adaptation, Prodigy)
+take the multiplier on their step and keep one estimate; Schedule-Free is refused with the reason where a
+spread or a converge step would silently break it; averaging alone works."""
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -27,15 +29,91 @@ def _sched(o, **kw):
 
 
 @pytest.mark.parametrize("make", DISTANCE)
-def test_distance_estimators_are_refused_with_a_spread(make):
+def test_distance_estimators_take_the_multiplier_on_the_step(make):
+    """Under a spread, a distance estimator's LR is the base on every replica (so its estimate d is one for the
+    ensemble) and replica r's multiplier scales the update it makes."""
     m = nn.Linear(3, 1)
     o = make(m.parameters())
     assert lr_free_kind(o) == "distance"
-    with pytest.raises(ValueError, match=r"own distance estimate d \(D-Adaptation/Prodigy\)"):
-        _sched(o, ensemble_lr_spread_ratio=0.2)
-    with pytest.raises(ValueError, match="ensemble_lr_spread_ratio=0 and no explored spread"):
-        _sched(o, explore=[hdet.WeightDecay(o, alpha=0.5, kind="additive")])
-    _sched(o)  # averaging only: allowed
+    scheds = [hdet.HDETLR(make(nn.Linear(3, 1).parameters()), None, total_steps=20,
+                          replicas=ScriptedReplicas(r, 4), model_sync_interval=5, ensemble_lr_spread_ratio=0.2)
+              for r in range(4)]
+    assert [s.optimizer.param_groups[0]["lr"] for s in scheds] == [1.0] * 4  # the base, not 1.0 * rho_r
+    assert sorted(s.ensemble.step_scale.multipliers[0] for s in scheds) == pytest.approx(
+        hdet.linear_multipliers(4, 0.2))
+    _sched(o, explore=[hdet.WeightDecay(o, alpha=0.5, kind="additive")])  # other spreads: allowed too
+
+
+def test_the_step_scale_is_exactly_a_multiplier_on_the_update():
+    """theta <- theta + m (step(theta) - theta): for SGD that is exactly lr * m; a multiplier of 1 copies nothing."""
+    from hdet.step_scale import StepScale
+
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 2), nn.Linear(4, 2)
+    b.load_state_dict(a.state_dict())
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1 * 1.7)
+    scale = StepScale(oa)
+    scale.multipliers = [1.7]
+    x = torch.randn(8, 4)
+    for model, opt in ((a, oa), (b, ob)):
+        model(x).square().mean().backward()
+        opt.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)
+    scale.multipliers = [1.0]
+    oa.step()
+    assert scale._stepped is None  # nothing saved for a step at multiplier 1
+    scale.remove()
+
+
+@pytest.mark.parametrize("kind", ["dadapt", "prodigy"])
+def test_a_spread_over_a_distance_estimator_keeps_one_estimate_and_trains(kind):
+    """The engine (shared gradients) at alpha 0.2: D-Adaptation's d is the same on every replica after every
+    step (its state reads only the shared gradients and the base LR); Prodigy's, which also reads each
+    replica's distance from its start, is the same after every converge step (averaged with the weights).
+    The ensemble trains like the optimizer alone (the multiplier on the LR had run the d's apart: 29x at
+    alpha 0.2, divergence at 0.5). (This toy runs D-Adaptation at its edge of stability, where alpha 0.5's
+    highest replicas blow up within a window: late loss 0.62 against 0.33 at alpha 0, with d equal.)"""
+    def make(m):
+        if kind == "dadapt":
+            return dadaptation.DAdaptAdam(m.parameters(), lr=1.0, decouple=True, weight_decay=0.01)
+        return prodigyopt.Prodigy(m.parameters(), lr=1.0, decouple=True, weight_decay=0.01)
+
+    def run(alpha, steps=150, T=25):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+        eng = ReplicaEngine(model, 4, make, lambda o, rep, m: hdet.HDETLR(
+            o, torch.optim.lr_scheduler.OneCycleLR(o, 1.0, total_steps=steps), total_steps=steps,
+            model_sync_interval=T, replicas=rep, model=m, ensemble_lr_spread_ratio=alpha), mode="loop")
+        g = torch.Generator().manual_seed(0)
+        W = torch.randn(10, 4, generator=g)
+        d_equal, losses = [], []
+        for t in range(1, steps + 1):
+            x = torch.randn(4, 32, 10, generator=g)
+            y = (x @ W).argmax(-1)
+            losses.append(eng.step((x, y), lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]),
+                                   stacked=True).mean().item())
+            if kind == "dadapt" or t % T == 0:
+                d = [o.param_groups[0]["d"] for o in eng.optimizers]
+                d_equal.append(all(v == d[0] for v in d))
+        return d_equal, losses, eng.optimizers[0].param_groups[0]["d"]
+
+    d_equal, losses, d = run(0.2)
+    assert all(d_equal) and len(d_equal) >= 6
+    _, losses0, d0 = run(0.0)
+    assert all(math.isfinite(x) for x in losses)
+    late, late0 = sum(losses[-25:]) / 25, sum(losses0[-25:]) / 25
+    assert late < 0.5 * losses[0] and late < 1.5 * late0  # it trained, about as well as at alpha 0
+    assert 0.5 < d / d0 < 2  # and its estimate stayed the optimizer's own
+
+
+def test_prodigy_estimates_are_averaged_by_the_converge_step():
+    """The converge step writes the ensemble's mean of each scalar estimate into every replica's param group."""
+    eng = _engine(lambda m: prodigyopt.Prodigy(m.parameters(), lr=1.0), steps=10, ensemble_lr_spread_ratio=0.5)
+    g0, g1 = (o.param_groups[0] for o in eng.optimizers)
+    for key in ("d", "d_max", "d_numerator"):
+        assert g0[key] == g1[key], key
+    assert g0["d"] > 1e-6
 
 
 def test_schedule_free_needs_its_state_averaged_and_no_spread():
@@ -94,7 +172,49 @@ def test_the_cli_run_trains_with_each_peer(tmp_path):
     for opt, lr in (("dadapt-adam", 1.0), ("prodigy", 1.0), ("schedulefree-adamw", 3e-3)):
         s = train(RunConfig(**tiny, optimizer=opt, max_lr=lr, out=str(tmp_path / opt)))
         assert s["crashed"] is None and math.isfinite(s["final_val_loss"]), opt
-    with pytest.raises(ValueError, match="own distance estimate d"):
-        train(RunConfig(**{**tiny, "alpha": 0.2}, optimizer="prodigy", max_lr=1.0, out=str(tmp_path / "x")))
+    for opt in ("dadapt-adam", "prodigy"):  # a spread over a distance estimator: the multiplier on its step
+        s = train(RunConfig(**{**tiny, "alpha": 0.2}, optimizer=opt, max_lr=1.0, out=str(tmp_path / f"{opt}-a")))
+        assert s["crashed"] is None and math.isfinite(s["final_val_loss"]), opt
+    with pytest.raises(ValueError, match="Schedule-Free.*a spread breaks"):
+        train(RunConfig(**{**tiny, "alpha": 0.2}, optimizer="schedulefree-adamw", max_lr=3e-3,
+                        out=str(tmp_path / "x")))
     with pytest.raises(RunError, match="Expected --optimizer in adamw, dadapt-adam"):
         train(RunConfig(**tiny, optimizer="sgd", out=str(tmp_path / "y")))
+
+
+def _prodigy_engine(steps=20, stop=None, state=None):
+    def make_sched(o, rep, m):
+        return hdet.OneCycleAutoLR(o, max_lr=1.0, total_steps=steps, model_sync_interval=5, replicas=rep, model=m,
+                                   ensemble_lr_spread_ratio=0.5, on_runaway="recover")
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    eng = ReplicaEngine(model, 3, lambda m: prodigyopt.Prodigy(m.parameters(), lr=1.0), make_sched, mode="loop")
+    start = 0
+    if state is not None:
+        eng.load_state_dict(state)
+        start = eng.steps_taken
+    for t in range(start + 1, steps + 1):
+        g = torch.Generator().manual_seed(t)
+        x = torch.randn(3, 16, 4, generator=g)
+        eng.step((x, x[..., :1].cos()), lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), stacked=True)
+        if t == stop:
+            buf = io.BytesIO()
+            torch.save(eng.state_dict(), buf)
+            buf.seek(0)
+            return torch.load(buf, weights_only=True)
+    return eng
+
+
+@pytest.mark.parametrize("stop", [7, 10])
+def test_a_resumed_spread_over_prodigy_trains_bit_for_bit(stop):
+    """Mid-window and right after a converge step: the multipliers on the step and the averaged estimates
+    come back with the state."""
+    full = _prodigy_engine()
+    resumed = _prodigy_engine(state=_prodigy_engine(stop=stop))
+    for a, b in zip(full.models, resumed.models):
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert torch.equal(pa, pb)
+    for a, b in zip(full.optimizers, resumed.optimizers):
+        assert a.param_groups[0]["d"] == b.param_groups[0]["d"]
+    assert len({s.ensemble.step_scale.multipliers[0] for s in full.schedulers}) == 3

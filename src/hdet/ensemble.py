@@ -26,10 +26,12 @@ from . import ensemble_state
 from .config import HDETConfig
 from .controller import ControllerStep
 from .hyper import Hyperparameter
+from .optimizers import lr_free_kind
 from .replicas import Replicas, ReplicaSyncError, local_shard
 from .range_test import MAX_RANGE_GROWTH, RANGE_START, RampSnapshots, RangeTest
 from .slots import LRControl, Slots
 from .stability import MIN_LR_SCALE, SharedCopies, StabilityGuard
+from .step_scale import StepScale
 from .sync import (SHARD_MIN, SHARD_SUM, ReplicaMismatchError, SyncVector, as_real, averaged, check_agreement, health,
                    layout_signature, persistent_float_buffers)
 from .window import LossWindow, Probe, WindowMean
@@ -118,6 +120,8 @@ class Ensemble:
         self._ramp = RampSnapshots()  # lr_range_test: the ramp's recent states
         self.last_sync: SyncRecord | None = None
         self.on_sync: list[Callable[[SyncRecord], None]] = []
+        # D-Adaptation/Prodigy: the LR multiplier goes on the step, their estimates are averaged with the weights
+        self.step_scale = StepScale(optimizer) if lr_free_kind(optimizer) == "distance" else None
         if config.probing and any(p.is_complex() for p in self._params()):
             raise ValueError("controller='fit' does not support complex parameters (its probe averages real "
                              "iterates); use controller='paper' or auto-LR off")
@@ -229,6 +233,10 @@ class Ensemble:
             state = self._optimizer_state(params)
             out += state
             strict += [True] * len(state)
+        if self.step_scale is not None and out:
+            estimates = self.step_scale.estimates(out[0])
+            out += estimates
+            strict += [True] * len(estimates)
         return out, strict
 
     def _optimizer_state(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -365,6 +373,8 @@ class Ensemble:
                             went_back_to=self.stability.best_step if back else None,
                             range_scale=None if rt is None else rt.scale(self.slots.peak0), range_ended=range_ended)
         self.last_sync = record
+        if self.step_scale is not None:  # the averaged (or gone-back-to) estimates into the param groups now
+            self.step_scale.take_estimates()
         for hook in self.on_sync:
             hook(record)
         return record

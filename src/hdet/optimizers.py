@@ -1,14 +1,15 @@
 """Which optimizers HDET can spread over, and a clear refusal for those it cannot (issue 15, item 4).
 
 HDET gives each replica ``lr * rho_r``. Learning-rate-free optimizers keep estimates of their own that
-this breaks, silently:
+this would break, silently:
 
 * **Distance estimators** (D-Adaptation's ``DAdaptAdam``/``SGD``/..., Prodigy): each replica's step size is
-  ``d * lr`` where ``d`` is estimated from that replica's own past steps, which already carry ``rho_r``, so
-  ``d`` feeds on the multiplier. Measured (Fashion-MNIST MLP, engine, N = 8, T = 100): at alpha 0.2 the
-  eight ``d`` fanned out 29x, at alpha 0.5 they ran away and the run diverged, with or without
-  ``average_optimizer_state`` (``d`` lives in the param group). At alpha 0 (averaging only) the ensemble
-  matched the optimizer alone.
+  ``d * lr`` where ``d`` is estimated from that replica's own past steps, which would carry ``rho_r``, so
+  ``d`` feeds on the multiplier. Measured with the multiplier on the LR (Fashion-MNIST MLP, engine, N = 8,
+  T = 100): at alpha 0.2 the eight ``d`` fanned out 29x, at alpha 0.5 they ran away and the run diverged.
+  So hdet puts the multiplier on the step instead (:mod:`hdet.step_scale`): every replica's optimizer sees
+  the same base LR, its estimate is one for the ensemble, and the converge step averages the scalar
+  estimates with the weights.
 * **Schedule-Free** (``AdamWScheduleFree``, ...): the parameters hold ``y``, an interpolation of the
   optimizer's ``z`` (its state) and the average ``x``; averaging ``y`` alone leaves ``z`` behind, and each
   replica's LR also enters its averaging weights. Averaging ``y`` together with ``z``
@@ -49,16 +50,10 @@ def lr_free_kind(optimizer: torch.optim.Optimizer) -> str | None:
 
 def check_optimizer(optimizer: torch.optim.Optimizer, spreading: bool, average_optimizer_state: bool) -> None:
     """Refuse, with the reason, an optimizer that a spread (``spreading``: any alpha > 0) or a converge step
-    would silently break. Averaging alone (alpha 0) is allowed."""
+    would silently break. Averaging alone (alpha 0) is allowed; distance estimators take the multiplier on
+    their step (:mod:`hdet.step_scale`)."""
     kind = lr_free_kind(optimizer)
     name = type(innermost(optimizer)).__name__
-    if kind == "distance" and spreading:
-        raise ValueError(
-            f"Expected an optimizer whose step size is the learning rate, but got {name}, which scales each "
-            "replica's step by its own distance estimate d (D-Adaptation/Prodigy): d feeds on the replica's LR "
-            "multiplier and the replicas run away (measured in docs/auto-lr.md). Use ensemble_lr_spread_ratio=0 and no explored spread (weight averaging only, which "
-            "matches the optimizer alone), or an ordinary optimizer such as AdamW."
-        )
     if kind == "schedule-free":
         if spreading:
             raise ValueError(

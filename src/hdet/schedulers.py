@@ -207,7 +207,12 @@ class HDETLR(LRScheduler):
             h.set(v)
         if self._history is not None:  # the base of every slot in effect for step last_epoch + 1
             self._history[str(self.last_epoch)] = list(ens.current_bases)
-        return values[: ens.num_lr_slots]
+        lrs = values[: ens.num_lr_slots]
+        if ens.step_scale is not None:  # D-Adaptation/Prodigy: the same LR everywhere, rho_r on the step
+            shared = [float(b) for b in ens.current_bases[: ens.num_lr_slots]]
+            ens.step_scale.multipliers = [v / b if b > 0 else 1.0 for v, b in zip(lrs, shared)]
+            return shared
+        return lrs
 
     def observe(self, loss: torch.Tensor | float) -> None:
         """This replica's training loss of the optimizer step just taken (what ``step(loss)`` passes on)."""

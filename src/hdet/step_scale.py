@@ -1,0 +1,109 @@
+"""The LR multiplier on the step, for optimizers that estimate their own step size (issue 15, item 4).
+
+D-Adaptation (``DAdaptAdam``, ``DAdaptSGD``, ...) and Prodigy scale every step by ``d * lr``, where ``d`` is
+estimated from the optimizer's own past steps. Given ``lr * rho_r``, each replica's estimate feeds on its
+own multiplier and the estimates run apart (measured: 29x at alpha 0.2, divergence at 0.5). So for these
+optimizers hdet gives every replica the ensemble's base LR, the same on every replica, and applies the
+replica's multiplier to the update the optimizer made instead:
+
+    theta_r <- theta_r + rho_r * (optimizer_step(theta_r) - theta_r)
+
+For AdamW this is exactly ``lr * rho_r``; for a distance estimator the estimate is computed from the base
+LR only. With averaged gradients (DDP, the engine's default) D-Adaptation's state (``d``, its sums, the
+moments) depends on the gradients and the base LR alone, so it is the same on every replica: one estimate
+for the ensemble, and the converge step's averaged weights stay consistent with it. Prodigy's estimate also
+reads the distance from the initial point, which differs between replicas by their multipliers within a
+window; the converge step averages its scalar estimates too (:meth:`StepScale.estimates`).
+
+Cost: one copy of the stepped parameters (kept between steps) and three passes over them a step, on the
+parameters' devices; no host sync, no collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .optimizers import innermost
+
+__all__ = ["StepScale", "ESTIMATES"]
+
+# the param-group scalars of the distance estimators that the converge step averages (D-Adaptation, Prodigy)
+ESTIMATES = ("d", "d_max", "d_numerator", "numerator_weighted")
+
+
+class StepScale:
+    """Scales each optimizer step by this replica's multiplier per param group (:attr:`multipliers`), through
+    the optimizer's step hooks. A step with every multiplier 1 is left alone (no copy)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = innermost(optimizer)
+        self.multipliers = [1.0] * len(self.optimizer.param_groups)
+        self._before: list[list[torch.Tensor]] = []  # per group: the parameters before the step (reused)
+        self._stepped: list[list[torch.Tensor]] | None = None
+        self._estimates: torch.Tensor | None = None  # the group scalars, for the converge step to average
+        self._estimates_version = -1  # its version when last filled from (or taken into) the param groups
+        self._keys: list[tuple[int, str]] = []
+        self._hooks = (self.optimizer.register_step_pre_hook(self._save),
+                       self.optimizer.register_step_post_hook(self._scale))
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    @torch.no_grad()
+    def _save(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.take_estimates()
+        if all(m == 1.0 for m in self.multipliers):
+            self._stepped = None
+            return
+        self._stepped = [[p for p in g["params"] if p.grad is not None] for g in self.optimizer.param_groups]
+        if len(self._before) != len(self._stepped) or any(
+                len(b) != len(s) or any(x.shape != p.shape or x.dtype != p.dtype or x.device != p.device
+                                        for x, p in zip(b, s)) for b, s in zip(self._before, self._stepped)):
+            self._before = [[p.detach().clone() for p in s] for s in self._stepped]
+        else:
+            for b, s in zip(self._before, self._stepped):
+                if s:
+                    torch._foreach_copy_(b, [p.detach() for p in s])
+
+    @torch.no_grad()
+    def _scale(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._stepped is None:
+            return
+        for m, before, stepped in zip(self.multipliers, self._before, self._stepped):
+            if m == 1.0 or not stepped:
+                continue
+            after = [p.detach() for p in stepped]
+            torch._foreach_lerp_(before, after, m)  # before + m * (after - before)
+            torch._foreach_copy_(after, before)
+        self._stepped = None
+
+    # -- the scalar estimates, averaged by the converge step ----------------------------------------
+    def estimates(self, like: torch.Tensor) -> list[torch.Tensor]:
+        """The optimizer's scalar estimates (:data:`ESTIMATES` of every param group that has them) in one
+        float64 tensor on ``like``'s device, for the converge step to average with the weights; [] if the
+        optimizer keeps none. Whatever writes into it (the converge step, a go-back to a saved sync) reaches
+        the param groups before the next optimizer step."""
+        keys = [(j, k) for j, g in enumerate(self.optimizer.param_groups) for k in ESTIMATES if k in g]
+        if not keys:
+            return []
+        self.take_estimates()  # a write not yet taken goes to the param groups first
+        values = [float(self.optimizer.param_groups[j][k]) for j, k in keys]
+        t = self._estimates
+        if t is None or t.numel() != len(values) or t.device != like.device:
+            t = self._estimates = torch.empty(len(values), dtype=torch.float64, device=like.device)
+        t.copy_(torch.tensor(values, dtype=torch.float64))  # host -> device, a few numbers
+        self._keys, self._estimates_version = keys, t._version
+        return [t]
+
+    def take_estimates(self) -> None:
+        """The estimates written into the tensor since :meth:`estimates` filled it go to the param groups (the
+        end of every sync; also before a step, for a recovery between syncs)."""
+        t = self._estimates
+        if t is None or t._version == self._estimates_version:
+            return
+        for (j, k), v in zip(self._keys, t.tolist()):  # HOST SYNC: a few scalars, after a converge step only
+            self.optimizer.param_groups[j][k] = v
+        self._estimates_version = t._version
