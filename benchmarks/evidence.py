@@ -123,6 +123,11 @@ def main() -> None:
                     "BEST_MAX_LR (the plain grid's best, seeds 0-2, a same-machine anchor): D-Adaptation Adam and "
                     "Prodigy at lr 1 with the OneCycle shape (seeds 0-2); Schedule-Free AdamW: its own 7-LR grid "
                     "(seed 0, centred at 2x the task's centre), then 0.1x, 1x and 10x its best (seeds 0-2)")
+    ap.add_argument("--peers-hdet", type=float, default=None, metavar="BEST_MAX_LR",
+                    help="HDET (--alpha, on_runaway=recover) over D-Adaptation Adam and Prodigy at lr 1, the "
+                         "multiplier on their step, beside each optimizer alone (issue 15, item 4), seeds 0-2 "
+                         "(--peer-names: which), and plain DP at BEST_MAX_LR seed 0 again (repro-plain-1x-s0)")
+    ap.add_argument("--peer-names", default="dadapt,prodigy", help="with --peers-hdet: dadapt and/or prodigy")
     ap.add_argument("--stability", type=float, default=None, metavar="BEST_MAX_LR",
                     help="runaway replicas (issue 15, item 2) instead of the main suite: at 3x and 10x BEST_MAX_LR, "
                     "seeds 0-2, plain DP, HDET (--alpha, T from the size) as the paper has it, HDET with "
@@ -243,6 +248,14 @@ def main() -> None:
                 for seed in (0, 1, 2) for start in (3.0, 10.0) for name, over in configs.items()]
         jobs += [job(f"guard-1x-s{seed}", "guard", max_lr=a.stability, seed=seed, **configs["guard"]) for seed in (0, 1, 2)]
         return run_study(a.stability, jobs)
+
+    if a.peers_hdet is not None:
+        opts = {"dadapt": "dadapt-adam", "prodigy": "prodigy"}
+        names = a.peer_names.split(",")
+        jobs = [job(f"{pre}{name}-s{seed}", pre + name, optimizer=opts[name], max_lr=1.0, seed=seed,
+                    **(dict(alpha=a.alpha, on_runaway="recover") if pre else {}))
+                for name in names for seed in (0, 1, 2) for pre in ("hdet-", "")]
+        return run_study(a.peers_hdet, jobs + [job("repro-plain-1x-s0", "repro-plain", max_lr=a.peers_hdet, seed=0)])
 
     if a.peers is not None:
         with cf.ProcessPoolExecutor(max_workers=a.jobs, mp_context=ctx) as pool:
