@@ -128,6 +128,10 @@ def main() -> None:
                          "multiplier on their step, beside each optimizer alone (issue 15, item 4), seeds 0-2 "
                          "(--peer-names: which), and plain DP at BEST_MAX_LR seed 0 again (repro-plain-1x-s0)")
     ap.add_argument("--peer-names", default="dadapt,prodigy", help="with --peers-hdet: dadapt and/or prodigy")
+    ap.add_argument("--peer-runaway", default="recover", choices=["recover", "ignore"],
+                    help="with --peers-hdet: HDET's on_runaway (names: hdet-ignore-... for ignore)")
+    ap.add_argument("--hdet-only", action="store_true", help="with --peers-hdet: only the HDET rows (names: "
+                    "hdet[-ignore][-a<alpha> unless 0.2]-<peer>-s<seed>)")
     ap.add_argument("--stability", type=float, default=None, metavar="BEST_MAX_LR",
                     help="runaway replicas (issue 15, item 2) instead of the main suite: at 3x and 10x BEST_MAX_LR, "
                     "seeds 0-2, plain DP, HDET (--alpha, T from the size) as the paper has it, HDET with "
@@ -252,10 +256,12 @@ def main() -> None:
     if a.peers_hdet is not None:
         opts = {"dadapt": "dadapt-adam", "prodigy": "prodigy"}
         names = a.peer_names.split(",")
+        tag = "hdet-" + ("ignore-" if a.peer_runaway == "ignore" else "") + (f"a{a.alpha:g}-" if a.alpha != 0.2 else "")
         jobs = [job(f"{pre}{name}-s{seed}", pre + name, optimizer=opts[name], max_lr=1.0, seed=seed,
-                    **(dict(alpha=a.alpha, on_runaway="recover") if pre else {}))
-                for name in names for seed in (0, 1, 2) for pre in ("hdet-", "")]
-        return run_study(a.peers_hdet, jobs + [job("repro-plain-1x-s0", "repro-plain", max_lr=a.peers_hdet, seed=0)])
+                    **(dict(alpha=a.alpha, on_runaway=a.peer_runaway) if pre else {}))
+                for name in names for seed in (0, 1, 2) for pre in ((tag,) if a.hdet_only else (tag, ""))]
+        repro = [] if a.hdet_only else [job("repro-plain-1x-s0", "repro-plain", max_lr=a.peers_hdet, seed=0)]
+        return run_study(a.peers_hdet, jobs + repro)
 
     if a.peers is not None:
         with cf.ProcessPoolExecutor(max_workers=a.jobs, mp_context=ctx) as pool:
