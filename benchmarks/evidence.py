@@ -131,7 +131,7 @@ def main() -> None:
     ap.add_argument("--peer-runaway", default="recover", choices=["recover", "ignore"],
                     help="with --peers-hdet: HDET's on_runaway (names: hdet-ignore-... for ignore)")
     ap.add_argument("--hdet-only", action="store_true", help="with --peers-hdet: only the HDET rows (names: "
-                    "hdet[-ignore][-a<alpha> unless 0.2]-<peer>-s<seed>)")
+                    f"hdet[-ignore][-a<alpha> unless {ALPHA}]-<peer>-s<seed>)")
     ap.add_argument("--stability", type=float, default=None, metavar="BEST_MAX_LR",
                     help="runaway replicas (issue 15, item 2) instead of the main suite: at 3x and 10x BEST_MAX_LR, "
                     "seeds 0-2, plain DP, HDET (--alpha, T from the size) as the paper has it, HDET with "
@@ -256,7 +256,7 @@ def main() -> None:
     if a.peers_hdet is not None:
         opts = {"dadapt": "dadapt-adam", "prodigy": "prodigy"}
         names = a.peer_names.split(",")
-        tag = "hdet-" + ("ignore-" if a.peer_runaway == "ignore" else "") + (f"a{a.alpha:g}-" if a.alpha != 0.2 else "")
+        tag = "hdet-" + ("ignore-" if a.peer_runaway == "ignore" else "") + (f"a{a.alpha:g}-" if a.alpha != ALPHA else "")
         jobs = [job(f"{pre}{name}-s{seed}", pre + name, optimizer=opts[name], max_lr=1.0, seed=seed,
                     **(dict(alpha=a.alpha, on_runaway=a.peer_runaway) if pre else {}))
                 for name in names for seed in (0, 1, 2) for pre in ((tag,) if a.hdet_only else (tag, ""))]
