@@ -218,3 +218,74 @@ def test_a_resumed_spread_over_prodigy_trains_bit_for_bit(stop):
     for a, b in zip(full.optimizers, resumed.optimizers):
         assert a.param_groups[0]["d"] == b.param_groups[0]["d"]
     assert len({s.ensemble.step_scale.multipliers[0] for s in full.schedulers}) == 3
+
+
+def test_the_step_scale_with_a_closure_and_with_a_second_scheduler():
+    """step(closure): the gradients do not exist when the step starts, the update is scaled all the same.
+    A second scheduler over the same optimizer replaces the first one's hooks (rho, not rho squared)."""
+    from hdet.step_scale import StepScale
+
+    p = nn.Parameter(torch.tensor([1.0]))
+    o = torch.optim.SGD([p], lr=0.1)
+    StepScale.install(o).multipliers = [2.0]
+
+    def closure():
+        o.zero_grad(set_to_none=True)
+        loss = (2 * p).sum()  # gradient 2
+        loss.backward()
+        return loss
+
+    o.step(closure)
+    assert p.item() == pytest.approx(1.0 - 2.0 * 0.1 * 2)
+    StepScale.install(o).multipliers = [1.5]
+    o.step(closure)
+    assert p.item() == pytest.approx(0.6 - 1.5 * 0.1 * 2)
+
+
+def test_estimates_averaged_by_any_transport_and_a_loaded_optimizer_wins():
+    """What the converge step writes into the estimates (even a write that bumps no version counter, as an
+    in-place all_reduce) reaches the param groups at the end of the sync; a loaded optimizer state is not
+    overwritten by estimates gathered before it."""
+    from hdet.step_scale import StepScale
+
+    o = prodigyopt.Prodigy(nn.Linear(2, 1).parameters(), lr=1.0)
+    scale = StepScale.install(o)
+    (t,) = scale.estimates(torch.zeros(1))
+    assert scale.estimates(torch.zeros(1))[0] is t  # filled once a sync
+    t.data.fill_(0.25)  # .data: no version bump
+    scale.take_estimates()
+    assert o.param_groups[0]["d"] == 0.25 and o.param_groups[0]["d_numerator"] == 0.25
+    saved = o.state_dict()
+    scale.estimates(torch.zeros(1))[0].data.fill_(0.5)
+    o.load_state_dict(saved)
+    scale.take_estimates()
+    assert o.param_groups[0]["d"] == 0.25
+
+
+def test_a_checkpoint_from_before_the_estimates_were_averaged_loads_with_a_warning():
+    """A best-sync state saved without the estimates tensor (hdet before it averaged D-Adaptation's estimates)
+    does not fit: it is dropped with a warning that says so, and training goes on."""
+    def build():
+        torch.manual_seed(0)
+        m = nn.Linear(3, 1)
+        o = dadaptation.DAdaptAdam(m.parameters(), lr=1.0)
+        return m, o, hdet.HDETLR(o, None, total_steps=20, model_sync_interval=5, on_runaway="recover", model=m)
+
+    m, o, s = build()
+    for _ in range(10):
+        m(torch.randn(4, 3)).pow(2).mean().backward()
+        o.step()
+        o.zero_grad()
+        s.step(1.0)
+    state = s.state_dict()
+    state["hdet"]["stability"]["snapshot"] = state["hdet"]["stability"]["snapshot"][:-1]  # the old layout
+    m2, o2, s2 = build()
+    o2.load_state_dict(o.state_dict())
+    with pytest.warns(UserWarning, match="from before hdet averaged D-Adaptation's/Prodigy's estimates"):
+        s2.load_state_dict(state)
+    for _ in range(10):
+        m2(torch.randn(4, 3)).pow(2).mean().backward()
+        o2.step()
+        o2.zero_grad()
+        s2.step(1.0)
+    assert s2.last_sync.step == 20

@@ -121,7 +121,7 @@ class Ensemble:
         self.last_sync: SyncRecord | None = None
         self.on_sync: list[Callable[[SyncRecord], None]] = []
         # D-Adaptation/Prodigy: the LR multiplier goes on the step, their estimates are averaged with the weights
-        self.step_scale = StepScale(optimizer) if lr_free_kind(optimizer) == "distance" else None
+        self.step_scale = StepScale.install(optimizer) if lr_free_kind(optimizer) == "distance" else None
         if config.probing and any(p.is_complex() for p in self._params()):
             raise ValueError("controller='fit' does not support complex parameters (its probe averages real "
                              "iterates); use controller='paper' or auto-LR off")
@@ -425,6 +425,8 @@ class Ensemble:
             self._average(t, self.tensors(), bad)
             self._average(t, self.recovery_tensors(), bad)
             _warn_recovered(t, bad, "an early recovery at")
+        if self.step_scale is not None:
+            self.step_scale.take_estimates()
         return bad
 
     def _gather(self, t: int, local: torch.Tensor) -> torch.Tensor:

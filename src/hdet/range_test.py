@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -188,8 +189,13 @@ class RampSnapshots:
         return [(x[0], x[1], x[2], x[3]) for x in state]
 
     def load(self, items: list[tuple[int, float, float, list[torch.Tensor]]], tensors: list[torch.Tensor]) -> None:
-        """Set parsed snapshots onto the devices of ``tensors`` (snapshots of another layout are dropped)."""
+        """Set parsed snapshots onto the devices of ``tensors`` (snapshots of another layout are dropped, with a
+        warning)."""
         self.items = [(step, lr, loss, [s.to(t.device, t.dtype, copy=True) for s, t in zip(ts, tensors)])
                       for step, lr, loss, ts in items if len(ts) == len(tensors)
                       and all(s.shape == t.shape for s, t in zip(ts, tensors))]
+        if len(self.items) < len(items):
+            warnings.warn(f"hdet: {len(items) - len(self.items)} of the checkpoint's range-test snapshots do not fit "
+                          f"this run's {len(tensors)} tensors: dropped (the test can go back only to the others)",
+                          stacklevel=2)
 

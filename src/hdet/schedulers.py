@@ -301,6 +301,14 @@ class HDETLR(LRScheduler):
         return [self._hdet.multiplier(j) for j in range(self._hdet.num_lr_slots)]
 
     @property
+    def effective_lrs(self) -> list[float]:
+        """This replica's LR per group as it acts on the weights: ``get_last_lr()``, times the multiplier on
+        the step for D-Adaptation/Prodigy (whose optimizer holds the ensemble's base LR, :mod:`hdet.step_scale`)."""
+        scale = self._hdet.step_scale
+        lrs = self.get_last_lr()
+        return lrs if scale is None else [lr * m for lr, m in zip(lrs, scale.multipliers)]
+
+    @property
     def base_lrs_now(self) -> list[float]:
         """The base (pre-multiplier) learning rate per group in effect for the next step."""
         return list(self._hdet.current_bases[: self._hdet.num_lr_slots])

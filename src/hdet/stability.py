@@ -238,7 +238,13 @@ class StabilityGuard:
     def load(self, parsed: dict[str, Any], tensors: list[torch.Tensor]) -> None:
         self.best_loss, self.best_step, self.best_se = parsed["best_loss"], parsed["best_step"], parsed["best_se"]
         snap = parsed["snapshot"]
-        self._snapshot = None if snap is None or not same_layout(snap, tensors) else [
+        if snap is not None and not same_layout(snap, tensors):
+            warnings.warn(f"hdet: the checkpoint's best sync ({len(snap)} tensors) does not fit this run's "
+                          f"{len(tensors)} tensors (another model or optimizer, or a checkpoint from before hdet "
+                          "averaged D-Adaptation's/Prodigy's estimates): it is dropped, and on_runaway='recover' "
+                          "can go back only to syncs from now on", stacklevel=2)
+            snap = None
+        self._snapshot = None if snap is None else [
             s.to(t.device, t.dtype, copy=True) for s, t in zip(snap, tensors)]  # never the caller's tensors
 
 

@@ -13,10 +13,14 @@ LR only. With averaged gradients (DDP, the engine's default) D-Adaptation's stat
 moments) depends on the gradients and the base LR alone, so it is the same on every replica: one estimate
 for the ensemble, and the converge step's averaged weights stay consistent with it. Prodigy's estimate also
 reads the distance from the initial point, which differs between replicas by their multipliers within a
-window; the converge step averages its scalar estimates too (:meth:`StepScale.estimates`).
+window; the converge step averages its scalar estimates too (:meth:`StepScale.estimates`). Coupled weight
+decay (D-Adaptation's ``decouple=False`` with ``weight_decay > 0``) or an explored hyperparameter that the
+estimate reads (weight decay, betas) also makes the estimates differ between converge steps; they are
+averaged at each.
 
-Cost: one copy of the stepped parameters (kept between steps) and three passes over them a step, on the
-parameters' devices; no host sync, no collective.
+Cost: one copy of the trainable parameters (kept between steps) and three passes over them a step, on the
+parameters' devices; no host sync, no collective. At a sync: the few scalar estimates ride in the converge
+step's average (one more small bucket) and are read back on the host once.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ ESTIMATES = ("d", "d_max", "d_numerator", "numerator_weighted")
 
 class StepScale:
     """Scales each optimizer step by this replica's multiplier per param group (:attr:`multipliers`), through
-    the optimizer's step hooks. A step with every multiplier 1 is left alone (no copy)."""
+    the optimizer's step hooks. A step with every multiplier 1 is left alone (no copy). One per optimizer:
+    :meth:`install` replaces an earlier one (a second scheduler over the same optimizer)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = innermost(optimizer)
@@ -43,10 +48,21 @@ class StepScale:
         self._before: list[list[torch.Tensor]] = []  # per group: the parameters before the step (reused)
         self._stepped: list[list[torch.Tensor]] | None = None
         self._estimates: torch.Tensor | None = None  # the group scalars, for the converge step to average
-        self._estimates_version = -1  # its version when last filled from (or taken into) the param groups
+        self._host: torch.Tensor | None = None  # its pinned source while a copy to the device may be in flight
         self._keys: list[tuple[int, str]] = []
+        self._filled = False  # the tensor holds this sync's estimates, not yet taken back into the groups
         self._hooks = (self.optimizer.register_step_pre_hook(self._save),
-                       self.optimizer.register_step_post_hook(self._scale))
+                       self.optimizer.register_step_post_hook(self._scale),
+                       self.optimizer.register_load_state_dict_post_hook(self._loaded))
+
+    @classmethod
+    def install(cls, optimizer: torch.optim.Optimizer) -> "StepScale":
+        inner = innermost(optimizer)
+        old = getattr(inner, "_hdet_step_scale", None)
+        if old is not None:
+            old.remove()
+        inner._hdet_step_scale = new = cls(inner)
+        return new
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -54,11 +70,13 @@ class StepScale:
 
     @torch.no_grad()
     def _save(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.take_estimates()
+        self.take_estimates()  # after a recovery between syncs
         if all(m == 1.0 for m in self.multipliers):
             self._stepped = None
             return
-        self._stepped = [[p for p in g["params"] if p.grad is not None] for g in self.optimizer.param_groups]
+        # every trainable parameter: with step(closure) the gradients do not exist yet (an unchanged one
+        # comes out of the lerp exactly as it went in)
+        self._stepped = [[p for p in g["params"] if p.requires_grad] for g in self.optimizer.param_groups]
         if len(self._before) != len(self._stepped) or any(
                 len(b) != len(s) or any(x.shape != p.shape or x.dtype != p.dtype or x.device != p.device
                                         for x, p in zip(b, s)) for b, s in zip(self._before, self._stepped)):
@@ -80,30 +98,39 @@ class StepScale:
             torch._foreach_copy_(after, before)
         self._stepped = None
 
+    def _loaded(self, optimizer: Any) -> None:
+        self._filled = False  # a loaded optimizer state wins over estimates gathered before it
+
     # -- the scalar estimates, averaged by the converge step ----------------------------------------
     def estimates(self, like: torch.Tensor) -> list[torch.Tensor]:
         """The optimizer's scalar estimates (:data:`ESTIMATES` of every param group that has them) in one
         float64 tensor on ``like``'s device, for the converge step to average with the weights; [] if the
-        optimizer keeps none. Whatever writes into it (the converge step, a go-back to a saved sync) reaches
-        the param groups before the next optimizer step."""
+        optimizer keeps none. Filled from the param groups once a sync (the first call); whatever writes
+        into it afterwards (the average, a go-back to a saved sync) reaches the param groups at
+        :meth:`take_estimates` (the end of the sync, or before the next optimizer step)."""
         keys = [(j, k) for j, g in enumerate(self.optimizer.param_groups) for k in ESTIMATES if k in g]
         if not keys:
             return []
-        self.take_estimates()  # a write not yet taken goes to the param groups first
-        values = [float(self.optimizer.param_groups[j][k]) for j, k in keys]
         t = self._estimates
-        if t is None or t.numel() != len(values) or t.device != like.device:
-            t = self._estimates = torch.empty(len(values), dtype=torch.float64, device=like.device)
-        t.copy_(torch.tensor(values, dtype=torch.float64))  # host -> device, a few numbers
-        self._keys, self._estimates_version = keys, t._version
+        if self._filled and t is not None and t.device == like.device and keys == self._keys:
+            return [t]
+        if t is None or t.numel() != len(keys) or t.device != like.device:
+            t = self._estimates = torch.empty(len(keys), dtype=torch.float64, device=like.device)
+        host = torch.tensor([float(self.optimizer.param_groups[j][k]) for j, k in keys], dtype=torch.float64)
+        if t.is_cuda:  # a pinned source: the copy does not wait for the device
+            host = host.pin_memory()
+            t.copy_(host, non_blocking=True)
+            self._host = host
+        else:
+            t.copy_(host)
+        self._keys, self._filled = keys, True
         return [t]
 
     def take_estimates(self) -> None:
-        """The estimates written into the tensor since :meth:`estimates` filled it go to the param groups (the
-        end of every sync; also before a step, for a recovery between syncs)."""
-        t = self._estimates
-        if t is None or t._version == self._estimates_version:
+        """The tensor's estimates (averaged, or gone back to) into the param groups; the next sync fills it
+        afresh."""
+        if not self._filled or self._estimates is None:
             return
-        for (j, k), v in zip(self._keys, t.tolist()):  # HOST SYNC: a few scalars, after a converge step only
+        for (j, k), v in zip(self._keys, self._estimates.tolist()):  # HOST SYNC: a few scalars, once a sync
             self.optimizer.param_groups[j][k] = v
-        self._estimates_version = t._version
+        self._filled = False

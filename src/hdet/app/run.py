@@ -229,7 +229,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
                 loss_sum, n_logged = torch.zeros((), device=device), 0
                 train_losses.append((t, loss))
                 rec = {"step": t, "train_loss": loss,
-                       "lr": dict(zip(groups, sched0.get_last_lr())),  # replica 0 (rank 0 under torchrun)
+                       "lr": dict(zip(groups, sched0.effective_lrs)),  # replica 0 (rank 0 under torchrun)
                        "lr_mean": dict(zip(groups, sched0.base_lrs_now)),  # mean over replicas (mean rho = 1)
                        "seconds": time.perf_counter() - t0}
                 if sync:
