@@ -173,8 +173,10 @@ def test_the_cli_run_trains_with_each_peer(tmp_path):
         s = train(RunConfig(**tiny, optimizer=opt, max_lr=lr, out=str(tmp_path / opt)))
         assert s["crashed"] is None and math.isfinite(s["final_val_loss"]), opt
     for opt in ("dadapt-adam", "prodigy"):  # a spread over a distance estimator: the multiplier on its step
-        s = train(RunConfig(**{**tiny, "alpha": 0.2}, optimizer=opt, max_lr=1.0, out=str(tmp_path / f"{opt}-a")))
+        s = train(RunConfig(**{**tiny, "alpha": 0.2}, optimizer=opt, out=str(tmp_path / f"{opt}-a")))
         assert s["crashed"] is None and math.isfinite(s["final_val_loss"]), opt
+        assert s["config"]["max_lr"] == 1.0  # their documented lr, when --max-lr is not given
+    assert train(RunConfig(**{**tiny, "steps": 2}, out=str(tmp_path / "adamw")))["config"]["max_lr"] == 3e-3
     with pytest.raises(ValueError, match="Schedule-Free.*a spread breaks"):
         train(RunConfig(**{**tiny, "alpha": 0.2}, optimizer="schedulefree-adamw", max_lr=3e-3,
                         out=str(tmp_path / "x")))

@@ -3,6 +3,7 @@ help), its checks, and the device choice."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from ..controller import CONTROLLERS
 from ..engine import MODES
 
-__all__ = ["RunConfig", "RunError", "resolve_device", "check", "OPTIMIZERS", "EXPLORE", "MAX_CTX"]
+__all__ = ["RunConfig", "RunError", "resolve_device", "check", "resolve", "OPTIMIZERS", "EXPLORE", "MAX_CTX"]
 
 OPTIMIZERS = ("adamw", "dadapt-adam", "prodigy", "schedulefree-adamw")
 EXPLORE = ("lr-groups", "weight-decay", "dropout", "grad-clip")
@@ -65,7 +66,9 @@ class RunConfig:
     warmup: int | None = field(default=None, metadata=_cli(
         "auto-LR warmup steps, and the range test's length (default: the end of OneCycle's warm-up, 30%% of the run, "
         "for the fit controller and the range test; half the run for the paper's)"))
-    max_lr: float = field(default=3e-3, metadata=_cli("OneCycle's peak learning rate"))
+    max_lr: float | None = field(default=None, metadata=_cli(
+        "OneCycle's peak learning rate (default 3e-3; with --optimizer dadapt-adam or prodigy 1, their documented "
+        "use: it multiplies their own estimate of the step size)"))
     weight_decay: float = field(default=0.01, metadata=_cli("AdamW's decoupled weight decay (none on norms and biases)"))
     dropout: float = field(default=0.0, metadata=_cli("dropout probability of the model"))
     warm_init: bool = field(default=False, metadata=_cli("Eq. 10 noise"))
@@ -130,7 +133,7 @@ def check(cfg: RunConfig) -> None:
         raise RunError(f"Expected --replicas to be at least 1, but got {cfg.replicas}")
     if not 0 <= cfg.alpha < 1:
         raise RunError(f"Expected --alpha in [0, 1), but got {cfg.alpha}")
-    if not (cfg.max_lr > 0 and math.isfinite(cfg.max_lr)):
+    if cfg.max_lr is not None and not (cfg.max_lr > 0 and math.isfinite(cfg.max_lr)):
         raise RunError(f"Expected --max-lr > 0, but got {cfg.max_lr}")
     if not 0 <= cfg.dropout < 1:
         raise RunError(f"Expected --dropout in [0, 1), but got {cfg.dropout}")
@@ -155,3 +158,11 @@ def check(cfg: RunConfig) -> None:
 
 
 MAX_CTX = 4096
+DEFAULT_MAX_LR = {"adamw": 3e-3, "dadapt-adam": 1.0, "prodigy": 1.0, "schedulefree-adamw": 3e-3}
+
+
+def resolve(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with its defaults that depend on other options filled in (``--max-lr`` by ``--optimizer``)."""
+    if cfg.max_lr is None:
+        return dataclasses.replace(cfg, max_lr=DEFAULT_MAX_LR[cfg.optimizer])
+    return cfg

@@ -28,7 +28,7 @@ from torch import nn
 from .. import __version__
 from ..ensemble import NonFiniteReplicaError
 from ..telemetry import SyncLogger
-from .options import RunConfig, RunError, check, resolve_device
+from .options import RunConfig, RunError, check, resolve, resolve_device
 from .runs import DDPRun, EngineRun, eval_weights, to_device
 from .tasks import Task, make_task
 
@@ -130,6 +130,7 @@ class _Progress:
 def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
     """Run ``cfg``; returns the summary (also written to ``<out>/summary.json`` on rank 0)."""
     check(cfg)
+    cfg = resolve(cfg)
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     owns_group = False
     device = resolve_device(cfg.device)
