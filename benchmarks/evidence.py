@@ -256,7 +256,8 @@ def main() -> None:
     if a.peers_hdet is not None:
         opts = {"dadapt": "dadapt-adam", "prodigy": "prodigy"}
         names = a.peer_names.split(",")
-        tag = "hdet-" + ("ignore-" if a.peer_runaway == "ignore" else "") + (f"a{a.alpha:g}-" if a.alpha != ALPHA else "")
+        tag = ("hdet-" + ("ignore-" if a.peer_runaway == "ignore" else "")
+               + (f"a{a.alpha:g}-" if a.alpha != ALPHA else ""))
         jobs = [job(f"{pre}{name}-s{seed}", pre + name, optimizer=opts[name], max_lr=1.0, seed=seed,
                     **(dict(alpha=a.alpha, on_runaway=a.peer_runaway) if pre else {}))
                 for name in names for seed in (0, 1, 2) for pre in ((tag,) if a.hdet_only else (tag, ""))]
