@@ -1,8 +1,9 @@
-"""What the multiplier on the step costs (``hdet.step_scale``, issue 15 item 4): N = 8 replicas of an MLP in
-``ReplicaEngine(mode="vmap")`` with D-Adaptation Adam (each replica's own optimizer step), HDET's spread
-(alpha 0.2: the update scaled by each replica's multiplier) against alpha 0 (no scaling: the hooks copy
-nothing), measured side by side in one process, interleaved, median of ``--repeats``. No converge step
-falls in the timed steps. Writes JSON with the command, machine and versions.
+"""What HDET over D-Adaptation costs in the engine (issue 15 item 4, issue 19): N = 8 replicas of an MLP in
+``ReplicaEngine(mode="vmap")`` with D-Adaptation Adam: each replica's own optimizer step at alpha 0 (no
+scaling: the step-scale hooks copy nothing) and at alpha 0.2 (``hdet.step_scale``: the update scaled by each
+replica's multiplier), and the engine's stacked D-Adaptation step at alpha 0.2 (``hdet.stacked_optim``: one
+copy of the state, one host read a step), measured side by side in one process, interleaved, median of
+``--repeats``. No converge step falls in the timed steps. Writes JSON with the command, machine and versions.
 
     python benchmarks/step_scale_cost.py --out benchmarks/results/cpu/step_scale_cost.json
 """
@@ -41,17 +42,18 @@ def main() -> None:
     dev, N, W = torch.device(a.device), a.replicas, a.width
     total = 10_000
 
-    def engine(alpha: float) -> ReplicaEngine:
+    def engine(alpha: float, stacked: bool) -> ReplicaEngine:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(784, W), nn.ReLU(), nn.Linear(W, W), nn.ReLU(), nn.Linear(W, 10)).to(dev)
         return ReplicaEngine(model, N, lambda m: dadaptation.DAdaptAdam(m.parameters(), lr=1.0, decouple=True),
                              lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1.0, total_steps=total,
                                                                    ensemble_lr_spread_ratio=alpha,
                                                                    model_sync_interval=total, replicas=rep, model=m),
-                             mode="vmap")
+                             mode="vmap", stacked_optimizer=stacked)
 
     x, y = torch.randn(N, a.batch, 784, device=dev), torch.randint(0, 10, (N, a.batch), device=dev)
-    engines = {"alpha 0 (no scaling)": engine(0.0), "alpha 0.2 (scaled step)": engine(0.2)}
+    engines = {"alpha 0 (no scaling)": engine(0.0, False), "alpha 0.2 (scaled step)": engine(0.2, False),
+               "alpha 0.2, stacked step": engine(0.2, True)}
     times: dict[str, list[float]] = {k: [] for k in engines}
 
     def timed(e: ReplicaEngine, n: int) -> float:
@@ -79,8 +81,10 @@ def main() -> None:
            "params": sum(q.numel() for q in engines["alpha 0 (no scaling)"].models[0].parameters()),
            "optimizer_path": {k: e.optimizer_path for k, e in engines.items()},
            "seconds_per_step_median": med, "seconds_per_step_all": times,
-           "scaled_over_unscaled": med["alpha 0.2 (scaled step)"] / base}
-    print(json.dumps({k: rec[k] for k in ("device", "seconds_per_step_median", "scaled_over_unscaled")}))
+           "scaled_over_unscaled": med["alpha 0.2 (scaled step)"] / base,
+           "stacked_over_per_replica": med["alpha 0.2, stacked step"] / med["alpha 0.2 (scaled step)"]}
+    print(json.dumps({k: rec[k] for k in ("device", "seconds_per_step_median", "scaled_over_unscaled",
+                                          "stacked_over_per_replica")}))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rec, indent=1))
 

@@ -291,3 +291,70 @@ def test_a_checkpoint_from_before_the_estimates_were_averaged_loads_with_a_warni
         o2.zero_grad()
         s2.step(1.0)
     assert s2.last_sync.step == 20
+
+
+def _dadapt_engine(stacked, alpha=0.5, steps=60, wd=0.01, decouple=True, share_gradients=True, state=None, stop=None):
+    """D-Adaptation Adam (two param groups: with and without weight decay) on 4 replicas in vmap mode."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def make(m):
+        return dadaptation.DAdaptAdam([{"params": [m[0].weight, m[2].weight], "weight_decay": wd},
+                                       {"params": [m[0].bias, m[2].bias], "weight_decay": 0.0}],
+                                      lr=0.3, decouple=decouple)
+
+    eng = ReplicaEngine(model, 4, make, lambda o, rep, m: hdet.HDETLR(
+        o, torch.optim.lr_scheduler.OneCycleLR(o, 0.3, total_steps=steps), total_steps=steps, model_sync_interval=10,
+        replicas=rep, model=m, ensemble_lr_spread_ratio=alpha), mode="vmap", stacked_optimizer=stacked,
+        share_gradients=share_gradients)
+    if state is not None:
+        eng.load_state_dict(state)
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(10, 4, generator=g)
+    for t in range(1, steps + 1):
+        x = torch.randn(4, 32, 10, generator=g)
+        if t <= eng.steps_taken:
+            continue
+        eng.step((x, (x @ W).argmax(-1)), lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), stacked=True)
+        if t == stop:
+            buf = io.BytesIO()
+            torch.save(eng.state_dict(), buf)
+            buf.seek(0)
+            return torch.load(buf, weights_only=True)
+    return eng
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_the_stacked_d_adaptation_step_is_its_per_replica_step(alpha):
+    """The engine steps every replica's DAdaptAdam at once (one copy of its state, one host read a step) and
+    ends where each replica's own optimizer.step() does, d and all (60 steps, converge steps every 10)."""
+    fast, slow = _dadapt_engine(True, alpha), _dadapt_engine(False, alpha)
+    assert fast.optimizer_path == "stacked" and slow.optimizer_path.startswith("per-replica")
+    for mf, ms in zip(fast.models, slow.models):
+        for pf, ps in zip(mf.parameters(), ms.parameters()):
+            torch.testing.assert_close(pf, ps, rtol=1e-4, atol=2e-5)
+    for of, os_ in zip(fast.optimizers, slow.optimizers):
+        for gf, gs in zip(of.param_groups, os_.param_groups):
+            assert gf["d"] == pytest.approx(gs["d"], rel=1e-5) and gf["k"] == gs["k"] == 60
+            assert gf["numerator_weighted"] == pytest.approx(gs["numerator_weighted"], rel=1e-4)
+        pf, ps = next(iter(of.state)), next(iter(os_.state))
+        torch.testing.assert_close(of.state[pf]["s"], os_.state[ps]["s"], rtol=1e-4, atol=1e-9)
+        assert int(of.state[pf]["step"]) == int(os_.state[ps]["step"]) == 60
+    assert fast.optimizers[0].param_groups[0]["d"] > 1e-3  # it adapted
+
+
+def test_the_stacked_d_adaptation_step_resumes_bit_for_bit():
+    full = _dadapt_engine(True, steps=30)
+    resumed = _dadapt_engine(True, steps=30, state=_dadapt_engine(True, steps=30, stop=13))
+    assert resumed.optimizer_path == "stacked"
+    for a, b in zip(full.models, resumed.models):
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert full.optimizers[0].param_groups[0]["d"] == resumed.optimizers[0].param_groups[0]["d"]
+
+
+def test_d_adaptation_steps_per_replica_where_its_state_is_not_shared():
+    coupled = _dadapt_engine(True, steps=2, decouple=False)
+    assert coupled.optimizer_path == "per-replica: D-Adaptation's coupled weight decay (each replica's own weights " \
+                                     "in its gradient)"
+    local = _dadapt_engine(True, steps=2, share_gradients=False)
+    assert local.optimizer_path.startswith("per-replica: D-Adaptation without shared gradients")

@@ -18,8 +18,9 @@ Each replica's optimizer stays what the user built: its param groups (where the 
 replica's LR and explored values, read here every step), its ``state`` (views of the stacked moments:
 ``state_dict()``, checkpoints, moment averaging and the guards' snapshots see what torch would hold) and
 its step post-hooks (called here, as ``optimizer.step()`` would). Supported: ``torch.optim.Adam``,
-``AdamW`` (``amsgrad`` and ``maximize`` included) and ``SGD`` (momentum, dampening, Nesterov, weight
-decay, ``maximize``); :func:`unsupported` names why anything else steps per replica.
+``AdamW`` (``amsgrad`` and ``maximize`` included), ``SGD`` (momentum, dampening, Nesterov, weight
+decay, ``maximize``) and D-Adaptation's ``DAdaptAdam`` with shared gradients and decoupled (or no) weight
+decay (:meth:`StackedStep._dadapt_step`); :func:`unsupported` names why anything else steps per replica.
 """
 
 from __future__ import annotations
@@ -72,16 +73,33 @@ def param_view(cols: torch.Tensor, shape: Sequence[int], order: tuple[int, ...] 
     return stored.permute(*range(k), *[k + i for i in inverse])
 
 
+def _kind(optimizer: torch.optim.Optimizer) -> str | None:
+    """"adam", "sgd", "dadapt" (D-Adaptation's ``DAdaptAdam``, recognised without importing it) or None."""
+    t = type(optimizer)
+    if t in KINDS:
+        return KINDS[t]
+    return "dadapt" if t.__name__ == "DAdaptAdam" and t.__module__.split(".")[0] == "dadaptation" else None
+
+
+def _only_step_scale_hooks(o: torch.optim.Optimizer) -> bool:
+    """Whether every step pre-hook of ``o`` is its :class:`hdet.step_scale.StepScale`'s (the stacked step applies
+    the multiplier itself)."""
+    scale = getattr(o, "_hdet_step_scale", None)
+    return scale is not None and all(getattr(h, "__self__", None) is scale for h in o._optimizer_step_pre_hooks.values())
+
+
 def unsupported(optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
     """Why these optimizers cannot take the stacked step (None: they can)."""
-    kinds = {type(o) for o in optimizers}
-    if len(kinds) != 1 or next(iter(kinds)) not in KINDS:
-        return f"{sorted(k.__name__ for k in kinds)} is not one of Adam, AdamW, SGD"
+    kinds = {_kind(o) for o in optimizers}
+    if len(kinds) != 1 or None in kinds:
+        return f"{sorted({type(o).__name__ for o in optimizers})} is not one of Adam, AdamW, SGD, DAdaptAdam"
     if _global_optimizer_pre_hooks:
         return "global optimizer step pre-hooks are registered"
     for o in optimizers:
-        if o._optimizer_step_pre_hooks:  # a pre-hook may change or skip one replica's step
-            return "an optimizer has step pre-hooks"
+        if o._optimizer_step_pre_hooks and not (kinds == {"dadapt"} and _only_step_scale_hooks(o)):
+            return "an optimizer has step pre-hooks"  # a pre-hook may change or skip one replica's step
+        if kinds == {"dadapt"} and (why := _dadapt_unsupported(o)):
+            return why
         for g in o.param_groups:
             if g.get("differentiable") or any(p.is_complex() for p in g["params"]):
                 return "differentiable or complex parameters"
@@ -98,7 +116,7 @@ class StackedStep:
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer], theta: torch.Tensor, grad: torch.Tensor,
                  segments: Sequence[Segment], shared: bool) -> None:
         self.optimizers = list(optimizers)
-        self.kind = KINDS[type(self.optimizers[0])]
+        self.kind = _kind(self.optimizers[0])
         self.theta, self.grad, self.segments, self.shared = theta, grad, list(segments), shared
         self.N = theta.shape[0]
         self.rows = 0  # 1 or N once bound; 0: bind at the next step
@@ -150,6 +168,8 @@ class StackedStep:
 
     def _moment_names(self, values: list[dict[str, Any]]) -> list[str]:
         """The state each parameter keeps, from every group's values on every replica (:meth:`_values`)."""
+        if self.kind == "dadapt":
+            return ["exp_avg", "exp_avg_sq", "s"]
         if self.kind == "sgd":  # SGD keeps no state without momentum
             return ["momentum_buffer"] if any(any(v["momentum"]) for v in values) else []
         return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if any(v["amsgrad"] for v in values) else [])
@@ -162,9 +182,9 @@ class StackedStep:
                 for p, shape, order in zip(o.param_groups[k]["params"], seg.shapes, seg.orders):
                     n = shape.numel()
                     st: dict[str, Any] = {}
-                    if self.kind == "adam":
+                    if self.kind in ("adam", "dadapt"):
                         st["step"] = self._step_t[k]
-                    if self.kind == "adam" or (self.steps[k] > 0 and float(o.param_groups[k]["momentum"])):
+                    if self.kind in ("adam", "dadapt") or (self.steps[k] > 0 and float(o.param_groups[k]["momentum"])):
                         for name, m in self.moments.items():
                             st[name] = param_view(m[row, col:col + n], shape, order)
                     if st:
@@ -194,6 +214,8 @@ class StackedStep:
     @torch.no_grad()
     def step(self) -> None:
         """``optimizer.step()`` of every replica (then each optimizer's step post-hooks, as torch runs them)."""
+        if self.kind == "dadapt":
+            return self._dadapt_step()
         values = [self._values(k) for k in range(len(self.segments))]
         want = 1 if self.shared and all(v["same"] for v in values) else self.N
         if not self.rows or any(o.state is not b for o, b in zip(self.optimizers, self._bound)) \
@@ -225,10 +247,83 @@ class StackedStep:
                 self._step_t[k].fill_(float(self.steps[k]))
         if self.kind == "sgd" and 1 in self.steps:
             self._bind()  # torch's SGD shows a momentum buffer from its first step on
+        self._post_hooks()
+
+    def _post_hooks(self) -> None:
         for o in self.optimizers:
             o._opt_called = True  # what torch's LRScheduler checks for "scheduler stepped before optimizer"
             for hook in (*o._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()):
                 hook(o, (), {})
+
+    def _dadapt_step(self) -> None:
+        """D-Adaptation Adam's step (``dadaptation.DAdaptAdam``, decoupled or no weight decay) for every replica
+        at once. With shared gradients its state (moments, ``s``, the estimate ``d`` and its sums) reads only the
+        mean gradient and the base LR, the same on every replica: one copy, one update ``u``; replica r then
+        applies its multiplier on the step (:mod:`hdet.step_scale`): ``theta_r -= rho_r (decay dlr theta_r + u)``.
+        One host read a step (the two sums that set ``d``), where the optimizer itself reads two per parameter."""
+        if not self.shared:
+            raise Unstackable("D-Adaptation without shared gradients (each replica's own estimate)")
+        for o in self.optimizers:
+            if (why := _dadapt_unsupported(o)) or (why := None if not o._optimizer_step_pre_hooks
+                                                   or _only_step_scale_hooks(o) else "an optimizer has step pre-hooks"):
+                raise Unstackable(why)
+        scales = [getattr(o, "_hdet_step_scale", None) for o in self.optimizers]
+        for sc in scales:
+            if sc is not None:
+                sc.take_estimates()  # what the last converge step averaged
+        groups0 = self.optimizers[0].param_groups
+        lrs = [[float(g["lr"]) for g in o.param_groups] for o in self.optimizers]
+        if any(x != lrs[0] for x in lrs[1:]):
+            raise Unstackable("the replicas' D-Adaptation LRs differ (without hdet's multiplier on the step)")
+        if not self.rows or any(o.state is not b for o, b in zip(self.optimizers, self._bound)):
+            self._adopt(1, [])
+        if self.rows != 1:
+            self.release()
+            raise Unstackable("the replicas' D-Adaptation states differ (loaded so)")
+        g0 = groups0[0]
+        beta1, beta2 = g0["betas"]
+        k, d, nw = g0["k"], float(g0["d"]), float(g0["numerator_weighted"])
+        lr = max(lrs[0])
+        bc = ((1 - beta2 ** (k + 1)) ** 0.5) / (1 - beta1 ** (k + 1)) if g0["use_bias_correction"] else 1.0
+        dlr, sqrt_b2 = d * lr * bc, beta2 ** 0.5
+        G = self.grad[:1]
+        m, v, s_ = self.moments["exp_avg"], self.moments["exp_avg_sq"], self.moments["s"]
+        num, sk = [], []
+        for seg, group in zip(self.segments, groups0):
+            a, b = seg.start, seg.stop
+            if float(group["lr"]) == 0.0 or a == b:
+                continue
+            if float(group["lr"]) != lr:
+                raise Unstackable("D-Adaptation's param groups have different LRs (it refuses them itself)")
+            r, g = float(group["layer_scale"]), G[:, a:b]
+            denom = v[:, a:b].sqrt().add_(group["eps"])
+            num.append(r * dlr * (g * s_[:, a:b].div(denom)).sum(dtype=torch.float64))
+            m[:, a:b].mul_(beta1).add_(g, alpha=r * dlr * (1 - beta1))
+            v[:, a:b].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            s_[:, a:b].mul_(sqrt_b2).add_(g, alpha=dlr * (1 - sqrt_b2))
+            sk.append(r * s_[:, a:b].abs().sum(dtype=torch.float64))
+        zero = torch.zeros((), dtype=torch.float64, device=G.device)
+        numerator_acum, sk_l1 = torch.stack([sum(num, zero), sum(sk, zero)]).tolist()  # HOST SYNC: once a step
+        nw = sqrt_b2 * nw + (1 - sqrt_b2) * numerator_acum
+        if sk_l1 == 0:  # no progress possible yet: D-Adaptation returns before it moves anything
+            return self._post_hooks()
+        if lr > 0.0:
+            d = max(d, min(nw / ((1 - sqrt_b2) * sk_l1), d * g0["growth_rate"]))
+        rhos = self._to_device([sc.multipliers[kk] if sc is not None else 1.0  # [groups, N, 1]: one copy
+                                for kk in range(len(self.segments)) for sc in scales])
+        for kk, (seg, group) in enumerate(zip(self.segments, groups0)):
+            a, b = seg.start, seg.stop
+            th, rho = self.theta[:, a:b], rhos[kk]
+            decay = float(group["weight_decay"])
+            if decay != 0 and group["decouple"]:
+                th.mul_(1 - rho * (decay * dlr))  # theta_r -= rho_r decay dlr theta_r
+            th.addcmul_(m[:, a:b] / v[:, a:b].sqrt().add_(group["eps"]), rho, value=-1.0)
+            self.steps[kk] += 1
+            self._step_t[kk].fill_(float(self.steps[kk]))
+        for o in self.optimizers:
+            for group in o.param_groups:
+                group["numerator_weighted"], group["d"], group["k"] = nw, d, group["k"] + 1
+        self._post_hooks()
 
     def _values(self, k: int) -> dict[str, Any]:
         """Group ``k``'s values on every replica; ``same``: those that shape the moments agree (and no
@@ -353,6 +448,16 @@ class StackedStep:
         else:
             buf.mul_(mu).add_(g, alpha=keep)
         return g + mu * buf if v["nesterov"] else buf
+
+
+def _dadapt_unsupported(o: torch.optim.Optimizer) -> str | None:
+    """Why D-Adaptation's step cannot be stacked for ``o`` (None: it can)."""
+    for g in o.param_groups:
+        if g.get("fsdp_in_use"):
+            return "D-Adaptation with fsdp_in_use"
+        if float(g.get("weight_decay", 0)) != 0 and not g.get("decouple"):
+            return "D-Adaptation's coupled weight decay (each replica's own weights in its gradient)"
+    return None
 
 
 def _same_state(per_replica: list[list[Any]], names: list[str]) -> bool:
