@@ -293,7 +293,8 @@ def test_a_checkpoint_from_before_the_estimates_were_averaged_loads_with_a_warni
     assert s2.last_sync.step == 20
 
 
-def _dadapt_engine(stacked, alpha=0.5, steps=60, wd=0.01, decouple=True, share_gradients=True, state=None, stop=None):
+def _dadapt_engine(stacked, alpha=0.5, steps=60, wd=0.01, decouple=True, share_gradients=True, state=None, stop=None,
+                   explore_wd=False):
     """D-Adaptation Adam (two param groups: with and without weight decay) on 4 replicas in vmap mode."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -305,13 +306,16 @@ def _dadapt_engine(stacked, alpha=0.5, steps=60, wd=0.01, decouple=True, share_g
 
     eng = ReplicaEngine(model, 4, make, lambda o, rep, m: hdet.HDETLR(
         o, torch.optim.lr_scheduler.OneCycleLR(o, 0.3, total_steps=steps), total_steps=steps, model_sync_interval=10,
-        replicas=rep, model=m, ensemble_lr_spread_ratio=alpha), mode="vmap", stacked_optimizer=stacked,
+        replicas=rep, model=m, ensemble_lr_spread_ratio=alpha,
+        explore=[hdet.WeightDecay(o, alpha=0.5)] if explore_wd else ()), mode="vmap", stacked_optimizer=stacked,
         share_gradients=share_gradients)
     if state is not None:
         eng.load_state_dict(state)
     g = torch.Generator().manual_seed(0)
     W = torch.randn(10, 4, generator=g)
     for t in range(1, steps + 1):
+        if stop == -1:
+            return eng
         x = torch.randn(4, 32, 10, generator=g)
         if t <= eng.steps_taken:
             continue
@@ -324,11 +328,14 @@ def _dadapt_engine(stacked, alpha=0.5, steps=60, wd=0.01, decouple=True, share_g
     return eng
 
 
-@pytest.mark.parametrize("alpha", [0.0, 0.5])
-def test_the_stacked_d_adaptation_step_is_its_per_replica_step(alpha):
+@pytest.mark.parametrize("alpha, explore_wd", [(0.0, False), (0.5, False), (0.5, True)])
+def test_the_stacked_d_adaptation_step_is_its_per_replica_step(alpha, explore_wd):
     """The engine steps every replica's DAdaptAdam at once (one copy of its state, one host read a step) and
-    ends where each replica's own optimizer.step() does, d and all (60 steps, converge steps every 10)."""
-    fast, slow = _dadapt_engine(True, alpha), _dadapt_engine(False, alpha)
+    ends where each replica's own optimizer.step() does, d and all (60 steps, converge steps every 10); an
+    explored weight decay (decoupled: each replica's own) too."""
+    fast, slow = _dadapt_engine(True, alpha, explore_wd=explore_wd), _dadapt_engine(False, alpha, explore_wd=explore_wd)
+    if explore_wd:
+        assert len({o.param_groups[0]["weight_decay"] for o in fast.optimizers}) > 1
     assert fast.optimizer_path == "stacked" and slow.optimizer_path.startswith("per-replica")
     for mf, ms in zip(fast.models, slow.models):
         for pf, ps in zip(mf.parameters(), ms.parameters()):
@@ -350,6 +357,22 @@ def test_the_stacked_d_adaptation_step_resumes_bit_for_bit():
     for a, b in zip(full.models, resumed.models):
         assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert full.optimizers[0].param_groups[0]["d"] == resumed.optimizers[0].param_groups[0]["d"]
+
+
+def test_d_adaptation_replicas_whose_estimates_differ_step_per_replica():
+    """A d that differs between replicas (set by hand here; a state loaded so) is not silently replaced by
+    replica 0's: the engine steps each replica's own optimizer from then on, and says why."""
+    eng = _dadapt_engine(True, steps=20, stop=-1)  # built, no step taken
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 32, 10, generator=g)
+    step = lambda: eng.step((x, x[..., :4].argmax(-1)), lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]),
+                            stacked=True)
+    step()
+    assert eng.optimizer_path == "stacked"
+    eng.optimizers[1].param_groups[0]["d"] = 1e-3
+    step()
+    assert eng.optimizer_path == "per-replica: the replicas' D-Adaptation optimizers differ in 'd'"
+    assert eng.optimizers[1].param_groups[0]["d"] != eng.optimizers[0].param_groups[0]["d"]
 
 
 def test_d_adaptation_steps_per_replica_where_its_state_is_not_shared():

@@ -36,6 +36,9 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 __all__ = ["Segment", "StackedStep", "Unstackable", "param_view", "unsupported"]
 
 KINDS = {torch.optim.Adam: "adam", torch.optim.AdamW: "adam", torch.optim.SGD: "sgd"}
+# D-Adaptation: the group values its shared state reads, the same on every replica (its weight decay may differ)
+DADAPT_SAME = ("betas", "eps", "layer_scale", "use_bias_correction", "growth_rate", "decouple", "d", "k",
+               "numerator_weighted", "fsdp_in_use")
 # per group, values that must be the same on every replica (the rest become [N, 1] columns)
 SAME = {"adam": ("amsgrad", "maximize", "differentiable"), "sgd": ("nesterov", "maximize", "differentiable")}
 
@@ -275,6 +278,12 @@ class StackedStep:
         lrs = [[float(g["lr"]) for g in o.param_groups] for o in self.optimizers]
         if any(x != lrs[0] for x in lrs[1:]):
             raise Unstackable("the replicas' D-Adaptation LRs differ (without hdet's multiplier on the step)")
+        if any(x not in (0.0, max(lrs[0])) for x in lrs[0]):
+            raise Unstackable("D-Adaptation's param groups have different LRs (it refuses them itself)")
+        for key in DADAPT_SAME:  # the shared state's values: one for the ensemble (weight decay may differ)
+            if any(g.get(key) != g0.get(key) for o in self.optimizers[1:]
+                   for g, g0 in zip(o.param_groups, groups0)):
+                raise Unstackable(f"the replicas' D-Adaptation optimizers differ in {key!r}")
         if not self.rows or any(o.state is not b for o, b in zip(self.optimizers, self._bound)):
             self._adopt(1, [])
         if self.rows != 1:
@@ -293,8 +302,6 @@ class StackedStep:
             a, b = seg.start, seg.stop
             if float(group["lr"]) == 0.0 or a == b:
                 continue
-            if float(group["lr"]) != lr:
-                raise Unstackable("D-Adaptation's param groups have different LRs (it refuses them itself)")
             r, g = float(group["layer_scale"]), G[:, a:b]
             denom = v[:, a:b].sqrt().add_(group["eps"])
             num.append(r * dlr * (g * s_[:, a:b].div(denom)).sum(dtype=torch.float64))
@@ -309,14 +316,16 @@ class StackedStep:
             return self._post_hooks()
         if lr > 0.0:
             d = max(d, min(nw / ((1 - sqrt_b2) * sk_l1), d * g0["growth_rate"]))
-        rhos = self._to_device([sc.multipliers[kk] if sc is not None else 1.0  # [groups, N, 1]: one copy
-                                for kk in range(len(self.segments)) for sc in scales])
+        K = len(self.segments)
+        host = [sc.multipliers[kk] if sc is not None else 1.0 for kk in range(K) for sc in scales]
+        host += [float(o.param_groups[kk]["weight_decay"]) for kk in range(K) for o in self.optimizers]
+        cols = self._to_device(host)  # [2 groups, N, 1]: each replica's multiplier, then its weight decay; one copy
         for kk, (seg, group) in enumerate(zip(self.segments, groups0)):
             a, b = seg.start, seg.stop
-            th, rho = self.theta[:, a:b], rhos[kk]
-            decay = float(group["weight_decay"])
-            if decay != 0 and group["decouple"]:
-                th.mul_(1 - rho * (decay * dlr))  # theta_r -= rho_r decay dlr theta_r
+            th, rho = self.theta[:, a:b], cols[kk]
+            decays = [float(o.param_groups[kk]["weight_decay"]) for o in self.optimizers]
+            if any(decays) and group["decouple"]:  # theta_r -= rho_r decay_r dlr theta_r (decoupled: per replica)
+                th.mul_(1 - rho * cols[K + kk] * dlr)
             th.addcmul_(m[:, a:b] / v[:, a:b].sqrt().add_(group["eps"]), rho, value=-1.0)
             self.steps[kk] += 1
             self._step_t[kk].fill_(float(self.steps[kk]))
