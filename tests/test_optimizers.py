@@ -184,6 +184,14 @@ def test_the_cli_run_trains_with_each_peer(tmp_path):
         train(RunConfig(**tiny, optimizer="sgd", out=str(tmp_path / "y")))
 
 
+def _saved(eng):
+    """The engine's state through torch.save / torch.load(weights_only=True), as a checkpoint holds it."""
+    buf = io.BytesIO()
+    torch.save(eng.state_dict(), buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
 def _prodigy_engine(steps=20, stop=None, state=None):
     def make_sched(o, rep, m):
         return hdet.OneCycleAutoLR(o, max_lr=1.0, total_steps=steps, model_sync_interval=5, replicas=rep, model=m,
@@ -201,10 +209,7 @@ def _prodigy_engine(steps=20, stop=None, state=None):
         x = torch.randn(3, 16, 4, generator=g)
         eng.step((x, x[..., :1].cos()), lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), stacked=True)
         if t == stop:
-            buf = io.BytesIO()
-            torch.save(eng.state_dict(), buf)
-            buf.seek(0)
-            return torch.load(buf, weights_only=True)
+            return _saved(eng)
     return eng
 
 
@@ -321,10 +326,7 @@ def _dadapt_engine(stacked, alpha=0.5, steps=60, wd=0.01, decouple=True, share_g
             continue
         eng.step((x, (x @ W).argmax(-1)), lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), stacked=True)
         if t == stop:
-            buf = io.BytesIO()
-            torch.save(eng.state_dict(), buf)
-            buf.seek(0)
-            return torch.load(buf, weights_only=True)
+            return _saved(eng)
     return eng
 
 
