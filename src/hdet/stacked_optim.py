@@ -88,7 +88,8 @@ def _only_step_scale_hooks(o: torch.optim.Optimizer) -> bool:
     """Whether every step pre-hook of ``o`` is its :class:`hdet.step_scale.StepScale`'s (the stacked step applies
     the multiplier itself)."""
     scale = getattr(o, "_hdet_step_scale", None)
-    return scale is not None and all(getattr(h, "__self__", None) is scale for h in o._optimizer_step_pre_hooks.values())
+    hooks = o._optimizer_step_pre_hooks.values()
+    return scale is not None and all(getattr(h, "__self__", None) is scale for h in hooks)
 
 
 def unsupported(optimizers: Sequence[torch.optim.Optimizer]) -> str | None:

@@ -93,8 +93,8 @@ class RunConfig:
     clip: float = field(default=1.0, metadata=_cli("base gradient-clipping norm for --explore grad-clip"))
     optimizer: str = field(default="adamw", metadata=_cli(
         "adamw, or a learning-rate-free peer to compare with (pip install 'hdet[bench]'): dadapt-adam, prodigy (at "
-        "--max-lr 1, OneCycle shape; under a spread the multiplier scales their step), schedulefree-adamw (constant LR after "
-        "its own warm-up; needs --alpha 0)"))
+        "--max-lr 1, OneCycle shape; under a spread the multiplier scales their step), schedulefree-adamw "
+        "(constant LR after its own warm-up; needs --alpha 0)"))
     eq8: str = "decay"
     nu: float = 0.01  # Eq. 10's noise scale with --warm-init
     log_every: int | None = None  # steps between records; None: steps // 100, between 1 and 10 (a short run's warm-up shows)
