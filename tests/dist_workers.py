@@ -62,8 +62,13 @@ def train(rank, world, *, steps=40, alpha=0.0, T=10, auto=False, warm=10, use_hd
         hdet.contiguous_parameters_(model)
     ddp = DDP(model, broadcast_buffers=False)
     kw = dict(weight_decay=0.01) if explore_wd else {}
-    o = torch.optim.Adam(ddp.parameters(), lr=0.01, fused=fused or None, **kw) if opt == "adam" else \
-        torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    if opt == "dadapt":  # D-Adaptation: hdet's multiplier on its step (hdet.step_scale)
+        import dadaptation
+
+        o = dadaptation.DAdaptAdam(ddp.parameters(), lr=1.0, decouple=True, weight_decay=0.01)
+    else:
+        o = torch.optim.Adam(ddp.parameters(), lr=0.01, fused=fused or None, **kw) if opt == "adam" else \
+            torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     if use_hdet:
         s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=alpha,
                                 model_sync_interval=T, enable_auto_lr=auto, auto_lr_warmup_steps=warm,

@@ -74,6 +74,21 @@ def test_resume_in_fresh_processes_is_bitwise(tmp_path, stop):
     assert full[0]["lrs"] != full[1]["lrs"]
 
 
+@pytest.mark.parametrize("stop", [20, 23])
+def test_a_resumed_spread_over_d_adaptation_under_ddp_is_bitwise(tmp_path, stop):
+    """HDET over D-Adaptation under DDP, checkpointed at a converge step or mid-window and resumed in fresh
+    processes: the same weights as the uninterrupted run, its estimate d and multipliers on the step included."""
+    pytest.importorskip("dadaptation")
+    kw = dict(steps=40, alpha=0.3, T=10, opt="dadapt")
+    full = check_ok(run_gloo(_train_kw, 2, kw))
+    check_ok(run_gloo(_train_kw, 2, dict(kw, save_at=stop, ckpt_dir=str(tmp_path))))
+    resumed = check_ok(run_gloo(_train_kw, 2, dict(kw, resume_from=str(tmp_path))))
+    for a, b in zip(full, resumed):
+        assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
+        assert a["lrs"][stop + 1:] == b["lrs"][1:]
+    assert full[0]["lrs"] == full[1]["lrs"]  # the optimizer's LR is the base on every rank: rho_r is on the step
+
+
 def _train_kw(rank, world, kw):
     return train(rank, world, **kw)
 
