@@ -1,8 +1,10 @@
-"""Shared test helpers: a scripted stand-in for N replicas in one process, and a gloo spawner."""
+"""Shared test helpers: a scripted stand-in for N replicas in one process, a gloo spawner, and a state's
+trip through torch.save / torch.load(weights_only=True)."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import tempfile
 import traceback
@@ -14,6 +16,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hdet.replicas import Replicas
+
+
+def roundtrip(obj):
+    """``obj`` through ``torch.save`` and ``torch.load(weights_only=True)``, as a checkpoint holds it."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
 
 
 class ScriptedReplicas(Replicas):

@@ -4,7 +4,6 @@ spread or a converge step would silently break it; averaging alone works."""
 
 from __future__ import annotations
 
-import io
 import math
 
 import pytest
@@ -14,7 +13,7 @@ from torch import nn
 import hdet
 from hdet.engine import ReplicaEngine
 from hdet.optimizers import lr_free_kind
-from helpers import ScriptedReplicas
+from helpers import ScriptedReplicas, roundtrip
 
 dadaptation = pytest.importorskip("dadaptation")
 prodigyopt = pytest.importorskip("prodigyopt")
@@ -184,14 +183,6 @@ def test_the_cli_run_trains_with_each_peer(tmp_path):
         train(RunConfig(**tiny, optimizer="sgd", out=str(tmp_path / "y")))
 
 
-def _saved(eng):
-    """The engine's state through torch.save / torch.load(weights_only=True), as a checkpoint holds it."""
-    buf = io.BytesIO()
-    torch.save(eng.state_dict(), buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
 def _prodigy_engine(steps=20, stop=None, state=None):
     def make_sched(o, rep, m):
         return hdet.OneCycleAutoLR(o, max_lr=1.0, total_steps=steps, model_sync_interval=5, replicas=rep, model=m,
@@ -209,7 +200,7 @@ def _prodigy_engine(steps=20, stop=None, state=None):
         x = torch.randn(3, 16, 4, generator=g)
         eng.step((x, x[..., :1].cos()), lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), stacked=True)
         if t == stop:
-            return _saved(eng)
+            return roundtrip(eng.state_dict())
     return eng
 
 
@@ -299,7 +290,7 @@ def test_a_checkpoint_from_before_the_estimates_were_averaged_loads_with_a_warni
 
 
 def _dadapt_engine(stacked, alpha=0.5, steps=60, wd=0.01, decouple=True, share_gradients=True, state=None, stop=None,
-                   explore_wd=False):
+                   explore_wd=False, train=True):
     """D-Adaptation Adam (two param groups: with and without weight decay) on 4 replicas in vmap mode."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -319,14 +310,14 @@ def _dadapt_engine(stacked, alpha=0.5, steps=60, wd=0.01, decouple=True, share_g
     g = torch.Generator().manual_seed(0)
     W = torch.randn(10, 4, generator=g)
     for t in range(1, steps + 1):
-        if stop == -1:
+        if not train:  # built, no step taken
             return eng
         x = torch.randn(4, 32, 10, generator=g)
         if t <= eng.steps_taken:
             continue
         eng.step((x, (x @ W).argmax(-1)), lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), stacked=True)
         if t == stop:
-            return _saved(eng)
+            return roundtrip(eng.state_dict())
     return eng
 
 
@@ -364,7 +355,7 @@ def test_the_stacked_d_adaptation_step_resumes_bit_for_bit():
 def test_d_adaptation_replicas_whose_estimates_differ_step_per_replica():
     """A d that differs between replicas (set by hand here; a state loaded so) is not silently replaced by
     replica 0's: the engine steps each replica's own optimizer from then on, and says why."""
-    eng = _dadapt_engine(True, steps=20, stop=-1)  # built, no step taken
+    eng = _dadapt_engine(True, steps=20, train=False)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 32, 10, generator=g)
     step = lambda: eng.step((x, x[..., :4].argmax(-1)), lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]),

@@ -3,7 +3,6 @@ replicas. Each test reproduces a user's set-up: DDP under spawned gloo processes
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import warnings
@@ -19,20 +18,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hdet
 from hdet.engine import ReplicaEngine
 from hdet.guard import _all_finite, finite_allreduce_hook
-from helpers import ScriptedReplicas, check_ok, file_init_method, run_gloo
+from helpers import ScriptedReplicas, check_ok, file_init_method, roundtrip, run_gloo
 
 
 def _train_kw(rank, world, kw):
     from dist_workers import train
 
     return train(rank, world, **kw)
-
-
-def _roundtrip(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 # ------------------------------------------------------------ 1. explored values reach the optimizer after a resume
@@ -45,8 +37,8 @@ def test_explored_weight_decay_and_betas_follow_a_reloaded_optimizer():
     wd, b2 = hdet.WeightDecay(o, alpha=0.5), hdet.AdamBeta(o, index=1, alpha=0.01)
     s = hdet.HDETLR(o, None, total_steps=20, replicas=ScriptedReplicas(3, 4), explore=[wd, b2],
                     model_sync_interval=5)
-    o.load_state_dict(_roundtrip(o.state_dict()))  # what a resume does: new param-group dicts
-    s.load_state_dict(_roundtrip(s.state_dict()))
+    o.load_state_dict(roundtrip(o.state_dict()))  # what a resume does: new param-group dicts
+    s.load_state_dict(roundtrip(s.state_dict()))
     g = o.param_groups[0]
     assert g["weight_decay"] == s.hyperparameters[wd.name] != 0.01  # replica 3's own, not the saved base
     assert g["betas"][1] == s.hyperparameters[b2.name]
@@ -318,7 +310,7 @@ def _fused_ddp_state(rank, world):
     for t in range(1, 8):
         _ddp_step(ddp, o, s, *batch(rank, t), nan=t == 3)
     guard = s.skip_guard
-    state = _roundtrip(s.state_dict())
+    state = roundtrip(s.state_dict())
     s2 = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=20, ensemble_lr_spread_ratio=0.3, model_sync_interval=5,
                              enable_auto_lr=True, auto_lr_warmup_steps=5, model=ddp, probe=Probe(),
                              controller=hdet.FitController(kappa=0.3), explore=[hdet.WeightDecay(o)])
@@ -365,12 +357,12 @@ def test_every_readme_setup_saves_plain_data(setup):
                                                                       model=mod, model_sync_interval=3))
         for _ in range(4):
             eng.step([torch.randn(2, 3)] * 2, lambda mod, x: mod(x).pow(2).mean())
-        eng.load_state_dict(_roundtrip(eng.state_dict()))
+        eng.load_state_dict(roundtrip(eng.state_dict()))
         return
     for _ in range(8):
         o.step()
         s.step(torch.tensor(1.0))
-    state = _roundtrip(s.state_dict())  # weights_only=True
+    state = roundtrip(s.state_dict())  # weights_only=True
     s.load_state_dict(state)
     if setup == "fit-template":
         assert s.ensemble.config.controller.kappa == 0.3 and s.ensemble.controllers[0].kappa == 0.3
@@ -439,14 +431,14 @@ def test_bad_states_raise_value_error_and_change_nothing(corrupt, match):
         s.optimizer.step()
         s.step(1.0)
     good = s.state_dict()
-    st = _roundtrip(good)
+    st = roundtrip(good)
     corrupt(st)
     other = _fresh()
     before = _snapshot(other)
     with pytest.raises(ValueError, match=match):
         other.load_state_dict(st)
     assert _snapshot(other) == before  # nothing half-written
-    other.load_state_dict(_roundtrip(good))  # and the good state still loads
+    other.load_state_dict(roundtrip(good))  # and the good state still loads
     assert other.get_last_lr() == s.get_last_lr()
 
 
@@ -455,7 +447,7 @@ def test_a_state_saved_before_the_version_field_still_loads():
     for _ in range(7):
         s.optimizer.step()
         s.step(torch.tensor(2.0))
-    st = _roundtrip(s.state_dict())
+    st = roundtrip(s.state_dict())
     for key in ("version", "scheduler", "loss_n"):  # what the previous format lacked
         st["hdet"].pop(key)
     st["skip_guard"] = None  # ... and held
@@ -623,7 +615,7 @@ def _engine(N=3, steps=20, stop=None, state=None):
         x = torch.randn(N, 8, 3, generator=g)
         eng.step((x, x[..., :1].sin()), lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), stacked=True)
         if t == stop:
-            return _roundtrip(eng.state_dict())
+            return roundtrip(eng.state_dict())
     return eng
 
 
@@ -667,8 +659,8 @@ def test_replay_writes_explored_weight_decay_into_a_reloaded_optimizer():
     for _ in range(3):
         o2.step()
         replay.step()
-    o2.load_state_dict(_roundtrip(o2.state_dict()))
-    replay.load_state_dict(_roundtrip(replay.state_dict()))
+    o2.load_state_dict(roundtrip(o2.state_dict()))
+    replay.load_state_dict(roundtrip(replay.state_dict()))
     o2.step()
     replay.step()
     assert o2.param_groups[0]["weight_decay"] == schedule["bases"][4][1]
@@ -679,11 +671,11 @@ def test_engine_load_that_fails_changes_nothing():
     st = _engine(steps=8, stop=3)
     target = _engine(steps=8)
     before = {k: v.clone() for k, v in target.stacked_params.items()}
-    bad = _roundtrip(st)
+    bad = roundtrip(st)
     bad["replicas"][1]["scheduler"]["last_epoch"] = "x"
     with pytest.raises(ValueError, match="last_epoch"):
         target.load_state_dict(bad)
-    bad = _roundtrip(st)
+    bad = roundtrip(st)
     bad["replicas"][2]["scheduler"]["last_epoch"] = 2
     with pytest.raises(ValueError, match="at the same step"):
         target.load_state_dict(bad)

@@ -1,5 +1,4 @@
 import contextlib
-import io
 import math
 import random
 
@@ -10,7 +9,7 @@ from torch.optim.lr_scheduler import CosineAnnealingLR, ExponentialLR, OneCycleL
 
 import hdet
 from hdet import HDETLR, OneCycleAutoLR, linear_multipliers
-from helpers import ScriptedReplicas
+from helpers import ScriptedReplicas, roundtrip
 
 
 def _opt(kind="sgd", groups=1, lr=0.1):
@@ -248,13 +247,6 @@ def test_constructor_does_not_touch_weights():
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
 
 
-def _roundtrip(state):
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
 @pytest.mark.parametrize("stop", [20, 23])
 def test_state_dict_resume_into_differently_built_instance(stop):
     S = 60
@@ -269,14 +261,14 @@ def test_state_dict_resume_into_differently_built_instance(stop):
         s.step(torch.tensor(1.0))
         full.append(s.get_last_lr())
         if t + 1 == stop:
-            saved_sched, saved_opt = _roundtrip(s.state_dict()), _roundtrip(o.state_dict())
+            saved_sched, saved_opt = roundtrip(s.state_dict()), roundtrip(o.state_dict())
     _, o2 = _opt("adam")
     s2 = OneCycleAutoLR(o2, max_lr=0.5, total_steps=S, ensemble_lr_spread_ratio=0.0, model_sync_interval=3,
                         controller="paper", enable_auto_lr=False, seed=9, replicas=ScriptedReplicas(1, 4, script))
     o2.load_state_dict(saved_opt)
     s2.load_state_dict(saved_sched)
     ref = s.state_dict()  # compare every field at the stop point
-    a = _roundtrip(s2.state_dict())
+    a = roundtrip(s2.state_dict())
     for key in saved_sched:
         if key != "hdet":
             assert _eq(a[key], saved_sched[key]), key
@@ -316,7 +308,7 @@ def test_load_state_dict_rejects_foreign_state():
         (lambda st: st["hdet"].__setitem__("current_bases", [float("nan")]), "a corrupted state_dict"),
         (lambda st: st.__setitem__("hdet", [1, 2]), "Expected an hdet ensemble state \\(a dict\\), but got list"),
     ]:
-        st = _roundtrip(good)
+        st = roundtrip(good)
         corrupt(st)
         with pytest.raises(ValueError, match=match):
             s.load_state_dict(st)
@@ -333,7 +325,7 @@ def test_elastic_resume_keeps_bases_and_velocity_and_redeals():
     for _ in range(23):
         o.step()
         s.step(torch.tensor(1.0))
-    saved = _roundtrip(s.state_dict())
+    saved = roundtrip(s.state_dict())
     for M in (2, 8):
         perms = []
         for r in range(M):
