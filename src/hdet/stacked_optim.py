@@ -100,10 +100,11 @@ def unsupported(optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
     if _global_optimizer_pre_hooks:
         return "global optimizer step pre-hooks are registered"
     for o in optimizers:
-        if o._optimizer_step_pre_hooks and not (kinds == {"dadapt"} and _only_step_scale_hooks(o)):
-            return "an optimizer has step pre-hooks"  # a pre-hook may change or skip one replica's step
-        if kinds == {"dadapt"} and (why := _dadapt_unsupported(o)):
-            return why
+        if kinds == {"dadapt"}:
+            if why := _dadapt_unsupported(o):
+                return why
+        elif o._optimizer_step_pre_hooks:  # a pre-hook may change or skip one replica's step
+            return "an optimizer has step pre-hooks"
         for g in o.param_groups:
             if g.get("differentiable") or any(p.is_complex() for p in g["params"]):
                 return "differentiable or complex parameters"
@@ -268,8 +269,7 @@ class StackedStep:
         if not self.shared:
             raise Unstackable("D-Adaptation without shared gradients (each replica's own estimate)")
         for o in self.optimizers:
-            if (why := _dadapt_unsupported(o)) or (why := None if not o._optimizer_step_pre_hooks
-                                                   or _only_step_scale_hooks(o) else "an optimizer has step pre-hooks"):
+            if why := _dadapt_unsupported(o):
                 raise Unstackable(why)
         scales = [getattr(o, "_hdet_step_scale", None) for o in self.optimizers]
         for sc in scales:
@@ -318,14 +318,13 @@ class StackedStep:
         if lr > 0.0:
             d = max(d, min(nw / ((1 - sqrt_b2) * sk_l1), d * g0["growth_rate"]))
         K = len(self.segments)
+        decays = [[float(o.param_groups[kk]["weight_decay"]) for o in self.optimizers] for kk in range(K)]
         host = [sc.multipliers[kk] if sc is not None else 1.0 for kk in range(K) for sc in scales]
-        host += [float(o.param_groups[kk]["weight_decay"]) for kk in range(K) for o in self.optimizers]
-        cols = self._to_device(host)  # [2 groups, N, 1]: each replica's multiplier, then its weight decay; one copy
+        cols = self._to_device(host + [x for per in decays for x in per])  # [2 K, N, 1]: rho_r, then decay_r; one copy
         for kk, (seg, group) in enumerate(zip(self.segments, groups0)):
             a, b = seg.start, seg.stop
             th, rho = self.theta[:, a:b], cols[kk]
-            decays = [float(o.param_groups[kk]["weight_decay"]) for o in self.optimizers]
-            if any(decays) and group["decouple"]:  # theta_r -= rho_r decay_r dlr theta_r (decoupled: per replica)
+            if any(decays[kk]) and group["decouple"]:  # theta_r -= rho_r decay_r dlr theta_r (decoupled: per replica)
                 th.mul_(1 - rho * cols[K + kk] * dlr)
             th.addcmul_(m[:, a:b] / v[:, a:b].sqrt().add_(group["eps"]), rho, value=-1.0)
             self.steps[kk] += 1
@@ -461,7 +460,10 @@ class StackedStep:
 
 
 def _dadapt_unsupported(o: torch.optim.Optimizer) -> str | None:
-    """Why D-Adaptation's step cannot be stacked for ``o`` (None: it can)."""
+    """Why D-Adaptation's step cannot be stacked for ``o`` (None: it can): step pre-hooks other than hdet's step
+    scale (whose multiplier the stacked step applies itself), FSDP, coupled weight decay."""
+    if o._optimizer_step_pre_hooks and not _only_step_scale_hooks(o):
+        return "an optimizer has step pre-hooks"  # a pre-hook may change or skip one replica's step
     for g in o.param_groups:
         if g.get("fsdp_in_use"):
             return "D-Adaptation with fsdp_in_use"
