@@ -130,6 +130,11 @@ def main() -> None:
     ap.add_argument("--peer-names", default="dadapt,prodigy", help="with --peers-hdet: dadapt and/or prodigy")
     ap.add_argument("--peer-runaway", default="recover", choices=["recover", "ignore"],
                     help="with --peers-hdet: HDET's on_runaway (names: hdet-ignore-... for ignore)")
+    ap.add_argument("--peer-controller", default="none", choices=["none", "fit"],
+                    help="with --peers-hdet: the fit controller from the end of the warm-up over the HDET rows "
+                    "(names: hdet-fit-...)")
+    ap.add_argument("--peer-T", type=int, default=None, help="with --peers-hdet: the HDET rows' sync interval "
+                    "(default: the task's; names: hdet-...-T<n>-...)")
     ap.add_argument("--hdet-only", action="store_true", help="with --peers-hdet: only the HDET rows (names: "
                     f"hdet[-ignore][-a<alpha> unless {ALPHA}]-<peer>-s<seed>)")
     ap.add_argument("--stability", type=float, default=None, metavar="BEST_MAX_LR",
@@ -256,10 +261,14 @@ def main() -> None:
     if a.peers_hdet is not None:
         opts = {"dadapt": "dadapt-adam", "prodigy": "prodigy"}
         names = a.peer_names.split(",")
-        tag = ("hdet-" + ("ignore-" if a.peer_runaway == "ignore" else "")
-               + (f"a{a.alpha:g}-" if a.alpha != ALPHA else ""))
+        fit = a.peer_controller == "fit"
+        tag = ("hdet-" + ("ignore-" if a.peer_runaway == "ignore" else "") + ("fit-" if fit else "")
+               + (f"a{a.alpha:g}-" if a.alpha != ALPHA else "") + (f"T{a.peer_T}-" if a.peer_T else ""))
+        Tp = a.peer_T or size["T"]
+        hdet = dict(alpha=a.alpha, on_runaway=a.peer_runaway, T=Tp,
+                    **(dict(auto_lr=True, controller="fit", tie_lr_groups=True, warmup=-(-warm // Tp) * Tp) if fit else {}))
         jobs = [job(f"{pre}{name}-s{seed}", pre + name, optimizer=opts[name], max_lr=1.0, seed=seed,
-                    **(dict(alpha=a.alpha, on_runaway=a.peer_runaway) if pre else {}))
+                    **(hdet if pre else {}))
                 for name in names for seed in (0, 1, 2) for pre in ((tag,) if a.hdet_only else (tag, ""))]
         repro = [] if a.hdet_only else [job("repro-plain-1x-s0", "repro-plain", max_lr=a.peers_hdet, seed=0)]
         return run_study(a.peers_hdet, jobs + repro)

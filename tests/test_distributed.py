@@ -289,15 +289,16 @@ def _local(rank, world):
 @pytest.mark.parametrize("kind", ["dadapt", "prodigy"])
 def test_a_spread_over_a_distance_estimator_under_ddp(kind):
     """D-Adaptation / Prodigy under DDP with alpha 0.5: every rank steps at the same base LR with its multiplier
-    on the step; D-Adaptation's d agrees across ranks after every step, Prodigy's after every converge step."""
+    on the step; d agrees across ranks after every step (D-Adaptation's reads only the shared gradients;
+    Prodigy's numerator, which reads each rank's weights, is shared through an all_gather at every step)."""
     pytest.importorskip("dadaptation")
     pytest.importorskip("prodigyopt")
     res = check_ok(run_gloo(_distance, 2, kind))
     for r in res:
         assert all(r["same_lr"])
         assert r["equal_after"] == [True] * 3 and r["differ_before"] == [True] * 3
-        same = r["same_d"] if kind == "dadapt" else [r["same_d"][t - 1] for t in (10, 20, 30)]
-        assert all(same) and r["d"] > 1e-6 and all(math.isfinite(x) for x in r["losses"])
+        assert len(r["same_d"]) == 30 and all(r["same_d"])
+        assert r["d"] > 1e-6 and all(math.isfinite(x) for x in r["losses"])
     assert sorted(m for r in res for m in r["mults"]) == pytest.approx(linear_multipliers(2, 0.5))
 
 

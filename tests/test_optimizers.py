@@ -13,6 +13,7 @@ from torch import nn
 import hdet
 from hdet.engine import ReplicaEngine
 from hdet.optimizers import lr_free_kind
+from hdet.step_scale import StepScale
 from helpers import ScriptedReplicas, roundtrip
 
 dadaptation = pytest.importorskip("dadaptation")
@@ -45,7 +46,6 @@ def test_distance_estimators_take_the_multiplier_on_the_step(make):
 
 def test_the_step_scale_is_exactly_a_multiplier_on_the_update():
     """theta <- theta + m (step(theta) - theta): for SGD that is exactly lr * m; a multiplier of 1 copies nothing."""
-    from hdet.step_scale import StepScale
 
     torch.manual_seed(0)
     a, b = nn.Linear(4, 2), nn.Linear(4, 2)
@@ -67,12 +67,12 @@ def test_the_step_scale_is_exactly_a_multiplier_on_the_update():
 
 @pytest.mark.parametrize("kind", ["dadapt", "prodigy"])
 def test_a_spread_over_a_distance_estimator_keeps_one_estimate_and_trains(kind):
-    """The engine (shared gradients) at alpha 0.2: D-Adaptation's d is the same on every replica after every
-    step (its state reads only the shared gradients and the base LR); Prodigy's, which also reads each
-    replica's distance from its start, is the same after every converge step (averaged with the weights).
-    The ensemble trains like the optimizer alone (the multiplier on the LR had run the d's apart: 29x at
-    alpha 0.2, divergence at 0.5). (This toy runs D-Adaptation at its edge of stability, where alpha 0.5's
-    highest replicas blow up within a window: late loss 0.62 against 0.33 at alpha 0, with d equal.)"""
+    """The engine (shared gradients) at alpha 0.2: d is the same on every replica after every step
+    (D-Adaptation's state reads only the shared gradients and the base LR; Prodigy's numerator, which also
+    reads each replica's distance from its start, is averaged at every step). The ensemble trains like the
+    optimizer alone (the multiplier on the LR had run the d's apart: 29x at alpha 0.2, divergence at 0.5).
+    (This toy runs D-Adaptation at its edge of stability, where alpha 0.5's highest replicas blow up within
+    a window: late loss 0.62 against 0.33 at alpha 0, with d equal.)"""
     def make(m):
         if kind == "dadapt":
             return dadaptation.DAdaptAdam(m.parameters(), lr=1.0, decouple=True, weight_decay=0.01)
@@ -92,18 +92,68 @@ def test_a_spread_over_a_distance_estimator_keeps_one_estimate_and_trains(kind):
             y = (x @ W).argmax(-1)
             losses.append(eng.step((x, y), lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]),
                                    stacked=True).mean().item())
-            if kind == "dadapt" or t % T == 0:
-                d = [o.param_groups[0]["d"] for o in eng.optimizers]
-                d_equal.append(all(v == d[0] for v in d))
+            d = [o.param_groups[0]["d"] for o in eng.optimizers]
+            d_equal.append(all(v == d[0] for v in d))
         return d_equal, losses, eng.optimizers[0].param_groups[0]["d"]
 
     d_equal, losses, d = run(0.2)
-    assert all(d_equal) and len(d_equal) >= 6
+    assert all(d_equal) and len(d_equal) == 150
     _, losses0, d0 = run(0.0)
     assert all(math.isfinite(x) for x in losses)
     late, late0 = sum(losses[-25:]) / 25, sum(losses0[-25:]) / 25
     assert late < 0.5 * losses[0] and late < 1.5 * late0  # it trained, about as well as at alpha 0
     assert 0.5 < d / d0 < 2  # and its estimate stayed the optimizer's own
+
+
+def _prodigy_toy(alpha, steps=200, T=50, N=8):
+    """A spread over Prodigy in the engine on a toy classification; per step: the replicas' d, the mean loss."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 4))
+    eng = ReplicaEngine(model, N, lambda m: prodigyopt.Prodigy(m.parameters(), lr=1.0, decouple=True, weight_decay=0.01),
+                        lambda o, rep, m: hdet.HDETLR(o, torch.optim.lr_scheduler.OneCycleLR(o, 1.0, total_steps=steps),
+                                                      total_steps=steps, model_sync_interval=T, replicas=rep, model=m,
+                                                      ensemble_lr_spread_ratio=alpha), mode="loop")
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(10, 4, generator=g)
+    ds, losses = [], []
+    for _ in range(steps):
+        x = torch.randn(N, 32, 10, generator=g)
+        loss = eng.step((x, (x @ W).argmax(-1)), lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), stacked=True)
+        ds.append([o.param_groups[0]["d"] for o in eng.optimizers])
+        losses.append(loss.mean().item())
+    return ds, losses
+
+
+def test_prodigy_under_a_wide_spread_keeps_one_estimate_every_step():
+    """Prodigy at alpha 0.5, T 50: its estimate reads each replica's distance from its start, which grows with
+    the replica's multiplier; averaged only at converge steps the eight d's fanned out 750x within 30 steps and
+    the highest replicas blew up (mean loss 33 at step 50, 0.16 at the end against 0.045 at alpha 0). Shared
+    at every step, d is one for the ensemble, ends within 10% of alpha 0's and the ensemble trains as well."""
+    ds, losses = _prodigy_toy(0.5)
+    ds0, losses0 = _prodigy_toy(0.0)
+    assert all(len(set(d)) == 1 for d in ds)
+    assert 0.9 < ds[-1][0] / ds0[-1][0] < 1.1
+    assert max(losses) < 2 * losses[0]  # no blow-up on the way
+    assert sum(losses[-20:]) / 20 < 1.5 * sum(losses0[-20:]) / 20
+
+
+def test_the_shared_prodigy_estimate_is_prodigys_own_rule():
+    """One replica's own numerator and denominator through :meth:`StepScale.set_shared` give back exactly the
+    d, d_max and d_hat that Prodigy computed itself (the rule replicated; catches a prodigyopt that changed it)."""
+    torch.manual_seed(0)
+    m = nn.Linear(6, 3)
+    o = prodigyopt.Prodigy(m.parameters(), lr=1.0)
+    scale = StepScale.install(o)
+    assert scale.every_step and not StepScale(torch.optim.AdamW(m.parameters())).every_step
+    for t in range(12):
+        m(torch.randn(8, 6)).pow(2).mean().backward()
+        o.step()
+        o.zero_grad()
+        before = {k: o.param_groups[0][k] for k in ("d", "d_max", "d_hat", "d_numerator", "d_denom")}
+        scale.set_shared(list(scale.contribution))
+        assert {k: o.param_groups[0][k] for k in before} == before, t
+    assert o.param_groups[0]["d"] > 1e-5  # it grew from d0 = 1e-6
+    scale.remove()
 
 
 def test_prodigy_estimates_are_averaged_by_the_converge_step():
@@ -221,7 +271,6 @@ def test_a_resumed_spread_over_prodigy_trains_bit_for_bit(stop):
 def test_the_step_scale_with_a_closure_and_with_a_second_scheduler():
     """step(closure): the gradients do not exist when the step starts, the update is scaled all the same.
     A second scheduler over the same optimizer replaces the first one's hooks (rho, not rho squared)."""
-    from hdet.step_scale import StepScale
 
     p = nn.Parameter(torch.tensor([1.0]))
     o = torch.optim.SGD([p], lr=0.1)
@@ -244,7 +293,6 @@ def test_estimates_averaged_by_any_transport_and_a_loaded_optimizer_wins():
     """What the converge step writes into the estimates (even a write that bumps no version counter, as an
     in-place all_reduce) reaches the param groups at the end of the sync; a loaded optimizer state is not
     overwritten by estimates gathered before it."""
-    from hdet.step_scale import StepScale
 
     o = prodigyopt.Prodigy(nn.Linear(2, 1).parameters(), lr=1.0)
     scale = StepScale.install(o)

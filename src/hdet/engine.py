@@ -40,6 +40,7 @@ from .replicas import LocalReplicaGroup, Replicas, average_local
 from .stability import SharedCopies
 from .stacked_optim import StackedStep, Unstackable, unsupported
 from .stacking import StackedReplicas
+from .step_scale import share_local
 
 __all__ = ["ReplicaEngine"]
 
@@ -380,6 +381,7 @@ class ReplicaEngine:
                 self._stop_stacked("loop mode")
             for o in self.optimizers:
                 o.step()
+            share_local([s.ensemble.step_scale for s in self.schedulers])  # Prodigy's estimate, one per step
         kept = losses.detach().clone()  # the windows' copy (the caller may write into what step() returns)
         for s, loss in zip(self.schedulers, kept):
             s.ensemble.window.keep(loss)  # = s.observe(loss), with one copy for the N replicas

@@ -17,6 +17,7 @@ import statistics
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -27,7 +28,7 @@ from .config import HDETConfig
 from .controller import ControllerStep
 from .hyper import Hyperparameter
 from .optimizers import lr_free_kind
-from .replicas import Replicas, ReplicaSyncError, local_shard
+from .replicas import ProcessGroupReplicas, Replicas, ReplicaSyncError, local_shard
 from .range_test import MAX_RANGE_GROWTH, RANGE_START, RampSnapshots, RangeTest
 from .slots import LRControl, Slots
 from .stability import MIN_LR_SCALE, SharedCopies, StabilityGuard
@@ -122,6 +123,9 @@ class Ensemble:
         self.on_sync: list[Callable[[SyncRecord], None]] = []
         # D-Adaptation/Prodigy: the LR multiplier goes on the step, their estimates are averaged with the weights
         self.step_scale = StepScale.install(optimizer) if lr_free_kind(optimizer) == "distance" else None
+        if self.step_scale is not None and isinstance(replicas, ProcessGroupReplicas) and replicas.world_size > 1:
+            # Prodigy: its estimate shared at every step (a replica's sums over its shards, FSDP2/HSDP)
+            self.step_scale.share = partial(replicas.gather, shard_sum=(0, 1), shard_min=(2,))
         if config.probing and any(p.is_complex() for p in self._params()):
             raise ValueError("controller='fit' does not support complex parameters (its probe averages real "
                              "iterates); use controller='paper' or auto-LR off")

@@ -12,8 +12,13 @@ For AdamW this is exactly ``lr * rho_r``; for a distance estimator the estimate 
 LR only. With averaged gradients (DDP, the engine's default) D-Adaptation's state (``d``, its sums, the
 moments) depends on the gradients and the base LR alone, so it is the same on every replica: one estimate
 for the ensemble, and the converge step's averaged weights stay consistent with it. Prodigy's estimate also
-reads the distance from the initial point, which differs between replicas by their multipliers within a
-window; the converge step averages its scalar estimates too (:meth:`StepScale.estimates`). Coupled weight
+reads the distance from the initial point, ``<g, p0 - theta_r>``, which differs between replicas by their
+multipliers; left to each replica between converge steps, the replicas' d fan out (measured on a toy at
+alpha 0.5, T 50: 750x within 30 steps, the highest replicas blew up). So its numerator (and denominator) are
+averaged at every step and d is recomputed from them by Prodigy's own rule (:meth:`StepScale.set_shared`): the
+mean of the replicas' numerators is the numerator at the ensemble's mean iterate, the one the converge step
+makes, so d is one for the ensemble at every step. Cost: one all_gather of three float64 a step under a
+process group (Prodigy itself reads a scalar to the host per parameter per step). Coupled weight
 decay (D-Adaptation's ``decouple=False`` with ``weight_decay > 0``) or an explored hyperparameter that the
 estimate reads (weight decay, betas) also makes the estimates differ between converge steps; they are
 averaged at each.
@@ -25,16 +30,25 @@ step's average (one more small bucket) and are read back on the host once.
 
 from __future__ import annotations
 
-from typing import Any
+import math
+import warnings
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .optimizers import innermost
 
-__all__ = ["StepScale", "ESTIMATES"]
+__all__ = ["StepScale", "ESTIMATES", "reads_weights"]
 
 # the param-group scalars of the distance estimators that the converge step averages (D-Adaptation, Prodigy)
 ESTIMATES = ("d", "d_max", "d_numerator", "numerator_weighted")
+_PRODIGY = ("d0", "d_coef", "d_max", "d_numerator", "growth_rate")  # its param groups' signature
+
+
+def reads_weights(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's estimate reads the weights (Prodigy's ``<g, p0 - theta>``), recognised by its
+    param groups; such an estimate is shared at every step (:meth:`StepScale.set_shared`)."""
+    return all(k in innermost(optimizer).param_groups[0] for k in _PRODIGY)
 
 
 class StepScale:
@@ -51,6 +65,13 @@ class StepScale:
         self._host: torch.Tensor | None = None  # its pinned source while a copy to the device may be in flight
         self._keys: list[tuple[int, str]] = []
         self._filled = False  # the tensor holds this sync's estimates, not yet taken back into the groups
+        # Prodigy: the estimate is shared at every step. ``share(local)`` returns every replica's row (a process
+        # group's all_gather); None: the caller shares (the engine: :func:`share_local`), or one replica alone
+        self.every_step = reads_weights(self.optimizer)
+        self.share: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._pre: tuple[float, float, int] | None = None  # d, d_max and k before the step
+        self.contribution: list[float] | None = None  # this step's [numerator, denominator, 1] (or zeros)
+        self._took = self._warned = False
         self._hooks = (self.optimizer.register_step_pre_hook(self._save),
                        self.optimizer.register_step_post_hook(self._scale),
                        self.optimizer.register_load_state_dict_post_hook(self._loaded))
@@ -71,6 +92,9 @@ class StepScale:
     @torch.no_grad()
     def _save(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.take_estimates()  # after a recovery between syncs
+        if self.every_step:
+            g = self.optimizer.param_groups[0]
+            self._pre = (float(g["d"]), float(g["d_max"]), int(g["k"]))
         if all(m == 1.0 for m in self.multipliers):
             self._stepped = None
             return
@@ -88,6 +112,8 @@ class StepScale:
 
     @torch.no_grad()
     def _scale(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.every_step:
+            self._contribute()
         if self._stepped is None:
             return
         for m, before, stepped in zip(self.multipliers, self._before, self._stepped):
@@ -97,6 +123,44 @@ class StepScale:
             torch._foreach_lerp_(before, after, m)  # before + m * (after - before)
             torch._foreach_copy_(after, before)
         self._stepped = None
+
+    # -- Prodigy: the estimate shared at every step ---------------------------------------------------
+    def _contribute(self) -> None:
+        """This replica's numerator and denominator of the step just taken, then, under a process group,
+        every replica's through ``share`` (COLLECTIVE: one all_gather of three float64; HOST SYNC)."""
+        g = self.optimizer.param_groups[0]
+        num, den = float(g["d_numerator"]), float(g.get("d_denom", 0.0))
+        self._took = took = self._pre is not None and int(g["k"]) == self._pre[2] + 1
+        if took and "d_denom" not in g and not self._warned:
+            self._warned = True
+            warnings.warn(f"hdet: {type(self.optimizer).__name__} keeps no 'd_denom' in its param groups (an older "
+                          "Prodigy?): its estimate is averaged at converge steps only, and the replicas' estimates "
+                          "may drift apart between them; upgrade prodigyopt (>= 1.1)", stacklevel=3)
+        ok = took and den > 0 and math.isfinite(num) and math.isfinite(den)  # a non-finite replica is left out
+        self.contribution = [num, den, 1.0] if ok else [0.0, 0.0, 0.0]
+        if self.share is not None:
+            rows = self.share(torch.tensor(self.contribution, dtype=torch.float64))
+            self.set_shared(rows.sum(0).tolist())
+
+    def set_shared(self, total: list[float]) -> None:
+        """The replicas' summed ``[numerator, denominator, count]`` of this step into this optimizer's groups:
+        d recomputed from their means by Prodigy's rule (``d_hat = d_coef * num / den``; the first growth from
+        ``d0``; ``d_max`` the running max; growth at most ``growth_rate`` a step). The step just taken used
+        each replica's own new d only in its ``d * eps`` term. Nothing changes where no replica contributed or
+        this one did not step; a replica whose own values were not finite takes the others'."""
+        num, den, n = total
+        if n == 0 or self._pre is None or not self._took:
+            return
+        g0 = self.optimizer.param_groups[0]
+        num, den = num / n, den / n
+        d, d_max, _ = self._pre
+        d_hat = g0["d_coef"] * num / den
+        if d == g0["d0"]:
+            d = max(d, d_hat)
+        d_max = max(d_max, d_hat)
+        d = min(d_max, d * g0["growth_rate"])
+        for g in self.optimizer.param_groups:
+            g.update(d_numerator=num, d_denom=den, d=d, d_max=d_max, d_hat=d_hat)
 
     def _loaded(self, optimizer: Any) -> None:
         self._filled = False  # a loaded optimizer state wins over estimates gathered before it
@@ -134,3 +198,14 @@ class StepScale:
         for (j, k), v in zip(self._keys, self._estimates.tolist()):  # HOST SYNC: a few scalars, once a sync
             self.optimizer.param_groups[j][k] = v
         self._filled = False
+
+
+def share_local(scales: Sequence[StepScale | None]) -> None:
+    """The engine's replicas after their optimizer steps: Prodigy's numerators and denominators summed over the
+    replica axis and set into every replica's groups (:meth:`StepScale.set_shared`)."""
+    live = [s for s in scales if s is not None and s.every_step and s.contribution is not None]
+    if len(live) < 2:
+        return
+    total = [sum(c) for c in zip(*(s.contribution for s in live))]
+    for s in live:
+        s.set_shared(total)
