@@ -137,6 +137,31 @@ def test_prodigy_under_a_wide_spread_keeps_one_estimate_every_step():
     assert sum(losses[-20:]) / 20 < 1.5 * sum(losses0[-20:]) / 20
 
 
+@pytest.mark.parametrize("name", ["DAdaptAdam", "DAdaptSGD", "DAdaptAdaGrad", "DAdaptLion", "DAdaptAdan", "Prodigy"])
+def test_every_distance_estimator_keeps_one_estimate_under_a_spread(name):
+    """Each of D-Adaptation's optimizers and Prodigy, at alpha 0.5 in the engine (loop mode, T 50): d equal on
+    every replica after every step, and every loss finite (whether it trains as well as alone: the Prodigy and
+    D-Adaptation Adam tests above; this short toy is at DAdaptAdam's own edge of stability, alone as well)."""
+    cls = getattr(prodigyopt if name == "Prodigy" else dadaptation, name)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 4))
+    steps = 60
+    eng = ReplicaEngine(model, 4, lambda m: cls(m.parameters(), lr=1.0),
+                        lambda o, rep, m: hdet.HDETLR(o, torch.optim.lr_scheduler.OneCycleLR(o, 1.0, total_steps=steps),
+                                                      total_steps=steps, model_sync_interval=50, replicas=rep, model=m,
+                                                      ensemble_lr_spread_ratio=0.5), mode="loop")
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(10, 4, generator=g)
+    losses = []
+    for t in range(steps):
+        x = torch.randn(4, 32, 10, generator=g)
+        loss = eng.step((x, (x @ W).argmax(-1)), lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), stacked=True)
+        d = [o.param_groups[0]["d"] for o in eng.optimizers]
+        assert len(set(d)) == 1, (t, d)
+        losses.append(loss.mean().item())
+    assert all(math.isfinite(x) for x in losses)
+
+
 def test_the_shared_prodigy_estimate_is_prodigys_own_rule():
     """One replica's own numerator and denominator through :meth:`StepScale.set_shared` give back exactly the
     d, d_max and d_hat that Prodigy computed itself (the rule replicated; catches a prodigyopt that changed it)."""
