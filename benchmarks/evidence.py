@@ -67,12 +67,12 @@ def run_job(job: dict[str, Any], deadline: float, expected: float) -> dict[str, 
         s = train(cfg, argv=["(evidence)", job["name"]])
     except Exception as e:  # noqa: BLE001 - a failed run is a result, not the end of the suite
         return {**job, "error": f"{type(e).__name__}: {e}", "seconds": time.time() - t0}
-    lr = []
+    lr = []  # [step, the mean base LR of the first group(, D-Adaptation's/Prodigy's d)]
     with open(Path(cfg.out) / "metrics.jsonl") as f:
         for line in f:
             rec = json.loads(line)
             if rec["step"] % 50 == 0 or rec["step"] == cfg.steps:
-                lr.append((rec["step"], next(iter(rec["lr_mean"].values()))))
+                lr.append((rec["step"], next(iter(rec["lr_mean"].values()))) + ((rec["d"],) if "d" in rec else ()))
     events = []  # syncs that found a runaway replica or cut the LR (on_runaway="recover")
     window = []  # per sync: step, the replicas' median window loss, slot 0's base LR for the next window
     syncs = Path(cfg.out) / "syncs.jsonl"

@@ -4,6 +4,7 @@ spread or a converge step would silently break it; averaging alone works."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -250,6 +251,8 @@ def test_the_cli_run_trains_with_each_peer(tmp_path):
         s = train(RunConfig(**{**tiny, "alpha": 0.2}, optimizer=opt, out=str(tmp_path / f"{opt}-a")))
         assert s["crashed"] is None and math.isfinite(s["final_val_loss"]), opt
         assert s["config"]["max_lr"] == 1.0  # their documented lr, when --max-lr is not given
+        recs = [json.loads(x) for x in (tmp_path / f"{opt}-a" / "metrics.jsonl").read_text().splitlines()]
+        assert all(r["d"] > 0 for r in recs) and recs[-1]["d"] > recs[0]["d"]  # their estimate, as it grew
     assert train(RunConfig(**{**tiny, "steps": 2}, out=str(tmp_path / "adamw")))["config"]["max_lr"] == 3e-3
     with pytest.raises(ValueError, match="Schedule-Free.*a spread breaks"):
         train(RunConfig(**{**tiny, "alpha": 0.2}, optimizer="schedulefree-adamw", max_lr=3e-3,

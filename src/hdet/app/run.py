@@ -233,6 +233,8 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
                        "lr": dict(zip(groups, sched0.effective_lrs)),  # replica 0 (rank 0 under torchrun)
                        "lr_mean": dict(zip(groups, sched0.base_lrs_now)),  # mean over replicas (mean rho = 1)
                        "seconds": time.perf_counter() - t0}
+                if "d" in (g0 := reps.optimizers[0].param_groups[0]):  # D-Adaptation/Prodigy: their step size d * lr
+                    rec["d"] = float(g0["d"])
                 if sync:
                     if t - last_eval >= eval_every or t == cfg.steps:  # after averaging: replicas are equal
                         last_eval = t
