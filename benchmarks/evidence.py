@@ -135,6 +135,8 @@ def main() -> None:
                     "(names: hdet-fit-...)")
     ap.add_argument("--peer-T", type=int, default=None, help="with --peers-hdet: the HDET rows' sync interval "
                     "(default: the task's; names: hdet-...-T<n>-...)")
+    ap.add_argument("--alone-only", action="store_true", help="with --peers-hdet: only the rows of each optimizer alone")
+    ap.add_argument("--seeds", default="0,1,2", help="with --peers-hdet: the seeds")
     ap.add_argument("--hdet-only", action="store_true", help="with --peers-hdet: only the HDET rows (names: "
                     f"hdet[-ignore][-a<alpha> unless {ALPHA}]-<peer>-s<seed>)")
     ap.add_argument("--stability", type=float, default=None, metavar="BEST_MAX_LR",
@@ -269,8 +271,9 @@ def main() -> None:
                     **(dict(auto_lr=True, controller="fit", tie_lr_groups=True, warmup=-(-warm // Tp) * Tp) if fit else {}))
         jobs = [job(f"{pre}{name}-s{seed}", pre + name, optimizer=opts[name], max_lr=1.0, seed=seed,
                     **(hdet if pre else {}))
-                for name in names for seed in (0, 1, 2) for pre in ((tag,) if a.hdet_only else (tag, ""))]
-        repro = [] if a.hdet_only else [job("repro-plain-1x-s0", "repro-plain", max_lr=a.peers_hdet, seed=0)]
+                for name in names for seed in map(int, a.seeds.split(","))
+                for pre in ((tag,) if a.hdet_only else ("",) if a.alone_only else (tag, ""))]
+        repro = [] if a.hdet_only or a.alone_only else [job("repro-plain-1x-s0", "repro-plain", max_lr=a.peers_hdet, seed=0)]
         return run_study(a.peers_hdet, jobs + repro)
 
     if a.peers is not None:
