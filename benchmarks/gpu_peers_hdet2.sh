@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 15: HDET over D-Adaptation with the fit controller (T 100) and its T-100 control, HDET over Prodigy
 # (shared estimate every step), on one GPU; every study in the background, 3 jobs each.
-# usage: bash benchmarks/gpu_peers_hdet2.sh PART OUTDIR   (PART 1 to 4; run from the repo root)
+# usage: bash benchmarks/gpu_peers_hdet2.sh PART OUTDIR   (PART 1 to 5; run from the repo root)
 set -u
 export PYTHONPATH=$PWD/src
 python -m pip install -q --no-index --no-deps .whl/dadaptation-3.2-py3-none-any.whl .whl/prodigyopt-1.1.2-py3-none-any.whl
@@ -24,6 +24,10 @@ elif [ "$1" = 3 ]; then  # Prodigy steps per replica (host reads per parameter):
 elif [ "$1" = 4 ]; then
   "${E[@]}" "${B[@]}" --peer-names prodigy --alone-only --seeds 1,2 --previous "$P/bytes_prodigy_alone.json" \
     --out "$O/bytes_prodigy_alone.json" > "$O/bytes_prodigy_alone.log" 2>&1 &
+elif [ "$1" = 5 ]; then  # T shorter than the suite's 25, and alpha 0.2, over D-Adaptation
+  study bytes_T10 "${B[@]}" --peer-names dadapt --peer-T 10
+  study fashion_T10 "${F[@]}" --peer-names dadapt --peer-T 10
+  study bytes_a0.2 "${B[@]}" --peer-names dadapt --alpha 0.2
 else
   study fashion_T100 "${F[@]}" --peer-names dadapt --peer-T 100
   study bytes_T100 "${B[@]}" --peer-names dadapt --peer-T 100

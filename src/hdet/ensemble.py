@@ -17,7 +17,6 @@ import statistics
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -124,8 +123,9 @@ class Ensemble:
         # D-Adaptation/Prodigy: the LR multiplier goes on the step, their estimates are averaged with the weights
         self.step_scale = StepScale.install(optimizer) if lr_free_kind(optimizer) == "distance" else None
         if self.step_scale is not None and isinstance(replicas, ProcessGroupReplicas) and replicas.world_size > 1:
-            # Prodigy: its estimate shared at every step (a replica's sums over its shards, FSDP2/HSDP)
-            self.step_scale.share = partial(replicas.gather, shard_sum=(0, 1), shard_min=(2,))
+            # Prodigy: its estimate shared at every step, over the replicas (each rank's own values: under
+            # FSDP2/HSDP its reductions over DTensor shards already give every rank of a replica the same)
+            self.step_scale.share = replicas.gather
         if config.probing and any(p.is_complex() for p in self._params()):
             raise ValueError("controller='fit' does not support complex parameters (its probe averages real "
                              "iterates); use controller='paper' or auto-LR off")
