@@ -123,8 +123,8 @@ class Ensemble:
         # D-Adaptation/Prodigy: the LR multiplier goes on the step, their estimates are averaged with the weights
         self.step_scale = StepScale.install(optimizer) if lr_free_kind(optimizer) == "distance" else None
         if self.step_scale is not None and isinstance(replicas, ProcessGroupReplicas) and replicas.world_size > 1:
-            # Prodigy: its estimate shared at every step, over the replicas (each rank's own values: under
-            # FSDP2/HSDP its reductions over DTensor shards already give every rank of a replica the same)
+            # Prodigy: its estimate shared at every step, over the replicas (each rank's own values; prodigyopt
+            # 1.1.2 itself does not step FSDP2's sharded parameters: its flatten of a DTensor shard fails)
             self.step_scale.share = replicas.gather
         if config.probing and any(p.is_complex() for p in self._params()):
             raise ValueError("controller='fit' does not support complex parameters (its probe averages real "
