@@ -19,12 +19,15 @@ if [ "$1" = 1 ]; then
   study fashion_fit "${F[@]}" --peer-names dadapt --peer-controller fit --peer-T 100
   study bytes_fit "${B[@]}" --peer-names dadapt --peer-controller fit --peer-T 100
   study fashion_prodigy "${F[@]}" --peer-names prodigy
-elif [ "$1" = 3 ]; then  # Prodigy steps per replica (host reads per parameter): the GPT alone in its call
+elif [ "$1" = 3 ]; then  # Prodigy stepped per replica (two host reads per parameter): ran out of the call's 600 s
   study bytes_prodigy "${B[@]}" --peer-names prodigy
 elif [ "$1" = 4 ]; then
   "${E[@]}" "${B[@]}" --peer-names prodigy --alone-only --seeds 1,2 --previous "$P/bytes_prodigy_alone.json" \
     --out "$O/bytes_prodigy_alone.json" > "$O/bytes_prodigy_alone.log" 2>&1 &
-elif [ "$1" = 5 ]; then  # T shorter than the suite's 25, and alpha 0.2, over D-Adaptation
+elif [ "$1" = 5 ]; then  # after the stacked Prodigy step: the GPT's Prodigy rows; T 10 and alpha 0.2 over D-Adaptation
+  study bytes_prodigy "${B[@]}" --peer-names prodigy
+  "${E[@]}" "${B[@]}" --peer-names prodigy --alone-only --seeds 1,2 --previous "$P/bytes_prodigy_alone.json" \
+    --out "$O/bytes_prodigy_alone.json" > "$O/bytes_prodigy_alone.log" 2>&1 &
   study bytes_T10 "${B[@]}" --peer-names dadapt --peer-T 10
   study fashion_T10 "${F[@]}" --peer-names dadapt --peer-T 10
   study bytes_a0.2 "${B[@]}" --peer-names dadapt --alpha 0.2

@@ -1,11 +1,13 @@
-"""What HDET over D-Adaptation costs in the engine (issue 15 item 4, issue 19): N = 8 replicas of an MLP in
-``ReplicaEngine(mode="vmap")`` with D-Adaptation Adam: each replica's own optimizer step at alpha 0 (no
+"""What HDET over D-Adaptation (or Prodigy) costs in the engine (issue 15 item 4, issue 19): N = 8 replicas of an
+MLP in ``ReplicaEngine(mode="vmap")`` with D-Adaptation Adam (``--optimizer prodigy``: Prodigy, whose estimate
+is also shared at every step): each replica's own optimizer step at alpha 0 (no
 scaling: the step-scale hooks copy nothing) and at alpha 0.2 (``hdet.step_scale``: the update scaled by each
 replica's multiplier), and the engine's stacked D-Adaptation step at alpha 0.2 (``hdet.stacked_optim``: one
 copy of the state, one host read a step), measured side by side in one process, interleaved, median of
 ``--repeats``. No converge step falls in the timed steps. Writes JSON with the command, machine and versions.
 
     python benchmarks/step_scale_cost.py --out benchmarks/results/cpu/step_scale_cost.json
+    python benchmarks/step_scale_cost.py --optimizer prodigy --out benchmarks/results/cpu/step_scale_cost_prodigy.json
 """
 
 from __future__ import annotations
@@ -35,9 +37,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--optimizer", choices=["dadapt", "prodigy"], default="dadapt")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     import dadaptation  # pip install 'hdet[bench]'
+    import prodigyopt
+
+    make = (lambda m: dadaptation.DAdaptAdam(m.parameters(), lr=1.0, decouple=True)) if a.optimizer == "dadapt" \
+        else (lambda m: prodigyopt.Prodigy(m.parameters(), lr=1.0, decouple=True))
 
     dev, N, W = torch.device(a.device), a.replicas, a.width
     total = 10_000
@@ -45,7 +52,7 @@ def main() -> None:
     def engine(alpha: float, stacked: bool) -> ReplicaEngine:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(784, W), nn.ReLU(), nn.Linear(W, W), nn.ReLU(), nn.Linear(W, 10)).to(dev)
-        return ReplicaEngine(model, N, lambda m: dadaptation.DAdaptAdam(m.parameters(), lr=1.0, decouple=True),
+        return ReplicaEngine(model, N, make,
                              lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1.0, total_steps=total,
                                                                    ensemble_lr_spread_ratio=alpha,
                                                                    model_sync_interval=total, replicas=rep, model=m),
@@ -74,7 +81,8 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["alpha 0 (no scaling)"]
     rec = {"command": "python " + " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,
-           "dadaptation": getattr(dadaptation, "__version__", "3.2"), "hdet": hdet.__version__,
+           "optimizer": a.optimizer, "dadaptation": getattr(dadaptation, "__version__", "3.2"),
+           "prodigyopt": getattr(prodigyopt, "__version__", "1.1.2"), "hdet": hdet.__version__,
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else
            f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)",
            "N": N, "width": W, "batch_per_replica": a.batch,

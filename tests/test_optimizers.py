@@ -366,15 +366,15 @@ def test_a_checkpoint_from_before_the_estimates_were_averaged_loads_with_a_warni
 
 
 def _dadapt_engine(stacked, alpha=0.5, steps=60, wd=0.01, decouple=True, share_gradients=True, state=None, stop=None,
-                   explore_wd=False, train=True):
-    """D-Adaptation Adam (two param groups: with and without weight decay) on 4 replicas in vmap mode."""
+                   explore_wd=False, train=True, kind="dadapt", dtype=torch.float32, **opt_kw):
+    """D-Adaptation Adam or Prodigy (two param groups: with and without weight decay) on 4 replicas in vmap mode."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4)).to(dtype)
 
     def make(m):
-        return dadaptation.DAdaptAdam([{"params": [m[0].weight, m[2].weight], "weight_decay": wd},
-                                       {"params": [m[0].bias, m[2].bias], "weight_decay": 0.0}],
-                                      lr=0.3, decouple=decouple)
+        cls = dadaptation.DAdaptAdam if kind == "dadapt" else prodigyopt.Prodigy
+        return cls([{"params": [m[0].weight, m[2].weight], "weight_decay": wd},
+                    {"params": [m[0].bias, m[2].bias], "weight_decay": 0.0}], lr=0.3, decouple=decouple, **opt_kw)
 
     eng = ReplicaEngine(model, 4, make, lambda o, rep, m: hdet.HDETLR(
         o, torch.optim.lr_scheduler.OneCycleLR(o, 0.3, total_steps=steps), total_steps=steps, model_sync_interval=10,
@@ -384,11 +384,11 @@ def _dadapt_engine(stacked, alpha=0.5, steps=60, wd=0.01, decouple=True, share_g
     if state is not None:
         eng.load_state_dict(state)
     g = torch.Generator().manual_seed(0)
-    W = torch.randn(10, 4, generator=g)
+    W = torch.randn(10, 4, generator=g).to(dtype)
     for t in range(1, steps + 1):
         if not train:  # built, no step taken
             return eng
-        x = torch.randn(4, 32, 10, generator=g)
+        x = torch.randn(4, 32, 10, generator=g).to(dtype)
         if t <= eng.steps_taken:
             continue
         eng.step((x, (x @ W).argmax(-1)), lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), stacked=True)
@@ -450,3 +450,57 @@ def test_d_adaptation_steps_per_replica_where_its_state_is_not_shared():
                                      "in its gradient)"
     local = _dadapt_engine(True, steps=2, share_gradients=False)
     assert local.optimizer_path.startswith("per-replica: D-Adaptation without shared gradients")
+
+
+@pytest.mark.parametrize("alpha, explore_wd, betas", [(0.0, False, (0.9, 0.999)), (0.5, False, (0.9, 0.999)),
+                                                      (0.5, True, (0.9, 0.999)), (0.5, False, (0.0, 0.999))])
+def test_the_stacked_prodigy_step_is_its_per_replica_step(alpha, explore_wd, betas):
+    """The engine steps every replica's Prodigy at once (one copy of its state, p0 included; one host read a step)
+    and ends where each replica's own optimizer.step() with the estimate shared at every step does (60 steps,
+    converge steps every 10; an explored weight decay; no first moment). In float64 and with a negligible eps:
+    each replica's own step puts its own new d (before the sharing) in its ``d * eps`` term, the stacked step
+    the shared one, and Prodigy's early d grows exponentially from whatever differs (with eps 1e-8 the runs
+    part by 1e-5 relative at step 60; in float32, by Prodigy's float32 dot products, 1e-3)."""
+    kw = dict(kind="prodigy", explore_wd=explore_wd, betas=betas, dtype=torch.float64, eps=1e-300)
+    fast, slow = _dadapt_engine(True, alpha, **kw), _dadapt_engine(False, alpha, **kw)
+    assert fast.optimizer_path == "stacked" and slow.optimizer_path.startswith("per-replica")
+    for mf, ms in zip(fast.models, slow.models):
+        for pf, ps in zip(mf.parameters(), ms.parameters()):
+            torch.testing.assert_close(pf, ps, rtol=1e-9, atol=1e-10)
+    for of, os_ in zip(fast.optimizers, slow.optimizers):
+        for gf, gs in zip(of.param_groups, os_.param_groups):
+            for key in ("d", "d_max", "d_denom", "d_numerator"):
+                assert gf[key] == pytest.approx(gs[key], rel=1e-9), key
+            assert gf["k"] == gs["k"] == 60
+        for pf, ps in zip(of.state, os_.state):
+            assert set(of.state[pf]) == set(os_.state[ps]) and of.state[pf]["step"] == os_.state[ps]["step"] == 60
+            for key in ("s", "exp_avg_sq", "p0"):
+                a, b = of.state[pf][key], os_.state[ps][key]  # bound: shaped like the parameter; Prodigy's: flat
+                torch.testing.assert_close(a.reshape(-1), b.reshape(-1).expand(a.numel()), rtol=1e-8, atol=1e-12)
+            assert of.state_dict()["state"][0]["s"].shape == os_.state_dict()["state"][0]["s"].shape  # flat
+    assert fast.optimizers[0].param_groups[0]["d"] > 1e-4  # it adapted (d0 = 1e-6)
+
+
+def test_the_stacked_prodigy_step_resumes_bit_for_bit_and_into_a_per_replica_step():
+    kw = dict(kind="prodigy", steps=30)
+    full = _dadapt_engine(True, **kw)
+    saved = _dadapt_engine(True, stop=13, **kw)
+    resumed = _dadapt_engine(True, state=saved, **kw)
+    assert resumed.optimizer_path == "stacked"
+    for a, b in zip(full.models, resumed.models):
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert full.optimizers[0].param_groups[0]["d"] == resumed.optimizers[0].param_groups[0]["d"]
+    slow = _dadapt_engine(False, state=saved, **kw)  # the same checkpoint, each replica's own Prodigy from there
+    for a, b in zip(full.models, slow.models):
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=2e-5)
+
+
+def test_prodigy_steps_per_replica_where_it_cannot_be_stacked():
+    coupled = _dadapt_engine(True, steps=2, decouple=False, kind="prodigy")
+    assert coupled.optimizer_path == "per-replica: Prodigy's coupled weight decay (each replica's own weights " \
+                                     "in its gradient)"
+    sliced = _dadapt_engine(True, steps=2, kind="prodigy", slice_p=4)
+    assert sliced.optimizer_path == "per-replica: Prodigy with slice_p=4"
+    local = _dadapt_engine(True, steps=2, share_gradients=False, kind="prodigy")
+    assert local.optimizer_path.startswith("per-replica: Prodigy without shared gradients")

@@ -362,7 +362,7 @@ def test_stride_hooks_go_when_the_flat_step_is_given_up():
 
 def test_what_steps_per_replica_and_why():
     rms = _engine(lambda m: torch.optim.RMSprop(m.parameters(), lr=0.01), steps=2)
-    assert rms.optimizer_path == "per-replica: ['RMSprop'] is not one of Adam, AdamW, SGD, DAdaptAdam"
+    assert rms.optimizer_path == "per-replica: ['RMSprop'] is not one of Adam, AdamW, SGD, DAdaptAdam, Prodigy"
 
     def with_pre_hook(m):
         o = torch.optim.AdamW(m.parameters(), lr=0.01)

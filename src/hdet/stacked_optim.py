@@ -39,6 +39,11 @@ KINDS = {torch.optim.Adam: "adam", torch.optim.AdamW: "adam", torch.optim.SGD: "
 # D-Adaptation: the group values its shared state reads, the same on every replica (its weight decay may differ)
 DADAPT_SAME = ("betas", "eps", "layer_scale", "use_bias_correction", "growth_rate", "decouple", "d", "k",
                "numerator_weighted", "fsdp_in_use")
+PRODIGY_FLAT = ("s", "p0")  # the state Prodigy keeps flat (bound: views shaped like the parameter)
+# Prodigy: likewise (its d, d_max and sums are shared at every step: hdet.step_scale)
+PRODIGY_SAME = ("betas", "beta3", "eps", "use_bias_correction", "growth_rate", "decouple", "d", "d0", "d_max",
+                "d_coef", "d_numerator", "k", "safeguard_warmup", "slice_p", "fsdp_in_use")
+DISTANCE = {("dadaptation", "DAdaptAdam"): "dadapt", ("prodigyopt", "Prodigy"): "prodigy"}
 # per group, values that must be the same on every replica (the rest become [N, 1] columns)
 SAME = {"adam": ("amsgrad", "maximize", "differentiable"), "sgd": ("nesterov", "maximize", "differentiable")}
 
@@ -77,11 +82,12 @@ def param_view(cols: torch.Tensor, shape: Sequence[int], order: tuple[int, ...] 
 
 
 def _kind(optimizer: torch.optim.Optimizer) -> str | None:
-    """"adam", "sgd", "dadapt" (D-Adaptation's ``DAdaptAdam``, recognised without importing it) or None."""
+    """"adam", "sgd", "dadapt" (D-Adaptation's ``DAdaptAdam``), "prodigy" (``prodigyopt.Prodigy``; both recognised
+    without importing them) or None."""
     t = type(optimizer)
     if t in KINDS:
         return KINDS[t]
-    return "dadapt" if t.__name__ == "DAdaptAdam" and t.__module__.split(".")[0] == "dadaptation" else None
+    return DISTANCE.get((t.__module__.split(".")[0], t.__name__))
 
 
 def _only_step_scale_hooks(o: torch.optim.Optimizer) -> bool:
@@ -96,12 +102,12 @@ def unsupported(optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
     """Why these optimizers cannot take the stacked step (None: they can)."""
     kinds = {_kind(o) for o in optimizers}
     if len(kinds) != 1 or None in kinds:
-        return f"{sorted({type(o).__name__ for o in optimizers})} is not one of Adam, AdamW, SGD, DAdaptAdam"
+        return f"{sorted({type(o).__name__ for o in optimizers})} is not one of Adam, AdamW, SGD, DAdaptAdam, Prodigy"
     if _global_optimizer_pre_hooks:
         return "global optimizer step pre-hooks are registered"
     for o in optimizers:
-        if kinds == {"dadapt"}:
-            if why := _dadapt_unsupported(o):
+        if kinds & {"dadapt", "prodigy"}:
+            if why := _distance_unsupported(o):
                 return why
         elif o._optimizer_step_pre_hooks:  # a pre-hook may change or skip one replica's step
             return "an optimizer has step pre-hooks"
@@ -131,6 +137,7 @@ class StackedStep:
         self._bound: list[Any] = []  # each optimizer's state object when bound (load_state_dict replaces it)
         self._pinned: list[tuple[torch.Tensor, Any]] = []
         self._slot = 0
+        self._state_steps: list[tuple[dict[str, Any], int]] = []  # Prodigy: each bound state and its group
         for o in self.optimizers:
             o.register_state_dict_post_hook(_own_step_tensors)
 
@@ -162,8 +169,9 @@ class StackedStep:
                         for s, shape, order in zip(states[r], seg.shapes, seg.orders):
                             n = shape.numel()
                             v = s.get(name)
-                            if v is not None:
-                                param_view(dst[r, col:col + n], shape, order).copy_(v)
+                            if v is not None:  # Prodigy's flat s and p0 (a zero p0: one 0-d zero)
+                                param_view(dst[r, col:col + n], shape, order).copy_(
+                                    v.view(shape) if v.dim() == 1 and len(shape) != 1 else v)
                             col += n
             steps.append(step)
         self.steps = steps
@@ -175,6 +183,8 @@ class StackedStep:
         """The state each parameter keeps, from every group's values on every replica (:meth:`_values`)."""
         if self.kind == "dadapt":
             return ["exp_avg", "exp_avg_sq", "s"]
+        if self.kind == "prodigy":
+            return (["exp_avg"] if self.optimizers[0].param_groups[0]["betas"][0] > 0 else []) + ["exp_avg_sq", "s", "p0"]
         if self.kind == "sgd":  # SGD keeps no state without momentum
             return ["momentum_buffer"] if any(any(v["momentum"]) for v in values) else []
         return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if any(v["amsgrad"] for v in values) else [])
@@ -189,7 +199,13 @@ class StackedStep:
                     st: dict[str, Any] = {}
                     if self.kind in ("adam", "dadapt"):
                         st["step"] = self._step_t[k]
-                    if self.kind in ("adam", "dadapt") or (self.steps[k] > 0 and float(o.param_groups[k]["momentum"])):
+                    elif self.kind == "prodigy":  # Prodigy's own: an int (kept current by the stacked step)
+                        if not self.steps[k]:  # no state before its first step (Prodigy initialises it then)
+                            o.state.pop(p, None)
+                            col += n
+                            continue
+                        st["step"] = self.steps[k]
+                    if self.kind in ("adam", "dadapt", "prodigy") or (self.steps[k] > 0 and float(o.param_groups[k]["momentum"])):
                         for name, m in self.moments.items():
                             st[name] = param_view(m[row, col:col + n], shape, order)
                     if st:
@@ -198,6 +214,8 @@ class StackedStep:
                         o.state.pop(p, None)
                     col += n
         self._bound = [o.state for o in self.optimizers]
+        self._state_steps = [(o.state[p], k) for o in self.optimizers for k, g in enumerate(o.param_groups)
+                             for p in g["params"] if p in o.state] if self.kind == "prodigy" else []
 
     def release(self) -> None:
         """Give every optimizer its own copy of its state (so that ``optimizer.step()`` may run on each
@@ -211,9 +229,11 @@ class StackedStep:
                         step = float(st.get("step", 0))  # its own (bound: kept current every step)
                         o.state[p] = {key: (torch.tensor(step, dtype=torch.float32,
                                                          device=p.device if on_device else "cpu")
-                                            if key == "step" else v.clone() if isinstance(v, torch.Tensor) else v)
+                                            if key == "step" and isinstance(v, torch.Tensor)  # Prodigy's: an int
+                                            else _flat(key, v) if self.kind == "prodigy" and key in PRODIGY_FLAT
+                                            else v.clone() if isinstance(v, torch.Tensor) else v)
                                       for key, v in st.items()}
-        self.rows, self.moments, self._bound = 0, {}, []
+        self.rows, self.moments, self._bound, self._state_steps = 0, {}, [], []
 
     # -- one step --------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -221,6 +241,8 @@ class StackedStep:
         """``optimizer.step()`` of every replica (then each optimizer's step post-hooks, as torch runs them)."""
         if self.kind == "dadapt":
             return self._dadapt_step()
+        if self.kind == "prodigy":
+            return self._prodigy_step()
         values = [self._values(k) for k in range(len(self.segments))]
         want = 1 if self.shared and all(v["same"] for v in values) else self.N
         if not self.rows or any(o.state is not b for o, b in zip(self.optimizers, self._bound)) \
@@ -266,34 +288,11 @@ class StackedStep:
         mean gradient and the base LR, the same on every replica: one copy, one update ``u``; replica r then
         applies its multiplier on the step (:mod:`hdet.step_scale`): ``theta_r -= rho_r (decay dlr theta_r + u)``.
         One host read a step (the two sums that set ``d``), where the optimizer itself reads two per parameter."""
-        if not self.shared:
-            raise Unstackable("D-Adaptation without shared gradients (each replica's own estimate)")
-        for o in self.optimizers:
-            if why := _dadapt_unsupported(o):
-                raise Unstackable(why)
-        scales = [getattr(o, "_hdet_step_scale", None) for o in self.optimizers]
-        for sc in scales:
-            if sc is not None:
-                sc.take_estimates()  # what the last converge step averaged
+        scales, lr = self._distance_checks("D-Adaptation", DADAPT_SAME)
         groups0 = self.optimizers[0].param_groups
-        lrs = [[float(g["lr"]) for g in o.param_groups] for o in self.optimizers]
-        if any(x != lrs[0] for x in lrs[1:]):
-            raise Unstackable("the replicas' D-Adaptation LRs differ (without hdet's multiplier on the step)")
-        if any(x not in (0.0, max(lrs[0])) for x in lrs[0]):
-            raise Unstackable("D-Adaptation's param groups have different LRs (it refuses them itself)")
-        for key in DADAPT_SAME:  # the shared state's values: one for the ensemble (weight decay may differ)
-            if any(g.get(key) != g0.get(key) for o in self.optimizers[1:]
-                   for g, g0 in zip(o.param_groups, groups0)):
-                raise Unstackable(f"the replicas' D-Adaptation optimizers differ in {key!r}")
-        if not self.rows or any(o.state is not b for o, b in zip(self.optimizers, self._bound)):
-            self._adopt(1, [])
-        if self.rows != 1:
-            self.release()
-            raise Unstackable("the replicas' D-Adaptation states differ (loaded so)")
         g0 = groups0[0]
         beta1, beta2 = g0["betas"]
         k, d, nw = g0["k"], float(g0["d"]), float(g0["numerator_weighted"])
-        lr = max(lrs[0])
         bc = ((1 - beta2 ** (k + 1)) ** 0.5) / (1 - beta1 ** (k + 1)) if g0["use_bias_correction"] else 1.0
         dlr, sqrt_b2 = d * lr * bc, beta2 ** 0.5
         G = self.grad[:1]
@@ -317,7 +316,47 @@ class StackedStep:
             return self._post_hooks()
         if lr > 0.0:
             d = max(d, min(nw / ((1 - sqrt_b2) * sk_l1), d * g0["growth_rate"]))
+        self._apply(scales, dlr, lambda a, b, group: m[:, a:b] / v[:, a:b].sqrt().add_(group["eps"]))
+        for o in self.optimizers:
+            for group in o.param_groups:
+                group["numerator_weighted"], group["d"], group["k"] = nw, d, group["k"] + 1
+        self._post_hooks()
+
+    def _distance_checks(self, name: str, same: Sequence[str]) -> tuple[list[Any], float]:
+        """What the stacked D-Adaptation/Prodigy step needs (else :class:`Unstackable`, the engine then steps each
+        replica): shared gradients, the same LR and state values on every replica, one copy of the state (bound
+        here). Returns the replicas' step scales (their estimates taken from the last converge step) and the LR."""
+        if not self.shared:
+            raise Unstackable(f"{name} without shared gradients (each replica's own estimate)")
+        for o in self.optimizers:
+            if why := _distance_unsupported(o):
+                raise Unstackable(why)
+        scales = [getattr(o, "_hdet_step_scale", None) for o in self.optimizers]
+        for sc in scales:
+            if sc is not None:
+                sc.take_estimates()  # what the last converge step averaged
+        groups0 = self.optimizers[0].param_groups
+        lrs = [[float(g["lr"]) for g in o.param_groups] for o in self.optimizers]
+        if any(x != lrs[0] for x in lrs[1:]):
+            raise Unstackable(f"the replicas' {name} LRs differ (without hdet's multiplier on the step)")
+        if any(x not in (0.0, max(lrs[0])) for x in lrs[0]):
+            raise Unstackable(f"{name}'s param groups have different LRs (it refuses them itself)")
+        for key in same:  # the shared state's values: one for the ensemble (weight decay may differ)
+            if any(g.get(key) != g0.get(key) for o in self.optimizers[1:] for g, g0 in zip(o.param_groups, groups0)):
+                raise Unstackable(f"the replicas' {name} optimizers differ in {key!r}")
+        if not self.rows or any(o.state is not b for o, b in zip(self.optimizers, self._bound)):
+            self._adopt(1, [])
+        if self.rows != 1:
+            self.release()
+            raise Unstackable(f"the replicas' {name} states differ (loaded so)")
+        return scales, max(lrs[0])
+
+    def _apply(self, scales: list[Any], dlr: float, update: Any) -> None:
+        """Every replica's step with its multiplier on it (:mod:`hdet.step_scale`), per group:
+        ``theta_r -= rho_r (decay_r dlr theta_r + dlr-scaled update)`` (decoupled decay: each replica's own);
+        ``update(a, b, group)`` is the shared update of columns ``[a, b)``, its LR included."""
         K = len(self.segments)
+        groups0 = self.optimizers[0].param_groups
         decays = [[float(o.param_groups[kk]["weight_decay"]) for o in self.optimizers] for kk in range(K)]
         host = [sc.multipliers[kk] if sc is not None else 1.0 for kk in range(K) for sc in scales]
         cols = self._to_device(host + [x for per in decays for x in per])  # [2 K, N, 1]: rho_r, then decay_r; one copy
@@ -326,13 +365,69 @@ class StackedStep:
             th, rho = self.theta[:, a:b], cols[kk]
             if any(decays[kk]) and group["decouple"]:  # theta_r -= rho_r decay_r dlr theta_r (decoupled: per replica)
                 th.mul_(1 - rho * cols[K + kk] * dlr)
-            th.addcmul_(m[:, a:b] / v[:, a:b].sqrt().add_(group["eps"]), rho, value=-1.0)
+            th.addcmul_(update(a, b, group), rho, value=-1.0)
             self.steps[kk] += 1
-            self._step_t[kk].fill_(float(self.steps[kk]))
+            if self.kind == "dadapt":
+                self._step_t[kk].fill_(float(self.steps[kk]))
+
+    def _prodigy_step(self) -> None:
+        """Prodigy's step (``prodigyopt.Prodigy``, ``slice_p=1``, decoupled or no weight decay) for every replica at
+        once. With shared gradients its moments and ``s`` are the same on every replica, and so is ``p0``, the
+        point the run started from; its numerator reads each replica's distance from it, ``<g, p0 - theta_r>``,
+        whose mean over the replicas (what :mod:`hdet.step_scale` shares at every step) is ``<g, p0 -
+        mean_r theta_r>``: one copy of the state, one host read a step (Prodigy itself: two per parameter)."""
+        scales, lr = self._distance_checks("Prodigy", PRODIGY_SAME)
+        groups0 = self.optimizers[0].param_groups
+        g0 = groups0[0]
+        beta1, beta2 = g0["betas"]
+        beta3 = g0["beta3"] if g0["beta3"] is not None else beta2 ** 0.5
+        k, d, d_max, d0 = g0["k"], float(g0["d"]), float(g0["d_max"]), float(g0["d0"])
+        bc = ((1 - beta2 ** (k + 1)) ** 0.5) / (1 - beta1 ** (k + 1)) if g0["use_bias_correction"] else 1.0
+        dlr = d * lr * bc
+        G, mean_theta = self.grad[:1], self.theta.mean(0, keepdim=True)
+        if not self._state_steps:  # Prodigy's first step: p0 is where the run starts (the replicas' mean)
+            self.moments["p0"].copy_(mean_theta)
+        m, v, s_, p0 = (self.moments.get(n) for n in ("exp_avg", "exp_avg_sq", "s", "p0"))
+        num, den = [], []
+        for seg, group in zip(self.segments, groups0):
+            a, b = seg.start, seg.stop
+            if float(group["lr"]) == 0.0 or a == b:
+                continue
+            g = G[:, a:b]
+            num.append((d / d0) * dlr * (g * (p0[:, a:b] - mean_theta[:, a:b])).sum(dtype=torch.float64))
+            if m is not None:
+                m[:, a:b].mul_(beta1).add_(g, alpha=d * (1 - beta1))
+            v[:, a:b].mul_(beta2).addcmul_(g, g, value=d * d * (1 - beta2))
+            s_[:, a:b].mul_(beta3).add_(g, alpha=(d / d0) * (d if g0["safeguard_warmup"] else dlr))
+            den.append(s_[:, a:b].abs().sum(dtype=torch.float64))
+        zero = torch.zeros((), dtype=torch.float64, device=G.device)
+        delta, d_denom = torch.stack([sum(num, zero), sum(den, zero)]).tolist()  # HOST SYNC: once a step
+        if d_denom == 0:  # no progress possible yet: Prodigy returns before it moves anything
+            return self._post_hooks()
+        d_numerator = float(g0["d_numerator"]) * beta3 + delta
+        d_hat = d
+        if lr > 0.0:
+            d_hat = g0["d_coef"] * d_numerator / d_denom
+            if d == d0:
+                d = max(d, d_hat)
+            d_max = max(d_max, d_hat)
+            d = min(d_max, d * g0["growth_rate"])
+        eps = float(g0["eps"])
+        self._apply(scales, dlr, lambda a, b, group: (m[:, a:b] if m is not None else G[:, a:b] * d)
+                    / v[:, a:b].sqrt().add_(d * eps) * dlr)
         for o in self.optimizers:
             for group in o.param_groups:
-                group["numerator_weighted"], group["d"], group["k"] = nw, d, group["k"] + 1
+                group.update(d_numerator=d_numerator, d_denom=d_denom, d=d, d_max=d_max, d_hat=d_hat, k=group["k"] + 1)
+        self._bind_steps()
         self._post_hooks()
+
+    def _bind_steps(self) -> None:
+        """Prodigy's per-parameter ``step`` (a Python int in its state) after a step: the stacked step's count; after
+        its first, its state appears (views of the moments, p0 included)."""
+        if not self._state_steps:
+            self._bind()
+        for st, kk in self._state_steps:
+            st["step"] = self.steps[kk]
 
     def _values(self, k: int) -> dict[str, Any]:
         """Group ``k``'s values on every replica; ``same``: those that shape the moments agree (and no
@@ -459,16 +554,20 @@ class StackedStep:
         return g + mu * buf if v["nesterov"] else buf
 
 
-def _dadapt_unsupported(o: torch.optim.Optimizer) -> str | None:
-    """Why D-Adaptation's step cannot be stacked for ``o`` (None: it can): step pre-hooks other than hdet's step
-    scale (whose multiplier the stacked step applies itself), FSDP, coupled weight decay."""
+def _distance_unsupported(o: torch.optim.Optimizer) -> str | None:
+    """Why D-Adaptation's/Prodigy's step cannot be stacked for ``o`` (None: it can): step pre-hooks other than
+    hdet's step scale (whose multiplier the stacked step applies itself), FSDP, coupled weight decay, Prodigy's
+    ``slice_p`` (its estimate from every slice_p-th weight)."""
+    name = "Prodigy" if _kind(o) == "prodigy" else "D-Adaptation"
     if o._optimizer_step_pre_hooks and not _only_step_scale_hooks(o):
         return "an optimizer has step pre-hooks"  # a pre-hook may change or skip one replica's step
     for g in o.param_groups:
         if g.get("fsdp_in_use"):
-            return "D-Adaptation with fsdp_in_use"
+            return f"{name} with fsdp_in_use"
         if float(g.get("weight_decay", 0)) != 0 and not g.get("decouple"):
-            return "D-Adaptation's coupled weight decay (each replica's own weights in its gradient)"
+            return f"{name}'s coupled weight decay (each replica's own weights in its gradient)"
+        if g.get("slice_p", 1) != 1:
+            return f"Prodigy with slice_p={g['slice_p']}"
     return None
 
 
@@ -486,7 +585,15 @@ def _same_state(per_replica: list[list[Any]], names: list[str]) -> bool:
 
 def _own_step_tensors(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     """A state_dict post-hook: every parameter's ``step`` its own tensor (the stacked step shares one per
-    group; an optimizer that loaded a shared one would add 1 to it once per parameter)."""
+    group; an optimizer that loaded a shared one would add 1 to it once per parameter), and Prodigy's ``s`` and
+    ``p0`` flat, as Prodigy keeps them (bound, they are views shaped like the parameter)."""
     state_dict["state"] = {i: ({**s, "step": s["step"].clone()} if isinstance(s.get("step"), torch.Tensor) else s)
                            for i, s in state_dict["state"].items()}
+    if _kind(optimizer) == "prodigy":
+        state_dict["state"] = {i: {k: _flat(k, v) for k, v in s.items()} for i, s in state_dict["state"].items()}
     return state_dict
+
+
+def _flat(key: str, v: Any) -> Any:
+    """Prodigy's ``s`` or ``p0`` as Prodigy keeps it: flat, row-major, a copy (of a bound view); else ``v``."""
+    return v.reshape(-1).clone() if key in PRODIGY_FLAT and isinstance(v, torch.Tensor) and v.dim() >= 1 else v
