@@ -19,8 +19,9 @@ replica's LR and explored values, read here every step), its ``state`` (views of
 ``state_dict()``, checkpoints, moment averaging and the guards' snapshots see what torch would hold) and
 its step post-hooks (called here, as ``optimizer.step()`` would). Supported: ``torch.optim.Adam``,
 ``AdamW`` (``amsgrad`` and ``maximize`` included), ``SGD`` (momentum, dampening, Nesterov, weight
-decay, ``maximize``) and D-Adaptation's ``DAdaptAdam`` with shared gradients and decoupled (or no) weight
-decay (:meth:`StackedStep._dadapt_step`); :func:`unsupported` names why anything else steps per replica.
+decay, ``maximize``), D-Adaptation's ``DAdaptAdam`` and ``prodigyopt.Prodigy`` with shared gradients and
+decoupled (or no) weight decay (:meth:`StackedStep._dadapt_step`, :meth:`StackedStep._prodigy_step`);
+:func:`unsupported` names why anything else steps per replica.
 """
 
 from __future__ import annotations
