@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 15: HDET over D-Adaptation with the fit controller (T 100) and its T-100 control, HDET over Prodigy
 # (shared estimate every step), on one GPU; every study in the background, 3 jobs each.
-# usage: bash benchmarks/gpu_peers_hdet2.sh PART OUTDIR   (PART 1 to 5; run from the repo root)
+# usage: bash benchmarks/gpu_peers_hdet2.sh PART OUTDIR   (PART 1 to 6; run from the repo root)
 set -u
 export PYTHONPATH=$PWD/src
 python -m pip install -q --no-index --no-deps .whl/dadaptation-3.2-py3-none-any.whl .whl/prodigyopt-1.1.2-py3-none-any.whl
@@ -31,6 +31,9 @@ elif [ "$1" = 5 ]; then  # after the stacked Prodigy step: the GPT's Prodigy row
   study bytes_T10 "${B[@]}" --peer-names dadapt --peer-T 10
   study fashion_T10 "${F[@]}" --peer-names dadapt --peer-T 10
   study bytes_a0.2 "${B[@]}" --peer-names dadapt --alpha 0.2
+elif [ "$1" = 6 ]; then  # the recovery rule's LR cut over D-Adaptation: the same seeds without it
+  study bytes_ignore_a0.2 "${B[@]}" --peer-names dadapt --alpha 0.2 --peer-runaway ignore
+  study bytes_ignore_T10 "${B[@]}" --peer-names dadapt --peer-T 10 --peer-runaway ignore
 else
   study fashion_T100 "${F[@]}" --peer-names dadapt --peer-T 100
   study bytes_T100 "${B[@]}" --peer-names dadapt --peer-T 100
