@@ -397,6 +397,13 @@ def _dadapt_engine(stacked, alpha=0.5, steps=60, wd=0.01, decouple=True, share_g
     return eng
 
 
+def _close_models(a, b, **tol):
+    """Every replica's parameters of engines ``a`` and ``b`` close (``torch.testing.assert_close`` tolerances)."""
+    for ma, mb in zip(a.models, b.models):
+        for pa, pb in zip(ma.parameters(), mb.parameters()):
+            torch.testing.assert_close(pa, pb, **tol)
+
+
 @pytest.mark.parametrize("alpha, explore_wd", [(0.0, False), (0.5, False), (0.5, True)])
 def test_the_stacked_d_adaptation_step_is_its_per_replica_step(alpha, explore_wd):
     """The engine steps every replica's DAdaptAdam at once (one copy of its state, one host read a step) and
@@ -406,9 +413,7 @@ def test_the_stacked_d_adaptation_step_is_its_per_replica_step(alpha, explore_wd
     if explore_wd:
         assert len({o.param_groups[0]["weight_decay"] for o in fast.optimizers}) > 1
     assert fast.optimizer_path == "stacked" and slow.optimizer_path.startswith("per-replica")
-    for mf, ms in zip(fast.models, slow.models):
-        for pf, ps in zip(mf.parameters(), ms.parameters()):
-            torch.testing.assert_close(pf, ps, rtol=1e-4, atol=2e-5)
+    _close_models(fast, slow, rtol=1e-4, atol=2e-5)
     for of, os_ in zip(fast.optimizers, slow.optimizers):
         for gf, gs in zip(of.param_groups, os_.param_groups):
             assert gf["d"] == pytest.approx(gs["d"], rel=1e-5) and gf["k"] == gs["k"] == 60
@@ -464,9 +469,7 @@ def test_the_stacked_prodigy_step_is_its_per_replica_step(alpha, explore_wd, bet
     kw = dict(kind="prodigy", explore_wd=explore_wd, betas=betas, dtype=torch.float64, eps=1e-300)
     fast, slow = _dadapt_engine(True, alpha, **kw), _dadapt_engine(False, alpha, **kw)
     assert fast.optimizer_path == "stacked" and slow.optimizer_path.startswith("per-replica")
-    for mf, ms in zip(fast.models, slow.models):
-        for pf, ps in zip(mf.parameters(), ms.parameters()):
-            torch.testing.assert_close(pf, ps, rtol=1e-9, atol=1e-10)
+    _close_models(fast, slow, rtol=1e-9, atol=1e-10)
     for of, os_ in zip(fast.optimizers, slow.optimizers):
         for gf, gs in zip(of.param_groups, os_.param_groups):
             for key in ("d", "d_max", "d_denom", "d_numerator"):
@@ -491,9 +494,7 @@ def test_the_stacked_prodigy_step_resumes_bit_for_bit_and_into_a_per_replica_ste
         assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert full.optimizers[0].param_groups[0]["d"] == resumed.optimizers[0].param_groups[0]["d"]
     slow = _dadapt_engine(False, state=saved, **kw)  # the same checkpoint, each replica's own Prodigy from there
-    for a, b in zip(full.models, slow.models):
-        for p, q in zip(a.parameters(), b.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-4, atol=2e-5)
+    _close_models(full, slow, rtol=1e-4, atol=2e-5)
 
 
 def test_prodigy_steps_per_replica_where_it_cannot_be_stacked():
@@ -504,3 +505,28 @@ def test_prodigy_steps_per_replica_where_it_cannot_be_stacked():
     assert sliced.optimizer_path == "per-replica: Prodigy with slice_p=4"
     local = _dadapt_engine(True, steps=2, share_gradients=False, kind="prodigy")
     assert local.optimizer_path.startswith("per-replica: Prodigy without shared gradients")
+
+
+def test_a_stacked_prodigy_handed_back_to_each_replica_keeps_its_state_as_prodigy_does():
+    """When the stacked step gives up mid-run (here a d set by hand on one replica), each replica's Prodigy gets
+    its own copy of the state as Prodigy keeps it (``s``, ``p0`` flat; ``step`` an int) and steps on from it as
+    an engine that stepped each replica from the start does (float64, negligible eps: see above)."""
+    kw = dict(steps=20, train=False, kind="prodigy", dtype=torch.float64, eps=1e-300)
+    engines = [_dadapt_engine(True, **kw), _dadapt_engine(False, **kw)]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 32, 10, generator=g, dtype=torch.float64)
+    for t in range(1, 6):
+        for eng in engines:
+            if t == 3:
+                eng.optimizers[1].param_groups[0]["d"] *= 2
+            eng.step((x, x[..., :4].argmax(-1)), lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), stacked=True)
+    fast, slow = engines
+    assert fast.optimizer_path == "per-replica: the replicas' Prodigy optimizers differ in 'd'"
+    _close_models(fast, slow, rtol=1e-9, atol=1e-12)
+    for of, os_ in zip(fast.optimizers, slow.optimizers):
+        for pf, ps in zip(of.param_groups[0]["params"], os_.param_groups[0]["params"]):
+            st, ref = of.state[pf], os_.state[ps]
+            assert st["s"].shape == st["p0"].shape == (pf.numel(),) and st["step"] == ref["step"] == 5
+            torch.testing.assert_close(st["s"], ref["s"], rtol=1e-9, atol=1e-15)
+    a, b = (o.state[o.param_groups[0]["params"][0]]["s"] for o in fast.optimizers[:2])
+    assert a.data_ptr() != b.data_ptr()  # each replica's own copy

@@ -227,14 +227,18 @@ class StackedStep:
                 for p in g["params"]:
                     st = o.state.get(p)
                     if st:
-                        step = float(st.get("step", 0))  # its own (bound: kept current every step)
-                        o.state[p] = {key: (torch.tensor(step, dtype=torch.float32,
-                                                         device=p.device if on_device else "cpu")
-                                            if key == "step" and isinstance(v, torch.Tensor)  # Prodigy's: an int
-                                            else _flat(key, v) if self.kind == "prodigy" and key in PRODIGY_FLAT
-                                            else v.clone() if isinstance(v, torch.Tensor) else v)
-                                      for key, v in st.items()}
+                        dev = p.device if on_device else torch.device("cpu")
+                        o.state[p] = {key: self._own(key, v, dev) for key, v in st.items()}
         self.rows, self.moments, self._bound, self._state_steps = 0, {}, [], []
+
+    def _own(self, key: str, v: Any, device: torch.device) -> Any:
+        """One state entry as its optimizer's own: a tensor ``step`` a new tensor (bound: kept current every step;
+        Prodigy's is an int), any other tensor a copy (Prodigy's ``s`` and ``p0`` flat, as it keeps them)."""
+        if not isinstance(v, torch.Tensor):
+            return v
+        if key == "step":
+            return torch.tensor(float(v), dtype=torch.float32, device=device)
+        return (_flat(key, v) if self.kind == "prodigy" else v).clone()
 
     # -- one step --------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -596,5 +600,6 @@ def _own_step_tensors(optimizer: torch.optim.Optimizer, state_dict: dict[str, An
 
 
 def _flat(key: str, v: Any) -> Any:
-    """Prodigy's ``s`` or ``p0`` as Prodigy keeps it: flat, row-major, a copy (of a bound view); else ``v``."""
-    return v.reshape(-1).clone() if key in PRODIGY_FLAT and isinstance(v, torch.Tensor) and v.dim() >= 1 else v
+    """Prodigy's ``s`` or ``p0`` as Prodigy keeps it: flat, row-major (a bound view is shaped like its parameter);
+    else ``v``. (For Prodigy only: D-Adaptation's ``s`` is shaped like the parameter.)"""
+    return v.reshape(-1) if key in PRODIGY_FLAT and isinstance(v, torch.Tensor) and v.dim() > 1 else v
