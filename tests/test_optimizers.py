@@ -223,6 +223,22 @@ def test_distance_estimator_with_averaging_only_keeps_one_estimate():
     assert d[0] == d[1] and d[0] > 1e-6  # it adapted, and both replicas hold the same estimate
 
 
+def test_prodigy_in_local_mode_keeps_one_estimate_every_step():
+    """No gradient sharing (local mode) and a spread: each replica's Prodigy reads its own gradients, and its
+    numerator and denominator are still averaged at every step, so d is one for the ensemble throughout (the
+    engine steps each replica: its stacked step needs shared gradients)."""
+    eng = _dadapt_engine(True, steps=30, share_gradients=False, kind="prodigy", train=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        x = torch.randn(4, 32, 10, generator=g)
+        eng.step((x, x[..., :4].argmax(-1)), lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), stacked=True)
+        d = {o.param_groups[0]["d"] for o in eng.optimizers}
+        assert len(d) == 1, d
+    assert eng.optimizer_path.startswith("per-replica: Prodigy without shared gradients")
+    assert d.pop() > 1e-5  # it grew from d0 = 1e-6
+    assert len({o.param_groups[0]["d_denom"] for o in eng.optimizers}) == 1
+
+
 def test_schedule_free_local_mode_converge_keeps_y_and_z_consistent():
     """No gradient sharing: the replicas differ between syncs; the converge step at 10 averages y (the
     parameters) and z (the state) together, so the replicas are equal in both afterwards."""
