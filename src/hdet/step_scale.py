@@ -24,8 +24,10 @@ estimate reads (weight decay, betas) also makes the estimates differ between con
 averaged at each.
 
 Cost: one copy of the trainable parameters (kept between steps) and three passes over them a step, on the
-parameters' devices; no host sync, no collective. At a sync: the few scalar estimates ride in the converge
-step's average (one more small bucket) and are read back on the host once.
+parameters' devices; no host sync and no collective but Prodigy's sharing above. At a sync: the few scalar
+estimates ride in the converge step's average (one more small bucket) and are read back on the host once. The
+engine's stacked D-Adaptation and Prodigy steps (:mod:`hdet.stacked_optim`) apply the multiplier in their own
+update and take Prodigy's numerator at the replicas' mean iterate, without these hooks.
 """
 
 from __future__ import annotations
