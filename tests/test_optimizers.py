@@ -473,16 +473,20 @@ def test_d_adaptation_steps_per_replica_where_its_state_is_not_shared():
     assert local.optimizer_path.startswith("per-replica: D-Adaptation without shared gradients")
 
 
-@pytest.mark.parametrize("alpha, explore_wd, betas", [(0.0, False, (0.9, 0.999)), (0.5, False, (0.9, 0.999)),
-                                                      (0.5, True, (0.9, 0.999)), (0.5, False, (0.0, 0.999))])
-def test_the_stacked_prodigy_step_is_its_per_replica_step(alpha, explore_wd, betas):
+@pytest.mark.parametrize("alpha, explore_wd, betas, extra", [
+    (0.0, False, (0.9, 0.999), {}), (0.5, False, (0.9, 0.999), {}), (0.5, True, (0.9, 0.999), {}),
+    (0.5, False, (0.0, 0.999), {}),
+    (0.5, False, (0.9, 0.99), dict(use_bias_correction=True, growth_rate=1.05, beta3=0.95)),
+    (0.5, False, (0.9, 0.99), dict(safeguard_warmup=True))])
+def test_the_stacked_prodigy_step_is_its_per_replica_step(alpha, explore_wd, betas, extra):
     """The engine steps every replica's Prodigy at once (one copy of its state, p0 included; one host read a step)
     and ends where each replica's own optimizer.step() with the estimate shared at every step does (60 steps,
-    converge steps every 10; an explored weight decay; no first moment). In float64 and with a negligible eps:
+    converge steps every 10; an explored weight decay; no first moment; Prodigy's other options). In float64 and
+    with a negligible eps:
     each replica's own step puts its own new d (before the sharing) in its ``d * eps`` term, the stacked step
     the shared one, and Prodigy's early d grows exponentially from whatever differs (with eps 1e-8 the runs
     part by 1e-5 relative at step 60; in float32, by Prodigy's float32 dot products, 1e-3)."""
-    kw = dict(kind="prodigy", explore_wd=explore_wd, betas=betas, dtype=torch.float64, eps=1e-300)
+    kw = dict(kind="prodigy", explore_wd=explore_wd, betas=betas, dtype=torch.float64, eps=1e-300, **extra)
     fast, slow = _dadapt_engine(True, alpha, **kw), _dadapt_engine(False, alpha, **kw)
     assert fast.optimizer_path == "stacked" and slow.optimizer_path.startswith("per-replica")
     _close_models(fast, slow, rtol=1e-9, atol=1e-10)
@@ -497,7 +501,8 @@ def test_the_stacked_prodigy_step_is_its_per_replica_step(alpha, explore_wd, bet
                 a, b = of.state[pf][key], os_.state[ps][key]  # bound: shaped like the parameter; Prodigy's: flat
                 torch.testing.assert_close(a.reshape(-1), b.reshape(-1).expand(a.numel()), rtol=1e-8, atol=1e-12)
             assert of.state_dict()["state"][0]["s"].shape == os_.state_dict()["state"][0]["s"].shape  # flat
-    assert fast.optimizers[0].param_groups[0]["d"] > 1e-4  # it adapted (d0 = 1e-6)
+    assert fast.optimizers[0].param_groups[0]["d"] > (1e-6 if extra else 1e-4)  # it adapted (d0 = 1e-6; slower
+    # with Prodigy's options on)
 
 
 def test_the_stacked_prodigy_step_resumes_bit_for_bit_and_into_a_per_replica_step():
