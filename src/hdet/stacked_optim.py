@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
+from .step_scale import prodigy_estimate
+
 __all__ = ["Segment", "StackedStep", "Unstackable", "param_view", "unsupported"]
 
 KINDS = {torch.optim.Adam: "adam", torch.optim.AdamW: "adam", torch.optim.SGD: "sgd"}
@@ -410,19 +412,15 @@ class StackedStep:
         if d_denom == 0:  # no progress possible yet: Prodigy returns before it moves anything
             return self._post_hooks()
         d_numerator = float(g0["d_numerator"]) * beta3 + delta
-        d_hat = d
-        if lr > 0.0:
-            d_hat = g0["d_coef"] * d_numerator / d_denom
-            if d == d0:
-                d = max(d, d_hat)
-            d_max = max(d_max, d_hat)
-            d = min(d_max, d * g0["growth_rate"])
+        est = prodigy_estimate(g0, d, d_max, d_numerator, d_denom) if lr > 0.0 else \
+            {"d_numerator": d_numerator, "d_denom": d_denom, "d": d, "d_max": d_max, "d_hat": d}
+        d = est["d"]
         eps = float(g0["eps"])
         self._apply(scales, dlr, lambda a, b, group: (m[:, a:b] if m is not None else G[:, a:b] * d)
                     / v[:, a:b].sqrt().add_(d * eps) * dlr)
         for o in self.optimizers:
             for group in o.param_groups:
-                group.update(d_numerator=d_numerator, d_denom=d_denom, d=d, d_max=d_max, d_hat=d_hat, k=group["k"] + 1)
+                group.update(est, k=group["k"] + 1)
         self._bind_steps()
         self._post_hooks()
 

@@ -40,11 +40,24 @@ import torch
 
 from .optimizers import innermost
 
-__all__ = ["StepScale", "ESTIMATES", "reads_weights"]
+__all__ = ["StepScale", "ESTIMATES", "prodigy_estimate", "reads_weights"]
 
 # the param-group scalars of the distance estimators that the converge step averages (D-Adaptation, Prodigy)
 ESTIMATES = ("d", "d_max", "d_numerator", "numerator_weighted")
 _PRODIGY = ("d0", "d_coef", "d_max", "d_numerator", "growth_rate")  # its param groups' signature
+
+
+def prodigy_estimate(group: dict[str, Any], d: float, d_max: float, numerator: float,
+                     denominator: float) -> dict[str, float]:
+    """Prodigy's rule (prodigyopt 1.1): from ``d`` and ``d_max`` before a step and that step's numerator and
+    denominator, the values its param groups hold after it (``d_hat = d_coef * num / den``; the first growth
+    from ``d0``; ``d_max`` the running max; growth at most ``growth_rate`` a step)."""
+    d_hat = group["d_coef"] * numerator / denominator
+    if d == group["d0"]:
+        d = max(d, d_hat)
+    d_max = max(d_max, d_hat)
+    return {"d_numerator": numerator, "d_denom": denominator, "d": min(d_max, d * group["growth_rate"]),
+            "d_max": d_max, "d_hat": d_hat}
 
 
 def reads_weights(optimizer: torch.optim.Optimizer) -> bool:
@@ -146,23 +159,16 @@ class StepScale:
 
     def set_shared(self, total: list[float]) -> None:
         """The replicas' summed ``[numerator, denominator, count]`` of this step into this optimizer's groups:
-        d recomputed from their means by Prodigy's rule (``d_hat = d_coef * num / den``; the first growth from
-        ``d0``; ``d_max`` the running max; growth at most ``growth_rate`` a step). The step just taken used
+        d recomputed from their means by Prodigy's rule (:func:`prodigy_estimate`). The step just taken used
         each replica's own new d only in its ``d * eps`` term. Nothing changes where no replica contributed or
         this one did not step; a replica whose own values were not finite takes the others'."""
         num, den, n = total
         if n == 0 or self._pre is None or not self._took:
             return
-        g0 = self.optimizer.param_groups[0]
-        num, den = num / n, den / n
         d, d_max, _ = self._pre
-        d_hat = g0["d_coef"] * num / den
-        if d == g0["d0"]:
-            d = max(d, d_hat)
-        d_max = max(d_max, d_hat)
-        d = min(d_max, d * g0["growth_rate"])
+        est = prodigy_estimate(self.optimizer.param_groups[0], d, d_max, num / n, den / n)
         for g in self.optimizer.param_groups:
-            g.update(d_numerator=num, d_denom=den, d=d, d_max=d_max, d_hat=d_hat)
+            g.update(est)
 
     def _loaded(self, optimizer: Any) -> None:
         self._filled = False  # a loaded optimizer state wins over estimates gathered before it
