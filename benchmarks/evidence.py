@@ -127,7 +127,8 @@ def main() -> None:
                     help="HDET (--alpha, on_runaway=recover) over D-Adaptation Adam and Prodigy at lr 1, the "
                          "multiplier on their step, beside each optimizer alone (issue 15, item 4), seeds 0-2 "
                          "(--peer-names: which), and plain DP at BEST_MAX_LR seed 0 again (repro-plain-1x-s0)")
-    ap.add_argument("--peer-names", default="dadapt,prodigy", help="with --peers-hdet: dadapt and/or prodigy")
+    ap.add_argument("--peer-names", default="dadapt,prodigy", help="with --peers-hdet: dadapt, prodigy (prodigyopt's "
+                    "defaults) and/or prodigy-sw (with safeguard_warmup, its advice under a warm-up)")
     ap.add_argument("--peer-runaway", default="recover", choices=["recover", "ignore"],
                     help="with --peers-hdet: HDET's on_runaway (names: hdet-ignore-... for ignore)")
     ap.add_argument("--peer-controller", default="none", choices=["none", "fit"],
@@ -261,7 +262,9 @@ def main() -> None:
         return run_study(a.stability, jobs)
 
     if a.peers_hdet is not None:
-        opts = {"dadapt": "dadapt-adam", "prodigy": "prodigy"}
+        # prodigy: prodigyopt's defaults (the committed rows); prodigy-sw: safeguard_warmup, its advice under a warm-up
+        opts = {"dadapt": dict(optimizer="dadapt-adam"), "prodigy": dict(optimizer="prodigy", prodigy_safeguard=False),
+                "prodigy-sw": dict(optimizer="prodigy", prodigy_safeguard=True)}
         names = a.peer_names.split(",")
         fit = a.peer_controller == "fit"
         tag = ("hdet-" + ("ignore-" if a.peer_runaway == "ignore" else "") + ("fit-" if fit else "")
@@ -269,7 +272,7 @@ def main() -> None:
         Tp = a.peer_T or size["T"]
         hdet = dict(alpha=a.alpha, on_runaway=a.peer_runaway, T=Tp,
                     **(dict(auto_lr=True, controller="fit", tie_lr_groups=True, warmup=-(-warm // Tp) * Tp) if fit else {}))
-        jobs = [job(f"{pre}{name}-s{seed}", pre + name, optimizer=opts[name], max_lr=1.0, seed=seed,
+        jobs = [job(f"{pre}{name}-s{seed}", pre + name, **opts[name], max_lr=1.0, seed=seed,
                     **(hdet if pre else {}))
                 for name in names for seed in map(int, a.seeds.split(","))
                 for pre in ((tag,) if a.hdet_only else ("",) if a.alone_only else (tag, ""))]
@@ -281,7 +284,7 @@ def main() -> None:
             best[0] = a.peers
             sf_grid = [job(f"sf-grid-{m:g}x-s0", "sf-grid", optimizer="schedulefree-adamw", max_lr=2 * centre * m, seed=0)
                        for m in GRID]
-            first = [job(f"{name}-s0", name, optimizer=opt, max_lr=1.0, seed=0)
+            first = [job(f"{name}-s0", name, optimizer=opt, max_lr=1.0, seed=0, prodigy_safeguard=False)
                      for name, opt in (("dadapt", "dadapt-adam"), ("prodigy", "prodigy"))]
             run_all(sf_grid + first + [job("plain-1x-s0", "plain", max_lr=a.peers, seed=0)], pool)
             scored = [(r["cfg"]["max_lr"], _metric(a.task, r)) for r in results if r["group"] == "sf-grid"
@@ -290,7 +293,8 @@ def main() -> None:
             print(f"Schedule-Free grid best lr {sf_best:g}", flush=True)
             later = [job(f"sf-{start:g}x-s{seed}", "sf", optimizer="schedulefree-adamw", max_lr=sf_best * start, seed=seed)
                      for seed in (0, 1, 2) for start in STARTS]
-            later += [job(f"{name}-s{seed}", name, optimizer=opt, max_lr=1.0, seed=seed) for seed in (1, 2)
+            later += [job(f"{name}-s{seed}", name, optimizer=opt, max_lr=1.0, seed=seed, prodigy_safeguard=False)
+                      for seed in (1, 2)
                       for name, opt in (("dadapt", "dadapt-adam"), ("prodigy", "prodigy"))]
             later += [job(f"plain-1x-s{seed}", "plain", max_lr=a.peers, seed=seed) for seed in (1, 2)]
             run_all(later, pool)
