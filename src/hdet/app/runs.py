@@ -23,8 +23,8 @@ __all__ = ["EngineRun", "DDPRun", "make_optimizer", "make_scheduler", "eval_weig
 
 def make_optimizer(task: Task, cfg: RunConfig):
     """AdamW (hdet's default), or a learning-rate-free peer (pip install hdet[bench]): D-Adaptation Adam and
-    Prodigy at ``--max-lr`` (1 is their documented use) under the same OneCycle shape (Prodigy with
-    ``safeguard_warmup``, its advice under a warm-up, unless ``--no-prodigy-safeguard``), or Schedule-Free AdamW
+    Prodigy at ``--max-lr`` (1 is their documented use) under the same OneCycle shape (Prodigy's
+    ``safeguard_warmup`` with ``--prodigy-safeguard``), or Schedule-Free AdamW
     at a constant ``--max-lr`` after its own warm-up (5% of the run), with no schedule (its documented use)."""
     def make(module: nn.Module) -> torch.optim.Optimizer:
         groups = param_groups(module, task.group_of, cfg.weight_decay)
