@@ -1,10 +1,10 @@
 """Is a learning-rate-free optimizer's gap its choice of step size? (issue 15)
 
 One seed of the evidence suite's task (``benchmarks/evidence.py``'s sizes: N = 8 replicas in the engine, alpha 0,
-1500 steps): D-Adaptation Adam at lr 1 under the OneCycle shape, then AdamW with ``max_lr`` = the d that
-D-Adaptation settled on, then AdamW at ``--best`` (the plain grid's best max_lr). If AdamW at d ends where
-D-Adaptation does, its gap to the grid is its estimate of the step size; if AdamW at d ends near the grid's best,
-the gap is elsewhere. Writes JSON with the command, machine and versions.
+1500 steps): D-Adaptation Adam (or ``--estimator prodigy``) at lr 1 under the OneCycle shape, then AdamW with
+``max_lr`` = the d that it settled on, then AdamW at ``--best`` (the plain grid's best max_lr). If AdamW at d ends
+where the estimator does, its gap to the grid is its estimate of the step size; if AdamW at d ends near the grid's
+best, the gap is elsewhere. Writes JSON with the command, machine and versions.
 
     python benchmarks/lr_free_estimate.py --task fashion --data data/fashion --best 0.016 \\
         --out benchmarks/results/cpu/lr_free_estimate_fashion.json
@@ -32,6 +32,9 @@ def main() -> None:
     p.add_argument("--task", choices=sorted(SIZES), default="fashion")
     p.add_argument("--data", default=None)
     p.add_argument("--best", type=float, required=True, help="the plain grid's best max_lr")
+    p.add_argument("--estimator", choices=["dadapt", "prodigy"], default="dadapt",
+                   help="D-Adaptation Adam or Prodigy (prodigyopt's defaults), at lr 1 under the OneCycle shape")
+    p.add_argument("--no-best", action="store_true", help="skip AdamW at --best (known from the grid)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--runs", default="runs/lr_free_estimate")
@@ -53,12 +56,13 @@ def main() -> None:
         print(json.dumps(rec), flush=True)
         return rec
 
-    d = run("dadapt", optimizer="dadapt-adam", max_lr=1.0)["final_d"]
+    d = run(a.estimator, optimizer={"dadapt": "dadapt-adam"}.get(a.estimator, a.estimator), max_lr=1.0)["final_d"]
     run("adamw-at-d", optimizer="adamw", max_lr=d)
-    run("adamw-at-best", optimizer="adamw", max_lr=a.best)
+    if not a.no_best:
+        run("adamw-at-best", optimizer="adamw", max_lr=a.best)
     rec = {"command": "python " + " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,
            "device": torch.cuda.get_device_name(0) if a.device.startswith("cuda") else platform.machine(),
-           "task": a.task, "size": size, "seed": a.seed, "best_max_lr": a.best, "runs": runs}
+           "task": a.task, "size": size, "seed": a.seed, "estimator": a.estimator, "best_max_lr": a.best, "runs": runs}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rec, indent=1))
 
