@@ -137,7 +137,8 @@ def main() -> None:
     ap.add_argument("--peer-T", type=int, default=None, help="with --peers-hdet: the HDET rows' sync interval "
                     "(default: the task's; names: hdet-...-T<n>-...)")
     ap.add_argument("--alone-only", action="store_true", help="with --peers-hdet: only the rows of each optimizer alone")
-    ap.add_argument("--seeds", default="0,1,2", help="with --peers-hdet: the seeds")
+    ap.add_argument("--seeds", default="0,1,2", help="with --peers-hdet or --breaks: the seeds (comma-separated, or "
+                    "FIRST-LAST)")
     ap.add_argument("--hdet-only", action="store_true", help="with --peers-hdet: only the HDET rows (names: "
                     f"hdet[-ignore][-a<alpha> unless {ALPHA}]-<peer>-s<seed>)")
     ap.add_argument("--stability", type=float, default=None, metavar="BEST_MAX_LR",
@@ -148,6 +149,9 @@ def main() -> None:
     ap.add_argument("--signals", type=float, default=None, metavar="BEST_MAX_LR",
                     help="the warm-up signal study (issue 15, item 3): plain DP and HDET (--alpha) from 0.1x, 0.3x, 1x, "
                     "3x and 10x BEST_MAX_LR, seed 0, with every sync's median window loss and base LR recorded")
+    ap.add_argument("--breaks", type=float, default=None, metavar="MAX_LR",
+                    help="how often a run breaks (issue 15): at MAX_LR, for every --seeds, plain DP, HDET as the paper "
+                    "has it (--alpha, T from the size) and HDET with on_runaway='recover' (names: breaks-<arm>-s<seed>)")
     ap.add_argument("--range", type=float, default=None, dest="range_best", metavar="BEST_MAX_LR",
                     help="the in-run LR range test (issue 15, item 3) instead of the main suite: HDET (--alpha) with "
                     "lr_range_test=True from 0.1x, 1x and 10x BEST_MAX_LR, seeds 0-2, once per --range-backoffs value")
@@ -156,6 +160,8 @@ def main() -> None:
                     help="the range test's decay phase: the schedule's own shape (none) or the fit controller from "
                     "the end of the warm-up (fit; names: range-b<value>-fit)")
     a = ap.parse_args()
+    first, _, last = a.seeds.partition("-")
+    seeds = list(range(int(first), int(last) + 1)) if last else [int(x) for x in a.seeds.split(",")]
     t_start = time.time()
     deadline = t_start + a.deadline
     size = dict(SIZES[a.task])
@@ -243,6 +249,12 @@ def main() -> None:
                 for start in (0.1, 0.3, 1.0, 3.0, 10.0) for name, alpha in (("plain", 0.0), ("hdet", a.alpha))]
         return run_study(a.signals, jobs)
 
+    if a.breaks is not None:
+        arms = {"plain": dict(alpha=0.0), "hdet": dict(alpha=a.alpha), "recover": dict(alpha=a.alpha, on_runaway="recover")}
+        jobs = [job(f"breaks-{arm}-s{seed}", f"breaks-{arm}", max_lr=a.breaks, seed=seed, **over)
+                for seed in seeds for arm, over in arms.items()]
+        return run_study(a.breaks, jobs)
+
     if a.range_best is not None:
         backoffs = [float(x) for x in a.range_backoffs.split(",")]
         fit = a.range_controller == "fit"
@@ -274,7 +286,7 @@ def main() -> None:
                     **(dict(auto_lr=True, controller="fit", tie_lr_groups=True, warmup=-(-warm // Tp) * Tp) if fit else {}))
         jobs = [job(f"{pre}{name}-s{seed}", pre + name, **opts[name], max_lr=1.0, seed=seed,
                     **(hdet if pre else {}))
-                for name in names for seed in map(int, a.seeds.split(","))
+                for name in names for seed in seeds
                 for pre in ((tag,) if a.hdet_only else ("",) if a.alone_only else (tag, ""))]
         repro = [] if a.hdet_only or a.alone_only else [job("repro-plain-1x-s0", "repro-plain", max_lr=a.peers_hdet, seed=0)]
         return run_study(a.peers_hdet, jobs + repro)
