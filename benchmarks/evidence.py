@@ -203,7 +203,7 @@ def main() -> None:
         import torch
 
         out = {"command": "python " + " ".join(sys.argv), "task": a.task, "precision": "float32 weights, TF32 matmuls",
-               "size": SIZES[a.task], "steps": steps, "alpha": a.alpha, "controller_start_step": warm,
+               "size": {**size, "centre": centre}, "steps": steps, "alpha": a.alpha, "controller_start_step": warm,
                "grid_centre": centre, "grid": GRID, "starts": STARTS, "best_max_lr": best[0], "python": platform.python_version(),
                "torch": torch.__version__,
                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.machine(),

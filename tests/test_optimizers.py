@@ -4,6 +4,7 @@ spread or a converge step would silently break it; averaging alone works."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -275,6 +276,21 @@ def test_the_cli_run_trains_with_each_peer(tmp_path):
                         out=str(tmp_path / "x")))
     with pytest.raises(RunError, match="Expected --optimizer in adamw, dadapt-adam"):
         train(RunConfig(**tiny, optimizer="sgd", out=str(tmp_path / "y")))
+
+
+def test_prodigy_safeguard_is_a_flag_and_off_by_default():
+    """`--prodigy-safeguard` builds Prodigy with safeguard_warmup (its advice under a warm-up; it estimated a
+    smaller step on both evidence tasks); without the flag, prodigyopt's default (off)."""
+    from hdet.app.cli import _config, build_parser
+    from hdet.app.runs import make_optimizer
+    from hdet.app.tasks import make_task
+
+    task = make_task("bytes", ctx=16, width=16, layers=1, data_bytes=200_000)
+    for extra, want in (([], False), (["--prodigy-safeguard"], True), (["--no-prodigy-safeguard"], False)):
+        cfg = _config(build_parser().parse_args(["train", "--optimizer", "prodigy", *extra]))
+        assert cfg.prodigy_safeguard is want
+        opt = make_optimizer(task, dataclasses.replace(cfg, max_lr=1.0))(task.make_model())
+        assert type(opt).__name__ == "Prodigy" and all(g["safeguard_warmup"] is want for g in opt.param_groups)
 
 
 def _prodigy_engine(steps=20, stop=None, state=None):
