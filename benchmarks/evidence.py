@@ -41,6 +41,11 @@ STARTS = [0.1, 1.0, 10.0]
 ALPHA = 0.5
 
 
+def _on_sync(step: int, T: int) -> int:
+    """``step`` rounded up to a sync step of interval ``T`` (where the controller can start)."""
+    return -(-step // T) * T
+
+
 def _metric(task: str, s: dict[str, Any]) -> float | None:
     """Higher is better: test accuracy, or minus the validation loss. None for a crashed run."""
     m = s.get("final_metrics") or {}
@@ -283,7 +288,7 @@ def main() -> None:
                + (f"a{a.alpha:g}-" if a.alpha != ALPHA else "") + (f"T{a.peer_T}-" if a.peer_T else ""))
         Tp = a.peer_T or size["T"]
         hdet = dict(alpha=a.alpha, on_runaway=a.peer_runaway, T=Tp,
-                    **(dict(auto_lr=True, controller="fit", tie_lr_groups=True, warmup=-(-warm // Tp) * Tp) if fit else {}))
+                    **(dict(auto_lr=True, controller="fit", tie_lr_groups=True, warmup=_on_sync(warm, Tp)) if fit else {}))
         jobs = [job(f"{pre}{name}-s{seed}", pre + name, **opts[name], max_lr=1.0, seed=seed,
                     **(hdet if pre else {}))
                 for name in names for seed in seeds
@@ -358,7 +363,7 @@ def main() -> None:
         if a.sync_interval:  # the follow-up replaces the main suite
             Tn, sfx = a.sync_interval, "-local" * a.local + (f"-a{a.alpha:g}" if a.alpha != ALPHA else "")
             later = [job(f"{ctrl}-{start:g}x-T{Tn}{sfx}-s{seed}", f"{ctrl}-T{Tn}{sfx}", alpha=0.0 if ctrl == "plain" else a.alpha,
-                         max_lr=best_lr * start, seed=seed, T=Tn, warmup=-(-warm // Tn) * Tn, local=a.local,
+                         max_lr=best_lr * start, seed=seed, T=Tn, warmup=_on_sync(warm, Tn), local=a.local,
                          **(dict(auto_lr=True, controller="fit", tie_lr_groups=True) if ctrl == "fit" else {}))
                      for seed in (0, 1, 2) for start in [float(x) for x in a.follow_starts.split(",")]
                      for ctrl in a.follow_controllers.split(",")]
