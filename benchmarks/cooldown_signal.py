@@ -133,12 +133,13 @@ def main() -> None:
                                                                       "greedy_opt_x_base", "cooled_opt_x_base")}}),
                   flush=True)
         records.append({"start": start, "max_lr": cfg.max_lr, "seconds": time.time() - t0, "rows": rows})
-    rec = {"command": "python " + " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,
-           "hdet": hdet.__version__, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else
-           platform.machine(), "task": a.task, "size": size, "best_max_lr": a.best, "cool": a.cool, "alpha": a.alpha,
-           "probe_batches": a.probe_batches, "seed": a.seed, "runs": records}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(rec, indent=1))
+        rec = {"command": "python " + " ".join(sys.argv), "python": platform.python_version(),
+               "torch": torch.__version__, "hdet": hdet.__version__,
+               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.machine(),
+               "task": a.task, "size": size, "best_max_lr": a.best, "cool": a.cool, "alpha": a.alpha,
+               "probe_batches": a.probe_batches, "seed": a.seed, "runs": records}
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(rec, indent=1))  # after every start: a killed study keeps what it did
 
 
 if __name__ == "__main__":
