@@ -97,7 +97,7 @@ class RunConfig:
         "(constant LR after its own warm-up; needs --alpha 0)"))
     prodigy_safeguard: bool = field(default=False, metadata=_cli(
         "prodigy: safeguard_warmup=True, prodigyopt's advice under a warm-up (off by default: with OneCycle's warm-up "
-        "it estimated a 4x smaller step and ended worse on both evidence tasks, docs/auto-lr.md)"))
+        "its step came out 4-13x below the grid's best LR and it ended worse on both evidence tasks, docs/auto-lr.md)"))
     eq8: str = "decay"
     nu: float = 0.01  # Eq. 10's noise scale with --warm-init
     log_every: int | None = None  # steps between records; None: steps // 100, between 1 and 10 (a short run's warm-up shows)
