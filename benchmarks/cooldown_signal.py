@@ -39,18 +39,17 @@ import hdet  # noqa: E402
 from hdet.app.options import RunConfig  # noqa: E402
 from hdet.app.runs import EngineRun, make_optimizer, to_device  # noqa: E402
 from hdet.app.tasks import make_task  # noqa: E402
+from hdet.controller import fit_parabola  # noqa: E402
 
 
 def fit_line_and_parabola(x: list[float], y: list[float]) -> tuple[float, float | None]:
-    """Slope of y on x (least squares), and the vertex of the least-squares parabola if it opens upward
-    (None otherwise)."""
+    """Slope of y on x (least squares), and the vertex of the least-squares parabola (the fit controller's
+    :func:`hdet.controller.fit_parabola`) if it opens upward (None otherwise)."""
     n = len(x)
     mx, my = sum(x) / n, sum(y) / n
-    sxx = sum((a - mx) ** 2 for a in x)
-    slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sxx
-    X = torch.tensor([[a * a, a, 1.0] for a in x], dtype=torch.float64)
-    c2, c1, _ = torch.linalg.lstsq(X, torch.tensor(y, dtype=torch.float64).unsqueeze(1)).solution.squeeze(1).tolist()
-    return slope, (-c1 / (2 * c2) if c2 > 0 else None)
+    slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sum((a - mx) ** 2 for a in x)
+    _, b, q = fit_parabola(x, y)
+    return slope, (-b / (2 * q) if q > 0 else None)
 
 
 def main() -> None:
