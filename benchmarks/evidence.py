@@ -39,6 +39,10 @@ SIZES = {  # per task: the model, the run, and the centre of the LR grid
 GRID = [2.0 ** k for k in range(-3, 4)]  # x centre
 STARTS = [0.1, 1.0, 10.0]
 ALPHA = 0.5
+# the learning-rate-free peers' run options; prodigy: prodigyopt's defaults (the committed rows), prodigy-sw: with
+# safeguard_warmup, its advice under a warm-up
+PEERS = {"dadapt": dict(optimizer="dadapt-adam"), "prodigy": dict(optimizer="prodigy", prodigy_safeguard=False),
+         "prodigy-sw": dict(optimizer="prodigy", prodigy_safeguard=True)}
 
 
 def _on_sync(step: int, T: int) -> int:
@@ -279,9 +283,6 @@ def main() -> None:
         return run_study(a.stability, jobs)
 
     if a.peers_hdet is not None:
-        # prodigy: prodigyopt's defaults (the committed rows); prodigy-sw: safeguard_warmup, its advice under a warm-up
-        opts = {"dadapt": dict(optimizer="dadapt-adam"), "prodigy": dict(optimizer="prodigy", prodigy_safeguard=False),
-                "prodigy-sw": dict(optimizer="prodigy", prodigy_safeguard=True)}
         names = a.peer_names.split(",")
         fit = a.peer_controller == "fit"
         tag = ("hdet-" + ("ignore-" if a.peer_runaway == "ignore" else "") + ("fit-" if fit else "")
@@ -289,7 +290,7 @@ def main() -> None:
         Tp = a.peer_T or size["T"]
         hdet = dict(alpha=a.alpha, on_runaway=a.peer_runaway, T=Tp,
                     **(dict(auto_lr=True, controller="fit", tie_lr_groups=True, warmup=_on_sync(warm, Tp)) if fit else {}))
-        jobs = [job(f"{pre}{name}-s{seed}", pre + name, **opts[name], max_lr=1.0, seed=seed,
+        jobs = [job(f"{pre}{name}-s{seed}", pre + name, **PEERS[name], max_lr=1.0, seed=seed,
                     **(hdet if pre else {}))
                 for name in names for seed in seeds
                 for pre in ((tag,) if a.hdet_only else ("",) if a.alone_only else (tag, ""))]
@@ -301,8 +302,7 @@ def main() -> None:
             best[0] = a.peers
             sf_grid = [job(f"sf-grid-{m:g}x-s0", "sf-grid", optimizer="schedulefree-adamw", max_lr=2 * centre * m, seed=0)
                        for m in GRID]
-            first = [job(f"{name}-s0", name, optimizer=opt, max_lr=1.0, seed=0, prodigy_safeguard=False)
-                     for name, opt in (("dadapt", "dadapt-adam"), ("prodigy", "prodigy"))]
+            first = [job(f"{name}-s0", name, **PEERS[name], max_lr=1.0, seed=0) for name in ("dadapt", "prodigy")]
             run_all(sf_grid + first + [job("plain-1x-s0", "plain", max_lr=a.peers, seed=0)], pool)
             scored = [(r["cfg"]["max_lr"], _metric(a.task, r)) for r in results if r["group"] == "sf-grid"
                       and _metric(a.task, r) is not None]
@@ -310,9 +310,8 @@ def main() -> None:
             print(f"Schedule-Free grid best lr {sf_best:g}", flush=True)
             later = [job(f"sf-{start:g}x-s{seed}", "sf", optimizer="schedulefree-adamw", max_lr=sf_best * start, seed=seed)
                      for seed in (0, 1, 2) for start in STARTS]
-            later += [job(f"{name}-s{seed}", name, optimizer=opt, max_lr=1.0, seed=seed, prodigy_safeguard=False)
-                      for seed in (1, 2)
-                      for name, opt in (("dadapt", "dadapt-adam"), ("prodigy", "prodigy"))]
+            later += [job(f"{name}-s{seed}", name, **PEERS[name], max_lr=1.0, seed=seed)
+                      for seed in (1, 2) for name in ("dadapt", "prodigy")]
             later += [job(f"plain-1x-s{seed}", "plain", max_lr=a.peers, seed=seed) for seed in (1, 2)]
             run_all(later, pool)
         save(final=True)
