@@ -147,7 +147,12 @@ def test_a_hook_that_changes_gradients_per_replica():
     _close(fast, slow)
 
 
-def test_a_non_finite_gradient_on_one_replica_is_left_out():
+@pytest.mark.parametrize("free_host_read", [True, False], ids=["cpu-check", "device-mask"])
+def test_a_non_finite_gradient_on_one_replica_is_left_out(monkeypatch, free_host_read):
+    """Both ways the shared gradient's reduction leaves a non-finite replica out: a check on the host, then a
+    masked sum (the CPU), or always masked, with no host read (a GPU)."""
+    monkeypatch.setattr(hdet.stacking, "_free_host_read", lambda device: free_host_read)
+
     def loss_fn(m, b):  # replica 2's inputs hold a NaN at step 3: its gradient is NaN there
         return F.cross_entropy(m(b[0]), b[1])
     xs = X.clone()
@@ -340,7 +345,8 @@ def test_parameters_are_stored_the_way_their_gradients_come():
     _close(fast, ref)
     w = fast.stacked_params["0.weight"]  # [N, 16, 6]: stored [N, 6, 16]
     assert fast.stack.orders["0.weight"] == (1, 0) and ref.stack.orders["0.weight"] is None
-    assert w.stride()[1:] == (1, 16) and w.grad.stride() == w.stride()
+    assert w.stride()[1:] == (1, 16) and w.grad.stride()[1:] == w.stride()[1:]
+    assert w.grad.stride()[0] == 0  # shared gradients: one row, the mean, for every replica
     assert fast.stack._raw_strides["0.weight"] == (1, 16)  # what the backward produced
     for r in range(N):
         p = fast.models[r][0].weight

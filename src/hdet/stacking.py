@@ -5,8 +5,10 @@ N copies of a module's parameters and buffers are stacked into ``[N, ...]`` tens
 scheduler see an ordinary module. :meth:`StackedReplicas.flatten` then lays the trainable parameters out as
 one ``[N, D]`` tensor ``theta`` (row r: replica r; columns in the order of the optimizers' param groups, so
 each group is one run of columns: what :class:`hdet.stacked_optim.StackedStep` steps) and, from the first
-backward, their gradients as views of a second one, ``grad``, into which later backwards accumulate.
-:meth:`StackedReplicas.average_gradients` is DDP's all-reduce over the replica axis.
+backward, their gradients as views of a second one, ``grad``. DDP's all-reduce over the replica axis is
+:meth:`StackedReplicas.average_gradients` where each replica keeps its own gradient (``grad`` is ``[N, D]``, the
+backward accumulates into it); with shared gradients ``grad`` is one row, the mean, and :meth:`backward` sums
+the backward's per-replica gradients straight into it, where they lie in memory (no ``[N, D]`` copy).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ __all__ = ["StackedReplicas"]
 class StackedReplicas:
     """The stacked tensors of ``models`` (N copies of one module, changed in place to hold views of them).
 
-    ``one_grad_row``: every replica's ``.grad`` is a view of ``grad``'s row 0, which holds the average (shared
-    gradients, nothing that changes one replica's gradient); else each replica's is its own row."""
+    ``one_grad_row``: every replica's ``.grad`` is a view of ``grad``'s one row, which holds the average (shared
+    gradients, nothing that changes one replica's gradient; once flattened, :meth:`backward` reduces into it);
+    else each replica's is its own row."""
 
     def __init__(self, models: Sequence[nn.Module], one_grad_row: bool, relayout: bool = False) -> None:
         self.N = len(models)
@@ -64,6 +67,7 @@ class StackedReplicas:
         self._segment_names: list[list[str]] = []
         self._raw_strides: dict[str, tuple[int, ...]] = {}  # name -> its first gradient's strides, as produced
         self._stride_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._reducing: bool | None = None  # one_grad_row, flattened: the backward reduced into grad (None: not yet)
 
     # -- the flat layout -------------------------------------------------------------------------------
     def flatten(self, optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
@@ -96,7 +100,7 @@ class StackedReplicas:
         first = self.params[order[0]]
         D = sum(self.params[n][0].numel() for n in order)
         self.theta = torch.empty(N, D, device=first.device, dtype=first.dtype)
-        self.grad = torch.zeros_like(self.theta)
+        self.grad = torch.zeros(1 if self.one_grad_row else N, D, device=first.device, dtype=first.dtype)
         self.segments = segments
         col = 0
         with torch.no_grad():
@@ -166,9 +170,9 @@ class StackedReplicas:
 
     # -- gradients ---------------------------------------------------------------------------------------
     def before_backward(self) -> None:
-        """Bound: zero :attr:`grad` (the backward adds into it), binding again any ``.grad`` (stacked or a
-        replica's) set by hand to None or to another tensor (the step or a per-replica hook would otherwise see
-        none, or zeros). Not bound: every ``.grad`` to None."""
+        """Bound: zero :attr:`grad` (the backward adds into it; not where :meth:`backward` reduces into it),
+        binding again any ``.grad`` (stacked or a replica's) set by hand to None or to another tensor (the step or
+        a per-replica hook would otherwise see none, or zeros). Not bound: every ``.grad`` to None."""
         if not self.grads_bound:
             for p in self.params.values():
                 p.grad = None
@@ -176,7 +180,8 @@ class StackedReplicas:
                 for n in self.columns:  # the first backward: how each gradient comes (see bind_grads)
                     self._stride_hooks.append(self.params[n].register_hook(self._strides_hook(n)))
             return
-        self.grad.zero_()
+        if not self._reducing:
+            self.grad.zero_()
         for n, v in self._grads.items():
             p = self.params[n]
             if p.grad is not v:
@@ -185,33 +190,96 @@ class StackedReplicas:
                 if q.grad is not w:
                     q.grad = w
 
+    def backward(self, losses: torch.Tensor) -> None:
+        """The backward of ``losses.sum()``. With shared gradients and flat parameters, each parameter's
+        per-replica gradients (``[N, ...]``, as vmap's backward leaves them) are summed over the replica axis
+        straight into :attr:`grad`'s one row, the mean (:meth:`_reduce`); otherwise they accumulate into the
+        ``.grad`` of the stacked parameters (:meth:`average_gradients` then averages them)."""
+        if self.theta is None or not self.one_grad_row or self._reducing is False:
+            with warnings.catch_warnings():  # the .grad views of the [N, D] gradient are strided as their parameters
+                warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
+                losses.sum().backward()
+            return
+        names = list(self.columns)
+        grads = torch.autograd.grad(losses.sum(), [self.params[n] for n in names], allow_unused=True)
+        if self._reducing is None:  # the first backward
+            if any(g is None for g in grads):  # a parameter got no gradient: as the accumulating path leaves it
+                for n, g in zip(names, grads):
+                    self.params[n].grad = g
+                self._reducing = False
+                return
+            for n, g in zip(names, grads):
+                self._raw_strides.setdefault(n, g.stride()[1:])
+            self._reducing = True
+            self._bind()
+        self._reduce(names, grads)
+
+    @torch.no_grad()
+    def _reduce(self, names: list[str], grads: Sequence[torch.Tensor]) -> None:
+        """DDP's all-reduce over the replica axis, from the backward's own gradients: :attr:`grad`'s row gets
+        ``sum_r g_r / N`` over the finite replicas (a replica with a NaN or Inf anywhere counts as 0, the gradient
+        guard, :mod:`hdet.guard`). Each ``[N, ...]`` gradient is read once, in its memory order (an ``nn.Linear``
+        weight's under vmap is transposed: reading it across, as accumulating it into a row-major buffer does,
+        costs more than the whole reduction)."""
+        rows, dests = [], []
+        for n, g in zip(names, grads):
+            order = [0] + sorted(range(1, g.dim()), key=lambda i: (-g.stride(i), i))
+            rows.append(g.permute(order).reshape(self.N, -1))  # [N, k] in memory order: a view of a dense g
+            dests.append(self._grads[n][0].permute([i - 1 for i in order[1:]]))  # the mean's view, that order
+        G = self.grad
+        if _free_host_read(G.device):  # mask only when needed
+            self._sum_rows(rows, dests, None)
+            if not bool(torch.isfinite(G.sum())):  # HOST SYNC (CPU: free): a NaN/Inf in some replica's gradient
+                ok = torch.stack([torch.isfinite(r).all(1) for r in rows]).all(0)
+                self._sum_rows(rows, dests, ok)
+        else:
+            ok = torch.isfinite(torch.stack([r.sum(1, dtype=torch.float32) for r in rows]).sum(0))  # [N]
+            self._sum_rows(rows, dests, ok)
+        G.div_(self.N)
+
     @staticmethod
-    def backward(losses: torch.Tensor) -> None:
-        with warnings.catch_warnings():  # the .grad views of the [N, D] gradient are strided as their parameters
-            warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
-            losses.sum().backward()
+    def _sum_rows(rows: list[torch.Tensor], dests: list[torch.Tensor], ok: torch.Tensor | None) -> None:
+        """``dest = sum_r rows[r]`` for each tensor, over the replicas ``ok`` says are finite (all: None)."""
+        for r, d in zip(rows, dests):
+            if ok is not None:
+                r = r[ok] if _free_host_read(r.device) else r.masked_fill(~ok.unsqueeze(1), 0)
+            if d.is_contiguous():
+                torch.sum(r, 0, out=d.view(-1))
+            else:
+                d.copy_(r.sum(0).view(d.shape))
 
     def bind_grads(self) -> bool:
         """After the first backward: copy the gradients into :attr:`grad` and make every flattened stacked
         parameter's (and replica view's) ``.grad`` a view of it. False when a parameter got no gradient (the
         stacked step would move it; per-replica optimizers skip it)."""
+        if self.grads_bound:
+            return True
         if any(self.params[n].grad is None for n in self.columns):
             self.drop_stride_hooks()
             return False
+        firsts = {n: self.params[n].grad for n in self.columns}
+        self._bind()
+        with torch.no_grad():
+            for n, g in firsts.items():
+                self._grads[n].copy_(g)
+        return True
+
+    def _bind(self) -> None:
+        """Every flattened stacked parameter's ``.grad`` (and each replica view's) a view of :attr:`grad` (one
+        row: the stacked parameter's is that row expanded over the replicas), stored as the parameter is
+        (after moving it to its gradient's order, with ``relayout``)."""
         if self.relayout:
             self._store_as_gradients()
-        with torch.no_grad():
-            for n, (a, b) in self.columns.items():
-                s = self.params[n]
-                view = param_view(self.grad[:, a:b], s.shape[1:], self.orders[n])
-                view.copy_(s.grad)
-                s.grad = self._grads[n] = view
-                rows = [0] * self.N if self.one_grad_row else range(self.N)
-                self._replica_grads[n] = [param_view(self.grad[r, a:b], s.shape[1:], self.orders[n]) for r in rows]
-                for p, v in zip(self.views[n], self._replica_grads[n]):
-                    p.grad = v
+        self.drop_stride_hooks()
+        for n, (a, b) in self.columns.items():
+            s = self.params[n]
+            rows = [0] * self.N if self.one_grad_row else range(self.N)
+            self._replica_grads[n] = [param_view(self.grad[r, a:b], s.shape[1:], self.orders[n]) for r in rows]
+            view = param_view(self.grad[:, a:b], s.shape[1:], self.orders[n])
+            s.grad = self._grads[n] = view.expand(s.shape) if self.one_grad_row else view
+            for p, v in zip(self.views[n], self._replica_grads[n]):
+                p.grad = v
         self.grads_bound = True
-        return True
 
     def rebind_grads(self) -> None:
         """A hook that set a replica's ``p.grad`` to a new tensor (not in place): copy it into :attr:`grad`."""
@@ -235,7 +303,10 @@ class StackedReplicas:
     @torch.no_grad()
     def average_gradients(self) -> None:
         """DDP's all-reduce over the replica axis: every replica gets ``sum_r g_r / N`` over the finite
-        replicas, a replica with a NaN or Inf anywhere counting as 0 (the gradient guard, :mod:`hdet.guard`)."""
+        replicas, a replica with a NaN or Inf anywhere counting as 0 (the gradient guard, :mod:`hdet.guard`).
+        Nothing to do where :meth:`backward` reduced into the mean."""
+        if self._reducing:
+            return
         if not self.grads_bound:
             grads = [s.grad for s in self.params.values() if s.grad is not None]
             ok = torch.stack([torch.isfinite(g.flatten(1).sum(1, dtype=torch.float32)) for g in grads]).all(0)
@@ -253,8 +324,10 @@ class StackedReplicas:
             ok = torch.isfinite(G.sum(1, dtype=torch.float32))  # [N]: a NaN or Inf anywhere makes its sum one
             G.masked_fill_(~ok.unsqueeze(1), 0)
             total = G.sum(0, keepdim=True)
-        mean = total.div_(self.N)
-        if self.one_grad_row:  # every replica's .grad is a view of row 0
-            G[:1].copy_(mean)
-        else:
-            G.copy_(mean.expand_as(G))
+        G.copy_(total.div_(self.N).expand_as(G))  # every replica's own row (a hook may change one)
+
+
+def _free_host_read(device: torch.device) -> bool:
+    """Whether reading a value on the host costs nothing (the CPU: no device to wait for), so that a check can
+    decide what runs next instead of masking always."""
+    return device.type == "cpu"

