@@ -29,6 +29,11 @@ from hdet.engine import ReplicaEngine
 from hdet.app.tasks import ByteGPT
 
 
+SIZES = {"tiny": dict(d=128, layers=2, heads=4, ctx=64, B=16),  # B: sequences a replica
+         "small": dict(d=384, layers=6, heads=6, ctx=256, B=8),
+         "medium": dict(d=768, layers=8, heads=12, ctx=256, B=8)}
+
+
 def lm_loss(m, b):
     logits = m(b[..., :-1])
     return F.cross_entropy(logits.reshape(-1, 256), b[..., 1:].reshape(-1))
@@ -155,16 +160,13 @@ def main() -> None:
                    help="the engine's attention (ByteGPT attn=): auto is explicit attention under vmap")
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    sizes = {"tiny": dict(d=128, layers=2, heads=4, ctx=64, B=16),
-             "small": dict(d=384, layers=6, heads=6, ctx=256, B=8),
-             "medium": dict(d=768, layers=8, heads=12, ctx=256, B=8)}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     results = []
     for optim in a.optimizers.split(","):
         for name in a.sizes.split(","):
-            s = dict(sizes[name])
+            s = dict(SIZES[name])
             B = s.pop("B")
             try:
                 r = bench({**s, "name": name}, a.replicas, B, a.steps, a.warm, a.T, device, a.modes.split(","), optim,

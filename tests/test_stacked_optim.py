@@ -147,11 +147,14 @@ def test_a_hook_that_changes_gradients_per_replica():
     _close(fast, slow)
 
 
-@pytest.mark.parametrize("free_host_read", [True, False], ids=["cpu-check", "device-mask"])
-def test_a_non_finite_gradient_on_one_replica_is_left_out(monkeypatch, free_host_read):
-    """Both ways the shared gradient's reduction leaves a non-finite replica out: a check on the host, then a
-    masked sum (the CPU), or always masked, with no host read (a GPU)."""
+@pytest.mark.parametrize("reduce,free_host_read", [(True, True), (True, False), (False, True)],
+                         ids=["reduce-cpu-check", "reduce-device-mask", "accumulate"])
+def test_a_non_finite_gradient_on_one_replica_is_left_out(monkeypatch, reduce, free_host_read):
+    """Every way the shared gradient is averaged leaves a non-finite replica out: summed where the backward
+    leaves it (the CPU's way) with a check on the host, then a masked sum, or always masked with no host read;
+    or accumulated into an [N, D] buffer first (a GPU's way)."""
     monkeypatch.setattr(hdet.stacking, "_free_host_read", lambda device: free_host_read)
+    monkeypatch.setattr(hdet.stacking, "_reduce_in_backward", lambda device: reduce)
 
     def loss_fn(m, b):  # replica 2's inputs hold a NaN at step 3: its gradient is NaN there
         return F.cross_entropy(m(b[0]), b[1])
@@ -166,6 +169,23 @@ def test_a_non_finite_gradient_on_one_replica_is_left_out(monkeypatch, free_host
     fast, slow = run(True), run(False)
     assert all(torch.isfinite(p).all() for m in fast.models for p in m.parameters())
     _close(fast, slow)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
+def test_the_gradient_is_averaged_the_same_either_way(monkeypatch, name):
+    """Shared gradients summed where the backward leaves them (the CPU's way: a one-row gradient buffer) or
+    accumulated into an [N, D] buffer (a GPU's way) train the same replicas, with the syncs, as each replica's own
+    optimizer step on the averaged gradient."""
+    make = OPTIMIZERS[name][0]
+    reduced = _engine(make)
+    monkeypatch.setattr(hdet.stacking, "_reduce_in_backward", lambda device: False)
+    accumulated = _engine(make)
+    assert reduced.stack.grad.shape[0] == 1 and accumulated.stack.grad.shape[0] == N
+    assert reduced.stack.reduce and not accumulated.stack.reduce
+    _close(reduced, accumulated)
+    _close(reduced, _engine(make, stacked=False))
+    for eng in (reduced, accumulated):  # every replica's .grad: the mean, one tensor
+        assert all(m[0].weight.grad.data_ptr() == eng.models[0][0].weight.grad.data_ptr() for m in eng.models)
 
 
 def test_checkpoint_resumes_exactly_and_loads_anywhere(tmp_path):

@@ -116,8 +116,8 @@ class ReplicaEngine:
             ``optimizer.step()``. :attr:`optimizer_path` says which runs, and why.
         gradient_layout: with the stacked step, eager: from the first backward on, store each parameter in the
             order its gradient comes out of vmap's backward (an ``nn.Linear`` weight's is transposed), so that
-            later backwards add into the flat gradient in memory order (2 CPU cores, an MLP, N = 8: 0.37x ->
-            0.46x one model at 8x the batch). The parameters are then non-contiguous: ``.view()`` on them
+            later backwards add into the flat gradient in memory order (2 CPU cores, an MLP, N = 8: 0.49x ->
+            0.53x one model at 8x the batch). The parameters are then non-contiguous: ``.view()`` on them
             (also in ``loss_fn``) fails where ``.reshape()`` works, hence off by default.
     """
 

@@ -5,10 +5,12 @@ N copies of a module's parameters and buffers are stacked into ``[N, ...]`` tens
 scheduler see an ordinary module. :meth:`StackedReplicas.flatten` then lays the trainable parameters out as
 one ``[N, D]`` tensor ``theta`` (row r: replica r; columns in the order of the optimizers' param groups, so
 each group is one run of columns: what :class:`hdet.stacked_optim.StackedStep` steps) and, from the first
-backward, their gradients as views of a second one, ``grad``. DDP's all-reduce over the replica axis is
-:meth:`StackedReplicas.average_gradients` where each replica keeps its own gradient (``grad`` is ``[N, D]``, the
-backward accumulates into it); with shared gradients ``grad`` is one row, the mean, and :meth:`backward` sums
-the backward's per-replica gradients straight into it, where they lie in memory (no ``[N, D]`` copy).
+backward, their gradients as views of a second one, ``grad``, ``[N, D]``, into which later backwards
+accumulate; :meth:`StackedReplicas.average_gradients` is DDP's all-reduce over the replica axis. On the CPU,
+with shared gradients, ``grad`` is one row, the mean, and :meth:`StackedReplicas.backward` sums the backward's
+per-replica gradients straight into it, where they lie in memory (no ``[N, D]`` buffer to zero, add into and
+sum again: 1.3x an MLP's step on 2 cores; on an H100 its per-parameter launches cost more than the passes they
+save, 0.68-1.01x: ``benchmarks/results/gpu_h100/engine_ab/``).
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ __all__ = ["StackedReplicas"]
 class StackedReplicas:
     """The stacked tensors of ``models`` (N copies of one module, changed in place to hold views of them).
 
-    ``one_grad_row``: every replica's ``.grad`` is a view of ``grad``'s one row, which holds the average (shared
-    gradients, nothing that changes one replica's gradient; once flattened, :meth:`backward` reduces into it);
-    else each replica's is its own row."""
+    ``one_grad_row``: every replica's ``.grad`` is a view of ``grad``'s row 0, which holds the average (shared
+    gradients, nothing that changes one replica's gradient; flattened on the CPU, :meth:`backward` reduces into
+    it); else each replica's is its own row."""
 
     def __init__(self, models: Sequence[nn.Module], one_grad_row: bool, relayout: bool = False) -> None:
         self.N = len(models)
@@ -67,7 +69,8 @@ class StackedReplicas:
         self._segment_names: list[list[str]] = []
         self._raw_strides: dict[str, tuple[int, ...]] = {}  # name -> its first gradient's strides, as produced
         self._stride_hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._reducing: bool | None = None  # one_grad_row, flattened: the backward reduced into grad (None: not yet)
+        self.reduce = False  # flattened, one_grad_row, on the CPU: the backward reduces into grad's one row
+        self._reducing: bool | None = None  # reduce, and every parameter got a gradient (None: no backward yet)
 
     # -- the flat layout -------------------------------------------------------------------------------
     def flatten(self, optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
@@ -100,7 +103,8 @@ class StackedReplicas:
         first = self.params[order[0]]
         D = sum(self.params[n][0].numel() for n in order)
         self.theta = torch.empty(N, D, device=first.device, dtype=first.dtype)
-        self.grad = torch.zeros(1 if self.one_grad_row else N, D, device=first.device, dtype=first.dtype)
+        self.reduce = self.one_grad_row and _reduce_in_backward(first.device)
+        self.grad = torch.zeros(1 if self.reduce else N, D, device=first.device, dtype=first.dtype)
         self.segments = segments
         col = 0
         with torch.no_grad():
@@ -191,11 +195,11 @@ class StackedReplicas:
                     q.grad = w
 
     def backward(self, losses: torch.Tensor) -> None:
-        """The backward of ``losses.sum()``. With shared gradients and flat parameters, each parameter's
-        per-replica gradients (``[N, ...]``, as vmap's backward leaves them) are summed over the replica axis
-        straight into :attr:`grad`'s one row, the mean (:meth:`_reduce`); otherwise they accumulate into the
-        ``.grad`` of the stacked parameters (:meth:`average_gradients` then averages them)."""
-        if self.theta is None or not self.one_grad_row or self._reducing is False:
+        """The backward of ``losses.sum()``. With :attr:`reduce` (shared gradients, flat parameters, the CPU),
+        each parameter's per-replica gradients (``[N, ...]``, as vmap's backward leaves them) are summed over the
+        replica axis straight into :attr:`grad`'s one row, the mean (:meth:`_reduce`); otherwise they accumulate
+        into the ``.grad`` of the stacked parameters (:meth:`average_gradients` then averages them)."""
+        if not self.reduce or self._reducing is False:
             with warnings.catch_warnings():  # the .grad views of the [N, D] gradient are strided as their parameters
                 warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
                 losses.sum().backward()
@@ -265,8 +269,9 @@ class StackedReplicas:
         return True
 
     def _bind(self) -> None:
-        """Every flattened stacked parameter's ``.grad`` (and each replica view's) a view of :attr:`grad` (one
-        row: the stacked parameter's is that row expanded over the replicas), stored as the parameter is
+        """Every flattened stacked parameter's ``.grad`` (and each replica view's) a view of :attr:`grad` (with
+        :attr:`reduce`, one row: the stacked parameter's is that row expanded over the replicas), stored as the
+        parameter is
         (after moving it to its gradient's order, with ``relayout``)."""
         if self.relayout:
             self._store_as_gradients()
@@ -276,7 +281,7 @@ class StackedReplicas:
             rows = [0] * self.N if self.one_grad_row else range(self.N)
             self._replica_grads[n] = [param_view(self.grad[r, a:b], s.shape[1:], self.orders[n]) for r in rows]
             view = param_view(self.grad[:, a:b], s.shape[1:], self.orders[n])
-            s.grad = self._grads[n] = view.expand(s.shape) if self.one_grad_row else view
+            s.grad = self._grads[n] = view.expand(s.shape) if self.reduce else view
             for p, v in zip(self.views[n], self._replica_grads[n]):
                 p.grad = v
         self.grads_bound = True
@@ -324,10 +329,21 @@ class StackedReplicas:
             ok = torch.isfinite(G.sum(1, dtype=torch.float32))  # [N]: a NaN or Inf anywhere makes its sum one
             G.masked_fill_(~ok.unsqueeze(1), 0)
             total = G.sum(0, keepdim=True)
-        G.copy_(total.div_(self.N).expand_as(G))  # every replica's own row (a hook may change one)
+        mean = total.div_(self.N)
+        if self.one_grad_row:  # every replica's .grad is a view of row 0
+            G[:1].copy_(mean)
+        else:
+            G.copy_(mean.expand_as(G))
 
 
 def _free_host_read(device: torch.device) -> bool:
     """Whether reading a value on the host costs nothing (the CPU: no device to wait for), so that a check can
     decide what runs next instead of masking always."""
+    return device.type == "cpu"
+
+
+def _reduce_in_backward(device: torch.device) -> bool:
+    """Whether shared gradients are summed where the backward leaves them (:meth:`StackedReplicas.backward`),
+    rather than accumulated into an ``[N, D]`` buffer and averaged there: on the CPU (fewer passes over memory);
+    not on a GPU, where its per-parameter kernels cost more host time than the passes save."""
     return device.type == "cpu"
