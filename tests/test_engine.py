@@ -202,6 +202,32 @@ def test_engine_compile_matches_eager():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_compile_runs_several_models_and_batch_sizes_in_one_process():
+    """Issue 19: a second model in one process (or a new batch size) used to turn torch.compile's shapes dynamic,
+    which vmap cannot trace ("Cannot call sizes() on tensor with symbolic sizes"), and the engine fell back to
+    eager. Each shape now compiles on its own (``dynamic=False``): every engine stays compiled."""
+    import warnings as _w
+
+    from torch import nn
+
+    from hdet.engine import ReplicaEngine
+
+    def loss_fn(m, b):
+        return nn.functional.mse_loss(m(b[0]), b[1])
+
+    with _w.catch_warnings(record=True) as seen:
+        _w.simplefilter("always")
+        for width, batch in ((4, 3), (6, 3), (6, 5)):
+            torch.manual_seed(0)
+            eng = ReplicaEngine(nn.Sequential(nn.Linear(3, width), nn.Tanh(), nn.Linear(width, 1)), 2,
+                                lambda m: torch.optim.SGD(m.parameters(), lr=0.1), _sched(steps=2, alpha=0.2),
+                                mode="vmap", compile=True)
+            for _ in range(2):
+                eng.step((torch.randn(2, batch, 2, 3), torch.randn(2, batch, 2, 1)), loss_fn, stacked=True)
+            assert eng._fns[loss_fn][1] is not None, width  # still the compiled function
+    assert not [w for w in seen if "torch.compile cannot run" in str(w.message)]
+
+
 @pytest.mark.parametrize("mode", ["loop", "vmap"])
 @pytest.mark.parametrize("fault", ["weights", "loss"])
 def test_engine_recovers_a_non_finite_replica(mode, fault):

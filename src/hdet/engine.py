@@ -205,7 +205,9 @@ class ReplicaEngine:
                 return functional_call(self._call, (p, b), (x, loss_fn))
 
             eager = vmap(one, randomness="different")
-            fns = self._fns[loss_fn] = [eager, torch.compile(eager) if self.compile else None]
+            # dynamic=False: a new shape (another model in this process, a new batch size) compiles on its own;
+            # torch.compile would otherwise trace it with symbolic sizes, which vmap's batched tensors refuse
+            fns = self._fns[loss_fn] = [eager, torch.compile(eager, dynamic=False) if self.compile else None]
         self.stack.before_backward()
         args = (self._call_params, self._call_buffers, batch)
         if fns[1] is not None:
