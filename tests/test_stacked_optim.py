@@ -188,6 +188,41 @@ def test_the_gradient_is_averaged_the_same_either_way(monkeypatch, name):
         assert all(m[0].weight.grad.data_ptr() == eng.models[0][0].weight.grad.data_ptr() for m in eng.models)
 
 
+@pytest.mark.parametrize("case", ["unused later", "unused first, expanded"])
+def test_the_gradient_is_averaged_the_same_either_way_when_the_loss_skips_a_parameter(monkeypatch, case):
+    """A parameter the loss does not reach gets a zero gradient (after the first step: an auxiliary head used
+    now and then), or ends the stacked step (at the first step); a gradient autograd hands over expanded (a
+    parameter used only through a sum) is copied before anything writes it. Both ways of averaging agree."""
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3), nn.Linear(3, 3))
+
+    def full(m, b):
+        return F.cross_entropy(m[3](m[2](m[1](m[0](b[0])))), b[1])
+
+    def short(m, b):  # the last layer unused
+        return F.cross_entropy(m[2](m[1](m[0](b[0]))), b[1])
+
+    def summed(m, b):  # m[3].weight only through a sum (its gradient: expanded), m[3].bias unused
+        return short(m, b) + 0.0 * m[3].weight.sum()
+
+    losses = [full, short] if case == "unused later" else [summed]
+
+    def run(reduce):
+        monkeypatch.setattr(hdet.stacking, "_reduce_in_backward", lambda device: reduce)
+        torch.manual_seed(1)
+        eng = ReplicaEngine(copy.deepcopy(model), N, OPTIMIZERS["adamw"][0],
+                            lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=8, model_sync_interval=4,
+                                                                  ensemble_lr_spread_ratio=0.2, replicas=rep, model=m),
+                            mode="vmap")
+        for t in range(6):
+            eng.step((X[t], Y[t]), losses[t % len(losses)], stacked=True)
+        return eng
+    reduced, accumulated = run(True), run(False)
+    assert reduced.optimizer_path == accumulated.optimizer_path
+    assert reduced.optimizer_path == ("stacked" if case == "unused later" else
+                                      "per-replica: a parameter got no gradient (unused in the loss)")
+    _close(reduced, accumulated)
+
+
 def test_checkpoint_resumes_exactly_and_loads_anywhere(tmp_path):
     make = OPTIMIZERS["adamw"][0]
     full = _engine(make)

@@ -208,8 +208,8 @@ class StackedReplicas:
         grads = torch.autograd.grad(losses.sum(), [self.params[n] for n in names], allow_unused=True)
         if self._reducing is None:  # the first backward
             if any(g is None for g in grads):  # a parameter got no gradient: as the accumulating path leaves it
-                for n, g in zip(names, grads):
-                    self.params[n].grad = g
+                for n, g in zip(names, grads):  # (a copy: autograd may hand one expanded tensor to several)
+                    self.params[n].grad = None if g is None else g.clone(memory_format=torch.contiguous_format)
                 self._reducing = False
                 return
             for n, g in zip(names, grads):
@@ -224,13 +224,19 @@ class StackedReplicas:
         ``sum_r g_r / N`` over the finite replicas (a replica with a NaN or Inf anywhere counts as 0, the gradient
         guard, :mod:`hdet.guard`). Each ``[N, ...]`` gradient is read once, in its memory order (an ``nn.Linear``
         weight's under vmap is transposed: reading it across, as accumulating it into a row-major buffer does,
-        costs more than the whole reduction)."""
+        costs more than the whole reduction). A parameter the loss did not reach this time gets 0, as the
+        accumulating path gives it."""
         rows, dests = [], []
         for n, g in zip(names, grads):
+            if g is None:
+                self._grads[n][0].zero_()
+                continue
             order = [0] + sorted(range(1, g.dim()), key=lambda i: (-g.stride(i), i))
             rows.append(g.permute(order).reshape(self.N, -1))  # [N, k] in memory order: a view of a dense g
             dests.append(self._grads[n][0].permute([i - 1 for i in order[1:]]))  # the mean's view, that order
         G = self.grad
+        if not rows:
+            return
         if _free_host_read(G.device):  # mask only when needed
             self._sum_rows(rows, dests, None)
             if not bool(torch.isfinite(G.sum())):  # HOST SYNC (CPU: free): a NaN/Inf in some replica's gradient
