@@ -2,7 +2,8 @@
 
 For N = 1, 8 and 32 replicas of a tiny model in ``ReplicaEngine(mode="vmap")`` (OneCycleAutoLR, alpha 0.2,
 no sync in the timed steps): what ``engine.step`` does after the optimizer step, alone: every replica's
-loss kept, ``begin_step`` and ``end_step`` (the base schedule, the LR per group, the explored values).
+loss kept, ``begin_step`` and ``end_step`` (the base schedule, once for the N replicas where they follow
+replica 0's; the LR per group, the explored values).
 Writes JSON with the command, machine and versions.
 
     python benchmarks/engine_sched_cost.py --out benchmarks/results/cpu/engine_sched_cost.json
@@ -48,10 +49,8 @@ def main() -> None:
                 s._opt_steps += 1
             for s, loss in zip(scheds, losses):
                 s.ensemble.window.keep(loss)
-            for s in scheds:
-                s.begin_step()
-            for s in scheds:
-                s.end_step()
+            eng._begin_steps()  # (replica 0's base schedule, the others following it)
+            eng._end_steps()
         out[str(N)] = (time.perf_counter() - t0) / a.steps
     rec = {"command": "python " + " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,
            "hdet": hdet.__version__, "device": f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)",

@@ -202,6 +202,83 @@ def test_engine_compile_matches_eager():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _same(a, b, where="") -> None:
+    """Nested state (dicts, lists, tensors, numbers) equal value for value."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    else:
+        assert a == b or (a != a and b != b), (where, a, b)  # (NaN == NaN)
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_replicas_follow_replica_0s_base_schedule_exactly(opt):
+    """Issue 19: the engine steps the base schedule once (replica 0's) and the other replicas take its state
+    (OneCycle's step count and last LR, and the momentum it cycles) instead of computing it again. Every
+    replica's scheduler state, LR, momentum and explored values are those of each replica stepping its own,
+    through syncs, the fit controller and explored beta2 / weight decay."""
+    from torch import nn
+
+    from dist_workers import batch, make_model
+    from hdet.engine import ReplicaEngine
+
+    def make_opt(m):
+        if opt == "adamw":
+            return torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.01)
+        return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9, weight_decay=0.01)
+
+    def make_sched(o, rep, m):
+        explore = [hdet.WeightDecay(o, alpha=0.5)] + ([hdet.AdamBeta(o, 1, alpha=0.01)] if opt == "adamw" else [])
+        return hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=24, ensemble_lr_spread_ratio=0.3, model_sync_interval=4,
+                                   enable_auto_lr=True, auto_lr_warmup_steps=8, replicas=rep, model=m,
+                                   probe=lambda mod: mod(batch(0, 0)[0]).pow(2).mean(), explore=explore)
+
+    def run(follow):
+        eng = ReplicaEngine(make_model(0), 4, make_opt, make_sched, mode="vmap")
+        eng.share_base_schedule = follow  # False: every replica steps its own base schedule
+        for t in range(1, 22):
+            eng.step([batch(r, t) for r in range(4)], lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+            assert eng._following is (follow or None)
+        return eng
+
+    fast, slow = run(True), run(False)
+    for sf, ss, of, os_ in zip(fast.schedulers, slow.schedulers, fast.optimizers, slow.optimizers):
+        _same(sf.state_dict(), ss.state_dict(), "scheduler")
+        assert sf.get_last_lr() == ss.get_last_lr()
+        for gf, gs in zip(of.param_groups, os_.param_groups):
+            _same({k: v for k, v in gf.items() if k != "params"}, {k: v for k, v in gs.items() if k != "params"})
+    assert len({tuple(s.get_last_lr()) for s in fast.schedulers}) == 4  # the spread: four LRs
+    key = "betas" if opt == "adamw" else "momentum"
+    assert fast.optimizers[0].param_groups[0][key] != make_opt(make_model(0)).param_groups[0][key]  # it cycled
+    for mf, ms in zip(fast.models, slow.models):
+        assert all(torch.equal(a, b) for a, b in zip(mf.parameters(), ms.parameters()))
+
+
+def test_replicas_with_different_schedules_step_their_own():
+    """A make_scheduler that gives replicas different base schedules: each steps its own (nothing is shared)."""
+    from torch import nn
+
+    from dist_workers import batch, make_model
+    from hdet.engine import ReplicaEngine
+
+    eng = ReplicaEngine(make_model(0), 2, _sgd(0.01),
+                        lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.01 * (1 + rep.rank), total_steps=10,
+                                                              ensemble_lr_spread_ratio=0.0, replicas=rep, model=m),
+                        mode="vmap")
+    for t in range(1, 4):
+        eng.step([batch(r, t) for r in range(2)], lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    assert eng._follow() is False
+    lrs = [s.get_last_lr()[0] for s in eng.schedulers]
+    assert lrs[1] == pytest.approx(2 * lrs[0])
+
+
 def test_compile_runs_several_models_and_batch_sizes_in_one_process():
     """Issue 19: a second model in one process (or a new batch size) used to turn torch.compile's shapes dynamic,
     which vmap cannot trace ("Cannot call sizes() on tensor with symbolic sizes"), and the engine fell back to

@@ -163,6 +163,8 @@ class ReplicaEngine:
         self.compile = compile
         self._fns: dict[Any, list[Any]] = {}  # loss_fn -> [the vmapped function, its compiled form or None]
         self._stacked: StackedStep | None = None
+        self.share_base_schedule = True  # False: every replica steps its own base schedule (see _follow)
+        self._following: bool | None = None
         self.optimizer_path = "per-replica: loop mode" if self.mode == "loop" else self._setup_stacked(stacked_optimizer)
 
     # -- the stacked optimizer step (vmap path) ---------------------------------------------------------
@@ -326,6 +328,7 @@ class ReplicaEngine:
             for st in o.state.values():  # a state saved by the stacked step holds views of one shared copy
                 st.update({k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)})
             s.load_state_dict(rs["scheduler"])
+        self._following = None
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self, batches: Sequence[Any] | Any, loss_fn: LossFn, *, stacked: bool = False) -> torch.Tensor:
@@ -387,13 +390,36 @@ class ReplicaEngine:
         kept = losses.detach().clone()  # the windows' copy (the caller may write into what step() returns)
         for s, loss in zip(self.schedulers, kept):
             s.ensemble.window.keep(loss)  # = s.observe(loss), with one copy for the N replicas
-        for s in self.schedulers:
-            s.begin_step()
+        self._begin_steps()
         if self.schedulers[0].ensemble.is_sync_step(t):
             self._sync(t)
-        for s in self.schedulers:
-            s.end_step()
+        self._end_steps()
         return losses
+
+    def _begin_steps(self) -> None:
+        """Every scheduler's first half of its step; the base schedule computed once, by replica 0's."""
+        lead = self.schedulers[0]
+        following = lead if self._follow() else None  # (checked before the lead steps)
+        lead.begin_step()
+        for s in self.schedulers[1:]:
+            s.begin_step(following)
+
+    def _end_steps(self) -> None:
+        """Every scheduler's second half: each replica's values for the next step, from replica 0's bases."""
+        lead = self.schedulers[0]
+        following = lead if self._follow() else None  # (checked before the lead steps)
+        lead.end_step()
+        for s in self.schedulers[1:]:
+            s.end_step(following)
+
+    def _follow(self) -> bool:
+        """Whether every replica's scheduler can take replica 0's base schedule at each step (the same schedule
+        in the same state: :meth:`hdet.HDETLR.follows`), checked at the first step, after each sync and load."""
+        if not self.share_base_schedule:
+            return False
+        if self._following is None:
+            self._following = all(s.follows(self.schedulers[0]) for s in self.schedulers[1:])
+        return self._following
 
     def _sync(self, t: int) -> None:
         """One sync of the N ensembles, in the three phases of :class:`hdet.ensemble.Ensemble`, with the
@@ -411,3 +437,4 @@ class ReplicaEngine:
         finally:  # the next sync's copies start afresh (the snapshots keep what they need)
             for c in self._copies:
                 c.clear()
+            self._following = None  # checked again at the next step (a few us a replica)

@@ -201,7 +201,12 @@ class HDETLR(LRScheduler):
     def get_lr(self) -> list[float]:  # type: ignore[override]
         """This replica's LR per group (Eqs. 1, 9); also sets every explored hyperparameter's value."""
         ens = self._hdet
-        bases = [_float(b) for b in self._scheduled_bases()] + [h.base(self.last_epoch) for h in ens.hypers]
+        self._bases_now = [_float(b) for b in self._scheduled_bases()] + [h.base(self.last_epoch) for h in ens.hypers]
+        return self._values(self._bases_now)
+
+    def _values(self, bases: list[float]) -> list[float]:
+        """This replica's LR per group from every slot's scheduled base now; sets the explored values."""
+        ens = self._hdet
         values = ens.apply_schedule(bases)
         for h, v in zip(ens.hypers, values[ens.num_lr_slots:]):
             h.set(v)
@@ -237,15 +242,20 @@ class HDETLR(LRScheduler):
             self._recover_stall(t, self._guard.watch)
         self.end_step()
 
-    def begin_step(self) -> int:
+    def begin_step(self, lead: "HDETLR | None" = None) -> int:
         """The first half of :meth:`step` (the one-process engine runs the sync between the halves): checks,
-        the base schedule's step, the fit controller's window mean. Returns the optimizer step ``t``."""
+        the base schedule's step, the fit controller's window mean. Returns the optimizer step ``t``.
+
+        ``lead``: another replica's scheduler of the same engine, whose base schedule has just stepped: this one's
+        takes its state instead of computing the same values again (:meth:`follows`)."""
         t = self.last_epoch + 1  # optimizer steps taken so far
         if t > self.total_steps:
             raise ValueError(f"Expected at most total_steps={self.total_steps} calls of scheduler.step() after "
                              f"optimizer steps, but this is call {t}; raise total_steps or stop stepping")
         self._check_optimizer_stepped()
-        if self._base is not None:
+        if lead is not None:
+            self._follow_base(lead)
+        elif self._base is not None:
             # Chainable schedulers compute from group['lr']: give them the base, not base * rho.
             for g, b in zip(self.optimizer.param_groups, self._hdet.current_bases):
                 g["lr"] = b if not isinstance(g["lr"], torch.Tensor) else g["lr"].fill_(b)
@@ -253,9 +263,56 @@ class HDETLR(LRScheduler):
         self._hdet.after_optimizer_step(t)
         return t
 
-    def end_step(self) -> None:
-        """The second half of :meth:`step`: this replica's values for the next step."""
-        super().step()
+    def end_step(self, lead: "HDETLR | None" = None) -> None:
+        """The second half of :meth:`step`: this replica's values for the next step (from ``lead``'s scheduled
+        bases, computed once for the engine's replicas, when given)."""
+        if lead is None:
+            return super().step()
+        self._step_count += 1  # what LRScheduler.step() does, without computing the schedule again
+        self.last_epoch += 1
+        n = len(self.optimizer.param_groups)  # the LR slots' bases: the lead's; the explored ones: this replica's
+        self._bases_now = lead._bases_now[:n] + [h.base(self.last_epoch) for h in self._hdet.hypers]
+        values = self._values(self._bases_now)
+        for group, lr in zip(self.optimizer.param_groups, values):
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+        self._last_lr = [g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"]
+                         for g in self.optimizer.param_groups]
+
+    def follows(self, lead: "HDETLR") -> bool:
+        """Whether this scheduler's base schedule is ``lead``'s, value for value, so that it can take ``lead``'s
+        at every step (the engine steps the base schedule once for its N replicas): none, the same callable, or
+        a ``OneCycleLR`` in the same state over param groups with the same schedule."""
+        if type(self) is not type(lead) or self.last_epoch != lead.last_epoch:
+            return False
+        if self._base is None or lead._base is None:
+            return self._base is lead._base and self._base_fn is lead._base_fn and (
+                self._base_fn is not None or self._constant == lead._constant)
+        if type(self._base) is not OneCycleLR or type(lead._base) is not OneCycleLR:
+            return False
+        keys = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum")
+        try:
+            return self._base.state_dict() == lead._base.state_dict() and all(
+                [g.get(k) for k in keys] == [h.get(k) for k in keys]
+                for g, h in zip(self.optimizer.param_groups, lead.optimizer.param_groups, strict=True))
+        except (RuntimeError, ValueError):  # tensors that do not compare as one bool: not the same
+            return False
+
+    def _follow_base(self, lead: "HDETLR") -> None:
+        """This replica's base schedule, stepped by taking ``lead``'s state: OneCycleLR's step count, last LR and
+        the momentum it writes into each param group (beta1 only: an explored beta2 stays this replica's)."""
+        base, theirs = self._base, lead._base
+        if base is None:
+            return
+        base.last_epoch, base._step_count, base._last_lr = theirs.last_epoch, theirs._step_count, list(theirs._last_lr)
+        if base.cycle_momentum:
+            for g, h in zip(self.optimizer.param_groups, lead.optimizer.param_groups):
+                if base.use_beta1:
+                    g["betas"] = (h["betas"][0], *g["betas"][1:])
+                else:
+                    g["momentum"] = h["momentum"]
 
     def _recover_stall(self, t: int, watch: SkipWatch) -> None:
         if not self._hdet.recover(t):
