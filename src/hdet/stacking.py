@@ -234,9 +234,9 @@ class StackedReplicas:
             order = [0] + sorted(range(1, g.dim()), key=lambda i: (-g.stride(i), i))
             rows.append(g.permute(order).reshape(self.N, -1))  # [N, k] in memory order: a view of a dense g
             dests.append(self._grads[n][0].permute([i - 1 for i in order[1:]]))  # the mean's view, that order
-        G = self.grad
         if not rows:
             return
+        G = self.grad
         if _free_host_read(G.device):  # mask only when needed
             self._sum_rows(rows, dests, None)
             if not bool(torch.isfinite(G.sum())):  # HOST SYNC (CPU: free): a NaN/Inf in some replica's gradient
@@ -277,11 +277,9 @@ class StackedReplicas:
     def _bind(self) -> None:
         """Every flattened stacked parameter's ``.grad`` (and each replica view's) a view of :attr:`grad` (with
         :attr:`reduce`, one row: the stacked parameter's is that row expanded over the replicas), stored as the
-        parameter is
-        (after moving it to its gradient's order, with ``relayout``)."""
+        parameter is (after moving it to its gradient's order, with ``relayout``, which drops the stride hooks)."""
         if self.relayout:
             self._store_as_gradients()
-        self.drop_stride_hooks()
         for n, (a, b) in self.columns.items():
             s = self.params[n]
             rows = [0] * self.N if self.one_grad_row else range(self.N)
