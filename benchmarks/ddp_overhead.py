@@ -12,6 +12,12 @@ Run with torchrun on 2+ GPUs (NCCL; gloo on CPU for a smoke test with --tiny):
    contiguous parameters (``hdet.contiguous_parameters_``) and in local mode (``ddp.no_sync()`` every
    step: no gradient all-reduce between converge steps). Ratios HDET / plain over the same steps (syncs
    included).
+1b. The step's tail on the device (CUDA events on the compute stream, every timed step): from the end of the
+   backward (DDP's all-reduce included) and the clip to the end of ``optimizer.step()`` and
+   ``scheduler.step()``, median per model; HDET's minus plain's is what HDET adds after the backward,
+   where nothing hides it (the optimizer step's own time is the same in every model). ``*_stepread``: the
+   "skip" guard reading the averaged gradients at the step, as before its read moved into the backward
+   (``BackwardCheck``), for comparison in the same run.
 2. No host sync on non-sync steps: 2T more steps of the default HDET model with
    ``torch.cuda.set_sync_debug_mode("error")`` on every non-sync step (any host sync raises).
 2b. A device timeline (``torch.profiler``, --profile-steps non-sync steps of every model): the device time
@@ -81,7 +87,8 @@ def main() -> None:
                "hdet_T1000": (1000, "auto", False, False), "hdet_T100_hook": (100, "hook", False, False),
                "hdet_T100_noguard": (100, False, False, False), "hdet_T1000_noguard": (1000, False, False, False),
                "hdet_T100_contiguous": (100, "auto", False, True), "hdet_T100_local": (100, "auto", True, False),
-               "hdet_T100_schedclip": (100, "auto", False, False), "hdet_T1000_schedclip": (1000, "auto", False, False)}
+               "hdet_T100_schedclip": (100, "auto", False, False), "hdet_T1000_schedclip": (1000, "auto", False, False),
+               "hdet_T100_stepread": (100, "auto", False, False), "hdet_T1000_stepread": (1000, "auto", False, False)}
     configs = {k: v for k, v in configs.items() if k == "plain" or a.only is None or k in a.only.split(",")}
     if a.converge_only:
         configs = {"hdet_T100": configs.get("hdet_T100", (100, "auto", False, False))}
@@ -99,6 +106,10 @@ def main() -> None:
             sched = hdet.OneCycleAutoLR(opt, max_lr=6e-4, total_steps=steps + 300, ensemble_lr_spread_ratio=0.2,
                                         model_sync_interval=T, model=ddp, guard_gradients=guard,
                                         bucket_cap_mb=a.bucket_mb)
+        if name.endswith("_stepread") and sched.skip_guard is not None and sched.skip_guard.backward is not None:
+            # the guard before the read moved into the backward: one read of the averaged gradients at the step
+            sched.skip_guard.backward.remove()
+            sched.skip_guard.backward = None
         runs[name] = {"model": model, "ddp": ddp, "opt": opt, "sched": sched, "T": T, "seconds": 0.0, "done": 0,
                       "local": local, "schedclip": name.endswith("_schedclip"), "guard": getattr(sched, "gradient_guard", None),
                       "params": sum(q.numel() for q in model.parameters())}
@@ -127,8 +138,14 @@ def main() -> None:
                 run["sched"].clip_grad_norm_(a.clip)
             elif a.clip is not None:
                 torch.nn.utils.clip_grad_norm_(run["model"].parameters(), a.clip)
+            tail = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
+            if tail:  # the step's tail on the device: from the end of backward (and clip) to the next step
+                tail[0].record()
             run["opt"].step()
             run["sched"].step(loss) if run["T"] else run["sched"].step()
+            if tail:
+                tail[1].record()
+                run.setdefault("tails", []).append(tail)
             if quiet:
                 torch.cuda.set_sync_debug_mode(0)
             run["done"] += 1
@@ -172,7 +189,7 @@ def step_times(runs, train_block, steps, warm, block, a, ctx) -> dict:
     ratio to plain."""
     for run in runs.values():  # warm-up steps are not timed... but count against total_steps
         train_block(run, warm)
-        run["seconds"], run["blocks"] = 0.0, []
+        run["seconds"], run["blocks"], run["tails"] = 0.0, [], []
     order, rnd = list(runs.values()), 0
     while runs["plain"]["done"] < steps:
         n = min(block, steps - runs["plain"]["done"])
@@ -181,7 +198,16 @@ def step_times(runs, train_block, steps, warm, block, a, ctx) -> dict:
         rnd += 1
     timed = steps - warm
     plain = runs["plain"]
-    return {"tokens_per_step_per_gpu": a.batch * ctx, "timed_steps": timed, "rounds": rnd,
+    tails = {}  # us: the optimizer step + the scheduler step, after the backward (and the clip) on the device
+    for k, r in runs.items():
+        if r.get("tails"):
+            us = [1000 * e0.elapsed_time(e1) for e0, e1 in r["tails"]]
+            tails[k] = {"median_us": statistics.median(us), "mean_us": statistics.fmean(us)}
+    if tails:
+        for k, v in tails.items():
+            v["added_us_median"] = v["median_us"] - tails["plain"]["median_us"]
+            v["added_fraction_of_plain_step"] = v["added_us_median"] / (1e6 * plain["seconds"] / timed)
+    return {"tail_after_backward": tails, "tokens_per_step_per_gpu": a.batch * ctx, "timed_steps": timed, "rounds": rnd,
             "seconds": {k: r["seconds"] for k, r in runs.items()},
             "ms_per_step": {k: 1000 * r["seconds"] / timed for k, r in runs.items()},
             "ratio_to_plain": {k: r["seconds"] / plain["seconds"] for k, r in runs.items() if k != "plain"},

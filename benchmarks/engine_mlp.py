@@ -39,6 +39,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compile", action="store_true",
+                   help="also the engine with compile=True and the baseline through torch.compile")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     dev, N, B, W = torch.device(a.device), a.replicas, a.batch, a.width
@@ -60,19 +62,35 @@ def main() -> None:
         opt.step()
         sched.step()
 
-    def engine(stacked: bool, layout: bool = False) -> ReplicaEngine:
+    base_c = mlp()
+    opt_c = torch.optim.AdamW(base_c.parameters(), lr=1e-3)
+    sched_c = torch.optim.lr_scheduler.OneCycleLR(opt_c, max_lr=1e-3, total_steps=total)
+    base_c_fwd = torch.compile(base_c)
+
+    def base_compiled_step():
+        opt_c.zero_grad(set_to_none=True)
+        F.cross_entropy(base_c_fwd(xb), yb).backward()
+        opt_c.step()
+        sched_c.step()
+
+    def engine(stacked: bool, layout: bool = False, comp: bool = False) -> ReplicaEngine:
         return ReplicaEngine(mlp(), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
                              lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=total,
                                                                    ensemble_lr_spread_ratio=0.2, model_sync_interval=25,
                                                                    replicas=rep, model=m),
-                             mode="vmap", stacked_optimizer=stacked, gradient_layout=layout)
+                             mode="vmap", stacked_optimizer=stacked, gradient_layout=layout, compile=comp)
 
     engines = {"stacked": engine(True), "stacked, gradient_layout": engine(True, True), "per-replica": engine(False)}
+    if a.compile:
+        engines["stacked, compile"] = engine(True, comp=True)
     steps = {k: (lambda e=e: e.step((x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]), stacked=True))
              for k, e in engines.items()}
-    times: dict[str, list[float]] = {"baseline": [], **{k: [] for k in engines}}
+    times: dict[str, list[float]] = {"baseline": [], **({"baseline, compiled": []} if a.compile else {}),
+                                     **{k: [] for k in engines}}
     for _ in range(a.repeats):
         times["baseline"].append(time_steps(base_step, 10, a.steps, dev))
+        if a.compile:
+            times["baseline, compiled"].append(time_steps(base_compiled_step, 10, a.steps, dev))
         for k, f in steps.items():
             times[k].append(time_steps(f, 10, a.steps, dev))
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -82,10 +100,13 @@ def main() -> None:
            "N": N, "width": W, "batch_per_replica": B, "params": sum(q.numel() for q in base.parameters()),
            "seconds_per_step_median": med, "seconds_per_step_all": times,
            "ratio_to_baseline": {k: med["baseline"] / med[k] for k in engines},
+           **({"ratio_to_baseline_compiled": {k: med["baseline, compiled"] / med[k] for k in engines}}
+              if a.compile else {}),
            "optimizer_path": {k: e.optimizer_path for k, e in engines.items()},
            "optimizer_state_bytes": {"baseline": state_bytes([opt]),
                                      **{k: state_bytes(e.optimizers) for k, e in engines.items()}}}
-    print(json.dumps({k: rec[k] for k in ("device", "ratio_to_baseline", "optimizer_state_bytes")}))
+    print(json.dumps({k: rec[k] for k in ("device", "ratio_to_baseline", "optimizer_state_bytes")
+                      + (("ratio_to_baseline_compiled",) if a.compile else ())}))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rec, indent=1))
 

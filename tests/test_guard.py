@@ -198,3 +198,53 @@ def test_scheduler_clip_grad_norm_clips_every_gradient_the_optimizer_steps():
     assert torch.allclose(norm, want)
     assert torch.allclose(torch.cat([p.grad, q.grad.flatten()]).norm(), torch.tensor(1.0), atol=1e-5)
     assert s.skip_guard is None
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo process group of one rank (file:// rendezvous), destroyed after the test."""
+    import torch.distributed as dist
+
+    from helpers import file_init_method
+
+    dist.init_process_group("gloo", init_method=file_init_method(str(tmp_path)), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_the_backward_check_reads_each_gradient_once_as_the_backward_produces_it(one_rank_group, monkeypatch):
+    """DDP's "skip" guard (backward_group): the gradients are read in the backward's hooks (one fused read per
+    flush), not again before the step; a NaN loss skips the step; a gradient that no backward produced (set
+    by hand) is read just before the step, and a NaN there skips it too; the next step starts afresh."""
+    import hdet.guard
+
+    reads = []
+    real = hdet.guard._max_abs_float
+    monkeypatch.setattr(hdet.guard, "_max_abs_float", lambda grads: reads.append(len(grads)) or real(grads))
+    monkeypatch.setattr(hdet.guard, "_nonfinite", lambda grads, out: pytest.fail("a pass before the step"))
+    p, q, opt = _setup()
+    guard = SkipNonFiniteStep(opt, backward_group=one_rank_group)
+
+    def step(scale=1.0):
+        opt.zero_grad()
+        ((p.sum() + (q * q).sum()) * scale).backward()
+        opt.step()
+
+    step()
+    assert reads == [2] and float(guard.skipped) == 0.0  # one flush when both hooks have fired
+    before = [p.detach().clone(), q.detach().clone()]
+    step(float("nan"))
+    assert torch.equal(p, before[0]) and torch.equal(q, before[1]) and float(guard.skipped) == 1.0
+    step()
+    assert not torch.equal(p, before[0]) and float(guard.skipped) == 1.0 and reads == [2, 2, 2]
+    opt.zero_grad()
+    p.sum().backward()  # q gets no gradient from the backward ...
+    q.grad = torch.full((3, 2), float("nan"))  # ... but one by hand: read before the step
+    before = [p.detach().clone(), q.detach().clone()]
+    opt.step()
+    assert torch.equal(p, before[0]) and torch.equal(q, before[1]) and float(guard.skipped) == 2.0
+    assert reads == [2, 2, 2, 2]  # p's (queued: not every hook fired) and q's, in one read before the step
+    step()
+    assert not torch.equal(q, before[1]) and float(guard.skipped) == 2.0
+    guard.remove()
+    assert not p._post_accumulate_grad_hooks and not q._post_accumulate_grad_hooks
