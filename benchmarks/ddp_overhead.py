@@ -88,7 +88,8 @@ def main() -> None:
                "hdet_T100_noguard": (100, False, False, False), "hdet_T1000_noguard": (1000, False, False, False),
                "hdet_T100_contiguous": (100, "auto", False, True), "hdet_T100_local": (100, "auto", True, False),
                "hdet_T100_schedclip": (100, "auto", False, False), "hdet_T1000_schedclip": (1000, "auto", False, False),
-               "hdet_T100_stepread": (100, "auto", False, False), "hdet_T1000_stepread": (1000, "auto", False, False)}
+               "hdet_T100_stepread": (100, "auto", False, False), "hdet_T1000_stepread": (1000, "auto", False, False),
+               "hdet_T100_flush256": (100, "auto", False, False)}
     configs = {k: v for k, v in configs.items() if k == "plain" or a.only is None or k in a.only.split(",")}
     if a.converge_only:
         configs = {"hdet_T100": configs.get("hdet_T100", (100, "auto", False, False))}
@@ -106,6 +107,9 @@ def main() -> None:
             sched = hdet.OneCycleAutoLR(opt, max_lr=6e-4, total_steps=steps + 300, ensemble_lr_spread_ratio=0.2,
                                         model_sync_interval=T, model=ddp, guard_gradients=guard,
                                         bucket_cap_mb=a.bucket_mb)
+        back = sched.skip_guard.backward if T is not None and sched.skip_guard is not None else None
+        if back is not None and "_flush" in name:  # the backward's reads in larger groups: _flush<MB>
+            back.flush_bytes = int(name.split("_flush")[1]) << 20
         if name.endswith("_stepread") and sched.skip_guard is not None and sched.skip_guard.backward is not None:
             # the guard before the read moved into the backward: one read of the averaged gradients at the step
             sched.skip_guard.backward.remove()

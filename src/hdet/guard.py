@@ -160,7 +160,9 @@ class BackwardCheck:
             for device, gs in by_device.items():
                 acc = self._acc(device)
                 if device.type == "cuda":
-                    side = self._streams.setdefault(device, torch.cuda.Stream(device))
+                    side = self._streams.get(device)
+                    if side is None:
+                        side = self._streams[device] = torch.cuda.Stream(device)
                     side.wait_stream(torch.cuda.current_stream(device))  # after the backward wrote them
                     with torch.cuda.stream(side):
                         torch.maximum(acc, _max_abs_float(gs), out=acc)  # NaN propagates
