@@ -15,9 +15,7 @@ Run with torchrun on 2+ GPUs (NCCL; gloo on CPU for a smoke test with --tiny):
 1b. The step's tail on the device (CUDA events on the compute stream, every timed step): from the end of the
    backward (DDP's all-reduce included) and the clip to the end of ``optimizer.step()`` and
    ``scheduler.step()``, median per model; HDET's minus plain's is what HDET adds after the backward,
-   where nothing hides it (the optimizer step's own time is the same in every model). ``*_stepread``: the
-   "skip" guard reading the averaged gradients at the step, as before its read moved into the backward
-   (``BackwardCheck``), for comparison in the same run.
+   where nothing hides it (the optimizer step's own time is the same in every model).
 2. No host sync on non-sync steps: 2T more steps of the default HDET model with
    ``torch.cuda.set_sync_debug_mode("error")`` on every non-sync step (any host sync raises).
 2b. A device timeline (``torch.profiler``, --profile-steps non-sync steps of every model): the device time
@@ -87,9 +85,7 @@ def main() -> None:
                "hdet_T1000": (1000, "auto", False, False), "hdet_T100_hook": (100, "hook", False, False),
                "hdet_T100_noguard": (100, False, False, False), "hdet_T1000_noguard": (1000, False, False, False),
                "hdet_T100_contiguous": (100, "auto", False, True), "hdet_T100_local": (100, "auto", True, False),
-               "hdet_T100_schedclip": (100, "auto", False, False), "hdet_T1000_schedclip": (1000, "auto", False, False),
-               "hdet_T100_stepread": (100, "auto", False, False), "hdet_T1000_stepread": (1000, "auto", False, False),
-               "hdet_T100_flush256": (100, "auto", False, False)}
+               "hdet_T100_schedclip": (100, "auto", False, False), "hdet_T1000_schedclip": (1000, "auto", False, False)}
     configs = {k: v for k, v in configs.items() if k == "plain" or a.only is None or k in a.only.split(",")}
     if a.converge_only:
         configs = {"hdet_T100": configs.get("hdet_T100", (100, "auto", False, False))}
@@ -107,13 +103,6 @@ def main() -> None:
             sched = hdet.OneCycleAutoLR(opt, max_lr=6e-4, total_steps=steps + 300, ensemble_lr_spread_ratio=0.2,
                                         model_sync_interval=T, model=ddp, guard_gradients=guard,
                                         bucket_cap_mb=a.bucket_mb)
-        back = sched.skip_guard.backward if T is not None and sched.skip_guard is not None else None
-        if back is not None and "_flush" in name:  # the backward's reads in larger groups: _flush<MB>
-            back.flush_bytes = int(name.split("_flush")[1]) << 20
-        if name.endswith("_stepread") and sched.skip_guard is not None and sched.skip_guard.backward is not None:
-            # the guard before the read moved into the backward: one read of the averaged gradients at the step
-            sched.skip_guard.backward.remove()
-            sched.skip_guard.backward = None
         runs[name] = {"model": model, "ddp": ddp, "opt": opt, "sched": sched, "T": T, "seconds": 0.0, "done": 0,
                       "local": local, "schedclip": name.endswith("_schedclip"), "guard": getattr(sched, "gradient_guard", None),
                       "params": sum(q.numel() for q in model.parameters())}

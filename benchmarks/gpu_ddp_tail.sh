@@ -9,7 +9,7 @@ mkdir -p "$OUT_DIR"
 export PYTHONPATH=$PWD/src
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT_DIR/gpus.txt"
 python -c "import sys, torch; print(sys.version); print(torch.__version__, torch.cuda.nccl.version())" >> "$OUT_DIR/gpus.txt"
-ONLY=${ONLY:-plain_again,hdet_T100,hdet_T1000,hdet_T100_stepread,hdet_T1000_stepread,hdet_T100_schedclip,hdet_T1000_schedclip}
+ONLY=${ONLY:-plain_again,hdet_T100,hdet_T1000,hdet_T100_schedclip,hdet_T1000_schedclip}
 DEVICES=$(seq -s, 0 $((WORLD - 1)))
 CUDA_VISIBLE_DEVICES=$DEVICES torchrun --standalone --nproc-per-node "$WORLD" benchmarks/ddp_overhead.py \
     --steps ${STEPS:-300} --clip 1.0 --profile-steps 10 --reps 10 --only "$ONLY" --out "$OUT_DIR/world$WORLD.json" \

@@ -286,23 +286,18 @@ def explore_hypers(rank, world, steps=30):
 
 
 def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20, T=5, guard=True, fused=False,
-                    clip=False, read_in_backward=None):
+                    clip=False):
     """DDP + Adam (``fused``: torch's fused Adam) + auto-LR; at step ``at`` replica ``bad_rank`` gets a NaN
-    weight (mid-window), a NaN loss or (``"grad"``) a NaN in a gradient it sets by hand after the backward. Records, after every step, whether each rank's weights are finite
+    weight (mid-window) or a NaN loss. Records, after every step, whether each rank's weights are finite
     and whether they changed, and after every sync whether the replicas are equal. ``clip``: clip through
-    ``scheduler.clip_grad_norm_`` (max norm 1e6: no healthy gradient is changed). Counts the guard's own
-    passes over the gradients before the step and its reads during the backward; ``read_in_backward``
-    chooses where the skip guard reads (default: the device's way, at the step on the CPU)."""
+    ``scheduler.clip_grad_norm_`` (max norm 1e6: no healthy gradient is changed) and count the guard's own
+    passes over the gradients."""
     import warnings
 
     import hdet.guard
 
     own_pass, passes = hdet.guard._nonfinite, []
     hdet.guard._nonfinite = lambda grads, out: passes.append(len(grads)) or own_pass(grads, out)
-    backward_read, reads = hdet.guard._max_abs_float, []  # the reads during the backward (BackwardCheck)
-    hdet.guard._max_abs_float = lambda grads: reads.append(len(grads)) or backward_read(grads)
-    if read_in_backward is not None:  # the GPU's way (a read during the backward) on these CPU ranks, or not
-        hdet.guard._read_in_backward = lambda device: read_in_backward
 
     model = make_model(0)
     ddp = DDP(model, broadcast_buffers=False)
@@ -325,10 +320,6 @@ def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20,
                     loss = loss * float("nan")
                 o.zero_grad()
                 loss.backward()
-                if fault == "grad" and t == at and rank == bad_rank:  # a gradient set by hand, on one replica
-                    w0 = model[0].weight
-                    w0.grad = w0.grad.clone()
-                    w0.grad[0, 0] = float("nan")
                 if clip:
                     s.clip_grad_norm_(1e6)
                 o.step()
@@ -348,8 +339,7 @@ def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20,
             "nonfinite_losses": nonfinite,
             "guard": s.gradient_guard, "losses_at_recovery": s.ensemble.controllers[0].updates, "changed": changed,
             "skipped": None if s.skip_guard is None else float(s.skip_guard.skipped),
-            "steps": [int(st["step"]) for st in o.state.values()][:1], "own_passes": len(passes),
-            "backward_reads": len(reads)}
+            "steps": [int(st["step"]) for st in o.state.values()][:1], "own_passes": len(passes)}
 
 
 def _timeout_entry(rank, world, out_dir, skip_rank, timeout_s):

@@ -179,37 +179,28 @@ def test_non_finite_replica_is_dropped_reset_and_training_goes_on(fault):
         assert len(out["warnings"]) == 1 and "replica(s) [2]" in out["warnings"][0]
 
 
-@pytest.mark.parametrize("fault,clip,backward", [("weights", False, True), ("loss", False, True), ("grad", False, True),
-                                                 ("weights", True, True), ("loss", True, True),
-                                                 ("weights", False, False), ("loss", False, False)])
-def test_skip_guard_skips_the_step_everywhere_and_the_bad_replica_is_reset(fault, clip, backward):
+@pytest.mark.parametrize("fault,clip", [("weights", False), ("loss", False), ("weights", True), ("loss", True)])
+def test_skip_guard_skips_the_step_everywhere_and_the_bad_replica_is_reset(fault, clip):
     """The same faults with torch's fused Adam, so "auto" picks the "skip" guard (no comm hook): while
     replica 2 is non-finite (step 7 for a NaN loss, steps 7-10 for a NaN weight) the averaged gradient is
     non-finite on every replica and every replica skips the step on the device (weights and Adam's step
-    count untouched); no healthy replica ever sees a NaN; the sync at step 10 resets replica 2. ``backward``
-    (a GPU's way): the guard reads each replica's gradients during the backward (one read a step), makes no
-    pass of its own before the step, and the replicas agree by an all_reduce of the flag; a NaN that replica
-    2 writes into a gradient by hand after its backward is not read again: it reaches replica 2's weights
-    alone, and is then contained as a NaN weight is (every replica skips steps 8-10, the sync resets replica
-    2). Otherwise (the CPU's way) one pass over the averaged gradients a step. Clipping through
-    ``scheduler.clip_grad_norm_``, the clip's norm decides the same steps and the guard reads nothing after
-    the first backward."""
-    res = check_ok(run_gloo(_fault, 4, {"fault": fault, "fused": True, "clip": clip, "read_in_backward": backward}))
-    bad = {"loss": [7], "weights": [7, 8, 9, 10], "grad": [8, 9, 10]}[fault]  # a NaN weight: in step 10's forward too
+    count untouched); no healthy replica ever sees a NaN; the sync at step 10 resets replica 2. Clipping
+    through ``scheduler.clip_grad_norm_``, the clip's norm decides the same steps and the guard makes no
+    pass of its own (one a step otherwise)."""
+    res = check_ok(run_gloo(_fault, 4, {"fault": fault, "fused": True, "clip": clip}))
+    bad = [7] if fault == "loss" else [7, 8, 9, 10]  # the NaN weight is in step 10's forward too
     for r, out in enumerate(res):
         assert out["error"] is None and out["guard"] == "skip"
-        if r == 2 and fault in ("weights", "grad"):
+        if r == 2 and fault == "weights":
             assert not any(out["finite"][6:9])  # its own NaN weight, until the sync
         else:
             assert all(out["finite"]), (r, out["finite"])
             assert [t for t, c in enumerate(out["changed"], 1) if not c] == bad  # skipped exactly then
         assert out["skipped"] == len(bad) and out["steps"] == [20 - len(bad)]
-        assert out["own_passes"] == (0 if clip or backward else 20)
-        assert out["backward_reads"] == ((1 if clip else 20) if backward else 0)
+        assert out["own_passes"] == (0 if clip else 20)
         assert out["finite"][9:] == [True] * 11 and out["equal"] == [True] * 4
-        assert out["recovered"] == ([[], [2], [], []] if fault in ("weights", "grad") else [[]] * 4)
-        assert out["nonfinite_losses"][1] == {"loss": [0, 0, 1, 0], "weights": [0, 0, 4, 0],  # NaN weight: steps 7-10
-                                              "grad": [0, 0, 3, 0]}[fault]
+        assert out["recovered"] == ([[], [2], [], []] if fault == "weights" else [[]] * 4)
+        assert out["nonfinite_losses"][1] == ([0, 0, 1, 0] if fault == "loss" else [0, 0, 4, 0])  # NaN weight: steps 7-10
 
 
 def _hsdp_guard(rank, world, fault):

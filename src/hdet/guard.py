@@ -11,17 +11,14 @@ optimizer can skip a step on the device, i.e. every param group is ``fused``; ``
   float64, where no sum of finite 16/32-bit values overflows. DDP calls it from Python once per bucket,
   which makes it much slower than "skip" (measured in ``docs/cost.md``).
 * ``"skip"`` (:class:`SkipNonFiniteStep`): no hook; DDP averages as usual, so a NaN/Inf on any replica
-  is in the averaged gradient on every replica, and the fused optimizer skips the step on the device when
-  the gradients hold one (``found_inf``, the mechanism of ``torch.amp.GradScaler``): every replica skips
-  that step together, weights and optimizer state untouched. The verdict is a fused read of the gradients
-  (their max-abs norms, ``torch._foreach_norm(..., inf)``: NaN and Inf propagate, and a max cannot
-  overflow). On GPUs each replica reads its gradients as the backward produces them
-  (:class:`BackwardCheck`), on a side stream, so the read overlaps the backward and DDP's all-reduce
-  instead of following them, and the replicas agree at the step by one MAX all_reduce of a 0/1 flag; a
-  gradient no backward produced (set by hand) is read just before the step. On the CPU (nothing to
-  overlap) the averaged gradients are read just before the step. When the step's gradient norm is handed
-  over (:meth:`SkipNonFiniteStep.use_norm`, which ``HDETLR.clip_grad_norm_`` does: a clipping user has
-  computed it anyway) it decides instead, with no read and no collective (measured in ``docs/cost.md``).
+  is in the averaged gradient, bit-identical on every replica. Just before ``optimizer.step()`` one
+  fused read of the gradients (their max-abs norms, ``torch._foreach_norm(..., inf)``: NaN and Inf
+  propagate, and a max cannot overflow) says whether the averaged gradient is finite, and the fused
+  optimizer skips the step on the device when it is not (``found_inf``, the mechanism of
+  ``torch.amp.GradScaler``): every replica skips that step together, weights and optimizer state
+  untouched. Cost: one read of the gradients a step, or nothing when the step's gradient norm is handed
+  over (:meth:`SkipNonFiniteStep.use_norm`, which ``HDETLR.clip_grad_norm_`` does): a clipping user
+  has computed it anyway (measured in ``docs/cost.md``).
 
 With FSDP2/HSDP replicas (``device_mesh``) only "skip" exists: each rank checks its own gradient shards
 and the ranks agree through a MAX all_reduce of the flag over each mesh dimension.
@@ -42,8 +39,7 @@ from .optimizers import innermost as _innermost
 from .replicas import local_shard
 from .sync import max_abs
 
-__all__ = ["finite_allreduce_hook", "install_gradient_guard", "SkipNonFiniteStep", "BackwardCheck", "SkipWatch",
-           "GuardSetting", "GUARDS"]
+__all__ = ["finite_allreduce_hook", "install_gradient_guard", "SkipNonFiniteStep", "SkipWatch", "GuardSetting", "GUARDS"]
 
 GUARDS = ("auto", "hook", "skip")
 _UNSET = object()  # SkipNonFiniteStep: the pre-hook set no found_inf
@@ -105,112 +101,6 @@ def _fused(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(inner, "_step_supports_amp_scaling", False)) and all(g.get("fused") for g in inner.param_groups)
 
 
-def _read_in_backward(device: torch.device) -> bool:
-    """Whether the DDP "skip" guard reads the gradients during the backward (:class:`BackwardCheck`): on a GPU,
-    where a side stream overlaps the read with the backward and the all-reduce. On the CPU nothing overlaps
-    it, and the flag's all_reduce would add a round trip a step, so the guard reads them at the step."""
-    return device.type == "cuda"
-
-
-class BackwardCheck:
-    """The "skip" guard's read of the gradients, done as the backward produces them (DDP replicas).
-
-    A post-accumulate-grad hook on every parameter queues its gradient; every ``flush_bytes`` of them, and
-    when every hooked parameter has fired, one fused max-abs read folds them into a running maximum, on a
-    side stream of the gradients' CUDA device (after the backward's own work on them), so the read
-    overlaps the rest of the backward and DDP's all-reduce. It reads each replica's own gradient, which DDP
-    may be averaging in place meanwhile: either value is non-finite on a replica whose own gradient was,
-    so one MAX all_reduce of the flag (:meth:`verdict`) gives every replica the same answer. A gradient
-    accumulated over several backwards (``no_sync``) is read at each. On the CPU the reads run in the hook.
-    """
-
-    def __init__(self, params: Sequence[torch.Tensor], group: Any, flush_bytes: int = 16 << 20) -> None:
-        self.group = group
-        self.flush_bytes = flush_bytes
-        self.active = True  # False: the hooks only note the parameter (the step's norm is being handed over)
-        hooked = [p for p in params if p.requires_grad]
-        self._n = len(hooked)
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in hooked]
-        self._pending: list[torch.Tensor] = []
-        self._pending_bytes = 0
-        self._fired = 0  # hooks fired since the last flush at a full count
-        self.seen: set[int] = set()  # id() of the parameters whose gradient a backward produced since the step
-        self.read: set[int] = set()  # ... and that were queued for the read
-        self._max: dict[torch.device, torch.Tensor] = {}  # per device: the running max-abs (float32 0-dim)
-        self._streams: dict[torch.device, Any] = {}
-
-    def _on_grad(self, p: torch.Tensor) -> None:
-        self.seen.add(id(p))
-        self._fired += 1
-        if self.active and p.grad is not None:
-            self.read.add(id(p))
-            self._pending.append(p.grad)
-            self._pending_bytes += p.grad.numel() * p.grad.element_size()
-        if self._pending_bytes >= self.flush_bytes or self._fired >= self._n:
-            self._fired = 0 if self._fired >= self._n else self._fired
-            self._flush()
-
-    def _flush(self) -> None:
-        grads, self._pending, self._pending_bytes = self._pending, [], 0
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for g in grads:
-            if g.numel():
-                by_device.setdefault(g.device, []).append(g)
-        with torch.no_grad():
-            for device, gs in by_device.items():
-                acc = self._acc(device)
-                if device.type == "cuda":
-                    side = self._streams.get(device)
-                    if side is None:
-                        side = self._streams[device] = torch.cuda.Stream(device)
-                    side.wait_stream(torch.cuda.current_stream(device))  # after the backward wrote them
-                    with torch.cuda.stream(side):
-                        torch.maximum(acc, _max_abs_float(gs), out=acc)  # NaN propagates
-                    for g in gs:
-                        g.record_stream(side)  # freed early (a zero_grad before any step): not reused too soon
-                else:
-                    torch.maximum(acc, _max_abs_float(gs), out=acc)
-
-    def _acc(self, device: torch.device) -> torch.Tensor:
-        if device not in self._max:
-            self._max[device] = torch.zeros((), device=device)
-        return self._max[device]
-
-    def covers(self, params: Sequence[torch.Tensor]) -> bool:
-        """Whether every one of ``params`` was read since the last step."""
-        return all(id(p) in self.read for p in params)
-
-    def verdict(self, out: torch.Tensor, unread: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-        """``out`` (a float 0-dim tensor) = 1.0 if any replica read a NaN/Inf since the last step or holds one in
-        ``unread`` (gradients no hook queued: read here), the same on every replica; then starts the next
-        step's reading afresh. No host sync."""
-        self._pending.extend(unread)  # read with the tail of the last flush, on the side stream
-        self._flush()
-        for d, stream in self._streams.items():
-            torch.cuda.current_stream(d).wait_stream(stream)  # the side reads are done before the step
-        accs = [acc.to(out.device) for acc in self._max.values()] or [torch.zeros((), device=out.device)]
-        found = accs[0] if len(accs) == 1 else torch.stack(accs).amax()
-        _nonfinite_scalar(found, out)
-        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)  # COLLECTIVE: one scalar, no host sync
-        self.reset()
-        return out
-
-    def reset(self) -> None:
-        for acc in self._max.values():
-            acc.zero_()
-        self.seen.clear()
-        self.read.clear()
-        self._pending, self._pending_bytes = [], 0
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-
-def _max_abs_float(grads: list[torch.Tensor]) -> torch.Tensor:
-    return max_abs(grads).float()
-
-
 class SkipNonFiniteStep:
     """Skip ``optimizer.step()`` on the device when any gradient is NaN/Inf (the ``"skip"`` guard).
 
@@ -226,8 +116,7 @@ class SkipNonFiniteStep:
     the flag is all-reduced (MAX) over each, one scalar per group and step. Not needed under DDP, whose
     averaged gradient is the same on every rank."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, agree_over: Sequence[Any] = (),
-                 backward_group: Any = _UNSET) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, agree_over: Sequence[Any] = ()) -> None:
         optimizer = _innermost(optimizer)
         if not _fused(optimizer):
             raise ValueError("Expected an optimizer that can skip a step on the device (torch's Adam, AdamW, SGD, "
@@ -242,11 +131,6 @@ class SkipNonFiniteStep:
         self._saved: list[Any] = []  # per step in flight: the found_inf to restore (None: there was none)
         self._mine: torch.Tensor | None = None  # the found_inf this guard set last
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
-        self.backward: BackwardCheck | None = None  # DDP: the gradients read as the backward produces them
-        if backward_group is not _UNSET:
-            if self.agree_over:
-                raise ValueError("Expected either agree_over (sharded replicas) or backward_group (DDP), not both")
-            self.backward = BackwardCheck([p for g in optimizer.param_groups for p in g["params"]], backward_group)
 
     def use_norm(self, total_norm: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
         """The next step's verdict comes from ``total_norm``, a norm of ``grads`` (what
@@ -263,27 +147,18 @@ class SkipNonFiniteStep:
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         handed, self._norm = self._norm, None
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        for p in params:
-            grad = local_shard(p.grad)  # FSDP2: this rank's shard
-            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    grad = local_shard(p.grad)  # FSDP2: this rank's shard
+                    groups.setdefault((grad.device, grad.dtype), []).append(grad)
         if not groups:
             self._saved.append(_UNSET)  # nothing to check: found_inf left alone
-            if self.backward is not None:
-                self.backward.reset()
             return
         norm = handed[0] if handed is not None and _unchanged(handed[1], groups) else None
-        back = self.backward
         with torch.no_grad():
             if norm is not None:  # the norm of exactly these gradients decides: no pass of our own
                 found = _nonfinite_scalar(norm, self._flag(norm.device))
-                if back is not None:  # the next step's norm is likely handed over too: the hooks need not read
-                    back.active = False
-                    back.reset()
-            elif back is not None:  # DDP: read during the backward; the replicas agree by one all_reduce
-                unread = [p.grad for p in params if id(p) not in back.read]
-                found = back.verdict(self._flag(params[0].grad.device), unread)
-                back.active = True
             else:
                 found = None
                 for (device, _), grads in groups.items():  # one read of the gradients, on the device: no host sync
@@ -319,8 +194,6 @@ class SkipNonFiniteStep:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
-        if self.backward is not None:
-            self.backward.remove()
 
 
 class SkipWatch:
@@ -450,11 +323,7 @@ class GuardSetting:
             # FSDP2/HSDP: ranks hold different shards, so they agree on the decision over the whole mesh
             mesh = self.device_mesh
             groups = [mesh.get_group(i) for i in range(mesh.ndim)] if sharded else []
-            # DDP on GPUs: the gradients are read as the backward produces them; the replicas agree over DDP's group
-            first = next((p for g in _innermost(self.optimizer).param_groups for p in g["params"]), None)
-            backward = {} if sharded or first is None or not _read_in_backward(first.device) else \
-                {"backward_group": getattr(model, "process_group", None) or self.process_group}
-            self.skip = SkipNonFiniteStep(self.optimizer, agree_over=groups, **backward)
+            self.skip = SkipNonFiniteStep(self.optimizer, agree_over=groups)
             self.watch = SkipWatch(self.skip)
             self.installed = "skip"
         elif guard == "hook" and ddp and install_gradient_guard(model, self.process_group):
