@@ -79,11 +79,14 @@ def main():
     p.add_argument("--max-steps", type=int, default=STEPS)
     p.add_argument("--resume", default=None)
     p.add_argument("--bn", action="store_true", help="a BatchNorm layer in the model")
+    p.add_argument("--fp16", action="store_true", help='precision "16-mixed" with a GradScaler (on the CPU)')
     a = p.parse_args()
     torch.set_num_threads(1)
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=a.out, every_n_train_steps=8, save_top_k=-1)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=a.max_steps,
                         accumulate_grad_batches=2, callbacks=[HDETCallback(), ckpt, Report(a.out)],
+                        plugins=[L.pytorch.plugins.MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler(
+                            "cpu", init_scale=2.0 ** 12))] if a.fp16 else None,
                         logger=False, enable_progress_bar=False, enable_model_summary=False)
     loader = torch.utils.data.DataLoader(Data(), batch_size=8, shuffle=False)
     trainer.fit(Module(a.bn), loader, ckpt_path=a.resume)

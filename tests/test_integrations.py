@@ -172,6 +172,16 @@ def test_lightning_docs_setup_averages_batchnorm_and_guards(tmp_path):
     assert "hdet/base/lr/0" in r0["logged"] and "hdet/window_loss/replica1" in r0["logged"]  # to the logger
 
 
+def test_lightning_16_mixed_observes_the_unscaled_loss(tmp_path):
+    """precision "16-mixed" (a GradScaler, scale 4096): Lightning hands the callback the scaled loss; each
+    window's loss is still the mean of this rank's true batch losses, not 4096 times it."""
+    pytest.importorskip("lightning")
+    for r in _lightning(tmp_path / "fp16", "--fp16"):
+        assert [s for s, _ in r["windows"]] == [4, 8, 12, 16]
+        for k, (_, losses) in enumerate(r["windows"]):
+            assert losses[r["rank"]] == pytest.approx(sum(r["raw_losses"][8 * k:8 * k + 8]) / 8, rel=1e-5)
+
+
 def test_lightning_ddp_spawn_and_resume(tmp_path):
     """Lightning, ddp_spawn on CPU with 2 devices, accumulate_grad_batches=2, a step-interval HDET
     scheduler and HDETCallback: 16 optimizer steps, 4 controller updates, per-rank LRs, equal weights;

@@ -12,7 +12,8 @@ each rank's learning rate after a checkpoint is restored.
 Lightning steps a step-interval scheduler once per optimizer step, without arguments; the callback
 observes this rank's loss of every training batch before its backward pass (``on_before_backward``, so
 before Lightning steps the scheduler), times ``accumulate_grad_batches`` (Lightning divides it for the
-accumulation window), so every micro-batch counts toward the window mean with its true value. When
+accumulation window) and divided by the GradScaler's scale under ``precision="16-mixed"`` (Lightning hands the
+callback the scaled loss), so every micro-batch counts toward the window mean with its true value. When
 training starts, the callback gives every HDET scheduler the strategy's (DDP-wrapped) model if it has
 none (BatchNorm statistics are then averaged) and installs the gradient guard on it. Each sync's
 scalars (window losses, bases, spread, Delta) go to the module's logger. Lightning saves rank 0's checkpoint only;
@@ -50,8 +51,14 @@ class HDETCallback(Callback):
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1  # undo Lightning's division
+        true = loss.detach().float() * scale
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        if scaler is not None and scaler.is_enabled():  # "16-mixed": the loss here is already multiplied by the
+            # GradScaler's scale (a power of two: dividing is exact); its device tensor, so no host sync
+            amp = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else scaler.get_scale()
+            true = true / amp
         for sched in _hdet_schedulers(trainer):
-            sched.observe(loss.detach().float() * scale)  # this rank's own loss, on its device
+            sched.observe(true)  # this rank's own loss, on its device
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Each new sync's scalars (:func:`hdet.sync_scalars`) to the module's logger. (Lightning's
