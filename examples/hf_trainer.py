@@ -17,21 +17,27 @@ from hdet.integrations.hf import HDETTrainer
 
 
 class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=256, ctx=16):
+    def __init__(self, n=256, ctx=16, uneven=False):
         g = torch.Generator().manual_seed(0)
         base = torch.arange(ctx) * 3
         self.x = (base + torch.randint(0, 8, (n, 1), generator=g)) % 64  # learnable: arithmetic sequences
+        self.labels = self.x.clone()
+        if uneven:  # no label at position 0 (nothing predicts it), and rank 1 keeps every 4th label only
+            self.labels[:, 0] = -100
+            if int(os.environ.get("RANK", 0)) == 1:
+                self.labels[:, torch.arange(ctx) % 4 != 1] = -100
 
     def __len__(self):
         return len(self.x)
 
     def __getitem__(self, i):
-        return {"input_ids": self.x[i], "labels": self.x[i]}
+        return {"input_ids": self.x[i], "labels": self.labels[i]}
 
 
 class Record(TrainerCallback):
     def __init__(self, stop_at=None):
         self.lrs, self.stop_at, self.logs, self.windows, self.hdet_logged = [], stop_at, [], [], 0
+        self.ce, self.own_losses = [0.0, 0], []  # --uneven: this rank's per-token loss of each optimizer step
 
     def on_train_begin(self, args, state, control, lr_scheduler=None, **kw):  # hdet's window losses at each sync
         lr_scheduler.ensemble.on_sync.append(lambda r: self.windows.append((r.step, r.losses)))
@@ -43,6 +49,9 @@ class Record(TrainerCallback):
 
     def on_step_end(self, args, state, control, optimizer=None, **kw):
         self.lrs.append(optimizer.param_groups[0]["lr"])
+        if self.ce[1]:
+            self.own_losses.append(self.ce[0] / self.ce[1])
+            self.ce = [0.0, 0]
         if self.stop_at is not None and state.global_step == self.stop_at:
             control.should_training_stop = True  # a "crash" right after the checkpoint of this step
 
@@ -54,6 +63,8 @@ def main():
     p.add_argument("--resume", default=None)
     p.add_argument("--ga", type=int, default=2, help="gradient accumulation steps")
     p.add_argument("--nan-at", type=int, default=None, help="rank 1's loss is NaN in this optimizer step")
+    p.add_argument("--uneven", action="store_true", help="rank 1's batches have a quarter of the labels; each rank "
+                   "records its own per-token loss")
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -71,9 +82,16 @@ def main():
             loss = super().compute_loss(model, inputs, *args, **kwargs)
             if rank == 1 and self.state.global_step + 1 == a.nan_at:
                 loss = loss * float("nan")
+            if a.uneven:  # this rank's own per-token loss, measured apart (no gradient; dropout is off)
+                with torch.no_grad():
+                    logits = getattr(model, "module", model)(input_ids=inputs["input_ids"]).logits[:, :-1]
+                    labels = inputs["labels"][:, 1:]
+                    rec.ce[0] += float(torch.nn.functional.cross_entropy(
+                        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum"))
+                    rec.ce[1] += int((labels != -100).sum())
             return loss
 
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[rec],
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(uneven=a.uneven), callbacks=[rec],
                           hdet=dict(ensemble_lr_spread_ratio=0.3, model_sync_interval=5, controller="paper", enable_auto_lr=True,
                                     auto_lr_warmup_steps=10, loss_scale=0.05))
     trainer.train(resume_from_checkpoint=a.resume)
@@ -82,6 +100,7 @@ def main():
                 "bases": s.base_lrs_now, "updates": s.ensemble.controllers[0].updates if s.ensemble.controllers[0]
                 else 0, "perms": s.ensemble.perms, "step": s.last_epoch, "world": s.world_size, "logs": rec.logs,
                 "windows": rec.windows, "guard": s.gradient_guard, "hdet_logged": rec.hdet_logged,
+                "own_losses": rec.own_losses,
                 "finite": all(bool(torch.isfinite(q).all()) for q in model.parameters())},
                os.path.join(a.out, f"result_rank{rank}.pt"))
     if torch.distributed.is_initialized():

@@ -71,6 +71,18 @@ def test_hf_trainer_window_loss_is_the_logged_loss_whatever_the_accumulation(tmp
     _check_losses_and_logged_lr(_results(out))
 
 
+def test_hf_trainer_window_loss_is_each_ranks_own_per_token_loss_with_uneven_token_counts(tmp_path):
+    """transformers' default average_tokens_across_devices divides each rank's loss by every rank's token
+    count: with rank 1 holding a quarter of rank 0's labels, its replica looked 4x better than it is. Each
+    window's loss is this rank's own per-token loss (measured apart by the example), on both ranks."""
+    out = tmp_path / "uneven"
+    _torchrun(out, "--uneven")
+    for rank, r in enumerate(_results(out)):
+        assert len(r["own_losses"]) == 20 and [s for s, _ in r["windows"]] == [5, 10, 15, 20]
+        for k, (_, losses) in enumerate(r["windows"]):
+            assert losses[rank] == pytest.approx(sum(r["own_losses"][5 * k:5 * k + 5]) / 5, rel=1e-4)
+
+
 def test_hf_trainer_guard_keeps_a_nan_loss_on_one_rank_from_the_others(tmp_path):
     """A NaN loss on rank 1 at step 7: the guard the Trainer's DDP model got keeps every replica finite and
     the run finishes (without it, the next sync found every replica non-finite)."""

@@ -49,7 +49,13 @@ class HDETTrainer(Trainer):
         if bad:
             raise ValueError(f"Expected HDETLR options other than {sorted(bad)} in hdet= (the Trainer supplies them)")
         super().__init__(*args, **kwargs)
+        if getattr(self.args, "average_tokens_across_devices", False) and self.args.world_size > 1 and \
+                not hasattr(Trainer, "_get_num_items_in_batch"):  # (transformers < 4.50: no way to undo it)
+            raise ValueError("Expected average_tokens_across_devices=False in TrainingArguments with this transformers "
+                             "version: with it, each rank's loss is divided by every rank's token count, and HDET "
+                             "compares the replicas' own losses")
         self._hdet_loss: torch.Tensor | None = None  # this optimizer step's micro-batch losses, summed on the device
+        self._hdet_token_scale: torch.Tensor | None = None  # this window's correction of a token-averaged loss
         self.add_callback(_HDETHooks(self))
         T = self.hdet_kwargs.get("model_sync_interval", 1000)
         if self.args.save_strategy == "steps" and self.args.save_steps and self.args.save_steps % T:
@@ -70,10 +76,32 @@ class HDETTrainer(Trainer):
             # the Trainer saved rank 0's optimizer and scheduler states and loads them on every rank
             self.lr_scheduler.reapply()
 
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+        """The Trainer's token count of an accumulation window. With ``average_tokens_across_devices`` (its
+        default) it is every rank's, and ``compute_loss`` returns ``own sum * world / all ranks' tokens``: a
+        replica's loss weighted by its share of the tokens (with padding or masked labels, the replica with
+        fewer tokens looks better). The ratio that turns it back into this rank's own per-token loss is kept
+        for the window's losses (:meth:`training_step`); the gradients are left as the Trainer makes them."""
+        n = super()._get_num_items_in_batch(batch_samples, device)
+        self._hdet_token_scale = None
+        args = self.args
+        if n is not None and args.average_tokens_across_devices and args.world_size > 1 and args.n_gpu <= 1:
+            args.average_tokens_across_devices = False
+            try:
+                own = super()._get_num_items_in_batch(batch_samples, device)  # this rank's count (no collective)
+            finally:
+                args.average_tokens_across_devices = True
+            per_rank = self.accelerator.num_processes // self.get_tp_size()  # compute_loss's multiplier
+            own = torch.as_tensor(own, dtype=torch.float64, device=device).clamp(min=1)  # no tokens: loss 0 anyway
+            self._hdet_token_scale = (torch.as_tensor(n, dtype=torch.float64, device=device) / (own * per_rank)).float()
+        return n
+
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         loss = super().training_step(model, inputs, *args, **kwargs)  # scaled for the window, as the Trainer logs it
         if isinstance(loss, torch.Tensor):
             part = loss.detach().float().mean()
+            if self._hdet_token_scale is not None:  # averaged over every rank's tokens: back to this rank's own
+                part = part * self._hdet_token_scale
             self._hdet_loss = part if self._hdet_loss is None else self._hdet_loss + part  # on the device
         return loss
 
