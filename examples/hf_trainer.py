@@ -62,7 +62,10 @@ def main():
     p.add_argument("--stop-at", type=int, default=None)
     p.add_argument("--resume", default=None)
     p.add_argument("--ga", type=int, default=2, help="gradient accumulation steps")
+    p.add_argument("--save-steps", type=int, default=10)
     p.add_argument("--nan-at", type=int, default=None, help="rank 1's loss is NaN in this optimizer step")
+    p.add_argument("--own-scheduler", action="store_true", help="pass optimizers=(AdamW, a linear schedule) to the "
+                   "Trainer: HDET wraps that schedule")
     p.add_argument("--uneven", action="store_true", help="rank 1's batches have a quarter of the labels; each rank "
                    "records its own per-token loss")
     a = p.parse_args()
@@ -71,7 +74,7 @@ def main():
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                                        attn_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0))
     args = TrainingArguments(output_dir=a.out, per_device_train_batch_size=4, gradient_accumulation_steps=a.ga,
-                             max_steps=20, save_steps=10, logging_steps=5, learning_rate=3e-3,
+                             max_steps=20, save_steps=a.save_steps, logging_steps=5, learning_rate=3e-3,
                              lr_scheduler_type="linear", warmup_steps=2, use_cpu=True, report_to=[], seed=0,
                              ddp_backend="gloo", save_only_model=False, dataloader_num_workers=0)
     rec = Record(a.stop_at)
@@ -91,7 +94,13 @@ def main():
                     rec.ce[1] += int((labels != -100).sum())
             return loss
 
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(uneven=a.uneven), callbacks=[rec],
+    own = {}
+    if a.own_scheduler:
+        from transformers import get_linear_schedule_with_warmup
+
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        own = {"optimizers": (opt, get_linear_schedule_with_warmup(opt, 2, 20))}
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(uneven=a.uneven), callbacks=[rec], **own,
                           hdet=dict(ensemble_lr_spread_ratio=0.3, model_sync_interval=5, controller="paper", enable_auto_lr=True,
                                     auto_lr_warmup_steps=10, loss_scale=0.05))
     trainer.train(resume_from_checkpoint=a.resume)
@@ -100,7 +109,7 @@ def main():
                 "bases": s.base_lrs_now, "updates": s.ensemble.controllers[0].updates if s.ensemble.controllers[0]
                 else 0, "perms": s.ensemble.perms, "step": s.last_epoch, "world": s.world_size, "logs": rec.logs,
                 "windows": rec.windows, "guard": s.gradient_guard, "hdet_logged": rec.hdet_logged,
-                "own_losses": rec.own_losses,
+                "own_losses": rec.own_losses, "scheduler": type(s).__name__,
                 "finite": all(bool(torch.isfinite(q).all()) for q in model.parameters())},
                os.path.join(a.out, f"result_rank{rank}.pt"))
     if torch.distributed.is_initialized():

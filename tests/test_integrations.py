@@ -14,12 +14,13 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"  # the docs' runnabl
 WORKER = str(EXAMPLES / "hf_trainer.py")
 
 
-def _torchrun(out: Path, *args: str) -> None:
+def _torchrun(out: Path, *args: str) -> subprocess.CompletedProcess:
     out.mkdir(exist_ok=True)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         WORKER, "--out", str(out), *args], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
+    return p
 
 
 def _results(out: Path):
@@ -71,6 +72,18 @@ def test_hf_trainer_window_loss_is_the_logged_loss_whatever_the_accumulation(tmp
     _check_losses_and_logged_lr(_results(out))
 
 
+def test_hf_trainer_wraps_a_scheduler_passed_as_optimizers(tmp_path):
+    """optimizers=(AdamW, get_linear_schedule_with_warmup(...)): HDET wraps the user's schedule (before, the
+    Trainer stepped it alone: no spread, no averaging, no guard, and no word): per-rank LRs, syncs, the
+    same base on both ranks, equal weights at the last sync."""
+    out = tmp_path / "own"
+    _torchrun(out, "--own-scheduler")
+    r0, r1 = _results(out)
+    assert r0["scheduler"] == "HDETLR" and r0["step"] == 20 and r0["lrs"] != r1["lrs"]
+    assert [s for s, _ in r0["windows"]] == [5, 10, 15, 20] and r0["bases"] == r1["bases"]
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
+
+
 def test_hf_trainer_window_loss_is_each_ranks_own_per_token_loss_with_uneven_token_counts(tmp_path):
     """transformers' default average_tokens_across_devices divides each rank's loss by every rank's token
     count: with rank 1 holding a quarter of rank 0's labels, its replica looked 4x better than it is. Each
@@ -106,6 +119,17 @@ def test_hf_trainer_resume_from_checkpoint(full_run, tmp_path):
         assert got["lrs"] == pytest.approx(ref["lrs"][10:], rel=1e-6)
         for a, b in zip(got["params"], ref["params"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_hf_trainer_resume_between_converge_steps_says_so(tmp_path):
+    """A checkpoint at step 8 with T = 5 (save_steps not a multiple of T, or save_strategy="epoch"): the
+    resume gives every replica rank 0's weights and loss window, and a warning says so on both ranks (the
+    Trainer drops the warnings raised while it loads the scheduler, so HDETTrainer warns after the load)."""
+    out = tmp_path / "mid"
+    _torchrun(out, "--stop-at", "8", "--save-steps", "8")
+    p = _torchrun(out, "--resume", str(out / "checkpoint-8"), "--save-steps", "8")
+    assert p.stderr.count("at step 8, between converge steps") == 2, p.stderr[-3000:]
+    assert all(r["step"] == 20 for r in _results(out))
 
 
 def test_accelerate_two_gloo_processes(tmp_path):

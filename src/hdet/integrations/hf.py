@@ -1,5 +1,6 @@
 """Hugging Face Trainer: ``HDETTrainer`` is a ``transformers.Trainer`` whose scheduler is HDET around the
-schedule the Trainer would have built (``lr_scheduler_type``, warmup, ...).
+schedule the Trainer would have built (``lr_scheduler_type``, warmup, ...), or around the scheduler passed
+as ``optimizers=(optimizer, scheduler)``.
 
     trainer = HDETTrainer(model=model, args=args, train_dataset=ds,
                           hdet=dict(ensemble_lr_spread_ratio=0.2, model_sync_interval=100))
@@ -64,17 +65,28 @@ class HDETTrainer(Trainer):
                           "every replica rank 0's loss window", stacklevel=2)
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
-        if self.lr_scheduler is None:
-            base = super().create_scheduler(num_training_steps, optimizer)  # the Trainer's own schedule
-            self.lr_scheduler = HDETLR(self.optimizer if optimizer is None else optimizer, base,
-                                       total_steps=num_training_steps, model=self.model, **self.hdet_kwargs)
+        if isinstance(self.lr_scheduler, HDETLR):  # built already (or the user's own HDET scheduler)
+            return self.lr_scheduler
+        # the Trainer's own schedule, or the one passed as optimizers=(optimizer, scheduler): HDET wraps either
+        base = self.lr_scheduler if self.lr_scheduler is not None else super().create_scheduler(num_training_steps,
+                                                                                                 optimizer)
+        opt = getattr(base, "optimizer", None) or (self.optimizer if optimizer is None else optimizer)
+        self.lr_scheduler = HDETLR(opt, base, total_steps=num_training_steps, model=self.model, **self.hdet_kwargs)
         return self.lr_scheduler
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None and isinstance(self.lr_scheduler, HDETLR):
+        sched = self.lr_scheduler
+        if checkpoint is not None and isinstance(sched, HDETLR):
             # the Trainer saved rank 0's optimizer and scheduler states and loads them on every rank
-            self.lr_scheduler.reapply()
+            sched.reapply()
+            if sched.world_size > 1 and sched.last_epoch > 0 and not sched.is_sync_step(sched.last_epoch):
+                # (warned here, after the Trainer's load: it drops the warnings raised while loading)
+                warnings.warn(f"hdet: resumed from {checkpoint} at step {sched.last_epoch}, between converge steps "
+                              f"(model_sync_interval={sched.ensemble.config.model_sync_interval}): the Trainer saved "
+                              "rank 0's weights, optimizer and scheduler state only, so every replica goes on from "
+                              "replica 0's, its loss window included. Checkpoint at multiples of model_sync_interval "
+                              "(save_steps) for an exact resume", stacklevel=2)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
         """The Trainer's token count of an accumulation window. With ``average_tokens_across_devices`` (its
