@@ -631,3 +631,29 @@ def distance_estimator(rank, world, *, kind="dadapt", steps=30, T=10, alpha=0.5)
         losses.append(float(loss))
     return {"same_d": same_d, "same_lr": same_lr, "equal_after": equal_after, "differ_before": differ_before,
             "d": o.param_groups[0]["d"], "mults": s.ensemble.step_scale.multipliers, "losses": losses}
+
+
+def local_recovery(rank, world, poison_at=7, steps=10):
+    """Local mode on gloo (no gradient averaging: each rank's Adam moments are its own), T = 5, the engine's
+    set-up in ``tests/test_reliability.py::_local_adam``; rank 1's weight is NaN from step ``poison_at``.
+    Returns this rank's first ``exp_avg_sq`` after the last step and the sync's recovered replicas."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+    o = torch.optim.Adam(model.parameters(), lr=0.05)
+    s = hdet.HDETLR(o, None, total_steps=steps, model_sync_interval=5, model=model, ensemble_lr_spread_ratio=0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for t in range(1, steps + 1):
+            if t == poison_at and rank == 1:
+                with torch.no_grad():
+                    model[0].weight[0, 0] = float("nan")
+            x = torch.randn(world, 8, 3, generator=torch.Generator().manual_seed(t))[rank]
+            loss = nn.functional.mse_loss(model(x), x[..., :1].sin())
+            o.zero_grad()
+            loss.backward()
+            o.step()
+            s.step(loss)
+    return {"exp_avg_sq": o.state[o.param_groups[0]["params"][0]]["exp_avg_sq"].clone(),
+            "recovered": list(s.last_sync.recovered)}

@@ -152,6 +152,30 @@ def test_contiguous_parameters_train_bitwise_like_separate_ones():
         assert rb["runs"] == 1 and ra["runs"] == 6  # 6 parameters
 
 
+def _local_recovery(rank, world):
+    from dist_workers import local_recovery
+
+    return local_recovery(rank, world)
+
+
+def test_a_recovery_on_gloo_leaves_the_healthy_replicas_moments_alone():
+    """3 gloo processes in local mode, rank 1's weight NaN from step 7: the step-10 sync resets it; each
+    healthy rank keeps its own Adam moments (not the mean) and rank 1 gets theirs, as the engine does
+    (tests/test_reliability.py, the same run in one process)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_reliability import _local_adam
+
+    res = check_ok(run_gloo(_local_recovery, 3))
+    _, seen = _local_adam(poison_at=7)
+    assert all(r["recovered"] == [1] for r in res)
+    for r in range(3):
+        torch.testing.assert_close(res[r]["exp_avg_sq"], seen[-1][r], rtol=1e-5, atol=1e-9)
+    assert not torch.allclose(res[0]["exp_avg_sq"], res[2]["exp_avg_sq"])
+
+
 def _fault(rank, world, kw):
     from dist_workers import fault_injection
 

@@ -714,3 +714,37 @@ def test_the_settings_fingerprint_follows_a_changed_setting():
     before = fit.fingerprint()
     fit.controller.kappa *= 2  # a mutable template, edited in place
     assert fit.fingerprint() != before
+
+
+def _local_adam(poison_at=None, steps=10, N=3):
+    """Local mode (no gradient sharing: each replica's Adam moments are its own), T = 5; replica 1's weight
+    is NaN from step ``poison_at``. Returns every replica's ``exp_avg_sq`` after each step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+    eng = ReplicaEngine(model, N, lambda m: torch.optim.Adam(m.parameters(), lr=0.05),
+                        lambda o, rep, m: hdet.HDETLR(o, None, total_steps=steps, model_sync_interval=5, replicas=rep,
+                                                      model=m, ensemble_lr_spread_ratio=0.3),
+                        mode="vmap", share_gradients=False)
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the recovery's warning
+        for t in range(1, steps + 1):
+            if t == poison_at:
+                with torch.no_grad():
+                    eng.models[1][0].weight[0, 0] = float("nan")
+            x = torch.randn(N, 8, 3, generator=torch.Generator().manual_seed(t))
+            eng.step((x, x[..., :1].sin()), lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), stacked=True)
+            seen.append([o.state[o.param_groups[0]["params"][0]]["exp_avg_sq"].clone() for o in eng.optimizers])
+    return eng, seen
+
+
+def test_a_recovery_gives_the_reset_replica_the_healthy_mean_and_leaves_the_healthy_moments_alone():
+    """Replica 1 turns NaN at step 7; the sync at step 10 resets it: its moments become replicas 0 and 2's
+    mean, while theirs stay what they were (before: every replica's were overwritten by the mean, although
+    average_optimizer_state is off); they equal a clean run's, whose replicas never met replica 1's."""
+    eng, seen = _local_adam(poison_at=7)
+    _, clean = _local_adam()
+    assert eng.schedulers[0].last_sync.recovered == [1]
+    assert torch.equal(seen[-1][0], clean[-1][0]) and torch.equal(seen[-1][2], clean[-1][2])
+    assert not torch.equal(seen[-1][0], seen[-1][2])  # their own, not a mean
+    torch.testing.assert_close(seen[-1][1], (clean[-1][0] + clean[-1][2]) / 2)

@@ -430,7 +430,7 @@ class ReplicaEngine:
         bad = verdicts[0].exclude
         average_local([e.tensors() for e in ens], bad)  # Eq. 3 over the healthy replicas
         if bad:
-            average_local([e.recovery_tensors() for e in ens], bad)  # the reset replicas' moments too
+            average_local([e.recovery_tensors() for e in ens], bad, into=bad)  # the reset replicas' moments
         try:
             for e, v in zip(ens, verdicts):
                 e.finish_sync(t, v)

@@ -416,7 +416,7 @@ class Ensemble:
         verdict = self.check_sync(t, self._gather(t, self.prepare_sync(t)))
         self._average(t, self.tensors(), verdict.exclude)  # Eq. 3 over the healthy replicas
         if verdict.exclude:
-            self._average(t, self.recovery_tensors(), verdict.exclude)  # the reset replicas' moments too
+            self._reset_moments(t, verdict.exclude)
         return self.finish_sync(t, verdict)
 
     def recover(self, t: int) -> list[int]:
@@ -427,7 +427,7 @@ class Ensemble:
         bad = self.check_sync(t, self._gather(t, self.prepare_sync(t, new_window=False)), everyone=False).exclude
         if bad:
             self._average(t, self.tensors(), bad)
-            self._average(t, self.recovery_tensors(), bad)
+            self._reset_moments(t, bad)
             _warn_recovered(t, bad, "an early recovery at")
         if self.step_scale is not None:
             self.step_scale.take_estimates()
@@ -439,6 +439,19 @@ class Ensemble:
         except ReplicaSyncError as e:
             raise ReplicaSyncError(f"hdet: the converge step after optimizer step {t} failed in its first "
                                    f"collective (all_gather): {e}") from e
+
+    def _reset_moments(self, t: int, exclude: list[int]) -> None:
+        """The reset replicas' optimizer moments (:meth:`recovery_tensors`) become the healthy replicas' mean;
+        a healthy replica keeps its own (it takes part in the average, then gets its moments back: a copy of
+        them for the length of this rare event). COLLECTIVES: as :meth:`_average`."""
+        moments = self.recovery_tensors()
+        if not moments:
+            return
+        own = None if self.replicas.rank in exclude else [m.detach().clone() for m in moments]
+        self._average(t, moments, exclude)
+        if own is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(moments, own)
 
     def _average(self, t: int, tensors: list[torch.Tensor], exclude: list[int]) -> None:
         """Eq. 3 through the replicas; a failed collective names the step. COLLECTIVES: one all_reduce per bucket."""

@@ -272,10 +272,11 @@ class LocalReplicaGroup:
         self.views = [LocalReplica(self, r) for r in range(world_size)]
 
 
-def average_local(lists: Sequence[Sequence[torch.Tensor]], exclude: Sequence[int] = ()) -> None:
+def average_local(lists: Sequence[Sequence[torch.Tensor]], exclude: Sequence[int] = (),
+                  into: Sequence[int] | None = None) -> None:
     """Eq. 3 over the replica axis: ``lists[r]`` is replica r's tensors; sum in replica order, divide by the
-    count (as gloo does), copy back into every replica's. Replicas in ``exclude`` are left out of the sum
-    and receive the others' mean."""
+    count (as gloo does), copy back into every replica's (``into``: these replicas' only). Replicas in
+    ``exclude`` are left out of the sum and receive the others' mean."""
     keep = [r for r in range(len(lists)) if r not in set(exclude)]
     if not lists or not lists[0]:
         return
@@ -284,8 +285,9 @@ def average_local(lists: Sequence[Sequence[torch.Tensor]], exclude: Sequence[int
         for r in keep[1:]:
             torch._foreach_add_(acc, list(lists[r]))
         torch._foreach_div_(acc, len(keep))
-        for tensors in lists:
-            torch._foreach_copy_(list(tensors), acc)
+        for r, tensors in enumerate(lists):
+            if into is None or r in into:
+                torch._foreach_copy_(list(tensors), acc)
 
 
 class LocalReplica(Replicas):
