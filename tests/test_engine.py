@@ -378,3 +378,17 @@ def test_compile_that_fails_falls_back_to_eager_vmap_with_a_warning(monkeypatch)
         if compile:
             assert "RuntimeError: RuntimeError when making fake tensor call); running it eagerly" in msgs[0]
     assert all(torch.equal(a, b) for a, b in zip(*results))  # the same training, compiled or not
+
+
+def test_loop_mode_averages_fp16_gradients_without_overflowing_the_check():
+    """Loop mode, fp16 weights: replica 0's gradient is 1500 in each of 64 elements (finite; its sum, 96000,
+    is above fp16's 65504), replica 1's is 10. The average is 755 (the finiteness check summed in fp16 and
+    dropped replica 0's healthy gradient: 5)."""
+    from torch import nn
+
+    from hdet.engine import ReplicaEngine
+
+    eng = ReplicaEngine(nn.Linear(64, 1, bias=False).half(), 2, _sgd(0.0), _sched(), mode="loop")
+    eng.step([torch.tensor(1500.0, dtype=torch.float16), torch.tensor(10.0, dtype=torch.float16)],
+             lambda m, b: (m.weight * b).sum())
+    assert torch.equal(eng.models[0].weight.grad, torch.full((1, 64), 755.0, dtype=torch.float16))

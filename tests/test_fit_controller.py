@@ -261,3 +261,36 @@ def test_fit_engine_equals_gloo_processes(mode):
             torch.testing.assert_close(p_eng, p_dist, rtol=1e-5, atol=1e-6)
         assert [row[r] for row in eng["lrs"]] == pytest.approx(dist_res[r]["lrs"], rel=1e-6)
     assert len(set(round(x, 12) for x in dist_res[0]["lrs"][11:])) > 1
+
+
+def _tensors(x):
+    """Every tensor in a nested state (dicts, lists), in order."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    return []
+
+
+def test_loading_a_state_leaves_the_callers_dict_alone():
+    """A scheduler state saved mid-window (the fit controller's window mean inside) and loaded: training on
+    leaves the caller's dict as it was (the window mean's sums were the caller's tensors, added into in place,
+    so loading the same dict again gave other probe losses)."""
+    eng, _ = _engine(N=2, steps=30, T=5, warm=5, probe_cls=Probe)
+    for t in range(1, 14):
+        eng.step([batch(r, t) for r in range(2)], _loss)
+    states = [s.state_dict() for s in eng.schedulers]
+    assert any(t.numel() > 1 for t in _tensors(states[0]))  # the window mean's sums are in it
+    before = [[t.clone() for t in _tensors(st)] for st in states]
+    again, _ = _engine(N=2, steps=30, T=5, warm=5, probe_cls=Probe)
+    for m, m2, o, o2, s, st in zip(eng.models, again.models, eng.optimizers, again.optimizers, again.schedulers,
+                                   states):
+        m2.load_state_dict(m.state_dict())
+        o2.load_state_dict(o.state_dict())
+        s.load_state_dict(st)
+    for t in range(14, 18):
+        again.step([batch(r, t) for r in range(2)], _loss)
+    for st, b in zip(states, before):
+        assert all(torch.equal(x, y) for x, y in zip(_tensors(st), b))

@@ -36,6 +36,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from .ensemble import ReplicaMismatchError
+from .guard import all_finite
 from .replicas import LocalReplicaGroup, Replicas, average_local
 from .stability import SharedCopies
 from .stacked_optim import StackedStep, Unstackable, unsupported
@@ -252,8 +253,8 @@ class ReplicaEngine:
         non-finite contributions as hdet's gradient guard does under DDP."""
         N = self.num_replicas
         params = [list(m.parameters()) for m in self.models]
-        oks = [torch.stack([torch.isfinite(p.grad.sum()) for p in ps if p.grad is not None] or [torch.tensor(True)]).all()
-               for ps in params]  # per replica: is every gradient finite
+        oks = [torch.stack([all_finite(p.grad) for p in ps if p.grad is not None] or [torch.tensor(True)]).all()
+               for ps in params]  # per replica: is every gradient finite (a float64 sum: no fp16 overflow)
         for i in range(len(params[0])):
             grads = [ps[i].grad for ps in params]
             if all(g is None for g in grads):

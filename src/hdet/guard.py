@@ -52,7 +52,7 @@ def finite_allreduce_hook(process_group: Any, bucket: dist.GradBucket) -> torch.
     finite fp16/bf16/fp32 elements overflows there), one in-place select, then the same single all_reduce
     as DDP's default hook."""
     buf = bucket.buffer()
-    ok = _all_finite(buf)  # on the device: no host sync
+    ok = all_finite(buf)  # on the device: no host sync
     torch.where(ok, buf, torch.zeros((), dtype=buf.dtype, device=buf.device), out=buf)  # NaN * 0 is NaN
     avg = "nccl" in str(dist.get_backend(process_group))
     op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
@@ -61,7 +61,7 @@ def finite_allreduce_hook(process_group: Any, bucket: dist.GradBucket) -> torch.
     return fut.then(lambda f: f.value()[0] if avg else f.value()[0].div_(world))
 
 
-def _all_finite(buf: torch.Tensor) -> torch.Tensor:
+def all_finite(buf: torch.Tensor) -> torch.Tensor:
     """Whether every element is finite, as a device bool. A sum in the buffer's own dtype would overflow
     (fp16: 65504) while every element is finite, and zero a healthy gradient; a float64 sum of 16/32-bit
     elements cannot overflow. float64 buffers are checked element by element."""

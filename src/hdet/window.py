@@ -164,7 +164,7 @@ class WindowMean:
         if len(sums) != len(self.params) or any(tuple(x.shape) != tuple(p.shape) for x, p in zip(sums, self.params)):
             raise ValueError(f"Expected a window mean of {len(self.params)} tensors shaped like the parameters, but "
                              f"the state holds {len(sums)} that do not match")
-        return [x.to(p.device) for x, p in zip(sums, self.params)], int(state["n"])
+        return [x.to(p.device, copy=True) for x, p in zip(sums, self.params)], int(state["n"])  # never the caller's
 
     def load(self, parsed: tuple[list[torch.Tensor] | None, int]) -> None:
         self.sum, self.n = parsed
