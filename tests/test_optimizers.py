@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -398,8 +399,9 @@ def test_a_checkpoint_from_before_the_estimates_were_averaged_loads_with_a_warni
 
 
 def _dadapt_engine(stacked, alpha=0.5, steps=60, wd=0.01, decouple=True, share_gradients=True, state=None, stop=None,
-                   explore_wd=False, train=True, kind="dadapt", dtype=torch.float32, **opt_kw):
-    """D-Adaptation Adam or Prodigy (two param groups: with and without weight decay) on 4 replicas in vmap mode."""
+                   explore_wd=False, train=True, kind="dadapt", dtype=torch.float32, poison=None, **opt_kw):
+    """D-Adaptation Adam or Prodigy (two param groups: with and without weight decay) on 4 replicas in vmap mode.
+    ``poison``: (step, replica): that replica's first weight is NaN from that step on (until a sync resets it)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4)).to(dtype)
 
@@ -423,6 +425,9 @@ def _dadapt_engine(stacked, alpha=0.5, steps=60, wd=0.01, decouple=True, share_g
         x = torch.randn(4, 32, 10, generator=g).to(dtype)
         if t <= eng.steps_taken:
             continue
+        if poison is not None and t == poison[0]:
+            with torch.no_grad():
+                eng.models[poison[1]][0].weight[0, 0] = float("nan")
         eng.step((x, (x @ W).argmax(-1)), lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), stacked=True)
         if t == stop:
             return roundtrip(eng.state_dict())
@@ -567,3 +572,23 @@ def test_a_stacked_prodigy_handed_back_to_each_replica_keeps_its_state_as_prodig
             torch.testing.assert_close(st["s"], ref["s"], rtol=1e-9, atol=1e-15)
     a, b = (o.state[o.param_groups[0]["params"][0]]["s"] for o in fast.optimizers[:2])
     assert a.data_ptr() != b.data_ptr()  # each replica's own copy
+
+
+def test_a_non_finite_replica_under_the_stacked_prodigy_step_is_reset_like_the_others():
+    """Prodigy in the engine's stacked step, replica 1's weight NaN at step 7: its distance from p0 is left out of
+    the shared numerator (before, the NaN reached d on every replica, the engine fell back to the per-replica step,
+    and the sync at step 10 found every replica non-finite and stopped the run); the sync resets replica 1 and the
+    run ends where the per-replica path does."""
+    pytest.importorskip("prodigyopt")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        stacked = _dadapt_engine(True, kind="prodigy", steps=30, poison=(7, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        own = _dadapt_engine(False, kind="prodigy", steps=30, poison=(7, 1))
+    assert stacked.optimizer_path == "stacked"
+    said = [str(w.message) for w in seen]
+    assert any("replica(s) [1]" in m for m in said) and not any("differ" in m for m in said), said
+    for o in stacked.optimizers:
+        assert math.isfinite(float(o.param_groups[0]["d"]))
+    _close_models(stacked, own, rtol=1e-4, atol=2e-5)

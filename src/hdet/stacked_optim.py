@@ -392,23 +392,31 @@ class StackedStep:
         bc = ((1 - beta2 ** (k + 1)) ** 0.5) / (1 - beta1 ** (k + 1)) if g0["use_bias_correction"] else 1.0
         dlr = d * lr * bc
         G, mean_theta = self.grad[:1], self.theta.mean(0, keepdim=True)
+        spans = [(seg.start, seg.stop) for seg, group in zip(self.segments, groups0)
+                 if float(group["lr"]) != 0.0 and seg.start != seg.stop]
+        zero = torch.zeros((), dtype=torch.float64, device=G.device)
         if not self._state_steps:  # Prodigy's first step: p0 is where the run starts (the replicas' mean)
             self.moments["p0"].copy_(mean_theta)
         m, v, s_, p0 = (self.moments.get(n) for n in ("exp_avg", "exp_avg_sq", "s", "p0"))
-        num, den = [], []
-        for seg, group in zip(self.segments, groups0):
-            a, b = seg.start, seg.stop
-            if float(group["lr"]) == 0.0 or a == b:
-                continue
+
+        def numerator(centre: torch.Tensor) -> torch.Tensor:  # <g, p0 - centre>, Prodigy's weighting
+            return sum(((d / d0) * dlr * (G[:, a:b] * (p0[:, a:b] - centre[:, a:b])).sum(dtype=torch.float64)
+                        for a, b in spans), zero)
+
+        num = numerator(mean_theta)
+        den = []
+        for a, b in spans:
             g = G[:, a:b]
-            num.append((d / d0) * dlr * (g * (p0[:, a:b] - mean_theta[:, a:b])).sum(dtype=torch.float64))
             if m is not None:
                 m[:, a:b].mul_(beta1).add_(g, alpha=d * (1 - beta1))
             v[:, a:b].mul_(beta2).addcmul_(g, g, value=d * d * (1 - beta2))
             s_[:, a:b].mul_(beta3).add_(g, alpha=(d / d0) * (d if g0["safeguard_warmup"] else dlr))
             den.append(s_[:, a:b].abs().sum(dtype=torch.float64))
-        zero = torch.zeros((), dtype=torch.float64, device=G.device)
-        delta, d_denom = torch.stack([sum(num, zero), sum(den, zero)]).tolist()  # HOST SYNC: once a step
+        delta, d_denom = torch.stack([num, sum(den, zero)]).tolist()  # HOST SYNC: once a step
+        if not math.isfinite(delta):  # a replica's weights are not finite (reset at the next sync): its distance
+            # is left out, as each replica's own Prodigy would be (hdet.step_scale); a second read, this step only
+            ok = torch.isfinite(self.theta).all(1)
+            delta = float(numerator(self.theta[ok].mean(0, keepdim=True))) if bool(ok.any()) else 0.0  # HOST SYNC
         if d_denom == 0:  # no progress possible yet: Prodigy returns before it moves anything
             return self._post_hooks()
         d_numerator = float(g0["d_numerator"]) * beta3 + delta
