@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hdet
 from hdet.engine import ReplicaEngine
-from hdet.guard import _all_finite, finite_allreduce_hook
+from hdet.guard import all_finite, finite_allreduce_hook
 from helpers import ScriptedReplicas, check_ok, file_init_method, roundtrip, run_gloo
 
 
@@ -99,16 +99,16 @@ def test_replicas_with_different_settings_are_an_error_in_the_engine(differ, mat
 # ------------------------------------------------------------ 3. the hook guard and fp16
 def test_the_hook_guard_checks_elements_not_an_overflowing_fp16_sum():
     big = torch.full((100,), 60000.0, dtype=torch.float16)  # every element finite, the fp16 sum is inf
-    assert not torch.isfinite(big.sum()) and bool(_all_finite(big))
+    assert not torch.isfinite(big.sum()) and bool(all_finite(big))
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         x = torch.ones(10, dtype=dtype)
-        assert bool(_all_finite(x))
+        assert bool(all_finite(x))
         for bad in (float("nan"), float("inf"), -float("inf")):
             y = x.clone()
             y[3] = bad
-            assert not bool(_all_finite(y))
+            assert not bool(all_finite(y))
     huge = torch.full((4,), 1e308, dtype=torch.float64)  # float64: element by element
-    assert bool(_all_finite(huge))
+    assert bool(all_finite(huge))
 
 
 class _Bucket:

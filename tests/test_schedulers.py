@@ -544,3 +544,44 @@ def test_average_optimizer_state_option_adds_moments_not_step():
     assert len(seen) == 1 and len(seen[0]) == 2 + 4
     assert set(state_ptrs["exp_avg"] + state_ptrs["exp_avg_sq"]) <= set(seen[0])
     assert not set(state_ptrs["step"]) & set(seen[0])
+
+
+def test_a_state_saved_with_recovery_on_resumes_with_it_whatever_the_scheduler_was_built_with():
+    """Saved at step 20 with on_runaway="recover", loaded into a scheduler built without it (or with other
+    settings): the saved settings drive everything, the stability guard included (before, the state's config
+    replaced the built one but the guard kept the constructor's, so the rise at step 25 went unanswered), and a
+    warning names each replaced setting."""
+    S, stop = 60, 20
+
+    def script(start):
+        k = {"n": start}
+
+        def losses():
+            k["n"] += 1
+            return [1.0 * 0.9 ** k["n"]] * 4 if k["n"] <= 4 else [2.0] * 4  # the ensemble's loss rises at sync 5
+        return losses
+
+    kw = dict(max_lr=0.05, total_steps=S, ensemble_lr_spread_ratio=0.2, model_sync_interval=5, on_runaway="recover")
+    _, o = _opt("adam")
+    s = OneCycleAutoLR(o, **kw, replicas=ScriptedReplicas(1, 4, script(0)))
+    full = []
+    for t in range(S):
+        o.step()
+        s.step(torch.tensor(1.0))
+        full.append(s.get_last_lr())
+        if t + 1 == stop:
+            saved_sched, saved_opt = roundtrip(s.state_dict()), roundtrip(o.state_dict())
+    assert s.ensemble.slots.lr_scale < 0.5  # the uninterrupted run cut the LR at the rise (and after)
+    _, o2 = _opt("adam")
+    s2 = OneCycleAutoLR(o2, **{**kw, "on_runaway": "ignore", "model_sync_interval": 4},
+                        replicas=ScriptedReplicas(1, 4, script(4)))
+    o2.load_state_dict(saved_opt)
+    with pytest.warns(UserWarning, match=r"replace this scheduler's.*model_sync_interval 5 \(built with 4\).*"
+                                         r"on_runaway 'recover' \(built with 'ignore'\)"):
+        s2.load_state_dict(saved_sched)
+    resumed = []
+    for _ in range(stop, S):
+        o2.step()
+        s2.step(torch.tensor(1.0))
+        resumed.append(s2.get_last_lr())
+    assert resumed == full[stop:] and s2.ensemble.slots.lr_scale == s.ensemble.slots.lr_scale

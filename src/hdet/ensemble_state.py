@@ -7,16 +7,18 @@ a separate ``controlled`` list) and version 1 (no version field) still load.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from typing import TYPE_CHECKING, Any
 
 from .config import LEGACY_NAMES, OPTIONS, HDETConfig, _is_real
 from .controller import PaperController, controller_from_state
+from .optimizers import check_optimizer
 from .range_test import RampSnapshots, RangeTest
 from .spread import Dealer, linear_multipliers
 from .stability import StabilityGuard
-from .window import LossWindow
+from .window import LossWindow, WindowMean
 
 if TYPE_CHECKING:
     from .ensemble import Ensemble
@@ -88,8 +90,20 @@ def _parse_config(cfg: Any, version: int) -> HDETConfig:
     return HDETConfig(**{"controller": "paper", **cfg})  # states before "fit" existed: the paper's
 
 
+def _replaced_settings(saved: HDETConfig, built: HDETConfig) -> list[str]:
+    """The settings the state's replace (a resume continues the saved run, as torch's schedulers do)."""
+    return [f"{f.name} {getattr(saved, f.name)!r} (built with {getattr(built, f.name)!r})"
+            for f in dataclasses.fields(HDETConfig) if getattr(saved, f.name) != getattr(built, f.name)]
+
+
 def _parse_fields(ens: "Ensemble", state: dict[str, Any], version: int) -> dict[str, Any]:
     config = _parse_config(state["config"], version)
+    spreading = config.ensemble_lr_spread_ratio > 0 or any(h.spread.alpha > 0 for h in ens.hypers)
+    check_optimizer(ens.optimizer, spreading, config.average_optimizer_state)  # the saved settings' refusals too
+    if config.probing and (ens.probe is None or ens.model is None):
+        raise ValueError("Expected probe= and model= for this state: it was saved with the fit controller running "
+                         "(enable_auto_lr=True, controller='fit'), which probes the model; build the scheduler "
+                         "with them")
     N, W = ens.replicas.world_size, state["world_size"]
     if isinstance(W, bool) or not isinstance(W, int) or W < 1:
         raise ValueError(f"Expected the state's world_size as a positive integer, but got {W!r}")
@@ -137,9 +151,10 @@ def _parse_fields(ens: "Ensemble", state: dict[str, Any], version: int) -> dict[
         raise ValueError(f"Expected one scheduled value per slot ({n}), but got {scheduled}")
     elastic = W != N
     window_mean = (None, 0)
-    if ens.window_mean is not None and not elastic:
-        window_mean = ens.window_mean.parse(state.get("window_mean"))
-    return {"elastic": elastic, "config": config, "bases": [float(x) for x in bases], "controllers": controllers,
+    mean = (ens.window_mean or WindowMean(ens._float_params())) if config.probing else None  # the saved config's
+    if mean is not None and not elastic:
+        window_mean = mean.parse(state.get("window_mean"))
+    return {"elastic": elastic, "config": config, "replaced": _replaced_settings(config, ens.config), "mean": mean, "bases": [float(x) for x in bases], "controllers": controllers,
             "dealer": dealer, "total_steps": total, "peak0": float(state.get("peak0", 0.0)), "scheduled": scheduled,
             "perms": [[int(i) for i in p] for p in perms], "window": (None, None, 0, None) if elastic else window,
             "window_mean": window_mean, "lr_scale": _positive(state.get("lr_scale", 1.0), "lr_scale"),
@@ -171,8 +186,11 @@ def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
             f"Loading replica {state['rank']}'s HDET state into replica {ens.replicas.rank} in the middle of a "
             "window: the window's loss accumulator is not this replica's. Save each rank's scheduler state, or "
             "save at a sync step.", stacklevel=4)
-    ens.config = new["config"]
-    ens.slots.config = new["config"]
+    if new["replaced"]:
+        warnings.warn("hdet: the loaded state's settings replace this scheduler's (a resume continues the saved "
+                      "run): " + ", ".join(new["replaced"]), stacklevel=4)
+    ens.config = ens.slots.config = ens.stability.config = new["config"]  # everything judges by the saved settings
+    ens.window_mean = new["mean"]
     ens.total_steps = new["total_steps"]
     s = ens.slots
     s.bases, s.controllers, s.dealer = new["bases"], new["controllers"], new["dealer"]
