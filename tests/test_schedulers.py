@@ -1,6 +1,7 @@
 import contextlib
 import math
 import random
+import warnings
 
 import pytest
 import torch
@@ -585,3 +586,31 @@ def test_a_state_saved_with_recovery_on_resumes_with_it_whatever_the_scheduler_w
         s2.step(torch.tensor(1.0))
         resumed.append(s2.get_last_lr())
     assert resumed == full[stop:] and s2.ensemble.slots.lr_scale == s.ensemble.slots.lr_scale
+
+
+@pytest.mark.parametrize("explore, warns", [("beta", True), ("wd_adamw", False), ("none", False)])
+def test_loading_another_replicas_state_says_when_its_optimizer_moments_are_not_this_replicas(explore, warns):
+    """Rank 0's scheduler state loaded on rank 1 (what the HF Trainer, Lightning and Accelerate do): where each
+    replica explores its own Adam beta, rank 0's moments (loaded with it) are not rank 1's and the resume is not
+    exact, so a warning says so; AdamW's explored (decoupled) weight decay and the LR spread alone do not shape
+    the moments: no warning."""
+    def build(rank):
+        torch.manual_seed(0)
+        m = nn.Linear(4, 1)
+        o = (torch.optim.AdamW if explore == "wd_adamw" else torch.optim.Adam)(m.parameters(), lr=0.1,
+                                                                                weight_decay=0.01)
+        hyp = {"beta": [hdet.AdamBeta(o, index=1, alpha=0.02)], "wd_adamw": [hdet.WeightDecay(o)], "none": []}[explore]
+        return o, OneCycleAutoLR(o, max_lr=0.1, total_steps=20, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                                 explore=hyp, replicas=ScriptedReplicas(rank, 4))
+
+    o0, s0 = build(0)
+    for _ in range(5):
+        o0.step()
+        s0.step(torch.tensor(1.0))
+    state = roundtrip(s0.state_dict())
+    _, s1 = build(1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        s1.load_state_dict(state)
+    said = [str(w.message) for w in seen if "not exact" in str(w.message)]
+    assert len(said) == warns and all("betas" in m or "beta" in m for m in said)

@@ -12,9 +12,12 @@ import math
 import warnings
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from .config import LEGACY_NAMES, OPTIONS, HDETConfig, _is_real
 from .controller import PaperController, controller_from_state
-from .optimizers import check_optimizer
+from .hyper import AdamBeta, GradClip, WeightDecay
+from .optimizers import check_optimizer, innermost
 from .range_test import RampSnapshots, RangeTest
 from .spread import Dealer, linear_multipliers
 from .stability import StabilityGuard
@@ -178,14 +181,31 @@ def _positive(x: Any, name: str) -> float:
     return float(x)
 
 
+def _moment_shaping(ens: "Ensemble") -> list[str]:
+    """The explored values that make the optimizer's moments differ per replica although the gradients are
+    averaged: betas, clipping, and weight decay where the optimizer adds it to the gradient (not AdamW's)."""
+    decoupled = isinstance(innermost(ens.optimizer), torch.optim.AdamW)
+    return [h.name for h in ens.hypers if h.spread.alpha > 0 and (
+        isinstance(h, (AdamBeta, GradClip)) or (isinstance(h, WeightDecay) and not decoupled))]
+
+
 def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
     """Set a parsed state (cannot fail)."""
     elastic = new["elastic"]
     if not elastic and state["rank"] != ens.replicas.rank and state["loss_count"]:
         warnings.warn(
             f"Loading replica {state['rank']}'s HDET state into replica {ens.replicas.rank} in the middle of a "
-            "window: the window's loss accumulator is not this replica's. Save each rank's scheduler state, or "
-            "save at a sync step.", stacklevel=4)
+            "window: the window's loss accumulator is not this replica's, and the weights and optimizer state "
+            f"loaded with it are replica {state['rank']}'s. Save each rank's state, or save at a sync step.",
+            stacklevel=4)
+    explored = _moment_shaping(ens)
+    if state["rank"] != ens.replicas.rank and explored and not new["config"].average_optimizer_state:
+        warnings.warn(  # the optimizer's moments are not averaged at syncs, and each replica's own values shape them
+            f"hdet: loading replica {state['rank']}'s HDET state into replica {ens.replicas.rank}: the optimizer "
+            f"state loaded with it (rank 0's, as the Hugging Face Trainer, Lightning and Accelerate save it) holds "
+            f"moments that differ per replica while each explores its own {', '.join(explored)}, so this resume "
+            "is not exact. Save each rank's optimizer state, or set average_optimizer_state=True (the moments are "
+            "then equal after every sync)", stacklevel=4)
     if new["replaced"]:
         warnings.warn("hdet: the loaded state's settings replace this scheduler's (a resume continues the saved "
                       "run): " + ", ".join(new["replaced"]), stacklevel=4)
