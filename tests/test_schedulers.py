@@ -614,3 +614,25 @@ def test_loading_another_replicas_state_says_when_its_optimizer_moments_are_not_
         s1.load_state_dict(state)
     said = [str(w.message) for w in seen if "not exact" in str(w.message)]
     assert len(said) == warns and all("betas" in m or "beta" in m for m in said)
+
+
+def test_the_paper_controller_decays_a_lambda_schedule_to_its_last_value_and_says_when_it_cannot():
+    """A LambdaLR base (every Hugging Face Trainer schedule): Eq. 8's decay target is its value at the last step,
+    so the paper controller takes the base there (before: no target, the base held after the controller
+    started); a schedule that ends at 0 has no target, and a warning says so at construction."""
+    def build(floor):
+        _, o = _opt("adam")
+        lam = torch.optim.lr_scheduler.LambdaLR(o, lambda t: max(floor, 1 - t / 40))
+        return o, HDETLR(o, lam, total_steps=40, model_sync_interval=5, enable_auto_lr=True, controller="paper",
+                         auto_lr_warmup_steps=10, ensemble_lr_spread_ratio=0.2, replicas=ScriptedReplicas(0, 4))
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        o, s = build(0.1)
+    assert not [w for w in seen if "no target" in str(w.message)]
+    for _ in range(40):
+        o.step()
+        s.step(torch.tensor(1.0))
+    assert s.base_lrs_now[0] == pytest.approx(0.1 * 0.1, rel=1e-6)  # base_lr 0.1 x the schedule's last value
+    with pytest.warns(UserWarning, match="has no target"):
+        build(0.0)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LRScheduler, OneCycleLR, ReduceLROnPlateau
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR, ReduceLROnPlateau
 
 from . import scheduler_state
 from .config import OPTIONS, HDETConfig
@@ -61,7 +61,8 @@ class HDETLR(LRScheduler):
             from reaching the others' weights (:mod:`hdet.guard`).
         auto_lr_bounds: (low, high), or one pair per group: the paper controller keeps the LR inside.
         final_lr: per group, or one float: Eq. 8's decay target (default: ``base(total_steps)`` for a
-            callable, OneCycle's ``min_lr``, otherwise no decay).
+            callable or a LambdaLR (the Hugging Face Trainer's schedules), OneCycle's ``min_lr``, otherwise no
+            decay; a target of 0 is none either, and a warning says so when the paper controller runs).
         last_epoch: as in torch's schedulers.
     """
 
@@ -89,6 +90,12 @@ class HDETLR(LRScheduler):
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
         self._constant = [_float(g["lr"]) for g in optimizer.param_groups]
         self._final = self._resolve_final(final_lr)
+        if config.enable_auto_lr and config.controller == "paper" and config.eq8 == "decay" and \
+                (self._final is None or min(self._final) <= 0):
+            warnings.warn("hdet: the paper controller's decay (Eq. 8) has no target here (the base schedule's last "
+                          f"value is {self._final}: not a positive LR per group), so once the controller starts the "
+                          "base LR no longer decays as the schedule would. Pass final_lr=..., or use the fit "
+                          "controller (it corrects the schedule instead of replacing it)", stacklevel=2)
         self._hdet = Ensemble(config, resolved, optimizer, model, explore, probe=probe,
                               lr_control=LRControl(bounds=self._bounds(auto_lr_bounds), finals=self._final))
         self._hdet.set_total_steps(total_steps)
@@ -128,14 +135,19 @@ class HDETLR(LRScheduler):
             return [_float(g["min_lr"]) for g in self.optimizer.param_groups]
         if self._base_fn is not None:
             return self._per_group(self._base_fn(self.total_steps), "base(step)")
+        if isinstance(self._base, LambdaLR):  # (the Hugging Face Trainer's schedules): its value at the last step
+            return [b * float(f(self.total_steps)) for b, f in zip(self._base.base_lrs, self._base.lr_lambdas)]
         return None
 
     def _bounds(self, bounds: Any) -> list[tuple[float, float]]:
-        """Per group, the paper controller's (low, high): given, or OneCycle's ``(min_lr, 10 max_lr)``, or (0, inf)."""
+        """Per group, the paper controller's (low, high): given, or OneCycle's ``(min_lr, 10 max_lr)``, a LambdaLR's
+        ``(last value, inf)``, or (0, inf)."""
         groups = self.optimizer.param_groups
         if bounds is None:
             if isinstance(self._base, OneCycleLR):
                 return [(_float(g["min_lr"]), 10.0 * _float(g["max_lr"])) for g in groups]
+            if isinstance(self._base, LambdaLR) and self._final is not None:  # its last value is the floor, as
+                return [(max(f, 0.0), math.inf) for f in self._final]  # OneCycle's min_lr is
             return [(0.0, math.inf)] * len(groups)
         per_group = [bounds] * len(groups) if _is_pair(bounds) else list(bounds)
         if len(per_group) != len(groups) or not all(_is_pair(b) and 0 <= b[0] <= b[1] for b in per_group):
