@@ -147,8 +147,8 @@ def test_a_hook_that_changes_gradients_per_replica():
     _close(fast, slow)
 
 
-@pytest.mark.parametrize("reduce,free_host_read", [(True, True), (True, False), (False, True)],
-                         ids=["reduce-cpu-check", "reduce-device-mask", "accumulate"])
+@pytest.mark.parametrize("reduce,free_host_read", [(True, True), (True, False), (False, True), (False, False)],
+                         ids=["reduce-cpu-check", "reduce-device-mask", "accumulate", "accumulate-device-mask"])
 def test_a_non_finite_gradient_on_one_replica_is_left_out(monkeypatch, reduce, free_host_read):
     """Every way the shared gradient is averaged leaves a non-finite replica out: summed where the backward
     leaves it (the CPU's way) with a check on the host, then a masked sum, or always masked with no host read;
@@ -561,3 +561,17 @@ def test_a_loaded_shared_state_is_private_to_each_replica():
     pa, pb = next(eng.models[0].parameters()), next(eng.models[1].parameters())
     sa, sb = eng.optimizers[0].state[pa]["exp_avg"], eng.optimizers[1].state[pb]["exp_avg"]
     assert torch.equal(sa, sb) and sa.untyped_storage().data_ptr() != sb.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("reduce,free_host_read", [(True, True), (True, False), (False, True), (False, False)],
+                         ids=["reduce-cpu-check", "reduce-device-mask", "accumulate", "accumulate-device-mask"])
+def test_a_huge_finite_gradient_is_not_left_out(monkeypatch, reduce, free_host_read):
+    """Replica 0's gradient is 1e37 in each of 64 elements (finite; a float32 sum of its row overflows), replica
+    1's is 1: the average is (1e37 + 1) / 2 on every way of averaging (a float32 check left the healthy
+    replica out on a GPU's way)."""
+    monkeypatch.setattr(hdet.stacking, "_free_host_read", lambda device: free_host_read)
+    monkeypatch.setattr(hdet.stacking, "_reduce_in_backward", lambda device: reduce)
+    eng = ReplicaEngine(nn.Linear(64, 1, bias=False), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.0),
+                        lambda o, rep, m: hdet.HDETLR(o, None, total_steps=5, replicas=rep, model=m), mode="vmap")
+    eng.step((torch.tensor([1e37, 1.0]),), lambda m, b: (m.weight * b[0]).sum(), stacked=True)
+    torch.testing.assert_close(eng.models[1].weight.grad, torch.full((1, 64), 5e36))

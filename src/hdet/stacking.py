@@ -239,11 +239,12 @@ class StackedReplicas:
         G = self.grad
         if _free_host_read(G.device):  # mask only when needed
             self._sum_rows(rows, dests, None)
-            if not bool(torch.isfinite(G.sum())):  # HOST SYNC (CPU: free): a NaN/Inf in some replica's gradient
+            if not bool(torch.isfinite(G.sum(dtype=torch.float64))):  # HOST SYNC (CPU: free): a NaN/Inf somewhere
                 ok = torch.stack([torch.isfinite(r).all(1) for r in rows]).all(0)
                 self._sum_rows(rows, dests, ok)
         else:
-            ok = torch.isfinite(torch.stack([r.sum(1, dtype=torch.float32) for r in rows]).sum(0))  # [N]
+            ok = torch.isfinite(torch.stack([r.sum(1, dtype=torch.float64) for r in rows]).sum(0))  # [N] (float64:
+            # no sum of finite float32 values overflows, so no healthy replica is left out)
             self._sum_rows(rows, dests, ok)
         G.div_(self.N)
 
@@ -318,19 +319,20 @@ class StackedReplicas:
             return
         if not self.grads_bound:
             grads = [s.grad for s in self.params.values() if s.grad is not None]
-            ok = torch.stack([torch.isfinite(g.flatten(1).sum(1, dtype=torch.float32)) for g in grads]).all(0)
+            ok = torch.stack([torch.isfinite(g.flatten(1).sum(1, dtype=torch.float64)) for g in grads]).all(0)
             for g in grads:
                 keep = ok.view(-1, *[1] * (g.dim() - 1))
                 g.copy_(torch.where(keep, g, torch.zeros_like(g)).mean(0, keepdim=True).expand_as(g))
             return
         G = self.grad
-        if G.device.type == "cpu":  # a host read costs nothing here: mask only when needed
+        if _free_host_read(G.device):  # a host read costs nothing here (the CPU): mask only when needed
             total = G.sum(0, keepdim=True)
-            if not bool(torch.isfinite(total.sum())):  # HOST SYNC (CPU: free): a NaN/Inf in some row
+            if not bool(torch.isfinite(total.sum(dtype=torch.float64))):  # HOST SYNC (CPU: free): a NaN/Inf in a row
                 G.masked_fill_(~torch.isfinite(G).all(1, keepdim=True), 0)
                 total = G.sum(0, keepdim=True)
         else:
-            ok = torch.isfinite(G.sum(1, dtype=torch.float32))  # [N]: a NaN or Inf anywhere makes its sum one
+            ok = torch.isfinite(G.sum(1, dtype=torch.float64))  # [N]: a NaN or Inf anywhere makes its sum one
+            # (float64: no sum of finite float32 values overflows there, so no healthy replica is left out)
             G.masked_fill_(~ok.unsqueeze(1), 0)
             total = G.sum(0, keepdim=True)
         mean = total.div_(self.N)
