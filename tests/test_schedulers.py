@@ -248,14 +248,11 @@ def test_constructor_does_not_touch_weights():
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
 
 
-@pytest.mark.parametrize("stop", [20, 23])
-def test_state_dict_resume_into_differently_built_instance(stop):
-    S = 60
-    script = lambda: [1.0, 1.2, 0.8, 1.1]  # noqa: E731
-    kw = dict(max_lr=0.05, total_steps=S, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
-              auto_lr_warmup_steps=10, controller="paper", enable_auto_lr=True, loss_scale=0.05)
+def _run_and_save(kw, replicas, S, stop):
+    """An Adam + OneCycleAutoLR(**kw) run of S steps with a loss of 1: the scheduler, every step's LRs, and the
+    scheduler's and optimizer's states after step ``stop`` (through torch.save / load)."""
     _, o = _opt("adam")
-    s = OneCycleAutoLR(o, **kw, replicas=ScriptedReplicas(1, 4, script))
+    s = OneCycleAutoLR(o, **kw, replicas=replicas)
     full = []
     for t in range(S):
         o.step()
@@ -263,6 +260,16 @@ def test_state_dict_resume_into_differently_built_instance(stop):
         full.append(s.get_last_lr())
         if t + 1 == stop:
             saved_sched, saved_opt = roundtrip(s.state_dict()), roundtrip(o.state_dict())
+    return s, full, saved_sched, saved_opt
+
+
+@pytest.mark.parametrize("stop", [20, 23])
+def test_state_dict_resume_into_differently_built_instance(stop):
+    S = 60
+    script = lambda: [1.0, 1.2, 0.8, 1.1]  # noqa: E731
+    kw = dict(max_lr=0.05, total_steps=S, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+              auto_lr_warmup_steps=10, controller="paper", enable_auto_lr=True, loss_scale=0.05)
+    s, full, saved_sched, saved_opt = _run_and_save(kw, ScriptedReplicas(1, 4, script), S, stop)
     _, o2 = _opt("adam")
     s2 = OneCycleAutoLR(o2, max_lr=0.5, total_steps=S, ensemble_lr_spread_ratio=0.0, model_sync_interval=3,
                         controller="paper", enable_auto_lr=False, seed=9, replicas=ScriptedReplicas(1, 4, script))
@@ -563,15 +570,7 @@ def test_a_state_saved_with_recovery_on_resumes_with_it_whatever_the_scheduler_w
         return losses
 
     kw = dict(max_lr=0.05, total_steps=S, ensemble_lr_spread_ratio=0.2, model_sync_interval=5, on_runaway="recover")
-    _, o = _opt("adam")
-    s = OneCycleAutoLR(o, **kw, replicas=ScriptedReplicas(1, 4, script(0)))
-    full = []
-    for t in range(S):
-        o.step()
-        s.step(torch.tensor(1.0))
-        full.append(s.get_last_lr())
-        if t + 1 == stop:
-            saved_sched, saved_opt = roundtrip(s.state_dict()), roundtrip(o.state_dict())
+    s, full, saved_sched, saved_opt = _run_and_save(kw, ScriptedReplicas(1, 4, script(0)), S, stop)
     assert s.ensemble.slots.lr_scale < 0.5  # the uninterrupted run cut the LR at the rise (and after)
     _, o2 = _opt("adam")
     s2 = OneCycleAutoLR(o2, **{**kw, "on_runaway": "ignore", "model_sync_interval": 4},
