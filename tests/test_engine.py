@@ -392,3 +392,31 @@ def test_loop_mode_averages_fp16_gradients_without_overflowing_the_check():
     eng.step([torch.tensor(1500.0, dtype=torch.float16), torch.tensor(10.0, dtype=torch.float16)],
              lambda m, b: (m.weight * b).sum())
     assert torch.equal(eng.models[0].weight.grad, torch.full((1, 64), 755.0, dtype=torch.float16))
+
+
+def test_one_explored_object_for_every_replica_is_refused_and_one_each_works():
+    """LabelSmoothing on one criterion shared by the replicas: the last replica's value held for all of them
+    while the records reported a spread (silently). Refused with the advice; one criterion per replica (built
+    on the replica's module in make_scheduler) gives each replica its own value."""
+    from torch import nn
+
+    from hdet.engine import ReplicaEngine
+
+    def make(explore):
+        return lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-2, total_steps=6, ensemble_lr_spread_ratio=0.2,
+                                                     model_sync_interval=3, model=m, replicas=rep, explore=explore(m))
+    crit = nn.CrossEntropyLoss(label_smoothing=0.1)
+    with pytest.raises(ValueError, match=r"explored label_smoothing to act on its own object.*m\.crit"):
+        ReplicaEngine(nn.Linear(4, 3), 4, _sgd(0.01), make(lambda m: [hdet.LabelSmoothing(crit)]))
+
+    def own(m):
+        m.crit = nn.CrossEntropyLoss(label_smoothing=0.1)
+        return [hdet.LabelSmoothing(m.crit)]
+    eng = ReplicaEngine(nn.Linear(4, 3), 4, _sgd(0.01), make(own))
+    seen = []
+
+    def loss_fn(m, b):
+        seen.append(m.crit.label_smoothing)
+        return m.crit(m(b[0]), b[1])
+    eng.step([(torch.randn(2, 4), torch.tensor([0, 1]))] * 4, loss_fn)
+    assert seen == pytest.approx([0.05, 0.1 - 0.05 / 3, 0.1 + 0.05 / 3, 0.15])

@@ -513,6 +513,19 @@ def test_warm_init_eq10_std_and_independent_per_rank():
         hdet.warm_init_(base, nu=-1)
 
 
+def test_warm_init_leaves_frozen_parameters_alone():
+    """A frozen parameter is never averaged (the optimizer does not hold it), so noise on it would stay in each
+    replica for good, the evaluated and saved replica 0's included: warm_init_ on a module perturbs the
+    trainable parameters only."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    m[0].weight.requires_grad_(False)
+    frozen = m[0].weight.detach().clone()
+    trainable = m[1].weight.detach().clone()
+    hdet.warm_init_(m, rank=1, nu=0.1)
+    assert torch.equal(m[0].weight, frozen) and not torch.equal(m[1].weight, trainable)
+
+
 def test_buffers_averaged_are_persistent_floats_and_masks_may_hold_inf():
     m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     m.register_buffer("mask", torch.full((2, 2), float("-inf")), persistent=False)

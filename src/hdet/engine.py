@@ -27,6 +27,7 @@ its own gradient and the replicas meet only at converge steps.
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -146,6 +147,7 @@ class ReplicaEngine:
         for r, s in enumerate(self.schedulers):
             if getattr(s, "ensemble", None) is None or s.ensemble.replicas is not self.group.views[r]:
                 raise ValueError("Expected make_scheduler to build an hdet scheduler with replicas=<the given view>")
+        self._check_own_values()
         self._copies = (SharedCopies(), SharedCopies())  # snapshots: shared tensors (moments) copied once
         for s in self.schedulers:
             s.ensemble.share_copies(*self._copies)
@@ -167,6 +169,22 @@ class ReplicaEngine:
         self.share_base_schedule = True  # False: every replica steps its own base schedule (see _follow)
         self._following: bool | None = None
         self.optimizer_path = "per-replica: loop mode" if self.mode == "loop" else self._setup_stacked(stacked_optimizer)
+
+    def _check_own_values(self) -> None:
+        """Every replica's explored values must act on that replica's own object: one loss criterion given to
+        every replica's ``LabelSmoothing`` (or a ``Setter`` on shared state) holds the last replica's value for
+        all of them while the records report a spread. Each scheduler has set its replica's values by now, so
+        reading them back tells."""
+        for k, h in enumerate(self.schedulers[0].ensemble.hypers):
+            got = [s.ensemble.hypers[k].get() for s in self.schedulers]
+            want = [s.ensemble.all_values()[s.ensemble.num_lr_slots + k][r] for r, s in enumerate(self.schedulers)]
+            if any(not math.isclose(g, w, rel_tol=1e-9, abs_tol=1e-12) for g, w in zip(got, want)):
+                raise ValueError(
+                    f"Expected each replica's explored {h.name} to act on its own object, but the replicas read "
+                    f"{got} where their schedulers set {want}: one object serves them all (e.g. one loss criterion "
+                    "for every replica's LabelSmoothing). Build it per replica inside make_scheduler, from that "
+                    "replica's module (e.g. m.crit = nn.CrossEntropyLoss(); explore=[hdet.LabelSmoothing(m.crit)]), "
+                    "and use it in loss_fn (m.crit(m(x), y))")
 
     # -- the stacked optimizer step (vmap path) ---------------------------------------------------------
     def _setup_stacked(self, wanted: bool) -> str:

@@ -30,7 +30,8 @@ def warm_init_(
     ``scope="tensor"`` uses each tensor's own ``nu * ||theta|| / sqrt(numel)`` (the reference README).
 
     Args:
-        params: this replica's module (the DDP-wrapped one's ``.module``) or its parameters.
+        params: this replica's module (the DDP-wrapped one's ``.module``: its trainable parameters; frozen ones,
+            which no converge step averages, are left as they are) or the tensors to perturb.
         rank: this replica's index (default: the process group's rank, 0 without one).
         nu: the noise scale of Eq. 10.
         seed: replica ``r`` draws from a generator seeded ``seed + r``.
@@ -44,8 +45,10 @@ def warm_init_(
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    tensors = [p for p in (params.parameters() if isinstance(params, nn.Module) else params)
-               if p.is_floating_point()]
+    if isinstance(params, nn.Module):  # its trainable parameters: a frozen one is never averaged, so its noise
+        tensors = [p for p in params.parameters() if p.is_floating_point() and p.requires_grad]  # would stay
+    else:
+        tensors = [p for p in params if p.is_floating_point()]
     if not tensors:
         raise ValueError("Expected at least one floating-point parameter, but got none")
     generators: dict[torch.device, torch.Generator] = {}
