@@ -15,7 +15,9 @@ Run with torchrun on 2+ GPUs (NCCL; gloo on CPU for a smoke test with --tiny):
 1b. The step's tail on the device (CUDA events on the compute stream, every timed step): from the end of the
    backward (DDP's all-reduce included) and the clip to the end of ``optimizer.step()`` and
    ``scheduler.step()``, median per model; HDET's minus plain's is what HDET adds after the backward,
-   where nothing hides it (the optimizer step's own time is the same in every model).
+   where nothing hides it (the optimizer step's own time is the same in every model). The clip is before the
+   tail: a model clipping through ``scheduler.clip_grad_norm_`` (torch's clip, the norm handed to the guard)
+   and plain's torch clip are outside it alike.
 2. No host sync on non-sync steps: 2T more steps of the default HDET model with
    ``torch.cuda.set_sync_debug_mode("error")`` on every non-sync step (any host sync raises).
 2b. A device timeline (``torch.profiler``, --profile-steps non-sync steps of every model): the device time

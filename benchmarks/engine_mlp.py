@@ -62,10 +62,11 @@ def main() -> None:
         opt.step()
         sched.step()
 
-    base_c = mlp()
-    opt_c = torch.optim.AdamW(base_c.parameters(), lr=1e-3)
-    sched_c = torch.optim.lr_scheduler.OneCycleLR(opt_c, max_lr=1e-3, total_steps=total)
-    base_c_fwd = torch.compile(base_c)
+    if a.compile:
+        base_c = mlp()
+        opt_c = torch.optim.AdamW(base_c.parameters(), lr=1e-3)
+        sched_c = torch.optim.lr_scheduler.OneCycleLR(opt_c, max_lr=1e-3, total_steps=total)
+        base_c_fwd = torch.compile(base_c)
 
     def base_compiled_step():
         opt_c.zero_grad(set_to_none=True)

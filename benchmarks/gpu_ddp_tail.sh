@@ -1,6 +1,6 @@
 #!/bin/bash
-# Issue 19 item 3: HDET's default DDP path (the "skip" guard reading the gradients during the backward)
-# against plain DDP and against the guard's earlier read at the step, on one multi-GPU host.
+# Issue 19 item 3: HDET's DDP path against plain DDP + OneCycleLR on one multi-GPU host, with the step's tail
+# after the backward on CUDA events (benchmarks/ddp_overhead.py, section 1b). ONLY and STEPS choose the configs.
 # Usage (device machine, repo root): bash benchmarks/gpu_ddp_tail.sh WORLD OUT_DIR
 set -u
 WORLD=$1

@@ -63,6 +63,7 @@ def main():
     p.add_argument("--resume", default=None)
     p.add_argument("--ga", type=int, default=2, help="gradient accumulation steps")
     p.add_argument("--save-steps", type=int, default=10)
+    p.add_argument("--alpha", type=float, default=0.3, help="ensemble_lr_spread_ratio")
     p.add_argument("--nan-at", type=int, default=None, help="rank 1's loss is NaN in this optimizer step")
     p.add_argument("--own-scheduler", action="store_true", help="pass optimizers=(AdamW, a linear schedule) to the "
                    "Trainer: HDET wraps that schedule")
@@ -101,7 +102,7 @@ def main():
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         own = {"optimizers": (opt, get_linear_schedule_with_warmup(opt, 2, 20))}
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(uneven=a.uneven), callbacks=[rec], **own,
-                          hdet=dict(ensemble_lr_spread_ratio=0.3, model_sync_interval=5, controller="paper", enable_auto_lr=True,
+                          hdet=dict(ensemble_lr_spread_ratio=a.alpha, model_sync_interval=5, controller="paper", enable_auto_lr=True,
                                     auto_lr_warmup_steps=10, loss_scale=0.05))
     trainer.train(resume_from_checkpoint=a.resume)
     s = trainer.lr_scheduler

@@ -45,7 +45,7 @@ class ScriptedReplicas(Replicas):
             rows[:, 0] = torch.tensor(self.window_losses(), dtype=torch.float64) * count
         return rows
 
-    def average_(self, tensors, exclude=()):
+    def average_(self, tensors, exclude=(), into=None):
         return None
 
 

@@ -132,6 +132,16 @@ def test_hf_trainer_resume_between_converge_steps_says_so(tmp_path):
     assert all(r["step"] == 20 for r in _results(out))
 
 
+def test_hf_trainer_raises_the_load_warnings_the_trainer_drops(tmp_path):
+    """The Trainer loads the scheduler inside its own warning filter, which keeps no UserWarning: hdet's warnings
+    about the load (here: the checkpoint's alpha 0.3 replaces the 0.2 the resumed run was built with) are raised
+    again after it, on both ranks."""
+    out = tmp_path / "settings"
+    _torchrun(out, "--stop-at", "10")
+    p = _torchrun(out, "--resume", str(out / "checkpoint-10"), "--alpha", "0.2")
+    assert p.stderr.count("ensemble_lr_spread_ratio 0.3 (built with 0.2)") == 2, p.stderr[-3000:]
+
+
 def test_accelerate_two_gloo_processes(tmp_path):
     """HDET next to Accelerate (prepared model and optimizer, gradient accumulation 2): 12 optimizer steps
     from 24 micro-batches, per-rank LRs, 3 controller updates, the gradient guard on the prepared DDP

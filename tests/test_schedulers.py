@@ -552,7 +552,7 @@ def test_average_optimizer_state_option_adds_moments_not_step():
     seen = []
 
     class Recording(ScriptedReplicas):
-        def average_(self, tensors, exclude=()):
+        def average_(self, tensors, exclude=(), into=None):
             seen.append([t.data_ptr() for t in tensors])
 
     s = OneCycleAutoLR(o, max_lr=0.01, total_steps=4, model_sync_interval=2, average_optimizer_state=True,
@@ -600,18 +600,23 @@ def test_a_state_saved_with_recovery_on_resumes_with_it_whatever_the_scheduler_w
     assert resumed == full[stop:] and s2.ensemble.slots.lr_scale == s.ensemble.slots.lr_scale
 
 
-@pytest.mark.parametrize("explore, warns", [("beta", True), ("wd_adamw", False), ("none", False)])
-def test_loading_another_replicas_state_says_when_its_optimizer_moments_are_not_this_replicas(explore, warns):
+@pytest.mark.parametrize("explore, says", [("beta", "beta"), ("coupled", "coupled"), ("wd_adamw", None),
+                                           ("decoupled_adam", None), ("none", None)])
+def test_loading_another_replicas_state_says_when_its_optimizer_moments_are_not_this_replicas(explore, says):
     """Rank 0's scheduler state loaded on rank 1 (what the HF Trainer, Lightning and Accelerate do): where each
-    replica explores its own Adam beta, rank 0's moments (loaded with it) are not rank 1's and the resume is not
-    exact, so a warning says so; AdamW's explored (decoupled) weight decay and the LR spread alone do not shape
-    the moments: no warning."""
+    replica explores its own Adam beta, or adds a weight decay of its own weights to the gradient (Adam's
+    coupled decay under the LR spread), rank 0's moments (loaded with it) are not rank 1's and the resume is
+    not exact, so a warning says why; AdamW's (or Adam's decoupled) explored weight decay and the LR spread
+    alone do not shape the moments: no warning."""
     def build(rank):
         torch.manual_seed(0)
         m = nn.Linear(4, 1)
+        wd = 0.0 if explore in ("beta", "none") else 0.01
+        kw = {"decoupled_weight_decay": True} if explore == "decoupled_adam" else {}
         o = (torch.optim.AdamW if explore == "wd_adamw" else torch.optim.Adam)(m.parameters(), lr=0.1,
-                                                                                weight_decay=0.01)
-        hyp = {"beta": [hdet.AdamBeta(o, index=1, alpha=0.02)], "wd_adamw": [hdet.WeightDecay(o)], "none": []}[explore]
+                                                                                weight_decay=wd, **kw)
+        hyp = [hdet.AdamBeta(o, index=1, alpha=0.02)] if explore == "beta" else \
+            [hdet.WeightDecay(o)] if explore in ("wd_adamw", "decoupled_adam") else []
         return o, OneCycleAutoLR(o, max_lr=0.1, total_steps=20, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
                                  explore=hyp, replicas=ScriptedReplicas(rank, 4))
 
@@ -625,7 +630,8 @@ def test_loading_another_replicas_state_says_when_its_optimizer_moments_are_not_
         warnings.simplefilter("always")
         s1.load_state_dict(state)
     said = [str(w.message) for w in seen if "not exact" in str(w.message)]
-    assert len(said) == warns and all("betas" in m or "beta" in m for m in said)
+    assert len(said) == (says is not None) and all(says in m for m in said)
+    assert s1.ensemble.load_warnings == said
 
 
 def test_the_paper_controller_decays_a_lambda_schedule_to_its_last_value_and_says_when_it_cannot():
@@ -648,3 +654,13 @@ def test_the_paper_controller_decays_a_lambda_schedule_to_its_last_value_and_say
     assert s.base_lrs_now[0] == pytest.approx(0.1 * 0.1, rel=1e-6)  # base_lr 0.1 x the schedule's last value
     with pytest.warns(UserWarning, match="has no target"):
         build(0.0)
+
+
+def test_a_constant_lambda_schedule_gives_the_paper_controller_no_floor():
+    """A LambdaLR that does not decay (the HF Trainer's "constant"): its last value is its peak, which must not
+    become the paper controller's floor (it could then only raise the LR); a decaying one's last value is."""
+    for lam, low in ((lambda t: 1.0, 0.0), (lambda t: max(0.1, 1 - t / 40), 0.01)):
+        _, o = _opt("adam")
+        s = HDETLR(o, torch.optim.lr_scheduler.LambdaLR(o, lam), total_steps=40, model_sync_interval=5,
+                   enable_auto_lr=True, controller="paper", final_lr=None, replicas=ScriptedReplicas(0, 4))
+        assert s._bounds(None) == [(pytest.approx(low), math.inf)]

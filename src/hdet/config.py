@@ -17,7 +17,7 @@ from typing import Any
 from .controller import CONTROLLERS, FitController
 from .spread import check_alpha
 
-__all__ = ["HDETConfig", "OPTIONS"]
+__all__ = ["HDETConfig", "OPTIONS", "spreading"]
 
 
 @dataclass
@@ -178,3 +178,8 @@ def _check_int(name: str, value: Any, lo: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
         raise ValueError(f"Expected integer {name} >= {lo}, but got {value!r}")
     return int(value)
+
+
+def spreading(config: HDETConfig, hypers: Any) -> bool:
+    """Whether the replicas' values differ: an LR spread, or an explored hyperparameter with a spread."""
+    return config.ensemble_lr_spread_ratio > 0 or any(h.spread.alpha > 0 for h in hypers)

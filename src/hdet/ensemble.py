@@ -117,6 +117,7 @@ class Ensemble:
         self.window_mean = WindowMean(self._float_params()) if config.probing else None
         self.total_steps: int | None = None
         self.stability = StabilityGuard(config)  # on_runaway="recover"
+        self.load_warnings: list[str] = []  # what the last load_state_dict warned about (hdet.ensemble_state)
         self._ramp = RampSnapshots()  # lr_range_test: the ramp's recent states
         self.last_sync: SyncRecord | None = None
         self.on_sync: list[Callable[[SyncRecord], None]] = []
@@ -254,8 +255,9 @@ class Ensemble:
         return out
 
     def recovery_tensors(self) -> list[torch.Tensor]:
-        """What a recovery averages besides :meth:`tensors`: the optimizer state (moments), unless it is
-        averaged anyway. (The window mean is left alone: a reset replica's probe is NaN for that one fit.)"""
+        """What a recovery resets besides :meth:`tensors`: the optimizer state (moments), unless it is averaged
+        anyway; the reset replicas get the healthy ones' mean, the healthy keep theirs. (The window mean is left
+        alone: a reset replica's probe is NaN for that one fit.)"""
         return [] if self.config.average_optimizer_state else self._optimizer_state(self._params())
 
     def _params(self) -> list[torch.Tensor]:
@@ -441,24 +443,18 @@ class Ensemble:
                                    f"collective (all_gather): {e}") from e
 
     def _reset_moments(self, t: int, exclude: list[int]) -> None:
-        """The reset replicas' optimizer moments (:meth:`recovery_tensors`) become the healthy replicas' mean;
-        a healthy replica keeps its own (it takes part in the average, then gets its moments back: a copy of
-        them for the length of this rare event). COLLECTIVES: as :meth:`_average`."""
-        moments = self.recovery_tensors()
-        if not moments:
-            return
-        own = None if self.replicas.rank in exclude else [m.detach().clone() for m in moments]
-        self._average(t, moments, exclude)
-        if own is not None:
-            with torch.no_grad():
-                torch._foreach_copy_(moments, own)
+        """The reset replicas' optimizer moments (:meth:`recovery_tensors`) become the healthy replicas' mean; a
+        healthy replica keeps its own. COLLECTIVES: as :meth:`_average`."""
+        self._average(t, self.recovery_tensors(), exclude, into=exclude)
 
-    def _average(self, t: int, tensors: list[torch.Tensor], exclude: list[int]) -> None:
-        """Eq. 3 through the replicas; a failed collective names the step. COLLECTIVES: one all_reduce per bucket."""
+    def _average(self, t: int, tensors: list[torch.Tensor], exclude: list[int],
+                 into: list[int] | None = None) -> None:
+        """Eq. 3 through the replicas (``into``: only these receive the mean); a failed collective names the step.
+        COLLECTIVES: one all_reduce per bucket."""
         if not tensors:
             return
         try:
-            self.replicas.average_(tensors, exclude=exclude)
+            self.replicas.average_(tensors, exclude=exclude, **({} if into is None else {"into": into}))
         except ReplicaSyncError as e:
             raise ReplicaSyncError(f"hdet: the converge step after optimizer step {t} failed while averaging: "
                                    f"{e}") from e

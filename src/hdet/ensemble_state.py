@@ -12,12 +12,11 @@ import math
 import warnings
 from typing import TYPE_CHECKING, Any
 
-import torch
 
-from .config import LEGACY_NAMES, OPTIONS, HDETConfig, _is_real
+from .config import LEGACY_NAMES, OPTIONS, HDETConfig, _is_real, spreading
 from .controller import PaperController, controller_from_state
-from .hyper import AdamBeta, GradClip, WeightDecay
-from .optimizers import check_optimizer, innermost
+from .hyper import AdamBeta, GradClip
+from .optimizers import check_optimizer, coupled_weight_decay
 from .range_test import RampSnapshots, RangeTest
 from .spread import Dealer, linear_multipliers
 from .stability import StabilityGuard
@@ -101,8 +100,11 @@ def _replaced_settings(saved: HDETConfig, built: HDETConfig) -> list[str]:
 
 def _parse_fields(ens: "Ensemble", state: dict[str, Any], version: int) -> dict[str, Any]:
     config = _parse_config(state["config"], version)
-    spreading = config.ensemble_lr_spread_ratio > 0 or any(h.spread.alpha > 0 for h in ens.hypers)
-    check_optimizer(ens.optimizer, spreading, config.average_optimizer_state)  # the saved settings' refusals too
+    check_optimizer(ens.optimizer, spreading(config, ens.hypers), config.average_optimizer_state)  # the saved
+    # settings' refusals too
+    if config.eq8 != ens.config.eq8:  # (Eq. 8 as printed needs OneCycle's factors, fixed at construction)
+        raise ValueError(f"Expected the state's eq8 to be this scheduler's ({ens.config.eq8!r}), but it was saved with "
+                         f"{config.eq8!r}: build the scheduler with eq8={config.eq8!r} to resume it")
     if config.probing and (ens.probe is None or ens.model is None):
         raise ValueError("Expected probe= and model= for this state: it was saved with the fit controller running "
                          "(enable_auto_lr=True, controller='fit'), which probes the model; build the scheduler "
@@ -181,34 +183,40 @@ def _positive(x: Any, name: str) -> float:
     return float(x)
 
 
-def _moment_shaping(ens: "Ensemble") -> list[str]:
-    """The explored values that make the optimizer's moments differ per replica although the gradients are
-    averaged: betas, clipping, and weight decay where the optimizer adds it to the gradient (not AdamW's)."""
-    decoupled = isinstance(innermost(ens.optimizer), torch.optim.AdamW)
-    return [h.name for h in ens.hypers if h.spread.alpha > 0 and (
-        isinstance(h, (AdamBeta, GradClip)) or (isinstance(h, WeightDecay) and not decoupled))]
+def _moment_shaping(ens: "Ensemble", config: HDETConfig) -> list[str]:
+    """What makes the optimizer's moments differ per replica although the gradients are averaged: explored betas
+    or clipping, and a weight decay added to the gradient (each replica's own weights) under any spread."""
+    why = [h.name for h in ens.hypers if h.spread.alpha > 0 and isinstance(h, (AdamBeta, GradClip))]
+    if spreading(config, ens.hypers) and coupled_weight_decay(ens.optimizer):
+        why.append("weight decay added to the gradient (coupled)")
+    return why
+
+
+def _say(ens: "Ensemble", message: str) -> None:
+    """A load's warning, also kept in ``ens.load_warnings`` (the Hugging Face Trainer drops the warnings raised
+    while it loads the scheduler; HDETTrainer raises these again after its load)."""
+    ens.load_warnings.append(message)
+    warnings.warn(message, stacklevel=5)
 
 
 def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
     """Set a parsed state (cannot fail)."""
     elastic = new["elastic"]
+    ens.load_warnings = []
     if not elastic and state["rank"] != ens.replicas.rank and state["loss_count"]:
-        warnings.warn(
-            f"Loading replica {state['rank']}'s HDET state into replica {ens.replicas.rank} in the middle of a "
-            "window: the window's loss accumulator is not this replica's, and the weights and optimizer state "
-            f"loaded with it are replica {state['rank']}'s. Save each rank's state, or save at a sync step.",
-            stacklevel=4)
-    explored = _moment_shaping(ens)
-    if state["rank"] != ens.replicas.rank and explored and not new["config"].average_optimizer_state:
-        warnings.warn(  # the optimizer's moments are not averaged at syncs, and each replica's own values shape them
-            f"hdet: loading replica {state['rank']}'s HDET state into replica {ens.replicas.rank}: the optimizer "
-            f"state loaded with it (rank 0's, as the Hugging Face Trainer, Lightning and Accelerate save it) holds "
-            f"moments that differ per replica while each explores its own {', '.join(explored)}, so this resume "
-            "is not exact. Save each rank's optimizer state, or set average_optimizer_state=True (the moments are "
-            "then equal after every sync)", stacklevel=4)
+        _say(ens, f"hdet: loading replica {state['rank']}'s HDET state into replica {ens.replicas.rank} in the middle "
+                  "of a window: the window's loss accumulator is not this replica's, and the weights and optimizer "
+                  f"state loaded with it are replica {state['rank']}'s. Save each rank's state, or save at a sync step.")
+    shaping = _moment_shaping(ens, new["config"])
+    if state["rank"] != ens.replicas.rank and shaping and not new["config"].average_optimizer_state:
+        _say(ens, f"hdet: loading replica {state['rank']}'s HDET state into replica {ens.replicas.rank}: the optimizer "
+                  "state loaded with it (rank 0's, as the Hugging Face Trainer, Lightning and Accelerate save it) "
+                  f"holds moments that differ per replica here ({'; '.join(shaping)}), so this resume is not exact. "
+                  "Save each rank's optimizer state, or set average_optimizer_state=True (the moments are then equal "
+                  "after every sync)")
     if new["replaced"]:
-        warnings.warn("hdet: the loaded state's settings replace this scheduler's (a resume continues the saved "
-                      "run): " + ", ".join(new["replaced"]), stacklevel=4)
+        _say(ens, "hdet: the loaded state's settings replace this scheduler's (a resume continues the saved run): "
+                  + ", ".join(new["replaced"]))
     ens.config = ens.slots.config = ens.stability.config = new["config"]  # everything judges by the saved settings
     ens.window_mean = new["mean"]
     ens.total_steps = new["total_steps"]
@@ -223,10 +231,9 @@ def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
         ens.window_mean.load(new["window_mean"])
     if elastic:  # Eq. 9 for the new N: a fresh permutation per slot from the (restored) shared dealer
         s.resize(ens.replicas.world_size, redeal=True)
-        warnings.warn(
-            f"hdet: elastic resume from {state['world_size']} to {ens.replicas.world_size} replicas: kept the "
-            f"bases and controller velocities, re-dealt the multipliers for {ens.replicas.world_size}, dropped "
-            "the current loss window", stacklevel=4)
+        _say(ens, f"hdet: elastic resume from {state['world_size']} to {ens.replicas.world_size} replicas: kept the "
+                  f"bases and controller velocities, re-dealt the multipliers for {ens.replicas.world_size}, dropped "
+                  "the current loss window")
     else:
         s.resize(ens.replicas.world_size, redeal=False)  # the loaded config's alpha
 

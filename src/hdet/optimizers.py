@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["lr_free_kind", "check_optimizer", "innermost"]
+__all__ = ["lr_free_kind", "check_optimizer", "innermost", "decoupled", "coupled_weight_decay"]
 
 
 def innermost(optimizer: Any) -> Any:
@@ -36,6 +36,18 @@ def innermost(optimizer: Any) -> Any:
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         optimizer = optimizer.optimizer
     return optimizer
+
+
+def decoupled(optimizer: Any, group: dict[str, Any]) -> bool:
+    """Whether ``group``'s weight decay is decoupled (AdamW's, or Adam's with ``decoupled_weight_decay``) rather
+    than added to the gradient, where each replica's own weights then shape its optimizer's moments."""
+    return bool(group.get("decoupled_weight_decay", isinstance(innermost(optimizer), torch.optim.AdamW)))
+
+
+def coupled_weight_decay(optimizer: Any) -> bool:
+    """Whether some param group adds a weight decay to the gradient (:func:`decoupled` is False there)."""
+    return any(float(g.get("weight_decay", 0.0) or 0.0) > 0 and not decoupled(optimizer, g)
+               for g in innermost(optimizer).param_groups)
 
 
 def lr_free_kind(optimizer: torch.optim.Optimizer) -> str | None:

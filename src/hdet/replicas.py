@@ -93,9 +93,11 @@ class Replicas(ABC):
         Host sync: the result is copied to the CPU. A failed collective raises :class:`ReplicaSyncError`."""
 
     @abstractmethod
-    def average_(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int] = ()) -> None:
+    def average_(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int] = (),
+                 into: Sequence[int] | None = None) -> None:
         """Replace each tensor by its mean over replicas, in place (Eq. 3). Replicas in ``exclude``
-        (the same list on every replica) contribute nothing and receive the others' mean."""
+        (the same list on every replica) contribute nothing and receive the others' mean. ``into`` (the same
+        list on every replica): only these replicas receive the mean; the others contribute and keep theirs."""
 
     def comm_device(self, hint: torch.device | None = None) -> torch.device:
         """The device a vector handed to :meth:`gather` should live on."""
@@ -112,7 +114,8 @@ class SingleReplica(Replicas):
     def gather(self, local: torch.Tensor, shard_sum: Sequence[int] = (), shard_min: Sequence[int] = ()) -> torch.Tensor:
         return local.detach().to("cpu", torch.float64).reshape(1, -1)  # host sync (device -> CPU copy)
 
-    def average_(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int] = ()) -> None:
+    def average_(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int] = (),
+                 into: Sequence[int] | None = None) -> None:
         return None
 
 
@@ -160,35 +163,40 @@ class ProcessGroupReplicas(Replicas):
             gather_single(out, local, group=self.group)  # COLLECTIVE: one all_gather of k float64
             return out.view(self.world_size, -1).cpu()  # host sync
 
-    def average_(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int] = ()) -> None:
+    def average_(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int] = (),
+                 into: Sequence[int] | None = None) -> None:
         """Tensors that lie back to back in one storage (:func:`hdet.flat.contiguous_parameters_`), and
         any tensor of at least one bucket, are all-reduced where they live: no copy. The rest goes
         through flat buckets, pipelined: while bucket k is being all-reduced, bucket k+1 is flattened (at
-        most two buckets of extra memory), then bucket k is copied back."""
+        most two buckets of extra memory), then bucket k is copied back. With ``into``, everything goes
+        through buckets (every replica the same collectives) and only those replicas copy back."""
         if self.world_size == 1 or not tensors:
             return
         with _collective("the all_reduce of the averaged tensors"):
-            self._average(tensors, exclude)
+            self._average(tensors, exclude, into)
 
-    def _average(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int]) -> None:
+    def _average(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int],
+                 into: Sequence[int] | None = None) -> None:
         n = self.world_size - len(set(exclude))
         use_avg = "nccl" in self.backend and n == self.world_size
         op = dist.ReduceOp.AVG if use_avg else dist.ReduceOp.SUM
         excluded = self.rank in exclude
+        receive = into is None or self.rank in into
 
         def finish(item: tuple[Any, torch.Tensor, list[torch.Tensor] | None]) -> None:
             work, flat, bucket = item
             work.wait()  # NCCL: the current stream waits for the collective (no host block)
             if not use_avg:
                 flat.div_(n)
-            if bucket is not None:
+            if bucket is not None and receive:
                 torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))
 
         with torch.no_grad():
             direct: list[tuple[Any, torch.Tensor, None]] = []  # reduced where they live
             rest: list[int] = []  # through buckets
             for idx, flat in contiguous_runs(tensors):
-                if flat is None or (len(idx) == 1 and flat.numel() * flat.element_size() < self.cap_bytes):
+                if flat is None or into is not None or \
+                        (len(idx) == 1 and flat.numel() * flat.element_size() < self.cap_bytes):
                     rest.extend(idx)
                     continue
                 if excluded:
@@ -307,5 +315,6 @@ class LocalReplica(Replicas):
         raise RuntimeError("A LocalReplica's sync is run by its ReplicaEngine (engine.step), not by the scheduler: "
                            "step the engine, not the replicas' schedulers")
 
-    def average_(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int] = ()) -> None:
+    def average_(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int] = (),
+                 into: Sequence[int] | None = None) -> None:
         raise RuntimeError("A LocalReplica's averaging is run by its ReplicaEngine (engine.step)")

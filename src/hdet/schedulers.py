@@ -21,7 +21,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR, ReduceLROnPlateau
 
 from . import scheduler_state
-from .config import OPTIONS, HDETConfig
+from .config import OPTIONS, HDETConfig, spreading
 from .controller import gamma_as_printed
 from .ensemble import Ensemble, SyncRecord
 from .guard import GuardSetting, SkipWatch
@@ -102,8 +102,7 @@ class HDETLR(LRScheduler):
         if config.eq8 == "as_printed" and isinstance(self._base, OneCycleLR):
             self._hdet.lr_control.gamma_as_printed = gamma_as_printed(
                 *self._onecycle_factors(), self._hdet.num_control_syncs)  # Eq. 8 as printed
-        spreading = config.ensemble_lr_spread_ratio > 0 or any(h.spread.alpha > 0 for h in explore)
-        check_optimizer(optimizer, spreading, config.average_optimizer_state)  # LR-free optimizers: refused clearly
+        check_optimizer(optimizer, spreading(config, explore), config.average_optimizer_state)  # LR-free: refused
         self._guard = GuardSetting(guard_gradients, process_group, device_mesh, optimizer, resolved.world_size)
         self._guard.install(model)
         self._history: dict[str, list[float]] | None = None
@@ -140,14 +139,15 @@ class HDETLR(LRScheduler):
         return None
 
     def _bounds(self, bounds: Any) -> list[tuple[float, float]]:
-        """Per group, the paper controller's (low, high): given, or OneCycle's ``(min_lr, 10 max_lr)``, a LambdaLR's
-        ``(last value, inf)``, or (0, inf)."""
+        """Per group, the paper controller's (low, high): given, or OneCycle's ``(min_lr, 10 max_lr)``, a decaying
+        LambdaLR's ``(last value, inf)`` (the last value: ``final_lr`` where given), or (0, inf)."""
         groups = self.optimizer.param_groups
         if bounds is None:
             if isinstance(self._base, OneCycleLR):
                 return [(_float(g["min_lr"]), 10.0 * _float(g["max_lr"])) for g in groups]
-            if isinstance(self._base, LambdaLR) and self._final is not None:  # its last value is the floor, as
-                return [(max(f, 0.0), math.inf) for f in self._final]  # OneCycle's min_lr is
+            if isinstance(self._base, LambdaLR) and self._final is not None:  # a decaying schedule's last value
+                # is the floor, as OneCycle's min_lr is (a constant one's is its peak: no floor then)
+                return [(f if 0 < f < b else 0.0, math.inf) for f, b in zip(self._final, self._base.base_lrs)]
             return [(0.0, math.inf)] * len(groups)
         per_group = [bounds] * len(groups) if _is_pair(bounds) else list(bounds)
         if len(per_group) != len(groups) or not all(_is_pair(b) and 0 <= b[0] <= b[1] for b in per_group):

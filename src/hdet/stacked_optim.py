@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
+from .optimizers import decoupled
 from .step_scale import prodigy_estimate
 
 __all__ = ["Segment", "StackedStep", "Unstackable", "param_view", "unsupported"]
@@ -458,7 +459,7 @@ class StackedStep:
             v["b2"] = [float(g["betas"][1]) for g in groups]
             v["eps"] = [float(g["eps"]) for g in groups]
             v["amsgrad"] = bool(g0["amsgrad"])
-            v["decoupled"] = bool(g0.get("decoupled_weight_decay", isinstance(self.optimizers[0], torch.optim.AdamW)))
+            v["decoupled"] = decoupled(self.optimizers[0], g0)
             shaping = ("b1", "b2", "eps")
         else:
             v["momentum"] = [float(g["momentum"]) for g in groups]

@@ -10,7 +10,8 @@ Why a subclass: the Trainer's logged loss is already averaged over ranks and log
 callbacks see no loss at all, so this rank's own training loss is captured from ``training_step``: the
 micro-batches' losses as the Trainer returns them (each already divided for the accumulation window, or
 normalised by the window's token count) are summed over the window and observed once per optimizer step,
-right after it (``on_optimizer_step``), so HDET sees the loss the Trainer logs, whatever the accumulation.
+right after it (``on_optimizer_step``), so HDET sees the loss the Trainer logs, whatever the accumulation
+(under ``average_tokens_across_devices``, this rank's own per-token loss: see :meth:`HDETTrainer._get_num_items_in_batch`).
 The logged learning rate is the base schedule's (the mean over replicas), not rank 0's multiplied one, and
 each new sync's scalars (:func:`hdet.sync_scalars`: window losses, bases, spread, Delta) join the Trainer's
 logs, so they reach every ``report_to`` tracker; the gradient guard is installed on the Trainer's
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..optimizers import innermost
 from ..schedulers import HDETLR
 from ..telemetry import sync_scalars
 
@@ -70,7 +72,9 @@ class HDETTrainer(Trainer):
         # the Trainer's own schedule, or the one passed as optimizers=(optimizer, scheduler): HDET wraps either
         base = self.lr_scheduler if self.lr_scheduler is not None else super().create_scheduler(num_training_steps,
                                                                                                  optimizer)
-        opt = getattr(base, "optimizer", None) or (self.optimizer if optimizer is None else optimizer)
+        opt = self.optimizer if optimizer is None else optimizer
+        if innermost(opt) is getattr(base, "optimizer", None):  # (the Trainer's may wrap the one the schedule is on)
+            opt = base.optimizer  # otherwise HDETLR refuses a schedule of another optimizer
         self.lr_scheduler = HDETLR(opt, base, total_steps=num_training_steps, model=self.model, **self.hdet_kwargs)
         return self.lr_scheduler
 
@@ -80,6 +84,8 @@ class HDETTrainer(Trainer):
         if checkpoint is not None and isinstance(sched, HDETLR):
             # the Trainer saved rank 0's optimizer and scheduler states and loads them on every rank
             sched.reapply()
+            for message in sched.ensemble.load_warnings:  # the Trainer dropped them (its filter keeps no
+                warnings.warn(message, stacklevel=2)       # UserWarning raised while it loads): raised again
             if sched.world_size > 1 and sched.last_epoch > 0 and not sched.is_sync_step(sched.last_epoch):
                 # (warned here, after the Trainer's load: it drops the warnings raised while loading)
                 warnings.warn(f"hdet: resumed from {checkpoint} at step {sched.last_epoch}, between converge steps "
@@ -103,7 +109,8 @@ class HDETTrainer(Trainer):
                 own = super()._get_num_items_in_batch(batch_samples, device)  # this rank's count (no collective)
             finally:
                 args.average_tokens_across_devices = True
-            per_rank = self.accelerator.num_processes // self.get_tp_size()  # compute_loss's multiplier
+            tp = self.get_tp_size() if hasattr(self, "get_tp_size") else 1  # (older transformers: no TP divisor)
+            per_rank = self.accelerator.num_processes // tp  # compute_loss's multiplier
             own = torch.as_tensor(own, dtype=torch.float64, device=device).clamp(min=1)  # no tokens: loss 0 anyway
             self._hdet_token_scale = (torch.as_tensor(n, dtype=torch.float64, device=device) / (own * per_rank)).float()
         return n
