@@ -258,3 +258,16 @@ def test_compare_without_rich_prints_plain_text(tmp_path, capsys, monkeypatch):
                  "--out", str(out)]) == 0
     shown = capsys.readouterr().out
     assert "Table 1 layout" in shown and "HDET (full)" in shown and "Baseline-Low" in shown
+
+
+def test_the_records_lr_is_the_one_each_step_trained_with(tmp_path):
+    """metrics.jsonl's lr at step t is the LR step t used (schedule.json's base in effect for step t), so the last
+    record is OneCycle's floor: it was the next step's (at a sync, off from syncs.jsonl by a step; at the end,
+    OneCycle's cosine turning back up past total_steps, an uptick in lr.png that no step used)."""
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--replicas", "2", "--out", str(out)]) == 0
+    metrics = _jsonl(out / "metrics.jsonl")
+    bases = json.loads((out / "schedule.json").read_text())["bases"]
+    for m in metrics:
+        assert list(m["lr_mean"].values()) == pytest.approx(bases[m["step"] - 1], rel=1e-9)
+    assert metrics[-1]["step"] == 12 and metrics[-1]["lr_mean"]["embed"] == pytest.approx(min(b[0] for b in bases))

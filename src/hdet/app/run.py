@@ -217,6 +217,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
     try:
         for t in range(1, cfg.steps + 1):
             batches = [to_device(task.sample("train", cfg.batch, gens[r]), device) for r in reps.local]
+            lrs, bases = sched0.effective_lrs, sched0.base_lrs_now  # this step's (the scheduler steps in reps.step)
             try:
                 losses = reps.step(batches)
             except NonFiniteReplicaError as e:
@@ -230,8 +231,8 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
                 loss_sum, n_logged = torch.zeros((), device=device), 0
                 train_losses.append((t, loss))
                 rec = {"step": t, "train_loss": loss,
-                       "lr": dict(zip(groups, sched0.effective_lrs)),  # replica 0 (rank 0 under torchrun)
-                       "lr_mean": dict(zip(groups, sched0.base_lrs_now)),  # mean over replicas (mean rho = 1)
+                       "lr": dict(zip(groups, lrs)),  # replica 0's at this step (rank 0 under torchrun)
+                       "lr_mean": dict(zip(groups, bases)),  # mean over replicas (mean rho = 1)
                        "seconds": time.perf_counter() - t0}
                 if "d" in (g0 := reps.optimizers[0].param_groups[0]):  # D-Adaptation/Prodigy: their step size d * lr
                     rec["d"] = float(g0["d"])
