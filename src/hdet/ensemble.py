@@ -65,10 +65,12 @@ class SyncRecord:
     step: int
     losses: list[float] | None
     multipliers: list[list[float]]  # per slot, per replica, after dealing (offsets for additive spreads)
-    bases: list[float]  # per slot, after the update
+    bases: list[float]  # per slot, after the update (a scheduled slot: the schedule's value at this step; the next
+    # step's LRs follow the schedule from there)
     controller: list[ControllerStep] | None  # per slot; log-spread slots in log space
     names: list[str] | None = None  # per slot: "lr/<group>" or the hyperparameter's name
-    values: list[list[float]] | None = None  # per slot, per replica: the value for the next window
+    values: list[list[float]] | None = None  # per slot, per replica: ``bases`` times the multipliers dealt for the
+    # next window (a scheduled slot's next-step value is its schedule's next value times the same multiplier)
     recovered: list[int] = field(default_factory=list)  # replicas with non-finite weights, reset to the others' mean
     nonfinite_losses: list[int] = field(default_factory=list)  # per replica: non-finite losses in the window
     runaway: list[int] = field(default_factory=list)  # replicas whose finite window loss ran away, reset too
