@@ -546,8 +546,26 @@ def hsdp(rank, world, *, mesh_shape=(2, 2), steps=10, T=5):
         lrs.append(s.get_last_lr()[0])
         if s.is_sync_step(t):
             full_after.append(torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()]))
+    logger = hdet.SyncLogger(s, None)  # telemetry: replica 0's first rank writes, not every shard of replica 0
     return {"lrs": lrs, "full_after": full_after, "replica": s.rank, "N": s.world_size,
-            "bases": s.base_lrs_now, "updates": s.ensemble.controllers[0].updates}
+            "bases": s.base_lrs_now, "updates": s.ensemble.controllers[0].updates, "logs": logger.active}
+
+
+def one_d_mesh(rank, world, *, name="shard"):
+    """A plain 1-D FSDP2 mesh passed as device_mesh: the error (or, named 'replicate', the number of replicas)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(name,))
+    model = nn.Linear(4, 2)
+    fully_shard(model, mesh=mesh)
+    o = torch.optim.AdamW(model.parameters(), lr=0.01)
+    try:
+        s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=10, ensemble_lr_spread_ratio=0.5, model_sync_interval=5,
+                                model=model, device_mesh=mesh)
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None, "N": s.world_size}
 
 
 def hsdp_guard(rank, world, *, fault="loss", steps=10, T=5, at=3):

@@ -351,6 +351,21 @@ def test_torch_compile_sees_the_averaged_weights():
         assert torch.equal(r["params"][0], r["params"][1])
 
 
+def _one_d_mesh(rank, world, name):
+    from dist_workers import one_d_mesh
+
+    return one_d_mesh(rank, world, name=name)
+
+
+def test_a_plain_one_dimensional_fsdp2_mesh_is_not_taken_for_replicas():
+    """A 1-D FSDP2 mesh shards one model: its ranks were taken for replicas (each shard its own LR, shards of
+    different parameters averaged with each other, silently). Refused, saying which mesh to build; a 1-D mesh
+    named ('replicate',) still gives one replica per rank."""
+    for r in check_ok(run_gloo(_one_d_mesh, 2, "shard")):
+        assert "1-D FSDP2 mesh shards one model" in r["error"] and "('shard',)" in r["error"]
+    assert [r["N"] for r in check_ok(run_gloo(_one_d_mesh, 2, "replicate"))] == [2, 2]
+
+
 def _hsdp(rank, world, shape):
     from dist_workers import hsdp
 
@@ -372,3 +387,4 @@ def test_fsdp2_hsdp_replicas_are_the_replicate_dimension(shape):
         assert res[0]["lrs"] != res[S]["lrs"]  # replicas differ (with one replica, FSDP alone: nothing to do)
     for k in range(2):
         assert all(torch.equal(res[0]["full_after"][k], r["full_after"][k]) for r in res)
+    assert [r["logs"] for r in res] == [True, False, False, False]  # one telemetry writer, not one per shard

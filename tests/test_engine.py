@@ -420,3 +420,31 @@ def test_one_explored_object_for_every_replica_is_refused_and_one_each_works():
         return m.crit(m(b[0]), b[1])
     eng.step([(torch.randn(2, 4), torch.tensor([0, 1]))] * 4, loss_fn)
     assert seen == pytest.approx([0.05, 0.1 - 0.05 / 3, 0.1 + 0.05 / 3, 0.15])
+
+
+def test_the_record_reports_each_replicas_own_window_loss_after_a_non_finite_one():
+    """Replica 1's batch is NaN at step 2 (its loss is NaN, its weights stay finite): the sync record's window loss
+    for it is the mean of its finite losses (telemetry, sync_scalars and syncs.jsonl report it), not the
+    controller's ranking proxy (the worst healthy loss plus ten loss temperatures, reported before)."""
+    import warnings
+
+    from torch import nn
+
+    from hdet.engine import ReplicaEngine
+
+    torch.manual_seed(0)
+    eng = ReplicaEngine(nn.Linear(3, 1), 3, _sgd(0.05), _sched(steps=4, alpha=0.2), mode="vmap")
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the non-finite loss's warning
+        for t in range(1, 5):
+            x = torch.randn(3, 8, 3, generator=torch.Generator().manual_seed(t))
+            if t == 2:
+                x[1, 0, 0] = float("nan")
+            seen.append(eng.step((x, x[..., :1].sin()), lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]),
+                                 stacked=True).tolist())
+    rec = eng.schedulers[0].last_sync
+    assert rec.step == 4 and rec.nonfinite_losses == [0, 1, 0]
+    own = [row[1] for row in seen if row[1] == row[1]]  # replica 1's finite losses
+    assert rec.losses[1] == pytest.approx(sum(own) / len(own), rel=1e-6)
+    assert rec.losses[0] == pytest.approx(sum(row[0] for row in seen) / 4, rel=1e-6)

@@ -355,8 +355,9 @@ class Ensemble:
                 f"({[nonfinite_losses[r] for r in healthy_loss]} in the window) but finite weights (a step the "
                 "gradient guard skipped, or a bad batch): counted in sched.last_sync.nonfinite_losses, ranked "
                 "worst by the controller; training goes on", stacklevel=3)
+        window = list(losses)  # each replica's own window mean (NaN where it had no finite loss): what is reported
         worst_ranked = set(bad) | set(bad_loss)
-        if worst_ranked:  # rank them worst: ten loss temperatures above the worst healthy loss
+        if worst_ranked:  # the controller ranks them worst: ten loss temperatures above the worst healthy loss
             healthy = [losses[r] for r in range(N) if r not in worst_ranked and math.isfinite(losses[r])]
             worst = (max(healthy) if healthy else 0.0) + 10 * c.loss_scale
             losses = [worst if r in worst_ranked else x for r, x in enumerate(losses)]
@@ -374,7 +375,7 @@ class Ensemble:
             steps = self.slots.control(losses, probes, self.lr_control, self.num_control_syncs)
         if self.window_mean is not None and t % c.model_sync_interval == 0:
             self.window_mean.reset()  # a new window starts
-        record = SyncRecord(step=t, losses=losses if any(col.observed) else None, multipliers=self.slots.all_offsets(),
+        record = SyncRecord(step=t, losses=window if any(col.observed) else None, multipliers=self.slots.all_offsets(),
                             bases=list(self.slots.bases), controller=steps, names=list(self.names),
                             values=self.all_values(), recovered=verdict.nonfinite, nonfinite_losses=nonfinite_losses,
                             runaway=verdict.runaway, lr_scale=self.slots.lr_scale,

@@ -238,6 +238,14 @@ def resolve_replicas(
         if device_mesh.ndim not in (1, 2):
             raise ValueError(f"Expected a 1-D (replicate) or 2-D (replicate, shard) device mesh, but got "
                              f"{device_mesh.ndim} dimensions")
+        names = tuple(getattr(device_mesh, "mesh_dim_names", None) or ())
+        if device_mesh.ndim == 1 and names[:1] != ("replicate",):  # a plain FSDP2 mesh: one model's shards, whose
+            # ranks would be taken for replicas (each shard its own LR, and shards of other parameters averaged)
+            raise ValueError(f"Expected a 1-D device mesh named ('replicate',) (its ranks are HDET's replicas) or a "
+                             f"2-D ('replicate', 'shard') mesh, but got a 1-D mesh named {names or None}: a 1-D FSDP2 "
+                             "mesh shards one model, so its ranks are not replicas. Use init_device_mesh(..., "
+                             "(replicas, shards), mesh_dim_names=('replicate', 'shard')) (HSDP), or "
+                             "mesh_dim_names=('replicate',) when every rank holds a whole replica")
         process_group = device_mesh.get_group(0)
         shard_group = device_mesh.get_group(1) if device_mesh.ndim == 2 else None
     if dist.is_available() and dist.is_initialized():

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from .ensemble import SyncRecord
 
 __all__ = ["SyncLogger", "sync_record_dict", "sync_scalars"]
@@ -75,7 +77,8 @@ class SyncLogger:
 
     def __init__(self, scheduler: Any, path: str | Path | None = None, tensorboard_dir: str | Path | None = None,
                  callback: Callable[[dict[str, Any]], None] | None = None) -> None:
-        self.active = scheduler.rank == 0
+        # replica 0's first rank only (under HSDP a replica is several ranks)
+        self.active = dist.get_rank() == 0 if dist.is_available() and dist.is_initialized() else scheduler.rank == 0
         self.callback = callback
         self._file = Path(path).open("w") if (self.active and path is not None) else None
         self._tb = None
