@@ -551,15 +551,21 @@ def hsdp(rank, world, *, mesh_shape=(2, 2), steps=10, T=5):
             "bases": s.base_lrs_now, "updates": s.ensemble.controllers[0].updates, "logs": logger.active}
 
 
-def one_d_mesh(rank, world, *, name="shard"):
-    """A plain 1-D FSDP2 mesh passed as device_mesh: the error (or, named 'replicate', the number of replicas)."""
+def one_d_mesh(rank, world, *, name="shard", dadapt=False):
+    """A plain 1-D FSDP2 mesh passed as device_mesh: the error (or, named 'replicate', the number of replicas).
+    ``dadapt``: D-Adaptation Adam instead of AdamW."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(name,))
     model = nn.Linear(4, 2)
     fully_shard(model, mesh=mesh)
-    o = torch.optim.AdamW(model.parameters(), lr=0.01)
+    if dadapt:
+        import dadaptation
+
+        o = dadaptation.DAdaptAdam(model.parameters(), lr=1.0, decouple=True)
+    else:
+        o = torch.optim.AdamW(model.parameters(), lr=0.01)
     try:
         s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=10, ensemble_lr_spread_ratio=0.5, model_sync_interval=5,
                                 model=model, device_mesh=mesh)
@@ -675,3 +681,33 @@ def local_recovery(rank, world, poison_at=7, steps=10):
             s.step(loss)
     return {"exp_avg_sq": o.state[o.param_groups[0]["params"][0]]["exp_avg_sq"].clone(),
             "recovered": list(s.last_sync.recovered)}
+
+
+def hsdp_one_file_resume(rank, world, *, stop=7, T=5):
+    """FSDP2 on a (2, 2) mesh; at step ``stop`` (mid-window) rank 0's scheduler state is loaded on every rank (one
+    file for all): returns the warnings the load raised here."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+    fully_shard(model, mesh=mesh)
+    o = torch.optim.Adam(model.parameters(), lr=0.01)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=20, ensemble_lr_spread_ratio=0.3, model_sync_interval=T,
+                            model=model, device_mesh=mesh)
+    for t in range(1, stop + 1):
+        x, y = batch(rank, t)
+        loss = nn.functional.mse_loss(model(x), y)
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        s.step(loss)
+    box = [s.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        s.load_state_dict(box[0])
+    return {"warned": [str(w.message) for w in seen if "middle of a window" in str(w.message)]}

@@ -351,10 +351,10 @@ def test_torch_compile_sees_the_averaged_weights():
         assert torch.equal(r["params"][0], r["params"][1])
 
 
-def _one_d_mesh(rank, world, name):
+def _one_d_mesh(rank, world, name, dadapt=False):
     from dist_workers import one_d_mesh
 
-    return one_d_mesh(rank, world, name=name)
+    return one_d_mesh(rank, world, name=name, dadapt=dadapt)
 
 
 def test_a_plain_one_dimensional_fsdp2_mesh_is_not_taken_for_replicas():
@@ -364,6 +364,29 @@ def test_a_plain_one_dimensional_fsdp2_mesh_is_not_taken_for_replicas():
     for r in check_ok(run_gloo(_one_d_mesh, 2, "shard")):
         assert "1-D FSDP2 mesh shards one model" in r["error"] and "('shard',)" in r["error"]
     assert [r["N"] for r in check_ok(run_gloo(_one_d_mesh, 2, "replicate"))] == [2, 2]
+
+
+def test_d_adaptation_with_a_device_mesh_and_a_spread_is_refused_clearly():
+    """D-Adaptation on FSDP2 replicas with a spread failed at the first step inside hdet.step_scale (a foreach copy
+    of DTensors); it is refused at construction with the reason."""
+    pytest.importorskip("dadaptation")
+    for r in check_ok(run_gloo(_one_d_mesh, 2, "replicate", True)):
+        assert "D-Adaptation or Prodigy (DAdaptAdam) with device_mesh" in r["error"]
+
+
+def _hsdp_one_file(rank, world):
+    from dist_workers import hsdp_one_file_resume
+
+    return hsdp_one_file_resume(rank, world)
+
+
+def test_one_file_for_every_hsdp_rank_mid_window_warns_on_the_other_shards_too():
+    """Rank 0's scheduler state loaded on all four ranks of a (2, 2) mesh mid-window: rank 1 is another shard of
+    replica 0, whose loss accumulator is its own, so it warns as replica 1's ranks do (before, it did not); rank 0
+    loads its own state and does not."""
+    res = check_ok(run_gloo(_hsdp_one_file, 4))
+    assert [len(r["warned"]) for r in res] == [0, 1, 1, 1]
+    assert "shard rank 1" in res[1]["warned"][0]
 
 
 def _hsdp(rank, world, shape):

@@ -12,6 +12,8 @@ import math
 import warnings
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
+
 
 from .config import LEGACY_NAMES, OPTIONS, HDETConfig, _is_real, spreading
 from .controller import PaperController, controller_from_state
@@ -39,6 +41,7 @@ def state_dict(ens: "Ensemble") -> dict[str, Any]:
         "config": ens.config.to_dict(),
         "world_size": ens.replicas.world_size,
         "rank": ens.replicas.rank,
+        "shard_rank": _shard_rank(ens),  # FSDP2/HSDP: which of the replica's ranks saved it (its own loss window)
         "rho": list(s.rho),
         "perms": [list(p) for p in s.perms],
         "current_bases": list(s.bases),
@@ -183,6 +186,12 @@ def _positive(x: Any, name: str) -> float:
     return float(x)
 
 
+def _shard_rank(ens: "Ensemble") -> int:
+    """This rank's index among its replica's shard ranks (FSDP2/HSDP), 0 where a replica is one rank."""
+    group = getattr(ens.replicas, "shard_group", None)
+    return dist.get_rank(group) if group is not None else 0
+
+
 def _moment_shaping(ens: "Ensemble", config: HDETConfig) -> list[str]:
     """What makes the optimizer's moments differ per replica although the gradients are averaged: explored betas
     or clipping, and a weight decay added to the gradient (each replica's own weights) under any spread."""
@@ -203,10 +212,13 @@ def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
     """Set a parsed state (cannot fail)."""
     elastic = new["elastic"]
     ens.load_warnings = []
-    if not elastic and state["rank"] != ens.replicas.rank and state["loss_count"]:
-        _say(ens, f"hdet: loading replica {state['rank']}'s HDET state into replica {ens.replicas.rank} in the middle "
-                  "of a window: the window's loss accumulator is not this replica's, and the weights and optimizer "
-                  f"state loaded with it are replica {state['rank']}'s. Save each rank's state, or save at a sync step.")
+    other_shard = state.get("shard_rank", 0) != _shard_rank(ens)  # HSDP: another rank of the same replica
+    if not elastic and (state["rank"] != ens.replicas.rank or other_shard) and state["loss_count"]:
+        _say(ens, f"hdet: loading replica {state['rank']}'s HDET state (saved by its shard rank "
+                  f"{state.get('shard_rank', 0)}) into replica {ens.replicas.rank}'s shard rank {_shard_rank(ens)} in "
+                  "the middle of a window: the window's loss accumulator is not this rank's, and the weights and "
+                  f"optimizer state loaded with it are replica {state['rank']}'s. Save each rank's state, or save at "
+                  "a sync step.")
     shaping = _moment_shaping(ens, new["config"])
     if state["rank"] != ens.replicas.rank and shaping and not new["config"].average_optimizer_state:
         _say(ens, f"hdet: loading replica {state['rank']}'s HDET state into replica {ens.replicas.rank}: the optimizer "
