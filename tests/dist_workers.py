@@ -25,6 +25,17 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :1] * 2 - x[:, 1:2] + 0.1 * torch.randn(8, 1, generator=g)
 
 
+def train_steps(model, o, s, rank: int, steps: range) -> None:
+    """The plain loop on ``batch(rank, t)`` for each step t: forward, MSE, backward, ``o.step()``, ``s.step(loss)``."""
+    for t in steps:
+        x, y = batch(rank, t)
+        loss = nn.functional.mse_loss(model(x), y)
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        s.step(loss)
+
+
 def gather_flat(tensors) -> list[torch.Tensor]:
     flat = torch.cat([t.detach().reshape(-1).double() for t in tensors])
     out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
@@ -507,12 +518,7 @@ def compiled(rank, world, *, steps=10, T=5):
                             model=ddp, seed=3)
     agree = []
     for t in range(1, steps + 1):
-        x, y = batch(rank, t)
-        loss = nn.functional.mse_loss(fast(x), y)
-        o.zero_grad()
-        loss.backward()
-        o.step()
-        s.step(loss)
+        train_steps(fast, o, s, rank, range(t, t + 1))
         if s.is_sync_step(t):
             model.eval()
             probe = torch.ones(4, 6)
@@ -537,12 +543,7 @@ def hsdp(rank, world, *, mesh_shape=(2, 2), steps=10, T=5):
                             device_mesh=mesh)
     lrs, full_after = [], []
     for t in range(1, steps + 1):
-        x, y = batch(rank, t)
-        loss = nn.functional.mse_loss(model(x), y)
-        o.zero_grad()
-        loss.backward()
-        o.step()
-        s.step(loss)
+        train_steps(model, o, s, rank, range(t, t + 1))
         lrs.append(s.get_last_lr()[0])
         if s.is_sync_step(t):
             full_after.append(torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()]))
@@ -698,13 +699,7 @@ def hsdp_one_file_resume(rank, world, *, stop=7, T=5):
     o = torch.optim.Adam(model.parameters(), lr=0.01)
     s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=20, ensemble_lr_spread_ratio=0.3, model_sync_interval=T,
                             model=model, device_mesh=mesh)
-    for t in range(1, stop + 1):
-        x, y = batch(rank, t)
-        loss = nn.functional.mse_loss(model(x), y)
-        o.zero_grad()
-        loss.backward()
-        o.step()
-        s.step(loss)
+    train_steps(model, o, s, rank, range(1, stop + 1))
     box = [s.state_dict() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     with warnings.catch_warnings(record=True) as seen:
