@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-
 from .config import LEGACY_NAMES, OPTIONS, HDETConfig, _is_real, spreading
 from .controller import PaperController, controller_from_state
 from .hyper import AdamBeta, GradClip
@@ -162,7 +161,8 @@ def _parse_fields(ens: "Ensemble", state: dict[str, Any], version: int) -> dict[
     mean = (ens.window_mean or WindowMean(ens._float_params())) if config.probing else None  # the saved config's
     if mean is not None and not elastic:
         window_mean = mean.parse(state.get("window_mean"))
-    return {"elastic": elastic, "config": config, "replaced": _replaced_settings(config, ens.config), "mean": mean, "bases": [float(x) for x in bases], "controllers": controllers,
+    return {"elastic": elastic, "config": config, "replaced": _replaced_settings(config, ens.config), "mean": mean,
+            "bases": [float(x) for x in bases], "controllers": controllers,
             "dealer": dealer, "total_steps": total, "peak0": float(state.get("peak0", 0.0)), "scheduled": scheduled,
             "perms": [[int(i) for i in p] for p in perms], "window": (None, None, 0, None) if elastic else window,
             "window_mean": window_mean, "lr_scale": _positive(state.get("lr_scale", 1.0), "lr_scale"),
@@ -212,10 +212,10 @@ def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
     """Set a parsed state (cannot fail)."""
     elastic = new["elastic"]
     ens.load_warnings = []
-    other_shard = state.get("shard_rank", 0) != _shard_rank(ens)  # HSDP: another rank of the same replica
-    if not elastic and (state["rank"] != ens.replicas.rank or other_shard) and state["loss_count"]:
+    saved_shard, shard = state.get("shard_rank", 0), _shard_rank(ens)  # HSDP: a replica's ranks
+    if not elastic and (state["rank"] != ens.replicas.rank or saved_shard != shard) and state["loss_count"]:
         _say(ens, f"hdet: loading replica {state['rank']}'s HDET state (saved by its shard rank "
-                  f"{state.get('shard_rank', 0)}) into replica {ens.replicas.rank}'s shard rank {_shard_rank(ens)} in "
+                  f"{saved_shard}) into replica {ens.replicas.rank}'s shard rank {shard} in "
                   "the middle of a window: the window's loss accumulator is not this rank's, and the weights and "
                   f"optimizer state loaded with it are replica {state['rank']}'s. Save each rank's state, or save at "
                   "a sync step.")

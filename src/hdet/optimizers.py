@@ -60,12 +60,17 @@ def lr_free_kind(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, spreading: bool, average_optimizer_state: bool) -> None:
+def check_optimizer(optimizer: torch.optim.Optimizer, spreading: bool, average_optimizer_state: bool,
+                    sharded: bool = False) -> None:
     """Refuse, with the reason, an optimizer that a spread (``spreading``: any alpha > 0) or a converge step
     would silently break. Averaging alone (alpha 0) is allowed; distance estimators take the multiplier on
-    their step (:mod:`hdet.step_scale`)."""
+    their step (:mod:`hdet.step_scale`), which does not handle ``sharded`` (FSDP2/HSDP, DTensor) parameters."""
     kind = lr_free_kind(optimizer)
     name = type(innermost(optimizer)).__name__
+    if kind == "distance" and spreading and sharded:
+        raise ValueError(f"Expected an optimizer other than D-Adaptation or Prodigy ({name}) with device_mesh and a "
+                         "spread: the multiplier on their step (hdet.step_scale) does not handle sharded (DTensor) "
+                         "parameters yet. Use DDP replicas, or no spread")
     if kind == "schedule-free":
         if spreading:
             raise ValueError(

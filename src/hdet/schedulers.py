@@ -26,7 +26,7 @@ from .controller import gamma_as_printed
 from .ensemble import Ensemble, SyncRecord
 from .guard import GuardSetting, SkipWatch
 from .hyper import AdamBeta, Hyperparameter
-from .optimizers import check_optimizer, innermost, lr_free_kind
+from .optimizers import check_optimizer, innermost
 from .replicas import DEFAULT_BUCKET_CAP_MB, Replicas, resolve_replicas
 from .slots import LRControl
 
@@ -102,11 +102,8 @@ class HDETLR(LRScheduler):
         if config.eq8 == "as_printed" and isinstance(self._base, OneCycleLR):
             self._hdet.lr_control.gamma_as_printed = gamma_as_printed(
                 *self._onecycle_factors(), self._hdet.num_control_syncs)  # Eq. 8 as printed
-        check_optimizer(optimizer, spreading(config, explore), config.average_optimizer_state)  # LR-free: refused
-        if device_mesh is not None and spreading(config, explore) and lr_free_kind(optimizer) == "distance":
-            raise ValueError(f"Expected an optimizer other than D-Adaptation or Prodigy ({type(innermost(optimizer)).__name__}) "
-                             "with device_mesh and a spread: the multiplier on their step (hdet.step_scale) does not "
-                             "handle sharded (DTensor) parameters yet. Use DDP replicas, or no spread")
+        check_optimizer(optimizer, spreading(config, explore), config.average_optimizer_state,
+                        sharded=device_mesh is not None)  # LR-free optimizers: refused where they would break
         self._guard = GuardSetting(guard_gradients, process_group, device_mesh, optimizer, resolved.world_size)
         self._guard.install(model)
         self._history: dict[str, list[float]] | None = None
