@@ -198,3 +198,54 @@ def test_scheduler_clip_grad_norm_clips_every_gradient_the_optimizer_steps():
     assert torch.allclose(norm, want)
     assert torch.allclose(torch.cat([p.grad, q.grad.flatten()]).norm(), torch.tensor(1.0), atol=1e-5)
     assert s.skip_guard is None
+
+
+def _count_reads(monkeypatch):
+    """Count the guard's own passes over the gradients."""
+    import hdet.guard as guard_mod
+
+    calls = []
+    real = guard_mod._nonfinite
+    monkeypatch.setattr(guard_mod, "_nonfinite", lambda grads, out: calls.append(len(grads)) or real(grads, out))
+    return calls
+
+
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_under_a_grad_scaler_the_guard_takes_its_verdict_and_reads_nothing(monkeypatch, unscale_first):
+    """torch.amp.GradScaler.step has checked every gradient (its own check, or unscale_ before a clip) and hands
+    the verdict over as found_inf: the guard skips the same steps, counts them, and makes no pass of its own;
+    without the scaler it reads the gradients once a step."""
+    calls = _count_reads(monkeypatch)
+    p, q, opt = _setup()
+    guard = SkipNonFiniteStep(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    for bad in (None, float("nan"), None, float("inf")):
+        opt.zero_grad()
+        scaler.scale(p.sum() + q.sum()).backward()
+        if bad is not None:
+            q.grad[0, 1] = bad
+        if unscale_first:
+            scaler.unscale_(opt)  # a user who clips
+        before = [p.detach().clone(), q.detach().clone()]
+        scaler.step(opt)
+        scaler.update()
+        moved = not torch.equal(p, before[0])
+        assert moved == (bad is None) and torch.equal(q, before[1]) != moved
+        assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+    assert calls == [] and float(guard.skipped) == 2.0
+    p.grad, q.grad = torch.ones(5), torch.full((3, 2), float("nan"))
+    opt.step()  # no scaler this time: the guard's own read decides
+    assert calls == [2] and float(guard.skipped) == 3.0
+
+
+def test_someone_elses_found_inf_without_a_grad_scale_is_not_taken_for_a_full_check(monkeypatch):
+    """Only GradScaler's hand-over (found_inf with grad_scale) replaces the guard's read: a found_inf of 0 set by
+    another party does not hide a NaN gradient."""
+    calls = _count_reads(monkeypatch)
+    p, q, opt = _setup()
+    guard = SkipNonFiniteStep(opt)
+    opt.found_inf = torch.zeros(())
+    p.grad, q.grad = torch.ones(5), torch.full((3, 2), float("nan"))
+    before = p.detach().clone()
+    opt.step()
+    assert torch.equal(p, before) and calls == [2] and float(guard.skipped) == 1.0

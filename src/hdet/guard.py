@@ -18,7 +18,8 @@ optimizer can skip a step on the device, i.e. every param group is ``fused``; ``
   ``torch.amp.GradScaler``): every replica skips that step together, weights and optimizer state
   untouched. Cost: one read of the gradients a step, or nothing when the step's gradient norm is handed
   over (:meth:`SkipNonFiniteStep.use_norm`, which ``HDETLR.clip_grad_norm_`` does): a clipping user
-  has computed it anyway (measured in ``docs/cost.md``).
+  has computed it anyway (measured in ``docs/cost.md``); nothing either under ``torch.amp.GradScaler``
+  (fp16), whose ``step`` has just checked every gradient and hands its verdict over as ``found_inf``.
 
 With FSDP2/HSDP replicas (``device_mesh``) only "skip" exists: each rank checks its own gradient shards
 and the ranks agree through a MAX all_reduce of the flag over each mesh dimension.
@@ -83,6 +84,14 @@ def _nonfinite(grads: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
 def _nonfinite_scalar(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out`` = 1.0 if the scalar ``x`` is NaN or +-Inf, else 0.0: ``x * 0 != 0``, two kernels, no host sync."""
     return torch.ne(x.mul(0), 0, out=out)
+
+
+def _scaler_checked(optimizer: torch.optim.Optimizer, found_inf: Any) -> bool:
+    """Whether ``found_inf`` is the verdict of ``torch.amp.GradScaler.step`` on every gradient of ``optimizer``:
+    for a fused optimizer the scaler sets ``grad_scale`` (a tensor, or None once unscaled) and ``found_inf``
+    (the sum of its per-device checks, by ``unscale_`` or its own check of every gradient) just before
+    ``optimizer.step()``, and deletes both after it."""
+    return isinstance(found_inf, torch.Tensor) and found_inf.dim() == 0 and hasattr(optimizer, "grad_scale")
 
 
 def _unchanged(seen: list[tuple[torch.Tensor, int]], groups: dict[Any, list[torch.Tensor]]) -> bool:
@@ -156,9 +165,16 @@ class SkipNonFiniteStep:
             self._saved.append(_UNSET)  # nothing to check: found_inf left alone
             return
         norm = handed[0] if handed is not None and _unchanged(handed[1], groups) else None
+        prev = getattr(optimizer, "found_inf", None)
+        if prev is not None and prev is self._mine:  # ours, left by a step that raised before its post-hook
+            prev, self._saved = None, []
         with torch.no_grad():
             if norm is not None:  # the norm of exactly these gradients decides: no pass of our own
                 found = _nonfinite_scalar(norm, self._flag(norm.device))
+            elif _scaler_checked(optimizer, prev) and not self.agree_over:
+                # torch.amp.GradScaler.step has just checked every gradient of this optimizer (found_inf > 0: some
+                # NaN/Inf): its verdict is ours, with no pass of our own
+                found = torch.ne(prev, 0, out=self._flag(prev.device))
             else:
                 found = None
                 for (device, _), grads in groups.items():  # one read of the gradients, on the device: no host sync
@@ -169,9 +185,6 @@ class SkipNonFiniteStep:
             for group in self.agree_over:  # sharded replicas: one decision for all of them
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)  # COLLECTIVE (one scalar, no host sync)
             self.skipped = found.clone() if self.skipped is None else self.skipped.add_(found.to(self.skipped.device))
-        prev = getattr(optimizer, "found_inf", None)
-        if prev is not None and prev is self._mine:  # ours, left by a step that raised before its post-hook
-            prev, self._saved = None, []
         self._saved.append(prev)
         self._mine = found if prev is None else torch.maximum(found, prev.to(found.device))
         optimizer.found_inf = self._mine  # type: ignore[attr-defined]
