@@ -399,7 +399,8 @@ def test_a_checkpoint_from_before_the_estimates_were_averaged_loads_with_a_warni
 
 
 def _dadapt_engine(stacked, alpha=0.5, steps=60, wd=0.01, decouple=True, share_gradients=True, state=None, stop=None,
-                   explore_wd=False, train=True, kind="dadapt", dtype=torch.float32, poison=None, **opt_kw):
+                   explore_wd=False, train=True, kind="dadapt", dtype=torch.float32, poison=None, hdet_kw=None,
+                   **opt_kw):
     """D-Adaptation Adam or Prodigy (two param groups: with and without weight decay) on 4 replicas in vmap mode.
     ``poison``: (step, replica): that replica's first weight is NaN from that step on (until a sync resets it)."""
     torch.manual_seed(0)
@@ -413,7 +414,8 @@ def _dadapt_engine(stacked, alpha=0.5, steps=60, wd=0.01, decouple=True, share_g
     eng = ReplicaEngine(model, 4, make, lambda o, rep, m: hdet.HDETLR(
         o, torch.optim.lr_scheduler.OneCycleLR(o, 0.3, total_steps=steps), total_steps=steps, model_sync_interval=10,
         replicas=rep, model=m, ensemble_lr_spread_ratio=alpha,
-        explore=[hdet.WeightDecay(o, alpha=0.5)] if explore_wd else ()), mode="vmap", stacked_optimizer=stacked,
+        explore=[hdet.WeightDecay(o, alpha=0.5)] if explore_wd else (), **(hdet_kw or {})), mode="vmap",
+        stacked_optimizer=stacked,
         share_gradients=share_gradients)
     if state is not None:
         eng.load_state_dict(state)
@@ -537,6 +539,28 @@ def test_the_stacked_prodigy_step_resumes_bit_for_bit_and_into_a_per_replica_ste
     assert full.optimizers[0].param_groups[0]["d"] == resumed.optimizers[0].param_groups[0]["d"]
     slow = _dadapt_engine(False, state=saved, **kw)  # the same checkpoint, each replica's own Prodigy from there
     _close_models(full, slow, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("hdet_kw", [dict(lr_range_test=True, auto_lr_warmup_steps=40), dict(on_runaway="recover")])
+def test_a_stacked_prodigy_resume_keeps_the_kept_syncs(hdet_kw):
+    """The range test's ramp and the stability guard keep copies of Prodigy's state, taken from the stacked step's
+    views (``s``, ``p0`` shaped like the parameter); a checkpoint loads them back beside Prodigy's own flat state.
+    They were dropped (with a warning that the checkpoint fits another model), and the resumed run went back to
+    another sync than the uninterrupted one."""
+    kw = dict(kind="prodigy", steps=60, hdet_kw=hdet_kw)
+    full = _dadapt_engine(True, **kw)
+    saved = _dadapt_engine(True, stop=23, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "does not fit" warning
+        resumed = _dadapt_engine(True, state=saved, train=False, **kw)
+    ens = resumed.schedulers[0].ensemble
+    kept = ens._ramp.items if "lr_range_test" in hdet_kw else [ens.stability._snapshot]
+    assert kept and all(k is not None for k in kept)
+    resumed = _dadapt_engine(True, state=saved, **kw)
+    assert resumed.optimizer_path == "stacked"
+    for a, b in zip(full.models, resumed.models):
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert [s.ensemble.slots.lr_scale for s in full.schedulers] == [s.ensemble.slots.lr_scale for s in resumed.schedulers]
 
 
 def test_prodigy_steps_per_replica_where_it_cannot_be_stacked():

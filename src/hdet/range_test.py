@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .stability import Copier, same_layout
+from .stability import Copier, copy_kept, same_layout, same_shape
 
 __all__ = ["RangeTest", "RampSnapshots", "MAX_RANGE_GROWTH", "COLLAPSE", "RANGE_START"]
 
@@ -154,7 +154,7 @@ class RampSnapshots:
             drop = set(older[:-1])
             recycled = self.items[older[0]][3]
             self.items = [item for i, item in enumerate(self.items) if i not in drop]
-        copy = self.copier(tensors, recycled if recycled is not None and same_layout(recycled, tensors) else None)
+        copy = self.copier(tensors, recycled if recycled is not None and same_layout(recycled, tensors, strict=True) else None)
         self.items.append((step, lr, loss, copy))
 
     @torch.no_grad()
@@ -165,7 +165,7 @@ class RampSnapshots:
         item = fits[-1] if fits else next((i for i in self.items if same_layout(i[3], tensors)), None)
         if item is None:
             return None
-        torch._foreach_copy_(tensors, item[3])
+        copy_kept(tensors, item[3])
         return item[0], item[2]
 
     def clear(self) -> None:
@@ -193,7 +193,7 @@ class RampSnapshots:
         warning)."""
         self.items = [(step, lr, loss, [s.to(t.device, t.dtype, copy=True) for s, t in zip(ts, tensors)])
                       for step, lr, loss, ts in items if len(ts) == len(tensors)
-                      and all(s.shape == t.shape for s, t in zip(ts, tensors))]
+                      and all(same_shape(s, t) for s, t in zip(ts, tensors))]
         if len(self.items) < len(items):
             warnings.warn(f"hdet: {len(items) - len(self.items)} of the checkpoint's range-test snapshots do not fit "
                           f"this run's {len(tensors)} tensors: dropped (the test can go back only to the others)",

@@ -178,13 +178,17 @@ class StabilityGuard:
         if not keep:
             return False
         loss = statistics.median(losses[r] for r in keep)
-        if rising and self._snapshot is not None and same_layout(self._snapshot, tensors):
-            torch._foreach_copy_(tensors, self._snapshot)
+        if rising and self.can_go_back(tensors):
+            copy_kept(tensors, self._snapshot)
             return True
         if self.best_loss is None or loss < self.best_loss:
             self.best_loss, self.best_step, self.best_se = loss, step, window_noise(col, keep)[1]
-            self._snapshot = self.copier(tensors, self._snapshot if self.can_go_back(tensors) else None)
+            self._snapshot = self.copier(tensors, self._recyclable(tensors))
         return False
+
+    def _recyclable(self, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The kept snapshot, when a new one can be copied into it (the same shapes)."""
+        return self._snapshot if self._snapshot is not None and same_layout(self._snapshot, tensors, strict=True) else None
 
     def can_go_back(self, tensors: list[torch.Tensor]) -> bool:
         """Whether a best sync's state is kept for these tensors."""
@@ -195,7 +199,7 @@ class StabilityGuard:
         """Every replica back to the best sync's state (the range test's end); False without a snapshot."""
         if not self.can_go_back(tensors):
             return False
-        torch._foreach_copy_(tensors, self._snapshot)
+        copy_kept(tensors, self._snapshot)
         return True
 
     @torch.no_grad()
@@ -203,7 +207,7 @@ class StabilityGuard:
         """Make the state in ``tensors`` (that of sync ``step``, median loss ``loss``) the best sync: where the
         range test went back to."""
         self.best_loss, self.best_step = (loss if math.isfinite(loss) else self.best_loss), step
-        self._snapshot = self.copier(tensors, self._snapshot if self.can_go_back(tensors) else None)
+        self._snapshot = self.copier(tensors, self._recyclable(tensors))
 
     def warn(self, t: int, runaway: list[int], losses: list[float], rising: bool, back: bool, scale: float,
              collapsed: bool = False) -> None:
@@ -248,6 +252,20 @@ class StabilityGuard:
             s.to(t.device, t.dtype, copy=True) for s, t in zip(snap, tensors)]  # never the caller's tensors
 
 
-def same_layout(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    """Whether a kept copy ``a`` fits the tensors ``b`` (a snapshot of the same tensors)."""
-    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
+def same_layout(a: list[torch.Tensor], b: list[torch.Tensor], strict: bool = False) -> bool:
+    """Whether a kept copy ``a`` fits the tensors ``b`` (a snapshot of the same tensors): the same dtypes and
+    shapes, or (unless ``strict``) the same elements where one of the two is flat. Prodigy keeps ``s`` and
+    ``p0`` flat, and the engine's stacked step binds them as views shaped like the parameter: a resume, or
+    leaving the stacked step, switches a kept tensor between the two (:func:`copy_kept` reshapes)."""
+    return len(a) == len(b) and all(x.dtype == y.dtype and same_shape(x, y, strict) for x, y in zip(a, b))
+
+
+def same_shape(x: torch.Tensor, y: torch.Tensor, strict: bool = False) -> bool:
+    """:func:`same_layout`'s shape rule for one tensor."""
+    return x.shape == y.shape or (not strict and x.numel() == y.numel() and min(x.dim(), y.dim()) == 1)
+
+
+@torch.no_grad()
+def copy_kept(tensors: list[torch.Tensor], kept: list[torch.Tensor]) -> None:
+    """Copy a kept snapshot that :func:`same_layout` fits into ``tensors`` (a flat one reshaped, in logical order)."""
+    torch._foreach_copy_(tensors, [k if k.shape == t.shape else k.reshape(t.shape) for k, t in zip(kept, tensors)])
