@@ -23,7 +23,7 @@ dadaptation = pytest.importorskip("dadaptation")
 prodigyopt = pytest.importorskip("prodigyopt")
 schedulefree = pytest.importorskip("schedulefree")
 
-DISTANCE = [lambda ps: dadaptation.DAdaptAdam(ps, lr=1.0), lambda ps: dadaptation.DAdaptSGD(ps, lr=1.0),
+DISTANCE = [lambda ps: dadaptation.DAdaptAdam(ps, lr=1.0), lambda ps: dadaptation.DAdaptLion(ps, lr=1.0),
             lambda ps: prodigyopt.Prodigy(ps, lr=1.0)]
 
 
@@ -140,7 +140,32 @@ def test_prodigy_under_a_wide_spread_keeps_one_estimate_every_step():
     assert sum(losses[-20:]) / 20 < 1.5 * sum(losses0[-20:]) / 20
 
 
-@pytest.mark.parametrize("name", ["DAdaptAdam", "DAdaptSGD", "DAdaptAdaGrad", "DAdaptLion", "DAdaptAdan", "Prodigy"])
+@pytest.mark.parametrize("name", ["DAdaptSGD", "DAdaptAdaGrad"])
+def test_dual_averaging_d_adaptation_is_refused_under_an_lr_spread(name):
+    """DAdaptSGD and DAdaptAdaGrad set the weights from their start point and a running sum: the multiplier on the
+    step only moved a replica along the shared trajectory (measured at alpha 0.2: 0.95x / 1.03x the displacement
+    instead of 0.8x / 1.2x) while the telemetry reported the spread. Refused under an LR spread, before and after
+    their first step and from a checkpoint; averaging alone and another explored spread are allowed."""
+    cls = getattr(dadaptation, name)
+    m = nn.Linear(3, 1)
+    o = cls(m.parameters(), lr=1.0)
+    with pytest.raises(ValueError, match=rf"adds its update.*got {name} \(dual averaging.*ensemble_lr_spread_ratio=0"):
+        _sched(o, ensemble_lr_spread_ratio=0.2)
+    plain = _sched(o)  # alpha 0: averaging only
+    _sched(cls(m.parameters(), lr=1.0), explore=[hdet.WeightDecay(o, alpha=0.5, kind="additive")])
+    m(torch.randn(4, 3)).pow(2).mean().backward()
+    o.step()
+    assert any("x0" in st for st in o.state.values())
+    o.param_groups[0].pop("momentum")  # recognised by its state too
+    with pytest.raises(ValueError, match="dual averaging"):
+        _sched(o, ensemble_lr_spread_ratio=0.2)
+    state = plain.state_dict()
+    state["hdet"]["config"]["ensemble_lr_spread_ratio"] = 0.2
+    with pytest.raises(ValueError, match="dual averaging"):
+        _sched(o).load_state_dict(state)
+
+
+@pytest.mark.parametrize("name", ["DAdaptAdam", "DAdaptLion", "DAdaptAdan", "Prodigy"])
 def test_every_distance_estimator_keeps_one_estimate_under_a_spread(name):
     """Each of D-Adaptation's optimizers and Prodigy, at alpha 0.5 in the engine (loop mode, T 50): d equal on
     every replica after every step, and every loss finite (whether it trains as well as alone: the Prodigy and

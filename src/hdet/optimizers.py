@@ -10,6 +10,10 @@ this would break, silently:
   So hdet puts the multiplier on the step instead (:mod:`hdet.step_scale`): every replica's optimizer sees
   the same base LR, its estimate is one for the ensemble, and the converge step averages the scalar
   estimates with the weights.
+  Dual-averaging ones (``DAdaptSGD``, ``DAdaptAdaGrad``) set the weights from their start point and a running
+  sum (``theta = x0 - s``) instead of adding an update: a multiplier on the step moves a replica along the
+  shared trajectory, ahead or behind, but not faster (measured, alpha 0.2 over two replicas: 0.95x and 1.03x
+  the displacement instead of 0.8x and 1.2x), so an LR spread over them is refused.
 * **Schedule-Free** (``AdamWScheduleFree``, ...): the parameters hold ``y``, an interpolation of the
   optimizer's ``z`` (its state) and the average ``x``; averaging ``y`` alone leaves ``z`` behind, and each
   replica's LR also enters its averaging weights. Averaging ``y`` together with ``z``
@@ -26,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["lr_free_kind", "check_optimizer", "innermost", "decoupled", "coupled_weight_decay"]
+__all__ = ["lr_free_kind", "dual_averaging", "check_optimizer", "innermost", "decoupled", "coupled_weight_decay"]
 
 
 def innermost(optimizer: Any) -> Any:
@@ -60,13 +64,29 @@ def lr_free_kind(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+def dual_averaging(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a distance estimator sets its weights from its start point (``x0`` in its state: D-Adaptation's
+    SGD and AdaGrad), recognised before its first step by its param groups (``momentum`` without ``betas``)."""
+    inner = innermost(optimizer)
+    return lr_free_kind(inner) == "distance" and (
+        any("momentum" in g and "betas" not in g for g in inner.param_groups)
+        or any("x0" in st for st in inner.state.values()))
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer, spreading: bool, average_optimizer_state: bool,
-                    sharded: bool = False) -> None:
-    """Refuse, with the reason, an optimizer that a spread (``spreading``: any alpha > 0) or a converge step
-    would silently break. Averaging alone (alpha 0) is allowed; distance estimators take the multiplier on
-    their step (:mod:`hdet.step_scale`), which does not handle ``sharded`` (FSDP2/HSDP, DTensor) parameters."""
+                    sharded: bool = False, lr_spread: bool = False) -> None:
+    """Refuse, with the reason, an optimizer that a spread (``spreading``: any alpha > 0; ``lr_spread``: the LR's)
+    or a converge step would silently break. Averaging alone (alpha 0) is allowed; distance estimators take the
+    multiplier on their step (:mod:`hdet.step_scale`), which does not handle ``sharded`` (FSDP2/HSDP, DTensor)
+    parameters, nor dual averaging."""
     kind = lr_free_kind(optimizer)
     name = type(innermost(optimizer)).__name__
+    if lr_spread and dual_averaging(optimizer):
+        raise ValueError(f"Expected an optimizer that adds its update to the weights under an LR spread, but got {name} "
+                         "(dual averaging: it sets the weights from its start point and a running sum, so the "
+                         "multiplier on its step moves a replica along the others' trajectory instead of scaling its "
+                         "step, and the spread silently does almost nothing). Use DAdaptAdam or Prodigy, or "
+                         "ensemble_lr_spread_ratio=0 (averaging only)")
     if kind == "distance" and spreading and sharded:
         raise ValueError(f"Expected an optimizer other than D-Adaptation or Prodigy ({name}) with device_mesh and a "
                          "spread: the multiplier on their step (hdet.step_scale) does not handle sharded (DTensor) "

@@ -103,7 +103,7 @@ class HDETLR(LRScheduler):
             self._hdet.lr_control.gamma_as_printed = gamma_as_printed(
                 *self._onecycle_factors(), self._hdet.num_control_syncs)  # Eq. 8 as printed
         check_optimizer(optimizer, spreading(config, explore), config.average_optimizer_state,
-                        sharded=device_mesh is not None)  # LR-free optimizers: refused where they would break
+                        sharded=device_mesh is not None, lr_spread=config.ensemble_lr_spread_ratio > 0)  # LR-free optimizers: refused where they would break
         self._guard = GuardSetting(guard_gradients, process_group, device_mesh, optimizer, resolved.world_size)
         self._guard.install(model)
         self._history: dict[str, list[float]] | None = None

@@ -1,6 +1,6 @@
 """The LR multiplier on the step, for optimizers that estimate their own step size (issue 15, item 4).
 
-D-Adaptation (``DAdaptAdam``, ``DAdaptSGD``, ...) and Prodigy scale every step by ``d * lr``, where ``d`` is
+D-Adaptation (``DAdaptAdam``, ``DAdaptLion``, ...) and Prodigy scale every step by ``d * lr``, where ``d`` is
 estimated from the optimizer's own past steps. Given ``lr * rho_r``, each replica's estimate feeds on its
 own multiplier and the estimates run apart (measured: 29x at alpha 0.2, divergence at 0.5). So for these
 optimizers hdet gives every replica the ensemble's base LR, the same on every replica, and applies the
@@ -9,7 +9,8 @@ replica's multiplier to the update the optimizer made instead:
     theta_r <- theta_r + rho_r * (optimizer_step(theta_r) - theta_r)
 
 For AdamW this is exactly ``lr * rho_r``; for a distance estimator the estimate is computed from the base
-LR only. With averaged gradients (DDP, the engine's default) D-Adaptation's state (``d``, its sums, the
+LR only. (D-Adaptation's dual-averaging SGD and AdaGrad set the weights instead of adding an update, which this
+cannot scale: they are refused under an LR spread, :func:`hdet.optimizers.check_optimizer`.) With averaged gradients (DDP, the engine's default) D-Adaptation's state (``d``, its sums, the
 moments) depends on the gradients and the base LR alone, so it is the same on every replica: one estimate
 for the ensemble, and the converge step's averaged weights stay consistent with it. Prodigy's estimate also
 reads the distance from the initial point, ``<g, p0 - theta_r>``, which differs between replicas by their
