@@ -141,6 +141,29 @@ def test_validation():
     assert hdet.OneCycleAutoLR(o2, max_lr=0.1, total_steps=200).ensemble.config.auto_lr_warmup_steps == 100_000
 
 
+@pytest.mark.parametrize("options", [dict(lr_range_test=True), dict(enable_auto_lr=True, controller="paper")])
+def test_one_cycle_takes_the_warmup_from_a_config_as_from_keywords(options):
+    """OneCycleAutoLR(config=HDETConfig(auto_lr_warmup_steps=100, ...)) ran the range test over OneCycle's warm-up
+    (60 steps: 6 windows instead of 10, another peak) and the paper controller from step 100000, silently; the
+    README gives config= and keywords as the same thing. A config's 0 (HDETConfig's default) still means unset."""
+    m = nn.Linear(3, 1)
+
+    def warmup(**kw):
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        return hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=200, **kw).ensemble.config.auto_lr_warmup_steps
+
+    given = dict(options, model_sync_interval=10, auto_lr_warmup_steps=100)
+    assert warmup(config=hdet.HDETConfig(**given)) == warmup(**given) == 100
+    assert warmup(config=hdet.HDETConfig(**given), auto_lr_warmup_steps=50) == 50  # the keyword wins, as for any option
+    unset = dict(options, model_sync_interval=10)
+    if "lr_range_test" in options:
+        assert warmup(config=hdet.HDETConfig(**unset)) == warmup(**unset) == 60
+    else:  # the reference's 100000, refused alike both ways on a 200-step run
+        for kw in (dict(config=hdet.HDETConfig(**unset)), unset):
+            with pytest.raises(ValueError, match="auto_lr_warmup_steps=100000 and total_steps=200"):
+                warmup(**kw)
+
+
 def test_the_state_round_trips_mid_ramp_and_the_runs_continue_alike():
     script = [[2.0 * 0.9 ** k] * 8 for k in range(5)] + [[1.3] * 8] + [[1.2] * 8] * 30
     m1, o1, s1 = _scripted(script)

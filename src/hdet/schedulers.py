@@ -423,7 +423,8 @@ class OneCycleAutoLR(HDETLR):
         optimizer, max_lr, total_steps, epochs, steps_per_epoch, pct_start, anneal_strategy, cycle_momentum,
             base_momentum, max_momentum, div_factor, final_div_factor, three_phase, last_epoch: ``OneCycleLR``'s.
         auto_lr_warmup_steps: [S_warm] the reference's default, 100000 (``HDETLR``'s is 0); with
-            ``lr_range_test=True``, OneCycle's warm-up (``int(pct_start * total_steps)``) unless given.
+            ``lr_range_test=True``, OneCycle's warm-up (``int(pct_start * total_steps)``) unless given (as this
+            keyword, or a non-zero value in ``config=``).
         **kwargs: every other :class:`HDETLR` keyword and HDET option (``ensemble_lr_spread_ratio``,
             ``model_sync_interval``, ``enable_auto_lr``, ``model``, ``probe``, ``explore``, ...). Eq. 8's decay
             targets OneCycle's ``min_lr``; ``auto_lr_bounds`` defaults to ``(min_lr, 10 max_lr)`` per group.
@@ -446,11 +447,14 @@ class OneCycleAutoLR(HDETLR):
                           base_momentum=base_momentum, max_momentum=max_momentum, div_factor=div_factor,
                           final_div_factor=final_div_factor, three_phase=three_phase, last_epoch=last_epoch)
         self.div_factor, self.final_div_factor = float(div_factor), float(final_div_factor)
-        if auto_lr_warmup_steps is None:  # the range test runs during OneCycle's warm-up
-            ranging = kwargs.get("lr_range_test", getattr(kwargs.get("config"), "lr_range_test", False))
+        config = kwargs.get("config")
+        if auto_lr_warmup_steps is None and not getattr(config, "auto_lr_warmup_steps", 0):
+            # not given (a config's 0 is HDETConfig's default): the range test runs during OneCycle's warm-up
+            ranging = kwargs.get("lr_range_test", getattr(config, "lr_range_test", False))
             auto_lr_warmup_steps = int(float(pct_start) * base.total_steps) if ranging is True else 100_000
-        super().__init__(optimizer, base, base.total_steps, auto_lr_warmup_steps=auto_lr_warmup_steps,
-                         last_epoch=last_epoch, **kwargs)
+        if auto_lr_warmup_steps is not None:  # (else the config's stands)
+            kwargs["auto_lr_warmup_steps"] = auto_lr_warmup_steps
+        super().__init__(optimizer, base, base.total_steps, last_epoch=last_epoch, **kwargs)
 
     def _onecycle_factors(self) -> tuple[float, float]:
         return self.div_factor, self.final_div_factor
