@@ -623,21 +623,23 @@ def test_a_stacked_prodigy_handed_back_to_each_replica_keeps_its_state_as_prodig
     assert a.data_ptr() != b.data_ptr()  # each replica's own copy
 
 
-def test_a_non_finite_replica_under_the_stacked_prodigy_step_is_reset_like_the_others():
+@pytest.mark.parametrize("at", [7, 1])
+def test_a_non_finite_replica_under_the_stacked_prodigy_step_is_reset_like_the_others(at):
     """Prodigy in the engine's stacked step, replica 1's weight NaN at step 7: its distance from p0 is left out of
     the shared numerator (before, the NaN reached d on every replica, the engine fell back to the per-replica step,
     and the sync at step 10 found every replica non-finite and stopped the run); the sync resets replica 1 and the
-    run ends where the per-replica path does."""
+    run ends where the per-replica path does. NaN before Prodigy's first step: the shared p0 (the replicas' mean)
+    is the finite replicas' mean (it was NaN, and so was every replica's d from then on: the run stopped)."""
     pytest.importorskip("prodigyopt")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        stacked = _dadapt_engine(True, kind="prodigy", steps=30, poison=(7, 1))
+        stacked = _dadapt_engine(True, kind="prodigy", steps=30, poison=(at, 1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        own = _dadapt_engine(False, kind="prodigy", steps=30, poison=(7, 1))
+        own = _dadapt_engine(False, kind="prodigy", steps=30, poison=(at, 1))
     assert stacked.optimizer_path == "stacked"
     said = [str(w.message) for w in seen]
     assert any("replica(s) [1]" in m for m in said) and not any("differ" in m for m in said), said
     for o in stacked.optimizers:
         assert math.isfinite(float(o.param_groups[0]["d"]))
-    _close_models(stacked, own, rtol=1e-4, atol=2e-5)
+    _close_models(stacked, own, rtol=1e-4, atol=2e-5 if at > 1 else 5e-5)  # (at 1: p0 a float32 mean of 3 rows)

@@ -396,8 +396,11 @@ class StackedStep:
         spans = [(seg.start, seg.stop) for seg, group in zip(self.segments, groups0)
                  if float(group["lr"]) != 0.0 and seg.start != seg.stop]
         zero = torch.zeros((), dtype=torch.float64, device=G.device)
-        if not self._state_steps:  # Prodigy's first step: p0 is where the run starts (the replicas' mean)
-            self.moments["p0"].copy_(mean_theta)
+        if not self._state_steps:  # Prodigy's first step: p0 is where the run starts (the replicas' mean, of the
+            # replicas with finite weights: a NaN in p0 would reach every replica's d at every step)
+            ok = torch.isfinite(self.theta).all(1)
+            finite = bool(ok.all())  # HOST SYNC (the first step only)
+            self.moments["p0"].copy_(mean_theta if finite or not bool(ok.any()) else self.theta[ok].mean(0, keepdim=True))
         m, v, s_, p0 = (self.moments.get(n) for n in ("exp_avg", "exp_avg_sq", "s", "p0"))
 
         def numerator(centre: torch.Tensor) -> torch.Tensor:  # <g, p0 - centre>, Prodigy's weighting
