@@ -271,3 +271,88 @@ def test_the_records_lr_is_the_one_each_step_trained_with(tmp_path):
     for m in metrics:
         assert list(m["lr_mean"].values()) == pytest.approx(bases[m["step"] - 1], rel=1e-9)
     assert metrics[-1]["step"] == 12 and metrics[-1]["lr_mean"]["embed"] == pytest.approx(min(b[0] for b in bases))
+
+
+@pytest.mark.parametrize("refused", [["--task", "fashion", "--data", "/nonexistent/fm"],  # the task
+                                     ["--steps", "10", "--T", "50", "--auto-lr"],  # the scheduler
+                                     ["--alpha", "0.5", "--optimizer", "schedulefree-adamw"]])  # the optimizer
+def test_a_refused_run_leaves_the_earlier_run_in_its_folder(tmp_path, capsys, refused):
+    """The output folder was cleared before the task, model and schedulers were built: a command refused there
+    (exit 2) had already deleted the earlier run (runs/latest by default)."""
+    pytest.importorskip("schedulefree")
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--replicas", "2", "--out", str(out)]) == 0
+    before = sorted(p.name for p in out.iterdir())
+    capsys.readouterr()
+    assert main(["train", *TINY, "--replicas", "2", *refused, "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("hdet: error:")
+    assert sorted(p.name for p in out.iterdir()) == before and (out / "model.pt").stat().st_size > 0
+
+
+def test_a_run_into_a_comparison_folder_replaces_its_table(tmp_path):
+    """A train run into a folder that held `hdet compare`'s table left compare.json there, and `hdet plot` (and the
+    plots the run printed) showed the old comparison instead of the run."""
+    out = tmp_path / "cmp"
+    out.mkdir()
+    (out / "compare.json").write_text(json.dumps({"title": "old", "runs": [{"folder": "gone", "config": "x"}]}))
+    assert main(["train", *TINY, "--replicas", "2", "--out", str(out)]) == 0
+    assert not (out / "compare.json").exists() and (out / "loss.png").exists()
+
+
+def test_compare_checks_every_row_before_it_trains(tmp_path, capsys):
+    """An auto-LR row that cannot run (no sync step after the warm-up) was found after the pre-training and four
+    rows (minutes of training, then no table); now before anything trains or is removed."""
+    out = tmp_path / "cmp"
+    out.mkdir()
+    (out / "compare.json").write_text("{}")  # an earlier comparison's table
+    assert main(["compare", *TINY, "--steps", "20", "--T", "50", "--replicas", "2", "--out", str(out)]) == 2
+    assert "no sync step" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["compare.json"]  # no pre-training, nothing removed
+
+
+def test_help_states_defaults_in_the_flags_own_terms(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "(default: --grad-sync)" in shown and "(default: False)" not in shown.split("--grad-sync,")[1][:200]
+    assert "no progress bar (default: a progress bar on the terminal)" in shown
+    for flag in ("--replicas REPLICAS", "--max-lr MAX_LR", "--warmup WARMUP", "--no-tie-lr-groups"):
+        # defaults that depend on other options: the help says which, not the field's None
+        assert "(default: None)" not in shown.split(flag, 1)[1].split(" --")[0], flag
+
+
+def test_flags_a_run_does_not_use_are_named(tmp_path, capsys):
+    assert main(["train", *TINY, "--replicas", "2", "--warmup", "4", "--prodigy-safeguard", "--out",
+                 str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err
+    assert "hdet: warning: --warmup without --auto-lr or --range-test has no effect" in err
+    assert "--prodigy-safeguard with --optimizer adamw has no effect" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--alpha", "0", "--explore", "lr-groups"], "--alpha > 0 with --explore lr-groups"),
+    (["train", "--out", __file__], f"Expected --out to be a folder, but {__file__} is a file"),
+    (["plot", str(Path(__file__).parent), "--out", __file__], f"Expected --out to be a folder, but {__file__} is a file"),
+])
+def test_more_bad_input_gives_one_line(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("hdet: error:") and message in err, err
+
+
+def test_only_overlaid_runs_are_clipped_and_a_clip_is_said(tmp_path, monkeypatch):
+    """A single run's own loss spike was cut off the chart (the limit came from its first losses, on both panels)."""
+    import hdet.app.plot as plot
+
+    figs = []
+    monkeypatch.setattr(plot, "_save", lambda fig, path, dpi: figs.append(fig) or Path(path))
+    metrics = [{"step": t, "train_loss": loss, **({"val_loss": loss} if t % 2 == 0 else {})}
+               for t, loss in enumerate([3.0, 2.9, 2.8, 60.0, 20.0, 2.5], 1)]
+    run = {"metrics": metrics, "summary": {}, "label": "spiky"}
+    plot.plot_losses([run], tmp_path / "one.png")
+    assert all(ax.get_ylim()[1] >= 60.0 for ax in figs[0].axes[:1]) and not figs[0].axes[0].texts
+    calm = {"metrics": [{"step": t, "train_loss": 3.0 - 0.1 * t, "val_loss": 3.0} for t in range(1, 7)],
+            "summary": {}, "label": "calm"}
+    plot.plot_losses([run, calm], tmp_path / "two.png")
+    ax = figs[1].axes[0]
+    assert ax.get_ylim()[1] == pytest.approx(3.0 * 1.05) and "clipped" in ax.texts[0].get_text()

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from typing import Any, NoReturn
 
-from .options import RunConfig, RunError
+from .options import RunConfig, RunError, unused
 
 __all__ = ["main"]
 
@@ -23,7 +24,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"hdet: error: {message} (see {self.prog} --help)\n")
 
 
-COMPARE_SETS = ("max_lr", "auto_lr", "warm_init", "init_from", "optimizer",  # compare sets these per configuration
+COMPARE_SETS = ("max_lr", "auto_lr", "warm_init", "init_from", "optimizer", "prodigy_safeguard",  # compare sets these
                 "range_test", "range_backoff")  # (the range test is not one of the paper's configurations)
 
 
@@ -32,6 +33,23 @@ class _Inverted(argparse.BooleanOptionalAction):
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
         setattr(namespace, self.dest, bool(option_string and option_string.startswith("--no-")))
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every default in the flag's own terms: a help text that states its default keeps only that one
+    (BooleanOptionalAction appends the field's raw value too), and ``--grad-sync``'s is the flag, not ``local``'s."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        raw = " (default: %(default)s)"
+        if text.endswith(raw):  # added by BooleanOptionalAction
+            text = text[: -len(raw)]
+        if isinstance(action, _Inverted):
+            return text + f" (default: {action.option_strings[1] if action.default else action.option_strings[0]})"
+        if "(default" in text:
+            return text
+        return super()._get_help_string(argparse.Action(action.option_strings, action.dest, default=action.default,
+                                                        help=text, nargs=action.nargs))
 
 
 def _train_args(p: argparse.ArgumentParser, steps: int, out: str, compare: bool = False) -> None:
@@ -69,7 +87,10 @@ def _cmd_train(a: argparse.Namespace, argv: list[str]) -> int:
     from .plot import plot_dir
     from .run import train
 
-    s = train(_config(a), argv=argv)
+    cfg = _config(a)
+    for what in unused(cfg) if os.environ.get("RANK", "0") == "0" else ():
+        print(f"hdet: warning: {what} has no effect", file=sys.stderr)
+    s = train(cfg, argv=argv)
     if s.get("config") is None:  # not rank 0
         return 0
     msg = (f"{s['mode']}: {s['steps_done']} steps x {s['replicas']} replicas in {s['train_seconds']:.1f}s "
@@ -146,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"hdet {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser, metavar="{train,plot,compare}",
                            title="commands")
-    fmt = dict(formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # --help shows every default
+    fmt = dict(formatter_class=_Help)  # --help shows every default
     t = sub.add_parser("train", help="train on an embedded task (no download)", **fmt)
     _train_args(t, steps=RunConfig().steps, out="runs/latest")
     pl = sub.add_parser("plot", help="loss.png and lr.png for run folders", **fmt)
@@ -168,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return {"train": _cmd_train, "plot": _cmd_plot, "compare": _cmd_compare}[a.cmd](a, argv)
+    except BrokenPipeError:  # `hdet ... | head`: the reader left; say nothing more (as a tool killed by SIGPIPE)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
+        return 141
     except (RunError, TaskError, ValueError, OSError) as e:  # OSError: missing files, permissions, a full disk
         msg = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror and e.filename else str(e)
         print(f"hdet: error: {msg}", file=sys.stderr)

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from .run import RunConfig, train
+from .run import RunConfig, check_out, train
 
 __all__ = ["ABLATIONS", "compare"]
 
@@ -32,13 +32,7 @@ def compare(base: RunConfig, lr_low: float, lr_high: float, pretrain_steps: int,
             say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the six configurations into ``base.out``/<n>-<name>; write ``compare.json``; return it."""
     out = Path(base.out)
-    pre = dataclasses.replace(base, replicas=1, alpha=0.0, auto_lr=False, warm_init=False, init_from=None,
-                              steps=pretrain_steps, max_lr=lr_low, seed=base.seed + 1, out=str(out / "pretrain"),
-                              label="pretrain")
-    say(f"Warm init needs a checkpoint: pre-training one replica for {pretrain_steps} steps at LR {lr_low:g} "
-        f"-> {pre.out}/model.pt (the warm rows start from it).")
-    train(pre, argv=["(compare pretrain)"])
-    runs = []
+    rows = []
     for i, (name, desc, o) in enumerate(ABLATIONS, 1):
         lr = lr_low if o["lr"] == "low" else lr_high
         folder = f"{i}-{name.lower().replace(' ', '-').replace('/', '').replace('(', '').replace(')', '')}"
@@ -46,6 +40,19 @@ def compare(base: RunConfig, lr_low: float, lr_high: float, pretrain_steps: int,
             base, alpha=o.get("alpha", base.alpha), max_lr=lr, auto_lr=o.get("auto", False),
             warm_init=o.get("warm", False), init_from=str(out / "pretrain" / "model.pt") if o.get("warm") else None,
             T=base.steps if o.get("no_avg") else base.T, out=str(out / folder), label=name)
+        train(dataclasses.replace(cfg, init_from=None), dry_run=True)  # every row's options checked (the warm
+        # rows' checkpoint is made by the pre-training below) before anything trains or is removed
+        rows.append((i, name, desc, lr, folder, cfg))
+    check_out(out)
+    (out / "compare.json").unlink(missing_ok=True)  # an earlier comparison's table goes with its first row
+    pre = dataclasses.replace(base, replicas=1, alpha=0.0, auto_lr=False, warm_init=False, init_from=None,
+                              steps=pretrain_steps, max_lr=lr_low, seed=base.seed + 1, out=str(out / "pretrain"),
+                              label="pretrain")
+    say(f"Warm init needs a checkpoint: pre-training one replica for {pretrain_steps} steps at LR {lr_low:g} "
+        f"-> {pre.out}/model.pt (the warm rows start from it).")
+    train(pre, argv=["(compare pretrain)"])
+    runs = []
+    for i, name, desc, lr, folder, cfg in rows:
         say(f"[{i}/6] {name}: {desc}, LR {lr:g}")
         s = train(cfg, argv=["(compare)", name])
         runs.append({"config": name, "description": desc, "lr": lr, "folder": folder, "alpha": cfg.alpha,

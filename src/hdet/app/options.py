@@ -86,7 +86,8 @@ class RunConfig:
     eval_every: int | None = field(default=None, metadata=_cli("validate every ~N steps (at syncs; default T)"))
     tensorboard: bool = field(default=False, metadata=_cli("also write TensorBoard events to OUT/tb",
                                                            action="store_true"))
-    progress: bool = field(default=True, metadata=_cli("no progress bar", flag="--no-progress", action="store_false"))
+    progress: bool = field(default=True, metadata=_cli("no progress bar (default: a progress bar on the terminal)",
+                                                          flag="--no-progress", action="store_false"))
     explore: tuple[str, ...] = field(default=(), metadata=_cli(
         "also explore, comma-separated: lr-groups (per-group LRs, always on when alpha > 0), weight-decay (per "
         "group, x2../2), dropout (+-0.05), grad-clip (norm x2../2)", comma=True))
@@ -154,10 +155,27 @@ def check(cfg: RunConfig) -> None:
     bad = [e for e in cfg.explore if e not in EXPLORE]
     if bad:
         raise RunError(f"Expected --explore items from {', '.join(EXPLORE)}, but got {', '.join(bad)}")
+    if "lr-groups" in cfg.explore and cfg.alpha == 0:
+        raise RunError("Expected --alpha > 0 with --explore lr-groups (the groups' LRs are explored through the LR "
+                       "spread), but got --alpha 0")
     if cfg.optimizer not in OPTIMIZERS:
         raise RunError(f"Expected --optimizer in {', '.join(OPTIMIZERS)}, but got {cfg.optimizer!r}")
     if cfg.init_from is not None and not Path(cfg.init_from).is_file():
         raise RunError(f"Expected --init-from to name a model.pt file, but {cfg.init_from} does not exist")
+
+
+def unused(cfg: RunConfig) -> list[str]:
+    """Flags given that this run does not use (said as a warning: the run is still what was asked otherwise)."""
+    out = []
+    if cfg.warmup is not None and not (cfg.auto_lr or cfg.range_test):
+        out.append("--warmup without --auto-lr or --range-test")
+    if cfg.tie_lr_groups is not None and not cfg.auto_lr:
+        out.append("--tie-lr-groups/--no-tie-lr-groups without --auto-lr (replicas keep their position in every group)")
+    if cfg.prodigy_safeguard and cfg.optimizer != "prodigy":
+        out.append(f"--prodigy-safeguard with --optimizer {cfg.optimizer}")
+    if cfg.data is not None and cfg.task != "fashion":
+        out.append(f"--data with --task {cfg.task} (its data is the standard library's own files)")
+    return out
 
 
 MAX_CTX = 4096

@@ -53,7 +53,7 @@ def _save(fig: Any, path: str | Path, dpi: int) -> Path:
 def plot_losses(runs: list[dict[str, Any]], path: str | Path, title: str = "") -> Path:
     plt = _pyplot()
     fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
-    finite_first = []
+    firsts: tuple[list[float], list[float]] = ([], [])  # per panel: every run's first finite values
     for run in runs:
         steps = [m["step"] for m in run["metrics"]]
         loss = [m["train_loss"] if math.isfinite(m["train_loss"]) else float("nan") for m in run["metrics"]]
@@ -63,11 +63,14 @@ def plot_losses(runs: list[dict[str, Any]], path: str | Path, title: str = "") -
         val = [(m["step"], m["val_loss"]) for m in run["metrics"] if "val_loss" in m]
         if val:
             ax_v.plot(*zip(*val), "o-", ms=3, color=line.get_color(), label=label)
-        finite_first += [v for v in loss[:3] if math.isfinite(v)]
-    if finite_first:  # keep a diverged run from squashing the others
-        top = max(finite_first) * 1.05
-        for ax in (ax_t, ax_v):
-            ax.set_ylim(top=top)
+        firsts[0].extend(v for v in loss[:3] if math.isfinite(v))
+        firsts[1].extend(v for _, v in val[:1] if math.isfinite(v))
+    for ax, first in zip((ax_t, ax_v), firsts):
+        if len(runs) > 1 and first:  # overlaid runs: keep a diverged one from squashing the others, and say so
+            top = max(first) * 1.05
+            if ax.dataLim.y1 > top:
+                ax.set_ylim(top=top)
+                ax.text(0.99, 0.98, f"clipped at {top:.3g}", transform=ax.transAxes, ha="right", va="top", fontsize=7)
     ax_t.set(xlabel="step", ylabel="training loss (mean over replicas)", title="training loss")
     ax_v.set(xlabel="step", ylabel="validation loss (averaged model)", title="validation loss")
     for ax in (ax_t, ax_v):
@@ -92,10 +95,10 @@ def plot_lrs(run: dict[str, Any], path: str | Path) -> Path:
         ax.plot(steps, [m["lr_mean"][g] for m in run["metrics"]], "-", label=f"mean of {n} replicas (base)")
         ax.plot(steps, [m["lr"][g] for m in run["metrics"]], "--", label="replica 0")
         j = groups.index(g)
-        if run["syncs"]:  # every replica's LR right after each sync
+        if run["syncs"]:  # every replica's multiplier at each sync, times the base there (SyncRecord.values)
             xs = [s["step"] for s in run["syncs"] for _ in s["values"][j]]
             ys = [v for s in run["syncs"] for v in s["values"][j]]
-            ax.plot(xs, ys, ".", ms=3, color="gray", label="all replicas at syncs")
+            ax.plot(xs, ys, ".", ms=3, color="gray", label="all replicas: new multipliers x base, at syncs")
         ax.set(title=f"group {g}", xlabel="step", ylabel="learning rate")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -150,6 +153,14 @@ def _run_folder(run_dir: str | Path) -> Path:
     return d
 
 
+def _out_folder(out: str | Path) -> Path:
+    d = Path(out)
+    if d.exists() and not d.is_dir():
+        raise FileExistsError(f"Expected --out to be a folder, but {d} is a file")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
 def plot_runs(run_dirs: list[str | Path], out: str | Path) -> list[Path]:
     """Several runs into one folder: their losses overlaid in ``loss.png``, and each run's own ``lr-<name>.png``
     (and ``hparams-<name>.png``), so no run's plots overwrite another's."""
@@ -157,8 +168,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> list[Path]:
     names = [r["dir"].name for r in runs]
     if len(set(names)) < len(names):  # folders of the same name from different places
         names = [f"{k}-{n}" for k, n in enumerate(names)]
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = _out_folder(out)
     paths = [plot_losses(runs, out_dir / "loss.png")]
     for run, name in zip(runs, names):
         paths.append(plot_lrs(run, out_dir / f"lr-{name}.png"))
@@ -170,8 +180,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> list[Path]:
 def plot_dir(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     """Plots for a run folder, or for a comparison folder (one with ``compare.json``)."""
     d = _run_folder(run_dir)
-    out_dir = Path(out) if out is not None else d
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = _out_folder(out) if out is not None else d
     if (d / "compare.json").exists():
         comp = json.loads((d / "compare.json").read_text())
         runs = [load_run(d / r["folder"]) for r in comp["runs"]]

@@ -36,24 +36,34 @@ __all__ = ["RunConfig", "RunError", "train", "resolve_device"]
 
 
 OUTPUTS = ("config.json", "metrics.jsonl", "syncs.jsonl", "summary.json", "schedule.json", "model.pt", "loss.png",
-           "lr.png", "hparams.png", "tb")  # what a run writes: an earlier run's copies go first
+           "lr.png", "hparams.png", "tb", "compare.json")  # what a run writes: an earlier run's copies go first
+# (compare.json: `hdet compare`'s table, which `hdet plot` would show instead of this run)
 
 
-def _prepare_out(out: Path, keep: str | None = None) -> None:
+def check_out(out: Path) -> None:
+    """That ``out`` is a folder this process can write to (made if missing); nothing in it is touched."""
+    if out.exists() and not out.is_dir():
+        raise RunError(f"Expected --out to be a folder, but {out} is a file")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        earlier_run = (out / "config.json").is_file() and (out / "metrics.jsonl").is_file()
-        for name in OUTPUTS if earlier_run else ():  # no stale file from an earlier run here (runs/latest)
+        probe = out / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise RunError(f"Expected a writable output folder at {out}, but got: {e.strerror or e}") from None
+
+
+def clear_earlier(out: Path) -> None:
+    """Remove an earlier run's (or comparison's) outputs from ``out`` (runs/latest), once this run has been built:
+    a command that is refused leaves the folder as it was."""
+    earlier = ((out / "config.json").is_file() and (out / "metrics.jsonl").is_file()) or (out / "compare.json").is_file()
+    try:
+        for name in OUTPUTS if earlier else ():
             old = out / name
-            if keep is not None and old.exists() and old.resolve() == Path(keep).resolve():
-                continue  # --init-from may point into the folder it writes to
             if old.is_dir():
                 shutil.rmtree(old)
             elif old.exists():
                 old.unlink()
-        probe = out / ".write-test"
-        probe.write_text("")
-        probe.unlink()
     except OSError as e:
         raise RunError(f"Expected a writable output folder at {out}, but got: {e.strerror or e}") from None
 
@@ -127,8 +137,10 @@ class _Progress:
             self.p.stop()
 
 
-def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
-    """Run ``cfg``; returns the summary (also written to ``<out>/summary.json`` on rank 0)."""
+def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) -> dict[str, Any]:
+    """Run ``cfg``; returns the summary (also written to ``<out>/summary.json`` on rank 0). ``dry_run``: check
+    the options and build the run (task, model, optimizers, schedulers; ``--init-from`` is not read), then return
+    ``{}`` without writing anything (``hdet compare`` checks every row so before it trains any)."""
     check(cfg)
     cfg = resolve(cfg)
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -156,14 +168,14 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
         raise RunError(f"Expected --warmup (the range test's length) in [2 T, --steps) = [{2 * cfg.T}, {cfg.steps}) "
                        f"with --range-test, but got {warmup}")
     out = Path(cfg.out)
-    if rank == 0:
-        _prepare_out(out, keep=cfg.init_from)
+    if rank == 0 and not dry_run:
+        check_out(out)
     task = make_task(cfg.task, data=cfg.data, ctx=cfg.ctx, width=cfg.width, layers=cfg.layers,
                      dropout=cfg.dropout, data_bytes=cfg.data_bytes)
 
     torch.manual_seed(cfg.seed)
     model = task.make_model()
-    if cfg.init_from is not None:
+    if cfg.init_from is not None and not dry_run:
         try:
             state = torch.load(cfg.init_from, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unreadable file: one line, what it is
@@ -180,6 +192,10 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
     model.to(device)
     reps = (DDPRun(task, model, cfg, warmup, device) if distributed
             else EngineRun(task, model, N, cfg, warmup, device))
+    if dry_run:
+        if owns_group:
+            dist.destroy_process_group()
+        return {}
     gens = {r: torch.Generator().manual_seed(cfg.seed * 1000 + r) for r in reps.local}  # each replica its data
     sched0 = reps.schedulers[0].record_schedule()  # the discovered schedule, for hdet.ReplayLR
     groups = [g.get("name", str(j)) for j, g in enumerate(sched0.optimizer.param_groups)]
@@ -193,6 +209,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
                 "python": platform.python_version(), "torch": torch.__version__, "hdet": __version__,
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
                 (platform.processor() or platform.machine() or "cpu")}
+        clear_earlier(out)
         (out / "config.json").write_text(json.dumps(meta, indent=1))
         metrics_f = (out / "metrics.jsonl").open("w")
         syncs_f = SyncLogger(sched0, out / "syncs.jsonl")
