@@ -280,3 +280,27 @@ def test_group_params_by_a_user_grouping():
     assert s.ensemble.names == ["lr/embedding", "lr/transformer", "lr/no_decay"]
     with pytest.raises(ValueError, match="options only for existing groups"):
         hdet.group_params(model, lambda n, p: "all", decay={"weight_decay": 0.1})
+
+
+def test_explored_hyperparameters_start_from_permutations_of_their_own():
+    """Without auto-LR (which deals them, Eq. 9) every slot kept the identity: replica 0 had the lowest LR, weight
+    decay and clipping norm, replica 3 the highest of each, so no window loss could tell their effects apart. The
+    LR keeps the paper's start (replica r takes rho_r); each other slot starts from its own permutation, the same
+    on every replica for a seed."""
+    def values(seed):
+        out = []
+        for r in range(4):
+            o = torch.optim.AdamW(nn.Linear(3, 1).parameters(), lr=0.1, weight_decay=0.01)
+            s = hdet.HDETLR(o, None, 20, ensemble_lr_spread_ratio=0.3, seed=seed, replicas=ScriptedReplicas(r, 4),
+                            explore=[WeightDecay(o, alpha=1.0), hdet.GradClip(1.0, alpha=1.0)])
+            out.append([o.param_groups[0]["lr"], s.hyperparameters["weight_decay/0"], s.hyperparameters["grad_clip_norm"]])
+        return out
+
+    for seed in (0, 1):
+        lr, wd, clip = zip(*values(seed))
+        order = [sorted(col).index(v) for col in (lr, wd, clip) for v in col]
+        ranks = [order[0:4], order[4:8], order[8:12]]
+        assert ranks[0] == [0, 1, 2, 3]  # the LR: the paper's start
+        assert all(sorted(r) == [0, 1, 2, 3] for r in ranks)  # each slot a permutation of the positions
+        assert ranks[1] != ranks[0] and ranks[2] != ranks[0] and ranks[1] != ranks[2]  # no two ranked alike
+    assert values(0) == values(0)

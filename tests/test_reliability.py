@@ -79,21 +79,71 @@ def test_replicas_resumed_from_different_steps_are_an_error(tmp_path):
         assert "optimizer steps per replica [30, 20]" in r["msg"]
 
 
+FINGERPRINTS = r"settings fingerprints \(the HDET options and explored hyperparameters\) per replica \[\d+, \d+\]\."
+
+
 @pytest.mark.parametrize("differ, match", [("total_steps", r"total_steps per replica \[20, 21\]\."),
-                                           ("alpha", r"settings fingerprints per replica \[\d+, \d+\]\.")])
+                                           ("alpha", FINGERPRINTS), ("wd_alpha", FINGERPRINTS),
+                                           ("wd_base", FINGERPRINTS), ("explored", FINGERPRINTS)])
 def test_replicas_with_different_settings_are_an_error_in_the_engine(differ, match):
-    """One replica built with another total_steps or spread (in the engine, where nothing else would notice)."""
+    """One replica built with another total_steps or spread (in the engine, where nothing else would notice), or
+    exploring another weight-decay spread, base or list of hyperparameters (those ran to the end silently, each
+    replica reporting its own spread, and different lists even drew the LR permutations apart)."""
     def make_sched(o, rep, m):
         r = rep.rank
+        if differ == "wd_base":
+            o.param_groups[0]["weight_decay"] = 0.01 * (1 + r)
+        explore = [hdet.WeightDecay(o, alpha=0.5 + 0.5 * r * (differ == "wd_alpha"))]
+        if differ == "explored" and r:
+            explore.append(hdet.GradClip(1.0))
         return hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=20 + r * (differ == "total_steps"), model_sync_interval=2,
-                                   replicas=rep, model=m, ensemble_lr_spread_ratio=0.1 * r * (differ == "alpha"))
+                                   replicas=rep, model=m, ensemble_lr_spread_ratio=0.1 * r * (differ == "alpha"),
+                                   explore=explore)
 
-    eng = ReplicaEngine(nn.Linear(3, 1), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), make_sched,
-                        mode="loop")
+    eng = ReplicaEngine(nn.Linear(3, 1), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, weight_decay=0.01),
+                        make_sched, mode="loop")
     batch = [(torch.randn(4, 3), torch.randn(4, 1))] * 2
     eng.step(batch, lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
     with pytest.raises(hdet.ReplicaMismatchError, match=match):
         eng.step(batch, lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+
+
+def test_an_explored_base_survives_an_optimizer_loaded_before_the_scheduler_is_built():
+    """The documented order "load the optimizer first, then the scheduler", with the scheduler built after the
+    optimizer's load: the explored weight decay's base was read from the loaded optimizer (this replica's spread
+    value, x2 here), so the spread compounded (0.2 instead of 0.1 for replica 1) and replicas' bases disagreed."""
+    def build(opt_state=None, sched_state=None):
+        torch.manual_seed(0)
+        m = nn.Linear(3, 1)
+        o = torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.05)
+        if opt_state is not None:
+            o.load_state_dict(opt_state)
+        s = hdet.HDETLR(o, None, total_steps=40, replicas=ScriptedReplicas(1, 2), model_sync_interval=100,
+                        ensemble_lr_spread_ratio=0.2, explore=[hdet.WeightDecay(o, alpha=1.0)])
+        if sched_state is not None:
+            s.load_state_dict(sched_state)
+        return m, o, s
+
+    def steps(m, o, s, n):
+        wds = []
+        for _ in range(n):
+            m(torch.ones(2, 3)).sum().backward()
+            o.step()
+            o.zero_grad()
+            s.step()
+            wds.append(o.param_groups[0]["weight_decay"])
+        return wds
+
+    m, o, s = build()
+    steps(m, o, s, 3)
+    saved = roundtrip({"model": m.state_dict(), "opt": o.state_dict(), "sched": s.state_dict()})
+    assert o.param_groups[0]["weight_decay"] == pytest.approx(0.1)  # replica 1 of 2: the base x (1 + alpha)
+    full = steps(m, o, s, 3)
+    m2, o2, s2 = build(saved["opt"], saved["sched"])
+    m2.load_state_dict(saved["model"])
+    assert steps(m2, o2, s2, 3) == full == [pytest.approx(0.1)] * 3
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), m2.parameters()))
+    assert s2.ensemble.hypers[0].initial == pytest.approx(0.05)
 
 
 # ------------------------------------------------------------ 3. the hook guard and fp16

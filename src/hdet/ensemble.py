@@ -12,9 +12,11 @@ that sequence through ``torch.distributed``. Glossary: ``docs/architecture.md``.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import warnings
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -185,6 +187,16 @@ class Ensemble:
         assert self.total_steps is not None
         return (self.total_steps - self.config.auto_lr_warmup_steps) / self.config.model_sync_interval
 
+    def fingerprint(self) -> int:
+        """The settings every replica must share, as one number exchanged at each sync: the HDET options
+        (:meth:`HDETConfig.fingerprint`) and every explored hyperparameter's name, spread and unscheduled base
+        (replicas that explore different things, or the same thing differently, would average silently)."""
+        hypers = [[h.name, h.spread.kind, h.spread.alpha, list(h.spread.bounds),
+                   None if h.schedule is not None else h.initial] for h in self.hypers]
+        if not hypers:
+            return self.config.fingerprint()
+        return zlib.crc32(json.dumps([self.config.fingerprint(), hypers]).encode())  # < 2**32: exact in float64
+
     def is_sync_step(self, t: int) -> bool:
         """Converge after optimizer step ``t`` when ``t mod T == 0``, and after the last step."""
         return t > 0 and (t % self.config.model_sync_interval == 0 or t == self.total_steps)
@@ -289,7 +301,7 @@ class Ensemble:
             loss_sq=self.window.sq if self.window.sq is not None else zero, observed=self.window.count,
             finite=finite, buf_inf=buf_inf, layout=layout_signature(tensors), ntensors=len(tensors), seed=c.seed,
             probe=probe, step=t, interval=c.model_sync_interval,
-            total_steps=-1 if self.total_steps is None else self.total_steps, config=c.fingerprint(),
+            total_steps=-1 if self.total_steps is None else self.total_steps, config=self.fingerprint(),
         ).to_tensor(dev)
         if new_window:
             self.window.reset()

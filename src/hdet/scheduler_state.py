@@ -5,6 +5,7 @@ optimizer, the guard, a hook or a callable. Checked completely before anything i
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ def state_dict(s: "HDETLR") -> dict[str, Any]:
     state["hdet"] = s.ensemble.state_dict()
     state["hdet"]["scheduler"] = type(s).__name__
     state["hdet"]["hyper_values"] = [h.get() for h in s.ensemble.hypers]  # restored exactly on load
+    state["hdet"]["hyper_bases"] = [h.initial for h in s.ensemble.hypers]  # their unscheduled bases, too
     if s._base is not None:
         state["base"] = s._base.state_dict()
         state["base_scheduler"] = type(s._base).__name__
@@ -37,7 +39,8 @@ def check(s: "HDETLR", state: Any) -> dict[str, Any]:
         keys = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"Expected a {type(s).__name__} state_dict (with an 'hdet' entry), but got {keys}")
     _check_own(s, state)
-    parsed = s.ensemble.check_state(state["hdet"])
+    parsed = s.ensemble.check_state(state["hdet"])  # (the explored slots: names and count)
+    _check_hyper_bases(s, state)
     _check_base(s, state)
     return parsed
 
@@ -47,6 +50,10 @@ def load(s: "HDETLR", state: dict[str, Any]) -> None:
     hdet_state = state["hdet"]
     same_replica = not parsed["elastic"] and hdet_state["rank"] == s.rank
     s.ensemble.commit_state(parsed, hdet_state)
+    # each explored value's base as saved: one read from an optimizer loaded before this scheduler was built holds
+    # this replica's spread value, and the spread would compound on it (states of hdet <= 0.1 have none)
+    for h, b in zip(s.ensemble.hypers, hdet_state.get("hyper_bases") or []):
+        h.initial = float(b)
     for key in OWN:
         if key in state:
             setattr(s, key, state[key])
@@ -75,6 +82,16 @@ def _check_own(s: "HDETLR", state: dict[str, Any]) -> None:
         v = state.get(key)
         if v is not None and (not isinstance(v, list) or len(v) != n):
             raise ValueError(f"Expected the state's {key} with one value per param group ({n}), but got {v!r}")
+
+
+def _check_hyper_bases(s: "HDETLR", state: dict[str, Any]) -> None:
+    bases = state["hdet"].get("hyper_bases")
+    hypers = s.ensemble.hypers
+    if bases is not None and (not isinstance(bases, list) or len(bases) != len(hypers) or not all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b)
+            and h.spread.clamp(b) == b and (h.spread.kind != "log" or b > 0) for b, h in zip(bases, hypers))):
+        raise ValueError(f"Expected the state's hyper_bases with one valid base per explored hyperparameter "
+                         f"({[h.name for h in hypers]}), but got {bases!r}")
 
 
 def _flat_onecycle(s: "HDETLR", state: dict[str, Any]) -> bool:

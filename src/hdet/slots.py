@@ -50,6 +50,12 @@ class Slots:
         self.num_slots = len(self.names)
         self.resize(world_size, redeal=False)  # rho (Eq. 1) and every slot's positions
         self.perms: list[list[int]] = [list(range(world_size)) for _ in range(self.num_slots)]  # rank r -> position
+        for j in range(self.num_lr_slots, self.num_slots):
+            # another hyperparameter starts from a permutation of its own, so that no two explored values are ranked
+            # alike across the replicas (then no window loss could tell their effects apart) before the controller
+            # deals them (Eq. 9) or, without it, for the whole run. The LR keeps the paper's start (replica r takes
+            # rho_r), and the dealer's stream is left as it is: the same on every replica, from the seed alone
+            self.perms[j] = Dealer(config.seed * 65_537 + j).permutation(world_size)
         self.bases: list[float] = [0.0] * self.num_slots  # in effect for the next step
         self.scheduled: list[float] = [0.0] * self.num_slots  # the base schedules' values now
         self.peak0 = 0.0  # the largest scheduled base of slot 0 so far (the fit controller's weight)
