@@ -419,7 +419,34 @@ def test_one_explored_object_for_every_replica_is_refused_and_one_each_works():
         seen.append(m.crit.label_smoothing)
         return m.crit(m(b[0]), b[1])
     eng.step([(torch.randn(2, 4), torch.tensor([0, 1]))] * 4, loss_fn)
-    assert seen == pytest.approx([0.05, 0.1 - 0.05 / 3, 0.1 + 0.05 / 3, 0.15])
+    assert sorted(seen) == pytest.approx([0.05, 0.1 - 0.05 / 3, 0.1 + 0.05 / 3, 0.15])
+    assert seen == pytest.approx([s.ensemble.all_values()[1][r] for r, s in enumerate(eng.schedulers)])
+
+
+def test_a_value_each_replica_keeps_in_a_float32_buffer_is_its_own():
+    """A vmap-safe Setter on a float32 buffer per replica (a temperature): its read-back differs from the value set
+    by float32 rounding, which was taken for one object serving every replica (refused with the wrong advice)."""
+    from torch import nn
+
+    from hdet.engine import ReplicaEngine
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 3)
+            self.register_buffer("temp", torch.tensor(1.0))
+
+        def forward(self, x):
+            return self.lin(x) / self.temp
+
+    def make(o, rep, m):
+        return hdet.HDETLR(o, None, 12, ensemble_lr_spread_ratio=0.2, model_sync_interval=5, replicas=rep, model=m,
+                           explore=[hdet.Setter("temperature", lambda: float(m.temp), lambda v: m.temp.fill_(v),
+                                                hdet.Spread("log", 0.5), vmap_safe=True)])
+    eng = ReplicaEngine(M(), 4, _sgd(0.1), make, mode="vmap")
+    temps = [float(m.temp) for m in eng.models]
+    assert temps == pytest.approx([s.ensemble.all_values()[1][r] for r, s in enumerate(eng.schedulers)], rel=1e-6)
+    assert len(set(temps)) == 4
 
 
 def test_the_record_reports_each_replicas_own_window_loss_after_a_non_finite_one():

@@ -82,6 +82,31 @@ def test_builtins_get_set_and_bad_input():
         hdet.HDETLR(opt, None, 10, explore=["dropout"])
     with pytest.raises(ValueError, match="cycle_momentum=False when exploring beta1"):
         hdet.OneCycleAutoLR(opt, max_lr=0.1, total_steps=10, explore=[AdamBeta(opt, 0)])
+    with pytest.raises(ValueError, match="cycle_momentum=False when exploring beta1"):  # HDETLR over a OneCycleLR too
+        adam = torch.optim.AdamW(m.parameters(), lr=0.1)
+        hdet.HDETLR(adam, torch.optim.lr_scheduler.OneCycleLR(adam, 0.1, total_steps=10), 10,
+                    explore=[AdamBeta(adam, 0)])
+    two = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.0), nn.Linear(3, 3), nn.Dropout(0.3))
+    with pytest.raises(ValueError, match=r"one p to explore as one value, but got p in \[0.0, 0.3\]"):
+        Dropout(two)  # every module would have been set to one value spread around the first's 0.0
+    assert Dropout(two[3]).get() == 0.3 and Dropout(two, base=0.1).get() == 0.0
+
+
+def test_a_log_schedule_that_reaches_zero_is_an_error_not_a_nan():
+    """A weight decay scheduled to 0 on a log spread: the paper controller took log(0) and set NaN on the optimizer
+    (the weights went non-finite a step later, and the run stopped at the next sync)."""
+    opt = torch.optim.AdamW(nn.Linear(3, 1).parameters(), lr=0.1, weight_decay=0.1)
+    wd = WeightDecay(opt, schedule=lambda t: 0.0 if t < 5 else 0.1)
+    with pytest.raises(ValueError, match=r"weight_decay/0's schedule to give a value > 0 .* at step 0, but it gave 0.0"):
+        hdet.HDETLR(opt, None, 20, explore=[wd])
+
+
+def test_exploring_label_smoothing_under_the_controller_says_what_to_pass():
+    crit = nn.CrossEntropyLoss(label_smoothing=0.1)
+    opt = torch.optim.SGD(nn.Linear(3, 1).parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="label smoothing raises a replica's loss by itself"):
+        hdet.HDETLR(opt, None, 20, enable_auto_lr=True, controller="paper", model_sync_interval=5, final_lr=0.01,
+                    explore=[LabelSmoothing(crit)])
 
 
 def test_values_spread_from_step_one_and_all_replicas_form_the_spread():

@@ -93,3 +93,34 @@ def test_sync_logger_writes_jsonl_tensorboard_and_callback(tmp_path):
     assert "controller" in lines[1] and len(lines[1]["controller"][0]["weights"]) == 4
     assert list((tmp_path / "tb").iterdir())
     assert not quiet.active and not (tmp_path / "other.jsonl").exists()  # replica 1 writes nothing
+
+
+def test_the_paper_controllers_record_gives_a_log_slots_base_in_its_own_units(tmp_path):
+    """SyncLogger wrote the paper controller's internal log(value) as the base of a log-spread slot (weight decay
+    -3.1 for 0.045) beside the record's natural bases."""
+    import json
+    import warnings
+
+    from torch import nn
+
+    from hdet.engine import ReplicaEngine
+
+    def make(o, rep, m):
+        return hdet.HDETLR(o, None, 20, ensemble_lr_spread_ratio=0.2, model_sync_interval=5, replicas=rep, model=m,
+                           enable_auto_lr=True, controller="paper", auto_lr_warmup_steps=5, final_lr=1e-3,
+                           explore=[hdet.WeightDecay(o), hdet.GradClip(1.0)])
+    eng = ReplicaEngine(nn.Linear(4, 1), 2, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.05),
+                        make, mode="loop")
+    log = hdet.SyncLogger(eng.schedulers[0], tmp_path / "syncs.jsonl")
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(10):
+            x = torch.randn(2, 8, 4, generator=g)
+            eng.step([(x[r], x[r].sum(1, keepdim=True)) for r in range(2)],
+                     lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    log.close()
+    rec = [json.loads(line) for line in (tmp_path / "syncs.jsonl").read_text().splitlines()][-1]
+    assert rec["controller"] and all(c["kind"] == "paper" for c in rec["controller"])
+    for j, c in enumerate(rec["controller"]):
+        assert c["base"] == pytest.approx(rec["bases"][j]) and c["base"] > 0, rec["names"][j]

@@ -59,7 +59,13 @@ class Hyperparameter:
         raise NotImplementedError
 
     def base(self, step: int) -> float:
-        return float(self.schedule(step)) if self.schedule is not None else self.initial
+        if self.schedule is None:
+            return self.initial
+        v = float(self.schedule(step))
+        if not math.isfinite(v) or (self.spread.kind == "log" and v <= 0):
+            want = "> 0 (a log spread: a scale; a 0 would make every replica's value 0 and the controller's NaN)"                 if self.spread.kind == "log" else "finite"
+            raise ValueError(f"Expected {self.name}'s schedule to give a value {want} at step {step}, but it gave {v!r}")
+        return v
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {self.spread})"
@@ -147,6 +153,11 @@ class Dropout(Hyperparameter):
         self.modules = [m for root in roots for m in root.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
         if not self.modules:
             raise ValueError("Expected at least one nn.Dropout module to explore, but found none")
+        ps = sorted({float(m.p) for m in self.modules})
+        if len(ps) > 1 and kw.get("base") is None and kw.get("schedule") is None:
+            raise ValueError(f"Expected nn.Dropout modules with one p to explore as one value, but got p in {ps}: every "
+                             "module would be set to one value spread around the first's. Pass the modules of one p "
+                             "(one Dropout per group of modules, each with its own name=), or base= for one value")
         super().__init__(name, Spread(kind, alpha, bounds), **kw)
 
     def get(self) -> float:

@@ -25,7 +25,7 @@ from .config import OPTIONS, HDETConfig, spreading
 from .controller import gamma_as_printed
 from .ensemble import Ensemble, SyncRecord
 from .guard import GuardSetting, SkipWatch
-from .hyper import AdamBeta, Hyperparameter
+from .hyper import AdamBeta, Hyperparameter, LabelSmoothing
 from .optimizers import check_optimizer, innermost
 from .replicas import DEFAULT_BUCKET_CAP_MB, Replicas, resolve_replicas
 from .slots import LRControl
@@ -86,6 +86,12 @@ class HDETLR(LRScheduler):
         self.optimizer = optimizer
         self._base, self._base_fn = _resolve_base(base, optimizer)
         explore = [explore] if isinstance(explore, Hyperparameter) else list(explore or ())
+        _check_cycled_beta1(getattr(self._base, "cycle_momentum", False), explore)
+        if config.enable_auto_lr and any(isinstance(h, LabelSmoothing) for h in explore):
+            warnings.warn("hdet: the controller compares the replicas' losses, and label smoothing raises a replica's "
+                          "loss by itself: pass step() (or the engine's loss_fn) the loss without smoothing, or the "
+                          "controller reads a lower smoothing as better and drives it to 0 (docs/explore.md)",
+                          stacklevel=2)
         _check_probe(config, probe, model, device_mesh)
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
         self._constant = [_float(g["lr"]) for g in optimizer.param_groups]
@@ -437,10 +443,7 @@ class OneCycleAutoLR(HDETLR):
                  three_phase: bool = False, last_epoch: int = -1, *, auto_lr_warmup_steps: int | None = None,
                  **kwargs: Any) -> None:
         explore = kwargs.get("explore") or ()
-        if cycle_momentum and any(isinstance(h, AdamBeta) and h.index == 0 for h in
-                                  ([explore] if isinstance(explore, Hyperparameter) else explore)):
-            raise ValueError("Expected cycle_momentum=False when exploring beta1 (AdamBeta(index=0)): "
-                             "OneCycleLR's momentum cycle would overwrite it")
+        _check_cycled_beta1(cycle_momentum, [explore] if isinstance(explore, Hyperparameter) else explore)
         total_steps, epochs, steps_per_epoch = (_as_int(x) for x in (total_steps, epochs, steps_per_epoch))
         base = OneCycleLR(optimizer, max_lr, total_steps=total_steps, epochs=epochs, steps_per_epoch=steps_per_epoch,
                           pct_start=pct_start, anneal_strategy=anneal_strategy, cycle_momentum=cycle_momentum,
@@ -458,6 +461,14 @@ class OneCycleAutoLR(HDETLR):
 
     def _onecycle_factors(self) -> tuple[float, float]:
         return self.div_factor, self.final_div_factor
+
+
+def _check_cycled_beta1(cycle_momentum: bool, explore: Sequence[Any]) -> None:
+    """A base schedule that cycles the momentum (OneCycleLR's, CyclicLR's) writes beta1 at every step: an explored
+    beta1 would be overwritten (or would drop the cycle) while the records show a spread."""
+    if cycle_momentum and any(isinstance(h, AdamBeta) and h.index == 0 for h in explore):
+        raise ValueError("Expected cycle_momentum=False when exploring beta1 (AdamBeta(index=0)): "
+                         "the base schedule's momentum cycle (OneCycleLR, CyclicLR) writes beta1 too")
 
 
 def _resolve_base(base: Any, optimizer: torch.optim.Optimizer) -> tuple[LRScheduler | None, Callable | None]:

@@ -34,7 +34,8 @@ def sync_record_dict(rec: SyncRecord) -> dict[str, Any]:
              "factor": c.factor, "base": c.base, "clamped": c.clamped, "probe_losses": c.losses}
             if c.kind == "fit" else
             {"kind": "paper", "weights": c.weights, "h_tilde": c.h_tilde, "h_bar": c.h_bar, "delta": c.delta,
-             "velocity": c.velocity, "base": c.new_base, "clamped": c.clamped}
+             "velocity": c.velocity, "base": c.base if c.base is not None else c.new_base, "clamped": c.clamped}
+            # (the base in the slot's own units: a log spread's controller works on log values)
             for c in rec.controller]
     return out
 
