@@ -34,6 +34,7 @@ def main():
     p.add_argument("--prepared", action="store_true", help="pass the HDET scheduler to accelerator.prepare, as a "
                    "user might: hdet must say that it is stepped twice per optimizer step")
     a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
     torch.set_num_threads(1)
     acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
     torch.manual_seed(0)

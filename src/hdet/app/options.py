@@ -64,8 +64,8 @@ class RunConfig:
     range_backoff: float = field(default=2.0, metadata=_cli(
         "range test: the peak LR is the LR of the last window that made progress over this"))
     warmup: int | None = field(default=None, metadata=_cli(
-        "auto-LR warmup steps, and the range test's length (default: the end of OneCycle's warm-up, 30%% of the run, "
-        "for the fit controller and the range test; half the run for the paper's)"))
+        "auto-LR warmup steps, and the range test's length (default: 30%% of the run, OneCycle's warm-up, rounded "
+        "down to a multiple of --T, for the fit controller and the range test; half the run for the paper's)"))
     max_lr: float | None = field(default=None, metadata=_cli(
         "OneCycle's peak learning rate (default 3e-3; with --optimizer dadapt-adam or prodigy 1, their documented "
         "use: it multiplies their own estimate of the step size)"))
