@@ -137,11 +137,12 @@ def test_an_explored_base_survives_an_optimizer_loaded_before_the_scheduler_is_b
     m, o, s = build()
     steps(m, o, s, 3)
     saved = roundtrip({"model": m.state_dict(), "opt": o.state_dict(), "sched": s.state_dict()})
-    assert o.param_groups[0]["weight_decay"] == pytest.approx(0.1)  # replica 1 of 2: the base x (1 + alpha)
+    own = o.param_groups[0]["weight_decay"]
+    assert own == pytest.approx(0.1) or own == pytest.approx(0.025)  # replica 1 of 2: the base x2 or /2
     full = steps(m, o, s, 3)
     m2, o2, s2 = build(saved["opt"], saved["sched"])
     m2.load_state_dict(saved["model"])
-    assert steps(m2, o2, s2, 3) == full == [pytest.approx(0.1)] * 3
+    assert steps(m2, o2, s2, 3) == full == [pytest.approx(own)] * 3
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), m2.parameters()))
     assert s2.ensemble.hypers[0].initial == pytest.approx(0.05)
 
