@@ -294,3 +294,25 @@ def test_loading_a_state_leaves_the_callers_dict_alone():
         again.step([batch(r, t) for r in range(2)], _loss)
     for st, b in zip(states, before):
         assert all(torch.equal(x, y) for x, y in zip(_tensors(st), b))
+
+
+def test_an_additive_slots_correction_does_not_wind_up_past_the_spreads_bounds():
+    """Dropout (additive, in [0, 0.999]) under the fit controller, the probe favouring lower values for 20 syncs:
+    the base sat clamped at 0 while the offset c ran on to -0.33, so after the signal reversed the base stayed at
+    0 for 10 more syncs (the paper controller, which clamps its own value, moved after 3)."""
+    import math
+
+    from hdet.slots import LRControl, Slots
+    from hdet.spread import Spread
+
+    cfg = hdet.HDETConfig(enable_auto_lr=True, controller="fit", model_sync_interval=1)
+    s = Slots(cfg, 4, ["lr/0"], [Spread("additive", 0.05, (0.0, 0.999))], ["dropout"])
+    s.apply_schedule([0.01, 0.02], 0)
+    bases = []
+    for k in range(30):
+        losses = [v if k < 20 else -v for v in s.values_of(1)]  # lower dropout better, then higher
+        s.control(losses, losses, LRControl(bounds=[(0, math.inf)]), 30)
+        s.apply_schedule([0.01, 0.02], 0)
+        bases.append(s.bases[1])
+        assert s.bases[1] + 1e-12 >= 0 and s.controllers[1].c >= -0.02 - 1e-12  # base 0.02 + c: never below 0
+    assert bases[19] == 0.0 and bases[20] > 0.0  # off the bound at the first sync after the reversal

@@ -155,6 +155,9 @@ class Slots:
                               window_losses=window_losses, probe_losses=probe_losses,
                               anchor=None if lr_slot else self.bases[j], weight=weight)
             step = ctrl.control(obs)
+            if isinstance(ctrl, FitController) and not ctrl.log_scale:  # an additive offset: no wind-up past the
+                lo, hi = self.spreads[j].bounds  # spread's bounds (the base is clamped there; c would run on)
+                ctrl.c = min(max(ctrl.c, lo - self.scheduled[j]), hi - self.scheduled[j])
             self.bases[j] = step.base = self._base(j)
             self.deal(j)
             steps.append(step)
