@@ -90,6 +90,8 @@ def test_builtins_get_set_and_bad_input():
     with pytest.raises(ValueError, match=r"one p to explore as one value, but got p in \[0.0, 0.3\]"):
         Dropout(two)  # every module would have been set to one value spread around the first's 0.0
     assert Dropout(two[3]).get() == 0.3 and Dropout(two, base=0.1).get() == 0.0
+    with pytest.raises(ValueError, match=r"weight_decay > 0 to explore, but every group of Adam has \[0\]"):
+        WeightDecay.per_group(torch.optim.Adam(m.parameters()))  # it returned [] (nothing explored, silently)
 
 
 def test_a_log_schedule_that_reaches_zero_is_an_error_not_a_nan():

@@ -107,8 +107,13 @@ class WeightDecay(_GroupValue):
 
     @classmethod
     def per_group(cls, optimizer: torch.optim.Optimizer, **kw: Any) -> list[WeightDecay]:
-        """One per param group whose weight decay is not 0 (a log spread of 0 stays 0)."""
-        return [cls(optimizer, j, **kw) for j, g in enumerate(optimizer.param_groups) if g.get("weight_decay")]
+        """One per param group whose weight decay is not 0 (a log spread of 0 stays 0); none is an error (nothing
+        would be explored, silently)."""
+        out = [cls(optimizer, j, **kw) for j, g in enumerate(optimizer.param_groups) if g.get("weight_decay")]
+        if not out:
+            raise ValueError(f"Expected a param group with weight_decay > 0 to explore, but every group of "
+                             f"{type(optimizer).__name__} has {[g.get('weight_decay') for g in optimizer.param_groups]}")
+        return out
 
     def get(self) -> float:
         return float(self.group["weight_decay"])
