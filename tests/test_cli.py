@@ -306,7 +306,7 @@ def test_compare_checks_every_row_before_it_trains(tmp_path, capsys):
     out.mkdir()
     (out / "compare.json").write_text("{}")  # an earlier comparison's table
     assert main(["compare", *TINY, "--steps", "20", "--T", "50", "--replicas", "2", "--out", str(out)]) == 2
-    assert "no sync step" in capsys.readouterr().err
+    assert "Expected a sync step" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["compare.json"]  # no pre-training, nothing removed
 
 
@@ -331,6 +331,11 @@ def test_flags_a_run_does_not_use_are_named(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["train", "--alpha", "0", "--explore", "lr-groups"], "--alpha > 0 with --explore lr-groups"),
+    (["train", "--seed", "-1"], "Expected --seed >= 0, but got -1"),
+    (["train", "--clip", "0"], "Expected --clip > 0, but got 0.0"),
+    (["train", "--alpha", "0.5", "--optimizer", "schedulefree-adamw"], "--alpha 0 with --optimizer schedulefree-adamw"),
+    (["train", "--width", "100"], "--width divisible by the GPT's number of heads (width // 32 = 3 for --width 100)"),
+    (["train", "--steps", "20", "--T", "50", "--auto-lr"], "a sync step (a multiple of --T 50) from the controller's"),
     (["train", "--out", __file__], f"Expected --out to be a folder, but {__file__} is a file"),
     (["plot", str(Path(__file__).parent), "--out", __file__], f"Expected --out to be a folder, but {__file__} is a file"),
 ])

@@ -160,6 +160,17 @@ def check(cfg: RunConfig) -> None:
                        "spread), but got --alpha 0")
     if cfg.optimizer not in OPTIMIZERS:
         raise RunError(f"Expected --optimizer in {', '.join(OPTIMIZERS)}, but got {cfg.optimizer!r}")
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:
+        raise RunError(f"Expected --seed >= 0, but got {cfg.seed!r}")
+    if not (cfg.clip > 0 and math.isfinite(cfg.clip)):
+        raise RunError(f"Expected --clip > 0, but got {cfg.clip}")
+    if cfg.optimizer == "schedulefree-adamw" and cfg.alpha > 0:
+        raise RunError(f"Expected --alpha 0 with --optimizer schedulefree-adamw (its LR also sets its averaging "
+                       f"weights, so a spread breaks them), but got --alpha {cfg.alpha}")
+    heads = max(1, cfg.width // 32)
+    if cfg.task == "bytes" and cfg.width % heads:
+        raise RunError(f"Expected --width divisible by the GPT's number of heads (width // 32 = {heads} for --width "
+                       f"{cfg.width}), e.g. {heads * 32} or {(heads + 1) * 32}")
     if cfg.init_from is not None and not Path(cfg.init_from).is_file():
         raise RunError(f"Expected --init-from to name a model.pt file, but {cfg.init_from} does not exist")
 

@@ -164,6 +164,10 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
         warmup = cfg.steps // 2
     if cfg.auto_lr and not 0 <= warmup < cfg.steps:
         raise RunError(f"Expected --warmup in [0, --steps) with --auto-lr, but got {warmup} (steps {cfg.steps})")
+    if cfg.auto_lr and max(cfg.T, -(-warmup // cfg.T) * cfg.T) > cfg.steps:
+        raise RunError(f"Expected a sync step (a multiple of --T {cfg.T}) from the controller's start (step {warmup}) "
+                       f"to --steps {cfg.steps} with --auto-lr, but there is none: the controller would never run. "
+                       "Lower --T or --warmup, or raise --steps")
     if cfg.range_test and not 2 * cfg.T <= warmup < cfg.steps:
         raise RunError(f"Expected --warmup (the range test's length) in [2 T, --steps) = [{2 * cfg.T}, {cfg.steps}) "
                        f"with --range-test, but got {warmup}")
