@@ -52,3 +52,40 @@ if __name__ == "__main__":
     test_no_host_sync_off_sync_steps()
     test_sync_debug_mode_catches_a_host_sync()
     print("2 passed, 0 failed")
+
+
+def test_under_fp16_and_grad_scaler_the_guard_takes_the_scalers_verdict_without_a_sync():
+    """fp16 autocast, torch.amp.GradScaler and a fused AdamW on CUDA: the skip guard makes no pass over the gradients
+    of its own (the scaler has checked every one) and adds no host sync; an overflowing step is skipped by both and
+    counted once; the scaler lowers its scale as usual."""
+    import hdet.guard as guard_mod
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard = guard_mod.SkipNonFiniteStep(opt)
+    reads = []
+    real = guard_mod._nonfinite
+    guard_mod._nonfinite = lambda grads, out: reads.append(len(grads)) or real(grads, out)
+    try:
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10)
+        x, y = torch.randn(32, 64, device=dev), torch.randn(32, 1, device=dev)
+        for t in range(1, 21):
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            if t == 10:
+                model[0].weight.grad[0, 0] = float("inf")  # an overflow
+            before = model[0].weight.detach().clone()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                scaler.step(opt)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            scaler.update()
+            assert torch.equal(model[0].weight, before) == (t == 10), t
+    finally:
+        guard_mod._nonfinite = real
+    assert reads == [] and float(guard.skipped) == 1.0 and scaler.get_scale() == 2.0 ** 9
