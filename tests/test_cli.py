@@ -255,7 +255,7 @@ def test_compare_without_rich_prints_plain_text(tmp_path, capsys, monkeypatch):
         monkeypatch.setitem(sys.modules, mod, None)  # import fails: the CLI must not need rich
     out = tmp_path / "cmp"
     assert main(["compare", *TINY, "--steps", "4", "--T", "2", "--replicas", "2", "--pretrain-steps", "2",
-                 "--out", str(out)]) == 0
+                 "--explore", "lr-groups", "--out", str(out)]) == 0  # (lr-groups: the alpha-0 rows leave it out)
     shown = capsys.readouterr().out
     assert "Table 1 layout" in shown and "HDET (full)" in shown and "Baseline-Low" in shown
 
@@ -361,3 +361,17 @@ def test_only_overlaid_runs_are_clipped_and_a_clip_is_said(tmp_path, monkeypatch
     plot.plot_losses([run, calm], tmp_path / "two.png")
     ax = figs[1].axes[0]
     assert ax.get_ylim()[1] == pytest.approx(3.0 * 1.05) and "clipped" in ax.texts[0].get_text()
+
+
+def test_tensorboard_missing_is_refused_before_anything_is_removed(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--replicas", "2", "--out", str(out)]) == 0
+    before = sorted(p.name for p in out.iterdir())
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    capsys.readouterr()
+    assert main(["train", *TINY, "--replicas", "2", "--tensorboard", "--out", str(out)]) == 2
+    assert "the tensorboard package for --tensorboard" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == before

@@ -316,3 +316,13 @@ def test_an_additive_slots_correction_does_not_wind_up_past_the_spreads_bounds()
         bases.append(s.bases[1])
         assert s.bases[1] + 1e-12 >= 0 and s.controllers[1].c >= -0.02 - 1e-12  # base 0.02 + c: never below 0
     assert bases[19] == 0.0 and bases[20] > 0.0  # off the bound at the first sync after the reversal
+    rec = s.controllers[1]
+    log_slot = Slots(cfg, 4, ["lr/0"], [Spread("log", 1.0, (0.0, 0.12))], ["wd"])  # a log spread, bounded above
+    log_slot.apply_schedule([0.01, 0.1], 0)
+    for k in range(10):
+        losses = [-v for v in log_slot.values_of(1)]  # higher is better: the base sits at the bound 0.12
+        steps = log_slot.control(losses, losses, LRControl(bounds=[(0, math.inf)]), 30)
+        log_slot.apply_schedule([0.01, 0.1], 0)
+        assert log_slot.controllers[1].c <= math.log(1.2) + 1e-12  # no further than the bound (it ran to log 32)
+    assert log_slot.bases[1] == pytest.approx(0.12) and steps[1].clamped and steps[1].factor == pytest.approx(1.2)
+    assert rec.c >= -0.02 - 1e-12

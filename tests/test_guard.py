@@ -232,10 +232,26 @@ def test_under_a_grad_scaler_the_guard_takes_its_verdict_and_reads_nothing(monke
         moved = not torch.equal(p, before[0])
         assert moved == (bad is None) and torch.equal(q, before[1]) != moved
         assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
-    assert calls == [] and float(guard.skipped) == 2.0
+    # after an explicit unscale_ (a clipping user) the scaler's verdict is from that call: the guard reads itself
+    assert calls == ([2] * 4 if unscale_first else []) and float(guard.skipped) == 2.0
     p.grad, q.grad = torch.ones(5), torch.full((3, 2), float("nan"))
+    calls.clear()
     opt.step()  # no scaler this time: the guard's own read decides
     assert calls == [2] and float(guard.skipped) == 3.0
+
+
+def test_a_gradient_turned_nan_after_the_scalers_unscale_is_still_caught():
+    """The scaler's found_inf after unscale_ is from that call: a gradient made non-finite between unscale_ and
+    step() stepped the weights into NaN when the guard took that verdict."""
+    p, q, opt = _setup()
+    guard = SkipNonFiniteStep(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(p.sum() + q.sum()).backward()
+    scaler.unscale_(opt)
+    q.grad[0, 0] = float("nan")
+    before = q.detach().clone()
+    scaler.step(opt)
+    assert torch.equal(q, before) and torch.isfinite(q).all() and float(guard.skipped) == 1.0
 
 
 def test_someone_elses_found_inf_without_a_grad_scale_is_not_taken_for_a_full_check(monkeypatch):

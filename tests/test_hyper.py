@@ -94,13 +94,42 @@ def test_builtins_get_set_and_bad_input():
         WeightDecay.per_group(torch.optim.Adam(m.parameters()))  # it returned [] (nothing explored, silently)
 
 
-def test_a_log_schedule_that_reaches_zero_is_an_error_not_a_nan():
-    """A weight decay scheduled to 0 on a log spread: the paper controller took log(0) and set NaN on the optimizer
-    (the weights went non-finite a step later, and the run stopped at the next sync)."""
+def test_a_log_schedule_that_reaches_zero_is_an_error_under_the_paper_controller_not_a_nan():
+    """A weight decay scheduled to 0 on a log spread: the paper controller, which works on log(value), set NaN on the
+    optimizer (the weights went non-finite a step later, and the run stopped at the next sync). Now a clear error at
+    that sync; without it (or with the fit controller) a schedule that ends at 0 gives every replica 0, as asked."""
+    import warnings
+
+    def run(**kw):
+        opt = torch.optim.AdamW(nn.Linear(3, 1).parameters(), lr=0.1, weight_decay=0.1)
+        wd = WeightDecay(opt, schedule=lambda t: 0.0 if t < 20 else 0.1)
+        s = hdet.HDETLR(opt, None, 40, model_sync_interval=5, replicas=ScriptedReplicas(0, 2), explore=[wd], **kw)
+        for _ in range(12):
+            opt.step()
+            s.step(torch.tensor(1.0))
+        return opt.param_groups[0]["weight_decay"]
+
+    assert run() == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"weight_decay/0's values > 0 under the paper controller.*reached 0"):
+            run(enable_auto_lr=True, controller="paper", auto_lr_warmup_steps=5, final_lr=0.01)
+
+
+def test_explored_hyperparameters_take_any_seed_and_numpy_bounds():
+    """A seed from time.time_ns() overflowed the first permutation's generator; numpy float32 bounds broke the
+    agreement check's fingerprint at the first sync."""
+    import numpy as np
+
     opt = torch.optim.AdamW(nn.Linear(3, 1).parameters(), lr=0.1, weight_decay=0.1)
-    wd = WeightDecay(opt, schedule=lambda t: 0.0 if t < 5 else 0.1)
-    with pytest.raises(ValueError, match=r"weight_decay/0's schedule to give a value > 0 .* at step 0, but it gave 0.0"):
-        hdet.HDETLR(opt, None, 20, explore=[wd])
+    hdet.HDETLR(opt, None, 10, replicas=ScriptedReplicas(0, 2), seed=1_800_000_000_000_000_000,
+                explore=[WeightDecay(opt)])
+    wd = WeightDecay(opt, bounds=(np.float32(0.0), np.float32(1.0)))
+    s = hdet.HDETLR(opt, None, 10, model_sync_interval=5, replicas=ScriptedReplicas(0, 2), explore=[wd])
+    for _ in range(5):
+        opt.step()
+        s.step(torch.tensor(1.0))
+    assert s.last_sync.step == 5
 
 
 def test_exploring_label_smoothing_under_the_controller_says_what_to_pass():

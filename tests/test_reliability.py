@@ -145,6 +145,10 @@ def test_an_explored_base_survives_an_optimizer_loaded_before_the_scheduler_is_b
     assert steps(m2, o2, s2, 3) == full == [pytest.approx(own)] * 3
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), m2.parameters()))
     assert s2.ensemble.hypers[0].initial == pytest.approx(0.05)
+    old = roundtrip(saved["sched"])
+    del old["hdet"]["hyper_bases"]  # a checkpoint from before the bases were saved
+    with pytest.warns(UserWarning, match="predates saved explored bases.*build the scheduler, then load"):
+        build(saved["opt"], old)
 
 
 # ------------------------------------------------------------ 3. the hook guard and fp16

@@ -191,8 +191,8 @@ class Ensemble:
         """The settings every replica must share, as one number exchanged at each sync: the HDET options
         (:meth:`HDETConfig.fingerprint`) and every explored hyperparameter's name, spread and unscheduled base
         (replicas that explore different things, or the same thing differently, would average silently)."""
-        hypers = [[h.name, h.spread.kind, h.spread.alpha, list(h.spread.bounds),
-                   None if h.schedule is not None else h.initial] for h in self.hypers]
+        hypers = [[h.name, h.spread.kind, float(h.spread.alpha), [float(b) for b in h.spread.bounds],
+                   None if h.schedule is not None else float(h.initial)] for h in self.hypers]
         if not hypers:
             return self.config.fingerprint()
         return zlib.crc32(json.dumps([self.config.fingerprint(), hypers]).encode())  # < 2**32: exact in float64

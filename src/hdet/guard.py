@@ -19,7 +19,8 @@ optimizer can skip a step on the device, i.e. every param group is ``fused``; ``
   untouched. Cost: one read of the gradients a step, or nothing when the step's gradient norm is handed
   over (:meth:`SkipNonFiniteStep.use_norm`, which ``HDETLR.clip_grad_norm_`` does): a clipping user
   has computed it anyway (measured in ``docs/cost.md``); nothing either under ``torch.amp.GradScaler``
-  (fp16), whose ``step`` has just checked every gradient and hands its verdict over as ``found_inf``.
+  (fp16), whose ``step`` has just checked every gradient and hands its verdict over as ``found_inf`` (not after
+  an explicit ``scaler.unscale_``, whose verdict may be stale by the step).
 
 With FSDP2/HSDP replicas (``device_mesh``) only "skip" exists: each rank checks its own gradient shards
 and the ranks agree through a MAX all_reduce of the flag over each mesh dimension.
@@ -87,11 +88,13 @@ def _nonfinite_scalar(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def _scaler_checked(optimizer: torch.optim.Optimizer, found_inf: Any) -> bool:
-    """Whether ``found_inf`` is the verdict of ``torch.amp.GradScaler.step`` on every gradient of ``optimizer``:
-    for a fused optimizer the scaler sets ``grad_scale`` (a tensor, or None once unscaled) and ``found_inf``
-    (the sum of its per-device checks, by ``unscale_`` or its own check of every gradient) just before
-    ``optimizer.step()``, and deletes both after it."""
-    return isinstance(found_inf, torch.Tensor) and found_inf.dim() == 0 and hasattr(optimizer, "grad_scale")
+    """Whether ``found_inf`` is the verdict of ``torch.amp.GradScaler.step`` on every gradient of ``optimizer`` as
+    they are now: for a fused optimizer whose gradients are still scaled, the scaler checks every gradient in
+    ``step`` and sets ``grad_scale`` (a tensor) and ``found_inf`` just before ``optimizer.step()`` (and deletes both
+    after it). After an explicit ``scaler.unscale_`` (``grad_scale`` None) the verdict is from that call, and the
+    gradients may have changed since: the guard then reads them itself."""
+    return (isinstance(found_inf, torch.Tensor) and found_inf.dim() == 0
+            and isinstance(getattr(optimizer, "grad_scale", None), torch.Tensor))
 
 
 def _unchanged(seen: list[tuple[torch.Tensor, int]], groups: dict[Any, list[torch.Tensor]]) -> bool:

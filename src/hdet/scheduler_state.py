@@ -54,6 +54,12 @@ def load(s: "HDETLR", state: dict[str, Any]) -> None:
     # this replica's spread value, and the spread would compound on it (states of hdet <= 0.1 have none)
     for h, b in zip(s.ensemble.hypers, hdet_state.get("hyper_bases") or []):
         h.initial = float(b)
+    if s.ensemble.hypers and "hyper_bases" not in hdet_state:
+        warnings.warn("hdet: this checkpoint predates saved explored bases: each explored hyperparameter keeps the "
+                      "base it read when this scheduler was built. If the optimizer was loaded before the scheduler "
+                      "was built, that is this replica's spread value, and the replicas will disagree at the next "
+                      "sync (ReplicaMismatchError): build the scheduler, then load the optimizer and the scheduler",
+                      stacklevel=3)
     for key in OWN:
         if key in state:
             setattr(s, key, state[key])

@@ -89,9 +89,9 @@ class HDETLR(LRScheduler):
         _check_cycled_beta1(getattr(self._base, "cycle_momentum", False), explore)
         if config.enable_auto_lr and any(isinstance(h, LabelSmoothing) for h in explore):
             warnings.warn("hdet: the controller compares the replicas' losses, and label smoothing raises a replica's "
-                          "loss by itself: pass step() (or the engine's loss_fn) the loss without smoothing, or the "
-                          "controller reads a lower smoothing as better and drives it to 0 (docs/explore.md)",
-                          stacklevel=2)
+                          "loss by itself: give it the loss without smoothing (the fit controller reads probe(model): "
+                          "compute it without smoothing; the paper's reads what step() gets), or it reads a lower "
+                          "smoothing as better and drives it to 0 (docs/explore.md)", stacklevel=2)
         _check_probe(config, probe, model, device_mesh)
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
         self._constant = [_float(g["lr"]) for g in optimizer.param_groups]

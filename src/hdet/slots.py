@@ -51,11 +51,12 @@ class Slots:
         self.resize(world_size, redeal=False)  # rho (Eq. 1) and every slot's positions
         self.perms: list[list[int]] = [list(range(world_size)) for _ in range(self.num_slots)]  # rank r -> position
         for j in range(self.num_lr_slots, self.num_slots):
-            # another hyperparameter starts from a permutation of its own, so that no two explored values are ranked
-            # alike across the replicas (then no window loss could tell their effects apart) before the controller
-            # deals them (Eq. 9) or, without it, for the whole run. The LR keeps the paper's start (replica r takes
-            # rho_r), and the dealer's stream is left as it is: the same on every replica, from the seed alone
-            self.perms[j] = Dealer(config.seed * 65_537 + j).permutation(world_size)
+            # another hyperparameter starts from a permutation of its own, drawn independently of the others' (with
+            # every slot at the identity, replica 0 held the lowest value of everything, and no window loss could
+            # tell their effects apart) until the controller deals them (Eq. 9), or for the whole run without it.
+            # The LR keeps the paper's start (replica r takes rho_r), and the dealer's stream is left as it is: the
+            # same on every replica, from the seed alone
+            self.perms[j] = Dealer((config.seed * 65_537 + j) % 2 ** 63).permutation(world_size)
         self.bases: list[float] = [0.0] * self.num_slots  # in effect for the next step
         self.scheduled: list[float] = [0.0] * self.num_slots  # the base schedules' values now
         self.peak0 = 0.0  # the largest scheduled base of slot 0 so far (the fit controller's weight)
@@ -154,14 +155,34 @@ class Slots:
             obs = Observation(values=self.values_of(j), offsets=self.offsets_of(j),
                               window_losses=window_losses, probe_losses=probe_losses,
                               anchor=None if lr_slot else self.bases[j], weight=weight)
+            if isinstance(ctrl, PaperController) and ctrl.log_space and min(obs.values) <= 0:
+                raise ValueError(f"Expected {self.names[j]}'s values > 0 under the paper controller, which works on "
+                                 f"their logs (a log spread), but got {obs.values} (its schedule reached 0): keep the "
+                                 "schedule above 0, or use the fit controller")
             step = ctrl.control(obs)
-            if isinstance(ctrl, FitController) and not ctrl.log_scale:  # an additive offset: no wind-up past the
-                lo, hi = self.spreads[j].bounds  # spread's bounds (the base is clamped there; c would run on)
-                ctrl.c = min(max(ctrl.c, lo - self.scheduled[j]), hi - self.scheduled[j])
+            if isinstance(ctrl, FitController) and not lr_slot:
+                self._no_windup(j, ctrl, step)
             self.bases[j] = step.base = self._base(j)
             self.deal(j)
             steps.append(step)
         return steps
+
+    def _no_windup(self, j: int, ctrl: FitController, step: ControllerStep) -> None:
+        """Keep slot ``j``'s correction where the base stays inside the spread's bounds: the base is clamped there, and
+        a correction that ran on past them would hold it at the bound for syncs after the signal turned."""
+        lo, hi = self.spreads[j].bounds
+        s = self.scheduled[j]
+        if ctrl.log_scale:
+            if s <= 0:
+                return
+            c_lo, c_hi = (math.log(lo / s) if lo > 0 else -math.inf), (math.log(hi / s) if hi < math.inf else math.inf)
+        else:
+            c_lo, c_hi = lo - s, hi - s
+        c = min(max(ctrl.c, c_lo), c_hi)
+        if c != ctrl.c:
+            ctrl.c = c
+            step.factor = step.new_base = ctrl.factor  # the record says what is in effect
+            step.clamped = True
 
     def _new_controller(self, j: int, lr: LRControl, K: float) -> Controller:
         """Slot ``j``'s controller, started from its current base (the registry's kind in the config)."""

@@ -32,12 +32,19 @@ def compare(base: RunConfig, lr_low: float, lr_high: float, pretrain_steps: int,
             say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the six configurations into ``base.out``/<n>-<name>; write ``compare.json``; return it."""
     out = Path(base.out)
+    pre = dataclasses.replace(base, replicas=1, alpha=0.0, auto_lr=False, warm_init=False, init_from=None,
+                              explore=tuple(e for e in base.explore if e != "lr-groups"),
+                              steps=pretrain_steps, max_lr=lr_low, seed=base.seed + 1, out=str(out / "pretrain"),
+                              label="pretrain")
+    train(pre, dry_run=True)
     rows = []
     for i, (name, desc, o) in enumerate(ABLATIONS, 1):
         lr = lr_low if o["lr"] == "low" else lr_high
         folder = f"{i}-{name.lower().replace(' ', '-').replace('/', '').replace('(', '').replace(')', '')}"
+        alpha = o.get("alpha", base.alpha)
         cfg = dataclasses.replace(
-            base, alpha=o.get("alpha", base.alpha), max_lr=lr, auto_lr=o.get("auto", False),
+            base, alpha=alpha, max_lr=lr, auto_lr=o.get("auto", False),
+            explore=base.explore if alpha > 0 else tuple(e for e in base.explore if e != "lr-groups"),
             warm_init=o.get("warm", False), init_from=str(out / "pretrain" / "model.pt") if o.get("warm") else None,
             T=base.steps if o.get("no_avg") else base.T, out=str(out / folder), label=name)
         train(dataclasses.replace(cfg, init_from=None), dry_run=True)  # every row's options checked (the warm
@@ -45,9 +52,6 @@ def compare(base: RunConfig, lr_low: float, lr_high: float, pretrain_steps: int,
         rows.append((i, name, desc, lr, folder, cfg))
     check_out(out)
     (out / "compare.json").unlink(missing_ok=True)  # an earlier comparison's table goes with its first row
-    pre = dataclasses.replace(base, replicas=1, alpha=0.0, auto_lr=False, warm_init=False, init_from=None,
-                              steps=pretrain_steps, max_lr=lr_low, seed=base.seed + 1, out=str(out / "pretrain"),
-                              label="pretrain")
     say(f"Warm init needs a checkpoint: pre-training one replica for {pretrain_steps} steps at LR {lr_low:g} "
         f"-> {pre.out}/model.pt (the warm rows start from it).")
     train(pre, argv=["(compare pretrain)"])

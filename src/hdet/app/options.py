@@ -4,6 +4,7 @@ help), its checks, and the device choice."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,7 +84,7 @@ class RunConfig:
         "eagerly, with a warning, where compile fails)"))
     seed: int = field(default=0, metadata=_cli("seed of the model, the data and the permutations"))
     out: str = field(default="runs/latest", metadata=_cli("output folder"))
-    eval_every: int | None = field(default=None, metadata=_cli("validate every ~N steps (at syncs; default T)"))
+    eval_every: int | None = field(default=None, metadata=_cli("validate every ~N steps, at syncs (default: T)"))
     tensorboard: bool = field(default=False, metadata=_cli("also write TensorBoard events to OUT/tb",
                                                            action="store_true"))
     progress: bool = field(default=True, metadata=_cli("no progress bar (default: a progress bar on the terminal)",
@@ -171,6 +172,9 @@ def check(cfg: RunConfig) -> None:
     if cfg.task == "bytes" and cfg.width % heads:
         raise RunError(f"Expected --width divisible by the GPT's number of heads (width // 32 = {heads} for --width "
                        f"{cfg.width}), e.g. {heads * 32} or {(heads + 1) * 32}")
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise RunError("Expected the tensorboard package for --tensorboard (pip install tensorboard), but it is not "
+                       "installed")
     if cfg.init_from is not None and not Path(cfg.init_from).is_file():
         raise RunError(f"Expected --init-from to name a model.pt file, but {cfg.init_from} does not exist")
 
