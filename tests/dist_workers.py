@@ -706,3 +706,37 @@ def hsdp_one_file_resume(rank, world, *, stop=7, T=5):
         warnings.simplefilter("always")
         s.load_state_dict(box[0])
     return {"warned": [str(w.message) for w in seen if "middle of a window" in str(w.message)]}
+
+
+def local_skip_guard_nan(rank, world, poison_at=3, steps=40, T=40):
+    """Local mode (DDP's no_sync() every step) with a fused Adam, so the default "skip" guard: rank 1's weight is NaN
+    from step ``poison_at``. Returns the syncs' recovered replicas, the guard's kind, whether every weight is finite
+    at the end, the weights, and the warnings seen."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+    ddp = DDP(model)
+    o = torch.optim.Adam(ddp.parameters(), lr=0.01, fused=True)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=steps, ensemble_lr_spread_ratio=0.2, model_sync_interval=T,
+                            model=ddp)
+    recovered = []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for t in range(1, steps + 1):
+            if t == poison_at and rank == 1:
+                with torch.no_grad():
+                    model[0].weight[0, 0] = float("nan")
+            x = torch.randn(world, 8, 3, generator=torch.Generator().manual_seed(t))[rank]
+            with ddp.no_sync():
+                loss = nn.functional.mse_loss(ddp(x), x[..., :1].sin())
+                o.zero_grad()
+                loss.backward()
+            o.step()
+            s.step(loss)
+            if s.is_sync_step(t):
+                recovered.append((t, list(s.last_sync.recovered)))
+    return {"recovered": recovered, "guard": s.gradient_guard, "skipped": float(s.skip_guard.skipped),
+            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+            "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+            "warnings": [str(w.message) for w in seen]}

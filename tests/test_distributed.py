@@ -176,6 +176,24 @@ def test_a_recovery_on_gloo_leaves_the_healthy_replicas_moments_alone():
     assert not torch.allclose(res[0]["exp_avg_sq"], res[2]["exp_avg_sq"])
 
 
+def _local_skip_guard(rank, world):
+    from dist_workers import local_skip_guard_nan
+
+    return local_skip_guard_nan(rank, world)
+
+
+def test_local_mode_under_the_skip_guard_resets_a_nan_replica_at_the_converge_step():
+    """Local mode with a fused optimizer (the "skip" guard): only the NaN replica skips its steps, and its stall
+    detector started an early recovery (a collective) on that rank alone, which met the others' converge step: the
+    run stopped with a mismatch error naming steps [40, 30]. Now the converge step resets it and training goes on."""
+    res = check_ok(run_gloo(_local_skip_guard, 2))
+    for r in res:
+        assert r["guard"] == "skip" and r["finite"], r
+        assert r["recovered"] == [(40, [1])], r["recovered"]
+    assert torch.equal(res[0]["weights"], res[1]["weights"])  # the run's last step is a converge step
+    assert res[1]["skipped"] == 38.0 and res[0]["skipped"] == 0.0  # rank 1 skipped its own steps 3-40
+
+
 def _fault(rank, world, kw):
     from dist_workers import fault_injection
 

@@ -664,3 +664,28 @@ def test_a_constant_lambda_schedule_gives_the_paper_controller_no_floor():
         s = HDETLR(o, torch.optim.lr_scheduler.LambdaLR(o, lam), total_steps=40, model_sync_interval=5,
                    enable_auto_lr=True, controller="paper", final_lr=None, replicas=ScriptedReplicas(0, 4))
         assert s._bounds(None) == [(pytest.approx(low), math.inf)]
+
+
+def test_a_missed_scheduler_step_is_said_once():
+    """A replica that skips scheduler.step() after an optimizer step runs its schedule and converge steps behind its
+    training; in local mode (no gradient all-reduce) nothing else notices, and it is averaged with the others at
+    another step. The next scheduler.step() says so (once); a loop that steps both every time is silent."""
+    import warnings
+
+    m = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sched = hdet.HDETLR(opt, None, 20, model_sync_interval=100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            opt.step()
+            sched.step()
+    opt.step()
+    opt.step()  # the scheduler missed this one
+    with pytest.warns(UserWarning, match=r"optimizer.step\(\) ran 2 times since the previous scheduler.step\(\)"):
+        sched.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+        opt.step()
+        sched.step()  # said once

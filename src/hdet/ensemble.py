@@ -472,7 +472,9 @@ class Ensemble:
             self.replicas.average_(tensors, exclude=exclude, **({} if into is None else {"into": into}))
         except ReplicaSyncError as e:
             raise ReplicaSyncError(f"hdet: the converge step after optimizer step {t} failed while averaging: "
-                                   f"{e}") from e
+                                   f"{e}. This process's weights may hold a partial average (an all-reduce in place) "
+                                   "and its scheduler is half-stepped: resume every replica from the last "
+                                   "checkpoint") from e
 
     # ----------------------------------------------------------------- state (hdet.ensemble_state)
     def state_dict(self) -> dict[str, Any]:

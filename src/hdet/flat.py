@@ -25,7 +25,8 @@ def contiguous_parameters_(module: nn.Module) -> dict[tuple[torch.device, torch.
 
     Call it after moving the module to its device and before wrapping it (DDP, torch.compile) and
     building the optimizer; a later ``module.to(...)`` gives each parameter its own storage again (the
-    averaging then falls back to copying through buckets: slower, same result). Gradients keep their
+    averaging then falls back to copying through buckets: slower, the same result up to the order of the sums at
+    more than 2 replicas). Gradients keep their
     own layout (DDP's ``gradient_as_bucket_view`` handles those)."""
     groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
     for p in module.parameters():

@@ -142,7 +142,17 @@ class SkipNonFiniteStep:
         self._norm: tuple[torch.Tensor, list[tuple[torch.Tensor, int]]] | None = None  # use_norm: (norm, versions)
         self._saved: list[Any] = []  # per step in flight: the found_inf to restore (None: there was none)
         self._mine: torch.Tensor | None = None  # the found_inf this guard set last
+        self.local = False  # a step whose gradients were not all-reduced was seen (DDP's no_sync: local mode)
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
+
+    def watch_ddp(self, ddp: Any) -> None:
+        """Note, at each forward of ``ddp``, whether its backward all-reduces the gradients (not inside
+        ``ddp.no_sync()``): after one that does not, replicas skip steps on their own, and :class:`SkipWatch`'s
+        early recovery (a collective that every replica must enter) is left to the converge step."""
+        def note(module: Any, args: Any) -> None:
+            if not module.require_backward_grad_sync:
+                self.local = True
+        self._handles.append(ddp.register_forward_pre_hook(note))
 
     def use_norm(self, total_norm: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
         """The next step's verdict comes from ``total_norm``, a norm of ``grads`` (what
@@ -234,8 +244,8 @@ class SkipWatch:
         self._seen: float | None = 0.0  # the counter at the copy before (none yet: after a reset)
 
     def poll(self, t: int) -> bool:
-        if t % self.every:
-            return False
+        if t % self.every or self.guard.local:  # local mode: each replica skips on its own, and an early recovery
+            return False  # (a collective) would be entered by some replicas only: the converge step resets them
         stalled = self._read()
         self._snapshot()
         return stalled
@@ -340,6 +350,8 @@ class GuardSetting:
             mesh = self.device_mesh
             groups = [mesh.get_group(i) for i in range(mesh.ndim)] if sharded else []
             self.skip = SkipNonFiniteStep(self.optimizer, agree_over=groups)
+            if ddp:
+                self.skip.watch_ddp(model)
             self.watch = SkipWatch(self.skip)
             self.installed = "skip"
         elif guard == "hook" and ddp and install_gradient_guard(model, self.process_group):

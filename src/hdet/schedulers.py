@@ -117,7 +117,7 @@ class HDETLR(LRScheduler):
         # with none in between is what a prepared Accelerate scheduler does (num_processes calls per step)
         self._opt_steps = self._opt_steps_seen = 0
         self._opt_hook = innermost(optimizer).register_step_post_hook(self._count_optimizer_step)
-        self._warned_double_step = False
+        self._warned_double_step = self._warned_missed_step = False
         super().__init__(optimizer, last_epoch)
 
     # -- the base schedule ----------------------------------------------------------------------
@@ -214,6 +214,14 @@ class HDETLR(LRScheduler):
                 "optimizer steps: its converge steps and schedule now run ahead of training. Causes: a scheduler "
                 "passed to accelerator.prepare() (stepped num_processes times per optimizer step: do not prepare "
                 "it), or a step skipped by GradScaler (then skip scheduler.step() too)", stacklevel=4)
+        if self._opt_steps > self._opt_steps_seen + 1 and not self._warned_missed_step:
+            self._warned_missed_step = True
+            warnings.warn(
+                f"hdet: optimizer.step() ran {self._opt_steps - self._opt_steps_seen} times since the previous "
+                "scheduler.step(). HDET counts optimizer steps by its scheduler: this replica's schedule and converge "
+                "steps now run behind its training, and in local mode (no gradient all-reduce) it would be averaged "
+                "with the others at another step without any other error. Call scheduler.step() after every "
+                "optimizer.step(), on every replica", stacklevel=4)
         self._opt_steps_seen = self._opt_steps
 
     # -- LRScheduler ----------------------------------------------------------------------------

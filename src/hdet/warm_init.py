@@ -30,8 +30,9 @@ def warm_init_(
     ``scope="tensor"`` uses each tensor's own ``nu * ||theta|| / sqrt(numel)`` (the reference README).
 
     Args:
-        params: this replica's module (the DDP-wrapped one's ``.module``: its trainable parameters; frozen ones,
-            which no converge step averages, are left as they are) or the tensors to perturb.
+        params: this replica's module (the DDP-wrapped one's ``.module``: its trainable parameters; frozen ones are
+            left as they are, equal on every replica, and a converge step keeps them so up to rounding) or the
+            tensors to perturb.
         rank: this replica's index (default: the process group's rank, 0 without one).
         nu: the noise scale of Eq. 10.
         seed: replica ``r`` draws from a generator seeded ``seed + r``.
