@@ -666,26 +666,46 @@ def test_a_constant_lambda_schedule_gives_the_paper_controller_no_floor():
         assert s._bounds(None) == [(pytest.approx(low), math.inf)]
 
 
-def test_a_missed_scheduler_step_is_said_once():
-    """A replica that skips scheduler.step() after an optimizer step runs its schedule and converge steps behind its
-    training; in local mode (no gradient all-reduce) nothing else notices, and it is averaged with the others at
-    another step. The next scheduler.step() says so (once); a loop that steps both every time is silent."""
+def test_a_missed_scheduler_step_in_local_mode_is_said_once(tmp_path):
+    """In local mode (DDP's no_sync every step) a replica that skips scheduler.step() after an optimizer step runs
+    its schedule and converge steps behind its training, and nothing else notices: it is averaged with the others
+    at another step. Its next scheduler.step() says so (once). A loop that steps both every time is silent, and so
+    is DDP with all-reduced gradients (where every replica skips alike, e.g. a step GradScaler skipped)."""
     import warnings
 
-    m = torch.nn.Linear(3, 1)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    sched = hdet.HDETLR(opt, None, 20, model_sync_interval=100)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for _ in range(3):
-            opt.step()
-            sched.step()
-    opt.step()
-    opt.step()  # the scheduler missed this one
-    with pytest.warns(UserWarning, match=r"optimizer.step\(\) ran 2 times since the previous scheduler.step\(\)"):
-        sched.step()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        opt.step()
-        opt.step()
-        sched.step()  # said once
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from helpers import file_init_method
+
+    dist.init_process_group("gloo", init_method=file_init_method(str(tmp_path)), rank=0, world_size=1)
+    try:
+        for local in (False, True):
+            m = DDP(torch.nn.Linear(3, 1))
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            sched = hdet.HDETLR(opt, None, 20, model_sync_interval=100, model=m)
+
+            def step(sched_too=True):
+                with m.no_sync() if local else torch.enable_grad():
+                    m(torch.ones(2, 3)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                if sched_too:
+                    sched.step()
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                for _ in range(3):
+                    step()
+                step(sched_too=False)  # the scheduler misses this one
+                if not local:
+                    step()
+                    continue
+            with pytest.warns(UserWarning, match=r"optimizer.step\(\) ran 2 times since the previous scheduler"):
+                step()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                step(sched_too=False)
+                step()  # said once
+    finally:
+        dist.destroy_process_group()

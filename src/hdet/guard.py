@@ -145,15 +145,6 @@ class SkipNonFiniteStep:
         self.local = False  # a step whose gradients were not all-reduced was seen (DDP's no_sync: local mode)
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 
-    def watch_ddp(self, ddp: Any) -> None:
-        """Note, at each forward of ``ddp``, whether its backward all-reduces the gradients (not inside
-        ``ddp.no_sync()``): after one that does not, replicas skip steps on their own, and :class:`SkipWatch`'s
-        early recovery (a collective that every replica must enter) is left to the converge step."""
-        def note(module: Any, args: Any) -> None:
-            if not module.require_backward_grad_sync:
-                self.local = True
-        self._handles.append(ddp.register_forward_pre_hook(note))
-
     def use_norm(self, total_norm: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
         """The next step's verdict comes from ``total_norm``, a norm of ``grads`` (what
         ``torch.nn.utils.clip_grad_norm_`` returns; any p-norm is non-finite when one element is), instead of
@@ -336,10 +327,23 @@ class GuardSetting:
         self.guard, self.process_group, self.device_mesh = guard, process_group, device_mesh
         self.optimizer, self.world_size = optimizer, world_size
         self.installed: str | None = None  # "hook" or "skip"
+        self.local = False  # a forward of the DDP model inside ddp.no_sync() was seen (local mode)
+        self._local_hook: Any = None
         self.skip: SkipNonFiniteStep | None = None
         self.watch: SkipWatch | None = None  # early recovery when the skip guard stalls every replica
 
+    def _note_local(self, module: Any, args: Any) -> None:
+        """A forward of the DDP model: inside ``ddp.no_sync()`` its backward all-reduces nothing (local mode), so
+        replicas skip steps on their own and :class:`SkipWatch`'s early recovery (a collective that every replica
+        must enter) is left to the converge step."""
+        if not module.require_backward_grad_sync and not self.local:
+            self.local = True
+            if self.skip is not None:
+                self.skip.local = True
+
     def install(self, model: Any) -> None:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and self._local_hook is None:
+            self._local_hook = model.register_forward_pre_hook(self._note_local)
         ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.world_size > 1
         sharded = self.device_mesh is not None and self.world_size > 1
         if self.installed is not None or not (ddp or sharded):
@@ -350,8 +354,7 @@ class GuardSetting:
             mesh = self.device_mesh
             groups = [mesh.get_group(i) for i in range(mesh.ndim)] if sharded else []
             self.skip = SkipNonFiniteStep(self.optimizer, agree_over=groups)
-            if ddp:
-                self.skip.watch_ddp(model)
+            self.skip.local = self.local
             self.watch = SkipWatch(self.skip)
             self.installed = "skip"
         elif guard == "hook" and ddp and install_gradient_guard(model, self.process_group):

@@ -214,14 +214,15 @@ class HDETLR(LRScheduler):
                 "optimizer steps: its converge steps and schedule now run ahead of training. Causes: a scheduler "
                 "passed to accelerator.prepare() (stepped num_processes times per optimizer step: do not prepare "
                 "it), or a step skipped by GradScaler (then skip scheduler.step() too)", stacklevel=4)
-        if self._opt_steps > self._opt_steps_seen + 1 and not self._warned_missed_step:
+        if self._opt_steps > self._opt_steps_seen + 1 and self._guard.local and not self._warned_missed_step:
+            # (local mode only: under DDP every replica skips alike, e.g. a step GradScaler skipped on the device)
             self._warned_missed_step = True
             warnings.warn(
                 f"hdet: optimizer.step() ran {self._opt_steps - self._opt_steps_seen} times since the previous "
                 "scheduler.step(). HDET counts optimizer steps by its scheduler: this replica's schedule and converge "
-                "steps now run behind its training, and in local mode (no gradient all-reduce) it would be averaged "
-                "with the others at another step without any other error. Call scheduler.step() after every "
-                "optimizer.step(), on every replica", stacklevel=4)
+                "steps now run behind its training, and in local mode (no gradient all-reduce) it is averaged with the "
+                "others at another step without any other error. Call scheduler.step() after every optimizer.step(), "
+                "on every replica", stacklevel=4)
         self._opt_steps_seen = self._opt_steps
 
     # -- LRScheduler ----------------------------------------------------------------------------
