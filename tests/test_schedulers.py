@@ -709,3 +709,33 @@ def test_a_missed_scheduler_step_in_local_mode_is_said_once(tmp_path):
                 step()  # said once
     finally:
         dist.destroy_process_group()
+
+
+def test_gradient_accumulation_under_ddp_is_not_local_mode(tmp_path):
+    """no_sync() on the micro-steps of an accumulation whose last micro-step syncs: the optimizer steps on all-reduced
+    gradients, so a step the scheduler misses (e.g. after GradScaler skipped it) is not the local-mode warning."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from helpers import file_init_method
+
+    dist.init_process_group("gloo", init_method=file_init_method(str(tmp_path)), rank=0, world_size=1)
+    try:
+        m = DDP(torch.nn.Linear(3, 1))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        sched = hdet.HDETLR(opt, None, 20, model_sync_interval=100, model=m)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for k in range(4):
+                for micro in range(3):
+                    with m.no_sync() if micro < 2 else torch.enable_grad():
+                        m(torch.ones(2, 3)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                if k != 1:  # the scheduler misses the second optimizer step
+                    sched.step()
+        assert not sched._guard.local
+    finally:
+        dist.destroy_process_group()

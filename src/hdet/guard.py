@@ -142,7 +142,7 @@ class SkipNonFiniteStep:
         self._norm: tuple[torch.Tensor, list[tuple[torch.Tensor, int]]] | None = None  # use_norm: (norm, versions)
         self._saved: list[Any] = []  # per step in flight: the found_inf to restore (None: there was none)
         self._mine: torch.Tensor | None = None  # the found_inf this guard set last
-        self.local = False  # a step whose gradients were not all-reduced was seen (DDP's no_sync: local mode)
+        self.local = False  # the last forward's gradients are not all-reduced (inside DDP's no_sync: local mode)
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 
     def use_norm(self, total_norm: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
@@ -327,19 +327,19 @@ class GuardSetting:
         self.guard, self.process_group, self.device_mesh = guard, process_group, device_mesh
         self.optimizer, self.world_size = optimizer, world_size
         self.installed: str | None = None  # "hook" or "skip"
-        self.local = False  # a forward of the DDP model inside ddp.no_sync() was seen (local mode)
+        self.local = False  # the DDP model's last forward ran inside ddp.no_sync() (local mode, at an optimizer step)
         self._local_hook: Any = None
         self.skip: SkipNonFiniteStep | None = None
         self.watch: SkipWatch | None = None  # early recovery when the skip guard stalls every replica
 
     def _note_local(self, module: Any, args: Any) -> None:
-        """A forward of the DDP model: inside ``ddp.no_sync()`` its backward all-reduces nothing (local mode), so
+        """At each forward of the DDP model: inside ``ddp.no_sync()`` its backward all-reduces nothing. When the
+        optimizer steps on such gradients (local mode; not gradient accumulation, whose last micro-step syncs),
         replicas skip steps on their own and :class:`SkipWatch`'s early recovery (a collective that every replica
         must enter) is left to the converge step."""
-        if not module.require_backward_grad_sync and not self.local:
-            self.local = True
-            if self.skip is not None:
-                self.skip.local = True
+        self.local = not module.require_backward_grad_sync
+        if self.skip is not None:
+            self.skip.local = self.local
 
     def install(self, model: Any) -> None:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel) and self._local_hook is None:
