@@ -166,8 +166,8 @@ def check(cfg: RunConfig) -> None:
     if not (cfg.clip > 0 and math.isfinite(cfg.clip)):
         raise RunError(f"Expected --clip > 0, but got {cfg.clip}")
     if cfg.optimizer == "schedulefree-adamw" and cfg.alpha > 0:
-        raise RunError(f"Expected --alpha 0 with --optimizer schedulefree-adamw (its LR also sets its averaging "
-                       f"weights, so a spread breaks them), but got --alpha {cfg.alpha}")
+        raise RunError(f"Expected --alpha 0 with --optimizer schedulefree-adamw (Schedule-Free: its LR also sets its "
+                       f"averaging weights, so a spread breaks them), but got --alpha {cfg.alpha}")
     heads = max(1, cfg.width // 32)
     if cfg.task == "bytes" and cfg.width % heads:
         raise RunError(f"Expected --width divisible by the GPT's number of heads (width // 32 = {heads} for --width "
