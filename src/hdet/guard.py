@@ -31,7 +31,7 @@ replica has been skipping for a stretch and the scheduler resets the bad replica
 """
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -142,7 +142,6 @@ class SkipNonFiniteStep:
         self._norm: tuple[torch.Tensor, list[tuple[torch.Tensor, int]]] | None = None  # use_norm: (norm, versions)
         self._saved: list[Any] = []  # per step in flight: the found_inf to restore (None: there was none)
         self._mine: torch.Tensor | None = None  # the found_inf this guard set last
-        self.local = False  # the last forward's gradients are not all-reduced (inside DDP's no_sync: local mode)
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 
     def use_norm(self, total_norm: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
@@ -228,14 +227,15 @@ class SkipWatch:
     steps gets its gradient through DDP (a parameter outside the DDP module could be NaN on one rank
     only, and the ranks would then disagree on the recovery, a collective)."""
 
-    def __init__(self, guard: SkipNonFiniteStep, every: int = 10) -> None:
+    def __init__(self, guard: SkipNonFiniteStep, every: int = 10, local: Callable[[], bool] = lambda: False) -> None:
         self.guard = guard
         self.every = every
+        self.local = local  # whether this optimizer step's gradients were not all-reduced (local mode)
         self._pending: tuple[torch.Tensor, Any] | None = None  # (host copy of the counter, its CUDA event)
         self._seen: float | None = 0.0  # the counter at the copy before (none yet: after a reset)
 
     def poll(self, t: int) -> bool:
-        if t % self.every or self.guard.local:  # local mode: each replica skips on its own, and an early recovery
+        if t % self.every or self.local():  # local mode: each replica skips on its own, and an early recovery
             return False  # (a collective) would be entered by some replicas only: the converge step resets them
         stalled = self._read()
         self._snapshot()
@@ -338,8 +338,6 @@ class GuardSetting:
         replicas skip steps on their own and :class:`SkipWatch`'s early recovery (a collective that every replica
         must enter) is left to the converge step."""
         self.local = not module.require_backward_grad_sync
-        if self.skip is not None:
-            self.skip.local = self.local
 
     def install(self, model: Any) -> None:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel) and self._local_hook is None:
@@ -354,8 +352,7 @@ class GuardSetting:
             mesh = self.device_mesh
             groups = [mesh.get_group(i) for i in range(mesh.ndim)] if sharded else []
             self.skip = SkipNonFiniteStep(self.optimizer, agree_over=groups)
-            self.skip.local = self.local
-            self.watch = SkipWatch(self.skip)
+            self.watch = SkipWatch(self.skip, local=lambda: self.local)
             self.installed = "skip"
         elif guard == "hook" and ddp and install_gradient_guard(model, self.process_group):
             self.installed = "hook"

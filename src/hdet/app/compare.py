@@ -32,8 +32,9 @@ def compare(base: RunConfig, lr_low: float, lr_high: float, pretrain_steps: int,
             say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the six configurations into ``base.out``/<n>-<name>; write ``compare.json``; return it."""
     out = Path(base.out)
+    unspread = tuple(e for e in base.explore if e != "lr-groups")  # what rows at alpha 0 explore
     pre = dataclasses.replace(base, replicas=1, alpha=0.0, auto_lr=False, warm_init=False, init_from=None,
-                              explore=tuple(e for e in base.explore if e != "lr-groups"),
+                              explore=unspread,
                               steps=pretrain_steps, max_lr=lr_low, seed=base.seed + 1, out=str(out / "pretrain"),
                               label="pretrain")
     train(pre, dry_run=True)
@@ -44,7 +45,7 @@ def compare(base: RunConfig, lr_low: float, lr_high: float, pretrain_steps: int,
         alpha = o.get("alpha", base.alpha)
         cfg = dataclasses.replace(
             base, alpha=alpha, max_lr=lr, auto_lr=o.get("auto", False),
-            explore=base.explore if alpha > 0 else tuple(e for e in base.explore if e != "lr-groups"),
+            explore=base.explore if alpha > 0 else unspread,
             warm_init=o.get("warm", False), init_from=str(out / "pretrain" / "model.pt") if o.get("warm") else None,
             T=base.steps if o.get("no_avg") else base.T, out=str(out / folder), label=name)
         train(dataclasses.replace(cfg, init_from=None), dry_run=True)  # every row's options checked (the warm

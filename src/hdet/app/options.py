@@ -14,6 +14,7 @@ import torch
 
 from ..controller import CONTROLLERS
 from ..engine import MODES
+from .tasks import gpt_heads
 
 __all__ = ["RunConfig", "RunError", "resolve_device", "check", "resolve", "OPTIMIZERS", "EXPLORE", "MAX_CTX"]
 
@@ -168,7 +169,7 @@ def check(cfg: RunConfig) -> None:
     if cfg.optimizer == "schedulefree-adamw" and cfg.alpha > 0:
         raise RunError(f"Expected --alpha 0 with --optimizer schedulefree-adamw (Schedule-Free: its LR also sets its "
                        f"averaging weights, so a spread breaks them), but got --alpha {cfg.alpha}")
-    heads = max(1, cfg.width // 32)
+    heads = gpt_heads(cfg.width)
     if cfg.task == "bytes" and cfg.width % heads:
         raise RunError(f"Expected --width divisible by the GPT's number of heads (width // 32 = {heads} for --width "
                        f"{cfg.width}), e.g. {heads * 32} or {(heads + 1) * 32}")

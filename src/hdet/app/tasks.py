@@ -203,6 +203,11 @@ def _cls_loss(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tenso
     return F.cross_entropy(m(b[0]), b[1])
 
 
+def gpt_heads(width: int) -> int:
+    """The byte GPT's attention heads at ``width``: one per 32 channels (the width must divide by it)."""
+    return max(1, width // 32)
+
+
 def make_task(name: str, *, data: str | Path | None = None, ctx: int = 64, width: int = 128, layers: int = 2,
               dropout: float = 0.0, data_bytes: int = 4_000_000) -> Task:
     if name == "bytes":
@@ -214,7 +219,7 @@ def make_task(name: str, *, data: str | Path | None = None, ctx: int = 64, width
             i = torch.randint(0, src.numel() - ctx - 1, (n, 1), generator=g)
             return src[i + torch.arange(ctx + 1)].long()  # [n, ctx + 1]: inputs and shifted targets
 
-        return Task("bytes", lambda: ByteGPT(ctx, width, layers, max(1, width // 32), dropout), sample, _lm_loss,
+        return Task("bytes", lambda: ByteGPT(ctx, width, layers, gpt_heads(width), dropout), sample, _lm_loss,
                     f"byte-level GPT (ctx {ctx}, width {width}, {layers} layers) on the stdlib's .py files "
                     f"({train.numel() / 1e6:.1f} MB train, {val.numel() / 1e6:.2f} MB held-out files)", _byte_group,
                     splits, ctx)
