@@ -42,7 +42,7 @@ ALPHA = 0.5
 # the learning-rate-free peers' run options; prodigy: prodigyopt's defaults (the committed rows), prodigy-sw: with
 # safeguard_warmup, its advice under a warm-up
 PEERS = {"dadapt": dict(optimizer="dadapt-adam"), "prodigy": dict(optimizer="prodigy", prodigy_safeguard=False),
-         "prodigy-sw": dict(optimizer="prodigy", prodigy_safeguard=True)}
+         "prodigy-sw": dict(optimizer="prodigy", prodigy_safeguard=True), "mechanic": dict(optimizer="mechanic-adamw")}
 
 
 def _on_sync(step: int, T: int) -> int:
@@ -137,7 +137,8 @@ def main() -> None:
                          "multiplier on their step, beside each optimizer alone (issue 15, item 4), seeds 0-2 "
                          "(--peer-names: which), and plain DP at BEST_MAX_LR seed 0 again (repro-plain-1x-s0)")
     ap.add_argument("--peer-names", default="dadapt,prodigy", help="with --peers-hdet: dadapt, prodigy (prodigyopt's "
-                    "defaults) and/or prodigy-sw (with safeguard_warmup, its advice under a warm-up)")
+                    "defaults), prodigy-sw (with safeguard_warmup, its advice under a warm-up) and/or mechanic "
+                    "(Mechanic over AdamW; alone only)")
     ap.add_argument("--peer-runaway", default="recover", choices=["recover", "ignore"],
                     help="with --peers-hdet: HDET's on_runaway (names: hdet-ignore-... for ignore)")
     ap.add_argument("--peer-controller", default="none", choices=["none", "fit"],
@@ -146,6 +147,9 @@ def main() -> None:
     ap.add_argument("--peer-T", type=int, default=None, help="with --peers-hdet: the HDET rows' sync interval "
                     "(default: the task's; names: hdet-...-T<n>-...)")
     ap.add_argument("--alone-only", action="store_true", help="with --peers-hdet: only the rows of each optimizer alone")
+    ap.add_argument("--one-model", action="store_true", help="with --peers-hdet --alone-only: each optimizer as one "
+                    "model at the N replicas' batch (what plain DP computes, up to BatchNorm's per-replica "
+                    "statistics; for optimizers the engine steps one replica at a time, e.g. Mechanic)")
     ap.add_argument("--seeds", default="0,1,2", help="with --peers-hdet or --breaks: the seeds (comma-separated, or "
                     "FIRST-LAST)")
     ap.add_argument("--hdet-only", action="store_true", help="with --peers-hdet: only the HDET rows (names: "
@@ -290,8 +294,11 @@ def main() -> None:
         Tp = a.peer_T or size["T"]
         hdet = dict(alpha=a.alpha, on_runaway=a.peer_runaway, T=Tp,
                     **(dict(auto_lr=True, controller="fit", tie_lr_groups=True, warmup=_on_sync(warm, Tp)) if fit else {}))
+        if a.one_model and not a.alone_only:
+            raise SystemExit("--one-model needs --alone-only")
+        one = dict(replicas=1, batch=8 * size["batch"]) if a.one_model else {}
         jobs = [job(f"{pre}{name}-s{seed}", pre + name, **PEERS[name], max_lr=1.0, seed=seed,
-                    **(hdet if pre else {}))
+                    **(hdet if pre else one))
                 for name in names for seed in seeds
                 for pre in ((tag,) if a.hdet_only else ("",) if a.alone_only else (tag, ""))]
         repro = [] if a.hdet_only or a.alone_only else [job("repro-plain-1x-s0", "repro-plain", max_lr=a.peers_hdet, seed=0)]

@@ -230,6 +230,27 @@ def test_schedule_free_needs_its_state_averaged_and_no_spread():
     assert lr_free_kind(torch.optim.AdamW(m.parameters())) is None
 
 
+def test_mechanic_is_refused_under_a_spread_and_keeps_one_scale_with_averaging_alone():
+    """Mechanic learns its scale s from each replica's own displacement: under a spread the replicas' s drift
+    apart (2.5-6x at alpha 0.5 on a toy), so any spread is refused with the reason; averaging alone keeps one s."""
+    mechanic_pytorch = pytest.importorskip("mechanic_pytorch")
+
+    def make(m):
+        return mechanic_pytorch.mechanize(torch.optim.AdamW)(m.parameters(), lr=1.0)
+
+    o = make(nn.Linear(3, 1))
+    assert lr_free_kind(o) == "mechanic"
+    with pytest.raises(ValueError, match="Mechanic.*scales drift apart"):
+        _sched(o, ensemble_lr_spread_ratio=0.2)
+    with pytest.raises(ValueError, match="Mechanic"):
+        _sched(o, explore=[hdet.WeightDecay(o, alpha=0.5, kind="additive")])
+    _sched(o)  # averaging only
+    eng = _engine(make)
+    s = [float(o.state["_mechanic"]["s"].sum()) for o in eng.optimizers]
+    assert s[0] == s[1] and s[0] > 1e-6  # it grew from s_init = 1e-8, one scale on both replicas
+    assert eng.optimizer_path.startswith("per-replica")  # a subclass of AdamW, not stepped as AdamW
+
+
 def _engine(make_opt, share_gradients=True, steps=10, **kw):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -287,7 +308,8 @@ def test_the_cli_run_trains_with_each_peer(tmp_path):
 
     tiny = dict(steps=20, T=10, alpha=0.0, replicas=2, width=16, layers=1, ctx=16, batch=4, progress=False,
                 data_bytes=200_000, device="cpu", mode="loop")
-    for opt, lr in (("dadapt-adam", 1.0), ("prodigy", 1.0), ("schedulefree-adamw", 3e-3)):
+    pytest.importorskip("mechanic_pytorch")
+    for opt, lr in (("dadapt-adam", 1.0), ("prodigy", 1.0), ("schedulefree-adamw", 3e-3), ("mechanic-adamw", 1.0)):
         s = train(RunConfig(**tiny, optimizer=opt, max_lr=lr, out=str(tmp_path / opt)))
         assert s["crashed"] is None and math.isfinite(s["final_val_loss"]), opt
     for opt in ("dadapt-adam", "prodigy"):  # a spread over a distance estimator: the multiplier on its step

@@ -20,8 +20,14 @@ this would break, silently:
   (``average_optimizer_state=True``) keeps the three sequences consistent; a spread still changes the
   averaging weights, so it is refused.
 
+* **Mechanic** (``mechanic_pytorch.mechanize(...)``): it scales the base optimizer's summed updates by a scale
+  ``s`` that it learns from the replica's own displacement from its start (``<theta - theta0, g>``), so under
+  any spread each replica's ``s`` takes its own value (measured on a toy at alpha 0.5: the eight ``s`` 2.5-6x
+  apart) and the spread is not what the telemetry shows: refused under a spread, allowed with averaging alone.
+
 Such optimizers are recognised by their param groups (``d`` and ``k``; ``train_mode`` or ``weight_sum``),
-not by class, so forks and new versions are caught too.
+not by class, so forks and new versions are caught too; Mechanic by its state's ``_mechanic`` entry or its
+``Mechanic`` base class (without importing it).
 """
 
 from __future__ import annotations
@@ -55,8 +61,13 @@ def coupled_weight_decay(optimizer: Any) -> bool:
 
 
 def lr_free_kind(optimizer: torch.optim.Optimizer) -> str | None:
-    """``"distance"`` (D-Adaptation, Prodigy), ``"schedule-free"``, or None for an ordinary optimizer."""
-    groups = innermost(optimizer).param_groups
+    """``"distance"`` (D-Adaptation, Prodigy), ``"schedule-free"``, ``"mechanic"``, or None for an ordinary
+    optimizer."""
+    inner = innermost(optimizer)
+    if "_mechanic" in inner.state or any(c.__name__ == "Mechanic" and c.__module__.startswith("mechanic_pytorch")
+                                         for c in type(inner).__mro__):
+        return "mechanic"
+    groups = inner.param_groups
     if any("d" in g and "k" in g for g in groups):
         return "distance"
     if any("train_mode" in g or "weight_sum" in g for g in groups):
@@ -91,6 +102,12 @@ def check_optimizer(optimizer: torch.optim.Optimizer, spreading: bool, average_o
         raise ValueError(f"Expected an optimizer other than D-Adaptation or Prodigy ({name}) with device_mesh and a "
                          "spread: the multiplier on their step (hdet.step_scale) does not handle sharded (DTensor) "
                          "parameters yet. Use DDP replicas, or no spread")
+    if kind == "mechanic" and spreading:
+        raise ValueError(f"Expected an optimizer without a learned scale of its own under a spread, but got {name} "
+                         "(Mechanic): it scales each replica's updates by a scale learned from that replica's own "
+                         "displacement, so under a spread the replicas' scales drift apart (2.5-6x at alpha 0.5 on a "
+                         "toy) and the spread is not what the telemetry shows. Use ensemble_lr_spread_ratio=0 "
+                         "(averaging only), or D-Adaptation/Prodigy, whose estimate hdet keeps one for the ensemble")
     if kind == "schedule-free":
         if spreading:
             raise ValueError(

@@ -18,7 +18,7 @@ from .tasks import gpt_heads
 
 __all__ = ["RunConfig", "RunError", "resolve_device", "check", "resolve", "OPTIMIZERS", "EXPLORE", "MAX_CTX"]
 
-OPTIMIZERS = ("adamw", "dadapt-adam", "prodigy", "schedulefree-adamw")
+OPTIMIZERS = ("adamw", "dadapt-adam", "prodigy", "schedulefree-adamw", "mechanic-adamw")
 EXPLORE = ("lr-groups", "weight-decay", "dropout", "grad-clip")
 
 
@@ -69,7 +69,7 @@ class RunConfig:
         "auto-LR warmup steps, and the range test's length (default: 30%% of the run, OneCycle's warm-up, rounded "
         "down to a multiple of --T, for the fit controller and the range test; half the run for the paper's)"))
     max_lr: float | None = field(default=None, metadata=_cli(
-        "OneCycle's peak learning rate (default 3e-3; with --optimizer dadapt-adam or prodigy 1, their documented "
+        "OneCycle's peak learning rate (default 3e-3; with --optimizer dadapt-adam, prodigy or mechanic-adamw 1, their documented "
         "use: it multiplies their own estimate of the step size)"))
     weight_decay: float = field(default=0.01, metadata=_cli("AdamW's decoupled weight decay (none on norms and biases)"))
     dropout: float = field(default=0.0, metadata=_cli("dropout probability of the model"))
@@ -97,7 +97,8 @@ class RunConfig:
     optimizer: str = field(default="adamw", metadata=_cli(
         "adamw, or a learning-rate-free peer to compare with (pip install 'hdet[bench]'): dadapt-adam, prodigy (at "
         "--max-lr 1, OneCycle shape; under a spread the multiplier scales their step), schedulefree-adamw "
-        "(constant LR after its own warm-up; needs --alpha 0)"))
+        "(constant LR after its own warm-up; needs --alpha 0), mechanic-adamw (Mechanic's tuner over AdamW at --max-lr 1, "
+        "OneCycle shape; needs --alpha 0)"))
     prodigy_safeguard: bool = field(default=False, metadata=_cli(
         "prodigy: safeguard_warmup=True, prodigyopt's advice under a warm-up (off by default: with OneCycle's warm-up "
         "its step came out 4-13x below the grid's best LR and it ended worse on both evidence tasks, docs/auto-lr.md)"))
@@ -169,6 +170,10 @@ def check(cfg: RunConfig) -> None:
     if cfg.optimizer == "schedulefree-adamw" and cfg.alpha > 0:
         raise RunError(f"Expected --alpha 0 with --optimizer schedulefree-adamw (Schedule-Free: its LR also sets its "
                        f"averaging weights, so a spread breaks them), but got --alpha {cfg.alpha}")
+    if cfg.optimizer == "mechanic-adamw" and cfg.alpha > 0:
+        raise RunError(f"Expected --alpha 0 with --optimizer mechanic-adamw (Mechanic sets the weights from its start "
+                       f"point and a scaled running sum, so a spread does not scale a replica's step), but got "
+                       f"--alpha {cfg.alpha}")
     heads = gpt_heads(cfg.width)
     if cfg.task == "bytes" and cfg.width % heads:
         raise RunError(f"Expected --width divisible by the GPT's number of heads (width // 32 = {heads} for --width "
@@ -195,7 +200,7 @@ def unused(cfg: RunConfig) -> list[str]:
 
 
 MAX_CTX = 4096
-DEFAULT_MAX_LR = {"adamw": 3e-3, "dadapt-adam": 1.0, "prodigy": 1.0, "schedulefree-adamw": 3e-3}
+DEFAULT_MAX_LR = {"adamw": 3e-3, "dadapt-adam": 1.0, "prodigy": 1.0, "schedulefree-adamw": 3e-3, "mechanic-adamw": 1.0}
 
 
 def resolve(cfg: RunConfig) -> RunConfig:

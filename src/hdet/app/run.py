@@ -257,6 +257,8 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
                        "seconds": time.perf_counter() - t0}
                 if "d" in (g0 := reps.optimizers[0].param_groups[0]):  # D-Adaptation/Prodigy: their step size d * lr
                     rec["d"] = float(g0["d"])
+                elif "_mechanic" in reps.optimizers[0].state:  # Mechanic: its scale s, the step s * lr
+                    rec["d"] = float(reps.optimizers[0].state["_mechanic"]["s"].sum())
                 if sync:
                     if t - last_eval >= eval_every or t == cfg.steps:  # after averaging: replicas are equal
                         last_eval = t

@@ -25,7 +25,8 @@ def make_optimizer(task: Task, cfg: RunConfig):
     """AdamW (hdet's default), or a learning-rate-free peer (pip install hdet[bench]): D-Adaptation Adam and
     Prodigy at ``--max-lr`` (1 is their documented use) under the same OneCycle shape (Prodigy's
     ``safeguard_warmup`` with ``--prodigy-safeguard``), or Schedule-Free AdamW
-    at a constant ``--max-lr`` after its own warm-up (5% of the run), with no schedule (its documented use)."""
+    at a constant ``--max-lr`` after its own warm-up (5% of the run), with no schedule (its documented use), or
+    Mechanic's tuner over AdamW at ``--max-lr`` (1) under the OneCycle shape (its documented use)."""
     def make(module: nn.Module) -> torch.optim.Optimizer:
         groups = param_groups(module, task.group_of, cfg.weight_decay)
         if cfg.optimizer == "adamw":
@@ -39,6 +40,10 @@ def make_optimizer(task: Task, cfg: RunConfig):
                 import prodigyopt
 
                 return prodigyopt.Prodigy(groups, lr=cfg.max_lr, decouple=True, safeguard_warmup=cfg.prodigy_safeguard)
+            if cfg.optimizer == "mechanic-adamw":
+                import mechanic_pytorch
+
+                return mechanic_pytorch.mechanize(torch.optim.AdamW)(groups, lr=cfg.max_lr)
             import schedulefree
 
             opt = schedulefree.AdamWScheduleFree(groups, lr=cfg.max_lr, warmup_steps=max(1, cfg.steps // 20))
