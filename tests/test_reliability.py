@@ -613,6 +613,11 @@ def _dies_while_averaging(rank, world, out_dir):
             s.step(1.0)
     except hdet.ReplicaSyncError as e:
         res = {"error": "ReplicaSyncError", "msg": str(e)}
+        try:  # a checkpoint of the half-stepped scheduler (and partly averaged weights) would resume silently wrong
+            s.state_dict()
+            res["save"] = "saved"
+        except RuntimeError as e2:
+            res["save"] = str(e2)
     except Exception as e:  # noqa: BLE001 - the test wants to see what came out
         res = {"error": type(e).__name__, "msg": str(e)}
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -625,6 +630,7 @@ def test_a_rank_dying_during_averaging_is_a_replica_sync_error(tmp_path):
     res = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert res["error"] == "ReplicaSyncError", res
     assert "failed while averaging" in res["msg"] and "optimizer step 2" in res["msg"]
+    assert "Expected a scheduler whose last converge step finished" in res["save"], res["save"]
 
 
 def test_numpy_scalars_are_numbers():

@@ -124,6 +124,7 @@ class Ensemble:
         self.load_warnings: list[str] = []  # what the last load_state_dict warned about (hdet.ensemble_state)
         self._ramp = RampSnapshots()  # lr_range_test: the ramp's recent states
         self.last_sync: SyncRecord | None = None
+        self.failed_sync: str | None = None  # why the last converge step failed part-way (state_dict refuses then)
         self.on_sync: list[Callable[[SyncRecord], None]] = []
         # D-Adaptation/Prodigy: the LR multiplier goes on the step, their estimates are averaged with the weights
         self.step_scale = StepScale.install(optimizer) if lr_free_kind(optimizer) == "distance" else None
@@ -454,8 +455,10 @@ class Ensemble:
         try:  # COLLECTIVE (all_gather) + HOST SYNC
             return self.replicas.gather(local, shard_sum=SHARD_SUM, shard_min=SHARD_MIN)
         except ReplicaSyncError as e:
+            self.failed_sync = f"the converge step after optimizer step {t} failed in its first collective"
             raise ReplicaSyncError(f"hdet: the converge step after optimizer step {t} failed in its first "
-                                   f"collective (all_gather): {e}") from e
+                                   f"collective (all_gather): {e}. The scheduler is half-stepped: resume every "
+                                   "replica from the last checkpoint") from e
 
     def _reset_moments(self, t: int, exclude: list[int]) -> None:
         """The reset replicas' optimizer moments (:meth:`recovery_tensors`) become the healthy replicas' mean; a
@@ -471,6 +474,7 @@ class Ensemble:
         try:
             self.replicas.average_(tensors, exclude=exclude, **({} if into is None else {"into": into}))
         except ReplicaSyncError as e:
+            self.failed_sync = f"the converge step after optimizer step {t} failed while averaging"
             raise ReplicaSyncError(f"hdet: the converge step after optimizer step {t} failed while averaging: "
                                    f"{e}. This process's weights may hold a partial average (an all-reduce in place) "
                                    "and its scheduler is half-stepped: resume every replica from the last "
@@ -478,7 +482,13 @@ class Ensemble:
 
     # ----------------------------------------------------------------- state (hdet.ensemble_state)
     def state_dict(self) -> dict[str, Any]:
-        """Plain data (numbers, strings, lists, dicts, CPU tensors): loads with ``torch.load(weights_only=True)``."""
+        """Plain data (numbers, strings, lists, dicts, CPU tensors): loads with ``torch.load(weights_only=True)``.
+        Refused (RuntimeError) after a converge step failed part-way: the state would be half-stepped."""
+        if self.failed_sync is not None:
+            raise RuntimeError(f"hdet: Expected a scheduler whose last converge step finished, but {self.failed_sync} "
+                               "(ReplicaSyncError): its state is half-stepped and this process's weights may hold a "
+                               "partial average, so a checkpoint of them would resume silently wrong. Resume every "
+                               "replica from the last checkpoint")
         return ensemble_state.state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -495,6 +505,7 @@ class Ensemble:
     def commit_state(self, parsed: dict[str, Any], state: dict[str, Any]) -> None:
         """Set a state checked by :meth:`check_state` (cannot fail)."""
         ensemble_state.commit(self, parsed, state)
+        self.failed_sync = None
 
 
 def _warn_recovered(t: int, bad: list[int], when: str) -> None:
