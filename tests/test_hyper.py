@@ -68,6 +68,14 @@ def test_builtins_get_set_and_bad_input():
     assert torch.cat([p.grad.flatten() for p in m.parameters()]).norm() <= 0.5 + 1e-6
     with pytest.raises(ValueError, match="at least one nn.Dropout"):
         Dropout(nn.Linear(2, 2))
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.1)  # its attention's dropout is a float
+    Dropout(layer).set(0.3)
+    assert layer.self_attn.dropout == 0.3 and [m.p for m in layer.modules() if isinstance(m, nn.Dropout)] == [0.3] * 3
+    mixed = nn.Sequential(nn.MultiheadAttention(8, 2), nn.Dropout(0.1))  # attention dropout 0, the rest 0.1
+    with pytest.raises(ValueError, match=r"p in \[0.0, 0.1\].*attention=False"):
+        Dropout(mixed)
+    Dropout(mixed, attention=False).set(0.2)
+    assert mixed[0].dropout == 0.0 and mixed[1].p == 0.2
     with pytest.raises(ValueError, match="param group index in"):
         WeightDecay(opt, group=3)
     with pytest.raises(ValueError, match="label_smoothing attribute"):

@@ -146,30 +146,42 @@ class AdamBeta(_GroupValue):
 
 
 class Dropout(Hyperparameter):
-    """The probability ``p`` of every ``nn.Dropout*`` module inside ``modules`` (one shared value);
-    additive spread, kept in [0, 0.999]."""
+    """The dropout probability of every ``nn.Dropout*`` module inside ``modules`` (its ``p``) and, with
+    ``attention=True`` (the default), of every ``nn.MultiheadAttention`` there (its ``dropout``, a float that
+    ``nn.Transformer*`` layers set from the same argument); one shared value, additive spread, kept in [0, 0.999].
+    Attention dropout given as a float elsewhere (e.g. a Hugging Face config's ``attention_dropout``) is not reached:
+    explore it with a :class:`Setter`."""
 
     vmap_safe = False
 
     def __init__(self, modules: nn.Module | Iterable[nn.Module], alpha: float = 0.05, kind: str = "additive",
-                 bounds: tuple[float, float] = UNIT, name: str = "dropout", **kw: Any) -> None:
+                 bounds: tuple[float, float] = UNIT, name: str = "dropout", attention: bool = True, **kw: Any) -> None:
         roots = [modules] if isinstance(modules, nn.Module) else list(modules)
-        self.modules = [m for root in roots for m in root.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+        kinds = (nn.modules.dropout._DropoutNd, nn.MultiheadAttention) if attention else nn.modules.dropout._DropoutNd
+        self.modules = [m for root in roots for m in root.modules() if isinstance(m, kinds)]
         if not self.modules:
             raise ValueError("Expected at least one nn.Dropout module to explore, but found none")
-        ps = sorted({float(m.p) for m in self.modules})
+        ps = sorted({self._p(m) for m in self.modules})
         if len(ps) > 1 and kw.get("base") is None and kw.get("schedule") is None:
-            raise ValueError(f"Expected nn.Dropout modules with one p to explore as one value, but got p in {ps}: every "
+            raise ValueError(f"Expected dropout modules with one p to explore as one value, but got p in {ps}: every "
                              "module would be set to one value spread around the first's. Pass the modules of one p "
-                             "(one Dropout per group of modules, each with its own name=), or base= for one value")
+                             "(one Dropout per group of modules, each with its own name=), attention=False to leave "
+                             "nn.MultiheadAttention's dropout out, or base= for one value")
         super().__init__(name, Spread(kind, alpha, bounds), **kw)
 
+    @staticmethod
+    def _p(m: nn.Module) -> float:
+        return float(m.dropout if isinstance(m, nn.MultiheadAttention) else m.p)
+
     def get(self) -> float:
-        return float(self.modules[0].p)
+        return self._p(self.modules[0])
 
     def set(self, value: float) -> None:
         for m in self.modules:
-            m.p = float(value)
+            if isinstance(m, nn.MultiheadAttention):
+                m.dropout = float(value)
+            else:
+                m.p = float(value)
 
 
 class LabelSmoothing(Hyperparameter):
