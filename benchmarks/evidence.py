@@ -186,7 +186,7 @@ def main() -> None:
         size[k] = type(size[k])(v)
     steps = size["steps"]
     warm = int(0.3 * steps) // size["T"] * size["T"]  # end of OneCycle's warm-up, on a sync step
-    base = dict(task=a.task, data=a.data, replicas=8, device=a.device, mode="vmap", progress=False,
+    base = dict(task=a.task, data=a.data, replicas=8, device=a.device, mode="vmap", progress=False, checkpoint_every=0,
                 eval_every=steps // 10, eval_batches=8, alpha=0.0, auto_lr=False, on_runaway="ignore", **size)
     runs = Path(a.runs) / a.task
     done: dict[str, dict[str, Any]] = {}

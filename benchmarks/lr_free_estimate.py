@@ -41,7 +41,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     a = p.parse_args()
     size = {k: v for k, v in SIZES[a.task].items() if k != "centre"}
-    base = dict(task=a.task, data=a.data, replicas=8, device=a.device, mode="vmap", progress=False,
+    base = dict(task=a.task, data=a.data, replicas=8, device=a.device, mode="vmap", progress=False, checkpoint_every=0,
                 eval_every=size["steps"] // 10, eval_batches=8, alpha=0.0, on_runaway="ignore", seed=a.seed, **size)
     runs: list[dict] = []
 

@@ -6,6 +6,7 @@ import gzip
 import json
 import math
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -376,3 +377,89 @@ def test_tensorboard_missing_is_refused_before_anything_is_removed(tmp_path, cap
     assert main(["train", *TINY, "--replicas", "2", "--tensorboard", "--out", str(out)]) == 2
     assert "the tensorboard package for --tensorboard" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == before
+
+
+RESUMABLE = [*TINY, "--steps", "30", "--T", "10", "--alpha", "0.3", "--auto-lr", "--warmup", "10", "--dropout", "0.1",
+             "--explore", "weight-decay,dropout", "--checkpoint-every", "15", "--replicas", "3"]
+
+
+def _same_run(a: Path, b: Path) -> None:
+    """Two run folders hold the same run: records (but their wall-clock seconds), schedule, weights, losses."""
+    def records(p):
+        return [{k: v for k, v in r.items() if k != "seconds"} for r in _jsonl(p)]
+    for name in ("metrics.jsonl", "syncs.jsonl"):
+        assert records(a / name) == records(b / name), name
+    assert (a / "schedule.json").read_text() == (b / "schedule.json").read_text()
+    wa, wb = (torch.load(d / "model.pt", weights_only=True) for d in (a, b))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
+    assert sa["final_val_loss"] == sb["final_val_loss"] and sa["final_train_loss"] == sb["final_train_loss"]
+    assert sa["final_metrics"] == sb["final_metrics"] and sa["val_curve"] == sb["val_curve"]
+
+
+@pytest.mark.parametrize("mode", ["vmap", "loop"])
+def test_a_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, capsys, mode):
+    """`hdet train` killed at step 25 (its checkpoint at 15, its records written to 24) and run again with
+    --resume ends as the run that was never stopped: the same records, schedule, weights and losses (with the fit
+    controller's probes, explored weight decay and dropout, dropout masks and the data streams mid-way)."""
+    from hdet.app.runs import EngineRun
+
+    args = [*RESUMABLE, "--mode", mode] + ["--explore", "weight-decay"] * (mode == "vmap")  # (dropout: loop only)
+    assert main(["train", *args, "--out", str(tmp_path / "whole")]) == 0
+    real, calls = EngineRun.step, [0]
+
+    def killed_at_25(self, batches):
+        calls[0] += 1
+        if calls[0] == 25:
+            raise KeyboardInterrupt
+        return real(self, batches)
+
+    monkeypatch.setattr(EngineRun, "step", killed_at_25)
+    cut = tmp_path / "cut"
+    assert main(["train", *args, "--out", str(cut)]) == 130
+    assert "the same command with --resume goes on" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert max(r["step"] for r in _jsonl(cut / "metrics.jsonl")) == 24  # records past the checkpoint
+    assert main(["train", *args, "--out", str(cut), "--resume"]) == 0
+    assert "resumed from step 15" in capsys.readouterr().out
+    _same_run(tmp_path / "whole", cut)
+    cfg = json.loads((cut / "config.json").read_text())
+    assert cfg["command"].endswith(f"--out {cut}") and cfg["resumed"][0]["from_step"] == 15
+
+
+def test_resume_refuses_other_options_and_a_missing_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *RESUMABLE, "--checkpoint-every", "0", "--out", str(out)]) == 0
+    assert not list(out.glob("checkpoint*"))  # 0: never
+    assert main(["train", *RESUMABLE, "--out", str(out), "--resume"]) == 2
+    assert "Expected a checkpoint to resume from at" in capsys.readouterr().err
+    assert main(["train", *RESUMABLE, "--out", str(out)]) == 0
+    before = (out / "metrics.jsonl").read_text()
+    assert main(["train", *RESUMABLE, "--alpha", "0.2", "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "Expected the options of the checkpointed run to resume it, but these differ: --alpha 0.3 -> 0.2" in err
+    assert (out / "metrics.jsonl").read_text() == before  # a refused resume leaves the run as it was
+    assert main(["train", *RESUMABLE, "--checkpoint-every", "-1", "--out", str(out)]) == 2
+    assert "--checkpoint-every to be a whole number >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+def test_resume_under_torchrun_goes_on_bit_for_bit(tmp_path):
+    """Under torchrun each rank saves and resumes its own replica (checkpoint-rank<r>.pt): the run resumed from the
+    last checkpoint (step 15 of 30) ends as the run that went on (the folder copied, then run again with --resume)."""
+    args = [*RESUMABLE, "--mode", "loop"]
+    args.remove("--replicas"), args.remove("3")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def torchrun(*extra):
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "-m", "hdet", "train", *args, *extra], capture_output=True, text=True, timeout=300, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+
+    torchrun("--out", str(tmp_path / "whole"))
+    assert sorted(f.name for f in (tmp_path / "whole").glob("checkpoint*")) == ["checkpoint-rank0.pt",
+                                                                                 "checkpoint-rank1.pt"]
+    shutil.copytree(tmp_path / "whole", tmp_path / "again")
+    torchrun("--out", str(tmp_path / "again"), "--resume")
+    _same_run(tmp_path / "whole", tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "summary.json").read_text())["resumed_from"] == 15

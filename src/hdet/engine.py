@@ -301,8 +301,10 @@ class ReplicaEngine:
         reads it). The global RNG (dropout masks, data order) is the caller's to save, as in any training loop.
         Snapshots the replicas share (:class:`hdet.stability.SharedCopies`) are one tensor in it."""
         with self._copies[0].saving(), self._copies[1].saving():
+            layout = {n: (list(o) if o is not None else None) for n, o in self.stack.orders.items()} \
+                if self.stack is not None else {}  # the parameters' memory order (gradient_layout)
             return {"version": self.STATE_VERSION, "num_replicas": self.num_replicas,
-                    "share_gradients": self.share_gradients,
+                    "share_gradients": self.share_gradients, "layout": layout,
                     "replicas": [{"model": m.state_dict(), "optimizer": o.state_dict(), "scheduler": s.state_dict()}
                                  for m, o, s in zip(self.models, self.optimizers, self.schedulers)]}
 
@@ -343,6 +345,11 @@ class ReplicaEngine:
         if len(steps) > 1:
             raise ValueError(f"Expected every replica's scheduler state at the same step, but got last_epoch "
                              f"{[rs['scheduler']['last_epoch'] for rs in state['replicas']]}")
+        saved = state.get("layout") or {}
+        if self.stack is not None and self.stack.relayout and not self.stack.grads_bound and saved:
+            # lay the parameters out as the saved engine had them (from its first backward on): the same memory
+            # order, so the resumed run's sums round as the uninterrupted run's
+            self.stack.set_layout({n: (tuple(o) if o is not None else None) for n, o in saved.items()})
         for m, o, s, rs in zip(self.models, self.optimizers, self.schedulers, state["replicas"]):
             m.load_state_dict(rs["model"])  # in place: in vmap mode the stacked tensors follow
             o.load_state_dict(rs["optimizer"])  # the stacked step takes the loaded state in at its next step

@@ -157,10 +157,17 @@ class StackedReplicas:
         memory order (an ``nn.Linear`` weight's gradient under vmap is transposed: accumulating it into a
         row-major buffer reads it across)."""
         self.drop_stride_hooks()
-        for n, (a, b) in self.columns.items():
-            order = self._gradient_order(n)
-            if order == self.orders[n]:
+        self.set_layout({n: self._gradient_order(n) for n in self.columns})
+
+    @torch.no_grad()
+    def set_layout(self, orders: dict[str, tuple[int, ...] | None]) -> None:
+        """Store each named flattened parameter with its dims in this order (None: row-major), the values kept: how
+        the first backward laid them out (:meth:`_store_as_gradients`), or as a saved engine had them (a resumed
+        run computes in the same memory order, so its sums round as the uninterrupted run's)."""
+        for n, order in orders.items():
+            if n not in self.columns or order == self.orders[n]:
                 continue
+            a, b = self.columns[n]
             s = self.params[n]
             shape = s.shape[1:]
             values = s.detach().clone()

@@ -74,14 +74,15 @@ class SyncLogger:
         path: a JSON-lines file, one line per sync (None: none).
         tensorboard_dir: write TensorBoard scalars here (needs tensorboard; None: none).
         callback: called with each sync's record as a dict (e.g. ``wandb.log``).
+        append: add to ``path`` instead of starting it afresh (a resumed run).
     """
 
     def __init__(self, scheduler: Any, path: str | Path | None = None, tensorboard_dir: str | Path | None = None,
-                 callback: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 callback: Callable[[dict[str, Any]], None] | None = None, append: bool = False) -> None:
         # replica 0's first rank only (under HSDP a replica is several ranks)
         self.active = dist.get_rank() == 0 if dist.is_available() and dist.is_initialized() else scheduler.rank == 0
         self.callback = callback
-        self._file = Path(path).open("w") if (self.active and path is not None) else None
+        self._file = Path(path).open("a" if append else "w") if (self.active and path is not None) else None
         self._tb = None
         if self.active and tensorboard_dir is not None:
             try:

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import os
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
 from .options import RunConfig, RunError, unused
@@ -25,7 +26,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 COMPARE_SETS = ("max_lr", "auto_lr", "warm_init", "init_from", "optimizer", "prodigy_safeguard",  # compare sets these
-                "range_test", "range_backoff")  # (the range test is not one of the paper's configurations)
+                "range_test", "range_backoff",  # (the range test is not one of the paper's configurations)
+                "resume")  # (a comparison starts afresh)
 
 
 class _Inverted(argparse.BooleanOptionalAction):
@@ -93,7 +95,8 @@ def _cmd_train(a: argparse.Namespace, argv: list[str]) -> int:
     s = train(cfg, argv=argv)
     if s.get("config") is None:  # not rank 0
         return 0
-    msg = (f"{s['mode']}: {s['steps_done']} steps x {s['replicas']} replicas in {s['train_seconds']:.1f}s "
+    resumed = f" (resumed from step {s['resumed_from']})" if "resumed_from" in s else ""
+    msg = (f"{s['mode']}: {s['steps_done']} steps x {s['replicas']} replicas{resumed} in {s['train_seconds']:.1f}s "
            f"({s['steps_per_second']:.1f} steps/s); ")
     if s["crashed"]:
         print(msg + f"crashed at {s['crashed']}")
@@ -197,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hdet: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("hdet: interrupted", file=sys.stderr)
+        saved = a.cmd == "train" and any(Path(a.out).glob("checkpoint*.pt"))
+        print("hdet: interrupted" + ("; the same command with --resume goes on from its last checkpoint" if saved
+                                     else ""), file=sys.stderr)
         return 130
 
 

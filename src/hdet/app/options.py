@@ -90,6 +90,12 @@ class RunConfig:
                                                            action="store_true"))
     progress: bool = field(default=True, metadata=_cli("no progress bar (default: a progress bar on the terminal)",
                                                           flag="--no-progress", action="store_false"))
+    checkpoint_every: int | None = field(default=None, metadata=_cli(
+        "save a checkpoint every N steps, OUT/checkpoint.pt (under torchrun checkpoint-rank<r>.pt), for --resume "
+        "(default: every tenth of the run; 0: never)"))
+    resume: bool = field(default=False, metadata=_cli(
+        "continue the run in --out from its last checkpoint, with the same options: it goes on as the uninterrupted "
+        "run would (on the CPU bit for bit)", action="store_true"))
     explore: tuple[str, ...] = field(default=(), metadata=_cli(
         "also explore, comma-separated: lr-groups (per-group LRs, always on when alpha > 0), weight-decay (per "
         "group, x2../2), dropout (+-0.05), grad-clip (norm x2../2)", comma=True))
@@ -161,6 +167,9 @@ def check(cfg: RunConfig) -> None:
     if "lr-groups" in cfg.explore and cfg.alpha == 0:
         raise RunError("Expected --alpha > 0 with --explore lr-groups (the groups' LRs are explored through the LR "
                        "spread), but got --alpha 0")
+    if cfg.checkpoint_every is not None and (isinstance(cfg.checkpoint_every, bool) or
+                                             not isinstance(cfg.checkpoint_every, int) or cfg.checkpoint_every < 0):
+        raise RunError(f"Expected --checkpoint-every to be a whole number >= 0, but got {cfg.checkpoint_every!r}")
     if cfg.optimizer not in OPTIMIZERS:
         raise RunError(f"Expected --optimizer in {', '.join(OPTIMIZERS)}, but got {cfg.optimizer!r}")
     if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:

@@ -28,6 +28,7 @@ from torch import nn
 from .. import __version__
 from ..ensemble import NonFiniteReplicaError
 from ..telemetry import SyncLogger
+from . import checkpoint
 from .options import RunConfig, RunError, check, resolve, resolve_device
 from .runs import DDPRun, EngineRun, eval_weights, to_device
 from .tasks import Task, make_task
@@ -36,7 +37,7 @@ __all__ = ["RunConfig", "RunError", "train", "resolve_device"]
 
 
 OUTPUTS = ("config.json", "metrics.jsonl", "syncs.jsonl", "summary.json", "schedule.json", "model.pt", "loss.png",
-           "lr.png", "hparams.png", "tb", "compare.json")  # what a run writes: an earlier run's copies go first
+           "lr.png", "hparams.png", "tb", "compare.json", "checkpoint.pt")  # what a run writes: an earlier run's copies go first
 # (compare.json: `hdet compare`'s table, which `hdet plot` would show instead of this run)
 
 
@@ -58,8 +59,7 @@ def clear_earlier(out: Path) -> None:
     a command that is refused leaves the folder as it was."""
     earlier = ((out / "config.json").is_file() and (out / "metrics.jsonl").is_file()) or (out / "compare.json").is_file()
     try:
-        for name in OUTPUTS if earlier else ():
-            old = out / name
+        for old in ([out / name for name in OUTPUTS] + sorted(out.glob("checkpoint-rank*.pt")) if earlier else ()):
             if old.is_dir():
                 shutil.rmtree(old)
             elif old.exists():
@@ -202,6 +202,24 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
         return {}
     gens = {r: torch.Generator().manual_seed(cfg.seed * 1000 + r) for r in reps.local}  # each replica its data
     sched0 = reps.schedulers[0].record_schedule()  # the discovered schedule, for hdet.ReplayLR
+    ckpt_path = checkpoint.path_for(out, rank if distributed else None)
+    start, loop = 0, {}
+    if cfg.resume:
+        saved = checkpoint.load(ckpt_path)
+        checkpoint.check_config(saved, cfg)
+        start, loop = int(saved["step"]), saved["loop"]
+        if distributed:  # COLLECTIVE: every rank resumes from the same step (each reads its own file)
+            steps = torch.tensor([start, -start], dtype=torch.int64, device=device)
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+            if steps.tolist() != [start, -start]:  # host sync
+                raise RunError(f"Expected every rank's checkpoint at the same step, but they range from "
+                               f"{-int(steps[1])} to {int(steps[0])}: a run killed while saving; resume from copies of "
+                               "one step")
+        reps.load_state_dict(saved["run"])
+        checkpoint.restore_rng(saved, gens)
+        for s, calls in zip(reps.schedulers, loop.get("probe_calls", [])):  # the fit controller's probe batches
+            s.ensemble.probe.calls = calls
+    every = cfg.checkpoint_every if cfg.checkpoint_every is not None else max(1, cfg.steps // 10)
     groups = [g.get("name", str(j)) for j, g in enumerate(sched0.optimizer.param_groups)]
     eval_every = cfg.eval_every or cfg.T
     log_every = cfg.log_every or min(10, max(1, cfg.steps // 100))
@@ -213,17 +231,24 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
                 "python": platform.python_version(), "torch": torch.__version__, "hdet": __version__,
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
                 (platform.processor() or platform.machine() or "cpu")}
-        clear_earlier(out)
+        if cfg.resume:  # the records up to the checkpoint stay; the run goes on writing after them
+            earlier = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
+            meta["resumed"] = earlier.get("resumed", []) + [{"command": meta["command"], "from_step": start}]
+            meta["command"] = earlier.get("command", meta["command"])
+            for name in ("metrics.jsonl", "syncs.jsonl"):
+                checkpoint.truncate_jsonl(out / name, start)
+        else:
+            clear_earlier(out)
         (out / "config.json").write_text(json.dumps(meta, indent=1))
-        metrics_f = (out / "metrics.jsonl").open("w")
-        syncs_f = SyncLogger(sched0, out / "syncs.jsonl")
+        metrics_f = (out / "metrics.jsonl").open("a" if cfg.resume else "w")
+        syncs_f = SyncLogger(sched0, out / "syncs.jsonl", append=cfg.resume)
         if cfg.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise RunError("Expected the tensorboard package for --tensorboard (pip install tensorboard), "
                                "but it is not installed") from None
-            writer = SummaryWriter(str(out / "tb"))
+            writer = SummaryWriter(str(out / "tb"), purge_step=start + 1 if cfg.resume else None)
 
     def log(f, rec: dict[str, Any]) -> None:
         if rank == 0:
@@ -231,12 +256,16 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
             f.flush()
 
     progress = _Progress(cfg.progress and rank == 0, cfg.steps, cfg.label or f"{cfg.task} x{N}")
-    crashed, train_losses, val_curve = None, [], []
+    crashed = None
+    train_losses = [tuple(x) for x in loop.get("train_losses", [])]
+    val_curve = [tuple(x) for x in loop.get("val_curve", [])]
     t0 = time.perf_counter()
-    t = last_eval = n_logged = 0
-    loss_sum = torch.zeros((), device=device)
+    t, last_eval, n_logged = start, loop.get("last_eval", 0), loop.get("n_logged", 0)
+    loss_sum = loop.get("loss_sum", torch.zeros(())).to(device)  # the loss summed since the last record
+    before = loop.get("seconds", 0.0)  # training time before the resume
+    progress.update(start)
     try:
-        for t in range(1, cfg.steps + 1):
+        for t in range(start + 1, cfg.steps + 1):
             batches = [to_device(task.sample("train", cfg.batch, gens[r]), device) for r in reps.local]
             lrs, bases = sched0.effective_lrs, sched0.base_lrs_now  # this step's (the scheduler steps in reps.step)
             try:
@@ -254,7 +283,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
                 rec = {"step": t, "train_loss": loss,
                        "lr": dict(zip(groups, lrs)),  # replica 0's at this step (rank 0 under torchrun)
                        "lr_mean": dict(zip(groups, bases)),  # mean over replicas (mean rho = 1)
-                       "seconds": time.perf_counter() - t0}
+                       "seconds": before + time.perf_counter() - t0}
                 if "d" in (g0 := reps.optimizers[0].param_groups[0]):  # D-Adaptation/Prodigy: their step size d * lr
                     rec["d"] = float(g0["d"])
                 elif "_mechanic" in reps.optimizers[0].state:  # Mechanic: its scale s, the step s * lr
@@ -280,6 +309,11 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
                     break
             else:
                 progress.update(t)
+            if every and t % every == 0 and t < cfg.steps:  # HOST SYNC: the states are copied to the CPU and saved
+                checkpoint.save(ckpt_path, cfg, t, reps.state_dict(), gens, {
+                    "train_losses": train_losses, "val_curve": val_curve, "last_eval": last_eval, "n_logged": n_logged,
+                    "loss_sum": loss_sum.detach().cpu(), "seconds": before + time.perf_counter() - t0,
+                    "probe_calls": [getattr(s.ensemble.probe, "calls", 0) for s in reps.schedulers]})
     finally:
         progress.close()
     elapsed = time.perf_counter() - t0
@@ -292,8 +326,10 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
     tail = [v for s, v in train_losses if s > cfg.steps * 0.9] or [v for _, v in train_losses[-1:]]
     engine = getattr(reps, "engine", None)
     summary = {**({} if rank else meta), "mode": reps.mode, "steps_done": t,
+               **({"resumed_from": start} if cfg.resume else {}),
                **({"optimizer_path": engine.optimizer_path} if engine is not None else {}),
-               "crashed": crashed, "train_seconds": elapsed, "steps_per_second": t / elapsed if elapsed else None,
+               "crashed": crashed, "train_seconds": before + elapsed,
+               "steps_per_second": (t - start) / elapsed if elapsed else None,
                "final_train_loss": sum(tail) / len(tail) if tail else None, "final_val_loss": final_val,
                "final_metrics": final,
                "val_curve": val_curve}

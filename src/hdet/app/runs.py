@@ -173,6 +173,15 @@ class EngineRun:
     def eval_model(self) -> nn.Module:
         return self.engine.models[0]
 
+    def state_dict(self) -> dict[str, Any]:
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            self.engine.load_state_dict(state)
+        except ValueError as e:
+            raise RunError(f"Expected a checkpoint of this run's replicas, but: {e}") from None
+
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return [self.engine.optimizers[0]]  # replica 0's: the evaluated model's
@@ -215,6 +224,20 @@ class DDPRun:
 
     def eval_model(self) -> nn.Module:
         return self.model
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's replica: its model, optimizer and scheduler."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.schedulers[0].state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            self.schedulers[0].check_state_dict(state["scheduler"])  # checked before anything is set
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.schedulers[0].load_state_dict(state["scheduler"])
+        except (ValueError, RuntimeError, KeyError) as e:
+            raise RunError(f"Expected a checkpoint of this run's replica, but: {e}") from None
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
