@@ -144,6 +144,8 @@ def main() -> None:
     ap.add_argument("--peer-controller", default="none", choices=["none", "fit"],
                     help="with --peers-hdet: the fit controller from the end of the warm-up over the HDET rows "
                     "(names: hdet-fit-...)")
+    ap.add_argument("--peer-max-lr", type=float, default=1.0, help="with --peers-hdet: the peers' lr, a multiplier on "
+                    "their own estimate of the step size (1: their documented use; names: ...-lr<x>)")
     ap.add_argument("--peer-T", type=int, default=None, help="with --peers-hdet: the HDET rows' sync interval "
                     "(default: the task's; names: hdet-...-T<n>-...)")
     ap.add_argument("--alone-only", action="store_true", help="with --peers-hdet: only the rows of each optimizer alone")
@@ -297,7 +299,8 @@ def main() -> None:
         if a.one_model and not a.alone_only:
             raise SystemExit("--one-model needs --alone-only")
         one = dict(replicas=1, batch=8 * size["batch"]) if a.one_model else {}
-        jobs = [job(f"{pre}{name}-s{seed}", pre + name, **PEERS[name], max_lr=1.0, seed=seed,
+        lr_tag = f"-lr{a.peer_max_lr:g}" if a.peer_max_lr != 1.0 else ""
+        jobs = [job(f"{pre}{name}{lr_tag}-s{seed}", pre + name + lr_tag, **PEERS[name], max_lr=a.peer_max_lr, seed=seed,
                     **(hdet if pre else one))
                 for name in names for seed in seeds
                 for pre in ((tag,) if a.hdet_only else ("",) if a.alone_only else (tag, ""))]
