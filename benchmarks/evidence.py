@@ -298,8 +298,10 @@ def main() -> None:
                     **(dict(auto_lr=True, controller="fit", tie_lr_groups=True, warmup=_on_sync(warm, Tp)) if fit else {}))
         if a.one_model and not a.alone_only:
             raise SystemExit("--one-model needs --alone-only")
+        if "mechanic" in names and not a.alone_only:
+            raise SystemExit("--peer-names mechanic needs --alone-only (hdet refuses a spread over Mechanic)")
         one = dict(replicas=1, batch=8 * size["batch"]) if a.one_model else {}
-        lr_tag = f"-lr{a.peer_max_lr:g}" if a.peer_max_lr != 1.0 else ""
+        lr_tag = (f"-lr{a.peer_max_lr:g}" if a.peer_max_lr != 1.0 else "") + ("-1m" if a.one_model else "")
         jobs = [job(f"{pre}{name}{lr_tag}-s{seed}", pre + name + lr_tag, **PEERS[name], max_lr=a.peer_max_lr, seed=seed,
                     **(hdet if pre else one))
                 for name in names for seed in seeds

@@ -336,6 +336,8 @@ def test_flags_a_run_does_not_use_are_named(tmp_path, capsys):
     (["train", "--clip", "0"], "Expected --clip > 0, but got 0.0"),
     (["train", "--alpha", "0.5", "--optimizer", "schedulefree-adamw"], "--alpha 0 with --optimizer schedulefree-adamw"),
     (["train", "--alpha", "0.2", "--optimizer", "mechanic-adamw"], "--alpha 0 with --optimizer mechanic-adamw"),
+    (["train", "--alpha", "0", "--optimizer", "mechanic-adamw", "--no-grad-sync"], "--grad-sync with --optimizer mechanic"),
+    (["train", "--alpha", "0", "--optimizer", "mechanic-adamw", "--checkpoint-every", "5"], "no --resume with --optimizer mechanic-adamw"),
     (["train", "--width", "100"], "--width divisible by the GPT's number of heads (width // 32 = 3 for --width 100)"),
     (["train", "--steps", "20", "--T", "50", "--auto-lr"], "a sync step (a multiple of --T 50) from the controller's"),
     (["train", "--out", __file__], f"Expected --out to be a folder, but {__file__} is a file"),

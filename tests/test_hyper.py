@@ -72,10 +72,14 @@ def test_builtins_get_set_and_bad_input():
     Dropout(layer).set(0.3)
     assert layer.self_attn.dropout == 0.3 and [m.p for m in layer.modules() if isinstance(m, nn.Dropout)] == [0.3] * 3
     mixed = nn.Sequential(nn.MultiheadAttention(8, 2), nn.Dropout(0.1))  # attention dropout 0, the rest 0.1
-    with pytest.raises(ValueError, match=r"p in \[0.0, 0.1\].*attention=False"):
-        Dropout(mixed)
-    Dropout(mixed, attention=False).set(0.2)
+    with pytest.warns(UserWarning, match=r"leaves out 1 nn.MultiheadAttention.*\[0.0\] is not the other modules' p"):
+        d = Dropout(mixed, base=0.1)  # (one value for all: the attention's 0 is not taken over silently)
+    d.set(0.2)
     assert mixed[0].dropout == 0.0 and mixed[1].p == 0.2
+    with pytest.raises(ValueError, match=r"p in \[0.0, 0.2\].*attention=False"):
+        Dropout(mixed, attention=True)
+    Dropout(mixed, attention=False).set(0.3)
+    assert mixed[0].dropout == 0.0 and mixed[1].p == 0.3
     with pytest.raises(ValueError, match="param group index in"):
         WeightDecay(opt, group=3)
     with pytest.raises(ValueError, match="label_smoothing attribute"):

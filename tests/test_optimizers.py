@@ -251,6 +251,22 @@ def test_mechanic_is_refused_under_a_spread_and_keeps_one_scale_with_averaging_a
     assert eng.optimizer_path.startswith("per-replica")  # a subclass of AdamW, not stepped as AdamW
 
 
+def test_mechanic_needs_shared_gradients_and_is_never_skipped_by_the_fused_guard():
+    """Local mode: each replica's Mechanic scale would learn from its own gradients (8.9x apart after 300 steps on a
+    toy) and its weights are rebuilt from that scale, so the engine refuses it. A fused Mechanic AdamW is not
+    "skippable": its tuner reads the NaN gradient itself after the fused step skipped, so the guard is the hook."""
+    mechanic_pytorch = pytest.importorskip("mechanic_pytorch")
+    from hdet.guard import _fused
+
+    def make(m, **kw):
+        return mechanic_pytorch.mechanize(torch.optim.AdamW)(m.parameters(), lr=1.0, **kw)
+
+    with pytest.raises(ValueError, match="Expected shared gradients .*Mechanic.*local mode"):
+        _engine(make, share_gradients=False)
+    assert not _fused(make(nn.Linear(3, 1), fused=True))
+    assert _fused(torch.optim.AdamW(nn.Linear(3, 1).parameters(), fused=True))
+
+
 def _engine(make_opt, share_gradients=True, steps=10, **kw):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -312,6 +328,8 @@ def test_the_cli_run_trains_with_each_peer(tmp_path):
     for opt, lr in (("dadapt-adam", 1.0), ("prodigy", 1.0), ("schedulefree-adamw", 3e-3), ("mechanic-adamw", 1.0)):
         s = train(RunConfig(**tiny, optimizer=opt, max_lr=lr, out=str(tmp_path / opt)))
         assert s["crashed"] is None and math.isfinite(s["final_val_loss"]), opt
+        # (Mechanic's state does not reload: its runs write no checkpoint; the others' do)
+        assert (tmp_path / opt / "checkpoint.pt").is_file() is (opt != "mechanic-adamw"), opt
     for opt in ("dadapt-adam", "prodigy"):  # a spread over a distance estimator: the multiplier on its step
         s = train(RunConfig(**{**tiny, "alpha": 0.2}, optimizer=opt, out=str(tmp_path / f"{opt}-a")))
         assert s["crashed"] is None and math.isfinite(s["final_val_loss"]), opt

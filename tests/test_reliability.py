@@ -657,7 +657,7 @@ def test_numpy_scalars_are_numbers():
 
 
 # ------------------------------------------------------------ 12. the engine's own state
-def _engine(N=3, steps=20, stop=None, state=None):
+def _engine(N=3, steps=20, stop=None, state=None, until=None):
     def make_sched(o, rep, m):
         return hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=steps, model_sync_interval=4, replicas=rep, model=m,
                                    ensemble_lr_spread_ratio=0.3, enable_auto_lr=True, auto_lr_warmup_steps=4,
@@ -672,6 +672,8 @@ def _engine(N=3, steps=20, stop=None, state=None):
         eng.load_state_dict(state)
         start = eng.steps_taken
     for t in range(start + 1, steps + 1):
+        if until is not None and t > until:
+            return eng
         g = torch.Generator().manual_seed(t)
         x = torch.randn(N, 8, 3, generator=g)
         eng.step((x, x[..., :1].sin()), lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), stacked=True)
@@ -721,6 +723,32 @@ def test_engine_with_gradient_layout_resumes_bit_for_bit():
     for k in full.stacked_params:
         assert torch.equal(full.stacked_params[k], resumed.stacked_params[k]), k
         assert full.stacked_params[k].stride() == resumed.stacked_params[k].stride(), k
+
+
+def test_a_converge_step_that_fails_any_way_leaves_no_checkpoint_to_write(monkeypatch):
+    """Not only a failed collective: any exception out of a converge step (an out-of-memory while averaging, Ctrl-C,
+    a custom transport's error) leaves the schedulers half-stepped and maybe the weights partly averaged, so
+    state_dict() refuses; a load of a good state clears that."""
+    import hdet.engine
+
+    good = _engine(steps=20, stop=8)  # a whole state at step 8
+    for error in (torch.OutOfMemoryError("while averaging"), KeyboardInterrupt(), RuntimeError("transport")):
+        eng = _engine(steps=20, state=good, until=8)
+
+        def failing(*a, error=error, **k):
+            raise error
+
+        monkeypatch.setattr(hdet.engine, "average_local", failing)
+        g = torch.Generator().manual_seed(0)
+        with pytest.raises(type(error)):
+            for _ in range(4):  # the converge step after step 12
+                x = torch.randn(3, 8, 3, generator=g)
+                eng.step((x, x[..., :1].sin()), lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), stacked=True)
+        monkeypatch.undo()
+        with pytest.raises(RuntimeError, match=f"optimizer step 12 did not finish \\({type(error).__name__}\\)"):
+            eng.state_dict()
+        eng.load_state_dict(good)
+        eng.state_dict()  # a good state loaded: saving works again
 
 
 def test_engine_state_checks():

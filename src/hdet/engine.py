@@ -26,6 +26,7 @@ its own gradient and the replicas meet only at converge steps.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import warnings
@@ -39,6 +40,7 @@ from torch.func import functional_call, vmap
 from .ensemble import ReplicaMismatchError
 from .guard import all_finite
 from .replicas import LocalReplicaGroup, Replicas, average_local
+from .optimizers import check_shared_gradients
 from .stability import SharedCopies
 from .stacked_optim import StackedStep, Unstackable, unsupported
 from .stacking import StackedReplicas
@@ -159,6 +161,8 @@ class ReplicaEngine:
             self.mode = "loop"  # per-replica Python attributes (dropout p, ...) need one module call each
         self.before_optimizer_step = before_optimizer_step
         self.share_gradients = share_gradients
+        if not share_gradients:
+            check_shared_gradients(self.optimizers[0])
         self._call = _Call(self.models[0])
         # the names functional_call sees through the _Call wrapper (built once: the stacked tensors never change)
         self._call_params = {"m." + k: v for k, v in self.stacked_params.items()}
@@ -341,11 +345,18 @@ class ReplicaEngine:
                     len(g["params"]) for g in o.param_groups]:
                 raise ValueError(f"Expected replica {r}'s optimizer state with this optimizer's param groups, but "
                                  "it differs")
+        saved = state.get("layout") or {}
+        params = self.stacked_params
+        if not isinstance(saved, dict) or any(
+                n not in params or not (o is None or (isinstance(o, (list, tuple)) and
+                                                      sorted(o) == list(range(params[n].dim() - 1))))
+                for n, o in saved.items()):
+            raise ValueError("Expected the state's 'layout' to give each stacked parameter's dims in storage order "
+                             "(a permutation of its dims, or None), but it does not: a corrupted or foreign state")
         steps = {rs["scheduler"]["last_epoch"] for rs in state["replicas"]}
         if len(steps) > 1:
             raise ValueError(f"Expected every replica's scheduler state at the same step, but got last_epoch "
                              f"{[rs['scheduler']['last_epoch'] for rs in state['replicas']]}")
-        saved = state.get("layout") or {}
         if self.stack is not None and self.stack.relayout and not self.stack.grads_bound and saved:
             # lay the parameters out as the saved engine had them (from its first backward on): the same memory
             # order, so the resumed run's sums round as the uninterrupted run's
@@ -453,6 +464,12 @@ class ReplicaEngine:
         """One sync of the N ensembles, in the three phases of :class:`hdet.ensemble.Ensemble`, with the
         replica axis as the transport. HOST SYNC: the stacked vectors are read once."""
         ens = [s.ensemble for s in self.schedulers]
+        with contextlib.ExitStack() as failing:  # an exception here leaves every replica's scheduler half-stepped
+            for e in ens:
+                failing.enter_context(e.marking_failure(t))
+            self._sync_all(t, ens)
+
+    def _sync_all(self, t: int, ens: list[Any]) -> None:
         rows = torch.stack([e.prepare_sync(t) for e in ens]).to("cpu", torch.float64)  # HOST SYNC: one copy
         verdicts = [e.check_sync(t, rows) for e in ens]  # the same verdict on every replica
         bad = verdicts[0].exclude

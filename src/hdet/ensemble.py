@@ -12,12 +12,13 @@ that sequence through ``torch.distributed``. Glossary: ``docs/architecture.md``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import statistics
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -431,21 +432,36 @@ class Ensemble:
 
         Collectives: one all_gather of a few float64 scalars, then one all_reduce per bucket of
         flattened tensors. Host syncs: the gathered scalars are read on the host once."""
-        verdict = self.check_sync(t, self._gather(t, self.prepare_sync(t)))
-        self._average(t, self.tensors(), verdict.exclude)  # Eq. 3 over the healthy replicas
-        if verdict.exclude:
-            self._reset_moments(t, verdict.exclude)
-        return self.finish_sync(t, verdict)
+        with self.marking_failure(t):
+            verdict = self.check_sync(t, self._gather(t, self.prepare_sync(t)))
+            self._average(t, self.tensors(), verdict.exclude)  # Eq. 3 over the healthy replicas
+            if verdict.exclude:
+                self._reset_moments(t, verdict.exclude)
+            return self.finish_sync(t, verdict)
+
+    @contextlib.contextmanager
+    def marking_failure(self, t: int) -> Iterator[None]:
+        """Any exception out of a converge step (a failed collective, an out-of-memory, Ctrl-C, every replica
+        non-finite, ...) leaves the scheduler half-stepped and maybe the weights partly averaged: remember it, so
+        that :meth:`state_dict` refuses to write a checkpoint that would resume silently wrong."""
+        try:
+            yield
+        except BaseException as e:
+            if self.failed_sync is None:
+                self.failed_sync = f"the converge step after optimizer step {t} did not finish ({type(e).__name__})"
+            raise
 
     def recover(self, t: int) -> list[int]:
         """An early converge between syncs, for replicas with non-finite weights or buffers (the scheduler
         calls it when the skip guard skipped every step of a stretch). The healthy replicas are averaged
         only when some replica is bad; the loss window and the controller are left alone. Returns the bad
         replicas. Collectives as :meth:`sync`."""
-        bad = self.check_sync(t, self._gather(t, self.prepare_sync(t, new_window=False)), everyone=False).exclude
+        with self.marking_failure(t):
+            bad = self.check_sync(t, self._gather(t, self.prepare_sync(t, new_window=False)), everyone=False).exclude
+            if bad:
+                self._average(t, self.tensors(), bad)
+                self._reset_moments(t, bad)
         if bad:
-            self._average(t, self.tensors(), bad)
-            self._reset_moments(t, bad)
             _warn_recovered(t, bad, "an early recovery at")
         if self.step_scale is not None:
             self.step_scale.take_estimates()
@@ -485,8 +501,8 @@ class Ensemble:
         """Plain data (numbers, strings, lists, dicts, CPU tensors): loads with ``torch.load(weights_only=True)``.
         Refused (RuntimeError) after a converge step failed part-way: the state would be half-stepped."""
         if self.failed_sync is not None:
-            raise RuntimeError(f"hdet: Expected a scheduler whose last converge step finished, but {self.failed_sync} "
-                               "(ReplicaSyncError): its state is half-stepped and this process's weights may hold a "
+            raise RuntimeError(f"hdet: Expected a scheduler whose last converge step finished, but {self.failed_sync}"
+                               ": its state is half-stepped and this process's weights may hold a "
                                "partial average, so a checkpoint of them would resume silently wrong. Resume every "
                                "replica from the last checkpoint")
         return ensemble_state.state_dict(self)

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .optimizers import innermost as _innermost
+from .optimizers import lr_free_kind
 from .replicas import local_shard
 from .sync import max_abs
 
@@ -110,6 +111,8 @@ def _unchanged(seen: list[tuple[torch.Tensor, int]], groups: dict[Any, list[torc
 def _fused(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` honours ``found_inf`` on the device (torch's fused Adam/AdamW/SGD/...)."""
     inner = _innermost(optimizer)
+    if lr_free_kind(inner) == "mechanic":  # its tuner reads the gradients itself after the fused step skipped
+        return False
     return bool(getattr(inner, "_step_supports_amp_scaling", False)) and all(g.get("fused") for g in inner.param_groups)
 
 

@@ -14,6 +14,7 @@ modules), :class:`LabelSmoothing` (a loss object), :class:`GradClip` (a clipping
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -146,19 +147,29 @@ class AdamBeta(_GroupValue):
 
 
 class Dropout(Hyperparameter):
-    """The dropout probability of every ``nn.Dropout*`` module inside ``modules`` (its ``p``) and, with
-    ``attention=True`` (the default), of every ``nn.MultiheadAttention`` there (its ``dropout``, a float that
-    ``nn.Transformer*`` layers set from the same argument); one shared value, additive spread, kept in [0, 0.999].
-    Attention dropout given as a float elsewhere (e.g. a Hugging Face config's ``attention_dropout``) is not reached:
-    explore it with a :class:`Setter`."""
+    """The dropout probability of every ``nn.Dropout*`` module inside ``modules`` (its ``p``) and of every
+    ``nn.MultiheadAttention`` there (its ``dropout``, a float that ``nn.Transformer*`` layers set from the same
+    argument); one shared value, additive spread, kept in [0, 0.999]. ``attention``: None (the default) takes the
+    attention modules in where their dropout is the other modules' p (as ``nn.Transformer*`` layers build them) and
+    leaves them out with a warning where it differs; True always, False never. Attention dropout given as a float
+    elsewhere (e.g. a Hugging Face config's ``attention_dropout``) is not reached: explore it with a :class:`Setter`."""
 
     vmap_safe = False
 
     def __init__(self, modules: nn.Module | Iterable[nn.Module], alpha: float = 0.05, kind: str = "additive",
-                 bounds: tuple[float, float] = UNIT, name: str = "dropout", attention: bool = True, **kw: Any) -> None:
+                 bounds: tuple[float, float] = UNIT, name: str = "dropout", attention: bool | None = None,
+                 **kw: Any) -> None:
         roots = [modules] if isinstance(modules, nn.Module) else list(modules)
-        kinds = (nn.modules.dropout._DropoutNd, nn.MultiheadAttention) if attention else nn.modules.dropout._DropoutNd
-        self.modules = [m for root in roots for m in root.modules() if isinstance(m, kinds)]
+        found = [m for root in roots for m in root.modules()]
+        drops = [m for m in found if isinstance(m, nn.modules.dropout._DropoutNd)]
+        attn = [m for m in found if isinstance(m, nn.MultiheadAttention)] if attention is not False else []
+        if attention is None and drops and attn and {self._p(m) for m in attn} != {self._p(m) for m in drops}:
+            warnings.warn(f"hdet: Dropout leaves out {len(attn)} nn.MultiheadAttention module(s): their dropout "
+                          f"{sorted({self._p(m) for m in attn})} is not the other modules' p "
+                          f"{sorted({self._p(m) for m in drops})} (attention=True explores them too, attention=False "
+                          "says you mean it)", stacklevel=2)
+            attn = []
+        self.modules = drops + attn
         if not self.modules:
             raise ValueError("Expected at least one nn.Dropout module to explore, but found none")
         ps = sorted({self._p(m) for m in self.modules})

@@ -26,7 +26,7 @@ from .controller import gamma_as_printed
 from .ensemble import Ensemble, SyncRecord
 from .guard import GuardSetting, SkipWatch
 from .hyper import AdamBeta, Hyperparameter, LabelSmoothing
-from .optimizers import check_optimizer, innermost
+from .optimizers import check_optimizer, check_shared_gradients, innermost
 from .replicas import DEFAULT_BUCKET_CAP_MB, Replicas, resolve_replicas
 from .slots import LRControl
 
@@ -214,6 +214,8 @@ class HDETLR(LRScheduler):
                 "optimizer steps: its converge steps and schedule now run ahead of training. Causes: a scheduler "
                 "passed to accelerator.prepare() (stepped num_processes times per optimizer step: do not prepare "
                 "it), or a step skipped by GradScaler (then skip scheduler.step() too)", stacklevel=4)
+        if self._guard.local:
+            check_shared_gradients(self.optimizer)
         if self._opt_steps > self._opt_steps_seen + 1 and self._guard.local and not self._warned_missed_step:
             # (local mode only: under DDP every replica skips alike, e.g. a step GradScaler skipped on the device)
             self._warned_missed_step = True

@@ -179,6 +179,13 @@ def check(cfg: RunConfig) -> None:
     if cfg.optimizer == "schedulefree-adamw" and cfg.alpha > 0:
         raise RunError(f"Expected --alpha 0 with --optimizer schedulefree-adamw (Schedule-Free: its LR also sets its "
                        f"averaging weights, so a spread breaks them), but got --alpha {cfg.alpha}")
+    if cfg.optimizer == "mechanic-adamw" and cfg.local:
+        raise RunError("Expected --grad-sync with --optimizer mechanic-adamw (Mechanic's scale learns from each "
+                       "replica's gradients: in local mode the replicas' scales drift apart), but got --no-grad-sync")
+    if cfg.optimizer == "mechanic-adamw" and (cfg.resume or cfg.checkpoint_every):
+        raise RunError("Expected --checkpoint-every 0 and no --resume with --optimizer mechanic-adamw (mechanic-pytorch "
+                       "keys its state by the parameter objects themselves, so a reloaded optimizer fails at its next "
+                       "step): its runs are not checkpointed")
     if cfg.optimizer == "mechanic-adamw" and cfg.alpha > 0:
         raise RunError(f"Expected --alpha 0 with --optimizer mechanic-adamw (Mechanic sets the weights from its start "
                        f"point and a scaled running sum, so a spread does not scale a replica's step), but got "
@@ -213,7 +220,10 @@ DEFAULT_MAX_LR = {"adamw": 3e-3, "dadapt-adam": 1.0, "prodigy": 1.0, "schedulefr
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with its defaults that depend on other options filled in (``--max-lr`` by ``--optimizer``)."""
+    """``cfg`` with its defaults that depend on other options filled in (``--max-lr`` by ``--optimizer``; no
+    checkpoints with Mechanic, whose state does not reload)."""
     if cfg.max_lr is None:
-        return dataclasses.replace(cfg, max_lr=DEFAULT_MAX_LR[cfg.optimizer])
+        cfg = dataclasses.replace(cfg, max_lr=DEFAULT_MAX_LR[cfg.optimizer])
+    if cfg.checkpoint_every is None and cfg.optimizer == "mechanic-adamw":
+        cfg = dataclasses.replace(cfg, checkpoint_every=0)
     return cfg
