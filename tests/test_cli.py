@@ -429,6 +429,19 @@ def test_a_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, capsys, mode):
     assert cfg["command"].endswith(f"--out {cut}") and cfg["resumed"][0]["from_step"] == 15
 
 
+@pytest.mark.parametrize("extra", [["--auto-lr", "--controller", "paper", "--warmup", "10"],
+                                   ["--optimizer", "schedulefree-adamw", "--alpha", "0", "--max-lr", "3e-3"]])
+def test_resume_without_the_fit_controllers_probe(tmp_path, extra):
+    """The paper controller and Schedule-Free have no probe: their runs resume too (a copy of the finished run's
+    folder goes on from its last checkpoint, step 17 of 30, and ends as the run did)."""
+    pytest.importorskip("schedulefree")
+    args = [*TINY, "--steps", "30", "--T", "10", "--checkpoint-every", "17", *extra]
+    assert main(["train", *args, "--out", str(tmp_path / "whole")]) == 0
+    shutil.copytree(tmp_path / "whole", tmp_path / "again")
+    assert main(["train", *args, "--out", str(tmp_path / "again"), "--resume"]) == 0
+    _same_run(tmp_path / "whole", tmp_path / "again")
+
+
 def test_resume_refuses_other_options_and_a_missing_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", *RESUMABLE, "--checkpoint-every", "0", "--out", str(out)]) == 0
@@ -465,3 +478,7 @@ def test_resume_under_torchrun_goes_on_bit_for_bit(tmp_path):
     torchrun("--out", str(tmp_path / "again"), "--resume")
     _same_run(tmp_path / "whole", tmp_path / "again")
     assert json.loads((tmp_path / "again" / "summary.json").read_text())["resumed_from"] == 15
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
+                        "hdet", "train", *args, "--out", str(tmp_path / "again"), "--resume"],
+                       capture_output=True, text=True, timeout=300, env=env)  # another world size: another run
+    assert p.returncode != 0 and "replicas (the world size under torchrun) 2 -> 1" in p.stderr, p.stderr[-2000:]

@@ -38,10 +38,10 @@ def _config(cfg: RunConfig) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in SAME_RUN_EXEMPT}
 
 
-def save(path: Path, cfg: RunConfig, step: int, run_state: dict[str, Any], gens: dict[int, torch.Generator],
-         loop: dict[str, Any]) -> None:
+def save(path: Path, cfg: RunConfig, replicas: int, step: int, run_state: dict[str, Any],
+         gens: dict[int, torch.Generator], loop: dict[str, Any]) -> None:
     """Write the checkpoint after optimizer step ``step`` (to a temporary file, then renamed over the old one)."""
-    state = {"version": VERSION, "step": step, "config": _config(cfg), "run": run_state,
+    state = {"version": VERSION, "step": step, "config": _config(cfg), "replicas": replicas, "run": run_state,
              "data_rng": {str(r): g.get_state() for r, g in gens.items()},
              "torch_rng": torch.get_rng_state(),
              "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
@@ -69,10 +69,13 @@ def load(path: Path) -> dict[str, Any]:
     return state
 
 
-def check_config(state: dict[str, Any], cfg: RunConfig) -> None:
-    """That the resumed run is the checkpointed one: every option that changes what is computed is the same."""
+def check_config(state: dict[str, Any], cfg: RunConfig, replicas: int) -> None:
+    """That the resumed run is the checkpointed one: every option that changes what is computed is the same, and the
+    number of replicas (under torchrun the world size, which no option names)."""
     saved, now = state["config"], _config(cfg)
     diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k]]
+    if state.get("replicas", replicas) != replicas:
+        diff.append(f"replicas (the world size under torchrun) {state['replicas']} -> {replicas}")
     if diff:
         raise RunError(f"Expected the options of the checkpointed run to resume it, but these differ: {'; '.join(diff)}")
 

@@ -206,7 +206,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
     start, loop = 0, {}
     if cfg.resume:
         saved = checkpoint.load(ckpt_path)
-        checkpoint.check_config(saved, cfg)
+        checkpoint.check_config(saved, cfg, N)
         start, loop = int(saved["step"]), saved["loop"]
         if distributed:  # COLLECTIVE: every rank resumes from the same step (each reads its own file)
             steps = torch.tensor([start, -start], dtype=torch.int64, device=device)
@@ -218,7 +218,8 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
         reps.load_state_dict(saved["run"])
         checkpoint.restore_rng(saved, gens)
         for s, calls in zip(reps.schedulers, loop.get("probe_calls", [])):  # the fit controller's probe batches
-            s.ensemble.probe.calls = calls
+            if s.ensemble.probe is not None:
+                s.ensemble.probe.calls = calls
     every = cfg.checkpoint_every if cfg.checkpoint_every is not None else max(1, cfg.steps // 10)
     groups = [g.get("name", str(j)) for j, g in enumerate(sched0.optimizer.param_groups)]
     eval_every = cfg.eval_every or cfg.T
@@ -310,7 +311,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
             else:
                 progress.update(t)
             if every and t % every == 0 and t < cfg.steps:  # HOST SYNC: the states are copied to the CPU and saved
-                checkpoint.save(ckpt_path, cfg, t, reps.state_dict(), gens, {
+                checkpoint.save(ckpt_path, cfg, N, t, reps.state_dict(), gens, {
                     "train_losses": train_losses, "val_curve": val_curve, "last_eval": last_eval, "n_logged": n_logged,
                     "loss_sum": loss_sum.detach().cpu(), "seconds": before + time.perf_counter() - t0,
                     "probe_calls": [getattr(s.ensemble.probe, "calls", 0) for s in reps.schedulers]})
