@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import copy
 import json
 import multiprocessing as mp
 import platform
@@ -36,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from evidence import SIZES  # noqa: E402
-from sharpness_signal import top_eigenvalue  # noqa: E402
+from sharpness_signal import preconditioned_copy, top_eigenvalue  # noqa: E402
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -66,20 +65,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         run.step([to_device(task.sample("train", B, gens[r]), dev) for r in range(N)])
         if t not in checks:
             continue
-        m = copy.deepcopy(eng.models[0])
-        for blk in m.modules():
-            if hasattr(blk, "attn"):
-                blk.attn = "math"  # double backward through explicit attention
-        m.train()
-        opt = make_optimizer(task, cfg)(m)
-        opt.load_state_dict(eng.optimizers[0].state_dict())
-        params, scale = [], []
-        for group in opt.param_groups:
-            for p in group["params"]:
-                st = opt.state.get(p)
-                if p.requires_grad and st and "exp_avg_sq" in st:
-                    params.append(p)
-                    scale.append((st["exp_avg_sq"].sqrt() + group["eps"]).rsqrt())  # P^-1/2
+        m, params, scale = preconditioned_copy(eng, make_optimizer(task, cfg), bias_correction=False)
         g0 = eng.optimizers[0].param_groups[0]
         dlr = float(g0["d"]) * float(g0["lr"])  # the step size of this step (D-Adaptation: no bias correction)
         beta1 = float(g0["betas"][0])

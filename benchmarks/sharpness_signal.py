@@ -61,6 +61,28 @@ def top_eigenvalue(loss_of: Any, params: list[torch.Tensor], scale: list[torch.T
     return lam
 
 
+def preconditioned_copy(eng: Any, optimizer_of: Any, bias_correction: bool) -> tuple[Any, list, list]:
+    """A copy of replica 0 of the engine ``eng`` (explicit attention, so that a double backward runs everywhere) in
+    train mode, its parameters that have Adam state, and each one's ``P^-1/2`` with ``P = sqrt(v) + eps`` (``v`` bias
+    corrected, as AdamW's, or not, as D-Adaptation Adam's); ``optimizer_of(model)`` builds the run's optimizer."""
+    m = copy.deepcopy(eng.models[0])
+    for blk in m.modules():
+        if hasattr(blk, "attn"):
+            blk.attn = "math"  # double backward through explicit attention
+    m.train()
+    opt = optimizer_of(m)
+    opt.load_state_dict(eng.optimizers[0].state_dict())
+    params, scale = [], []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p)
+            if p.requires_grad and st and "exp_avg_sq" in st:
+                v = st["exp_avg_sq"] / (1 - group["betas"][1] ** float(st["step"])) if bias_correction else st["exp_avg_sq"]
+                params.append(p)
+                scale.append((v.sqrt() + group["eps"]).rsqrt())  # P^-1/2
+    return m, params, scale
+
+
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     from hdet.app.options import RunConfig
@@ -90,24 +112,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             continue
         cur = float(losses.mean())  # host sync
         ema = cur if ema is None else ema
-        m = copy.deepcopy(eng.models[0])
-        for blk in m.modules():
-            if hasattr(blk, "attn"):
-                blk.attn = "math"  # double backward through explicit attention
-        m.train()
-        opt = make_optimizer(task, cfg)(m)
-        opt.load_state_dict(eng.optimizers[0].state_dict())
-        params, scale = [], []
-        for group in opt.param_groups:
-            b2 = group["betas"][1]
-            for p in group["params"]:
-                st = opt.state.get(p)
-                if not p.requires_grad or not st:
-                    continue
-                step = float(st["step"])
-                v_hat = st["exp_avg_sq"] / (1 - b2 ** step)
-                params.append(p)
-                scale.append((v_hat.sqrt() + group["eps"]).rsqrt())  # P^-1/2
+        m, params, scale = preconditioned_copy(eng, make_optimizer(task, cfg), bias_correction=True)
         lr = float(eng.optimizers[0].param_groups[0]["lr"])  # the LR this step used (all groups the same)
         beta1 = float(eng.optimizers[0].param_groups[0]["betas"][0])
 
