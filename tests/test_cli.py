@@ -227,6 +227,7 @@ def test_compare_runs_six_configurations(tmp_path, capsys):
     assert by["HDET (full)"]["auto_lr"] and by["HDET (full)"]["warm_init"] and by["HDET (full)"]["alpha"] == 0.2
     assert not by["HDET w/o warm init"]["warm_init"] and not by["HDET w/o auto-LR"]["auto_lr"]
     assert (out / "pretrain" / "model.pt").exists()
+    assert not list(out.rglob("checkpoint*"))  # nothing resumes a comparison's rows: they write no checkpoints
     shown = capsys.readouterr().out
     assert "pre-training one replica for 4 steps" in shown and "Table 1 layout" in shown
     for r in res["runs"]:
@@ -458,6 +459,70 @@ def test_resume_refuses_other_options_and_a_missing_checkpoint(tmp_path, capsys)
     assert "--checkpoint-every to be a whole number >= 0" in capsys.readouterr().err
 
 
+def test_resume_compares_options_as_the_run_resolves_them(tmp_path, capsys):
+    """Options spelled differently but meaning the same (--replicas 4 and its default, --mode vmap and auto, --device
+    cpu and auto on a CPU, --eval-every T and its default, a flag with no effect on this run) resume; one that changes
+    the run is still refused."""
+    args = [*TINY, "--steps", "30", "--T", "10", "--checkpoint-every", "15", "--mode", "auto"]
+    assert main(["train", *args, "--out", str(tmp_path / "whole")]) == 0
+    shutil.copytree(tmp_path / "whole", tmp_path / "again")
+    same = ["--replicas", "4", "--mode", "vmap", "--device", "cpu", "--eval-every", "10", "--warmup", "20",
+            "--probe-batches", "2", "--prodigy-safeguard"]
+    assert main(["train", *args, *same, "--out", str(tmp_path / "again"), "--resume"]) == 0
+    _same_run(tmp_path / "whole", tmp_path / "again")
+    capsys.readouterr()
+    for other, said in ((["--eval-every", "20"], "--eval-every 10 -> 20"), (["--mode", "loop"],
+                        "--mode 'engine-vmap' -> 'engine-loop'"), (["--auto-lr"], "--auto-lr False -> True")):
+        assert main(["train", *args, *other, "--out", str(tmp_path / "again"), "--resume"]) == 2
+        assert said in capsys.readouterr().err
+
+
+def test_resume_leaves_no_stale_end_and_reads_the_records_first(tmp_path, monkeypatch, capsys):
+    """A resume that is refused touches nothing (no folder made for a run that is not there; a record file broken
+    mid-way is an error before either file is cut); a last line cut short by the kill goes; a finished run resumed
+    and stopped again keeps no summary or model of the earlier end; --init-from is not read again; a fresh run clears
+    an earlier run's checkpoints, half-written ones included."""
+    from hdet.app.runs import EngineRun
+
+    missing = tmp_path / "none"
+    assert main(["train", *TINY, "--out", str(missing), "--resume"]) == 2
+    assert "Expected a run folder to resume at" in capsys.readouterr().err and not missing.exists()
+    init = tmp_path / "init"
+    assert main(["train", *TINY, "--replicas", "1", "--alpha", "0", "--out", str(init)]) == 0
+    args = [*TINY, "--steps", "30", "--T", "10", "--checkpoint-every", "15", "--init-from", str(tmp_path / "init.pt")]
+    shutil.copy(init / "model.pt", tmp_path / "init.pt")
+    assert main(["train", *args, "--out", str(tmp_path / "whole")]) == 0
+    (tmp_path / "init.pt").unlink()  # a resume reads its weights from the checkpoint
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "whole", cut)
+    metrics, syncs = (cut / "metrics.jsonl").read_text(), (cut / "syncs.jsonl").read_text()
+    (cut / "syncs.jsonl").write_text(syncs + '{"step": 2')  # killed while writing a record
+    lines = metrics.splitlines()
+    (cut / "metrics.jsonl").write_text("\n".join(lines[:3] + ["{oops"] + lines[3:]) + "\n")
+    assert main(["train", *args, "--out", str(cut), "--resume"]) == 2
+    assert "Expected one JSON record a line in" in capsys.readouterr().err
+    assert (cut / "syncs.jsonl").read_text() == syncs + '{"step": 2'  # neither file cut
+    (cut / "metrics.jsonl").write_text(metrics)
+    real, calls = EngineRun.step, [0]
+
+    def killed_at_20(self, batches):
+        calls[0] += 1
+        if calls[0] == 5:  # step 20 of the resumed run
+            raise KeyboardInterrupt
+        return real(self, batches)
+
+    monkeypatch.setattr(EngineRun, "step", killed_at_20)
+    assert main(["train", *args, "--out", str(cut), "--resume"]) == 130
+    monkeypatch.undo()
+    assert not (cut / "summary.json").exists() and not (cut / "model.pt").exists()  # not the earlier end's
+    assert max(r["step"] for r in _jsonl(cut / "syncs.jsonl")) <= 19
+    assert main(["train", *args, "--out", str(cut), "--resume"]) == 0
+    _same_run(tmp_path / "whole", cut)
+    (cut / "checkpoint.pt.tmp").write_bytes(b"half")
+    assert main(["train", *TINY, "--out", str(cut)]) == 0  # a fresh run (default checkpoints: every tenth)
+    assert sorted(p.name for p in cut.glob("checkpoint*")) == ["checkpoint.pt"]
+
+
 @pytest.mark.distributed
 def test_resume_under_torchrun_goes_on_bit_for_bit(tmp_path):
     """Under torchrun each rank saves and resumes its own replica (checkpoint-rank<r>.pt): the run resumed from the
@@ -482,3 +547,37 @@ def test_resume_under_torchrun_goes_on_bit_for_bit(tmp_path):
                         "hdet", "train", *args, "--out", str(tmp_path / "again"), "--resume"],
                        capture_output=True, text=True, timeout=300, env=env)  # another world size: another run
     assert p.returncode != 0 and "replicas (the world size under torchrun) 2 -> 1" in p.stderr, p.stderr[-2000:]
+
+
+@pytest.mark.distributed
+def test_torchrun_ranks_killed_at_different_steps_resume_from_the_step_all_hold(tmp_path):
+    """Under torchrun, ranks killed while saving can hold different newest checkpoints: each keeps its previous one
+    too, and the run resumes from the newest step every rank holds, ending as the run that went on; with no common
+    step every rank says so (no rank waits for the others)."""
+    args = [*RESUMABLE, "--mode", "loop", "--checkpoint-every", "10"]
+    args.remove("--replicas"), args.remove("3")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def torchrun(*extra):
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               "-m", "hdet", "train", *args, *extra], capture_output=True, text=True, timeout=300,
+                              env=env)
+
+    p = torchrun("--out", str(tmp_path / "whole"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    whole = tmp_path / "whole"
+    assert sorted(f.name for f in whole.glob("checkpoint*")) == [
+        "checkpoint-rank0.prev.pt", "checkpoint-rank0.pt", "checkpoint-rank1.prev.pt", "checkpoint-rank1.pt"]
+    again = tmp_path / "again"
+    shutil.copytree(whole, again)
+    (again / "checkpoint-rank1.pt").unlink()  # rank 1 killed before it saved step 20
+    (again / "checkpoint-rank1.prev.pt").rename(again / "checkpoint-rank1.pt")
+    broken = tmp_path / "broken"
+    shutil.copytree(again, broken)
+    (broken / "checkpoint-rank1.pt").write_bytes(b"torn")
+    p = torchrun("--out", str(broken), "--resume")
+    assert p.returncode != 0 and "but the ranks hold steps rank 0: [10, 20]; rank 1: None" in p.stderr, p.stderr[-2000:]
+    p = torchrun("--out", str(again), "--resume")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((again / "summary.json").read_text())["resumed_from"] == 10
+    _same_run(whole, again)

@@ -4,10 +4,13 @@ Every ``--checkpoint-every`` steps the run writes what it needs to go on exactly
 ``checkpoint.pt`` (every replica's model, optimizer and scheduler: :meth:`hdet.engine.ReplicaEngine.state_dict`),
 under torchrun one ``checkpoint-rank<r>.pt`` per rank (its replica's), each with the data generators' and torch's
 random states and the training loop's own counters and curves. A file is written to a temporary name and renamed,
-so a run killed while saving keeps the previous checkpoint whole. ``--resume`` loads it (plain data:
+so a run killed while saving keeps the previous checkpoint whole. Under torchrun each rank also keeps its previous
+checkpoint (``checkpoint-rank<r>.prev.pt``): ranks killed while saving may hold different newest steps, and the run
+resumes from the newest step that every rank holds. ``--resume`` loads it (plain data:
 ``torch.load(weights_only=True)``), cuts ``metrics.jsonl`` and ``syncs.jsonl`` back to the checkpoint's step and
 goes on: on the CPU the resumed run's records, weights and losses are the uninterrupted run's, bit for bit
-(``tests/test_cli.py``).
+(``tests/test_cli.py``). Options are compared as the run resolves them (``--eval-every`` left out is ``--T``, a flag
+with no effect on this run is no difference).
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from typing import Any
 
 import torch
 
-from .options import RunConfig, RunError
+from .options import RunConfig, RunError, default_warmup
 
-__all__ = ["VERSION", "path_for", "save", "load", "check_config", "restore_rng", "truncate_jsonl", "SAME_RUN_EXEMPT"]
+__all__ = ["VERSION", "path_for", "previous", "save", "load", "available", "check_config", "restore_rng",
+           "read_records", "write_records", "SAME_RUN_EXEMPT"]
 
-VERSION = 1
+VERSION = 2  # 2: the run's resolved mode and device kept (version 1 still loads)
 # options that may differ between a run and its resumption: how it is watched, not what it computes
 SAME_RUN_EXEMPT = ("resume", "progress", "tensorboard", "label", "checkpoint_every", "out")
 
@@ -34,21 +38,63 @@ def path_for(out: Path, rank: int | None) -> Path:
     return out / ("checkpoint.pt" if rank is None else f"checkpoint-rank{rank}.pt")
 
 
+def previous(path: Path) -> Path:
+    """Where a torchrun rank keeps its previous checkpoint: ``checkpoint-rank<r>.prev.pt``."""
+    return path.with_name(path.stem + ".prev.pt")
+
+
 def _config(cfg: RunConfig) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in SAME_RUN_EXEMPT}
 
 
-def save(path: Path, cfg: RunConfig, replicas: int, step: int, run_state: dict[str, Any],
-         gens: dict[int, torch.Generator], loop: dict[str, Any]) -> None:
-    """Write the checkpoint after optimizer step ``step`` (to a temporary file, then renamed over the old one)."""
-    state = {"version": VERSION, "step": step, "config": _config(cfg), "replicas": replicas, "run": run_state,
+def _resolved(c: dict[str, Any], mode: str, device: str) -> dict[str, Any]:
+    """The options of config dict ``c`` as the run resolves them (``mode``, ``device``: what it ran as): defaults
+    that depend on other options filled in, flags that have no effect on this run left out; replicas go apart (the
+    world size under torchrun)."""
+    c = {k: v for k, v in c.items() if k not in SAME_RUN_EXEMPT and k != "replicas"}
+    c["mode"], c["device"] = mode, device
+    c["eval_every"] = c.get("eval_every") or c.get("T")
+    c["log_every"] = c.get("log_every") or min(10, max(1, c.get("steps", 0) // 100))
+    auto, fit = c.get("auto_lr"), c.get("controller") == "fit"
+    if c.get("warmup") is None and (auto or c.get("range_test")):
+        c["warmup"] = default_warmup(c["steps"], c["T"], fit or c.get("range_test"))
+    dead = {"warmup": not (auto or c.get("range_test")), "tie_lr_groups": not auto, "controller": not auto,
+            "probe_batches": not (auto and fit), "eq8": not (auto and not fit), "range_backoff": not c.get("range_test"),
+            "prodigy_safeguard": c.get("optimizer") != "prodigy", "data": c.get("task") != "fashion",
+            "nu": not c.get("warm_init")}
+    if auto and c.get("tie_lr_groups") is None:
+        c["tie_lr_groups"] = fit
+    return {k: v for k, v in c.items() if not dead.get(k, False)}
+
+
+def save(path: Path, cfg: RunConfig, replicas: int, mode: str, device: str, step: int, run_state: dict[str, Any],
+         gens: dict[int, torch.Generator], loop: dict[str, Any], keep_previous: bool = False) -> None:
+    """Write the checkpoint after optimizer step ``step`` (to a temporary file, then renamed over the old one;
+    ``keep_previous``: the old one renamed to :func:`previous` first)."""
+    state = {"version": VERSION, "step": step, "config": _config(cfg), "replicas": replicas, "mode": mode,
+             "device": device, "run": run_state,
              "data_rng": {str(r): g.get_state() for r, g in gens.items()},
              "torch_rng": torch.get_rng_state(),
              "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
              "loop": loop}
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
+    if keep_previous and path.is_file():  # killed between these two renames: the previous one is there, whole
+        os.replace(path, previous(path))
     os.replace(tmp, path)
+
+
+def available(path: Path) -> dict[int, dict[str, Any]]:
+    """This rank's readable checkpoints, newest and previous, by step (an unreadable one is skipped: a torchrun rank
+    resumes from a step that every rank holds)."""
+    found = {}
+    for p in (path, previous(path)):
+        try:
+            state = load(p)
+        except RunError:
+            continue
+        found.setdefault(int(state["step"]), state)
+    return found
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -69,11 +115,23 @@ def load(path: Path) -> dict[str, Any]:
     return state
 
 
-def check_config(state: dict[str, Any], cfg: RunConfig, replicas: int) -> None:
-    """That the resumed run is the checkpointed one: every option that changes what is computed is the same, and the
-    number of replicas (under torchrun the world size, which no option names)."""
-    saved, now = state["config"], _config(cfg)
-    diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k]]
+def check_config(state: dict[str, Any], cfg: RunConfig, replicas: int, mode: str, device: str) -> None:
+    """That the resumed run is the checkpointed one: every option that changes what is computed is the same as the
+    run resolves it (``mode``: the engine's mode or ``ddp-<backend>``; ``device``: cpu or cuda), and the number of
+    replicas (under torchrun the world size, which no option names)."""
+    raw = state["config"]
+    saved_mode, saved_device = state.get("mode"), state.get("device")
+    if saved_mode is None:  # version 1 kept the flags as given, not what they resolved to
+        v = raw.get("mode", "auto")
+        saved_mode = mode if v == "auto" or not mode.startswith("engine-") else "engine-" + v
+        v = raw.get("device", "auto")
+        saved_device = device if v == "auto" else torch.device(v).type
+    if mode.endswith("-auto"):  # the engine resolves auto at its first step: as it did in the checkpointed run
+        mode = saved_mode
+    saved = _resolved(raw, saved_mode, saved_device)
+    now = _resolved(_config(cfg), mode, device)
+    diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+            if saved.get(k) != now.get(k)]
     if state.get("replicas", replicas) != replicas:
         diff.append(f"replicas (the world size under torchrun) {state['replicas']} -> {replicas}")
     if diff:
@@ -92,9 +150,29 @@ def restore_rng(state: dict[str, Any], gens: dict[int, torch.Generator]) -> None
         torch.cuda.set_rng_state_all(state["cuda_rng"])
 
 
-def truncate_jsonl(path: Path, step: int) -> None:
-    """Keep the records of ``path`` up to optimizer step ``step`` (those written after the checkpoint go)."""
+def read_records(path: Path, step: int) -> list[str] | None:
+    """The records of ``path`` up to optimizer step ``step`` (those written after the checkpoint go), or None if
+    there is no such file. A last line cut short (the run killed while writing it, after its checkpoint) goes too;
+    any other line that is not a record is an error, raised before anything is written."""
     if not path.is_file():
-        return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in keep))
+        return None
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    keep = []
+    for i, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+            at = int(rec["step"])
+        except (ValueError, KeyError, TypeError):
+            if i == len(lines) - 1:
+                break
+            raise RunError(f"Expected one JSON record a line in {path}, but line {i + 1} is not one: the folder was "
+                           "changed since the run wrote it") from None
+        if at <= step:
+            keep.append(line)
+    return keep
+
+
+def write_records(path: Path, keep: list[str] | None) -> None:
+    """Write back what :func:`read_records` kept."""
+    if keep is not None:
+        path.write_text("".join(line + "\n" for line in keep))

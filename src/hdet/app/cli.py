@@ -27,7 +27,7 @@ class _Parser(argparse.ArgumentParser):
 
 COMPARE_SETS = ("max_lr", "auto_lr", "warm_init", "init_from", "optimizer", "prodigy_safeguard",  # compare sets these
                 "range_test", "range_backoff",  # (the range test is not one of the paper's configurations)
-                "resume")  # (a comparison starts afresh)
+                "resume", "checkpoint_every")  # (a comparison starts afresh and cannot resume: its runs write no checkpoints)
 
 
 class _Inverted(argparse.BooleanOptionalAction):

@@ -33,6 +33,7 @@ def compare(base: RunConfig, lr_low: float, lr_high: float, pretrain_steps: int,
     """Run the six configurations into ``base.out``/<n>-<name>; write ``compare.json``; return it."""
     out = Path(base.out)
     unspread = tuple(e for e in base.explore if e != "lr-groups")  # what rows at alpha 0 explore
+    base = dataclasses.replace(base, checkpoint_every=0, resume=False)  # nothing resumes a comparison's rows
     pre = dataclasses.replace(base, replicas=1, alpha=0.0, auto_lr=False, warm_init=False, init_from=None,
                               explore=unspread,
                               steps=pretrain_steps, max_lr=lr_low, seed=base.seed + 1, out=str(out / "pretrain"),

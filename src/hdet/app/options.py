@@ -16,7 +16,8 @@ from ..controller import CONTROLLERS
 from ..engine import MODES
 from .tasks import gpt_heads
 
-__all__ = ["RunConfig", "RunError", "resolve_device", "check", "resolve", "OPTIMIZERS", "EXPLORE", "MAX_CTX"]
+__all__ = ["RunConfig", "RunError", "resolve_device", "check", "resolve", "default_warmup", "OPTIMIZERS", "EXPLORE",
+           "MAX_CTX"]
 
 OPTIMIZERS = ("adamw", "dadapt-adam", "prodigy", "schedulefree-adamw", "mechanic-adamw")
 EXPLORE = ("lr-groups", "weight-decay", "dropout", "grad-clip")
@@ -197,7 +198,7 @@ def check(cfg: RunConfig) -> None:
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise RunError("Expected the tensorboard package for --tensorboard (pip install tensorboard), but it is not "
                        "installed")
-    if cfg.init_from is not None and not Path(cfg.init_from).is_file():
+    if cfg.init_from is not None and not cfg.resume and not Path(cfg.init_from).is_file():  # (resumed: unread)
         raise RunError(f"Expected --init-from to name a model.pt file, but {cfg.init_from} does not exist")
 
 
@@ -217,6 +218,12 @@ def unused(cfg: RunConfig) -> list[str]:
 
 MAX_CTX = 4096
 DEFAULT_MAX_LR = {"adamw": 3e-3, "dadapt-adam": 1.0, "prodigy": 1.0, "schedulefree-adamw": 3e-3, "mechanic-adamw": 1.0}
+
+
+def default_warmup(steps: int, T: int, one_cycle: bool) -> int:
+    """``--warmup`` left out: the end of OneCycle's warm-up (pct_start 0.3, as in the evidence suite) rounded down to
+    a multiple of T for the fit controller and the range test (``one_cycle``); half the run for the paper's."""
+    return int(0.3 * steps) // T * T if one_cycle else steps // 2
 
 
 def resolve(cfg: RunConfig) -> RunConfig:

@@ -29,7 +29,7 @@ from .. import __version__
 from ..ensemble import NonFiniteReplicaError
 from ..telemetry import SyncLogger
 from . import checkpoint
-from .options import RunConfig, RunError, check, resolve, resolve_device
+from .options import RunConfig, RunError, check, default_warmup, resolve, resolve_device
 from .runs import DDPRun, EngineRun, eval_weights, to_device
 from .tasks import Task, make_task
 
@@ -37,7 +37,8 @@ __all__ = ["RunConfig", "RunError", "train", "resolve_device"]
 
 
 OUTPUTS = ("config.json", "metrics.jsonl", "syncs.jsonl", "summary.json", "schedule.json", "model.pt", "loss.png",
-           "lr.png", "hparams.png", "tb", "compare.json", "checkpoint.pt")  # what a run writes: an earlier run's copies go first
+           "lr.png", "hparams.png", "tb", "compare.json")  # what a run writes: an earlier run's copies go first
+FINAL = ("summary.json", "schedule.json", "model.pt", "loss.png", "lr.png", "hparams.png")  # written at the end
 # (compare.json: `hdet compare`'s table, which `hdet plot` would show instead of this run)
 
 
@@ -59,7 +60,7 @@ def clear_earlier(out: Path) -> None:
     a command that is refused leaves the folder as it was."""
     earlier = ((out / "config.json").is_file() and (out / "metrics.jsonl").is_file()) or (out / "compare.json").is_file()
     try:
-        for old in ([out / name for name in OUTPUTS] + sorted(out.glob("checkpoint-rank*.pt")) if earlier else ()):
+        for old in ([out / name for name in OUTPUTS] + sorted(out.glob("checkpoint*.pt*")) if earlier else ()):
             if old.is_dir():
                 shutil.rmtree(old)
             elif old.exists():
@@ -156,12 +157,8 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
     N = dist.get_world_size() if distributed else (cfg.replicas or 4)
     if distributed and cfg.replicas not in (None, N):
         raise RunError(f"Expected --replicas to match the torchrun world size ({N}), but got {cfg.replicas}")
-    if cfg.warmup is not None:
-        warmup = cfg.warmup
-    elif cfg.controller == "fit" or cfg.range_test:  # the end of OneCycle's warm-up (pct_start 0.3), as in the evidence suite
-        warmup = int(0.3 * cfg.steps) // cfg.T * cfg.T
-    else:
-        warmup = cfg.steps // 2
+    warmup = cfg.warmup if cfg.warmup is not None else default_warmup(cfg.steps, cfg.T, cfg.controller == "fit" or
+                                                                         cfg.range_test)
     if cfg.auto_lr and not 0 <= warmup < cfg.steps:
         raise RunError(f"Expected --warmup in [0, --steps) with --auto-lr, but got {warmup} (steps {cfg.steps})")
     if cfg.auto_lr and max(cfg.T, -(-warmup // cfg.T) * cfg.T) > cfg.steps:
@@ -172,6 +169,8 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
         raise RunError(f"Expected --warmup (the range test's length) in [2 T, --steps) = [{2 * cfg.T}, {cfg.steps}) "
                        f"with --range-test, but got {warmup}")
     out = Path(cfg.out)
+    if cfg.resume and not dry_run and not (out / "config.json").is_file():
+        raise RunError(f"Expected a run folder to resume at {out} (--out), but there is no run there")
     if rank == 0 and not dry_run:
         check_out(out)
     task = make_task(cfg.task, data=cfg.data, ctx=cfg.ctx, width=cfg.width, layers=cfg.layers,
@@ -179,7 +178,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
 
     torch.manual_seed(cfg.seed)
     model = task.make_model()
-    if cfg.init_from is not None and not dry_run:
+    if cfg.init_from is not None and not dry_run and not cfg.resume:  # (resumed: the checkpoint holds the weights)
         try:
             state = torch.load(cfg.init_from, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unreadable file: one line, what it is
@@ -203,18 +202,23 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
     gens = {r: torch.Generator().manual_seed(cfg.seed * 1000 + r) for r in reps.local}  # each replica its data
     sched0 = reps.schedulers[0].record_schedule()  # the discovered schedule, for hdet.ReplayLR
     ckpt_path = checkpoint.path_for(out, rank if distributed else None)
+    device_type = device.type
     start, loop = 0, {}
     if cfg.resume:
-        saved = checkpoint.load(ckpt_path)
-        checkpoint.check_config(saved, cfg, N)
+        if distributed:  # COLLECTIVE: every rank resumes from the newest step that all of them hold (each its own files)
+            found = checkpoint.available(ckpt_path)
+            held: list[list[int]] = [[] for _ in range(N)]
+            dist.all_gather_object(held, sorted(found))
+            common = set.intersection(*(set(h) for h in held))
+            if not common:
+                raise RunError(f"Expected a checkpoint of one step on every rank to resume from ({ckpt_path.name} or "
+                               f"{checkpoint.previous(ckpt_path).name}), but the ranks hold steps "
+                               f"{'; '.join(f'rank {r}: {h or None}' for r, h in enumerate(held))}")
+            saved = found[max(common)]
+        else:
+            saved = checkpoint.load(ckpt_path)
+        checkpoint.check_config(saved, cfg, N, reps.mode, device_type)
         start, loop = int(saved["step"]), saved["loop"]
-        if distributed:  # COLLECTIVE: every rank resumes from the same step (each reads its own file)
-            steps = torch.tensor([start, -start], dtype=torch.int64, device=device)
-            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-            if steps.tolist() != [start, -start]:  # host sync
-                raise RunError(f"Expected every rank's checkpoint at the same step, but they range from "
-                               f"{-int(steps[1])} to {int(steps[0])}: a run killed while saving; resume from copies of "
-                               "one step")
         reps.load_state_dict(saved["run"])
         checkpoint.restore_rng(saved, gens)
         for s, calls in zip(reps.schedulers, loop.get("probe_calls", [])):  # the fit controller's probe batches
@@ -236,8 +240,11 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
             earlier = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
             meta["resumed"] = earlier.get("resumed", []) + [{"command": meta["command"], "from_step": start}]
             meta["command"] = earlier.get("command", meta["command"])
-            for name in ("metrics.jsonl", "syncs.jsonl"):
-                checkpoint.truncate_jsonl(out / name, start)
+            kept = {name: checkpoint.read_records(out / name, start) for name in ("metrics.jsonl", "syncs.jsonl")}
+            for name, lines in kept.items():  # (both read before either is written)
+                checkpoint.write_records(out / name, lines)
+            for name in FINAL:  # an earlier end's (a crash, or the run had finished): this run writes its own
+                (out / name).unlink(missing_ok=True)
         else:
             clear_earlier(out)
         (out / "config.json").write_text(json.dumps(meta, indent=1))
@@ -311,10 +318,11 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
             else:
                 progress.update(t)
             if every and t % every == 0 and t < cfg.steps:  # HOST SYNC: the states are copied to the CPU and saved
-                checkpoint.save(ckpt_path, cfg, N, t, reps.state_dict(), gens, {
+                checkpoint.save(ckpt_path, cfg, N, reps.mode, device_type, t, reps.state_dict(), gens, {
                     "train_losses": train_losses, "val_curve": val_curve, "last_eval": last_eval, "n_logged": n_logged,
                     "loss_sum": loss_sum.detach().cpu(), "seconds": before + time.perf_counter() - t0,
-                    "probe_calls": [getattr(s.ensemble.probe, "calls", 0) for s in reps.schedulers]})
+                    "probe_calls": [getattr(s.ensemble.probe, "calls", 0) for s in reps.schedulers]},
+                    keep_previous=distributed)
     finally:
         progress.close()
     elapsed = time.perf_counter() - t0
