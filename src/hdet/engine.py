@@ -14,7 +14,8 @@ Two ways to run the replicas:
   N forward/backward passes as batched kernels (``randomness="different"``: each replica draws its own
   dropout masks). Each replica's module and optimizer see views ``stacked[r]`` of those tensors, so
   schedulers and weight averaging are unchanged, and Adam/AdamW/SGD step every replica at once
-  (:mod:`hdet.stacked_optim`).
+  (:mod:`hdet.stacked_optim`). ``F.scaled_dot_product_attention`` runs once for all replicas, fused
+  (:mod:`hdet.attention`).
 * ``"loop"`` (fallback): a plain loop over the replica copies; works for any module.
 
 ``mode="auto"`` (default) uses vmap and falls back to the loop, with a warning naming the reason, if
@@ -37,6 +38,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
+from .attention import routed
 from .ensemble import ReplicaMismatchError
 from .guard import all_finite
 from .replicas import LocalReplicaGroup, Replicas, average_local
@@ -245,9 +247,11 @@ class ReplicaEngine:
                 warnings.warn(f"hdet: torch.compile cannot run this vmapped model ({type(e).__name__}: {first}); "
                               "running it eagerly (still vmapped)", stacklevel=3)
                 fns[1] = None
-                losses = fns[0](*args)
+                with routed():
+                    losses = fns[0](*args)
         else:
-            losses = fns[0](*args)
+            with routed():  # F.scaled_dot_product_attention: one fused call for all replicas (hdet.attention)
+                losses = fns[0](*args)
         if losses.shape != (self.num_replicas,):
             raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(losses.shape[1:])}")
         self.stack.backward(losses)

@@ -16,9 +16,9 @@ def _lm(m, b):
     return F.cross_entropy(logits.reshape(-1, 256), b[..., 1:].reshape(-1))
 
 
-def _engine(mode, N=4, steps=20, auto=True):
+def _engine(mode, N=4, steps=20, auto=True, attn="auto"):
     torch.manual_seed(0)
-    model = ByteGPT(32, 64, 2, 2).cuda()
+    model = ByteGPT(32, 64, 2, 2, attn=attn).cuda()
     return ReplicaEngine(model, N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True),
                          lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=steps,
                                                                ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
@@ -40,7 +40,22 @@ def test_vmap_on_cuda_matches_loop_and_never_syncs_off_sync_steps():
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         assert eng.mode == mode
-    # explicit attention (vmap) and SDPA (loop) round differently, and Adam magnifies it a little
+    # the replicas folded into one SDPA call (vmap) and one call each (loop) round differently, and Adam magnifies it
     for a, b in zip(engines["loop"].models[0].parameters(), engines["vmap"].models[0].parameters()):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
     assert engines["vmap"].schedulers[0].ensemble.controllers[0].updates == 4
+
+
+def test_a_model_calling_sdpa_stays_vmapped_on_cuda():
+    """F.scaled_dot_product_attention under the engine's vmap is one fused call for all replicas (hdet.attention);
+    before, the memory-efficient kernel's backward failed under vmap and the engine fell back to its loop."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cuda").manual_seed(1)
+    data = torch.randint(0, 256, (6, 4, 8, 33), device="cuda", generator=g)
+    engines = {m: _engine(m, attn="sdpa") for m in ("loop", "auto")}
+    for eng in engines.values():
+        for t in range(6):
+            eng.step(data[t], _lm, stacked=True)
+    assert engines["auto"].mode == "vmap"
+    for a, b in zip(engines["loop"].models[0].parameters(), engines["auto"].models[0].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention import under_vmap
 from ..hyper import group_params
 
 __all__ = ["ByteGPT", "SmallCNN", "Task", "make_task", "load_stdlib", "load_fashion_mnist", "FASHION_DIR",
@@ -37,9 +38,9 @@ class TaskError(ValueError):
 
 
 # -- models -------------------------------------------------------------------------------------------
-def _under_vmap(t: torch.Tensor) -> bool:
-    is_batched = getattr(torch._C._functorch, "is_batchedtensor", None)
-    return bool(is_batched is not None and is_batched(t))
+def _compiling() -> bool:
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling is not None and is_compiling())
 
 
 class Block(nn.Module):
@@ -57,10 +58,10 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         B, L, d = h.shape
         q, k, v = self.qkv(self.ln1(h)).view(B, L, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        if self.attn == "sdpa" or (self.attn == "auto" and h.is_cuda and not _under_vmap(q)):
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # explicit attention: under torch.func.vmap, SDPA's CPU kernel has no batching rule and
-            # the CUDA memory-efficient kernel's backward fails ("LSE is not correctly aligned")
+        if self.attn == "sdpa" or (self.attn == "auto" and h.is_cuda and not (under_vmap(q) and _compiling())):
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (the engine folds its replicas into one call)
+        else:  # explicit attention: compiled under torch.func.vmap, the CUDA memory-efficient kernel's backward
+            # fails ("LSE is not correctly aligned"); on the CPU as the runs recorded so far
             causal = torch.ones(L, L, dtype=torch.bool, device=h.device).triu_(1)
             a = (q @ k.transpose(-2, -1)).mul_(q.shape[-1] ** -0.5).masked_fill_(causal, float("-inf"))
             a = a.softmax(-1) @ v
@@ -71,7 +72,8 @@ class Block(nn.Module):
 class ByteGPT(nn.Module):
     """A small pre-norm causal transformer over bytes (vocabulary 256), head tied to the embedding.
 
-    ``attn="auto"``: fused SDPA on CUDA outside vmap, explicit attention otherwise; "sdpa"/"math" force one."""
+    ``attn="auto"``: fused SDPA on CUDA (under the engine's eager vmap too: :mod:`hdet.attention`), explicit attention
+    on the CPU and compiled under vmap; "sdpa"/"math" force one."""
 
     def __init__(self, ctx: int = 64, d: int = 128, layers: int = 2, heads: int = 4, dropout: float = 0.0,
                  attn: str = "auto", vocab: int = 256):

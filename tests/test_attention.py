@@ -1,0 +1,117 @@
+"""hdet.attention: F.scaled_dot_product_attention under the engine's vmap, one fused call for all replicas."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import vmap
+
+import hdet
+from hdet.attention import scaled_dot_product_attention as folded
+from hdet.engine import ReplicaEngine
+
+N = 3
+SDPA = F.scaled_dot_product_attention
+
+
+@pytest.mark.parametrize("qs,ks,vs,mask,batched_kv,kw", [
+    ((2, 4, 8, 16), (2, 4, 8, 16), (2, 4, 8, 16), None, True, {"is_causal": True}),
+    ((5, 8, 16), (5, 6, 16), (5, 6, 8), None, True, {}),
+    ((8, 16), (6, 16), (6, 8), None, True, {}),  # one replica's tensors have no batch axis
+    ((2, 4, 8, 16), (2, 4, 6, 16), (2, 4, 6, 16), None, False, {}),  # keys/values shared by the replicas
+    ((2, 4, 8, 16), (2, 4, 6, 16), (2, 4, 6, 16), "bool2d", True, {}),
+    ((2, 4, 8, 16), (2, 4, 6, 16), (2, 4, 6, 16), "float4d", True, {}),
+    ((2, 4, 8, 16), (2, 4, 6, 16), (2, 4, 6, 16), "batched", True, {"scale": 0.3}),
+    ((2, 4, 8, 16), (2, 2, 6, 16), (2, 2, 6, 16), None, True, {"enable_gqa": True}),
+])
+def test_folded_attention_is_each_replicas_own(qs, ks, vs, mask, batched_kv, kw):
+    """Under vmap, values and gradients are those of each replica's own F.scaled_dot_product_attention call, with
+    no per-replica fallback (functorch warns when it loops over the batch)."""
+    if kw.get("enable_gqa") and "enable_gqa" not in SDPA.__doc__:
+        pytest.skip("this torch has no enable_gqa")
+    torch.manual_seed(0)
+    q = torch.randn(N, *qs, requires_grad=True)
+    k = torch.randn(*((N,) if batched_kv else ()), *ks, requires_grad=True)
+    v = torch.randn(*((N,) if batched_kv else ()), *vs, requires_grad=True)
+    m = {None: None, "bool2d": torch.rand(8, 6) > 0.3, "float4d": torch.randn(2, 1, 8, 6),
+         "batched": torch.randn(N, 8, 6)}[mask]
+    kv_dim = 0 if batched_kv else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = vmap(lambda a, b, c, mm: folded(a, b, c, attn_mask=mm, **kw),
+                   in_dims=(0, kv_dim, kv_dim, 0 if mask == "batched" else None))(q, k, v, m)
+    ref = torch.stack([SDPA(q[r], k[r] if batched_kv else k, v[r] if batched_kv else v,
+                            attn_mask=m[r] if mask == "batched" else m, **kw) for r in range(N)])
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    got = torch.autograd.grad(out.square().sum(), (q, k, v))
+    want = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_outside_vmap_it_is_torchs_own_and_dropout_needs_different_masks():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, 16, requires_grad=True) for _ in range(3))
+    a, b = folded(q, k, v, is_causal=True), SDPA(q, k, v, is_causal=True)
+    assert torch.equal(a, b)
+    assert all(torch.equal(x, y) for x, y in zip(torch.autograd.grad(a.sum(), (q, k, v)),
+                                                 torch.autograd.grad(b.sum(), (q, k, v))))
+    qs = torch.randn(N, 2, 4, 8, 16)
+    with pytest.raises(RuntimeError, match="randomness='different'"):
+        vmap(lambda x: folded(x, x, x, dropout_p=0.1), randomness="same")(qs)
+    out = vmap(lambda x: folded(x, x, x, dropout_p=0.5), randomness="different")(qs)
+    assert out.shape == qs.shape and not torch.equal(out[0], out[1])
+
+
+class _Attn(nn.Module):
+    """A block that calls F.scaled_dot_product_attention, as most transformer code does."""
+
+    def __init__(self, d: int = 16, heads: int = 2, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, L, d = x.shape
+        q, k, v = self.qkv(x).view(B, L, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.out(a.transpose(1, 2).reshape(B, L, d)).mean(1)
+
+
+def _engine(mode: str, dropout: float = 0.0) -> ReplicaEngine:
+    torch.manual_seed(0)
+    # SGD: Adam would turn the key bias's gradient, zero but for rounding (softmax ignores it), into full steps
+    return ReplicaEngine(_Attn(dropout=dropout), N, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                         lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=20,
+                                                               ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                                                               replicas=rep, model=m), mode=mode)
+
+
+def test_the_engine_runs_a_model_that_calls_sdpa_vmapped():
+    """A model calling F.scaled_dot_product_attention stays on the vmap path (before: the CPU's per-replica
+    fallback, with functorch's warning; on CUDA its backward failed and the engine fell back to the loop), with
+    the loop's losses and weights; torch's function is restored after each step."""
+    torch.manual_seed(1)
+    batches = [(torch.randn(N, 4, 6, 16), torch.randint(0, 4, (N, 4))) for _ in range(6)]
+
+    def loss_fn(m, b):
+        return F.cross_entropy(m(b[0]), b[1])
+
+    fast, slow = _engine("auto"), _engine("loop")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for b in batches:
+            lf = fast.step(b, loss_fn, stacked=True)
+            ls = slow.step(b, loss_fn, stacked=True)
+            torch.testing.assert_close(lf, ls, rtol=1e-5, atol=1e-6)
+    assert fast.mode == "vmap" and F.scaled_dot_product_attention is SDPA
+    for mf, ms in zip(fast.models, slow.models):
+        for (n, a), b in zip(mf.state_dict().items(), ms.state_dict().values()):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=n)
+    drop = _engine("vmap", dropout=0.3)  # attention dropout: each replica its own mask
+    assert torch.isfinite(drop.step(batches[0], loss_fn, stacked=True)).all()
