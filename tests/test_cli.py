@@ -467,7 +467,7 @@ def test_resume_compares_options_as_the_run_resolves_them(tmp_path, capsys):
     assert main(["train", *args, "--out", str(tmp_path / "whole")]) == 0
     shutil.copytree(tmp_path / "whole", tmp_path / "again")
     same = ["--replicas", "4", "--mode", "vmap", "--device", "cpu", "--eval-every", "10", "--warmup", "20",
-            "--probe-batches", "2", "--prodigy-safeguard"]
+            "--probe-batches", "2", "--prodigy-safeguard", "--clip", "3", "--explore", "lr-groups"]
     assert main(["train", *args, *same, "--out", str(tmp_path / "again"), "--resume"]) == 0
     _same_run(tmp_path / "whole", tmp_path / "again")
     capsys.readouterr()
@@ -475,6 +475,14 @@ def test_resume_compares_options_as_the_run_resolves_them(tmp_path, capsys):
                         "--mode 'engine-vmap' -> 'engine-loop'"), (["--auto-lr"], "--auto-lr False -> True")):
         assert main(["train", *args, *other, "--out", str(tmp_path / "again"), "--resume"]) == 2
         assert said in capsys.readouterr().err
+    loop = [*TINY, "--steps", "30", "--T", "10", "--checkpoint-every", "15", "--out", str(tmp_path / "loop")]
+    assert main(["train", *loop, "--mode", "loop"]) == 0
+    assert main(["train", *loop, "--resume"]) == 2  # auto would run vmap: another run
+    assert "--mode 'engine-loop' -> 'engine-auto'" in capsys.readouterr().err
+    assert main(["train", *args, "--auto-lr", "--out", str(tmp_path / "fit")]) == 0
+    assert main(["train", *args, "--auto-lr", "--controller", "paper", "--out", str(tmp_path / "fit"), "--resume"]) == 2
+    err = capsys.readouterr().err  # the flag given differently, not what follows from it
+    assert "differ: --controller 'fit' -> 'paper'\n" in err, err
 
 
 def test_resume_leaves_no_stale_end_and_reads_the_records_first(tmp_path, monkeypatch, capsys):
@@ -550,7 +558,7 @@ def test_resume_under_torchrun_goes_on_bit_for_bit(tmp_path):
 
 
 @pytest.mark.distributed
-def test_torchrun_ranks_killed_at_different_steps_resume_from_the_step_all_hold(tmp_path):
+def test_torchrun_ranks_killed_at_different_steps_resume_from_the_step_all_hold(tmp_path, capsys):
     """Under torchrun, ranks killed while saving can hold different newest checkpoints: each keeps its previous one
     too, and the run resumes from the newest step every rank holds, ending as the run that went on; with no common
     step every rank says so (no rank waits for the others)."""
@@ -581,3 +589,12 @@ def test_torchrun_ranks_killed_at_different_steps_resume_from_the_step_all_hold(
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads((again / "summary.json").read_text())["resumed_from"] == 10
     _same_run(whole, again)
+    steps = {f.name: torch.load(f, weights_only=True)["step"] for f in again.glob("checkpoint*")}
+    assert steps == {"checkpoint-rank0.pt": 20, "checkpoint-rank0.prev.pt": 10, "checkpoint-rank1.pt": 20,
+                     "checkpoint-rank1.prev.pt": 10}  # rank 0's step 20 that rank 1 never saved is not kept as a previous
+    assert main(["train", *args, "--out", str(again), "--resume"]) == 2  # one process in a torchrun folder
+    assert "the folder holds a torchrun run's checkpoint-rank<r>.pt files" in capsys.readouterr().err
+    local = tmp_path / "local"  # local mode: the ranks meet only at converge steps, where they save
+    p = torchrun("--out", str(local), "--no-grad-sync", "--checkpoint-every", "7")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sorted(torch.load(f, weights_only=True)["step"] for f in local.glob("checkpoint-rank0*")) == [10, 20]

@@ -739,3 +739,31 @@ def test_gradient_accumulation_under_ddp_is_not_local_mode(tmp_path):
         assert not sched._guard.local
     finally:
         dist.destroy_process_group()
+
+
+def test_torchs_first_step_checks_are_said_once_at_the_callers_line_and_an_int_step_warns():
+    """As OneCycleLR: one "scheduler.step() before optimizer.step()" warning, at the caller's line (before: hdet's
+    own, then torch's twice from inside hdet); scheduler.step(5), torch's deprecated step(epoch), is taken as a loss
+    and says so."""
+    import warnings as w
+
+    def warned(cls, **kw):
+        m = nn.Linear(2, 2)
+        o = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        s = cls(o, max_lr=0.1, total_steps=10, **kw)
+        with w.catch_warnings(record=True) as caught:
+            w.simplefilter("always")
+            s.step()
+            o.step()
+            s.step()
+        return [(str(c.message)[:40], c.filename) for c in caught]
+
+    torch_says = warned(torch.optim.lr_scheduler.OneCycleLR)
+    assert len(torch_says) == 1 and torch_says[0][1] == __file__
+    assert warned(hdet.OneCycleAutoLR) == torch_says
+    m = nn.Linear(2, 2)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=10)
+    o.step()
+    with pytest.warns(UserWarning, match=r"scheduler.step\(5\) got an int: HDET's step takes this step's training loss"):
+        s.step(5)

@@ -9,11 +9,13 @@ replica's values, and owns what a training loop needs (the gradient guard, the c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import numbers
+import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -117,7 +119,7 @@ class HDETLR(LRScheduler):
         # with none in between is what a prepared Accelerate scheduler does (num_processes calls per step)
         self._opt_steps = self._opt_steps_seen = 0
         self._opt_hook = innermost(optimizer).register_step_post_hook(self._count_optimizer_step)
-        self._warned_double_step = self._warned_missed_step = False
+        self._warned_double_step = self._warned_missed_step = self._warned_epoch = False
         super().__init__(optimizer, last_epoch)
 
     # -- the base schedule ----------------------------------------------------------------------
@@ -207,7 +209,8 @@ class HDETLR(LRScheduler):
         self._opt_steps += 1
 
     def _check_optimizer_stepped(self) -> None:
-        if self._opt_steps == self._opt_steps_seen and not self._warned_double_step:
+        if self._opt_steps == self._opt_steps_seen and not self._warned_double_step and self._step_count > 1:
+            # (at the first step torch's own check says it: _torch_first_step_checks)
             self._warned_double_step = True
             warnings.warn(
                 "hdet: scheduler.step() was called with no optimizer.step() since the previous call. HDET counts "
@@ -258,19 +261,25 @@ class HDETLR(LRScheduler):
 
         Off a sync step this only keeps the loss on its device (no host sync). On a sync step every
         replica must call it: it runs the collectives of :meth:`Ensemble.sync`."""
+        if isinstance(loss, int) and not isinstance(loss, bool) and not self._warned_epoch:
+            self._warned_epoch = True
+            warnings.warn(f"hdet: scheduler.step({loss}) got an int: HDET's step takes this step's training loss, not "
+                          "an epoch (torch's deprecated step(epoch) is not supported); it was taken as a loss. Pass "
+                          "the loss (a tensor or float), or nothing", stacklevel=2)
         if loss is not None:
             self._hdet.observe(loss)
         if getattr(self, "_step_count", 0) == 0:  # LRScheduler.__init__'s own first step
             return super().step()
-        t = self.begin_step()
-        stalled = self._guard.watch is not None and self._guard.watch.poll(t)  # every 10 steps: a lagged read
-        if self._hdet.is_sync_step(t):
-            self._hdet.sync(t)
-            if self._guard.watch is not None:
-                self._guard.watch.reset()
-        elif stalled:  # every step of a stretch skipped on every replica: reset the bad replica now
-            self._recover_stall(t, self._guard.watch)
-        self.end_step()
+        with _torch_first_step_checks(self.optimizer, self._step_count == 1):
+            t = self.begin_step()
+            stalled = self._guard.watch is not None and self._guard.watch.poll(t)  # every 10 steps: a lagged read
+            if self._hdet.is_sync_step(t):
+                self._hdet.sync(t)
+                if self._guard.watch is not None:
+                    self._guard.watch.reset()
+            elif stalled:  # every step of a stretch skipped on every replica: reset the bad replica now
+                self._recover_stall(t, self._guard.watch)
+            self.end_step()
 
     def begin_step(self, lead: "HDETLR | None" = None) -> int:
         """The first half of :meth:`step` (the one-process engine runs the sync between the halves): checks,
@@ -526,3 +535,29 @@ def _as_int(x: Any) -> Any:
 
 def _is_pair(x: Any) -> bool:
     return isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(v, (int, float)) for v in x)
+
+
+_TORCH_FIRST_STEP = ("Seems like `optimizer.step()` has been overridden", "Detected call of `lr_scheduler.step()` before")
+
+
+@contextlib.contextmanager
+def _torch_first_step_checks(optimizer: torch.optim.Optimizer, first: bool) -> Iterator[None]:
+    """At a scheduler's first step: torch's own checks of the call order, said once, at the caller's line (as
+    OneCycleLR says them), not again by the base schedule and by ``LRScheduler.step`` from inside hdet."""
+    if not first:
+        yield
+        return
+    if not hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        warnings.warn("Seems like `optimizer.step()` has been overridden after learning rate scheduler initialization. "
+                      "Please, make sure to call `optimizer.step()` before `lr_scheduler.step()`. See more details at "
+                      "https://pytorch.org/docs/stable/optim.html#how-to-adjust-learning-rate", UserWarning, stacklevel=4)
+    elif not getattr(optimizer, "_opt_called", False):
+        warnings.warn("Detected call of `lr_scheduler.step()` before `optimizer.step()`. In PyTorch 1.1.0 and later, you "
+                      "should call them in the opposite order: `optimizer.step()` before `lr_scheduler.step()`.  Failure "
+                      "to do this will result in PyTorch skipping the first value of the learning rate schedule. See "
+                      "more details at https://pytorch.org/docs/stable/optim.html#how-to-adjust-learning-rate",
+                      UserWarning, stacklevel=4)
+    with warnings.catch_warnings():
+        for text in _TORCH_FIRST_STEP:
+            warnings.filterwarnings("ignore", message=re.escape(text))
+        yield

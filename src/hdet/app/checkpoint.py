@@ -26,9 +26,11 @@ import torch
 from .options import RunConfig, RunError, default_warmup
 
 __all__ = ["VERSION", "path_for", "previous", "save", "load", "available", "check_config", "restore_rng",
-           "read_records", "write_records", "SAME_RUN_EXEMPT"]
+           "read_records", "write_records", "adopt", "other_kind",
+           "SAME_RUN_EXEMPT"]
 
 VERSION = 2  # 2: the run's resolved mode and device kept (version 1 still loads)
+FLAGS = {f.name for f in dataclasses.fields(RunConfig) if "cli" in f.metadata}  # options with a flag
 # options that may differ between a run and its resumption: how it is watched, not what it computes
 SAME_RUN_EXEMPT = ("resume", "progress", "tensorboard", "label", "checkpoint_every", "out")
 
@@ -61,9 +63,14 @@ def _resolved(c: dict[str, Any], mode: str, device: str) -> dict[str, Any]:
     dead = {"warmup": not (auto or c.get("range_test")), "tie_lr_groups": not auto, "controller": not auto,
             "probe_batches": not (auto and fit), "eq8": not (auto and not fit), "range_backoff": not c.get("range_test"),
             "prodigy_safeguard": c.get("optimizer") != "prodigy", "data": c.get("task") != "fashion",
-            "nu": not c.get("warm_init")}
+            "nu": not c.get("warm_init"), "clip": "grad-clip" not in (c.get("explore") or ()),
+            "compile": mode != "engine-vmap", "ctx": c.get("task") == "fashion", "layers": c.get("task") == "fashion"}
     if auto and c.get("tie_lr_groups") is None:
         c["tie_lr_groups"] = fit
+    if c.get("alpha", 0) > 0:  # the groups' LRs are explored whenever there is a spread
+        c["explore"] = tuple(sorted(set(c.get("explore") or ()) | {"lr-groups"}))
+    elif c.get("explore") is not None:
+        c["explore"] = tuple(sorted(c["explore"]))
     return {k: v for k, v in c.items() if not dead.get(k, False)}
 
 
@@ -84,24 +91,41 @@ def save(path: Path, cfg: RunConfig, replicas: int, mode: str, device: str, step
     os.replace(tmp, path)
 
 
-def available(path: Path) -> dict[int, dict[str, Any]]:
-    """This rank's readable checkpoints, newest and previous, by step (an unreadable one is skipped: a torchrun rank
-    resumes from a step that every rank holds)."""
-    found = {}
+def available(path: Path) -> dict[int, tuple[Path, dict[str, Any]]]:
+    """This rank's readable checkpoints, newest and previous: step -> (file, state) (an unreadable one is skipped: a
+    torchrun rank resumes from a step that every rank holds)."""
+    found: dict[int, tuple[Path, dict[str, Any]]] = {}
     for p in (path, previous(path)):
         try:
             state = load(p)
         except RunError:
             continue
-        found.setdefault(int(state["step"]), state)
+        found.setdefault(int(state["step"]), (p, state))
     return found
 
 
-def load(path: Path) -> dict[str, Any]:
-    """Read a checkpoint written by :func:`save`; a missing or unreadable one is a one-line error."""
+def adopt(path: Path, chosen: Path) -> None:
+    """After a resume from ``chosen``: it is this rank's newest checkpoint again (a newer one that not every rank
+    held goes), so that the next save keeps it as the previous one."""
+    if chosen != path:
+        os.replace(chosen, path)
+
+
+def other_kind(out: Path, distributed: bool) -> str:
+    """What to add to "no checkpoint here" when ``out`` holds the other kind of run's checkpoints."""
+    if distributed and (out / "checkpoint.pt").is_file():
+        return ": the folder holds a one-process run's checkpoint.pt (resume it without torchrun)"
+    if not distributed and any(out.glob("checkpoint-rank*.pt")):
+        return ": the folder holds a torchrun run's checkpoint-rank<r>.pt files (resume it under torchrun)"
+    return ""
+
+
+def load(path: Path, hint: str = "") -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save`; a missing or unreadable one is a one-line error (``hint``: said
+    after it, where the file is missing)."""
     if not path.is_file():
         raise RunError(f"Expected a checkpoint to resume from at {path} (written every --checkpoint-every steps), but "
-                       "there is none")
+                       f"there is none{hint}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file: one line, what it is
@@ -121,17 +145,22 @@ def check_config(state: dict[str, Any], cfg: RunConfig, replicas: int, mode: str
     replicas (under torchrun the world size, which no option names)."""
     raw = state["config"]
     saved_mode, saved_device = state.get("mode"), state.get("device")
-    if saved_mode is None:  # version 1 kept the flags as given, not what they resolved to
+    if saved_mode is None:  # version 1 kept the flags as given, not what they resolved to: equal as given, or named
         v = raw.get("mode", "auto")
-        saved_mode = mode if v == "auto" or not mode.startswith("engine-") else "engine-" + v
+        saved_mode = mode if v == cfg.mode or not mode.startswith("engine-") else "engine-" + v
         v = raw.get("device", "auto")
-        saved_device = device if v == "auto" else torch.device(v).type
-    if mode.endswith("-auto"):  # the engine resolves auto at its first step: as it did in the checkpointed run
-        mode = saved_mode
+        saved_device = device if v == cfg.device else (torch.device(v).type if v != "auto" else "auto")
+    if mode.endswith("-auto"):  # the engine resolves auto at its first step: as the checkpointed run's auto did
+        mode = saved_mode if raw.get("mode", "auto") == "auto" else mode
     saved = _resolved(raw, saved_mode, saved_device)
     now = _resolved(_config(cfg), mode, device)
-    diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
-            if saved.get(k) != now.get(k)]
+    differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    given = _config(cfg)
+    named = [k for k in differ if raw.get(k) != given.get(k)]  # flags given differently: the others follow from them
+
+    def flag(k: str) -> str:
+        return f"--{k.replace('_', '-')}" if k in FLAGS else k
+    diff = [f"{flag(k)} {saved.get(k)!r} -> {now.get(k)!r}" for k in (named or differ)]
     if state.get("replicas", replicas) != replicas:
         diff.append(f"replicas (the world size under torchrun) {state['replicas']} -> {replicas}")
     if diff:

@@ -207,20 +207,27 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
     if cfg.resume:
         if distributed:  # COLLECTIVE: every rank resumes from the newest step that all of them hold (each its own files)
             found = checkpoint.available(ckpt_path)
-            held: list[list[int]] = [[] for _ in range(N)]
-            dist.all_gather_object(held, sorted(found))
-            common = set.intersection(*(set(h) for h in held))
+            mine = (sorted(found), sorted({st.get("replicas", N) for _, st in found.values()}))
+            held: list[Any] = [None] * N
+            dist.all_gather_object(held, mine)
+            worlds = sorted({w for _, ws in held for w in ws})
+            common = set.intersection(*(set(h) for h, _ in held))
+            if worlds and worlds != [N]:
+                raise RunError(f"Expected the options of the checkpointed run to resume it, but these differ: replicas "
+                               f"(the world size under torchrun) {', '.join(map(str, worlds))} -> {N}")
             if not common:
                 raise RunError(f"Expected a checkpoint of one step on every rank to resume from ({ckpt_path.name} or "
                                f"{checkpoint.previous(ckpt_path).name}), but the ranks hold steps "
-                               f"{'; '.join(f'rank {r}: {h or None}' for r, h in enumerate(held))}")
-            saved = found[max(common)]
+                               f"{'; '.join(f'rank {r}: {h or None}' for r, (h, _) in enumerate(held))}"
+                               + checkpoint.other_kind(out, distributed))
+            chosen, saved = found[max(common)]
         else:
-            saved = checkpoint.load(ckpt_path)
+            chosen, saved = ckpt_path, checkpoint.load(ckpt_path, hint=checkpoint.other_kind(out, distributed))
         checkpoint.check_config(saved, cfg, N, reps.mode, device_type)
         start, loop = int(saved["step"]), saved["loop"]
         reps.load_state_dict(saved["run"])
         checkpoint.restore_rng(saved, gens)
+        checkpoint.adopt(ckpt_path, chosen)
         for s, calls in zip(reps.schedulers, loop.get("probe_calls", [])):  # the fit controller's probe batches
             if s.ensemble.probe is not None:
                 s.ensemble.probe.calls = calls
@@ -269,6 +276,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
     val_curve = [tuple(x) for x in loop.get("val_curve", [])]
     t0 = time.perf_counter()
     t, last_eval, n_logged = start, loop.get("last_eval", 0), loop.get("n_logged", 0)
+    last_save = start
     loss_sum = loop.get("loss_sum", torch.zeros(())).to(device)  # the loss summed since the last record
     before = loop.get("seconds", 0.0)  # training time before the resume
     progress.update(start)
@@ -317,7 +325,9 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
                     break
             else:
                 progress.update(t)
-            if every and t % every == 0 and t < cfg.steps:  # HOST SYNC: the states are copied to the CPU and saved
+            due = every and ((t - last_save >= every and sync) if distributed and cfg.local else t % every == 0)
+            if due and t < cfg.steps:  # HOST SYNC: the states are copied to the CPU and saved
+                last_save = t
                 checkpoint.save(ckpt_path, cfg, N, reps.mode, device_type, t, reps.state_dict(), gens, {
                     "train_losses": train_losses, "val_curve": val_curve, "last_eval": last_eval, "n_logged": n_logged,
                     "loss_sum": loss_sum.detach().cpu(), "seconds": before + time.perf_counter() - t0,
