@@ -115,3 +115,33 @@ def test_the_engine_runs_a_model_that_calls_sdpa_vmapped():
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=n)
     drop = _engine("vmap", dropout=0.3)  # attention dropout: each replica its own mask
     assert torch.isfinite(drop.step(batches[0], loss_fn, stacked=True)).all()
+
+
+def test_torchs_own_attention_modules_are_folded_too():
+    """nn.TransformerEncoderLayer (nn.MultiheadAttention calls F.scaled_dot_product_attention inside): vmapped with no
+    per-replica fallback (before: functorch's "performance drop" warning every step), the loop's losses."""
+    class Enc(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+            self.out = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.enc(x)).mean(1)
+
+    def engine(mode: str) -> ReplicaEngine:
+        torch.manual_seed(0)
+        return ReplicaEngine(Enc(), N, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                             lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=10, replicas=rep,
+                                                                   model=m), mode=mode)
+
+    fast, slow = engine("auto"), engine("loop")
+    torch.manual_seed(2)
+    b = (torch.randn(N, 4, 6, 16), torch.randint(0, 4, (N, 4)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            lf = fast.step(b, lambda m, bb: F.cross_entropy(m(bb[0]), bb[1]), stacked=True)
+            ls = slow.step(b, lambda m, bb: F.cross_entropy(m(bb[0]), bb[1]), stacked=True)
+            torch.testing.assert_close(lf, ls, rtol=1e-5, atol=1e-6)
+    assert fast.mode == "vmap"
