@@ -44,7 +44,8 @@ class HDETLR(LRScheduler):
 
     Args:
         optimizer: the replica's optimizer.
-        base: an ``LRScheduler`` on the same optimizer (stepped by this scheduler: do not step it yourself),
+        base: an ``LRScheduler`` on the same optimizer (stepped by this scheduler: do not step it yourself; not
+            ``ReduceLROnPlateau``, which steps on a validation metric),
             a callable ``step -> lr`` (one float, or one per group), or None for the groups' constant LRs.
         total_steps: the number of optimizer steps of the run.
         config: an :class:`hdet.HDETConfig`; its fields may also be given as keyword arguments (``**options``:
