@@ -475,3 +475,4 @@ def test_the_record_reports_each_replicas_own_window_loss_after_a_non_finite_one
     own = [row[1] for row in seen if row[1] == row[1]]  # replica 1's finite losses
     assert rec.losses[1] == pytest.approx(sum(own) / len(own), rel=1e-6)
     assert rec.losses[0] == pytest.approx(sum(row[0] for row in seen) / 4, rel=1e-6)
+

@@ -60,6 +60,11 @@ def _stack_batches(batches: Sequence[Any]) -> Any:
     """N per-replica batches (tensors, or tuples/lists/dicts of them) -> one batch with a leading N axis."""
     first = batches[0]
     if isinstance(first, torch.Tensor):
+        shapes = [tuple(b.shape) for b in batches]
+        if len(set(shapes)) > 1:
+            raise ValueError(f"Expected the replicas' batches to have one shape (vmap stacks them into one tensor), but "
+                             f"got shapes {shapes}: drop an uneven last batch (DataLoader(drop_last=True)) or use "
+                             "mode='loop'")
         return torch.stack(list(batches))
     if isinstance(first, (tuple, list)):
         return type(first)(_stack_batches([b[i] for b in batches]) for i in range(len(first)))
@@ -165,7 +170,8 @@ class ReplicaEngine:
         self.share_gradients = share_gradients
         if not share_gradients:
             check_shared_gradients(self.optimizers[0])
-        self._call = _Call(self.models[0])
+        self._call = _Call(self.models[0])  # (vmap: one call for all replicas, in replica 0's train/eval flags)
+        self._modules = [list(m.modules()) for m in self.models]  # for the flags' check (_check_flags)
         # the names functional_call sees through the _Call wrapper (built once: the stacked tensors never change)
         self._call_params = {"m." + k: v for k, v in self.stacked_params.items()}
         self._call_buffers = {"m." + k: v for k, v in self.stacked_buffers.items()}
@@ -224,6 +230,30 @@ class ReplicaEngine:
     @property
     def stacked_buffers(self) -> dict[str, torch.Tensor]:
         return self.stack.buffers if self.stack is not None else {}
+
+    def _restore(self, buffers: dict[str, torch.Tensor]) -> None:
+        """After a failed first step in auto mode: the buffers as they were, no gradients."""
+        for k, b in self.stacked_buffers.items():
+            b.copy_(buffers[k])
+        for p in self.stacked_params.values():
+            p.grad = None
+        for m in self.models:
+            for p in m.parameters():
+                p.grad = None
+
+    def _check_flags(self) -> None:
+        """vmap runs every replica in replica 0's train/eval flags: that they agree (a replica left in eval mode after
+        evaluating it would otherwise train the others in eval mode, or be trained in train mode)."""
+        first = [m.training for m in self._modules[0]]
+        for r, mods in enumerate(self._modules[1:], 1):
+            if [m.training for m in mods] != first:
+                i = next(i for i, (a, b) in enumerate(zip(mods, self._modules[0])) if a.training != b.training)
+                name = [n for n, _ in self.models[0].named_modules()][i] or "the model"
+                raise ValueError(
+                    f"Expected every replica in the same train/eval mode for a vmapped step (one call runs them all), "
+                    f"but {name!r} is in {'train' if first[i] else 'eval'} mode on replica 0 and in "
+                    f"{'train' if mods[i].training else 'eval'} mode on replica {r}: call .train() (or .eval()) on "
+                    "every replica, e.g. after evaluating one; nothing was run")
 
     def _vmap_losses(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
         """Forward + backward of all replicas at once; leaves ``sum_r g_r / N`` in every replica's grad
@@ -390,26 +420,29 @@ class ReplicaEngine:
         n = _leading(batches) if stacked else (len(batches) if isinstance(batches, Sequence) else None)
         if n != N:
             raise ValueError(f"Expected one batch per replica ({N}), but got {n}")
-        if self.mode in ("vmap", "auto"):
-            batch = batches if stacked else _stack_batches(batches)
-            if self.mode == "vmap":
-                losses = self._vmap_losses(batch, loss_fn)
-            else:
-                saved = {k: b.clone() for k, b in self.stacked_buffers.items()}
-                try:
-                    losses = self._vmap_losses(batch, loss_fn)
-                    self.mode = "vmap"
-                except Exception as e:  # noqa: BLE001 - any failure of vmap: fall back, say why
-                    for k, b in self.stacked_buffers.items():
-                        b.copy_(saved[k])
-                    for p in self.stacked_params.values():
-                        p.grad = None
-                    warnings.warn(f"hdet: torch.func.vmap cannot run this model ({type(e).__name__}: {e}); "
-                                  "using the loop over replica copies", stacklevel=2)
-                    self.mode = "loop"
-            if self.mode == "vmap":
+        if self.mode != "loop":
+            self._check_flags()
+        if self.mode == "vmap":
+            losses = self._vmap_losses(batches if stacked else _stack_batches(batches), loss_fn)
+            self.stack.point_grads()
+        elif self.mode == "auto":
+            saved = {k: b.clone() for k, b in self.stacked_buffers.items()}
+            try:
+                losses = self._vmap_losses(batches if stacked else _stack_batches(batches), loss_fn)
+                self.mode = "vmap"
                 self.stack.point_grads()
-        if self.mode == "loop":
+            except Exception as e:  # noqa: BLE001 - any failure of vmap: the loop, if the loop can run the step
+                self._restore(saved)
+                per_replica = [_index_batch(batches, r) for r in range(N)] if stacked else list(batches)
+                try:
+                    losses = self._loop_losses(per_replica, loss_fn)
+                except Exception:  # the loop fails too: the step's own error (loss_fn, batches), mode stays auto
+                    self._restore(saved)
+                    raise
+                warnings.warn(f"hdet: torch.func.vmap cannot run this model ({type(e).__name__}: {e}); "
+                              "using the loop over replica copies", stacklevel=2)
+                self.mode = "loop"
+        else:
             per_replica = [_index_batch(batches, r) for r in range(N)] if stacked else list(batches)
             losses = self._loop_losses(per_replica, loss_fn)
         if self.before_optimizer_step is not None:  # e.g. per-replica gradient clipping (hdet.GradClip)

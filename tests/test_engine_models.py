@@ -1,4 +1,5 @@
-"""hdet.attention: F.scaled_dot_product_attention under the engine's vmap, one fused call for all replicas."""
+"""The engine's vmap path and the models users bring: F.scaled_dot_product_attention folded into one call for all
+replicas (hdet.attention); train/eval flags, first-step errors, uneven batches, frozen parameters."""
 
 from __future__ import annotations
 
@@ -145,3 +146,40 @@ def test_torchs_own_attention_modules_are_folded_too():
             ls = slow.step(b, lambda m, bb: F.cross_entropy(m(bb[0]), bb[1]), stacked=True)
             torch.testing.assert_close(lf, ls, rtol=1e-5, atol=1e-6)
     assert fast.mode == "vmap"
+
+
+def test_vmap_refuses_replicas_in_different_train_eval_modes_and_auto_keeps_vmap_after_a_loss_fn_error():
+    """vmap runs every replica in replica 0's train/eval flags: a replica left in eval mode after evaluating it is an
+    error that names it (before: replica 0's eval mode silently trained them all in eval mode); in auto mode a mistake
+    in loss_fn at the first step is the caller's error and the engine stays auto (before: it fell back to the loop
+    for good, blaming vmap); uneven batches say what to do; a frozen parameter in the optimizer is named."""
+    def engine(mode, model=None, params=None):
+        torch.manual_seed(0)
+        m = model or nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.2), nn.Linear(8, 3))
+        return ReplicaEngine(m, 3, lambda mm: torch.optim.SGD(params(mm) if params else mm.parameters(), lr=0.1),
+                             lambda o, rep, mm: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=20, replicas=rep,
+                                                                    model=mm), mode=mode)
+
+    x, y = torch.randn(3, 5, 4), torch.randint(0, 3, (3, 5))
+    good = lambda m, b: F.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    e = engine("vmap")
+    e.step((x, y), good, stacked=True)
+    e.models[0].eval()  # evaluated replica 0, forgot .train()
+    with pytest.raises(ValueError, match=r"'the model' is in eval mode on replica 0 and in train mode on replica 1"):
+        e.step((x, y), good, stacked=True)
+    e.models[0].train()
+    e.step((x, y), good, stacked=True)
+    assert [int(m[1].num_batches_tracked) for m in e.models] == [2, 2, 2]
+    a = engine("auto")
+    with pytest.raises(ValueError, match="scalar loss"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "vmap cannot run this model" warning: the error is the loss_fn's
+        a.step((x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"), stacked=True)
+    a.step((x, y), good, stacked=True)
+    assert a.mode == "vmap" and a.optimizer_path == "stacked"
+    with pytest.raises(ValueError, match=r"one shape .*drop_last=True"):
+        e.step([(x[r, :5 - r], y[r, :5 - r]) for r in range(3)], good)
+    frozen = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
+    frozen[0].bias.requires_grad_(False)
+    assert "frozen parameter (requires_grad=False)" in engine("vmap", frozen).optimizer_path
+    kept = engine("vmap", frozen, params=lambda mm: [p for p in mm.parameters() if p.requires_grad])
+    assert kept.optimizer_path == "stacked"
