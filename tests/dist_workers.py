@@ -552,15 +552,16 @@ def hsdp(rank, world, *, mesh_shape=(2, 2), steps=10, T=5):
             "bases": s.base_lrs_now, "updates": s.ensemble.controllers[0].updates, "logs": logger.active}
 
 
-def one_d_mesh(rank, world, *, name="shard", dadapt=False):
-    """A plain 1-D FSDP2 mesh passed as device_mesh: the error (or, named 'replicate', the number of replicas).
-    ``dadapt``: D-Adaptation Adam instead of AdamW."""
+def one_d_mesh(rank, world, *, name="shard", dadapt=False, shard=True):
+    """A plain 1-D FSDP2 mesh passed as device_mesh: the error (or, named 'replicate' with whole replicas, the number
+    of replicas). ``dadapt``: D-Adaptation Adam instead of AdamW; ``shard``: fully_shard the model over the mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(name,))
     model = nn.Linear(4, 2)
-    fully_shard(model, mesh=mesh)
+    if shard:
+        fully_shard(model, mesh=mesh)
     if dadapt:
         import dadaptation
 

@@ -369,26 +369,29 @@ def test_torch_compile_sees_the_averaged_weights():
         assert torch.equal(r["params"][0], r["params"][1])
 
 
-def _one_d_mesh(rank, world, name, dadapt=False):
+def _one_d_mesh(rank, world, name, dadapt=False, shard=True):
     from dist_workers import one_d_mesh
 
-    return one_d_mesh(rank, world, name=name, dadapt=dadapt)
+    return one_d_mesh(rank, world, name=name, dadapt=dadapt, shard=shard)
 
 
 def test_a_plain_one_dimensional_fsdp2_mesh_is_not_taken_for_replicas():
     """A 1-D FSDP2 mesh shards one model: its ranks were taken for replicas (each shard its own LR, shards of
-    different parameters averaged with each other, silently). Refused, saying which mesh to build; a 1-D mesh
-    named ('replicate',) still gives one replica per rank."""
+    different parameters averaged with each other, silently). Refused, saying which mesh to build, whatever the
+    mesh's name (named ('replicate',) and sharded by fully_shard, it ran so: rows 0-3 of a weight averaged with
+    rows 4-7); a 1-D mesh named ('replicate',) over whole replicas gives one replica per rank."""
     for r in check_ok(run_gloo(_one_d_mesh, 2, "shard")):
         assert "1-D FSDP2 mesh shards one model" in r["error"] and "('shard',)" in r["error"]
-    assert [r["N"] for r in check_ok(run_gloo(_one_d_mesh, 2, "replicate"))] == [2, 2]
+    for r in check_ok(run_gloo(_one_d_mesh, 2, "replicate")):
+        assert "fully_shard over a 1-D mesh shards one model, whatever the mesh's name" in r["error"], r
+    assert [r["N"] for r in check_ok(run_gloo(_one_d_mesh, 2, "replicate", False, False))] == [2, 2]
 
 
 def test_d_adaptation_with_a_device_mesh_and_a_spread_is_refused_clearly():
     """D-Adaptation on FSDP2 replicas with a spread failed at the first step inside hdet.step_scale (a foreach copy
     of DTensors); it is refused at construction with the reason."""
     pytest.importorskip("dadaptation")
-    for r in check_ok(run_gloo(_one_d_mesh, 2, "replicate", True)):
+    for r in check_ok(run_gloo(_one_d_mesh, 2, "replicate", True, False)):
         assert "D-Adaptation or Prodigy (DAdaptAdam) with device_mesh" in r["error"]
 
 

@@ -216,6 +216,24 @@ class ProcessGroupReplicas(Replicas):
                 finish(item)
 
 
+def check_mesh_placements(device_mesh: Any, params: Any) -> None:
+    """That no parameter is sharded along the mesh's replicate dimension (HDET's replicas): ``fully_shard`` over a
+    1-D mesh shards one model whatever the mesh's name, so its ranks hold parts of one model, not replicas."""
+    for p in params:
+        placements, mesh = getattr(p, "placements", None), getattr(p, "device_mesh", None)  # DTensors only
+        if placements is None or mesh is None:
+            continue
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        dim = names.index("replicate") if "replicate" in names else 0 if mesh.ndim == device_mesh.ndim else None
+        if dim is not None and placements[dim].is_shard():
+            raise ValueError(
+                f"Expected the parameters replicated along the device mesh's replicate dimension (its ranks are HDET's "
+                f"replicas), but a parameter of shape {tuple(p.shape)} is placed {tuple(placements)} on a mesh named "
+                f"{names or None}: fully_shard over a 1-D mesh shards one model, whatever the mesh's name. For HSDP "
+                "use a 2-D mesh, init_device_mesh(..., (replicas, shards), mesh_dim_names=('replicate', 'shard')), "
+                "and fully_shard(model, mesh=mesh)")
+
+
 def resolve_replicas(
     replicas: Replicas | None,
     rank: int | None,

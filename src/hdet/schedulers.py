@@ -29,7 +29,7 @@ from .ensemble import Ensemble, SyncRecord
 from .guard import GuardSetting, SkipWatch
 from .hyper import AdamBeta, Hyperparameter, LabelSmoothing
 from .optimizers import check_optimizer, check_shared_gradients, innermost
-from .replicas import DEFAULT_BUCKET_CAP_MB, Replicas, resolve_replicas
+from .replicas import DEFAULT_BUCKET_CAP_MB, Replicas, check_mesh_placements, resolve_replicas
 from .slots import LRControl
 
 __all__ = ["HDETLR", "OneCycleAutoLR"]
@@ -97,6 +97,8 @@ class HDETLR(LRScheduler):
                           "smoothing as better and drives it to 0 (docs/explore.md)", stacklevel=2)
         _check_probe(config, probe, model, device_mesh)
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
+        if device_mesh is not None:
+            check_mesh_placements(device_mesh, [p for g in innermost(optimizer).param_groups for p in g["params"]])
         self._constant = [_float(g["lr"]) for g in optimizer.param_groups]
         self._final = self._resolve_final(final_lr)
         if config.enable_auto_lr and config.controller == "paper" and config.eq8 == "decay" and \
