@@ -152,7 +152,7 @@ def test_vmap_refuses_replicas_in_different_train_eval_modes_and_auto_keeps_vmap
     """vmap runs every replica in replica 0's train/eval flags: a replica left in eval mode after evaluating it is an
     error that names it (before: replica 0's eval mode silently trained them all in eval mode); in auto mode a mistake
     in loss_fn at the first step is the caller's error and the engine stays auto (before: it fell back to the loop
-    for good, blaming vmap); uneven batches say what to do; a frozen parameter in the optimizer is named."""
+    for good, blaming vmap); uneven batches say what to do."""
     def engine(mode, model=None, params=None):
         torch.manual_seed(0)
         m = model or nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.2), nn.Linear(8, 3))
@@ -178,8 +178,34 @@ def test_vmap_refuses_replicas_in_different_train_eval_modes_and_auto_keeps_vmap
     assert a.mode == "vmap" and a.optimizer_path == "stacked"
     with pytest.raises(ValueError, match=r"one shape .*drop_last=True"):
         e.step([(x[r, :5 - r], y[r, :5 - r]) for r in range(3)], good)
-    frozen = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
-    frozen[0].bias.requires_grad_(False)
-    assert "frozen parameter (requires_grad=False)" in engine("vmap", frozen).optimizer_path
-    kept = engine("vmap", frozen, params=lambda mm: [p for p in mm.parameters() if p.requires_grad])
-    assert kept.optimizer_path == "stacked"
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_a_frozen_parameter_in_the_optimizer_keeps_the_stacked_step(opt):
+    """The optimizer given model.parameters() with a frozen one in it (fine-tuning): torch's optimizers skip it (its
+    .grad stays None) and so does the stacked step (before: the per-replica path); the loop's values, the frozen
+    weight untouched, no optimizer state for it."""
+    def engine(mode):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        m[0].bias.requires_grad_(False)
+        make = ((lambda mm: torch.optim.AdamW(mm.parameters(), lr=0.05, weight_decay=0.1)) if opt == "adamw" else
+                (lambda mm: torch.optim.SGD(mm.parameters(), lr=0.1, momentum=0.9)))
+        return ReplicaEngine(m, 3, make, lambda o, rep, mm: hdet.OneCycleAutoLR(
+            o, max_lr=0.05, total_steps=12, ensemble_lr_spread_ratio=0.2, model_sync_interval=4, replicas=rep,
+            model=mm), mode=mode)
+
+    fast, slow = engine("vmap"), engine("loop")
+    assert fast.optimizer_path == "stacked"
+    before = fast.models[0][0].bias.detach().clone()
+    torch.manual_seed(3)
+    for _ in range(10):
+        b = (torch.randn(3, 5, 4), torch.randint(0, 3, (3, 5)))
+        for e in (fast, slow):
+            e.step(b, lambda m, bb: F.cross_entropy(m(bb[0]), bb[1]), stacked=True)
+    assert fast.optimizer_path == "stacked"
+    for mf, ms in zip(fast.models, slow.models):
+        assert torch.equal(mf[0].bias, before)
+        for a, c in zip(mf.parameters(), ms.parameters()):
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+    assert all(mf[0].bias not in o.state for mf, o in zip(fast.models, fast.optimizers))

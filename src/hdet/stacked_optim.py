@@ -71,6 +71,12 @@ class Segment:
         self.orders = self.orders or [None] * len(self.shapes)
 
 
+def trained(group: dict[str, Any]) -> list[torch.Tensor]:
+    """A param group's parameters that the stacked step updates: those that get gradients (torch's optimizers skip a
+    frozen one, ``requires_grad=False``, whose ``.grad`` stays None)."""
+    return [p for p in group["params"] if p.requires_grad]
+
+
 def param_view(cols: torch.Tensor, shape: Sequence[int], order: tuple[int, ...] | None) -> torch.Tensor:
     """One parameter's columns of a flat tensor (``[..., n]``) as the parameter (``[..., *shape]``), its dims
     stored in ``order`` (None: row-major). The engine stores a parameter in the order its gradient comes out
@@ -151,7 +157,7 @@ class StackedStep:
         own views) into ``rows`` stacked copies, then point every optimizer state at views of them."""
         D, dev, dt = self.theta.shape[1], self.theta.device, self.theta.dtype
         names = self._moment_names(values)
-        all_states = [[[o.state.get(p) for p in o.param_groups[k]["params"]] for o in self.optimizers]
+        all_states = [[[o.state.get(p) for p in trained(o.param_groups[k])] for o in self.optimizers]
                       for k in range(len(self.segments))]
         if rows == 1 and any(not _same_state(per_replica, names) for per_replica in all_states):
             rows = self.N  # loaded moments that differ between replicas stay apart
@@ -198,7 +204,7 @@ class StackedStep:
             row = 0 if self.rows == 1 else r
             for k, seg in enumerate(self.segments):
                 col = seg.start
-                for p, shape, order in zip(o.param_groups[k]["params"], seg.shapes, seg.orders):
+                for p, shape, order in zip(trained(o.param_groups[k]), seg.shapes, seg.orders):
                     n = shape.numel()
                     st: dict[str, Any] = {}
                     if self.kind in ("adam", "dadapt"):
@@ -219,7 +225,7 @@ class StackedStep:
                     col += n
         self._bound = [o.state for o in self.optimizers]
         self._state_steps = [(o.state[p], k) for o in self.optimizers for k, g in enumerate(o.param_groups)
-                             for p in g["params"] if p in o.state] if self.kind == "prodigy" else []
+                             for p in trained(g) if p in o.state] if self.kind == "prodigy" else []
 
     def release(self) -> None:
         """Give every optimizer its own copy of its state (so that ``optimizer.step()`` may run on each

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .stacked_optim import Segment, param_view
+from .stacked_optim import Segment, param_view, trained
 
 __all__ = ["StackedReplicas"]
 
@@ -86,13 +86,10 @@ class StackedReplicas:
         order: list[str] = []
         segments = []
         for k, g in enumerate(groups0):
-            names = [names_of[0].get(id(p)) for p in g["params"]]
-            if any(n is not None and n not in trainable for n in names):
-                return ("an optimizer holds a frozen parameter (requires_grad=False): give the optimizer the trainable "
-                        "ones only, e.g. [p for p in m.parameters() if p.requires_grad], for the stacked step")
-            if any(n is None for n in names):
+            names = [names_of[0].get(id(p)) for p in trained(g)]  # (a frozen parameter: the optimizer skips it)
+            if any(n is None or n not in trainable for n in names):
                 return "an optimizer holds tensors that are not the model's trainable parameters"
-            if any(len(o.param_groups) != len(groups0) or [names_of[r].get(id(p)) for p in o.param_groups[k]["params"]]
+            if any(len(o.param_groups) != len(groups0) or [names_of[r].get(id(p)) for p in trained(o.param_groups[k])]
                    != names for r, o in enumerate(optimizers)):
                 return "the replicas' optimizers group their parameters differently"
             start = sum(self.params[n][0].numel() for n in order)
