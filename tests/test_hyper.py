@@ -372,3 +372,26 @@ def test_explored_hyperparameters_start_from_permutations_of_their_own():
         assert all(sorted(r) == [0, 1, 2, 3] for r in ranks)  # each slot a permutation of the positions
         assert ranks[1] != ranks[0] and ranks[2] != ranks[0] and ranks[1] != ranks[2]  # no two ranked alike
     assert values(0) == values(0)
+
+
+def test_a_spread_past_its_bounds_says_so_once():
+    """Dropout explored around 0 (the CLI's default --dropout) with alpha 0.05: two of four replicas were clamped to 0
+    and shared it, silently; now one warning says so (replica 0's). Around 0.1 it stays inside: no warning."""
+    import warnings
+
+    from hdet.engine import ReplicaEngine
+
+    def build(p):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.Dropout(p), nn.Linear(8, 3))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ReplicaEngine(m, 4, lambda mm: torch.optim.SGD(mm.parameters(), lr=0.1),
+                          lambda o, rep, mm: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=10, replicas=rep, model=mm,
+                                                                 explore=[hdet.Dropout(mm, alpha=0.05)]), mode="loop")
+        return [str(c.message) for c in caught if "past its bounds" in str(c.message)]
+
+    said = build(0.0)
+    assert len(said) == 1 and "dropout's spread around 0 (additive, alpha 0.05) reaches -0.05..0.05" in said[0]
+    assert "2 of the 4 replicas are clamped" in said[0]
+    assert build(0.1) == []

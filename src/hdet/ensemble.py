@@ -119,6 +119,7 @@ class Ensemble:
                            [h.spread for h in hypers], names)
         self.lr_control = lr_control or LRControl(bounds=[(0.0, math.inf)] * self.slots.num_lr_slots)
         self.window = LossWindow()
+        self._clamp_checked = False  # (the first values checked against the spreads' bounds: _warn_clamped)
         self.window_mean = WindowMean(self._float_params()) if config.probing else None
         self.total_steps: int | None = None
         self.stability = StabilityGuard(config)  # on_runaway="recover"
@@ -214,7 +215,31 @@ class Ensemble:
 
     def apply_schedule(self, scheduled_bases: list[float]) -> list[float]:
         """The base schedules' values now -> this replica's value per slot for the next step (Eqs. 1, 9)."""
-        return self.slots.apply_schedule(scheduled_bases, self.replicas.rank)
+        values = self.slots.apply_schedule(scheduled_bases, self.replicas.rank)
+        if not self._clamp_checked:
+            self._clamp_checked = True
+            self._warn_clamped()
+        return values
+
+    def _warn_clamped(self) -> None:
+        """Once, at the first values (replica 0 says it): an explored hyperparameter whose spread reaches past its
+        bounds, so that several replicas are clamped to one value and the spread is lopsided (dropout around 0,
+        beta2 around 0.999)."""
+        sl = self.slots
+        if self.replicas.rank != 0 or sl.world_size < 2:
+            return
+        for k, h in enumerate(self.hypers):
+            j = sl.num_lr_slots + k
+            sp, base = sl.spreads[j], sl.bases[j]
+            raw = [base + o if sp.kind == "additive" else base * o for o in sl.offsets[j]]
+            lo, hi = sp.bounds
+            out = [v for v in raw if not lo <= v <= hi]
+            if out:
+                warnings.warn(f"hdet: {h.name}'s spread around {base:g} ({sp.kind}, alpha {sp.alpha:g}) reaches "
+                              f"{min(raw):g}..{max(raw):g}, past its bounds [{lo:g}, {hi:g}]: {len(out)} of the "
+                              f"{sl.world_size} replicas are clamped to a bound, so they share a value and the spread is "
+                              "lopsided around the base. A smaller alpha, or a base further inside the bounds, keeps "
+                              "it even", stacklevel=2)
 
     def all_values(self) -> list[list[float]]:
         """Every replica's value per slot, from the current bases (what each replica uses next)."""
