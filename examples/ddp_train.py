@@ -110,6 +110,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(a.seed * 1000 + rank)  # each replica its own micro-batches
     t0 = time.perf_counter()
     syncs = []
+    used = list(sched.ensemble.rho)  # the multipliers of the window now running (replica r: rho_r at the start)
     for t in range(1, a.steps + 1):
         x, y = batch(train_data, a.batch, a.ctx, g, device)
         loss = nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
@@ -118,13 +119,14 @@ def main() -> None:
         opt.step()
         sched.step(loss)  # off sync steps: no host sync, no collective
         if sched.is_sync_step(t):
-            rec = sched.last_sync
-            syncs.append({"step": t, "losses": rec.losses, "base_lr": rec.bases[0],
-                          "multipliers": rec.multipliers[0]})
+            rec = sched.last_sync  # the window that just ended: its losses, its multipliers, this step's base LR
+            syncs.append({"step": t, "losses": rec.losses, "base_lr": rec.bases[0], "multipliers": used,
+                          "next_multipliers": rec.multipliers[0]})
             if rank == 0:
                 losses = ", ".join(f"{v:.3f}" for v in rec.losses or [])
-                print(f"step {t:5d}  replica losses [{losses}]  base lr {sched.base_lrs_now[0]:.2e}  "
-                      f"multipliers {[round(m, 3) for m in rec.multipliers[0]]}", flush=True)
+                print(f"step {t:5d}  replica losses [{losses}]  base lr {rec.bases[0]:.2e}  "
+                      f"multipliers {[round(m, 3) for m in used]}", flush=True)
+            used = list(rec.multipliers[0])  # dealt for the next window (Eq. 9)
     elapsed = time.perf_counter() - t0
 
     model.eval()
@@ -137,8 +139,8 @@ def main() -> None:
               f"validation loss {val:.4f} (bits/byte {val / 0.6931:.3f})")
         if a.out:
             summary = {
-                "command": "torchrun --nproc-per-node {} examples/ddp_train.py {}".format(
-                    world, " ".join(sys.argv[1:])),
+                "command": ("torchrun --nproc-per-node {} ".format(world) if distributed else "python ")
+                + "examples/ddp_train.py " + " ".join(sys.argv[1:]),
                 "args": vars(a), "world_size": world, "device": torch.cuda.get_device_name() if device.type == "cuda"
                 else platform.processor() or "cpu", "backend": dist.get_backend() if distributed else None,
                 "python": platform.python_version(), "torch": torch.__version__, "hdet": hdet.__version__,

@@ -1,5 +1,6 @@
 """Framework integrations with the real libraries on CPU (tiny models from configs, no downloads)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -195,6 +196,30 @@ def test_accelerate_prepared_hdet_scheduler_is_called_out(tmp_path):
         res = torch.load(tmp_path / f"result_rank{r}.pt", weights_only=True)
         assert res["last_epoch"] == 6  # 3 optimizer steps, 6 scheduler steps: what the warning is about
         assert len(res["warnings"]) == 1 and "passed to accelerator.prepare()" in res["warnings"][0]
+
+
+@pytest.mark.distributed
+def test_the_ddp_example_reports_each_window_with_its_own_multipliers_and_base(tmp_path):
+    """examples/ddp_train.py under torchrun, with the paper controller re-dealing the multipliers (Eq. 9): each sync
+    line and JSON entry gives the window that just ended its own multipliers (before: the ones dealt for the next
+    window, beside the losses of the last) and this step's base LR (before on screen: the next step's), and the JSON
+    names the command that ran."""
+    out = tmp_path / "summary.json"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(EXAMPLES / "ddp_train.py"), "--steps", "30", "--T", "10", "--batch", "4", "--ctx", "16",
+                        "--data-bytes", "200000", "--auto-lr", "--warmup", "10", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads(out.read_text())
+    assert s["command"].startswith("torchrun --nproc-per-node 2 examples/ddp_train.py --steps 30")
+    syncs = s["syncs"]
+    assert [x["step"] for x in syncs] == [10, 20, 30] and syncs[0]["multipliers"] == [0.8, 1.2]
+    for before, after in zip(syncs, syncs[1:]):
+        assert after["multipliers"] == before["next_multipliers"]
+    assert any(x["multipliers"] != x["next_multipliers"] for x in syncs)  # the controller dealt afresh
+    shown = [line for line in p.stdout.splitlines() if line.startswith("step ")]
+    for line, x in zip(shown, syncs):
+        assert f"base lr {x['base_lr']:.2e}" in line and f"multipliers {[round(m, 3) for m in x['multipliers']]}" in line
 
 
 LIGHTNING_WORKER = str(EXAMPLES / "lightning_ddp.py")

@@ -22,7 +22,7 @@ __all__ = ["HDETConfig", "OPTIONS", "spreading"]
 
 @dataclass
 class HDETConfig:
-    """Every option of one HDET ensemble (see ``docs/reference.md`` for what each does).
+    """Every option of one HDET ensemble (README.md's options table says what each does).
 
     Args:
         ensemble_lr_spread_ratio: [alpha] replica r's LR is ``base * rho_r``, ``rho_r`` in
