@@ -184,7 +184,7 @@ def test_vmap_refuses_replicas_in_different_train_eval_modes_and_auto_keeps_vmap
 def test_a_frozen_parameter_in_the_optimizer_keeps_the_stacked_step(opt):
     """The optimizer given model.parameters() with a frozen one in it (fine-tuning): torch's optimizers skip it (its
     .grad stays None) and so does the stacked step (before: the per-replica path); the loop's values, the frozen
-    weight untouched, no optimizer state for it."""
+    weight not trained (converge steps average its equal copies: the last bit may move), no optimizer state for it."""
     def engine(mode):
         torch.manual_seed(0)
         m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
@@ -205,7 +205,8 @@ def test_a_frozen_parameter_in_the_optimizer_keeps_the_stacked_step(opt):
             e.step(b, lambda m, bb: F.cross_entropy(m(bb[0]), bb[1]), stacked=True)
     assert fast.optimizer_path == "stacked"
     for mf, ms in zip(fast.models, slow.models):
-        assert torch.equal(mf[0].bias, before)
+        torch.testing.assert_close(mf[0].bias, before, rtol=0, atol=1e-6)
+        assert torch.equal(mf[0].bias, fast.models[0][0].bias)
         for a, c in zip(mf.parameters(), ms.parameters()):
             torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
     assert all(mf[0].bias not in o.state for mf, o in zip(fast.models, fast.optimizers))

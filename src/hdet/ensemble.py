@@ -259,7 +259,7 @@ class Ensemble:
 
     # ----------------------------------------------------------------- tensors
     def tensors(self) -> list[torch.Tensor]:
-        """The tensors to average, in an order fixed by the optimizer and the model: trained floating-point
+        """The tensors to average, in an order fixed by the optimizer and the model: floating-point
         parameters of the param groups, the model's persistent floating-point buffers (BatchNorm
         statistics; integer and non-persistent buffers are left alone) and, optionally, the optimizer's
         floating-point state (except ``step``)."""
@@ -302,9 +302,9 @@ class Ensemble:
         return [] if self.config.average_optimizer_state else self._optimizer_state(self._params())
 
     def _params(self) -> list[torch.Tensor]:
-        """The parameters a converge step averages: the optimizer's trained ones (a frozen one, ``requires_grad=False``,
-        is left as it is, as DDP leaves it: averaging its equal copies would only round it)."""
-        return [p for g in self.optimizer.param_groups for p in g["params"] if averaged(p) and p.requires_grad]
+        """The parameters a converge step averages: every floating-point one of the optimizer's, frozen ones too (one
+        frozen after the replicas parted is brought back together; equal copies may move in the last bit)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"] if averaged(p)]
 
     def _float_params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"] if p.is_floating_point()]
