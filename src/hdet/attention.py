@@ -38,11 +38,15 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                  is_causal: bool = False, scale: float | None = None,
                                  enable_gqa: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` (same arguments), one fused call for all vmapped replicas."""
-    kw = {"enable_gqa": True} if enable_gqa else {}  # (torch < 2.5 has no such argument)
     if not any(under_vmap(t) for t in (query, key, value, attn_mask)):
-        return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                     **kw)
+        return _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     return _FoldedAttention.apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _torch_sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa):  # noqa: ANN001, ANN202
+    """torch's own function (``enable_gqa`` passed only when set: torch < 2.5 has no such argument)."""
+    kw = {"enable_gqa": True} if enable_gqa else {}
+    return _SDPA(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
 
 
 class _FoldedAttention(torch.autograd.Function):
@@ -50,8 +54,7 @@ class _FoldedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa):  # noqa: ANN001, ANN205 - torch's protocol
-        kw = {"enable_gqa": True} if enable_gqa else {}
-        return _SDPA(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+        return _torch_sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # noqa: ANN001, ANN205
@@ -76,8 +79,7 @@ class _FoldedAttention(torch.autograd.Function):
             mask = _front(mask, in_dims[3], n)
             mask = _expand_batch(mask, batch)
             mask = _fold(mask) if batch else mask
-        kw = {"enable_gqa": True} if enable_gqa else {}
-        out = _SDPA(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+        out = _torch_sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
         return (out.view(n, out.shape[0] // n, *out.shape[1:]) if batch else out), 0
 
 

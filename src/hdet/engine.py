@@ -269,6 +269,7 @@ class ReplicaEngine:
             fns = self._fns[loss_fn] = [eager, torch.compile(eager, dynamic=False) if self.compile else None]
         self.stack.before_backward()
         args = (self._call_params, self._call_buffers, batch)
+        losses = None
         if fns[1] is not None:
             try:
                 losses = fns[1](*args)
@@ -277,9 +278,7 @@ class ReplicaEngine:
                 warnings.warn(f"hdet: torch.compile cannot run this vmapped model ({type(e).__name__}: {first}); "
                               "running it eagerly (still vmapped)", stacklevel=3)
                 fns[1] = None
-                with routed():
-                    losses = fns[0](*args)
-        else:
+        if losses is None:
             with routed():  # F.scaled_dot_product_attention: one fused call for all replicas (hdet.attention)
                 losses = fns[0](*args)
         if losses.shape != (self.num_replicas,):
@@ -420,22 +419,28 @@ class ReplicaEngine:
         n = _leading(batches) if stacked else (len(batches) if isinstance(batches, Sequence) else None)
         if n != N:
             raise ValueError(f"Expected one batch per replica ({N}), but got {n}")
+        def vmapped() -> torch.Tensor:
+            losses = self._vmap_losses(batches if stacked else _stack_batches(batches), loss_fn)
+            self.stack.point_grads()
+            return losses
+
+        def looped() -> torch.Tensor:
+            return self._loop_losses([_index_batch(batches, r) for r in range(N)] if stacked else list(batches),
+                                     loss_fn)
+
         if self.mode != "loop":
             self._check_flags()
         if self.mode == "vmap":
-            losses = self._vmap_losses(batches if stacked else _stack_batches(batches), loss_fn)
-            self.stack.point_grads()
+            losses = vmapped()
         elif self.mode == "auto":
             saved = {k: b.clone() for k, b in self.stacked_buffers.items()}
             try:
-                losses = self._vmap_losses(batches if stacked else _stack_batches(batches), loss_fn)
+                losses = vmapped()
                 self.mode = "vmap"
-                self.stack.point_grads()
             except Exception as e:  # noqa: BLE001 - any failure of vmap: the loop, if the loop can run the step
                 self._restore(saved)
-                per_replica = [_index_batch(batches, r) for r in range(N)] if stacked else list(batches)
                 try:
-                    losses = self._loop_losses(per_replica, loss_fn)
+                    losses = looped()
                 except Exception:  # the loop fails too: the step's own error (loss_fn, batches), mode stays auto
                     self._restore(saved)
                     raise
@@ -443,8 +448,7 @@ class ReplicaEngine:
                               "using the loop over replica copies", stacklevel=2)
                 self.mode = "loop"
         else:
-            per_replica = [_index_batch(batches, r) for r in range(N)] if stacked else list(batches)
-            losses = self._loop_losses(per_replica, loss_fn)
+            losses = looped()
         if self.before_optimizer_step is not None:  # e.g. per-replica gradient clipping (hdet.GradClip)
             for r, (m, o) in enumerate(zip(self.models, self.optimizers)):
                 self.before_optimizer_step(r, m, o)

@@ -231,7 +231,7 @@ class Ensemble:
         for k, h in enumerate(self.hypers):
             j = sl.num_lr_slots + k
             sp, base = sl.spreads[j], sl.bases[j]
-            raw = [base + o if sp.kind == "additive" else base * o for o in sl.offsets[j]]
+            raw = [sp.unclamped(base, o) for o in sl.offsets[j]]
             lo, hi = sp.bounds
             out = [v for v in raw if not lo <= v <= hi]
             if out:

@@ -79,8 +79,11 @@ class Spread:
     def clamp(self, v: float) -> float:
         return min(max(v, self.bounds[0]), self.bounds[1])
 
+    def unclamped(self, base: float, offset: float) -> float:
+        return base + offset if self.kind == "additive" else base * offset
+
     def apply(self, base: float, offset: float) -> float:
-        return self.clamp(base + offset if self.kind == "additive" else base * offset)
+        return self.clamp(self.unclamped(base, offset))
 
     # the controller's space: log for scale-like values
     def to_ctrl(self, v: float) -> float:
