@@ -171,6 +171,25 @@ def test_a_non_finite_gradient_on_one_replica_is_left_out(monkeypatch, reduce, f
     _close(fast, slow)
 
 
+def test_huge_finite_gradients_are_not_left_out():
+    """Gradients near float32's largest value, whose sum over the parameters overflows float32: no replica is
+    left out as non-finite, and training matches each replica's own optimizer step."""
+    def loss_fn(m, b):
+        # every gradient ~1e37 (finite; the loss too), their sum over the parameters past float32's largest
+        return F.cross_entropy(m(b[0]), b[1]) + sum(p.sum() for p in m.parameters()) * 1e37
+
+    def run(stacked):
+        eng = _engine(OPTIMIZERS["adamw"][0], stacked=stacked, steps=0)
+        for t in range(4):
+            eng.step((X[t], Y[t]), loss_fn, stacked=True)
+        return eng
+    fast, slow = run(True), run(False)
+    assert fast.stack.reduce
+    assert not torch.isfinite(fast.stack.grad.sum()) and torch.isfinite(fast.stack.grad).all()  # the case
+    assert all(torch.isfinite(p).all() for m in fast.models for p in m.parameters())
+    _close(fast, slow)
+
+
 @pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
 def test_the_gradient_is_averaged_the_same_either_way(monkeypatch, name):
     """Shared gradients summed where the backward leaves them (the CPU's way: a one-row gradient buffer) or

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from .attention import routed
+from . import attention, autocast
 from .ensemble import ReplicaMismatchError
 from .guard import all_finite
 from .replicas import LocalReplicaGroup, Replicas, average_local
@@ -279,8 +279,8 @@ class ReplicaEngine:
                               "running it eagerly (still vmapped)", stacklevel=3)
                 fns[1] = None
         if losses is None:
-            with routed():  # F.scaled_dot_product_attention: one fused call for all replicas (hdet.attention)
-                losses = fns[0](*args)
+            with attention.routed(), autocast.routed():  # SDPA: one fused call for all replicas (hdet.attention);
+                losses = fns[0](*args)  # linear and conv layers cast as autocast casts them (hdet.autocast)
         if losses.shape != (self.num_replicas,):
             raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(losses.shape[1:])}")
         self.stack.backward(losses)

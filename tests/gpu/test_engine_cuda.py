@@ -59,3 +59,30 @@ def test_a_model_calling_sdpa_stays_vmapped_on_cuda():
     assert engines["auto"].mode == "vmap"
     for a, b in zip(engines["loop"].models[0].parameters(), engines["auto"].models[0].parameters()):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_engine_under_cuda_autocast_computes_as_its_loop():
+    """bf16 autocast around the engine's step on CUDA: the vmapped replicas' conv and linear layers run in bfloat16,
+    as the loop's (hdet.autocast; torch's vmapped F.linear with a bias and its convolutions lose autocast on the
+    CPU: benchmarks/vmap_autocast.py records which do on the GPU)."""
+    from torch import nn
+
+    seen = {}
+
+    def loss_fn(m, batch):
+        out = m(batch[0])
+        seen.setdefault(mode, set()).update({m[0](batch[0]).dtype, out.dtype})
+        return F.cross_entropy(out.float(), batch[1])
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)).cuda()
+    x, y = torch.randn(4, 8, 1, 6, 6, device="cuda"), torch.randint(0, 5, (4, 8), device="cuda")
+    losses = {}
+    for mode in ("loop", "vmap"):
+        eng = ReplicaEngine(model, 4, lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
+                            lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=4, replicas=rep,
+                                                                  ensemble_lr_spread_ratio=0.2, model=m), mode=mode)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            losses[mode] = eng.step((x, y), loss_fn, stacked=True)
+    assert seen == {"loop": {torch.bfloat16}, "vmap": {torch.bfloat16}}
+    torch.testing.assert_close(losses["vmap"], losses["loop"], rtol=1e-2, atol=1e-2)

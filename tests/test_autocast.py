@@ -1,0 +1,93 @@
+"""hdet.autocast: the engine's vmapped linear and conv layers compute in the autocast dtype, as each replica's
+layer does alone (torch's vmapped F.linear with a bias, and its convolutions, ran in float32 under autocast)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import vmap
+
+import hdet
+from hdet import autocast
+from hdet.engine import ReplicaEngine
+
+N = 3
+BF16 = torch.bfloat16
+
+
+def _args(name):
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    d = int(name[-2]) if name.startswith("conv") else 0
+    if name == "linear":
+        return r(N, 4, 5), r(N, 6, 5), r(N, 6)
+    spatial = (6,) * d
+    if name.startswith("conv_transpose"):
+        return r(N, 2, 3, *spatial), r(N, 3, 4, *(3,) * d), r(N, 4)
+    return r(N, 2, 3, *spatial), r(N, 4, 3, *(3,) * d), r(N, 4)
+
+
+@pytest.mark.parametrize("name", autocast.CAST)
+def test_vmapped_layers_cast_as_one_replica(name):
+    fn = lambda *a: getattr(F, name)(*a)  # noqa: E731 - looked up at call time, as nn modules do
+    args = _args(name)
+    with torch.autocast("cpu", dtype=BF16):
+        one = torch.stack([fn(*[t[r] for t in args]) for r in range(N)])
+        with autocast.routed():
+            vm = vmap(fn)(*args)
+            shared = vmap(lambda x: fn(x, args[1][0], args[2][0]))(args[0])  # one weight and bias for all
+    assert one.dtype == vm.dtype == shared.dtype == BF16
+    torch.testing.assert_close(vm.float(), one.float(), rtol=2e-2, atol=2e-2 * one.abs().max().item())
+    torch.testing.assert_close(shared[0].float(), one[0].float(), rtol=2e-2, atol=2e-2 * one.abs().max().item())
+
+
+def test_outside_vmap_or_autocast_they_are_torch():
+    x, w, b = _args("linear")
+    with autocast.routed():
+        assert torch.equal(F.linear(x[0], w[0], b[0]), torch._C._nn.linear(x[0], w[0], b[0]))
+        out = vmap(lambda *a: F.linear(*a))(x, w, b)  # autocast off: float32, torch's batching rule
+    assert out.dtype == torch.float32 and F.linear is torch._C._nn.linear
+    xs, ws, bs = _args("conv2d")
+    with torch.autocast("cpu", dtype=BF16), autocast.routed():
+        y = vmap(lambda a, c, d: F.conv2d(a, c, bias=d, padding=1))(xs, ws, bs)  # keywords pass through
+    assert y.dtype == BF16 and y.shape == (N, 2, 4, 6, 6)
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 6 * 6, 5)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+@pytest.mark.parametrize("where", ["around the step", "inside loss_fn"])
+def test_engine_under_autocast_computes_as_its_loop(where):
+    """A user's bf16 autocast, around the engine's step or inside the loss function: the vmapped replicas' conv and
+    linear layers run in bfloat16, as the loop's do, and the first step's losses agree to bf16 precision."""
+    seen = {}
+    ctx = lambda: torch.autocast("cpu", dtype=BF16)  # noqa: E731
+
+    def loss_fn(m, batch):
+        with ctx() if where == "inside loss_fn" else torch.enable_grad():
+            h = m.conv(batch[0])
+            out = m(batch[0])
+        seen.setdefault(mode, set()).update({h.dtype, out.dtype})
+        return F.cross_entropy(out.float(), batch[1])
+
+    torch.manual_seed(0)
+    model = _Net()
+    x, y = torch.randn(N, 8, 1, 6, 6), torch.randint(0, 5, (N, 8))
+    losses = {}
+    for mode in ("loop", "vmap"):
+        eng = ReplicaEngine(model, N, lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
+                            lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=4, replicas=rep,
+                                                                  ensemble_lr_spread_ratio=0.2, model=m),
+                            mode=mode)
+        with ctx() if where == "around the step" else torch.enable_grad():
+            losses[mode] = torch.stack([eng.step((x, y), loss_fn, stacked=True) for _ in range(2)])
+        assert eng.mode == mode
+    assert seen == {"loop": {BF16}, "vmap": {BF16}}
+    torch.testing.assert_close(losses["vmap"][0], losses["loop"][0], rtol=1e-2, atol=1e-2)
