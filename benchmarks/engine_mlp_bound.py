@@ -7,6 +7,9 @@ speed moves by 2x within minutes):
 
 - ``autograd``: one ``baddbmm`` a layer, ``torch.autograd.grad`` (each replica's weight gradient), the mean over
   the replicas, one copy of Adam's moments (foreach), each replica's decay and update;
+- ``autograd, dW as W``: the same through ``hdet.linear``'s batched linear function on the plain stacked tensors
+  (its backward gives each replica's weight gradient as ``dy^T @ x``, in the weight's layout; autograd's own
+  ``baddbmm`` backward gives ``x^T @ dy``, the transpose);
 - ``manual``: the same forward, a hand-written backward whose weight gradient is the replicas' mean in one ``mm``
   over all N * B rows (no [N, out, in] gradient), the same optimizer;
 - the engine through the public API (``ReplicaEngine``, vmap, the stacked AdamW step).
@@ -30,6 +33,7 @@ from torch import nn
 
 import hdet
 from hdet.engine import ReplicaEngine
+from hdet.linear import _BatchedLinear
 
 
 def main() -> None:
@@ -83,6 +87,18 @@ def main() -> None:
         grads = torch.autograd.grad(loss, pa)
         adamw(pa, ma, [g.mean(0) for g in grads])
 
+    pl = stacked()
+    ml = ([torch.zeros(t.shape[1:]) for t in pl], [torch.zeros(t.shape[1:]) for t in pl])
+
+    def layout_step():
+        h = x
+        for k in range(3):
+            h = _BatchedLinear.apply(h, pl[k], pl[3 + k])
+            h = h.relu() if k < 2 else h
+        loss = F.cross_entropy(h.reshape(-1, 10), y.reshape(-1), reduction="none").view(N, B).mean(1).sum()
+        grads = torch.autograd.grad(loss, pl)
+        adamw(pl, ml, [g.mean(0) for g in grads])
+
     pm = [t.detach() for t in stacked()]
     mm = ([torch.zeros(t.shape[1:]) for t in pm], [torch.zeros(t.shape[1:]) for t in pm])
 
@@ -123,7 +139,8 @@ def main() -> None:
     def engine_step():
         eng.step((x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]), stacked=True)
 
-    steps = {"baseline": base_step, "autograd": autograd_step, "manual": manual_step, "engine": engine_step}
+    steps = {"baseline": base_step, "autograd": autograd_step, "autograd, dW as W": layout_step,
+             "manual": manual_step, "engine": engine_step}
     times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(a.repeats):
         for k, f in steps.items():

@@ -410,12 +410,26 @@ def test_a_resumed_guard_keeps_training_the_same():
                for a, b in zip(ma.parameters(), mb.parameters()))
 
 
+class _MatmulLinear(nn.Linear):
+    """A linear layer through ``x @ W.T`` (not ``F.linear``, which the engine routes to hdet.linear, whose weight
+    gradient comes row-major): vmap's own backward gives the weight's gradient transposed."""
+
+    def forward(self, x):
+        return x @ self.weight.t() + self.bias
+
+
+def _matmul_model():
+    torch.manual_seed(0)
+    return nn.Sequential(_MatmulLinear(6, 16), nn.Tanh(), _MatmulLinear(16, 3))
+
+
 def test_parameters_are_stored_the_way_their_gradients_come():
     """After the first backward each flattened parameter is stored in the order its gradient comes out of
-    vmap's backward (an nn.Linear weight's: transposed), so later backwards add into the flat gradient in
+    vmap's backward (``x @ W.T``'s weight: transposed), so later backwards add into the flat gradient in
     memory order; values, optimizer state and training are those of the row-major layout."""
     make = OPTIMIZERS["adamw"][0]
-    ref, fast = _engine(make), _engine(make, gradient_layout=True)  # row-major (the default), and as gradients
+    ref = _engine(make, model=_matmul_model())  # row-major (the default)
+    fast = _engine(make, model=_matmul_model(), gradient_layout=True)  # as the gradients come
     _close(fast, ref)
     w = fast.stacked_params["0.weight"]  # [N, 16, 6]: stored [N, 6, 16]
     assert fast.stack.orders["0.weight"] == (1, 0) and ref.stack.orders["0.weight"] is None
@@ -429,6 +443,8 @@ def test_parameters_are_stored_the_way_their_gradients_come():
     assert fast.stack.orders["0.bias"] is None  # 1-d: nothing to reorder
     assert all(p.is_contiguous() for m in ref.models for p in m.parameters())  # the default: .view() works
     assert not fast.stack._stride_hooks and not ref.stack._stride_hooks
+    routed = _engine(make, gradient_layout=True)  # nn.Linear: hdet.linear's weight gradient is row-major
+    assert routed.stack.orders["0.weight"] is None and routed.stack._raw_strides["0.weight"] == (6, 1)
 
 
 def test_stride_hooks_go_when_the_flat_step_is_given_up():

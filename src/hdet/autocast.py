@@ -21,13 +21,13 @@ import torch.nn.functional as F
 
 from .attention import under_vmap
 
-__all__ = ["routed", "CAST"]
+__all__ = ["routed", "cast", "CAST"]
 
 CAST = ("linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
 _TORCH = {name: getattr(F, name) for name in CAST}  # torch's own, whatever F holds while routed
 
 
-def _cast(t: Any, dtype: torch.dtype) -> Any:
+def cast(t: Any, dtype: torch.dtype) -> Any:
     """``t`` in ``dtype`` where autocast would cast it (a floating tensor, not float64), else ``t``."""
     if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 and t.dtype != dtype:
         return t.to(dtype)
@@ -40,7 +40,7 @@ def _autocast(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         device = input.device.type
         if torch.is_autocast_enabled(device) and (under_vmap(input) or under_vmap(weight) or under_vmap(bias)):
             dtype = torch.get_autocast_dtype(device)
-            input, weight, bias = _cast(input, dtype), _cast(weight, dtype), _cast(bias, dtype)
+            input, weight, bias = cast(input, dtype), cast(weight, dtype), cast(bias, dtype)
         return fn(input, weight, bias, *args, **kwargs)
 
     call.__name__ = call.__qualname__ = fn.__name__
@@ -49,6 +49,7 @@ def _autocast(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
 
 
 _ROUTED = {name: _autocast(fn) for name, fn in _TORCH.items()}
+linear = _ROUTED["linear"]  # (hdet.linear's calls that are not its own)
 
 
 @contextlib.contextmanager

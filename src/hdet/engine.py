@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from . import attention, autocast
+from . import attention, autocast, linear
 from .ensemble import ReplicaMismatchError
 from .guard import all_finite
 from .replicas import LocalReplicaGroup, Replicas, average_local
@@ -126,10 +126,12 @@ class ReplicaEngine:
             (:mod:`hdet.stacked_optim`; with shared gradients one copy of the moments). False: each replica's
             ``optimizer.step()``. :attr:`optimizer_path` says which runs, and why.
         gradient_layout: with the stacked step, eager: from the first backward on, store each parameter in the
-            order its gradient comes out of vmap's backward (an ``nn.Linear`` weight's is transposed), so that
-            later backwards add into the flat gradient in memory order (2 CPU cores, an MLP, N = 8: 0.49x ->
-            0.53x one model at 8x the batch). The parameters are then non-contiguous: ``.view()`` on them
-            (also in ``loss_fn``) fails where ``.reshape()`` works, hence off by default.
+            order its gradient comes out of vmap's backward (a weight used as ``x @ W.T``, or on a GPU an
+            ``nn.Linear`` weight, is transposed; on the CPU ``F.linear``'s comes in the weight's layout,
+            :mod:`hdet.linear`), so that later backwards add into the flat gradient in memory order (2 CPU cores,
+            an MLP, N = 8, before hdet.linear: 0.49x -> 0.53x one model at 8x the batch). The parameters are then
+            non-contiguous: ``.view()`` on them (also in ``loss_fn``) fails where ``.reshape()`` works, hence off
+            by default.
     """
 
     def __init__(self, model: nn.Module, num_replicas: int, make_optimizer: MakeOptimizer,
@@ -255,6 +257,12 @@ class ReplicaEngine:
                     f"{'train' if mods[i].training else 'eval'} mode on replica {r}: call .train() (or .eval()) on "
                     "every replica, e.g. after evaluating one; nothing was run")
 
+    def _linear(self) -> contextlib.AbstractContextManager:
+        """F.linear through :mod:`hdet.linear` on the CPU (side by side against torch's vmapped F.linear: 1.05-1.13x
+        an MLP's step and 1.04-1.05x the tiny GPT's on 2 cores; on an H100, where the host is the bottleneck,
+        0.95-1.01x: ``benchmarks/results/gpu_h100/linear_routing/``)."""
+        return linear.routed() if self.group.device.type == "cpu" else contextlib.nullcontext()
+
     def _vmap_losses(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
         """Forward + backward of all replicas at once; leaves ``sum_r g_r / N`` in every replica's grad
         (its own ``g_r`` in local mode)."""
@@ -278,9 +286,9 @@ class ReplicaEngine:
                 warnings.warn(f"hdet: torch.compile cannot run this vmapped model ({type(e).__name__}: {first}); "
                               "running it eagerly (still vmapped)", stacklevel=3)
                 fns[1] = None
-        if losses is None:
-            with attention.routed(), autocast.routed():  # SDPA: one fused call for all replicas (hdet.attention);
-                losses = fns[0](*args)  # linear and conv layers cast as autocast casts them (hdet.autocast)
+        if losses is None:  # SDPA: one fused call for all replicas (hdet.attention); linear and conv layers in the
+            with attention.routed(), autocast.routed(), self._linear():  # autocast dtype (hdet.autocast); F.linear
+                losses = fns[0](*args)  # on the CPU: one baddbmm, dW in W's layout (hdet.linear)
         if losses.shape != (self.num_replicas,):
             raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(losses.shape[1:])}")
         self.stack.backward(losses)

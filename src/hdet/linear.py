@@ -1,0 +1,124 @@
+"""Linear layers for the engine's replicas: :func:`linear`, one batched matmul per call, gradients in the weight's layout.
+
+Under ``torch.func.vmap`` (the engine's fast path) ``F.linear`` with one weight per replica runs as
+``bmm(x, W^T)``, and autograd computes the weight's gradient as ``x^T @ dy``: ``[N, in, out]``, the transpose of the
+weight, read across afterwards. Stacked MLP replicas trained through autograd ran at 0.39x one model at N times
+the batch on 2 CPU cores, and at 0.67x with the weight gradient computed as ``dy^T @ x`` in the weight's own
+layout (``benchmarks/engine_mlp_bound.py``, one run side by side). Here the replicas' call is one ``baddbmm`` on the plain stacked
+tensors (taken out of vmap's wrappers and put back, as torch's own ``autograd.Function`` support does, without
+its per-call cost: 150 us a call on that CPU), and the backward computes ``dW = dy^T @ x``, ``dx = dy @ W`` and
+``db = sum(dy)`` with batched matmuls, ``dW`` already in the weight's layout. Under autocast the inputs are cast as autocast casts ``F.linear``'s (:mod:`hdet.autocast`). Anything else (one
+weight for all replicas, nested transforms, outside vmap) is torch's ``F.linear``.
+
+:class:`hdet.engine.ReplicaEngine` (eager vmap) routes ``torch.nn.functional.linear`` here while it runs the
+replicas' forward (:func:`routed`), so ``nn.Linear``, ``nn.MultiheadAttention``'s projections and any model calling
+``F.linear`` use it. Under ``torch.compile`` the rule is not used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from . import autocast
+
+__all__ = ["linear", "routed"]
+
+_LINEAR = F.linear  # torch's own, whatever F holds while routed
+_functorch = getattr(torch._C, "_functorch", None)
+try:  # functorch's interpreter stack (torch's own autograd.Function support under vmap uses the same calls)
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter as _interpreter
+except ImportError:  # pragma: no cover - no functorch: every call is torch's
+    _interpreter = None
+_FAST = _interpreter is not None and all(hasattr(_functorch, name) for name in (
+    "is_batchedtensor", "maybe_get_level", "_unwrap_batched", "_add_batch_dim", "is_functorch_wrapped_tensor"))
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` (same arguments): one batched matmul for the replicas of one vmap over stacked weights."""
+    level = _replica_level(weight)
+    if level is not None:
+        x, xd = _unwrap(input, level)
+        w, wd = _unwrap(weight, level)
+        b, bd = _unwrap(bias, level)
+        if not any(_wrapped(t) for t in (x, w, b)):  # plain tensors under one vmap: the fast path
+            return _stacked_linear(x, xd, w, wd, b, bd, level)
+    return autocast.linear(input, weight, bias)
+
+
+def _replica_level(weight: torch.Tensor) -> int | None:
+    """The vmap level at which ``weight`` is batched, if it is the only (innermost and outermost) transform."""
+    if not _FAST or not isinstance(weight, torch.Tensor):
+        return None
+    if not _functorch.is_batchedtensor(weight):
+        return None
+    level = _functorch.maybe_get_level(weight)
+    interp = _interpreter()
+    return level if level == 1 and interp is not None and interp.level() == 1 else None
+
+
+def _unwrap(t: torch.Tensor | None, level: int) -> tuple[torch.Tensor | None, int | None]:
+    if t is None or not _functorch.is_batchedtensor(t) or _functorch.maybe_get_level(t) != level:
+        return t, None
+    return _functorch._unwrap_batched(t, level)
+
+
+def _wrapped(t: torch.Tensor | None) -> bool:
+    return isinstance(t, torch.Tensor) and _functorch.is_functorch_wrapped_tensor(t)
+
+
+def _stacked_linear(x: torch.Tensor, xd: int | None, w: torch.Tensor, wd: int, b: torch.Tensor | None,
+                    bd: int | None, level: int) -> torch.Tensor:
+    n = w.shape[wd]
+    w = w.movedim(wd, 0)  # [N, out, in]
+    x = x.movedim(xd, 0) if xd is not None else x.expand(n, *x.shape)
+    if b is not None:
+        b = b.movedim(bd, 0) if bd is not None else b.expand(n, *b.shape)
+    lead = x.shape[1:-1]  # one replica's batch axes
+    device = x.device.type
+    with _interpreter().lower():  # plain tensors, autograd as usual (vmap is this function's only transform)
+        x3 = x.reshape(n, -1, x.shape[-1])  # [N, R, in]
+        if torch.is_autocast_enabled(device):  # cast as autocast casts F.linear; the call itself without it
+            dt = torch.get_autocast_dtype(device)
+            x3, w, b = (autocast.cast(t, dt) for t in (x3, w, b))
+            with torch.autocast(device, enabled=False):
+                y = _BatchedLinear.apply(x3, w, b)
+        else:
+            y = _BatchedLinear.apply(x3, w, b)
+        y = y.view(n, *lead, y.shape[-1])
+    return _functorch._add_batch_dim(y, 0, level)
+
+
+class _BatchedLinear(torch.autograd.Function):
+    """``y[r] = x[r] @ w[r]^T + b[r]`` on plain ``[N, R, in]``, ``[N, out, in]``, ``[N, out]`` tensors (called with no
+    functorch transform active, so the classic form)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):  # noqa: ANN001, ANN205 - torch's protocol
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        wt = w.transpose(1, 2)
+        return torch.bmm(x, wt) if b is None else torch.baddbmm(b.unsqueeze(1), x, wt)
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: ANN001, ANN205
+        x, w = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        dx = torch.bmm(dy, w) if need_x else None
+        dw = torch.bmm(dy.transpose(1, 2), x) if need_w else None  # [N, out, in]: the weight's own layout
+        db = dy.sum(1) if ctx.has_bias and need_b else None
+        return dx, dw, db
+
+
+@contextlib.contextmanager
+def routed() -> Iterator[None]:
+    """``torch.nn.functional.linear`` is :func:`linear` inside."""
+    before = F.linear
+    F.linear = linear
+    try:
+        yield
+    finally:
+        F.linear = before

@@ -1,0 +1,135 @@
+"""hdet.linear: F.linear for vmapped replicas (one batched matmul, the weight gradient in the weight's layout),
+against torch's own vmapped F.linear; autocast as F.linear."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, vmap
+
+import hdet
+import hdet.linear
+from hdet.engine import ReplicaEngine
+from hdet.linear import routed
+
+N = 4
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(N, 3, 5, 7, generator=g), torch.randn(N, 6, 7, generator=g), torch.randn(N, 6, generator=g))
+
+
+def _run(fn, args, in_dims, route):
+    """fn vmapped over args (fresh leaves), and the gradients of sum(y^2)."""
+    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in args]
+    if route:
+        with routed():
+            y = vmap(fn, in_dims=in_dims)(*leaves)
+    else:
+        y = vmap(fn, in_dims=in_dims)(*leaves)
+    (y.float() ** 2).sum().backward()
+    return y.detach(), [None if t is None else t.grad for t in leaves]
+
+
+CASES = {  # name: (args from (x, w, b), in_dims)
+    "all batched": (lambda x, w, b: (x, w, b), (0, 0, 0)),
+    "no bias": (lambda x, w, b: (x, w, None), (0, 0, None)),
+    "one input for all": (lambda x, w, b: (x[0], w, b), (None, 0, 0)),
+    "one weight, own biases": (lambda x, w, b: (x, w[0], b), (0, None, 0)),
+    "one weight and bias": (lambda x, w, b: (x, w[0], b[0]), (0, None, None)),
+    "one bias": (lambda x, w, b: (x, w, b[0]), (0, 0, None)),
+    "1-d input": (lambda x, w, b: (x[:, 0, 0], w, b), (0, 0, 0)),
+    "replica axis elsewhere": (lambda x, w, b: (x.movedim(0, 2), w.movedim(0, 1), b.movedim(0, 1)), (2, 1, 1)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_vmapped_linear_matches_torch(case, monkeypatch):
+    make, in_dims = CASES[case]
+    args = make(*_inputs())
+    calls = []
+    apply = hdet.linear._BatchedLinear.apply
+    monkeypatch.setattr(hdet.linear._BatchedLinear, "apply", lambda *a: calls.append(1) or apply(*a))
+    y0, g0 = _run(lambda *a: F.linear(*a), args, in_dims, route=False)
+    assert not calls
+    y1, g1 = _run(lambda *a: F.linear(*a), args, in_dims, route=True)
+    assert len(calls) == (in_dims[1] is not None)  # the batched matmul for stacked weights; else torch's call
+    torch.testing.assert_close(y1, y0)
+    for a, b in zip(g1, g0):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b)
+            assert a.shape == b.shape
+
+
+def test_nested_vmap_and_multihead_attention_match_torch():
+    x, w, b = _inputs()
+    inner = lambda x_, w_, b_: vmap(lambda xx: F.linear(xx, w_, b_))(x_)  # noqa: E731 - vmap inside the replicas'
+    (y0, g0), (y1, g1) = (_run(inner, (x, w, b), (0, 0, 0), route) for route in (False, True))
+    torch.testing.assert_close(y1, y0)
+    for a, r in zip(g1, g0):
+        torch.testing.assert_close(a, r)
+    xx, ww, bb = torch.randn(2, N, 3, 7), torch.randn(2, N, 6, 7), torch.randn(2, N, 6)  # vmap around the replicas'
+    outer = lambda a, c, d: vmap(F.linear)(a, c, d)  # noqa: E731
+    ys = [_run(outer, (xx, ww, bb), (0, 0, 0), route) for route in (False, True)]
+    torch.testing.assert_close(ys[1][0], ys[0][0])
+    mha = nn.MultiheadAttention(7, 1, batch_first=True)  # its projections call F.linear inside torch
+    params = {k: torch.stack([v.detach() + 0.1 * torch.randn_like(v) for _ in range(N)])
+              for k, v in mha.named_parameters()}
+    grads = []
+    for route in (False, True):
+        p = {k: v.clone().requires_grad_() for k, v in params.items()}
+        with routed() if route else torch.enable_grad():
+            y = vmap(lambda q, s: functional_call(mha, q, (s, s, s))[0])(p, x[:, 0])
+        y.pow(2).sum().backward()
+        grads.append({k: v.grad for k, v in p.items()})
+    for k in params:
+        torch.testing.assert_close(grads[1][k], grads[0][k])
+
+
+def test_weight_gradient_comes_in_the_weights_layout():
+    x, w, b = _inputs()
+    _, (_, gw, _) = _run(F.linear, (x, w, b), (0, 0, 0), route=True)
+    assert gw.is_contiguous()  # [N, out, in], as the weight (torch's vmapped F.linear gives its transpose)
+
+
+def test_autocast_casts_as_f_linear_does():
+    """Under autocast, each replica's layer computes in the autocast dtype, as F.linear on one replica does
+    (torch's vmapped F.linear with a bias runs in float32 instead: measured on torch 2.13)."""
+    x, w, b = _inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        one = torch.stack([F.linear(x[r], w[r], b[r]) for r in range(N)])
+        with routed():
+            y = vmap(F.linear)(x, w, b)
+    assert one.dtype == y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, one)
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    with torch.autocast("cpu", dtype=torch.bfloat16), routed():
+        vmap(F.linear)(xr, wr, br).float().sum().backward()  # the backward meets the forward's dtypes
+    assert wr.grad.dtype == torch.float32 and torch.isfinite(wr.grad).all()
+
+
+def test_engine_under_autocast_computes_as_the_loop():
+    """A user's bf16 autocast around the engine's step: the vmapped replicas' layers run in bfloat16, as the
+    loop's do (they ran in float32: torch's vmapped F.linear drops autocast with a bias)."""
+    seen = {}
+
+    def loss_fn(m, batch):
+        out = m(batch[0])
+        seen.setdefault(mode, set()).add(out.dtype)
+        return F.cross_entropy(out.float(), batch[1])
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x, y = torch.randn(N, 5, 8), torch.randint(0, 4, (N, 5))
+    losses = {}
+    for mode in ("loop", "vmap"):
+        eng = ReplicaEngine(model, N, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                            lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=4, replicas=rep,
+                                                                  ensemble_lr_spread_ratio=0.2),
+                            mode=mode)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses[mode] = torch.stack([eng.step((x, y), loss_fn, stacked=True) for _ in range(3)])
+    assert seen == {"loop": {torch.bfloat16}, "vmap": {torch.bfloat16}}
+    torch.testing.assert_close(losses["vmap"][0], losses["loop"][0], rtol=1e-2, atol=1e-2)  # the same start
