@@ -16,15 +16,16 @@ models keep what they call.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from .patching import patched
+
 __all__ = ["scaled_dot_product_attention", "routed", "under_vmap"]
 
-_SDPA = F.scaled_dot_product_attention  # torch's own, whatever F holds while routed
+_SDPA = torch._C._nn.scaled_dot_product_attention  # torch's own (F.scaled_dot_product_attention)
 
 
 def under_vmap(t: Any) -> bool:
@@ -104,12 +105,8 @@ def _fold(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
 
 
-@contextlib.contextmanager
-def routed() -> Iterator[None]:
-    """``torch.nn.functional.scaled_dot_product_attention`` is :func:`scaled_dot_product_attention` inside."""
-    before = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = scaled_dot_product_attention
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = before
+def routed() -> contextlib.AbstractContextManager:
+    """``torch.nn.functional.scaled_dot_product_attention`` is :func:`scaled_dot_product_attention` inside (where F
+    holds torch's own; a user's wrapper of it keeps being called)."""
+    return patched("attention", F, {"scaled_dot_product_attention":
+                                    lambda before: scaled_dot_product_attention if before is _SDPA else before})

@@ -6,25 +6,25 @@ the CPU, where also bias-free convolutions and ``F.conv_transpose*d`` do; torch 
 call runs in the autocast dtype (``benchmarks/vmap_autocast.py``). The engine's replicas then computed
 differently from the same model under DDP (and slower), with no warning. While :class:`hdet.engine.ReplicaEngine`
 runs its replicas' forward (eager vmap), these functions cast their floating inputs to the autocast dtype
-themselves when autocast is on for their device, as autocast does for one replica, and call torch's function.
-Outside vmap, or with autocast off, they are torch's functions with one check more.
+themselves when autocast is on for their device, as autocast does for one replica, and call the function F held
+(torch's, or a user's wrapper of it). Outside vmap, or with autocast off, they are that function with one check more.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from .attention import under_vmap
+from .patching import patched
 
-__all__ = ["routed", "cast", "CAST"]
+__all__ = ["routed", "cast", "casting", "CAST"]
 
 CAST = ("linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
-_TORCH = {name: getattr(F, name) for name in CAST}  # torch's own, whatever F holds while routed
 
 
 def cast(t: Any, dtype: torch.dtype) -> Any:
@@ -34,7 +34,9 @@ def cast(t: Any, dtype: torch.dtype) -> Any:
     return t
 
 
-def _autocast(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def casting(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``fn(input, weight, bias, ...)`` with its floating inputs cast to the autocast dtype first when autocast is
+    on for their device and one of them is vmapped (as autocast casts them for one replica)."""
     def call(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *args: Any,
              **kwargs: Any) -> torch.Tensor:
         device = input.device.type
@@ -43,23 +45,13 @@ def _autocast(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
             input, weight, bias = cast(input, dtype), cast(weight, dtype), cast(bias, dtype)
         return fn(input, weight, bias, *args, **kwargs)
 
-    call.__name__ = call.__qualname__ = fn.__name__
-    call.__doc__ = f"``F.{fn.__name__}``, cast as autocast casts it also under vmap (see :mod:`hdet.autocast`)."
+    call.__name__ = call.__qualname__ = getattr(fn, "__name__", "call")
+    call.__doc__ = "cast as autocast casts it, also under vmap (see :mod:`hdet.autocast`)"
+    call.__wrapped__ = fn
     return call
 
 
-_ROUTED = {name: _autocast(fn) for name, fn in _TORCH.items()}
-linear = _ROUTED["linear"]  # (hdet.linear's calls that are not its own)
-
-
-@contextlib.contextmanager
-def routed() -> Iterator[None]:
-    """``torch.nn.functional``'s :data:`CAST` functions cast as autocast does under vmap, inside."""
-    before = {name: getattr(F, name) for name in CAST}
-    for name, fn in _ROUTED.items():
-        setattr(F, name, fn)
-    try:
-        yield
-    finally:
-        for name, fn in before.items():
-            setattr(F, name, fn)
+def routed() -> contextlib.AbstractContextManager:
+    """Inside: ``torch.nn.functional``'s :data:`CAST` functions (whatever F holds: torch's, or a user's wrapper of
+    them) cast as autocast does, also under vmap."""
+    return patched("autocast", F, {name: casting for name in CAST})

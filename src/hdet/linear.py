@@ -7,8 +7,10 @@ the batch on 2 CPU cores, and at 0.67x with the weight gradient computed as ``dy
 layout (``benchmarks/engine_mlp_bound.py``, one run side by side). Here the replicas' call is one ``baddbmm`` on the plain stacked
 tensors (taken out of vmap's wrappers and put back, as torch's own ``autograd.Function`` support does, without
 its per-call cost: 150 us a call on that CPU), and the backward computes ``dW = dy^T @ x``, ``dx = dy @ W`` and
-``db = sum(dy)`` with batched matmuls, ``dW`` already in the weight's layout. Under autocast the inputs are cast as autocast casts ``F.linear``'s (:mod:`hdet.autocast`). Anything else (one
-weight for all replicas, nested transforms, outside vmap) is torch's ``F.linear``.
+``db = sum(dy)`` with batched matmuls, ``dW`` already in the weight's layout. Under autocast the inputs are cast
+as autocast casts ``F.linear``'s (:mod:`hdet.autocast`). Anything else (one weight for all replicas, nested
+transforms, complex tensors, a 1-d weight or a 0-d bias, outside vmap) is torch's ``F.linear`` (routed: the
+function ``F.linear`` was, so a user's wrapper of it keeps being called).
 
 :class:`hdet.engine.ReplicaEngine` (eager vmap) routes ``torch.nn.functional.linear`` here while it runs the
 replicas' forward (:func:`routed`), so ``nn.Linear``, ``nn.MultiheadAttention``'s projections and any model calling
@@ -18,16 +20,17 @@ replicas' forward (:func:`routed`), so ``nn.Linear``, ``nn.MultiheadAttention``'
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from . import autocast
+from .patching import patched
 
 __all__ = ["linear", "routed"]
 
-_LINEAR = F.linear  # torch's own, whatever F holds while routed
+_TORCH_LINEAR = torch._C._nn.linear  # torch's own F.linear
 _functorch = getattr(torch._C, "_functorch", None)
 try:  # functorch's interpreter stack (torch's own autograd.Function support under vmap uses the same calls)
     from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter as _interpreter
@@ -35,18 +38,27 @@ except ImportError:  # pragma: no cover - no functorch: every call is torch's
     _interpreter = None
 _FAST = _interpreter is not None and all(hasattr(_functorch, name) for name in (
     "is_batchedtensor", "maybe_get_level", "_unwrap_batched", "_add_batch_dim", "is_functorch_wrapped_tensor"))
+_OTHERWISE = autocast.casting(_TORCH_LINEAR)  # torch's F.linear, cast as autocast casts it under vmap
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` (same arguments): one batched matmul for the replicas of one vmap over stacked weights."""
+    return _linear(input, weight, bias, _OTHERWISE)
+
+
+def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            otherwise: Callable[..., torch.Tensor]) -> torch.Tensor:
     level = _replica_level(weight)
     if level is not None:
         x, xd = _unwrap(input, level)
         w, wd = _unwrap(weight, level)
         b, bd = _unwrap(bias, level)
-        if not any(_wrapped(t) for t in (x, w, b)):  # plain tensors under one vmap: the fast path
+        # the fast path: plain real floating tensors under one vmap, each replica's weight 2-d, its bias 1-d
+        if (not any(_wrapped(t) for t in (x, w, b)) and wd is not None and w.dim() == 3
+                and (b is None or b.dim() - (bd is not None) == 1)
+                and all(t is None or t.is_floating_point() for t in (x, w, b))):
             return _stacked_linear(x, xd, w, wd, b, bd, level)
-    return autocast.linear(input, weight, bias)
+    return otherwise(input, weight, bias)
 
 
 def _replica_level(weight: torch.Tensor) -> int | None:
@@ -113,12 +125,17 @@ class _BatchedLinear(torch.autograd.Function):
         return dx, dw, db
 
 
-@contextlib.contextmanager
-def routed() -> Iterator[None]:
-    """``torch.nn.functional.linear`` is :func:`linear` inside."""
-    before = F.linear
-    F.linear = linear
-    try:
-        yield
-    finally:
-        F.linear = before
+def _routing(before: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """What F.linear is while routed: the fast path where F held torch's function (alone or cast by
+    :mod:`hdet.autocast`), else the function F held (a user's wrapper keeps being called)."""
+    if before is not _TORCH_LINEAR and getattr(before, "__wrapped__", None) is not _TORCH_LINEAR:
+        return before
+
+    def routed_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _linear(input, weight, bias, before)
+    return routed_linear
+
+
+def routed() -> contextlib.AbstractContextManager:
+    """``torch.nn.functional.linear`` is :func:`linear` inside (where F holds torch's own)."""
+    return patched("linear", F, {"linear": _routing})
