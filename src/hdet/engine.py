@@ -258,7 +258,7 @@ class ReplicaEngine:
                     "every replica, e.g. after evaluating one; nothing was run")
 
     def _linear(self) -> contextlib.AbstractContextManager:
-        """F.linear through :mod:`hdet.linear` on the CPU (side by side against torch's vmapped F.linear: 1.05-1.13x
+        """F.linear through :mod:`hdet.linear` on the CPU (side by side against torch's vmapped F.linear: 1.03-1.13x
         an MLP's step and 1.04-1.05x the tiny GPT's on 2 cores; on an H100, where the host is the bottleneck,
         0.95-1.01x: ``benchmarks/results/gpu_h100/linear_routing/``)."""
         return linear.routed() if self.group.device.type == "cpu" else contextlib.nullcontext()
