@@ -31,6 +31,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_throughput import state_bytes, time_steps  # noqa: E402  (same folder)
 
 
+def baseline(mlp, x: torch.Tensor, y: torch.Tensor, total: int, compiled: bool = False):  # noqa: ANN001, ANN201
+    """One model (AdamW + OneCycleLR over ``total`` steps; its forward through torch.compile if ``compiled``) on the
+    N replicas' batches ``x [N, B, 784]`` at once: its step, and its optimizer."""
+    base = mlp()
+    opt = torch.optim.AdamW(base.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=total)
+    xb, yb = x.reshape(-1, x.shape[-1]), y.reshape(-1)
+    forward = torch.compile(base) if compiled else base
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(forward(xb), yb).backward()
+        opt.step()
+        sched.step()
+    return step, opt
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, default=8)
@@ -51,28 +68,10 @@ def main() -> None:
         return nn.Sequential(nn.Linear(784, W), nn.ReLU(), nn.Linear(W, W), nn.ReLU(), nn.Linear(W, 10)).to(dev)
 
     x, y = torch.randn(N, B, 784, device=dev), torch.randint(0, 10, (N, B), device=dev)
-    base = mlp()
-    opt = torch.optim.AdamW(base.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=total)
-    xb, yb = x.reshape(N * B, 784), y.reshape(N * B)
-
-    def base_step():
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(base(xb), yb).backward()
-        opt.step()
-        sched.step()
+    base_step, opt = baseline(mlp, x, y, total)
 
     if a.compile:
-        base_c = mlp()
-        opt_c = torch.optim.AdamW(base_c.parameters(), lr=1e-3)
-        sched_c = torch.optim.lr_scheduler.OneCycleLR(opt_c, max_lr=1e-3, total_steps=total)
-        base_c_fwd = torch.compile(base_c)
-
-    def base_compiled_step():
-        opt_c.zero_grad(set_to_none=True)
-        F.cross_entropy(base_c_fwd(xb), yb).backward()
-        opt_c.step()
-        sched_c.step()
+        base_compiled_step, _ = baseline(mlp, x, y, total, compiled=True)
 
     def engine(stacked: bool, layout: bool = False, comp: bool = False) -> ReplicaEngine:
         return ReplicaEngine(mlp(), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
@@ -98,7 +97,7 @@ def main() -> None:
     rec = {"command": "python " + " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,
            "hdet": hdet.__version__, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else
            f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)",
-           "N": N, "width": W, "batch_per_replica": B, "params": sum(q.numel() for q in base.parameters()),
+           "N": N, "width": W, "batch_per_replica": B, "params": sum(q.numel() for g in opt.param_groups for q in g["params"]),
            "seconds_per_step_median": med, "seconds_per_step_all": times,
            "ratio_to_baseline": {k: med["baseline"] / med[k] for k in engines},
            **({"ratio_to_baseline_compiled": {k: med["baseline, compiled"] / med[k] for k in engines}}

@@ -35,6 +35,9 @@ import hdet
 from hdet.engine import ReplicaEngine
 from hdet.linear import _BatchedLinear
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_mlp import baseline  # noqa: E402  (same folder)
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,16 +123,7 @@ def main() -> None:
         return nn.Sequential(nn.Linear(784, W), nn.ReLU(), nn.Linear(W, W), nn.ReLU(), nn.Linear(W, 10))
 
     total = (a.steps + 3) * a.repeats + 10
-    base = mlp()
-    opt = torch.optim.AdamW(base.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=total)
-    xb, yb = x.reshape(N * B, 784), y.reshape(N * B)
-
-    def base_step():
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(base(xb), yb).backward()
-        opt.step()
-        sched.step()
+    base_step, _ = baseline(mlp, x, y, total)
 
     eng = ReplicaEngine(mlp(), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
                         lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=total,

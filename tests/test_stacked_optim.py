@@ -147,6 +147,16 @@ def test_a_hook_that_changes_gradients_per_replica():
     _close(fast, slow)
 
 
+def _stacked_and_per_replica(loss_fn, xs, steps):
+    """The AdamW engine with the stacked step and with each replica's own, ``steps`` steps on ``(xs[t], Y[t])``."""
+    def run(stacked):
+        eng = _engine(OPTIMIZERS["adamw"][0], stacked=stacked, steps=0)
+        for t in range(steps):
+            eng.step((xs[t], Y[t]), loss_fn, stacked=True)
+        return eng
+    return run(True), run(False)
+
+
 @pytest.mark.parametrize("reduce,free_host_read", [(True, True), (True, False), (False, True), (False, False)],
                          ids=["reduce-cpu-check", "reduce-device-mask", "accumulate", "accumulate-device-mask"])
 def test_a_non_finite_gradient_on_one_replica_is_left_out(monkeypatch, reduce, free_host_read):
@@ -160,13 +170,7 @@ def test_a_non_finite_gradient_on_one_replica_is_left_out(monkeypatch, reduce, f
         return F.cross_entropy(m(b[0]), b[1])
     xs = X.clone()
     xs[3, 2, 0, 0] = float("nan")
-
-    def run(stacked):
-        eng = _engine(OPTIMIZERS["adamw"][0], stacked=stacked, steps=0)
-        for t in range(8):
-            eng.step((xs[t], Y[t]), loss_fn, stacked=True)
-        return eng
-    fast, slow = run(True), run(False)
+    fast, slow = _stacked_and_per_replica(loss_fn, xs, 8)
     assert all(torch.isfinite(p).all() for m in fast.models for p in m.parameters())
     _close(fast, slow)
 
@@ -178,12 +182,7 @@ def test_huge_finite_gradients_are_not_left_out():
         # every gradient ~1e37 (finite; the loss too), their sum over the parameters past float32's largest
         return F.cross_entropy(m(b[0]), b[1]) + sum(p.sum() for p in m.parameters()) * 1e37
 
-    def run(stacked):
-        eng = _engine(OPTIMIZERS["adamw"][0], stacked=stacked, steps=0)
-        for t in range(4):
-            eng.step((X[t], Y[t]), loss_fn, stacked=True)
-        return eng
-    fast, slow = run(True), run(False)
+    fast, slow = _stacked_and_per_replica(loss_fn, X, 4)
     assert fast.stack.reduce
     assert not torch.isfinite(fast.stack.grad.sum()) and torch.isfinite(fast.stack.grad).all()  # the case
     assert all(torch.isfinite(p).all() for m in fast.models for p in m.parameters())
