@@ -210,3 +210,35 @@ def test_a_frozen_parameter_in_the_optimizer_keeps_the_stacked_step(opt):
         for a, c in zip(mf.parameters(), ms.parameters()):
             torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
     assert all(mf[0].bias not in o.state for mf, o in zip(fast.models, fast.optimizers))
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_a_zero_dim_parameter_trains_in_vmap_mode_as_in_the_loop(opt):
+    """A scalar nn.Parameter (a learned temperature): vmap mode ran into a TypeError in the flat layout's view."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 2)
+            self.temperature = nn.Parameter(torch.tensor(1.5))
+
+        def forward(self, x):
+            return self.fc(x) * self.temperature
+
+    make = (lambda m: torch.optim.SGD(m.parameters(), lr=0.1)) if opt == "sgd" else \
+        (lambda m: torch.optim.AdamW(m.parameters(), lr=0.01))
+    torch.manual_seed(0)
+    model = Scaled()
+    x, y = torch.randn(4, N, 5, 6), torch.randint(0, 2, (4, N, 5))
+    engines = {}
+    for mode in ("loop", "vmap"):
+        eng = ReplicaEngine(model, N, make, lambda o, rep, m: hdet.OneCycleAutoLR(
+            o, max_lr=0.1, total_steps=4, ensemble_lr_spread_ratio=0.3, model_sync_interval=2, replicas=rep, model=m),
+            mode=mode)
+        for t in range(4):
+            eng.step((x[t], y[t]), lambda m, b: F.cross_entropy(m(b[0]), b[1]), stacked=True)
+        engines[mode] = eng
+    assert engines["vmap"].mode == "vmap" and engines["vmap"].optimizer_path.startswith("stacked")
+    for a, b in zip(engines["loop"].models, engines["vmap"].models):
+        assert b.temperature.shape == () and a.temperature.item() != 1.5
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)

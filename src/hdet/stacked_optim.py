@@ -82,11 +82,11 @@ def param_view(cols: torch.Tensor, shape: Sequence[int], order: tuple[int, ...] 
     stored in ``order`` (None: row-major). The engine stores a parameter in the order its gradient comes out
     of the backward (an ``nn.Linear`` weight's under vmap: transposed), so that accumulating it into the flat
     gradient reads memory in order."""
-    lead = cols.shape[:-1]
+    lead = tuple(cols.shape[:-1])
     if order is None:
-        return cols.view(*lead, *shape)
+        return cols.view(lead + tuple(shape))  # (a tuple: a 0-d parameter of one replica is view(()))
     k = len(lead)
-    stored = cols.view(*lead, *[shape[i] for i in order])
+    stored = cols.view(lead + tuple(shape[i] for i in order))
     inverse = sorted(range(len(order)), key=order.__getitem__)
     return stored.permute(*range(k), *[k + i for i in inverse])
 
