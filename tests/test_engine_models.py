@@ -242,3 +242,27 @@ def test_a_zero_dim_parameter_trains_in_vmap_mode_as_in_the_loop(opt):
         assert b.temperature.shape == () and a.temperature.item() != 1.5
         for p, q in zip(a.parameters(), b.parameters()):
             torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+
+
+def test_complex_gradients_are_checked_in_both_parts():
+    """Complex parameters (each replica's own optimizer step): the gradient check reads both parts (its float64 sum
+    cast complex to real: a torch warning at every step, and an imaginary part unseen), and a replica whose input
+    holds a NaN is left out of the average, as the loop leaves it out."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3, dtype=torch.complex64)
+    x = torch.randn(3, N, 5, 6, dtype=torch.complex64)
+    x[1, 2, 0, 0] = complex(1.0, float("nan"))  # replica 2, step 2
+    engines = {}
+    for mode in ("loop", "vmap"):
+        eng = ReplicaEngine(model, N, lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
+                            lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.01, total_steps=3, replicas=rep, model=m,
+                                                                  ensemble_lr_spread_ratio=0.2), mode=mode)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="Casting complex values to real")  # (torch warned so)
+            for t in range(3):
+                eng.step((x[t],), lambda m, b: m(b[0]).abs().pow(2).mean(), stacked=True)
+        engines[mode] = eng
+    for a, b in zip(engines["loop"].models, engines["vmap"].models):
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert torch.isfinite(torch.view_as_real(q)).all()
+            torch.testing.assert_close(q, p)

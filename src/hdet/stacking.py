@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .stacked_optim import Segment, param_view, trained
+from .sync import as_real
 
 __all__ = ["StackedReplicas"]
 
@@ -326,7 +327,8 @@ class StackedReplicas:
             return
         if not self.grads_bound:
             grads = [s.grad for s in self.params.values() if s.grad is not None]
-            ok = torch.stack([torch.isfinite(g.flatten(1).sum(1, dtype=torch.float64)) for g in grads]).all(0)
+            ok = torch.stack([torch.isfinite(as_real(g).flatten(1).sum(1, dtype=torch.float64))  # (complex: both
+                              for g in grads]).all(0)  # parts; casting to float64 dropped the imaginary one)
             for g in grads:
                 keep = ok.view(-1, *[1] * (g.dim() - 1))
                 g.copy_(torch.where(keep, g, torch.zeros_like(g)).mean(0, keepdim=True).expand_as(g))
