@@ -21,14 +21,14 @@ def _inputs():
 
 
 def _run(fn, args, in_dims, route):
-    """fn vmapped over args (fresh leaves), and the gradients of sum(y^2)."""
+    """fn vmapped over args (fresh leaves), and the gradients of sum(|y|^2)."""
     leaves = [None if t is None else t.detach().clone().requires_grad_() for t in args]
     if route:
         with routed():
             y = vmap(fn, in_dims=in_dims)(*leaves)
     else:
         y = vmap(fn, in_dims=in_dims)(*leaves)
-    (y.float() ** 2).sum().backward()
+    y.abs().float().pow(2).sum().backward()
     return y.detach(), [None if t is None else t.grad for t in leaves]
 
 
@@ -133,3 +133,25 @@ def test_engine_under_autocast_computes_as_the_loop():
             losses[mode] = torch.stack([eng.step((x, y), loss_fn, stacked=True) for _ in range(3)])
     assert seen == {"loop": {torch.bfloat16}, "vmap": {torch.bfloat16}}
     torch.testing.assert_close(losses["vmap"][0], losses["loop"][0], rtol=1e-2, atol=1e-2)  # the same start
+
+
+@pytest.mark.parametrize("case", ["complex", "0-d bias", "1-d weight"])
+def test_shapes_and_dtypes_the_batched_matmul_does_not_take_are_torchs(case):
+    """hdet.linear's batched matmul takes real floating tensors, each replica's weight 2-d and its bias 1-d; anything
+    else is torch's call (a complex weight got gradients without the conjugate, a 0-d bias was broadcast along
+    the rows, a 1-d weight failed)."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(N, 5, 4, generator=g), torch.randn(N, 3, 4, generator=g), torch.randn(N, generator=g)
+    if case == "complex":
+        x, w = x.to(torch.complex64), w.to(torch.complex64) * (1 + 1j)
+        args, in_dims = (x, w, None), (0, 0, None)
+    elif case == "0-d bias":
+        x = torch.randn(N, N, 4, generator=g)  # rows == replicas: the wrong broadcast ran without an error
+        args, in_dims = (x, w, b), (0, 0, 0)
+    else:
+        args, in_dims = (x, w[:, 0], None), (0, 0, None)
+    out = [_run(lambda *a: F.linear(*a), args, in_dims, route) for route in (False, True)]
+    torch.testing.assert_close(out[1][0], out[0][0])
+    for a, r in zip(out[1][1], out[0][1]):
+        if r is not None:
+            torch.testing.assert_close(a, r)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import autocast
+from .attention import under_vmap
 from .patching import patched
 
 __all__ = ["linear", "routed"]
@@ -63,9 +64,7 @@ def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def _replica_level(weight: torch.Tensor) -> int | None:
     """The vmap level at which ``weight`` is batched, if it is the only (innermost and outermost) transform."""
-    if not _FAST or not isinstance(weight, torch.Tensor):
-        return None
-    if not _functorch.is_batchedtensor(weight):
+    if not _FAST or not under_vmap(weight):
         return None
     level = _functorch.maybe_get_level(weight)
     interp = _interpreter()
@@ -73,7 +72,7 @@ def _replica_level(weight: torch.Tensor) -> int | None:
 
 
 def _unwrap(t: torch.Tensor | None, level: int) -> tuple[torch.Tensor | None, int | None]:
-    if t is None or not _functorch.is_batchedtensor(t) or _functorch.maybe_get_level(t) != level:
+    if not under_vmap(t) or _functorch.maybe_get_level(t) != level:
         return t, None
     return _functorch._unwrap_batched(t, level)
 
