@@ -157,14 +157,18 @@ def _stacked_and_per_replica(loss_fn, xs, steps):
     return run(True), run(False)
 
 
-@pytest.mark.parametrize("reduce,free_host_read", [(True, True), (True, False), (False, True), (False, False)],
-                         ids=["reduce-cpu-check", "reduce-device-mask", "accumulate", "accumulate-device-mask"])
-def test_a_non_finite_gradient_on_one_replica_is_left_out(monkeypatch, reduce, free_host_read):
+@pytest.mark.parametrize("reduce,free_host_read,copy_grads",
+                         [(True, True, True), (True, False, True), (False, True, False), (False, False, False),
+                          (False, True, True), (False, False, True)],
+                         ids=["reduce-cpu-check", "reduce-device-mask", "accumulate", "accumulate-device-mask",
+                              "copy", "copy-device-mask"])
+def test_a_non_finite_gradient_on_one_replica_is_left_out(monkeypatch, reduce, free_host_read, copy_grads):
     """Every way the shared gradient is averaged leaves a non-finite replica out: summed where the backward
     leaves it (the CPU's way) with a check on the host, then a masked sum, or always masked with no host read;
-    or accumulated into an [N, D] buffer first (a GPU's way)."""
+    or accumulated (or copied) into an [N, D] buffer first (a GPU's way)."""
     monkeypatch.setattr(hdet.stacking, "_free_host_read", lambda device: free_host_read)
     monkeypatch.setattr(hdet.stacking, "_reduce_in_backward", lambda device: reduce)
+    monkeypatch.setattr(hdet.stacking, "_copy_into_bound", lambda device: copy_grads)
 
     def loss_fn(m, b):  # replica 2's inputs hold a NaN at step 3: its gradient is NaN there
         return F.cross_entropy(m(b[0]), b[1])
@@ -197,12 +201,15 @@ def test_the_gradient_is_averaged_the_same_either_way(monkeypatch, name):
     make = OPTIMIZERS[name][0]
     reduced = _engine(make)
     monkeypatch.setattr(hdet.stacking, "_reduce_in_backward", lambda device: False)
-    accumulated = _engine(make)
-    assert reduced.stack.grad.shape[0] == 1 and accumulated.stack.grad.shape[0] == N
-    assert reduced.stack.reduce and not accumulated.stack.reduce
+    copied = _engine(make)  # the backward's gradients copied into the bound [N, D] buffer
+    monkeypatch.setattr(hdet.stacking, "_copy_into_bound", lambda device: False)
+    accumulated = _engine(make)  # accumulated into it, zeroed before
+    assert reduced.stack.grad.shape[0] == 1 and accumulated.stack.grad.shape[0] == N == copied.stack.grad.shape[0]
+    assert reduced.stack.reduce and not accumulated.stack.reduce and not copied.stack.reduce
     _close(reduced, accumulated)
+    _close(copied, accumulated)
     _close(reduced, _engine(make, stacked=False))
-    for eng in (reduced, accumulated):  # every replica's .grad: the mean, one tensor
+    for eng in (reduced, accumulated, copied):  # every replica's .grad: the mean, one tensor
         assert all(m[0].weight.grad.data_ptr() == eng.models[0][0].weight.grad.data_ptr() for m in eng.models)
 
 
@@ -224,8 +231,9 @@ def test_the_gradient_is_averaged_the_same_either_way_when_the_loss_skips_a_para
 
     losses = [full, short] if case == "unused later" else [summed]
 
-    def run(reduce):
+    def run(reduce, copy_grads=True):
         monkeypatch.setattr(hdet.stacking, "_reduce_in_backward", lambda device: reduce)
+        monkeypatch.setattr(hdet.stacking, "_copy_into_bound", lambda device: copy_grads)
         torch.manual_seed(1)
         eng = ReplicaEngine(copy.deepcopy(model), N, OPTIMIZERS["adamw"][0],
                             lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=8, model_sync_interval=4,
@@ -234,11 +242,12 @@ def test_the_gradient_is_averaged_the_same_either_way_when_the_loss_skips_a_para
         for t in range(6):
             eng.step((X[t], Y[t]), losses[t % len(losses)], stacked=True)
         return eng
-    reduced, accumulated = run(True), run(False)
-    assert reduced.optimizer_path == accumulated.optimizer_path
+    reduced, accumulated, copied = run(True), run(False, copy_grads=False), run(False)
+    assert reduced.optimizer_path == accumulated.optimizer_path == copied.optimizer_path
     assert reduced.optimizer_path == ("stacked" if case == "unused later" else
                                       "per-replica: a parameter got no gradient (unused in the loss)")
     _close(reduced, accumulated)
+    _close(copied, accumulated)
 
 
 def test_checkpoint_resumes_exactly_and_loads_anywhere(tmp_path):
