@@ -33,6 +33,8 @@ def cases(dev: torch.device) -> dict:
                                             (r(N, 4, 5),)),
         "matmul": (lambda x, w: x @ w, (r(N, 4, 5), r(N, 5, 6))),
         "addmm": (lambda b, x, w: torch.addmm(b, x, w), (r(N, 6), r(N, 4, 5), r(N, 5, 6))),
+        "baddbmm": (lambda b, x, w: torch.baddbmm(b, x, w), (r(N, 2, 4, 6), r(N, 2, 4, 5), r(N, 2, 5, 6))),
+        "addbmm": (lambda b, x, w: torch.addbmm(b, x, w), (r(N, 4, 6), r(N, 2, 4, 5), r(N, 2, 5, 6))),
         "conv1d": (lambda x, w, b: F.conv1d(x, w, b), (r(N, 2, 3, 8), r(N, 4, 3, 3), r(N, 4))),
         "conv2d": (lambda x, w, b: F.conv2d(x, w, b), (r(N, 2, 3, 8, 8), r(N, 4, 3, 3, 3), r(N, 4))),
         "conv2d, no bias": (lambda x, w: F.conv2d(x, w), (r(N, 2, 3, 8, 8), r(N, 4, 3, 3, 3))),

@@ -91,3 +91,70 @@ def test_engine_under_autocast_computes_as_its_loop(where):
         assert eng.mode == mode
     assert seen == {"loop": {BF16}, "vmap": {BF16}}
     torch.testing.assert_close(losses["vmap"][0], losses["loop"][0], rtol=1e-2, atol=1e-2)
+
+
+def _torch_args(name):
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    if name == "addmm":
+        return r(N, 6), r(N, 4, 5), r(N, 5, 6)
+    if name == "baddbmm":
+        return r(N, 2, 4, 6), r(N, 2, 4, 5), r(N, 2, 5, 6)
+    return r(N, 4, 6), r(N, 2, 4, 5), r(N, 2, 5, 6)  # addbmm
+
+
+@pytest.mark.parametrize("name", autocast.CAST_TORCH)
+def test_vmapped_torch_matmuls_cast_as_one_replica(name):
+    """torch.addmm / baddbmm / addbmm (HF GPT-2's Conv1D calls torch.addmm) lose autocast under vmap as F.linear
+    does: routed, they compute in the autocast dtype, keywords included, as one replica's call does."""
+    fn = lambda *a, **k: getattr(torch, name)(*a, **k)  # noqa: E731 - looked up at call time
+    args = _torch_args(name)
+    with torch.autocast("cpu", dtype=BF16):
+        one = torch.stack([fn(*[t[r] for t in args], beta=0.5) for r in range(N)])
+        unrouted = vmap(lambda a, b, c: fn(a, b, c, beta=0.5))(*args)
+        with autocast.routed():
+            vm = vmap(lambda a, b, c: fn(a, b, c, beta=0.5))(*args)
+            kw = vmap(lambda a, b, c: fn(input=a, **{"mat1" if name == "addmm" else "batch1": b},
+                                         **{"mat2" if name == "addmm" else "batch2": c}, beta=0.5))(*args)
+    assert unrouted.dtype == torch.float32  # the case (torch 2.13, CPU); if torch fixes it, routing is a no-op
+    assert one.dtype == vm.dtype == kw.dtype == BF16
+    assert getattr(torch, name) is getattr(torch._C._VariableFunctions, name)  # put back
+    torch.testing.assert_close(vm.float(), one.float(), rtol=2e-2, atol=2e-2 * one.abs().max().item())
+    torch.testing.assert_close(kw, vm)
+
+
+class _Conv1D(nn.Module):
+    """Hugging Face GPT-2's Conv1D: ``torch.addmm(bias, x, weight)``, the weight stored [in, out]."""
+
+    def __init__(self, nx, nf):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        size = x.size()[:-1] + (self.weight.shape[1],)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size)
+
+
+def test_engine_with_torch_addmm_under_autocast_computes_as_its_loop():
+    seen = {}
+
+    def loss_fn(m, batch):
+        out = m(batch[0])
+        seen.setdefault(mode, set()).add(out.dtype)
+        return F.cross_entropy(out.float().flatten(0, 1), batch[1].flatten())
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_Conv1D(5, 7), nn.GELU(), _Conv1D(7, 4))
+    x, y = torch.randn(N, 2, 3, 5), torch.randint(0, 4, (N, 2, 3))
+    losses = {}
+    for mode in ("loop", "vmap"):
+        eng = ReplicaEngine(model, N, lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
+                            lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=4, replicas=rep,
+                                                                  ensemble_lr_spread_ratio=0.2, model=m),
+                            mode=mode)
+        with torch.autocast("cpu", dtype=BF16):
+            losses[mode] = torch.stack([eng.step((x, y), loss_fn, stacked=True) for _ in range(2)])
+        assert eng.mode == mode
+    assert seen == {"loop": {BF16}, "vmap": {BF16}}
+    torch.testing.assert_close(losses["vmap"][0], losses["loop"][0], rtol=1e-2, atol=1e-2)

@@ -8,12 +8,15 @@ differently from the same model under DDP (and slower), with no warning. While :
 runs its replicas' forward (eager vmap), these functions cast their floating inputs to the autocast dtype
 themselves when autocast is on for their device, as autocast does for one replica, and call the function F held
 (torch's, or a user's wrapper of it). Outside vmap, or with autocast off, they are that function with one check more.
+So do ``torch.addmm``, ``torch.baddbmm`` and ``torch.addbmm`` (:data:`CAST_TORCH`; vmapped, they too ran in float32
+under autocast on the CPU: Hugging Face's GPT-2 computes its layers with ``torch.addmm``); the methods
+(``x.addmm(...)``) are not routed.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,9 +25,10 @@ import torch.nn.functional as F
 from .attention import under_vmap
 from .patching import patched
 
-__all__ = ["routed", "cast", "casting", "CAST"]
+__all__ = ["routed", "cast", "casting", "casting_any", "CAST", "CAST_TORCH"]
 
 CAST = ("linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
+CAST_TORCH = ("addmm", "baddbmm", "addbmm")  # of the torch namespace
 
 
 def cast(t: Any, dtype: torch.dtype) -> Any:
@@ -51,7 +55,29 @@ def casting(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     return call
 
 
-def routed() -> contextlib.AbstractContextManager:
-    """Inside: ``torch.nn.functional``'s :data:`CAST` functions (whatever F holds: torch's, or a user's wrapper of
-    them) cast as autocast does, also under vmap."""
-    return patched("autocast", F, {name: casting for name in CAST})
+def casting_any(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``fn(*args, **kwargs)`` with its floating tensor arguments cast to the autocast dtype first when autocast is on
+    for their device and one of them is vmapped (:func:`casting` for functions whose tensors are not
+    ``input, weight, bias``)."""
+    def call(*args: Any, **kwargs: Any) -> torch.Tensor:
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        device = tensors[0].device.type if tensors else None
+        if device is not None and torch.is_autocast_enabled(device) and any(under_vmap(t) for t in tensors):
+            dtype = torch.get_autocast_dtype(device)
+            args = tuple(cast(a, dtype) for a in args)
+            kwargs = {k: cast(v, dtype) for k, v in kwargs.items()}
+        return fn(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = getattr(fn, "__name__", "call")
+    call.__doc__ = "cast as autocast casts it, also under vmap (see :mod:`hdet.autocast`)"
+    call.__wrapped__ = fn
+    return call
+
+
+@contextlib.contextmanager
+def routed() -> Iterator[None]:
+    """Inside: ``torch.nn.functional``'s :data:`CAST` functions and torch's :data:`CAST_TORCH` (whatever the modules
+    hold: torch's, or a user's wrapper of them) cast as autocast does, also under vmap."""
+    with patched("autocast", F, {name: casting for name in CAST}), \
+            patched("autocast", torch, {name: casting_any for name in CAST_TORCH}):
+        yield

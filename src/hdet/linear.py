@@ -32,6 +32,7 @@ from .patching import patched
 __all__ = ["linear", "routed"]
 
 _TORCH_LINEAR = torch._C._nn.linear  # torch's own F.linear
+_BMM, _BADDBMM = torch.bmm, torch.baddbmm  # torch's own (the engine routes torch.baddbmm: hdet.autocast)
 _functorch = getattr(torch._C, "_functorch", None)
 try:  # functorch's interpreter stack (torch's own autograd.Function support under vmap uses the same calls)
     from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter as _interpreter
@@ -112,14 +113,14 @@ class _BatchedLinear(torch.autograd.Function):
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
         wt = w.transpose(1, 2)
-        return torch.bmm(x, wt) if b is None else torch.baddbmm(b.unsqueeze(1), x, wt)
+        return _BMM(x, wt) if b is None else _BADDBMM(b.unsqueeze(1), x, wt)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, ANN205
         x, w = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
-        dx = torch.bmm(dy, w) if need_x else None
-        dw = torch.bmm(dy.transpose(1, 2), x) if need_w else None  # [N, out, in]: the weight's own layout
+        dx = _BMM(dy, w) if need_x else None
+        dw = _BMM(dy.transpose(1, 2), x) if need_w else None  # [N, out, in]: the weight's own layout
         db = dy.sum(1) if ctx.has_bias and need_b else None
         return dx, dw, db
 
