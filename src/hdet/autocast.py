@@ -66,6 +66,8 @@ def casting_any(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
             dtype = torch.get_autocast_dtype(device)
             args = tuple(cast(a, dtype) for a in args)
             kwargs = {k: cast(v, dtype) for k, v in kwargs.items()}
+            with torch.autocast(device, enabled=False):  # as autocast runs the op once cast: vmap's rule for
+                return fn(*args, **kwargs)  # addbmm (bmm, then a sum autocast keeps in float32 on CUDA) would not
         return fn(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = getattr(fn, "__name__", "call")

@@ -86,3 +86,25 @@ def test_engine_under_cuda_autocast_computes_as_its_loop():
             losses[mode] = eng.step((x, y), loss_fn, stacked=True)
     assert seen == {"loop": {torch.bfloat16}, "vmap": {torch.bfloat16}}
     torch.testing.assert_close(losses["vmap"], losses["loop"], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("name", ["addmm", "baddbmm", "addbmm"])
+def test_vmapped_torch_matmuls_keep_cuda_autocast_when_routed(name):
+    """torch.addmm / baddbmm / addbmm vmapped under CUDA autocast run in float32 (torch 2.11); routed as the engine
+    routes them (hdet.autocast), in bfloat16 as one replica's call, addbmm included (its vmap rule sums in float32
+    under autocast unless the call runs, once cast, with autocast off as autocast itself runs it)."""
+    from torch.func import vmap
+
+    from hdet import autocast
+
+    N = 3
+    r = lambda *s: torch.randn(*s, device="cuda")  # noqa: E731
+    args = {"addmm": (r(N, 6), r(N, 4, 5), r(N, 5, 6)), "baddbmm": (r(N, 2, 4, 6), r(N, 2, 4, 5), r(N, 2, 5, 6)),
+            "addbmm": (r(N, 4, 6), r(N, 2, 4, 5), r(N, 2, 5, 6))}[name]
+    fn = lambda *a: getattr(torch, name)(*a)  # noqa: E731
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        one = torch.stack([fn(*[t[i] for t in args]) for i in range(N)])
+        with autocast.routed():
+            vm = vmap(fn)(*args)
+    assert one.dtype == vm.dtype == torch.bfloat16
+    torch.testing.assert_close(vm.float(), one.float(), rtol=2e-2, atol=2e-2 * one.abs().max().item())
