@@ -5,8 +5,8 @@ N copies of a module's parameters and buffers are stacked into ``[N, ...]`` tens
 scheduler see an ordinary module. :meth:`StackedReplicas.flatten` then lays the trainable parameters out as
 one ``[N, D]`` tensor ``theta`` (row r: replica r; columns in the order of the optimizers' param groups, so
 each group is one run of columns: what :class:`hdet.stacked_optim.StackedStep` steps) and, from the first
-backward, their gradients as views of a second one, ``grad``, ``[N, D]``, into which later backwards
-accumulate; :meth:`StackedReplicas.average_gradients` is DDP's all-reduce over the replica axis. On the CPU,
+backward, their gradients as views of a second one, ``grad``, ``[N, D]``, into which later backwards'
+gradients are copied; :meth:`StackedReplicas.average_gradients` is DDP's all-reduce over the replica axis. On the CPU,
 with shared gradients, ``grad`` is one row, the mean, and :meth:`StackedReplicas.backward` sums the backward's
 per-replica gradients straight into it, where they lie in memory (no ``[N, D]`` buffer to zero, add into and
 sum again: 1.3x an MLP's step on 2 cores; on an H100 its per-parameter launches cost more than the passes they
