@@ -63,6 +63,12 @@ class _Net(nn.Module):
         return self.fc(torch.relu(self.conv(x)).flatten(1))
 
 
+def _sgd_engine(model, mode):
+    return ReplicaEngine(model, N, lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
+                         lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=4, replicas=rep,
+                                                               ensemble_lr_spread_ratio=0.2, model=m), mode=mode)
+
+
 @pytest.mark.parametrize("where", ["around the step", "inside loss_fn"])
 def test_engine_under_autocast_computes_as_its_loop(where):
     """A user's bf16 autocast, around the engine's step or inside the loss function: the vmapped replicas' conv and
@@ -82,10 +88,7 @@ def test_engine_under_autocast_computes_as_its_loop(where):
     x, y = torch.randn(N, 8, 1, 6, 6), torch.randint(0, 5, (N, 8))
     losses = {}
     for mode in ("loop", "vmap"):
-        eng = ReplicaEngine(model, N, lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
-                            lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=4, replicas=rep,
-                                                                  ensemble_lr_spread_ratio=0.2, model=m),
-                            mode=mode)
+        eng = _sgd_engine(model, mode)
         with ctx() if where == "around the step" else torch.enable_grad():
             losses[mode] = torch.stack([eng.step((x, y), loss_fn, stacked=True) for _ in range(2)])
         assert eng.mode == mode
@@ -149,10 +152,7 @@ def test_engine_with_torch_addmm_under_autocast_computes_as_its_loop():
     x, y = torch.randn(N, 2, 3, 5), torch.randint(0, 4, (N, 2, 3))
     losses = {}
     for mode in ("loop", "vmap"):
-        eng = ReplicaEngine(model, N, lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
-                            lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=4, replicas=rep,
-                                                                  ensemble_lr_spread_ratio=0.2, model=m),
-                            mode=mode)
+        eng = _sgd_engine(model, mode)
         with torch.autocast("cpu", dtype=BF16):
             losses[mode] = torch.stack([eng.step((x, y), loss_fn, stacked=True) for _ in range(2)])
         assert eng.mode == mode
