@@ -158,3 +158,26 @@ def test_engine_with_torch_addmm_under_autocast_computes_as_its_loop():
         assert eng.mode == mode
     assert seen == {"loop": {BF16}, "vmap": {BF16}}
     torch.testing.assert_close(losses["vmap"][0], losses["loop"][0], rtol=1e-2, atol=1e-2)
+
+
+def test_a_users_wrapper_keeps_autocast_for_its_own_ops():
+    """A LoRA-style wrapper of F.linear adds its own float32 matmuls: routed, it gets its inputs cast and runs with
+    autocast still on (only torch's own function runs with autocast off once cast), so its matmuls cast too."""
+    g = torch.Generator().manual_seed(0)
+    A, B = torch.randn(5, 2, generator=g), torch.randn(2, 6, generator=g)
+    torch_linear = F.linear
+
+    def lora(x, w, b=None):
+        return torch_linear(x, w, b) + (x @ A) @ B
+
+    x, w, b = _args("linear")
+    F.linear = lora
+    try:
+        with torch.autocast("cpu", dtype=BF16):
+            one = torch.stack([lora(x[r], w[r], b[r]) for r in range(N)])
+            with autocast.routed():
+                vm = vmap(lambda *a: F.linear(*a))(x, w, b)
+    finally:
+        F.linear = torch_linear
+    assert one.dtype == vm.dtype == BF16
+    torch.testing.assert_close(vm.float(), one.float(), rtol=2e-2, atol=2e-2 * one.abs().max().item())

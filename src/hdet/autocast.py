@@ -16,6 +16,7 @@ under autocast on the CPU: Hugging Face's GPT-2 computes its layers with ``torch
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from .attention import under_vmap
 from .patching import patched
 
-__all__ = ["routed", "cast", "casting", "casting_any", "CAST", "CAST_TORCH"]
+__all__ = ["routed", "cast", "casting", "CAST", "CAST_TORCH"]
 
 CAST = ("linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
 CAST_TORCH = ("addmm", "baddbmm", "addbmm")  # of the torch namespace
@@ -39,26 +40,11 @@ def cast(t: Any, dtype: torch.dtype) -> Any:
 
 
 def casting(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``fn(input, weight, bias, ...)`` with its floating inputs cast to the autocast dtype first when autocast is
-    on for their device and one of them is vmapped (as autocast casts them for one replica)."""
-    def call(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *args: Any,
-             **kwargs: Any) -> torch.Tensor:
-        device = input.device.type
-        if torch.is_autocast_enabled(device) and (under_vmap(input) or under_vmap(weight) or under_vmap(bias)):
-            dtype = torch.get_autocast_dtype(device)
-            input, weight, bias = cast(input, dtype), cast(weight, dtype), cast(bias, dtype)
-        return fn(input, weight, bias, *args, **kwargs)
-
-    call.__name__ = call.__qualname__ = getattr(fn, "__name__", "call")
-    call.__doc__ = "cast as autocast casts it, also under vmap (see :mod:`hdet.autocast`)"
-    call.__wrapped__ = fn
-    return call
-
-
-def casting_any(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``fn(*args, **kwargs)`` with its floating tensor arguments cast to the autocast dtype first when autocast is on
-    for their device and one of them is vmapped (:func:`casting` for functions whose tensors are not
-    ``input, weight, bias``)."""
+    for their device and one of them is vmapped; torch's own function then runs with autocast off, as autocast runs an
+    op once it has cast its inputs (a user's Python wrapper keeps autocast for its own ops)."""
+    builtin = isinstance(fn, types.BuiltinFunctionType)
+
     def call(*args: Any, **kwargs: Any) -> torch.Tensor:
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         device = tensors[0].device.type if tensors else None
@@ -66,8 +52,9 @@ def casting_any(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
             dtype = torch.get_autocast_dtype(device)
             args = tuple(cast(a, dtype) for a in args)
             kwargs = {k: cast(v, dtype) for k, v in kwargs.items()}
-            with torch.autocast(device, enabled=False):  # as autocast runs the op once cast: vmap's rule for
-                return fn(*args, **kwargs)  # addbmm (bmm, then a sum autocast keeps in float32 on CUDA) would not
+            if builtin:  # (vmap's rule for addbmm sums, which CUDA autocast would keep in float32)
+                with torch.autocast(device, enabled=False):
+                    return fn(*args, **kwargs)
         return fn(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = getattr(fn, "__name__", "call")
@@ -81,5 +68,5 @@ def routed() -> Iterator[None]:
     """Inside: ``torch.nn.functional``'s :data:`CAST` functions and torch's :data:`CAST_TORCH` (whatever the modules
     hold: torch's, or a user's wrapper of them) cast as autocast does, also under vmap."""
     with patched("autocast", F, {name: casting for name in CAST}), \
-            patched("autocast", torch, {name: casting_any for name in CAST_TORCH}):
+            patched("autocast", torch, {name: casting for name in CAST_TORCH}):
         yield
