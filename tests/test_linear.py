@@ -155,3 +155,15 @@ def test_shapes_and_dtypes_the_batched_matmul_does_not_take_are_torchs(case):
     for a, r in zip(out[1][1], out[0][1]):
         if r is not None:
             torch.testing.assert_close(a, r)
+
+
+@pytest.mark.parametrize("lead", [(6,), (2, 3), ()])
+def test_a_shape_mismatch_reads_as_torchs(lead):
+    """Inputs that do not fit the weight: the routed call raises torch's own message for one replica (not the
+    batched matmul's, which names tensors the user never made)."""
+    x, w = torch.randn(N, *lead, 4), torch.randn(N, 2, 3)
+    with pytest.raises(RuntimeError) as torch_err:
+        F.linear(x[0], w[0])
+    with routed(), pytest.raises(RuntimeError) as routed_err:
+        vmap(lambda a, b: F.linear(a, b))(x, w)
+    assert str(routed_err.value) == str(torch_err.value)

@@ -20,6 +20,7 @@ replicas' forward (:func:`routed`), so ``nn.Linear``, ``nn.MultiheadAttention``'
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 
 import torch
@@ -90,6 +91,9 @@ def _stacked_linear(x: torch.Tensor, xd: int | None, w: torch.Tensor, wd: int, b
     if b is not None:
         b = b.movedim(bd, 0) if bd is not None else b.expand(n, *b.shape)
     lead = x.shape[1:-1]  # one replica's batch axes
+    if x.shape[-1] != w.shape[-1]:  # torch's own message for one replica (baddbmm's would name batch2)
+        raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({math.prod(lead)}x{x.shape[-1]} and "
+                           f"{w.shape[-1]}x{w.shape[1]})")
     device = x.device.type
     with _interpreter().lower():  # plain tensors, autograd as usual (vmap is this function's only transform)
         x3 = x.reshape(n, -1, x.shape[-1])  # [N, R, in]
