@@ -61,6 +61,7 @@ def main() -> None:
     p.add_argument("--at", default="100,200,300,450,600,900", help="steps (converge steps) to measure at")
     p.add_argument("--cool", type=int, default=50, help="cool-down steps")
     p.add_argument("--alpha", type=float, default=0.5)
+    p.add_argument("--T", type=int, default=None, help="converge every T steps (default: the suite's, 25)")
     p.add_argument("--probe-batches", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -68,6 +69,8 @@ def main() -> None:
     a = p.parse_args()
     dev = torch.device(a.device)
     size = {k: v for k, v in SIZES[a.task].items() if k != "centre"}
+    if a.T is not None:
+        size["T"] = a.T
     at = [int(x) for x in a.at.split(",")]
     if any(t % size["T"] for t in at):
         raise SystemExit(f"Expected --at on converge steps (multiples of T = {size['T']}), but got {at}")
