@@ -6,10 +6,10 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import CosineAnnealingLR, ExponentialLR, OneCycleLR
+from torch.optim.lr_scheduler import CosineAnnealingLR, ExponentialLR, LambdaLR, OneCycleLR
 
 import hdet
-from hdet import HDETLR, OneCycleAutoLR, linear_multipliers
+from hdet import HDETLR, FitController, OneCycleAutoLR, linear_multipliers
 from helpers import ScriptedReplicas, roundtrip
 
 
@@ -459,6 +459,32 @@ def test_hdetlr_chainable_base_is_not_compounded_by_the_multiplier():
         assert s.get_last_lr()[0] == pytest.approx(ref.get_last_lr()[0] * rho, rel=1e-12)
         o1.step(); o2.step()
         ref.step(); s.step(1.0)
+
+
+@pytest.mark.parametrize("factor", ["lr cut", "controller"])
+def test_hdetlr_chainable_base_is_not_compounded_by_a_cut_or_a_correction(factor):
+    """A chainable base schedule steps from its own last value: an LR cut (on_runaway's) or the fit controller's
+    correction multiplies the schedule once, as with an equivalent LambdaLR, instead of compounding at every step
+    (ExponentialLR(0.9) with a cut of 0.5 at step 4 reached 0.0078x the schedule by step 12, silently)."""
+    _, o1 = _opt()
+    _, o2 = _opt()
+    kw = dict(total_steps=30, ensemble_lr_spread_ratio=0.5, model_sync_interval=4)
+    chained = HDETLR(o1, ExponentialLR(o1, gamma=0.9), replicas=ScriptedReplicas(3, 4), **kw)
+    lam = HDETLR(o2, LambdaLR(o2, lambda t: 0.9 ** t), replicas=ScriptedReplicas(3, 4), **kw)
+    for t in range(1, 30):
+        for s in (chained, lam):
+            s.optimizer.step()
+            s.step(1.0)
+            if t == 4:
+                if factor == "lr cut":
+                    s.ensemble.slots.cut_lr(0.5)
+                else:  # the fit controller's correction of the schedule (x1.5), as a sync sets it
+                    s.ensemble.slots.controllers[0] = FitController(c=math.log(1.5))
+                    s.ensemble.slots.refresh()
+                s.reapply()
+        assert chained.get_last_lr()[0] == pytest.approx(lam.get_last_lr()[0], rel=1e-9), t
+    assert chained.get_last_lr()[0] == pytest.approx(
+        0.1 * 0.9 ** 29 * (0.5 if factor == "lr cut" else 1.5) * linear_multipliers(4, 0.5)[3], rel=1e-9)
 
 
 def test_hdetlr_callable_per_group_and_each_group_its_own_permutation():

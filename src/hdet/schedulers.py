@@ -298,8 +298,9 @@ class HDETLR(LRScheduler):
         if lead is not None:
             self._follow_base(lead)
         elif self._base is not None:
-            # Chainable schedulers compute from group['lr']: give them the base, not base * rho.
-            for g, b in zip(self.optimizer.param_groups, self._hdet.current_bases):
+            # Chainable schedulers compute from group['lr']: give them their own last value, not base * rho (nor
+            # the base, which holds the controller's correction and the LR cuts: they would compound every step)
+            for g, b in zip(self.optimizer.param_groups, self._scheduled_bases()):
                 g["lr"] = b if not isinstance(g["lr"], torch.Tensor) else g["lr"].fill_(b)
             self._base.step()
         self._hdet.after_optimizer_step(t)
