@@ -65,6 +65,7 @@ def load(s: "HDETLR", state: dict[str, Any]) -> None:
             setattr(s, key, state[key])
     if s._base is not None:
         _load_base(s, state)
+        _cycled_momentum(s._base)
     s.reapply()  # this replica's values on the optimizer and hyperparameters
     if same_replica:  # exactly the values this replica had (they equal what reapply computed)
         for h, v in zip(s.ensemble.hypers, hdet_state.get("hyper_values", [])):
@@ -124,6 +125,16 @@ def _check_base(s: "HDETLR", state: dict[str, Any]) -> None:
     if got != public:
         raise ValueError(f"Expected the state of a {want} base, but its keys differ: missing "
                          f"{sorted(public - got)}, unexpected {sorted(got - public)}")
+
+
+def _cycled_momentum(base: Any) -> None:
+    """A base that cycles the momentum (OneCycleLR's, CyclicLR's) sets it as a side effect of computing its LRs:
+    set it for the loaded step, as torch set it there (an optimizer loaded before this scheduler was built had it
+    overwritten by the base's constructor: beta1 at ``max_momentum`` for the first resumed step)."""
+    if getattr(base, "cycle_momentum", False):
+        with warnings.catch_warnings():  # torch warns when get_lr runs outside step()
+            warnings.simplefilter("ignore", UserWarning)
+            base.get_lr()
 
 
 def _load_base(s: "HDETLR", state: dict[str, Any]) -> None:
