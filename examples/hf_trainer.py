@@ -36,7 +36,7 @@ class Tokens(torch.utils.data.Dataset):
 
 class Record(TrainerCallback):
     def __init__(self, stop_at=None):
-        self.lrs, self.stop_at, self.logs, self.windows, self.hdet_logged = [], stop_at, [], [], 0
+        self.lrs, self.stop_at, self.logs, self.windows, self.hdet_logged = [], stop_at, [], [], []
         self.ce, self.own_losses = [0.0, 0], []  # --uneven: this rank's per-token loss of each optimizer step
 
     def on_train_begin(self, args, state, control, lr_scheduler=None, **kw):  # hdet's window losses at each sync
@@ -45,7 +45,8 @@ class Record(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs:
             self.logs.append((state.global_step, logs["loss"], logs.get("learning_rate")))
-            self.hdet_logged += "hdet/base/lr/0" in logs and "hdet/window_loss/replica1" in logs
+        if logs and "hdet/base/lr/0" in logs and "hdet/window_loss/replica1" in logs:  # each sync's, at its step
+            self.hdet_logged.append(state.global_step)
 
     def on_step_end(self, args, state, control, optimizer=None, **kw):
         self.lrs.append(optimizer.param_groups[0]["lr"])

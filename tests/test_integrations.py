@@ -59,7 +59,7 @@ def _check_losses_and_logged_lr(res):
         assert sum(losses) / 2 == pytest.approx(logged[step][0], rel=1e-5)
     assert r0["logs"] == r1["logs"]
     assert [lr for _, _, lr in r0["logs"]] != [r0["lrs"][s - 1] for s in sorted(logged)]  # not the multiplied LR
-    assert r0["hdet_logged"] == 4  # each sync's scalars joined the Trainer's logs (hence report_to)
+    assert r0["hdet_logged"] == [5, 10, 15, 20]  # each sync's scalars, at its step, to the Trainer's log (report_to)
 
 
 def test_hf_trainer_window_loss_is_the_logged_loss_with_accumulation_2(full_run):
@@ -279,3 +279,54 @@ def test_lightning_ddp_spawn_and_resume(tmp_path):
         assert got["step"] == 16 and got["updates"] == 4 and got["bases"] == pytest.approx(ref["bases"], rel=1e-6)
         assert got["lrs"] == pytest.approx(ref["lrs"][16:], rel=1e-6)  # per micro-batch, after the resume
         torch.testing.assert_close(got["params"], ref["params"], rtol=1e-5, atol=1e-6)
+
+
+def test_hf_trainer_logs_every_sync_at_its_step_whatever_logging_steps(tmp_path):
+    """docs/hf_trainer.md: each sync's scalars reach the Trainer's log. With T = 2 and logging_steps = 5 (one
+    process), every sync (steps 2, 4, ..., 12) is logged at its own step with its own window loss; joined to the
+    Trainer's loss logs, syncs 2, 6, 8 and 12 were lost and sync 4's went out at step 5."""
+    from torch import nn
+    from transformers import TrainerCallback, TrainingArguments
+
+    from hdet.integrations.hf import HDETTrainer
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 1)
+
+        def forward(self, x, y):
+            return {"loss": ((self.l(x).squeeze(-1) - y) ** 2).mean()}
+
+    class DS(torch.utils.data.Dataset):
+        def __len__(self):
+            return 96
+
+        def __getitem__(self, i):
+            x = torch.randn(4, generator=torch.Generator().manual_seed(i))
+            return {"x": x, "y": x.sum()}
+
+    logged, syncs, losses = [], [], []
+
+    class Rec(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "hdet/window_loss/replica0" in logs:
+                logged.append((state.global_step, logs["hdet/window_loss/replica0"]))
+            if logs and "loss" in logs:
+                losses.append(state.global_step)
+
+        def on_step_end(self, args, state, control, **kw):
+            rec = tr.lr_scheduler.last_sync
+            if rec is not None and rec.step == state.global_step:
+                syncs.append((rec.step, rec.losses[0]))
+
+    torch.manual_seed(0)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=12, logging_steps=5,
+                             save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+    tr = HDETTrainer(model=M(), args=args, train_dataset=DS(), callbacks=[Rec()],
+                     hdet=dict(ensemble_lr_spread_ratio=0.0, model_sync_interval=2))
+    tr.train()
+    assert [s for s, _ in syncs] == [2, 4, 6, 8, 10, 12]
+    assert [s for s, _ in logged] == [2, 4, 6, 8, 10, 12]
+    assert [v for _, v in logged] == pytest.approx([v for _, v in syncs])
+    assert losses == [5, 10]  # the Trainer's own loss logs, step 10 a sync too

@@ -13,8 +13,8 @@ normalised by the window's token count) are summed over the window and observed 
 right after it (``on_optimizer_step``), so HDET sees the loss the Trainer logs, whatever the accumulation
 (under ``average_tokens_across_devices``, this rank's own per-token loss: see :meth:`HDETTrainer._get_num_items_in_batch`).
 The logged learning rate is the base schedule's (the mean over replicas), not rank 0's multiplied one, and
-each new sync's scalars (:func:`hdet.sync_scalars`: window losses, bases, spread, Delta) join the Trainer's
-logs, so they reach every ``report_to`` tracker; the gradient guard is installed on the Trainer's
+each new sync's scalars (:func:`hdet.sync_scalars`: window losses, bases, spread, Delta) are logged through the
+Trainer at the sync's step, so they reach every ``report_to`` tracker; the gradient guard is installed on the Trainer's
 DDP-wrapped model when training starts. The Trainer steps the
 scheduler once per optimizer step (and not after an AMP-skipped step, on every rank alike), which is
 what HDET counts. Its scheduler state goes into the Trainer's checkpoints, so
@@ -124,15 +124,6 @@ class HDETTrainer(Trainer):
             self._hdet_loss = part if self._hdet_loss is None else self._hdet_loss + part  # on the device
         return loss
 
-    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        """The Trainer's logs (to every ``report_to`` tracker), plus hdet's scalars of each new sync."""
-        sched = self.lr_scheduler
-        rec = sched.last_sync if isinstance(sched, HDETLR) else None
-        if rec is not None and rec.step != getattr(self, "_hdet_logged", None) and "loss" in logs:
-            self._hdet_logged = rec.step
-            logs = {**logs, **sync_scalars(rec)}
-        super().log(logs, *args, **kwargs)
-
     def _get_learning_rate(self) -> float:
         sched = self.lr_scheduler
         if isinstance(sched, HDETLR):
@@ -151,6 +142,19 @@ class _HDETHooks(TrainerCallback):
         t = self.trainer
         if isinstance(t.lr_scheduler, HDETLR):
             t.lr_scheduler.attach_model(t.model_wrapped)  # DDP under torchrun: the guard goes on it
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Each new sync's scalars as their own log entry at the sync's step (to every ``report_to`` tracker),
+        whatever ``logging_steps`` is (joined to the Trainer's loss logs, syncs between two logs were lost and the
+        others logged at the log's step)."""
+        t = self.trainer
+        sched = t.lr_scheduler
+        rec = sched.last_sync if isinstance(sched, HDETLR) else None
+        if rec is not None and rec.step != getattr(t, "_hdet_logged", None):
+            t._hdet_logged = rec.step
+            should_log = control.should_log  # the Trainer's own log of this step, if due (on_log clears the flag)
+            t.log(sync_scalars(rec))
+            control.should_log = should_log
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
