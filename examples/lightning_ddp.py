@@ -69,7 +69,7 @@ class Report(L.Callback):
         torch.save({"params": gathered[0], "lrs": pl_module.lrs, "updates": sched.ensemble.controllers[0].updates,
                     "step": sched.last_epoch, "bases": sched.base_lrs_now, "buffers": bufs,
                     "guard": sched.gradient_guard, "raw_losses": pl_module.raw_losses, "windows": pl_module.windows,
-                    "rank": sched.rank, "logged": sorted(k for k in trainer.callback_metrics if k.startswith("hdet/"))},
+                    "rank": sched.rank},
                    os.path.join(self.out, f"result_rank{trainer.global_rank}.pt"))
 
 
@@ -87,7 +87,8 @@ def main():
                         accumulate_grad_batches=2, callbacks=[HDETCallback(), ckpt, Report(a.out)],
                         plugins=[L.pytorch.plugins.MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler(
                             "cpu", init_scale=2.0 ** 12))] if a.fp16 else None,
-                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+                        logger=L.pytorch.loggers.CSVLogger(a.out, name="logs", version=0), log_every_n_steps=5,
+                        enable_progress_bar=False, enable_model_summary=False)
     loader = torch.utils.data.DataLoader(Data(), batch_size=8, shuffle=False)
     trainer.fit(Module(a.bn), loader, ckpt_path=a.resume)
 

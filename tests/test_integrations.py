@@ -1,5 +1,6 @@
 """Framework integrations with the real libraries on CPU (tiny models from configs, no downloads)."""
 
+import csv
 import json
 import os
 import subprocess
@@ -240,7 +241,11 @@ def test_lightning_docs_setup_averages_batchnorm_and_guards(tmp_path):
     pytest.importorskip("lightning")
     r0, _ = _lightning(tmp_path / "bn", "--bn")
     assert torch.equal(r0["buffers"][0], r0["buffers"][1]) and r0["guard"] == "hook" and r0["step"] == 16
-    assert "hdet/base/lr/0" in r0["logged"] and "hdet/window_loss/replica1" in r0["logged"]  # to the logger
+    rows = list(csv.DictReader(open(tmp_path / "bn" / "logs" / "version_0" / "metrics.csv")))  # the logger's file
+    synced = [r for r in rows if r.get("hdet/window_loss/replica1")]
+    assert [int(r["step"]) for r in synced] == [s for s, _ in r0["windows"]] == [4, 8, 12, 16]  # each sync, once
+    for r, (_, losses) in zip(synced, r0["windows"]):
+        assert float(r["hdet/window_loss/replica1"]) == pytest.approx(losses[1], rel=1e-6) and r["hdet/base/lr/0"]
 
 
 def test_lightning_16_mixed_observes_the_unscaled_loss(tmp_path):
@@ -330,3 +335,57 @@ def test_hf_trainer_logs_every_sync_at_its_step_whatever_logging_steps(tmp_path)
     assert [s for s, _ in logged] == [2, 4, 6, 8, 10, 12]
     assert [v for _, v in logged] == pytest.approx([v for _, v in syncs])
     assert losses == [5, 10]  # the Trainer's own loss logs, step 10 a sync too
+
+
+@pytest.mark.parametrize("every", [1, 5])
+def test_lightning_logs_every_sync_once_at_its_step(every):
+    """HDETCallback's scalars reach the logger once per sync, at the sync's step, with that sync's values,
+    whatever log_every_n_steps is (through self.log, sync 4's window loss went out at steps 3 to 6 with
+    log_every_n_steps=1, and sync 12 never with 5)."""
+    L = pytest.importorskip("lightning")
+    from torch import nn
+
+    import hdet
+    from hdet.integrations.lightning import HDETCallback
+
+    S, T = 12, 4
+
+    class Cap(L.pytorch.loggers.logger.Logger):
+        name, version = "cap", 0
+
+        def __init__(self):
+            super().__init__()
+            self.rows = []
+
+        def log_metrics(self, metrics, step=None):
+            if "hdet/window_loss/replica0" in metrics:
+                self.rows.append((step, metrics["hdet/window_loss/replica0"]))
+
+        def log_hyperparams(self, *a, **k):
+            pass
+
+    class Mod(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 1)
+            self.windows = []
+
+        def training_step(self, b, i):
+            return ((self.l(b[0]).squeeze(-1) - b[1]) ** 2).mean()
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+            sched = hdet.OneCycleAutoLR(opt, max_lr=1e-3, total_steps=S, ensemble_lr_spread_ratio=0.2,
+                                        model_sync_interval=T)
+            sched.ensemble.on_sync.append(lambda r: self.windows.append((r.step, r.losses[0])))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    torch.manual_seed(0)
+    x = torch.randn(8 * S, 4)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1)), batch_size=8)
+    cap, m = Cap(), Mod()
+    L.Trainer(max_steps=S, callbacks=[HDETCallback()], logger=cap, log_every_n_steps=every, accelerator="cpu",
+              devices=1, enable_progress_bar=False, enable_checkpointing=False,
+              enable_model_summary=False).fit(m, loader)
+    assert [s for s, _ in m.windows] == [4, 8, 12]
+    assert cap.rows == [(s, pytest.approx(v)) for s, v in m.windows]

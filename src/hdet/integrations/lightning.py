@@ -16,7 +16,7 @@ accumulation window) and divided by the GradScaler's scale under ``precision="16
 callback the scaled loss), so every micro-batch counts toward the window mean with its true value. When
 training starts, the callback gives every HDET scheduler the strategy's (DDP-wrapped) model if it has
 none (BatchNorm statistics are then averaged) and installs the gradient guard on it. Each sync's
-scalars (window losses, bases, spread, Delta) go to the module's logger. Lightning saves rank 0's checkpoint only;
+scalars (window losses, bases, spread, Delta) go to the trainer's loggers at the sync's step. Lightning saves rank 0's checkpoint only;
 after a resume each rank re-applies its own LR (as with the Hugging Face Trainer). Install with
 ``pip install 'hdet[lightning]'``.
 """
@@ -61,15 +61,19 @@ class HDETCallback(Callback):
             sched.observe(true)  # this rank's own loss, on its device
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """Each new sync's scalars (:func:`hdet.sync_scalars`) to the module's logger. (Lightning's
-        ``LearningRateMonitor`` reads the optimizer, i.e. this rank's multiplied LR: the base is
-        ``hdet/base/lr/...`` here.)"""
+        """Each new sync's scalars (:func:`hdet.sync_scalars`) to the trainer's loggers, once, at the sync's step
+        (the optimizer steps HDET counts), from global rank 0 (every rank holds the same record). Not through
+        ``self.log``: Lightning flushes a value logged there at its logging steps, so a sync went out at several
+        steps or, between two logging steps, not at all. (Lightning's ``LearningRateMonitor`` reads the optimizer,
+        i.e. this rank's multiplied LR: the base is ``hdet/base/lr/...`` here.)"""
         for k, sched in enumerate(_hdet_schedulers(trainer)):
             rec = sched.last_sync
             if rec is not None and rec.step != self._logged.get(k):
                 self._logged[k] = rec.step
-                pl_module.log_dict({f"{key}" if k == 0 else f"{key}/{k}": v for key, v in sync_scalars(rec).items()},
-                                   on_step=True, on_epoch=False)
+                if trainer.is_global_zero:
+                    metrics = {f"{key}" if k == 0 else f"{key}/{k}": v for key, v in sync_scalars(rec).items()}
+                    for logger in trainer.loggers:
+                        logger.log_metrics(metrics, step=rec.step)
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         self._restored = True
