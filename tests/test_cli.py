@@ -287,7 +287,8 @@ def test_a_refused_run_leaves_the_earlier_run_in_its_folder(tmp_path, capsys, re
     before = sorted(p.name for p in out.iterdir())
     capsys.readouterr()
     assert main(["train", *TINY, "--replicas", "2", *refused, "--out", str(out)]) == 2
-    assert capsys.readouterr().err.startswith("hdet: error:")
+    assert capsys.readouterr().err.splitlines()[-1].startswith("hdet: error:")  # (after warnings: TINY's GPT flags
+    # with --task fashion)
     assert sorted(p.name for p in out.iterdir()) == before and (out / "model.pt").stat().st_size > 0
 
 
@@ -324,16 +325,87 @@ def test_help_states_defaults_in_the_flags_own_terms(capsys):
 
 
 def test_flags_a_run_does_not_use_are_named(tmp_path, capsys):
-    assert main(["train", *TINY, "--replicas", "2", "--warmup", "4", "--prodigy-safeguard", "--out",
+    assert main(["train", *TINY, "--replicas", "2", "--warmup", "4", "--prodigy-safeguard", "--clip", "2",
+                 "--controller", "paper", "--probe-batches", "2", "--range-backoff", "3", "--out",
                  str(tmp_path / "o")]) == 0
     err = capsys.readouterr().err
     assert "hdet: warning: --warmup without --auto-lr or --range-test has no effect" in err
     assert "--prodigy-safeguard with --optimizer adamw has no effect" in err
+    for said in ("--clip without --explore grad-clip", "--controller without --auto-lr",
+                 "--probe-batches without --auto-lr", "--range-backoff without --range-test"):
+        assert f"hdet: warning: {said} has no effect" in err
+    assert main(["train", *TINY, "--replicas", "2", "--alpha", "0", "--auto-lr", "--out", str(tmp_path / "a")]) == 0
+    assert "--auto-lr with --alpha 0 (the controller compares the replicas' spread" in capsys.readouterr().err
+
+
+def _strict_jsonl(p: Path) -> list[dict]:
+    def refuse(c):
+        raise ValueError(f"not strict JSON: {c}")
+    return [json.loads(x, parse_constant=refuse) for x in p.read_text().splitlines()]
+
+
+def test_one_replicas_nan_does_not_end_the_run_and_the_records_stay_strict_json(tmp_path):
+    """Replicas that train on their own (--no-grad-sync) at an LR far too high: some go non-finite while others
+    do not; the run goes on (each non-finite replica is reset at the next sync, docs/reliability.md), each record's
+    train_loss is the mean of the finite losses with their count of non-finite ones, and metrics.jsonl and
+    summary.json are strict JSON (null, not NaN). Before, the first non-finite replica ended the run."""
+    out = tmp_path / "nan"
+    assert main(["train", "--width", "32", "--layers", "1", "--ctx", "32", "--batch", "4", "--no-progress",
+                 "--steps", "40", "--T", "10", "--no-grad-sync", "--alpha", "0.9", "--max-lr", "3e2",
+                 "--out", str(out)]) == 0
+    metrics = _strict_jsonl(out / "metrics.jsonl")
+    partial = [m for m in metrics if m.get("nonfinite_losses")]
+    assert partial and all(0 < m["nonfinite_losses"] < 4 and math.isfinite(m["train_loss"]) for m in partial)
+    summary = json.loads((out / "summary.json").read_text(),
+                         parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
+    assert summary["crashed"] is None and summary["steps_done"] == 40 and (out / "model.pt").is_file()
+
+
+def test_a_run_where_every_replica_fails_writes_null_not_nan(tmp_path):
+    out = tmp_path / "all"
+    assert main(["train", *TINY, "--replicas", "2", "--max-lr", "1e5", "--on-runaway", "ignore",
+                 "--out", str(out)]) == 1
+    summary = json.loads((out / "summary.json").read_text(),
+                         parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
+    metrics = _strict_jsonl(out / "metrics.jsonl")
+    assert summary["crashed"] and metrics[-1]["train_loss"] is None
+
+
+@pytest.mark.parametrize("optimizer", ["dadapt-adam", "prodigy"])
+def test_the_records_d_is_the_one_each_step_used(tmp_path, optimizer, monkeypatch):
+    """metrics.jsonl's d at step t is the estimate step t used (with lr: its step size d * lr), not the one after
+    it (which step t + 1 uses: 3.1x larger at D-Adaptation's step 10 in an audit's run)."""
+    pytest.importorskip("dadaptation" if optimizer == "dadapt-adam" else "prodigyopt")
+    import hdet.app.runs as runs
+    used = []
+    step = runs.EngineRun.step
+
+    def recording(self, batches):
+        used.append(float(self.optimizers[0].param_groups[0]["d"]))
+        return step(self, batches)
+    monkeypatch.setattr(runs.EngineRun, "step", recording)
+    out = tmp_path / optimizer
+    assert main(["train", *TINY, "--steps", "20", "--replicas", "2", "--optimizer", optimizer,
+                 "--out", str(out)]) == 0
+    metrics = _jsonl(out / "metrics.jsonl")
+    assert [m["d"] for m in metrics] == [used[m["step"] - 1] for m in metrics]
+    assert len(set(used)) > 2  # the case: d grows over these steps
+
+
+def test_schedule_free_records_its_own_warm_up_lr(tmp_path):
+    pytest.importorskip("schedulefree")
+    out = tmp_path / "sf"
+    assert main(["train", *TINY, "--steps", "40", "--alpha", "0", "--optimizer", "schedulefree-adamw",
+                 "--max-lr", "3e-3", "--out", str(out)]) == 0
+    lrs = {m["step"]: m["lr"]["embed"] for m in _jsonl(out / "metrics.jsonl")}
+    assert lrs[1] == pytest.approx(3e-3 / 2) and lrs[2] == pytest.approx(3e-3)  # warm-up of 40 // 20 = 2 steps
 
 
 @pytest.mark.parametrize("args, message", [
     (["train", "--alpha", "0", "--explore", "lr-groups"], "--alpha > 0 with --explore lr-groups"),
-    (["train", "--seed", "-1"], "Expected --seed >= 0, but got -1"),
+    (["train", "--seed", "-1"], "Expected --seed in [0, 2**32), but got -1"),
+    (["train", "--seed", str(10 ** 17)], "Expected --seed in [0, 2**32), but got 100000000000000000"),
+    (["compare", "--alpha", "0", "--explore", "lr-groups"], "--alpha > 0 with --explore lr-groups (the HDET rows'"),
     (["train", "--clip", "0"], "Expected --clip > 0, but got 0.0"),
     (["train", "--alpha", "0.5", "--optimizer", "schedulefree-adamw"], "--alpha 0 with --optimizer schedulefree-adamw"),
     (["train", "--alpha", "0.2", "--optimizer", "mechanic-adamw"], "--alpha 0 with --optimizer mechanic-adamw"),

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .options import RunConfig, RunError, unused
+from .options import RunConfig, RunError, check, unused
 
 __all__ = ["main"]
 
@@ -90,6 +90,7 @@ def _cmd_train(a: argparse.Namespace, argv: list[str]) -> int:
     from .run import train
 
     cfg = _config(a)
+    check(cfg)  # a bad value is an error before any warning (train checks it again)
     for what in unused(cfg) if os.environ.get("RANK", "0") == "0" else ():
         print(f"hdet: warning: {what} has no effect", file=sys.stderr)
     s = train(cfg, argv=argv)

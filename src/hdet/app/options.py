@@ -72,7 +72,7 @@ class RunConfig:
     max_lr: float | None = field(default=None, metadata=_cli(
         "OneCycle's peak learning rate (default 3e-3; with --optimizer dadapt-adam, prodigy or mechanic-adamw 1, their documented "
         "use: it multiplies their own estimate of the step size)"))
-    weight_decay: float = field(default=0.01, metadata=_cli("AdamW's decoupled weight decay (none on norms and biases)"))
+    weight_decay: float = field(default=0.01, metadata=_cli("AdamW's decoupled weight decay (none on the norm layers; biases are decayed)"))
     dropout: float = field(default=0.0, metadata=_cli("dropout probability of the model"))
     warm_init: bool = field(default=False, metadata=_cli("Eq. 10 noise"))
     init_from: str | None = field(default=None, metadata=_cli("start from this model.pt"))
@@ -173,8 +173,8 @@ def check(cfg: RunConfig) -> None:
         raise RunError(f"Expected --checkpoint-every to be a whole number >= 0, but got {cfg.checkpoint_every!r}")
     if cfg.optimizer not in OPTIMIZERS:
         raise RunError(f"Expected --optimizer in {', '.join(OPTIMIZERS)}, but got {cfg.optimizer!r}")
-    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:
-        raise RunError(f"Expected --seed >= 0, but got {cfg.seed!r}")
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or not 0 <= cfg.seed < 2 ** 32:
+        raise RunError(f"Expected --seed in [0, 2**32), but got {cfg.seed!r}")
     if not (cfg.clip > 0 and math.isfinite(cfg.clip)):
         raise RunError(f"Expected --clip > 0, but got {cfg.clip}")
     if cfg.optimizer == "schedulefree-adamw" and cfg.alpha > 0:
@@ -213,6 +213,20 @@ def unused(cfg: RunConfig) -> list[str]:
         out.append(f"--prodigy-safeguard with --optimizer {cfg.optimizer}")
     if cfg.data is not None and cfg.task != "fashion":
         out.append(f"--data with --task {cfg.task} (its data is the standard library's own files)")
+    default = RunConfig()
+    if cfg.clip != default.clip and "grad-clip" not in cfg.explore:
+        out.append("--clip without --explore grad-clip")
+    for name in ("controller", "probe_batches"):
+        if getattr(cfg, name) != getattr(default, name) and not cfg.auto_lr:
+            out.append(f"--{name.replace('_', '-')} without --auto-lr")
+    if cfg.range_backoff != default.range_backoff and not cfg.range_test:
+        out.append("--range-backoff without --range-test")
+    for name in ("ctx", "layers"):
+        if getattr(cfg, name) != getattr(default, name) and cfg.task == "fashion":
+            out.append(f"--{name} with --task fashion (a CNN)")
+    if cfg.auto_lr and (cfg.alpha == 0 or cfg.replicas == 1):
+        out.append("--auto-lr with " + ("--alpha 0" if cfg.alpha == 0 else "--replicas 1") +
+                   " (the controller compares the replicas' spread: there is none)")
     return out
 
 

@@ -56,7 +56,8 @@ def plot_losses(runs: list[dict[str, Any]], path: str | Path, title: str = "") -
     firsts: tuple[list[float], list[float]] = ([], [])  # per panel: every run's first finite values
     for run in runs:
         steps = [m["step"] for m in run["metrics"]]
-        loss = [m["train_loss"] if math.isfinite(m["train_loss"]) else float("nan") for m in run["metrics"]]
+        loss = [m["train_loss"] if m["train_loss"] is not None and math.isfinite(m["train_loss"]) else float("nan")
+                for m in run["metrics"]]  # (null: no finite loss; records written before: NaN)
         crashed = run["summary"].get("crashed")
         label = run["label"] + (" (crashed)" if crashed else "")
         (line,) = ax_t.plot(steps, loss, label=label, lw=1.2)

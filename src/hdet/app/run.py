@@ -138,6 +138,27 @@ class _Progress:
             self.p.stop()
 
 
+def _step_size_estimate(optimizer: torch.optim.Optimizer) -> float | None:
+    """D-Adaptation's/Prodigy's estimate d (their step: d * lr), Mechanic's scale s (s * lr), else None."""
+    g0 = optimizer.param_groups[0]
+    if "d" in g0:
+        return float(g0["d"])
+    if "_mechanic" in optimizer.state:
+        return float(optimizer.state["_mechanic"]["s"].sum())
+    return None
+
+
+def _strict(x: Any) -> Any:
+    """``x`` with every non-finite float as None (null): strict JSON, which Python's NaN is not."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict(v) for v in x]
+    return x
+
+
 def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) -> dict[str, Any]:
     """Run ``cfg``; returns the summary (also written to ``<out>/summary.json`` on rank 0). ``dry_run``: check
     the options and build the run (task, model, optimizers, schedulers; ``--init-from`` is not read), then return
@@ -267,7 +288,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
 
     def log(f, rec: dict[str, Any]) -> None:
         if rank == 0:
-            f.write(json.dumps(rec) + "\n")
+            f.write(json.dumps(_strict(rec)) + "\n")
             f.flush()
 
     progress = _Progress(cfg.progress and rank == 0, cfg.steps, cfg.label or f"{cfg.task} x{N}")
@@ -277,33 +298,43 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
     t0 = time.perf_counter()
     t, last_eval, n_logged = start, loop.get("last_eval", 0), loop.get("n_logged", 0)
     last_save = start
-    loss_sum = loop.get("loss_sum", torch.zeros(())).to(device)  # the loss summed since the last record
+    # since the last record: the finite losses summed, and how many were not finite (on the device: no host sync)
+    loss_sum = loop.get("loss_sum", torch.zeros(2)).to(device)
+    if loss_sum.dim() == 0:  # a checkpoint from before the count: every loss counted was finite
+        loss_sum = torch.stack([loss_sum, torch.zeros_like(loss_sum)])
     before = loop.get("seconds", 0.0)  # training time before the resume
     progress.update(start)
     try:
         for t in range(start + 1, cfg.steps + 1):
             batches = [to_device(task.sample("train", cfg.batch, gens[r]), device) for r in reps.local]
             lrs, bases = sched0.effective_lrs, sched0.base_lrs_now  # this step's (the scheduler steps in reps.step)
+            d = _step_size_estimate(reps.optimizers[0])  # the one this step uses (the step updates it)
             try:
                 losses = reps.step(batches)
             except NonFiniteReplicaError as e:
                 crashed = f"step {t}: {e}"
                 break
+            if "scheduled_lr" in reps.optimizers[0].param_groups[0]:  # Schedule-Free: its own warm-up, this step's
+                lrs = bases = [float(g["scheduled_lr"]) for g in reps.optimizers[0].param_groups]
             sync = sched0.is_sync_step(t)
-            loss_sum = loss_sum + losses.detach().float().sum()  # on the device: no host sync
+            losses = losses.detach().float()
+            finite = torch.isfinite(losses)
+            loss_sum = loss_sum + torch.stack([torch.where(finite, losses, 0.0).sum(), (~finite).sum().float()])
             n_logged += 1
             if t % log_every == 0 or sync or t == cfg.steps:
-                loss = reps.mean_loss(loss_sum, n_logged)  # mean over replicas and steps since the last record
-                loss_sum, n_logged = torch.zeros((), device=device), 0
+                # mean over the replicas' finite losses and the steps since the last record (a replica that is not
+                # finite is reset at the next sync and the run goes on; every loss non-finite ends it, below)
+                loss, nonfinite = reps.mean_loss(loss_sum, n_logged)
+                loss_sum, n_logged = torch.zeros(2, device=device), 0
                 train_losses.append((t, loss))
                 rec = {"step": t, "train_loss": loss,
                        "lr": dict(zip(groups, lrs)),  # replica 0's at this step (rank 0 under torchrun)
                        "lr_mean": dict(zip(groups, bases)),  # mean over replicas (mean rho = 1)
                        "seconds": before + time.perf_counter() - t0}
-                if "d" in (g0 := reps.optimizers[0].param_groups[0]):  # D-Adaptation/Prodigy: their step size d * lr
-                    rec["d"] = float(g0["d"])
-                elif "_mechanic" in reps.optimizers[0].state:  # Mechanic: its scale s, the step s * lr
-                    rec["d"] = float(reps.optimizers[0].state["_mechanic"]["s"].sum())
+                if nonfinite:
+                    rec["nonfinite_losses"] = nonfinite
+                if d is not None:  # D-Adaptation/Prodigy: the step size d * lr; Mechanic: its scale s, the step s * lr
+                    rec["d"] = d
                 if sync:
                     if t - last_eval >= eval_every or t == cfg.steps:  # after averaging: replicas are equal
                         last_eval = t
@@ -364,7 +395,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
             with eval_weights(task, reps.eval_model(), reps.optimizers, cfg, device):  # Schedule-Free: its x
                 torch.save({k: v.detach().clone(memory_format=torch.contiguous_format)
                             for k, v in reps.eval_model().state_dict().items()}, out / "model.pt")
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        (out / "summary.json").write_text(json.dumps(_strict(summary), indent=1))
     if owns_group:
         dist.barrier()  # every rank is done with its collectives before the group goes
         dist.destroy_process_group()

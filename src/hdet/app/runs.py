@@ -138,6 +138,15 @@ def make_scheduler(cfg: RunConfig, warmup: int, task: Task, device: torch.device
     return make
 
 
+def _finite_mean(sum_and_bad: list[float], count: int, N: int) -> tuple[float, int]:
+    """The mean of the finite losses of ``count`` steps of ``N`` replicas (NaN: none), and how many were not."""
+    total, bad = sum_and_bad[0], round(sum_and_bad[1])
+    if not bad:
+        return total / count / N, 0
+    n = count * N - bad
+    return (total / n if n else float("nan")), bad
+
+
 class EngineRun:
     """All N replicas in this process (:class:`~hdet.engine.ReplicaEngine`)."""
 
@@ -167,8 +176,9 @@ class EngineRun:
     def step(self, batches: list[Any]) -> torch.Tensor:
         return self.engine.step(batches, self.task.loss_fn)
 
-    def mean_loss(self, loss_sum: torch.Tensor, count: int) -> float:
-        return loss_sum.item() / count / self.N  # host sync (logging steps only)
+    def mean_loss(self, loss_sum: torch.Tensor, count: int) -> tuple[float, int]:
+        """From ``[sum of the finite losses, how many were not]`` over ``count`` steps: :func:`_finite_mean`."""
+        return _finite_mean(loss_sum.tolist(), count, self.N)  # host sync (logging steps only)
 
     def eval_model(self) -> nn.Module:
         return self.engine.models[0]
@@ -217,10 +227,10 @@ class DDPRun:
         self.schedulers[0].step(loss)
         return loss.detach()[None]
 
-    def mean_loss(self, loss_sum: torch.Tensor, count: int) -> float:
+    def mean_loss(self, loss_sum: torch.Tensor, count: int) -> tuple[float, int]:
         x = loss_sum.clone()
         dist.all_reduce(x)  # collective + host sync below (logging steps only)
-        return x.item() / count / self.N
+        return _finite_mean(x.tolist(), count, self.N)
 
     def eval_model(self) -> nn.Module:
         return self.model
