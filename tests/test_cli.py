@@ -551,6 +551,11 @@ def test_resume_compares_options_as_the_run_resolves_them(tmp_path, capsys):
     assert main(["train", *loop, "--mode", "loop"]) == 0
     assert main(["train", *loop, "--resume"]) == 2  # auto would run vmap: another run
     assert "--mode 'engine-loop' -> 'engine-auto'" in capsys.readouterr().err
+    vm = [*TINY, "--steps", "30", "--T", "10", "--checkpoint-every", "15", "--out", str(tmp_path / "vmap")]
+    assert main(["train", *vm, "--mode", "vmap"]) == 0
+    shutil.copytree(tmp_path / "vmap", tmp_path / "vmap_whole")
+    assert main(["train", *vm, "--resume"]) == 0  # auto runs vmap too: the same run (it was refused)
+    _same_run(tmp_path / "vmap_whole", tmp_path / "vmap")
     assert main(["train", *args, "--auto-lr", "--out", str(tmp_path / "fit")]) == 0
     assert main(["train", *args, "--auto-lr", "--controller", "paper", "--out", str(tmp_path / "fit"), "--resume"]) == 2
     err = capsys.readouterr().err  # the flag given differently, not what follows from it

@@ -150,8 +150,9 @@ def check_config(state: dict[str, Any], cfg: RunConfig, replicas: int, mode: str
         saved_mode = mode if v == cfg.mode or not mode.startswith("engine-") else "engine-" + v
         v = raw.get("device", "auto")
         saved_device = device if v == cfg.device else (torch.device(v).type if v != "auto" else "auto")
-    if mode.endswith("-auto"):  # the engine resolves auto at its first step: as the checkpointed run's auto did
-        mode = saved_mode if raw.get("mode", "auto") == "auto" else mode
+    if mode.endswith("-auto"):  # the engine resolves auto at its first step: as the checkpointed run's auto did, and
+        # as vmap for a run that ran vmap when asked for it (auto tries vmap first; an explicit loop stays another run)
+        mode = saved_mode if raw.get("mode", "auto") == "auto" or saved_mode == "engine-vmap" else mode
     saved = _resolved(raw, saved_mode, saved_device)
     now = _resolved(_config(cfg), mode, device)
     differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
