@@ -405,7 +405,7 @@ def test_schedule_free_records_its_own_warm_up_lr(tmp_path):
     (["train", "--alpha", "0", "--explore", "lr-groups"], "--alpha > 0 with --explore lr-groups"),
     (["train", "--seed", "-1"], "Expected --seed in [0, 2**32), but got -1"),
     (["train", "--seed", str(10 ** 17)], "Expected --seed in [0, 2**32), but got 100000000000000000"),
-    (["compare", "--alpha", "0", "--explore", "lr-groups"], "--alpha > 0 with --explore lr-groups (the HDET rows'"),
+    (["compare", "--alpha", "0", "--explore", "lr-groups"], "--alpha > 0 with --explore lr-groups (the groups' LRs"),
     (["train", "--clip", "0"], "Expected --clip > 0, but got 0.0"),
     (["train", "--alpha", "0.5", "--optimizer", "schedulefree-adamw"], "--alpha 0 with --optimizer schedulefree-adamw"),
     (["train", "--alpha", "0.2", "--optimizer", "mechanic-adamw"], "--alpha 0 with --optimizer mechanic-adamw"),

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .attention import under_vmap
 from .patching import patched
 
-__all__ = ["routed", "cast", "casting", "CAST", "CAST_TORCH"]
+__all__ = ["routed", "cast", "cast_and_call", "casting", "CAST", "CAST_TORCH"]
 
 CAST = ("linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
 CAST_TORCH = ("addmm", "baddbmm", "addbmm")  # of the torch namespace
@@ -39,6 +39,17 @@ def cast(t: Any, dtype: torch.dtype) -> Any:
     return t
 
 
+def cast_and_call(device: str, fn: Callable[..., torch.Tensor], *args: Any, autocast_off: bool = True,
+                  **kwargs: Any) -> torch.Tensor:
+    """``fn`` with its floating tensor arguments in the autocast dtype of ``device``, run with autocast off as autocast
+    runs an op once it has cast its inputs (``autocast_off=False``: left on, for a wrapper with ops of its own)."""
+    dtype = torch.get_autocast_dtype(device)
+    args = tuple(cast(a, dtype) for a in args)
+    kwargs = {k: cast(v, dtype) for k, v in kwargs.items()}
+    with torch.autocast(device, enabled=False) if autocast_off else contextlib.nullcontext():
+        return fn(*args, **kwargs)
+
+
 def casting(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``fn(*args, **kwargs)`` with its floating tensor arguments cast to the autocast dtype first when autocast is on
     for their device and one of them is vmapped; torch's own function then runs with autocast off, as autocast runs an
@@ -49,12 +60,8 @@ def casting(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         device = tensors[0].device.type if tensors else None
         if device is not None and torch.is_autocast_enabled(device) and any(under_vmap(t) for t in tensors):
-            dtype = torch.get_autocast_dtype(device)
-            args = tuple(cast(a, dtype) for a in args)
-            kwargs = {k: cast(v, dtype) for k, v in kwargs.items()}
-            if builtin:  # (vmap's rule for addbmm sums, which CUDA autocast would keep in float32)
-                with torch.autocast(device, enabled=False):
-                    return fn(*args, **kwargs)
+            # (torch's own with autocast off: vmap's rule for addbmm sums, which CUDA autocast would keep in float32)
+            return cast_and_call(device, fn, *args, autocast_off=builtin, **kwargs)
         return fn(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = getattr(fn, "__name__", "call")

@@ -97,13 +97,8 @@ def _stacked_linear(x: torch.Tensor, xd: int | None, w: torch.Tensor, wd: int, b
     device = x.device.type
     with _interpreter().lower():  # plain tensors, autograd as usual (vmap is this function's only transform)
         x3 = x.reshape(n, -1, x.shape[-1])  # [N, R, in]
-        if torch.is_autocast_enabled(device):  # cast as autocast casts F.linear; the call itself without it
-            dt = torch.get_autocast_dtype(device)
-            x3, w, b = (autocast.cast(t, dt) for t in (x3, w, b))
-            with torch.autocast(device, enabled=False):
-                y = _BatchedLinear.apply(x3, w, b)
-        else:
-            y = _BatchedLinear.apply(x3, w, b)
+        y = (autocast.cast_and_call(device, _BatchedLinear.apply, x3, w, b)  # cast as autocast casts F.linear
+             if torch.is_autocast_enabled(device) else _BatchedLinear.apply(x3, w, b))
         y = y.view(n, *lead, y.shape[-1])
     return _functorch._add_batch_dim(y, 0, level)
 

@@ -209,15 +209,14 @@ class StackedReplicas:
         (once bound; before, accumulated) into the ``.grad`` of the stacked parameters (:meth:`average_gradients`
         then averages them)."""
         if self.grads_bound and self._copying():
-            self._copy_grads(losses)
+            self._copy_grads(*self._param_grads(losses))
             return
         if not self.reduce or self._reducing is False:
             with warnings.catch_warnings():  # the .grad views of the [N, D] gradient are strided as their parameters
                 warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
                 losses.sum().backward()
             return
-        names = list(self.columns)
-        grads = torch.autograd.grad(losses.sum(), [self.params[n] for n in names], allow_unused=True)
+        names, grads = self._param_grads(losses)
         if self._reducing is None:  # the first backward
             if any(g is None for g in grads):  # a parameter got no gradient: as the accumulating path leaves it
                 for n, g in zip(names, grads):  # (a copy: autograd may hand one expanded tensor to several)
@@ -233,11 +232,15 @@ class StackedReplicas:
     def _copying(self) -> bool:
         return not self.reduce and _copy_into_bound(self.grad.device)
 
-    def _copy_grads(self, losses: torch.Tensor) -> None:
+    def _param_grads(self, losses: torch.Tensor) -> tuple[list[str], Sequence[torch.Tensor | None]]:
+        """The backward of ``losses.sum()`` as the flattened parameters' own gradients (``[N, ...]`` each; None where
+        the loss did not reach one), not accumulated anywhere."""
+        names = list(self.columns)
+        return names, torch.autograd.grad(losses.sum(), [self.params[n] for n in names], allow_unused=True)
+
+    def _copy_grads(self, names: list[str], grads: Sequence[torch.Tensor | None]) -> None:
         """The backward's own gradients copied into the bound ``.grad`` views (one pass over each, where
         accumulating into views zeroed before reads the buffer twice and writes it once, through a strided kernel)."""
-        names = list(self.columns)
-        grads = torch.autograd.grad(losses.sum(), [self.params[n] for n in names], allow_unused=True)
         dests, srcs = [], []
         with torch.no_grad():
             for n, g in zip(names, grads):

@@ -137,6 +137,7 @@ class _HDETHooks(TrainerCallback):
 
     def __init__(self, trainer: HDETTrainer) -> None:
         self.trainer = trainer
+        self.logged: int | None = None  # the step of the last sync logged
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
@@ -150,8 +151,8 @@ class _HDETHooks(TrainerCallback):
         t = self.trainer
         sched = t.lr_scheduler
         rec = sched.last_sync if isinstance(sched, HDETLR) else None
-        if rec is not None and rec.step != getattr(t, "_hdet_logged", None):
-            t._hdet_logged = rec.step
+        if rec is not None and rec.step != self.logged:
+            self.logged = rec.step
             should_log = control.should_log  # the Trainer's own log of this step, if due (on_log clears the flag)
             t.log(sync_scalars(rec))
             control.should_log = should_log
