@@ -374,7 +374,7 @@ def test_a_run_where_every_replica_fails_writes_null_not_nan(tmp_path):
 @pytest.mark.parametrize("optimizer", ["dadapt-adam", "prodigy"])
 def test_the_records_d_is_the_one_each_step_used(tmp_path, optimizer, monkeypatch):
     """metrics.jsonl's d at step t is the estimate step t used (with lr: its step size d * lr), not the one after
-    it (which step t + 1 uses: 3.1x larger at D-Adaptation's step 10 in an audit's run)."""
+    it (which step t + 1 uses)."""
     pytest.importorskip("dadaptation" if optimizer == "dadapt-adam" else "prodigyopt")
     import hdet.app.runs as runs
     used = []

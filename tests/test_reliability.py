@@ -872,7 +872,7 @@ def test_a_recovery_gives_the_reset_replica_the_healthy_mean_and_leaves_the_heal
 def test_onecycles_cycled_momentum_resumes_whatever_the_order_of_the_loads(optimizer_first):
     """OneCycleAutoLR cycles Adam's beta1: a resume that loads the optimizer before building the scheduler (whose
     OneCycleLR constructor sets beta1 to max_momentum) trains the first resumed step with the momentum of that step,
-    as the uninterrupted run does, bit for bit (it took 0.95 instead of 0.9111 at step 7)."""
+    as the uninterrupted run does, bit for bit (it took max_momentum, 0.95)."""
     def build(opt_state=None, sched_state=None, model_state=None):
         torch.manual_seed(0)
         m = nn.Linear(3, 1)
