@@ -67,7 +67,7 @@ def main():
                     prepared.step()  # steps hdet num_processes (2) times per optimizer step
                 opt.zero_grad()
             sched.observe(loss.detach())  # every micro-batch counts toward the window mean
-            if prepared is None and acc.sync_gradients and not acc.optimizer_step_was_skipped:
+            if prepared is None and acc.sync_gradients:
                 sched.step()  # once per optimizer step (collectives at sync steps run on every rank alike)
                 lrs.append(sched.get_last_lr()[0])
                 done += 1

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -335,6 +336,52 @@ def test_hf_trainer_logs_every_sync_at_its_step_whatever_logging_steps(tmp_path)
     assert [s for s, _ in logged] == [2, 4, 6, 8, 10, 12]
     assert [v for _, v in logged] == pytest.approx([v for _, v in syncs])
     assert losses == [5, 10]  # the Trainer's own loss logs, step 10 a sync too
+
+
+def test_hf_trainer_counts_a_step_the_grad_scaler_skipped_and_averages_after_the_last(tmp_path):
+    """The Trainer leaves its scheduler unstepped after a step that fp16's GradScaler skipped: HDET's ended one step
+    short of max_steps per skip, with no final average (its last sync at 8 of 12). HDETTrainer steps it, as torch's
+    AMP recipe does, and hdet does not warn about it. (The Trainer makes no scaler on the CPU: one that overflows
+    the fp32 gradients at first stands in, on the Trainer's accelerator, before training.)"""
+    from torch import nn
+    from transformers import TrainerCallback, TrainingArguments
+
+    from hdet.integrations.hf import HDETTrainer
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 1)
+
+        def forward(self, x, y):
+            return {"loss": ((self.l(x).squeeze(-1) - y) ** 2).mean()}
+
+    class DS(torch.utils.data.Dataset):
+        def __len__(self):
+            return 96
+
+        def __getitem__(self, i):
+            x = torch.randn(4, generator=torch.Generator().manual_seed(i))
+            return {"x": x, "y": x.sum()}
+
+    skipped = []
+
+    class Rec(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            skipped.append(tr.accelerator.optimizer_step_was_skipped)
+
+    torch.manual_seed(0)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=12, save_strategy="no",
+                             report_to=[], use_cpu=True, disable_tqdm=True, optim="adamw_torch")
+    tr = HDETTrainer(model=M(), args=args, train_dataset=DS(), callbacks=[Rec()],
+                     hdet=dict(ensemble_lr_spread_ratio=0.0, model_sync_interval=4))
+    tr.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 126)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr.train()
+    assert any(skipped)
+    assert tr.lr_scheduler.last_epoch == 12 and tr.lr_scheduler.last_sync.step == 12
+    assert not [w for w in caught if "no optimizer.step()" in str(w.message)]
 
 
 @pytest.mark.parametrize("every", [1, 5])

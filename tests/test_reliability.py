@@ -190,6 +190,64 @@ def test_hook_guard_keeps_healthy_fp16_gradients_under_gloo():
         assert r["bad"] == [0.5] * 4  # rank 1's NaN contribution counts as 0
 
 
+def _scaler_ddp(rank, world):
+    """Plain DDP + OneCycleLR and hdet at alpha 0 (the hook guard: a non-fused AdamW) under fp16 autocast with
+    torch.amp.GradScaler, as torch's AMP recipe writes it, for three ways to overflow."""
+    out = {}
+    for mode, steps in (("scale overflows from the start", 24), ("scale grows until it overflows", 40),
+                        ("one rank overflows", 24)):
+        for use_hdet in (False, True):
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+            model = DDP(net)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            grow = mode.startswith("scale grows")
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** (30 if mode.endswith("start") else 10),
+                                          growth_interval=2 if grow else 1000)
+            sched = (hdet.OneCycleAutoLR(opt, max_lr=1e-2, total_steps=steps, model_sync_interval=6, model=model)
+                     if use_hdet else torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=steps))
+            scales, guard = [], getattr(sched, "gradient_guard", None)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for step in range(1, steps + 1):
+                    g = torch.Generator().manual_seed(1000 * step + rank)
+                    x = torch.randn(16, 8, generator=g)
+                    y = x[:, :1] * 2 - x[:, 1:2]
+                    if mode == "one rank overflows" and rank == 1 and step in (5, 6, 7):
+                        x = x * 1e5  # fp16 overflow in rank 1's backward only
+                    with torch.autocast("cpu", dtype=torch.float16):
+                        loss = nn.functional.mse_loss(model(x).float(), y)
+                    opt.zero_grad()
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                    sched.step(loss.detach()) if use_hdet else sched.step()  # every step, as torch's recipe
+                    scales.append(scaler.get_scale())
+            out[mode, use_hdet] = {"params": [p.detach().clone() for p in net.parameters()], "scales": scales,
+                                   "guard": guard, "hdet_warnings": [str(w.message) for w in caught
+                                                                     if "no optimizer.step()" in str(w.message)]}
+    return out
+
+
+@pytest.mark.distributed
+def test_the_hook_guard_leaves_fp16_overflows_to_the_grad_scaler():
+    """With a non-fused optimizer the guard is the DDP hook, which zeroes a non-finite contribution: under fp16's
+    GradScaler that hid every overflow from the scaler, which then never skipped a step nor lowered its scale (it
+    grew without bound), and the optimizer stepped on zeros, silently (an audit found it, Lightning's "16-mixed"
+    included). Now the run is plain DDP's bit for bit, scale for scale, and hdet does not warn about the skipped
+    steps the scheduler was stepped after."""
+    res = check_ok(run_gloo(_scaler_ddp, 2))
+    for rank in res:
+        for mode in ("scale overflows from the start", "scale grows until it overflows", "one rank overflows"):
+            plain, ours = rank[mode, False], rank[mode, True]
+            assert ours["guard"] == "hook"
+            assert any(b < a for a, b in zip(plain["scales"], plain["scales"][1:])), mode  # the scaler skipped
+            assert ours["scales"] == plain["scales"], mode
+            for a, b in zip(ours["params"], plain["params"]):
+                assert torch.equal(a, b), mode
+            assert ours["hdet_warnings"] == [], mode
+
+
 # ------------------------------------------------------------ 4-5. buffers with Inf, complex parameters
 class _BN(nn.Module):
     def __init__(self):

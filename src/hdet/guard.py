@@ -9,7 +9,8 @@ optimizer can skip a step on the device, i.e. every param group is ``fused``; ``
   contribution to a bucket when it holds a NaN or Inf and then averages as DDP does, so the healthy
   replicas still step, with their mean gradient scaled by (N - bad) / N. The check sums the bucket in
   float64, where no sum of finite 16/32-bit values overflows. DDP calls it from Python once per bucket,
-  which makes it much slower than "skip" (measured in ``docs/cost.md``).
+  which makes it much slower than "skip" (measured in ``docs/cost.md``). Under a ``torch.amp.GradScaler``
+  it averages as DDP does (:class:`HookGuard`): an overflow is the scaler's to see and skip.
 * ``"skip"`` (:class:`SkipNonFiniteStep`): no hook; DDP averages as usual, so a NaN/Inf on any replica
   is in the averaged gradient, bit-identical on every replica. Just before ``optimizer.step()`` one
   fused read of the gradients (their max-abs norms, ``torch._foreach_norm(..., inf)``: NaN and Inf
@@ -30,6 +31,7 @@ step, which resets it (see ``on_nonfinite``); under "skip", :class:`SkipWatch` n
 replica has been skipping for a stretch and the scheduler resets the bad replica early.
 """
 
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,7 +44,7 @@ from .optimizers import lr_free_kind
 from .replicas import local_shard
 from .sync import max_abs
 
-__all__ = ["finite_allreduce_hook", "install_gradient_guard", "SkipNonFiniteStep", "SkipWatch", "GuardSetting", "GUARDS"]
+__all__ = ["finite_allreduce_hook", "HookGuard", "install_gradient_guard", "SkipNonFiniteStep", "SkipWatch", "GuardSetting", "GUARDS"]
 
 GUARDS = ("auto", "hook", "skip")
 _UNSET = object()  # SkipNonFiniteStep: the pre-hook set no found_inf
@@ -55,13 +57,106 @@ def finite_allreduce_hook(process_group: Any, bucket: dist.GradBucket) -> torch.
     finite fp16/bf16/fp32 elements overflows there), one in-place select, then the same single all_reduce
     as DDP's default hook."""
     buf = bucket.buffer()
-    ok = all_finite(buf)  # on the device: no host sync
+    _zero_unless_finite(buf)
+    return _allreduce_mean(process_group, buf)
+
+
+def _zero_unless_finite(buf: torch.Tensor) -> torch.Tensor:
+    """Zero ``buf`` in place unless every element is finite; returns whether it was (a device bool: no host sync)."""
+    ok = all_finite(buf)
     torch.where(ok, buf, torch.zeros((), dtype=buf.dtype, device=buf.device), out=buf)  # NaN * 0 is NaN
+    return ok
+
+
+def _allreduce_mean(process_group: Any, buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """DDP's default hook: the mean of ``buf`` over the group, in place."""
     avg = "nccl" in str(dist.get_backend(process_group))
     op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
     fut = dist.all_reduce(buf, op=op, group=process_group, async_op=True).get_future()  # COLLECTIVE
     world = dist.get_world_size(process_group)
     return fut.then(lambda f: f.value()[0] if avg else f.value()[0].div_(world))
+
+
+def _guarded_allreduce(state: "HookGuard", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The comm hook :class:`HookGuard` registers: :func:`finite_allreduce_hook`, or DDP's own average once a
+    GradScaler drives the optimizer."""
+    buf = bucket.buffer()
+    if state.scaler is None:
+        state.note(_zero_unless_finite(buf))
+    return _allreduce_mean(state.process_group, buf)
+
+
+class HookGuard:
+    """The "hook" guard of one DDP model: the state of its comm hook, which watches for a ``torch.amp.GradScaler``.
+
+    Under a GradScaler (fp16) a non-finite gradient is the scaler's overflow signal: every replica's scaler must
+    see it, skip the step and lower its scale, as without hdet. Zeroed by the hook, the overflow was hidden: the
+    scaler never lowered its scale (it kept doubling it) and the optimizer stepped on zeros, silently. So once a
+    GradScaler is seen stepping the optimizer, the hook averages as DDP does and the scaler guards every replica
+    alike (a replica whose weights turned non-finite makes every step overflow until the next converge step
+    resets it). torch tells an optimizer nothing about a scaler: a step pre-hook looks for the scaler's frame among
+    its callers (``GradScaler.step`` / ``_maybe_opt_step``: a few frames, a few microseconds a step until found).
+    That is the first ``scaler.step``; if the hook zeroed an overflow before it (in the first backward), that step is
+    skipped on every replica, as the scaler would have skipped it, and the scaler is told, so that it lowers its
+    scale: the run is then DDP's, step for step."""
+
+    def __init__(self, process_group: Any, optimizer: torch.optim.Optimizer) -> None:
+        self.process_group = process_group
+        self.scaler: Any = None  # the GradScaler once seen
+        self._zeroed: torch.Tensor | None = None  # since the last optimizer step: this rank zeroed a bucket (device bool)
+        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # the gradients held back from a skipped step
+        optimizer = _innermost(optimizer)
+        self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
+
+    def note(self, ok: torch.Tensor) -> None:
+        bad = ok.logical_not()
+        self._zeroed = bad if self._zeroed is None else self._zeroed.logical_or_(bad)
+
+    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        zeroed, self._zeroed = self._zeroed, None
+        if self.scaler is not None:
+            return
+        found = driving_scaler()
+        if found is None:
+            return
+        self.scaler, optimizer_state = found
+        grads = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return
+        flag = torch.zeros((), device=grads[0].grad.device) if zeroed is None else zeroed.float()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)  # COLLECTIVE: once, at the scaler's
+        if flag.item():  # HOST SYNC: once             # first step (every replica steps there: the same gradients)
+            found_inf = next(iter(optimizer_state.get("found_inf_per_device", {}).values()), None)
+            if found_inf is not None:
+                found_inf.fill_(1.0)  # scaler.update() lowers the scale, as for the overflow it did not see
+            self._held = [(p, p.grad) for p in grads]
+            for p in grads:  # an optimizer steps no parameter without a gradient: this step changes nothing
+                p.grad = None
+
+    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        held, self._held = self._held, []
+        for p, g in held:
+            p.grad = g
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def driving_scaler(depth: int = 12) -> tuple[Any, dict[str, Any]] | None:
+    """The ``torch.amp.GradScaler`` whose ``step`` is running this optimizer step, with its state for the optimizer
+    (``optimizer_state``), from the callers' frames; None when no scaler drives it."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name in ("_maybe_opt_step", "step"):
+            local = frame.f_locals
+            scaler = local.get("self")
+            if isinstance(scaler, torch.amp.GradScaler) and isinstance(local.get("optimizer_state"), dict):
+                return scaler, local["optimizer_state"]
+        frame = frame.f_back
+    return None
 
 
 def all_finite(buf: torch.Tensor) -> torch.Tensor:
@@ -307,16 +402,19 @@ def resolve_guard(guard: Any, optimizer: torch.optim.Optimizer, advise: bool = T
     return guard
 
 
-def install_gradient_guard(ddp: "torch.nn.parallel.DistributedDataParallel", process_group: Any = None) -> bool:
-    """Register :func:`finite_allreduce_hook` on ``ddp``; False (with a warning) if DDP refuses
-    (a hook is already registered, or training has started)."""
+def install_gradient_guard(ddp: "torch.nn.parallel.DistributedDataParallel", optimizer: torch.optim.Optimizer,
+                           process_group: Any = None) -> HookGuard | None:
+    """Register the hook guard (:class:`HookGuard`) on ``ddp`` for ``optimizer``; None (with a warning) if DDP
+    refuses (a hook is already registered, or training has started)."""
+    state = HookGuard(process_group, optimizer)
     try:
-        ddp.register_comm_hook(process_group, finite_allreduce_hook)
+        ddp.register_comm_hook(state, _guarded_allreduce)
     except RuntimeError as e:
+        state.remove()
         warnings.warn(f"hdet: could not install the gradient guard on the DDP model ({e}); a non-finite "
                       "gradient on one replica will reach all of them", stacklevel=3)
-        return False
-    return True
+        return None
+    return state
 
 
 class GuardSetting:
@@ -333,6 +431,7 @@ class GuardSetting:
         self.local = False  # the DDP model's last forward ran inside ddp.no_sync() (local mode, at an optimizer step)
         self._local_hook: Any = None
         self.skip: SkipNonFiniteStep | None = None
+        self.hook: HookGuard | None = None
         self.watch: SkipWatch | None = None  # early recovery when the skip guard stalls every replica
 
     def _note_local(self, module: Any, args: Any) -> None:
@@ -357,5 +456,6 @@ class GuardSetting:
             self.skip = SkipNonFiniteStep(self.optimizer, agree_over=groups)
             self.watch = SkipWatch(self.skip, local=lambda: self.local)
             self.installed = "skip"
-        elif guard == "hook" and ddp and install_gradient_guard(model, self.process_group):
-            self.installed = "hook"
+        elif guard == "hook" and ddp:
+            self.hook = install_gradient_guard(model, self.optimizer, self.process_group)
+            self.installed = "hook" if self.hook is not None else None

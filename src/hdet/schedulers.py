@@ -26,7 +26,7 @@ from . import scheduler_state
 from .config import OPTIONS, HDETConfig, spreading
 from .controller import gamma_as_printed
 from .ensemble import Ensemble, SyncRecord
-from .guard import GuardSetting, SkipWatch
+from .guard import GuardSetting, SkipWatch, driving_scaler
 from .hyper import AdamBeta, Hyperparameter, LabelSmoothing
 from .optimizers import check_optimizer, check_shared_gradients, innermost
 from .replicas import DEFAULT_BUCKET_CAP_MB, Replicas, check_mesh_placements, resolve_replicas
@@ -123,6 +123,8 @@ class HDETLR(LRScheduler):
         self._opt_steps = self._opt_steps_seen = 0
         self._opt_hook = innermost(optimizer).register_step_post_hook(self._count_optimizer_step)
         self._warned_double_step = self._warned_missed_step = self._warned_epoch = False
+        self._unmatched = 0  # scheduler steps with no optimizer step (a GradScaler's skips, or a prepared scheduler)
+        self._scaler: Any = None  # a torch.amp.GradScaler seen driving the optimizer (looked for after an unmatched step)
         super().__init__(optimizer, last_epoch)
 
     # -- the base schedule ----------------------------------------------------------------------
@@ -210,16 +212,23 @@ class HDETLR(LRScheduler):
 
     def _count_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._opt_steps += 1
+        if self._unmatched and self._scaler is None:  # a step went unmatched: was it a GradScaler's skip?
+            found = driving_scaler()
+            self._scaler = None if found is None else found[0]
 
     def _check_optimizer_stepped(self) -> None:
-        if self._opt_steps == self._opt_steps_seen and not self._warned_double_step and self._step_count > 1:
+        if self._opt_steps == self._opt_steps_seen and self._step_count > 1:
             # (at the first step torch's own check says it: _torch_first_step_checks)
+            self._unmatched += 1  # said at the next optimizer step, unless a GradScaler drives it (then it skipped)
+        elif self._unmatched and self._scaler is None and not self._warned_double_step:
             self._warned_double_step = True
             warnings.warn(
-                "hdet: scheduler.step() was called with no optimizer.step() since the previous call. HDET counts "
-                "optimizer steps: its converge steps and schedule now run ahead of training. Causes: a scheduler "
-                "passed to accelerator.prepare() (stepped num_processes times per optimizer step: do not prepare "
-                "it), or a step skipped by GradScaler (then skip scheduler.step() too)", stacklevel=4)
+                f"hdet: scheduler.step() was called {self._unmatched} time(s) with no optimizer.step() since the "
+                "previous call, and no torch.amp.GradScaler steps this optimizer (whose skipped steps would explain "
+                "it: keep calling scheduler.step() after each scaler.step(), as torch's AMP recipe does). HDET counts "
+                "optimizer steps: its converge steps and schedule now run ahead of training. A scheduler passed to "
+                "accelerator.prepare() does this (stepped num_processes times per optimizer step): do not prepare it",
+                stacklevel=4)
         if self._guard.local:
             check_shared_gradients(self.optimizer)
         if self._opt_steps > self._opt_steps_seen + 1 and self._guard.local and not self._warned_missed_step:

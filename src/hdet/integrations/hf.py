@@ -16,8 +16,10 @@ The logged learning rate is the base schedule's (the mean over replicas), not ra
 each new sync's scalars (:func:`hdet.sync_scalars`: window losses, bases, spread, Delta) are logged through the
 Trainer at the sync's step, so they reach every ``report_to`` tracker; the gradient guard is installed on the Trainer's
 DDP-wrapped model when training starts. The Trainer steps the
-scheduler once per optimizer step (and not after an AMP-skipped step, on every rank alike), which is
-what HDET counts. Its scheduler state goes into the Trainer's checkpoints, so
+scheduler once per optimizer step, but not after a step that the fp16 GradScaler skipped; HDET's scheduler is
+stepped after those too (by :class:`_HDETHooks`, on every rank alike), as torch's AMP recipe does, so that it counts
+the Trainer's steps and averages the replicas after the last one (before, each skipped step left it one step short
+of ``max_steps``: no final average). Its scheduler state goes into the Trainer's checkpoints, so
 ``trainer.train(resume_from_checkpoint=...)`` resumes HDET; the Trainer saves rank 0's optimizer and
 scheduler states only, so after loading them each rank re-applies its own learning rate, and
 ``save_steps`` should be a multiple of ``model_sync_interval`` (a warning says so otherwise). Install with ``pip install hdet[hf]``.
@@ -150,6 +152,8 @@ class _HDETHooks(TrainerCallback):
         others logged at the log's step)."""
         t = self.trainer
         sched = t.lr_scheduler
+        if isinstance(sched, HDETLR) and t.accelerator.optimizer_step_was_skipped:
+            sched.step()  # the Trainer does not step it after a step the GradScaler skipped: HDET counts that step
         rec = sched.last_sync if isinstance(sched, HDETLR) else None
         if rec is not None and rec.step != self.logged:
             self.logged = rec.step
@@ -160,5 +164,5 @@ class _HDETHooks(TrainerCallback):
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
         loss, t._hdet_loss = t._hdet_loss, None
-        if loss is not None and isinstance(t.lr_scheduler, HDETLR) and not t.accelerator.optimizer_step_was_skipped:
+        if loss is not None and isinstance(t.lr_scheduler, HDETLR):  # (a step the GradScaler skipped counts too)
             t.lr_scheduler.observe(loss)  # this rank's own loss of the step, on its device
