@@ -297,9 +297,9 @@ def explore_hypers(rank, world, steps=30):
 
 
 def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20, T=5, guard=True, fused=False,
-                    clip=False):
-    """DDP + Adam (``fused``: torch's fused Adam) + auto-LR; at step ``at`` replica ``bad_rank`` gets a NaN
-    weight (mid-window) or a NaN loss. Records, after every step, whether each rank's weights are finite
+                    clip=False, on_runaway="ignore"):
+    """DDP + Adam (``fused``: torch's fused Adam) + auto-LR; at step ``at`` replica ``bad_rank`` (-1: every
+    replica) gets a NaN weight (mid-window) or a NaN loss. Records, after every step, whether each rank's weights are finite
     and whether they changed, and after every sync whether the replicas are equal. ``clip``: clip through
     ``scheduler.clip_grad_norm_`` (max norm 1e6: no healthy gradient is changed) and count the guard's own
     passes over the gradients."""
@@ -315,14 +315,14 @@ def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20,
     o = torch.optim.Adam(ddp.parameters(), lr=0.01, fused=fused or None)
     s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.2, model_sync_interval=T,
                             controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=T, loss_scale=0.05, model=ddp, seed=3,
-                            guard_gradients=guard)
-    finite, equal, recovered, caught, changed, nonfinite = [], [], [], [], [], []
+                            guard_gradients=guard, on_runaway=on_runaway)
+    finite, equal, recovered, caught, changed, nonfinite, records = [], [], [], [], [], [], []
     try:
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             for t in range(1, steps + 1):
                 before = torch.cat([p.detach().flatten() for p in model.parameters()])
-                if fault == "weights" and t == at and rank == bad_rank:
+                if fault == "weights" and t == at and bad_rank in (rank, -1):
                     with torch.no_grad():
                         model[0].weight[0, 0] = float("nan")
                 x, y = batch(rank, t)
@@ -335,7 +335,10 @@ def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20,
                     s.clip_grad_norm_(1e6)
                 o.step()
                 changed.append(not torch.equal(before, torch.cat([p.detach().flatten() for p in model.parameters()])))
+                last = s.last_sync
                 s.step(loss)
+                if s.last_sync is not last:
+                    records.append((t, s.last_sync.went_back_to, s.last_sync.lr_scale))
                 finite.append(bool(all(torch.isfinite(p).all() for p in model.parameters())
                                    and all(torch.isfinite(v).all() for st in o.state.values() for v in st.values())))
                 if s.is_sync_step(t):
@@ -347,7 +350,7 @@ def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20,
     except hdet.NonFiniteReplicaError as e:
         return {"error": "NonFiniteReplicaError", "msg": str(e), "finite": finite}
     return {"error": None, "finite": finite, "equal": equal, "recovered": recovered, "warnings": caught,
-            "nonfinite_losses": nonfinite,
+            "nonfinite_losses": nonfinite, "records": records,
             "guard": s.gradient_guard, "losses_at_recovery": s.ensemble.controllers[0].updates, "changed": changed,
             "skipped": None if s.skip_guard is None else float(s.skip_guard.skipped),
             "steps": [int(st["step"]) for st in o.state.values()][:1], "own_passes": len(passes)}

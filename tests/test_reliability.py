@@ -626,6 +626,21 @@ def test_a_nan_weight_under_the_skip_guard_stalls_the_replicas_for_a_bounded_str
         assert any("early recovery at step 30 replica(s) [2]" in w for w in out["warnings"])
 
 
+@pytest.mark.distributed
+def test_every_replica_nan_between_syncs_goes_back_at_the_early_recovery():
+    """Skip guard, T = 30, on_runaway="recover": every replica's weight turns NaN at step 31. The early recovery
+    (after the stretch of skipped steps, at step 50) found every replica bad and raised NonFiniteReplicaError,
+    where a sync would have gone back to the best one: the outcome hung on T. Now it goes back to step 30 there,
+    cuts the LR and says so in a sync record; training goes on, finite."""
+    res = check_ok(run_gloo(_fused_fault, 2, {"fault": "weights", "fused": True, "T": 30, "steps": 60, "at": 31,
+                                               "bad_rank": -1, "on_runaway": "recover"}))
+    for out in res:
+        assert out["error"] is None and out["guard"] == "skip"
+        assert (50, 30, 0.5) in out["records"], out["records"]
+        assert all(out["finite"][49:]) and all(out["changed"][50:])
+        assert not any("finite weights" in w and "[0, 1]" in w and "step 50" in w for w in out["warnings"])
+
+
 # ------------------------------------------------------------ 11. errors that say what happened
 def test_an_error_in_the_users_probe_is_the_users_error():
     class Boom(RuntimeError):

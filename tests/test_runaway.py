@@ -211,3 +211,115 @@ def test_every_replica_nonfinite_goes_back_to_the_best_sync_with_recover_and_rai
             _window(o, s)
         assert s.last_sync.went_back_to == 10 and s.base_lrs_now[0] == pytest.approx(0.05)
         assert all(torch.equal(p, b) for p, b in zip(m.parameters(), best))
+
+
+def _adam_window(m, o, s, T=5):
+    for _ in range(T):
+        o.zero_grad()
+        m(torch.ones(2, 3)).sum().backward()
+        o.step()
+        s.step(torch.tensor(1.0))
+
+
+def test_going_back_restores_adams_step_counts_with_its_moments():
+    """The best sync's moments were made with its step count: left at the later step, Adam's bias correction took
+    a later step's and its first steps after going back were longer than the cut LR says (an audit measured 1.21x
+    going back from 75 to 50). Kept with the snapshot, through a checkpoint too; a checkpoint whose snapshot was
+    saved before the counts were kept still loads (and goes back with the counts it resumed with)."""
+    def build():
+        torch.manual_seed(0)
+        m = nn.Linear(3, 1)
+        o = torch.optim.Adam(m.parameters(), lr=0.1)
+        it = iter([[3.0] * 8, [1.9] * 8, [1.95] * 8, [2.5] * 8])
+        s = hdet.HDETLR(o, None, total_steps=100, model=m, replicas=ScriptedReplicas(0, 8, lambda: next(it)),
+                        ensemble_lr_spread_ratio=0.2, model_sync_interval=5, on_runaway="recover")
+        return m, o, s
+
+    m, o, s = build()
+    _adam_window(m, o, s)
+    _adam_window(m, o, s)  # the best sync: 10
+    _adam_window(m, o, s)
+    state = torch.load(io.BytesIO(_bytes(s.state_dict())), weights_only=True)
+    snap = state["hdet"]["stability"]["snapshot"]
+    assert [float(x) for x in snap[-2:]] == [10.0, 10.0]  # weight and bias: Adam's counts at the best sync
+    with pytest.warns(UserWarning, match="went back to its state at step 10"):
+        _adam_window(m, o, s)  # 2.5: a rise
+    assert [float(o.state[p]["step"]) for p in m.parameters()] == [10.0, 10.0]
+    for legacy in (False, True):
+        m2, o2, s2 = build()
+        for _ in range(3):
+            _adam_window(m2, o2, s2)
+        saved = torch.load(io.BytesIO(_bytes(s2.state_dict())), weights_only=True)
+        if legacy:  # hdet before the counts were kept: the snapshot ends with the moments
+            saved["hdet"]["stability"]["snapshot"] = saved["hdet"]["stability"]["snapshot"][:-2]
+        m3, o3, s3 = build()
+        m3.load_state_dict(m2.state_dict())
+        o3.load_state_dict(o2.state_dict())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing dropped
+            s3.load_state_dict(saved)
+        s3.ensemble.replicas = ScriptedReplicas(0, 8, lambda: [2.5] * 8)
+        with pytest.warns(UserWarning, match="went back to its state at step 10"):
+            _adam_window(m3, o3, s3)
+        assert [float(o3.state[p]["step"]) for p in m3.parameters()] == ([15.0] * 2 if legacy else [10.0] * 2)
+
+
+@pytest.mark.parametrize("mode", ["vmap", "loop"])
+def test_the_engine_goes_back_to_the_step_counts_of_the_best_sync(mode):
+    """The engine's stacked AdamW keeps its own count of the steps: it takes the one a go-back sets."""
+    torch.manual_seed(0)
+    N, T = 4, 10
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 1, generator=g)
+    data = []
+    for _ in range(45):
+        xs = torch.randn(N, 16, 8, generator=g)
+        data.append([(xs[r], xs[r] @ w) for r in range(N)])
+    eng = ReplicaEngine(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)), N,
+                        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                        lambda o, rep, m: hdet.HDETLR(o, None, total_steps=80, model=m, replicas=rep,
+                                                      ensemble_lr_spread_ratio=0.2, model_sync_interval=T,
+                                                      on_runaway="recover"), mode=mode)
+    best = None
+    for t in range(1, 42):
+        if t == 32:  # every replica's weights thrown off alike: the next sync's loss rises
+            noise = [torch.randn(p.shape, generator=g) * 1.5 for p in eng.models[0].parameters()]
+            with torch.no_grad():
+                for m in eng.models:
+                    for p, n in zip(m.parameters(), noise):
+                        p.add_(n)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            eng.step(data[t - 1], lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
+        if t == 30:
+            best = [[p.detach().clone() for p in m.parameters()] for m in eng.models]
+            assert eng.schedulers[0].ensemble.stability.best_step == 30
+        if t == 40:
+            assert eng.schedulers[0].last_sync.went_back_to == 30
+            for m, o, kept in zip(eng.models, eng.optimizers, best):
+                assert all(torch.equal(p, k) for p, k in zip(m.parameters(), kept))
+                assert {float(o.state[p]["step"]) for p in m.parameters()} == {30.0}
+    assert {float(o.state[p]["step"]) for o, m in zip(eng.optimizers, eng.models) for p in m.parameters()} == {31.0}
+
+
+def test_a_collapse_says_every_replica_went_back_and_nothing_else():
+    """Every replica's weights NaN in the engine: the sync goes back to the best one; it also warned that those
+    replicas had non-finite losses "but finite weights", which contradicted the first warning."""
+    torch.manual_seed(0)
+    eng = ReplicaEngine(nn.Linear(3, 1), 3, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                        lambda o, rep, m: hdet.HDETLR(o, None, total_steps=30, model=m, replicas=rep,
+                                                      ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                                                      on_runaway="recover"))
+    x = torch.randn(3, 8, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(1, 16):
+            if t == 12:
+                with torch.no_grad():
+                    for m in eng.models:
+                        m.weight.fill_(float("nan"))
+            eng.step([(x[r], x[r].sum(-1, keepdim=True)) for r in range(3)], lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
+    said = [str(w.message) for w in caught if "step 15" in str(w.message)]
+    assert eng.schedulers[0].last_sync.went_back_to == 10
+    assert any("every replica had non-finite weights" in m for m in said), said
+    assert not any("but finite weights" in m for m in said), said

@@ -301,6 +301,7 @@ def test_snapshots_copy_the_shared_moments_once(kind):
     going back to those copies included."""
     make, sched = OPTIMIZERS["adamw"][0], UNSTABLE[kind]
     P = 4 * sum(p.numel() for p in _model().parameters())  # bytes of one replica's weights (float32)
+    C = 4 * len(list(_model().parameters()))  # one replica's step counts (a float32 each; the stacked step: one)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the runaway/range-test warnings
         fast, slow = _engine(make, sched=sched), _engine(make, stacked=False, sched=sched)
@@ -313,13 +314,13 @@ def test_snapshots_copy_the_shared_moments_once(kind):
         assert back, "the run must go back to a snapshot for this test to mean anything"
         _close(fast, slow)
         _close(eng, slow)
-        assert _snapshot_bytes(fast, "guard") == (N + 2) * P  # each replica's weights, the moments once
-        assert _snapshot_bytes(slow, "guard") == 3 * N * P
+        assert _snapshot_bytes(fast, "guard") == (N + 2) * P + 4  # each replica's weights, the moments once
+        assert _snapshot_bytes(slow, "guard") == 3 * N * P + N * C
         if kind == "range_test":  # mid-ramp: up to a few snapshots, each with the moments once
             fast, slow = _engine(make, sched=sched, steps=6), _engine(make, stacked=False, sched=sched, steps=6)
             k = len(fast.schedulers[0].ensemble._ramp.items)
-            assert k >= 1 and _snapshot_bytes(fast, "ramp") == k * (N + 2) * P
-            assert _snapshot_bytes(slow, "ramp") == k * 3 * N * P
+            assert k >= 1 and _snapshot_bytes(fast, "ramp") == k * ((N + 2) * P + 4)
+            assert _snapshot_bytes(slow, "ramp") == k * (3 * N * P + N * C)
 
 
 @pytest.mark.parametrize("stop", [False, True], ids=["moments_part", "per_replica_fallback"])
@@ -346,7 +347,7 @@ def test_snapshots_of_moments_that_part_later_stay_each_replicas(stop):
     assert len({id(sn[k]) for sn in snaps}) == N  # each replica's own copy of its moments
     for e in engines:
         for s in e.schedulers:
-            assert s.ensemble.stability.go_back(s.ensemble.tensors() + s.ensemble.recovery_tensors())
+            assert s.ensemble.stability.go_back(s.ensemble.kept_tensors())
     _close(fast, slow)
 
 

@@ -301,6 +301,24 @@ class Ensemble:
         alone: a reset replica's probe is NaN for that one fit.)"""
         return [] if self.config.average_optimizer_state else self._optimizer_state(self._params())
 
+    def step_counts(self) -> list[torch.Tensor]:
+        """The optimizer's step counts that are tensors (Adam's ``state["step"]``, one per parameter): not averaged
+        (equal on every replica), but kept with a best sync, so that going back to it restores the bias
+        correction that its moments were made with (left at the later step, Adam's first steps after going back
+        were up to 1.2x too long, more the further back it went)."""
+        out = []
+        for p in self._params():
+            step = self.optimizer.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor):
+                out.append(step)
+        return out
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """What a best sync (``on_runaway="recover"``) and the range test's snapshots keep and go back to: the
+        averaged tensors, the moments when they are not among them, and the step counts (last, so that a
+        checkpoint's snapshot from before they were kept still fits: :func:`hdet.stability.fit_snapshot`)."""
+        return self.tensors() + self.recovery_tensors() + self.step_counts()
+
     def _params(self) -> list[torch.Tensor]:
         """The parameters a converge step averages: every floating-point one of the optimizer's, frozen ones too (one
         frozen after the replicas parted is brought back together; equal copies may move in the last bit)."""
@@ -349,12 +367,12 @@ class Ensemble:
         bad = [r for r in range(N) if col.finite[r] != 1.0 or col.buf_inf[r] > min(col.buf_inf)]
         bad_loss = [r for r in range(N) if col.observed[r] > col.loss_n[r]]
         # every replica bad: with on_runaway="recover" (or the range test) and a best sync to go back to, that
-        # is where every replica goes (a collapse); otherwise nothing can be recovered
-        collapsed = len(bad) == N and everyone and self.stability.on and self.stability.can_go_back(
-            self.tensors() + self.recovery_tensors())
+        # is where every replica goes (a collapse, at a sync or an early recovery); otherwise nothing can be recovered
+        collapsed = len(bad) == N and self.stability.on and self.stability.can_go_back(self.kept_tensors())
         if ((bad or (bad_loss and everyone)) and self.config.on_nonfinite == "raise") or (len(bad) == N and not collapsed):
             raise NonFiniteReplicaError(
-                f"At sync step {t}: non-finite training losses on replica(s) {bad_loss}, non-finite weights on "
+                f"At {'sync' if everyone else 'an early recovery at'} step {t}: non-finite training losses on replica(s) "
+                f"{bad_loss}, non-finite weights on "
                 f"replica(s) {bad} (parameters or buffers)"
                 + (" (every replica)" if len(bad) == N else "")
                 + ". Nothing was averaged, so the other replicas are untouched."
@@ -374,7 +392,7 @@ class Ensemble:
         col, bad, losses = verdict.col, verdict.exclude, list(verdict.losses)
         if verdict.nonfinite and not verdict.collapsed:
             _warn_recovered(t, verdict.nonfinite, "sync")
-        kept = self.tensors() + self.recovery_tensors() if self.stability.on else []  # listed once, when it is on
+        kept = self.kept_tensors() if self.stability.on else []  # listed once, when it is on
         if verdict.collapsed:
             back = self.stability.go_back(kept)
         else:
@@ -389,7 +407,7 @@ class Ensemble:
             self.stability.warn(t, verdict.runaway, losses, verdict.rising, back, self.slots.lr_scale, verdict.collapsed)
         nonfinite_losses = [int(col.observed[r] - col.loss_n[r]) for r in range(N)]
         bad_loss = [r for r in range(N) if nonfinite_losses[r] > 0]
-        healthy_loss = [r for r in bad_loss if r not in bad]
+        healthy_loss = [r for r in bad_loss if r not in bad and r not in verdict.nonfinite]  # (a collapse excludes none)
         if healthy_loss:
             warnings.warn(
                 f"hdet: at sync step {t} replica(s) {healthy_loss} had non-finite training losses "
@@ -482,9 +500,15 @@ class Ensemble:
         """An early converge between syncs, for replicas with non-finite weights or buffers (the scheduler
         calls it when the skip guard skipped every step of a stretch). The healthy replicas are averaged
         only when some replica is bad; the loss window and the controller are left alone. Returns the bad
-        replicas. Collectives as :meth:`sync`."""
+        replicas. When every replica is bad, with a best sync to go back to (``on_runaway="recover"``), every
+        replica goes back to it now, as at a sync (a :class:`SyncRecord` at step ``t`` says so). Collectives as
+        :meth:`sync`."""
         with self.marking_failure(t):
-            bad = self.check_sync(t, self._gather(t, self.prepare_sync(t, new_window=False)), everyone=False).exclude
+            verdict = self.check_sync(t, self._gather(t, self.prepare_sync(t, new_window=False)), everyone=False)
+            if verdict.collapsed:  # every replica bad: back to the best sync now, as a sync would (a record says so)
+                self.finish_sync(t, verdict)
+                return verdict.nonfinite
+            bad = verdict.exclude
             if bad:
                 self._average(t, self.tensors(), bad)
                 self._reset_moments(t, bad)

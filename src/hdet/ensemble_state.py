@@ -237,8 +237,9 @@ def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
     s.bases, s.controllers, s.dealer = new["bases"], new["controllers"], new["dealer"]
     s.peak0, s.scheduled, s.perms, s.lr_scale = new["peak0"], new["scheduled"], new["perms"], new["lr_scale"]
     s.range = new["range_test"]
-    ens._ramp.load(new["range_snapshots"], ens.tensors() + ens.recovery_tensors())
-    ens.stability.load(new["stability"], ens.tensors() + ens.recovery_tensors())
+    kept, counts = ens.kept_tensors(), len(ens.step_counts())
+    ens._ramp.load(new["range_snapshots"], kept, counts)
+    ens.stability.load(new["stability"], kept, counts)
     ens.window.load(new["window"])
     if ens.window_mean is not None:
         ens.window_mean.load(new["window_mean"])

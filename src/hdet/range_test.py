@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .stability import Copier, copy_kept, same_layout, same_shape
+from .stability import Copier, copy_kept, fit_snapshot, same_layout, same_shape
 
 __all__ = ["RangeTest", "RampSnapshots", "MAX_RANGE_GROWTH", "COLLAPSE", "RANGE_START"]
 
@@ -188,9 +188,11 @@ class RampSnapshots:
                              "state_dict")
         return [(x[0], x[1], x[2], x[3]) for x in state]
 
-    def load(self, items: list[tuple[int, float, float, list[torch.Tensor]]], tensors: list[torch.Tensor]) -> None:
+    def load(self, items: list[tuple[int, float, float, list[torch.Tensor]]], tensors: list[torch.Tensor],
+             counts: int = 0) -> None:
         """Set parsed snapshots onto the devices of ``tensors`` (snapshots of another layout are dropped, with a
-        warning)."""
+        warning; ``counts``: the step counts at the end of ``tensors``, see :func:`hdet.stability.fit_snapshot`)."""
+        items = [(step, lr, loss, fit_snapshot(ts, tensors, counts)) for step, lr, loss, ts in items]
         self.items = [(step, lr, loss, [s.to(t.device, t.dtype, copy=True) for s, t in zip(ts, tensors)])
                       for step, lr, loss, ts in items if len(ts) == len(tensors)
                       and all(same_shape(s, t) for s, t in zip(ts, tensors))]

@@ -6,7 +6,7 @@ decides the same, with no communication):
 * a **runaway** replica, whose window loss is far above the others' (more than ``outlier_threshold``
   deviations above the median: 1.4826 MAD across replicas, but at least 2% of the median and the standard
   error of one replica's window mean) and above the best ensemble loss so far, is left out of the average
-  and reset to the others' mean, like a non-finite one;
+  and reset to the others' mean, like a non-finite one (among 3 replicas or more: of two, neither is an outlier);
 * the ensemble is **rising** when its median window loss is above the best so far by more than
   ``rise_threshold`` of it and by more than ``NOISE_Z`` standard errors of the two windows' losses (from
   the spread of the step losses inside the windows: a noisy loss's plateau is not a rise): then every
@@ -32,7 +32,7 @@ import torch
 
 from .config import HDETConfig, _is_real
 
-__all__ = ["StabilityGuard", "NOISE_Z", "MIN_LR_SCALE", "Copier", "SharedCopies"]
+__all__ = ["StabilityGuard", "NOISE_Z", "MIN_LR_SCALE", "Copier", "SharedCopies", "fit_snapshot"]
 
 NOISE_Z = 4.0  # a rise must exceed this many standard errors of the window losses
 MIN_LR_SCALE = 1 / 64  # the LR schedule is never cut below this fraction of itself
@@ -239,9 +239,9 @@ class StabilityGuard:
                 "best_se": float(state.get("best_se", 0.0)),
                 "snapshot": snap}
 
-    def load(self, parsed: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+    def load(self, parsed: dict[str, Any], tensors: list[torch.Tensor], counts: int = 0) -> None:
         self.best_loss, self.best_step, self.best_se = parsed["best_loss"], parsed["best_step"], parsed["best_se"]
-        snap = parsed["snapshot"]
+        snap = None if parsed["snapshot"] is None else fit_snapshot(parsed["snapshot"], tensors, counts)
         if snap is not None and not same_layout(snap, tensors):
             warnings.warn(f"hdet: the checkpoint's best sync ({len(snap)} tensors) does not fit this run's "
                           f"{len(tensors)} tensors (another model or optimizer, or a checkpoint from before hdet "
@@ -250,6 +250,16 @@ class StabilityGuard:
             snap = None
         self._snapshot = None if snap is None else [
             s.to(t.device, t.dtype, copy=True) for s, t in zip(snap, tensors)]  # never the caller's tensors
+
+
+def fit_snapshot(snap: list[torch.Tensor], tensors: list[torch.Tensor], counts: int) -> list[torch.Tensor]:
+    """A saved snapshot for ``tensors``, whose last ``counts`` are the optimizer's step counts
+    (:meth:`hdet.Ensemble.kept_tensors`): one saved before hdet kept them fits the others, and goes back to them
+    with the step counts the run resumed with (before, a go-back left the counts as they were)."""
+    n = len(tensors) - counts
+    if counts and len(snap) == n and same_layout(snap, tensors[:n]):
+        return list(snap) + [t.detach().clone() for t in tensors[n:]]
+    return snap
 
 
 def same_layout(a: list[torch.Tensor], b: list[torch.Tensor], strict: bool = False) -> bool:

@@ -253,6 +253,8 @@ class StackedStep:
     @torch.no_grad()
     def step(self) -> None:
         """``optimizer.step()`` of every replica (then each optimizer's step post-hooks, as torch runs them)."""
+        if self.kind in ("adam", "dadapt") and self.rows:  # the counts the states show (a go-back to a best sync
+            self.steps = [int(c) for c in self._step_t]   # of on_runaway="recover" sets them back)
         if self.kind == "dadapt":
             return self._dadapt_step()
         if self.kind == "prodigy":
