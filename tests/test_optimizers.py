@@ -152,7 +152,8 @@ def test_dual_averaging_d_adaptation_is_refused_under_an_lr_spread(name):
     with pytest.raises(ValueError, match=rf"adds its update.*got {name} \(dual averaging.*ensemble_lr_spread_ratio=0"):
         _sched(o, ensemble_lr_spread_ratio=0.2)
     plain = _sched(o)  # alpha 0: averaging only
-    _sched(cls(m.parameters(), lr=1.0), explore=[hdet.WeightDecay(o, alpha=0.5, kind="additive")])
+    o2 = cls(m.parameters(), lr=1.0)
+    _sched(o2, explore=[hdet.WeightDecay(o2, alpha=0.5, kind="additive")])
     m(torch.randn(4, 3)).pow(2).mean().backward()
     o.step()
     assert any("x0" in st for st in o.state.values())

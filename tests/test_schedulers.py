@@ -371,7 +371,7 @@ def test_elastic_resume_keeps_bases_and_velocity_and_redeals():
     (dict(eq8="bogus"), r"eq8 to be 'decay' or 'as_printed', but got 'bogus'"),
     (dict(world_size=4), r"rank=0 and world_size=1 without an initialised torch.distributed process group"),
     (dict(auto_lr_bounds=(1.0, 0.5)), r"auto_lr_bounds as \(low, high\)"),
-    (dict(seed=-3), r"seed >= 0, but got -3"),
+    (dict(seed=-3), r"seed >= 0 and < 9223372036854775808, but got -3"),
 ])
 def test_bad_input_raises_value_error_naming_argument(kwargs, match):
     _, o = _opt()
@@ -793,3 +793,29 @@ def test_torchs_first_step_checks_are_said_once_at_the_callers_line_and_an_int_s
     o.step()
     with pytest.warns(UserWarning, match=r"scheduler.step\(5\) got an int: HDET's step takes this step's training loss"):
         s.step(5)
+
+
+def test_a_onecycle_lr_state_says_how_to_go_on_under_hdet():
+    """A drop-in user resuming a OneCycleLR checkpoint: the error says how, and the recipe it gives continues the
+    schedule exactly (LRs equal to the uninterrupted OneCycleLR's at every later step, at alpha 0)."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 1)
+    o = torch.optim.AdamW(m.parameters(), lr=0.1)
+    s = torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=100)
+    for _ in range(40):
+        o.step()
+        s.step()
+    o2 = torch.optim.AdamW(m.parameters(), lr=0.1)
+    o2.load_state_dict(o.state_dict())
+    with pytest.raises(ValueError, match=r"torch's OneCycleLR's\. To go on .* last_epoch=39"):
+        OneCycleAutoLR(o2, max_lr=0.1, total_steps=100).load_state_dict(s.state_dict())
+    o3 = torch.optim.AdamW(m.parameters(), lr=0.1)
+    o3.load_state_dict(o.state_dict())
+    s3 = OneCycleAutoLR(o3, max_lr=0.1, total_steps=100, last_epoch=39)
+    for _ in range(60):
+        assert o3.param_groups[0]["lr"] == o.param_groups[0]["lr"]
+        o.step()
+        s.step()
+        o3.step()
+        s3.step()
+    assert s3.last_sync.step == 100

@@ -16,6 +16,7 @@ from typing import Any
 
 from .controller import CONTROLLERS, FitController
 from .spread import check_alpha
+from .values import int_number, real_number
 
 __all__ = ["HDETConfig", "OPTIONS", "spreading"]
 
@@ -90,7 +91,7 @@ class HDETConfig:
         self.ensemble_lr_spread_ratio = check_alpha(self.ensemble_lr_spread_ratio)
         self.model_sync_interval = _check_int("model_sync_interval", self.model_sync_interval, lo=1)
         self.auto_lr_warmup_steps = _check_int("auto_lr_warmup_steps", self.auto_lr_warmup_steps, lo=0)
-        self.seed = _check_int("seed", self.seed, lo=0)
+        self.seed = _check_int("seed", self.seed, lo=0, hi=2 ** 63)  # (a torch.Generator seed)
         self.range_patience = _check_int("range_patience", self.range_patience, lo=1)
         for name in ("enable_auto_lr", "average_optimizer_state", "tie_lr_groups", "lr_range_test"):
             setattr(self, name, _check_bool(name, getattr(self, name)))
@@ -103,9 +104,10 @@ class HDETConfig:
                                        ("range_max_factor", "", lambda v: v >= 1, "{} >= 1"),
                                        ("range_backoff", "", lambda v: v >= 1, "{} >= 1")):
             v = getattr(self, name)
-            if not _is_real(v) or not math.isfinite(v) or not ok(v):
+            x = real_number(v)
+            if x is None or not math.isfinite(x) or not ok(x):
                 raise ValueError(f"Expected {want.format(f'{name} ({symbol})' if symbol else name)}, but got {v!r}")
-            setattr(self, name, float(v))
+            setattr(self, name, x)
         if self.eq8 not in ("decay", "as_printed"):
             raise ValueError(f"Expected eq8 to be 'decay' or 'as_printed', but got {self.eq8!r}")
         if self.on_runaway not in ("ignore", "recover"):
@@ -114,9 +116,13 @@ class HDETConfig:
             raise ValueError(f"Expected on_nonfinite to be 'recover' or 'raise', but got {self.on_nonfinite!r}")
         if isinstance(self.controller, dict):  # from a state_dict: a FitController's settings
             keep = ("kappa", "beta", "max_step", "bounds", "log_scale")
+            unknown = sorted(set(self.controller) - set(keep) - {"kind", "c", "m", "updates"})
+            if unknown:
+                raise ValueError(f"Expected a FitController's settings {list(keep)} in controller=, but got {unknown}")
             self.controller = FitController(**{k: (tuple(v) if k == "bounds" else v)
                                                for k, v in self.controller.items() if k in keep})
-        if not isinstance(self.controller, FitController) and self.controller not in CONTROLLERS:
+        if not isinstance(self.controller, (FitController, str)) or (
+                isinstance(self.controller, str) and self.controller not in CONTROLLERS):
             raise ValueError(f"Expected controller in {tuple(CONTROLLERS)} or a hdet.FitController, but got "
                              f"{self.controller!r}")
 
@@ -173,11 +179,13 @@ def _check_bool(name: str, value: Any) -> bool:
     return item
 
 
-def _check_int(name: str, value: Any, lo: int) -> int:
-    """``value`` as an int (numpy integers included), or a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
-        raise ValueError(f"Expected integer {name} >= {lo}, but got {value!r}")
-    return int(value)
+def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
+    """``value`` as an int (numpy integers and 0-d integer tensors included), or a ValueError naming ``name``."""
+    x = int_number(value)
+    if x is None or x < lo or (hi is not None and x >= hi):
+        raise ValueError(f"Expected integer {name} >= {lo}" + (f" and < {hi}" if hi is not None else "")
+                         + f", but got {value!r}")
+    return x
 
 
 def spreading(config: HDETConfig, hypers: Any) -> bool:

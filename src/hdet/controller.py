@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from .values import real_number
+
 __all__ = ["softmax_weights", "gamma_as_printed", "gamma_decay", "PaperController", "FitController", "ControllerStep",
            "Observation", "fit_parabola", "CONTROLLERS", "controller_from_state"]
 
@@ -232,11 +234,20 @@ class FitController:
     def __post_init__(self) -> None:
         for name in ("kappa", "max_step"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+            x = real_number(v)
+            if x is None or not (x > 0 and math.isfinite(x)):
                 raise ValueError(f"Expected {name} > 0, but got {v!r}")
-        if not 0.0 <= self.beta < 1.0:
+            setattr(self, name, x)
+        beta = real_number(self.beta)
+        if beta is None or not 0.0 <= beta < 1.0:
             raise ValueError(f"Expected 0 <= beta < 1, but got {self.beta!r}")
-        lo, hi = self.bounds
+        self.beta = beta
+        if not isinstance(self.log_scale, bool):
+            raise ValueError(f"Expected log_scale to be a bool, but got {self.log_scale!r}")
+        bounds = tuple(self.bounds) if isinstance(self.bounds, (tuple, list)) else ()
+        if len(bounds) != 2 or any(real_number(b) is None for b in bounds):
+            raise ValueError(f"Expected bounds as (lo, hi), two numbers, but got {self.bounds!r}")
+        self.bounds = lo, hi = tuple(real_number(b) for b in bounds)
         if self.log_scale and not 0 < lo <= 1 <= hi < math.inf:
             raise ValueError(f"Expected correction bounds (lo, hi) with 0 < lo <= 1 <= hi < inf, but got {self.bounds!r}")
         if not self.log_scale and not lo <= 0 <= hi:

@@ -47,6 +47,7 @@ from .stability import SharedCopies
 from .stacked_optim import StackedStep, Unstackable, unsupported
 from .stacking import StackedReplicas
 from .step_scale import share_local
+from .values import int_number
 
 __all__ = ["ReplicaEngine"]
 
@@ -103,7 +104,16 @@ class _Call(nn.Module):
         self.m = module
 
     def forward(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
-        return loss_fn(self.m, batch)
+        return _scalar_loss(loss_fn(self.m, batch))
+
+
+def _scalar_loss(loss: Any) -> torch.Tensor:
+    """What ``loss_fn`` returned, checked: one replica's scalar loss tensor."""
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(f"Expected loss_fn to return a scalar loss tensor, but got {type(loss).__name__}")
+    if loss.dim() != 0:
+        raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(loss.shape)}")
+    return loss
 
 
 class ReplicaEngine:
@@ -140,6 +150,9 @@ class ReplicaEngine:
                  share_gradients: bool = True, stacked_optimizer: bool = True, gradient_layout: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(f"Expected mode in {MODES}, but got {mode!r}")
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"Expected model to be a torch.nn.Module, but got {type(model).__name__}")
+        num_replicas = num_replicas if int_number(num_replicas) is None else int_number(num_replicas)  # numpy, 0-d
         self.group = LocalReplicaGroup(num_replicas)
         self.num_replicas = num_replicas
         self.models = [copy.deepcopy(model) for _ in range(num_replicas)]
@@ -304,9 +317,7 @@ class ReplicaEngine:
         for m, b in zip(self.models, batches):
             for p in m.parameters():
                 p.grad = None
-            loss = loss_fn(m, b)
-            if loss.dim() != 0:
-                raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(loss.shape)}")
+            loss = _scalar_loss(loss_fn(m, b))
             loss.backward()
             losses.append(loss.detach())
         if self.share_gradients:
@@ -361,12 +372,13 @@ class ReplicaEngine:
             got = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"Expected a ReplicaEngine state_dict (keys 'version', 'num_replicas', 'replicas'), but "
                              f"got {got}")
-        if state.get("version", 1) > self.STATE_VERSION:
+        version = state.get("version", 1)
+        if int_number(version) is None or version > self.STATE_VERSION:
             raise ValueError(f"Expected a ReplicaEngine state of version <= {self.STATE_VERSION}, but got "
-                             f"{state['version']}: saved by a newer hdet")
+                             f"{version!r}" + (": saved by a newer hdet" if int_number(version) is not None else ""))
         if state["num_replicas"] != self.num_replicas or len(state["replicas"]) != self.num_replicas:
             raise ValueError(f"Expected a state of {self.num_replicas} replicas, but got one of "
-                             f"{state['num_replicas']} ({len(state['replicas'])} entries)")
+                             f"{state['num_replicas']!r} ({len(state['replicas'])} entries)")
         if state.get("share_gradients", True) != self.share_gradients:
             raise ValueError(f"Expected a state saved with share_gradients={self.share_gradients}, but got "
                              f"share_gradients={state.get('share_gradients')}")
@@ -424,6 +436,10 @@ class ReplicaEngine:
                                        f"values are {[s.last_epoch for s in self.schedulers]} (stepped or loaded "
                                        "apart?); nothing was run")
         t = steps.pop() + 1  # this step's number: the schedulers' count, right after a load_state_dict too
+        total = self.schedulers[0].total_steps
+        if t > total:  # before the step changes anything (the scheduler would refuse it after the optimizer's)
+            raise ValueError(f"Expected at most total_steps={total} engine steps, but this is step {t}; raise "
+                             "total_steps or stop stepping (nothing was run)")
         n = _leading(batches) if stacked else (len(batches) if isinstance(batches, Sequence) else None)
         if n != N:
             raise ValueError(f"Expected one batch per replica ({N}), but got {n}")

@@ -29,7 +29,7 @@ from . import ensemble_state
 from .config import HDETConfig
 from .controller import ControllerStep
 from .hyper import Hyperparameter
-from .optimizers import lr_free_kind
+from .optimizers import innermost, lr_free_kind
 from .replicas import ProcessGroupReplicas, Replicas, ReplicaSyncError, local_shard
 from .range_test import MAX_RANGE_GROWTH, RANGE_START, RampSnapshots, RangeTest
 from .slots import LRControl, Slots
@@ -104,8 +104,15 @@ class Ensemble:
             if not isinstance(h, Hyperparameter):
                 raise ValueError(f"Expected explore= to hold hdet hyperparameters, but got {type(h).__name__}")
         names = [h.name for h in hypers]
-        if len(set(names)) != len(names):
-            raise ValueError(f"Expected distinct hyperparameter names, but got {names}")
+        lr_names = [f"lr/{g.get('name', j)}" for j, g in enumerate(optimizer.param_groups)]
+        if len(set(names + lr_names)) != len(names + lr_names):
+            raise ValueError(f"Expected distinct hyperparameter names, none an LR slot's {lr_names}, but got {names}")
+        inner = innermost(optimizer)
+        foreign = [h.name for h in hypers if getattr(h, "optimizer", inner) is not optimizer
+                   and innermost(getattr(h, "optimizer", inner)) is not inner]
+        if foreign:
+            raise ValueError(f"Expected the explored optimizer values {foreign} on this scheduler's optimizer, but "
+                             "they were built on another one (their spread would never reach training)")
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"Expected model to be a torch.nn.Module, but got {type(model).__name__}")
         self.config = config

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .spread import Spread
+from .values import int_number, real_number
 
 __all__ = ["Spread", "Hyperparameter", "WeightDecay", "AdamBeta", "Dropout", "LabelSmoothing", "GradClip",
            "Setter", "group_params"]
@@ -86,8 +87,9 @@ class _GroupValue(Hyperparameter):
 
 def _group_index(optimizer: torch.optim.Optimizer, group: int | str) -> int:
     groups = optimizer.param_groups
-    if isinstance(group, int) and not isinstance(group, bool) and 0 <= group < len(groups):
-        return group
+    j = int_number(group)
+    if j is not None and 0 <= j < len(groups):
+        return j
     names = [g.get("name") for g in groups]
     if isinstance(group, str) and group in names:
         return names.index(group)
@@ -129,12 +131,12 @@ class AdamBeta(_GroupValue):
                  kind: str = "additive", bounds: tuple[float, float] = (0.0, 0.9999), **kw: Any) -> None:
         j = _group_index(optimizer, group)
         self.optimizer, self.group_index = optimizer, j
-        if "betas" not in self.group or index not in (0, 1):
+        if "betas" not in self.group or isinstance(index, bool) or int_number(index) not in (0, 1):
             raise ValueError(f"Expected an optimizer with betas and index 0 or 1, but got "
                              f"{type(optimizer).__name__} and index {index!r}")
         if isinstance(self.group["betas"][index], torch.Tensor):
             raise ValueError("Expected float betas; tensor betas are not supported")
-        self.index = index
+        self.index = index = int_number(index)
         super().__init__(f"beta{index + 1}/{self.group.get('name', str(j))}", Spread(kind, alpha, bounds), **kw)
 
     def get(self) -> float:
@@ -159,7 +161,9 @@ class Dropout(Hyperparameter):
     def __init__(self, modules: nn.Module | Iterable[nn.Module], alpha: float = 0.05, kind: str = "additive",
                  bounds: tuple[float, float] = UNIT, name: str = "dropout", attention: bool | None = None,
                  **kw: Any) -> None:
-        roots = [modules] if isinstance(modules, nn.Module) else list(modules)
+        roots = [modules] if isinstance(modules, nn.Module) else list(modules) if isinstance(modules, Iterable) else []
+        if not roots or not all(isinstance(m, nn.Module) for m in roots):
+            raise ValueError(f"Expected a torch.nn.Module or modules whose dropout to explore, but got {modules!r}")
         found = [m for root in roots for m in root.modules()]
         drops = [m for m in found if isinstance(m, nn.modules.dropout._DropoutNd)]
         attn = [m for m in found if isinstance(m, nn.MultiheadAttention)] if attention is not False else []
@@ -220,7 +224,10 @@ class GradClip(Hyperparameter):
 
     def __init__(self, max_norm: float, alpha: float = 1.0, kind: str = "log",
                  bounds: tuple[float, float] = (1e-8, math.inf), **kw: Any) -> None:
-        self.max_norm = float(max_norm)
+        norm = real_number(max_norm)
+        if norm is None or not 0 < norm < math.inf:
+            raise ValueError(f"Expected a finite max_norm > 0, but got {max_norm!r}")
+        self.max_norm = norm
         super().__init__("grad_clip_norm", Spread(kind, alpha, bounds), **kw)
 
     def get(self) -> float:

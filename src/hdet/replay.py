@@ -17,6 +17,8 @@ returns it as plain data (JSON-able); :class:`ReplayLR` plays it back as an ordi
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +26,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from .hyper import Hyperparameter
+from .values import real_number
 
 __all__ = ["ReplayLR"]
 
@@ -36,19 +39,34 @@ class ReplayLR(LRScheduler):
                  explore: Sequence[Hyperparameter] = (), last_epoch: int = -1) -> None:
         if not isinstance(schedule, dict) or "names" not in schedule or "bases" not in schedule:
             raise ValueError("Expected a schedule from sched.discovered_schedule() (keys 'names', 'bases')")
-        names, bases = list(schedule["names"]), [list(map(float, row)) for row in schedule["bases"]]
-        if not bases or any(len(row) != len(names) for row in bases):
-            raise ValueError(f"Expected one base value per name ({len(names)}) at every recorded step")
+        names, rows = schedule["names"], schedule["bases"]
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"Expected the schedule's names as a list of strings, but got {names!r}")
+        names = list(names)
+        if not isinstance(rows, (list, tuple)) or not rows or not all(
+                isinstance(row, (list, tuple)) and len(row) == len(names) for row in rows):
+            raise ValueError(f"Expected the schedule's bases as one list of {len(names)} values (one per name) for "
+                             "every recorded step")
+        bases = [[real_number(v) for v in row] for row in rows]
+        if not all(v is not None and math.isfinite(v) and v >= 0 for row in bases for v in row):
+            bad = next(t for t, row in enumerate(bases) if not all(v is not None and math.isfinite(v) and v >= 0
+                                                                    for v in row))
+            raise ValueError(f"Expected finite recorded values >= 0, but step {bad} holds {rows[bad]!r}")
         lr_names = [n for n in names if n.startswith("lr/")]
-        if len(lr_names) != len(optimizer.param_groups):
-            raise ValueError(f"Expected an optimizer with {len(lr_names)} param groups ({lr_names}), but it has "
-                             f"{len(optimizer.param_groups)}")
+        groups = [f"lr/{g.get('name', j)}" for j, g in enumerate(optimizer.param_groups)]
+        if sorted(groups) != sorted(lr_names):  # by each group's 'name' (its index without one), never by position
+            raise ValueError(f"Expected an optimizer whose param groups are the recorded ones {lr_names} (by the "
+                             f"group's 'name', else its index), but its groups are {groups}")
         missing = [h.name for h in explore if h.name not in names]
         if missing:
             raise ValueError(f"Expected recorded hyperparameters {[n for n in names if n not in lr_names]}, but "
                              f"{missing} were not recorded")
+        left = [n for n in names if n not in lr_names and n not in {h.name for h in explore}]
+        if left:
+            warnings.warn(f"hdet: the schedule also recorded {left}, which this replay leaves alone: pass them in "
+                          "explore= (e.g. hdet.WeightDecay(optimizer)) to replay them", stacklevel=2)
         self._replay_bases = bases
-        self._lr_index = [names.index(n) for n in lr_names]
+        self._lr_index = [names.index(n) for n in groups]
         self._hypers = [(h, names.index(h.name)) for h in explore]
         self.total_steps = len(bases)
         super().__init__(optimizer, last_epoch)

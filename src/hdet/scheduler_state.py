@@ -37,7 +37,12 @@ def check(s: "HDETLR", state: Any) -> dict[str, Any]:
     """Check a state completely, change nothing; returns the parsed ensemble state."""
     if not isinstance(state, dict) or "hdet" not in state:
         keys = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"Expected a {type(s).__name__} state_dict (with an 'hdet' entry), but got {keys}")
+        plain = isinstance(state, dict) and "_schedule_phases" in state and isinstance(state.get("last_epoch"), int)
+        raise ValueError(f"Expected a {type(s).__name__} state_dict (with an 'hdet' entry), but got {keys}" + (
+            f": torch's OneCycleLR's. To go on with that run under HDET, load the optimizer, then build "
+            f"OneCycleAutoLR(optimizer, <the same OneCycleLR arguments>, last_epoch={state['last_epoch'] - 1}, ...) "
+            "instead of loading this state: its schedule goes on exactly where OneCycleLR's stopped, and HDET starts "
+            "there" if plain else ""))
     _check_own(s, state)
     parsed = s.ensemble.check_state(state["hdet"])  # (the explored slots: names and count)
     _check_hyper_bases(s, state)
@@ -60,9 +65,15 @@ def load(s: "HDETLR", state: dict[str, Any]) -> None:
                       "was built, that is this replica's spread value, and the replicas will disagree at the next "
                       "sync (ReplicaMismatchError): build the scheduler, then load the optimizer and the scheduler",
                       stacklevel=3)
+    recording = s._history is not None
     for key in OWN:
         if key in state:
             setattr(s, key, state[key])
+    if recording and s._history is None:  # a state saved before record_schedule() was called
+        s._history = {}
+        warnings.warn(f"hdet: record_schedule() was called, but the loaded state holds no record (it was saved before "
+                      f"record_schedule() was called): the record goes on from step {s.last_epoch} only, and "
+                      "discovered_schedule() refuses a record that does not start at step 0", stacklevel=3)
     if s._base is not None:
         _load_base(s, state)
         _cycled_momentum(s._base)

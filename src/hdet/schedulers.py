@@ -31,6 +31,7 @@ from .hyper import AdamBeta, Hyperparameter, LabelSmoothing
 from .optimizers import check_optimizer, check_shared_gradients, innermost
 from .replicas import DEFAULT_BUCKET_CAP_MB, Replicas, check_mesh_placements, resolve_replicas
 from .slots import LRControl
+from .values import real_number
 
 __all__ = ["HDETLR", "OneCycleAutoLR"]
 
@@ -81,12 +82,26 @@ class HDETLR(LRScheduler):
         if unknown:
             raise TypeError(f"{type(self).__name__}() got unexpected keyword argument(s) {unknown}; the HDET options "
                             f"are {list(OPTIONS)}")
+        if config is not None and not isinstance(config, HDETConfig):
+            raise ValueError(f"Expected config= to be an hdet.HDETConfig (or its fields as keywords), but got "
+                             f"{type(config).__name__}")
+        if replicas is not None and not all(hasattr(replicas, a) for a in ("rank", "world_size", "gather", "average_")):
+            raise ValueError(f"Expected replicas= to be hdet.Replicas (rank, world_size, gather, average_), but got "
+                             f"{type(replicas).__name__}")
         config = dataclasses.replace(config or HDETConfig(), **options)  # validated by __post_init__
         total_steps = _as_int(total_steps)
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0:
             raise ValueError(f"Expected positive integer total_steps, but got {total_steps!r}")
         self.total_steps = total_steps
         self.optimizer = optimizer
+        if not isinstance(optimizer, torch.optim.Optimizer) or not optimizer.param_groups:
+            raise ValueError("Expected a torch.optim.Optimizer with at least one param group, but got "
+                             + (f"{type(optimizer).__name__}" if not isinstance(optimizer, torch.optim.Optimizer)
+                                else "one with none"))
+        if replicas is not None and (rank is not None or world_size is not None):
+            raise ValueError(f"Expected replicas= or rank=/world_size=, not both: the replicas say their own rank "
+                             f"({getattr(replicas, 'rank', '?')}) and size ({getattr(replicas, 'world_size', '?')}), "
+                             f"but got rank={rank!r}, world_size={world_size!r}")
         self._base, self._base_fn = _resolve_base(base, optimizer)
         explore = [explore] if isinstance(explore, Hyperparameter) else list(explore or ())
         _check_cycled_beta1(getattr(self._base, "cycle_momentum", False), explore)
@@ -132,14 +147,19 @@ class HDETLR(LRScheduler):
         g = self.optimizer.param_groups[0]
         return _float(g["max_lr"]) / _float(g["initial_lr"]), _float(g["initial_lr"]) / _float(g["min_lr"])
 
-    def _per_group(self, value: Any, what: str) -> list[float]:
+    def _per_group(self, value: Any, what: str, used: bool = True) -> list[float]:
+        """``value`` per param group: one LR for all or one each, every one finite and >= 0 where it is ``used`` (a
+        ValueError that says what was got otherwise: a NaN or negative LR would train silently wrong)."""
         n = len(self.optimizer.param_groups)
-        if isinstance(value, (int, float, torch.Tensor)) and not isinstance(value, bool):
-            return [_float(value)] * n
-        values = list(value)
-        if len(values) != n:
-            raise ValueError(f"Expected {what} as one float or {n} floats (one per param group), but got {value!r}")
-        return [_float(v) for v in values]
+        one = real_number(value)
+        values = [one] * n if one is not None else (
+            [real_number(v) for v in value] if isinstance(value, (list, tuple)) or (
+                isinstance(value, torch.Tensor) and value.dim() == 1) else None)
+        if values is None or len(values) != n or not all(
+                v is not None and (not used or math.isfinite(v) and v >= 0) for v in values):
+            raise ValueError(f"Expected {what} as one finite LR >= 0 or {n} such (one per param group), but got "
+                             f"{value!r}")
+        return values  # type: ignore[return-value]
 
     def _resolve_final(self, final_lr: Any) -> list[float] | None:
         if final_lr is not None:
@@ -147,7 +167,7 @@ class HDETLR(LRScheduler):
         if isinstance(self._base, OneCycleLR):
             return [_float(g["min_lr"]) for g in self.optimizer.param_groups]
         if self._base_fn is not None:
-            return self._per_group(self._base_fn(self.total_steps), "base(step)")
+            return self._per_group(self._base_fn(self.total_steps), f"base({self.total_steps})")
         if isinstance(self._base, LambdaLR):  # (the Hugging Face Trainer's schedules): its value at the last step
             return [b * float(f(self.total_steps)) for b, f in zip(self._base.base_lrs, self._base.lr_lambdas)]
         return None
@@ -163,18 +183,22 @@ class HDETLR(LRScheduler):
                 # is the floor, as OneCycle's min_lr is (a constant one's is its peak: no floor then)
                 return [(f if 0 < f < b else 0.0, math.inf) for f, b in zip(self._final, self._base.base_lrs)]
             return [(0.0, math.inf)] * len(groups)
-        per_group = [bounds] * len(groups) if _is_pair(bounds) else list(bounds)
-        if len(per_group) != len(groups) or not all(_is_pair(b) and 0 <= b[0] <= b[1] for b in per_group):
-            raise ValueError(f"Expected auto_lr_bounds as (low, high) with 0 <= low <= high, or one such pair per "
-                             f"param group ({len(groups)}), but got {bounds!r}")
-        return [(float(lo), float(hi)) for lo, hi in per_group]
+        per_group = [bounds] * len(groups) if _is_pair(bounds) else list(bounds) if isinstance(bounds, (list, tuple)) else []
+        pairs = [tuple(real_number(v) for v in b) for b in per_group if _is_pair(b)]
+        if len(pairs) != len(groups) or not all(0 <= lo <= hi and lo < math.inf for lo, hi in pairs):
+            raise ValueError(f"Expected auto_lr_bounds as (low, high) with 0 <= low <= high and a finite low, or one "
+                             f"such pair per param group ({len(groups)}), but got {bounds!r}")
+        return pairs  # type: ignore[return-value]
 
     def _scheduled_bases(self) -> list[float]:
-        """The base schedule's value of every param group at step ``self.last_epoch``."""
+        """The base schedule's value of every param group at step ``self.last_epoch`` (finite and >= 0, else a
+        ValueError: a schedule that gives NaN or a negative LR would train silently wrong)."""
+        used = self.last_epoch < self.total_steps  # (after the last step, torch's linear OneCycleLR goes below 0)
         if self._base is not None:
-            return [_float(x) for x in self._base.get_last_lr()]
+            return self._per_group(self._base.get_last_lr(), f"{type(self._base).__name__}'s LR at step "
+                                   f"{self.last_epoch}", used)
         if self._base_fn is not None:
-            return self._per_group(self._base_fn(self.last_epoch), "base(step)")
+            return self._per_group(self._base_fn(self.last_epoch), f"base({self.last_epoch})", used)
         return list(self._constant)
 
     # -- the guard ------------------------------------------------------------------------------
@@ -547,7 +571,7 @@ def _as_int(x: Any) -> Any:
 
 
 def _is_pair(x: Any) -> bool:
-    return isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(v, (int, float)) for v in x)
+    return isinstance(x, (tuple, list)) and len(x) == 2 and all(real_number(v) is not None for v in x)
 
 
 _TORCH_FIRST_STEP = ("Seems like `optimizer.step()` has been overridden", "Detected call of `lr_scheduler.step()` before")

@@ -4,11 +4,12 @@ positions to replicas by a synchronised permutation (Eq. 9)."""
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .values import int_number, real_number
 
 __all__ = ["linear_multipliers", "Spread", "Dealer"]
 
@@ -28,9 +29,10 @@ def linear_multipliers(num_replicas: int, alpha: float) -> list[float]:
 
 
 def check_alpha(alpha: float, name: str = "ensemble_lr_spread_ratio") -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0.0 <= alpha < 1.0:
+    x = real_number(alpha)
+    if x is None or not 0.0 <= x < 1.0:
         raise ValueError(f"Expected 0 <= {name} (alpha) < 1, but got {alpha!r}")
-    return float(alpha)
+    return x
 
 
 KINDS = ("linear", "log", "additive")
@@ -57,11 +59,15 @@ class Spread:
             object.__setattr__(self, "bounds", (0.0, math.inf) if self.kind == "log" else (-math.inf, math.inf))
         if self.kind not in KINDS:
             raise ValueError(f"Expected a spread kind in {KINDS}, but got {self.kind!r}")
-        a = self.alpha
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) or a < 0 or (
-                self.kind == "linear" and a >= 1):
+        a = real_number(self.alpha)
+        if a is None or not math.isfinite(a) or a < 0 or (self.kind == "linear" and a >= 1):
             want = "0 <= alpha < 1" if self.kind == "linear" else "a finite alpha >= 0"
-            raise ValueError(f"Expected {want} for a {self.kind} spread, but got {a!r}")
+            raise ValueError(f"Expected {want} for a {self.kind} spread, but got {self.alpha!r}")
+        object.__setattr__(self, "alpha", a)
+        pair = tuple(self.bounds) if isinstance(self.bounds, (tuple, list)) else ()
+        if len(pair) != 2 or any(real_number(b) is None for b in pair):
+            raise ValueError(f"Expected bounds as (low, high), two numbers, but got {self.bounds!r}")
+        object.__setattr__(self, "bounds", tuple(real_number(b) for b in pair))
         lo, hi = self.bounds  # type: ignore[misc]
         if not lo <= hi:
             raise ValueError(f"Expected bounds (low, high) with low <= high, but got {self.bounds!r}")
@@ -104,11 +110,12 @@ class Dealer:
     """
 
     def __init__(self, seed: int) -> None:
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-            raise ValueError(f"Expected a non-negative integer seed, but got {seed!r}")
-        self.seed = int(seed)
+        x = int_number(seed)
+        if x is None or not 0 <= x < 2 ** 63:
+            raise ValueError(f"Expected an integer seed in [0, 2**63), but got {seed!r}")
+        self.seed = x
         self._generator = torch.Generator(device="cpu")
-        self._generator.manual_seed(seed)
+        self._generator.manual_seed(x)
 
     def permutation(self, n: int) -> list[int]:
         """A fresh permutation ``pi`` of ``range(n)``: replica ``r`` gets multiplier ``rho[pi[r]]``."""

@@ -46,6 +46,9 @@ def sync_scalars(rec: SyncRecord) -> dict[str, float]:
     loss, per slot the base, the spread's lowest and highest value, and the controller's Delta (the fit
     controller: its log step); how many replicas were reset (non-finite, runaway), how many losses were
     non-finite, and the LR schedule's cut so far."""
+    if not isinstance(rec, SyncRecord):
+        raise ValueError(f"Expected a hdet SyncRecord (what on_sync hooks get, or sched.last_sync once a sync has run), "
+                         f"but got {type(rec).__name__}")
     out: dict[str, float] = {}
     for r, loss in enumerate(rec.losses or []):
         out[f"hdet/window_loss/replica{r}"] = loss

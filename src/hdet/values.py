@@ -1,0 +1,35 @@
+"""Numbers as users pass them: a Python or numpy scalar, or a 0-d tensor, where torch takes a float or an int."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import torch
+
+__all__ = ["real_number", "int_number"]
+
+
+def real_number(x: Any) -> float | None:
+    """``x`` as a Python float when it is one real number (a Python or numpy scalar, a 0-d real tensor: read on
+    the host, at construction); None otherwise. A bool is not a number here."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 0 and (x.is_floating_point() or x.dtype in _INTS):
+            return float(x.item())  # HOST SYNC (arguments only)
+        return None
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        return float(x)
+    return None
+
+
+def int_number(x: Any) -> int | None:
+    """``x`` as a Python int when it is one integer (a Python or numpy integer, a 0-d integer tensor); None
+    otherwise (a bool, a float that happens to be whole)."""
+    if isinstance(x, torch.Tensor):
+        return int(x.item()) if x.dim() == 0 and x.dtype in _INTS else None
+    if isinstance(x, numbers.Integral) and not isinstance(x, bool):
+        return int(x)
+    return None
+
+
+_INTS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)

@@ -1,0 +1,222 @@
+"""Bad input says what was expected and what was got, before anything changes; numbers come as users pass them
+(numpy scalars, 0-d tensors, where torch takes a float). Each case here was found by an audit of the public API
+used the way the docs write it: silently accepted and then training wrong, or refused with an internal error."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from helpers import ScriptedReplicas
+from torch import nn
+
+import hdet
+from hdet.engine import ReplicaEngine
+
+
+def _opt(groups=1):
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(3, 3) for _ in range(groups)])
+    return m, torch.optim.AdamW([{"params": layer.parameters()} for layer in m], lr=0.1)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(auto_lr_bounds=(math.inf, math.inf), enable_auto_lr=True, controller="paper"), "finite low"),
+    (dict(final_lr=float("nan")), "final_lr as one finite LR"),
+    (dict(final_lr=math.inf), "final_lr as one finite LR"),
+    (dict(final_lr=-1e-3), "final_lr as one finite LR"),
+    (dict(final_lr=None, base=lambda t: float("nan")), r"base\(20\) as one finite LR"),
+    (dict(final_lr=1e-4, base=lambda t: None), r"base\(0\) as one finite LR"),
+])
+def test_lrs_that_are_not_finite_and_non_negative_are_refused(kw, match):
+    """An LR bound of inf made the paper controller's LR inf then NaN; a final_lr of NaN made the LR NaN from the
+    first control sync on; a schedule that gave NaN or None was applied as it was."""
+    _, o = _opt()
+    base = kw.pop("base", None)
+    with pytest.raises(ValueError, match=match):
+        hdet.HDETLR(o, base, total_steps=20, model_sync_interval=5, **kw)
+
+
+def test_a_schedule_that_turns_negative_or_nan_later_stops_there():
+    _, o = _opt()
+    s = hdet.HDETLR(o, lambda t: 0.1 - 0.05 * t, total_steps=20, model_sync_interval=5, final_lr=0.0)
+    o.step()
+    s.step()  # 0.05
+    o.step()
+    with pytest.raises(ValueError, match=r"Expected base\(3\) as one finite LR >= 0 .* got -0.05"):
+        s.step()  # 0.0 is fine; -0.05 at step 3
+        o.step()
+        s.step()
+
+
+def test_a_negative_max_lr_is_refused():
+    """torch's OneCycleLR takes it (and every optimizer step then ascends the loss); with auto-LR hdet's default
+    bounds came out inverted and the LR went negative."""
+    _, o = _opt()
+    with pytest.raises(ValueError, match="OneCycleLR's LR at step 0"):
+        hdet.OneCycleAutoLR(o, max_lr=-0.1, total_steps=20, enable_auto_lr=True, controller="paper",
+                            auto_lr_warmup_steps=5, model_sync_interval=5)
+
+
+def test_numbers_come_as_numpy_scalars_and_0d_tensors():
+    cfg = hdet.HDETConfig(ensemble_lr_spread_ratio=torch.tensor(0.2), model_sync_interval=np.int64(5),
+                          loss_scale=np.float32(0.1), seed=torch.tensor(3))
+    assert (cfg.ensemble_lr_spread_ratio, cfg.model_sync_interval, cfg.seed) == (pytest.approx(0.2), 5, 3)
+    assert type(cfg.ensemble_lr_spread_ratio) is float and type(cfg.seed) is int
+    assert hdet.Spread("linear", np.float32(0.25)).alpha == 0.25
+    assert hdet.FitController(kappa=np.float32(0.5), beta=torch.tensor(0.5)).kappa == 0.5
+    m, o = _opt(2)
+    s = hdet.HDETLR(o, None, total_steps=20, model_sync_interval=5, final_lr=np.float32(1e-3),
+                    auto_lr_bounds=(np.float32(1e-5), torch.tensor(1.0)),
+                    explore=[hdet.WeightDecay(o, group=np.int64(1))])
+    assert s._final == [pytest.approx(1e-3)] * 2 and s.ensemble.names[-1] == "weight_decay/1"
+    assert hdet.warm_init_(m, rank=np.int64(1), nu=np.float64(0.01)) > 0
+    eng = ReplicaEngine(nn.Linear(2, 1), np.int64(2), lambda mm: torch.optim.SGD(mm.parameters(), lr=0.1),
+                        lambda oo, rep, mm: hdet.HDETLR(oo, None, total_steps=4, replicas=rep))
+    assert eng.num_replicas == 2
+
+
+def test_wrong_values_say_what_was_expected():
+    m, o = _opt()
+    other = torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=0.1, weight_decay=0.1)
+    cases = [
+        (lambda: hdet.FitController(log_scale="no"), "log_scale to be a bool"),
+        (lambda: hdet.AdamBeta(o, True), "index 0 or 1"),
+        (lambda: hdet.AdamBeta(o, 1.0), "index 0 or 1"),
+        (lambda: hdet.GradClip("1.0"), "finite max_norm > 0"),
+        (lambda: hdet.GradClip(True), "finite max_norm > 0"),
+        (lambda: hdet.Dropout("model"), "torch.nn.Module or modules"),
+        (lambda: hdet.Spread("log", 0.2, bounds="0,1"), r"bounds as \(low, high\)"),
+        (lambda: hdet.HDETConfig(controller={"kappa": 0.3, "foo": 1}), r"settings .* but got \['foo'\]"),
+        (lambda: hdet.HDETConfig(controller=["fit"]), "Expected controller in"),
+        (lambda: hdet.HDETConfig(seed=2 ** 70), r"seed >= 0 and < 9223372036854775808"),
+        (lambda: hdet.HDETLR(o, None, total_steps=5, replicas=ScriptedReplicas(0, 4), rank=2, world_size=8),
+         "replicas= or rank=/world_size=, not both"),
+        (lambda: hdet.HDETLR(o, None, total_steps=5, explore=[hdet.Setter("lr/0", lambda: 1.0, lambda v: None,
+                                                                         hdet.Spread("log", 0.2))]),
+         "none an LR slot's"),
+        (lambda: hdet.HDETLR(o, None, total_steps=5, explore=[hdet.WeightDecay(other)]),
+         "built on another one"),
+        (lambda: hdet.warm_init_(m, nu=math.inf), "finite nu >= 0"),
+        (lambda: hdet.warm_init_(m, rank=-1), "rank >= 0"),
+        (lambda: hdet.sync_scalars(None), "Expected a hdet SyncRecord"),
+        (lambda: hdet.HDETLR(o, None, total_steps=5, config={"model_sync_interval": 5}), "config= to be an hdet"),
+        (lambda: hdet.HDETLR(o, None, total_steps=5, replicas="x"), "replicas= to be hdet.Replicas"),
+        (lambda: ReplicaEngine("x", 2, None, None), "torch.nn.Module"),
+    ]
+    for make, match in cases:
+        with pytest.raises(ValueError, match=match):
+            make()
+
+
+def test_an_optimizer_with_no_param_groups_is_refused_clearly():
+    class Empty(torch.optim.Optimizer):
+        def __init__(self):
+            self.param_groups, self.state, self.defaults = [], {}, {}
+
+    with pytest.raises(ValueError, match="at least one param group, but got one with none"):
+        hdet.HDETLR(Empty(), None, total_steps=5)
+
+
+@pytest.mark.parametrize("mode", ["vmap", "loop"])
+def test_the_engine_refuses_a_step_past_total_steps_before_changing_anything(mode):
+    """It updated every replica's weights (and Adam's step count), then raised in the scheduler."""
+    eng = ReplicaEngine(nn.Linear(2, 1), 2, lambda m: torch.optim.AdamW(m.parameters(), lr=0.1),
+                        lambda o, rep, m: hdet.HDETLR(o, None, total_steps=3, replicas=rep), mode=mode)
+    batch = [(torch.ones(4, 2), torch.zeros(4, 1))] * 2
+    loss = lambda m, b: ((m(b[0]) - b[1]) ** 2).mean()  # noqa: E731
+    for _ in range(3):
+        eng.step(batch, loss)
+    before = [p.detach().clone() for m in eng.models for p in m.parameters()]
+    with pytest.raises(ValueError, match="at most total_steps=3 engine steps, but this is step 4; .*nothing was run"):
+        eng.step(batch, loss)
+    assert all(torch.equal(a, b) for a, b in zip(before, [p for m in eng.models for p in m.parameters()]))
+    assert {float(o.state[p]["step"]) for o in eng.optimizers for p in o.state} == {3.0}
+    with pytest.raises(ValueError, match="scalar loss tensor, but got float"):
+        ReplicaEngine(nn.Linear(2, 1), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                      lambda o, rep, m: hdet.HDETLR(o, None, total_steps=3, replicas=rep), mode=mode).step(
+            batch, lambda m, b: 1.0)
+
+
+def _recorded(groups=("decay", "no_decay")):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    o = torch.optim.AdamW([{"params": m[0].parameters(), "name": groups[0], "lr": 0.01},
+                           {"params": m[1].parameters(), "name": groups[1], "lr": 0.05}], lr=0.01)
+    return m, o
+
+
+def test_replay_matches_param_groups_by_name_and_refuses_bad_records():
+    """A record of ['lr/decay', 'lr/no_decay'] replayed into groups built in the other order swapped their LRs."""
+    _, o = _recorded()
+    s = hdet.HDETLR(o, None, total_steps=4, model_sync_interval=2).record_schedule()
+    for _ in range(4):
+        o.step()
+        s.step()
+    sched = s.discovered_schedule()
+    _, swapped = _recorded()
+    swapped.param_groups.reverse()  # [no_decay, decay]
+    replay = hdet.ReplayLR(swapped, sched)
+    assert {g["name"]: g["lr"] for g in swapped.param_groups} == {"decay": 0.01, "no_decay": 0.05}
+    assert replay.get_last_lr() == [0.05, 0.01]
+    _, unnamed = _opt(2)
+    with pytest.raises(ValueError, match=r"recorded ones \['lr/decay', 'lr/no_decay'\] .* \['lr/0', 'lr/1'\]"):
+        hdet.ReplayLR(unnamed, sched)
+    bad = dict(sched, bases=[[float("nan"), 0.05]] + sched["bases"][1:])
+    with pytest.raises(ValueError, match="finite recorded values >= 0, but step 0 holds"):
+        hdet.ReplayLR(_recorded()[1], bad)
+    with pytest.raises(ValueError, match="names as a list of strings"):
+        hdet.ReplayLR(_recorded()[1], dict(sched, names="lr/decay"))
+    with pytest.raises(ValueError, match="one list of 2 values"):
+        hdet.ReplayLR(_recorded()[1], dict(sched, bases=[0.1] * 5))
+
+
+def test_a_replay_that_leaves_a_recorded_value_alone_says_so():
+    _, o = _recorded()
+    o.param_groups[0]["weight_decay"] = 0.1
+    s = hdet.HDETLR(o, None, total_steps=2, model_sync_interval=2, explore=[hdet.WeightDecay(o)]).record_schedule()
+    for _ in range(2):
+        o.step()
+        s.step()
+    with pytest.warns(UserWarning, match=r"also recorded \['weight_decay/decay'\], which this replay leaves alone"):
+        hdet.ReplayLR(_recorded()[1], s.discovered_schedule())
+
+
+def test_a_load_that_drops_the_record_says_so():
+    """record_schedule() then a checkpoint saved without a record: the record was dropped silently and only
+    discovered_schedule(), at the end, said that record_schedule() was never called."""
+    _, o = _opt()
+    s = hdet.HDETLR(o, None, total_steps=10, model_sync_interval=5)
+    for _ in range(3):
+        o.step()
+        s.step()
+    state = s.state_dict()
+    _, o2 = _opt()
+    s2 = hdet.HDETLR(o2, None, total_steps=10, model_sync_interval=5).record_schedule()
+    with pytest.warns(UserWarning, match="the loaded state holds no record .* goes on from step 3 only"):
+        s2.load_state_dict(state)
+    for _ in range(2):
+        o2.step()
+        s2.step()
+    with pytest.raises(ValueError, match="record from step 0 without gaps"):
+        s2.discovered_schedule()
+
+
+def test_warm_init_noise_is_not_drawn_from_the_stream_of_the_initial_weights():
+    """Seeded seed + rank, replica 0's noise came from the stream torch.manual_seed(seed) had drawn the model's
+    initial weights from: correlated with them (-0.34 on this model's first layer, seed 0 both)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(50, 50), nn.Linear(50, 10))
+    w0 = m[0].weight.detach().clone()
+    hdet.warm_init_(m, rank=0, nu=0.01, seed=0)
+    eps = (m[0].weight.detach() - w0).flatten()
+    assert abs(torch.corrcoef(torch.stack([w0.flatten(), eps]))[0, 1]) < 0.1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.manual_seed(0)
+        again = nn.Sequential(nn.Linear(50, 50), nn.Linear(50, 10))
+        hdet.warm_init_(again, rank=0, nu=0.01, seed=0)
+    assert torch.equal(again[0].weight, m[0].weight)  # reproducible
