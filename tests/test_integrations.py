@@ -287,14 +287,9 @@ def test_lightning_ddp_spawn_and_resume(tmp_path):
         torch.testing.assert_close(got["params"], ref["params"], rtol=1e-5, atol=1e-6)
 
 
-def test_hf_trainer_logs_every_sync_at_its_step_whatever_logging_steps(tmp_path):
-    """docs/hf_trainer.md: each sync's scalars reach the Trainer's log. With T = 2 and logging_steps = 5 (one
-    process), every sync (steps 2, 4, ..., 12) is logged at its own step with its own window loss; joined to the
-    Trainer's loss logs, syncs 2, 6, 8 and 12 were lost and sync 4's went out at step 5."""
+def _hf_model_and_data():
+    """A one-layer regression the Trainer can run in one process: its model (the loss in its outputs) and data."""
     from torch import nn
-    from transformers import TrainerCallback, TrainingArguments
-
-    from hdet.integrations.hf import HDETTrainer
 
     class M(nn.Module):
         def __init__(self):
@@ -311,6 +306,17 @@ def test_hf_trainer_logs_every_sync_at_its_step_whatever_logging_steps(tmp_path)
         def __getitem__(self, i):
             x = torch.randn(4, generator=torch.Generator().manual_seed(i))
             return {"x": x, "y": x.sum()}
+
+    return M(), DS()
+
+
+def test_hf_trainer_logs_every_sync_at_its_step_whatever_logging_steps(tmp_path):
+    """docs/hf_trainer.md: each sync's scalars reach the Trainer's log. With T = 2 and logging_steps = 5 (one
+    process), every sync (steps 2, 4, ..., 12) is logged at its own step with its own window loss; joined to the
+    Trainer's loss logs, syncs 2, 6, 8 and 12 were lost and sync 4's went out at step 5."""
+    from transformers import TrainerCallback, TrainingArguments
+
+    from hdet.integrations.hf import HDETTrainer
 
     logged, syncs, losses = [], [], []
 
@@ -329,7 +335,8 @@ def test_hf_trainer_logs_every_sync_at_its_step_whatever_logging_steps(tmp_path)
     torch.manual_seed(0)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=12, logging_steps=5,
                              save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
-    tr = HDETTrainer(model=M(), args=args, train_dataset=DS(), callbacks=[Rec()],
+    model, data = _hf_model_and_data()
+    tr = HDETTrainer(model=model, args=args, train_dataset=data, callbacks=[Rec()],
                      hdet=dict(ensemble_lr_spread_ratio=0.0, model_sync_interval=2))
     tr.train()
     assert [s for s, _ in syncs] == [2, 4, 6, 8, 10, 12]
@@ -343,26 +350,9 @@ def test_hf_trainer_counts_a_step_the_grad_scaler_skipped_and_averages_after_the
     short of max_steps per skip, with no final average (its last sync at 8 of 12). HDETTrainer steps it, as torch's
     AMP recipe does, and hdet does not warn about it. (The Trainer makes no scaler on the CPU: one that overflows
     the fp32 gradients at first stands in, on the Trainer's accelerator, before training.)"""
-    from torch import nn
     from transformers import TrainerCallback, TrainingArguments
 
     from hdet.integrations.hf import HDETTrainer
-
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.l = nn.Linear(4, 1)
-
-        def forward(self, x, y):
-            return {"loss": ((self.l(x).squeeze(-1) - y) ** 2).mean()}
-
-    class DS(torch.utils.data.Dataset):
-        def __len__(self):
-            return 96
-
-        def __getitem__(self, i):
-            x = torch.randn(4, generator=torch.Generator().manual_seed(i))
-            return {"x": x, "y": x.sum()}
 
     skipped = []
 
@@ -373,7 +363,8 @@ def test_hf_trainer_counts_a_step_the_grad_scaler_skipped_and_averages_after_the
     torch.manual_seed(0)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=12, save_strategy="no",
                              report_to=[], use_cpu=True, disable_tqdm=True, optim="adamw_torch")
-    tr = HDETTrainer(model=M(), args=args, train_dataset=DS(), callbacks=[Rec()],
+    model, data = _hf_model_and_data()
+    tr = HDETTrainer(model=model, args=args, train_dataset=data, callbacks=[Rec()],
                      hdet=dict(ensemble_lr_spread_ratio=0.0, model_sync_interval=4))
     tr.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 126)
     with warnings.catch_warnings(record=True) as caught:
