@@ -248,6 +248,52 @@ def test_the_hook_guard_leaves_fp16_overflows_to_the_grad_scaler():
             assert ours["hdet_warnings"] == [], mode
 
 
+def _scaler_nan_replica(rank, world, fused):
+    """fp16 with a GradScaler, T = 20: rank 1's weight turns NaN at step 25 (after the healthy sync at 20)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    model = DDP(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    sched = hdet.OneCycleAutoLR(opt, max_lr=1e-2, total_steps=60, model_sync_interval=20, model=model,
+                                ensemble_lr_spread_ratio=0.2)
+    scales, moved = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the recovery's own warnings
+        for step in range(1, 61):
+            if step == 25 and rank == 1:
+                with torch.no_grad():
+                    net[0].weight[0, 0] = float("nan")
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x = torch.randn(16, 8, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), x[:, :1] * 2 - x[:, 1:2])
+            opt.zero_grad()
+            before = net[2].weight.detach().clone()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            sched.step(loss.detach())
+            scales.append(scaler.get_scale())
+            moved.append(not torch.equal(before, net[2].weight))
+    return {"scales": scales, "moved": moved, "guard": sched.gradient_guard,
+            "finite": all(torch.isfinite(p).all() for p in net.parameters())}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fused", [False, True], ids=["hook", "skip"])
+def test_a_reset_replica_takes_the_grad_scaler_back_to_a_healthy_scale(fused):
+    """A NaN weight on one replica makes every step overflow until hdet resets it; the scaler halves its scale at
+    each skipped step (1024 -> 2 -> 0.06 here), and, growing 2x per 2000 clean steps, fp16 training would then barely
+    move again. With the reset the scale goes back to the last healthy sync's (1024 at step 20)."""
+    res = check_ok(run_gloo(_scaler_nan_replica, 2, fused))
+    for out in res:
+        assert out["guard"] == ("skip" if fused else "hook")
+        at20, s = out["scales"][19], out["scales"]
+        assert min(s[25:39]) < at20 / 100  # the stall really collapsed it
+        assert s[39] == at20 and out["finite"] and all(out["moved"][40:])
+
+
 # ------------------------------------------------------------ 4-5. buffers with Inf, complex parameters
 class _BN(nn.Module):
     def __init__(self):

@@ -31,7 +31,6 @@ step, which resets it (see ``on_nonfinite``); under "skip", :class:`SkipWatch` n
 replica has been skipping for a stretch and the scheduler resets the bad replica early.
 """
 
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .loss_scale import driving_scaler
 from .optimizers import innermost as _innermost
 from .optimizers import lr_free_kind
 from .replicas import local_shard
@@ -141,22 +141,6 @@ class HookGuard:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
-
-
-def driving_scaler(depth: int = 12) -> tuple[Any, dict[str, Any]] | None:
-    """The ``torch.amp.GradScaler`` whose ``step`` is running this optimizer step, with its state for the optimizer
-    (``optimizer_state``), from the callers' frames; None when no scaler drives it."""
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        if frame.f_code.co_name in ("_maybe_opt_step", "step"):
-            local = frame.f_locals
-            scaler = local.get("self")
-            if isinstance(scaler, torch.amp.GradScaler) and isinstance(local.get("optimizer_state"), dict):
-                return scaler, local["optimizer_state"]
-        frame = frame.f_back
-    return None
 
 
 def all_finite(buf: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,9 @@ from . import scheduler_state
 from .config import OPTIONS, HDETConfig, spreading
 from .controller import gamma_as_printed
 from .ensemble import Ensemble, SyncRecord
-from .guard import GuardSetting, SkipWatch, driving_scaler
+from .guard import GuardSetting, SkipWatch
 from .hyper import AdamBeta, Hyperparameter, LabelSmoothing
+from .loss_scale import LossScale
 from .optimizers import check_optimizer, check_shared_gradients, innermost
 from .replicas import DEFAULT_BUCKET_CAP_MB, Replicas, check_mesh_placements, resolve_replicas
 from .slots import LRControl
@@ -139,7 +140,7 @@ class HDETLR(LRScheduler):
         self._opt_hook = innermost(optimizer).register_step_post_hook(self._count_optimizer_step)
         self._warned_double_step = self._warned_missed_step = self._warned_epoch = False
         self._unmatched = 0  # scheduler steps with no optimizer step (a GradScaler's skips, or a prepared scheduler)
-        self._scaler: Any = None  # a torch.amp.GradScaler seen driving the optimizer (looked for after an unmatched step)
+        self._loss_scale = LossScale()  # a torch.amp.GradScaler seen driving the optimizer
         super().__init__(optimizer, last_epoch)
 
     # -- the base schedule ----------------------------------------------------------------------
@@ -236,15 +237,14 @@ class HDETLR(LRScheduler):
 
     def _count_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._opt_steps += 1
-        if self._unmatched and self._scaler is None:  # a step went unmatched: was it a GradScaler's skip?
-            found = driving_scaler()
-            self._scaler = None if found is None else found[0]
+        if self._unmatched or self._opt_steps <= 100:  # a GradScaler? (its first steps, and after an unmatched one)
+            self._loss_scale.look()
 
     def _check_optimizer_stepped(self) -> None:
         if self._opt_steps == self._opt_steps_seen and self._step_count > 1:
             # (at the first step torch's own check says it: _torch_first_step_checks)
             self._unmatched += 1  # said at the next optimizer step, unless a GradScaler drives it (then it skipped)
-        elif self._unmatched and self._scaler is None and not self._warned_double_step:
+        elif self._unmatched and self._loss_scale.scaler is None and not self._warned_double_step:
             self._warned_double_step = True
             warnings.warn(
                 f"hdet: scheduler.step() was called {self._unmatched} time(s) with no optimizer.step() since the "
@@ -310,9 +310,11 @@ class HDETLR(LRScheduler):
             t = self.begin_step()
             stalled = self._guard.watch is not None and self._guard.watch.poll(t)  # every 10 steps: a lagged read
             if self._hdet.is_sync_step(t):
-                self._hdet.sync(t)
+                rec = self._hdet.sync(t)
                 if self._guard.watch is not None:
                     self._guard.watch.reset()
+                self._loss_scale.after_sync(bool(rec.recovered) or rec.went_back_to is not None,
+                                            not any(rec.nonfinite_losses))
             elif stalled:  # every step of a stretch skipped on every replica: reset the bad replica now
                 self._recover_stall(t, self._guard.watch)
             self.end_step()
@@ -391,7 +393,9 @@ class HDETLR(LRScheduler):
                     g["momentum"] = h["momentum"]
 
     def _recover_stall(self, t: int, watch: SkipWatch) -> None:
-        if not self._hdet.recover(t):
+        bad = self._hdet.recover(t)
+        self._loss_scale.after_sync(bool(bad), False)
+        if not bad:
             warnings.warn(f"hdet: the gradient guard skipped every step of the last {watch.every} (at least) on "
                           "every replica, but every replica's weights are finite: the loss or gradients are "
                           "non-finite for another reason (data, loss scale, learning rate)", stacklevel=3)

@@ -1,0 +1,64 @@
+"""``torch.amp.GradScaler`` as hdet meets it: found among the optimizer step's callers (torch tells an optimizer
+nothing of the scaler that steps it), and its loss scale taken back to a healthy sync's when hdet resets a replica."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+__all__ = ["driving_scaler", "LossScale"]
+
+
+def driving_scaler(depth: int = 12) -> tuple[Any, dict[str, Any]] | None:
+    """The ``torch.amp.GradScaler`` whose ``step`` is running this optimizer step, with its state for the optimizer
+    (``optimizer_state``), from the callers' frames (``GradScaler.step`` / ``_maybe_opt_step``); None when no
+    scaler drives it. Call it from an optimizer step hook."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name in ("_maybe_opt_step", "step"):
+            local = frame.f_locals
+            scaler = local.get("self")
+            if isinstance(scaler, torch.amp.GradScaler) and isinstance(local.get("optimizer_state"), dict):
+                return scaler, local["optimizer_state"]
+        frame = frame.f_back
+    return None
+
+
+class LossScale:
+    """The GradScaler that drives an optimizer, once seen, and its scale at the last healthy sync.
+
+    A replica whose weights turn non-finite makes every step overflow on every replica until hdet resets it (at a
+    converge step, or the "skip" guard's early recovery): the scaler skips each step meanwhile and halves its scale
+    each time, down to where fp16 gradients underflow (a scale of 1e-14 after 56 such steps from 1024), and at its
+    growth of 2x per 2000 clean steps training barely moves again. So when hdet resets a replica the scale goes back
+    to the last sync whose window held no non-finite loss (and its growth count starts again). A device copy of the
+    scale at such syncs; no host sync."""
+
+    def __init__(self) -> None:
+        self.scaler: Any = None
+        self._kept: torch.Tensor | None = None
+
+    def look(self) -> None:
+        """From an optimizer step hook: the scaler driving this step, if any (kept once found)."""
+        if self.scaler is None:
+            found = driving_scaler()
+            self.scaler = None if found is None else found[0]
+
+    def after_sync(self, recovered: bool, healthy: bool) -> None:
+        """After a converge step (or an early recovery): back to the kept scale where a replica was reset, else keep
+        this one when the window was healthy."""
+        scale = getattr(self.scaler, "_scale", None)
+        if not isinstance(scale, torch.Tensor):  # no scaler, or not yet used
+            return
+        if recovered:
+            if self._kept is not None:
+                scale.copy_(self._kept)
+                tracker = getattr(self.scaler, "_growth_tracker", None)
+                if isinstance(tracker, torch.Tensor):
+                    tracker.zero_()
+        elif healthy:
+            self._kept = scale.detach().clone()
