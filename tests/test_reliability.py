@@ -685,6 +685,7 @@ def test_every_replica_nan_between_syncs_goes_back_at_the_early_recovery():
         assert (50, 30, 0.5) in out["records"], out["records"]
         assert all(out["finite"][49:]) and all(out["changed"][50:])
         assert not any("finite weights" in w and "[0, 1]" in w and "step 50" in w for w in out["warnings"])
+        assert any("at an early recovery at step 50 every replica had non-finite weights" in w for w in out["warnings"])
 
 
 # ------------------------------------------------------------ 11. errors that say what happened

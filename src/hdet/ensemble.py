@@ -411,7 +411,8 @@ class Ensemble:
             range_ended = rt.reason if not rt.ramping else None
         elif verdict.runaway or verdict.rising:
             self.slots.cut_lr(max(c.lr_cut, MIN_LR_SCALE / self.slots.lr_scale))
-            self.stability.warn(t, verdict.runaway, losses, verdict.rising, back, self.slots.lr_scale, verdict.collapsed)
+            self.stability.warn(t, verdict.runaway, losses, verdict.rising, back, self.slots.lr_scale, verdict.collapsed,
+                                "sync step" if self.is_sync_step(t) else "an early recovery at step")
         nonfinite_losses = [int(col.observed[r] - col.loss_n[r]) for r in range(N)]
         bad_loss = [r for r in range(N) if nonfinite_losses[r] > 0]
         healthy_loss = [r for r in bad_loss if r not in bad and r not in verdict.nonfinite]  # (a collapse excludes none)

@@ -210,10 +210,10 @@ class StabilityGuard:
         self._snapshot = self.copier(tensors, self._recyclable(tensors))
 
     def warn(self, t: int, runaway: list[int], losses: list[float], rising: bool, back: bool, scale: float,
-             collapsed: bool = False) -> None:
-        """Say what this sync did (a UserWarning pointing at the training loop)."""
+             collapsed: bool = False, at: str = "sync step") -> None:
+        """Say what this sync did (a UserWarning pointing at the training loop); ``at``: what step ``t`` was."""
         warnings.warn(
-            f"hdet: at sync step {t} " + ("every replica had non-finite weights or buffers; " if collapsed else "")
+            f"hdet: at {at} {t} " + ("every replica had non-finite weights or buffers; " if collapsed else "")
             + (f"replica(s) {runaway} ran away (window losses "
             f"{[round(losses[r], 4) for r in runaway]}): left out of the average, reset to the others' mean and "
             "ranked worst; " if runaway else "")
