@@ -451,7 +451,9 @@ def test_a_checkpoint_from_before_the_estimates_were_averaged_loads_with_a_warni
         o.zero_grad()
         s.step(1.0)
     state = s.state_dict()
-    state["hdet"]["stability"]["snapshot"] = state["hdet"]["stability"]["snapshot"][:-1]  # the old layout
+    snap = state["hdet"]["stability"]["snapshot"]  # weight, bias, the estimates, 6 moments, k at the best sync (5)
+    assert len(snap) == 10 and snap[2].dtype == torch.float64 and snap[-1].tolist() == [5.0]
+    state["hdet"]["stability"]["snapshot"] = snap[:2] + snap[3:-1]  # the old layout: no estimates, no k
     m2, o2, s2 = build()
     o2.load_state_dict(o.state_dict())
     with pytest.warns(UserWarning, match="from before hdet averaged D-Adaptation's/Prodigy's estimates"):

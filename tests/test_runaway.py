@@ -323,3 +323,22 @@ def test_a_collapse_says_every_replica_went_back_and_nothing_else():
     assert eng.schedulers[0].last_sync.went_back_to == 10
     assert any("every replica had non-finite weights" in m for m in said), said
     assert not any("but finite weights" in m for m in said), said
+
+
+@pytest.mark.parametrize("name", ["DAdaptAdam", "Prodigy"])
+def test_going_back_restores_the_step_count_of_d_adaptation_and_prodigy(name):
+    """Their param groups' k (the bias correction's count, with use_bias_correction=True) stayed at the later step
+    after a go-back, so the first steps after it were too long, the more so the further back it went."""
+    lrfree = pytest.importorskip("dadaptation" if name == "DAdaptAdam" else "prodigyopt")
+    torch.manual_seed(0)
+    m = nn.Linear(3, 1)
+    o = getattr(lrfree, name)(m.parameters(), lr=1.0, use_bias_correction=True)
+    it = iter([[3.0] * 8, [1.9] * 8, [1.95] * 8, [2.5] * 8])
+    s = hdet.HDETLR(o, None, total_steps=100, model=m, replicas=ScriptedReplicas(0, 8, lambda: next(it)),
+                    ensemble_lr_spread_ratio=0.2, model_sync_interval=5, on_runaway="recover")
+    for _ in range(3):
+        _adam_window(m, o, s)
+    assert o.param_groups[0]["k"] == 15
+    with pytest.warns(UserWarning, match="went back to its state at step 10"):
+        _adam_window(m, o, s)
+    assert o.param_groups[0]["k"] == 10 and isinstance(o.param_groups[0]["k"], int)

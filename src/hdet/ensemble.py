@@ -309,22 +309,24 @@ class Ensemble:
         return [] if self.config.average_optimizer_state else self._optimizer_state(self._params())
 
     def step_counts(self) -> list[torch.Tensor]:
-        """The optimizer's step counts that are tensors (Adam's ``state["step"]``, one per parameter): not averaged
-        (equal on every replica), but kept with a best sync, so that going back to it restores the bias
-        correction that its moments were made with (left at the later step, Adam's first steps after going back
-        were up to 1.2x too long, more the further back it went)."""
+        """The optimizer's step counts: Adam's ``state["step"]`` tensors (one per parameter) and D-Adaptation's and
+        Prodigy's ``k`` (their param groups', :meth:`hdet.step_scale.StepScale.counts`). Not averaged (equal on every
+        replica), but kept with a best sync, so that going back to it restores the bias correction that its moments
+        were made with (left at the later step, Adam's first steps after going back were up to 1.2x too long,
+        more the further back it went)."""
         out = []
         for p in self._params():
             step = self.optimizer.state.get(p, {}).get("step")
             if isinstance(step, torch.Tensor):
                 out.append(step)
-        return out
+        return out + (self.step_scale.counts() if self.step_scale is not None else [])
 
     def kept_tensors(self) -> list[torch.Tensor]:
         """What a best sync (``on_runaway="recover"``) and the range test's snapshots keep and go back to: the
         averaged tensors, the moments when they are not among them, and the step counts (last, so that a
         checkpoint's snapshot from before they were kept still fits: :func:`hdet.stability.fit_snapshot`)."""
-        return self.tensors() + self.recovery_tensors() + self.step_counts()
+        tensors = self.tensors()  # (first: it fills the step scale's estimates and counts for this sync)
+        return tensors + self.recovery_tensors() + self.step_counts()
 
     def _params(self) -> list[torch.Tensor]:
         """The parameters a converge step averages: every floating-point one of the optimizer's, frozen ones too (one

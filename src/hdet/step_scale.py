@@ -80,6 +80,7 @@ class StepScale:
         self._estimates: torch.Tensor | None = None  # the group scalars, for the converge step to average
         self._host: torch.Tensor | None = None  # its pinned source while a copy to the device may be in flight
         self._keys: list[tuple[int, str]] = []
+        self._counts: torch.Tensor | None = None  # the param groups' step counts "k" (kept with a best sync, not averaged)
         self._filled = False  # the tensor holds this sync's estimates, not yet taken back into the groups
         # Prodigy: the estimate is shared at every step. ``share(local)`` returns every replica's row (a process
         # group's all_gather); None: the caller shares (the engine: :func:`share_local`), or one replica alone
@@ -196,8 +197,15 @@ class StepScale:
             self._host = host
         else:
             t.copy_(host)
+        counts = [float(g["k"]) for g in self.optimizer.param_groups if "k" in g]
+        self._counts = torch.tensor(counts, dtype=torch.float64, device=like.device) if counts else None
         self._keys, self._filled = keys, True
         return [t]
+
+    def counts(self) -> list[torch.Tensor]:
+        """The param groups' step counts ``k`` (what :meth:`estimates` read with the estimates this sync; [] before
+        or without any): a go-back writes the best sync's into it, :meth:`take_estimates` sets them."""
+        return [self._counts] if self._filled and self._counts is not None else []
 
     def take_estimates(self) -> None:
         """The tensor's estimates (averaged, or gone back to) into the param groups; the next sync fills it
@@ -206,6 +214,10 @@ class StepScale:
             return
         for (j, k), v in zip(self._keys, self._estimates.tolist()):  # HOST SYNC: a few scalars, once a sync
             self.optimizer.param_groups[j][k] = v
+        if self._counts is not None:
+            counted = [g for g in self.optimizer.param_groups if "k" in g]
+            for g, v in zip(counted, self._counts.tolist()):  # HOST SYNC (as above)
+                g["k"] = int(v)
         self._filled = False
 
 
