@@ -152,7 +152,8 @@ class ReplicaEngine:
             raise ValueError(f"Expected mode in {MODES}, but got {mode!r}")
         if not isinstance(model, nn.Module):
             raise ValueError(f"Expected model to be a torch.nn.Module, but got {type(model).__name__}")
-        num_replicas = num_replicas if int_number(num_replicas) is None else int_number(num_replicas)  # numpy, 0-d
+        n = int_number(num_replicas)  # (numpy, 0-d tensors)
+        num_replicas = num_replicas if n is None else n
         self.group = LocalReplicaGroup(num_replicas)
         self.num_replicas = num_replicas
         self.models = [copy.deepcopy(model) for _ in range(num_replicas)]

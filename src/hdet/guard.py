@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .loss_scale import driving_scaler
+from .loss_scale import LossScale, driving_scaler
 from .optimizers import innermost as _innermost
 from .optimizers import lr_free_kind
 from .replicas import local_shard
@@ -81,7 +81,7 @@ def _guarded_allreduce(state: "HookGuard", bucket: dist.GradBucket) -> torch.fut
     """The comm hook :class:`HookGuard` registers: :func:`finite_allreduce_hook`, or DDP's own average once a
     GradScaler drives the optimizer."""
     buf = bucket.buffer()
-    if state.scaler is None:
+    if state.loss_scale.scaler is None:
         state.note(_zero_unless_finite(buf))
     return _allreduce_mean(state.process_group, buf)
 
@@ -100,9 +100,9 @@ class HookGuard:
     skipped on every replica, as the scaler would have skipped it, and the scaler is told, so that it lowers its
     scale: the run is then DDP's, step for step."""
 
-    def __init__(self, process_group: Any, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, process_group: Any, optimizer: torch.optim.Optimizer, loss_scale: LossScale) -> None:
         self.process_group = process_group
-        self.scaler: Any = None  # the GradScaler once seen
+        self.loss_scale = loss_scale  # the scheduler's: the GradScaler once seen (by this guard or the scheduler)
         self._zeroed: torch.Tensor | None = None  # since the last optimizer step: this rank zeroed a bucket (device bool)
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # the gradients held back from a skipped step
         optimizer = _innermost(optimizer)
@@ -114,12 +114,12 @@ class HookGuard:
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         zeroed, self._zeroed = self._zeroed, None
-        if self.scaler is not None:
+        if self.loss_scale.scaler is not None:
             return
         found = driving_scaler()
         if found is None:
             return
-        self.scaler, optimizer_state = found
+        self.loss_scale.scaler, optimizer_state = found
         grads = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             return
@@ -387,10 +387,10 @@ def resolve_guard(guard: Any, optimizer: torch.optim.Optimizer, advise: bool = T
 
 
 def install_gradient_guard(ddp: "torch.nn.parallel.DistributedDataParallel", optimizer: torch.optim.Optimizer,
-                           process_group: Any = None) -> HookGuard | None:
+                           loss_scale: LossScale, process_group: Any = None) -> HookGuard | None:
     """Register the hook guard (:class:`HookGuard`) on ``ddp`` for ``optimizer``; None (with a warning) if DDP
     refuses (a hook is already registered, or training has started)."""
-    state = HookGuard(process_group, optimizer)
+    state = HookGuard(process_group, optimizer, loss_scale)
     try:
         ddp.register_comm_hook(state, _guarded_allreduce)
     except RuntimeError as e:
@@ -407,10 +407,11 @@ class GuardSetting:
     or at :meth:`install` from ``attach_model``; never twice."""
 
     def __init__(self, guard: Any, process_group: Any, device_mesh: Any, optimizer: torch.optim.Optimizer,
-                 world_size: int) -> None:
+                 world_size: int, loss_scale: LossScale) -> None:
         resolve_guard(guard, optimizer, advise=False)  # a bad value fails here, not later
         self.guard, self.process_group, self.device_mesh = guard, process_group, device_mesh
         self.optimizer, self.world_size = optimizer, world_size
+        self.loss_scale = loss_scale  # the GradScaler driving the optimizer, shared with the scheduler
         self.installed: str | None = None  # "hook" or "skip"
         self.local = False  # the DDP model's last forward ran inside ddp.no_sync() (local mode, at an optimizer step)
         self._local_hook: Any = None
@@ -441,5 +442,5 @@ class GuardSetting:
             self.watch = SkipWatch(self.skip, local=lambda: self.local)
             self.installed = "skip"
         elif guard == "hook" and ddp:
-            self.hook = install_gradient_guard(model, self.optimizer, self.process_group)
+            self.hook = install_gradient_guard(model, self.optimizer, self.loss_scale, self.process_group)
             self.installed = "hook" if self.hook is not None else None

@@ -131,7 +131,9 @@ class HDETLR(LRScheduler):
                 *self._onecycle_factors(), self._hdet.num_control_syncs)  # Eq. 8 as printed
         check_optimizer(optimizer, spreading(config, explore), config.average_optimizer_state,
                         sharded=device_mesh is not None, lr_spread=config.ensemble_lr_spread_ratio > 0)  # LR-free optimizers: refused where they would break
-        self._guard = GuardSetting(guard_gradients, process_group, device_mesh, optimizer, resolved.world_size)
+        self._loss_scale = LossScale()  # a torch.amp.GradScaler seen driving the optimizer (here or by the hook guard)
+        self._guard = GuardSetting(guard_gradients, process_group, device_mesh, optimizer, resolved.world_size,
+                                   self._loss_scale)
         self._guard.install(model)
         self._history: dict[str, list[float]] | None = None
         # optimizer steps counted by a post-hook (the real optimizer under wrappers): a second scheduler.step()
@@ -140,7 +142,6 @@ class HDETLR(LRScheduler):
         self._opt_hook = innermost(optimizer).register_step_post_hook(self._count_optimizer_step)
         self._warned_double_step = self._warned_missed_step = self._warned_epoch = False
         self._unmatched = 0  # scheduler steps with no optimizer step (a GradScaler's skips, or a prepared scheduler)
-        self._loss_scale = LossScale()  # a torch.amp.GradScaler seen driving the optimizer
         super().__init__(optimizer, last_epoch)
 
     # -- the base schedule ----------------------------------------------------------------------

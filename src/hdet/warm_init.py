@@ -53,9 +53,10 @@ def warm_init_(
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    if int_number(rank) is None or int_number(rank) < 0 or int_number(seed) is None or int_number(seed) < 0:
+    r, s = int_number(rank), int_number(seed)
+    if r is None or r < 0 or s is None or s < 0:
         raise ValueError(f"Expected integers rank >= 0 and seed >= 0, but got rank={rank!r}, seed={seed!r}")
-    rank, seed = int_number(rank), int_number(seed)
+    rank, seed = r, s
     if isinstance(params, nn.Module):  # its trainable parameters: a frozen one is never averaged, so its noise
         tensors = [p for p in params.parameters() if p.is_floating_point() and p.requires_grad]  # would stay
     else:
