@@ -223,8 +223,8 @@ def _adam_window(m, o, s, T=5):
 
 def test_going_back_restores_adams_step_counts_with_its_moments():
     """The best sync's moments were made with its step count: left at the later step, Adam's bias correction took
-    a later step's and its first steps after going back were longer than the cut LR says (an audit measured 1.21x
-    going back from 75 to 50). Kept with the snapshot, through a checkpoint too; a checkpoint whose snapshot was
+    a later step's and its first steps after going back were longer than the cut LR says, the more so the further
+    back it went. Kept with the snapshot, through a checkpoint too; a checkpoint whose snapshot was
     saved before the counts were kept still loads (and goes back with the counts it resumed with)."""
     def build():
         torch.manual_seed(0)

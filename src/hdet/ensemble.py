@@ -312,7 +312,7 @@ class Ensemble:
         """The optimizer's step counts: Adam's ``state["step"]`` tensors (one per parameter) and D-Adaptation's and
         Prodigy's ``k`` (their param groups', :meth:`hdet.step_scale.StepScale.counts`). Not averaged (equal on every
         replica), but kept with a best sync, so that going back to it restores the bias correction that its moments
-        were made with (left at the later step, Adam's first steps after going back were up to 1.2x too long,
+        were made with (left at the later step, Adam's first steps after going back were too long,
         more the further back it went)."""
         out = []
         for p in self._params():

@@ -88,7 +88,7 @@ def warm_init_(
 def _stream(seed: int, rank: int) -> int:
     """Replica ``rank``'s generator seed for ``seed``: a hash, so that it is no seed a user sets. Seeded ``seed +
     rank``, replica 0's noise came from the stream ``torch.manual_seed(seed)`` had drawn the model's initial
-    weights from (correlation -0.34 with the first layer's weights, seed 0 both), and run seed s's replica 1 was
+    weights from (correlated with them: tests/test_inputs.py), and run seed s's replica 1 was
     run seed s + 1's replica 0."""
     digest = hashlib.sha256(f"hdet.warm_init:{seed}:{rank}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1  # < 2**63
