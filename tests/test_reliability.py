@@ -294,6 +294,72 @@ def test_a_reset_replica_takes_the_grad_scaler_back_to_a_healthy_scale(fused):
         assert s[39] == at20 and out["finite"] and all(out["moved"][40:])
 
 
+def _scaler_stall(rank, world, opts):
+    """fp16 with a GradScaler, T = 100, 60 steps: rank 1's weight turns NaN at step ``nan_at`` (None: never)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    model = DDP(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=opts["fused"])
+    scaler = torch.amp.GradScaler("cpu", init_scale=opts["init_scale"])
+    sched = hdet.OneCycleAutoLR(opt, max_lr=1e-2, total_steps=60, model_sync_interval=100, model=model,
+                                ensemble_lr_spread_ratio=0.2)
+    scales, moved = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, 61):
+            if step == opts["nan_at"] and rank == 1:
+                with torch.no_grad():
+                    net[0].weight[0, 0] = float("nan")
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x = torch.randn(16, 8, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), x[:, :1] * 2 - x[:, 1:2])
+            opt.zero_grad()
+            before = net[2].weight.detach().clone()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            sched.step(loss.detach())
+            scales.append(scaler.get_scale())
+            moved.append(not torch.equal(before, net[2].weight))
+    return {"scales": scales, "moved": moved, "guard": sched.gradient_guard,
+            "warnings": [str(w.message) for w in caught if str(w.message).startswith("hdet:")],
+            "finite": all(torch.isfinite(p).all() for p in net.parameters())}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fused", [False, True], ids=["hook", "skip"])
+def test_a_nan_replica_under_a_grad_scaler_is_reset_early(fused):
+    """T = 100, rank 1's weight NaN at step 25: every step overflows on every replica and the scaler skips them all.
+    The "skip" guard's counter (a fused optimizer) ended that stall early; the hook guard's (a non-fused one) had
+    none, and every replica stood still until the converge step at 100 (the scale at 1e-14 by then). Now the hook
+    guard counts the steps the scaler skipped: at the 10th in a row (step 34) the NaN replica is reset and the scale
+    goes back to the last healthy one; the skip guard's lagged read does it at step 50."""
+    res = check_ok(run_gloo(_scaler_stall, 2, {"fused": fused, "init_scale": 2.0 ** 10, "nan_at": 25}))
+    at = 50 if fused else 34
+    for out in res:
+        assert out["guard"] == ("skip" if fused else "hook")
+        assert any(f"early recovery at step {at} replica(s) [1]" in w for w in out["warnings"]), out["warnings"]
+        assert not any(out["moved"][24:at - 1]) and all(out["moved"][at:])  # (at `at`, the reset moves rank 1)
+        assert min(out["scales"][24:at - 1]) < out["scales"][23] / 100  # the stall collapsed the scale
+        assert out["scales"][at - 1] == out["scales"][23] and out["finite"]  # back to step 24's
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fused", [False, True], ids=["hook", "skip"])
+def test_a_grad_scalers_first_skipped_steps_are_not_a_stall(fused):
+    """A GradScaler that starts at 2^30 skips the first ~20 steps while it lowers its scale to fit fp16: its normal
+    work, with every replica's weights the initial ones. The skip guard's early recovery took it for a stall and
+    warned that the loss or gradients were non-finite "for another reason"; neither watch counts steps before the
+    first one taken now."""
+    res = check_ok(run_gloo(_scaler_stall, 2, {"fused": fused, "init_scale": 2.0 ** 30, "nan_at": None}))
+    for out in res:
+        first = out["moved"].index(True)
+        assert first >= 12, first  # the scaler skipped a stretch longer than a watch's
+        assert out["moved"][first:].count(False) <= 2 and out["finite"]  # (a last overflow or two as the scale grows)
+        assert out["warnings"] == [], out["warnings"]
+
+
 # ------------------------------------------------------------ 4-5. buffers with Inf, complex parameters
 class _BN(nn.Module):
     def __init__(self):

@@ -28,7 +28,8 @@ and the ranks agree through a MAX all_reduce of the flag over each mesh dimensio
 
 Both run on the device with no host sync. A replica's non-finite weights are caught at the next converge
 step, which resets it (see ``on_nonfinite``); under "skip", :class:`SkipWatch` notices sooner when every
-replica has been skipping for a stretch and the scheduler resets the bad replica early.
+replica has been skipping for a stretch and the scheduler resets the bad replica early; under "hook" with a
+GradScaler (whose skipped steps stall every replica alike), :class:`ScalerWatch` does.
 """
 
 import warnings
@@ -44,7 +45,8 @@ from .optimizers import lr_free_kind
 from .replicas import local_shard
 from .sync import max_abs
 
-__all__ = ["finite_allreduce_hook", "HookGuard", "install_gradient_guard", "SkipNonFiniteStep", "SkipWatch", "GuardSetting", "GUARDS"]
+__all__ = ["finite_allreduce_hook", "HookGuard", "install_gradient_guard", "SkipNonFiniteStep", "SkipWatch", "ScalerWatch",
+           "GuardSetting", "GUARDS"]
 
 GUARDS = ("auto", "hook", "skip")
 _UNSET = object()  # SkipNonFiniteStep: the pre-hook set no found_inf
@@ -104,6 +106,7 @@ class HookGuard:
         self.process_group = process_group
         self.loss_scale = loss_scale  # the scheduler's: the GradScaler once seen (by this guard or the scheduler)
         self._zeroed: torch.Tensor | None = None  # since the last optimizer step: this rank zeroed a bucket (device bool)
+        self.taken = 0  # optimizer steps taken (a step the GradScaler skips never calls optimizer.step())
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # the gradients held back from a skipped step
         optimizer = _innermost(optimizer)
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
@@ -135,6 +138,7 @@ class HookGuard:
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         held, self._held = self._held, []
+        self.taken += not held  # (a first step held back is a skipped one)
         for p, g in held:
             p.grad = g
 
@@ -220,6 +224,7 @@ class SkipNonFiniteStep:
         self.optimizer = optimizer
         self.agree_over = list(agree_over)
         self.skipped: torch.Tensor | None = None
+        self.checked = 0  # steps checked (host count; `skipped` of them were skipped)
         self._flags: dict[torch.device, torch.Tensor] = {}  # per device: the found flag, reused
         self._norm: tuple[torch.Tensor, list[tuple[torch.Tensor, int]]] | None = None  # use_norm: (norm, versions)
         self._saved: list[Any] = []  # per step in flight: the found_inf to restore (None: there was none)
@@ -270,6 +275,7 @@ class SkipNonFiniteStep:
             for group in self.agree_over:  # sharded replicas: one decision for all of them
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)  # COLLECTIVE (one scalar, no host sync)
             self.skipped = found.clone() if self.skipped is None else self.skipped.add_(found.to(self.skipped.device))
+        self.checked += 1
         self._saved.append(prev)
         self._mine = found if prev is None else torch.maximum(found, prev.to(found.device))
         optimizer.found_inf = self._mine  # type: ignore[attr-defined]
@@ -303,18 +309,24 @@ class SkipWatch:
     guard's skip counter to the host and reads the copy started ``every`` steps before (long finished:
     waiting on its event costs nothing in practice); when all ``every`` steps between the two copies
     before that were skipped, it returns True and the scheduler runs an early recovery
-    (:meth:`hdet.Ensemble.recover`). A stall is thus bounded by about ``2 * every`` steps. The counter
+    (:meth:`hdet.Ensemble.recover`). A stall is thus bounded by about ``2 * every`` steps. Not before a step
+    was taken: a ``torch.amp.GradScaler`` skips the first steps while it lowers its initial scale, and those are
+    the scaler's work, not a stall (every replica's weights are still the initial ones). The counter
     is the same on every replica (DDP averages the gradient; sharded replicas agree by an all_reduce),
     so every replica takes the same decision at the same step, provided every parameter the optimizer
     steps gets its gradient through DDP (a parameter outside the DDP module could be NaN on one rank
     only, and the ranks would then disagree on the recovery, a collective)."""
 
-    def __init__(self, guard: SkipNonFiniteStep, every: int = 10, local: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, guard: SkipNonFiniteStep, every: int = 10, local: Callable[[], bool] = lambda: False,
+                 loss_scale: LossScale | None = None) -> None:
         self.guard = guard
         self.every = every
         self.local = local  # whether this optimizer step's gradients were not all-reduced (local mode)
-        self._pending: tuple[torch.Tensor, Any] | None = None  # (host copy of the counter, its CUDA event)
+        self.loss_scale = loss_scale  # a GradScaler's scale, kept after a stretch with no step skipped
+        self._pending: tuple[torch.Tensor, Any, int, torch.Tensor | None] | None = None  # (host copy of the counter,
+        # its CUDA event, the steps checked then, a device copy of the GradScaler's scale then)
         self._seen: float | None = 0.0  # the counter at the copy before (none yet: after a reset)
+        self._taken = False  # a step was taken before that copy
 
     def poll(self, t: int) -> bool:
         if t % self.every or self.local():  # local mode: each replica skips on its own, and an early recovery
@@ -330,29 +342,76 @@ class SkipWatch:
         self._seen = None
 
     def _read(self) -> bool:
-        """Read the copy started one poll ago; True when every step since the copy before was skipped."""
+        """Read the copy started one poll ago; True when every step since the copy before was skipped, and some step
+        before them was not."""
         if self._pending is None:
             return False
-        copy, event = self._pending
+        copy, event, checked, scale = self._pending
         if event is not None:
             event.synchronize()  # HOST SYNC on an event recorded `every` steps ago: finished long since
         now = float(copy)
-        stalled = self._seen is not None and now - self._seen >= self.every
-        self._seen = now
+        stalled = self._seen is not None and now - self._seen >= self.every and self._taken
+        if self._seen == now and self.loss_scale is not None:  # no step skipped up to that copy: a healthy scale
+            self.loss_scale.keep(scale)
+        self._seen, self._taken = now, self._taken or now < checked
         return stalled
 
     def _snapshot(self) -> None:
         skipped = self.guard.skipped
         if skipped is None:  # no step checked yet
-            self._pending = (torch.zeros(()), None)
+            self._pending = (torch.zeros(()), None, 0, None)
         elif skipped.device.type == "cuda":
             copy = torch.empty((), dtype=skipped.dtype, pin_memory=True)
             copy.copy_(skipped, non_blocking=True)  # device -> host, no wait
             event = torch.cuda.Event()
             event.record()
-            self._pending = (copy, event)
+            self._pending = (copy, event, self.guard.checked, self._scale())
         else:
-            self._pending = (skipped.detach().clone(), None)
+            self._pending = (skipped.detach().clone(), None, self.guard.checked, self._scale())
+
+    def _scale(self) -> torch.Tensor | None:
+        return None if self.loss_scale is None else self.loss_scale.copy()  # (a device copy every `every` steps)
+
+
+class ScalerWatch:
+    """:class:`SkipWatch` for the "hook" guard under a ``torch.amp.GradScaler``: notices that the scaler skipped
+    every optimizer step of a stretch.
+
+    There the hook averages as DDP does and leaves overflows to the scaler (:class:`HookGuard`), so one replica's
+    NaN weight makes every step overflow on every replica, and the scaler skips them all (halving its scale each
+    time) until a converge step resets the bad replica: up to ``T`` steps. A skipped step never calls
+    ``optimizer.step()``; :meth:`poll`, at each scheduler step, counts the scheduler steps in a row in which the
+    guard saw no optimizer step, on the host (the scaler has synced already to decide). After ``every`` of them it
+    returns True and the scheduler runs an early recovery, as under "skip". The scaler's verdict comes from the
+    averaged gradient, the same on every replica, so every replica takes the same decision at the same step (with
+    :class:`SkipWatch`'s proviso: every parameter the optimizer steps gets its gradient through DDP)."""
+
+    def __init__(self, guard: HookGuard, every: int = 10, local: Callable[[], bool] = lambda: False) -> None:
+        self.guard = guard
+        self.every = every
+        self.local = local  # whether this optimizer step's gradients were not all-reduced (local mode)
+        self._taken: int | None = None  # the guard's count at the last poll
+        self._missed = 0  # scheduler steps in a row with no optimizer step
+
+    def poll(self, t: int) -> bool:
+        before, self._taken = self._taken, self.guard.taken
+        if self.guard.loss_scale.scaler is None or self.local() or not self._taken:
+            # no scaler: the hook zeroes, nothing stalls; local mode: each replica's scaler decides alone (a recovery,
+            # a collective, would be entered by some replicas only: the converge step resets them); no step taken
+            # yet: the scaler is lowering its initial scale (see SkipWatch)
+            self._missed = 0
+            return False
+        self._missed = self._missed + 1 if self._taken == before else 0
+        if not self._missed and t % self.every == 0:  # a step taken: a healthy scale (a device copy)
+            self.guard.loss_scale.keep(self.guard.loss_scale.copy())
+        if self._missed < self.every:
+            return False
+        self._missed = 0
+        return True
+
+    def reset(self) -> None:
+        """After a converge step or a recovery: the stretch starts anew."""
+        self._missed = 0
 
 
 def resolve_guard(guard: Any, optimizer: torch.optim.Optimizer, advise: bool = True, mesh: bool = False) -> str | None:
@@ -417,7 +476,7 @@ class GuardSetting:
         self._local_hook: Any = None
         self.skip: SkipNonFiniteStep | None = None
         self.hook: HookGuard | None = None
-        self.watch: SkipWatch | None = None  # early recovery when the skip guard stalls every replica
+        self.watch: SkipWatch | ScalerWatch | None = None  # early recovery when every replica stalls
 
     def _note_local(self, module: Any, args: Any) -> None:
         """At each forward of the DDP model: inside ``ddp.no_sync()`` its backward all-reduces nothing. When the
@@ -439,8 +498,10 @@ class GuardSetting:
             mesh = self.device_mesh
             groups = [mesh.get_group(i) for i in range(mesh.ndim)] if sharded else []
             self.skip = SkipNonFiniteStep(self.optimizer, agree_over=groups)
-            self.watch = SkipWatch(self.skip, local=lambda: self.local)
+            self.watch = SkipWatch(self.skip, local=lambda: self.local, loss_scale=self.loss_scale)
             self.installed = "skip"
         elif guard == "hook" and ddp:
             self.hook = install_gradient_guard(model, self.optimizer, self.loss_scale, self.process_group)
             self.installed = "hook" if self.hook is not None else None
+            if self.hook is not None:  # (steps stall only under a GradScaler)
+                self.watch = ScalerWatch(self.hook, local=lambda: self.local)

@@ -35,8 +35,8 @@ class LossScale:
     converge step, or the "skip" guard's early recovery): the scaler skips each step meanwhile and halves its scale
     each time, down to where fp16 gradients underflow (a scale of 1e-14 after 56 such steps from 1024), and at its
     growth of 2x per 2000 clean steps training barely moves again. So when hdet resets a replica the scale goes back
-    to the last sync whose window held no non-finite loss (and its growth count starts again). A device copy of the
-    scale at such syncs; no host sync."""
+    to the last sync whose window held no non-finite loss, or the guard's last stretch of steps taken if later (and its
+    growth count starts again). A device copy of the scale at such points; no host sync."""
 
     def __init__(self) -> None:
         self.scaler: Any = None
@@ -47,6 +47,17 @@ class LossScale:
         if self.scaler is None:
             found = driving_scaler()
             self.scaler = None if found is None else found[0]
+
+    def copy(self) -> torch.Tensor | None:
+        """A device copy of the scale now (None without a scaler in use); no host sync."""
+        scale = getattr(self.scaler, "_scale", None)
+        return scale.detach().clone() if isinstance(scale, torch.Tensor) else None
+
+    def keep(self, scale: torch.Tensor | None) -> None:
+        """``scale`` (a :meth:`copy`) is healthy: a recovery goes back to it. The guards' watches keep one after
+        a stretch of steps that were taken, between converge steps (a reset before the first healthy sync)."""
+        if scale is not None:
+            self._kept = scale
 
     def after_sync(self, recovered: bool, healthy: bool) -> None:
         """After a converge step (or an early recovery): back to the kept scale where a replica was reset, else keep
@@ -61,4 +72,4 @@ class LossScale:
                 if isinstance(tracker, torch.Tensor):
                     tracker.zero_()
         elif healthy:
-            self._kept = scale.detach().clone()
+            self.keep(self.copy())

@@ -26,7 +26,7 @@ from . import scheduler_state
 from .config import OPTIONS, HDETConfig, spreading
 from .controller import gamma_as_printed
 from .ensemble import Ensemble, SyncRecord
-from .guard import GuardSetting, SkipWatch
+from .guard import GuardSetting, ScalerWatch, SkipWatch
 from .hyper import AdamBeta, Hyperparameter, LabelSmoothing
 from .loss_scale import LossScale
 from .optimizers import check_optimizer, check_shared_gradients, innermost
@@ -309,7 +309,7 @@ class HDETLR(LRScheduler):
             return super().step()
         with _torch_first_step_checks(self.optimizer, self._step_count == 1):
             t = self.begin_step()
-            stalled = self._guard.watch is not None and self._guard.watch.poll(t)  # every 10 steps: a lagged read
+            stalled = self._guard.watch is not None and self._guard.watch.poll(t)  # skip: a lagged read; hook: a count
             if self._hdet.is_sync_step(t):
                 rec = self._hdet.sync(t)
                 if self._guard.watch is not None:
@@ -393,11 +393,11 @@ class HDETLR(LRScheduler):
                 else:
                     g["momentum"] = h["momentum"]
 
-    def _recover_stall(self, t: int, watch: SkipWatch) -> None:
+    def _recover_stall(self, t: int, watch: SkipWatch | ScalerWatch) -> None:
         bad = self._hdet.recover(t)
         self._loss_scale.after_sync(bool(bad), False)
         if not bad:
-            warnings.warn(f"hdet: the gradient guard skipped every step of the last {watch.every} (at least) on "
+            warnings.warn(f"hdet: every optimizer step of the last {watch.every} (at least) was skipped on "
                           "every replica, but every replica's weights are finite: the loss or gradients are "
                           "non-finite for another reason (data, loss scale, learning rate)", stacklevel=3)
         watch.reset()
