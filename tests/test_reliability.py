@@ -360,6 +360,48 @@ def test_a_grad_scalers_first_skipped_steps_are_not_a_stall(fused):
         assert out["warnings"] == [], out["warnings"]
 
 
+def _compiled_ddp_nan(rank, world, fused):
+    """torch.compile(DDP(net)), as torch's DDP tutorial writes it; rank 1's loss is NaN at step 5 (T = 10)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    model = torch.compile(DDP(net), backend="eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    sched = hdet.OneCycleAutoLR(opt, max_lr=1e-2, total_steps=12, model_sync_interval=10, model=model,
+                                ensemble_lr_spread_ratio=0.2)
+    local, finite = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the sync's note of rank 1's NaN loss
+        for t in range(1, 13):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * t + rank))
+            if t == 3:
+                with model.no_sync():
+                    loss = model(x).pow(2).mean()
+            else:
+                loss = model(x).pow(2).mean()
+            local.append(sched._guard.local)
+            if t == 5 and rank == 1:
+                loss = loss * float("nan")
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step(loss.detach())
+            finite.append(all(bool(torch.isfinite(p).all()) for p in net.parameters()))
+    return {"guard": sched.gradient_guard, "finite": finite, "local": local}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fused", [False, True], ids=["hook", "skip"])
+def test_a_compiled_ddp_model_gets_the_gradient_guard(fused):
+    """``model=torch.compile(DDP(net))``: hdet looked for a DistributedDataParallel module, found torch.compile's
+    wrapper, and installed no guard, silently; one replica's NaN loss then reached every replica's weights through
+    DDP's average (and the sync raised NonFiniteReplicaError, every replica bad). The guard now goes on the DDP
+    module inside, and its local-mode note (ddp.no_sync()) sees the compiled forward."""
+    res = check_ok(run_gloo(_compiled_ddp_nan, 2, fused))
+    for out in res:
+        assert out["guard"] == ("skip" if fused else "hook")
+        assert all(out["finite"]) and out["local"] == [t == 3 for t in range(1, 13)]
+
+
 # ------------------------------------------------------------ 4-5. buffers with Inf, complex parameters
 class _BN(nn.Module):
     def __init__(self):

@@ -414,6 +414,13 @@ class ScalerWatch:
         self._missed = 0
 
 
+def uncompiled(model: Any) -> Any:
+    """The module ``torch.compile`` wrapped (its ``OptimizedModule`` keeps it as ``_orig_mod``), else ``model``."""
+    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        model = model._orig_mod
+    return model
+
+
 def resolve_guard(guard: Any, optimizer: torch.optim.Optimizer, advise: bool = True, mesh: bool = False) -> str | None:
     """``guard_gradients`` -> "hook", "skip" or None (off); "auto"/True picks "skip" for fused optimizers.
     ``advise``: warn when "auto" falls back to the slow hook off the CPU (only where it will be installed).
@@ -486,6 +493,7 @@ class GuardSetting:
         self.local = not module.require_backward_grad_sync
 
     def install(self, model: Any) -> None:
+        model = uncompiled(model)  # torch.compile(DDP(net)): the guard goes on the DDP module inside
         if isinstance(model, torch.nn.parallel.DistributedDataParallel) and self._local_hook is None:
             self._local_hook = model.register_forward_pre_hook(self._note_local)
         ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.world_size > 1
