@@ -266,3 +266,168 @@ def test_complex_gradients_are_checked_in_both_parts():
         for p, q in zip(a.parameters(), b.parameters()):
             assert torch.isfinite(torch.view_as_real(q)).all()
             torch.testing.assert_close(q, p)
+
+
+# --------------------------------------------- models an audit brought (2026-11-28): vmap must match the loop
+def _run_both(make_model, steps, opt="adamw", batch=None, **kw):
+    """The same replicas trained in vmap and in loop mode (T = 3: converge steps included); per mode the engine."""
+    out = {}
+    for mode in ("vmap", "loop"):
+        torch.manual_seed(0)
+        model = make_model()
+        mk_opt = ((lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)) if opt == "adamw" else
+                  (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)))
+        eng = ReplicaEngine(model, N, mk_opt, lambda o, rep, m: hdet.HDETLR(o, None, 20, ensemble_lr_spread_ratio=0.5,
+                                                                           model_sync_interval=3, model=m,
+                                                                           replicas=rep), mode=mode, **kw)
+        g = torch.Generator().manual_seed(1)
+        for t in range(1, steps + 1):
+            eng.step(batch(t, g), lambda m, b: F.mse_loss(m(b[0]), b[1]))
+        out[mode] = eng
+    return out["vmap"], out["loop"]
+
+
+def _assert_same_replicas(a, b, atol=1e-6):
+    for ma, mb in zip(a.models, b.models):
+        for (n, x), (_, y) in zip(list(ma.named_parameters()) + list(ma.named_buffers()),
+                                  list(mb.named_parameters()) + list(mb.named_buffers())):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=atol, msg=n)
+
+
+class _Pad(nn.Module):
+    def __init__(self, tied=False):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6, padding_idx=0)
+        self.out = nn.Linear(6, 11, bias=False)
+        if tied:
+            self.out.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.out(self.emb(x)).mean(1)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["embedding", "tied-output"])
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_an_embeddings_padding_row_gets_no_gradient_from_the_lookup_in_vmap_mode(tied, compile):
+    """nn.Embedding(padding_idx=0): torch's vmapped lookup followed by .backward() gave the padding row the gradient
+    of every padding token, so it trained in vmap mode (0.0084 after 3 SGD steps, 0 in the loop; an audit found it).
+    Now vmap matches the loop; tied to an output layer, the row still gets that layer's gradient."""
+    def batch(t, g):
+        x = torch.randint(0, 11, (N, 4, 5), generator=g)
+        x[:, :, 0] = 0  # every sequence starts with the padding token
+        return list(zip(x, torch.randn(N, 4, 11, generator=g)))
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="hdet:")  # (compiled: no fall-back to eager)
+        v, lp = _run_both(lambda: _Pad(tied), 7, "sgd", batch, compile=compile)
+    _assert_same_replicas(v, lp)
+    pad = v.models[0].emb.weight[0]
+    assert (pad.abs().max() > 0) if tied else (pad.abs().max() == 0)
+
+
+class _Reassigns(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.register_buffer("mu", torch.zeros(4))
+        self.register_buffer("n", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        if self.training:  # reassigned, not updated in place
+            self.mu = 0.9 * self.mu + 0.1 * x.detach().mean(0)
+            self.n = self.n + 1
+        return self.lin(x - self.mu)
+
+
+def _xy(t, g):
+    return list(zip(torch.randn(N, 8, 4, generator=g) + 3, torch.randn(N, 8, 2, generator=g)))
+
+
+def test_a_buffer_the_forward_reassigns_is_kept_in_vmap_mode():
+    """``self.mu = 0.9 * self.mu + ...`` in forward: functional_call puts back the tensors it swapped in, so vmap mode
+    dropped every update (n stayed 0 where the loop counts 7, with other losses), silently, and "auto" chose vmap. Now
+    the reassigned values are copied into the stacked buffers; a reassignment that changes the shape is an error."""
+    v, lp = _run_both(_Reassigns, 7, batch=_xy)
+    assert [int(m.n) for m in v.models] == [7] * N
+    _assert_same_replicas(v, lp)
+
+    class Grows(_Reassigns):
+        def forward(self, x):
+            self.mu = torch.cat([self.mu, self.mu])
+            return self.lin(x)
+
+    eng = ReplicaEngine(Grows(), N, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                        lambda o, rep, m: hdet.HDETLR(o, None, 5, model=m, replicas=rep), mode="vmap")
+    with pytest.raises(ValueError, match=r"buffer 'mu' that the forward reassigned to stay .* shape \(4,\).*got .*"
+                                         r"shape \(8,\)"):
+        eng.step(_xy(1, torch.Generator().manual_seed(0)), lambda m, b: F.mse_loss(m(b[0]), b[1]))
+
+
+class _Sometimes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.aux = nn.Linear(4, 2)
+        self.use_aux = True
+
+    def forward(self, x):
+        return self.lin(x) + (self.aux(x) if self.use_aux else 0)
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "local"])
+def test_a_parameter_the_loss_stops_reaching_stays_put_in_vmap_mode(share):
+    """A head used at the first steps only: in vmap mode the stacked AdamW kept stepping it on a zero gradient (moments
+    and weight decay moved it: -0.32894 -> -0.31272 in 3 steps), where each replica's optimizer skips a parameter with
+    no gradient. Now its gradient is None, as in the loop, and the replicas step on their own from then on."""
+    def batch(t, g):
+        if t == 3:
+            for eng in engines:
+                for m in eng.models:
+                    m.use_aux = False
+        return _xy(t, g)
+
+    engines = []
+    out = {}
+    for mode in ("vmap", "loop"):
+        torch.manual_seed(0)
+        eng = ReplicaEngine(_Sometimes(), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
+                            lambda o, rep, m: hdet.HDETLR(o, None, 20, ensemble_lr_spread_ratio=0.5,
+                                                          model_sync_interval=3, model=m, replicas=rep),
+                            mode=mode, share_gradients=share)
+        engines.append(eng)
+        g = torch.Generator().manual_seed(1)
+        for t in range(1, 8):
+            eng.step(batch(t, g), lambda m, b: F.mse_loss(m(b[0]), b[1]))
+            if t == 2:
+                kept = [m.aux.weight.detach().clone() for m in eng.models]
+        out[mode] = (eng, kept)
+    (v, kept), (lp, _) = out["vmap"], out["loop"]
+    assert "no gradient at step 3" in v.optimizer_path
+    _assert_same_replicas(v, lp)
+    mean = torch.stack(kept).mean(0)  # (the converge steps at 3 and 6 average the replicas; nothing else moves it)
+    for m in v.models:
+        torch.testing.assert_close(m.aux.weight, mean, rtol=0, atol=1e-7)
+        assert m.aux.weight.grad is None
+
+
+class _SharedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block1 = nn.Linear(4, 4)
+        self.block2 = self.block1  # one submodule under two names (ALBERT-style sharing)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.block2(torch.tanh(self.block1(x)))))
+
+
+def test_a_submodule_under_two_names_keeps_replica_0_usable_in_vmap_mode():
+    """torch's functional_call put a vmapped tensor back into replica 0's shared submodule (it swaps its weight in
+    under both names and restores the second from the first swap), so after one vmapped step models[0](x),
+    models[0].state_dict() and eng.state_dict() raised "tensor may have escaped"; training itself was right."""
+    v, lp = _run_both(_SharedBlock, 5, batch=_xy)
+    _assert_same_replicas(v, lp)
+    m0 = v.models[0]
+    assert isinstance(m0.block1.weight, nn.Parameter) and m0.block2.weight is m0.block1.weight
+    m0(torch.randn(2, 4))
+    v.state_dict()

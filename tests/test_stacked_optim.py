@@ -215,9 +215,11 @@ def test_the_gradient_is_averaged_the_same_either_way(monkeypatch, name):
 
 @pytest.mark.parametrize("case", ["unused later", "unused first, expanded"])
 def test_the_gradient_is_averaged_the_same_either_way_when_the_loss_skips_a_parameter(monkeypatch, case):
-    """A parameter the loss does not reach gets a zero gradient (after the first step: an auxiliary head used
-    now and then), or ends the stacked step (at the first step); a gradient autograd hands over expanded (a
-    parameter used only through a sum) is copied before anything writes it. Both ways of averaging agree."""
+    """A parameter the loss does not reach gets no gradient (None, as in the loop and under DDP, whose optimizer then
+    skips it) and ends the stacked step, whose step moves every column, at the first step as later (an auxiliary head
+    used now and then: it got a zero gradient, and the stacked AdamW moved it); a gradient autograd hands over
+    expanded (a parameter used only through a sum) is copied before anything writes it. Every way of averaging
+    agrees."""
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3), nn.Linear(3, 3))
 
     def full(m, b):
@@ -231,23 +233,26 @@ def test_the_gradient_is_averaged_the_same_either_way_when_the_loss_skips_a_para
 
     losses = [full, short] if case == "unused later" else [summed]
 
-    def run(reduce, copy_grads=True):
+    def run(reduce, copy_grads=True, mode="vmap"):
         monkeypatch.setattr(hdet.stacking, "_reduce_in_backward", lambda device: reduce)
         monkeypatch.setattr(hdet.stacking, "_copy_into_bound", lambda device: copy_grads)
         torch.manual_seed(1)
         eng = ReplicaEngine(copy.deepcopy(model), N, OPTIMIZERS["adamw"][0],
                             lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=8, model_sync_interval=4,
                                                                   ensemble_lr_spread_ratio=0.2, replicas=rep, model=m),
-                            mode="vmap")
+                            mode=mode)
         for t in range(6):
             eng.step((X[t], Y[t]), losses[t % len(losses)], stacked=True)
         return eng
-    reduced, accumulated, copied = run(True), run(False, copy_grads=False), run(False)
-    assert reduced.optimizer_path == accumulated.optimizer_path == copied.optimizer_path
-    assert reduced.optimizer_path == ("stacked" if case == "unused later" else
+    reduced, copied, loop = run(True), run(False), run(True, mode="loop")
+    assert reduced.optimizer_path == copied.optimizer_path
+    assert reduced.optimizer_path == ("per-replica: a parameter got no gradient at step 2 (unused in the loss)"
+                                      if case == "unused later" else
                                       "per-replica: a parameter got no gradient (unused in the loss)")
-    _close(reduced, accumulated)
-    _close(copied, accumulated)
+    _close(reduced, loop)
+    _close(copied, loop)
+    if case != "unused later":  # (gradients accumulated into the bound buffer, torch without _foreach_copy_: an
+        _close(run(False, copy_grads=False), loop)  # unused parameter there gets 0, not None; see _copy_into_bound)
 
 
 def test_checkpoint_resumes_exactly_and_loads_anywhere(tmp_path):

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from . import attention, autocast, linear
+from . import attention, autocast, embedding, linear
 from .ensemble import ReplicaMismatchError
 from .guard import all_finite
 from .replicas import LocalReplicaGroup, Replicas, average_local
@@ -97,14 +97,34 @@ def _leading(batch: Any) -> int | None:
 
 
 class _Call(nn.Module):
-    """``loss_fn(module, batch)`` as a module, so that ``functional_call`` can swap its tensors."""
+    """``loss_fn(module, batch)`` as a module, so that ``functional_call`` can swap its tensors. Returns the loss and
+    the buffers that the forward reassigned (``self.mu = 0.9 * self.mu + ...``, not in place), by their names under
+    this wrapper: ``functional_call`` puts the tensors it swapped in back afterwards, so a reassigned value would
+    otherwise be lost (the engine copies it into the stacked buffer)."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.m = module
+        self._buffer_slots = [(mod, k, f"m.{name}.{k}" if name else f"m.{k}") for name, mod in module.named_modules()
+                              for k, b in mod._buffers.items() if b is not None]
+        # a submodule under two names (self.block2 = self.block1): functional_call swaps its tensors in twice and
+        # puts back, under the second name, what it swapped in under the first (torch 2.13), leaving replica 0's
+        # module holding the vmapped tensors; their own tensors, to put back after each call (restore)
+        aliased = len(list(module.named_modules(remove_duplicate=False))) > len(list(module.named_modules()))
+        self._own = [(d, k, t) for mod in module.modules() for d in (mod._parameters, mod._buffers)
+                     for k, t in d.items() if t is not None] if aliased else []
 
-    def forward(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
-        return _scalar_loss(loss_fn(self.m, batch))
+    def restore(self) -> None:
+        """After a ``functional_call``: every tensor of the module is its own again (see ``_own``)."""
+        for d, k, t in self._own:
+            if d[k] is not t:
+                d[k] = t
+
+    def forward(self, batch: Any, loss_fn: LossFn) -> tuple[torch.Tensor, dict[str, Any]]:
+        before = [mod._buffers[k] for mod, k, _ in self._buffer_slots]
+        loss = _scalar_loss(loss_fn(self.m, batch))
+        return loss, {name: mod._buffers[k] for (mod, k, name), b in zip(self._buffer_slots, before)
+                      if mod._buffers[k] is not b}
 
 
 def _scalar_loss(loss: Any) -> torch.Tensor:
@@ -294,23 +314,47 @@ class ReplicaEngine:
         losses = None
         if fns[1] is not None:
             try:
-                losses = fns[1](*args)
+                with embedding.routed():  # padding_idx's row: no gradient from the lookup (hdet.embedding)
+                    losses, reassigned = self._forward(fns[1], args)
             except Exception as e:  # noqa: BLE001 - torch.compile of a vmapped model can fail: say so, run eagerly
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 warnings.warn(f"hdet: torch.compile cannot run this vmapped model ({type(e).__name__}: {first}); "
                               "running it eagerly (still vmapped)", stacklevel=3)
                 fns[1] = None
         if losses is None:  # SDPA: one fused call for all replicas (hdet.attention); linear and conv layers in the
-            with attention.routed(), autocast.routed(), self._linear():  # autocast dtype (hdet.autocast); F.linear
-                losses = fns[0](*args)  # on the CPU: one baddbmm, dW in W's layout (hdet.linear)
+            # autocast dtype (hdet.autocast); F.linear on the CPU: one baddbmm, dW in W's layout (hdet.linear);
+            # F.embedding: padding_idx's row gets no gradient from the lookup (hdet.embedding)
+            with attention.routed(), autocast.routed(), self._linear(), embedding.routed():
+                losses, reassigned = self._forward(fns[0], args)
         if losses.shape != (self.num_replicas,):
             raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(losses.shape[1:])}")
+        self._keep_reassigned(reassigned)
         self.stack.backward(losses)
         if self._stacked is not None and not self.stack.grads_bound and not self.stack.bind_grads():
             self._stop_stacked("a parameter got no gradient (unused in the loss)")
         if self.share_gradients:  # (local mode: each replica keeps its own gradient)
             self.stack.average_gradients()
         return losses.detach()
+
+    def _forward(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[torch.Tensor, dict[str, Any]]:
+        try:
+            return fn(*args)
+        finally:
+            self._call.restore()  # (a submodule under two names: see _Call)
+
+    @torch.no_grad()
+    def _keep_reassigned(self, reassigned: dict[str, Any]) -> None:
+        """The buffers the vmapped forward reassigned (see :class:`_Call`), copied into the stacked buffers (the
+        replicas' modules hold views of them), as each replica's module keeps its own in the loop."""
+        for name, new in reassigned.items():
+            old = self.stack.buffers[name[2:]]
+            if not isinstance(new, torch.Tensor) or new.shape != old.shape or new.dtype != old.dtype:
+                got = (f"a {new.dtype} tensor of shape {tuple(new.shape[1:])}" if isinstance(new, torch.Tensor)
+                       else type(new).__name__)
+                raise ValueError(f"Expected the buffer {name[2:]!r} that the forward reassigned to stay a {old.dtype} "
+                                 f"tensor of shape {tuple(old.shape[1:])} (vmapped replicas hold it stacked), but got "
+                                 f"{got}: update it in place, or use mode='loop'")
+            old.copy_(new)
 
     # -- loop path ----------------------------------------------------------------------------------
     def _loop_losses(self, batches: Sequence[Any], loss_fn: LossFn) -> torch.Tensor:
@@ -447,6 +491,7 @@ class ReplicaEngine:
         def vmapped() -> torch.Tensor:
             losses = self._vmap_losses(batches if stacked else _stack_batches(batches), loss_fn)
             self.stack.point_grads()
+            self.stack.unbind_missing()  # a parameter the loss did not reach: no gradient (None), as in the loop
             return losses
 
         def looped() -> torch.Tensor:
@@ -480,6 +525,8 @@ class ReplicaEngine:
             if self.stack is not None:
                 self.stack.rebind_grads()
         stepped = False
+        if self._stacked is not None and self.stack.missing:  # the stacked step moves every column: per-replica
+            self._stop_stacked(f"a parameter got no gradient at step {t} (unused in the loss)")  # steps skip it
         if self._stacked is not None and self.mode == "vmap":
             try:
                 self._stacked.step()  # every replica's optimizer.step() at once

@@ -72,6 +72,7 @@ class StackedReplicas:
         self._stride_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.reduce = False  # flattened, one_grad_row, on the CPU: the backward reduces into grad's one row
         self._reducing: bool | None = None  # reduce, and every parameter got a gradient (None: no backward yet)
+        self.missing: list[str] = []  # bound: the flattened parameters the last backward did not reach
 
     # -- the flat layout -------------------------------------------------------------------------------
     def flatten(self, optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
@@ -208,6 +209,7 @@ class StackedReplicas:
         replica axis straight into :attr:`grad`'s one row, the mean (:meth:`_reduce`); otherwise they are copied
         (once bound; before, accumulated) into the ``.grad`` of the stacked parameters (:meth:`average_gradients`
         then averages them)."""
+        self.missing = []
         if self.grads_bound and self._copying():
             self._copy_grads(*self._param_grads(losses))
             return
@@ -244,8 +246,9 @@ class StackedReplicas:
         dests, srcs = [], []
         with torch.no_grad():
             for n, g in zip(names, grads):
-                if g is None:  # the loss did not reach it this time: 0, as the accumulating path leaves it
+                if g is None:  # the loss did not reach it this time (see unbind_missing)
                     self._grads[n].zero_()
+                    self.missing.append(n)
                 else:
                     dests.append(self._grads[n])
                     srcs.append(g)
@@ -258,12 +261,13 @@ class StackedReplicas:
         ``sum_r g_r / N`` over the finite replicas (a replica with a NaN or Inf anywhere counts as 0, the gradient
         guard, :mod:`hdet.guard`). Each ``[N, ...]`` gradient is read once, in its memory order (an ``nn.Linear``
         weight's under vmap is transposed: reading it across, as accumulating it into a row-major buffer does,
-        costs more than the whole reduction). A parameter the loss did not reach this time gets 0, as the
-        accumulating path gives it."""
+        costs more than the whole reduction). A parameter the loss did not reach this time gets 0 and is listed in
+        :attr:`missing` (see :meth:`unbind_missing`)."""
         rows, dests = [], []
         for n, g in zip(names, grads):
             if g is None:
                 self._grads[n][0].zero_()
+                self.missing.append(n)
                 continue
             order = [0] + sorted(range(1, g.dim()), key=lambda i: (-g.stride(i), i))
             rows.append(g.permute(order).reshape(self.N, -1))  # [N, k] in memory order: a view of a dense g
@@ -325,6 +329,16 @@ class StackedReplicas:
                 p.grad = v
         self.grads_bound = True
 
+    def unbind_missing(self) -> None:
+        """The parameters the last backward did not reach (:attr:`missing`) get no ``.grad`` (None, on the stacked
+        parameter and every replica's view) until the next backward, which binds them again: an optimizer then
+        skips them, as torch's optimizers skip a parameter whose gradient is None, where a zero gradient would
+        still move it (Adam's moments, weight decay)."""
+        for n in self.missing:
+            self.params[n].grad = None
+            for p in self.views[n]:
+                p.grad = None
+
     def rebind_grads(self) -> None:
         """A hook that set a replica's ``p.grad`` to a new tensor (not in place): copy it into :attr:`grad`."""
         if not self.grads_bound:
@@ -332,6 +346,8 @@ class StackedReplicas:
         with torch.no_grad():
             for n, views in self._replica_grads.items():
                 for p, v in zip(self.views[n], views):
+                    if p.grad is None and n in self.missing:  # (no gradient this step: unbind_missing)
+                        continue
                     if p.grad is not v:
                         v.copy_(p.grad if p.grad is not None else torch.zeros_like(v))
                         p.grad = v
@@ -387,7 +403,8 @@ def _copy_into_bound(device: torch.device) -> bool:
     """Whether, with the gradients bound and not reduced in the backward, the backward's own gradients are copied
     into the bound views (:meth:`StackedReplicas._copy_grads`) rather than accumulated into them after a zero: on an
     H100, 1.004x / 1.03x / 1.01x the tiny / small / medium GPT's engine step, side by side
-    (``benchmarks/results/gpu_h100/copy_grads/``)."""
+    (``benchmarks/results/gpu_h100/copy_grads/``). Accumulated (a torch without ``_foreach_copy_``, older than hdet
+    supports), a parameter the backward did not reach keeps a zero gradient, not None (:attr:`missing` stays empty)."""
     return hasattr(torch, "_foreach_copy_")
 
 

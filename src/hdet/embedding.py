@@ -1,0 +1,53 @@
+"""``F.embedding``'s ``padding_idx`` for the engine's vmapped replicas: :func:`routed`.
+
+``nn.Embedding(..., padding_idx=p)`` promises that row ``p`` gets no gradient from the lookup (it stays as it is,
+a padding vector). Under ``torch.func.vmap`` with an ordinary backward after it, as the engine runs its replicas,
+torch loses that: the padding row gets the gradient of every padding token, and trains (torch 2.13 on the CPU;
+``vmap(grad(f))`` keeps it, a vmapped forward followed by ``.backward()`` does not). So while the engine runs its
+replicas' forward, ``F.embedding`` with a ``padding_idx`` looks up a weight whose padding row is detached
+(``torch.where``: the value is the same, its gradient through the lookup is 0), as torch's own backward for one
+replica does. A weight tied to another layer (an output projection) still gets that layer's gradient in the row.
+With ``max_norm``, the rows are renormalized in place first, on the weight itself, as ``F.embedding`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .patching import patched
+
+__all__ = ["routed", "detached_padding"]
+
+
+def detached_padding(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``fn`` (``F.embedding``, or what F held) with the padding row's gradient through the lookup kept at 0."""
+
+    def embedding(input: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None,
+                  max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                  sparse: bool = False) -> torch.Tensor:
+        if padding_idx is not None and isinstance(weight, torch.Tensor):  # (inside vmap requires_grad reads False)
+            if max_norm is not None:  # on the weight itself, as F.embedding does (not on the copy below)
+                input = input.contiguous()
+                with torch.no_grad():
+                    torch.embedding_renorm_(weight, input, max_norm, norm_type)
+                max_norm = None
+            pad = padding_idx + weight.size(0) if padding_idx < 0 else padding_idx
+            keep = torch.arange(weight.size(0), device=weight.device).ne(pad).unsqueeze(1)
+            weight = torch.where(keep, weight, weight.detach())
+        return fn(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+
+    embedding.__wrapped__ = fn  # type: ignore[attr-defined]
+    return embedding
+
+
+@contextlib.contextmanager
+def routed() -> Iterator[Any]:
+    """Inside: ``F.embedding`` (whatever F holds: torch's, or a user's wrapper) keeps ``padding_idx``'s row out of
+    the lookup's gradient, also under vmap."""
+    with patched("embedding", F, {"embedding": detached_padding}):
+        yield
