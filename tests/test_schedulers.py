@@ -626,6 +626,42 @@ def test_a_state_saved_with_recovery_on_resumes_with_it_whatever_the_scheduler_w
     assert resumed == full[stop:] and s2.ensemble.slots.lr_scale == s.ensemble.slots.lr_scale
 
 
+@pytest.mark.parametrize("built", [dict(total=40), dict(final_lr=0.001), dict(auto_lr_bounds=(0.0, 0.06))],
+                         ids=["total_steps", "final_lr", "auto_lr_bounds"])
+def test_a_resume_before_the_first_control_sync_keeps_the_saved_eq8_target_and_bounds(built):
+    """The paper controller starts at its first control sync (step 8) with Eq. 8's target (``final_lr``, or a
+    LambdaLR's value at total_steps) and the LR bounds that the scheduler worked out when it was built. They were not
+    in the state, so a checkpoint of step 6 loaded into a scheduler built with another total_steps, final_lr or bounds
+    ran on with the new ones (base LR 0.0454 / 0.0217 at step 8 against 0.0499, silently; an audit found it), while
+    total_steps itself was the saved one, also silently. Now the resume is exact and a warning names each."""
+    def build(total=24, **kw):
+        p = nn.Parameter(torch.zeros(3))
+        opt = torch.optim.SGD([p], lr=0.1)
+        base = LambdaLR(opt, lambda t: 1.0 / (1 + 0.1 * t))
+        return opt, HDETLR(opt, base, total, ensemble_lr_spread_ratio=0.2, model_sync_interval=4, enable_auto_lr=True,
+                           controller="paper", auto_lr_warmup_steps=8, loss_scale=0.05,
+                           replicas=ScriptedReplicas(0, 2, lambda: [1.0, 0.9]), **kw)
+
+    def run(opt, s, t0, t1):
+        lrs = []
+        for t in range(t0 + 1, t1 + 1):
+            opt.step()
+            s.step(torch.tensor(1.0))
+            lrs.append(s.base_lrs_now[0])
+            if t == 6:
+                saved.append(roundtrip(s.state_dict()))
+        return lrs
+
+    saved = []
+    full = run(*build(), 0, 24)
+    opt2, s2 = build(**built)
+    says = {"total": r"total_steps 24 \(built with 40\)", "final_lr": r"final_lr \(Eq. 8's target\) \[0.02",
+            "auto_lr_bounds": r"auto_lr_bounds \[\(0.0294.*\(built with \[\(0.0, 0.06\)\]\)"}[next(iter(built))]
+    with pytest.warns(UserWarning, match="replace this scheduler's.*" + says):
+        s2.load_state_dict(saved[0])
+    assert run(opt2, s2, 6, 24) == full[6:]
+
+
 @pytest.mark.parametrize("explore, says", [("beta", "beta"), ("coupled", "coupled"), ("wd_adamw", None),
                                            ("decoupled_adam", None), ("none", None)])
 def test_loading_another_replicas_state_says_when_its_optimizer_moments_are_not_this_replicas(explore, says):

@@ -19,6 +19,7 @@ from .controller import PaperController, controller_from_state
 from .hyper import AdamBeta, GradClip
 from .optimizers import check_optimizer, coupled_weight_decay
 from .range_test import RampSnapshots, RangeTest
+from .slots import LRControl
 from .spread import Dealer, linear_multipliers
 from .stability import StabilityGuard
 from .window import LossWindow, WindowMean
@@ -56,7 +57,42 @@ def state_dict(ens: "Ensemble") -> dict[str, Any]:
         "stability": ens.stability.state_dict(),
         "range_test": None if s.range is None else s.range.state_dict(),
         "range_snapshots": ens._ramp.state_dict(),
+        "lr_control": _lr_control_state(ens.lr_control),
     }
+
+
+def _lr_control_state(c: LRControl) -> dict[str, Any]:
+    """The paper controller's inputs that the scheduler works out from how it was built (Eq. 8's targets, the LR
+    bounds, Eq. 8's gamma as printed): saved, so that a resume before the first control sync uses the saved run's."""
+    return {"bounds": [[float(lo), float(hi)] for lo, hi in c.bounds],
+            "finals": None if c.finals is None else [float(f) for f in c.finals],
+            "gamma_as_printed": c.gamma_as_printed}
+
+
+def _parse_lr_control(state: Any, ens: "Ensemble") -> LRControl | None:
+    """A saved :class:`LRControl` (None in a state saved before it was kept: the built one stays)."""
+    if state is None:
+        return None
+    n = len(ens.lr_control.bounds)
+    bounds, finals, gamma = state.get("bounds"), state.get("finals"), state.get("gamma_as_printed")
+    if (not isinstance(bounds, list) or len(bounds) != n
+            or not all(isinstance(b, list) and len(b) == 2 and all(_is_real(x) for x in b) for b in bounds)
+            or not (finals is None or isinstance(finals, list) and len(finals) == n and all(map(_is_real, finals)))
+            or not (gamma is None or _is_real(gamma))):
+        raise ValueError(f"Expected the state's lr_control to hold {n} LR bounds (low, high), None or {n} final LRs, "
+                         f"and None or a number, but got {state!r}: a corrupted state_dict")
+    return LRControl(bounds=[(float(lo), float(hi)) for lo, hi in bounds],
+                     finals=None if finals is None else [float(f) for f in finals],
+                     gamma_as_printed=None if gamma is None else float(gamma))
+
+
+def _replaced_lr_control(saved: LRControl | None, built: LRControl, config: HDETConfig) -> list[str]:
+    """The paper controller's inputs the state replaces (said only where the paper controller runs)."""
+    if saved is None or not (config.enable_auto_lr and config.controller == "paper"):
+        return []
+    return [f"{name} {a} (built with {b})" for name, a, b in (
+        ("final_lr (Eq. 8's target)", saved.finals, built.finals), ("auto_lr_bounds", saved.bounds, built.bounds),
+        ("Eq. 8's gamma as printed", saved.gamma_as_printed, built.gamma_as_printed)) if a != b]
 
 
 def parse(ens: "Ensemble", state: Any) -> dict[str, Any]:
@@ -162,7 +198,10 @@ def _parse_fields(ens: "Ensemble", state: dict[str, Any], version: int) -> dict[
     mean = (ens.window_mean or WindowMean(ens._float_params())) if config.probing else None  # the saved config's
     if mean is not None and not elastic:
         window_mean = mean.parse(state.get("window_mean"))
-    return {"elastic": elastic, "config": config, "replaced": _replaced_settings(config, ens.config), "mean": mean,
+    lr_control = _parse_lr_control(state.get("lr_control"), ens)
+    replaced = _replaced_settings(config, ens.config) + _replaced_lr_control(lr_control, ens.lr_control, config) + (
+        [f"total_steps {total} (built with {ens.total_steps})"] if total != ens.total_steps else [])
+    return {"elastic": elastic, "config": config, "replaced": replaced, "mean": mean, "lr_control": lr_control,
             "bases": [float(x) for x in bases], "controllers": controllers,
             "dealer": dealer, "total_steps": total, "peak0": float(state.get("peak0", 0.0)), "scheduled": scheduled,
             "perms": [[int(i) for i in p] for p in perms], "window": (None, None, 0, None) if elastic else window,
@@ -233,6 +272,8 @@ def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
     ens.config = ens.slots.config = ens.stability.config = new["config"]  # everything judges by the saved settings
     ens.window_mean = new["mean"]
     ens.total_steps = new["total_steps"]
+    if new["lr_control"] is not None:
+        ens.lr_control = new["lr_control"]
     s = ens.slots
     s.bases, s.controllers, s.dealer = new["bases"], new["controllers"], new["dealer"]
     s.peak0, s.scheduled, s.perms, s.lr_scale = new["peak0"], new["scheduled"], new["perms"], new["lr_scale"]

@@ -2,7 +2,8 @@
 
 ``sched.record_schedule()`` makes an HDET scheduler remember, for every step, the base value of every
 explored slot (each param group's LR and every other hyperparameter): the centre the replicas' values are
-spread around (the arithmetic mean for a linear spread, the geometric mean for a log spread), the schedule
+spread around (the arithmetic mean for a linear spread, the geometric mean for a log spread; before any clamp at
+a bound: see docs/telemetry.md), the schedule
 the ensemble as a whole followed (the controller's once it runs). Not OneCycle's momentum cycle: a replaying
 run that wants it sets it itself. ``sched.discovered_schedule()``
 returns it as plain data (JSON-able); :class:`ReplayLR` plays it back as an ordinary LRScheduler::
