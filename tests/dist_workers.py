@@ -531,27 +531,29 @@ def compiled(rank, world, *, steps=10, T=5):
     return {"agree": agree, "params": gather_flat(model.parameters())}
 
 
-def hsdp(rank, world, *, mesh_shape=(2, 2), steps=10, T=5):
-    """FSDP2 through a (replicate, shard) DeviceMesh: HDET replicas are the replicate dimension."""
+def hsdp(rank, world, *, mesh_shape=(2, 2), steps=10, T=5, bn=False):
+    """FSDP2 through a (replicate, shard) DeviceMesh: HDET replicas are the replicate dimension. ``bn``: a BatchNorm
+    layer, whose statistics each rank keeps whole (returned after each converge step)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+    model = nn.Sequential(nn.Linear(6, 16), *([nn.BatchNorm1d(16)] if bn else []), nn.ReLU(), nn.Linear(16, 1))
     fully_shard(model, mesh=mesh)
     o = torch.optim.Adam(model.parameters(), lr=0.01)
     s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.3, model_sync_interval=T,
                             controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=T, loss_scale=0.05, model=model, seed=3,
                             device_mesh=mesh)
-    lrs, full_after = [], []
+    lrs, full_after, buffers_after = [], [], []
     for t in range(1, steps + 1):
         train_steps(model, o, s, rank, range(t, t + 1))
         lrs.append(s.get_last_lr()[0])
         if s.is_sync_step(t):
             full_after.append(torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()]))
+            buffers_after.append([b.detach().clone() for b in model.buffers() if b.is_floating_point()])
     logger = hdet.SyncLogger(s, None)  # telemetry: replica 0's first rank writes, not every shard of replica 0
-    return {"lrs": lrs, "full_after": full_after, "replica": s.rank, "N": s.world_size,
+    return {"lrs": lrs, "full_after": full_after, "buffers_after": buffers_after, "replica": s.rank, "N": s.world_size,
             "bases": s.base_lrs_now, "updates": s.ensemble.controllers[0].updates, "logs": logger.active}
 
 

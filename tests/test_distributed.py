@@ -410,10 +410,10 @@ def test_one_file_for_every_hsdp_rank_mid_window_warns_on_the_other_shards_too()
     assert "shard rank 1" in res[1]["warned"][0]
 
 
-def _hsdp(rank, world, shape):
+def _hsdp(rank, world, shape, bn=False):
     from dist_workers import hsdp
 
-    return hsdp(rank, world, mesh_shape=shape)
+    return hsdp(rank, world, mesh_shape=shape, bn=bn)
 
 
 @pytest.mark.parametrize("shape", [(2, 2), (4, 1), (1, 4)])
@@ -432,3 +432,22 @@ def test_fsdp2_hsdp_replicas_are_the_replicate_dimension(shape):
     for k in range(2):
         assert all(torch.equal(res[0]["full_after"][k], r["full_after"][k]) for r in res)
     assert [r["logs"] for r in res] == [True, False, False, False]  # one telemetry writer, not one per shard
+
+
+def _hsdp_bn(rank, world, shape):
+    return _hsdp(rank, world, shape, bn=True)
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (1, 4)])
+def test_hsdp_batchnorm_statistics_are_one_after_a_converge_step(shape):
+    """FSDP2 keeps a BatchNorm's statistics whole on each rank, each updated from that rank's part of the batch. A
+    converge step averaged them only over the replicate group (each shard rank with the same shard rank of the other
+    replicas), so a replica's two ranks kept different statistics (0.063 apart in an audit's run; which one a
+    checkpoint or an evaluation got depended on the rank), where DDP's are one. Now they are averaged over the
+    replica's shard ranks too: after each converge step every rank holds the mean over the mesh. With one replica
+    (plain FSDP2) hdet leaves them alone, as FSDP2 does."""
+    res = check_ok(run_gloo(_hsdp_bn, 4, shape))
+    for k in range(2):
+        first = res[0]["buffers_after"][k]
+        same = [all(torch.equal(a, b) for a, b in zip(first, r["buffers_after"][k])) for r in res[1:]]
+        assert same == ([True] * 3 if shape[0] > 1 else [False] * 3), (k, same)

@@ -139,6 +139,21 @@ def test_sharded_replicas_have_only_the_skip_guard():
         assert resolve_guard(False, opt, mesh=True) is None
 
 
+def test_sharded_replicas_get_advice_that_applies_to_them():
+    """An audit of FSDP2/HSDP (2026-11-28): "skip" with a non-fused optimizer advised guard_gradients='hook', which
+    sharded replicas refuse; the fit controller without a probe asked for a probe first, and only then said that it
+    does not support sharded replicas at all."""
+    import hdet
+
+    opt = _setup(fused=False)[2]
+    with pytest.raises(ValueError, match=r"pass fused=True, or guard_gradients=False \(sharded replicas have no 'hook'"):
+        SkipNonFiniteStep(opt, agree_over=[object()])
+    with pytest.raises(ValueError, match="use guard_gradients='hook'"):
+        SkipNonFiniteStep(opt)
+    with pytest.raises(ValueError, match=r"controller='paper' .* with device_mesh .* fit controller"):
+        hdet.OneCycleAutoLR(opt, max_lr=0.1, total_steps=10, enable_auto_lr=True, device_mesh=object())
+
+
 def test_a_handed_over_norm_decides_the_step_and_the_guard_makes_no_pass(monkeypatch):
     """use_norm: the clip's total norm decides (finite: the step runs; non-finite: skipped) and the guard's
     own pass over the gradients does not run; the norm counts for one step only."""

@@ -220,3 +220,12 @@ def test_warm_init_noise_is_not_drawn_from_the_stream_of_the_initial_weights():
         again = nn.Sequential(nn.Linear(50, 50), nn.Linear(50, 10))
         hdet.warm_init_(again, rank=0, nu=0.01, seed=0)
     assert torch.equal(again[0].weight, m[0].weight)  # reproducible
+
+
+def test_warm_init_refuses_sharded_parameters_with_a_message():
+    """On an FSDP2 model warm_init_ failed inside torch ("aten.add_.Tensor got mixed torch.Tensor and DTensor"); it now
+    says that sharded parameters are not supported (a DTensor is recognised by its placements)."""
+    p = torch.nn.Parameter(torch.ones(4))
+    p.placements = ("Shard(dim=0)",)  # what marks a DTensor here
+    with pytest.raises(ValueError, match="FSDP2/HSDP DTensor parameters: warm_init_ does not support sharded"):
+        hdet.warm_init_([p], rank=1)

@@ -550,6 +550,9 @@ class Ensemble:
             return
         try:
             self.replicas.average_(tensors, exclude=exclude, **({} if into is None else {"into": into}))
+            over_shards = getattr(self.replicas, "average_over_shards_", None)
+            if over_shards is not None and into is None and self.model is not None:  # HSDP: buffers are whole on
+                over_shards(persistent_float_buffers(self.model))  # each shard rank (COLLECTIVES: one per bucket)
         except ReplicaSyncError as e:
             self.failed_sync = f"the converge step after optimizer step {t} failed while averaging"
             raise ReplicaSyncError(f"hdet: the converge step after optimizer step {t} failed while averaging: "

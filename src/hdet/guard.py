@@ -220,7 +220,8 @@ class SkipNonFiniteStep:
             raise ValueError("Expected an optimizer that can skip a step on the device (torch's Adam, AdamW, SGD, "
                              f"... with fused=True in every param group) for guard_gradients='skip', but got "
                              f"{type(optimizer).__name__} with fused={[g.get('fused') for g in optimizer.param_groups]}; "
-                             "use guard_gradients='hook'")
+                             + ("pass fused=True, or guard_gradients=False (sharded replicas have no 'hook' guard)"
+                                if agree_over else "use guard_gradients='hook'"))
         self.optimizer = optimizer
         self.agree_over = list(agree_over)
         self.skipped: torch.Tensor | None = None
@@ -440,8 +441,8 @@ def resolve_guard(guard: Any, optimizer: torch.optim.Optimizer, advise: bool = T
             return "skip"
         if mesh:
             warnings.warn("hdet: no gradient guard for these sharded replicas: the 'skip' guard needs a fused optimizer "
-                          "(fused=True); without it one replica's NaN gradient reaches the others through HSDP's "
-                          "all-reduce. Pass guard_gradients=False to silence this", stacklevel=4)
+                          "(fused=True); without it one replica's NaN gradient reaches the others through the all-reduce "
+                          "of the gradients over the replicas. Pass guard_gradients=False to silence this", stacklevel=4)
             return None
         if advise and any(p.device.type != "cpu" for g in _innermost(optimizer).param_groups for p in g["params"]):
             warnings.warn("hdet: the optimizer is not fused, so the gradient guard is the DDP comm hook ('hook'), "

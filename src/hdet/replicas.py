@@ -175,6 +175,22 @@ class ProcessGroupReplicas(Replicas):
         with _collective("the all_reduce of the averaged tensors"):
             self._average(tensors, exclude, into)
 
+    def average_over_shards_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """FSDP2/HSDP: tensors that each rank of a replica holds whole, not as shards (its buffers: BatchNorm's
+        statistics, which each rank updates from its own part of the batch), averaged over the replica's shard ranks
+        too, after :meth:`average_` over the replicas: every rank then holds their mean over the whole mesh. Without
+        it each shard rank averaged only with the same shard rank of the other replicas, and a replica's ranks kept
+        different statistics (which one a checkpoint or an evaluation got depended on the rank)."""
+        if self.shard_group is None or dist.get_world_size(self.shard_group) == 1 or self.world_size == 1 or not tensors:
+            return  # (one replica: plain FSDP2, whose ranks keep their own, as without hdet)
+        with _collective("the all_reduce of the buffers over a replica's shard ranks"), torch.no_grad():
+            for bucket in plan_buckets(list(tensors), self.cap_bytes):
+                part = [tensors[i] for i in bucket]
+                flat = _flatten_dense_tensors(part)
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.shard_group)  # COLLECTIVE (one per bucket)
+                flat.div_(dist.get_world_size(self.shard_group))
+                torch._foreach_copy_(part, _unflatten_dense_tensors(flat, part))
+
     def _average(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int],
                  into: Sequence[int] | None = None) -> None:
         n = self.world_size - len(set(exclude))

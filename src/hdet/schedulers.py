@@ -554,6 +554,9 @@ def _resolve_base(base: Any, optimizer: torch.optim.Optimizer) -> tuple[LRSchedu
 def _check_probe(config: HDETConfig, probe: Any, model: Any, device_mesh: Any) -> None:
     if not config.probing:
         return
+    if device_mesh is not None:  # (first: a probe would not help)
+        raise ValueError("Expected controller='paper' (or enable_auto_lr=False) with device_mesh (sharded replicas), "
+                         "but got the fit controller (the default), which does not support sharded replicas yet")
     if probe is None or not callable(probe):
         raise ValueError(
             "Expected probe=<function(model) -> scalar loss on a batch that is the same on every replica> for the "
@@ -562,8 +565,6 @@ def _check_probe(config: HDETConfig, probe: Any, model: Any, device_mesh: Any) -
     if model is None:
         raise ValueError("Expected model=<the module> with controller='fit': the probe evaluates it at the mean of "
                          "its iterates over the window")
-    if device_mesh is not None:
-        raise ValueError("controller='fit' does not support device_mesh (sharded replicas) yet; use 'paper'")
 
 
 def _float(x: float | torch.Tensor) -> float:

@@ -63,6 +63,9 @@ def warm_init_(
         tensors = [p for p in params if p.is_floating_point()]
     if not tensors:
         raise ValueError("Expected at least one floating-point parameter, but got none")
+    if any(hasattr(p, "placements") for p in tensors):  # DTensors: torch's "mixed Tensor and DTensor" error else
+        raise ValueError("Expected plain (DDP) parameters, but got FSDP2/HSDP DTensor parameters: warm_init_ does not "
+                         "support sharded replicas yet (it is optional: leave it out)")
     generators: dict[torch.device, torch.Generator] = {}
 
     def noise_like(p: torch.Tensor) -> torch.Tensor:
