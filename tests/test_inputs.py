@@ -229,3 +229,18 @@ def test_warm_init_refuses_sharded_parameters_with_a_message():
     p.placements = ("Shard(dim=0)",)  # what marks a DTensor here
     with pytest.raises(ValueError, match="FSDP2/HSDP DTensor parameters: warm_init_ does not support sharded"):
         hdet.warm_init_([p], rank=1)
+
+
+def test_a_param_group_added_after_the_scheduler_is_an_error_that_says_so():
+    """optimizer.add_param_group after the scheduler was built (progressive unfreezing): the next step failed with
+    "Expected OneCycleLR's LR at step 7 as one finite LR >= 0 or 2 such (one per param group), but got [0.0095]"."""
+    a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([a], lr=0.1)
+    s = hdet.OneCycleAutoLR(opt, max_lr=0.1, total_steps=10)
+    opt.step()
+    s.step(1.0)
+    opt.add_param_group({"params": [b], "lr": 0.01})
+    opt.step()
+    with pytest.raises(ValueError, match=r"Expected the 1 param group\(s\) the scheduler was built with, but the "
+                                         r"optimizer has 2 now \(optimizer.add_param_group"):
+        s.step(1.0)

@@ -330,6 +330,12 @@ class HDETLR(LRScheduler):
         if t > self.total_steps:
             raise ValueError(f"Expected at most total_steps={self.total_steps} calls of scheduler.step() after "
                              f"optimizer steps, but this is call {t}; raise total_steps or stop stepping")
+        if len(self.optimizer.param_groups) != len(self._constant):  # (add_param_group after building the scheduler)
+            raise ValueError(f"Expected the {len(self._constant)} param group(s) the scheduler was built with, but the "
+                             f"optimizer has {len(self.optimizer.param_groups)} now (optimizer.add_param_group after "
+                             "the scheduler was built?): HDET's LR slots are fixed when it is built. Build the "
+                             "scheduler after adding every param group (a group frozen for now can hold parameters "
+                             "with requires_grad=False)")
         self._check_optimizer_stepped()
         if lead is not None:
             self._follow_base(lead)
