@@ -198,6 +198,8 @@ def test_train_under_torchrun_matches_engine(tmp_path, local):
                         "-m", "hdet", "train", *args, "--out", str(tmp_path / "ddp")],
                        capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
+    # the engine's flag does nothing here, and says so once (it was silently accepted: an audit, 2026-11-28)
+    assert p.stderr.count("hdet: warning: --mode under torchrun (the one-process engine's") == 1, p.stderr[-2000:]
     ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert ddp["mode"] == "ddp-gloo" and ddp["replicas"] == 2
     assert json.loads((tmp_path / "ddp" / "config.json").read_text())["config"]["local"] is local
@@ -336,6 +338,50 @@ def test_flags_a_run_does_not_use_are_named(tmp_path, capsys):
         assert f"hdet: warning: {said} has no effect" in err
     assert main(["train", *TINY, "--replicas", "2", "--alpha", "0", "--auto-lr", "--out", str(tmp_path / "a")]) == 0
     assert "--auto-lr with --alpha 0 (the controller compares the replicas' spread" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+def test_a_bad_out_under_torchrun_is_an_error_on_every_rank(tmp_path):
+    """--out naming a file: only rank 0 checked it, and rank 1 waited in DDP's set-up until torchrun killed it (a
+    launcher that does not would leave it waiting for the gloo timeout). Every rank says it now."""
+    (tmp_path / "f").write_text("")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "hdet", "train", *TINY, "--out", str(tmp_path / "f")],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode != 0
+    assert p.stderr.count("hdet: error: Expected --out to be a folder") == 2, p.stderr[-2000:]
+
+
+def test_a_terminated_run_says_it_can_be_resumed(tmp_path):
+    """SIGTERM (torchrun stopping its workers when one fails, a cluster scheduler's kill) ended the run with a traceback
+    and no word of the checkpoint, where Ctrl-C says that --resume goes on from it. Now both say so."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "hdet", "train", *TINY, "--steps", "100000", "--checkpoint-every", "5",
+                          "--replicas", "2", "--out", str(out)], stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while not (out / "checkpoint.pt").exists() and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 143, err[-2000:]
+    assert "hdet: terminated; the same command with --resume goes on from its last checkpoint" in err
+
+
+def test_flags_a_torchrun_run_does_not_use_are_named():
+    """Under torchrun the engine's --mode and --compile did nothing, silently, and --auto-lr in one process (world
+    size 1, no spread to compare) got no warning where --replicas 1 in the engine got one."""
+    from hdet.app.options import RunConfig, unused
+
+    said = unused(RunConfig(mode="loop", compile=True, auto_lr=True), world=1)
+    assert "--mode under torchrun (the one-process engine's: each rank is one replica)" in said
+    assert "--compile under torchrun (the one-process engine's: each rank is one replica)" in said
+    assert any(w.startswith("--auto-lr with one process (world size 1)") for w in said)
+    assert unused(RunConfig(mode="loop", compile=True, auto_lr=True, replicas=2)) == []  # the engine uses them
+    assert not any("auto-lr" in w for w in unused(RunConfig(auto_lr=True), world=2))
 
 
 def _strict_jsonl(p: Path) -> list[dict]:

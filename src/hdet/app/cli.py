@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -91,7 +93,9 @@ def _cmd_train(a: argparse.Namespace, argv: list[str]) -> int:
 
     cfg = _config(a)
     check(cfg)  # a bad value is an error before any warning (train checks it again)
-    for what in unused(cfg) if os.environ.get("RANK", "0") == "0" else ():
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # (as train() decides it)
+    world = int(os.environ["WORLD_SIZE"]) if torchrun and os.environ["WORLD_SIZE"].isdigit() else None
+    for what in unused(cfg, world) if os.environ.get("RANK", "0") == "0" else ():
         print(f"hdet: warning: {what} has no effect", file=sys.stderr)
     s = train(cfg, argv=argv)
     if s.get("config") is None:  # not rank 0
@@ -186,9 +190,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (torchrun stopping its workers, a scheduler's kill): stopped as Ctrl-C stops a run."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
+    main_thread = threading.current_thread() is threading.main_thread()  # (signal handlers: the main thread only)
+    before = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    try:
+        return _run(a, argv)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, before)
+
+
+def _run(a: argparse.Namespace, argv: list[str]) -> int:
     from .tasks import TaskError
 
     try:
@@ -200,11 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         msg = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror and e.filename else str(e)
         print(f"hdet: error: {msg}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         saved = a.cmd == "train" and any(Path(a.out).glob("checkpoint*.pt"))
-        print("hdet: interrupted" + ("; the same command with --resume goes on from its last checkpoint" if saved
-                                     else ""), file=sys.stderr)
-        return 130
+        print(("hdet: terminated" if isinstance(e, _Terminated) else "hdet: interrupted") +
+              ("; the same command with --resume goes on from its last checkpoint" if saved else ""), file=sys.stderr)
+        return 143 if isinstance(e, _Terminated) else 130
 
 
 if __name__ == "__main__":

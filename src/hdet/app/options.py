@@ -55,8 +55,9 @@ class RunConfig:
         "one LR multiplier per replica for all param groups (default: on with the fit controller, as measured; "
         "otherwise one multiplier per group, as in the paper)"))
     local: bool = field(default=False, metadata=_cli(
-        "average gradients every step (DDP); --no-grad-sync is the local mode: replicas meet only at converge "
-        "steps, every T steps", flag="--grad-sync", invert=True))
+        "average gradients every step (DDP); --no-grad-sync is the local mode: replicas share no gradients and "
+        "average their weights at converge steps, every T steps (under torchrun the logged loss is still averaged "
+        "over the ranks at each logged step)", flag="--grad-sync", invert=True))
     on_runaway: str = field(default="recover", metadata=_cli(
         "recover: a replica whose finite window loss runs away is reset like a non-finite one and the LR schedule "
         "is cut (also when the ensemble's loss rises); ignore: the paper's HDET"))
@@ -202,9 +203,14 @@ def check(cfg: RunConfig) -> None:
         raise RunError(f"Expected --init-from to name a model.pt file, but {cfg.init_from} does not exist")
 
 
-def unused(cfg: RunConfig) -> list[str]:
-    """Flags given that this run does not use (said as a warning: the run is still what was asked otherwise)."""
+def unused(cfg: RunConfig, world: int | None = None) -> list[str]:
+    """Flags given that this run does not use (said as a warning: the run is still what was asked otherwise).
+    ``world``: the world size under torchrun (each rank one replica), None in the one-process engine."""
     out = []
+    default = RunConfig()
+    if world is not None:
+        out += [f"--{name} under torchrun (the one-process engine's: each rank is one replica)"
+                for name in ("mode", "compile") if getattr(cfg, name) != getattr(default, name)]
     if cfg.warmup is not None and not (cfg.auto_lr or cfg.range_test):
         out.append("--warmup without --auto-lr or --range-test")
     if cfg.tie_lr_groups is not None and not cfg.auto_lr:
@@ -213,7 +219,6 @@ def unused(cfg: RunConfig) -> list[str]:
         out.append(f"--prodigy-safeguard with --optimizer {cfg.optimizer}")
     if cfg.data is not None and cfg.task != "fashion":
         out.append(f"--data with --task {cfg.task} (its data is the standard library's own files)")
-    default = RunConfig()
     if cfg.clip != default.clip and "grad-clip" not in cfg.explore:
         out.append("--clip without --explore grad-clip")
     for name in ("controller", "probe_batches"):
@@ -224,8 +229,10 @@ def unused(cfg: RunConfig) -> list[str]:
     for name in ("ctx", "layers"):
         if getattr(cfg, name) != getattr(default, name) and cfg.task == "fashion":
             out.append(f"--{name} with --task fashion (a CNN)")
-    if cfg.auto_lr and (cfg.alpha == 0 or cfg.replicas == 1):
-        out.append("--auto-lr with " + ("--alpha 0" if cfg.alpha == 0 else "--replicas 1") +
+    one = cfg.replicas == 1 if world is None else world == 1
+    if cfg.auto_lr and (cfg.alpha == 0 or one):
+        out.append("--auto-lr with " + ("--alpha 0" if cfg.alpha == 0 else "--replicas 1" if world is None else
+                                        "one process (world size 1)") +
                    " (the controller compares the replicas' spread: there is none)")
     return out
 

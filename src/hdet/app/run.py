@@ -42,13 +42,15 @@ FINAL = ("summary.json", "schedule.json", "model.pt", "loss.png", "lr.png", "hpa
 # (compare.json: `hdet compare`'s table, which `hdet plot` would show instead of this run)
 
 
-def check_out(out: Path) -> None:
-    """That ``out`` is a folder this process can write to (made if missing); nothing in it is touched."""
+def check_out(out: Path, rank: int = 0) -> None:
+    """That ``out`` is a folder this process can write to (made if missing); nothing in it is touched. Every torchrun
+    rank checks (each its own probe file), so that a bad ``--out`` is an error on every rank, not rank 0's alone while
+    the others wait for it in the process group's first collective."""
     if out.exists() and not out.is_dir():
         raise RunError(f"Expected --out to be a folder, but {out} is a file")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
+        probe = out / (".write-test" if rank == 0 else f".write-test-{rank}")
         probe.write_text("")
         probe.unlink()
     except OSError as e:
@@ -192,8 +194,8 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
     out = Path(cfg.out)
     if cfg.resume and not dry_run and not (out / "config.json").is_file():
         raise RunError(f"Expected a run folder to resume at {out} (--out), but there is no run there")
-    if rank == 0 and not dry_run:
-        check_out(out)
+    if not dry_run:
+        check_out(out, rank)
     task = make_task(cfg.task, data=cfg.data, ctx=cfg.ctx, width=cfg.width, layers=cfg.layers,
                      dropout=cfg.dropout, data_bytes=cfg.data_bytes)
 
