@@ -584,7 +584,7 @@ def one_d_mesh(rank, world, *, name="shard", dadapt=False, shard=True):
 def hsdp_guard(rank, world, *, fault="loss", steps=10, T=5, at=3):
     """FSDP2 on a (2, 2) mesh with torch's fused AdamW, so "auto" installs the "skip" guard. At step ``at``
     rank 1 (a shard of replica 0) gets a NaN loss, or rank 3 a NaN in its own gradient shard after the
-    reductions (no other rank sees it). Records, per step, whether this rank's shards changed."""
+    reductions (no other rank sees it), or rank 1 a NaN in its weight shard ("weight"). Records, per step, whether this rank's shards changed."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -598,6 +598,9 @@ def hsdp_guard(rank, world, *, fault="loss", steps=10, T=5, at=3):
     changed, finite, recovered, nonfinite = [], [], [], []
     for t in range(1, steps + 1):
         before = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+        if fault == "weight" and t == at and rank == 1:  # a NaN in one shard of replica 0's weights
+            with torch.no_grad():
+                next(iter(model.parameters())).to_local().view(-1)[0] = float("nan")
         x, y = batch(rank, t)
         loss = nn.functional.mse_loss(model(x), y)
         if fault == "loss" and t == at and rank == 1:

@@ -37,7 +37,7 @@ class ScriptedReplicas(Replicas):
         self.window_losses = window_losses
         self.gathers = 0
 
-    def gather(self, local: torch.Tensor, shard_sum=(), shard_min=()) -> torch.Tensor:
+    def gather(self, local: torch.Tensor, shard_sum=(), shard_min=(), shard_max=()) -> torch.Tensor:
         self.gathers += 1
         rows = local.detach().to(torch.float64).reshape(1, -1).repeat(self.world_size, 1)
         if self.window_losses is not None:

@@ -267,6 +267,16 @@ def test_skip_guard_on_sharded_replicas_decides_once_for_the_whole_mesh(fault):
         assert out["guard_kept"]  # the state round trip (weights_only=True) left the live guard alone
 
 
+def test_a_nan_weight_shard_counts_each_step_once_for_its_replica():
+    """A NaN in one shard of replica 0's weights at step 3 (T = 5): both of its shard ranks see NaN losses at steps
+    3-5, and the sync resets it. The count of non-finite losses was summed over the shard ranks (6, where DDP says
+    3: an audit); a step is one step whichever shard saw it, so it is their max now."""
+    res = check_ok(run_gloo(_hsdp_guard, 4, "weight"))
+    for out in res:
+        assert out["nonfinite_losses"] == [[3, 0], [0, 0]], out["nonfinite_losses"]
+        assert out["recovered"] == [[0], []] and out["finite"][-1] and out["replicas_equal"]
+
+
 def test_without_the_guard_a_nan_loss_reaches_every_replica():
     """The same NaN loss with guard_gradients=False: the all-reduce spreads it to all replicas, so the
     converge step finds every replica non-finite and stops with a clear error (what the guard prevents)."""

@@ -35,7 +35,7 @@ from .range_test import MAX_RANGE_GROWTH, RANGE_START, RampSnapshots, RangeTest
 from .slots import LRControl, Slots
 from .stability import MIN_LR_SCALE, SharedCopies, StabilityGuard
 from .step_scale import StepScale
-from .sync import (SHARD_MIN, SHARD_SUM, ReplicaMismatchError, SyncVector, as_real, averaged, check_agreement, health,
+from .sync import (SHARD_MAX, SHARD_MIN, SHARD_SUM, ReplicaMismatchError, SyncVector, as_real, averaged, check_agreement, health,
                    layout_signature, persistent_float_buffers)
 from .window import LossWindow, Probe, WindowMean
 
@@ -355,6 +355,7 @@ class Ensemble:
             loss_sum=self.window.sum if self.window.sum is not None else zero,
             loss_n=self.window.finite if self.window.finite is not None else zero,
             loss_sq=self.window.sq if self.window.sq is not None else zero, observed=self.window.count,
+            nonfinite=self.window.count - (self.window.finite if self.window.finite is not None else zero),
             finite=finite, buf_inf=buf_inf, layout=layout_signature(tensors), ntensors=len(tensors), seed=c.seed,
             probe=probe, step=t, interval=c.model_sync_interval,
             total_steps=-1 if self.total_steps is None else self.total_steps, config=self.fingerprint(),
@@ -374,7 +375,7 @@ class Ensemble:
         check_agreement(t, col)
         N = self.replicas.world_size
         bad = [r for r in range(N) if col.finite[r] != 1.0 or col.buf_inf[r] > min(col.buf_inf)]
-        bad_loss = [r for r in range(N) if col.observed[r] > col.loss_n[r]]
+        bad_loss = [r for r in range(N) if col.nonfinite[r] > 0]
         # every replica bad: with on_runaway="recover" (or the range test) and a best sync to go back to, that
         # is where every replica goes (a collapse, at a sync or an early recovery); otherwise nothing can be recovered
         collapsed = len(bad) == N and self.stability.on and self.stability.can_go_back(self.kept_tensors())
@@ -415,7 +416,7 @@ class Ensemble:
             self.slots.cut_lr(max(c.lr_cut, MIN_LR_SCALE / self.slots.lr_scale))
             self.stability.warn(t, verdict.runaway, losses, verdict.rising, back, self.slots.lr_scale, verdict.collapsed,
                                 "sync step" if self.is_sync_step(t) else "an early recovery at step")
-        nonfinite_losses = [int(col.observed[r] - col.loss_n[r]) for r in range(N)]
+        nonfinite_losses = [int(col.nonfinite[r]) for r in range(N)]
         bad_loss = [r for r in range(N) if nonfinite_losses[r] > 0]
         healthy_loss = [r for r in bad_loss if r not in bad and r not in verdict.nonfinite]  # (a collapse excludes none)
         if healthy_loss:
@@ -530,7 +531,7 @@ class Ensemble:
 
     def _gather(self, t: int, local: torch.Tensor) -> torch.Tensor:
         try:  # COLLECTIVE (all_gather) + HOST SYNC
-            return self.replicas.gather(local, shard_sum=SHARD_SUM, shard_min=SHARD_MIN)
+            return self.replicas.gather(local, shard_sum=SHARD_SUM, shard_min=SHARD_MIN, shard_max=SHARD_MAX)
         except ReplicaSyncError as e:
             self.failed_sync = f"the converge step after optimizer step {t} failed in its first collective"
             raise ReplicaSyncError(f"hdet: the converge step after optimizer step {t} failed in its first "

@@ -85,10 +85,11 @@ class Replicas(ABC):
     world_size: int
 
     @abstractmethod
-    def gather(self, local: torch.Tensor, shard_sum: Sequence[int] = (), shard_min: Sequence[int] = ()) -> torch.Tensor:
+    def gather(self, local: torch.Tensor, shard_sum: Sequence[int] = (), shard_min: Sequence[int] = (),
+               shard_max: Sequence[int] = ()) -> torch.Tensor:
         """All replicas' copies of a 1-D float64 vector, as a CPU tensor of shape ``[world_size, k]``.
-        Where one replica is several ranks (FSDP2/HSDP shards), the entries ``shard_sum`` are first summed
-        and ``shard_min`` min-reduced over them.
+        Where one replica is several ranks (FSDP2/HSDP shards), the entries ``shard_sum`` are first summed,
+        ``shard_min`` min-reduced and ``shard_max`` max-reduced over them.
 
         Host sync: the result is copied to the CPU. A failed collective raises :class:`ReplicaSyncError`."""
 
@@ -111,7 +112,8 @@ class SingleReplica(Replicas):
         self.rank = 0
         self.world_size = 1
 
-    def gather(self, local: torch.Tensor, shard_sum: Sequence[int] = (), shard_min: Sequence[int] = ()) -> torch.Tensor:
+    def gather(self, local: torch.Tensor, shard_sum: Sequence[int] = (), shard_min: Sequence[int] = (),
+               shard_max: Sequence[int] = ()) -> torch.Tensor:
         return local.detach().to("cpu", torch.float64).reshape(1, -1)  # host sync (device -> CPU copy)
 
     def average_(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int] = (),
@@ -147,13 +149,16 @@ class ProcessGroupReplicas(Replicas):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def gather(self, local: torch.Tensor, shard_sum: Sequence[int] = (), shard_min: Sequence[int] = ()) -> torch.Tensor:
+    def gather(self, local: torch.Tensor, shard_sum: Sequence[int] = (), shard_min: Sequence[int] = (),
+               shard_max: Sequence[int] = ()) -> torch.Tensor:
         local = local.detach().to(self.comm_device(), torch.float64).reshape(-1)
         with _collective("the all_gather of the replicas' sync vectors"):
             if self.shard_group is not None and dist.get_world_size(self.shard_group) > 1:
-                # one replica = its shard group: sum some entries over its ranks (losses, counts), min others (flags)
+                # one replica = its shard group: sum some entries over its ranks (losses, counts), min others (flags),
+                # max others (the count of non-finite losses: a step is one step whichever shard saw it)
                 local = local.clone()
-                for idx, op in ((list(shard_sum), dist.ReduceOp.SUM), (list(shard_min), dist.ReduceOp.MIN)):
+                for idx, op in ((list(shard_sum), dist.ReduceOp.SUM), (list(shard_min), dist.ReduceOp.MIN),
+                                (list(shard_max), dist.ReduceOp.MAX)):
                     if idx:
                         part = local[idx].clone()
                         dist.all_reduce(part, op=op, group=self.shard_group)  # COLLECTIVE (a few values)
@@ -353,7 +358,8 @@ class LocalReplica(Replicas):
         """The engine's device: the N vectors are stacked there and read in one copy (one host sync a sync)."""
         return self.group.device
 
-    def gather(self, local: torch.Tensor, shard_sum: Sequence[int] = (), shard_min: Sequence[int] = ()) -> torch.Tensor:
+    def gather(self, local: torch.Tensor, shard_sum: Sequence[int] = (), shard_min: Sequence[int] = (),
+               shard_max: Sequence[int] = ()) -> torch.Tensor:
         raise RuntimeError("A LocalReplica's sync is run by its ReplicaEngine (engine.step), not by the scheduler: "
                            "step the engine, not the replicas' schedulers")
 
