@@ -145,7 +145,9 @@ def test_dual_averaging_d_adaptation_is_refused_under_an_lr_spread(name):
     """DAdaptSGD and DAdaptAdaGrad set the weights from their start point and a running sum: the multiplier on the
     step only moved a replica along the shared trajectory (measured at alpha 0.2: 0.95x / 1.03x the displacement
     instead of 0.8x / 1.2x) while the telemetry reported the spread. Refused under an LR spread, before and after
-    their first step and from a checkpoint; averaging alone and another explored spread are allowed."""
+    their first step and from a checkpoint; averaging alone is allowed. Under another explored spread, or in local
+    mode, the replicas' running sums differ and the next step rebuilt the weights from them, undoing the converge
+    step's average (2e-12 from a never-averaged run, an audit): refused there unless their state is averaged too."""
     cls = getattr(dadaptation, name)
     m = nn.Linear(3, 1)
     o = cls(m.parameters(), lr=1.0)
@@ -153,7 +155,18 @@ def test_dual_averaging_d_adaptation_is_refused_under_an_lr_spread(name):
         _sched(o, ensemble_lr_spread_ratio=0.2)
     plain = _sched(o)  # alpha 0: averaging only
     o2 = cls(m.parameters(), lr=1.0)
-    _sched(o2, explore=[hdet.WeightDecay(o2, alpha=0.5, kind="additive")])
+    with pytest.raises(ValueError, match=rf"average_optimizer_state=True with {name} under an explored "
+                                         r"hyperparameter's spread.*does not last"):
+        _sched(o2, explore=[hdet.WeightDecay(o2, alpha=0.5, kind="additive")])
+    _sched(o2, explore=[hdet.WeightDecay(o2, alpha=0.5, kind="additive")], average_optimizer_state=True)
+
+    def engine(**kw):
+        return ReplicaEngine(nn.Linear(3, 1), 2, lambda mod: cls(mod.parameters(), lr=1.0),
+                             lambda opt, rep, mod: hdet.HDETLR(opt, None, 10, model=mod, replicas=rep, **kw),
+                             mode="loop", share_gradients=False)
+    with pytest.raises(ValueError, match=rf"average_optimizer_state=True with {name} under local mode"):
+        engine()
+    engine(average_optimizer_state=True)
     m(torch.randn(4, 3)).pow(2).mean().backward()
     o.step()
     assert any("x0" in st for st in o.state.values())

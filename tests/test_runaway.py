@@ -342,3 +342,27 @@ def test_going_back_restores_the_step_count_of_d_adaptation_and_prodigy(name):
     with pytest.warns(UserWarning, match="went back to its state at step 10"):
         _adam_window(m, o, s)
     assert o.param_groups[0]["k"] == 10 and isinstance(o.param_groups[0]["k"], int)
+
+
+@pytest.mark.parametrize("name, sums", [("DAdaptAdan", ["gsq_weighted"]),
+                                        ("DAdaptAdaGrad", ["gsq_weighted", "skl1", "sksq_weighted"])])
+def test_going_back_restores_d_adaptations_other_sums(name, sums):
+    """DAdaptAdan's gsq_weighted and DAdaptAdaGrad's skl1 / sksq_weighted / gsq_weighted (their param groups' running
+    sums, besides d) stayed at their later values after a go-back (383x in an audit's run: d stalled there); they go
+    back with d and k now."""
+    dadaptation = pytest.importorskip("dadaptation")
+    torch.manual_seed(0)
+    m = nn.Linear(3, 1)
+    o = getattr(dadaptation, name)(m.parameters(), lr=1.0)
+    it = iter([[3.0] * 8, [1.9] * 8, [1.95] * 8, [2.5] * 8])
+    s = hdet.HDETLR(o, None, total_steps=100, model=m, replicas=ScriptedReplicas(0, 8, lambda: next(it)),
+                    ensemble_lr_spread_ratio=0.0, model_sync_interval=5, on_runaway="recover")
+    kept = {}
+    for w in range(3):
+        _adam_window(m, o, s)
+        if w == 1:  # the best sync, step 10
+            kept = {k: float(o.param_groups[0][k]) for k in ["d", "k", *sums]}
+    assert all(float(o.param_groups[0][k]) != v for k, v in kept.items() if k in sums)  # they moved since
+    with pytest.warns(UserWarning, match="went back to its state at step 10"):
+        _adam_window(m, o, s)
+    assert {k: float(o.param_groups[0][k]) for k in kept} == kept

@@ -205,7 +205,7 @@ class ReplicaEngine:
         self.before_optimizer_step = before_optimizer_step
         self.share_gradients = share_gradients
         if not share_gradients:
-            check_shared_gradients(self.optimizers[0])
+            check_shared_gradients(self.optimizers[0], self.schedulers[0].ensemble.config.average_optimizer_state)
         self._call = _Call(self.models[0])  # (vmap: one call for all replicas, in replica 0's train/eval flags)
         self._modules = [list(m.modules()) for m in self.models]  # for the flags' check (_check_flags)
         # the names functional_call sees through the _Call wrapper (built once: the stacked tensors never change)

@@ -85,10 +85,21 @@ def dual_averaging(optimizer: torch.optim.Optimizer) -> bool:
         or any("x0" in st for st in inner.state.values()))
 
 
-def check_shared_gradients(optimizer: torch.optim.Optimizer) -> None:
+def _undone_average(optimizer: torch.optim.Optimizer, why: str) -> str:
+    return (f"Expected average_optimizer_state=True with {type(innermost(optimizer)).__name__} under {why}: D-Adaptation's "
+            "dual averaging sets the weights from its start point and its running sum at every step, so a converge "
+            "step's average of the weights alone does not last (one step after it the weights equal a never-averaged "
+            "run's to 2e-12 in an audit's run). Pass average_optimizer_state=True (its start point and sum are "
+            "averaged with the weights), or use DAdaptAdam or Prodigy")
+
+
+def check_shared_gradients(optimizer: torch.optim.Optimizer, average_optimizer_state: bool = False) -> None:
     """Refuse Mechanic without shared gradients (local mode): each replica's scale then learns from its own
     gradients (8.9x apart after 300 steps at alpha 0 on a toy, with its state averaged too), and Mechanic rebuilds
-    each replica's weights from its start point and its own scale, so a converge step's average does not last."""
+    each replica's weights from its start point and its own scale, so a converge step's average does not last. So
+    do D-Adaptation's SGD and AdaGrad (dual averaging) unless their state is averaged too."""
+    if dual_averaging(optimizer) and not average_optimizer_state:
+        raise ValueError(_undone_average(optimizer, "local mode (each replica's running sum is its own)"))
     if lr_free_kind(optimizer) == "mechanic":
         raise ValueError(f"Expected shared gradients (an all-reduce every step) with {type(innermost(optimizer)).__name__} "
                          "(Mechanic), but this is local mode: each replica's scale would learn from its own gradients "
@@ -104,6 +115,9 @@ def check_optimizer(optimizer: torch.optim.Optimizer, spreading: bool, average_o
     parameters, nor dual averaging."""
     kind = lr_free_kind(optimizer)
     name = type(innermost(optimizer)).__name__
+    if spreading and not lr_spread and dual_averaging(optimizer) and not average_optimizer_state:
+        raise ValueError(_undone_average(optimizer, "an explored hyperparameter's spread (the replicas' running sums "
+                                                    "differ)"))
     if lr_spread and dual_averaging(optimizer):
         raise ValueError(f"Expected an optimizer that adds its update to the weights under an LR spread, but got {name} "
                          "(dual averaging: it sets the weights from its start point and a running sum, so the "

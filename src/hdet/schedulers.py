@@ -255,7 +255,7 @@ class HDETLR(LRScheduler):
                 "accelerator.prepare() does this (stepped num_processes times per optimizer step): do not prepare it",
                 stacklevel=4)
         if self._guard.local:
-            check_shared_gradients(self.optimizer)
+            check_shared_gradients(self.optimizer, self._hdet.config.average_optimizer_state)
         if self._opt_steps > self._opt_steps_seen + 1 and self._guard.local and not self._warned_missed_step:
             # (local mode only: under DDP every replica skips alike, e.g. a step GradScaler skipped on the device)
             self._warned_missed_step = True

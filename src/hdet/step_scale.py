@@ -43,8 +43,10 @@ from .optimizers import innermost
 
 __all__ = ["StepScale", "ESTIMATES", "prodigy_estimate", "reads_weights"]
 
-# the param-group scalars of the distance estimators that the converge step averages (D-Adaptation, Prodigy)
-ESTIMATES = ("d", "d_max", "d_numerator", "numerator_weighted")
+# the param-group scalars of the distance estimators that the converge step averages and a go-back restores
+# (D-Adaptation, Prodigy; DAdaptAdan's and DAdaptAdaGrad's sums too: left at their later values by a go-back, d
+# stalled, 383x off in an audit's run)
+ESTIMATES = ("d", "d_max", "d_numerator", "numerator_weighted", "gsq_weighted", "skl1", "sksq_weighted")
 _PRODIGY = ("d0", "d_coef", "d_max", "d_numerator", "growth_rate")  # its param groups' signature
 
 
