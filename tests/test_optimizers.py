@@ -701,3 +701,19 @@ def test_a_non_finite_replica_under_the_stacked_prodigy_step_is_reset_like_the_o
     for o in stacked.optimizers:
         assert math.isfinite(float(o.param_groups[0]["d"]))
     _close_models(stacked, own, rtol=1e-4, atol=2e-5 if at > 1 else 5e-5)  # (at 1: p0 a float32 mean of 3 rows)
+
+
+def test_a_schedule_free_wrapper_s_base_optimizer_is_refused_at_the_first_step():
+    """schedulefree.ScheduleFreeWrapper is not a torch optimizer, so its base optimizer is what a scheduler gets; the
+    base shows nothing of Schedule-Free until the wrapper's first step, and under a spread it was taken (an audit):
+    the first scheduler step now checks the optimizer again and refuses it, with the reason."""
+    schedulefree = pytest.importorskip("schedulefree")
+    m = nn.Linear(3, 1)
+    base = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt = schedulefree.ScheduleFreeWrapper(base, momentum=0.9)
+    s = _sched(base, ensemble_lr_spread_ratio=0.5)  # taken: nothing says Schedule-Free yet
+    opt.train()
+    m(torch.randn(4, 3)).pow(2).mean().backward()
+    opt.step()
+    with pytest.raises(ValueError, match=r"without its own iterate averaging, but got SGD \(Schedule-Free\)"):
+        s.step(1.0)

@@ -129,6 +129,7 @@ class HDETLR(LRScheduler):
         if config.eq8 == "as_printed" and isinstance(self._base, OneCycleLR):
             self._hdet.lr_control.gamma_as_printed = gamma_as_printed(
                 *self._onecycle_factors(), self._hdet.num_control_syncs)  # Eq. 8 as printed
+        self._sharded = device_mesh is not None
         check_optimizer(optimizer, spreading(config, explore), config.average_optimizer_state,
                         sharded=device_mesh is not None, lr_spread=config.ensemble_lr_spread_ratio > 0)  # LR-free optimizers: refused where they would break
         self._loss_scale = LossScale()  # a torch.amp.GradScaler seen driving the optimizer (here or by the hook guard)
@@ -337,6 +338,10 @@ class HDETLR(LRScheduler):
                              "scheduler after adding every param group (a group frozen for now can hold parameters "
                              "with requires_grad=False)")
         self._check_optimizer_stepped()
+        if t == 1:  # again after the first step: an optimizer recognised only by what its first step leaves in the
+            c = self._hdet.config  # param groups (schedulefree.ScheduleFreeWrapper's base optimizer)
+            check_optimizer(self.optimizer, spreading(c, self._hdet.hypers), c.average_optimizer_state,
+                            sharded=self._sharded, lr_spread=c.ensemble_lr_spread_ratio > 0)
         if lead is not None:
             self._follow_base(lead)
         elif self._base is not None:
