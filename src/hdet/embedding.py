@@ -4,10 +4,10 @@
 a padding vector). Under ``torch.func.vmap`` with an ordinary backward after it, as the engine runs its replicas,
 torch loses that: the padding row gets the gradient of every padding token, and trains (torch 2.13 on the CPU;
 ``vmap(grad(f))`` keeps it, a vmapped forward followed by ``.backward()`` does not). So while the engine runs its
-replicas' forward, ``F.embedding`` with a ``padding_idx`` looks up a weight whose padding row is detached
-(``torch.where``: the value is the same, its gradient through the lookup is 0), as torch's own backward for one
+replicas' forward, ``F.embedding`` with a ``padding_idx`` detaches its output where the input is the padding index
+(the values are the same; no gradient flows from them to the padding row), as torch's own backward for one
 replica does. A weight tied to another layer (an output projection) still gets that layer's gradient in the row.
-With ``max_norm``, the rows are renormalized in place first, on the weight itself, as ``F.embedding`` does.
+The cost is one ``torch.where`` over the lookup's output (the size of the output, not of the weight).
 """
 
 from __future__ import annotations
@@ -30,16 +30,11 @@ def detached_padding(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
     def embedding(input: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None,
                   max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
                   sparse: bool = False) -> torch.Tensor:
-        if padding_idx is not None and isinstance(weight, torch.Tensor):  # (inside vmap requires_grad reads False)
-            if max_norm is not None:  # on the weight itself, as F.embedding does (not on the copy below)
-                input = input.contiguous()
-                with torch.no_grad():
-                    torch.embedding_renorm_(weight, input, max_norm, norm_type)
-                max_norm = None
-            pad = padding_idx + weight.size(0) if padding_idx < 0 else padding_idx
-            keep = torch.arange(weight.size(0), device=weight.device).ne(pad).unsqueeze(1)
-            weight = torch.where(keep, weight, weight.detach())
-        return fn(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+        out = fn(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+        if padding_idx is None or not isinstance(input, torch.Tensor):
+            return out
+        pad = padding_idx + weight.size(0) if padding_idx < 0 else padding_idx
+        return torch.where((input == pad).unsqueeze(-1), out.detach(), out)  # the padding tokens' rows: no gradient
 
     embedding.__wrapped__ = fn  # type: ignore[attr-defined]
     return embedding

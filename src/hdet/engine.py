@@ -124,7 +124,7 @@ class _Call(nn.Module):
         before = [mod._buffers[k] for mod, k, _ in self._buffer_slots]
         loss = _scalar_loss(loss_fn(self.m, batch))
         return loss, {name: mod._buffers[k] for (mod, k, name), b in zip(self._buffer_slots, before)
-                      if mod._buffers[k] is not b}
+                      if mod._buffers[k] is not b and isinstance(mod._buffers[k], torch.Tensor)}  # (None: dropped)
 
 
 def _scalar_loss(loss: Any) -> torch.Tensor:
@@ -213,6 +213,7 @@ class ReplicaEngine:
         self._call_buffers = {"m." + k: v for k, v in self.stacked_buffers.items()}
         self.compile = compile
         self._fns: dict[Any, list[Any]] = {}  # loss_fn -> [the vmapped function, its compiled form or None]
+        self._unkept: set[str] = set()  # reassigned buffers whose new shape or dtype could not be kept (warned)
         self._stacked: StackedStep | None = None
         self.share_base_schedule = True  # False: every replica steps its own base schedule (see _follow)
         self._following: bool | None = None
@@ -328,8 +329,8 @@ class ReplicaEngine:
                 losses, reassigned = self._forward(fns[0], args)
         if losses.shape != (self.num_replicas,):
             raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(losses.shape[1:])}")
-        self._keep_reassigned(reassigned)
         self.stack.backward(losses)
+        self._keep_reassigned(reassigned)  # (after the backward: it may have saved the old value)
         if self._stacked is not None and not self.stack.grads_bound and not self.stack.bind_grads():
             self._stop_stacked("a parameter got no gradient (unused in the loss)")
         if self.share_gradients:  # (local mode: each replica keeps its own gradient)
@@ -343,17 +344,23 @@ class ReplicaEngine:
             self._call.restore()  # (a submodule under two names: see _Call)
 
     @torch.no_grad()
-    def _keep_reassigned(self, reassigned: dict[str, Any]) -> None:
+    def _keep_reassigned(self, reassigned: dict[str, torch.Tensor]) -> None:
         """The buffers the vmapped forward reassigned (see :class:`_Call`), copied into the stacked buffers (the
-        replicas' modules hold views of them), as each replica's module keeps its own in the loop."""
+        replicas' modules hold views of them), as each replica's module keeps its own in the loop. One reassigned
+        with another shape or dtype (a cache rebuilt for a longer sequence, a mask cast to the input's dtype) cannot
+        be kept stacked: it is left as it was, with a warning once (harmless for a cache the forward rebuilds; for
+        state, update it in place or use mode='loop')."""
         for name, new in reassigned.items():
             old = self.stack.buffers[name[2:]]
-            if not isinstance(new, torch.Tensor) or new.shape != old.shape or new.dtype != old.dtype:
-                got = (f"a {new.dtype} tensor of shape {tuple(new.shape[1:])}" if isinstance(new, torch.Tensor)
-                       else type(new).__name__)
-                raise ValueError(f"Expected the buffer {name[2:]!r} that the forward reassigned to stay a {old.dtype} "
-                                 f"tensor of shape {tuple(old.shape[1:])} (vmapped replicas hold it stacked), but got "
-                                 f"{got}: update it in place, or use mode='loop'")
+            if new.shape != old.shape or new.dtype != old.dtype:
+                if name not in self._unkept:
+                    self._unkept.add(name)
+                    warnings.warn(f"hdet: the forward reassigns the buffer {name[2:]!r} as a {new.dtype} tensor of shape "
+                                  f"{tuple(new.shape[1:])}, where the vmapped replicas hold a {old.dtype} one of shape "
+                                  f"{tuple(old.shape[1:])}: its new value is not kept (as torch.func.functional_call "
+                                  "leaves it). Harmless for a cache the forward rebuilds; for state, update it in "
+                                  "place, or use mode='loop'", stacklevel=4)
+                continue
             old.copy_(new)
 
     # -- loop path ----------------------------------------------------------------------------------

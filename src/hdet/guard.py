@@ -512,5 +512,6 @@ class GuardSetting:
         elif guard == "hook" and ddp:
             self.hook = install_gradient_guard(model, self.optimizer, self.loss_scale, self.process_group)
             self.installed = "hook" if self.hook is not None else None
-            if self.hook is not None:  # (steps stall only under a GradScaler)
+            if self.hook is not None and not _fused(self.optimizer):  # (steps stall only under a GradScaler; a fused
+                # optimizer, "hook" chosen by hand, is stepped by the scaler even when it skips: no count to read)
                 self.watch = ScalerWatch(self.hook, local=lambda: self.local)

@@ -141,7 +141,7 @@ class HDETLR(LRScheduler):
         # with none in between is what a prepared Accelerate scheduler does (num_processes calls per step)
         self._opt_steps = self._opt_steps_seen = 0
         self._opt_hook = innermost(optimizer).register_step_post_hook(self._count_optimizer_step)
-        self._warned_double_step = self._warned_missed_step = self._warned_epoch = False
+        self._warned_double_step = self._warned_missed_step = self._warned_epoch = self._checked_local = False
         self._unmatched = 0  # scheduler steps with no optimizer step (a GradScaler's skips, or a prepared scheduler)
         super().__init__(optimizer, last_epoch)
 
@@ -255,8 +255,9 @@ class HDETLR(LRScheduler):
                 "optimizer steps: its converge steps and schedule now run ahead of training. A scheduler passed to "
                 "accelerator.prepare() does this (stepped num_processes times per optimizer step): do not prepare it",
                 stacklevel=4)
-        if self._guard.local:
+        if self._guard.local and not self._checked_local:  # (once: it reads every parameter's optimizer state)
             check_shared_gradients(self.optimizer, self._hdet.config.average_optimizer_state)
+            self._checked_local = True
         if self._opt_steps > self._opt_steps_seen + 1 and self._guard.local and not self._warned_missed_step:
             # (local mode only: under DDP every replica skips alike, e.g. a step GradScaler skipped on the device)
             self._warned_missed_step = True

@@ -201,13 +201,16 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
-    main_thread = threading.current_thread() is threading.main_thread()  # (signal handlers: the main thread only)
-    before = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    # SIGTERM stops a one-process run as Ctrl-C does (a scheduler's kill). Not under torchrun: it stops the other
+    # workers with SIGTERM when one fails, and a Python handler runs only once a blocked collective returns (the rank
+    # would wait there for torchrun's SIGKILL instead of ending at once)
+    handle = threading.current_thread() is threading.main_thread() and "WORLD_SIZE" not in os.environ
+    before = signal.signal(signal.SIGTERM, _on_sigterm) if handle else None
     try:
         return _run(a, argv)
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, before)
+        if handle:
+            signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
 
 
 def _run(a: argparse.Namespace, argv: list[str]) -> int:
