@@ -360,6 +360,71 @@ def test_a_grad_scalers_first_skipped_steps_are_not_a_stall(fused):
         assert out["warnings"] == [], out["warnings"]
 
 
+def _scaler_stall_resumed(rank, world, fused):
+    """fp16 with a GradScaler, T = 100: rank 1's weight turns NaN at step 25; every rank checkpoints at step 26 (in the
+    stall) and a new process state resumes from it for steps 27-60."""
+    import io
+
+    def build():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+        model = DDP(net)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        sched = hdet.OneCycleAutoLR(opt, max_lr=1e-2, total_steps=60, model_sync_interval=100, model=model,
+                                    ensemble_lr_spread_ratio=0.2)
+        return net, model, opt, scaler, sched
+
+    def run(parts, steps, caught=None):
+        net, model, opt, scaler, sched = parts
+        for step in steps:
+            if step == 25 and rank == 1:
+                with torch.no_grad():
+                    net[0].weight[0, 0] = float("nan")
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x = torch.randn(16, 8, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), x[:, :1] * 2 - x[:, 1:2])
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            sched.step(loss.detach())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = build()
+        run(first, range(1, 27))
+        buf = io.BytesIO()
+        torch.save({"model": first[0].state_dict(), "opt": first[2].state_dict(), "scaler": first[3].state_dict(),
+                    "sched": first[4].state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = build()
+        again[0].load_state_dict(saved["model"])
+        again[2].load_state_dict(saved["opt"])
+        again[3].load_state_dict(saved["scaler"])
+        again[4].load_state_dict(saved["sched"])
+        run(again, range(27, 61))
+    return {"warnings": [str(w.message) for w in caught if str(w.message).startswith("hdet:")],
+            "finite": all(torch.isfinite(p).all() for p in again[0].parameters())}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fused", [False, True], ids=["hook", "skip"])
+def test_a_run_resumed_in_a_stall_is_reset_early_too(fused):
+    """The watches count a stall only after a step was taken in this process (a GradScaler's first skips are its own
+    work), so a run resumed from a checkpoint taken in a stall stood still until the converge step (here: never, T =
+    100 > 60 steps). A resumed run has taken steps: the stall counts from its first step."""
+    res = check_ok(run_gloo(_scaler_stall_resumed, 2, fused))
+    at = 50 if fused else 37  # (hook: 10 steps skipped in a row after the first one it sees, 27)
+    for out in res:
+        assert any(f"early recovery at step {at} replica(s) [1]" in w for w in out["warnings"]), out["warnings"]
+        assert out["finite"]
+
+
 def _compiled_ddp_nan(rank, world, fused):
     """torch.compile(DDP(net)), as torch's DDP tutorial writes it; rank 1's loss is NaN at step 5 (T = 10)."""
     torch.manual_seed(0)

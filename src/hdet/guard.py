@@ -485,6 +485,16 @@ class GuardSetting:
         self.skip: SkipNonFiniteStep | None = None
         self.hook: HookGuard | None = None
         self.watch: SkipWatch | ScalerWatch | None = None  # early recovery when every replica stalls
+        self._resumed = False  # loaded from a run that had taken steps (see resumed)
+
+    def resumed(self) -> None:
+        """The run was resumed after steps were taken: the watches count a stall from the first step (not only after a
+        step taken in this process, their rule for a GradScaler's first skips: its scale is loaded with the run)."""
+        self._resumed = True
+        if isinstance(self.watch, SkipWatch):
+            self.watch._taken = True
+        if self.hook is not None:
+            self.hook.taken = max(self.hook.taken, 1)
 
     def _note_local(self, module: Any, args: Any) -> None:
         """At each forward of the DDP model: inside ``ddp.no_sync()`` its backward all-reduces nothing. When the
@@ -509,9 +519,13 @@ class GuardSetting:
             self.skip = SkipNonFiniteStep(self.optimizer, agree_over=groups)
             self.watch = SkipWatch(self.skip, local=lambda: self.local, loss_scale=self.loss_scale)
             self.installed = "skip"
+            if self._resumed:
+                self.resumed()
         elif guard == "hook" and ddp:
             self.hook = install_gradient_guard(model, self.optimizer, self.loss_scale, self.process_group)
             self.installed = "hook" if self.hook is not None else None
             if self.hook is not None and not _fused(self.optimizer):  # (steps stall only under a GradScaler; a fused
                 # optimizer, "hook" chosen by hand, is stepped by the scaler even when it skips: no count to read)
                 self.watch = ScalerWatch(self.hook, local=lambda: self.local)
+            if self._resumed:
+                self.resumed()

@@ -494,6 +494,8 @@ class HDETLR(LRScheduler):
         values are set on the optimizer (:meth:`reapply`): a state saved by another rank never gives this
         replica another replica's learning rate."""
         scheduler_state.load(self, state_dict)
+        if self.last_epoch > 0:  # a resumed run has taken steps: a stall right after it is one (the guards' watches)
+            self._guard.resumed()
 
 
 class OneCycleAutoLR(HDETLR):
