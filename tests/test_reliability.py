@@ -248,36 +248,50 @@ def test_the_hook_guard_leaves_fp16_overflows_to_the_grad_scaler():
             assert ours["hdet_warnings"] == [], mode
 
 
-def _scaler_nan_replica(rank, world, fused):
-    """fp16 with a GradScaler, T = 20: rank 1's weight turns NaN at step 25 (after the healthy sync at 20)."""
+def _fp16_ddp(fused, init_scale=2.0 ** 10, T=20):
+    """A small DDP model under fp16 with a GradScaler and HDET (60 steps): (net, model, opt, scaler, sched)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
     model = DDP(net)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
-    sched = hdet.OneCycleAutoLR(opt, max_lr=1e-2, total_steps=60, model_sync_interval=20, model=model,
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    sched = hdet.OneCycleAutoLR(opt, max_lr=1e-2, total_steps=60, model_sync_interval=T, model=model,
                                 ensemble_lr_spread_ratio=0.2)
+    return net, model, opt, scaler, sched
+
+
+def _fp16_steps(parts, rank, steps, nan_at=25):
+    """Torch's AMP recipe over ``steps``; rank 1's weight turns NaN at step ``nan_at``. Returns per step the scale and
+    whether net[2] moved."""
+    net, model, opt, scaler, sched = parts
     scales, moved = [], []
+    for step in steps:
+        if step == nan_at and rank == 1:
+            with torch.no_grad():
+                net[0].weight[0, 0] = float("nan")
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(16, 8, generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.mse_loss(model(x).float(), x[:, :1] * 2 - x[:, 1:2])
+        opt.zero_grad()
+        before = net[2].weight.detach().clone()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step(loss.detach())
+        scales.append(scaler.get_scale())
+        moved.append(not torch.equal(before, net[2].weight))
+    return scales, moved
+
+
+def _scaler_nan_replica(rank, world, fused):
+    """fp16 with a GradScaler, T = 20: rank 1's weight turns NaN at step 25 (after the healthy sync at 20)."""
+    parts = _fp16_ddp(fused)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the recovery's own warnings
-        for step in range(1, 61):
-            if step == 25 and rank == 1:
-                with torch.no_grad():
-                    net[0].weight[0, 0] = float("nan")
-            g = torch.Generator().manual_seed(1000 * step + rank)
-            x = torch.randn(16, 8, generator=g)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = nn.functional.mse_loss(model(x).float(), x[:, :1] * 2 - x[:, 1:2])
-            opt.zero_grad()
-            before = net[2].weight.detach().clone()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            sched.step(loss.detach())
-            scales.append(scaler.get_scale())
-            moved.append(not torch.equal(before, net[2].weight))
-    return {"scales": scales, "moved": moved, "guard": sched.gradient_guard,
-            "finite": all(torch.isfinite(p).all() for p in net.parameters())}
+        scales, moved = _fp16_steps(parts, rank, range(1, 61))
+    return {"scales": scales, "moved": moved, "guard": parts[4].gradient_guard,
+            "finite": all(torch.isfinite(p).all() for p in parts[0].parameters())}
 
 
 @pytest.mark.distributed
@@ -296,35 +310,13 @@ def test_a_reset_replica_takes_the_grad_scaler_back_to_a_healthy_scale(fused):
 
 def _scaler_stall(rank, world, opts):
     """fp16 with a GradScaler, T = 100, 60 steps: rank 1's weight turns NaN at step ``nan_at`` (None: never)."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
-    model = DDP(net)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=opts["fused"])
-    scaler = torch.amp.GradScaler("cpu", init_scale=opts["init_scale"])
-    sched = hdet.OneCycleAutoLR(opt, max_lr=1e-2, total_steps=60, model_sync_interval=100, model=model,
-                                ensemble_lr_spread_ratio=0.2)
-    scales, moved = [], []
+    parts = _fp16_ddp(opts["fused"], opts["init_scale"], T=100)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(1, 61):
-            if step == opts["nan_at"] and rank == 1:
-                with torch.no_grad():
-                    net[0].weight[0, 0] = float("nan")
-            g = torch.Generator().manual_seed(1000 * step + rank)
-            x = torch.randn(16, 8, generator=g)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = nn.functional.mse_loss(model(x).float(), x[:, :1] * 2 - x[:, 1:2])
-            opt.zero_grad()
-            before = net[2].weight.detach().clone()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            sched.step(loss.detach())
-            scales.append(scaler.get_scale())
-            moved.append(not torch.equal(before, net[2].weight))
-    return {"scales": scales, "moved": moved, "guard": sched.gradient_guard,
+        scales, moved = _fp16_steps(parts, rank, range(1, 61), opts["nan_at"])
+    return {"scales": scales, "moved": moved, "guard": parts[4].gradient_guard,
             "warnings": [str(w.message) for w in caught if str(w.message).startswith("hdet:")],
-            "finite": all(torch.isfinite(p).all() for p in net.parameters())}
+            "finite": all(torch.isfinite(p).all() for p in parts[0].parameters())}
 
 
 @pytest.mark.distributed
@@ -365,36 +357,10 @@ def _scaler_stall_resumed(rank, world, fused):
     stall) and a new process state resumes from it for steps 27-60."""
     import io
 
-    def build():
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
-        model = DDP(net)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
-        sched = hdet.OneCycleAutoLR(opt, max_lr=1e-2, total_steps=60, model_sync_interval=100, model=model,
-                                    ensemble_lr_spread_ratio=0.2)
-        return net, model, opt, scaler, sched
-
-    def run(parts, steps, caught=None):
-        net, model, opt, scaler, sched = parts
-        for step in steps:
-            if step == 25 and rank == 1:
-                with torch.no_grad():
-                    net[0].weight[0, 0] = float("nan")
-            g = torch.Generator().manual_seed(1000 * step + rank)
-            x = torch.randn(16, 8, generator=g)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = nn.functional.mse_loss(model(x).float(), x[:, :1] * 2 - x[:, 1:2])
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            sched.step(loss.detach())
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        first = build()
-        run(first, range(1, 27))
+        first = _fp16_ddp(fused, T=100)
+        _fp16_steps(first, rank, range(1, 27))
         buf = io.BytesIO()
         torch.save({"model": first[0].state_dict(), "opt": first[2].state_dict(), "scaler": first[3].state_dict(),
                     "sched": first[4].state_dict()}, buf)
@@ -402,12 +368,12 @@ def _scaler_stall_resumed(rank, world, fused):
     saved = torch.load(buf, weights_only=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        again = build()
+        again = _fp16_ddp(fused, T=100)
         again[0].load_state_dict(saved["model"])
         again[2].load_state_dict(saved["opt"])
         again[3].load_state_dict(saved["scaler"])
         again[4].load_state_dict(saved["sched"])
-        run(again, range(27, 61))
+        _fp16_steps(again, rank, range(27, 61))
     return {"warnings": [str(w.message) for w in caught if str(w.message).startswith("hdet:")],
             "finite": all(torch.isfinite(p).all() for p in again[0].parameters())}
 
