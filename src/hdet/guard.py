@@ -519,13 +519,11 @@ class GuardSetting:
             self.skip = SkipNonFiniteStep(self.optimizer, agree_over=groups)
             self.watch = SkipWatch(self.skip, local=lambda: self.local, loss_scale=self.loss_scale)
             self.installed = "skip"
-            if self._resumed:
-                self.resumed()
         elif guard == "hook" and ddp:
             self.hook = install_gradient_guard(model, self.optimizer, self.loss_scale, self.process_group)
             self.installed = "hook" if self.hook is not None else None
             if self.hook is not None and not _fused(self.optimizer):  # (steps stall only under a GradScaler; a fused
                 # optimizer, "hook" chosen by hand, is stepped by the scaler even when it skips: no count to read)
                 self.watch = ScalerWatch(self.hook, local=lambda: self.local)
-            if self._resumed:
-                self.resumed()
+        if self._resumed:  # (loaded before the model was attached)
+            self.resumed()

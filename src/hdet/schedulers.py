@@ -131,7 +131,7 @@ class HDETLR(LRScheduler):
                 *self._onecycle_factors(), self._hdet.num_control_syncs)  # Eq. 8 as printed
         self._sharded = device_mesh is not None
         check_optimizer(optimizer, spreading(config, explore), config.average_optimizer_state,
-                        sharded=device_mesh is not None, lr_spread=config.ensemble_lr_spread_ratio > 0)  # LR-free optimizers: refused where they would break
+                        sharded=self._sharded, lr_spread=config.ensemble_lr_spread_ratio > 0)  # LR-free optimizers: refused where they would break
         self._loss_scale = LossScale()  # a torch.amp.GradScaler seen driving the optimizer (here or by the hook guard)
         self._guard = GuardSetting(guard_gradients, process_group, device_mesh, optimizer, resolved.world_size,
                                    self._loss_scale)
