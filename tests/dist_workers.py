@@ -299,7 +299,8 @@ def explore_hypers(rank, world, steps=30):
 def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20, T=5, guard=True, fused=False,
                     clip=False, on_runaway="ignore"):
     """DDP + Adam (``fused``: torch's fused Adam) + auto-LR; at step ``at`` replica ``bad_rank`` (-1: every
-    replica) gets a NaN weight (mid-window) or a NaN loss. Records, after every step, whether each rank's weights are finite
+    replica) gets a NaN weight (mid-window), a NaN loss, or a NaN born in its first weight matrix's own gradient
+    (``"matrix_grad"``: a tensor hook, before DDP's all-reduce; loss and activations finite). Records, after every step, whether each rank's weights are finite
     and whether they changed, and after every sync whether the replicas are equal. ``clip``: clip through
     ``scheduler.clip_grad_norm_`` (max norm 1e6: no healthy gradient is changed) and count the guard's own
     passes over the gradients."""
@@ -330,7 +331,13 @@ def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20,
                 if fault == "loss" and t == at and rank == bad_rank:
                     loss = loss * float("nan")
                 o.zero_grad()
+                hook = None
+                if fault == "matrix_grad" and t == at and bad_rank in (rank, -1):
+                    hook = model[0].weight.register_hook(lambda g: g.index_put((torch.tensor(0), torch.tensor(0)),
+                                                                               torch.tensor(float("nan"))))
                 loss.backward()
+                if hook is not None:
+                    hook.remove()
                 if clip:
                     s.clip_grad_norm_(1e6)
                 o.step()
@@ -584,7 +591,9 @@ def one_d_mesh(rank, world, *, name="shard", dadapt=False, shard=True):
 def hsdp_guard(rank, world, *, fault="loss", steps=10, T=5, at=3):
     """FSDP2 on a (2, 2) mesh with torch's fused AdamW, so "auto" installs the "skip" guard. At step ``at``
     rank 1 (a shard of replica 0) gets a NaN loss, or rank 3 a NaN in its own gradient shard after the
-    reductions (no other rank sees it), or rank 1 a NaN in its weight shard ("weight"). Records, per step, whether this rank's shards changed."""
+    reductions (no other rank sees it): of a bias ("shard", the default guard's sentinel) or of a weight matrix
+    ("shard-matrix", under guard_gradients="skip-all"), or rank 1 a NaN in its weight shard ("weight"). Records,
+    per step, whether this rank's shards changed."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -594,7 +603,8 @@ def hsdp_guard(rank, world, *, fault="loss", steps=10, T=5, at=3):
     fully_shard(model, mesh=mesh)
     o = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.3, model_sync_interval=T,
-                            controller="paper", model=model, seed=3, device_mesh=mesh)
+                            controller="paper", model=model, seed=3, device_mesh=mesh,
+                            guard_gradients="skip-all" if fault == "shard-matrix" else "auto")
     changed, finite, recovered, nonfinite = [], [], [], []
     for t in range(1, steps + 1):
         before = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
@@ -607,9 +617,10 @@ def hsdp_guard(rank, world, *, fault="loss", steps=10, T=5, at=3):
             loss = loss * float("nan")
         o.zero_grad()
         loss.backward()
-        if fault == "shard" and t == at and rank == 3:
+        if fault in ("shard", "shard-matrix") and t == at and rank == 3:
             with torch.no_grad():
-                next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("nan")
+                p = model[0].bias if fault == "shard" else model[0].weight
+                p.grad.to_local().view(-1)[0] = float("nan")
         o.step()
         after = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
         changed.append(not torch.equal(before, after))

@@ -251,14 +251,15 @@ def _hsdp_guard(rank, world, fault):
     return hsdp_guard(rank, world, fault=fault)
 
 
-@pytest.mark.parametrize("fault", ["loss", "shard"])
+@pytest.mark.parametrize("fault", ["loss", "shard", "shard-matrix"])
 def test_skip_guard_on_sharded_replicas_decides_once_for_the_whole_mesh(fault):
     """FSDP2/HSDP, (2, 2) mesh, fused AdamW: a NaN loss on one shard rank of replica 0, or a NaN in one
-    rank's own gradient shard that no other rank sees: all four ranks skip that step (their flags are
-    all-reduced over the mesh), no shard ever holds a NaN, and the replicas are equal after the syncs."""
+    rank's own gradient shard that no other rank sees (a bias's under the default guard, a matrix's under
+    "skip-all"): all four ranks skip that step (their flags are all-reduced over the mesh), no shard ever holds a
+    NaN, and the replicas are equal after the syncs."""
     res = check_ok(run_gloo(_hsdp_guard, 4, fault))
     for out in res:
-        assert out["guard"] == "skip"
+        assert out["guard"] == ("skip-all" if fault == "shard-matrix" else "skip")
         assert [t for t, c in enumerate(out["changed"], 1) if not c] == [3] and out["skipped"] == 1.0
         assert all(out["finite"])
         assert out["recovered"] == [[], []]  # finite weights everywhere: nothing to reset

@@ -68,8 +68,9 @@ def test_guard_arguments_are_checked():
         SkipNonFiniteStep(opt)
     assert resolve_guard(True, opt) == "hook" and resolve_guard("auto", opt) == "hook"
     assert resolve_guard(False, opt) is None and resolve_guard("skip", opt) == "skip"
+    assert resolve_guard("skip-all", opt) == "skip-all" and resolve_guard("skip-all", opt, mesh=True) == "skip-all"
     assert resolve_guard("auto", _setup(fused=True)[2]) == "skip"
-    with pytest.raises(ValueError, match=r"guard_gradients in \('auto', 'hook', 'skip'\).*got 'always'"):
+    with pytest.raises(ValueError, match=r"guard_gradients in \('auto', 'hook', 'skip', 'skip-all'\).*got 'always'"):
         resolve_guard("always", opt)
 
 
@@ -129,7 +130,7 @@ def test_sharded_replicas_have_only_the_skip_guard():
     import warnings
 
     opt = _setup(fused=False)[2]
-    with pytest.raises(ValueError, match=r"'skip', 'auto' or False with device_mesh.*got 'hook'"):
+    with pytest.raises(ValueError, match=r"'skip', 'skip-all', 'auto' or False with device_mesh.*got 'hook'"):
         resolve_guard("hook", opt, mesh=True)
     with pytest.warns(UserWarning, match=r"no gradient guard for these sharded replicas.*fused=True"):
         assert resolve_guard("auto", opt, mesh=True) is None
@@ -280,3 +281,67 @@ def test_someone_elses_found_inf_without_a_grad_scale_is_not_taken_for_a_full_ch
     before = p.detach().clone()
     opt.step()
     assert torch.equal(p, before) and calls == [2] and float(guard.skipped) == 1.0
+
+
+def test_the_sentinel_read_takes_only_biases_and_norm_weights(monkeypatch):
+    """reads="sentinels" (the "skip" guard's): the own pass reads the gradients of parameters with at most one
+    dimension, where any NaN of a loss or an activation lands; a NaN born only in a matrix's gradient is what it
+    misses (documented), "all" sees it; with no such parameter every gradient is read."""
+    import hdet.guard
+
+    passes = []
+    own = hdet.guard._nonfinite
+    monkeypatch.setattr(hdet.guard, "_nonfinite", lambda grads, out: passes.append([tuple(g.shape) for g in grads])
+                        or own(grads, out))
+    p, q, opt = _setup()
+    guard = SkipNonFiniteStep(opt, reads="sentinels")
+    p.grad, q.grad = torch.ones(5), torch.ones(3, 2)
+    p.grad[2] = float("nan")  # the sentinel's gradient: skipped
+    before = [p.detach().clone(), q.detach().clone()]
+    opt.step()
+    assert torch.equal(p, before[0]) and torch.equal(q, before[1]) and float(guard.skipped) == 1.0
+    assert passes == [[(5,)]]
+    p.grad, q.grad = torch.ones(5), torch.full((3, 2), float("nan"))  # only the matrix: not read, stepped
+    opt.step()
+    assert not torch.isfinite(q).all() and float(guard.skipped) == 1.0 and passes[-1] == [(5,)]
+    p2, q2, opt2 = _setup()
+    full = SkipNonFiniteStep(opt2, reads="all")
+    p2.grad, q2.grad = torch.ones(5), torch.full((3, 2), float("nan"))
+    opt2.step()
+    assert torch.isfinite(q2).all() and float(full.skipped) == 1.0 and passes[-1] == [(5,), (3, 2)]
+    p2.grad = None  # no sentinel has a gradient: every gradient is read
+    q3, = [torch.nn.Parameter(torch.randn(3, 2))]
+    opt3 = torch.optim.AdamW([q3], lr=0.1, fused=True)
+    mats = SkipNonFiniteStep(opt3, reads="sentinels")
+    q3.grad = torch.full((3, 2), float("nan"))
+    opt3.step()
+    assert torch.isfinite(q3).all() and float(mats.skipped) == 1.0 and passes[-1] == [(3, 2)]
+    with pytest.raises(ValueError, match=r"Expected reads in \('sentinels', 'all'\), but got 'some'"):
+        SkipNonFiniteStep(opt3, reads="some")
+
+
+def test_a_nan_loss_reaches_every_sentinel_of_a_real_model():
+    """Why the sentinels suffice: a NaN loss (here one example's) and a NaN in an activation's gradient make every
+    bias and norm weight gradient the backward reaches after it non-finite, in a small transformer-like stack."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 16),
+                              torch.nn.GELU(), torch.nn.Linear(16, 8, bias=False), torch.nn.LayerNorm(8),
+                              torch.nn.Linear(8, 11))
+    x = torch.randint(0, 11, (4, 6))
+    logits = net(x)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), x.reshape(-1), reduction="none")
+    loss = torch.cat([loss[:-1], loss[-1:] * float("nan")]).mean()  # one token's loss is NaN
+    loss.backward()
+    vectors = {n: p.grad for n, p in net.named_parameters() if p.dim() <= 1}
+    assert len(vectors) == 6 and all(not torch.isfinite(g).all() for g in vectors.values()), vectors
+    net.zero_grad()
+
+    def poison(grad):  # a NaN born in the backward, at the second LayerNorm's input gradient
+        return torch.where(torch.arange(grad.numel()).view_as(grad) == 5, float("nan"), grad)
+
+    h = net[:5](x)
+    h.register_hook(poison)
+    net[5:](h).sum().backward()
+    upstream = [net[1].weight, net[1].bias, net[2].bias]  # before the poisoned gradient in the backward: reached
+    assert all(not torch.isfinite(p.grad).all() for p in upstream)
+    assert all(torch.isfinite(p.grad).all() for p in (net[5].weight, net[5].bias, net[6].bias))  # after: not

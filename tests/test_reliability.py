@@ -827,6 +827,29 @@ def test_every_replica_nan_between_syncs_goes_back_at_the_early_recovery():
         assert any("at an early recovery at step 50 every replica had non-finite weights" in w for w in out["warnings"])
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("guard", ["auto", "skip-all"])
+def test_a_nan_born_in_a_matrix_gradient_is_never_silent(guard):
+    """What the default guard's sentinels miss: a NaN born in one replica's weight-matrix gradient (finite loss and
+    activations) at step 31, all-reduced into every replica's gradient. "skip-all" skips that step. The default
+    ("skip", reading biases and norm weights) steps it into every replica; every next loss is then NaN, its
+    gradient reaches the sentinels, the steps are skipped, and the next sync (step 60; the early recovery's
+    stretch of skipped steps, from step 32, is one short at step 50) finds every replica bad and goes back to the
+    best sync (step 30) with the LR cut: finite again, never silently wrong."""
+    res = check_ok(run_gloo(_fused_fault, 2, {"fault": "matrix_grad", "fused": True, "T": 30, "steps": 60, "at": 31,
+                                               "bad_rank": 1, "on_runaway": "recover", "guard": guard}))
+    for out in res:
+        assert out["error"] is None and out["guard"] == ("skip" if guard == "auto" else guard)
+        assert all(out["finite"][:30]) and out["finite"][59], out["finite"]
+        if guard == "skip-all":
+            assert [t for t, c in enumerate(out["changed"], 1) if not c] == [31] and all(out["finite"])
+            assert not [r for r in out["records"] if r[1] is not None] and out["skipped"] == 1
+        else:
+            assert not any(out["finite"][30:59])  # step 31 stepped the NaN into every replica
+            assert out["skipped"] == 29  # steps 32-60: every loss NaN, and the sentinels saw it
+            assert [r for r in out["records"] if r[1] is not None] == [(60, 30, 0.5)], out["records"]
+
+
 # ------------------------------------------------------------ 11. errors that say what happened
 def test_an_error_in_the_users_probe_is_the_users_error():
     class Boom(RuntimeError):

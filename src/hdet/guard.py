@@ -13,17 +13,27 @@ optimizer can skip a step on the device, i.e. every param group is ``fused``; ``
   it averages as DDP does (:class:`HookGuard`): an overflow is the scaler's to see and skip.
 * ``"skip"`` (:class:`SkipNonFiniteStep`): no hook; DDP averages as usual, so a NaN/Inf on any replica
   is in the averaged gradient, bit-identical on every replica. Just before ``optimizer.step()`` one
-  fused read of the gradients (their max-abs norms, ``torch._foreach_norm(..., inf)``: NaN and Inf
-  propagate, and a max cannot overflow) says whether the averaged gradient is finite, and the fused
-  optimizer skips the step on the device when it is not (``found_inf``, the mechanism of
-  ``torch.amp.GradScaler``): every replica skips that step together, weights and optimizer state
-  untouched. Cost: one read of the gradients a step, or nothing when the step's gradient norm is handed
-  over (:meth:`SkipNonFiniteStep.use_norm`, which ``HDETLR.clip_grad_norm_`` does): a clipping user
-  has computed it anyway (measured in ``docs/cost.md``); nothing either under ``torch.amp.GradScaler``
-  (fp16), whose ``step`` has just checked every gradient and hands its verdict over as ``found_inf`` (not after
-  an explicit ``scaler.unscale_``, whose verdict may be stale by the step).
+  fused read of the *sentinel* gradients, those of the parameters with at most one dimension (biases,
+  norm weights; their max-abs norms, ``torch._foreach_norm(..., inf)``: NaN and Inf propagate, and a max
+  cannot overflow), says whether the averaged gradient is finite, and the fused optimizer skips the step
+  on the device when it is not (``found_inf``, the mechanism of ``torch.amp.GradScaler``): every replica
+  skips that step together, weights and optimizer state untouched. Why the sentinels suffice: a NaN/Inf in
+  a replica's loss, its forward or any activation's gradient reaches every gradient the backward computes
+  after it, and a bias's or a norm weight's gradient sums its output's gradient over the whole batch, so
+  one non-finite element anywhere makes it non-finite. What they miss: a gradient that turns non-finite
+  only in a weight's own product (``dY^T X`` overflowing from finite factors: beyond float32's and
+  bfloat16's range in practice; fp16 runs under a GradScaler, which checks every gradient) or is set so
+  by hand; the step then writes it into every replica's weights, every replica's next loss is non-finite,
+  and the run goes back to its best sync (``on_runaway="recover"``) or stops with an error at the next
+  sync: never silently. A model without such parameters has every gradient read. ``"skip-all"`` reads every
+  gradient (one full read a step: 0.6% of a 124M GPT's step on an H100, ``docs/cost.md``). Neither reads
+  anything when the step's gradient norm is handed over (:meth:`SkipNonFiniteStep.use_norm`, which
+  ``HDETLR.clip_grad_norm_`` does): a clipping user has computed it anyway, over every gradient; nor
+  under ``torch.amp.GradScaler`` (fp16), whose ``step`` has just checked every gradient and hands its
+  verdict over as ``found_inf`` (not after an explicit ``scaler.unscale_``, whose verdict may be stale by
+  the step).
 
-With FSDP2/HSDP replicas (``device_mesh``) only "skip" exists: each rank checks its own gradient shards
+With FSDP2/HSDP replicas (``device_mesh``) only "skip" and "skip-all" exist: each rank checks its own gradient shards
 and the ranks agree through a MAX all_reduce of the flag over each mesh dimension.
 
 Both run on the device with no host sync. A replica's non-finite weights are caught at the next converge
@@ -48,7 +58,8 @@ from .sync import max_abs
 __all__ = ["finite_allreduce_hook", "HookGuard", "install_gradient_guard", "SkipNonFiniteStep", "SkipWatch", "ScalerWatch",
            "GuardSetting", "GUARDS"]
 
-GUARDS = ("auto", "hook", "skip")
+GUARDS = ("auto", "hook", "skip", "skip-all")
+READS = ("sentinels", "all")  # SkipNonFiniteStep: which gradients its own pass reads
 _UNSET = object()  # SkipNonFiniteStep: the pre-hook set no found_inf
 
 
@@ -200,7 +211,7 @@ def _fused(optimizer: torch.optim.Optimizer) -> bool:
 
 
 class SkipNonFiniteStep:
-    """Skip ``optimizer.step()`` on the device when any gradient is NaN/Inf (the ``"skip"`` guard).
+    """Skip ``optimizer.step()`` on the device when a gradient is NaN/Inf (the ``"skip"`` and ``"skip-all"`` guards).
 
     A step pre-hook computes ``found_inf`` (1.0 when any gradient holds a NaN or Inf) and hands it to
     the fused optimizer, which then leaves weights, state and step count untouched; a step
@@ -212,9 +223,17 @@ class SkipNonFiniteStep:
     ``agree_over``: process groups whose ranks must take the same decision although their gradients
     differ (FSDP2/HSDP: each rank holds other shards; pass every dimension's group of the device mesh):
     the flag is all-reduced (MAX) over each, one scalar per group and step. Not needed under DDP, whose
-    averaged gradient is the same on every rank."""
+    averaged gradient is the same on every rank.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, agree_over: Sequence[Any] = ()) -> None:
+    ``reads``: which gradients the guard's own pass reads: ``"all"`` (default), or ``"sentinels"``, those of the
+    parameters with at most one dimension (biases, norm weights), which every NaN/Inf of the loss, the forward
+    or an activation's gradient reaches (the module docstring says what they miss); every gradient when no
+    parameter with a gradient has at most one dimension."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, agree_over: Sequence[Any] = (), reads: str = "all") -> None:
+        if reads not in READS:
+            raise ValueError(f"Expected reads in {READS}, but got {reads!r}")
+        self.reads = reads
         optimizer = _innermost(optimizer)
         if not _fused(optimizer):
             raise ValueError("Expected an optimizer that can skip a step on the device (torch's Adam, AdamW, SGD, "
@@ -246,16 +265,20 @@ class SkipNonFiniteStep:
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         handed, self._norm = self._norm, None
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # every gradient
+        sentinels: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # those of parameters of <= 1 dim
         for g in optimizer.param_groups:
             for p in g["params"]:
                 if p.grad is not None:
                     grad = local_shard(p.grad)  # FSDP2: this rank's shard
                     groups.setdefault((grad.device, grad.dtype), []).append(grad)
+                    if p.dim() <= 1:  # (a DTensor's dim is the whole parameter's)
+                        sentinels.setdefault((grad.device, grad.dtype), []).append(grad)
         if not groups:
             self._saved.append(_UNSET)  # nothing to check: found_inf left alone
             return
         norm = handed[0] if handed is not None and _unchanged(handed[1], groups) else None
+        read = sentinels if self.reads == "sentinels" and sentinels else groups
         prev = getattr(optimizer, "found_inf", None)
         if prev is not None and prev is self._mine:  # ours, left by a step that raised before its post-hook
             prev, self._saved = None, []
@@ -268,7 +291,7 @@ class SkipNonFiniteStep:
                 found = torch.ne(prev, 0, out=self._flag(prev.device))
             else:
                 found = None
-                for (device, _), grads in groups.items():  # one read of the gradients, on the device: no host sync
+                for (device, _), grads in read.items():  # one read of these gradients, on the device: no host sync
                     if found is None:
                         found = _nonfinite(grads, self._flag(device))
                     else:  # another device or dtype (rare): combined by max
@@ -423,9 +446,9 @@ def uncompiled(model: Any) -> Any:
 
 
 def resolve_guard(guard: Any, optimizer: torch.optim.Optimizer, advise: bool = True, mesh: bool = False) -> str | None:
-    """``guard_gradients`` -> "hook", "skip" or None (off); "auto"/True picks "skip" for fused optimizers.
+    """``guard_gradients`` -> "hook", "skip", "skip-all" or None (off); "auto"/True picks "skip" for fused optimizers.
     ``advise``: warn when "auto" falls back to the slow hook off the CPU (only where it will be installed).
-    ``mesh``: sharded replicas (FSDP2/HSDP), where only "skip" exists ("auto" with a non-fused optimizer:
+    ``mesh``: sharded replicas (FSDP2/HSDP), where only "skip"/"skip-all" exist ("auto" with a non-fused optimizer:
     no guard, with a warning)."""
     if guard is False or guard is None:
         return None
@@ -434,7 +457,7 @@ def resolve_guard(guard: Any, optimizer: torch.optim.Optimizer, advise: bool = T
     if guard not in GUARDS:
         raise ValueError(f"Expected guard_gradients in {GUARDS} or True/False, but got {guard!r}")
     if mesh and guard == "hook":
-        raise ValueError("Expected guard_gradients 'skip', 'auto' or False with device_mesh (FSDP2/HSDP), but got "
+        raise ValueError("Expected guard_gradients 'skip', 'skip-all', 'auto' or False with device_mesh (FSDP2/HSDP), but got "
                          "'hook': the hook is a DDP communication hook")
     if guard == "auto":
         if _fused(optimizer):
@@ -479,7 +502,7 @@ class GuardSetting:
         self.guard, self.process_group, self.device_mesh = guard, process_group, device_mesh
         self.optimizer, self.world_size = optimizer, world_size
         self.loss_scale = loss_scale  # the GradScaler driving the optimizer, shared with the scheduler
-        self.installed: str | None = None  # "hook" or "skip"
+        self.installed: str | None = None  # "hook", "skip" or "skip-all"
         self.local = False  # the DDP model's last forward ran inside ddp.no_sync() (local mode, at an optimizer step)
         self._local_hook: Any = None
         self.skip: SkipNonFiniteStep | None = None
@@ -512,13 +535,14 @@ class GuardSetting:
         if self.installed is not None or not (ddp or sharded):
             return
         guard = resolve_guard(self.guard, self.optimizer, advise=ddp, mesh=sharded)
-        if guard == "skip":
+        if guard in ("skip", "skip-all"):
             # FSDP2/HSDP: ranks hold different shards, so they agree on the decision over the whole mesh
             mesh = self.device_mesh
             groups = [mesh.get_group(i) for i in range(mesh.ndim)] if sharded else []
-            self.skip = SkipNonFiniteStep(self.optimizer, agree_over=groups)
+            self.skip = SkipNonFiniteStep(self.optimizer, agree_over=groups,
+                                          reads="sentinels" if guard == "skip" else "all")
             self.watch = SkipWatch(self.skip, local=lambda: self.local, loss_scale=self.loss_scale)
-            self.installed = "skip"
+            self.installed = guard
         elif guard == "hook" and ddp:
             self.hook = install_gradient_guard(model, self.optimizer, self.loss_scale, self.process_group)
             self.installed = "hook" if self.hook is not None else None

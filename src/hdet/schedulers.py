@@ -62,8 +62,9 @@ class HDETLR(LRScheduler):
         process_group: the replicas' group (default: the default group).
         device_mesh: FSDP2/HSDP: a (replicate, shard) mesh; HDET replicas are its replicate dimension.
         bucket_cap_mb: the converge step's bucket size.
-        guard_gradients: "auto" (default), "skip", "hook" or False: keep one replica's non-finite gradient
-            from reaching the others' weights (:mod:`hdet.guard`).
+        guard_gradients: "auto" (default), "skip", "skip-all", "hook" or False: keep one replica's non-finite
+            gradient from reaching the others' weights (:mod:`hdet.guard`; "skip" reads the gradients of biases and
+            norm weights, which any NaN/Inf of the loss or an activation reaches; "skip-all" reads every gradient).
         auto_lr_bounds: (low, high), or one pair per group: the paper controller keeps the LR inside.
         final_lr: per group, or one float: Eq. 8's decay target (default: ``base(total_steps)`` for a
             callable or a LambdaLR (the Hugging Face Trainer's schedules), OneCycle's ``min_lr``, otherwise no
@@ -207,7 +208,7 @@ class HDETLR(LRScheduler):
     # -- the guard ------------------------------------------------------------------------------
     @property
     def gradient_guard(self) -> str | None:
-        """The gradient guard installed, if any: "hook" or "skip" (:mod:`hdet.guard`)."""
+        """The gradient guard installed, if any: "hook", "skip" or "skip-all" (:mod:`hdet.guard`)."""
         return self._guard.installed
 
     skip_guard = property(lambda self: self._guard.skip)  # the SkipNonFiniteStep guard, if installed
