@@ -8,7 +8,8 @@ Run with torchrun on 2+ GPUs (NCCL; gloo on CPU for a smoke test with --tiny):
 1. Step time, interleaved in one run: the models train side by side in blocks of --block steps, round
    robin (the order reversed every other round): plain DDP + OneCycleLR, a second plain model (the
    noise floor of the ratios), and HDET (alpha 0.2) at T = 100 and T = 1000 with the default gradient
-   guard ("auto": "skip" for this fused AdamW), with the comm-hook guard ("hook"), without a guard, with
+   guard ("auto": "skip" for this fused AdamW, reading the sentinel gradients), with "skip-all" (every
+   gradient read), with the comm-hook guard ("hook"), without a guard, with
    contiguous parameters (``hdet.contiguous_parameters_``) and in local mode (``ddp.no_sync()`` every
    step: no gradient all-reduce between converge steps). Ratios HDET / plain over the same steps (syncs
    included).
@@ -87,7 +88,8 @@ def main() -> None:
                "hdet_T1000": (1000, "auto", False, False), "hdet_T100_hook": (100, "hook", False, False),
                "hdet_T100_noguard": (100, False, False, False), "hdet_T1000_noguard": (1000, False, False, False),
                "hdet_T100_contiguous": (100, "auto", False, True), "hdet_T100_local": (100, "auto", True, False),
-               "hdet_T100_schedclip": (100, "auto", False, False), "hdet_T1000_schedclip": (1000, "auto", False, False)}
+               "hdet_T100_schedclip": (100, "auto", False, False), "hdet_T1000_schedclip": (1000, "auto", False, False),
+               "hdet_T100_skipall": (100, "skip-all", False, False)}
     configs = {k: v for k, v in configs.items() if k == "plain" or a.only is None or k in a.only.split(",")}
     if a.converge_only:
         configs = {"hdet_T100": configs.get("hdet_T100", (100, "auto", False, False))}
@@ -230,7 +232,7 @@ def guard_cost(run: dict, sync_dev, n: int = 50) -> dict:
     t_host = time.perf_counter() - t0
     sync_dev()
     t_done = time.perf_counter() - t0
-    out = {"ms_host": 1000 * t_host / n, "ms_until_done": 1000 * t_done / n,
+    out = {"reads": guard.reads, "ms_host": 1000 * t_host / n, "ms_until_done": 1000 * t_done / n,
            "gradient_mb": sum(g.numel() * g.element_size() for g in grads) / 2**20}
     if grads[0].device.type != "cuda":
         return out
@@ -254,11 +256,33 @@ def guard_cost(run: dict, sync_dev, n: int = 50) -> dict:
     out["device_ms"] = {
         "shipped_readonly_inf_norm": device_ms(lambda: _nonfinite(grads, found)),
         "guard_pre_hook_readonly": device_ms(lambda: (guard._pre(opt, (), {}), guard._post(opt, (), {}))),
+        **{f"guard_pre_hook_reads_{reads}": device_ms(lambda: (setattr(guard, "reads", reads), guard._pre(opt, (), {}),
+                                                              guard._post(opt, (), {})))
+           for reads in ("sentinels", "all")},
         "earlier_amp_read_write": device_ms(lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)),
         "handed_over_norm": device_ms(lambda: (guard.use_norm(norm, grads), guard._pre(opt, (), {}),
                                                guard._post(opt, (), {})))}
+    guard.reads = out["reads"]  # (the loop above switched it)
     out["verdicts_true_means_nonfinite"] = verdicts(grads, found)  # planted NaN/Inf, restored after
     return out
+
+
+def _annotate(run: dict) -> None:
+    """Run HDET's own calls of ``run`` inside profiler ranges: its scheduler's ``step`` and the hooks it registered
+    on the optimizer (the gradient guard's)."""
+    from torch.profiler import record_function
+
+    def ranged(name, fn):
+        def call(*args, **kwargs):
+            with record_function(name):
+                return fn(*args, **kwargs)
+        return call
+
+    run["sched"].step = ranged("hdet::scheduler.step", run["sched"].step)
+    for hooks, name in ((run["opt"]._optimizer_step_pre_hooks, "hdet::optimizer_pre_hooks"),
+                        (run["opt"]._optimizer_step_post_hooks, "hdet::optimizer_post_hooks")):
+        for key, fn in list(hooks.items()):
+            hooks[key] = ranged(name, fn)
 
 
 def timeline(runs: dict, train_block, k: int, plain_ms: float, cuda: bool = True) -> dict:
@@ -267,20 +291,32 @@ def timeline(runs: dict, train_block, k: int, plain_ms: float, cuda: bool = True
     a few percent slower or faster from one model to the next as NCCL's kernels contend with them): every
     kernel launched more often per step than in plain adds its extra launches at its own mean duration.
     ``added_fraction_of_plain_step``: that time over plain's measured step time (an upper bound: added
-    kernels may overlap communication). On CPU (a smoke test) the same with operators' CPU time."""
+    kernels may overlap communication; and a small kernel that shares its name with big ones, a scalar add
+    beside the residual adds, is counted at their mean). ``hdet_ranges_us_per_step``: HDET's own calls (the
+    scheduler's step, the guard's optimizer hooks) run inside ``record_function`` ranges, and the device time
+    of the kernels each range launched, per step: what HDET's own code costs on the device, exactly, but not
+    what it costs other kernels (none run in parallel with these on the compute stream). On CPU (a smoke
+    test) the same with operators' CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    per = {}
+    per, ranges = {}, {}
     for name, run in runs.items():
         sched = run["sched"]
+        if run["T"]:
+            _annotate(run)
         while run["T"] and any(sched.ensemble.is_sync_step(run["done"] + i) for i in range(1, k + 1)):
             train_block(run, 1)  # move past the next converge step: the timeline is of ordinary steps
-        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:  # (CPU: the ranges)
             train_block(run, k)
         kernels: dict[str, list[float]] = {}  # name: [launches per step, us per step]
+        # (the host-side range: the device time of the kernels launched inside it; the profiler also records each
+        # range's span on the GPU under the same name, which is no kernel and is left out here and below)
+        ranges[name] = {e.key: (getattr(e, "device_time_total", 0.0) if cuda else e.cpu_time_total) / k
+                        for e in prof.key_averages() if e.key.startswith("hdet::") and e.device_type.name == "CPU"}
         for e in prof.key_averages():
             us = getattr(e, "self_device_time_total", 0.0) if cuda else e.self_cpu_time_total
-            if us and (not cuda or e.device_type.name == "CUDA"):
+            annotation = getattr(e, "is_user_annotation", False) or e.key.startswith(("hdet::", "Optimizer."))
+            if us and (not cuda or e.device_type.name == "CUDA") and not annotation:
                 c = kernels.setdefault(e.key, [0.0, 0.0])
                 c[0] += e.count / k
                 c[1] += us / k
@@ -303,6 +339,10 @@ def timeline(runs: dict, train_block, k: int, plain_ms: float, cuda: bool = True
             row["added_ms_per_step"] = sum(v["us_per_step"] for v in added.values()) / 1000
             row["added_fraction_of_plain_step"] = row["added_ms_per_step"] / plain_ms
             row["added_kernels"] = dict(sorted(added.items(), key=lambda x: -x[1]["us_per_step"]))
+        if ranges.get(name):
+            row["hdet_ranges_us_per_step"] = ranges[name]
+            row["hdet_ranges_us_total"] = sum(ranges[name].values())
+            row["hdet_ranges_fraction_of_plain_step"] = sum(ranges[name].values()) / 1000 / plain_ms
         out[name] = row
     out["steps_profiled"] = k
     return out

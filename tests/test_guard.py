@@ -345,3 +345,29 @@ def test_a_nan_loss_reaches_every_sentinel_of_a_real_model():
     upstream = [net[1].weight, net[1].bias, net[2].bias]  # before the poisoned gradient in the backward: reached
     assert all(not torch.isfinite(p.grad).all() for p in upstream)
     assert all(torch.isfinite(p.grad).all() for p in (net[5].weight, net[5].bias, net[6].bias))  # after: not
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_one_kernel_check_of_small_gradients_agrees_with_the_read_only_one_and_changes_nothing(dtype, device,
+                                                                                                  monkeypatch):
+    """Up to hdet.guard.SMALL elements (the sentinels) _nonfinite runs GradScaler's fused check at scale 1, which
+    writes every element back: the verdict is the max-abs read's, and every gradient keeps its bits (-0.0, the
+    largest finite values and NaN included)."""
+    import hdet.guard
+
+    big = torch.finfo(dtype).max
+    cases = {"clean": [], "nan": [(1, 2, float("nan"))], "inf": [(0, 0, float("inf"))], "-inf": [(1, 0, -float("inf"))],
+             "huge": [(0, 1, big), (1, 1, -big)]}
+    for name, planted in cases.items():
+        grads = [torch.tensor([1.5, -0.0, 3.0], dtype=dtype, device=device),
+                 torch.tensor([0.25, 7.0, -2.0], dtype=dtype, device=device)]
+        for i, j, v in planted:
+            grads[i][j] = v
+        bits = [g.clone() for g in grads]
+        small = float(hdet.guard._nonfinite(grads, torch.full((), 5.0, device=device)))  # a stale flag: overwritten
+        assert all(torch.equal(g.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)) for g, b in zip(grads, bits))
+        monkeypatch.setattr(hdet.guard, "SMALL", 0)
+        read = float(hdet.guard._nonfinite(grads, torch.full((), 5.0, device=device)))
+        monkeypatch.undo()
+        assert small == read == (0.0 if name in ("clean", "huge") else 1.0), (name, small, read)

@@ -167,14 +167,33 @@ def all_finite(buf: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(buf).all()
 
 
+SMALL = 1 << 20  # _nonfinite: gradients of at most this many elements in all are checked in one kernel
+
+
 def _nonfinite(grads: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """Write into ``out`` (a float 0-dim tensor on the gradients' device) 1.0 if any element of ``grads``
-    (one device and dtype) is NaN or Inf, else 0.0: their largest magnitude (:func:`hdet.sync.max_abs`, one
-    fused read), non-finite exactly then. Four small kernels besides the read."""
+    (one device and dtype) is NaN or Inf, else 0.0. Large gradients: their largest magnitude
+    (:func:`hdet.sync.max_abs`, one fused read), non-finite exactly then; four small kernels besides the read.
+    float32, up to :data:`SMALL` elements in all (the sentinels): ``out`` zeroed and GradScaler's fused check at
+    scale 1 (each element read and written back unchanged: ``x * 1.0`` is ``x``, bit for bit), two kernels in all."""
     grads = [g for g in grads if g.numel()]  # an empty shard has no max-abs norm (and nothing to check)
     if not grads:
         return out.zero_()
+    if grads[0].dtype == torch.float32 and sum(g.numel() for g in grads) <= SMALL:  # (CUDA's check takes a huge
+        # finite fp16/fp64 value for an overflow and has no bf16)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, out.zero_(), _one(out.device))
+        return out
     return _nonfinite_scalar(max_abs(grads), out)
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    """A float32 1.0 on ``device``, allocated once (the scale of :func:`_nonfinite`'s fused check)."""
+    if device not in _ONES:
+        _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return _ONES[device]
 
 
 def _nonfinite_scalar(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -295,7 +314,8 @@ class SkipNonFiniteStep:
                     if found is None:
                         found = _nonfinite(grads, self._flag(device))
                     else:  # another device or dtype (rare): combined by max
-                        found.copy_(torch.maximum(found, _nonfinite(grads, torch.empty((), device=device)).to(found.device)))
+                        other = _nonfinite(grads, torch.empty((), dtype=torch.float32, device=device))
+                        found.copy_(torch.maximum(found, other.to(found.device)))
             for group in self.agree_over:  # sharded replicas: one decision for all of them
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)  # COLLECTIVE (one scalar, no host sync)
             self.skipped = found.clone() if self.skipped is None else self.skipped.add_(found.to(self.skipped.device))
@@ -307,7 +327,7 @@ class SkipNonFiniteStep:
     def _flag(self, device: torch.device) -> torch.Tensor:
         """This device's found flag (a float 0-dim tensor, allocated once: the optimizer reads it)."""
         if device not in self._flags:
-            self._flags[device] = torch.zeros((), device=device)
+            self._flags[device] = torch.zeros((), dtype=torch.float32, device=device)
         return self._flags[device]
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
