@@ -8,8 +8,8 @@ Run with torchrun on 2+ GPUs (NCCL; gloo on CPU for a smoke test with --tiny):
 1. Step time, interleaved in one run: the models train side by side in blocks of --block steps, round
    robin (the order reversed every other round): plain DDP + OneCycleLR, a second plain model (the
    noise floor of the ratios), and HDET (alpha 0.2) at T = 100 and T = 1000 with the default gradient
-   guard ("auto": "skip" for this fused AdamW, reading the sentinel gradients), with "skip-all" (every
-   gradient read), with the comm-hook guard ("hook"), without a guard, with
+   guard ("auto": "skip-all" for this fused AdamW, every gradient read), with "skip" (the sentinel gradients
+   only: "auto" under on_runaway="recover"), with the comm-hook guard ("hook"), without a guard, with
    contiguous parameters (``hdet.contiguous_parameters_``) and in local mode (``ddp.no_sync()`` every
    step: no gradient all-reduce between converge steps). Ratios HDET / plain over the same steps (syncs
    included).
@@ -89,7 +89,8 @@ def main() -> None:
                "hdet_T100_noguard": (100, False, False, False), "hdet_T1000_noguard": (1000, False, False, False),
                "hdet_T100_contiguous": (100, "auto", False, True), "hdet_T100_local": (100, "auto", True, False),
                "hdet_T100_schedclip": (100, "auto", False, False), "hdet_T1000_schedclip": (1000, "auto", False, False),
-               "hdet_T100_skipall": (100, "skip-all", False, False)}
+               "hdet_T100_skipall": (100, "skip-all", False, False), "hdet_T100_sentinels": (100, "skip", False, False),
+               "hdet_T1000_sentinels": (1000, "skip", False, False)}
     configs = {k: v for k, v in configs.items() if k == "plain" or a.only is None or k in a.only.split(",")}
     if a.converge_only:
         configs = {"hdet_T100": configs.get("hdet_T100", (100, "auto", False, False))}

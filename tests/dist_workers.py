@@ -589,10 +589,10 @@ def one_d_mesh(rank, world, *, name="shard", dadapt=False, shard=True):
 
 
 def hsdp_guard(rank, world, *, fault="loss", steps=10, T=5, at=3):
-    """FSDP2 on a (2, 2) mesh with torch's fused AdamW, so "auto" installs the "skip" guard. At step ``at``
+    """FSDP2 on a (2, 2) mesh with torch's fused AdamW, so "auto" installs the "skip-all" guard. At step ``at``
     rank 1 (a shard of replica 0) gets a NaN loss, or rank 3 a NaN in its own gradient shard after the
-    reductions (no other rank sees it): of a bias ("shard", the default guard's sentinel) or of a weight matrix
-    ("shard-matrix", under guard_gradients="skip-all"), or rank 1 a NaN in its weight shard ("weight"). Records,
+    reductions (no other rank sees it): of a bias ("shard", under guard_gradients="skip": a sentinel) or of a
+    weight matrix ("shard-matrix", under "auto"), or rank 1 a NaN in its weight shard ("weight"). Records,
     per step, whether this rank's shards changed."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -604,7 +604,7 @@ def hsdp_guard(rank, world, *, fault="loss", steps=10, T=5, at=3):
     o = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.3, model_sync_interval=T,
                             controller="paper", model=model, seed=3, device_mesh=mesh,
-                            guard_gradients="skip-all" if fault == "shard-matrix" else "auto")
+                            guard_gradients="skip" if fault == "shard" else "auto")
     changed, finite, recovered, nonfinite = [], [], [], []
     for t in range(1, steps + 1):
         before = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
@@ -729,7 +729,7 @@ def hsdp_one_file_resume(rank, world, *, stop=7, T=5):
 
 
 def local_skip_guard_nan(rank, world, poison_at=3, steps=40, T=40):
-    """Local mode (DDP's no_sync() every step) with a fused Adam, so the default "skip" guard: rank 1's weight is NaN
+    """Local mode (DDP's no_sync() every step) with a fused Adam, so the default "skip-all" guard: rank 1's weight is NaN
     from step ``poison_at``. Returns the syncs' recovered replicas, the guard's kind, whether every weight is finite
     at the end, the weights, and the warnings seen."""
     import warnings

@@ -183,12 +183,12 @@ def _local_skip_guard(rank, world):
 
 
 def test_local_mode_under_the_skip_guard_resets_a_nan_replica_at_the_converge_step():
-    """Local mode with a fused optimizer (the "skip" guard): only the NaN replica skips its steps, and its stall
+    """Local mode with a fused optimizer (the "skip-all" guard): only the NaN replica skips its steps, and its stall
     detector started an early recovery (a collective) on that rank alone, which met the others' converge step: the
     run stopped with a mismatch error naming steps [40, 30]. Now the converge step resets it and training goes on."""
     res = check_ok(run_gloo(_local_skip_guard, 2))
     for r in res:
-        assert r["guard"] == "skip" and r["finite"], r
+        assert r["guard"] == "skip-all" and r["finite"], r
         assert r["recovered"] == [(40, [1])], r["recovered"]
     assert torch.equal(res[0]["weights"], res[1]["weights"])  # the run's last step is a converge step
     assert res[1]["skipped"] == 38.0 and res[0]["skipped"] == 0.0  # rank 1 skipped its own steps 3-40
@@ -223,7 +223,7 @@ def test_non_finite_replica_is_dropped_reset_and_training_goes_on(fault):
 
 @pytest.mark.parametrize("fault,clip", [("weights", False), ("loss", False), ("weights", True), ("loss", True)])
 def test_skip_guard_skips_the_step_everywhere_and_the_bad_replica_is_reset(fault, clip):
-    """The same faults with torch's fused Adam, so "auto" picks the "skip" guard (no comm hook): while
+    """The same faults with torch's fused Adam, so "auto" picks the "skip-all" guard (no comm hook): while
     replica 2 is non-finite (step 7 for a NaN loss, steps 7-10 for a NaN weight) the averaged gradient is
     non-finite on every replica and every replica skips the step on the device (weights and Adam's step
     count untouched); no healthy replica ever sees a NaN; the sync at step 10 resets replica 2. Clipping
@@ -232,7 +232,7 @@ def test_skip_guard_skips_the_step_everywhere_and_the_bad_replica_is_reset(fault
     res = check_ok(run_gloo(_fault, 4, {"fault": fault, "fused": True, "clip": clip}))
     bad = [7] if fault == "loss" else [7, 8, 9, 10]  # the NaN weight is in step 10's forward too
     for r, out in enumerate(res):
-        assert out["error"] is None and out["guard"] == "skip"
+        assert out["error"] is None and out["guard"] == "skip-all"
         if r == 2 and fault == "weights":
             assert not any(out["finite"][6:9])  # its own NaN weight, until the sync
         else:
@@ -254,12 +254,12 @@ def _hsdp_guard(rank, world, fault):
 @pytest.mark.parametrize("fault", ["loss", "shard", "shard-matrix"])
 def test_skip_guard_on_sharded_replicas_decides_once_for_the_whole_mesh(fault):
     """FSDP2/HSDP, (2, 2) mesh, fused AdamW: a NaN loss on one shard rank of replica 0, or a NaN in one
-    rank's own gradient shard that no other rank sees (a bias's under the default guard, a matrix's under
-    "skip-all"): all four ranks skip that step (their flags are all-reduced over the mesh), no shard ever holds a
+    rank's own gradient shard that no other rank sees (a matrix's under the default "skip-all", a bias's under
+    "skip", the sentinels): all four ranks skip that step (their flags are all-reduced over the mesh), no shard ever holds a
     NaN, and the replicas are equal after the syncs."""
     res = check_ok(run_gloo(_hsdp_guard, 4, fault))
     for out in res:
-        assert out["guard"] == ("skip-all" if fault == "shard-matrix" else "skip")
+        assert out["guard"] == ("skip" if fault == "shard" else "skip-all")
         assert [t for t, c in enumerate(out["changed"], 1) if not c] == [3] and out["skipped"] == 1.0
         assert all(out["finite"])
         assert out["recovered"] == [[], []]  # finite weights everywhere: nothing to reset

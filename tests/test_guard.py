@@ -69,7 +69,8 @@ def test_guard_arguments_are_checked():
     assert resolve_guard(True, opt) == "hook" and resolve_guard("auto", opt) == "hook"
     assert resolve_guard(False, opt) is None and resolve_guard("skip", opt) == "skip"
     assert resolve_guard("skip-all", opt) == "skip-all" and resolve_guard("skip-all", opt, mesh=True) == "skip-all"
-    assert resolve_guard("auto", _setup(fused=True)[2]) == "skip"
+    assert resolve_guard("auto", _setup(fused=True)[2]) == "skip-all"
+    assert resolve_guard("auto", _setup(fused=True)[2], recovering=True) == "skip"
     with pytest.raises(ValueError, match=r"guard_gradients in \('auto', 'hook', 'skip', 'skip-all'\).*got 'always'"):
         resolve_guard("always", opt)
 
@@ -84,7 +85,7 @@ def test_auto_on_a_device_with_a_non_fused_optimizer_says_what_the_hook_costs():
         assert resolve_guard("auto", opt) == "hook"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert resolve_guard("hook", opt) == "hook" and resolve_guard("auto", _setup()[2]) == "skip"
+        assert resolve_guard("hook", opt) == "hook" and resolve_guard("auto", _setup()[2]) == "skip-all"
         assert resolve_guard("auto", _setup(fused=False)[2]) == "hook"  # on the CPU: no warning
         assert resolve_guard("auto", opt, advise=False) == "hook"  # no DDP model: nothing is installed
 
@@ -95,7 +96,7 @@ def test_the_guard_reaches_the_real_optimizer_under_accelerate():
     accelerate = pytest.importorskip("accelerate")
     p, q, opt = _setup()
     wrapped = accelerate.Accelerator(cpu=True).prepare(opt)
-    assert resolve_guard("auto", wrapped) == "skip"
+    assert resolve_guard("auto", wrapped) == "skip-all"
     guard = SkipNonFiniteStep(wrapped)
     p.grad, q.grad = torch.ones(5), torch.full((3, 2), float("nan"))
     before = p.detach().clone()
@@ -126,7 +127,7 @@ def test_a_step_that_raises_does_not_leave_a_stale_flag():
 
 def test_sharded_replicas_have_only_the_skip_guard():
     """With device_mesh (FSDP2/HSDP) there is no DDP hook: "hook" is refused, "auto" with a non-fused
-    optimizer installs nothing and says so, "auto" with a fused one gives "skip"."""
+    optimizer installs nothing and says so, "auto" with a fused one gives "skip-all"."""
     import warnings
 
     opt = _setup(fused=False)[2]
@@ -136,7 +137,7 @@ def test_sharded_replicas_have_only_the_skip_guard():
         assert resolve_guard("auto", opt, mesh=True) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert resolve_guard("auto", _setup()[2], mesh=True) == "skip"
+        assert resolve_guard("auto", _setup()[2], mesh=True) == "skip-all"
         assert resolve_guard(False, opt, mesh=True) is None
 
 
@@ -371,3 +372,5 @@ def test_the_one_kernel_check_of_small_gradients_agrees_with_the_read_only_one_a
         read = float(hdet.guard._nonfinite(grads, torch.full((), 5.0, device=device)))
         monkeypatch.undo()
         assert small == read == (0.0 if name in ("clean", "huge") else 1.0), (name, small, read)
+    hand_set = [torch.zeros(1, dtype=dtype, device=device).expand(4)]  # a gradient set by hand as an expanded view:
+    assert float(hdet.guard._nonfinite(hand_set, torch.full((), 5.0, device=device))) == 0.0  # read, not written

@@ -302,7 +302,7 @@ def test_a_reset_replica_takes_the_grad_scaler_back_to_a_healthy_scale(fused):
     move again. With the reset the scale goes back to the last healthy sync's (1024 at step 20)."""
     res = check_ok(run_gloo(_scaler_nan_replica, 2, fused))
     for out in res:
-        assert out["guard"] == ("skip" if fused else "hook")
+        assert out["guard"] == ("skip-all" if fused else "hook")
         at20, s = out["scales"][19], out["scales"]
         assert min(s[25:39]) < at20 / 100  # the stall really collapsed it
         assert s[39] == at20 and out["finite"] and all(out["moved"][40:])
@@ -330,7 +330,7 @@ def test_a_nan_replica_under_a_grad_scaler_is_reset_early(fused):
     res = check_ok(run_gloo(_scaler_stall, 2, {"fused": fused, "init_scale": 2.0 ** 10, "nan_at": 25}))
     at = 50 if fused else 34
     for out in res:
-        assert out["guard"] == ("skip" if fused else "hook")
+        assert out["guard"] == ("skip-all" if fused else "hook")
         assert any(f"early recovery at step {at} replica(s) [1]" in w for w in out["warnings"]), out["warnings"]
         assert not any(out["moved"][24:at - 1]) and all(out["moved"][at:])  # (at `at`, the reset moves rank 1)
         assert min(out["scales"][24:at - 1]) < out["scales"][23] / 100  # the stall collapsed the scale
@@ -429,7 +429,7 @@ def test_a_compiled_ddp_model_gets_the_gradient_guard(fused):
     module inside, and its local-mode note (ddp.no_sync()) sees the compiled forward."""
     res = check_ok(run_gloo(_compiled_ddp_nan, 2, fused))
     for out in res:
-        assert out["guard"] == ("skip" if fused else "hook")
+        assert out["guard"] == ("skip-all" if fused else "hook")
         assert all(out["finite"]) and out["local"] == [t == 3 for t in range(1, 13)]
 
 
@@ -802,7 +802,7 @@ def test_a_nan_weight_under_the_skip_guard_stalls_the_replicas_for_a_bounded_str
     res = check_ok(run_gloo(_fused_fault, 4, {"fault": "weights", "fused": True, "T": 100, "steps": 120,
                                                "at": 7}))
     for r, out in enumerate(res):
-        assert out["error"] is None and out["guard"] == "skip"
+        assert out["error"] is None and out["guard"] == "skip-all"
         frozen = [t for t, c in enumerate(out["changed"], 1) if not c]
         if r != 2:  # (replica 2's own NaN never compares equal to itself)
             assert frozen == list(range(7, 31)), frozen  # NaN in step 7's forward .. the recovery after step 30
@@ -828,20 +828,21 @@ def test_every_replica_nan_between_syncs_goes_back_at_the_early_recovery():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("guard", ["auto", "skip-all"])
-def test_a_nan_born_in_a_matrix_gradient_is_never_silent(guard):
-    """What the default guard's sentinels miss: a NaN born in one replica's weight-matrix gradient (finite loss and
-    activations) at step 31, all-reduced into every replica's gradient. "skip-all" skips that step. The default
-    ("skip", reading biases and norm weights) steps it into every replica; every next loss is then NaN, its
-    gradient reaches the sentinels, the steps are skipped, and the next sync (step 60; the early recovery's
-    stretch of skipped steps, from step 32, is one short at step 50) finds every replica bad and goes back to the
-    best sync (step 30) with the LR cut: finite again, never silently wrong."""
+@pytest.mark.parametrize("on_runaway", ["ignore", "recover"])
+def test_a_nan_born_in_a_matrix_gradient_is_never_silent(on_runaway):
+    """What the sentinels miss: a NaN born in one replica's weight-matrix gradient (finite loss and activations) at
+    step 31, all-reduced into every replica's gradient. The default guard is "skip-all" there (on_runaway="ignore"),
+    which skips that step. Under on_runaway="recover" it is "skip" (biases and norm weights), which steps it into
+    every replica; every next loss is then NaN, its gradient reaches the sentinels, the steps are skipped, and the
+    next sync (step 60; the early recovery's stretch of skipped steps, from step 32, is one short at step 50) finds
+    every replica bad and goes back to the best sync (step 30) with the LR cut: finite again, never silently
+    wrong."""
     res = check_ok(run_gloo(_fused_fault, 2, {"fault": "matrix_grad", "fused": True, "T": 30, "steps": 60, "at": 31,
-                                               "bad_rank": 1, "on_runaway": "recover", "guard": guard}))
+                                               "bad_rank": 1, "on_runaway": on_runaway, "guard": "auto"}))
     for out in res:
-        assert out["error"] is None and out["guard"] == ("skip" if guard == "auto" else guard)
+        assert out["error"] is None and out["guard"] == ("skip" if on_runaway == "recover" else "skip-all")
         assert all(out["finite"][:30]) and out["finite"][59], out["finite"]
-        if guard == "skip-all":
+        if on_runaway == "ignore":
             assert [t for t, c in enumerate(out["changed"], 1) if not c] == [31] and all(out["finite"])
             assert not [r for r in out["records"] if r[1] is not None] and out["skipped"] == 1
         else:

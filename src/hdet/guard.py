@@ -2,8 +2,9 @@
 
 With gradients all-reduced every step (DDP), one replica's non-finite gradient reaches every replica at
 once, before any converge step could leave it out. Two guards, chosen by ``guard_gradients`` when
-``model=`` is a ``DistributedDataParallel`` module (``"auto"``, the default: ``"skip"`` when the
-optimizer can skip a step on the device, i.e. every param group is ``fused``; ``"hook"`` otherwise):
+``model=`` is a ``DistributedDataParallel`` module (``"auto"``, the default: ``"skip-all"`` when the
+optimizer can skip a step on the device, i.e. every param group is ``fused``, or ``"skip"`` under
+``on_runaway="recover"``; ``"hook"`` otherwise):
 
 * ``"hook"`` (:func:`finite_allreduce_hook`): a DDP communication hook that zeroes a replica's whole
   contribution to a bucket when it holds a NaN or Inf and then averages as DDP does, so the healthy
@@ -11,33 +12,38 @@ optimizer can skip a step on the device, i.e. every param group is ``fused``; ``
   float64, where no sum of finite 16/32-bit values overflows. DDP calls it from Python once per bucket,
   which makes it much slower than "skip" (measured in ``docs/cost.md``). Under a ``torch.amp.GradScaler``
   it averages as DDP does (:class:`HookGuard`): an overflow is the scaler's to see and skip.
-* ``"skip"`` (:class:`SkipNonFiniteStep`): no hook; DDP averages as usual, so a NaN/Inf on any replica
-  is in the averaged gradient, bit-identical on every replica. Just before ``optimizer.step()`` one
-  fused read of the *sentinel* gradients, those of the parameters with at most one dimension (biases,
-  norm weights; their max-abs norms, ``torch._foreach_norm(..., inf)``: NaN and Inf propagate, and a max
-  cannot overflow), says whether the averaged gradient is finite, and the fused optimizer skips the step
-  on the device when it is not (``found_inf``, the mechanism of ``torch.amp.GradScaler``): every replica
-  skips that step together, weights and optimizer state untouched. Why the sentinels suffice: a NaN/Inf in
-  a replica's loss, its forward or any activation's gradient reaches every gradient the backward computes
-  after it, and a bias's or a norm weight's gradient sums its output's gradient over the whole batch, so
-  one non-finite element anywhere makes it non-finite. What they miss: a gradient that turns non-finite
-  only in a weight's own product (``dY^T X`` overflowing from finite factors: beyond float32's and
-  bfloat16's range in practice; fp16 runs under a GradScaler, which checks every gradient) or is set so
-  by hand; the step then writes it into every replica's weights, every replica's next loss is non-finite,
-  and the run goes back to its best sync (``on_runaway="recover"``) or stops with an error at the next
-  sync: never silently. A model without such parameters has every gradient read. ``"skip-all"`` reads every
-  gradient (one full read a step: 0.6% of a 124M GPT's step on an H100, ``docs/cost.md``). Neither reads
-  anything when the step's gradient norm is handed over (:meth:`SkipNonFiniteStep.use_norm`, which
-  ``HDETLR.clip_grad_norm_`` does): a clipping user has computed it anyway, over every gradient; nor
-  under ``torch.amp.GradScaler`` (fp16), whose ``step`` has just checked every gradient and hands its
-  verdict over as ``found_inf`` (not after an explicit ``scaler.unscale_``, whose verdict may be stale by
-  the step).
+* ``"skip-all"`` and ``"skip"`` (:class:`SkipNonFiniteStep`): no hook; DDP averages as usual, so a NaN/Inf
+  on any replica is in the averaged gradient, bit-identical on every replica. Just before
+  ``optimizer.step()`` one fused check says whether the averaged gradient is finite, and the fused
+  optimizer skips the step on the device when it is not (``found_inf``, the mechanism of
+  ``torch.amp.GradScaler``): every replica skips that step together, weights and optimizer state
+  untouched. ``"skip-all"`` reads every gradient (their max-abs norms, ``torch._foreach_norm(..., inf)``:
+  NaN and Inf propagate, and a max cannot overflow): one read of the gradients a step, 0.6% of a 124M GPT's
+  step on an H100 (``docs/cost.md``). ``"skip"`` reads only the *sentinel* gradients, those of the
+  parameters with at most one dimension (biases, norm weights; 0.1% of that GPT's): a NaN/Inf in a
+  replica's loss, or in an activation's gradient, reaches every gradient the backward computes after it
+  on its path, and a bias's or a norm weight's gradient sums over the whole batch; a NaN/Inf in an
+  activation that the loss does see reaches them too, and a norm weight also sees one in a row the loss
+  drops. What the sentinels miss: a NaN in rows the loss leaves out, where no norm weight sees them (the
+  weight's gradient ``dY^T X`` is then ``0 * NaN``, a bias's is 0); a NaN born in the backward (``sqrt``'s
+  gradient at 0) off every sentinel's path; an overflow in a weight's own product (fp16 without a
+  GradScaler); sentinels off the loss's path that keep a stale gradient (``zero_grad(set_to_none=False)``
+  and an unused branch); a gradient set by hand. Such a step reaches every replica's weights: every
+  replica's next loss is non-finite, the sentinels see that, and the next sync (or early recovery) finds
+  every replica bad, then goes back to the best sync under ``on_runaway="recover"``, or stops with
+  :class:`~hdet.NonFiniteReplicaError`. So ``"auto"`` picks ``"skip"`` only with ``on_runaway="recover"``
+  (or the range test), where that costs at most a go-back, and ``"skip-all"`` otherwise. A model with no
+  sentinel gradient has every gradient read. Neither reads anything when the step's gradient norm is
+  handed over (:meth:`SkipNonFiniteStep.use_norm`, which ``HDETLR.clip_grad_norm_`` does): a clipping
+  user has computed it anyway, over every gradient; nor under ``torch.amp.GradScaler`` (fp16), whose
+  ``step`` has just checked every gradient and hands its verdict over as ``found_inf`` (not after an
+  explicit ``scaler.unscale_``, whose verdict may be stale by the step).
 
 With FSDP2/HSDP replicas (``device_mesh``) only "skip" and "skip-all" exist: each rank checks its own gradient shards
 and the ranks agree through a MAX all_reduce of the flag over each mesh dimension.
 
 Both run on the device with no host sync. A replica's non-finite weights are caught at the next converge
-step, which resets it (see ``on_nonfinite``); under "skip", :class:`SkipWatch` notices sooner when every
+step, which resets it (see ``on_nonfinite``); under "skip" and "skip-all", :class:`SkipWatch` notices sooner when every
 replica has been skipping for a stretch and the scheduler resets the bad replica early; under "hook" with a
 GradScaler (whose skipped steps stall every replica alike), :class:`ScalerWatch` does.
 """
@@ -179,8 +185,9 @@ def _nonfinite(grads: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     grads = [g for g in grads if g.numel()]  # an empty shard has no max-abs norm (and nothing to check)
     if not grads:
         return out.zero_()
-    if grads[0].dtype == torch.float32 and sum(g.numel() for g in grads) <= SMALL:  # (CUDA's check takes a huge
-        # finite fp16/fp64 value for an overflow and has no bf16)
+    if (grads[0].dtype == torch.float32 and sum(g.numel() for g in grads) <= SMALL  # (CUDA's check takes a huge
+            and all(g.is_contiguous() for g in grads)):  # finite fp16/fp64 value for an overflow, has no bf16, and
+        # cannot write back a gradient set by hand as an expanded view)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, out.zero_(), _one(out.device))
         return out
     return _nonfinite_scalar(max_abs(grads), out)
@@ -465,8 +472,11 @@ def uncompiled(model: Any) -> Any:
     return model
 
 
-def resolve_guard(guard: Any, optimizer: torch.optim.Optimizer, advise: bool = True, mesh: bool = False) -> str | None:
-    """``guard_gradients`` -> "hook", "skip", "skip-all" or None (off); "auto"/True picks "skip" for fused optimizers.
+def resolve_guard(guard: Any, optimizer: torch.optim.Optimizer, advise: bool = True, mesh: bool = False,
+                  recovering: bool = False) -> str | None:
+    """``guard_gradients`` -> "hook", "skip", "skip-all" or None (off); "auto"/True picks "skip-all" for fused
+    optimizers, or "skip" (the sentinels) when ``recovering`` (``on_runaway="recover"``: what the sentinels miss
+    then costs a go-back to the best sync, not the run).
     ``advise``: warn when "auto" falls back to the slow hook off the CPU (only where it will be installed).
     ``mesh``: sharded replicas (FSDP2/HSDP), where only "skip"/"skip-all" exist ("auto" with a non-fused optimizer:
     no guard, with a warning)."""
@@ -481,7 +491,7 @@ def resolve_guard(guard: Any, optimizer: torch.optim.Optimizer, advise: bool = T
                          "'hook': the hook is a DDP communication hook")
     if guard == "auto":
         if _fused(optimizer):
-            return "skip"
+            return "skip" if recovering else "skip-all"
         if mesh:
             warnings.warn("hdet: no gradient guard for these sharded replicas: the 'skip' guard needs a fused optimizer "
                           "(fused=True); without it one replica's NaN gradient reaches the others through the all-reduce "
@@ -517,9 +527,10 @@ class GuardSetting:
     or at :meth:`install` from ``attach_model``; never twice."""
 
     def __init__(self, guard: Any, process_group: Any, device_mesh: Any, optimizer: torch.optim.Optimizer,
-                 world_size: int, loss_scale: LossScale) -> None:
+                 world_size: int, loss_scale: LossScale, recovering: bool = False) -> None:
         resolve_guard(guard, optimizer, advise=False)  # a bad value fails here, not later
         self.guard, self.process_group, self.device_mesh = guard, process_group, device_mesh
+        self.recovering = recovering  # on_runaway="recover": "auto" may read only the sentinels
         self.optimizer, self.world_size = optimizer, world_size
         self.loss_scale = loss_scale  # the GradScaler driving the optimizer, shared with the scheduler
         self.installed: str | None = None  # "hook", "skip" or "skip-all"
@@ -554,7 +565,7 @@ class GuardSetting:
         sharded = self.device_mesh is not None and self.world_size > 1
         if self.installed is not None or not (ddp or sharded):
             return
-        guard = resolve_guard(self.guard, self.optimizer, advise=ddp, mesh=sharded)
+        guard = resolve_guard(self.guard, self.optimizer, advise=ddp, mesh=sharded, recovering=self.recovering)
         if guard in ("skip", "skip-all"):
             # FSDP2/HSDP: ranks hold different shards, so they agree on the decision over the whole mesh
             mesh = self.device_mesh

@@ -63,8 +63,9 @@ class HDETLR(LRScheduler):
         device_mesh: FSDP2/HSDP: a (replicate, shard) mesh; HDET replicas are its replicate dimension.
         bucket_cap_mb: the converge step's bucket size.
         guard_gradients: "auto" (default), "skip", "skip-all", "hook" or False: keep one replica's non-finite
-            gradient from reaching the others' weights (:mod:`hdet.guard`; "skip" reads the gradients of biases and
-            norm weights, which any NaN/Inf of the loss or an activation reaches; "skip-all" reads every gradient).
+            gradient from reaching the others' weights (:mod:`hdet.guard`; "skip-all" reads every gradient, "skip"
+            only those of biases and norm weights, which most NaNs reach; "auto" with a fused optimizer: "skip"
+            under ``on_runaway="recover"``, "skip-all" otherwise).
         auto_lr_bounds: (low, high), or one pair per group: the paper controller keeps the LR inside.
         final_lr: per group, or one float: Eq. 8's decay target (default: ``base(total_steps)`` for a
             callable or a LambdaLR (the Hugging Face Trainer's schedules), OneCycle's ``min_lr``, otherwise no
@@ -135,7 +136,7 @@ class HDETLR(LRScheduler):
                         sharded=self._sharded, lr_spread=config.ensemble_lr_spread_ratio > 0)  # LR-free optimizers: refused where they would break
         self._loss_scale = LossScale()  # a torch.amp.GradScaler seen driving the optimizer (here or by the hook guard)
         self._guard = GuardSetting(guard_gradients, process_group, device_mesh, optimizer, resolved.world_size,
-                                   self._loss_scale)
+                                   self._loss_scale, recovering=config.recovering)
         self._guard.install(model)
         self._history: dict[str, list[float]] | None = None
         # optimizer steps counted by a post-hook (the real optimizer under wrappers): a second scheduler.step()
