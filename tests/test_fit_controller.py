@@ -164,6 +164,42 @@ def test_probe_sees_each_replicas_mean_iterate_in_eval_mode_and_weights_come_bac
     assert [len(p.seen) for p in probes] == [2] * N  # one call per replica per control sync
 
 
+@pytest.mark.parametrize("mode", ["loop", "vmap"])
+def test_a_submodule_kept_in_eval_mode_stays_so_after_the_probe(mode):
+    """An audit: the probe ran in ``module.eval()`` and then ``module.train(was)``, which set every submodule to the
+    root's mode: a BatchNorm the user kept in eval mode (its statistics frozen) trained again after the first control
+    sync, silently. Now every submodule's own mode comes back, and the probe sees all of them in eval mode."""
+    class ModeProbe(Probe):
+        def __init__(self):
+            super().__init__()
+            self.modes = []
+
+        def __call__(self, model):
+            self.modes.append({m.training for m in model.modules()})
+            return super().__call__(model)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    probes = []
+
+    def make_sched(o, rep, m):
+        probes.append(ModeProbe())
+        return hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=20, ensemble_lr_spread_ratio=0.5, model_sync_interval=5,
+                                   enable_auto_lr=True, auto_lr_warmup_steps=0, model=m, replicas=rep,
+                                   controller="fit", probe=probes[-1])
+
+    eng = ReplicaEngine(model, 2, lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), make_sched, mode=mode)
+    for m in eng.models:
+        m[1].eval()
+    frozen = eng.models[0][1].running_mean.clone()
+    for t in range(1, 16):
+        eng.step([batch(r, t) for r in range(2)], _loss)
+    assert [len(p.modes) for p in probes] == [3, 3] and all(modes == {False} for p in probes for modes in p.modes)
+    for m in eng.models:
+        assert m.training and m[0].training and not m[1].training
+        assert torch.equal(m[1].running_mean, frozen)  # never updated: eval mode throughout
+
+
 def test_lr_is_the_schedule_times_the_correction_within_bounds():
     eng, _ = _engine(N=4, steps=60, T=5, warm=5)
     ref = torch.optim.lr_scheduler.OneCycleLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.05),

@@ -6,8 +6,9 @@ Neither talks to other replicas; neither reads a value on the host (no host sync
 
 from __future__ import annotations
 
+import contextlib
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -17,6 +18,19 @@ __all__ = ["LossWindow", "WindowMean", "Probe"]
 
 Probe = Callable[[nn.Module], "torch.Tensor | float"]
 
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[None]:
+    """``module.eval()`` inside, and every submodule's own mode back after: ``module.train(was)`` would set every
+    submodule to the root's mode, and so turn a submodule the user keeps in eval mode (frozen BatchNorm statistics)
+    back to training."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 class LossWindow:
     """This replica's training losses since the last sync: one copy per step on the loss's device (so a loss
@@ -137,16 +151,14 @@ class WindowMean:
         means = [m if m.dtype == p.dtype else m.to(p.dtype) for m, p in zip(means, self.params)]
         saved = [p.data for p in self.params]
         module = getattr(model, "module", model)  # the module under DDP
-        was_training = module.training
         try:
             for p, m in zip(self.params, means):
                 p.data = m
-            module.eval()
-            loss = probe(module)
+            with eval_mode(module):
+                loss = probe(module)
         finally:
             for p, d in zip(self.params, saved):
                 p.data = d
-            module.train(was_training)
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
                 raise ValueError(f"Expected probe(model) to return a scalar loss, but got shape {tuple(loss.shape)}")

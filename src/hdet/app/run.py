@@ -28,6 +28,7 @@ from torch import nn
 from .. import __version__
 from ..ensemble import NonFiniteReplicaError
 from ..telemetry import SyncLogger
+from ..window import eval_mode
 from . import checkpoint
 from .options import RunConfig, RunError, check, default_warmup, resolve, resolve_device
 from .runs import DDPRun, EngineRun, eval_weights, to_device
@@ -75,11 +76,9 @@ def clear_earlier(out: Path) -> None:
 def evaluate(task: Task, model: nn.Module, n_batches: int, batch: int, device: torch.device) -> float:
     """Mean validation loss over a fixed set of held-out batches (the same for every run)."""
     g = torch.Generator().manual_seed(12345)
-    was = model.training
-    model.eval()
-    total = sum(task.loss_fn(model, to_device(task.sample("val", batch, g), device)).item()  # host sync
-                for _ in range(n_batches))
-    model.train(was)
+    with eval_mode(model):
+        total = sum(task.loss_fn(model, to_device(task.sample("val", batch, g), device)).item()  # host sync
+                    for _ in range(n_batches))
     return total / n_batches
 
 
@@ -88,9 +87,7 @@ def final_metrics(task: Task, model: nn.Module, device: torch.device, limit: int
     """The held-out split, deterministically: Fashion-MNIST's whole test set (loss and accuracy); for the
     byte GPT, loss over up to ``limit`` consecutive non-overlapping windows from the start of the
     held-out files."""
-    was = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         split = task.splits.get("val") if task.splits else None
         if split is None:
             return {}
@@ -109,8 +106,6 @@ def final_metrics(task: Task, model: nn.Module, device: torch.device, limit: int
         total = sum(task.loss_fn(model, windows[i:i + 64].to(device)).item() * windows[i:i + 64].shape[0]
                     for i in range(0, n, 64))  # host sync per chunk
         return {"val_loss_full": total / n, "val_tokens": n * ctx}
-    finally:
-        model.train(was)
 
 
 class _Progress:
