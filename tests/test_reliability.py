@@ -940,7 +940,7 @@ def test_numpy_scalars_are_numbers():
 
 
 # ------------------------------------------------------------ 12. the engine's own state
-def _engine(N=3, steps=20, stop=None, state=None, until=None):
+def _engine(N=3, steps=20, stop=None, state=None, until=None, mode="vmap"):
     def make_sched(o, rep, m):
         return hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=steps, model_sync_interval=4, replicas=rep, model=m,
                                    ensemble_lr_spread_ratio=0.3, enable_auto_lr=True, auto_lr_warmup_steps=4,
@@ -949,7 +949,7 @@ def _engine(N=3, steps=20, stop=None, state=None, until=None):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
     eng = ReplicaEngine(model, N, lambda m: torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.01),
-                        make_sched, mode="vmap")
+                        make_sched, mode=mode)
     start = 0
     if state is not None:
         eng.load_state_dict(state)
@@ -977,6 +977,21 @@ def test_engine_state_dict_resumes_bit_for_bit(stop):
     for a, b in zip(full.schedulers, resumed.schedulers):
         assert a.get_last_lr() == b.get_last_lr() and a.hyperparameters == b.hyperparameters
     assert len({s.get_last_lr()[0] for s in full.schedulers}) == 3
+
+
+def test_a_vmap_engines_state_resumes_in_a_loop_engine():
+    """An audit: a vmap engine's state (with its stacked parameters' memory order, 'layout') was refused by a loop
+    engine of the same model as "a corrupted or foreign state" (the other way round loaded). The order is the vmap
+    engine's own business: the loop engine loads each replica's state and continues as the vmap run does."""
+    full = _engine()
+    resumed = _engine(state=_engine(stop=10), mode="loop")
+    assert resumed.mode == "loop" and resumed.steps_taken == 20
+    for m_full, m_res in zip(full.models, resumed.models):
+        for a, b in zip(m_full.state_dict().values(), m_res.state_dict().values()):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # (the bias ahead of BatchNorm: rounding noise
+            # that Adam scales to steps of 1e-5 between the modes)
+    for a, b in zip(full.schedulers, resumed.schedulers):
+        assert a.get_last_lr() == pytest.approx(b.get_last_lr()) and a.hyperparameters == pytest.approx(b.hyperparameters)
 
 
 def test_engine_with_gradient_layout_resumes_bit_for_bit():

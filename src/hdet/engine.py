@@ -452,6 +452,8 @@ class ReplicaEngine:
                                  "it differs")
         saved = state.get("layout") or {}
         params = self.stacked_params
+        if self.stack is None and isinstance(saved, dict):  # a loop engine: a vmap engine's storage order does not
+            saved = {}  # apply (each replica's own state is loaded as is)
         if not isinstance(saved, dict) or any(
                 n not in params or not (o is None or (isinstance(o, (list, tuple)) and
                                                       sorted(o) == list(range(params[n].dim() - 1))))
