@@ -56,7 +56,7 @@ def time_steps(step, n_warm: int, n_timed: int, device) -> float:
 
 
 def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, modes: list[str], optim: str,
-          engine_attn: str = "auto") -> dict:
+          engine_attn: str = "auto", compile_kwargs: dict | None = None) -> dict:
     ctx = size["ctx"]
     g = torch.Generator(device=device).manual_seed(0)
     data = torch.randint(0, 256, (N * B * 4, ctx + 1), device=device, generator=g)
@@ -73,7 +73,8 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
                                  ("baseline_compiled", "auto", True)):
         if comp and not any("+compile" in m for m in modes):
             continue
-        out[key] = bench_single(fresh_model(base_attn), data, N, B, ctx, total, warm, steps, device, kw, comp)
+        out[key] = bench_single(fresh_model(base_attn), data, N, B, ctx, total, warm, steps, device, kw,
+                                comp and (compile_kwargs or True))
     out["params"] = sum(p.numel() for p in fresh_model().parameters())
     for mode in modes:
         if device.type == "cuda":
@@ -86,7 +87,7 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
                 fresh_model(engine_attn), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, **kw),
                 lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=total, ensemble_lr_spread_ratio=0.2,
                                                       model_sync_interval=T, replicas=rep, model=m),
-                mode=engine_mode.split("+")[0], compile=engine_mode.endswith("+compile"),
+                mode=engine_mode.split("+")[0], compile=engine_mode.endswith("+compile") and (compile_kwargs or True),
                 stacked_optimizer=path != "per-replica")
             j = [0]
 
@@ -124,7 +125,7 @@ def bench_single(model, data, N, B, ctx, total, warm, steps, device, kw, comp=Fa
     """One model (plain AdamW + OneCycleLR, no hdet) at N x B sequences per step."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **kw)
     if comp:
-        model = torch.compile(model)
+        model = torch.compile(model, **(comp if isinstance(comp, dict) else {}))
         warm += 3
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=total)
     i = [0]
@@ -158,6 +159,9 @@ def main() -> None:
     p.add_argument("--optimizers", default="fused,foreach", help="AdamW implementations to run (comma list)")
     p.add_argument("--engine-attn", default="auto", choices=["auto", "sdpa", "math"],
                    help="the engine's attention (ByteGPT attn=): auto is explicit attention under vmap")
+    p.add_argument("--compile-kwargs", default=None, type=json.loads,
+                   help='torch.compile keyword arguments for every compiled mode, one model\'s included (JSON, e.g. '
+                        '\'{"mode": "reduce-overhead"}\')')
     p.add_argument("--out", required=True)
     a = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -170,7 +174,7 @@ def main() -> None:
             B = s.pop("B")
             try:
                 r = bench({**s, "name": name}, a.replicas, B, a.steps, a.warm, a.T, device, a.modes.split(","), optim,
-                          a.engine_attn)
+                          a.engine_attn, a.compile_kwargs)
             except Exception as e:  # noqa: BLE001 - a configuration that cannot run is a result too
                 print(json.dumps({"size": name, "optimizer": optim, "error": f"{type(e).__name__}: {e}"[:500]}))
                 results.append({"size": {**s, "name": name}, "optimizer": optim, "engine_attention": a.engine_attn,

@@ -476,3 +476,29 @@ def test_the_record_reports_each_replicas_own_window_loss_after_a_non_finite_one
     assert rec.losses[1] == pytest.approx(sum(own) / len(own), rel=1e-6)
     assert rec.losses[0] == pytest.approx(sum(row[0] for row in seen) / 4, rel=1e-6)
 
+
+
+def test_compile_takes_torch_compiles_keyword_arguments(monkeypatch):
+    """``compile={"mode": "reduce-overhead"}`` (CUDA graphs) reaches torch.compile, with the engine's dynamic=False;
+    anything but a bool or a dict is refused."""
+    from torch import nn
+
+    from hdet.engine import ReplicaEngine
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+
+    def build(compile):
+        torch.manual_seed(0)
+        return ReplicaEngine(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)), 2,
+                             lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                             lambda o, rep, m: hdet.HDETLR(o, None, total_steps=4, replicas=rep, model=m),
+                             mode="vmap", compile=compile)
+
+    eng = build({"mode": "reduce-overhead"})
+    x = torch.randn(2, 5, 3)
+    eng.step((x, x[..., :1]), lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]), stacked=True)
+    assert seen == [{"dynamic": False, "mode": "reduce-overhead"}]
+    with pytest.raises(ValueError, match="Expected compile to be a bool or a dict of torch.compile's keyword arguments, "
+                                         "but got str"):
+        build("reduce-overhead")

@@ -148,7 +148,8 @@ class ReplicaEngine:
             ``replicas=replicas`` (and usually ``model=module``) to ``OneCycleAutoLR``/``HDETLR``.
         mode: "auto" (vmap, the loop if the first step cannot be vectorised), "vmap" or "loop". Explored values
             that live in a module's Python state (dropout p, label smoothing) make "auto" use the loop.
-        compile: run the vmapped forward through ``torch.compile`` (vmap path only).
+        compile: run the vmapped forward through ``torch.compile`` (vmap path only); a dict: ``torch.compile``'s
+            keyword arguments, e.g. ``{"mode": "reduce-overhead"}`` (CUDA graphs).
         before_optimizer_step: ``f(r, module, optimizer)`` for every replica after the gradients are averaged
             (e.g. ``clip.clip_(module.parameters())`` with an explored :class:`hdet.GradClip`).
         share_gradients: False is the local mode: no gradient averaging between syncs (DDP's ``no_sync``).
@@ -165,7 +166,7 @@ class ReplicaEngine:
     """
 
     def __init__(self, model: nn.Module, num_replicas: int, make_optimizer: MakeOptimizer,
-                 make_scheduler: MakeScheduler, *, mode: str = "auto", compile: bool = False,
+                 make_scheduler: MakeScheduler, *, mode: str = "auto", compile: bool | dict[str, Any] = False,
                  before_optimizer_step: Callable[[int, nn.Module, torch.optim.Optimizer], None] | None = None,
                  share_gradients: bool = True, stacked_optimizer: bool = True, gradient_layout: bool = False) -> None:
         if mode not in MODES:
@@ -211,6 +212,9 @@ class ReplicaEngine:
         # the names functional_call sees through the _Call wrapper (built once: the stacked tensors never change)
         self._call_params = {"m." + k: v for k, v in self.stacked_params.items()}
         self._call_buffers = {"m." + k: v for k, v in self.stacked_buffers.items()}
+        if not isinstance(compile, (bool, dict)):
+            raise ValueError(f"Expected compile to be a bool or a dict of torch.compile's keyword arguments, but got "
+                             f"{type(compile).__name__}")
         self.compile = compile
         self._fns: dict[Any, list[Any]] = {}  # loss_fn -> [the vmapped function, its compiled form or None]
         self._unkept: set[str] = set()  # reassigned buffers whose new shape or dtype could not be kept (warned)
@@ -309,7 +313,8 @@ class ReplicaEngine:
             eager = vmap(one, randomness="different")
             # dynamic=False: a new shape (another model in this process, a new batch size) compiles on its own;
             # torch.compile would otherwise trace it with symbolic sizes, which vmap's batched tensors refuse
-            fns = self._fns[loss_fn] = [eager, torch.compile(eager, dynamic=False) if self.compile else None]
+            options = {"dynamic": False, **(self.compile if isinstance(self.compile, dict) else {})}
+            fns = self._fns[loss_fn] = [eager, torch.compile(eager, **options) if self.compile else None]
         self.stack.before_backward()
         args = (self._call_params, self._call_buffers, batch)
         losses = None
