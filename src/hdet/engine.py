@@ -314,6 +314,10 @@ class ReplicaEngine:
             # dynamic=False: a new shape (another model in this process, a new batch size) compiles on its own;
             # torch.compile would otherwise trace it with symbolic sizes, which vmap's batched tensors refuse
             options = {"dynamic": False, **(self.compile if isinstance(self.compile, dict) else {})}
+            if options.get("mode") in ("reduce-overhead", "max-autotune"):  # CUDA graphs: the stacked tensors are
+                # updated in place and never replaced, so the graphs may read them where they are (no copy a step)
+                for t in (*self._call_params.values(), *self._call_buffers.values()):
+                    torch._dynamo.mark_static_address(t)
             fns = self._fns[loss_fn] = [eager, torch.compile(eager, **options) if self.compile else None]
         self.stack.before_backward()
         args = (self._call_params, self._call_buffers, batch)
