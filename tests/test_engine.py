@@ -479,8 +479,8 @@ def test_the_record_reports_each_replicas_own_window_loss_after_a_non_finite_one
 
 
 def test_compile_takes_torch_compiles_keyword_arguments(monkeypatch):
-    """``compile={"mode": "reduce-overhead"}`` (CUDA graphs) reaches torch.compile, with the engine's dynamic=False;
-    anything but a bool or a dict is refused."""
+    """``compile={"mode": "reduce-overhead"}`` (CUDA graphs) reaches torch.compile, with the engine's dynamic=False,
+    and the stacked tensors become static addresses; anything but a bool or a dict is refused."""
     from torch import nn
 
     from hdet.engine import ReplicaEngine
@@ -499,6 +499,11 @@ def test_compile_takes_torch_compiles_keyword_arguments(monkeypatch):
     x = torch.randn(2, 5, 3)
     eng.step((x, x[..., :1]), lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]), stacked=True)
     assert seen == [{"dynamic": False, "mode": "reduce-overhead"}]
+    # CUDA graphs read the stacked tensors where they are (updated in place): static addresses, not copied inputs
+    assert all(getattr(t, "_dynamo_static_input_type", None) for t in eng.stacked_params.values())
+    plain = build({"mode": "default"})
+    plain.step((x, x[..., :1]), lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]), stacked=True)
+    assert not any(hasattr(t, "_dynamo_static_input_type") for t in plain.stacked_params.values())
     with pytest.raises(ValueError, match="Expected compile to be a bool or a dict of torch.compile's keyword arguments, "
                                          "but got str"):
         build("reduce-overhead")
