@@ -760,3 +760,55 @@ def local_skip_guard_nan(rank, world, poison_at=3, steps=40, T=40):
             "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
             "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
             "warnings": [str(w.message) for w in seen]}
+
+
+def scaler_resume(rank, world, *, total=50, T=10, nan_at=22, ckpt=20):
+    """DDP + fused AdamW + ``torch.amp.GradScaler("cpu")`` + on_runaway="recover": rank 0's weight NaN after step
+    ``nan_at``, so every step overflows and the scaler halves its scale until the sync at step 30 resets the replica
+    and puts the scale back to the last healthy sync's. The whole run, and one resumed from a checkpoint (model,
+    optimizer, scheduler, scaler) at sync step ``ckpt``: their scales and weights after every step."""
+    import io
+
+    def build():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+        ddp = DDP(net)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=0.003, fused=True)
+        sched = hdet.OneCycleAutoLR(opt, max_lr=0.003, total_steps=total, ensemble_lr_spread_ratio=0.2,
+                                    model_sync_interval=T, model=ddp, on_runaway="recover")
+        return net, ddp, opt, sched, torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+
+    def run(parts, t):
+        net, ddp, opt, sched, scaler = parts
+        x, y = batch(rank, t)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step(loss)
+        if t == nan_at and rank == 0:
+            with torch.no_grad():
+                net[0].weight[0, 0] = float("nan")
+        return scaler.get_scale(), torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()])
+
+    whole, saved = build(), None
+    out = {"whole": [], "resumed": []}
+    for t in range(1, total + 1):
+        out["whole"].append(run(whole, t))
+        if t == ckpt:
+            buf = io.BytesIO()
+            torch.save({"model": whole[0].state_dict(), "opt": whole[2].state_dict(), "sched": whole[3].state_dict(),
+                        "scaler": whole[4].state_dict()}, buf)
+            saved = buf.getvalue()
+    resumed = build()
+    state = torch.load(io.BytesIO(saved), weights_only=True)
+    resumed[0].load_state_dict(state["model"])
+    resumed[2].load_state_dict(state["opt"])
+    resumed[3].load_state_dict(state["sched"])
+    resumed[4].load_state_dict(state["scaler"])
+    for t in range(ckpt + 1, total + 1):
+        out["resumed"].append(run(resumed, t))
+    out["kept"] = state["sched"].get("loss_scale_kept")
+    out["recovered"] = resumed[3].last_sync.step if resumed[3].last_sync is not None else None
+    return out

@@ -851,6 +851,41 @@ def test_a_nan_born_in_a_matrix_gradient_is_never_silent(on_runaway):
             assert [r for r in out["records"] if r[1] is not None] == [(60, 30, 0.5)], out["records"]
 
 
+def _scaler_resume(rank, world):
+    from dist_workers import scaler_resume
+
+    return scaler_resume(rank, world)
+
+
+@pytest.mark.distributed
+def test_a_resumed_run_puts_the_grad_scalers_scale_back_as_the_whole_run_does():
+    """An audit: the scale hdet puts back when it resets a replica (the last healthy sync's) was not in the
+    scheduler's state, so a run resumed at step 20 left the scaler's scale collapsed after the reset at step 30
+    (4 against the whole run's 1024; under fp16 the gradients then underflow). It is saved now (loss_scale_kept),
+    and the resumed run follows the whole run: the same scale and weights at every step."""
+    res = check_ok(run_gloo(_scaler_resume, 2))
+    for out in res:
+        assert out["kept"] == 1024.0
+        whole, resumed = out["whole"][20:], out["resumed"]
+        assert [s for s, _ in whole] == [s for s, _ in resumed]
+        assert whole[7][0] < 1024.0 and whole[9][0] == 1024.0  # collapsed at step 28, put back by the sync at 30
+        for (_, a), (_, b) in zip(whole[10:], resumed[10:]):  # (NaN in rank 0's weights before the reset)
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), "1024", True])
+def test_a_bad_kept_loss_scale_in_a_state_is_refused_before_anything_is_set(bad):
+    o = torch.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=0.1)
+    s = hdet.HDETLR(o, None, total_steps=10, replicas=ScriptedReplicas(0, 2), model_sync_interval=5)
+    state = s.state_dict()
+    assert state["loss_scale_kept"] is None  # no GradScaler seen
+    fresh = hdet.HDETLR(o, None, total_steps=10, replicas=ScriptedReplicas(0, 2), model_sync_interval=5)
+    with pytest.raises(ValueError, match=r"Expected the state's loss_scale_kept as a finite scale > 0 or None"):
+        fresh.load_state_dict({**state, "loss_scale_kept": bad})
+    fresh.load_state_dict({**state, "loss_scale_kept": 512.0})
+    assert fresh._loss_scale.kept_value() == 512.0
+
+
 # ------------------------------------------------------------ 11. errors that say what happened
 def test_an_error_in_the_users_probe_is_the_users_error():
     class Boom(RuntimeError):

@@ -36,11 +36,12 @@ class LossScale:
     each time, down to where fp16 gradients underflow (a scale of 1e-14 after 56 such steps from 1024), and at its
     growth of 2x per 2000 clean steps training barely moves again. So when hdet resets a replica the scale goes back
     to the last sync whose window held no non-finite loss, or the guard's last stretch of steps taken if later (and its
-    growth count starts again). A device copy of the scale at such points; no host sync."""
+    growth count starts again). A device copy of the scale at such points; no host sync. The kept scale is part of
+    the scheduler's state (:meth:`kept_value`, :meth:`set_kept`): a resumed run goes back to it as the whole run does."""
 
     def __init__(self) -> None:
         self.scaler: Any = None
-        self._kept: torch.Tensor | None = None
+        self._kept: torch.Tensor | float | None = None  # (a float: loaded from a checkpoint, before the scaler is seen)
 
     def look(self) -> None:
         """From an optimizer step hook: the scaler driving this step, if any (kept once found)."""
@@ -59,6 +60,14 @@ class LossScale:
         if scale is not None:
             self._kept = scale
 
+    def kept_value(self) -> float | None:
+        """The kept scale as a float, for a checkpoint (a host read), or None."""
+        return None if self._kept is None else float(self._kept)
+
+    def set_kept(self, value: float | None) -> None:
+        """The kept scale from a checkpoint (:meth:`kept_value`)."""
+        self._kept = None if value is None else float(value)
+
     def after_sync(self, recovered: bool, healthy: bool) -> None:
         """After a converge step (or an early recovery): back to the kept scale where a replica was reset, else keep
         this one when the window was healthy."""
@@ -66,7 +75,9 @@ class LossScale:
         if not isinstance(scale, torch.Tensor):  # no scaler, or not yet used
             return
         if recovered:
-            if self._kept is not None:
+            if isinstance(self._kept, float):
+                scale.fill_(self._kept)
+            elif self._kept is not None:
                 scale.copy_(self._kept)
                 tracker = getattr(self.scaler, "_growth_tracker", None)
                 if isinstance(tracker, torch.Tensor):

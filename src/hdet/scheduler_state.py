@@ -29,6 +29,7 @@ def state_dict(s: "HDETLR") -> dict[str, Any]:
     if s._base is not None:
         state["base"] = s._base.state_dict()
         state["base_scheduler"] = type(s._base).__name__
+    state["loss_scale_kept"] = s._loss_scale.kept_value()  # a GradScaler's scale at the last healthy sync (host read)
     check_plain(state, "state_dict()")
     return state
 
@@ -77,6 +78,8 @@ def load(s: "HDETLR", state: dict[str, Any]) -> None:
     if s._base is not None:
         _load_base(s, state)
         _cycled_momentum(s._base)
+    if "loss_scale_kept" in state:  # (states saved before it: the scale kept by this process, if any)
+        s._loss_scale.set_kept(state["loss_scale_kept"])
     s.reapply()  # this replica's values on the optimizer and hyperparameters
     if same_replica:  # exactly the values this replica had (they equal what reapply computed)
         for h, v in zip(s.ensemble.hypers, hdet_state.get("hyper_values", [])):
@@ -100,6 +103,10 @@ def _check_own(s: "HDETLR", state: dict[str, Any]) -> None:
         v = state.get(key)
         if v is not None and (not isinstance(v, list) or len(v) != n):
             raise ValueError(f"Expected the state's {key} with one value per param group ({n}), but got {v!r}")
+    kept = state.get("loss_scale_kept")
+    if kept is not None and (isinstance(kept, bool) or not isinstance(kept, (int, float)) or not math.isfinite(kept)
+                             or kept <= 0):
+        raise ValueError(f"Expected the state's loss_scale_kept as a finite scale > 0 or None, but got {kept!r}")
 
 
 def _check_hyper_bases(s: "HDETLR", state: dict[str, Any]) -> None:
