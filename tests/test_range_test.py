@@ -4,6 +4,7 @@ state, and every rank deciding the same."""
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import warnings
@@ -259,3 +260,25 @@ def test_gloo_world_2_every_rank_decides_the_same():
     res = check_ok(run_gloo(_rank_run, 2))
     assert res[0]["range"] == res[1]["range"] and res[0]["range"]["peak"] is not None
     assert res[0]["lr"] == res[1]["lr"] and torch.equal(res[0]["w"], res[1]["w"])
+
+
+@pytest.mark.parametrize("corrupt", [
+    ("range_test", "patience", "3"), ("range_test", "patience", 0), ("range_test", "last_loss", float("nan")),
+    ("range_test", "last_loss", "a"), ("range_test", "ended_at", 10), ("stability", "best_se", -1.0),
+    ("stability", "best_se", float("nan")), ("stability", "best_step", "x"), ("range_snapshots", 1, float("nan"))])
+def test_a_corrupted_range_test_or_stability_state_is_refused_up_front(corrupt):
+    """An audit: these were taken at load and failed later, at a sync, with a TypeError (or ran on a NaN)."""
+    script = [[2.0 * 0.9 ** k] * 8 for k in range(5)] + [[1.2] * 8] * 30
+    m, o, s = _scripted(script)
+    for _ in range(4):
+        _window(m, o, s, move=0.25)
+    state = copy.deepcopy(s.state_dict())
+    part, key, value = corrupt
+    assert state["hdet"][part] is not None
+    if part == "range_snapshots":
+        state["hdet"][part][0][key] = value
+    else:
+        state["hdet"][part][key] = value
+    fresh = _scripted(script)[2]
+    with pytest.raises(ValueError, match="Expected the (range test's|state's best)"):
+        fresh.load_state_dict(state)

@@ -130,8 +130,22 @@ class RangeTest:
             raise ValueError(f"Expected a range test state with keys {sorted(cls.__dataclass_fields__)}: {e}") from e
         for name in ("factor", "good_lr", "peak"):
             v = getattr(rt, name)
-            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                                      and v > 0):
                 raise ValueError(f"Expected the range test's {name} as a positive number, but got {v!r}")
+        if not (isinstance(rt.patience, int) and not isinstance(rt.patience, bool) and rt.patience >= 1):
+            raise ValueError(f"Expected the range test's patience as an integer >= 1, but got {rt.patience!r}")
+        last = rt.last_loss
+        if last is not None and not (isinstance(last, (int, float)) and not isinstance(last, bool)
+                                     and math.isfinite(last)):
+            raise ValueError(f"Expected the range test's last_loss as a finite number or None, but got {last!r}")
+        if (rt.ended_at is None) != (rt.peak is None) or (rt.ended_at is not None and (
+                not isinstance(rt.ended_at, int) or isinstance(rt.ended_at, bool) or rt.ended_at < 0)):
+            raise ValueError(f"Expected the range test's ended_at (a step) and peak both set or both None, but got "
+                             f"{rt.ended_at!r} and {rt.peak!r}")
+        if not isinstance(rt.improvements, list) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in rt.improvements):
+            raise ValueError(f"Expected the range test's improvements as a list of numbers, but got {rt.improvements!r}")
         rt.improvements = [float(x) for x in rt.improvements]
         return rt
 
@@ -181,11 +195,12 @@ class RampSnapshots:
             return []
         ok = isinstance(state, list) and all(
             isinstance(x, list) and len(x) == 4 and isinstance(x[0], int) and isinstance(x[1], float)
-            and isinstance(x[2], float) and isinstance(x[3], list) and all(isinstance(t, torch.Tensor) for t in x[3])
+            and math.isfinite(x[1]) and x[1] > 0 and isinstance(x[2], float) and isinstance(x[3], list)
+            and all(isinstance(t, torch.Tensor) for t in x[3])
             for x in state)
         if not ok:
-            raise ValueError("Expected the range test's snapshots as [step, lr, loss, [tensors]] lists: a corrupted "
-                             "state_dict")
+            raise ValueError("Expected the range test's snapshots as [step, lr (> 0), loss, [tensors]] lists: a "
+                             "corrupted state_dict")
         return [(x[0], x[1], x[2], x[3]) for x in state]
 
     def load(self, items: list[tuple[int, float, float, list[torch.Tensor]]], tensors: list[torch.Tensor],

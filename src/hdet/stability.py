@@ -232,6 +232,11 @@ class StabilityGuard:
         best = state.get("best_loss")
         if best is not None and (not _is_real(best) or not math.isfinite(best)):
             raise ValueError(f"Expected the state's best_loss as a finite number or None, but got {best!r}")
+        step, se = state.get("best_step"), state.get("best_se", 0.0)
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise ValueError(f"Expected the state's best_step as a step (an integer >= 0) or None, but got {step!r}")
+        if not _is_real(se) or not math.isfinite(se) or se < 0:
+            raise ValueError(f"Expected the state's best_se as a finite number >= 0, but got {se!r}")
         snap = state.get("snapshot")
         if snap is not None and (not isinstance(snap, list) or not all(isinstance(t, torch.Tensor) for t in snap)):
             raise ValueError("Expected the state's stability snapshot as a list of tensors: a corrupted state_dict")
