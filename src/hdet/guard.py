@@ -252,9 +252,9 @@ class SkipNonFiniteStep:
     averaged gradient is the same on every rank.
 
     ``reads``: which gradients the guard's own pass reads: ``"all"`` (default), or ``"sentinels"``, those of the
-    parameters with at most one dimension (biases, norm weights), which every NaN/Inf of the loss, the forward
-    or an activation's gradient reaches (the module docstring says what they miss); every gradient when no
-    parameter with a gradient has at most one dimension."""
+    parameters with at most one dimension (biases, norm weights), which a NaN/Inf of the loss or of an
+    activation's gradient reaches (the module docstring says what they miss); every gradient when no parameter
+    with a gradient has at most one dimension."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, agree_over: Sequence[Any] = (), reads: str = "all") -> None:
         if reads not in READS:
