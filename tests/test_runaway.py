@@ -302,6 +302,40 @@ def test_the_engine_goes_back_to_the_step_counts_of_the_best_sync(mode):
     assert {float(o.state[p]["step"]) for o, m in zip(eng.optimizers, eng.models) for p in m.parameters()} == {31.0}
 
 
+def test_going_back_restores_batchnorms_count_of_batches():
+    """An audit: a go-back restored BatchNorm's running statistics but left ``num_batches_tracked`` at the later step,
+    which weights the statistics under ``momentum=None`` (a cumulative average). It goes back with them now."""
+    torch.manual_seed(0)
+    N, T = 2, 10
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 1, generator=g)
+    data = []
+    for _ in range(45):
+        xs = torch.randn(N, 16, 8, generator=g)
+        data.append([(xs[r], xs[r] @ w) for r in range(N)])
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16, momentum=None), nn.Tanh(), nn.Linear(16, 1))
+    eng = ReplicaEngine(model, N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                        lambda o, rep, m: hdet.HDETLR(o, None, total_steps=80, model=m, replicas=rep,
+                                                      ensemble_lr_spread_ratio=0.2, model_sync_interval=T,
+                                                      on_runaway="recover"), mode="loop")
+    for t in range(1, 41):
+        if t == 32:  # every replica's weights thrown off alike: the next sync's loss rises
+            noise = [torch.randn(p.shape, generator=g) * 1.5 for p in eng.models[0].parameters()]
+            with torch.no_grad():
+                for m in eng.models:
+                    for p, n in zip(m.parameters(), noise):
+                        p.add_(n)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            eng.step(data[t - 1], lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
+        if t == 30:
+            assert eng.schedulers[0].ensemble.stability.best_step == 30
+            best = [m[1].running_mean.clone() for m in eng.models]
+    assert eng.schedulers[0].last_sync.went_back_to == 30
+    for m, kept in zip(eng.models, best):
+        assert int(m[1].num_batches_tracked) == 30 and torch.equal(m[1].running_mean, kept)
+
+
 def test_a_collapse_says_every_replica_went_back_and_nothing_else():
     """Every replica's weights NaN in the engine: the sync goes back to the best one; it also warned that those
     replicas had non-finite losses "but finite weights", which contradicted the first warning."""

@@ -258,12 +258,12 @@ class StabilityGuard:
 
 
 def fit_snapshot(snap: list[torch.Tensor], tensors: list[torch.Tensor], counts: int) -> list[torch.Tensor]:
-    """A saved snapshot for ``tensors``, whose last ``counts`` are the optimizer's step counts
-    (:meth:`hdet.Ensemble.kept_tensors`): one saved before hdet kept them fits the others, and goes back to them
-    with the step counts the run resumed with (before, a go-back left the counts as they were)."""
+    """A saved snapshot for ``tensors``, whose last ``counts`` are step counts (the optimizer's, then the model's
+    integer buffers: :meth:`hdet.Ensemble.kept_tensors`): one saved before hdet kept some or all of them fits the
+    others, and goes back to the missing ones as the run resumed with them (before, a go-back left them as they were)."""
     n = len(tensors) - counts
-    if counts and len(snap) == n and same_layout(snap, tensors[:n]):
-        return list(snap) + [t.detach().clone() for t in tensors[n:]]
+    if n <= len(snap) < len(tensors) and same_layout(snap, tensors[:len(snap)]):
+        return list(snap) + [t.detach().clone() for t in tensors[len(snap):]]
     return snap
 
 

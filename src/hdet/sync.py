@@ -89,6 +89,18 @@ def persistent_float_buffers(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def persistent_int_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The model's persistent buffers that are not averaged (BatchNorm's ``num_batches_tracked``), each once."""
+    out, seen = [], set()
+    for mod in model.modules():
+        for name, b in mod._buffers.items():
+            if b is None or name in mod._non_persistent_buffers_set or averaged(b) or id(b) in seen:
+                continue
+            seen.add(id(b))
+            out.append(b.detach())
+    return out
+
+
 def health(tensors: list[torch.Tensor], strict: list[bool], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """On ``dev``: (every ``strict`` tensor is finite and no tensor holds a NaN or +Inf, the number of -Inf
     elements in the non-strict tensors (buffers)). A buffer may hold -inf by design (a persistent
