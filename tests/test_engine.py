@@ -504,6 +504,11 @@ def test_compile_takes_torch_compiles_keyword_arguments(monkeypatch):
     plain = build({"mode": "default"})
     plain.step((x, x[..., :1]), lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]), stacked=True)
     assert not any(hasattr(t, "_dynamo_static_input_type") for t in plain.stacked_params.values())
+    build({}).step((x, x[..., :1]), lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]), stacked=True)
+    assert seen[-1] == {"dynamic": False}  # an empty dict compiles too (torch.compile's defaults)
+    graphs = build({"options": {"triton.cudagraphs": True}})
+    graphs.step((x, x[..., :1]), lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]), stacked=True)
+    assert all(getattr(t, "_dynamo_static_input_type", None) for t in graphs.stacked_params.values())
     with pytest.raises(ValueError, match="Expected compile to be a bool or a dict of torch.compile's keyword arguments, "
                                          "but got str"):
         build("reduce-overhead")

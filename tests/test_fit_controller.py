@@ -362,3 +362,23 @@ def test_an_additive_slots_correction_does_not_wind_up_past_the_spreads_bounds()
         assert log_slot.controllers[1].c <= math.log(1.2) + 1e-12  # no further than the bound (it ran to log 32)
     assert log_slot.bases[1] == pytest.approx(0.12) and steps[1].clamped and steps[1].factor == pytest.approx(1.2)
     assert rec.c >= -0.02 - 1e-12
+
+
+def test_eval_mode_runs_a_modules_own_train_and_eval():
+    """A module whose train()/eval() do more than set the flag (a LoRA layer merging its adapter in eval mode) must
+    see both calls: a review found the flags set back directly, the adapter left merged in training mode."""
+    from hdet.window import eval_mode
+
+    class Merging(nn.Linear):
+        merged = False
+
+        def train(self, mode=True):
+            super().train(mode)
+            self.merged = not mode
+            return self
+
+    net = nn.Sequential(Merging(2, 2), nn.BatchNorm1d(2))
+    net[1].eval()  # kept in eval mode by the user
+    with eval_mode(net):
+        assert net[0].merged and not any(m.training for m in net.modules())
+    assert net.training and net[0].training and not net[0].merged and not net[1].training

@@ -1240,3 +1240,21 @@ def test_onecycles_cycled_momentum_resumes_whatever_the_order_of_the_loads(optim
     assert steps(m2, o2, s2, 5) == full
     assert full[0][0] != 0.95  # the case: the cycled beta1 of step 7 is not max_momentum
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), m2.parameters()))
+
+
+def test_a_loaded_kept_scale_resets_the_growth_count_as_a_kept_tensor_does():
+    """A review: the kept scale loaded from a checkpoint (a float until the next healthy sync) put the scale back
+    but left the scaler's growth count, which a kept tensor resets: the resumed run's scale grew earlier."""
+    from hdet.loss_scale import LossScale
+
+    for kept in (512.0, torch.tensor(512.0)):
+        ls = LossScale()
+        ls.scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        ls.scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        ls.scaler._growth_tracker.fill_(7)
+        if isinstance(kept, float):
+            ls.set_kept(kept)
+        else:
+            ls.keep(kept)
+        ls.after_sync(recovered=True, healthy=False)
+        assert float(ls.scaler._scale) == 512.0 and int(ls.scaler._growth_tracker) == 0

@@ -400,3 +400,19 @@ def test_going_back_restores_d_adaptations_other_sums(name, sums):
     with pytest.warns(UserWarning, match="went back to its state at step 10"):
         _adam_window(m, o, s)
     assert {k: float(o.param_groups[0][k]) for k in kept} == kept
+
+
+def test_a_go_back_keeps_only_batchnorms_counts_among_integer_buffers():
+    """A review: every integer buffer was kept and gone back to, a quantization observer's switches included (a user
+    who turned an observer off after the best sync had it on again); only ``num_batches_tracked`` is now."""
+    from hdet.sync import batch_counts
+
+    class Observer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("observer_enabled", torch.tensor([1], dtype=torch.uint8))
+            self.register_buffer("zero_point", torch.tensor([0], dtype=torch.int32))
+
+    net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), Observer(), nn.BatchNorm1d(2))
+    net[3].num_batches_tracked = net[1].num_batches_tracked  # shared: once
+    assert batch_counts(net) == [net[1].num_batches_tracked]

@@ -185,7 +185,7 @@ class ReplicaEngine:
         # vmap: the replicas' tensors stacked [N, ...]; every replica's .grad the average's (row 0) when nothing
         # changes one replica's gradient
         self.stack = StackedReplicas(self.models, share_gradients and before_optimizer_step is None,
-                                     relayout=gradient_layout and not compile) \
+                                     relayout=gradient_layout and compile is False) \
             if mode != "loop" else None
         self.optimizers = [make_optimizer(m) for m in self.models]
         self.schedulers = [make_scheduler(o, self.group.views[r], m)
@@ -314,11 +314,12 @@ class ReplicaEngine:
             # dynamic=False: a new shape (another model in this process, a new batch size) compiles on its own;
             # torch.compile would otherwise trace it with symbolic sizes, which vmap's batched tensors refuse
             options = {"dynamic": False, **(self.compile if isinstance(self.compile, dict) else {})}
-            if options.get("mode") in ("reduce-overhead", "max-autotune"):  # CUDA graphs: the stacked tensors are
+            if options.get("mode") in ("reduce-overhead", "max-autotune") or (options.get("options") or {}).get(
+                    "triton.cudagraphs"):  # CUDA graphs: the stacked tensors are
                 # updated in place and never replaced, so the graphs may read them where they are (no copy a step)
                 for t in (*self._call_params.values(), *self._call_buffers.values()):
                     torch._dynamo.mark_static_address(t)
-            fns = self._fns[loss_fn] = [eager, torch.compile(eager, **options) if self.compile else None]
+            fns = self._fns[loss_fn] = [eager, None if self.compile is False else torch.compile(eager, **options)]
         self.stack.before_backward()
         args = (self._call_params, self._call_buffers, batch)
         losses = None

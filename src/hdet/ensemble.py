@@ -36,7 +36,7 @@ from .slots import LRControl, Slots
 from .stability import MIN_LR_SCALE, SharedCopies, StabilityGuard
 from .step_scale import StepScale
 from .sync import (SHARD_MAX, SHARD_MIN, SHARD_SUM, ReplicaMismatchError, SyncVector, as_real, averaged, check_agreement, health,
-                   layout_signature, persistent_float_buffers, persistent_int_buffers)
+                   layout_signature, persistent_float_buffers, batch_counts)
 from .window import LossWindow, Probe, WindowMean
 
 __all__ = ["Ensemble", "Verdict", "NonFiniteReplicaError", "ReplicaSyncError", "ReplicaMismatchError", "SyncRecord",
@@ -313,15 +313,15 @@ class Ensemble:
         Prodigy's ``k`` (their param groups', :meth:`hdet.step_scale.StepScale.counts`). Not averaged (equal on every
         replica), but kept with a best sync, so that going back to it restores the bias correction that its moments
         were made with (left at the later step, Adam's first steps after going back were too long,
-        more the further back it went). Last, the model's integer buffers (BatchNorm's ``num_batches_tracked``, which
-        weights its cumulative statistics under ``momentum=None``; left at the later step before, an audit)."""
+        more the further back it went). Last, BatchNorm's ``num_batches_tracked`` (which weights its cumulative
+        statistics under ``momentum=None``; left at the later step before, an audit)."""
         out = []
         for p in self._params():
             step = self.optimizer.state.get(p, {}).get("step")
             if isinstance(step, torch.Tensor):
                 out.append(step)
         out += self.step_scale.counts() if self.step_scale is not None else []
-        return out + (persistent_int_buffers(self.model) if self.model is not None else [])
+        return out + (batch_counts(self.model) if self.model is not None else [])
 
     def kept_tensors(self) -> list[torch.Tensor]:
         """What a best sync (``on_runaway="recover"``) and the range test's snapshots keep and go back to: the

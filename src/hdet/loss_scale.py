@@ -75,12 +75,14 @@ class LossScale:
         if not isinstance(scale, torch.Tensor):  # no scaler, or not yet used
             return
         if recovered:
-            if isinstance(self._kept, float):
+            if self._kept is None:
+                return
+            if isinstance(self._kept, float):  # (loaded from a checkpoint)
                 scale.fill_(self._kept)
-            elif self._kept is not None:
+            else:
                 scale.copy_(self._kept)
-                tracker = getattr(self.scaler, "_growth_tracker", None)
-                if isinstance(tracker, torch.Tensor):
-                    tracker.zero_()
+            tracker = getattr(self.scaler, "_growth_tracker", None)
+            if isinstance(tracker, torch.Tensor):
+                tracker.zero_()
         elif healthy:
             self.keep(self.copy())

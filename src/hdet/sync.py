@@ -77,28 +77,27 @@ def as_real(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
+def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The model's persistent buffers with their names in their modules, each once."""
+    out, seen = [], set()
+    for mod in model.modules():
+        for name, b in mod._buffers.items():
+            if b is None or name in mod._non_persistent_buffers_set or id(b) in seen:
+                continue
+            seen.add(id(b))
+            out.append((name, b.detach()))
+    return out
+
+
 def persistent_float_buffers(model: nn.Module) -> list[torch.Tensor]:
     """The model's persistent floating-point buffers (BatchNorm statistics), each once."""
-    out, seen = [], set()
-    for mod in model.modules():
-        for name, b in mod._buffers.items():
-            if b is None or name in mod._non_persistent_buffers_set or not averaged(b) or id(b) in seen:
-                continue
-            seen.add(id(b))
-            out.append(as_real(b.detach()))
-    return out
+    return [as_real(b) for _, b in _persistent_buffers(model) if averaged(b)]
 
 
-def persistent_int_buffers(model: nn.Module) -> list[torch.Tensor]:
-    """The model's persistent buffers that are not averaged (BatchNorm's ``num_batches_tracked``), each once."""
-    out, seen = [], set()
-    for mod in model.modules():
-        for name, b in mod._buffers.items():
-            if b is None or name in mod._non_persistent_buffers_set or averaged(b) or id(b) in seen:
-                continue
-            seen.add(id(b))
-            out.append(b.detach())
-    return out
+def batch_counts(model: nn.Module) -> list[torch.Tensor]:
+    """BatchNorm's ``num_batches_tracked`` buffers, each once (other integer buffers, a quantization observer's
+    switches, are the user's to set: a go-back leaves them alone)."""
+    return [b for name, b in _persistent_buffers(model) if name == "num_batches_tracked" and not averaged(b)]
 
 
 def health(tensors: list[torch.Tensor], strict: list[bool], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,16 +21,20 @@ Probe = Callable[[nn.Module], "torch.Tensor | float"]
 
 @contextlib.contextmanager
 def eval_mode(module: nn.Module) -> Iterator[None]:
-    """``module.eval()`` inside, and every submodule's own mode back after: ``module.train(was)`` would set every
-    submodule to the root's mode, and so turn a submodule the user keeps in eval mode (frozen BatchNorm statistics)
-    back to training."""
+    """``module.eval()`` inside, and every submodule's own mode back after: ``module.train(was)`` alone would set
+    every submodule to the root's mode, and so turn a submodule the user keeps in eval mode (frozen BatchNorm
+    statistics) back to training. ``train(was)`` still runs first, so that a module whose ``train``/``eval`` do more
+    than set the flag (a LoRA layer merging its adapter in eval mode) undoes it; then each flag that differs from
+    before is set back."""
     modes = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
         yield
     finally:
+        module.train(modes[0][1])
         for m, training in modes:
-            m.training = training
+            if m.training != training:
+                m.training = training
 
 class LossWindow:
     """This replica's training losses since the last sync: one copy per step on the loss's device (so a loss
