@@ -264,25 +264,22 @@ def test_going_back_restores_adams_step_counts_with_its_moments():
         assert [float(o3.state[p]["step"]) for p in m3.parameters()] == ([15.0] * 2 if legacy else [10.0] * 2)
 
 
-@pytest.mark.parametrize("mode", ["vmap", "loop"])
-def test_the_engine_goes_back_to_the_step_counts_of_the_best_sync(mode):
-    """The engine's stacked AdamW keeps its own count of the steps: it takes the one a go-back sets."""
-    torch.manual_seed(0)
-    N, T = 4, 10
+def _thrown_off(model, N, mode, at_step, steps=41, T=10):
+    """An engine (AdamW, on_runaway="recover") over ``model`` that learns a linear map; every replica's weights are
+    thrown off alike at step 32, so the sync at step 40 sees the loss rise and goes back to the best one (30).
+    ``at_step(t, eng)`` runs after every step."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(8, 1, generator=g)
     data = []
     for _ in range(45):
         xs = torch.randn(N, 16, 8, generator=g)
         data.append([(xs[r], xs[r] @ w) for r in range(N)])
-    eng = ReplicaEngine(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)), N,
-                        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+    eng = ReplicaEngine(model, N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
                         lambda o, rep, m: hdet.HDETLR(o, None, total_steps=80, model=m, replicas=rep,
                                                       ensemble_lr_spread_ratio=0.2, model_sync_interval=T,
                                                       on_runaway="recover"), mode=mode)
-    best = None
-    for t in range(1, 42):
-        if t == 32:  # every replica's weights thrown off alike: the next sync's loss rises
+    for t in range(1, steps + 1):
+        if t == 32:
             noise = [torch.randn(p.shape, generator=g) * 1.5 for p in eng.models[0].parameters()]
             with torch.no_grad():
                 for m in eng.models:
@@ -291,46 +288,43 @@ def test_the_engine_goes_back_to_the_step_counts_of_the_best_sync(mode):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             eng.step(data[t - 1], lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
+        at_step(t, eng)
+    return eng
+
+
+@pytest.mark.parametrize("mode", ["vmap", "loop"])
+def test_the_engine_goes_back_to_the_step_counts_of_the_best_sync(mode):
+    """The engine's stacked AdamW keeps its own count of the steps: it takes the one a go-back sets."""
+    best = []
+
+    def check(t, eng):
         if t == 30:
-            best = [[p.detach().clone() for p in m.parameters()] for m in eng.models]
+            best.extend([p.detach().clone() for p in m.parameters()] for m in eng.models)
             assert eng.schedulers[0].ensemble.stability.best_step == 30
         if t == 40:
             assert eng.schedulers[0].last_sync.went_back_to == 30
             for m, o, kept in zip(eng.models, eng.optimizers, best):
                 assert all(torch.equal(p, k) for p, k in zip(m.parameters(), kept))
                 assert {float(o.state[p]["step"]) for p in m.parameters()} == {30.0}
+
+    torch.manual_seed(0)
+    eng = _thrown_off(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)), 4, mode, check)
     assert {float(o.state[p]["step"]) for o, m in zip(eng.optimizers, eng.models) for p in m.parameters()} == {31.0}
 
 
 def test_going_back_restores_batchnorms_count_of_batches():
     """An audit: a go-back restored BatchNorm's running statistics but left ``num_batches_tracked`` at the later step,
     which weights the statistics under ``momentum=None`` (a cumulative average). It goes back with them now."""
-    torch.manual_seed(0)
-    N, T = 2, 10
-    g = torch.Generator().manual_seed(1)
-    w = torch.randn(8, 1, generator=g)
-    data = []
-    for _ in range(45):
-        xs = torch.randn(N, 16, 8, generator=g)
-        data.append([(xs[r], xs[r] @ w) for r in range(N)])
-    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16, momentum=None), nn.Tanh(), nn.Linear(16, 1))
-    eng = ReplicaEngine(model, N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
-                        lambda o, rep, m: hdet.HDETLR(o, None, total_steps=80, model=m, replicas=rep,
-                                                      ensemble_lr_spread_ratio=0.2, model_sync_interval=T,
-                                                      on_runaway="recover"), mode="loop")
-    for t in range(1, 41):
-        if t == 32:  # every replica's weights thrown off alike: the next sync's loss rises
-            noise = [torch.randn(p.shape, generator=g) * 1.5 for p in eng.models[0].parameters()]
-            with torch.no_grad():
-                for m in eng.models:
-                    for p, n in zip(m.parameters(), noise):
-                        p.add_(n)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            eng.step(data[t - 1], lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
+    best = []
+
+    def keep(t, eng):
         if t == 30:
             assert eng.schedulers[0].ensemble.stability.best_step == 30
-            best = [m[1].running_mean.clone() for m in eng.models]
+            best.extend(m[1].running_mean.clone() for m in eng.models)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16, momentum=None), nn.Tanh(), nn.Linear(16, 1))
+    eng = _thrown_off(model, 2, "loop", keep, steps=40)
     assert eng.schedulers[0].last_sync.went_back_to == 30
     for m, kept in zip(eng.models, best):
         assert int(m[1].num_batches_tracked) == 30 and torch.equal(m[1].running_mean, kept)
