@@ -298,13 +298,13 @@ class SkipNonFiniteStep:
                 if p.grad is not None:
                     grad = local_shard(p.grad)  # FSDP2: this rank's shard
                     groups.setdefault((grad.device, grad.dtype), []).append(grad)
-                    if p.dim() <= 1:  # (a DTensor's dim is the whole parameter's)
+                    if self.reads == "sentinels" and p.dim() <= 1:  # (a DTensor's dim is the whole parameter's)
                         sentinels.setdefault((grad.device, grad.dtype), []).append(grad)
         if not groups:
             self._saved.append(_UNSET)  # nothing to check: found_inf left alone
             return
         norm = handed[0] if handed is not None and _unchanged(handed[1], groups) else None
-        read = sentinels if self.reads == "sentinels" and sentinels else groups
+        read = sentinels or groups  # (no sentinel with a gradient: every gradient)
         prev = getattr(optimizer, "found_inf", None)
         if prev is not None and prev is self._mine:  # ours, left by a step that raised before its post-hook
             prev, self._saved = None, []
