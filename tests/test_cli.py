@@ -407,6 +407,30 @@ def test_one_replicas_nan_does_not_end_the_run_and_the_records_stay_strict_json(
     assert summary["crashed"] is None and summary["steps_done"] == 40 and (out / "model.pt").is_file()
 
 
+def test_the_final_train_loss_weights_each_record_by_the_steps_it_covers(tmp_path):
+    """summary.json's final_train_loss is the mean training loss of the last 10% of steps: at 300 steps a record comes
+    every 3 steps and at every sync (T 4), so records cover 1 to 3 steps each and each counts by its steps (before:
+    each record alike)."""
+    out = tmp_path / "w"
+    assert main(["train", *TINY[:1], "300", *TINY[2:], "--replicas", "2", "--out", str(out)]) == 0
+    metrics = _jsonl(out / "metrics.jsonl")
+    steps = [m["step"] for m in metrics]
+    covered = {s: s - p for p, s in zip([0] + steps, steps)}
+    tail = [m for m in metrics if m["step"] > 270]
+    assert {covered[m["step"]] for m in tail} == {1, 2, 3} and sum(covered[m["step"]] for m in tail) == 30
+    want = sum(covered[m["step"]] * m["train_loss"] for m in tail) / 30
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_train_loss"] == pytest.approx(want, rel=1e-12)
+    assert summary["final_train_loss"] != pytest.approx(sum(m["train_loss"] for m in tail) / len(tail), rel=1e-9)
+
+
+def test_tail_mean_leaves_non_finite_records_out():
+    from hdet.app.run import tail_mean
+    assert tail_mean([(10, 1.0), (20, float("nan")), (25, 2.0), (30, 4.0)], 22) == pytest.approx((5 * 2 + 5 * 4) / 10)
+    assert tail_mean([(10, 1.0), (20, 3.0)], 25) == 3.0  # nothing after: the last record
+    assert tail_mean([(10, float("nan"))], 0) is None
+
+
 def test_a_run_where_every_replica_fails_writes_null_not_nan(tmp_path):
     out = tmp_path / "all"
     assert main(["train", *TINY, "--replicas", "2", "--max-lr", "1e5", "--on-runaway", "ignore",

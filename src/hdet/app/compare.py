@@ -72,7 +72,7 @@ def compare(base: RunConfig, lr_low: float, lr_high: float, pretrain_steps: int,
               "pretrain_steps": pretrain_steps, "lr_low": lr_low, "lr_high": lr_high,
               "config": dataclasses.asdict(base), "runs": runs,
               "notes": ["Warm-Init averages only after the last step (T = steps): hdet always averages there.",
-                        "Train loss: mean of the logged training losses over the last 10% of steps; val loss: "
+                        "Train loss: the mean training loss over the last 10% of steps; val loss: "
                         "the final averaged model on fixed held-out batches.",
                         f"Warm rows start from a checkpoint pre-trained {pretrain_steps} steps."]}
     (out / "compare.json").write_text(json.dumps(result, indent=1))

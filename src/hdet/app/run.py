@@ -43,6 +43,19 @@ FINAL = ("summary.json", "schedule.json", "model.pt", "loss.png", "lr.png", "hpa
 # (compare.json: `hdet compare`'s table, which `hdet plot` would show instead of this run)
 
 
+def tail_mean(train_losses: list[tuple[int, float]], after: float) -> float | None:
+    """The mean training loss of the records after step ``after`` (else of the last record): each record is the mean
+    over the steps since the record before it, and is weighted by their number; non-finite records are left out."""
+    prev, rows = 0, []
+    for s, v in train_losses:
+        if v is not None and math.isfinite(v):
+            rows.append((s, s - prev, v))
+        prev = s
+    tail = [(n, v) for s, n, v in rows if s > after] or [(n, v) for _, n, v in rows[-1:]]
+    n = sum(n for n, _ in tail)
+    return sum(n * v for n, v in tail) / n if n else None
+
+
 def check_out(out: Path, rank: int = 0) -> None:
     """That ``out`` is a folder this process can write to (made if missing); nothing in it is touched. Every torchrun
     rank checks (each its own probe file), so that a bad ``--out`` is an error on every rank, not rank 0's alone while
@@ -370,14 +383,14 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
             final_val = val_curve[-1][1] if val_curve and val_curve[-1][0] == t else \
                 evaluate(task, reps.eval_model(), cfg.eval_batches, 32, device)
             final = final_metrics(task, reps.eval_model(), device)
-    tail = [v for s, v in train_losses if s > cfg.steps * 0.9] or [v for _, v in train_losses[-1:]]
+    tail = tail_mean(train_losses, cfg.steps * 0.9)
     engine = getattr(reps, "engine", None)
     summary = {**({} if rank else meta), "mode": reps.mode, "steps_done": t,
                **({"resumed_from": start} if cfg.resume else {}),
                **({"optimizer_path": engine.optimizer_path} if engine is not None else {}),
                "crashed": crashed, "train_seconds": before + elapsed,
                "steps_per_second": (t - start) / elapsed if elapsed else None,
-               "final_train_loss": sum(tail) / len(tail) if tail else None, "final_val_loss": final_val,
+               "final_train_loss": tail, "final_val_loss": final_val,
                "final_metrics": final,
                "val_curve": val_curve}
     if rank == 0:
