@@ -166,7 +166,7 @@ def test_replay_matches_param_groups_by_name_and_refuses_bad_records():
     with pytest.raises(ValueError, match=r"recorded ones \['lr/decay', 'lr/no_decay'\] .* \['lr/0', 'lr/1'\]"):
         hdet.ReplayLR(unnamed, sched)
     bad = dict(sched, bases=[[float("nan"), 0.05]] + sched["bases"][1:])
-    with pytest.raises(ValueError, match="finite recorded values >= 0, but step 0 holds"):
+    with pytest.raises(ValueError, match=r"finite recorded values \(LRs >= 0\) for .*, but step 0 holds"):
         hdet.ReplayLR(_recorded()[1], bad)
     with pytest.raises(ValueError, match="names as a list of strings"):
         hdet.ReplayLR(_recorded()[1], dict(sched, names="lr/decay"))
@@ -244,3 +244,17 @@ def test_a_param_group_added_after_the_scheduler_is_an_error_that_says_so():
     with pytest.raises(ValueError, match=r"Expected the 1 param group\(s\) the scheduler was built with, but the "
                                          r"optimizer has 2 now \(optimizer.add_param_group"):
         s.step(1.0)
+
+
+def test_warm_init_without_a_process_group_or_rank_warns():
+    """In one process (the engine's replicas) a call without rank draws replica 0's noise every time: said."""
+    a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    b.load_state_dict(a.state_dict())
+    with pytest.warns(UserWarning, match="rank=r"):
+        hdet.warm_init_(a, nu=0.1)
+    with pytest.warns(UserWarning, match="rank=r"):
+        hdet.warm_init_(b, nu=0.1)
+    assert torch.equal(a.weight, b.weight)  # the same noise: what the warning is about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hdet.warm_init_(b, rank=1, nu=0.1)

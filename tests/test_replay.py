@@ -1,5 +1,6 @@
 """Export the schedule an HDET run discovered and replay it in a plain single-replica run."""
 
+import copy
 import io
 import json
 
@@ -124,3 +125,88 @@ def test_the_paper_controllers_record_gives_a_log_slots_base_in_its_own_units(tm
     assert rec["controller"] and all(c["kind"] == "paper" for c in rec["controller"])
     for j, c in enumerate(rec["controller"]):
         assert c["base"] == pytest.approx(rec["bases"][j]) and c["base"] > 0, rec["names"][j]
+
+
+def test_a_signed_explored_value_replays():
+    """A Setter explored around a negative base (an additive spread: HDET takes it) is recorded and replayed with
+    the LRs; before, ReplayLR refused every record with a value below 0. An LR below 0 is still refused."""
+    box = {"shift": -0.5}
+    opt = _opt()
+    shift = hdet.Setter("shift", lambda: box["shift"], lambda v: box.__setitem__("shift", v),
+                        hdet.Spread("additive", 0.1, (-1.0, 1.0)))
+    sched = hdet.OneCycleAutoLR(opt, max_lr=0.05, total_steps=10, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                                replicas=ScriptedReplicas(1, 4, lambda: [1.0, 1.2, 0.8, 1.1]),
+                                explore=[shift]).record_schedule()
+    for _ in range(10):
+        opt.step()
+        sched.step(torch.tensor(1.0))
+    schedule = sched.discovered_schedule()
+    assert schedule["names"] == ["lr/0", "shift"] and all(row[1] == pytest.approx(-0.5) for row in schedule["bases"])
+    box2 = {"shift": 0.0}
+    opt2 = _opt()
+    replay = hdet.ReplayLR(opt2, schedule, explore=[hdet.Setter("shift", lambda: box2["shift"],
+                                                                lambda v: box2.__setitem__("shift", v),
+                                                                hdet.Spread("additive", 0.1, (-1.0, 1.0)))])
+    assert box2["shift"] == pytest.approx(-0.5) and opt2.param_groups[0]["lr"] == schedule["bases"][0][0]
+    opt2.step()
+    replay.step()
+    assert box2["shift"] == schedule["bases"][1][1]
+    bad = {"names": schedule["names"], "bases": [[-1e-3, 0.0]]}
+    with pytest.raises(ValueError, match=r"LRs >= 0.*step 0 holds \[-0.001, 0.0\]"):
+        hdet.ReplayLR(_opt(), bad)
+
+
+def test_a_state_dict_taken_in_memory_does_not_change_with_the_scheduler():
+    """The state holds copies: its record (and everything else) stays as it was when taken while the run goes on,
+    and a state loaded back is not changed by the steps after the load (before, the record was the scheduler's own
+    list: a state taken at step 5 held 11 rows 5 steps later)."""
+    opt, sched, _ = _hdet_run(stop=5)
+    sd = sched.state_dict()
+    frozen = copy.deepcopy(sd)
+    for _ in range(5):
+        opt.step()
+        sched.step(torch.tensor(1.0))
+    _same(sd, frozen)
+    sched.load_state_dict(sd)
+    assert len(sched.discovered_schedule()["bases"]) == 6
+    for _ in range(3):
+        opt.step()
+        sched.step(torch.tensor(1.0))
+    _same(sd, frozen)
+
+
+def _same(a, b):
+    assert type(a) is type(b)
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert a == b or (a != a and b != b)
+
+
+def test_the_documented_momentum_recipe_replays_the_lrs_with_onecycles_momentum():
+    """docs/telemetry.md: a OneCycleLR for the momentum cycle, the replay built after it and stepped last: every
+    step's LR is the record's and beta1 is OneCycle's."""
+    _, sched, seen = _hdet_run()
+    schedule = sched.discovered_schedule()
+    opt = _opt()
+    cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=41)
+    ref = _opt()
+    ref_cycle = torch.optim.lr_scheduler.OneCycleLR(ref, max_lr=0.05, total_steps=41)
+    replay = hdet.ReplayLR(opt, schedule)
+    for t in range(41):
+        assert opt.param_groups[0]["lr"] == seen[t][0]
+        assert opt.param_groups[0]["betas"] == ref.param_groups[0]["betas"]
+        if t < 40:
+            for o, s in ((opt, cycle), (ref, ref_cycle)):
+                o.step()
+                s.step()
+            replay.step()
+    assert ref.param_groups[0]["betas"][0] != _opt().param_groups[0]["betas"][0]  # the cycle moved beta1

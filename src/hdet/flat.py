@@ -27,7 +27,9 @@ def contiguous_parameters_(module: nn.Module) -> dict[tuple[torch.device, torch.
     building the optimizer; a later ``module.to(...)`` gives each parameter its own storage again (the
     averaging then falls back to copying through buckets: slower, the same result up to the order of the sums at
     more than 2 replicas). Gradients keep their
-    own layout (DDP's ``gradient_as_bucket_view`` handles those)."""
+    own layout (DDP's ``gradient_as_bucket_view`` handles those). The parameters then share one storage:
+    ``torch.save``, ``safetensors.torch.save_file`` of a state_dict and Hugging Face's ``save_pretrained`` save them
+    as usual; ``safetensors.torch.save_model`` refuses them (it wants each tensor to cover its storage)."""
     groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
     for p in module.parameters():
         groups.setdefault((p.device, p.dtype), []).append(p)

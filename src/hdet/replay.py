@@ -49,11 +49,15 @@ class ReplayLR(LRScheduler):
             raise ValueError(f"Expected the schedule's bases as one list of {len(names)} values (one per name) for "
                              "every recorded step")
         bases = [[real_number(v) for v in row] for row in rows]
-        if not all(v is not None and math.isfinite(v) and v >= 0 for row in bases for v in row):
-            bad = next(t for t, row in enumerate(bases) if not all(v is not None and math.isfinite(v) and v >= 0
-                                                                    for v in row))
-            raise ValueError(f"Expected finite recorded values >= 0, but step {bad} holds {rows[bad]!r}")
         lr_names = [n for n in names if n.startswith("lr/")]
+        # every value finite; an LR also >= 0 (an explored Setter's values may be signed, as HDET explores them)
+        ok = [n.startswith("lr/") for n in names]
+
+        def fine(row: list[float | None]) -> bool:
+            return all(v is not None and math.isfinite(v) and (v >= 0 or not lr) for v, lr in zip(row, ok))
+        if not all(fine(row) for row in bases):
+            bad = next(t for t, row in enumerate(bases) if not fine(row))
+            raise ValueError(f"Expected finite recorded values (LRs >= 0) for {names}, but step {bad} holds {rows[bad]!r}")
         groups = [f"lr/{g.get('name', j)}" for j, g in enumerate(optimizer.param_groups)]
         if sorted(groups) != sorted(lr_names):  # by each group's 'name' (its index without one), never by position
             raise ValueError(f"Expected an optimizer whose param groups are the recorded ones {lr_names} (by the "

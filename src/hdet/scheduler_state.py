@@ -5,6 +5,7 @@ optimizer, the guard, a hook or a callable. Checked completely before anything i
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -21,7 +22,8 @@ OWN = ("last_epoch", "_step_count", "_last_lr", "base_lrs", "total_steps", "_his
 
 
 def state_dict(s: "HDETLR") -> dict[str, Any]:
-    state: dict[str, Any] = {k: getattr(s, k) for k in OWN if hasattr(s, k)}
+    state: dict[str, Any] = {k: copy.deepcopy(getattr(s, k)) for k in OWN if hasattr(s, k)}  # (a copy: the record
+    # and the last LRs go on changing with the scheduler, a state taken in memory must not)
     state["hdet"] = s.ensemble.state_dict()
     state["hdet"]["scheduler"] = type(s).__name__
     state["hdet"]["hyper_values"] = [h.get() for h in s.ensemble.hypers]  # restored exactly on load
@@ -69,7 +71,7 @@ def load(s: "HDETLR", state: dict[str, Any]) -> None:
     recording = s._history is not None
     for key in OWN:
         if key in state:
-            setattr(s, key, state[key])
+            setattr(s, key, copy.deepcopy(state[key]))  # (the scheduler's own: the state may be loaded again)
     if recording and s._history is None:  # a state saved before record_schedule() was called
         s._history = {}
         warnings.warn(f"hdet: record_schedule() was called, but the loaded state holds no record (it was saved before "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -38,7 +39,8 @@ def warm_init_(
         params: this replica's module (the DDP-wrapped one's ``.module``: its trainable parameters; frozen ones are
             left as they are, equal on every replica, and a converge step keeps them so up to rounding) or the
             tensors to perturb.
-        rank: this replica's index (default: the process group's rank, 0 without one).
+        rank: this replica's index (default: the process group's rank; without one, 0 and a warning: in the
+            one-process engine pass ``rank=r`` for replica ``r``, ``for r, m in enumerate(engine.models)``).
         nu: the noise scale of Eq. 10.
         seed: replica ``r`` draws from a generator seeded by a hash of ``(seed, r)``.
         scope: "model" (Eq. 10) or "tensor".
@@ -52,7 +54,13 @@ def warm_init_(
     if rank is None:
         import torch.distributed as dist
 
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank()
+        else:
+            rank = 0
+            warnings.warn("hdet: warm_init_ with no process group and no rank draws replica 0's noise: every call "
+                          "adds the same noise. In the one-process engine give each replica its own, "
+                          "warm_init_(model, rank=r) for replica r", stacklevel=2)
     r, s = int_number(rank), int_number(seed)
     if r is None or r < 0 or s is None or s < 0:
         raise ValueError(f"Expected integers rank >= 0 and seed >= 0, but got rank={rank!r}, seed={seed!r}")
