@@ -383,9 +383,11 @@ def _scaler_stall_resumed(rank, world, fused):
 def test_a_run_resumed_in_a_stall_is_reset_early_too(fused):
     """The watches count a stall only after a step was taken in this process (a GradScaler's first skips are its own
     work), so a run resumed from a checkpoint taken in a stall stood still until the converge step (here: never, T =
-    100 > 60 steps). A resumed run has taken steps: the stall counts from its first step."""
+    100 > 60 steps). A resumed run has taken steps, and the checkpoint holds the watches' counts: the NaN replica is
+    reset at the step the run that was never stopped resets it (test_a_nan_replica_under_a_grad_scaler_is_reset_early:
+    34 under the hook guard, 50 under the skip guard; before the counts were saved, the hook guard's came at 37)."""
     res = check_ok(run_gloo(_scaler_stall_resumed, 2, fused))
-    at = 50 if fused else 37  # (hook: 10 steps skipped in a row after the first one it sees, 27)
+    at = 50 if fused else 34
     for out in res:
         assert any(f"early recovery at step {at} replica(s) [1]" in w for w in out["warnings"]), out["warnings"]
         assert out["finite"]
@@ -811,6 +813,63 @@ def test_a_nan_weight_under_the_skip_guard_stalls_the_replicas_for_a_bounded_str
         assert any("early recovery at step 30 replica(s) [2]" in w for w in out["warnings"])
 
 
+def _stall_resumed(rank, world, stop):
+    """Skip guard under on_runaway="recover", T = 60: rank 1's weight turns NaN at step 22 and every replica skips
+    every step from then. The uninterrupted run, and a run checkpointed after step ``stop`` and resumed in new
+    objects (as a new process would): their weights after step 70 and the step each reset rank 1."""
+    import io
+
+    from dist_workers import batch, make_model
+
+    def build():
+        model = make_model(0)
+        ddp = DDP(model, broadcast_buffers=False)
+        o = torch.optim.AdamW(ddp.parameters(), lr=0.01, fused=True)
+        s = hdet.OneCycleAutoLR(o, max_lr=0.01, total_steps=70, ensemble_lr_spread_ratio=0.2, model_sync_interval=60,
+                                model=ddp, on_runaway="recover")
+        return model, ddp, o, s
+
+    def run(parts, steps, reset):
+        model, ddp, o, s = parts
+        for t in steps:
+            if rank == 1 and t == 22:
+                with torch.no_grad():
+                    model[3].weight[0, 0] = float("nan")
+            _ddp_step(ddp, o, s, *batch(rank, t))
+            if rank == 1 and t > 22 and not reset and all(torch.isfinite(p).all() for p in model.parameters()):
+                reset.append(t)
+
+    whole, reset_whole = build(), []
+    run(whole, range(1, 71), reset_whole)
+    first, reset_resumed = build(), []
+    run(first, range(1, stop + 1), reset_resumed)
+    buf = io.BytesIO()
+    torch.save({"model": first[0].state_dict(), "opt": first[2].state_dict(), "sched": first[3].state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    again = build()
+    again[0].load_state_dict(saved["model"])
+    again[2].load_state_dict(saved["opt"])
+    again[3].load_state_dict(saved["sched"])
+    run(again, range(stop + 1, 71), reset_resumed)
+    diff = max(float((a - b).abs().max()) for a, b in zip(whole[0].state_dict().values(), again[0].state_dict().values()))
+    return {"reset": (reset_whole, reset_resumed), "diff": diff, "guard": whole[3].gradient_guard}
+
+
+@pytest.mark.distributed
+def test_a_run_resumed_in_a_skip_guard_stall_is_reset_where_the_whole_run_is():
+    """The stall watch's counts (the guard's skip counter, the lagged copy and its last read) are in the checkpoint:
+    resumed at step 45, in a stall since step 22, rank 1 is reset at step 50 as in the run that was never stopped,
+    and the weights end the same bit for bit. Before, the resumed watch started counting again and the reset came at
+    the sync at step 60 (final weights 0.07 apart)."""
+    res = check_ok(run_gloo(_stall_resumed, 2, 45))
+    for out in res:
+        assert out["guard"] == "skip"
+        if out["reset"][0]:  # (rank 1 records where it was reset)
+            assert out["reset"] == ([50], [50]), out["reset"]
+        assert out["diff"] == 0.0, out["diff"]
+
+
 @pytest.mark.distributed
 def test_every_replica_nan_between_syncs_goes_back_at_the_early_recovery():
     """Skip guard, T = 30, on_runaway="recover": every replica's weight turns NaN at step 31. The early recovery
@@ -884,6 +943,28 @@ def test_a_bad_kept_loss_scale_in_a_state_is_refused_before_anything_is_set(bad)
         fresh.load_state_dict({**state, "loss_scale_kept": bad})
     fresh.load_state_dict({**state, "loss_scale_kept": 512.0})
     assert fresh._loss_scale.kept_value() == 512.0
+
+
+@pytest.mark.parametrize("bad", [{"kind": "skip"}, {"kind": "other"}, [1, 2],
+                                 {"kind": "hook", "hook_taken": -1, "taken": None, "missed": 0},
+                                 {"kind": "skip", "skipped": float("nan"), "checked": 3, "pending": None, "seen": None,
+                                  "taken": False},
+                                 {"kind": "skip", "skipped": 1.0, "checked": 3, "pending": [1.0, 2], "seen": None,
+                                  "taken": False}])
+def test_bad_guard_counts_in_a_state_are_refused_before_anything_is_set(bad):
+    """The stall watch's counts travel in the scheduler's state ("guard"): checked with the rest; None (no watch, or a
+    state saved before them) loads."""
+    o = torch.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=0.1)
+    s = hdet.HDETLR(o, None, total_steps=10, replicas=ScriptedReplicas(0, 2), model_sync_interval=5)
+    state = s.state_dict()
+    assert state["guard"] is None  # no guard installed (no DDP model)
+    fresh = hdet.HDETLR(o, None, total_steps=10, replicas=ScriptedReplicas(0, 2), model_sync_interval=5)
+    with pytest.raises(ValueError, match=r"Expected the state's gradient guard counts"):
+        fresh.load_state_dict({**state, "guard": bad})
+    assert fresh._guard._loaded is None
+    fresh.load_state_dict({k: v for k, v in state.items() if k != "guard"})
+    fresh.load_state_dict({**state, "guard": {"kind": "hook", "hook_taken": 3, "taken": 3, "missed": 1}})
+    assert fresh._guard._loaded["missed"] == 1  # kept until a watch is installed
 
 
 # ------------------------------------------------------------ 11. errors that say what happened

@@ -48,6 +48,7 @@ replica has been skipping for a stretch and the scheduler resets the bad replica
 GradScaler (whose skipped steps stall every replica alike), :class:`ScalerWatch` does.
 """
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -331,6 +332,13 @@ class SkipNonFiniteStep:
         self._mine = found if prev is None else torch.maximum(found, prev.to(found.device))
         optimizer.found_inf = self._mine  # type: ignore[attr-defined]
 
+    def device(self) -> torch.device:
+        """Where the skip counter lives: the device of the first parameter's gradient (this rank's shard)."""
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                return local_shard(p.detach()).device
+        return torch.device("cpu")
+
     def _flag(self, device: torch.device) -> torch.Tensor:
         """This device's found flag (a float 0-dim tensor, allocated once: the optimizer reads it)."""
         if device not in self._flags:
@@ -423,6 +431,28 @@ class SkipWatch:
     def _scale(self) -> torch.Tensor | None:
         return None if self.loss_scale is None else self.loss_scale.copy()  # (a device copy every `every` steps)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: the guard's counts and this watch's reads, so that a resumed run notices a stall at the step
+        the uninterrupted run does. HOST SYNC (a checkpoint): the skip counter and the copy in flight are read."""
+        g, pending = self.guard, None
+        if self._pending is not None:
+            copy, event, checked, scale = self._pending
+            if event is not None:
+                event.synchronize()  # HOST SYNC
+            pending = [float(copy), int(checked), None if scale is None else float(scale)]
+        return {"kind": "skip", "skipped": None if g.skipped is None else float(g.skipped), "checked": g.checked,
+                "pending": pending, "seen": self._seen, "taken": self._taken}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A :meth:`state_dict` (checked by :func:`check_watch_state`)."""
+        g = self.guard
+        g.checked = state["checked"]
+        g.skipped = None if state["skipped"] is None else torch.tensor(float(state["skipped"]), device=g.device())
+        pending = state["pending"]
+        self._pending = None if pending is None else (
+            torch.tensor(float(pending[0])), None, pending[1], None if pending[2] is None else torch.tensor(float(pending[2])))
+        self._seen, self._taken = state["seen"], state["taken"]
+
 
 class ScalerWatch:
     """:class:`SkipWatch` for the "hook" guard under a ``torch.amp.GradScaler``: notices that the scaler skipped
@@ -463,6 +493,44 @@ class ScalerWatch:
     def reset(self) -> None:
         """After a converge step or a recovery: the stretch starts anew."""
         self._missed = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: the guard's count of steps taken and this watch's, so that a resumed run counts a stall as the
+        uninterrupted run does (no host read)."""
+        return {"kind": "hook", "hook_taken": self.guard.taken, "taken": self._taken, "missed": self._missed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A :meth:`state_dict` (checked by :func:`check_watch_state`)."""
+        self.guard.taken, self._taken, self._missed = state["hook_taken"], state["taken"], state["missed"]
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+def check_watch_state(state: Any) -> None:
+    """ValueError unless ``state`` is None or what :meth:`SkipWatch.state_dict` or :meth:`ScalerWatch.state_dict`
+    returns."""
+    if state is None:
+        return
+    ok = isinstance(state, dict) and state.get("kind") in ("skip", "hook")
+    if ok and state["kind"] == "skip":
+        pending = state.get("pending")
+        ok = (set(state) == {"kind", "skipped", "checked", "pending", "seen", "taken"}
+              and (state["skipped"] is None or _real(state["skipped"])) and _count(state["checked"])
+              and (state["seen"] is None or _real(state["seen"])) and isinstance(state["taken"], bool)
+              and (pending is None or (isinstance(pending, list) and len(pending) == 3 and _real(pending[0])
+                                       and _count(pending[1]) and (pending[2] is None or _real(pending[2])))))
+    elif ok:
+        ok = (set(state) == {"kind", "hook_taken", "taken", "missed"} and _count(state["hook_taken"])
+              and (state["taken"] is None or _count(state["taken"])) and _count(state["missed"]))
+    if not ok:
+        raise ValueError(f"Expected the state's gradient guard counts (a dict from the guard's stall watch, or None), "
+                         f"but got {state!r}")
 
 
 def uncompiled(model: Any) -> Any:
@@ -540,11 +608,37 @@ class GuardSetting:
         self.hook: HookGuard | None = None
         self.watch: SkipWatch | ScalerWatch | None = None  # early recovery when every replica stalls
         self._resumed = False  # loaded from a run that had taken steps (see resumed)
+        self._loaded: dict[str, Any] | None = None  # the watch's loaded state, until the watch exists
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The stall watch's counts (plain data), or None without a watch."""
+        return None if self.watch is None else self.watch.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """The watch's counts as saved (checked already): set now, or when the guard is installed. A state saved
+        with the other kind of watch (another optimizer or set-up) is left aside: :meth:`resumed`'s rule applies."""
+        self._loaded = state
+        self._apply_loaded()
+
+    def _apply_loaded(self) -> None:
+        state = self._loaded
+        if state is None or self.watch is None:
+            return
+        kind = "skip" if isinstance(self.watch, SkipWatch) else "hook"
+        if state["kind"] == kind:
+            self.watch.load_state_dict(state)
+        else:
+            self._loaded = None
+            if self._resumed:
+                self.resumed()
 
     def resumed(self) -> None:
         """The run was resumed after steps were taken: the watches count a stall from the first step (not only after a
-        step taken in this process, their rule for a GradScaler's first skips: its scale is loaded with the run)."""
+        step taken in this process, their rule for a GradScaler's first skips: its scale is loaded with the run). A
+        checkpoint that holds the watch's own counts (:meth:`state_dict`) sets them instead, exactly."""
         self._resumed = True
+        if self._loaded is not None:
+            return
         if isinstance(self.watch, SkipWatch):
             self.watch._taken = True
         if self.hook is not None:
@@ -582,3 +676,4 @@ class GuardSetting:
                 self.watch = ScalerWatch(self.hook, local=lambda: self.local)
         if self._resumed:  # (loaded before the model was attached)
             self.resumed()
+        self._apply_loaded()

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim.lr_scheduler import OneCycleLR
 
+from .guard import check_watch_state
+
 if TYPE_CHECKING:
     from .schedulers import HDETLR
 
@@ -32,6 +34,7 @@ def state_dict(s: "HDETLR") -> dict[str, Any]:
         state["base"] = s._base.state_dict()
         state["base_scheduler"] = type(s._base).__name__
     state["loss_scale_kept"] = s._loss_scale.kept_value()  # a GradScaler's scale at the last healthy sync (host read)
+    state["guard"] = s._guard.state_dict()  # the gradient guard's stall counts (HOST SYNC: its skip counter)
     check_plain(state, "state_dict()")
     return state
 
@@ -77,6 +80,7 @@ def load(s: "HDETLR", state: dict[str, Any]) -> None:
         warnings.warn(f"hdet: record_schedule() was called, but the loaded state holds no record (it was saved before "
                       f"record_schedule() was called): the record goes on from step {s.last_epoch} only, and "
                       "discovered_schedule() refuses a record that does not start at step 0", stacklevel=3)
+    s._guard.load_state_dict(state.get("guard"))  # (states before it have none: the guard's resumed() rule)
     if s._base is not None:
         _load_base(s, state)
         _cycled_momentum(s._base)
@@ -105,6 +109,7 @@ def _check_own(s: "HDETLR", state: dict[str, Any]) -> None:
         v = state.get(key)
         if v is not None and (not isinstance(v, list) or len(v) != n):
             raise ValueError(f"Expected the state's {key} with one value per param group ({n}), but got {v!r}")
+    check_watch_state(state.get("guard"))
     kept = state.get("loss_scale_kept")
     if kept is not None and (isinstance(kept, bool) or not isinstance(kept, (int, float)) or not math.isfinite(kept)
                              or kept <= 0):
