@@ -424,11 +424,13 @@ def test_the_final_train_loss_weights_each_record_by_the_steps_it_covers(tmp_pat
     assert summary["final_train_loss"] != pytest.approx(sum(m["train_loss"] for m in tail) / len(tail), rel=1e-9)
 
 
-def test_tail_mean_leaves_non_finite_records_out():
+def test_tail_mean_is_null_where_a_record_in_it_is_not_finite():
     from hdet.app.run import tail_mean
     assert tail_mean([(10, 1.0), (20, float("nan")), (25, 2.0), (30, 4.0)], 22) == pytest.approx((5 * 2 + 5 * 4) / 10)
     assert tail_mean([(10, 1.0), (20, 3.0)], 25) == 3.0  # nothing after: the last record
     assert tail_mean([(10, float("nan"))], 0) is None
+    assert tail_mean([(10, 1.0), (20, float("nan"))], 270) is None  # a run that ended at step 20: no loss, not step 10's
+    assert tail_mean([(260, 1.0), (275, None), (280, 2.0)], 270) is None
 
 
 def test_a_run_where_every_replica_fails_writes_null_not_nan(tmp_path):

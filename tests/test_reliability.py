@@ -813,7 +813,7 @@ def test_a_nan_weight_under_the_skip_guard_stalls_the_replicas_for_a_bounded_str
         assert any("early recovery at step 30 replica(s) [2]" in w for w in out["warnings"])
 
 
-def _stall_resumed(rank, world, stop):
+def _stall_resumed(rank, world, opts):
     """Skip guard under on_runaway="recover", T = 60: rank 1's weight turns NaN at step 22 and every replica skips
     every step from then. The uninterrupted run, and a run checkpointed after step ``stop`` and resumed in new
     objects (as a new process would): their weights after step 70 and the step each reset rank 1."""
@@ -821,12 +821,14 @@ def _stall_resumed(rank, world, stop):
 
     from dist_workers import batch, make_model
 
-    def build():
+    stop = opts["stop"]
+
+    def build(attach=True):
         model = make_model(0)
         ddp = DDP(model, broadcast_buffers=False)
         o = torch.optim.AdamW(ddp.parameters(), lr=0.01, fused=True)
         s = hdet.OneCycleAutoLR(o, max_lr=0.01, total_steps=70, ensemble_lr_spread_ratio=0.2, model_sync_interval=60,
-                                model=ddp, on_runaway="recover")
+                                model=ddp if attach else None, on_runaway="recover")
         return model, ddp, o, s
 
     def run(parts, steps, reset):
@@ -847,22 +849,26 @@ def _stall_resumed(rank, world, stop):
     torch.save({"model": first[0].state_dict(), "opt": first[2].state_dict(), "sched": first[3].state_dict()}, buf)
     buf.seek(0)
     saved = torch.load(buf, weights_only=True)
-    again = build()
+    again = build(attach=not opts["late"])
     again[0].load_state_dict(saved["model"])
     again[2].load_state_dict(saved["opt"])
     again[3].load_state_dict(saved["sched"])
+    if opts["late"]:  # a framework that attaches the model after the load (attach_model): the counts wait for it,
+        assert again[3].state_dict()["guard"] == saved["sched"]["guard"]  # and a state taken meanwhile keeps them
+        again[3].attach_model(again[1])
     run(again, range(stop + 1, 71), reset_resumed)
     diff = max(float((a - b).abs().max()) for a, b in zip(whole[0].state_dict().values(), again[0].state_dict().values()))
     return {"reset": (reset_whole, reset_resumed), "diff": diff, "guard": whole[3].gradient_guard}
 
 
 @pytest.mark.distributed
-def test_a_run_resumed_in_a_skip_guard_stall_is_reset_where_the_whole_run_is():
+@pytest.mark.parametrize("late", [False, True], ids=["model", "attach_model"])
+def test_a_run_resumed_in_a_skip_guard_stall_is_reset_where_the_whole_run_is(late):
     """The stall watch's counts (the guard's skip counter, the lagged copy and its last read) are in the checkpoint:
     resumed at step 45, in a stall since step 22, rank 1 is reset at step 50 as in the run that was never stopped,
     and the weights end the same bit for bit. Before, the resumed watch started counting again and the reset came at
-    the sync at step 60 (final weights 0.07 apart)."""
-    res = check_ok(run_gloo(_stall_resumed, 2, 45))
+    the sync at step 60 (final weights 0.07 apart). The same when the model is attached after the load."""
+    res = check_ok(run_gloo(_stall_resumed, 2, {"stop": 45, "late": late}))
     for out in res:
         assert out["guard"] == "skip"
         if out["reset"][0]:  # (rank 1 records where it was reset)
@@ -950,7 +956,13 @@ def test_a_bad_kept_loss_scale_in_a_state_is_refused_before_anything_is_set(bad)
                                  {"kind": "skip", "skipped": float("nan"), "checked": 3, "pending": None, "seen": None,
                                   "taken": False},
                                  {"kind": "skip", "skipped": 1.0, "checked": 3, "pending": [1.0, 2], "seen": None,
-                                  "taken": False}])
+                                  "taken": False},
+                                 {"kind": "skip", "skipped": 1.5, "checked": 3, "pending": None, "seen": None,
+                                  "taken": False},
+                                 {"kind": "skip", "skipped": 4.0, "checked": 3, "pending": None, "seen": None,
+                                  "taken": True},
+                                 {"kind": "skip", "skipped": 2.0, "checked": 3, "pending": [2.0, 4, None], "seen": 1.0,
+                                  "taken": True}])
 def test_bad_guard_counts_in_a_state_are_refused_before_anything_is_set(bad):
     """The stall watch's counts travel in the scheduler's state ("guard"): checked with the rest; None (no watch, or a
     state saved before them) loads."""
@@ -965,6 +977,9 @@ def test_bad_guard_counts_in_a_state_are_refused_before_anything_is_set(bad):
     fresh.load_state_dict({k: v for k, v in state.items() if k != "guard"})
     fresh.load_state_dict({**state, "guard": {"kind": "hook", "hook_taken": 3, "taken": 3, "missed": 1}})
     assert fresh._guard._loaded["missed"] == 1  # kept until a watch is installed
+    good = {"kind": "skip", "skipped": 2.0, "checked": 5, "pending": [1.0, 4, None], "seen": 1.0, "taken": True}
+    fresh.load_state_dict({**state, "guard": good})
+    assert fresh.state_dict()["guard"] == good
 
 
 # ------------------------------------------------------------ 11. errors that say what happened

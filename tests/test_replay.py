@@ -210,3 +210,16 @@ def test_the_documented_momentum_recipe_replays_the_lrs_with_onecycles_momentum(
                 s.step()
             replay.step()
     assert ref.param_groups[0]["betas"][0] != _opt().param_groups[0]["betas"][0]  # the cycle moved beta1
+
+
+def test_a_replayed_hyperparameter_outside_its_bounds_is_refused():
+    """The >= 0 rule holds for LRs, and each replayed hyperparameter's values must lie within its own bounds: a
+    negative weight decay in a record is refused (a signed Setter is not: test_a_signed_explored_value_replays)."""
+    _, sched, _ = _hdet_run()
+    schedule = sched.discovered_schedule()
+    bad = {"names": schedule["names"], "bases": [list(r) for r in schedule["bases"]]}
+    bad["bases"][3][1] = -0.5
+    opt = _opt()
+    with pytest.raises(ValueError, match=r"within its bounds\), but step 3 holds"):
+        hdet.ReplayLR(opt, bad, explore=[hdet.WeightDecay(opt)])
+    assert opt.param_groups[0]["weight_decay"] == 0.01

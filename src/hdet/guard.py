@@ -48,6 +48,7 @@ replica has been skipping for a stretch and the scheduler resets the bad replica
 GradScaler (whose skipped steps stall every replica alike), :class:`ScalerWatch` does.
 """
 
+import copy
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -333,10 +334,11 @@ class SkipNonFiniteStep:
         optimizer.found_inf = self._mine  # type: ignore[attr-defined]
 
     def device(self) -> torch.device:
-        """Where the skip counter lives: the device of the first parameter's gradient (this rank's shard)."""
+        """Where the skip counter lives: the device of the first trained parameter's gradient (this rank's shard)."""
         for g in self.optimizer.param_groups:
             for p in g["params"]:
-                return local_shard(p.detach()).device
+                if p.requires_grad:
+                    return local_shard(p.detach()).device
         return torch.device("cpu")
 
     def _flag(self, device: torch.device) -> torch.Tensor:
@@ -508,6 +510,11 @@ def _count(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
+def _whole(x: Any) -> bool:
+    """A count saved as a float (a device counter read back): finite, >= 0, integral."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 and x == int(x)
+
+
 def _real(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
@@ -521,10 +528,15 @@ def check_watch_state(state: Any) -> None:
     if ok and state["kind"] == "skip":
         pending = state.get("pending")
         ok = (set(state) == {"kind", "skipped", "checked", "pending", "seen", "taken"}
-              and (state["skipped"] is None or _real(state["skipped"])) and _count(state["checked"])
-              and (state["seen"] is None or _real(state["seen"])) and isinstance(state["taken"], bool)
-              and (pending is None or (isinstance(pending, list) and len(pending) == 3 and _real(pending[0])
+              and (state["skipped"] is None or _whole(state["skipped"])) and _count(state["checked"])
+              and (state["seen"] is None or _whole(state["seen"])) and isinstance(state["taken"], bool)
+              and (pending is None or (isinstance(pending, list) and len(pending) == 3 and _whole(pending[0])
                                        and _count(pending[1]) and (pending[2] is None or _real(pending[2])))))
+        if ok:  # the counts in order: skipped steps are checked steps, the copies are of earlier counts
+            skipped, checked = state["skipped"] or 0, state["checked"]
+            ok = skipped <= checked and (pending is None or (pending[0] <= min(pending[1], skipped)
+                                                               and pending[1] <= checked
+                                                               and (state["seen"] is None or state["seen"] <= pending[0])))
     elif ok:
         ok = (set(state) == {"kind", "hook_taken", "taken", "missed"} and _count(state["hook_taken"])
               and (state["taken"] is None or _count(state["taken"])) and _count(state["missed"]))
@@ -611,13 +623,15 @@ class GuardSetting:
         self._loaded: dict[str, Any] | None = None  # the watch's loaded state, until the watch exists
 
     def state_dict(self) -> dict[str, Any] | None:
-        """The stall watch's counts (plain data), or None without a watch."""
-        return None if self.watch is None else self.watch.state_dict()
+        """The stall watch's counts (plain data); before the watch exists, those loaded for it (or None)."""
+        if self.watch is None:
+            return copy.deepcopy(self._loaded)
+        return self.watch.state_dict()
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """The watch's counts as saved (checked already): set now, or when the guard is installed. A state saved
         with the other kind of watch (another optimizer or set-up) is left aside: :meth:`resumed`'s rule applies."""
-        self._loaded = state
+        self._loaded = copy.deepcopy(state)  # (this object's own: the caller's dict may change after the check)
         self._apply_loaded()
 
     def _apply_loaded(self) -> None:

@@ -50,14 +50,21 @@ class ReplayLR(LRScheduler):
                              "every recorded step")
         bases = [[real_number(v) for v in row] for row in rows]
         lr_names = [n for n in names if n.startswith("lr/")]
-        # every value finite; an LR also >= 0 (an explored Setter's values may be signed, as HDET explores them)
-        ok = [n.startswith("lr/") for n in names]
+        # every value finite, an LR >= 0, a replayed hyperparameter's within its own bounds (> 0 for a log spread:
+        # a weight decay or a dropout is never negative, an explored Setter's values may be signed)
+        spreads = {h.name: h.spread for h in explore}
 
-        def fine(row: list[float | None]) -> bool:
-            return all(v is not None and math.isfinite(v) and (v >= 0 or not lr) for v, lr in zip(row, ok))
-        if not all(fine(row) for row in bases):
-            bad = next(t for t, row in enumerate(bases) if not fine(row))
-            raise ValueError(f"Expected finite recorded values (LRs >= 0) for {names}, but step {bad} holds {rows[bad]!r}")
+        def fine(name: str, v: float | None) -> bool:
+            if v is None or not math.isfinite(v):
+                return False
+            if name.startswith("lr/"):
+                return v >= 0
+            sp = spreads.get(name)
+            return sp is None or (sp.clamp(v) == v and (sp.kind != "log" or v > 0))
+        if not all(fine(n, v) for row in bases for n, v in zip(names, row)):
+            bad = next(t for t, row in enumerate(bases) if not all(fine(n, v) for n, v in zip(names, row)))
+            raise ValueError(f"Expected finite recorded values for {names} (LRs >= 0, each replayed hyperparameter "
+                             f"within its bounds), but step {bad} holds {rows[bad]!r}")
         groups = [f"lr/{g.get('name', j)}" for j, g in enumerate(optimizer.param_groups)]
         if sorted(groups) != sorted(lr_names):  # by each group's 'name' (its index without one), never by position
             raise ValueError(f"Expected an optimizer whose param groups are the recorded ones {lr_names} (by the "

@@ -45,15 +45,17 @@ FINAL = ("summary.json", "schedule.json", "model.pt", "loss.png", "lr.png", "hpa
 
 def tail_mean(train_losses: list[tuple[int, float]], after: float) -> float | None:
     """The mean training loss of the records after step ``after`` (else of the last record): each record is the mean
-    over the steps since the record before it, and is weighted by their number; non-finite records are left out."""
+    over the steps since the record before it, and is weighted by their number. None if one of them is not finite (a
+    record is non-finite only when every replica's loss was: the run ended there)."""
     prev, rows = 0, []
     for s, v in train_losses:
-        if v is not None and math.isfinite(v):
-            rows.append((s, s - prev, v))
+        rows.append((s, s - prev, v))
         prev = s
     tail = [(n, v) for s, n, v in rows if s > after] or [(n, v) for _, n, v in rows[-1:]]
+    if not tail or any(v is None or not math.isfinite(v) for _, v in tail):
+        return None
     n = sum(n for n, _ in tail)
-    return sum(n * v for n, v in tail) / n if n else None
+    return sum(n * v for n, v in tail) / n
 
 
 def check_out(out: Path, rank: int = 0) -> None:
