@@ -831,6 +831,8 @@ def _stall_resumed(rank, world, opts):
                                 model=ddp if attach else None, on_runaway="recover")
         return model, ddp, o, s
 
+    syncs = {}
+
     def run(parts, steps, reset):
         model, ddp, o, s = parts
         for t in steps:
@@ -840,6 +842,8 @@ def _stall_resumed(rank, world, opts):
             _ddp_step(ddp, o, s, *batch(rank, t))
             if rank == 1 and t > 22 and not reset and all(torch.isfinite(p).all() for p in model.parameters()):
                 reset.append(t)
+            if s.last_sync is not None and s.last_sync.step == t:
+                syncs.setdefault(id(s), []).append((t, s.last_sync.recovered_early))
 
     whole, reset_whole = build(), []
     run(whole, range(1, 71), reset_whole)
@@ -858,22 +862,26 @@ def _stall_resumed(rank, world, opts):
         again[3].attach_model(again[1])
     run(again, range(stop + 1, 71), reset_resumed)
     diff = max(float((a - b).abs().max()) for a, b in zip(whole[0].state_dict().values(), again[0].state_dict().values()))
-    return {"reset": (reset_whole, reset_resumed), "diff": diff, "guard": whole[3].gradient_guard}
+    early = [syncs[id(whole[3])], syncs[id(again[3])]]
+    return {"reset": (reset_whole, reset_resumed), "diff": diff, "guard": whole[3].gradient_guard, "early": early}
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("late", [False, True], ids=["model", "attach_model"])
-def test_a_run_resumed_in_a_skip_guard_stall_is_reset_where_the_whole_run_is(late):
+@pytest.mark.parametrize("late,stop", [(False, 45), (True, 45), (False, 55)], ids=["model", "attach_model", "after"])
+def test_a_run_resumed_in_a_skip_guard_stall_is_reset_where_the_whole_run_is(late, stop):
     """The stall watch's counts (the guard's skip counter, the lagged copy and its last read) are in the checkpoint:
     resumed at step 45, in a stall since step 22, rank 1 is reset at step 50 as in the run that was never stopped,
     and the weights end the same bit for bit. Before, the resumed watch started counting again and the reset came at
-    the sync at step 60 (final weights 0.07 apart). The same when the model is attached after the load."""
-    res = check_ok(run_gloo(_stall_resumed, 2, {"stop": 45, "late": late}))
+    the sync at step 60 (final weights 0.07 apart). The same when the model is attached after the load. The sync at
+    step 60 says rank 1 was reset early (recovered_early, kept in the checkpoint: also resumed at step 55, between the
+    early recovery and the sync); before, no record named it, and its warning blamed a skipped step or a bad batch."""
+    res = check_ok(run_gloo(_stall_resumed, 2, {"stop": stop, "late": late}))
     for out in res:
         assert out["guard"] == "skip"
         if out["reset"][0]:  # (rank 1 records where it was reset)
-            assert out["reset"] == ([50], [50]), out["reset"]
+            assert out["reset"] == ([50], [50]), out["reset"]  # (resumed at 55: found by the first part)
         assert out["diff"] == 0.0, out["diff"]
+        assert out["early"] == [[(60, [1]), (70, [])], [(60, [1]), (70, [])]], out["early"]
 
 
 @pytest.mark.distributed
@@ -980,6 +988,18 @@ def test_bad_guard_counts_in_a_state_are_refused_before_anything_is_set(bad):
     good = {"kind": "skip", "skipped": 2.0, "checked": 5, "pending": [1.0, 4, None], "seen": 1.0, "taken": True}
     fresh.load_state_dict({**state, "guard": good})
     assert fresh.state_dict()["guard"] == good
+
+
+@pytest.mark.parametrize("bad", [[[5, 10]], [[0, 10], [0, 12]], [[0, True]], [[0, 0]], "x"])
+def test_bad_early_recoveries_in_a_state_are_refused(bad):
+    o = torch.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=0.1)
+    s = hdet.HDETLR(o, None, total_steps=10, replicas=ScriptedReplicas(0, 2), model_sync_interval=5)
+    state = s.state_dict()
+    assert state["hdet"]["early_recovered"] == []
+    with pytest.raises(ValueError, match=r"early_recovered as \[\[replica, step\], \.\.\.\]"):
+        s.load_state_dict({**state, "hdet": {**state["hdet"], "early_recovered": bad}})
+    s.load_state_dict({**state, "hdet": {**state["hdet"], "early_recovered": [[1, 3]]}})
+    assert s.ensemble.early_recovered == {1: 3}
 
 
 # ------------------------------------------------------------ 11. errors that say what happened

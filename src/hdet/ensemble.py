@@ -81,6 +81,7 @@ class SyncRecord:
     went_back_to: int | None = None  # the sync step whose state every replica went back to (a rising loss)
     range_scale: float | None = None  # lr_range_test: what the range test multiplies the LR schedule by now
     range_ended: str | None = None  # lr_range_test: why the test ended at this sync (None: it did not end here)
+    recovered_early: list[int] = field(default_factory=list)  # replicas reset at an early recovery since the last sync
 
 
 class Ensemble:
@@ -133,6 +134,7 @@ class Ensemble:
         self.load_warnings: list[str] = []  # what the last load_state_dict warned about (hdet.ensemble_state)
         self._ramp = RampSnapshots()  # lr_range_test: the ramp's recent states
         self.last_sync: SyncRecord | None = None
+        self.early_recovered: dict[int, int] = {}  # replica -> the step of its early recovery since the last sync
         self.failed_sync: str | None = None  # why the last converge step failed part-way (state_dict refuses then)
         self.on_sync: list[Callable[[SyncRecord], None]] = []
         # D-Adaptation/Prodigy: the LR multiplier goes on the step, their estimates are averaged with the weights
@@ -421,12 +423,22 @@ class Ensemble:
         nonfinite_losses = [int(col.nonfinite[r]) for r in range(N)]
         bad_loss = [r for r in range(N) if nonfinite_losses[r] > 0]
         healthy_loss = [r for r in bad_loss if r not in bad and r not in verdict.nonfinite]  # (a collapse excludes none)
+        early = sorted(self.early_recovered)
+        reset_early = [r for r in healthy_loss if r in self.early_recovered]
+        healthy_loss = [r for r in healthy_loss if r not in self.early_recovered]
+        if reset_early:
+            warnings.warn(
+                f"hdet: at sync step {t} replica(s) {reset_early} had non-finite training losses "
+                f"({[nonfinite_losses[r] for r in reset_early]} in the window): their weights were non-finite and "
+                f"were reset at early recoveries (steps {[self.early_recovered[r] for r in reset_early]}; "
+                "sched.last_sync.recovered_early), ranked worst by the controller; training goes on", stacklevel=3)
         if healthy_loss:
             warnings.warn(
                 f"hdet: at sync step {t} replica(s) {healthy_loss} had non-finite training losses "
                 f"({[nonfinite_losses[r] for r in healthy_loss]} in the window) but finite weights (a step the "
                 "gradient guard skipped, or a bad batch): counted in sched.last_sync.nonfinite_losses, ranked "
                 "worst by the controller; training goes on", stacklevel=3)
+        self.early_recovered = {}
         window = list(losses)  # each replica's own window mean (NaN where it had no finite loss): what is reported
         worst_ranked = set(bad) | set(bad_loss)
         if worst_ranked:  # the controller ranks them worst: ten loss temperatures above the worst healthy loss
@@ -452,7 +464,8 @@ class Ensemble:
                             values=self.all_values(), recovered=verdict.nonfinite, nonfinite_losses=nonfinite_losses,
                             runaway=verdict.runaway, lr_scale=self.slots.lr_scale,
                             went_back_to=self.stability.best_step if back else None,
-                            range_scale=None if rt is None else rt.scale(self.slots.peak0), range_ended=range_ended)
+                            range_scale=None if rt is None else rt.scale(self.slots.peak0), range_ended=range_ended,
+                            recovered_early=early)
         self.last_sync = record
         if self.step_scale is not None:  # the averaged (or gone-back-to) estimates into the param groups now
             self.step_scale.take_estimates()
@@ -525,6 +538,8 @@ class Ensemble:
             if bad:
                 self._average(t, self.tensors(), bad)
                 self._reset_moments(t, bad)
+                for r in bad:  # (said at the next sync: sched.last_sync.recovered_early)
+                    self.early_recovered.setdefault(r, t)
         if bad:
             _warn_recovered(t, bad, "an early recovery at")
         if self.step_scale is not None:

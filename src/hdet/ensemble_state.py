@@ -58,6 +58,7 @@ def state_dict(ens: "Ensemble") -> dict[str, Any]:
         "range_test": None if s.range is None else s.range.state_dict(),
         "range_snapshots": ens._ramp.state_dict(),
         "lr_control": _lr_control_state(ens.lr_control),
+        "early_recovered": [[r, t] for r, t in sorted(ens.early_recovered.items())],
     }
 
 
@@ -208,7 +209,19 @@ def _parse_fields(ens: "Ensemble", state: dict[str, Any], version: int) -> dict[
             "window_mean": window_mean, "lr_scale": _positive(state.get("lr_scale", 1.0), "lr_scale"),
             "stability": StabilityGuard.parse(state.get("stability")),
             "range_test": _parse_range(state.get("range_test"), config, ens),
-            "range_snapshots": RampSnapshots.parse(state.get("range_snapshots"))}
+            "range_snapshots": RampSnapshots.parse(state.get("range_snapshots")),
+            "early_recovered": {} if elastic else _parse_early(state.get("early_recovered", []), ens)}
+
+
+def _parse_early(state: Any, ens: "Ensemble") -> dict[int, int]:
+    """The replicas reset at early recoveries since the last sync, as ``[[replica, step], ...]``."""
+    n = ens.replicas.world_size
+    if not isinstance(state, list) or not all(
+            isinstance(x, list) and len(x) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in x)
+            and 0 <= x[0] < n and x[1] >= 1 for x in state) or len({x[0] for x in state}) != len(state):
+        raise ValueError(f"Expected the state's early_recovered as [[replica, step], ...] with distinct replicas below "
+                         f"{n}, but got {state!r}: a corrupted state_dict")
+    return {r: t for r, t in state}
 
 
 def _parse_range(state: Any, config: HDETConfig, ens: "Ensemble") -> RangeTest | None:
@@ -282,6 +295,7 @@ def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
     ens._ramp.load(new["range_snapshots"], kept, counts)
     ens.stability.load(new["stability"], kept, counts)
     ens.window.load(new["window"])
+    ens.early_recovered = dict(new["early_recovered"])
     if ens.window_mean is not None:
         ens.window_mean.load(new["window_mean"])
     if elastic:  # Eq. 9 for the new N: a fresh permutation per slot from the (restored) shared dealer

@@ -25,7 +25,8 @@ def sync_record_dict(rec: SyncRecord) -> dict[str, Any]:
     the replicas' probe losses."""
     out: dict[str, Any] = {"step": rec.step, "names": rec.names, "losses": rec.losses,
                            "multipliers": rec.multipliers, "bases": rec.bases, "values": rec.values,
-                           "recovered": rec.recovered, "runaway": rec.runaway, "lr_scale": rec.lr_scale,
+                           "recovered": rec.recovered, "recovered_early": rec.recovered_early,
+                           "runaway": rec.runaway, "lr_scale": rec.lr_scale,
                            "went_back_to": rec.went_back_to, "range_scale": rec.range_scale,
                            "range_ended": rec.range_ended}
     if rec.controller is not None:
