@@ -32,8 +32,9 @@ class Data(torch.utils.data.Dataset):
 
 
 class Module(L.LightningModule):
-    def __init__(self, bn=False):
+    def __init__(self, bn=False, fused=False, nan_at=0):
         super().__init__()
+        self.fused, self.nan_at = fused, nan_at
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(6, 16), *([nn.BatchNorm1d(16)] if bn else []), nn.ReLU(), nn.Linear(16, 1))
         self.lrs, self.raw_losses, self.windows = [], [], []
@@ -42,13 +43,15 @@ class Module(L.LightningModule):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
         self.raw_losses.append(float(loss))  # the true per-batch loss (Lightning divides what it backpropagates)
+        if self.global_rank == 1 and self.trainer.global_step + 1 == self.nan_at:  # (--nan-at: a fault on one rank)
+            loss = loss * float("nan")
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
 
     def configure_optimizers(self):
-        opt = torch.optim.Adam(self.parameters(), lr=0.01)
+        opt = torch.optim.Adam(self.parameters(), lr=0.01, fused=self.fused or None)
         sched = hdet.OneCycleAutoLR(opt, max_lr=0.02, total_steps=STEPS, ensemble_lr_spread_ratio=0.3,
                                     model_sync_interval=4, controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=4,
                                     loss_scale=0.05, seed=3)  # no model=: as the docs write it
@@ -69,7 +72,9 @@ class Report(L.Callback):
         torch.save({"params": gathered[0], "lrs": pl_module.lrs, "updates": sched.ensemble.controllers[0].updates,
                     "step": sched.last_epoch, "bases": sched.base_lrs_now, "buffers": bufs,
                     "guard": sched.gradient_guard, "raw_losses": pl_module.raw_losses, "windows": pl_module.windows,
-                    "rank": sched.rank},
+                    "rank": sched.rank, "skipped": None if sched.skip_guard is None or sched.skip_guard.skipped is None
+                    else float(sched.skip_guard.skipped),
+                    "finite": all(bool(torch.isfinite(p).all()) for p in pl_module.parameters())},
                    os.path.join(self.out, f"result_rank{trainer.global_rank}.pt"))
 
 
@@ -80,6 +85,8 @@ def main():
     p.add_argument("--resume", default=None)
     p.add_argument("--bn", action="store_true", help="a BatchNorm layer in the model")
     p.add_argument("--fp16", action="store_true", help='precision "16-mixed" with a GradScaler (on the CPU)')
+    p.add_argument("--fused", action="store_true", help="a fused Adam (the skip guard)")
+    p.add_argument("--nan-at", type=int, default=0, help="rank 1's loss is NaN at this optimizer step")
     a = p.parse_args()
     torch.set_num_threads(1)
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=a.out, every_n_train_steps=8, save_top_k=-1)
@@ -90,7 +97,7 @@ def main():
                         logger=L.pytorch.loggers.CSVLogger(a.out, name="logs", version=0), log_every_n_steps=5,
                         enable_progress_bar=False, enable_model_summary=False)
     loader = torch.utils.data.DataLoader(Data(), batch_size=8, shuffle=False)
-    trainer.fit(Module(a.bn), loader, ckpt_path=a.resume)
+    trainer.fit(Module(a.bn, a.fused, a.nan_at), loader, ckpt_path=a.resume)
 
 
 if __name__ == "__main__":

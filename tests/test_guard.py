@@ -33,6 +33,35 @@ def test_a_non_finite_gradient_skips_the_step_and_a_finite_one_does_not(bad):
     assert float(guard.skipped) == 1.0
 
 
+@pytest.mark.parametrize("how", ["keyword", "positional"])
+def test_a_closure_that_makes_a_nan_gradient_inside_the_step_is_caught(how):
+    """optimizer.step(closure) (Lightning's way): the backward runs inside the step, after the pre-hook. The verdict
+    is taken on the closure's gradients (this step's NaN is skipped, the finite step before and after are taken), not
+    on the gradients left from the step before; the closure's loss is returned."""
+    p, q, opt = _setup()
+    guard = SkipNonFiniteStep(opt)
+
+    def closure_with(bad):
+        def closure():
+            opt.zero_grad()
+            loss = (p.sum() + q.sum()) * (bad if bad is not None else 1.0)
+            loss.backward()
+            return loss
+        return closure
+
+    def step(bad=None):
+        c = closure_with(bad)
+        return opt.step(closure=c) if how == "keyword" else opt.step(c)
+
+    assert float(step()) == pytest.approx(float(p.sum() + q.sum()), abs=1.0)  # (the loss before the update)
+    before = [p.detach().clone(), q.detach().clone()]
+    assert torch.isnan(step(float("nan")))  # this step's gradients are NaN: skipped
+    assert torch.equal(p, before[0]) and torch.equal(q, before[1]) and float(guard.skipped) == 1.0
+    step()  # finite again (the NaN gradients of the step before are not judged): taken
+    assert not torch.equal(p, before[0]) and torch.isfinite(p).all() and float(guard.skipped) == 1.0
+    assert float(opt.state[p]["step"]) == 2.0 and guard.checked == 3
+
+
 def test_huge_finite_gradients_and_other_dtypes_are_checked_elementwise():
     """Only NaN/Inf count (a finite 1e30 steps; the gradient is not rescaled), in every dtype group."""
     p, q, opt = _setup()

@@ -256,6 +256,17 @@ def test_lightning_docs_setup_averages_batchnorm_and_guards(tmp_path):
         assert float(r["hdet/window_loss/replica1"]) == pytest.approx(losses[1], rel=1e-6) and r["hdet/base/lr/0"]
 
 
+def test_lightning_with_a_fused_optimizer_skips_the_step_whose_gradient_is_nan(tmp_path):
+    """A fused Adam (the skip guard) under Lightning, which runs the forward and backward inside optimizer.step() as
+    its closure: rank 1's loss is NaN at step 3, and that step is skipped on both ranks (weights finite at the end, one
+    skip). Before, the guard's pre-hook ran ahead of the closure and judged the step before's gradients: the NaN step
+    went through on every replica and the run stopped at the next sync."""
+    pytest.importorskip("lightning")
+    for r in _lightning(tmp_path / "fused", "--fused", "--nan-at", "3"):
+        assert r["guard"] == "skip-all" and r["step"] == 16
+        assert r["skipped"] == 1.0 and r["finite"], r
+
+
 def test_lightning_16_mixed_observes_the_unscaled_loss(tmp_path):
     """precision "16-mixed" (a GradScaler, scale 4096): Lightning hands the callback the scaled loss; each
     window's loss is still the mean of this rank's true batch losses, not 4096 times it."""

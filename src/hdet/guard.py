@@ -291,7 +291,22 @@ class SkipNonFiniteStep:
                              f"over {len(self.agree_over)} mesh groups: sharded norms are not handed over")
         self._norm = (total_norm, [(g, g._version) for g in grads])
 
-    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args[0]: the optimizer itself)
+        if closure is None:
+            self._verdict(optimizer)
+            return None
+
+        def checked() -> Any:  # optimizer.step(closure) (Lightning's way): the closure runs the backward inside the
+            loss = closure()   # step, after this hook, so the verdict is taken on what it made, before the update
+            self._verdict(optimizer)  # (the optimizer reads found_inf after its closure)
+            return loss
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": checked}
+        return (args[0], checked, *args[2:]), kwargs
+
+    def _verdict(self, optimizer: torch.optim.Optimizer) -> None:
+        """Set ``optimizer.found_inf`` from the gradients as they are now (see the class doc)."""
         handed, self._norm = self._norm, None
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # every gradient
         sentinels: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # those of parameters of <= 1 dim
