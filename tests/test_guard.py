@@ -62,6 +62,30 @@ def test_a_closure_that_makes_a_nan_gradient_inside_the_step_is_caught(how):
     assert float(opt.state[p]["step"]) == 2.0 and guard.checked == 3
 
 
+def test_a_grad_scalers_verdict_taken_before_a_positional_closure_is_not_trusted():
+    """Accelerate calls scaler.step(optimizer, closure) (torch's GradScaler refuses only a keyword closure): the scaler
+    checks the gradients before the closure runs the backward. The guard judges the closure's own gradients (here NaN)
+    instead of taking the scaler's stale verdict: the step is skipped."""
+    p, q, opt = _setup()
+    guard = SkipNonFiniteStep(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+
+    def closure_with(bad):
+        def closure():
+            opt.zero_grad()
+            loss = (p.sum() + q.sum()) * bad
+            scaler.scale(loss).backward()
+            return loss
+        return closure
+
+    closure_with(1.0)()  # finite gradients for the scaler's first check
+    scaler.step(opt, closure_with(1.0))
+    scaler.update()
+    before = [p.detach().clone(), q.detach().clone()]
+    scaler.step(opt, closure_with(float("nan")))  # the scaler checked the finite gradients of before
+    assert torch.equal(p, before[0]) and torch.equal(q, before[1]) and float(guard.skipped) == 1.0
+
+
 def test_huge_finite_gradients_and_other_dtypes_are_checked_elementwise():
     """Only NaN/Inf count (a finite 1e30 steps; the gradient is not rescaled), in every dtype group."""
     p, q, opt = _setup()

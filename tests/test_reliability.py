@@ -898,6 +898,9 @@ def test_every_replica_nan_between_syncs_goes_back_at_the_early_recovery():
         assert all(out["finite"][49:]) and all(out["changed"][50:])
         assert not any("finite weights" in w and "[0, 1]" in w and "step 50" in w for w in out["warnings"])
         assert any("at an early recovery at step 50 every replica had non-finite weights" in w for w in out["warnings"])
+        at60 = [w for w in out["warnings"] if "at sync step 60" in w and "non-finite training losses" in w]
+        assert at60 and all("reset at early recoveries (steps [50, 50];" in w for w in at60), at60  # not "a step
+        # the gradient guard skipped": the window still holds the NaN losses of before the go-back
 
 
 @pytest.mark.distributed

@@ -533,6 +533,7 @@ class Ensemble:
             verdict = self.check_sync(t, self._gather(t, self.prepare_sync(t, new_window=False)), everyone=False)
             if verdict.collapsed:  # every replica bad: back to the best sync now, as a sync would (a record says so)
                 self.finish_sync(t, verdict)
+                self.early_recovered = {r: t for r in verdict.nonfinite}  # (the next sync's window holds their NaNs)
                 return verdict.nonfinite
             bad = verdict.exclude
             if bad:

@@ -299,14 +299,16 @@ class SkipNonFiniteStep:
 
         def checked() -> Any:  # optimizer.step(closure) (Lightning's way): the closure runs the backward inside the
             loss = closure()   # step, after this hook, so the verdict is taken on what it made, before the update
-            self._verdict(optimizer)  # (the optimizer reads found_inf after its closure)
+            self._verdict(optimizer, after_closure=True)  # (the optimizer reads found_inf after its closure)
             return loss
         if "closure" in kwargs:
             return args, {**kwargs, "closure": checked}
         return (args[0], checked, *args[2:]), kwargs
 
-    def _verdict(self, optimizer: torch.optim.Optimizer) -> None:
-        """Set ``optimizer.found_inf`` from the gradients as they are now (see the class doc)."""
+    def _verdict(self, optimizer: torch.optim.Optimizer, after_closure: bool = False) -> None:
+        """Set ``optimizer.found_inf`` from the gradients as they are now (see the class doc). ``after_closure``: the
+        step's closure has just made them, so a GradScaler's verdict (taken by ``scaler.step`` before the closure ran,
+        as Accelerate's positional closure allows) is of the gradients before: the guard reads them itself."""
         handed, self._norm = self._norm, None
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # every gradient
         sentinels: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # those of parameters of <= 1 dim
@@ -328,7 +330,7 @@ class SkipNonFiniteStep:
         with torch.no_grad():
             if norm is not None:  # the norm of exactly these gradients decides: no pass of our own
                 found = _nonfinite_scalar(norm, self._flag(norm.device))
-            elif _scaler_checked(optimizer, prev) and not self.agree_over:
+            elif _scaler_checked(optimizer, prev) and not self.agree_over and not after_closure:
                 # torch.amp.GradScaler.step has just checked every gradient of this optimizer (found_inf > 0: some
                 # NaN/Inf): its verdict is ours, with no pass of our own
                 found = torch.ne(prev, 0, out=self._flag(prev.device))
