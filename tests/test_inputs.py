@@ -166,7 +166,7 @@ def test_replay_matches_param_groups_by_name_and_refuses_bad_records():
     with pytest.raises(ValueError, match=r"recorded ones \['lr/decay', 'lr/no_decay'\] .* \['lr/0', 'lr/1'\]"):
         hdet.ReplayLR(unnamed, sched)
     bad = dict(sched, bases=[[float("nan"), 0.05]] + sched["bases"][1:])
-    with pytest.raises(ValueError, match=r"finite recorded values \(LRs >= 0\) for .*, but step 0 holds"):
+    with pytest.raises(ValueError, match=r"finite recorded values for .*\(LRs >= 0, .*\), but step 0 holds"):
         hdet.ReplayLR(_recorded()[1], bad)
     with pytest.raises(ValueError, match="names as a list of strings"):
         hdet.ReplayLR(_recorded()[1], dict(sched, names="lr/decay"))
