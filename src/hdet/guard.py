@@ -455,10 +455,10 @@ class SkipWatch:
         the uninterrupted run does. HOST SYNC (a checkpoint): the skip counter and the copy in flight are read."""
         g, pending = self.guard, None
         if self._pending is not None:
-            copy, event, checked, scale = self._pending
+            count, event, checked, scale = self._pending
             if event is not None:
                 event.synchronize()  # HOST SYNC
-            pending = [float(copy), int(checked), None if scale is None else float(scale)]
+            pending = [float(count), int(checked), None if scale is None else float(scale)]
         return {"kind": "skip", "skipped": None if g.skipped is None else float(g.skipped), "checked": g.checked,
                 "pending": pending, "seen": self._seen, "taken": self._taken}
 
