@@ -717,3 +717,34 @@ def test_a_schedule_free_wrapper_s_base_optimizer_is_refused_at_the_first_step()
     opt.step()
     with pytest.raises(ValueError, match=r"without its own iterate averaging, but got SGD \(Schedule-Free\)"):
         s.step(1.0)
+
+
+@pytest.mark.parametrize("make", [lambda gs: dadaptation.DAdaptAdam(gs, lr=1.0), lambda gs: prodigyopt.Prodigy(gs, lr=1.0)])
+def test_auto_lr_over_one_lr_optimizers_needs_tied_groups(make):
+    """D-Adaptation's Adam and Prodigy take one LR for all their param groups. With auto-LR each LR group's controller
+    moved its own base, and the optimizer's step failed mid-run with its own error (an audit: step 11). Refused when
+    the scheduler is built; with tie_lr_groups=True the groups keep one LR and the run goes on."""
+    def groups():
+        torch.manual_seed(0)
+        return [{"params": [nn.Parameter(torch.randn(4))]}, {"params": [nn.Parameter(torch.randn(3))]}]
+
+    def build(o, **kw):
+        return hdet.HDETLR(o, None, total_steps=40, replicas=ScriptedReplicas(0, 4, lambda: [1.0, 1.3, 0.8, 1.1]),
+                           model_sync_interval=5, ensemble_lr_spread_ratio=0.2, enable_auto_lr=True,
+                           controller="paper", auto_lr_warmup_steps=5, loss_scale=0.05, **kw)
+    with pytest.raises(ValueError, match=r"Expected tie_lr_groups=True with enable_auto_lr=True over \w+ with 2 param"):
+        build(make(groups()))
+    o = make(groups())
+    s = build(o, tie_lr_groups=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(40):
+            for g in o.param_groups:
+                for p in g["params"]:
+                    p.grad = p.detach().clone()
+            o.step()
+            s.step(torch.tensor(1.0))
+            assert o.param_groups[0]["lr"] == o.param_groups[1]["lr"]
+    assert s.ensemble.controllers[0].updates > 0
+    adan = dadaptation.DAdaptAdan(groups(), lr=1.0)  # (takes groups of different LRs: not refused)
+    build(adan)

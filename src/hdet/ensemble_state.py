@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .config import LEGACY_NAMES, OPTIONS, HDETConfig, _is_real, spreading
 from .controller import PaperController, controller_from_state
 from .hyper import AdamBeta, GradClip
-from .optimizers import check_optimizer, coupled_weight_decay
+from .optimizers import check_lr_groups, check_optimizer, coupled_weight_decay
 from .range_test import RampSnapshots, RangeTest
 from .slots import LRControl
 from .spread import Dealer, linear_multipliers
@@ -141,7 +141,7 @@ def _parse_fields(ens: "Ensemble", state: dict[str, Any], version: int) -> dict[
     config = _parse_config(state["config"], version)
     check_optimizer(ens.optimizer, spreading(config, ens.hypers), config.average_optimizer_state,
                     lr_spread=config.ensemble_lr_spread_ratio > 0)  # the saved
-    # settings' refusals too
+    check_lr_groups(ens.optimizer, config.enable_auto_lr, config.tie_lr_groups)  # settings' refusals too
     if config.eq8 != ens.config.eq8:  # (Eq. 8 as printed needs OneCycle's factors, fixed at construction)
         raise ValueError(f"Expected the state's eq8 to be this scheduler's ({ens.config.eq8!r}), but it was saved with "
                          f"{config.eq8!r}: build the scheduler with eq8={config.eq8!r} to resume it")

@@ -93,6 +93,23 @@ def _undone_average(optimizer: torch.optim.Optimizer, why: str) -> str:
             "averaged with the weights), or use DAdaptAdam or Prodigy")
 
 
+ONE_LR = ("DAdaptAdam", "DAdaptLion", "DAdaptSGD", "Prodigy")  # their step refuses param groups of different LRs
+
+
+def check_lr_groups(optimizer: torch.optim.Optimizer, auto_lr: bool, tie_lr_groups: bool) -> None:
+    """Refuse auto-LR with untied LR groups over an optimizer that takes one LR for all its param groups
+    (D-Adaptation's Adam, Lion and SGD, Prodigy: "Setting different lr values in different parameter groups is only
+    supported for values of 0"): each LR group's controller moves its own base, and the optimizer's step failed
+    mid-run (an audit: after the second control sync)."""
+    inner = innermost(optimizer)
+    groups = [g for g in inner.param_groups if g.get("lr", 0) != 0]
+    if auto_lr and not tie_lr_groups and len(groups) > 1 and lr_free_kind(inner) == "distance" \
+            and type(inner).__name__ in ONE_LR:
+        raise ValueError(f"Expected tie_lr_groups=True with enable_auto_lr=True over {type(inner).__name__} with "
+                         f"{len(groups)} param groups: it takes one LR for all its groups, and each group's controller "
+                         "would move its own. Pass tie_lr_groups=True (one base for every group), or one param group")
+
+
 def check_shared_gradients(optimizer: torch.optim.Optimizer, average_optimizer_state: bool = False) -> None:
     """Refuse Mechanic without shared gradients (local mode): each replica's scale then learns from its own
     gradients (8.9x apart after 300 steps at alpha 0 on a toy, with its state averaged too), and Mechanic rebuilds

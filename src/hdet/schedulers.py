@@ -29,7 +29,7 @@ from .ensemble import Ensemble, SyncRecord
 from .guard import GuardSetting, ScalerWatch, SkipWatch
 from .hyper import AdamBeta, Hyperparameter, LabelSmoothing
 from .loss_scale import LossScale
-from .optimizers import check_optimizer, check_shared_gradients, innermost
+from .optimizers import check_lr_groups, check_optimizer, check_shared_gradients, innermost
 from .replicas import DEFAULT_BUCKET_CAP_MB, Replicas, check_mesh_placements, resolve_replicas
 from .slots import LRControl
 from .values import real_number
@@ -134,6 +134,7 @@ class HDETLR(LRScheduler):
         self._sharded = device_mesh is not None
         check_optimizer(optimizer, spreading(config, explore), config.average_optimizer_state,
                         sharded=self._sharded, lr_spread=config.ensemble_lr_spread_ratio > 0)  # LR-free optimizers: refused where they would break
+        check_lr_groups(optimizer, config.enable_auto_lr, config.tie_lr_groups)
         self._loss_scale = LossScale()  # a torch.amp.GradScaler seen driving the optimizer (here or by the hook guard)
         self._guard = GuardSetting(guard_gradients, process_group, device_mesh, optimizer, resolved.world_size,
                                    self._loss_scale, recovering=config.recovering)
