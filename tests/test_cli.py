@@ -464,6 +464,19 @@ def test_the_records_d_is_the_one_each_step_used(tmp_path, optimizer, monkeypatc
     assert len(set(used)) > 2  # the case: d grows over these steps
 
 
+def test_auto_lr_with_the_paper_controller_over_d_adaptation_ties_the_lr_groups(tmp_path):
+    """D-Adaptation takes one LR for all its param groups: `hdet train` ties the groups by default with it (the
+    library refuses untied groups; before, each group's controller moved its own base and the step failed)."""
+    pytest.importorskip("dadaptation")
+    out = tmp_path / "d"
+    assert main(["train", *TINY[:1], "24", *TINY[2:], "--replicas", "3", "--optimizer", "dadapt-adam", "--auto-lr",
+                 "--controller", "paper", "--warmup", "5", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["crashed"] is None and summary["config"]["tie_lr_groups"] is None
+    syncs = _jsonl(out / "syncs.jsonl")
+    assert len({round(b, 12) for b in syncs[-1]["bases"][:len(summary["groups"])]}) == 1  # one base for every group
+
+
 def test_schedule_free_records_its_own_warm_up_lr(tmp_path):
     pytest.importorskip("schedulefree")
     out = tmp_path / "sf"

@@ -52,8 +52,9 @@ class RunConfig:
         "correction of the schedule) or paper (Eqs. 4-8)"))
     probe_batches: int = field(default=4, metadata=_cli("fit controller: batches per probe"))
     tie_lr_groups: bool | None = field(default=None, metadata=_cli(
-        "one LR multiplier per replica for all param groups (default: on with the fit controller, as measured; "
-        "otherwise one multiplier per group, as in the paper)"))
+        "one LR multiplier per replica for all param groups (default: on with the fit controller, as measured, and "
+        "with dadapt-adam and prodigy, which take one LR for all groups; otherwise one multiplier per group, as in "
+        "the paper)"))
     local: bool = field(default=False, metadata=_cli(
         "average gradients every step (DDP); --no-grad-sync is the local mode: replicas share no gradients and "
         "average their weights at converge steps, every T steps (under torchrun the logged loss is still averaged "

@@ -134,7 +134,8 @@ def make_scheduler(cfg: RunConfig, warmup: int, task: Task, device: torch.device
                               explore=_explored(cfg, optimizer, inner), controller=cfg.controller,
                               probe=_Probe(task, cfg, device) if cfg.controller == "fit" else None,
                               tie_lr_groups=cfg.tie_lr_groups if cfg.tie_lr_groups is not None else
-                              (cfg.auto_lr and cfg.controller == "fit"))
+                              (cfg.auto_lr and (cfg.controller == "fit" or cfg.optimizer in ("dadapt-adam", "prodigy"))))
+                              # (one LR for all their groups: hdet.optimizers.check_lr_groups)
     return make
 
 
