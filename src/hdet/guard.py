@@ -62,6 +62,7 @@ from .optimizers import innermost as _innermost
 from .optimizers import lr_free_kind
 from .replicas import local_shard
 from .sync import max_abs
+from .values import int_number, real_number
 
 __all__ = ["finite_allreduce_hook", "HookGuard", "install_gradient_guard", "SkipNonFiniteStep", "SkipWatch", "ScalerWatch",
            "GuardSetting", "GUARDS"]
@@ -524,16 +525,20 @@ class ScalerWatch:
 
 
 def _count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def _whole(x: Any) -> bool:
-    """A count saved as a float (a device counter read back): finite, >= 0, integral."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 and x == int(x)
+    """An integer >= 0 (:func:`hdet.values.int_number`)."""
+    n = int_number(x)
+    return n is not None and n >= 0
 
 
 def _real(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+    """A finite real number >= 0 (:func:`hdet.values.real_number`)."""
+    v = real_number(x)
+    return v is not None and math.isfinite(v) and v >= 0
+
+
+def _whole(x: Any) -> bool:
+    """A count saved as a float (a device counter read back): :func:`_real` and integral."""
+    return _real(x) and float(x) == int(float(x))
 
 
 def check_watch_state(state: Any) -> None:
