@@ -355,17 +355,12 @@ def test_a_grad_scalers_first_skipped_steps_are_not_a_stall(fused):
 def _scaler_stall_resumed(rank, world, fused):
     """fp16 with a GradScaler, T = 100: rank 1's weight turns NaN at step 25; every rank checkpoints at step 26 (in the
     stall) and a new process state resumes from it for steps 27-60."""
-    import io
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         first = _fp16_ddp(fused, T=100)
         _fp16_steps(first, rank, range(1, 27))
-        buf = io.BytesIO()
-        torch.save({"model": first[0].state_dict(), "opt": first[2].state_dict(), "scaler": first[3].state_dict(),
-                    "sched": first[4].state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
+        saved = roundtrip({"model": first[0].state_dict(), "opt": first[2].state_dict(),
+                           "scaler": first[3].state_dict(), "sched": first[4].state_dict()})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         again = _fp16_ddp(fused, T=100)
@@ -817,8 +812,6 @@ def _stall_resumed(rank, world, opts):
     """Skip guard under on_runaway="recover", T = 60: rank 1's weight turns NaN at step 22 and every replica skips
     every step from then. The uninterrupted run, and a run checkpointed after step ``stop`` and resumed in new
     objects (as a new process would): their weights after step 70 and the step each reset rank 1."""
-    import io
-
     from dist_workers import batch, make_model
 
     stop = opts["stop"]
@@ -849,10 +842,7 @@ def _stall_resumed(rank, world, opts):
     run(whole, range(1, 71), reset_whole)
     first, reset_resumed = build(), []
     run(first, range(1, stop + 1), reset_resumed)
-    buf = io.BytesIO()
-    torch.save({"model": first[0].state_dict(), "opt": first[2].state_dict(), "sched": first[3].state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
+    saved = roundtrip({"model": first[0].state_dict(), "opt": first[2].state_dict(), "sched": first[3].state_dict()})
     again = build(attach=not opts["late"])
     again[0].load_state_dict(saved["model"])
     again[2].load_state_dict(saved["opt"])
