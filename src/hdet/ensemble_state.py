@@ -22,6 +22,7 @@ from .range_test import RampSnapshots, RangeTest
 from .slots import LRControl
 from .spread import Dealer, linear_multipliers
 from .stability import StabilityGuard
+from .values import int_number
 from .window import LossWindow, WindowMean
 
 if TYPE_CHECKING:
@@ -217,11 +218,11 @@ def _parse_early(state: Any, ens: "Ensemble") -> dict[int, int]:
     """The replicas reset at early recoveries since the last sync, as ``[[replica, step], ...]``."""
     n = ens.replicas.world_size
     if not isinstance(state, list) or not all(
-            isinstance(x, list) and len(x) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in x)
-            and 0 <= x[0] < n and x[1] >= 1 for x in state) or len({x[0] for x in state}) != len(state):
+            isinstance(x, list) and len(x) == 2 and all(int_number(v) is not None for v in x)
+            and 0 <= x[0] < n and x[1] >= 1 for x in state) or len({int(x[0]) for x in state}) != len(state):
         raise ValueError(f"Expected the state's early_recovered as [[replica, step], ...] with distinct replicas below "
                          f"{n}, but got {state!r}: a corrupted state_dict")
-    return {r: t for r, t in state}
+    return {int(r): int(t) for r, t in state}
 
 
 def _parse_range(state: Any, config: HDETConfig, ens: "Ensemble") -> RangeTest | None:
