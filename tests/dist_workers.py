@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 
 import torch
@@ -812,3 +813,23 @@ def scaler_resume(rank, world, *, total=50, T=10, nan_at=22, ckpt=20):
     out["kept"] = state["sched"].get("loss_scale_kept")
     out["recovered"] = resumed[3].last_sync.step if resumed[3].last_sync is not None else None
     return out
+
+
+def hsdp_warm_init(rank, world, *, mesh_shape=(2, 2), nu=0.05, seed=7, scope="model"):
+    """``hdet.warm_init_`` on an FSDP2 model over a (replicate, shard) mesh: the full weights before and after, the std
+    it returned, and the noise an unsharded copy of the model gets from ``warm_init_(copy, rank=replica)``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 3))
+    plain = copy.deepcopy(model)
+    fully_shard(model, mesh=mesh)
+    before = torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
+    std = hdet.warm_init_(model, nu=nu, seed=seed, scope=scope)
+    after = torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
+    replica = mesh.get_local_rank(0)
+    plain_std = hdet.warm_init_(plain, rank=replica, nu=nu, seed=seed, scope=scope)
+    return {"before": before, "after": after, "std": std, "replica": replica, "plain_std": plain_std,
+            "plain_after": torch.cat([p.detach().reshape(-1) for p in plain.parameters()])}

@@ -462,3 +462,36 @@ def test_hsdp_batchnorm_statistics_are_one_after_a_converge_step(shape):
         first = res[0]["buffers_after"][k]
         same = [all(torch.equal(a, b) for a, b in zip(first, r["buffers_after"][k])) for r in res[1:]]
         assert same == ([True] * 3 if shape[0] > 1 else [False] * 3), (k, same)
+
+
+def _hsdp_warm_init(rank, world, shape, scope):
+    from dist_workers import hsdp_warm_init
+
+    return hsdp_warm_init(rank, world, mesh_shape=shape, scope=scope)
+
+
+@pytest.mark.parametrize("shape,scope", [((2, 2), "model"), ((2, 2), "tensor"), ((4, 1), "model"), ((1, 4), "model")])
+def test_warm_init_of_sharded_replicas_perturbs_each_replica_whole(shape, scope):
+    """warm_init_ refused FSDP2/HSDP parameters. Each rank now perturbs its own shards: the shard ranks of a replica
+    assemble one perturbed model, replicas differ, the std is Eq. 10's over the whole replica (nu ||theta_0|| /
+    sqrt(d), each tensor's own under scope="tensor"), each shard draws its own noise, and on an (R, 1) mesh each
+    replica gets exactly the noise warm_init_(model, rank=r) gives it unsharded (as under DDP)."""
+    res = check_ok(run_gloo(_hsdp_warm_init, 4, shape, scope))
+    R, S = shape
+    assert [r["replica"] for r in res] == [i // S for i in range(4)]
+    before = res[0]["before"]
+    for r in res:
+        assert torch.equal(r["before"], before)
+        assert r["std"] == pytest.approx(r["plain_std"], rel=1e-6)  # the whole replica's norm, not the shard's
+        assert torch.equal(r["after"], res[r["replica"] * S]["after"])  # one model per replica
+    if scope == "model":
+        assert res[0]["std"] == pytest.approx(0.05 * before.norm().item() / before.numel() ** 0.5, rel=1e-5)
+    noise = [res[k * S]["after"] - before for k in range(R)]
+    for k in range(R):
+        assert 0.8 < noise[k].std().item() / res[k * S]["std"] < 1.2 or scope == "tensor"
+        assert all(not torch.equal(noise[k], noise[j]) for j in range(k))  # replicas differ
+        if S == 1:  # each replica's noise is DDP's
+            assert torch.equal(res[k]["after"], res[k]["plain_after"])
+    if S > 1:  # the shards' noise: own streams (the first weight's two halves, rows 0-31 and 32-63)
+        w = noise[0][:64 * 32].view(64, 32)
+        assert not torch.allclose(w[:32], w[32:])

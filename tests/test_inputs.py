@@ -222,13 +222,15 @@ def test_warm_init_noise_is_not_drawn_from_the_stream_of_the_initial_weights():
     assert torch.equal(again[0].weight, m[0].weight)  # reproducible
 
 
-def test_warm_init_refuses_sharded_parameters_with_a_message():
-    """On an FSDP2 model warm_init_ failed inside torch ("aten.add_.Tensor got mixed torch.Tensor and DTensor"); it now
-    says that sharded parameters are not supported (a DTensor is recognised by its placements)."""
-    p = torch.nn.Parameter(torch.ones(4))
+def test_warm_init_refuses_a_mix_of_sharded_and_plain_parameters_with_a_message():
+    """On an FSDP2 model warm_init_ failed inside torch ("aten.add_.Tensor got mixed torch.Tensor and DTensor"); sharded
+    parameters are now supported (tests/test_distributed.py), and a list mixing them with plain ones is refused with a
+    message (a DTensor is recognised by its placements)."""
+    p, q = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
     p.placements = ("Shard(dim=0)",)  # what marks a DTensor here
-    with pytest.raises(ValueError, match="FSDP2/HSDP DTensor parameters: warm_init_ does not support sharded"):
-        hdet.warm_init_([p], rank=1)
+    with pytest.raises(ValueError, match=r"Expected every parameter a DTensor on one device mesh \(FSDP2/HSDP\) or "
+                                         r"none, but got 1 of 2 DTensors"):
+        hdet.warm_init_([p, q], rank=1)
 
 
 def test_a_param_group_added_after_the_scheduler_is_an_error_that_says_so():

@@ -38,9 +38,13 @@ def warm_init_(
     Args:
         params: this replica's module (the DDP-wrapped one's ``.module``: its trainable parameters; frozen ones are
             left as they are, equal on every replica, and a converge step keeps them so up to rounding) or the
-            tensors to perturb.
-        rank: this replica's index (default: the process group's rank; without one, 0 and a warning: in the
-            one-process engine pass ``rank=r`` for replica ``r``, ``for r, m in enumerate(engine.models)``).
+            tensors to perturb. FSDP2/HSDP (DTensor) parameters, all on one device mesh: each rank perturbs its
+            own shards, with the norm of the whole replica (one all_reduce over the mesh's shard dimensions) and a
+            stream of its own per (replica, shard); the replica is the rank's coordinate on the mesh's
+            ``"replicate"`` dimension (a 2-D mesh's first without names; a mesh without one holds one replica).
+        rank: this replica's index (default: the process group's rank, or with DTensors the replicate coordinate;
+            without a process group, 0 and a warning: in the one-process engine pass ``rank=r`` for replica ``r``,
+            ``for r, m in enumerate(engine.models)``).
         nu: the noise scale of Eq. 10.
         seed: replica ``r`` draws from a generator seeded by a hash of ``(seed, r)``.
         scope: "model" (Eq. 10) or "tensor".
@@ -51,7 +55,16 @@ def warm_init_(
     nu = x
     if scope not in ("model", "tensor"):
         raise ValueError(f"Expected scope 'model' or 'tensor', but got {scope!r}")
-    if rank is None:
+    if isinstance(params, nn.Module):  # its trainable parameters: a frozen one is never averaged, so its noise
+        tensors = [p for p in params.parameters() if p.is_floating_point() and p.requires_grad]  # would stay
+    else:
+        tensors = [p for p in params if p.is_floating_point()]
+    if not tensors:
+        raise ValueError("Expected at least one floating-point parameter, but got none")
+    sharded = _Sharded.of(tensors)
+    if rank is None and sharded is not None:
+        rank = sharded.replica
+    elif rank is None:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
@@ -65,41 +78,67 @@ def warm_init_(
     if r is None or r < 0 or s is None or s < 0:
         raise ValueError(f"Expected integers rank >= 0 and seed >= 0, but got rank={rank!r}, seed={seed!r}")
     rank, seed = r, s
-    if isinstance(params, nn.Module):  # its trainable parameters: a frozen one is never averaged, so its noise
-        tensors = [p for p in params.parameters() if p.is_floating_point() and p.requires_grad]  # would stay
-    else:
-        tensors = [p for p in params if p.is_floating_point()]
-    if not tensors:
-        raise ValueError("Expected at least one floating-point parameter, but got none")
-    if any(hasattr(p, "placements") for p in tensors):  # DTensors: torch's "mixed Tensor and DTensor" error else
-        raise ValueError("Expected plain (DDP) parameters, but got FSDP2/HSDP DTensor parameters: warm_init_ does not "
-                         "support sharded replicas yet (it is optional: leave it out)")
+    local = [p.to_local() if sharded else p for p in tensors]  # DTensors: this rank's shards (views of them)
+    shard = sharded.shard if sharded else ()
     generators: dict[torch.device, torch.Generator] = {}
 
     def noise_like(p: torch.Tensor) -> torch.Tensor:
         if p.device not in generators:
-            generators[p.device] = torch.Generator(device=p.device).manual_seed(_stream(seed, rank))
+            generators[p.device] = torch.Generator(device=p.device).manual_seed(_stream(seed, rank, shard))
         return torch.randn(p.shape, generator=generators[p.device], device=p.device, dtype=torch.float32)
 
+    # every tensor's sum of squares over the whole replica: HOST SYNC, once (and with DTensors one COLLECTIVE)
+    sq = torch.stack([p.detach().float().pow(2).sum().to(local[0].device, torch.float64) for p in local])
+    sq = (sharded.sum_over_shards(sq) if sharded else sq).tolist()
+    numels = [p.numel() for p in tensors]  # (a DTensor's: the whole tensor's)
     if scope == "model":
-        d = sum(p.numel() for p in tensors)
-        sq = sum(float(p.detach().float().pow(2).sum()) for p in tensors)  # host sync, once
-        std = nu * (sq / d) ** 0.5
-        for p in tensors:
-            p.add_(noise_like(p).mul_(std).to(p.dtype))
-        return std
-    stds = []
-    for p in tensors:
-        std = nu * float(p.detach().float().norm()) / p.numel() ** 0.5  # host sync, once per tensor
+        stds = [nu * (sum(sq) / sum(numels)) ** 0.5] * len(local)
+    else:  # the reference README's: each tensor's own
+        stds = [nu * (q / n) ** 0.5 for q, n in zip(sq, numels)]
+    for p, std in zip(local, stds):
         p.add_(noise_like(p).mul_(std).to(p.dtype))
-        stds.append(std)
     return max(stds)
 
 
-def _stream(seed: int, rank: int) -> int:
+class _Sharded:
+    """FSDP2/HSDP (DTensor) parameters on one device mesh: this rank's replica, its coordinates on the shard
+    dimensions, and the sum of a vector over the replica's shards."""
+
+    def __init__(self, mesh: object, replicate: int | None) -> None:
+        self.mesh = mesh
+        self.shard_dims = [d for d in range(mesh.ndim) if d != replicate]
+        self.replica = mesh.get_local_rank(replicate) if replicate is not None else 0
+        # (a dimension of size 1 shards nothing: on an (R, 1) mesh each replica draws the noise it draws under DDP)
+        self.shard = tuple(mesh.get_local_rank(d) for d in self.shard_dims if mesh.size(d) > 1)
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor]) -> "_Sharded | None":
+        marked = [hasattr(p, "placements") for p in tensors]
+        if not any(marked):
+            return None
+        meshes = {id(getattr(p, "device_mesh", None)) for p in tensors}
+        if not all(marked) or not callable(getattr(tensors[0], "to_local", None)) or len(meshes) != 1:
+            raise ValueError("Expected every parameter a DTensor on one device mesh (FSDP2/HSDP) or none, but got "
+                             f"{sum(marked)} of {len(tensors)} DTensors on {len(meshes)} mesh(es)")
+        mesh = tensors[0].device_mesh
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        replicate = names.index("replicate") if "replicate" in names else 0 if not names and mesh.ndim == 2 else None
+        return cls(mesh, replicate)
+
+    def sum_over_shards(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        for d in self.shard_dims:  # (x lives where the shards do: the mesh's device)
+            dist.all_reduce(x, group=self.mesh.get_group(d))  # COLLECTIVE: the replica's shards' sums
+        return x
+
+
+def _stream(seed: int, rank: int, shard: tuple[int, ...] = ()) -> int:
     """Replica ``rank``'s generator seed for ``seed``: a hash, so that it is no seed a user sets. Seeded ``seed +
     rank``, replica 0's noise came from the stream ``torch.manual_seed(seed)`` had drawn the model's initial
     weights from (correlated with them: tests/test_inputs.py), and run seed s's replica 1 was
-    run seed s + 1's replica 0."""
-    digest = hashlib.sha256(f"hdet.warm_init:{seed}:{rank}".encode()).digest()
+    run seed s + 1's replica 0. ``shard``: a sharded replica's coordinates on the mesh's shard dimensions (each
+    shard draws its own noise)."""
+    key = f"hdet.warm_init:{seed}:{rank}" + "".join(f":{i}" for i in shard)
+    digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1  # < 2**63
