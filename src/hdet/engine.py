@@ -253,8 +253,12 @@ class ReplicaEngine:
                                     shared=self.stack.one_grad_row)
         return "stacked"
 
-    def _stop_stacked(self, why: str) -> None:
-        """From now on each replica's ``optimizer.step()`` (its own copy of the state)."""
+    def _stop_stacked(self, why: str, warn: bool = True, stacklevel: int = 3) -> None:
+        """From now on each replica's ``optimizer.step()`` (its own copy of the state); ``warn``: say so (N optimizer
+        steps a step instead of one, and N copies of the moments: a cost the user should hear of once)."""
+        if self._stacked is not None and warn:
+            warnings.warn(f"hdet: the engine steps each replica's optimizer from now on, instead of one stacked step for "
+                          f"all ({why}): slower, with a copy of the optimizer state per replica", stacklevel=stacklevel)
         if self._stacked is not None:
             self._stacked.release()
             self._stacked = None
@@ -342,7 +346,9 @@ class ReplicaEngine:
         self.stack.backward(losses)
         self._keep_reassigned(reassigned)  # (after the backward: it may have saved the old value)
         if self._stacked is not None and not self.stack.grads_bound and not self.stack.bind_grads():
-            self._stop_stacked("a parameter got no gradient (unused in the loss)")
+            unused = [n for n, p in self.stack.params.items() if p.requires_grad and p.grad is None]
+            self._stop_stacked(f"{_names(unused)} got no gradient at the first step (unused in the loss; freeze what "
+                               "it never uses with requires_grad_(False) to keep the stacked step)", stacklevel=5)
         if self.share_gradients:  # (local mode: each replica keeps its own gradient)
             self.stack.average_gradients()
         return losses.detach()
@@ -545,7 +551,8 @@ class ReplicaEngine:
                 self.stack.rebind_grads()
         stepped = False
         if self._stacked is not None and self.stack.missing:  # the stacked step moves every column: per-replica
-            self._stop_stacked(f"a parameter got no gradient at step {t} (unused in the loss)")  # steps skip it
+            self._stop_stacked(f"{_names(self.stack.missing)} got no gradient at step {t} (unused in the loss)")  # steps
+            # skip it
         if self._stacked is not None and self.mode == "vmap":
             try:
                 self._stacked.step()  # every replica's optimizer.step() at once
@@ -553,8 +560,8 @@ class ReplicaEngine:
             except Unstackable as e:  # raised before anything changed: step each replica, from now on
                 self._stop_stacked(str(e))
         if not stepped:
-            if self._stacked is not None:  # "auto" fell back to the loop
-                self._stop_stacked("loop mode")
+            if self._stacked is not None:  # "auto" fell back to the loop (which warned)
+                self._stop_stacked("loop mode", warn=False)
             for o in self.optimizers:
                 o.step()
             share_local([s.ensemble.step_scale for s in self.schedulers])  # Prodigy's estimate, one per step
@@ -615,3 +622,10 @@ class ReplicaEngine:
             for c in self._copies:
                 c.clear()
             self._following = None  # checked again at the next step (a few us a replica)
+
+
+def _names(names: Sequence[str]) -> str:
+    """Parameter names for a message: the first three, and how many more."""
+    shown = ", ".join(repr(n) for n in list(names)[:3])
+    return f"parameter {shown}" if len(names) == 1 else f"parameters {shown}" + (
+        f" and {len(names) - 3} more" if len(names) > 3 else "")
