@@ -855,3 +855,44 @@ def test_a_onecycle_lr_state_says_how_to_go_on_under_hdet():
         o3.step()
         s3.step()
     assert s3.last_sync.step == 100
+
+
+def test_an_epoch_counter_passed_as_the_loss_is_said():
+    """torch documents CosineAnnealingWarmRestarts.step(epoch + i / iters); under HDETLR those numbers were taken as
+    losses and the base counted optimizer steps, silently (an audit: LRs 0.05, 0.1, 0.05, ... for torch's 0.1,
+    0.0962, 0.0854, ...). Three first losses in an exact arithmetic progression upward now warn; losses do not."""
+    from torch.optim.lr_scheduler import CosineAnnealingWarmRestarts
+
+    def build():
+        p = torch.nn.Parameter(torch.zeros(2))
+        o = torch.optim.SGD([p], lr=0.1)
+        return o, hdet.HDETLR(o, CosineAnnealingWarmRestarts(o, T_0=2), total_steps=20)
+    o, s = build()
+    with pytest.warns(UserWarning, match=r"got 0\.0, 0\.25, 0\.5: an epoch counter"):
+        for i in range(3):
+            o.step()
+            s.step(0 + i / 4)
+    o, s = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for loss in (2.31, 2.2, 2.25, 2.0, 0.0, 0.25, 0.5):  # losses, and an arithmetic run after the first three
+            o.step()
+            s.step(loss)
+
+
+def test_a_base_schedule_stepped_elsewhere_is_an_error():
+    """base.step() besides HDETLR's step ran the base at twice its speed, silently (an audit: StepLR(4, 0.5) halved
+    the LR every 2 steps, 0.0015625 at step 12 instead of 0.025)."""
+    from torch.optim.lr_scheduler import StepLR
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    o = torch.optim.SGD([p], lr=0.1)
+    base = StepLR(o, step_size=4, gamma=0.5)
+    s = hdet.HDETLR(o, base, total_steps=12)
+    o.step()
+    s.step(1.0)  # fine
+    o.step()
+    base.step()
+    with pytest.raises(ValueError, match=r"Expected the base schedule \(StepLR\) at step 1, as this scheduler, but it "
+                                         r"is at step 2: it was stepped elsewhere"):
+        s.step(1.0)

@@ -46,8 +46,10 @@ class HDETLR(LRScheduler):
 
     Args:
         optimizer: the replica's optimizer.
-        base: an ``LRScheduler`` on the same optimizer (stepped by this scheduler: do not step it yourself; not
-            ``ReduceLROnPlateau``, which steps on a validation metric),
+        base: an ``LRScheduler`` on the same optimizer (stepped by this scheduler, once per optimizer step: do not
+            step it yourself, and give a schedule counted in epochs, such as ``CosineAnnealingWarmRestarts``'
+            ``T_0`` or ``StepLR``'s ``step_size``, in optimizer steps; not ``ReduceLROnPlateau``, which steps on a
+            validation metric),
             a callable ``step -> lr`` (one float, or one per group), or None for the groups' constant LRs.
         total_steps: the number of optimizer steps of the run.
         config: an :class:`hdet.HDETConfig`; its fields may also be given as keyword arguments (``**options``:
@@ -146,6 +148,7 @@ class HDETLR(LRScheduler):
         self._opt_hook = innermost(optimizer).register_step_post_hook(self._count_optimizer_step)
         self._warned_double_step = self._warned_missed_step = self._warned_epoch = self._checked_local = False
         self._unmatched = 0  # scheduler steps with no optimizer step (a GradScaler's skips, or a prepared scheduler)
+        self._first_floats: list[float] | None = []  # the first losses given as numbers (an epoch counter? step())
         super().__init__(optimizer, last_epoch)
 
     # -- the base schedule ----------------------------------------------------------------------
@@ -308,6 +311,8 @@ class HDETLR(LRScheduler):
             warnings.warn(f"hdet: scheduler.step({loss}) got an int: HDET's step takes this step's training loss, not "
                           "an epoch (torch's deprecated step(epoch) is not supported); it was taken as a loss. Pass "
                           "the loss (a tensor or float), or nothing", stacklevel=2)
+        elif isinstance(loss, float) and self._first_floats is not None:
+            self._check_epoch_counter(loss)
         if loss is not None:
             self._hdet.observe(loss)
         if getattr(self, "_step_count", 0) == 0:  # LRScheduler.__init__'s own first step
@@ -324,6 +329,22 @@ class HDETLR(LRScheduler):
             elif stalled:  # every step of a stretch skipped on every replica: reset the bad replica now
                 self._recover_stall(t, self._guard.watch)
             self.end_step()
+
+    def _check_epoch_counter(self, loss: float) -> None:
+        """torch documents ``CosineAnnealingWarmRestarts.step(epoch + i / iters)``: under HDET that number was taken
+        as the loss, silently (and the base, stepped once per optimizer step, counted steps). Three first losses in
+        an exact arithmetic progression upward are an epoch counter, not losses: said once."""
+        self._first_floats.append(loss)
+        if len(self._first_floats) < 3:
+            return
+        a, b, c = self._first_floats
+        self._first_floats = None
+        if b > a and math.isclose(c - b, b - a, rel_tol=1e-9) and not self._warned_epoch:
+            self._warned_epoch = True
+            warnings.warn(f"hdet: scheduler.step() got {a!r}, {b!r}, {c!r}: an epoch counter (torch's step(epoch + "
+                          "i / iters))? HDET's step takes this step's training loss (they were taken as losses) and "
+                          "steps the base schedule once per optimizer step: pass the loss, or nothing, and give "
+                          "the base's periods (CosineAnnealingWarmRestarts' T_0) in optimizer steps", stacklevel=3)
 
     def begin_step(self, lead: "HDETLR | None" = None) -> int:
         """The first half of :meth:`step` (the one-process engine runs the sync between the halves): checks,
@@ -351,6 +372,12 @@ class HDETLR(LRScheduler):
         elif self._base is not None:
             # Chainable schedulers compute from group['lr']: give them their own last value, not base * rho (nor
             # the base, which holds the controller's correction and the LR cuts: they would compound every step)
+            stepped = getattr(self._base, "last_epoch", self.last_epoch)  # (ChainedScheduler keeps no count)
+            if stepped != self.last_epoch:
+                raise ValueError(f"Expected the base schedule ({type(self._base).__name__}) at step {self.last_epoch}, "
+                                 f"as this scheduler, but it is at step {stepped}: it was stepped elsewhere (HDETLR "
+                                 "steps it, once per optimizer step; a second base.step() runs the schedule at twice "
+                                 "its speed). Step only the HDETLR")
             for g, b in zip(self.optimizer.param_groups, self._scheduled_bases()):
                 g["lr"] = b if not isinstance(g["lr"], torch.Tensor) else g["lr"].fill_(b)
             self._base.step()
