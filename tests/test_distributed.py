@@ -495,3 +495,23 @@ def test_warm_init_of_sharded_replicas_perturbs_each_replica_whole(shape, scope)
     if S > 1:  # the shards' noise: own streams (the first weight's two halves, rows 0-31 and 32-63)
         w = noise[0][:64 * 32].view(64, 32)
         assert not torch.allclose(w[:32], w[32:])
+
+
+def _half_averaging(rank, world, dtype, contiguous):
+    from dist_workers import half_averaging
+
+    return half_averaging(rank, world, dtype=dtype, contiguous=contiguous)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_half_precision_averages_are_summed_in_float32(dtype, contiguous):
+    """fp16/bf16 replicas were averaged in their own dtype: BatchNorm's running_var of 38240 and 38976 averaged to +Inf
+    in fp16 (then the next sync blamed every replica), and the "hook" guard summed fp16 gradients of 4e4 before
+    dividing (+Inf, where plain DDP divides first: 4e4). Now: the mean rounded once, and DDP's gradient."""
+    res = check_ok(run_gloo(_half_averaging, 2, dtype, contiguous))
+    want = ((res[0]["before"].double() + res[1]["before"].double()) / 2).to(dtype)
+    for r in res:
+        assert r["guard"] == "hook"
+        assert torch.equal(r["after"], want) and torch.isfinite(r["after"]).all()
+        assert torch.equal(r["grad"], torch.full((1, 4), 4e4, dtype=dtype))

@@ -630,3 +630,36 @@ def test_a_huge_finite_gradient_is_not_left_out(monkeypatch, reduce, free_host_r
                         lambda o, rep, m: hdet.HDETLR(o, None, total_steps=5, replicas=rep, model=m), mode="vmap")
     eng.step((torch.tensor([1e37, 1.0]),), lambda m, b: (m.weight * b[0]).sum(), stacked=True)
     torch.testing.assert_close(eng.models[1].weight.grad, torch.full((1, 64), 5e36))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_half_precision_adam_computes_in_float32_as_fused_adam_does(dtype, amsgrad):
+    """An fp16 model with AdamW(fused=True) (engine.md's example optimizer): the stacked step computed in fp16, where
+    eps = 1e-8 is 0, and every weight was NaN after the first step (an audit). It now computes in float32 and stores
+    in the model's dtype, as torch's fused AdamW does each replica's step (the per-replica steps: the reference)."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
+
+    def opt(m):
+        return torch.optim.AdamW(m.parameters(), lr=0.01, fused=True, amsgrad=amsgrad)
+
+    def loss(m, b):
+        return F.cross_entropy(m(b[0].to(dtype)).float(), b[1])
+    fast = _engine(opt, model=model(), loss_fn=loss, steps=1)
+    slow = _engine(opt, stacked=False, model=model(), loss_fn=loss, steps=1)
+    assert fast.optimizer_path == "stacked"
+    ulp = {"rtol": 1e-3, "atol": 1e-4} if dtype == torch.float16 else {"rtol": 8e-3, "atol": 1e-3}
+    for ma, mb in zip(fast.models, slow.models):  # one step: the same to the last bit of the dtype
+        for pa, pb in zip(ma.parameters(), mb.parameters()):
+            assert pa.dtype == dtype and torch.isfinite(pa).all()
+            torch.testing.assert_close(pa, pb, **ulp)
+    for oa, ob in zip(fast.optimizers, slow.optimizers):
+        for pa, pb in zip(oa.state, ob.state):
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert oa.state[pa][k].dtype == dtype and torch.equal(oa.state[pa][k], ob.state[pb][k])
+    # later steps stay finite (they do not stay within a bit of the per-replica steps: without loss scaling many
+    # of fp16's second moments underflow to 0, and a moment one bit apart then takes a step 10x the LR either way)
+    fast = _engine(opt, model=model(), loss_fn=loss, steps=8)
+    assert all(torch.isfinite(p).all() for m in fast.models for p in m.parameters())

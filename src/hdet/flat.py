@@ -27,7 +27,9 @@ def contiguous_parameters_(module: nn.Module) -> dict[tuple[torch.device, torch.
     building the optimizer; a later ``module.to(...)`` gives each parameter its own storage again (the
     averaging then falls back to copying through buckets: slower, the same result up to the order of the sums at
     more than 2 replicas). Gradients keep their
-    own layout (DDP's ``gradient_as_bucket_view`` handles those). The parameters then share one storage:
+    own layout (DDP's ``gradient_as_bucket_view`` handles those). Each parameter is stored row-major: a ``channels_last``
+    convolution weight loses that layout (the results are the same; its speed may differ). fp16/bf16 runs are
+    averaged through float32 buckets, not in place (:mod:`hdet.replicas`). The parameters then share one storage:
     ``torch.save``, ``safetensors.torch.save_file`` of a state_dict and Hugging Face's ``save_pretrained`` save them
     as usual; ``safetensors.torch.save_model`` refuses them (it wants each tensor to cover its storage)."""
     groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}

@@ -548,14 +548,22 @@ class StackedStep:
         bc2 = self._one(c, 6, [math.sqrt(1 - b ** t) for b in v["b2"]])
         eps = self._one(c, 7, v["eps"])
         m, s = mom["exp_avg"], mom["exp_avg_sq"]
+        half = m.dtype in (torch.float16, torch.bfloat16)  # computed in float32, stored in theirs, as torch's fused
+        if half:  # Adam does (in fp16, eps = 1e-8 is 0: every weight was NaN after the first step, an audit)
+            m, s, g = m.float(), s.float(), g.float()
         m.lerp_(g, b1c)
         if isinstance(b2c, torch.Tensor):
             s.mul_(b2).add_(g * g * b2c)
         else:
             s.mul_(b2).addcmul_(g, g, value=b2c)
+        if half:
+            mom["exp_avg"].copy_(m)
+            mom["exp_avg_sq"].copy_(s)
         if v["amsgrad"]:
-            torch.maximum(mom["max_exp_avg_sq"], s, out=mom["max_exp_avg_sq"])
-            s = mom["max_exp_avg_sq"]
+            most = mom["max_exp_avg_sq"]
+            s = torch.maximum(most.float(), s) if half else torch.maximum(most, s, out=most)
+            if half:
+                most.copy_(s)
         return m / (s.sqrt() / bc2).add_(eps)
 
     def _sgd_direction(self, th: torch.Tensor, g: torch.Tensor, mom: dict[str, torch.Tensor], v: dict[str, Any],

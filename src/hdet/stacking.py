@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .replicas import HALF, accumulation
 from .stacked_optim import Segment, param_view, trained
 from .sync import as_real
 
@@ -284,15 +285,18 @@ class StackedReplicas:
             ok = torch.isfinite(torch.stack([r.sum(1, dtype=torch.float64) for r in rows]).sum(0))  # [N] (float64:
             # no sum of finite float32 values overflows, so no healthy replica is left out)
             self._sum_rows(rows, dests, ok)
-        G.div_(self.N)
+        if G.dtype not in HALF:  # (fp16/bf16: divided in the sum's float32, _sum_rows)
+            G.div_(self.N)
 
-    @staticmethod
-    def _sum_rows(rows: list[torch.Tensor], dests: list[torch.Tensor], ok: torch.Tensor | None) -> None:
-        """``dest = sum_r rows[r]`` for each tensor, over the replicas ``ok`` says are finite (all: None)."""
+    def _sum_rows(self, rows: list[torch.Tensor], dests: list[torch.Tensor], ok: torch.Tensor | None) -> None:
+        """``dest = sum_r rows[r]`` for each tensor, over the replicas ``ok`` says are finite (all: None); fp16/bf16:
+        ``sum_r rows[r] / N``, summed and divided in float32 (their own sum of N finite gradients overflowed fp16)."""
         for r, d in zip(rows, dests):
             if ok is not None:
                 r = r[ok] if _free_host_read(r.device) else r.masked_fill(~ok.unsqueeze(1), 0)
-            if d.is_contiguous():
+            if d.dtype in HALF:
+                d.copy_(r.sum(0, dtype=torch.float32).div_(self.N).view(d.shape))
+            elif d.is_contiguous():
                 torch.sum(r, 0, out=d.view(-1))
             else:
                 d.copy_(r.sum(0).view(d.shape))
@@ -376,16 +380,17 @@ class StackedReplicas:
                 g.copy_(torch.where(keep, g, torch.zeros_like(g)).mean(0, keepdim=True).expand_as(g))
             return
         G = self.grad
+        acc = accumulation(G.dtype)  # fp16/bf16: summed in float32 (their own sum of N finite gradients overflowed)
         if _free_host_read(G.device):  # a host read costs nothing here (the CPU): mask only when needed
-            total = G.sum(0, keepdim=True)
+            total = G.sum(0, keepdim=True, dtype=acc)
             if not bool(torch.isfinite(total.sum(dtype=torch.float64))):  # HOST SYNC (CPU: free): a NaN/Inf in a row
                 G.masked_fill_(~torch.isfinite(G).all(1, keepdim=True), 0)
-                total = G.sum(0, keepdim=True)
+                total = G.sum(0, keepdim=True, dtype=acc)
         else:
             ok = torch.isfinite(G.sum(1, dtype=torch.float64))  # [N]: a NaN or Inf anywhere makes its sum one
             # (float64: no sum of finite float32 values overflows there, so no healthy replica is left out)
             G.masked_fill_(~ok.unsqueeze(1), 0)
-            total = G.sum(0, keepdim=True)
+            total = G.sum(0, keepdim=True, dtype=acc)
         mean = total.div_(self.N)
         if self.one_grad_row:  # every replica's .grad is a view of row 0
             G[:1].copy_(mean)
