@@ -815,13 +815,13 @@ def scaler_resume(rank, world, *, total=50, T=10, nan_at=22, ckpt=20):
     return out
 
 
-def hsdp_warm_init(rank, world, *, mesh_shape=(2, 2), nu=0.05, seed=7, scope="model"):
+def hsdp_warm_init(rank, world, *, mesh_shape=(2, 2), nu=0.05, seed=7, scope="model", names=("replicate", "shard")):
     """``hdet.warm_init_`` on an FSDP2 model over a (replicate, shard) mesh: the full weights before and after, the std
     it returned, and the noise an unsharded copy of the model gets from ``warm_init_(copy, rank=replica)``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 3))
     plain = copy.deepcopy(model)
@@ -858,3 +858,26 @@ def half_averaging(rank, world, *, dtype=torch.float16, contiguous=False):
     o.step()
     s.step(loss.detach())
     return {"grad": grad, "before": before, "after": net[0].running_var.clone(), "guard": s.gradient_guard}
+
+
+def average_into(rank, world):
+    """A recovery's average (``exclude=into=[the last rank]``, its tensors NaN): the others keep their own tensors, the
+    last gets their mean. A tensor of at least one bucket, small ones sharing one, a bf16 one."""
+    torch.manual_seed(rank)
+    tensors = [torch.randn(4096), torch.randn(8), torch.randn(8), torch.randn(8).bfloat16()]
+    bad = world - 1
+    mine = [t.clone() for t in tensors]
+    others = [t.double() for t in tensors]
+    for t in others:
+        if rank == bad:
+            t.zero_()
+        dist.all_reduce(t)
+        t.div_(world - 1)
+    if rank == bad:
+        for t in tensors:
+            t.fill_(float("nan"))
+    hdet.ProcessGroupReplicas(bucket_cap_mb=0.001).average_(tensors, exclude=[bad], into=[bad])
+    if rank == bad:
+        return {"ok": all(torch.allclose(t.double(), e, rtol=1e-2, atol=1e-2) if t.dtype == torch.bfloat16 else
+                          torch.allclose(t.double(), e, rtol=1e-6, atol=1e-7) for t, e in zip(tensors, others))}
+    return {"ok": all(torch.equal(t, m) for t, m in zip(tensors, mine))}

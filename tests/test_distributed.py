@@ -464,19 +464,23 @@ def test_hsdp_batchnorm_statistics_are_one_after_a_converge_step(shape):
         assert same == ([True] * 3 if shape[0] > 1 else [False] * 3), (k, same)
 
 
-def _hsdp_warm_init(rank, world, shape, scope):
+def _hsdp_warm_init(rank, world, shape, scope, names):
     from dist_workers import hsdp_warm_init
 
-    return hsdp_warm_init(rank, world, mesh_shape=shape, scope=scope)
+    return hsdp_warm_init(rank, world, mesh_shape=shape, scope=scope, names=names)
 
 
-@pytest.mark.parametrize("shape,scope", [((2, 2), "model"), ((2, 2), "tensor"), ((4, 1), "model"), ((1, 4), "model")])
-def test_warm_init_of_sharded_replicas_perturbs_each_replica_whole(shape, scope):
+@pytest.mark.parametrize("shape,scope,names", [((2, 2), "model", ("replicate", "shard")),
+                                               ((2, 2), "tensor", ("replicate", "shard")),
+                                               ((2, 2), "model", ("dp", "fsdp")),  # the first dimension: replicas
+                                               ((4, 1), "model", ("replicate", "shard")),
+                                               ((1, 4), "model", ("replicate", "shard"))])
+def test_warm_init_of_sharded_replicas_perturbs_each_replica_whole(shape, scope, names):
     """warm_init_ refused FSDP2/HSDP parameters. Each rank now perturbs its own shards: the shard ranks of a replica
     assemble one perturbed model, replicas differ, the std is Eq. 10's over the whole replica (nu ||theta_0|| /
     sqrt(d), each tensor's own under scope="tensor"), each shard draws its own noise, and on an (R, 1) mesh each
     replica gets exactly the noise warm_init_(model, rank=r) gives it unsharded (as under DDP)."""
-    res = check_ok(run_gloo(_hsdp_warm_init, 4, shape, scope))
+    res = check_ok(run_gloo(_hsdp_warm_init, 4, shape, scope, names))
     R, S = shape
     assert [r["replica"] for r in res] == [i // S for i in range(4)]
     before = res[0]["before"]
@@ -515,3 +519,17 @@ def test_half_precision_averages_are_summed_in_float32(dtype, contiguous):
         assert r["guard"] == "hook"
         assert torch.equal(r["after"], want) and torch.isfinite(r["after"]).all()
         assert torch.equal(r["grad"], torch.full((1, 4), 4e4, dtype=dtype))
+
+
+def _average_into(rank, world):
+    from dist_workers import average_into
+
+    return average_into(rank, world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_recovery_average_leaves_the_healthy_replicas_tensors_alone(world):
+    """average_(exclude=into=[bad]) (a recovery's optimizer moments): a tensor of at least one bucket was flattened as
+    a view of itself, so the all_reduce wrote the mean into every healthy replica's own tensor (a review; the healthy
+    replicas' moments were replaced by their mean). Only the reset replica receives it now."""
+    assert all(r["ok"] for r in check_ok(run_gloo(_average_into, world)))

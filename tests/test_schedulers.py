@@ -896,3 +896,13 @@ def test_a_base_schedule_stepped_elsewhere_is_an_error():
     with pytest.raises(ValueError, match=r"Expected the base schedule \(StepLR\) at step 1, as this scheduler, but it "
                                          r"is at step 2: it was stepped elsewhere"):
         s.step(1.0)
+    from torch.optim.lr_scheduler import ChainedScheduler, ExponentialLR  # (it keeps no count of its own: its
+    o = torch.optim.SGD([p], lr=0.1)                                       # schedules' is read)
+    chained = ChainedScheduler([StepLR(o, step_size=4, gamma=0.5), ExponentialLR(o, gamma=0.9)])
+    s = hdet.HDETLR(o, chained, total_steps=12)
+    o.step()
+    s.step(1.0)
+    o.step()
+    chained.step()
+    with pytest.raises(ValueError, match=r"Expected the base schedule \(ChainedScheduler\) at step 1"):
+        s.step(1.0)

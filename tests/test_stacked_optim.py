@@ -632,18 +632,20 @@ def test_a_huge_finite_gradient_is_not_left_out(monkeypatch, reduce, free_host_r
     torch.testing.assert_close(eng.models[1].weight.grad, torch.full((1, 64), 5e36))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype,fused", [(torch.float16, True), (torch.bfloat16, True), (torch.bfloat16, False)])
 @pytest.mark.parametrize("amsgrad", [False, True])
-def test_half_precision_adam_computes_in_float32_as_fused_adam_does(dtype, amsgrad):
+def test_half_precision_adam_computes_in_float32_as_fused_adam_does(dtype, fused, amsgrad, monkeypatch):
     """An fp16 model with AdamW(fused=True) (engine.md's example optimizer): the stacked step computed in fp16, where
-    eps = 1e-8 is 0, and every weight was NaN after the first step (an audit). It now computes in float32 and stores
-    in the model's dtype, as torch's fused AdamW does each replica's step (the per-replica steps: the reference)."""
+    eps = 1e-8 is 0, and every weight was NaN after the first step (an audit). With a fused optimizer it now computes
+    in float32 and stores in the model's dtype, as torch's fused AdamW does each replica's step (the per-replica steps:
+    the reference), a slice of columns at a time; a non-fused one's steps stay in the weights' dtype, as torch's."""
+    monkeypatch.setattr(hdet.stacked_optim, "OPMATH_SLICE", 100)  # several slices (the model has 163 columns)
     def model():
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
 
     def opt(m):
-        return torch.optim.AdamW(m.parameters(), lr=0.01, fused=True, amsgrad=amsgrad)
+        return torch.optim.AdamW(m.parameters(), lr=0.01, fused=fused, amsgrad=amsgrad)
 
     def loss(m, b):
         return F.cross_entropy(m(b[0].to(dtype)).float(), b[1])

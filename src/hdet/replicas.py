@@ -70,9 +70,15 @@ def accumulation(dtype: torch.dtype) -> torch.dtype:
 
 
 def _flat_for_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The tensors flattened into one buffer, in :func:`accumulation`'s dtype."""
-    flat = _flatten_dense_tensors(tensors)
-    return flat.to(accumulation(flat.dtype))
+    """The tensors copied back to back into a new buffer, in :func:`accumulation`'s dtype (never a view of one of
+    them: torch's ``_flatten_dense_tensors`` of one tensor is its view, and a replica outside ``into`` then got the
+    mean written into its own tensor by the all_reduce)."""
+    acc = accumulation(tensors[0].dtype)
+    if acc == tensors[0].dtype and len(tensors) > 1:
+        return _flatten_dense_tensors(tensors)  # (one new buffer already)
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=acc, device=tensors[0].device)
+    torch._foreach_copy_(list(_unflatten_dense_tensors(flat, tensors)), list(tensors))  # (fp16/bf16: no half copy)
+    return flat
 
 
 def _copy_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
@@ -147,8 +153,9 @@ class ProcessGroupReplicas(Replicas):
 
     ``bucket_cap_mb`` bounds the extra memory of averaging: two flat buckets at a time (one being
     reduced while the next is flattened), never a copy of the whole model; contiguous parameters
-    (:func:`hdet.contiguous_parameters_`) need no bucket at all. Averaging runs in each tensor's own dtype; NCCL averages with
-    ``ReduceOp.AVG`` (its own accumulation precision), other backends sum then divide by N."""
+    (:func:`hdet.contiguous_parameters_`) need no bucket at all. Averaging runs in each tensor's own dtype, fp16 and
+    bf16 in float32 (:func:`accumulation`: through buckets, never in place); NCCL averages with ``ReduceOp.AVG`` (its
+    own accumulation precision), other backends sum then divide by N."""
 
     def __init__(self, group: Any = None, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, shard_group: Any = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):

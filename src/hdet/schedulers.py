@@ -372,12 +372,13 @@ class HDETLR(LRScheduler):
         elif self._base is not None:
             # Chainable schedulers compute from group['lr']: give them their own last value, not base * rho (nor
             # the base, which holds the controller's correction and the LR cuts: they would compound every step)
-            stepped = getattr(self._base, "last_epoch", self.last_epoch)  # (ChainedScheduler keeps no count)
+            stepped = _step_count_of(self._base, self.last_epoch)
             if stepped != self.last_epoch:
                 raise ValueError(f"Expected the base schedule ({type(self._base).__name__}) at step {self.last_epoch}, "
-                                 f"as this scheduler, but it is at step {stepped}: it was stepped elsewhere (HDETLR "
-                                 "steps it, once per optimizer step; a second base.step() runs the schedule at twice "
-                                 "its speed). Step only the HDETLR")
+                                 f"as this scheduler, but it is at step {stepped}: it was stepped elsewhere, or built "
+                                 "or loaded at another step (HDETLR steps it, once per optimizer step; a second "
+                                 "base.step() runs the schedule at twice its speed). Step only the HDETLR, and resume "
+                                 "with its load_state_dict")
             for g, b in zip(self.optimizer.param_groups, self._scheduled_bases()):
                 g["lr"] = b if not isinstance(g["lr"], torch.Tensor) else g["lr"].fill_(b)
             self._base.step()
@@ -575,6 +576,15 @@ def _check_cycled_beta1(cycle_momentum: bool, explore: Sequence[Any]) -> None:
     if cycle_momentum and any(isinstance(h, AdamBeta) and h.index == 0 for h in explore):
         raise ValueError("Expected cycle_momentum=False when exploring beta1 (AdamBeta(index=0)): "
                          "the base schedule's momentum cycle (OneCycleLR, CyclicLR) writes beta1 too")
+
+
+def _step_count_of(base: LRScheduler, default: int) -> int:
+    """The steps a base schedule has taken: its ``last_epoch``, or a ``ChainedScheduler``'s (which keeps none) its
+    schedules' when they agree; ``default`` when there is nothing to read."""
+    if hasattr(base, "last_epoch"):
+        return base.last_epoch
+    counts = {getattr(b, "last_epoch", None) for b in getattr(base, "_schedulers", ())}
+    return counts.pop() if len(counts) == 1 and None not in counts else default
 
 
 def _resolve_base(base: Any, optimizer: torch.optim.Optimizer) -> tuple[LRScheduler | None, Callable | None]:

@@ -470,6 +470,7 @@ class StackedStep:
             v["b2"] = [float(g["betas"][1]) for g in groups]
             v["eps"] = [float(g["eps"]) for g in groups]
             v["amsgrad"] = bool(g0["amsgrad"])
+            v["fused"] = bool(g0.get("fused"))
             v["decoupled"] = decoupled(self.optimizers[0], g0)
             shaping = ("b1", "b2", "eps")
         else:
@@ -547,24 +548,15 @@ class StackedStep:
         b2, b2c = self._one(c, 4, v["b2"]), self._one(c, 5, [1 - b for b in v["b2"]])
         bc2 = self._one(c, 6, [math.sqrt(1 - b ** t) for b in v["b2"]])
         eps = self._one(c, 7, v["eps"])
-        m, s = mom["exp_avg"], mom["exp_avg_sq"]
-        half = m.dtype in (torch.float16, torch.bfloat16)  # computed in float32, stored in theirs, as torch's fused
-        if half:  # Adam does (in fp16, eps = 1e-8 is 0: every weight was NaN after the first step, an audit)
-            m, s, g = m.float(), s.float(), g.float()
-        m.lerp_(g, b1c)
-        if isinstance(b2c, torch.Tensor):
-            s.mul_(b2).add_(g * g * b2c)
-        else:
-            s.mul_(b2).addcmul_(g, g, value=b2c)
-        if half:
-            mom["exp_avg"].copy_(m)
-            mom["exp_avg_sq"].copy_(s)
-        if v["amsgrad"]:
-            most = mom["max_exp_avg_sq"]
-            s = torch.maximum(most.float(), s) if half else torch.maximum(most, s, out=most)
-            if half:
-                most.copy_(s)
-        return m / (s.sqrt() / bc2).add_(eps)
+        if v["fused"] and th.dtype in (torch.float16, torch.bfloat16):  # as torch's fused Adam: in float32 (in fp16,
+            # eps = 1e-8 is 0, and every weight was NaN after the first step: an audit), a slice at a time
+            out = torch.empty(mom["exp_avg"].shape, dtype=th.dtype, device=th.device)
+            for a in range(0, out.shape[1], OPMATH_SLICE):
+                cols = slice(a, a + OPMATH_SLICE)
+                part = {name: m[:, cols] for name, m in mom.items()}
+                out[:, cols] = _adam_moments(g[:, cols], part, v["amsgrad"], b1c, b2, b2c, bc2, eps, opmath=True)
+            return out
+        return _adam_moments(g, mom, v["amsgrad"], b1c, b2, b2c, bc2, eps, opmath=False)
 
     def _sgd_direction(self, th: torch.Tensor, g: torch.Tensor, mom: dict[str, torch.Tensor], v: dict[str, Any],
                        c: torch.Tensor, t: int) -> torch.Tensor:
@@ -583,6 +575,32 @@ class StackedStep:
         else:
             buf.mul_(mu).add_(g, alpha=keep)
         return g + mu * buf if v["nesterov"] else buf
+
+
+OPMATH_SLICE = 1 << 22  # columns computed in float32 at a time (fp16/bf16 weights): bounds the float32 copies
+
+
+def _adam_moments(g: torch.Tensor, mom: dict[str, torch.Tensor], amsgrad: bool, b1c: Any, b2: Any, b2c: Any, bc2: Any,
+                  eps: Any, opmath: bool) -> torch.Tensor:
+    """Adam's moments in ``mom``, updated in place, and ``u = m / (sqrt(v) / bc2 + eps)``; ``opmath``: computed in
+    float32 (the moments stored back in their dtype), as torch's fused Adam computes fp16/bf16 weights' steps."""
+    m, s = mom["exp_avg"], mom["exp_avg_sq"]
+    if opmath:
+        m, s, g = m.float(), s.float(), g.float()
+    m.lerp_(g, b1c)
+    if isinstance(b2c, torch.Tensor):
+        s.mul_(b2).add_(g * g * b2c)
+    else:
+        s.mul_(b2).addcmul_(g, g, value=b2c)
+    if opmath:
+        mom["exp_avg"].copy_(m)
+        mom["exp_avg_sq"].copy_(s)
+    if amsgrad:
+        most = mom["max_exp_avg_sq"]
+        s = torch.maximum(most.float(), s) if opmath else torch.maximum(most, s, out=most)
+        if opmath:
+            most.copy_(s)
+    return m / (s.sqrt() / bc2).add_(eps)
 
 
 def _distance_unsupported(o: torch.optim.Optimizer) -> str | None:

@@ -121,14 +121,26 @@ class _Sharded:
             raise ValueError("Expected every parameter a DTensor on one device mesh (FSDP2/HSDP) or none, but got "
                              f"{sum(marked)} of {len(tensors)} DTensors on {len(meshes)} mesh(es)")
         mesh = tensors[0].device_mesh
+        if mesh.ndim > 2:
+            raise ValueError(f"Expected a 1-D or 2-D (replicate, shard) device mesh, but got {mesh.ndim} dimensions")
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        replicate = names.index("replicate") if "replicate" in names else 0 if not names and mesh.ndim == 2 else None
+        # the scheduler's reading (hdet.replicas.resolve_replicas): a 2-D mesh's replicas are its "replicate"
+        # dimension, else its first; a 1-D mesh named ("replicate",) holds whole replicas, another 1-D one shards one
+        replicate = names.index("replicate") if "replicate" in names else 0 if mesh.ndim == 2 else None
+        for p in tensors:  # FSDP2/HSDP's placements: Replicate along the replicas, Shard along the other dimension
+            for d, placement in enumerate(p.placements):
+                if placement.is_shard() == (d == replicate):
+                    raise ValueError(f"Expected each parameter replicated along the mesh's replicate dimension and "
+                                     f"sharded along the other (FSDP2/HSDP), but got placements {p.placements}: "
+                                     "warm_init_ does not support this layout")
         return cls(mesh, replicate)
 
     def sum_over_shards(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
-        for d in self.shard_dims:  # (x lives where the shards do: the mesh's device)
+        kind = self.mesh.device_type  # the collective's device (the shards may be offloaded to the CPU)
+        x = x.to(torch.device(kind, torch.get_device_module(kind).current_device()) if kind != "cpu" else "cpu")
+        for d in self.shard_dims:
             dist.all_reduce(x, group=self.mesh.get_group(d))  # COLLECTIVE: the replica's shards' sums
         return x
 
