@@ -61,6 +61,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--only", default=None, help="comma list of HDET configs to run next to plain")
     p.add_argument("--converge-only", action="store_true", help="skip the step-time part (one HDET model)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the model's parameters (with --converge-only): fp16/bf16 are averaged in float32")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="HDET's averaging bucket size")
     p.add_argument("--out", default=None, help="also write the JSON line here (rank 0)")
     p.add_argument("--clip", type=float, default=None, help="every model clips its gradients to this norm")
@@ -94,10 +96,12 @@ def main() -> None:
     configs = {k: v for k, v in configs.items() if k == "plain" or a.only is None or k in a.only.split(",")}
     if a.converge_only:
         configs = {"hdet_T100": configs.get("hdet_T100", (100, "auto", False, False))}
+    elif a.dtype != "float32":
+        p.error("--dtype is for --converge-only (the step-time part trains float32 weights under bf16 autocast)")
     for name, (T, guard, local, contiguous) in configs.items():
         T = T if T is None or not a.tiny else T // 10
         torch.manual_seed(0)
-        model = ByteGPT(ctx, d, layers, heads, vocab=vocab).to(dev)  # GPT-2 small's shape at vocab 50304
+        model = ByteGPT(ctx, d, layers, heads, vocab=vocab).to(dev, getattr(torch, a.dtype))  # GPT-2 small's shape
         if contiguous:
             hdet.contiguous_parameters_(model)
         ddp = DDP(model, device_ids=[dev.index] if cuda else None)
@@ -157,7 +161,7 @@ def main() -> None:
            "world": world, "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "python": platform.python_version(),
            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-           "params": next(iter(runs.values()))["params"],
+           "params": next(iter(runs.values()))["params"], "dtype": a.dtype,
            "guards": {k: r["guard"] for k, r in runs.items() if r["T"]}}
     if not a.converge_only:
         out.update(step_times(runs, train_block, steps, warm, block, a, ctx))
@@ -356,6 +360,7 @@ def converge(out: dict, ens, dev, reps: int, sync_dev) -> None:
     tensors = ens.tensors()
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     flat = torch.zeros(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=dev)
+    flat32 = flat.float()  # fp16/bf16 weights are averaged in float32: this is their floor
     cont = torch.cat([t.detach().reshape(-1) for t in tensors])  # the same tensors laid out back to back
     views, o = [], 0  # (what hdet.contiguous_parameters_ does)
     for t in tensors:
@@ -385,6 +390,7 @@ def converge(out: dict, ens, dev, reps: int, sync_dev) -> None:
           "converge_separate_100mb": timed_op(lambda: big.average_(tensors)),
           "converge_contiguous": timed_op(lambda: ens.replicas.average_(views)),
           "flat_all_reduce": timed_op(lambda: dist.all_reduce(flat)),
+          "flat_all_reduce_float32": timed_op(lambda: dist.all_reduce(flat32)),  # (= flat for float32 weights)
           "per_tensor_loop": timed_op(lambda: [dist.all_reduce(t) for t in tensors])}  # the reference's way
     try:
         ms["per_tensor_coalesced"] = timed_op(coalesced)

@@ -835,12 +835,12 @@ def hsdp_warm_init(rank, world, *, mesh_shape=(2, 2), nu=0.05, seed=7, scope="mo
             "plain_after": torch.cat([p.detach().reshape(-1) for p in plain.parameters()])}
 
 
-def half_averaging(rank, world, *, dtype=torch.float16, contiguous=False):
+def half_averaging(rank, world, *, dtype=torch.float16, contiguous=False, device="cpu"):
     """A half-precision model under DDP with HDET (SGD: the "hook" guard): its BatchNorm's running_var set per rank to
     values whose fp16 sum overflows, one step of per-rank fp16 gradients of 4e4 (also an fp16 overflow when summed),
     then a converge step. Returns the averaged gradient, each rank's running_var before and the mean after."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 1, bias=False)).to(dtype)
+    net = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 1, bias=False)).to(device, dtype)
     if contiguous:
         hdet.contiguous_parameters_(net)
     model = DDP(net, broadcast_buffers=False)
@@ -851,7 +851,7 @@ def half_averaging(rank, world, *, dtype=torch.float16, contiguous=False):
     net[0].running_var.copy_(torch.tensor([38240.0, 38976.0, 1.0, 3.0]) if rank == 0 else
                              torch.tensor([38976.0, 38240.0, 2.0, 1.0]))
     before = net[0].running_var.clone()
-    loss = model(torch.full((1, 4), 4e4, dtype=dtype)).sum() * 0 + (net[1].weight * 4e4).sum()
+    loss = model(torch.full((1, 4), 4e4, dtype=dtype, device=device)).sum() * 0 + (net[1].weight * 4e4).sum()
     o.zero_grad()
     loss.backward()
     grad = net[1].weight.grad.clone()
