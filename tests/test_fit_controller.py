@@ -382,3 +382,20 @@ def test_eval_mode_runs_a_modules_own_train_and_eval():
     with eval_mode(net):
         assert net[0].merged and not any(m.training for m in net.modules())
     assert net.training and net[0].training and not net[0].merged and not net[1].training
+
+
+def test_the_window_mean_of_float64_parameters_keeps_their_precision():
+    """The fit controller's window sum was float32 for every parameter: a float64 model's probe saw its mean iterate
+    rounded to float32 (1 + 2e-12 read as 1.0). float64 parameters are now summed in float64."""
+    from hdet.window import WindowMean
+
+    m = nn.Linear(1, 1, bias=False).double()
+    wm = WindowMean(list(m.parameters()))
+    for k in (1, 2, 3):
+        with torch.no_grad():
+            m.weight.fill_(1.0 + k * 1e-12)
+        wm.add()
+    seen = []
+    wm.probe(m, lambda model: seen.append(model.weight.item()) or torch.zeros(()))
+    assert seen[0] == pytest.approx(1.0 + 2e-12, abs=1e-15) and seen[0] != 1.0
+    assert m.weight.item() == 1.0 + 3e-12  # the weights came back

@@ -120,7 +120,7 @@ class LossWindow:
 
 class WindowMean:
     """The mean of this replica's iterates over the window (Polyak), for the fit controller: a float32 sum
-    of the parameters after each optimizer step, and the probe evaluated at the mean (the parameters'
+    (float64 for float64 parameters) of the parameters after each optimizer step, and the probe evaluated at the mean (the parameters'
     storage swapped for the mean's and back, as schedule_free's ``eval()`` swaps to its average)."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
@@ -132,11 +132,10 @@ class WindowMean:
     def add(self) -> None:
         """Add the parameters now: one foreach add on their devices, no host sync. Once per optimizer step."""
         params = [p.detach() for p in self.params]
-        if self.sum is None:
-            self.sum = [p.to(torch.float32, copy=True) for p in params]
+        if self.sum is None:  # float32 sums (float64 for float64 parameters: their mean at their own precision)
+            self.sum = [p.to(torch.float64 if p.dtype == torch.float64 else torch.float32, copy=True) for p in params]
         else:
-            torch._foreach_add_(self.sum, [p.float() for p in params] if any(
-                p.dtype != torch.float32 for p in params) else params)
+            torch._foreach_add_(self.sum, [p if p.dtype == s.dtype else p.to(s.dtype) for p, s in zip(params, self.sum)])
         self.n += 1
 
     def reset(self) -> None:
