@@ -881,3 +881,32 @@ def average_into(rank, world):
         return {"ok": all(torch.allclose(t.double(), e, rtol=1e-2, atol=1e-2) if t.dtype == torch.bfloat16 else
                           torch.allclose(t.double(), e, rtol=1e-6, atol=1e-7) for t, e in zip(tensors, others))}
     return {"ok": all(torch.equal(t, m) for t, m in zip(tensors, mine))}
+
+
+def two_optimizers(rank, world, *, fused=(False, False), nan_at=3, steps=6):
+    """One DDP model, its two layers in two optimizers, each with its own OneCycleAutoLR (``fused``: each optimizer's
+    AdamW flag). Rank 1's loss is NaN at step ``nan_at``. Returns each scheduler's guard, hdet's warnings and whether
+    the weights stayed finite."""
+    import warnings
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    model = DDP(net)
+    opts = [torch.optim.AdamW(net[i].parameters(), lr=0.01, fused=f) for i, f in zip((0, 2), fused)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scheds = [hdet.OneCycleAutoLR(o, max_lr=0.01, total_steps=steps, ensemble_lr_spread_ratio=0.2,
+                                      model_sync_interval=steps, model=model) for o in opts]
+        for t in range(1, steps + 1):
+            x, y = batch(rank, t)
+            loss = nn.functional.mse_loss(model(x[:, :4]), y[:, :1])
+            if rank == 1 and t == nan_at:
+                loss = loss * float("nan")
+            for o in opts:
+                o.zero_grad()
+            loss.backward()
+            for o, s in zip(opts, scheds):
+                o.step()
+                s.step(loss.detach())
+    return {"guards": [s.gradient_guard for s in scheds], "finite": all(torch.isfinite(p).all() for p in net.parameters()),
+            "warnings": [str(w.message) for w in caught if str(w.message).startswith("hdet: ") and "guard" in str(w.message)]}

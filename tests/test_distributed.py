@@ -533,3 +533,24 @@ def test_a_recovery_average_leaves_the_healthy_replicas_tensors_alone(world):
     a view of itself, so the all_reduce wrote the mean into every healthy replica's own tensor (a review; the healthy
     replicas' moments were replaced by their mean). Only the reset replica receives it now."""
     assert all(r["ok"] for r in check_ok(run_gloo(_average_into, world)))
+
+
+def _two_optimizers(rank, world, fused):
+    from dist_workers import two_optimizers
+
+    return two_optimizers(rank, world, fused=fused)
+
+
+@pytest.mark.parametrize("fused", [(False, False), (True, False), (False, True), (True, True)])
+def test_two_schedulers_on_one_ddp_model_share_its_guard_or_say_why_not(fused):
+    """One DDP model, two optimizers, a scheduler each (an audit): with two non-fused optimizers the second scheduler
+    warned that it could not install its "hook" guard and reported none, although the first's hook guards every bucket
+    (it now shares it: "hook", no warning); with a fused and a non-fused one, the hook zeroed the NaN before the fused
+    one's "skip-all" check, which reported a guard that never acted (now a warning says so). Every NaN stays out."""
+    res = check_ok(run_gloo(_two_optimizers, 2, fused))
+    want = ["skip-all" if f else "hook" for f in fused]
+    for r in res:
+        assert r["guards"] == want and r["finite"]
+        mixed = [w for w in r["warnings"] if "same kind" in w]
+        assert not [w for w in r["warnings"] if "could not install" in w]
+        assert len(mixed) == (1 if len(set(want)) == 2 else 0), r["warnings"]

@@ -51,6 +51,7 @@ GradScaler (whose skipped steps stall every replica alike), :class:`ScalerWatch`
 import copy
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -610,6 +611,34 @@ def resolve_guard(guard: Any, optimizer: torch.optim.Optimizer, advise: bool = T
     return guard
 
 
+_KINDS_ON: "weakref.WeakKeyDictionary[Any, set[str]]" = weakref.WeakKeyDictionary()  # DDP model -> guard kinds
+
+
+def _check_one_kind(ddp: "torch.nn.parallel.DistributedDataParallel", guard: str) -> None:
+    """Several schedulers (one per optimizer) on one DDP model: a "hook" guard zeroes a replica's non-finite
+    contribution to every bucket before a "skip" guard's check runs, which then never sees it (an audit: the fused
+    optimizer's parameters stepped on the healthy mean while its scheduler reported "skip-all"). Said, once a mix is
+    installed."""
+    kinds = _KINDS_ON.setdefault(ddp, set())
+    if kinds and ("hook" in kinds) != (guard == "hook"):
+        warnings.warn(f"hdet: this DDP model's gradients get a \"hook\" gradient guard (a non-fused optimizer's "
+                      f"scheduler) and a \"skip\" one (a fused optimizer's: {sorted(kinds | {guard})}): the hook "
+                      "zeroes a replica's non-finite contribution before the skip check runs, so the fused optimizer's "
+                      "parameters step on the healthy replicas' mean instead of skipping. Give every optimizer of one "
+                      "DDP model the same kind (all fused, or none; or guard_gradients=\"hook\" for all)",
+                      stacklevel=5)
+    kinds.add(guard)
+
+
+def _hdet_hook_on(ddp: "torch.nn.parallel.DistributedDataParallel") -> HookGuard | None:
+    """The :class:`HookGuard` another scheduler registered on ``ddp`` (DDP keeps its comm hook in ``_comm_hooks``), if
+    any."""
+    for hook, state in getattr(ddp, "_comm_hooks", ()):
+        if hook is _guarded_allreduce and isinstance(state, HookGuard):
+            return state
+    return None
+
+
 def install_gradient_guard(ddp: "torch.nn.parallel.DistributedDataParallel", optimizer: torch.optim.Optimizer,
                            loss_scale: LossScale, process_group: Any = None) -> HookGuard | None:
     """Register the hook guard (:class:`HookGuard`) on ``ddp`` for ``optimizer``; None (with a warning) if DDP
@@ -620,7 +649,8 @@ def install_gradient_guard(ddp: "torch.nn.parallel.DistributedDataParallel", opt
     except RuntimeError as e:
         state.remove()
         warnings.warn(f"hdet: could not install the gradient guard on the DDP model ({e}); a non-finite "
-                      "gradient on one replica will reach all of them", stacklevel=3)
+                      "gradient on one replica will reach all of them. DDP takes one comm hook: with a hook of your "
+                      "own, a fused optimizer (fused=True) gets hdet's \"skip\" guard, which needs none", stacklevel=3)
         return None
     return state
 
@@ -698,6 +728,9 @@ class GuardSetting:
         if self.installed is not None or not (ddp or sharded):
             return
         guard = resolve_guard(self.guard, self.optimizer, advise=ddp, mesh=sharded, recovering=self.recovering)
+        shared = _hdet_hook_on(model) if ddp else None  # another scheduler's "hook" guard on this DDP model
+        if ddp and guard in ("hook", "skip", "skip-all"):
+            _check_one_kind(model, guard)
         if guard in ("skip", "skip-all"):
             # FSDP2/HSDP: ranks hold different shards, so they agree on the decision over the whole mesh
             mesh = self.device_mesh
@@ -706,6 +739,8 @@ class GuardSetting:
                                           reads="sentinels" if guard == "skip" else "all")
             self.watch = SkipWatch(self.skip, local=lambda: self.local, loss_scale=self.loss_scale)
             self.installed = guard
+        elif guard == "hook" and ddp and shared is not None:  # one hook guards every bucket of the model: shared
+            self.installed = "hook"  # (its GradScaler watch follows the optimizer that installed it)
         elif guard == "hook" and ddp:
             self.hook = install_gradient_guard(model, self.optimizer, self.loss_scale, self.process_group)
             self.installed = "hook" if self.hook is not None else None
