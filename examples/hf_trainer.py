@@ -17,13 +17,14 @@ from hdet.integrations.hf import HDETTrainer
 
 
 class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=256, ctx=16, uneven=False):
+    def __init__(self, n=256, ctx=16, uneven=False, label0=False):
         g = torch.Generator().manual_seed(0)
         base = torch.arange(ctx) * 3
         self.x = (base + torch.randint(0, 8, (n, 1), generator=g)) % 64  # learnable: arithmetic sequences
         self.labels = self.x.clone()
-        if uneven:  # no label at position 0 (nothing predicts it), and rank 1 keeps every 4th label only
-            self.labels[:, 0] = -100
+        if uneven:  # no label at position 0 (nothing predicts it; --label0 keeps it), rank 1 every 4th label only
+            if not label0:
+                self.labels[:, 0] = -100
             if int(os.environ.get("RANK", 0)) == 1:
                 self.labels[:, torch.arange(ctx) % 4 != 1] = -100
 
@@ -37,7 +38,7 @@ class Tokens(torch.utils.data.Dataset):
 class Record(TrainerCallback):
     def __init__(self, stop_at=None):
         self.lrs, self.stop_at, self.logs, self.windows, self.hdet_logged = [], stop_at, [], [], []
-        self.ce, self.own_losses = [0.0, 0], []  # --uneven: this rank's per-token loss of each optimizer step
+        self.ce, self.own_losses = [0.0, 0], []  # this rank's per-token loss of each optimizer step
 
     def on_train_begin(self, args, state, control, lr_scheduler=None, **kw):  # hdet's window losses at each sync
         lr_scheduler.ensemble.on_sync.append(lambda r: self.windows.append((r.step, r.losses)))
@@ -68,8 +69,9 @@ def main():
     p.add_argument("--nan-at", type=int, default=None, help="rank 1's loss is NaN in this optimizer step")
     p.add_argument("--own-scheduler", action="store_true", help="pass optimizers=(AdamW, a linear schedule) to the "
                    "Trainer: HDET wraps that schedule")
-    p.add_argument("--uneven", action="store_true", help="rank 1's batches have a quarter of the labels; each rank "
-                   "records its own per-token loss")
+    p.add_argument("--uneven", action="store_true", help="rank 1's batches have a quarter of the labels")
+    p.add_argument("--label0", action="store_true", help="with --uneven: keep the label at position 0 (a causal LM's "
+                   "loss never predicts it)")
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -87,7 +89,7 @@ def main():
             loss = super().compute_loss(model, inputs, *args, **kwargs)
             if rank == 1 and self.state.global_step + 1 == a.nan_at:
                 loss = loss * float("nan")
-            if a.uneven:  # this rank's own per-token loss, measured apart (no gradient; dropout is off)
+            if model.training:  # this rank's own per-token loss, measured apart (no gradient; dropout is off)
                 with torch.no_grad():
                     logits = getattr(model, "module", model)(input_ids=inputs["input_ids"]).logits[:, :-1]
                     labels = inputs["labels"][:, 1:]
@@ -102,7 +104,7 @@ def main():
 
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         own = {"optimizers": (opt, get_linear_schedule_with_warmup(opt, 2, 20))}
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(uneven=a.uneven), callbacks=[rec], **own,
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(uneven=a.uneven, label0=a.label0), callbacks=[rec], **own,
                           hdet=dict(ensemble_lr_spread_ratio=a.alpha, model_sync_interval=5, controller="paper", enable_auto_lr=True,
                                     auto_lr_warmup_steps=10, loss_scale=0.05))
     trainer.train(resume_from_checkpoint=a.resume)
@@ -112,6 +114,7 @@ def main():
                 else 0, "perms": s.ensemble.perms, "step": s.last_epoch, "world": s.world_size, "logs": rec.logs,
                 "windows": rec.windows, "guard": s.gradient_guard, "hdet_logged": rec.hdet_logged,
                 "own_losses": rec.own_losses, "scheduler": type(s).__name__,
+                "trainer_shifts_labels": bool(getattr(trainer, "_loss_shifts_labels", True)),
                 "finite": all(bool(torch.isfinite(q).all()) for q in model.parameters())},
                os.path.join(a.out, f"result_rank{rank}.pt"))
     if torch.distributed.is_initialized():
