@@ -77,6 +77,8 @@ def main():
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                                        attn_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    model.loss_type = "ForCausalLM"  # a GPT-2 built from its config has none: transformers then counts position 0,
+    # which its loss never predicts, among each sequence's tokens (docs/hf_trainer.md)
     args = TrainingArguments(output_dir=a.out, per_device_train_batch_size=4, gradient_accumulation_steps=a.ga,
                              max_steps=20, save_steps=a.save_steps, logging_steps=5, learning_rate=3e-3,
                              lr_scheduler_type="linear", warmup_steps=2, use_cpu=True, report_to=[], seed=0,

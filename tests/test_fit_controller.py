@@ -399,3 +399,8 @@ def test_the_window_mean_of_float64_parameters_keeps_their_precision():
     wm.probe(m, lambda model: seen.append(model.weight.item()) or torch.zeros(()))
     assert seen[0] == pytest.approx(1.0 + 2e-12, abs=1e-15) and seen[0] != 1.0
     assert m.weight.item() == 1.0 + 3e-12  # the weights came back
+    state = wm.state_dict()  # a state saved in float32 (before float64 sums) loads as float64
+    state["sum"] = [x.float() for x in state["sum"]]
+    again = WindowMean(list(m.parameters()))
+    again.load(again.parse(state))
+    assert all(x.dtype == torch.float64 for x in again.sum)

@@ -57,11 +57,9 @@ def _check_losses_and_logged_lr(res):
     logged = {step: (loss, lr) for step, loss, lr in r0["logs"]}
     assert [s for s, _ in r0["windows"]] == [5, 10, 15, 20] == sorted(logged)
     assert r0["windows"] == r1["windows"]  # every replica's window loss, the same record on both ranks
-    # (every position labelled: where transformers counts position 0, which a causal LM's loss never predicts, its
-    # logged loss is divided by 16 tokens a sequence where hdet's, each rank's own per-token loss, counts 15)
-    counted = 1.0 if r0["trainer_shifts_labels"] else 15 / 16
+    assert r0["trainer_shifts_labels"]  # (the example sets the model's loss_type: docs/hf_trainer.md)
     for step, losses in r0["windows"]:
-        assert sum(losses) / 2 * counted == pytest.approx(logged[step][0], rel=1e-5)
+        assert sum(losses) / 2 == pytest.approx(logged[step][0], rel=1e-5)
     for rank, r in enumerate(res):  # each rank's window loss: its own per-token loss, measured apart
         for k, (_, losses) in enumerate(r["windows"]):
             assert losses[rank] == pytest.approx(sum(r["own_losses"][5 * k:5 * k + 5]) / 5, rel=1e-4)
@@ -98,8 +96,8 @@ def test_hf_trainer_window_loss_is_each_ranks_own_per_token_loss_with_uneven_tok
     """transformers' default average_tokens_across_devices divides each rank's loss by every rank's token
     count: with rank 1 holding a quarter of rank 0's labels, its replica looked 4x better than it is. Each
     window's loss is this rank's own per-token loss (measured apart by the example), on both ranks; also with
-    position 0 labelled, which transformers 5.24 counted for a GPT-2 built from its config (loss_type None): rank 0's
-    loss read x15/16, rank 1's x3/4 (an audit)."""
+    position 0 labelled, which transformers 5.24 counts for a GPT-2 built from its config unless its loss_type is
+    set, as the example and docs/hf_trainer.md do (without it, rank 0's loss read x15/16, rank 1's x3/4: an audit)."""
     out = tmp_path / "uneven"
     _torchrun(out, "--uneven", *(["--label0"] if label0 else []))
     for rank, r in enumerate(_results(out)):

@@ -631,8 +631,7 @@ def _check_one_kind(ddp: "torch.nn.parallel.DistributedDataParallel", guard: str
 
 
 def _hdet_hook_on(ddp: "torch.nn.parallel.DistributedDataParallel") -> HookGuard | None:
-    """The :class:`HookGuard` another scheduler registered on ``ddp`` (DDP keeps its comm hook in ``_comm_hooks``), if
-    any."""
+    """The :class:`HookGuard` a scheduler registered on ``ddp`` (DDP keeps its comm hook in ``_comm_hooks``), if any."""
     for hook, state in getattr(ddp, "_comm_hooks", ()):
         if hook is _guarded_allreduce and isinstance(state, HookGuard):
             return state
@@ -648,9 +647,18 @@ def install_gradient_guard(ddp: "torch.nn.parallel.DistributedDataParallel", opt
         ddp.register_comm_hook(state, _guarded_allreduce)
     except RuntimeError as e:
         state.remove()
-        warnings.warn(f"hdet: could not install the gradient guard on the DDP model ({e}); a non-finite "
-                      "gradient on one replica will reach all of them. DDP takes one comm hook: with a hook of your "
-                      "own, a fused optimizer (fused=True) gets hdet's \"skip\" guard, which needs none", stacklevel=3)
+        if _hdet_hook_on(ddp) is not None:  # another scheduler's (or a discarded one's): it zeroes a replica's
+            # non-finite contribution to every bucket, but watches that scheduler's optimizer only (its GradScaler,
+            # its stall counts): not this one's, so it is not taken as this scheduler's guard
+            warnings.warn("hdet: the DDP model already carries another HDET scheduler's \"hook\" gradient guard (DDP "
+                          "takes one comm hook): it keeps a replica's non-finite gradient out of every bucket, but "
+                          "watches that scheduler's optimizer only (its GradScaler, its early recovery), so this "
+                          "scheduler has no guard of its own. Build one scheduler per DDP model, or use fused "
+                          "optimizers (fused=True: the \"skip\" guard, one per optimizer)", stacklevel=3)
+        else:
+            warnings.warn(f"hdet: could not install the gradient guard on the DDP model ({e}); a non-finite gradient "
+                          "on one replica will reach all of them. DDP takes one comm hook: with a hook of your own, a "
+                          "fused optimizer (fused=True) gets hdet's \"skip\" guard, which needs none", stacklevel=3)
         return None
     return state
 
@@ -728,9 +736,6 @@ class GuardSetting:
         if self.installed is not None or not (ddp or sharded):
             return
         guard = resolve_guard(self.guard, self.optimizer, advise=ddp, mesh=sharded, recovering=self.recovering)
-        shared = _hdet_hook_on(model) if ddp else None  # another scheduler's "hook" guard on this DDP model
-        if ddp and guard in ("hook", "skip", "skip-all"):
-            _check_one_kind(model, guard)
         if guard in ("skip", "skip-all"):
             # FSDP2/HSDP: ranks hold different shards, so they agree on the decision over the whole mesh
             mesh = self.device_mesh
@@ -739,14 +744,14 @@ class GuardSetting:
                                           reads="sentinels" if guard == "skip" else "all")
             self.watch = SkipWatch(self.skip, local=lambda: self.local, loss_scale=self.loss_scale)
             self.installed = guard
-        elif guard == "hook" and ddp and shared is not None:  # one hook guards every bucket of the model: shared
-            self.installed = "hook"  # (its GradScaler watch follows the optimizer that installed it)
         elif guard == "hook" and ddp:
             self.hook = install_gradient_guard(model, self.optimizer, self.loss_scale, self.process_group)
             self.installed = "hook" if self.hook is not None else None
             if self.hook is not None and not _fused(self.optimizer):  # (steps stall only under a GradScaler; a fused
                 # optimizer, "hook" chosen by hand, is stepped by the scaler even when it skips: no count to read)
                 self.watch = ScalerWatch(self.hook, local=lambda: self.local)
+        if ddp and self.installed is not None:
+            _check_one_kind(model, self.installed)
         if self._resumed:  # (loaded before the model was attached)
             self.resumed()
         self._apply_loaded()

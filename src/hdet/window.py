@@ -133,7 +133,7 @@ class WindowMean:
         """Add the parameters now: one foreach add on their devices, no host sync. Once per optimizer step."""
         params = [p.detach() for p in self.params]
         if self.sum is None:  # float32 sums (float64 for float64 parameters: their mean at their own precision)
-            self.sum = [p.to(torch.float64 if p.dtype == torch.float64 else torch.float32, copy=True) for p in params]
+            self.sum = [p.to(_sum_dtype(p), copy=True) for p in params]
         else:
             torch._foreach_add_(self.sum, [p if p.dtype == s.dtype else p.to(s.dtype) for p, s in zip(params, self.sum)])
         self.n += 1
@@ -179,7 +179,13 @@ class WindowMean:
         if len(sums) != len(self.params) or any(tuple(x.shape) != tuple(p.shape) for x, p in zip(sums, self.params)):
             raise ValueError(f"Expected a window mean of {len(self.params)} tensors shaped like the parameters, but "
                              f"the state holds {len(sums)} that do not match")
-        return [x.to(p.device, copy=True) for x, p in zip(sums, self.params)], int(state["n"])  # never the caller's
+        return [x.to(p.device, _sum_dtype(p), copy=True) for x, p in zip(sums, self.params)], int(state["n"])  # (never
+        # the caller's; a float64 parameter's sum in float64 also when saved in float32, before that was so)
 
     def load(self, parsed: tuple[list[torch.Tensor] | None, int]) -> None:
         self.sum, self.n = parsed
+
+
+def _sum_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype of a window sum of ``p``: float32, float64 for a float64 parameter."""
+    return torch.float64 if p.dtype == torch.float64 else torch.float32

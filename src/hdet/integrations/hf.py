@@ -100,36 +100,22 @@ class HDETTrainer(Trainer):
         """The Trainer's token count of an accumulation window. With ``average_tokens_across_devices`` (its
         default) it is every rank's, and ``compute_loss`` returns ``own sum * world / all ranks' tokens``: a
         replica's loss weighted by its share of the tokens (with padding or masked labels, the replica with
-        fewer tokens looks better). The ratio that turns it back into this rank's own per-token loss (its tokens
-        counted as the model's loss counts them: :meth:`_hdet_loss_shifts_labels`) is kept for the window's losses
-        (:meth:`training_step`); the gradients are left as the Trainer makes them."""
+        fewer tokens looks better). The ratio that turns it back into this rank's own per-token loss is kept
+        for the window's losses (:meth:`training_step`); the gradients are left as the Trainer makes them."""
         n = super()._get_num_items_in_batch(batch_samples, device)
         self._hdet_token_scale = None
         args = self.args
-        own = _own_tokens(batch_samples, self._hdet_loss_shifts_labels()) if n is not None and args.n_gpu <= 1 else None
-        if own is not None:
-            across = args.average_tokens_across_devices and args.world_size > 1
+        if n is not None and args.average_tokens_across_devices and args.world_size > 1 and args.n_gpu <= 1:
+            args.average_tokens_across_devices = False
+            try:
+                own = super()._get_num_items_in_batch(batch_samples, device)  # this rank's count (no collective)
+            finally:
+                args.average_tokens_across_devices = True
             tp = self.get_tp_size() if hasattr(self, "get_tp_size") else 1  # (older transformers: no TP divisor)
-            per_rank = self.accelerator.num_processes // tp if across else 1  # compute_loss's multiplier
+            per_rank = self.accelerator.num_processes // tp  # compute_loss's multiplier
             own = torch.as_tensor(own, dtype=torch.float64, device=device).clamp(min=1)  # no tokens: loss 0 anyway
             self._hdet_token_scale = (torch.as_tensor(n, dtype=torch.float64, device=device) / (own * per_rank)).float()
         return n
-
-    def _hdet_loss_shifts_labels(self) -> bool:
-        """Whether the model's loss predicts ``labels[..., 1:]`` (a causal LM's): the Trainer's own answer, or the
-        model's loss function. transformers 5.24 reads it from the model's ``loss_type`` only, so a GPT-2 built from
-        its config (``loss_type=None``, whose loss is ``ForCausalLMLoss`` all the same) had position 0 counted: each
-        rank's loss was divided by one token a sequence too many (x15/16 at 16 tokens; x3/4 on a rank with 4 labels
-        a sequence: an audit)."""
-        if getattr(self, "_loss_shifts_labels", False):
-            return True
-        try:
-            from transformers.loss.loss_utils import ForCausalLMLoss
-        except ImportError:  # pragma: no cover - older transformers: its own count stands
-            return False
-        model = self.accelerator.unwrap_model(self.model)
-        is_enc_dec = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
-        return getattr(model, "loss_function", None) is ForCausalLMLoss and not is_enc_dec
 
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         loss = super().training_step(model, inputs, *args, **kwargs)  # scaled for the window, as the Trainer logs it
@@ -145,16 +131,6 @@ class HDETTrainer(Trainer):
         if isinstance(sched, HDETLR):
             return sched.base_lrs_now[0]  # the base schedule (mean over replicas), not this rank's multiplied LR
         return super()._get_learning_rate()
-
-
-def _own_tokens(batch_samples: list, shifts: bool) -> torch.Tensor | None:
-    """This rank's labelled tokens in an accumulation window, counted as the model's loss counts them (None when the
-    batches hold no labels the Trainer counts)."""
-    try:
-        return sum((b["shift_labels"] if "shift_labels" in b else b["labels"][..., 1:] if shifts else b["labels"])
-                   .ne(-100).sum() for b in batch_samples)
-    except (KeyError, TypeError, AttributeError):
-        return None
 
 
 class _HDETHooks(TrainerCallback):
