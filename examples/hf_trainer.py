@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 examples/hf_trainer.py --out /tmp/hf
 
-A tiny GPT-2 from GPT2Config trained by HDETTrainer
+A tiny GPT-2 from GPT2Config (or with --classifier a tiny BERT classifier) trained by HDETTrainer
 on 2 gloo processes, gradient accumulation 2; optionally stopped at a step and resumed from the
 checkpoint. Each rank writes its final weights, LRs seen and HDET state."""
 
@@ -11,7 +11,8 @@ import os
 import sys
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, TrainerCallback,
+                          TrainingArguments)
 
 from hdet.integrations.hf import HDETTrainer
 
@@ -27,6 +28,21 @@ class Tokens(torch.utils.data.Dataset):
                 self.labels[:, 0] = -100
             if int(os.environ.get("RANK", 0)) == 1:
                 self.labels[:, torch.arange(ctx) % 4 != 1] = -100
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.labels[i]}
+
+
+class Classes(torch.utils.data.Dataset):
+    """--classifier: sequences labelled by their sum mod 3, drawn apart on each rank."""
+
+    def __init__(self, n=256, ctx=16):
+        g = torch.Generator().manual_seed(int(os.environ.get("RANK", 0)))
+        self.x = torch.randint(0, 64, (n, ctx), generator=g)
+        self.labels = self.x.sum(1) % 3
 
     def __len__(self):
         return len(self.x)
@@ -72,6 +88,8 @@ def main():
     p.add_argument("--uneven", action="store_true", help="rank 1's batches have a quarter of the labels")
     p.add_argument("--label0", action="store_true", help="with --uneven: keep the label at position 0 (a causal LM's "
                    "loss never predicts it)")
+    p.add_argument("--classifier", action="store_true", help="a tiny BERT sequence classifier instead of the GPT-2 "
+                   "(its loss a plain mean: model.accepts_loss_kwargs = False, as docs/hf_trainer.md says)")
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -79,6 +97,11 @@ def main():
                                        attn_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0))
     model.loss_type = "ForCausalLM"  # a GPT-2 built from its config has none: transformers then counts position 0,
     # which its loss never predicts, among each sequence's tokens (docs/hf_trainer.md)
+    if a.classifier:
+        model = BertForSequenceClassification(BertConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+        model.accepts_loss_kwargs = False  # its forward takes **kwargs, its loss is a plain mean (docs/hf_trainer.md)
     args = TrainingArguments(output_dir=a.out, per_device_train_batch_size=4, gradient_accumulation_steps=a.ga,
                              max_steps=20, save_steps=a.save_steps, logging_steps=5, learning_rate=3e-3,
                              lr_scheduler_type="linear", warmup_steps=2, use_cpu=True, report_to=[], seed=0,
@@ -91,7 +114,12 @@ def main():
             loss = super().compute_loss(model, inputs, *args, **kwargs)
             if rank == 1 and self.state.global_step + 1 == a.nan_at:
                 loss = loss * float("nan")
-            if model.training:  # this rank's own per-token loss, measured apart (no gradient; dropout is off)
+            if model.training and a.classifier:  # this rank's own mean loss, measured apart (dropout is off)
+                with torch.no_grad():
+                    logits = getattr(model, "module", model)(input_ids=inputs["input_ids"]).logits
+                    rec.ce[0] += float(torch.nn.functional.cross_entropy(logits, inputs["labels"], reduction="sum"))
+                    rec.ce[1] += len(inputs["labels"])
+            elif model.training:  # this rank's own per-token loss, measured apart (no gradient; dropout is off)
                 with torch.no_grad():
                     logits = getattr(model, "module", model)(input_ids=inputs["input_ids"]).logits[:, :-1]
                     labels = inputs["labels"][:, 1:]
@@ -106,7 +134,7 @@ def main():
 
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         own = {"optimizers": (opt, get_linear_schedule_with_warmup(opt, 2, 20))}
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(uneven=a.uneven, label0=a.label0), callbacks=[rec], **own,
+    trainer = Trainer(model=model, args=args, train_dataset=Classes() if a.classifier else Tokens(uneven=a.uneven, label0=a.label0), callbacks=[rec], **own,
                           hdet=dict(ensemble_lr_spread_ratio=a.alpha, model_sync_interval=5, controller="paper", enable_auto_lr=True,
                                     auto_lr_warmup_steps=10, loss_scale=0.05))
     trainer.train(resume_from_checkpoint=a.resume)

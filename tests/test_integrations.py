@@ -106,6 +106,21 @@ def test_hf_trainer_window_loss_is_each_ranks_own_per_token_loss_with_uneven_tok
             assert losses[rank] == pytest.approx(sum(r["own_losses"][5 * k:5 * k + 5]) / 5, rel=1e-4)
 
 
+def test_hf_trainer_window_loss_of_a_classifier_is_each_ranks_mean_loss(tmp_path):
+    """A BERT classifier's forward takes **kwargs but its loss is a plain mean: transformers counts its labels and
+    multiplies each rank's loss by the world size, and HDET's correction then read each rank's mean times its share of
+    the labels (x2 here; a review). With model.accepts_loss_kwargs = False (docs/hf_trainer.md, as the example sets
+    it), each window's loss is this rank's own mean loss (measured apart by the example)."""
+    out = tmp_path / "classifier"
+    _torchrun(out, "--classifier")
+    res = _results(out)
+    for rank, r in enumerate(res):
+        assert len(r["own_losses"]) == 20 and [s for s, _ in r["windows"]] == [5, 10, 15, 20]
+        for k, (_, losses) in enumerate(r["windows"]):
+            assert losses[rank] == pytest.approx(sum(r["own_losses"][5 * k:5 * k + 5]) / 5, rel=1e-4)
+    assert res[0]["windows"][0][1][0] != pytest.approx(res[1]["windows"][0][1][1], rel=1e-3)  # the ranks differ
+
+
 def test_hf_trainer_guard_keeps_a_nan_loss_on_one_rank_from_the_others(tmp_path):
     """A NaN loss on rank 1 at step 7: the guard the Trainer's DDP model got keeps every replica finite and
     the run finishes (without it, the next sync found every replica non-finite)."""
