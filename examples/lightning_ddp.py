@@ -87,6 +87,7 @@ def main():
     p.add_argument("--fp16", action="store_true", help='precision "16-mixed" with a GradScaler (on the CPU)')
     p.add_argument("--fused", action="store_true", help="a fused Adam (the skip guard)")
     p.add_argument("--nan-at", type=int, default=0, help="rank 1's loss is NaN at this optimizer step")
+    p.add_argument("--precision", default="32-true", help='Lightning\'s precision, e.g. "bf16-true" (bf16 weights)')
     a = p.parse_args()
     torch.set_num_threads(1)
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=a.out, every_n_train_steps=8, save_top_k=-1)
@@ -95,7 +96,8 @@ def main():
                         plugins=[L.pytorch.plugins.MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler(
                             "cpu", init_scale=2.0 ** 12))] if a.fp16 else None,
                         logger=L.pytorch.loggers.CSVLogger(a.out, name="logs", version=0), log_every_n_steps=5,
-                        enable_progress_bar=False, enable_model_summary=False)
+                        enable_progress_bar=False, enable_model_summary=False,
+                        **({} if a.fp16 else {"precision": a.precision}))
     loader = torch.utils.data.DataLoader(Data(), batch_size=8, shuffle=False)
     trainer.fit(Module(a.bn, a.fused, a.nan_at), loader, ckpt_path=a.resume)
 
