@@ -41,7 +41,7 @@ from torch.func import functional_call, vmap
 from . import attention, autocast, embedding, linear
 from .ensemble import ReplicaMismatchError
 from .guard import all_finite
-from .replicas import HALF, LocalReplicaGroup, Replicas, average_local
+from .replicas import LocalReplicaGroup, Replicas, accumulation, average_local
 from .optimizers import check_shared_gradients
 from .stability import SharedCopies
 from .stacked_optim import StackedStep, Unstackable, unsupported
@@ -408,15 +408,13 @@ class ReplicaEngine:
             # sum_r g_r / N with a non-finite replica's gradient as 0 (the gradient guard, hdet.guard); fp16/bf16
             # summed in float32 and divided once, as vmap mode does (divided first in their dtype, 32 bf16 replicas'
             # mean was up to 2.9% off and small fp16 gradients came out 0: an audit)
-            if grads[0].dtype in HALF:
-                acc = torch.where(oks[0], grads[0].float(), 0.0)
-                for g, ok in zip(grads[1:], oks[1:]):
-                    acc.add_(torch.where(ok, g.float(), 0.0))
+            dtype = accumulation(grads[0].dtype)
+            first = N if dtype == grads[0].dtype else 1  # divided first (as DDP), or once after a float32 sum
+            acc = torch.where(oks[0], grads[0].to(dtype) / first, 0.0)
+            for g, ok in zip(grads[1:], oks[1:]):
+                acc.add_(torch.where(ok, g.to(dtype) / first, 0.0))
+            if first == 1:
                 acc.div_(N)
-            else:
-                acc = torch.where(oks[0], grads[0] / N, 0.0)
-                for g, ok in zip(grads[1:], oks[1:]):
-                    acc.add_(torch.where(ok, g / N, 0.0))
             for g in grads:
                 g.copy_(acc)
 
