@@ -52,6 +52,19 @@ def fit_line_and_parabola(x: list[float], y: list[float]) -> tuple[float, float 
     return slope, (-b / (2 * q) if q > 0 else None)
 
 
+def carve_heldout(task, n: int) -> None:
+    """Hold the last ``n`` training examples (the GPT: the last tenth of the training bytes) out of training:
+    ``task.sample("heldout", ...)`` draws from them, ``task.sample("train", ...)`` from the rest."""
+    splits = task.splits  # the dict the task's sampler reads
+    train = splits["train"]
+    if isinstance(train, tuple):
+        splits["heldout"] = tuple(t[-n:] for t in train)
+        splits["train"] = tuple(t[:-n] for t in train)
+    else:
+        cut = train.numel() - train.numel() // 10
+        splits["heldout"], splits["train"] = train[cut:], train[:cut]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", choices=sorted(SIZES), default="fashion")
@@ -63,6 +76,10 @@ def main() -> None:
     p.add_argument("--alpha", type=float, default=0.5)
     p.add_argument("--T", type=int, default=None, help="converge every T steps (default: the suite's, 25)")
     p.add_argument("--probe-batches", type=int, default=8)
+    p.add_argument("--probe-split", choices=("train", "heldout"), default="train",
+                   help="heldout: the probe reads the last --heldout examples of the training set (a tenth of its "
+                        "bytes for the GPT), which training then never samples")
+    p.add_argument("--heldout", type=int, default=10_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True)
@@ -75,17 +92,28 @@ def main() -> None:
     if any(t % size["T"] for t in at):
         raise SystemExit(f"Expected --at on converge steps (multiples of T = {size['T']}), but got {at}")
     task = make_task(a.task, data=a.data, ctx=size["ctx"], width=size["width"], layers=size["layers"])
+    if a.probe_split == "heldout":
+        carve_heldout(task, a.heldout)
     N, B = 8, size["batch"]
 
     def probe(model: torch.nn.Module, k: int) -> float:
+        return probe_both(model, k)[0]
+
+    def probe_both(model: torch.nn.Module, k: int) -> tuple[float, float | None]:
+        """Mean probe loss and (classification) accuracy over the same --probe-batches batches."""
         g = torch.Generator().manual_seed(777_000 + k)
         was = model.training
         model.eval()
+        loss, hits, n = 0.0, 0, 0
         with torch.no_grad():
-            out = sum(task.loss_fn(model, to_device(task.sample("train", 256, g), dev)).item()  # host sync
-                      for _ in range(a.probe_batches)) / a.probe_batches
+            for _ in range(a.probe_batches):
+                b = to_device(task.sample(a.probe_split, 256, g), dev)
+                loss += task.loss_fn(model, b).item()  # host sync
+                if isinstance(b, (tuple, list)):
+                    hits += int((model(b[0]).argmax(-1) == b[1]).sum())  # host sync
+                    n += b[1].numel()
         model.train(was)
-        return out
+        return loss / a.probe_batches, (hits / n if n else None)
 
     records = []
     for start in map(float, a.starts.split(",")):
@@ -108,9 +136,13 @@ def main() -> None:
             s0 = eng.schedulers[0]
             base = float(s0.base_lrs_now[0])
             rho = [float(s.effective_lrs[0]) / base for s in eng.schedulers]
-            greedy = [probe(m, t) for m in eng.models]
+            both = [probe_both(m, t) for m in eng.models]
+            greedy = [v[0] for v in both]
+            accuracy = [v[1] for v in both]
             cooled = []
             for r, (m, o) in enumerate(zip(eng.models, eng.optimizers)):
+                if not a.cool:
+                    break
                 mc = copy.deepcopy(m)
                 oc = make_optimizer(task, cfg)(mc)
                 oc.load_state_dict(o.state_dict())
@@ -125,13 +157,14 @@ def main() -> None:
                 cooled.append(probe(mc, t))
             x = [math.log(v) for v in rho]
             gs, gv = fit_line_and_parabola(x, greedy)
-            cs, cv = fit_line_and_parabola(x, cooled)
-            row = {"step": t, "base_lr": base, "rho": rho, "greedy": greedy, "cooled": cooled,
+            cs, cv = fit_line_and_parabola(x, cooled) if cooled else (None, None)
+            acc_slope = fit_line_and_parabola(x, accuracy)[0] if accuracy[0] is not None else None
+            row = {"step": t, "accuracy_slope": acc_slope, "base_lr": base, "rho": rho, "greedy": greedy, "accuracy": accuracy, "cooled": cooled,
                    "train_loss_mean": float(losses.mean()), "greedy_slope": gs, "cooled_slope": cs,
                    "greedy_opt_x_base": None if gv is None else math.exp(gv),
                    "cooled_opt_x_base": None if cv is None else math.exp(cv)}
             rows.append(row)
-            print(json.dumps({"start": start, **{k: row[k] for k in ("step", "base_lr", "greedy_slope", "cooled_slope",
+            print(json.dumps({"start": start, **{k: row[k] for k in ("step", "base_lr", "greedy_slope", "accuracy_slope", "cooled_slope",
                                                                       "greedy_opt_x_base", "cooled_opt_x_base")}}),
                   flush=True)
         records.append({"start": start, "max_lr": cfg.max_lr, "seconds": time.time() - t0, "rows": rows})
@@ -139,7 +172,8 @@ def main() -> None:
                "torch": torch.__version__, "hdet": hdet.__version__,
                "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.machine(),
                "task": a.task, "size": size, "best_max_lr": a.best, "cool": a.cool, "alpha": a.alpha,
-               "probe_batches": a.probe_batches, "seed": a.seed, "runs": records}
+               "probe_batches": a.probe_batches, "probe_split": a.probe_split,
+               "heldout": a.heldout if a.probe_split == "heldout" else None, "seed": a.seed, "runs": records}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(rec, indent=1))  # after every start: a killed study keeps what it did
 
