@@ -1,5 +1,7 @@
 """The "skip" gradient guard on its own (one process): hdet.guard.SkipNonFiniteStep."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -427,3 +429,35 @@ def test_the_one_kernel_check_of_small_gradients_agrees_with_the_read_only_one_a
         assert small == read == (0.0 if name in ("clean", "huge") else 1.0), (name, small, read)
     hand_set = [torch.zeros(1, dtype=dtype, device=device).expand(4)]  # a gradient set by hand as an expanded view:
     assert float(hdet.guard._nonfinite(hand_set, torch.full((), 5.0, device=device))) == 0.0  # read, not written
+
+
+def test_a_scheduler_stepped_twice_under_a_grad_scaler_is_warned():
+    """A scheduler stepped twice per optimizer step (one passed to accelerator.prepare(), which steps it once per
+    process) runs HDET's schedule and converge steps ahead of training. hdet said so without a GradScaler only, since
+    a step the scaler skips also comes with no optimizer.step(): under fp16 the double step went silent (an audit).
+    A skipped step still runs scaler.update(), which writes the scale in place; a second scheduler.step() comes
+    with none, and is said. The scaler's own skipped steps are not."""
+    import hdet
+
+    def run(twice):
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        sched = hdet.OneCycleAutoLR(opt, max_lr=0.1, total_steps=40, model_sync_interval=5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(8):
+                loss = net(torch.randn(8, 4)).pow(2).mean() * (float("inf") if step == 3 else 1.0)
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)  # step 3: skipped by the scaler
+                scaler.update()
+                sched.step()
+                if twice:
+                    sched.step()
+        return [str(w.message) for w in caught if "no optimizer.step()" in str(w.message)]
+
+    assert run(twice=False) == []
+    said = run(twice=True)
+    assert len(said) == 1 and "no scaler.update()" in said[0] and "accelerator.prepare()" in said[0], said

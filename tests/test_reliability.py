@@ -352,6 +352,22 @@ def test_a_grad_scalers_first_skipped_steps_are_not_a_stall(fused):
         assert out["warnings"] == [], out["warnings"]
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("fused", [False, True], ids=["hook", "skip"])
+def test_a_stall_before_any_kept_scale_still_takes_the_grad_scaler_back(fused):
+    """A NaN weight at step 3, before any healthy sync and before the watches' first stretch of taken steps: the
+    reset put nothing back and the scale stayed collapsed (an audit: 16384 -> 16 under the hook guard, -> 1.2e-4
+    under "skip-all", growing back 2x per 2000 steps). Now the watches keep the scale of every step taken, and the
+    reset goes back to step 2's."""
+    res = check_ok(run_gloo(_scaler_stall, 2, {"fused": fused, "init_scale": 2.0 ** 10, "nan_at": 3}))
+    for out in res:
+        s, moved = out["scales"], out["moved"]
+        assert moved[:2] == [True, True] and not any(moved[2:10])  # steps 1-2 taken, then the stall
+        back = moved.index(True, 2)  # the reset (an early recovery) moves rank 1 at step back + 1
+        assert min(s[2:back]) < s[1] / 100  # the stall collapsed the scale
+        assert s[back] == s[1] and out["finite"] and all(moved[back + 1:])
+
+
 def _scaler_stall_resumed(rank, world, fused):
     """fp16 with a GradScaler, T = 100: rank 1's weight turns NaN at step 25; every rank checkpoints at step 26 (in the
     stall) and a new process state resumes from it for steps 27-60."""

@@ -409,8 +409,12 @@ class SkipWatch:
         # its CUDA event, the steps checked then, a device copy of the GradScaler's scale then)
         self._seen: float | None = 0.0  # the counter at the copy before (none yet: after a reset)
         self._taken = False  # a step was taken before that copy
+        self._checked = 0  # the guard's count of checked steps at the last poll
 
     def poll(self, t: int) -> bool:
+        if self.loss_scale is not None and self.guard.checked != self._checked:  # an optimizer step since the last
+            self._checked = self.guard.checked  # poll: its GradScaler scale is kept if it was taken (on the device)
+            self.loss_scale.step_taken(self.guard._mine)
         if t % self.every or self.local():  # local mode: each replica skips on its own, and an early recovery
             return False  # (a collective) would be entered by some replicas only: the converge step resets them
         stalled = self._read()
@@ -506,8 +510,8 @@ class ScalerWatch:
             self._missed = 0
             return False
         self._missed = self._missed + 1 if self._taken == before else 0
-        if not self._missed and t % self.every == 0:  # a step taken: a healthy scale (a device copy)
-            self.guard.loss_scale.keep(self.guard.loss_scale.copy())
+        if not self._missed:  # a step taken: a healthy scale (a device copy, under a GradScaler only)
+            self.guard.loss_scale.step_taken(None)
         if self._missed < self.every:
             return False
         self._missed = 0

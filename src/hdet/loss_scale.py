@@ -35,8 +35,9 @@ class LossScale:
     converge step, or the "skip" guard's early recovery): the scaler skips each step meanwhile and halves its scale
     each time, down to where fp16 gradients underflow (a scale of 1e-14 after 56 such steps from 1024), and at its
     growth of 2x per 2000 clean steps training barely moves again. So when hdet resets a replica the scale goes back
-    to the last sync whose window held no non-finite loss, or the guard's last stretch of steps taken if later (and its
-    growth count starts again). A device copy of the scale at such points; no host sync. The kept scale is part of
+    to the scale of the last optimizer step taken (kept by the gradient guard's watch at every step:
+    :meth:`step_taken`), or of the last sync whose window held no non-finite loss if later (and its growth count
+    starts again). A device copy of the scale at such points; no host sync. The kept scale is part of
     the scheduler's state (:meth:`kept_value`, :meth:`set_kept`): a resumed run goes back to it as the whole run does."""
 
     def __init__(self) -> None:
@@ -59,6 +60,21 @@ class LossScale:
         a stretch of steps that were taken, between converge steps (a reset before the first healthy sync)."""
         if scale is not None:
             self._kept = scale
+
+    def step_taken(self, found: torch.Tensor | None) -> None:
+        """After each optimizer step under a GradScaler: keep the scale when that step was taken, ``found``
+        the step's skip flag on the device (> 0: skipped; None: taken, known on the host). A recovery then goes
+        back to the scale of the last step taken before the stall, even one that starts before any stretch of taken
+        steps or healthy sync (before, the scale stayed collapsed: 16384 -> 1.2e-4 with a NaN weight at step 3).
+        One small kernel a step, no host sync; nothing without a scaler in use."""
+        scale = getattr(self.scaler, "_scale", None)
+        if not isinstance(scale, torch.Tensor):
+            return
+        if found is None or self._kept is None:
+            self._kept = scale.detach().clone()
+            return
+        kept = self._kept if isinstance(self._kept, torch.Tensor) else torch.tensor(self._kept, device=scale.device)
+        self._kept = torch.where(found.to(scale.device) > 0, kept.to(scale.device), scale.detach())
 
     def kept_value(self) -> float | None:
         """The kept scale as a float, for a checkpoint (a host read), or None."""

@@ -147,6 +147,8 @@ class HDETLR(LRScheduler):
         self._opt_steps = self._opt_steps_seen = 0
         self._opt_hook = innermost(optimizer).register_step_post_hook(self._count_optimizer_step)
         self._warned_double_step = self._warned_missed_step = self._warned_epoch = self._checked_local = False
+        self._scaler_idle = False  # an unmatched scheduler.step() came with no GradScaler update since the one before
+        self._scale_version: int | None = None  # the GradScaler scale's in-place version at the last scheduler.step()
         self._unmatched = 0  # scheduler steps with no optimizer step (a GradScaler's skips, or a prepared scheduler)
         self._first_floats: list[float] | None = []  # the first losses given as numbers (an epoch counter? step())
         super().__init__(optimizer, last_epoch)
@@ -249,18 +251,27 @@ class HDETLR(LRScheduler):
             self._loss_scale.look()
 
     def _check_optimizer_stepped(self) -> None:
+        scale = getattr(self._loss_scale.scaler, "_scale", None)
+        version = scale._version if isinstance(scale, torch.Tensor) else None  # update() writes the scale in place
         if self._opt_steps == self._opt_steps_seen and self._step_count > 1:
             # (at the first step torch's own check says it: _torch_first_step_checks)
             self._unmatched += 1  # said at the next optimizer step, unless a GradScaler drives it (then it skipped)
-        elif self._unmatched and self._loss_scale.scaler is None and not self._warned_double_step:
+            if version is not None and version == self._scale_version:  # a step the scaler skipped still runs its
+                self._scaler_idle = True  # update(): none since the scheduler step before, so no skipped step
+        elif self._unmatched and not self._warned_double_step and (self._loss_scale.scaler is None
+                                                                     or self._scaler_idle):
             self._warned_double_step = True
             warnings.warn(
                 f"hdet: scheduler.step() was called {self._unmatched} time(s) with no optimizer.step() since the "
-                "previous call, and no torch.amp.GradScaler steps this optimizer (whose skipped steps would explain "
-                "it: keep calling scheduler.step() after each scaler.step(), as torch's AMP recipe does). HDET counts "
+                "previous call, and " + ("no torch.amp.GradScaler steps this optimizer (whose skipped steps would "
+                                         "explain it" if self._loss_scale.scaler is None else
+                                         "no scaler.update() of the torch.amp.GradScaler that steps it either (a step "
+                                         "the scaler skipped would explain it") +
+                ": keep calling scheduler.step() after each scaler.step(), as torch's AMP recipe does). HDET counts "
                 "optimizer steps: its converge steps and schedule now run ahead of training. A scheduler passed to "
                 "accelerator.prepare() does this (stepped num_processes times per optimizer step): do not prepare it",
                 stacklevel=4)
+        self._scale_version = version
         if self._guard.local and not self._checked_local:  # (once: it reads every parameter's optimizer state)
             check_shared_gradients(self.optimizer, self._hdet.config.average_optimizer_state)
             self._checked_local = True
