@@ -7,4 +7,4 @@ python benchmarks/local_sweep_signal.py --task bytes --best 0.004 --powers=-4,-3
 python benchmarks/local_sweep_signal.py --task fashion --data data/fashion --best 0.016 --steps 150,300 --seeds 0,1,2 --out $OUT/local_sweep_fashion.json > $OUT/fashion.log 2>&1 &
 python benchmarks/local_sweep_signal.py --task fashion --data data/fashion --best 0.016 --steps 150,300 --seeds 0,1,2 --batch-factor 8 --out $OUT/local_sweep_fashion_b8.json > $OUT/fashion_b8.log 2>&1 &
 wait
-tail -3 $OUT/*.log
+tail -n 3 $OUT/*.log
