@@ -81,6 +81,7 @@ def main():
     p.add_argument("--resume", default=None)
     p.add_argument("--ga", type=int, default=2, help="gradient accumulation steps")
     p.add_argument("--save-steps", type=int, default=10)
+    p.add_argument("--max-steps", type=int, default=20, help="optimizer steps (a resume may change it)")
     p.add_argument("--alpha", type=float, default=0.3, help="ensemble_lr_spread_ratio")
     p.add_argument("--nan-at", type=int, default=None, help="rank 1's loss is NaN in this optimizer step")
     p.add_argument("--own-scheduler", action="store_true", help="pass optimizers=(AdamW, a linear schedule) to the "
@@ -103,7 +104,7 @@ def main():
             max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
         model.accepts_loss_kwargs = False  # its forward takes **kwargs, its loss is a plain mean (docs/hf_trainer.md)
     args = TrainingArguments(output_dir=a.out, per_device_train_batch_size=4, gradient_accumulation_steps=a.ga,
-                             max_steps=20, save_steps=a.save_steps, logging_steps=5, learning_rate=3e-3,
+                             max_steps=a.max_steps, save_steps=a.save_steps, logging_steps=5, learning_rate=3e-3,
                              lr_scheduler_type="linear", warmup_steps=2, use_cpu=True, report_to=[], seed=0,
                              ddp_backend="gloo", save_only_model=False, dataloader_num_workers=0)
     rec = Record(a.stop_at)

@@ -157,6 +157,43 @@ def test_hf_trainer_resume_between_converge_steps_says_so(tmp_path):
     assert all(r["step"] == 20 for r in _results(out))
 
 
+@pytest.mark.parametrize("length", [15, 25])
+def test_hf_trainer_resume_into_a_run_of_another_length_follows_it(tmp_path, length):
+    """A run of 20 steps checkpointed at 10 and resumed with max_steps 15 or 25 ("train a bit more"): the Trainer
+    builds its schedule for the new length, and the HDET state kept the old one, so the replicas followed one schedule
+    and HDET's last average the other: shortened, the run ended unaveraged (rank 0's model alone, weights 9e-4
+    apart: an audit); lengthened, an error past step 20. HDET now takes the Trainer's length, says so once per rank,
+    and averages the replicas at its last step."""
+    out = tmp_path / f"len{length}"
+    _torchrun(out, "--stop-at", "10")
+    p = _torchrun(out, "--resume", str(out / "checkpoint-10"), "--max-steps", str(length))
+    assert p.stderr.count(f"into a run of {length} optimizer steps, where the checkpoint's run had 20") == 2, \
+        p.stderr[-3000:]
+    assert "total_steps 20" not in p.stderr  # (the load's own warning about it is not raised again)
+    r0, r1 = _results(out)
+    assert r0["step"] == r1["step"] == length
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))  # averaged at the last step
+
+
+@pytest.mark.parametrize("ratio, warned", [(0.25, False), (0.3, True)])
+def test_hf_trainer_save_steps_as_a_ratio_is_checked_in_steps(tmp_path, ratio, warned):
+    """save_steps < 1 is a ratio of max_steps (the Trainer saves every ceil(max_steps * ratio) steps): 0.25 of 12 is
+    every 3 steps, sync steps at T = 3, and was warned about as "not a multiple" (an audit); 0.3 is every 4."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from hdet.integrations.hf import HDETTrainer
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1))
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=12, save_steps=ratio, use_cpu=True, report_to=[])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        HDETTrainer(model=model, args=args, train_dataset=[{"input_ids": [1, 2, 3]}],
+                    hdet=dict(model_sync_interval=3))
+    said = [str(w.message) for w in caught if "not a multiple of model_sync_interval" in str(w.message)]
+    assert bool(said) == warned, said
+
+
 def test_hf_trainer_raises_the_load_warnings_the_trainer_drops(tmp_path):
     """The Trainer loads the scheduler inside its own warning filter, which keeps no UserWarning: hdet's warnings
     about the load (here: the checkpoint's alpha 0.3 replaces the 0.2 the resumed run was built with) are raised

@@ -27,6 +27,7 @@ scheduler states only, so after loading them each rank re-applies its own learni
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -63,7 +64,10 @@ class HDETTrainer(Trainer):
         self._hdet_token_scale: torch.Tensor | None = None  # this window's correction of a token-averaged loss
         self.add_callback(_HDETHooks(self))
         T = self.hdet_kwargs.get("model_sync_interval", 1000)
-        if self.args.save_strategy == "steps" and self.args.save_steps and self.args.save_steps % T:
+        every = self.args.save_steps
+        if every and 0 < every < 1:  # a ratio of the run: the Trainer saves every ceil(max_steps * ratio) steps
+            every = math.ceil(self.args.max_steps * every) if self.args.max_steps > 0 else 0  # (epochs: unknown yet)
+        if self.args.save_strategy == "steps" and every and every % T:
             warnings.warn(f"hdet: save_steps={self.args.save_steps} is not a multiple of model_sync_interval={T}; "
                           "the Trainer saves rank 0's scheduler state, so a resume between converge steps gives "
                           "every replica rank 0's loss window", stacklevel=2)
@@ -78,6 +82,7 @@ class HDETTrainer(Trainer):
         if innermost(opt) is getattr(base, "optimizer", None):  # (the Trainer's may wrap the one the schedule is on)
             opt = base.optimizer  # otherwise HDETLR refuses a schedule of another optimizer
         self.lr_scheduler = HDETLR(opt, base, total_steps=num_training_steps, model=self.model, **self.hdet_kwargs)
+        self._hdet_total_steps = num_training_steps  # the run's length as this Trainer counts it (a resume keeps it)
         return self.lr_scheduler
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -86,8 +91,18 @@ class HDETTrainer(Trainer):
         if checkpoint is not None and isinstance(sched, HDETLR):
             # the Trainer saved rank 0's optimizer and scheduler states and loads them on every rank
             sched.reapply()
+            resized = self._follow_run_length(sched, checkpoint)
             for message in sched.ensemble.load_warnings:  # the Trainer dropped them (its filter keeps no
-                warnings.warn(message, stacklevel=2)       # UserWarning raised while it loads): raised again
+                if resized and message.endswith(resized):  # UserWarning raised while it loads): raised again
+                    message = message[:-len(resized)].rstrip(", ")  # (but for the run's length, said below)
+                    if message.endswith(":"):
+                        continue
+                warnings.warn(message, stacklevel=2)
+            if resized:
+                warnings.warn(f"hdet: resumed from {checkpoint} into a run of {sched.total_steps} optimizer steps, "
+                              f"where the checkpoint's run had {resized.split()[1]}: the Trainer's own schedule "
+                              "follows the new length, and so does HDET (its last converge step, where the replicas "
+                              f"are averaged, is now step {sched.total_steps})", stacklevel=2)
             if sched.world_size > 1 and sched.last_epoch > 0 and not sched.is_sync_step(sched.last_epoch):
                 # (warned here, after the Trainer's load: it drops the warnings raised while loading)
                 warnings.warn(f"hdet: resumed from {checkpoint} at step {sched.last_epoch}, between converge steps "
@@ -95,6 +110,23 @@ class HDETTrainer(Trainer):
                               "rank 0's weights, optimizer and scheduler state only, so every replica goes on from "
                               "replica 0's, its loss window included. Checkpoint at multiples of model_sync_interval "
                               "(save_steps) for an exact resume", stacklevel=2)
+
+    def _follow_run_length(self, sched: HDETLR, checkpoint: str) -> str:
+        """A resume into a run of another length (``max_steps`` or ``num_train_epochs`` changed): the Trainer builds
+        its schedule for the new length and loads only its step count, while the loaded HDET state kept the saved
+        run's ``total_steps``, so the replicas followed one schedule and HDET's final average the other (shortened:
+        the run ended unaveraged, rank 0's model alone; lengthened: an error past the old end). HDET takes the
+        Trainer's length. Returns the load warning's part that named the old length ("" if unchanged)."""
+        want = getattr(self, "_hdet_total_steps", None)
+        if want is None or want == sched.total_steps:
+            return ""
+        if want < sched.last_epoch:
+            raise ValueError(f"Expected a run of at least the checkpoint's {sched.last_epoch} optimizer steps to "
+                             f"resume {checkpoint}, but the Trainer's run has {want} (max_steps / num_train_epochs)")
+        saved = sched.total_steps
+        sched.ensemble.set_total_steps(want)  # (checks auto-LR's and the range test's windows against it)
+        sched.total_steps = want
+        return f"total_steps {saved} (built with {want})"
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
         """The Trainer's token count of an accumulation window. With ``average_tokens_across_devices`` (its
