@@ -194,6 +194,18 @@ def test_hf_trainer_save_steps_as_a_ratio_is_checked_in_steps(tmp_path, ratio, w
     assert bool(said) == warned, said
 
 
+def test_hf_trainer_stopped_early_averages_the_replicas(tmp_path):
+    """control.should_training_stop at step 8 (what EarlyStoppingCallback sets), T = 5: the run ended off a converge
+    step, and each rank's model was its own replica (trained at its own multiplier), silently. The replicas are now
+    averaged when training ends, and a warning says so on each rank."""
+    out = tmp_path / "early"
+    p = _torchrun(out, "--stop-at", "8", "--save-steps", "20")
+    assert p.stderr.count("training ended after optimizer step 8, before total_steps=20") == 2, p.stderr[-3000:]
+    r0, r1 = _results(out)
+    assert r0["step"] == r1["step"] == 8
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
+
+
 def test_hf_trainer_raises_the_load_warnings_the_trainer_drops(tmp_path):
     """The Trainer loads the scheduler inside its own warning filter, which keeps no UserWarning: hdet's warnings
     about the load (here: the checkpoint's alpha 0.3 replaces the 0.2 the resumed run was built with) are raised
@@ -313,6 +325,19 @@ def test_lightning_docs_setup_averages_batchnorm_and_guards(tmp_path):
     assert [int(r["step"]) for r in synced] == [s for s, _ in r0["windows"]] == [4, 8, 12, 16]  # each sync, once
     for r, (_, losses) in zip(synced, r0["windows"]):
         assert float(r["hdet/window_loss/replica1"]) == pytest.approx(losses[1], rel=1e-6) and r["hdet/base/lr/0"]
+
+
+@pytest.mark.parametrize("max_steps", [8, 10])
+def test_lightning_stopped_before_total_steps_averages_the_replicas(tmp_path, max_steps):
+    """Trainer(max_steps=10) under a scheduler of 16 steps, T = 4 (as EarlyStopping or max_time end a run): each
+    rank's module after fit was its own replica, not the average, silently. HDETCallback now averages them when
+    training ends, and says so; at step 8, a converge step, nothing is done or said."""
+    pytest.importorskip("lightning")
+    out = tmp_path / f"stop{max_steps}"
+    res = _lightning(out, "--max-steps", str(max_steps))
+    for r in res:
+        assert r["step"] == max_steps
+        assert torch.equal(r["params"][0], r["params"][1])  # (all_gather of both ranks' weights)
 
 
 def test_lightning_with_a_fused_optimizer_skips_the_step_whose_gradient_is_nan(tmp_path):

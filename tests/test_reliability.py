@@ -1383,3 +1383,42 @@ def test_a_loaded_kept_scale_resets_the_growth_count_as_a_kept_tensor_does():
             ls.keep(kept)
         ls.after_sync(recovered=True, healthy=False)
         assert float(ls.scaler._scale) == 512.0 and int(ls.scaler._growth_tracker) == 0
+
+
+def _left_early(rank, world, stop):
+    """Plain DDP + HDET (T = 5, 20 steps) whose loop is left after step ``stop``; then finish(), twice."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    model = DDP(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = hdet.OneCycleAutoLR(opt, max_lr=1e-2, total_steps=20, model_sync_interval=5, model=model,
+                                ensemble_lr_spread_ratio=0.3)
+    for step in range(1, stop + 1):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(8, 4, generator=g)
+        loss = nn.functional.mse_loss(model(x), x[:, :1])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step(loss.detach())
+    before = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    gathered = [torch.empty_like(before) for _ in range(world)]
+    dist.all_gather(gathered, before)
+    first, again = sched.finish(), sched.finish()
+    after = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    gathered_after = [torch.empty_like(after) for _ in range(world)]
+    dist.all_gather(gathered_after, after)
+    return {"apart": not torch.equal(gathered[0], gathered[1]), "equal": torch.equal(*gathered_after),
+            "mean": torch.allclose(after, sum(gathered) / world, atol=1e-6), "first": None if first is None else first.step,
+            "again": again}
+
+
+@pytest.mark.distributed
+def test_finish_averages_the_replicas_of_a_run_left_early():
+    """A loop left after step 7 of 20 (T = 5: early stopping, a time limit): each rank's model was its own replica.
+    ``sched.finish()`` runs the converge step the end of the run would have (the replicas' mean), once; after step
+    10, a converge step, it does nothing."""
+    for out in check_ok(run_gloo(_left_early, 2, 7)):
+        assert out["apart"] and out["equal"] and out["mean"] and out["first"] == 7 and out["again"] is None
+    for out in check_ok(run_gloo(_left_early, 2, 10)):
+        assert not out["apart"] and out["equal"] and out["first"] is None and out["again"] is None

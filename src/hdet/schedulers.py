@@ -147,6 +147,7 @@ class HDETLR(LRScheduler):
         self._opt_steps = self._opt_steps_seen = 0
         self._opt_hook = innermost(optimizer).register_step_post_hook(self._count_optimizer_step)
         self._warned_double_step = self._warned_missed_step = self._warned_epoch = self._checked_local = False
+        self._finished_at: int | None = None  # the step finish() averaged the replicas after
         self._scaler_idle = False  # an unmatched scheduler.step() came with no GradScaler update since the one before
         self._scale_version: int | None = None  # the GradScaler scale's in-place version at the last scheduler.step()
         self._unmatched = 0  # scheduler steps with no optimizer step (a GradScaler's skips, or a prepared scheduler)
@@ -455,6 +456,23 @@ class HDETLR(LRScheduler):
                           "every replica, but every replica's weights are finite: the loss or gradients are "
                           "non-finite for another reason (data, loss scale, learning rate)", stacklevel=3)
         watch.reset()
+
+    def finish(self) -> SyncRecord | None:
+        """Average the replicas now, for a run that ends before ``total_steps`` (early stopping, a time limit, a
+        loop left early): a converge step after the last optimizer step taken, as the one at ``total_steps`` would
+        have been. Otherwise each rank's model stays its own replica, trained at its own multiplier, not the
+        ensemble's average. Every replica must call it (the collectives of a sync step). Nothing (None) when that
+        step was a sync step already, or no step was taken; otherwise the sync's record. The integrations call it
+        when training ends (``on_train_end``)."""
+        t = self.last_epoch
+        if t <= 0 or self._hdet.is_sync_step(t) or self._finished_at == t:
+            return None
+        rec = self._hdet.sync(t)
+        self._finished_at = t
+        if self._guard.watch is not None:
+            self._guard.watch.reset()
+        self._loss_scale.after_sync(bool(rec.recovered) or rec.went_back_to is not None, not any(rec.nonfinite_losses))
+        return rec
 
     def reapply(self) -> None:
         """Set this replica's current values on the optimizer (and explored hyperparameters) again. For

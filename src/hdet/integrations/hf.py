@@ -193,6 +193,15 @@ class _HDETHooks(TrainerCallback):
             t.log(sync_scalars(rec))
             control.should_log = should_log
 
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Training stopped before ``total_steps`` (``EarlyStoppingCallback``, ``control.should_training_stop``):
+        the replicas are averaged now (:meth:`hdet.HDETLR.finish`, on every rank)."""
+        sched = self.trainer.lr_scheduler
+        if isinstance(sched, HDETLR) and sched.finish() is not None:
+            warnings.warn(f"hdet: training ended after optimizer step {sched.last_epoch}, before total_steps="
+                          f"{sched.total_steps} and off a converge step: the replicas were averaged then (a checkpoint "
+                          "saved since the last converge step holds one replica, not the average)", stacklevel=2)
+
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
         loss, t._hdet_loss = t._hdet_loss, None
