@@ -578,3 +578,29 @@ def test_both_modes_average_bf16_gradients_in_float32(mode):
     eng.step(torch.zeros(3, 2, 40).bfloat16(), lambda m, b: (m(b).float().sum() * 0 + (m.weight.float() * c.float()).sum()),
              stacked=True)
     assert all(torch.equal(m.weight.grad, c) for m in eng.models)
+
+
+@pytest.mark.parametrize("mode", ["loop", "vmap"])
+def test_engine_finish_averages_the_replicas_of_a_run_left_early(mode):
+    """Steps 1-7 of 20 (T = 5): the replicas are apart after step 7; finish() averages them (their mean, once), as
+    the last step would have; after step 10, a sync step, it does nothing."""
+    from hdet.engine import ReplicaEngine
+
+    torch.manual_seed(0)
+    sched = lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=20, ensemble_lr_spread_ratio=0.5,  # noqa: E731
+                                                  model_sync_interval=5, replicas=rep, model=m)
+    eng = ReplicaEngine(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), 3, _sgd(0.1), sched, mode=mode)
+    g = torch.Generator().manual_seed(1)
+    loss_fn = lambda m, b: nn.functional.mse_loss(m(b), b[:, :1])  # noqa: E731
+    for _ in range(7):
+        eng.step([torch.randn(8, 4, generator=g) for _ in range(3)], loss_fn)
+    flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()])  # noqa: E731
+    before = [flat(m).clone() for m in eng.models]
+    assert not torch.equal(before[0], before[1])
+    assert eng.finish() and not eng.finish()
+    mean = sum(before) / 3
+    for m in eng.models:
+        torch.testing.assert_close(flat(m), mean, rtol=1e-6, atol=1e-7)
+    for _ in range(3):
+        eng.step([torch.randn(8, 4, generator=g) for _ in range(3)], loss_fn)
+    assert eng.steps_taken == 10 and not eng.finish()

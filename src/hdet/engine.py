@@ -222,6 +222,7 @@ class ReplicaEngine:
         self.share_base_schedule = True  # False: every replica steps its own base schedule (see _follow)
         self._following: bool | None = None
         self.optimizer_path = "per-replica: loop mode" if self.mode == "loop" else self._setup_stacked(stacked_optimizer)
+        self._finished_at: int | None = None  # the step finish() averaged the replicas after
 
     def _check_own_values(self) -> None:
         """Every replica's explored values must act on that replica's own object: one loss criterion given to
@@ -417,6 +418,17 @@ class ReplicaEngine:
                 acc.div_(N)
             for g in grads:
                 g.copy_(acc)
+
+    def finish(self) -> bool:
+        """Average the replicas now, for a run that ends before ``total_steps`` (early stopping, a time limit): the
+        converge step the last step would have run (:meth:`hdet.HDETLR.finish`). Nothing when the last step taken
+        was a sync step, or none was taken. Returns whether it averaged."""
+        t = self.steps_taken
+        if t <= 0 or self.schedulers[0].ensemble.is_sync_step(t) or self._finished_at == t:
+            return False
+        self._sync(t)
+        self._finished_at = t
+        return True
 
     @property
     def steps_taken(self) -> int:
