@@ -1367,6 +1367,51 @@ def test_onecycles_cycled_momentum_resumes_whatever_the_order_of_the_loads(optim
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), m2.parameters()))
 
 
+@pytest.mark.parametrize("wrap", ["sequential", "chained"])
+def test_a_wrapped_momentum_cycle_resumes_when_the_optimizer_is_loaded_first(wrap):
+    """HDETLR over SequentialLR([LinearLR, OneCycleLR]) or ChainedScheduler([CyclicLR]), resumed by loading the
+    optimizer before building them: their constructors set beta1 to max_momentum, and the resume took it for the first
+    step (0.95 / 0.9 where the uninterrupted run used 0.850 / 0.817: an audit), since only a bare OneCycleLR or CyclicLR
+    base had its cycle set again. Now the resumed run is the uninterrupted one, bit for bit."""
+    L = torch.optim.lr_scheduler
+
+    def build(opt_state=None, sched_state=None, model_state=None):
+        torch.manual_seed(0)
+        m = nn.Linear(3, 1)
+        if model_state is not None:
+            m.load_state_dict(model_state)
+        o = torch.optim.Adam(m.parameters(), lr=0.1)
+        if opt_state is not None:
+            o.load_state_dict(opt_state)  # first: what the base's constructor then overwrites
+        base = (L.SequentialLR(o, [L.LinearLR(o, 0.5, total_iters=4), L.OneCycleLR(o, 0.1, total_steps=20)],
+                               milestones=[4]) if wrap == "sequential" else
+                L.ChainedScheduler([L.CyclicLR(o, 0.01, 0.1, step_size_up=6, base_momentum=0.8, max_momentum=0.9)]))
+        s = hdet.HDETLR(o, base, 20, replicas=ScriptedReplicas(1, 2), model_sync_interval=4,
+                        ensemble_lr_spread_ratio=0.2)
+        if sched_state is not None:
+            s.load_state_dict(sched_state)
+        return m, o, s
+
+    def steps(m, o, s, n):
+        seen = []
+        for k in range(n):
+            seen.append((o.param_groups[0]["betas"][0], o.param_groups[0]["lr"]))
+            (m(torch.full((2, 3), 1.0 + k)) ** 2).sum().backward()
+            o.step()
+            o.zero_grad()
+            s.step(1.0)
+        return seen
+
+    m, o, s = build()
+    steps(m, o, s, 9)
+    saved = roundtrip({"model": m.state_dict(), "opt": o.state_dict(), "sched": s.state_dict()})
+    full = steps(m, o, s, 5)
+    m2, o2, s2 = build(saved["opt"], saved["sched"], saved["model"])
+    assert steps(m2, o2, s2, 5) == full
+    assert full[0][0] not in (0.9, 0.95)  # the case: the cycled beta1 of step 10 is not max_momentum
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), m2.parameters()))
+
+
 def test_a_loaded_kept_scale_resets_the_growth_count_as_a_kept_tensor_does():
     """A review: the kept scale loaded from a checkpoint (a float until the next healthy sync) put the scale back
     but left the scaler's growth count, which a kept tensor resets: the resumed run's scale grew earlier."""

@@ -5,20 +5,21 @@ optimizer, the guard, a hook or a callable. Checked completely before anything i
 
 from __future__ import annotations
 
+import bisect
 import copy
 import math
 import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.optim.lr_scheduler import OneCycleLR
+from torch.optim.lr_scheduler import OneCycleLR, SequentialLR
 
 from .guard import check_watch_state
 
 if TYPE_CHECKING:
     from .schedulers import HDETLR
 
-__all__ = ["state_dict", "check", "load", "check_plain"]
+__all__ = ["state_dict", "check", "load", "check_plain", "momentum_cyclers"]
 
 OWN = ("last_epoch", "_step_count", "_last_lr", "base_lrs", "total_steps", "_history", "_constant")
 
@@ -162,14 +163,29 @@ def _check_base(s: "HDETLR", state: dict[str, Any]) -> None:
                          f"{sorted(public - got)}, unexpected {sorted(got - public)}")
 
 
+def momentum_cyclers(base: Any, active: bool = False) -> list[Any]:
+    """The schedules in ``base`` that cycle the momentum (OneCycleLR's, CyclicLR's ``cycle_momentum``): ``base``
+    itself, or inside a ``ChainedScheduler`` or ``SequentialLR`` (before, a wrapped one was missed: an explored
+    beta1 silently dropped its cycle, and a resume's first step ran at ``max_momentum``). ``active``: only those that
+    set it at the current step (a ``SequentialLR``'s current schedule; every one of a ``ChainedScheduler``, in order:
+    the last writes last)."""
+    children = getattr(base, "_schedulers", None)
+    if isinstance(children, list):
+        if active and isinstance(base, SequentialLR):
+            children = [children[bisect.bisect_right(base._milestones, base.last_epoch)]]
+        return [c for child in children for c in momentum_cyclers(child, active)]
+    return [base] if getattr(base, "cycle_momentum", False) else []
+
+
 def _cycled_momentum(base: Any) -> None:
-    """A base that cycles the momentum (OneCycleLR's, CyclicLR's) sets it as a side effect of computing its LRs:
-    set it for the loaded step, as torch set it there (an optimizer loaded before this scheduler was built had it
-    overwritten by the base's constructor: beta1 at ``max_momentum`` for the first resumed step)."""
-    if getattr(base, "cycle_momentum", False):
+    """A base that cycles the momentum (OneCycleLR's, CyclicLR's, or one inside a ChainedScheduler or SequentialLR)
+    sets it as a side effect of computing its LRs: set it for the loaded step, as torch set it there (an optimizer
+    loaded before this scheduler was built had it overwritten by the base's constructor: beta1 at ``max_momentum``
+    for the first resumed step)."""
+    for cycler in momentum_cyclers(base, active=True):
         with warnings.catch_warnings():  # torch warns when get_lr runs outside step()
             warnings.simplefilter("ignore", UserWarning)
-            base.get_lr()
+            cycler.get_lr()
 
 
 def _load_base(s: "HDETLR", state: dict[str, Any]) -> None:

@@ -109,7 +109,7 @@ class HDETLR(LRScheduler):
                              f"but got rank={rank!r}, world_size={world_size!r}")
         self._base, self._base_fn = _resolve_base(base, optimizer)
         explore = [explore] if isinstance(explore, Hyperparameter) else list(explore or ())
-        _check_cycled_beta1(getattr(self._base, "cycle_momentum", False), explore)
+        _check_cycled_beta1(bool(scheduler_state.momentum_cyclers(self._base)), explore)
         if config.enable_auto_lr and any(isinstance(h, LabelSmoothing) for h in explore):
             warnings.warn("hdet: the controller compares the replicas' losses, and label smoothing raises a replica's "
                           "loss by itself: give it the loss without smoothing (the fit controller reads probe(model): "
@@ -600,11 +600,13 @@ class OneCycleAutoLR(HDETLR):
 
 
 def _check_cycled_beta1(cycle_momentum: bool, explore: Sequence[Any]) -> None:
-    """A base schedule that cycles the momentum (OneCycleLR's, CyclicLR's) writes beta1 at every step: an explored
-    beta1 would be overwritten (or would drop the cycle) while the records show a spread."""
+    """A base schedule that cycles the momentum (OneCycleLR's, CyclicLR's, also inside a ChainedScheduler or
+    SequentialLR) writes beta1 at every step: an explored beta1 would be overwritten (or would drop the cycle) while
+    the records show a spread."""
     if cycle_momentum and any(isinstance(h, AdamBeta) and h.index == 0 for h in explore):
         raise ValueError("Expected cycle_momentum=False when exploring beta1 (AdamBeta(index=0)): "
-                         "the base schedule's momentum cycle (OneCycleLR, CyclicLR) writes beta1 too")
+                         "the base schedule's momentum cycle (OneCycleLR, CyclicLR, also inside a ChainedScheduler or "
+                         "SequentialLR) writes beta1 too")
 
 
 def _step_count_of(base: LRScheduler, default: int) -> int:
