@@ -65,6 +65,9 @@ class Record(TrainerCallback):
         if logs and "hdet/base/lr/0" in logs and "hdet/window_loss/replica1" in logs:  # each sync's, at its step
             self.hdet_logged.append(state.global_step)
 
+    def on_train_end(self, args, state, control, model=None, **kw):  # what a reporting callback would upload
+        self.end_params = [q.detach().clone() for q in model.parameters()]
+
     def on_step_end(self, args, state, control, optimizer=None, **kw):
         self.lrs.append(optimizer.param_groups[0]["lr"])
         if self.ce[1]:
@@ -144,7 +147,7 @@ def main():
                 "bases": s.base_lrs_now, "updates": s.ensemble.controllers[0].updates if s.ensemble.controllers[0]
                 else 0, "perms": s.ensemble.perms, "step": s.last_epoch, "world": s.world_size, "logs": rec.logs,
                 "windows": rec.windows, "guard": s.gradient_guard, "hdet_logged": rec.hdet_logged,
-                "own_losses": rec.own_losses, "scheduler": type(s).__name__,
+                "own_losses": rec.own_losses, "end_params": rec.end_params, "scheduler": type(s).__name__,
                 "trainer_shifts_labels": bool(getattr(trainer, "_loss_shifts_labels", True)),
                 "finite": all(bool(torch.isfinite(q).all()) for q in model.parameters())},
                os.path.join(a.out, f"result_rank{rank}.pt"))

@@ -604,3 +604,24 @@ def test_engine_finish_averages_the_replicas_of_a_run_left_early(mode):
     for _ in range(3):
         eng.step([torch.randn(8, 4, generator=g) for _ in range(3)], loss_fn)
     assert eng.steps_taken == 10 and not eng.finish()
+
+
+def test_engine_finish_sets_the_values_its_sync_deals():
+    """finish() is a whole sync: under the range test its ramp moves there, and the replicas' LRs must follow for
+    training to go on (they kept the values from before it: a review)."""
+    from hdet.engine import ReplicaEngine
+
+    torch.manual_seed(0)
+    sched = lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=20, ensemble_lr_spread_ratio=0.5,  # noqa: E731
+                                                  model_sync_interval=5, replicas=rep, model=m, lr_range_test=True,
+                                                  auto_lr_warmup_steps=15)
+    eng = ReplicaEngine(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), 3, _sgd(0.1), sched, mode="loop")
+    g = torch.Generator().manual_seed(1)
+    loss_fn = lambda m, b: nn.functional.mse_loss(m(b), b[:, :1])  # noqa: E731
+    for _ in range(7):
+        eng.step([torch.randn(8, 4, generator=g) for _ in range(3)], loss_fn)
+    lrs = [o.param_groups[0]["lr"] for o in eng.optimizers]
+    assert eng.finish()
+    for sch, o, lr in zip(eng.schedulers, eng.optimizers, lrs):
+        assert o.param_groups[0]["lr"] == sch._values(sch._bases_now)[0] != lr
+

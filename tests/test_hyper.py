@@ -98,11 +98,12 @@ def test_builtins_get_set_and_bad_input():
         adam = torch.optim.AdamW(m.parameters(), lr=0.1)
         hdet.HDETLR(adam, torch.optim.lr_scheduler.OneCycleLR(adam, 0.1, total_steps=10), 10,
                     explore=[AdamBeta(adam, 0)])
-    for wrap in ("chained", "sequential"):  # one inside a ChainedScheduler or SequentialLR (an audit: accepted, and
+    for wrap in ("chained", "tuple", "sequential"):  # one inside a ChainedScheduler or SequentialLR (an audit: accepted, and
         adam = torch.optim.AdamW(m.parameters(), lr=0.1)  # beta1 silently lost its cycle)
         L = torch.optim.lr_scheduler
-        base = (L.ChainedScheduler([L.CyclicLR(adam, 0.01, 0.1, base_momentum=0.8, max_momentum=0.9)])
-                if wrap == "chained" else
+        cyclic = L.CyclicLR(adam, 0.01, 0.1, base_momentum=0.8, max_momentum=0.9)
+        base = (L.ChainedScheduler([cyclic]) if wrap == "chained" else L.ChainedScheduler((cyclic,)) if wrap == "tuple"
+                else
                 L.SequentialLR(adam, [L.LinearLR(adam, 0.1, total_iters=3), L.OneCycleLR(adam, 0.1, total_steps=10)],
                                milestones=[3]))
         with pytest.raises(ValueError, match="cycle_momentum=False when exploring beta1"):

@@ -204,6 +204,8 @@ def test_hf_trainer_stopped_early_averages_the_replicas(tmp_path):
     r0, r1 = _results(out)
     assert r0["step"] == r1["step"] == 8
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
+    # and already in the user's own callbacks' on_train_end (a reporting callback's model upload): hdet's runs first
+    assert all(torch.equal(a, b) for a, b in zip(r0["end_params"], r1["end_params"]))
 
 
 def test_hf_trainer_raises_the_load_warnings_the_trainer_drops(tmp_path):
@@ -298,7 +300,7 @@ def test_the_ddp_example_reports_each_window_with_its_own_multipliers_and_base(t
 LIGHTNING_WORKER = str(EXAMPLES / "lightning_ddp.py")
 
 
-def _lightning(out: Path, *args: str) -> list:
+def _lightning(out: Path, *args: str, stderr: list | None = None) -> list:
     out.mkdir(exist_ok=True)
     for attempt in range(2):
         p = subprocess.run([sys.executable, LIGHTNING_WORKER, "--out", str(out), *args], capture_output=True,
@@ -310,6 +312,8 @@ def _lightning(out: Path, *args: str) -> list:
         if p.returncode == 0 or not teardown or attempt:
             break
     assert p.returncode == 0, p.stderr[-3000:]
+    if stderr is not None:
+        stderr.append(p.stderr)
     return [torch.load(out / f"result_rank{r}.pt", weights_only=True) for r in range(2)]
 
 
@@ -334,7 +338,9 @@ def test_lightning_stopped_before_total_steps_averages_the_replicas(tmp_path, ma
     training ends, and says so; at step 8, a converge step, nothing is done or said."""
     pytest.importorskip("lightning")
     out = tmp_path / f"stop{max_steps}"
-    res = _lightning(out, "--max-steps", str(max_steps))
+    said = []
+    res = _lightning(out, "--max-steps", str(max_steps), stderr=said)
+    assert said[0].count("training ended after optimizer step") == (2 if max_steps == 10 else 0), said[0][-3000:]
     for r in res:
         assert r["step"] == max_steps
         assert torch.equal(r["params"][0], r["params"][1])  # (all_gather of both ranks' weights)

@@ -248,13 +248,13 @@ def test_the_hook_guard_leaves_fp16_overflows_to_the_grad_scaler():
             assert ours["hdet_warnings"] == [], mode
 
 
-def _fp16_ddp(fused, init_scale=2.0 ** 10, T=20):
+def _fp16_ddp(fused, init_scale=2.0 ** 10, T=20, growth_interval=2000):
     """A small DDP model under fp16 with a GradScaler and HDET (60 steps): (net, model, opt, scaler, sched)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
     model = DDP(net)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
     sched = hdet.OneCycleAutoLR(opt, max_lr=1e-2, total_steps=60, model_sync_interval=T, model=model,
                                 ensemble_lr_spread_ratio=0.2)
     return net, model, opt, scaler, sched
@@ -310,7 +310,7 @@ def test_a_reset_replica_takes_the_grad_scaler_back_to_a_healthy_scale(fused):
 
 def _scaler_stall(rank, world, opts):
     """fp16 with a GradScaler, T = 100, 60 steps: rank 1's weight turns NaN at step ``nan_at`` (None: never)."""
-    parts = _fp16_ddp(opts["fused"], opts["init_scale"], T=100)
+    parts = _fp16_ddp(opts["fused"], opts["init_scale"], T=100, growth_interval=opts.get("growth_interval", 2000))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         scales, moved = _fp16_steps(parts, rank, range(1, 61), opts["nan_at"])
@@ -366,6 +366,22 @@ def test_a_stall_before_any_kept_scale_still_takes_the_grad_scaler_back(fused):
         back = moved.index(True, 2)  # the reset (an early recovery) moves rank 1 at step back + 1
         assert min(s[2:back]) < s[1] / 100  # the stall collapsed the scale
         assert s[back] == s[1] and out["finite"] and all(moved[back + 1:])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fused", [False, True], ids=["hook", "skip"])
+def test_a_reset_takes_the_scale_of_the_last_step_taken_even_as_it_grows(fused):
+    """A scale that grows at every step (growth_interval=1) and a NaN weight at step 26: the reset goes back to step
+    25's scale, the last step taken. The skip guard's lagged read kept, after the per-step one, the scale of the copy
+    taken a poll earlier: step 20's, 2^5 lower (a review)."""
+    res = check_ok(run_gloo(_scaler_stall, 2, {"fused": fused, "init_scale": 2.0 ** -20, "nan_at": 26,
+                                               "growth_interval": 1}))
+    for out in res:
+        s, moved = out["scales"], out["moved"]
+        last = max(i for i in range(25) if moved[i])  # the last step taken (fp16 overflows now and then: skipped)
+        assert s[last] > s[19] * 2  # it grew after step 20's
+        back = next(i for i in range(26, 60) if s[i] > s[i - 1] * 4)  # the reset puts a scale back
+        assert s[back] == s[last] and out["finite"], (back, s[back], last, s[last])
 
 
 def _scaler_stall_resumed(rank, world, fused):

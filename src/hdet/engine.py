@@ -428,6 +428,8 @@ class ReplicaEngine:
             return False
         self._sync(t)
         self._finished_at = t
+        for s in self.schedulers:
+            s.reapply()  # the values the sync dealt, should training go on
         return True
 
     @property

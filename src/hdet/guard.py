@@ -404,9 +404,9 @@ class SkipWatch:
         self.guard = guard
         self.every = every
         self.local = local  # whether this optimizer step's gradients were not all-reduced (local mode)
-        self.loss_scale = loss_scale  # a GradScaler's scale, kept after a stretch with no step skipped
-        self._pending: tuple[torch.Tensor, Any, int, torch.Tensor | None] | None = None  # (host copy of the counter,
-        # its CUDA event, the steps checked then, a device copy of the GradScaler's scale then)
+        self.loss_scale = loss_scale  # a GradScaler's scale, kept at every step taken (poll: step_taken)
+        self._pending: tuple[torch.Tensor, Any, int, None] | None = None  # (host copy of the counter, its CUDA
+        # event, the steps checked then, None: the scale once copied here, kept at every step now)
         self._seen: float | None = 0.0  # the counter at the copy before (none yet: after a reset)
         self._taken = False  # a step was taken before that copy
         self._checked = 0  # the guard's count of checked steps at the last poll
@@ -432,13 +432,11 @@ class SkipWatch:
         before them was not."""
         if self._pending is None:
             return False
-        copy, event, checked, scale = self._pending
+        copy, event, checked, _ = self._pending
         if event is not None:
             event.synchronize()  # HOST SYNC on an event recorded `every` steps ago: finished long since
         now = float(copy)
         stalled = self._seen is not None and now - self._seen >= self.every and self._taken
-        if self._seen == now and self.loss_scale is not None:  # no step skipped up to that copy: a healthy scale
-            self.loss_scale.keep(scale)
         self._seen, self._taken = now, self._taken or now < checked
         return stalled
 
@@ -451,12 +449,9 @@ class SkipWatch:
             copy.copy_(skipped, non_blocking=True)  # device -> host, no wait
             event = torch.cuda.Event()
             event.record()
-            self._pending = (copy, event, self.guard.checked, self._scale())
+            self._pending = (copy, event, self.guard.checked, None)
         else:
-            self._pending = (skipped.detach().clone(), None, self.guard.checked, self._scale())
-
-    def _scale(self) -> torch.Tensor | None:
-        return None if self.loss_scale is None else self.loss_scale.copy()  # (a device copy every `every` steps)
+            self._pending = (skipped.detach().clone(), None, self.guard.checked, None)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data: the guard's counts and this watch's reads, so that a resumed run notices a stall at the step
@@ -477,7 +472,7 @@ class SkipWatch:
         g.skipped = None if state["skipped"] is None else torch.tensor(float(state["skipped"]), device=g.device())
         pending = state["pending"]
         self._pending = None if pending is None else (
-            torch.tensor(float(pending[0])), None, pending[1], None if pending[2] is None else torch.tensor(float(pending[2])))
+            torch.tensor(float(pending[0])), None, pending[1], None)  # (a saved scale, pending[2]: unused now)
         self._seen, self._taken = state["seen"], state["taken"]
 
 

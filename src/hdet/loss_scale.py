@@ -73,8 +73,9 @@ class LossScale:
         if found is None or self._kept is None:
             self._kept = scale.detach().clone()
             return
-        kept = self._kept if isinstance(self._kept, torch.Tensor) else torch.tensor(self._kept, device=scale.device)
-        self._kept = torch.where(found.to(scale.device) > 0, kept.to(scale.device), scale.detach())
+        kept = (self._kept.to(scale.device) if isinstance(self._kept, torch.Tensor)
+                else torch.full_like(scale, self._kept))  # (a float from a checkpoint: a fill, no host copy)
+        self._kept = torch.where(found.to(scale.device) > 0, kept, scale.detach())
 
     def kept_value(self) -> float | None:
         """The kept scale as a float, for a checkpoint (a host read), or None."""

@@ -170,7 +170,7 @@ def momentum_cyclers(base: Any, active: bool = False) -> list[Any]:
     set it at the current step (a ``SequentialLR``'s current schedule; every one of a ``ChainedScheduler``, in order:
     the last writes last)."""
     children = getattr(base, "_schedulers", None)
-    if isinstance(children, list):
+    if isinstance(children, (list, tuple)):  # (torch keeps the sequence as given)
         if active and isinstance(base, SequentialLR):
             children = [children[bisect.bisect_right(base._milestones, base.last_epoch)]]
         return [c for child in children for c in momentum_cyclers(child, active)]

@@ -461,9 +461,11 @@ class HDETLR(LRScheduler):
         """Average the replicas now, for a run that ends before ``total_steps`` (early stopping, a time limit, a
         loop left early): a converge step after the last optimizer step taken, as the one at ``total_steps`` would
         have been. Otherwise each rank's model stays its own replica, trained at its own multiplier, not the
-        ensemble's average. Every replica must call it (the collectives of a sync step). Nothing (None) when that
-        step was a sync step already, or no step was taken; otherwise the sync's record. The integrations call it
-        when training ends (``on_train_end``)."""
+        ensemble's average. Every replica must call it (the collectives of a sync step). It is a whole sync over the
+        window so far (the runaway check, the controller's deal, a new window): a checkpoint written after it holds
+        the averaged replicas, and training may go on from it. Nothing (None) when that step was a sync step
+        already, or no step was taken; otherwise the sync's record. The integrations call it when training ends
+        (``on_train_end``)."""
         t = self.last_epoch
         if t <= 0 or self._hdet.is_sync_step(t) or self._finished_at == t:
             return None
@@ -472,6 +474,7 @@ class HDETLR(LRScheduler):
         if self._guard.watch is not None:
             self._guard.watch.reset()
         self._loss_scale.after_sync(bool(rec.recovered) or rec.went_back_to is not None, not any(rec.nonfinite_losses))
+        self.reapply()  # the values the sync dealt, should training go on (step() sets them after a sync)
         return rec
 
     def reapply(self) -> None:

@@ -89,3 +89,22 @@ def test_under_fp16_and_grad_scaler_the_guard_takes_the_scalers_verdict_without_
     finally:
         guard_mod._nonfinite = real
     assert reads == [] and float(guard.skipped) == 1.0 and scaler.get_scale() == 2.0 ** 9
+
+
+def test_the_kept_loss_scale_loaded_from_a_checkpoint_is_kept_without_a_host_sync():
+    """A resumed run's kept GradScaler scale comes back as a float: keeping the next taken step's scale made it a
+    tensor from host memory, a host sync at an ordinary step (a review, on an H200). Now a fill on the device."""
+    from hdet.loss_scale import LossScale
+
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10)
+    scaler.scale(torch.ones((), device="cuda"))  # (the scaler makes its scale tensor on first use)
+    kept = LossScale()
+    kept.scaler = scaler
+    kept.set_kept(512.0)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kept.step_taken(torch.ones((), device="cuda"))  # a skipped step: the loaded value stays
+        kept.step_taken(torch.zeros((), device="cuda"))  # a taken one: its scale
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert kept.kept_value() == 2.0 ** 10

@@ -63,6 +63,8 @@ class HDETTrainer(Trainer):
         self._hdet_loss: torch.Tensor | None = None  # this optimizer step's micro-batch losses, summed on the device
         self._hdet_token_scale: torch.Tensor | None = None  # this window's correction of a token-averaged loss
         self.add_callback(_HDETHooks(self))
+        self.callback_handler.callbacks.insert(0, _HDETFinish(self))  # first: the reporting callbacks' on_train_end
+        # (WandbCallback's model upload, ...) then see the averaged model
         T = self.hdet_kwargs.get("model_sync_interval", 1000)
         every = self.args.save_steps
         if every and 0 < every < 1:  # a ratio of the run: the Trainer saves every ceil(max_steps * ratio) steps
@@ -193,17 +195,24 @@ class _HDETHooks(TrainerCallback):
             t.log(sync_scalars(rec))
             control.should_log = should_log
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Training stopped before ``total_steps`` (``EarlyStoppingCallback``, ``control.should_training_stop``):
-        the replicas are averaged now (:meth:`hdet.HDETLR.finish`, on every rank)."""
-        sched = self.trainer.lr_scheduler
-        if isinstance(sched, HDETLR) and sched.finish() is not None:
-            warnings.warn(f"hdet: training ended after optimizer step {sched.last_epoch}, before total_steps="
-                          f"{sched.total_steps} and off a converge step: the replicas were averaged then (a checkpoint "
-                          "saved since the last converge step holds one replica, not the average)", stacklevel=2)
-
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
         loss, t._hdet_loss = t._hdet_loss, None
         if loss is not None and isinstance(t.lr_scheduler, HDETLR):  # (a step the GradScaler skipped counts too)
             t.lr_scheduler.observe(loss)  # this rank's own loss of the step, on its device
+
+
+class _HDETFinish(TrainerCallback):
+    """Training stopped before ``total_steps`` (``EarlyStoppingCallback``, ``control.should_training_stop``): the
+    replicas are averaged when it ends (:meth:`hdet.HDETLR.finish`, on every rank), before any other callback's
+    ``on_train_end`` (this one is first in the list)."""
+
+    def __init__(self, trainer: HDETTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        sched = self.trainer.lr_scheduler
+        if isinstance(sched, HDETLR) and sched.finish() is not None:
+            warnings.warn(f"hdet: training ended after optimizer step {sched.last_epoch}, before total_steps="
+                          f"{sched.total_steps} and off a converge step: the replicas were averaged then (a checkpoint "
+                          "saved since the last converge step holds one replica, not the average)", stacklevel=2)
