@@ -910,3 +910,38 @@ def two_optimizers(rank, world, *, fused=(False, False), nan_at=3, steps=6):
                 s.step(loss.detach())
     return {"guards": [s.gradient_guard for s in scheds], "finite": all(torch.isfinite(p).all() for p in net.parameters()),
             "warnings": [str(w.message) for w in caught if str(w.message).startswith("hdet: ") and "guard" in str(w.message)]}
+
+
+def hsdp_finish(rank, world):
+    """FSDP2 on a (2, 2) mesh, T = 5 of 20 steps, left after step 7: ``finish()`` averages the two replicas (their
+    full weights equal afterwards, apart before)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+    fully_shard(model, mesh=mesh)
+    o = torch.optim.AdamW(model.parameters(), lr=0.01)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=20, ensemble_lr_spread_ratio=0.3, model_sync_interval=5,
+                            model=model, device_mesh=mesh)
+    for t in range(1, 8):
+        x, y = batch(rank, t)
+        loss = nn.functional.mse_loss(model(x), y)
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        s.step(loss)
+
+    def full():
+        return torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])  # (a collective on the shards)
+
+    before = full()
+    rec = s.finish()
+    after = full()
+    group = mesh.get_group("replicate")
+    b, a = [torch.empty_like(before) for _ in range(2)], [torch.empty_like(after) for _ in range(2)]
+    dist.all_gather(b, before, group=group)
+    dist.all_gather(a, after, group=group)
+    return {"apart": not torch.equal(b[0], b[1]), "equal": torch.equal(a[0], a[1]),
+            "mean": torch.allclose(after, (b[0] + b[1]) / 2, atol=1e-6), "step": None if rec is None else rec.step}

@@ -557,3 +557,17 @@ def test_two_schedulers_on_one_ddp_model_say_what_guards_them(fused):
         assert not [w for w in r["warnings"] if "could not install" in w]
         assert len([w for w in r["warnings"] if "same kind" in w]) == (1 if fused in ((True, False), (False, True)) else 0)
         assert len([w for w in r["warnings"] if "already carries another HDET" in w]) == (fused == (False, False))
+
+
+def _hsdp_finish(rank, world):
+    from dist_workers import hsdp_finish
+
+    return hsdp_finish(rank, world)
+
+
+def test_finish_averages_hsdp_replicas_left_early():
+    """FSDP2 over a (replicate 2, shard 2) mesh, a loop left after step 7 of 20 (T = 5): finish() averages the
+    replicas' full weights (every shard rank takes part), as the last step would have."""
+    for r in check_ok(run_gloo(_hsdp_finish, 4)):
+        assert r["apart"] and r["equal"] and r["mean"] and r["step"] == 7, r
+
