@@ -1342,11 +1342,10 @@ def test_a_recovery_gives_the_reset_replica_the_healthy_mean_and_leaves_the_heal
     torch.testing.assert_close(seen[-1][1], (clean[-1][0] + clean[-1][2]) / 2)
 
 
-@pytest.mark.parametrize("optimizer_first", [True, False])
-def test_onecycles_cycled_momentum_resumes_whatever_the_order_of_the_loads(optimizer_first):
-    """OneCycleAutoLR cycles Adam's beta1: a resume that loads the optimizer before building the scheduler (whose
-    OneCycleLR constructor sets beta1 to max_momentum) trains the first resumed step with the momentum of that step,
-    as the uninterrupted run does, bit for bit (it took max_momentum, 0.95)."""
+def _momentum_resume(make_sched, optimizer_first, before):
+    """A small Adam run under ``make_sched(opt)`` (a scheduler whose base cycles beta1), saved after ``before`` steps
+    and resumed by loading the optimizer before (or after) building the scheduler: the (beta1, lr) of each of the next
+    5 steps, uninterrupted and resumed, and whether the weights ended equal."""
     def build(opt_state=None, sched_state=None, model_state=None):
         torch.manual_seed(0)
         m = nn.Linear(3, 1)
@@ -1354,9 +1353,8 @@ def test_onecycles_cycled_momentum_resumes_whatever_the_order_of_the_loads(optim
             m.load_state_dict(model_state)
         o = torch.optim.Adam(m.parameters(), lr=0.1)
         if opt_state is not None and optimizer_first:
-            o.load_state_dict(opt_state)
-        s = hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=20, replicas=ScriptedReplicas(1, 2),
-                                model_sync_interval=4, ensemble_lr_spread_ratio=0.2)
+            o.load_state_dict(opt_state)  # first: what the base's constructor then overwrites
+        s = make_sched(o)
         if opt_state is not None and not optimizer_first:
             o.load_state_dict(opt_state)
         if sched_state is not None:
@@ -1374,13 +1372,24 @@ def test_onecycles_cycled_momentum_resumes_whatever_the_order_of_the_loads(optim
         return seen
 
     m, o, s = build()
-    steps(m, o, s, 6)
+    steps(m, o, s, before)
     saved = roundtrip({"model": m.state_dict(), "opt": o.state_dict(), "sched": s.state_dict()})
     full = steps(m, o, s, 5)
     m2, o2, s2 = build(saved["opt"], saved["sched"], saved["model"])
-    assert steps(m2, o2, s2, 5) == full
+    resumed = steps(m2, o2, s2, 5)
+    return full, resumed, all(torch.equal(p, q) for p, q in zip(m.parameters(), m2.parameters()))
+
+
+@pytest.mark.parametrize("optimizer_first", [True, False])
+def test_onecycles_cycled_momentum_resumes_whatever_the_order_of_the_loads(optimizer_first):
+    """OneCycleAutoLR cycles Adam's beta1: a resume that loads the optimizer before building the scheduler (whose
+    OneCycleLR constructor sets beta1 to max_momentum) trains the first resumed step with the momentum of that step,
+    as the uninterrupted run does, bit for bit (it took max_momentum, 0.95)."""
+    full, resumed, equal = _momentum_resume(
+        lambda o: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=20, replicas=ScriptedReplicas(1, 2),
+                                      model_sync_interval=4, ensemble_lr_spread_ratio=0.2), optimizer_first, 6)
+    assert resumed == full and equal
     assert full[0][0] != 0.95  # the case: the cycled beta1 of step 7 is not max_momentum
-    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), m2.parameters()))
 
 
 @pytest.mark.parametrize("wrap", ["sequential", "chained"])
@@ -1391,41 +1400,16 @@ def test_a_wrapped_momentum_cycle_resumes_when_the_optimizer_is_loaded_first(wra
     base had its cycle set again. Now the resumed run is the uninterrupted one, bit for bit."""
     L = torch.optim.lr_scheduler
 
-    def build(opt_state=None, sched_state=None, model_state=None):
-        torch.manual_seed(0)
-        m = nn.Linear(3, 1)
-        if model_state is not None:
-            m.load_state_dict(model_state)
-        o = torch.optim.Adam(m.parameters(), lr=0.1)
-        if opt_state is not None:
-            o.load_state_dict(opt_state)  # first: what the base's constructor then overwrites
+    def make(o):
         base = (L.SequentialLR(o, [L.LinearLR(o, 0.5, total_iters=4), L.OneCycleLR(o, 0.1, total_steps=20)],
                                milestones=[4]) if wrap == "sequential" else
                 L.ChainedScheduler([L.CyclicLR(o, 0.01, 0.1, step_size_up=6, base_momentum=0.8, max_momentum=0.9)]))
-        s = hdet.HDETLR(o, base, 20, replicas=ScriptedReplicas(1, 2), model_sync_interval=4,
-                        ensemble_lr_spread_ratio=0.2)
-        if sched_state is not None:
-            s.load_state_dict(sched_state)
-        return m, o, s
+        return hdet.HDETLR(o, base, 20, replicas=ScriptedReplicas(1, 2), model_sync_interval=4,
+                           ensemble_lr_spread_ratio=0.2)
 
-    def steps(m, o, s, n):
-        seen = []
-        for k in range(n):
-            seen.append((o.param_groups[0]["betas"][0], o.param_groups[0]["lr"]))
-            (m(torch.full((2, 3), 1.0 + k)) ** 2).sum().backward()
-            o.step()
-            o.zero_grad()
-            s.step(1.0)
-        return seen
-
-    m, o, s = build()
-    steps(m, o, s, 9)
-    saved = roundtrip({"model": m.state_dict(), "opt": o.state_dict(), "sched": s.state_dict()})
-    full = steps(m, o, s, 5)
-    m2, o2, s2 = build(saved["opt"], saved["sched"], saved["model"])
-    assert steps(m2, o2, s2, 5) == full
+    full, resumed, equal = _momentum_resume(make, True, 9)
+    assert resumed == full and equal
     assert full[0][0] not in (0.9, 0.95)  # the case: the cycled beta1 of step 10 is not max_momentum
-    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), m2.parameters()))
 
 
 def test_a_loaded_kept_scale_resets_the_growth_count_as_a_kept_tensor_does():
