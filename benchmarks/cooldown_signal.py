@@ -52,6 +52,25 @@ def fit_line_and_parabola(x: list[float], y: list[float]) -> tuple[float, float 
     return slope, (-b / (2 * q) if q > 0 else None)
 
 
+def probe_loss_accuracy(task, model: torch.nn.Module, split: str, batches: int, seed: int,
+                        dev: torch.device) -> tuple[float, float | None]:
+    """Mean loss and (classification) accuracy of ``model`` in eval mode over ``batches`` batches of 256 of ``split``,
+    drawn from a generator seeded ``seed`` (the same batches for every model judged with that seed)."""
+    g = torch.Generator().manual_seed(seed)
+    was = model.training
+    model.eval()
+    loss, hits, n = 0.0, 0, 0
+    with torch.no_grad():
+        for _ in range(batches):
+            b = to_device(task.sample(split, 256, g), dev)
+            loss += task.loss_fn(model, b).item()  # host sync
+            if isinstance(b, (tuple, list)):
+                hits += int((model(b[0]).argmax(-1) == b[1]).sum())  # host sync
+                n += b[1].numel()
+    model.train(was)
+    return loss / batches, (hits / n if n else None)
+
+
 def carve_heldout(task, n: int) -> None:
     """Hold the last ``n`` training examples (the GPT: the last tenth of the training bytes) out of training:
     ``task.sample("heldout", ...)`` draws from them, ``task.sample("train", ...)`` from the rest."""
@@ -100,20 +119,7 @@ def main() -> None:
         return probe_both(model, k)[0]
 
     def probe_both(model: torch.nn.Module, k: int) -> tuple[float, float | None]:
-        """Mean probe loss and (classification) accuracy over the same --probe-batches batches."""
-        g = torch.Generator().manual_seed(777_000 + k)
-        was = model.training
-        model.eval()
-        loss, hits, n = 0.0, 0, 0
-        with torch.no_grad():
-            for _ in range(a.probe_batches):
-                b = to_device(task.sample(a.probe_split, 256, g), dev)
-                loss += task.loss_fn(model, b).item()  # host sync
-                if isinstance(b, (tuple, list)):
-                    hits += int((model(b[0]).argmax(-1) == b[1]).sum())  # host sync
-                    n += b[1].numel()
-        model.train(was)
-        return loss / a.probe_batches, (hits / n if n else None)
+        return probe_loss_accuracy(task, model, a.probe_split, a.probe_batches, 777_000 + k, dev)
 
     records = []
     for start in map(float, a.starts.split(",")):

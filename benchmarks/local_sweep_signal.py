@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cooldown_signal import carve_heldout  # noqa: E402
+from cooldown_signal import carve_heldout, probe_loss_accuracy  # noqa: E402
 from evidence import SIZES  # noqa: E402
 
 import hdet  # noqa: E402
@@ -57,19 +57,8 @@ def main() -> None:
     carve_heldout(task, a.heldout)
     B = size["batch"] * a.batch_factor
 
-    def judge(model: torch.nn.Module) -> tuple[float, float | None]:
-        g = torch.Generator().manual_seed(777_000)  # the same held-out batches for every run
-        model.eval()
-        loss, hits, n = 0.0, 0, 0
-        with torch.no_grad():
-            for _ in range(a.probe_batches):
-                b = to_device(task.sample("heldout", 256, g), dev)
-                loss += task.loss_fn(model, b).item()  # host sync
-                if isinstance(b, (tuple, list)):
-                    hits += int((model(b[0]).argmax(-1) == b[1]).sum())  # host sync
-                    n += b[1].numel()
-        model.train()
-        return loss / a.probe_batches, (hits / n if n else None)
+    def judge(model: torch.nn.Module) -> tuple[float, float | None]:  # the same held-out batches for every run
+        return probe_loss_accuracy(task, model, "heldout", a.probe_batches, 777_000, dev)
 
     runs = []
     t0 = time.time()
