@@ -1,1 +1,15 @@
 """Framework integrations (each an optional extra; the core depends on torch only)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+
+def finish_at_train_end(sched: Any) -> None:
+    """At a framework's end of training: :meth:`hdet.HDETLR.finish`, and a warning when it averaged (the run
+    stopped before ``total_steps``, off a converge step: a checkpoint written since then holds one replica)."""
+    if sched.finish() is not None:
+        warnings.warn(f"hdet: training ended after optimizer step {sched.last_epoch}, before total_steps="
+                      f"{sched.total_steps} and off a converge step: the replicas were averaged then (a checkpoint "
+                      "saved since the last converge step holds one replica, not the average)", stacklevel=3)

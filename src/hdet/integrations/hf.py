@@ -36,6 +36,7 @@ import torch
 from ..optimizers import innermost
 from ..schedulers import HDETLR
 from ..telemetry import sync_scalars
+from . import finish_at_train_end
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -212,7 +213,5 @@ class _HDETFinish(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         sched = self.trainer.lr_scheduler
-        if isinstance(sched, HDETLR) and sched.finish() is not None:
-            warnings.warn(f"hdet: training ended after optimizer step {sched.last_epoch}, before total_steps="
-                          f"{sched.total_steps} and off a converge step: the replicas were averaged then (a checkpoint "
-                          "saved since the last converge step holds one replica, not the average)", stacklevel=2)
+        if isinstance(sched, HDETLR):
+            finish_at_train_end(sched)

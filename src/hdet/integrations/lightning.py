@@ -23,13 +23,13 @@ after a resume each rank re-applies its own LR (as with the Hugging Face Trainer
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 
 from ..schedulers import HDETLR
 from ..telemetry import sync_scalars
+from . import finish_at_train_end
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -41,14 +41,6 @@ __all__ = ["HDETCallback"]
 
 def _hdet_schedulers(trainer: Any) -> list[HDETLR]:
     return [cfg.scheduler for cfg in trainer.lr_scheduler_configs if isinstance(cfg.scheduler, HDETLR)]
-
-
-def _finish(sched: HDETLR) -> None:
-    """:meth:`hdet.HDETLR.finish`, said once (a checkpoint written before it holds a replica, not the average)."""
-    if sched.finish() is not None:
-        warnings.warn(f"hdet: training ended after optimizer step {sched.last_epoch}, before total_steps="
-                      f"{sched.total_steps} and off a converge step: the replicas were averaged then (a checkpoint "
-                      "saved since the last converge step holds one replica, not the average)", stacklevel=2)
 
 
 class HDETCallback(Callback):
@@ -89,7 +81,7 @@ class HDETCallback(Callback):
         ``max_steps``): the replicas are averaged now (:meth:`hdet.HDETLR.finish`, on every rank), so that the module
         after ``fit`` is the ensemble's average, not each rank's own replica."""
         for sched in _hdet_schedulers(trainer):
-            _finish(sched)
+            finish_at_train_end(sched)
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         self._restored = True
