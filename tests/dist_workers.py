@@ -925,13 +925,7 @@ def hsdp_finish(rank, world):
     o = torch.optim.AdamW(model.parameters(), lr=0.01)
     s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=20, ensemble_lr_spread_ratio=0.3, model_sync_interval=5,
                             model=model, device_mesh=mesh)
-    for t in range(1, 8):
-        x, y = batch(rank, t)
-        loss = nn.functional.mse_loss(model(x), y)
-        o.zero_grad()
-        loss.backward()
-        o.step()
-        s.step(loss)
+    train_steps(model, o, s, rank, range(1, 8))
 
     def full():
         return torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])  # (a collective on the shards)
