@@ -405,8 +405,8 @@ class SkipWatch:
         self.every = every
         self.local = local  # whether this optimizer step's gradients were not all-reduced (local mode)
         self.loss_scale = loss_scale  # a GradScaler's scale, kept at every step taken (poll: step_taken)
-        self._pending: tuple[torch.Tensor, Any, int, None] | None = None  # (host copy of the counter, its CUDA
-        # event, the steps checked then, None: the scale once copied here, kept at every step now)
+        self._pending: tuple[torch.Tensor, Any, int] | None = None  # (host copy of the counter, its CUDA event,
+        # the steps checked then)
         self._seen: float | None = 0.0  # the counter at the copy before (none yet: after a reset)
         self._taken = False  # a step was taken before that copy
         self._checked = 0  # the guard's count of checked steps at the last poll
@@ -432,7 +432,7 @@ class SkipWatch:
         before them was not."""
         if self._pending is None:
             return False
-        copy, event, checked, _ = self._pending
+        copy, event, checked = self._pending
         if event is not None:
             event.synchronize()  # HOST SYNC on an event recorded `every` steps ago: finished long since
         now = float(copy)
@@ -443,25 +443,25 @@ class SkipWatch:
     def _snapshot(self) -> None:
         skipped = self.guard.skipped
         if skipped is None:  # no step checked yet
-            self._pending = (torch.zeros(()), None, 0, None)
+            self._pending = (torch.zeros(()), None, 0)
         elif skipped.device.type == "cuda":
             copy = torch.empty((), dtype=skipped.dtype, pin_memory=True)
             copy.copy_(skipped, non_blocking=True)  # device -> host, no wait
             event = torch.cuda.Event()
             event.record()
-            self._pending = (copy, event, self.guard.checked, None)
+            self._pending = (copy, event, self.guard.checked)
         else:
-            self._pending = (skipped.detach().clone(), None, self.guard.checked, None)
+            self._pending = (skipped.detach().clone(), None, self.guard.checked)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data: the guard's counts and this watch's reads, so that a resumed run notices a stall at the step
         the uninterrupted run does. HOST SYNC (a checkpoint): the skip counter and the copy in flight are read."""
         g, pending = self.guard, None
         if self._pending is not None:
-            count, event, checked, scale = self._pending
+            count, event, checked = self._pending
             if event is not None:
                 event.synchronize()  # HOST SYNC
-            pending = [float(count), int(checked), None if scale is None else float(scale)]
+            pending = [float(count), int(checked), None]  # (the third: a scale copied here once; states keep its slot)
         return {"kind": "skip", "skipped": None if g.skipped is None else float(g.skipped), "checked": g.checked,
                 "pending": pending, "seen": self._seen, "taken": self._taken}
 
@@ -472,7 +472,7 @@ class SkipWatch:
         g.skipped = None if state["skipped"] is None else torch.tensor(float(state["skipped"]), device=g.device())
         pending = state["pending"]
         self._pending = None if pending is None else (
-            torch.tensor(float(pending[0])), None, pending[1], None)  # (a saved scale, pending[2]: unused now)
+            torch.tensor(float(pending[0])), None, pending[1])  # (pending[2], a scale saved by earlier versions: unused)
         self._seen, self._taken = state["seen"], state["taken"]
 
 
