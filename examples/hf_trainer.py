@@ -18,8 +18,8 @@ from hdet.integrations.hf import HDETTrainer
 
 
 class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=256, ctx=16, uneven=False, label0=False):
-        g = torch.Generator().manual_seed(0)
+    def __init__(self, n=256, ctx=16, uneven=False, label0=False, seed=0):
+        g = torch.Generator().manual_seed(seed)
         base = torch.arange(ctx) * 3
         self.x = (base + torch.randint(0, 8, (n, 1), generator=g)) % 64  # learnable: arithmetic sequences
         self.labels = self.x.clone()
@@ -55,6 +55,7 @@ class Record(TrainerCallback):
     def __init__(self, stop_at=None):
         self.lrs, self.stop_at, self.logs, self.windows, self.hdet_logged = [], stop_at, [], [], []
         self.ce, self.own_losses = [0.0, 0], []  # this rank's per-token loss of each optimizer step
+        self.evaluated = None  # (--eval-steps) a list: per evaluation, the weights evaluated, every rank's own, the loss
 
     def on_train_begin(self, args, state, control, lr_scheduler=None, **kw):  # hdet's window losses at each sync
         lr_scheduler.ensemble.on_sync.append(lambda r: self.windows.append((r.step, r.losses)))
@@ -68,7 +69,17 @@ class Record(TrainerCallback):
     def on_train_end(self, args, state, control, model=None, **kw):  # what a reporting callback would upload
         self.end_params = [q.detach().clone() for q in model.parameters()]
 
-    def on_step_end(self, args, state, control, optimizer=None, **kw):
+    def on_evaluate(self, args, state, control, metrics=None, model=None, **kw):  # (--eval-steps) what was evaluated
+        seen = torch.cat([q.detach().reshape(-1) for q in model.parameters()]).clone()
+        self.evaluated.append({"step": state.global_step, "seen": seen, "replicas": self.replicas,
+                               "eval_loss": metrics["eval_loss"]})
+
+    def on_step_end(self, args, state, control, optimizer=None, model=None, **kw):
+        if self.evaluated is not None:  # (--eval-steps) every rank's own weights after this step, to average by hand
+            own = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+            self.replicas = [torch.empty_like(own) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(self.replicas, own)
+            self.replicas = torch.stack(self.replicas)
         self.lrs.append(optimizer.param_groups[0]["lr"])
         if self.ce[1]:
             self.own_losses.append(self.ce[0] / self.ce[1])
@@ -94,6 +105,8 @@ def main():
                    "loss never predicts it)")
     p.add_argument("--classifier", action="store_true", help="a tiny BERT sequence classifier instead of the GPT-2 "
                    "(its loss a plain mean: model.accepts_loss_kwargs = False, as docs/hf_trainer.md says)")
+    p.add_argument("--eval-steps", type=int, default=0, help="evaluate every N optimizer steps (eval_strategy "
+                   '"steps") on held-out sequences')
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -109,8 +122,12 @@ def main():
     args = TrainingArguments(output_dir=a.out, per_device_train_batch_size=4, gradient_accumulation_steps=a.ga,
                              max_steps=a.max_steps, save_steps=a.save_steps, logging_steps=5, learning_rate=3e-3,
                              lr_scheduler_type="linear", warmup_steps=2, use_cpu=True, report_to=[], seed=0,
-                             ddp_backend="gloo", save_only_model=False, dataloader_num_workers=0)
+                             ddp_backend="gloo", save_only_model=False, dataloader_num_workers=0,
+                             **({"eval_strategy": "steps", "eval_steps": a.eval_steps, "per_device_eval_batch_size": 4}
+                                if a.eval_steps else {}))
     rec = Record(a.stop_at)
+    if a.eval_steps:
+        rec.evaluated = []
     rank = int(os.environ.get("RANK", 0))
 
     class Trainer(HDETTrainer):  # the user's own compute_loss, with a fault on rank 1 if asked
@@ -139,6 +156,7 @@ def main():
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         own = {"optimizers": (opt, get_linear_schedule_with_warmup(opt, 2, 20))}
     trainer = Trainer(model=model, args=args, train_dataset=Classes() if a.classifier else Tokens(uneven=a.uneven, label0=a.label0), callbacks=[rec], **own,
+                      eval_dataset=Tokens(32, seed=1) if a.eval_steps else None,
                           hdet=dict(ensemble_lr_spread_ratio=a.alpha, model_sync_interval=5, controller="paper", enable_auto_lr=True,
                                     auto_lr_warmup_steps=10, loss_scale=0.05))
     trainer.train(resume_from_checkpoint=a.resume)
@@ -147,7 +165,7 @@ def main():
                 "bases": s.base_lrs_now, "updates": s.ensemble.controllers[0].updates if s.ensemble.controllers[0]
                 else 0, "perms": s.ensemble.perms, "step": s.last_epoch, "world": s.world_size, "logs": rec.logs,
                 "windows": rec.windows, "guard": s.gradient_guard, "hdet_logged": rec.hdet_logged,
-                "own_losses": rec.own_losses, "end_params": rec.end_params, "scheduler": type(s).__name__,
+                "own_losses": rec.own_losses, "end_params": rec.end_params, "evaluated": rec.evaluated, "scheduler": type(s).__name__,
                 "trainer_shifts_labels": bool(getattr(trainer, "_loss_shifts_labels", True)),
                 "finite": all(bool(torch.isfinite(q).all()) for q in model.parameters())},
                os.path.join(a.out, f"result_rank{rank}.pt"))

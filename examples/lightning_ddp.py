@@ -19,9 +19,9 @@ STEPS = 16
 
 
 class Data(torch.utils.data.Dataset):
-    def __init__(self):
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(128, 6, generator=g)  # 8 batches per rank and epoch: checkpoints at epoch ends
+    def __init__(self, n=128, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 6, generator=g)  # 8 batches per rank and epoch: checkpoints at epoch ends
         self.y = self.x[:, :1] * 2 - self.x[:, 1:2]
 
     def __len__(self):
@@ -50,6 +50,10 @@ class Module(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
 
+    def validation_step(self, batch, batch_idx):  # (--val) the metric a user monitors: the mean over every rank
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
     def configure_optimizers(self):
         opt = torch.optim.Adam(self.parameters(), lr=0.01, fused=self.fused or None)
         sched = hdet.OneCycleAutoLR(opt, max_lr=0.02, total_steps=STEPS, ensemble_lr_spread_ratio=0.3,
@@ -62,6 +66,20 @@ class Module(L.LightningModule):
 class Report(L.Callback):
     def __init__(self, out):
         self.out = out
+        self.validated = []  # (--val) per validation: step, this rank's weights and every rank's, then the metric
+
+    def on_validation_start(self, trainer, pl_module):  # (after HDETCallback's: the weights validated)
+        if not trainer.sanity_checking:
+            own = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+            self.validated.append({"step": trainer.global_step, "seen": own.clone(),
+                                   "replicas": pl_module.all_gather(self.before)})
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.validated[-1]["val_loss"] = float(trainer.callback_metrics["val_loss"])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # this rank's own weights
+        self.before = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]).clone()
 
     def on_train_end(self, trainer, pl_module):
         sched = trainer.lr_scheduler_configs[0].scheduler
@@ -72,7 +90,7 @@ class Report(L.Callback):
         torch.save({"params": gathered[0], "lrs": pl_module.lrs, "updates": sched.ensemble.controllers[0].updates,
                     "step": sched.last_epoch, "bases": sched.base_lrs_now, "buffers": bufs,
                     "guard": sched.gradient_guard, "raw_losses": pl_module.raw_losses, "windows": pl_module.windows,
-                    "rank": sched.rank, "skipped": None if sched.skip_guard is None or sched.skip_guard.skipped is None
+                    "rank": sched.rank, "validated": self.validated, "skipped": None if sched.skip_guard is None or sched.skip_guard.skipped is None
                     else float(sched.skip_guard.skipped),
                     "finite": all(bool(torch.isfinite(p).all()) for p in pl_module.parameters())},
                    os.path.join(self.out, f"result_rank{trainer.global_rank}.pt"))
@@ -88,18 +106,25 @@ def main():
     p.add_argument("--fused", action="store_true", help="a fused Adam (the skip guard)")
     p.add_argument("--nan-at", type=int, default=0, help="rank 1's loss is NaN at this optimizer step")
     p.add_argument("--precision", default="32-true", help='Lightning\'s precision, e.g. "bf16-true" (bf16 weights)')
+    p.add_argument("--val", type=int, default=0, help="validate every N training batches (a val_loss-monitoring "
+                   "ModelCheckpoint saves val-step=<step>.ckpt at each)")
     a = p.parse_args()
     torch.set_num_threads(1)
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=a.out, every_n_train_steps=8, save_top_k=-1)
+    best = [L.pytorch.callbacks.ModelCheckpoint(dirpath=a.out, filename="val-{step}", monitor="val_loss",
+                                                save_top_k=-1)] if a.val else []
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=a.max_steps,
-                        accumulate_grad_batches=2, callbacks=[HDETCallback(), ckpt, Report(a.out)],
+                        accumulate_grad_batches=2, callbacks=[HDETCallback(), ckpt, *best, Report(a.out)],
+                        limit_val_batches=None if a.val else 0, val_check_interval=a.val or None,
+                        num_sanity_val_steps=0,
                         plugins=[L.pytorch.plugins.MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler(
                             "cpu", init_scale=2.0 ** 12))] if a.fp16 else None,
                         logger=L.pytorch.loggers.CSVLogger(a.out, name="logs", version=0), log_every_n_steps=5,
                         enable_progress_bar=False, enable_model_summary=False,
                         **({} if a.fp16 else {"precision": a.precision}))
     loader = torch.utils.data.DataLoader(Data(), batch_size=8, shuffle=False)
-    trainer.fit(Module(a.bn, a.fused, a.nan_at), loader, ckpt_path=a.resume)
+    val = torch.utils.data.DataLoader(Data(64, seed=1), batch_size=8) if a.val else None
+    trainer.fit(Module(a.bn, a.fused, a.nan_at), loader, val, ckpt_path=a.resume)
 
 
 if __name__ == "__main__":

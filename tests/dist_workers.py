@@ -939,3 +939,72 @@ def hsdp_finish(rank, world):
     dist.all_gather(a, after, group=group)
     return {"apart": not torch.equal(b[0], b[1]), "equal": torch.equal(a[0], a[1]),
             "mean": torch.allclose(after, (b[0] + b[1]) / 2, atol=1e-6), "step": None if rec is None else rec.step}
+
+
+def swap_average(rank, world, *, nan_rank=None, mesh_shape=None):
+    """Seven steps of 20 (T = 5), then ``with s.averaged():`` between converge steps: every rank's model holds the
+    replicas' mean (of the finite ones), training calls are refused inside, and each rank's own weights come back
+    exactly; at converge step 10 nothing is averaged (no collective), and after an optimizer step without
+    ``s.step()`` it is again. ``mesh_shape``: FSDP2/HSDP replicas on a ("replicate", "shard") mesh, without BatchNorm."""
+    if mesh_shape is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+        fully_shard(model, mesh=mesh)
+        group, replica = mesh.get_group("replicate"), mesh.get_coordinate()[0]
+        extra = {"device_mesh": mesh}
+    else:
+        model, group, replica, extra = DDP(make_model()), None, rank, {}
+    o = torch.optim.AdamW(model.parameters(), lr=0.01)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=20, ensemble_lr_spread_ratio=0.3, model_sync_interval=5,
+                            model=model, **extra)
+    train_steps(model, o, s, rank, range(1, 8))
+
+    def flat():  # this replica's whole weights and float buffers (FSDP2: a collective over the shard ranks)
+        ts = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()] + float_buffers(model)
+        return torch.cat([t.detach().reshape(-1) for t in ts]).clone()
+
+    if nan_rank is not None and replica == nan_rank:
+        with torch.no_grad():
+            next(model.parameters()).to_local().fill_(float("nan")) if mesh_shape else \
+                next(model.parameters()).fill_(float("nan"))
+    own = flat()
+    every = [torch.empty_like(own) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, own, group=group)
+    healthy = [e.double() for k, e in enumerate(every) if k != nan_rank]
+    mean = sum(healthy) / len(healthy)
+    refused = []
+    with s.averaged() as changed:
+        inside = flat()
+        for call in (o.step, s.step, s.finish, s.swap_in_average):
+            try:
+                call()
+            except hdet.SwappedInError as e:
+                refused.append(str(e).split(" while ")[0])
+    after = flat()
+    out = {"changed": changed, "inside_is_mean": torch.allclose(inside.double(), mean, rtol=1e-6, atol=1e-7),
+           "apart": not all(torch.equal(every[0], e) for e in every[1:]),
+           "restored": torch.equal(torch.nan_to_num(after, 7.0), torch.nan_to_num(own, 7.0)),
+           "refused": refused, "swapped_after": s.average_swapped_in}
+    if nan_rank is not None:
+        return out
+    train_steps(model, o, s, rank, range(8, 11))  # 10: a converge step
+    calls = []
+    gather, average = s.ensemble.replicas.gather, s.ensemble.replicas.average_
+    s.ensemble.replicas.gather = lambda *a, **k: calls.append("gather") or gather(*a, **k)
+    s.ensemble.replicas.average_ = lambda *a, **k: calls.append("average") or average(*a, **k)
+    at_sync = flat()
+    with s.averaged() as out["changed_at_sync"]:
+        out["equal_at_sync"] = torch.equal(flat(), at_sync)
+    out["calls_at_sync"] = list(calls)
+    x, y = batch(rank, 11)
+    o.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    o.step()  # (no s.step(): the replicas moved apart since the converge step)
+    with s.averaged() as out["changed_after_a_step"]:
+        pass
+    out["calls"] = calls
+    return out

@@ -571,3 +571,27 @@ def test_finish_averages_hsdp_replicas_left_early():
     for r in check_ok(run_gloo(_hsdp_finish, 4)):
         assert r["apart"] and r["equal"] and r["mean"] and r["step"] == 7, r
 
+
+
+def _swap_average(rank, world, nan_rank, mesh_shape):
+    from dist_workers import swap_average
+
+    return swap_average(rank, world, nan_rank=nan_rank, mesh_shape=mesh_shape)
+
+
+@pytest.mark.parametrize("world, nan_rank, mesh_shape", [(2, None, None), (4, None, None), (4, 2, None),
+                                                         (4, None, (2, 2)), (4, 1, (2, 2))])
+def test_averaged_puts_the_replicas_mean_in_for_an_evaluation_and_puts_each_back(world, nan_rank, mesh_shape):
+    """`with sched.averaged(): evaluate(model)` between converge steps (DDP at world 2 and 4; FSDP2/HSDP on a (2, 2)
+    mesh): every rank holds the mean of the replicas' weights and BatchNorm statistics (a replica with a NaN weight
+    left out), training calls are refused inside with SwappedInError, and each rank's own weights (the NaN too) come
+    back bit for bit. Right after a converge step nothing is averaged and no collective runs; after an optimizer step
+    without scheduler.step() the replicas differ again, and it averages."""
+    for r in check_ok(run_gloo(_swap_average, world, nan_rank, mesh_shape)):
+        assert r["changed"] and r["apart"] and r["inside_is_mean"] and r["restored"], r
+        assert r["refused"] == ["hdet: optimizer.step() was called", "hdet: scheduler.step() was called",
+                                "hdet: finish() was called", "hdet: swap_in_average() was called again"], r
+        assert not r["swapped_after"]
+        if nan_rank is None:
+            assert r["changed_at_sync"] is False and r["equal_at_sync"] and r["calls_at_sync"] == [], r
+            assert r["changed_after_a_step"] and r["calls"] == ["gather", "average"], r

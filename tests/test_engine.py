@@ -625,3 +625,57 @@ def test_engine_finish_sets_the_values_its_sync_deals():
     for sch, o, lr in zip(eng.schedulers, eng.optimizers, lrs):
         assert o.param_groups[0]["lr"] == sch._values(sch._bases_now)[0] != lr
 
+
+
+@pytest.mark.parametrize("mode", ["loop", "vmap"])
+def test_engine_averaged_evaluates_the_replicas_mean_and_training_goes_on_unchanged(mode):
+    """`with engine.averaged(): evaluate(engine.models[0])` after step 7 of 20 (T = 5), one replica's weight NaN:
+    every replica holds the mean of the finite replicas' weights and BatchNorm statistics, step() and finish() are
+    refused inside, every replica's own weights (the NaN too) come back bit for bit, and the run goes on exactly as
+    one that never evaluated; right after the converge step at 10 nothing changes."""
+    from hdet.engine import ReplicaEngine
+
+    def run(evaluate):
+        torch.manual_seed(0)
+        sched = lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=20, ensemble_lr_spread_ratio=0.5,  # noqa: E731
+                                                      model_sync_interval=5, replicas=rep, model=m)
+        net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+        eng = ReplicaEngine(net, 3, lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), sched, mode=mode)
+        g = torch.Generator().manual_seed(1)
+        loss_fn = lambda m, b: nn.functional.mse_loss(m(b), b[:, :1])  # noqa: E731
+        flat = lambda m: torch.cat([t.detach().reshape(-1) for t in [*m.parameters(), *m.buffers()]  # noqa: E731
+                                    if t.is_floating_point()]).clone()
+        seen = {}
+        for t in range(1, 21):
+            eng.step([torch.randn(8, 4, generator=g) for _ in range(3)], loss_fn)
+            if t == 7:
+                with torch.no_grad():
+                    eng.models[2][0].weight[0, 0] = 0.5
+            if t == 7 and evaluate:
+                with torch.no_grad():
+                    eng.models[2][0].weight[0, 0] = float("nan")
+                own = [flat(m) for m in eng.models]
+                if evaluate:
+                    with eng.averaged() as seen["changed"]:
+                        seen["inside"] = [flat(m) for m in eng.models]
+                        for call in (lambda: eng.step([torch.randn(8, 4)] * 3, loss_fn), eng.finish):
+                            with pytest.raises(hdet.SwappedInError):
+                                call()
+                    seen["mean"] = (own[0] + own[1]) / 2
+                    seen["restored"] = all(torch.equal(torch.nan_to_num(flat(m), 7.0), torch.nan_to_num(o, 7.0))
+                                           for m, o in zip(eng.models, own))
+                    with torch.no_grad():
+                        eng.models[2][0].weight[0, 0] = 0.5  # (a NaN replica would be reset at the converge step)
+            if t == 10 and evaluate:
+                at_sync = [flat(m) for m in eng.models]
+                with eng.averaged() as seen["changed_at_sync"]:
+                    seen["equal_at_sync"] = all(torch.equal(flat(m), a) for m, a in zip(eng.models, at_sync))
+        return [flat(m) for m in eng.models], seen
+
+    with one_thread():
+        plain, _ = run(False)
+        done, seen = run(True)
+    assert seen["changed"] and seen["restored"] and seen["changed_at_sync"] is False and seen["equal_at_sync"]
+    for inside in seen["inside"]:
+        torch.testing.assert_close(inside, seen["mean"], rtol=1e-6, atol=1e-7)
+    assert all(torch.equal(a, b) for a, b in zip(done, plain))

@@ -208,6 +208,38 @@ def test_hf_trainer_stopped_early_averages_the_replicas(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(r0["end_params"], r1["end_params"]))
 
 
+def test_hf_trainer_evaluates_and_saves_the_ensembles_average_between_converge_steps(full_run, tmp_path):
+    """eval_strategy="steps" every 4 steps and save_steps 4 with T = 5, as a user sets them: between converge steps
+    each rank evaluated its own replica on its half of the evaluation set (eval_loss a mix of two models) and the
+    checkpoint held rank 0's replica. Now every evaluation sees the replicas' average (exact), eval_loss is that
+    model's per-token loss on the whole set, each checkpoint's model is that model, and training is the run without
+    evaluations, bit for bit."""
+    from transformers import GPT2LMHeadModel
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from hf_trainer import Tokens
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    out = tmp_path / "eval"
+    _torchrun(out, "--eval-steps", "4", "--save-steps", "4")
+    res = _results(out)
+    held_out = Tokens(32, seed=1)
+    assert [v["step"] for v in res[0]["evaluated"]] == [4, 8, 12, 16, 20]
+    for v0, v1 in zip(res[0]["evaluated"], res[1]["evaluated"]):
+        mean = v0["replicas"].mean(0)  # each rank's own weights after the step, averaged by hand
+        assert v0["step"] == 20 or not torch.equal(v0["replicas"][0], v0["replicas"][1])
+        assert torch.equal(v0["seen"], mean) and torch.equal(v1["seen"], mean), v0["step"]
+        model = GPT2LMHeadModel.from_pretrained(out / f"checkpoint-{v0['step']}")  # (a local folder: no download)
+        assert torch.equal(torch.cat([q.detach().reshape(-1) for q in model.parameters()]), mean), v0["step"]
+        with torch.no_grad():
+            logits = model(input_ids=held_out.x).logits[:, :-1]
+            truth = float(torch.nn.functional.cross_entropy(logits.reshape(-1, 64), held_out.labels[:, 1:].reshape(-1)))
+        assert v0["eval_loss"] == v1["eval_loss"] == pytest.approx(truth, rel=1e-6), v0["step"]
+    for got, ref in zip(res, full_run[1]):
+        assert all(torch.equal(a, b) for a, b in zip(got["params"], ref["params"])) and got["lrs"] == ref["lrs"]
+
+
 def test_hf_trainer_raises_the_load_warnings_the_trainer_drops(tmp_path):
     """The Trainer loads the scheduler inside its own warning filter, which keeps no UserWarning: hdet's warnings
     about the load (here: the checkpoint's alpha 0.3 replaces the 0.2 the resumed run was built with) are raised
@@ -344,6 +376,40 @@ def test_lightning_stopped_before_total_steps_averages_the_replicas(tmp_path, ma
     for r in res:
         assert r["step"] == max_steps
         assert torch.equal(r["params"][0], r["params"][1])  # (all_gather of both ranks' weights)
+
+
+def test_lightning_validates_and_checkpoints_the_ensembles_average_between_converge_steps(tmp_path):
+    """Validation every 4 batches (every 2 optimizer steps, T = 4), `self.log("val_loss", ..., sync_dist=True)` and
+    `ModelCheckpoint(monitor="val_loss")`, as a user writes them: between converge steps each rank validated its own
+    replica and the logged val_loss was a mix of two models, each on half the data, and the checkpoint saved with it
+    held rank 0's replica. Now every validation sees the replicas' average (exact), val_loss is that model's loss on
+    the whole validation set, the checkpoint holds that model, and training is the run without validation, bit for
+    bit."""
+    pytest.importorskip("lightning")
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from lightning_ddp import Data
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    plain = _lightning(tmp_path / "plain")
+    res = _lightning(tmp_path / "val", "--val", "4")
+    val = Data(64, seed=1)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    seen_apart = 0
+    for v0, v1 in zip(res[0]["validated"], res[1]["validated"]):
+        mean = v0["replicas"].mean(0)  # each rank's own weights just before the validation, averaged by hand
+        assert torch.equal(v0["seen"], mean) and torch.equal(v1["seen"], mean), v0["step"]
+        seen_apart += v0["step"] % 4 != 0 and not torch.equal(v0["replicas"][0], v0["replicas"][1])
+        torch.nn.utils.vector_to_parameters(mean, net.parameters())
+        with torch.no_grad():
+            truth = float(torch.nn.functional.mse_loss(net(val.x), val.y))
+        assert v0["val_loss"] == v1["val_loss"] == pytest.approx(truth, rel=1e-6), v0["step"]
+    assert [v["step"] for v in res[0]["validated"]] == [2, 4, 6, 8, 10, 12, 14, 16] and seen_apart == 4
+    for v in res[0]["validated"]:  # what ModelCheckpoint(monitor="val_loss") saved with each validation
+        ckpt = torch.load(tmp_path / "val" / f"val-step={v['step']}.ckpt", weights_only=False)
+        assert torch.equal(torch.cat([t.reshape(-1) for t in ckpt["state_dict"].values()]), v["replicas"].mean(0))
+    for got, ref in zip(res, plain):
+        assert torch.equal(got["params"], ref["params"]) and got["lrs"] == ref["lrs"]
 
 
 def test_lightning_with_a_fused_optimizer_skips_the_step_whose_gradient_is_nan(tmp_path):

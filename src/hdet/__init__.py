@@ -11,6 +11,7 @@ from .replicas import ProcessGroupReplicas, Replicas, SingleReplica
 from .replay import ReplayLR
 from .schedulers import HDETLR, OneCycleAutoLR
 from .spread import Dealer, linear_multipliers
+from .swap import SwappedInError
 from .telemetry import SyncLogger, sync_scalars
 
 __version__ = "0.1.0"
@@ -32,6 +33,7 @@ __all__ = [
     "NonFiniteReplicaError",
     "ReplicaSyncError",
     "ReplicaMismatchError",
+    "SwappedInError",
     "Replicas",
     "SingleReplica",
     "ProcessGroupReplicas",

@@ -31,7 +31,7 @@ import contextlib
 import copy
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +47,8 @@ from .stability import SharedCopies
 from .stacked_optim import StackedStep, Unstackable, unsupported
 from .stacking import StackedReplicas
 from .step_scale import share_local
+from .swap import AverageSwap
+from .sync import health
 from .values import int_number
 
 __all__ = ["ReplicaEngine"]
@@ -223,6 +225,7 @@ class ReplicaEngine:
         self._following: bool | None = None
         self.optimizer_path = "per-replica: loop mode" if self.mode == "loop" else self._setup_stacked(stacked_optimizer)
         self._finished_at: int | None = None  # the step finish() averaged the replicas after
+        self._swap = AverageSwap()  # the replicas' own weights while their average is in (swap_in_average)
 
     def _check_own_values(self) -> None:
         """Every replica's explored values must act on that replica's own object: one loss criterion given to
@@ -423,6 +426,7 @@ class ReplicaEngine:
         """Average the replicas now, for a run that ends before ``total_steps`` (early stopping, a time limit): the
         converge step the last step would have run (:meth:`hdet.HDETLR.finish`). Nothing when the last step taken
         was a sync step, or none was taken. Returns whether it averaged."""
+        self._swap.check("engine.finish() was called")
         t = self.steps_taken
         if t <= 0 or self.schedulers[0].ensemble.is_sync_step(t) or self._finished_at == t:
             return False
@@ -431,6 +435,39 @@ class ReplicaEngine:
         for s in self.schedulers:
             s.reapply()  # the values the sync dealt, should training go on
         return True
+
+    def swap_in_average(self) -> bool:
+        """Put the replicas' average into every replica, to evaluate (or save) the model the ensemble is building
+        between converge steps: :meth:`hdet.HDETLR.swap_in_average` for the N replicas at once (the finite replicas'
+        mean of the parameters and floating-point buffers, each replica's own kept aside: N copies). Right after a
+        converge step nothing changes. Until :meth:`swap_back`, :meth:`step` and :meth:`finish` raise
+        :class:`hdet.SwappedInError`. Returns whether the weights changed. HOST SYNC: one read of N flags."""
+        self._swap.check("swap_in_average() was called again")
+        ens = [s.ensemble for s in self.schedulers]
+        lists = [e.model_tensors() for e in ens]
+        t = self.steps_taken
+        finite = None
+        if self.num_replicas > 1 and not (t > 0 and (ens[0].is_sync_step(t) or self._finished_at == t)):
+            dev = self.group.device
+            oks = [health(ts, strict, dev)[0] if ts else torch.ones((), dtype=torch.bool, device=dev)
+                   for ts, strict in lists]
+            finite = torch.stack(oks).tolist()  # HOST SYNC
+        tensors = [ts for ts, _ in lists]
+        return self._swap.swap_in(tensors, finite, lambda bad: average_local(tensors, bad))
+
+    def swap_back(self) -> bool:
+        """Put every replica's own weights and buffers back after :meth:`swap_in_average`. Returns whether the
+        average was in."""
+        return self._swap.swap_back()
+
+    @contextlib.contextmanager
+    def averaged(self) -> Iterator[bool]:
+        """``with engine.averaged(): evaluate(engine.models[0])``: :meth:`swap_in_average`, then :meth:`swap_back`."""
+        changed = self.swap_in_average()
+        try:
+            yield changed
+        finally:
+            self.swap_back()
 
     @property
     def steps_taken(self) -> int:
@@ -519,6 +556,7 @@ class ReplicaEngine:
 
         ``batches``: a sequence of N per-replica batches, or with ``stacked=True`` one batch whose
         tensors have a leading replica axis of size N. ``loss_fn(module, batch)`` returns a scalar."""
+        self._swap.check("engine.step() was called")
         N = self.num_replicas
         steps = {s.last_epoch for s in self.schedulers}  # host-side counters: no sync
         if len(steps) > 1:

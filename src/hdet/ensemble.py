@@ -278,12 +278,7 @@ class Ensemble:
         """The tensors to average, and per tensor whether it must be finite (parameters, optimizer
         state) or only free of NaN (buffers: a mask may hold -inf)."""
         params = self._params()
-        out = [as_real(local_shard(p.detach())) for p in params]
-        strict = [True] * len(out)
-        if self.model is not None:
-            buffers = persistent_float_buffers(self.model)
-            out += buffers
-            strict += [False] * len(buffers)
+        out, strict = self.model_tensors()
         if self.config.average_optimizer_state:
             state = self._optimizer_state(params)
             out += state
@@ -292,6 +287,18 @@ class Ensemble:
             estimates = self.step_scale.estimates(out[0])
             out += estimates
             strict += [True] * len(estimates)
+        return out, strict
+
+    def model_tensors(self) -> tuple[list[torch.Tensor], list[bool]]:
+        """The model's part of :meth:`tensors` (its parameters' local shards, then its persistent floating-point
+        buffers: what an evaluation of the average needs, :meth:`hdet.HDETLR.swap_in_average`), and per tensor
+        whether it must be finite."""
+        out = [as_real(local_shard(p.detach())) for p in self._params()]
+        strict = [True] * len(out)
+        if self.model is not None:
+            buffers = persistent_float_buffers(self.model)
+            out += buffers
+            strict += [False] * len(buffers)
         return out, strict
 
     def _optimizer_state(self, params: list[torch.Tensor]) -> list[torch.Tensor]:

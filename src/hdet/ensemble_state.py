@@ -270,9 +270,10 @@ def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
     if not elastic and (state["rank"] != ens.replicas.rank or saved_shard != shard) and state["loss_count"]:
         _say(ens, f"hdet: loading replica {state['rank']}'s HDET state (saved by its shard rank "
                   f"{saved_shard}) into replica {ens.replicas.rank}'s shard rank {shard} in "
-                  "the middle of a window: the window's loss accumulator is not this rank's, and the weights and "
-                  f"optimizer state loaded with it are replica {state['rank']}'s. Save each rank's state, or save at "
-                  "a sync step.")
+                  "the middle of a window: the window's loss accumulator is not this rank's, and the optimizer state "
+                  f"loaded with it is replica {state['rank']}'s (the weights too, unless they were saved as the "
+                  "replicas' average: sched.averaged(), as HDETTrainer and HDETCallback save them). Save each rank's "
+                  "state, or save at a sync step.")
     shaping = _moment_shaping(ens, new["config"])
     if state["rank"] != ens.replicas.rank and shaping and not new["config"].average_optimizer_state:
         _say(ens, f"hdet: loading replica {state['rank']}'s HDET state into replica {ens.replicas.rank}: the optimizer "

@@ -30,8 +30,10 @@ from .guard import GuardSetting, ScalerWatch, SkipWatch
 from .hyper import AdamBeta, Hyperparameter, LabelSmoothing
 from .loss_scale import LossScale
 from .optimizers import check_lr_groups, check_optimizer, check_shared_gradients, innermost
-from .replicas import DEFAULT_BUCKET_CAP_MB, Replicas, check_mesh_placements, resolve_replicas
+from .replicas import DEFAULT_BUCKET_CAP_MB, LocalReplica, Replicas, check_mesh_placements, resolve_replicas
 from .slots import LRControl
+from .swap import AverageSwap
+from .sync import health, persistent_float_buffers
 from .values import real_number
 
 __all__ = ["HDETLR", "OneCycleAutoLR"]
@@ -148,6 +150,7 @@ class HDETLR(LRScheduler):
         self._opt_hook = innermost(optimizer).register_step_post_hook(self._count_optimizer_step)
         self._warned_double_step = self._warned_missed_step = self._warned_epoch = self._checked_local = False
         self._finished_at: int | None = None  # the step finish() averaged the replicas after
+        self._swap = AverageSwap()  # this replica's own weights while the ensemble's average is in (swap_in_average)
         self._scaler_idle = False  # an unmatched scheduler.step() came with no GradScaler update since the one before
         self._scale_version: int | None = None  # the GradScaler scale's in-place version at the last scheduler.step()
         self._unmatched = 0  # scheduler steps with no optimizer step (a GradScaler's skips, or a prepared scheduler)
@@ -364,6 +367,7 @@ class HDETLR(LRScheduler):
 
         ``lead``: another replica's scheduler of the same engine, whose base schedule has just stepped: this one's
         takes its state instead of computing the same values again (:meth:`follows`)."""
+        self._swap.check("scheduler.step() was called")
         t = self.last_epoch + 1  # optimizer steps taken so far
         if t > self.total_steps:
             raise ValueError(f"Expected at most total_steps={self.total_steps} calls of scheduler.step() after "
@@ -466,6 +470,7 @@ class HDETLR(LRScheduler):
         the averaged replicas, and training may go on from it. Nothing (None) when that step was a sync step
         already, or no step was taken; otherwise the sync's record. The integrations call it when training ends
         (``on_train_end``)."""
+        self._swap.check("finish() was called")
         t = self.last_epoch
         if t <= 0 or self._hdet.is_sync_step(t) or self._finished_at == t:
             return None
@@ -476,6 +481,62 @@ class HDETLR(LRScheduler):
         self._loss_scale.after_sync(bool(rec.recovered) or rec.went_back_to is not None, not any(rec.nonfinite_losses))
         self.reapply()  # the values the sync dealt, should training go on (step() sets them after a sync)
         return rec
+
+    def swap_in_average(self) -> bool:
+        """Put the ensemble's average into this replica's model, to evaluate or save the model the run is building
+        between converge steps, keeping the replica's own weights and buffers aside (one copy, on their device) for
+        :meth:`swap_back`, after which training goes on exactly as if nothing happened (:mod:`hdet.swap`).
+
+        The average is Eq. 3's, of what a converge step averages in the model (its parameters and floating-point
+        buffers; not the optimizer state), over the replicas whose weights are finite. Without it an evaluation
+        between converge steps measures each rank's own replica on its share of the data. Every replica must call
+        it, after ``scheduler.step()``; right after a converge step (or ``finish()``) the replicas are equal and it
+        changes nothing, with no collective. Until :meth:`swap_back`, ``optimizer.step()``, ``scheduler.step()``
+        and ``finish()`` raise :class:`hdet.SwappedInError`. Returns whether the weights changed. The integrations
+        call it around evaluations and the checkpoints saved with them. COLLECTIVES: one all_gather of one float64
+        (a HOST SYNC), then one all_reduce per bucket."""
+        ens = self._hdet
+        if isinstance(ens.replicas, LocalReplica):
+            raise RuntimeError("hdet: this scheduler is a ReplicaEngine's replica: call engine.swap_in_average() (or "
+                               "use `with engine.averaged():`), which averages every replica at once")
+        self._swap.check("swap_in_average() was called again")
+        t = self.last_epoch
+        tensors, strict = ens.model_tensors()
+        finite = None
+        if ens.replicas.world_size > 1 and not (self._opt_steps == self._opt_steps_seen and t > 0 and (
+                ens.is_sync_step(t) or self._finished_at == t)):  # (else equal: a converge step, no step since)
+            dev = ens.replicas.comm_device(tensors[0].device if tensors else None)
+            ok = health(tensors, strict, dev)[0] if tensors else torch.ones((), dtype=torch.bool, device=dev)
+            rows = ens.replicas.gather(ok.to(torch.float64).reshape(1), shard_min=(0,))  # COLLECTIVE + HOST SYNC
+            finite = [bool(v >= 1) for v in rows[:, 0].tolist()]
+
+        def average(bad: list[int]) -> None:
+            ens.replicas.average_(tensors, exclude=bad)  # COLLECTIVES: one all_reduce per bucket
+            over_shards = getattr(ens.replicas, "average_over_shards_", None)
+            if over_shards is not None and ens.model is not None:  # HSDP: a replica's buffers, over its shard ranks
+                over_shards(persistent_float_buffers(ens.model))  # COLLECTIVES: one all_reduce per bucket
+
+        return self._swap.swap_in([tensors], finite, average, [innermost(self.optimizer)])
+
+    def swap_back(self) -> bool:
+        """Put this replica's own weights and buffers back after :meth:`swap_in_average` (nothing otherwise; no
+        collective). Returns whether the average was in."""
+        return self._swap.swap_back()
+
+    @contextlib.contextmanager
+    def averaged(self) -> Iterator[bool]:
+        """``with scheduler.averaged(): evaluate(model)``: :meth:`swap_in_average` on entry (it yields whether the
+        weights changed), :meth:`swap_back` on exit. On every replica (collectives)."""
+        changed = self.swap_in_average()
+        try:
+            yield changed
+        finally:
+            self.swap_back()
+
+    @property
+    def average_swapped_in(self) -> bool:
+        """Whether :meth:`swap_in_average` is in effect (until :meth:`swap_back`)."""
+        return self._swap.active
 
     def reapply(self) -> None:
         """Set this replica's current values on the optimizer (and explored hyperparameters) again. For

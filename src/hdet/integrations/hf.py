@@ -110,9 +110,10 @@ class HDETTrainer(Trainer):
                 # (warned here, after the Trainer's load: it drops the warnings raised while loading)
                 warnings.warn(f"hdet: resumed from {checkpoint} at step {sched.last_epoch}, between converge steps "
                               f"(model_sync_interval={sched.ensemble.config.model_sync_interval}): the Trainer saved "
-                              "rank 0's weights, optimizer and scheduler state only, so every replica goes on from "
-                              "replica 0's, its loss window included. Checkpoint at multiples of model_sync_interval "
-                              "(save_steps) for an exact resume", stacklevel=2)
+                              "one model (HDETTrainer saves the replicas' average between converge steps) and rank "
+                              "0's optimizer and scheduler state only, so every replica goes on from them, replica 0's "
+                              "loss window and optimizer moments included. Checkpoint at multiples of "
+                              "model_sync_interval (save_steps) for an exact resume", stacklevel=2)
 
     def _follow_run_length(self, sched: HDETLR, checkpoint: str) -> str:
         """A resume into a run of another length (``max_steps`` or ``num_train_epochs`` changed): the Trainer builds
@@ -160,6 +161,25 @@ class HDETTrainer(Trainer):
                 part = part * self._hdet_token_scale
             self._hdet_loss = part if self._hdet_loss is None else self._hdet_loss + part  # on the device
         return loss
+
+    def _evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """An evaluation during training (``eval_strategy``) measures the ensemble's average: between converge steps
+        each rank's model is its own replica, and the Trainer's metrics were a mix of them, each on its share of the
+        evaluation data (:meth:`hdet.HDETLR.swap_in_average`; nothing to do at a converge step)."""
+        sched = self.lr_scheduler
+        if not isinstance(sched, HDETLR) or sched.average_swapped_in:
+            return super()._evaluate(*args, **kwargs)
+        with sched.averaged():  # COLLECTIVES (off converge steps): on every rank, as the evaluation itself
+            return super()._evaluate(*args, **kwargs)
+
+    def _save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """A checkpoint saved between converge steps holds the ensemble's average (the model the run is building),
+        not rank 0's replica, which the Trainer would save; with rank 0's optimizer and scheduler state, as before."""
+        sched = self.lr_scheduler
+        if not isinstance(sched, HDETLR) or sched.average_swapped_in:
+            return super()._save_checkpoint(*args, **kwargs)
+        with sched.averaged():  # COLLECTIVES (off converge steps): every rank saves (rank 0 writes)
+            return super()._save_checkpoint(*args, **kwargs)
 
     def _get_learning_rate(self) -> float:
         sched = self.lr_scheduler

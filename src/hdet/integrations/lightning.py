@@ -23,6 +23,7 @@ after a resume each rank re-applies its own LR (as with the Hugging Face Trainer
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ class HDETCallback(Callback):
     def __init__(self) -> None:
         self._restored = False
         self._logged: dict[int, int] = {}  # scheduler index -> the sync step last logged
+        self._swapped: list[HDETLR] = []  # the schedulers whose average is in for a validation
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1  # undo Lightning's division
@@ -80,11 +82,53 @@ class HDETCallback(Callback):
         """Training stopped before the schedulers' ``total_steps`` (``EarlyStopping``, ``max_time``, a smaller
         ``max_steps``): the replicas are averaged now (:meth:`hdet.HDETLR.finish`, on every rank), so that the module
         after ``fit`` is the ensemble's average, not each rank's own replica."""
+        self._swap_back()
         for sched in _hdet_schedulers(trainer):
             finish_at_train_end(sched)
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         self._restored = True
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        """Validation during ``fit`` measures the ensemble's average (:meth:`hdet.HDETLR.swap_in_average`, on every
+        rank; nothing to do right after a converge step): between converge steps each rank's module is its own
+        replica, and the logged metrics (and what ``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` read) were
+        a mix of them, each on its share of the validation data. Not in the sanity check before training."""
+        if trainer.sanity_checking or getattr(trainer.state, "fn", None) != "fit":
+            return
+        for sched in _hdet_schedulers(trainer):
+            if not sched.average_swapped_in:
+                sched.swap_in_average()  # COLLECTIVES (off converge steps)
+                self._swapped.append(sched)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self._swap_back()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._swap_back()
+
+    def _swap_back(self) -> None:
+        for sched in self._swapped:
+            sched.swap_back()
+        self._swapped = []
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint saved between converge steps holds the ensemble's average (the model the run is building)
+        in its ``state_dict``, not rank 0's replica, which Lightning would save; with rank 0's optimizer and
+        scheduler state, as before. Every rank runs this (Lightning's ``save_checkpoint`` is called on all of them;
+        rank 0 writes). Lightning calls no callback for a weights-only checkpoint: see :meth:`on_train_start`."""
+        scheds = [s for s in _hdet_schedulers(trainer) if not s.average_swapped_in]
+        if not scheds or not isinstance(checkpoint.get("state_dict"), dict):
+            return
+        try:
+            changed = [s.swap_in_average() for s in scheds]  # COLLECTIVES (off converge steps)
+            if any(changed):
+                mean = pl_module.state_dict()
+                checkpoint["state_dict"] = {k: mean[k].clone() if isinstance(mean.get(k), torch.Tensor) else v
+                                            for k, v in checkpoint["state_dict"].items()}
+        finally:
+            for s in scheds:
+                s.swap_back()
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         for cfg in trainer.lr_scheduler_configs:
@@ -96,6 +140,12 @@ class HDETCallback(Callback):
                     "{'scheduler': sched, 'interval': 'step'}} from configure_optimizers")
         for sched in _hdet_schedulers(trainer):
             sched.attach_model(trainer.strategy.model)  # buffers averaged if no model= was given; the guard on DDP
+        weights_only = [c for c in trainer.checkpoint_callbacks if getattr(c, "save_weights_only", False)]
+        if weights_only and _hdet_schedulers(trainer) and trainer.world_size > 1:
+            warnings.warn("hdet: ModelCheckpoint(save_weights_only=True) saves without calling any callback, so its "
+                          "checkpoints saved between converge steps hold rank 0's replica, not the ensemble's average "
+                          "(a full checkpoint holds the average): save at multiples of model_sync_interval "
+                          "(every_n_train_steps), or save_weights_only=False", stacklevel=2)
         if self._restored:  # rank 0's optimizer and scheduler states were loaded on every rank
             for sched in _hdet_schedulers(trainer):
                 sched.reapply()

@@ -1,0 +1,88 @@
+"""The ensemble's average swapped into the replicas' models between converge steps, to evaluate or save the model
+the run is building: :class:`AverageSwap`.
+
+Between converge steps each replica is its own model, trained at its own multiplier. An evaluation there (the
+Hugging Face Trainer's ``eval_steps``, Lightning's validation at the end of an epoch, a user's validation loop under
+DDP) measured a mix: each rank its own replica on its share of the data, reported as one number; and a checkpoint
+saved then held rank 0's replica. The run's model is the replicas' average (Eq. 3), which a converge step would
+make: :class:`AverageSwap` puts it into every replica (the finite replicas' mean; a replica whose weights are
+not finite contributes nothing and gets the others' mean, as at a converge step), keeps each replica's own
+weights and buffers (one copy), and puts them back, so training goes on exactly as if nothing happened.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["AverageSwap", "SwappedInError"]
+
+
+class SwappedInError(RuntimeError):
+    """Training was asked to go on while the ensemble's average is swapped in (its own weights are kept aside)."""
+
+
+def _refuse(what: str) -> SwappedInError:
+    return SwappedInError(f"hdet: {what} while the ensemble's average is swapped into the model for evaluation "
+                          "(swap_in_average() or averaged()): this replica's own weights are kept aside, and a step "
+                          "now would be lost when they are put back. Call swap_back() (or leave the `with "
+                          "averaged():` block) before training on")
+
+
+class AverageSwap:
+    """The replicas' own tensors, kept while their average is in (``None``: not swapped in).
+
+    ``tensors[r]`` are local replica r's model tensors (one list under torch.distributed, N in the engine);
+    ``average(exclude)`` replaces them by their mean over the replicas in place, leaving out ``exclude``."""
+
+    def __init__(self) -> None:
+        self.saved: list[list[torch.Tensor]] | None = None
+        self.tensors: list[list[torch.Tensor]] = []
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+
+    @property
+    def active(self) -> bool:
+        return self.saved is not None
+
+    def check(self, what: str) -> None:
+        """Raise :class:`SwappedInError` if the average is in (``what``: what was asked, for the message)."""
+        if self.saved is not None:
+            raise _refuse(what)
+
+    def swap_in(self, tensors: Sequence[Sequence[torch.Tensor]], finite: list[bool] | None,
+                average: Callable[[list[int]], None], optimizers: Sequence[torch.optim.Optimizer] = ()) -> bool:
+        """Keep ``tensors`` (a copy of each, on its device), then ``average`` them in place over the replicas whose
+        ``finite`` flag is set (``finite`` None: the replicas are equal already, right after a converge step, and
+        nothing changes). Every replica non-finite: nothing changes either (a warning). Until :meth:`swap_back`,
+        the ``optimizers``' ``step()`` is refused. Returns whether the weights changed."""
+        self.check("swap_in_average() was called again")
+        bad = [r for r, ok in enumerate(finite or []) if not ok]
+        self.saved, self.tensors = [], []
+        self._hooks = [o.register_step_pre_hook(self._refuse_step) for o in optimizers]
+        if finite is not None and len(bad) == len(finite):
+            warnings.warn("hdet: every replica's weights are non-finite: there is no average to evaluate, so each "
+                          "replica keeps its own", stacklevel=4)
+        elif finite is not None:
+            self.tensors = [list(ts) for ts in tensors]
+            with torch.no_grad():
+                self.saved = [[t.clone() for t in ts] for ts in self.tensors]  # this replica's own: one copy
+            average(bad)  # (should it fail, swap_back() still puts every kept tensor back)
+        return bool(self.tensors)
+
+    def swap_back(self) -> bool:
+        """Put each replica's own tensors back. Returns whether the average was in."""
+        if self.saved is None:
+            return False
+        with torch.no_grad():
+            for ts, kept in zip(self.tensors, self.saved):
+                if ts:
+                    torch._foreach_copy_(ts, kept)
+        for h in self._hooks:
+            h.remove()
+        self.saved, self.tensors, self._hooks = None, [], []
+        return True
+
+    def _refuse_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        raise _refuse("optimizer.step() was called")
