@@ -298,13 +298,13 @@ def explore_hypers(rank, world, steps=30):
 
 
 def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20, T=5, guard=True, fused=False,
-                    clip=False, on_runaway="ignore"):
+                    clip=False, on_runaway="ignore", norm_type=2.0, sgd=False):
     """DDP + Adam (``fused``: torch's fused Adam) + auto-LR; at step ``at`` replica ``bad_rank`` (-1: every
     replica) gets a NaN weight (mid-window), a NaN loss, or a NaN born in its first weight matrix's own gradient
     (``"matrix_grad"``: a tensor hook, before DDP's all-reduce; loss and activations finite). Records, after every step, whether each rank's weights are finite
     and whether they changed, and after every sync whether the replicas are equal. ``clip``: clip through
     ``scheduler.clip_grad_norm_`` (max norm 1e6: no healthy gradient is changed) and count the guard's own
-    passes over the gradients."""
+    passes over the gradients; ``norm_type``: its norm. ``sgd``: SGD with momentum 0.9 instead of Adam."""
     import warnings
 
     import hdet.guard
@@ -314,7 +314,8 @@ def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20,
 
     model = make_model(0)
     ddp = DDP(model, broadcast_buffers=False)
-    o = torch.optim.Adam(ddp.parameters(), lr=0.01, fused=fused or None)
+    o = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9, fused=fused or None) if sgd else \
+        torch.optim.Adam(ddp.parameters(), lr=0.01, fused=fused or None)
     s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.2, model_sync_interval=T,
                             controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=T, loss_scale=0.05, model=ddp, seed=3,
                             guard_gradients=guard, on_runaway=on_runaway)
@@ -333,14 +334,15 @@ def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20,
                     loss = loss * float("nan")
                 o.zero_grad()
                 hook = None
-                if fault == "matrix_grad" and t == at and bad_rank in (rank, -1):
+                if fault in ("matrix_grad", "matrix_grad_inf") and t == at and bad_rank in (rank, -1):
+                    bad = float("nan") if fault == "matrix_grad" else float("inf")
                     hook = model[0].weight.register_hook(lambda g: g.index_put((torch.tensor(0), torch.tensor(0)),
-                                                                               torch.tensor(float("nan"))))
+                                                                               torch.tensor(bad)))
                 loss.backward()
                 if hook is not None:
                     hook.remove()
                 if clip:
-                    s.clip_grad_norm_(1e6)
+                    s.clip_grad_norm_(1e6, norm_type=norm_type)
                 o.step()
                 changed.append(not torch.equal(before, torch.cat([p.detach().flatten() for p in model.parameters()])))
                 last = s.last_sync
@@ -361,7 +363,8 @@ def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20,
             "nonfinite_losses": nonfinite, "records": records,
             "guard": s.gradient_guard, "losses_at_recovery": s.ensemble.controllers[0].updates, "changed": changed,
             "skipped": None if s.skip_guard is None else float(s.skip_guard.skipped),
-            "steps": [int(st["step"]) for st in o.state.values()][:1], "own_passes": len(passes)}
+            "steps": [int(st["step"]) for st in o.state.values() if "step" in st][:1], "own_passes": len(passes),
+            "params": [p.detach().clone() for p in model.parameters()]}
 
 
 def _timeout_entry(rank, world, out_dir, skip_rank, timeout_s):
@@ -1008,3 +1011,34 @@ def swap_average(rank, world, *, nan_rank=None, mesh_shape=None):
         pass
     out["calls"] = calls
     return out
+
+
+def fused_sgd_first_step_skipped(rank, world, *, steps=8, T=4):
+    """Fused SGD with momentum under the skip guard, rank 1's loss NaN at step 1 (the first step skipped everywhere),
+    against the same run with no fault in which step 1 is simply not taken (``optimizer.step()`` not called)."""
+    import warnings
+
+    def run(skip_by_guard):
+        model = make_model(0)
+        ddp = DDP(model, broadcast_buffers=False)
+        o = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, fused=True)
+        s = hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=steps, ensemble_lr_spread_ratio=0.2,
+                                model_sync_interval=T, model=ddp, guard_gradients="skip-all" if skip_by_guard else False)
+        for t in range(1, steps + 1):
+            x, y = batch(rank, t)
+            loss = nn.functional.mse_loss(ddp(x), y)
+            if t == 1 and rank == 1 and skip_by_guard:
+                loss = loss * float("nan")
+            o.zero_grad()
+            loss.backward()
+            if t > 1 or skip_by_guard:
+                o.step()
+            s.step(loss if t > 1 else None)
+        return [p.detach().clone() for p in model.parameters()], (float(s.skip_guard.skipped) if skip_by_guard else 0.0)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        guarded, skipped = run(True)
+        taken_out, _ = run(False)
+    return {"skipped": skipped, "equal": all(torch.equal(a, b) for a, b in zip(guarded, taken_out)),
+            "max_abs": max(float(p.abs().max()) for p in guarded)}

@@ -792,6 +792,57 @@ def _fused_fault(rank, world, kw):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("norm_type, fault", [(0, "matrix_grad"), (-float("inf"), "matrix_grad_inf"),
+                                              (2.0, "matrix_grad")])
+def test_a_clip_norm_that_stays_finite_over_a_nan_is_not_taken_as_the_guards_verdict(norm_type, fault):
+    """sched.clip_grad_norm_(max_norm, norm_type=0) (torch's count of the non-zero elements) or -inf (the smallest
+    magnitude) is finite with a NaN or Inf gradient: handed to the skip guard, it let the step run, and the NaN
+    reached both replicas (NonFiniteReplicaError at the sync; an audit). The guard now reads the gradients itself
+    for p <= 0, and skips the step as with p = 2."""
+    kw = dict(fault=fault, bad_rank=1, at=2, steps=8, T=4, fused=True, clip=True, norm_type=norm_type)
+    for r in check_ok(run_gloo(_fused_fault, 2, kw)):
+        assert r["error"] is None, r
+        assert r["skipped"] == 1.0 and all(r["finite"]) and r["changed"][1] is False, r
+        assert r["own_passes"] == (8 if norm_type <= 0 else 0), r
+
+
+def test_clip_grad_norm_arguments_are_checked():
+    """torch takes max_norm=-1 (every gradient turned around: gradient ascent) and nan (every gradient NaN), and
+    fails on None or "fro" with a bare float() error; each is now a clear error, before anything is clipped."""
+    import hdet
+
+    p = torch.nn.Parameter(torch.ones(3))
+    s = hdet.OneCycleAutoLR(torch.optim.SGD([p], lr=0.1), max_lr=0.1, total_steps=4)
+    p.grad = torch.ones(3)
+    for bad, said in [({"max_norm": -1.0}, "max_norm as a number >= 0"), ({"max_norm": float("nan")}, "max_norm"),
+                      ({"max_norm": None}, "max_norm"), ({"max_norm": "1"}, "max_norm"), ({"max_norm": True}, "max_norm"),
+                      ({"max_norm": 1.0, "norm_type": "fro"}, "norm_type"), ({"max_norm": 1.0, "norm_type": None}, "norm_type"),
+                      ({"max_norm": 1.0, "foreach": "yes"}, "foreach"), ({"max_norm": torch.ones(2)}, "0-d")]:
+        with pytest.raises(ValueError, match=said):
+            s.clip_grad_norm_(**bad)
+        assert torch.equal(p.grad, torch.ones(3))
+    assert float(s.clip_grad_norm_(float("inf"), norm_type="inf")) == 1.0  # torch's spellings still work
+    assert float(s.clip_grad_norm_(torch.tensor(0.5))) == pytest.approx(3 ** 0.5)
+    assert torch.allclose(p.grad, torch.full((3,), 0.5 / 3 ** 0.5), atol=1e-6)
+
+
+@pytest.mark.distributed
+def test_fused_sgd_whose_first_step_the_guard_skips_goes_on_as_if_the_step_was_not_taken():
+    """torch's fused SGD makes its momentum buffers with empty_like at the first step and fills them only when it
+    steps: a first step skipped by the guard (a NaN loss on one rank) left them uninitialised memory, and the next
+    step moved the weights by it (up to 1e34 away from a hand simulation; an audit). The guard now drops buffers a
+    skipped step made, and the run equals one in which that step was simply not taken, bit for bit."""
+    for r in check_ok(run_gloo(_fused_sgd_first_skip, 2)):
+        assert r["skipped"] == 1.0 and r["equal"] and r["max_abs"] < 10, r
+
+
+def _fused_sgd_first_skip(rank, world):
+    from dist_workers import fused_sgd_first_step_skipped
+
+    return fused_sgd_first_step_skipped(rank, world)
+
+
+@pytest.mark.distributed
 def test_one_nan_loss_per_rank_in_a_window_is_counted_not_fatal():
     """Skip guard, 2 ranks: rank 0 has a NaN loss at step 2, rank 1 at step 3 (the same window): both steps
     are skipped everywhere, the weights stay finite, and the sync counts the faults instead of stopping."""

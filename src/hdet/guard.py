@@ -281,11 +281,17 @@ class SkipNonFiniteStep:
         self._norm: tuple[torch.Tensor, list[tuple[torch.Tensor, int]]] | None = None  # use_norm: (norm, versions)
         self._saved: list[Any] = []  # per step in flight: the found_inf to restore (None: there was none)
         self._mine: torch.Tensor | None = None  # the found_inf this guard set last
+        # torch's fused SGD makes its momentum buffers with empty_like at its first step and fills them only if the step
+        # is taken: a skipped first step left them uninitialised memory, which the next step used (weights 1e22; a
+        # torch bug). Until every buffer exists, the parameters without one, to drop those made by a skipped step
+        self._fresh_sgd = isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) for g in optimizer.param_groups)
+        self._no_buffer: list[torch.Tensor] = []
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 
     def use_norm(self, total_norm: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
         """The next step's verdict comes from ``total_norm``, a norm of ``grads`` (what
-        ``torch.nn.utils.clip_grad_norm_`` returns; any p-norm is non-finite when one element is), instead of
+        ``torch.nn.utils.clip_grad_norm_`` returns; a p-norm with p > 0 is non-finite when one element is, and when
+        a finite gradient's norm overflows, which is skipped too), instead of
         a pass of the guard's own. Used only if, at that step, ``grads`` are exactly the gradients the
         optimizer holds, unmodified since (same tensors, same in-place version: clipping first and then
         running another backward falls back to the guard's own pass). :meth:`hdet.HDETLR.clip_grad_norm_`
@@ -296,6 +302,8 @@ class SkipNonFiniteStep:
         self._norm = (total_norm, [(g, g._version) for g in grads])
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        if self._fresh_sgd:
+            self._momentum_buffers_missing(optimizer)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args[0]: the optimizer itself)
         if closure is None:
             self._verdict(optimizer)
@@ -308,6 +316,25 @@ class SkipNonFiniteStep:
         if "closure" in kwargs:
             return args, {**kwargs, "closure": checked}
         return (args[0], checked, *args[2:]), kwargs
+
+    def _momentum_buffers_missing(self, optimizer: torch.optim.Optimizer) -> None:
+        """SGD with momentum, until its buffers exist: the parameters about to get one at this step."""
+        self._no_buffer = [p for g in optimizer.param_groups if g.get("momentum", 0) for p in g["params"]
+                           if p.grad is not None and optimizer.state.get(p, {}).get("momentum_buffer") is None]
+        self._fresh_sgd = bool(self._no_buffer)  # (torch makes them all at once, at the first step it takes)
+
+    def _drop_unfilled_buffers(self, optimizer: torch.optim.Optimizer) -> None:
+        """After a step that made momentum buffers: if it was skipped, they hold uninitialised memory (torch's fused
+        SGD fills them only when it steps), so they are dropped, and the next step taken makes them afresh as a first
+        step does. HOST SYNC: one read of the flag, at the steps that make buffers only (the first, usually)."""
+        made, self._no_buffer = self._no_buffer, []
+        if not made or self._mine is None or not bool(self._mine.item() > 0):  # HOST SYNC (a first step only)
+            return
+        for p in made:
+            state = optimizer.state.get(p)
+            if state is not None:
+                state.pop("momentum_buffer", None)
+        self._fresh_sgd = True
 
     def _verdict(self, optimizer: torch.optim.Optimizer, after_closure: bool = False) -> None:
         """Set ``optimizer.found_inf`` from the gradients as they are now (see the class doc). ``after_closure``: the
@@ -369,6 +396,8 @@ class SkipNonFiniteStep:
         return self._flags[device]
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._no_buffer:
+            self._drop_unfilled_buffers(optimizer)
         prev = self._saved.pop() if self._saved else _UNSET
         if prev is _UNSET:
             return

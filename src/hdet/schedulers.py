@@ -229,12 +229,20 @@ class HDETLR(LRScheduler):
 
         Call it between ``loss.backward()`` and ``optimizer.step()`` instead of clipping yourself: under the
         "skip" gradient guard the norm then also decides whether the step is skipped (a non-finite norm
-        means a NaN/Inf gradient), so the guard makes no pass over the gradients of its own that step.
-        With a ``GradScaler``, call ``scaler.unscale_(optimizer)`` first, as before torch's own clip."""
+        means a NaN/Inf gradient), so the guard makes no pass over the gradients of its own that step. Unlike
+        torch's clip alone, a step whose finite gradients' norm overflows (inf: 1e30 in float32 under the 2-norm)
+        is skipped too, where torch would scale the gradients to 0 and step. ``norm_type`` <= 0 (torch's count of
+        the non-zero elements, the smallest magnitude) stays finite over a NaN: the guard then reads the gradients
+        itself. With a ``GradScaler``, call ``scaler.unscale_(optimizer)`` first, as before torch's own clip. Under
+        the "hook" guard the norm is of the gradients after the hook zeroed a non-finite rank's share (finite, where
+        plain DDP's would be NaN). ``max_norm``: a number >= 0 (inf: no clipping) or a 0-d tensor."""
+        p_norm = _clip_arguments(max_norm, norm_type, foreach)
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=foreach)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=p_norm, foreach=foreach)
         guard = self._guard.skip
-        if guard is not None and not guard.agree_over and params:  # sharded replicas check their own shards
+        if guard is not None and not guard.agree_over and params and p_norm > 0:  # (sharded replicas check their own
+            # shards; a "norm" of p <= 0 is finite with a NaN or Inf gradient: 0 counts the non-zero elements, -inf
+            # takes the smallest magnitude, and a negative p makes an Inf 0, so the guard reads the gradients itself)
             guard.use_norm(norm, [p.grad for p in params])
         return norm
 
@@ -723,6 +731,28 @@ def _float(x: float | torch.Tensor) -> float:
 def _as_int(x: Any) -> Any:
     """numpy integers (``numbers.Integral``) as Python ints; anything else unchanged (checked later)."""
     return int(x) if isinstance(x, numbers.Integral) and not isinstance(x, bool) else x
+
+
+def _clip_arguments(max_norm: Any, norm_type: Any, foreach: Any) -> float:
+    """Check :meth:`HDETLR.clip_grad_norm_`'s arguments (torch takes a negative or NaN ``max_norm``, which turns the
+    step around or makes every gradient NaN, silently); returns ``norm_type`` as a float. A tensor ``max_norm`` is
+    taken as it is (reading it would be a host sync every step)."""
+    if isinstance(max_norm, torch.Tensor):
+        if max_norm.dim() != 0 or not max_norm.is_floating_point():
+            raise ValueError(f"Expected max_norm as a number >= 0 or a 0-d floating-point tensor, but got a tensor of "
+                             f"shape {tuple(max_norm.shape)} and dtype {max_norm.dtype}")
+    else:
+        value = real_number(max_norm)
+        if value is None or math.isnan(value) or value < 0:
+            raise ValueError(f"Expected max_norm as a number >= 0 (inf: no clipping), but got {max_norm!r}")
+    p = real_number(norm_type)
+    if p is None and isinstance(norm_type, str) and norm_type.strip().lower() in ("inf", "+inf", "-inf"):
+        p = float(norm_type)
+    if p is None or math.isnan(p):
+        raise ValueError(f"Expected norm_type as a number (inf for the max-norm), but got {norm_type!r}")
+    if foreach is not None and not isinstance(foreach, bool):
+        raise ValueError(f"Expected foreach as None, True or False, but got {foreach!r}")
+    return p
 
 
 def _is_pair(x: Any) -> bool:
