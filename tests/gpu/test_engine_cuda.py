@@ -108,3 +108,56 @@ def test_vmapped_torch_matmuls_keep_cuda_autocast_when_routed(name):
             vm = vmap(fn)(*args)
     assert one.dtype == vm.dtype == torch.bfloat16
     torch.testing.assert_close(vm.float(), one.float(), rtol=2e-2, atol=2e-2 * one.abs().max().item())
+
+
+def test_averaged_on_cuda_holds_the_replicas_mean_and_puts_each_back():
+    """`with engine.averaged():` between converge steps on the GPU (vmap): every replica holds the mean of the
+    replicas' weights, and each one's own comes back bit for bit; one host sync (its N flags), none at a converge
+    step."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cuda").manual_seed(1)
+    data = torch.randint(0, 256, (10, 4, 8, 33), device="cuda", generator=g)
+    eng = _engine("vmap", auto=False)
+    flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()]).clone()  # noqa: E731
+    for t in range(7):
+        eng.step(data[t], _lm, stacked=True)
+    own = [flat(m) for m in eng.models]
+    with eng.averaged() as changed:
+        inside = [flat(m) for m in eng.models]
+    assert changed and all(torch.equal(flat(m), o) for m, o in zip(eng.models, own))
+    mean = torch.stack(own).double().mean(0)
+    for x in inside:
+        torch.testing.assert_close(x.double(), mean, rtol=1e-6, atol=1e-7)
+    for t in range(7, 10):
+        eng.step(data[t], _lm, stacked=True)
+    torch.cuda.set_sync_debug_mode("error")  # step 10 is a converge step: the replicas are equal, nothing to do
+    try:
+        with eng.averaged() as changed:
+            pass
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert changed is False
+
+
+def test_fused_sgd_whose_first_step_the_skip_guard_skips_starts_its_momentum_afresh_on_cuda():
+    """torch's fused SGD (CUDA) makes its momentum buffers with empty_like at the first step and fills them only when
+    it steps: the guard drops the buffers a skipped first step made, so the next step is a first step."""
+    from hdet.guard import SkipNonFiniteStep
+
+    def run(skip_first):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(1000, device="cuda"))
+        opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, fused=True)
+        SkipNonFiniteStep(opt)
+        if skip_first:
+            p.grad = torch.full_like(p, float("nan"))
+            opt.step()
+        for k in range(3):
+            p.grad = torch.full_like(p, 1.0 + k)
+            opt.step()
+        return p.detach().clone()
+
+    torch.cuda.empty_cache()
+    garbage = torch.full((10 ** 6,), 3e30, device="cuda")  # memory the buffer may be carved from
+    del garbage
+    assert torch.equal(run(True), run(False))
