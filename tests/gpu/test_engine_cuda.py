@@ -157,7 +157,9 @@ def test_fused_sgd_whose_first_step_the_skip_guard_skips_starts_its_momentum_afr
             opt.step()
         return p.detach().clone()
 
-    torch.cuda.empty_cache()
-    garbage = torch.full((10 ** 6,), 3e30, device="cuda")  # memory the buffer may be carved from
-    del garbage
-    assert torch.equal(run(True), run(False))
+    empty_like = torch.empty_like  # uninitialised memory, made to hold garbage every time (a fresh CUDA block is
+    torch.empty_like = lambda x, *a, **k: empty_like(x, *a, **k).fill_(3e30)  # often zeros: the test must not pass
+    try:  # by luck)
+        assert torch.equal(run(True), run(False))
+    finally:
+        torch.empty_like = empty_like
