@@ -1047,3 +1047,51 @@ def fused_sgd_first_step_skipped(rank, world, *, steps=8, T=4):
         torch.empty_like = empty_like
     return {"skipped": skipped, "equal": all(torch.equal(a, b) for a, b in zip(guarded, taken_out)),
             "max_abs": max(float(p.abs().max()) for p in guarded)}
+
+
+def lightning_callback_two_schedulers(rank, world):
+    """HDETCallback's validation and checkpoint hooks (called as Lightning calls them) with two HDET schedulers over one
+    DDP module with BatchNorm (two optimizers, each its own part of the weights): each scheduler keeps the module's
+    buffers aside, so they must be put back in reverse order."""
+    from types import SimpleNamespace
+
+    from hdet.integrations.lightning import HDETCallback
+
+    model = make_model(0)
+    ddp = DDP(model, broadcast_buffers=False)
+    params = list(model.parameters())
+    opts = [torch.optim.AdamW(params[:2], lr=0.01), torch.optim.AdamW(params[2:], lr=0.01)]
+    scheds = [hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=20, ensemble_lr_spread_ratio=0.3, model_sync_interval=5,
+                                  model=ddp) for o in opts]
+    for t in range(1, 8):
+        x, y = batch(rank, t)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        for o in opts:
+            o.zero_grad()
+        loss.backward()
+        for o, s in zip(opts, scheds):
+            o.step()
+            s.step(loss)
+    trainer = SimpleNamespace(lr_scheduler_configs=[SimpleNamespace(scheduler=s) for s in scheds],
+                              sanity_checking=False, state=SimpleNamespace(fn="fit"))
+
+    def flat():
+        return torch.cat([t.detach().reshape(-1) for t in [*model.parameters(), *float_buffers(model)]]).clone()
+
+    own = flat()
+    every = [torch.empty_like(own) for _ in range(world)]
+    dist.all_gather(every, own)
+    mean = torch.stack(every).double().mean(0)
+    cb = HDETCallback()
+    cb.on_validation_start(trainer, model)
+    inside = flat()
+    cb.on_validation_end(trainer, model)
+    after_validation = flat()
+    ckpt = {"state_dict": {k: v for k, v in model.state_dict().items()}}
+    cb.on_save_checkpoint(trainer, model, ckpt)
+    names = [k for k, _ in model.named_parameters()] + [k for k, b in model.named_buffers() if b.is_floating_point()]
+    saved = torch.cat([ckpt["state_dict"][k].reshape(-1) for k in names])  # (flat()'s order)
+    return {"inside": torch.allclose(inside.double(), mean, rtol=1e-6, atol=1e-7),
+            "saved": torch.allclose(saved.double(), mean, rtol=1e-6, atol=1e-7),
+            "restored": torch.equal(after_validation, own) and torch.equal(flat(), own),
+            "apart": not torch.equal(every[0], every[1])}

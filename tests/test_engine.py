@@ -679,3 +679,33 @@ def test_engine_averaged_evaluates_the_replicas_mean_and_training_goes_on_unchan
     for inside in seen["inside"]:
         torch.testing.assert_close(inside, seen["mean"], rtol=1e-6, atol=1e-7)
     assert all(torch.equal(a, b) for a, b in zip(done, plain))
+
+
+def test_a_swap_in_that_fails_leaves_every_replicas_own_weights(monkeypatch):
+    """A failure while the average is put in (out of memory for the copy, a failed collective) left the replicas
+    partly averaged, the swap marked in and every later step refused (a review): each replica's own weights are now
+    back, nothing is swapped in, and training goes on."""
+    import hdet.engine as engine_mod
+
+    torch.manual_seed(0)
+    sched = lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=20, ensemble_lr_spread_ratio=0.5,  # noqa: E731
+                                                  model_sync_interval=5, replicas=rep, model=m)
+    eng = engine_mod.ReplicaEngine(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), 3, _sgd(0.1), sched,
+                                   mode="vmap")
+    loss_fn = lambda m, b: nn.functional.mse_loss(m(b), b[:, :1])  # noqa: E731
+    for _ in range(3):
+        eng.step(torch.randn(3, 8, 4), loss_fn, stacked=True)
+    own = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]).clone() for m in eng.models]
+
+    def half_then_fail(lists, bad):
+        with torch.no_grad():
+            lists[0][0].mul_(0.5)  # part of the average written, then the failure
+        raise RuntimeError("simulated failure")
+    monkeypatch.setattr(engine_mod, "average_local", half_then_fail)
+    with pytest.raises(RuntimeError, match="simulated"):
+        with eng.averaged():
+            pass
+    assert not eng._swap.active
+    assert all(torch.equal(torch.cat([p.detach().reshape(-1) for p in m.parameters()]), o)
+               for m, o in zip(eng.models, own))
+    eng.step(torch.randn(3, 8, 4), loss_fn, stacked=True)

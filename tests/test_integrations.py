@@ -412,6 +412,24 @@ def test_lightning_validates_and_checkpoints_the_ensembles_average_between_conve
         assert torch.equal(got["params"], ref["params"]) and got["lrs"] == ref["lrs"]
 
 
+def _lightning_two_schedulers(rank, world):
+    from dist_workers import lightning_callback_two_schedulers
+
+    return lightning_callback_two_schedulers(rank, world)
+
+
+def test_lightning_callback_puts_back_two_schedulers_of_one_module_exactly():
+    """Two HDET schedulers over one module with BatchNorm (two optimizers): each keeps the module's buffers aside when
+    the average goes in, and putting them back first in, first out left the second one's copy (the average) in the
+    running statistics (a review). HDETCallback now puts them back in reverse order: validation and a full checkpoint
+    see the replicas' mean, and each rank's own weights and buffers come back bit for bit (2 gloo processes)."""
+    pytest.importorskip("lightning")
+    from helpers import check_ok, run_gloo
+
+    for r in check_ok(run_gloo(_lightning_two_schedulers, 2)):
+        assert r["apart"] and r["inside"] and r["saved"] and r["restored"], r
+
+
 def test_lightning_with_a_fused_optimizer_skips_the_step_whose_gradient_is_nan(tmp_path):
     """A fused Adam (the skip guard) under Lightning, which runs the forward and backward inside optimizer.step() as
     its closure: rank 1's loss is NaN at step 3, and that step is skipped on both ranks (weights finite at the end, one

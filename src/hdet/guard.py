@@ -302,8 +302,6 @@ class SkipNonFiniteStep:
         self._norm = (total_norm, [(g, g._version) for g in grads])
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-        if self._fresh_sgd:
-            self._momentum_buffers_missing(optimizer)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args[0]: the optimizer itself)
         if closure is None:
             self._verdict(optimizer)
@@ -321,26 +319,27 @@ class SkipNonFiniteStep:
         """SGD with momentum, until its buffers exist: the parameters about to get one at this step."""
         self._no_buffer = [p for g in optimizer.param_groups if g.get("momentum", 0) for p in g["params"]
                            if p.grad is not None and optimizer.state.get(p, {}).get("momentum_buffer") is None]
-        self._fresh_sgd = bool(self._no_buffer)  # (torch makes them all at once, at the first step it takes)
 
     def _drop_unfilled_buffers(self, optimizer: torch.optim.Optimizer) -> None:
         """After a step that made momentum buffers: if it was skipped, they hold uninitialised memory (torch's fused
         SGD fills them only when it steps), so they are dropped, and the next step taken makes them afresh as a first
         step does. HOST SYNC: one read of the flag, at the steps that make buffers only (the first, usually)."""
         made, self._no_buffer = self._no_buffer, []
-        if not made or self._mine is None or not bool(self._mine.item() > 0):  # HOST SYNC (a first step only)
+        if self._mine is None or not bool(self._mine.item() > 0):  # HOST SYNC (the first step taken only)
+            self._fresh_sgd = False  # taken: torch made every buffer and filled it (it makes them all at once)
             return
         for p in made:
             state = optimizer.state.get(p)
             if state is not None:
                 state.pop("momentum_buffer", None)
-        self._fresh_sgd = True
 
     def _verdict(self, optimizer: torch.optim.Optimizer, after_closure: bool = False) -> None:
         """Set ``optimizer.found_inf`` from the gradients as they are now (see the class doc). ``after_closure``: the
         step's closure has just made them, so a GradScaler's verdict (taken by ``scaler.step`` before the closure ran,
         as Accelerate's positional closure allows) is of the gradients before: the guard reads them itself."""
         handed, self._norm = self._norm, None
+        if self._fresh_sgd:  # (here: after a closure has made this step's gradients)
+            self._momentum_buffers_missing(optimizer)
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # every gradient
         sentinels: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # those of parameters of <= 1 dim
         for g in optimizer.param_groups:

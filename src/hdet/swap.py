@@ -4,10 +4,12 @@ the run is building: :class:`AverageSwap`.
 Between converge steps each replica is its own model, trained at its own multiplier. An evaluation there (the
 Hugging Face Trainer's ``eval_steps``, Lightning's validation at the end of an epoch, a user's validation loop under
 DDP) measured a mix: each rank its own replica on its share of the data, reported as one number; and a checkpoint
-saved then held rank 0's replica. The run's model is the replicas' average (Eq. 3), which a converge step would
-make: :class:`AverageSwap` puts it into every replica (the finite replicas' mean; a replica whose weights are
-not finite contributes nothing and gets the others' mean, as at a converge step), keeps each replica's own
-weights and buffers (one copy), and puts them back, so training goes on exactly as if nothing happened.
+saved then held rank 0's replica. The run's model is the replicas' average (Eq. 3): :class:`AverageSwap` puts it
+into every replica (the mean of the replicas whose weights are finite; a replica whose weights are not finite
+contributes nothing and gets the others' mean, as at a converge step, which under ``on_runaway="recover"`` may also
+leave out a runaway replica), keeps each replica's own weights and buffers (one copy), and puts them back, so
+training goes on exactly as if nothing happened. A swap-in that fails (a failed collective, out of memory for the
+copy) leaves each replica's own weights, with nothing swapped in.
 """
 
 from __future__ import annotations
@@ -59,16 +61,23 @@ class AverageSwap:
         the ``optimizers``' ``step()`` is refused. Returns whether the weights changed."""
         self.check("swap_in_average() was called again")
         bad = [r for r, ok in enumerate(finite or []) if not ok]
-        self.saved, self.tensors = [], []
-        self._hooks = [o.register_step_pre_hook(self._refuse_step) for o in optimizers]
+        kept: list[list[torch.Tensor]] = []
         if finite is not None and len(bad) == len(finite):
             warnings.warn("hdet: every replica's weights are non-finite: there is no average to evaluate, so each "
                           "replica keeps its own", stacklevel=4)
         elif finite is not None:
-            self.tensors = [list(ts) for ts in tensors]
             with torch.no_grad():
-                self.saved = [[t.clone() for t in ts] for ts in self.tensors]  # this replica's own: one copy
-            average(bad)  # (should it fail, swap_back() still puts every kept tensor back)
+                kept = [[t.clone() for t in ts] for ts in tensors]  # this replica's own: one copy
+            try:
+                average(bad)
+            except BaseException:  # (a failed collective, Ctrl-C): each replica's own back, nothing swapped in
+                with torch.no_grad():
+                    for ts, ks in zip(tensors, kept):
+                        if ts:
+                            torch._foreach_copy_(list(ts), ks)
+                raise
+        self.tensors, self.saved = ([list(ts) for ts in tensors] if kept else []), kept
+        self._hooks = [o.register_step_pre_hook(self._refuse_step) for o in optimizers]
         return bool(self.tensors)
 
     def swap_back(self) -> bool:

@@ -162,15 +162,16 @@ class HDETTrainer(Trainer):
             self._hdet_loss = part if self._hdet_loss is None else self._hdet_loss + part  # on the device
         return loss
 
-    def _evaluate(self, *args: Any, **kwargs: Any) -> Any:
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         """An evaluation during training (``eval_strategy``) measures the ensemble's average: between converge steps
         each rank's model is its own replica, and the Trainer's metrics were a mix of them, each on its share of the
-        evaluation data (:meth:`hdet.HDETLR.swap_in_average`; nothing to do at a converge step)."""
+        evaluation data (:meth:`hdet.HDETLR.swap_in_average`; nothing to do at a converge step or after training).
+        Only the evaluation: a hyperparameter search's report (which may end a pruned trial) runs after it."""
         sched = self.lr_scheduler
         if not isinstance(sched, HDETLR) or sched.average_swapped_in:
-            return super()._evaluate(*args, **kwargs)
+            return super().evaluate(*args, **kwargs)
         with sched.averaged():  # COLLECTIVES (off converge steps): on every rank, as the evaluation itself
-            return super()._evaluate(*args, **kwargs)
+            return super().evaluate(*args, **kwargs)
 
     def _save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """A checkpoint saved between converge steps holds the ensemble's average (the model the run is building),

@@ -108,8 +108,8 @@ class HDETCallback(Callback):
         self._swap_back()
 
     def _swap_back(self) -> None:
-        for sched in self._swapped:
-            sched.swap_back()
+        for sched in reversed(self._swapped):  # last in, first out: several schedulers of one module each keep its
+            sched.swap_back()  # buffers aside, and the later ones kept the average the earlier ones put in
         self._swapped = []
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
@@ -120,14 +120,17 @@ class HDETCallback(Callback):
         scheds = [s for s in _hdet_schedulers(trainer) if not s.average_swapped_in]
         if not scheds or not isinstance(checkpoint.get("state_dict"), dict):
             return
+        swapped: list[HDETLR] = []
         try:
-            changed = [s.swap_in_average() for s in scheds]  # COLLECTIVES (off converge steps)
-            if any(changed):
-                mean = pl_module.state_dict()
+            for s in scheds:
+                s.swap_in_average()  # COLLECTIVES (off converge steps)
+                swapped.append(s)
+            if any(s.average_swapped_in for s in swapped):
+                mean = pl_module.state_dict()  # (a copy: the weights go back before Lightning writes the file)
                 checkpoint["state_dict"] = {k: mean[k].clone() if isinstance(mean.get(k), torch.Tensor) else v
                                             for k, v in checkpoint["state_dict"].items()}
         finally:
-            for s in scheds:
+            for s in reversed(swapped):  # last in, first out (see _swap_back)
                 s.swap_back()
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
