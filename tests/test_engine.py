@@ -8,6 +8,7 @@ import pytest
 import hdet
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from dist_workers import engine_run, train
 from helpers import check_ok, one_thread, run_gloo
@@ -709,3 +710,115 @@ def test_a_swap_in_that_fails_leaves_every_replicas_own_weights(monkeypatch):
     assert all(torch.equal(torch.cat([p.detach().reshape(-1) for p in m.parameters()]), o)
                for m, o in zip(eng.models, own))
     eng.step(torch.randn(3, 8, 4), loss_fn, stacked=True)
+
+
+def _bn_engine(compile, mode="vmap", steps=4, **kw):
+    from hdet.engine import ReplicaEngine
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4, bias=False), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 1))
+    return ReplicaEngine(net, 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), _sched(steps=steps, alpha=0.2),
+                         mode=mode, compile=compile, **kw)
+
+
+def _bn_steps(eng, loss_fn, steps=3):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        eng.step((torch.randn(2, 5, 3, generator=g), torch.randn(2, 5, 1, generator=g)), loss_fn, stacked=True)
+    return [t.detach().clone() for m in eng.models for t in [*m.parameters(), *m.buffers()]]
+
+
+def _mse(m, b):
+    return nn.functional.mse_loss(m(b[0]), b[1])
+
+
+def test_compile_options_torch_does_not_take_are_refused_when_the_engine_is_built():
+    """compile={"backend": "nonexistent"} or a misspelt keyword surfaced at the first step as a failure of vmap
+    itself, and mode="auto" then ran the loop, uncompiled, with a warning that blamed vmap (an audit)."""
+    for bad, said in [({"backend": "nonexistent"}, "backend among torch's"), ({"fullgrpah": True}, "'fullgrpah'")]:
+        with pytest.raises(ValueError, match=said):
+            _bn_engine(bad, mode="auto")
+    with pytest.warns(UserWarning, match="compile has no effect here"):
+        _bn_engine(True, mode="loop")
+
+
+def test_a_compiled_backward_that_fails_falls_back_before_anything_changed():
+    """torch compiles a function's backward lazily, at the first backward, outside the fallback that catches a
+    compile's failure: a failing backward compile raised at every step (mode="vmap") with BatchNorm's statistics
+    updated each time (an audit). It is now compiled with the forward: the engine warns once, runs eagerly (still
+    vmapped), and trains as the eager engine does, bit for bit."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def no_backward(gm, example_inputs):
+        raise RuntimeError("simulated backward compile failure")
+
+    backend = aot_autograd(fw_compiler=lambda gm, ex: gm, bw_compiler=no_backward)
+    with one_thread():
+        eager = _bn_steps(_bn_engine(False), _mse)
+        eng = _bn_engine({"backend": backend})
+        with pytest.warns(UserWarning, match="torch.compile cannot run this vmapped model"):
+            got = _bn_steps(eng, _mse)
+    assert eng.mode == "vmap" and all(torch.equal(a, b) for a, b in zip(got, eager))
+
+
+def test_a_compiled_model_whose_losses_are_non_finite_where_eagers_are_not_runs_eagerly():
+    """torch's compiled vmap of scaled_dot_product_attention with dropout gives NaN losses where the eager vmapped
+    model's are finite (an audit: the run never learned, and the warnings blamed the data). At the first compiled
+    step the engine now checks the losses against the eager model's, warns, and runs eagerly. (Here a backend that
+    makes the loss NaN stands in for that bug.)"""
+    def nan_losses(gm, example_inputs):
+        def run(*args):
+            out = gm(*args)
+            return (out[0] * float("nan"), *out[1:]) if isinstance(out, (tuple, list)) else out * float("nan")
+        return run
+
+    with one_thread():
+        eager = _bn_steps(_bn_engine(False), _mse)
+        eng = _bn_engine({"backend": nan_losses})
+        with pytest.warns(UserWarning, match="non-finite losses where the eager vmapped model's are finite"):
+            got = _bn_steps(eng, _mse)
+    assert all(torch.equal(a, b) for a, b in zip(got, eager))
+
+
+def test_a_loss_function_written_inline_does_not_grow_the_engines_cache():
+    """The docs' `eng.step(batches, lambda m, b: ...)` makes a new function every step, and the engine kept a vmapped
+    (and compiled) form of each, for good (12 entries after 12 steps: an audit). The cache is bounded now."""
+    eng = _bn_engine(False, steps=12)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(12):
+        eng.step((torch.randn(2, 5, 3, generator=g), torch.randn(2, 5, 1, generator=g)),
+                 lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), stacked=True)
+    eng2 = _bn_engine(False, steps=12)
+    for _ in range(12):
+        eng2.step((torch.randn(2, 5, 3, generator=g), torch.randn(2, 5, 1, generator=g)), _mse, stacked=True)
+    assert len(eng._fns) <= 8 and len(eng2._fns) == 1
+
+
+def test_compiled_attention_with_dropout_runs_eagerly_instead_of_training_on_nan():
+    """The real case (torch 2.13, CPU, inductor): compiled, a vmapped `F.scaled_dot_product_attention(...,
+    dropout_p=0.5)` gave NaN losses at every step and the replicas never moved (an audit); eager vmap is finite. The
+    engine now runs it eagerly, with the warning, and its losses are finite."""
+    import warnings as _w
+
+    from hdet.engine import ReplicaEngine
+
+    class Attention(nn.Module):
+        def __init__(self, d=8):
+            super().__init__()
+            self.emb, self.qkv, self.head = nn.Embedding(11, d), nn.Linear(d, 3 * d), nn.Linear(d, 11)
+
+        def forward(self, idx):
+            q, k, v = self.qkv(self.emb(idx)).reshape(*idx.shape, 3, 2, 4).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.5 if self.training else 0.0)
+            return self.head(a.transpose(1, 2).reshape(*idx.shape, 8))
+
+    torch.manual_seed(0)
+    eng = ReplicaEngine(Attention(), 3, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), _sched(steps=2, alpha=0.2),
+                        mode="vmap", compile=True)
+    idx = torch.randint(0, 11, (3, 4, 6))
+    with _w.catch_warnings(record=True) as seen:
+        _w.simplefilter("always")
+        losses = [eng.step(idx, lambda m, b: F.cross_entropy(m(b).flatten(0, 1), b.flatten()), stacked=True)
+                  for _ in range(2)]
+    assert all(bool(torch.isfinite(x).all()) for x in losses), losses
+    assert [w for w in seen if "non-finite losses where the eager vmapped model's are finite" in str(w.message)]

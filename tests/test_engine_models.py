@@ -279,7 +279,8 @@ def _run_both(make_model, steps, opt="adamw", batch=None, **kw):
                   (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)))
         eng = ReplicaEngine(model, N, mk_opt, lambda o, rep, m: hdet.HDETLR(o, None, 20, ensemble_lr_spread_ratio=0.5,
                                                                            model_sync_interval=3, model=m,
-                                                                           replicas=rep), mode=mode, **kw)
+                                                                           replicas=rep), mode=mode,
+                           **{k: v for k, v in kw.items() if mode == "vmap" or k != "compile"})  # (the loop: eager)
         g = torch.Generator().manual_seed(1)
         for t in range(1, steps + 1):
             eng.step(batch(t, g), lambda m, b: F.mse_loss(m(b[0]), b[1]))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -214,9 +215,12 @@ class ReplicaEngine:
         # the names functional_call sees through the _Call wrapper (built once: the stacked tensors never change)
         self._call_params = {"m." + k: v for k, v in self.stacked_params.items()}
         self._call_buffers = {"m." + k: v for k, v in self.stacked_buffers.items()}
-        if not isinstance(compile, (bool, dict)):
-            raise ValueError(f"Expected compile to be a bool or a dict of torch.compile's keyword arguments, but got "
-                             f"{type(compile).__name__}")
+        _check_compile(compile)
+        if compile is not False and self.mode == "loop":
+            warnings.warn("hdet: compile has no effect here: the engine runs its loop over replica copies ("
+                          + ("mode='loop'" if mode == "loop" else f"explored {unsafe} live in the module's Python "
+                             "state, which needs one call per replica") + "), and only the vmapped call is compiled",
+                          stacklevel=2)
         self.compile = compile
         self._fns: dict[Any, list[Any]] = {}  # loss_fn -> [the vmapped function, its compiled form or None]
         self._unkept: set[str] = set()  # reassigned buffers whose new shape or dtype could not be kept (warned)
@@ -280,6 +284,12 @@ class ReplicaEngine:
     def stacked_buffers(self) -> dict[str, torch.Tensor]:
         return self.stack.buffers if self.stack is not None else {}
 
+    @torch.no_grad()
+    def _restore_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        """The stacked buffers as they were before a forward (no backward has run)."""
+        for k, b in self.stacked_buffers.items():
+            b.copy_(buffers[k])
+
     def _restore(self, buffers: dict[str, torch.Tensor]) -> None:
         """After a failed first step in auto mode: the buffers as they were, no gradients."""
         for k, b in self.stacked_buffers.items():
@@ -313,33 +323,41 @@ class ReplicaEngine:
     def _vmap_losses(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
         """Forward + backward of all replicas at once; leaves ``sum_r g_r / N`` in every replica's grad
         (its own ``g_r`` in local mode)."""
-        fns = self._fns.get(loss_fn)
+        fns = self._fns.pop(loss_fn, None)
         if fns is None:
             def one(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], x: Any) -> torch.Tensor:
                 return functional_call(self._call, (p, b), (x, loss_fn))
 
             eager = vmap(one, randomness="different")
-            # dynamic=False: a new shape (another model in this process, a new batch size) compiles on its own;
-            # torch.compile would otherwise trace it with symbolic sizes, which vmap's batched tensors refuse
-            options = {"dynamic": False, **(self.compile if isinstance(self.compile, dict) else {})}
-            if options.get("mode") in ("reduce-overhead", "max-autotune") or (options.get("options") or {}).get(
-                    "triton.cudagraphs"):  # CUDA graphs: the stacked tensors are
-                # updated in place and never replaced, so the graphs may read them where they are (no copy a step)
-                for t in (*self._call_params.values(), *self._call_buffers.values()):
-                    torch._dynamo.mark_static_address(t)
-            fns = self._fns[loss_fn] = [eager, None if self.compile is False else torch.compile(eager, **options)]
+            fns = [eager, None if self.compile is False else self._compiled(eager), True]  # (True: not run yet)
+        self._fns[loss_fn] = fns  # (last: the most recently used)
+        while len(self._fns) > MAX_LOSS_FNS:  # a loss function written inline is a new object every step: a bounded
+            del self._fns[next(iter(self._fns))]  # cache, the least recently used first (one entry a step before)
         self.stack.before_backward()
         args = (self._call_params, self._call_buffers, batch)
         losses = None
         if fns[1] is not None:
+            saved = {k: b.clone() for k, b in self.stacked_buffers.items()} if fns[2] else None
             try:
-                with embedding.routed():  # padding_idx's row: no gradient from the lookup (hdet.embedding)
-                    losses, reassigned = self._forward(fns[1], args)
+                with embedding.routed(), _lower_backward_now():  # (padding_idx's row: no gradient from the lookup;
+                    losses, reassigned = self._forward(fns[1], args)  # the backward compiled now, inside this try)
+                if fns[2] and not bool(torch.isfinite(losses).all()):  # HOST SYNC (a first compiled step only)
+                    self._restore_buffers(saved)
+                    with attention.routed(), autocast.routed(), self._linear(), embedding.routed():
+                        eager = self._forward(fns[0], args)
+                    if bool(torch.isfinite(eager[0]).all()):  # HOST SYNC (the same step)
+                        raise FloatingPointError("non-finite losses where the eager vmapped model's are finite (torch's "
+                                                 "compiled vmap of scaled_dot_product_attention with dropout is one "
+                                                 "known case)")
+                    losses, reassigned = eager  # non-finite either way: the model's or the data's, not compile's
+                fns[2] = False
             except Exception as e:  # noqa: BLE001 - torch.compile of a vmapped model can fail: say so, run eagerly
+                if saved is not None:
+                    self._restore_buffers(saved)  # (a forward that ran updated BatchNorm's statistics)
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 warnings.warn(f"hdet: torch.compile cannot run this vmapped model ({type(e).__name__}: {first}); "
                               "running it eagerly (still vmapped)", stacklevel=3)
-                fns[1] = None
+                fns[1] = losses = None
         if losses is None:  # SDPA: one fused call for all replicas (hdet.attention); linear and conv layers in the
             # autocast dtype (hdet.autocast); F.linear on the CPU: one baddbmm, dW in W's layout (hdet.linear);
             # F.embedding: padding_idx's row gets no gradient from the lookup (hdet.embedding)
@@ -348,6 +366,8 @@ class ReplicaEngine:
         if losses.shape != (self.num_replicas,):
             raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(losses.shape[1:])}")
         self.stack.backward(losses)
+        if fns[1] is not None and self._cuda_graphs:  # the graph's next run writes over its output: what step()
+            losses = losses.detach().clone()  # returns is the caller's
         self._keep_reassigned(reassigned)  # (after the backward: it may have saved the old value)
         if self._stacked is not None and not self.stack.grads_bound and not self.stack.bind_grads():
             unused = [n for n, p in self.stack.params.items() if p.requires_grad and p.grad is None]
@@ -356,6 +376,27 @@ class ReplicaEngine:
         if self.share_gradients:  # (local mode: each replica keeps its own gradient)
             self.stack.average_gradients()
         return losses.detach()
+
+    @property
+    def _cuda_graphs(self) -> bool:
+        options = self.compile if isinstance(self.compile, dict) else {}
+        return options.get("mode") in ("reduce-overhead", "max-autotune") or bool(
+            (options.get("options") or {}).get("triton.cudagraphs"))
+
+    def _compiled(self, eager: Callable[..., Any]) -> Callable[..., Any] | None:
+        """``torch.compile`` of the vmapped function, or None (with the fallback's warning) where it cannot be built.
+        dynamic=False: a new shape (another model in this process, a new batch size) compiles on its own; torch.compile
+        would otherwise trace it with symbolic sizes, which vmap's batched tensors refuse."""
+        options = {"dynamic": False, **(self.compile if isinstance(self.compile, dict) else {})}
+        if self._cuda_graphs:  # CUDA graphs: the stacked tensors are updated in place and never replaced, so the
+            for t in (*self._call_params.values(), *self._call_buffers.values()):  # graphs may read them where they
+                torch._dynamo.mark_static_address(t)  # are (no copy a step)
+        try:
+            return torch.compile(eager, **options)
+        except Exception as e:  # noqa: BLE001 - a compile that cannot be set up: eagerly, as below
+            warnings.warn(f"hdet: torch.compile cannot run this vmapped model ({type(e).__name__}: {e}); running it "
+                          "eagerly (still vmapped)", stacklevel=4)
+            return None
 
     def _forward(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[torch.Tensor, dict[str, Any]]:
         try:
@@ -680,6 +721,40 @@ class ReplicaEngine:
             for c in self._copies:
                 c.clear()
             self._following = None  # checked again at the next step (a few us a replica)
+
+
+MAX_LOSS_FNS = 8  # loss functions whose vmapped (and compiled) forms the engine keeps
+
+
+def _lower_backward_now() -> contextlib.AbstractContextManager:
+    """The compiled function's backward compiled with its forward (torch compiles it lazily, at the first backward,
+    outside the fallback that catches a compile's failure: a failing backward compile raised at every step, with
+    BatchNorm's statistics updated each time; an audit)."""
+    config = getattr(getattr(torch, "_functorch", None), "config", None)
+    if config is None or not hasattr(config, "force_non_lazy_backward_lowering"):
+        return contextlib.nullcontext()
+    return config.patch(force_non_lazy_backward_lowering=True)
+
+
+def _check_compile(compile: Any) -> None:
+    """``compile``: a bool, or torch.compile's keyword arguments with a backend torch knows. A wrong one used to surface
+    at the first step as a failure of vmap itself, and ``mode="auto"`` then ran the loop, uncompiled (an audit)."""
+    if not isinstance(compile, (bool, dict)):
+        raise ValueError(f"Expected compile to be a bool or a dict of torch.compile's keyword arguments, but got "
+                         f"{type(compile).__name__}")
+    if not isinstance(compile, dict):
+        return
+    parameters = inspect.signature(torch.compile).parameters
+    known = set(parameters) - {"model"}
+    unknown = sorted(set(compile) - known)
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):  # (a wrapper takes anything)
+        raise ValueError(f"Expected compile's keys among torch.compile's keyword arguments {sorted(known)}, but got "
+                         f"{unknown}")
+    backend = compile.get("backend", "inductor")
+    listed = getattr(torch.compiler, "list_backends", None)
+    if isinstance(backend, str) and listed is not None and backend not in listed(exclude_tags=()):
+        raise ValueError(f"Expected compile's backend among torch's {sorted(listed(exclude_tags=()))} (or a callable), "
+                         f"but got {backend!r}")
 
 
 def _names(names: Sequence[str]) -> str:
