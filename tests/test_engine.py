@@ -822,3 +822,21 @@ def test_compiled_attention_with_dropout_runs_eagerly_instead_of_training_on_nan
                   for _ in range(2)]
     assert all(bool(torch.isfinite(x).all()) for x in losses), losses
     assert [w for w in seen if "non-finite losses where the eager vmapped model's are finite" in str(w.message)]
+
+
+def test_an_inline_loss_function_is_checked_against_eager_once(monkeypatch):
+    """The first compiled step's check (its losses against the eager model's: a host read, the buffers copied) ran at
+    every step for a loss function written inline, a new object each step: it runs once per function's code."""
+    import hdet.engine as engine_mod
+
+    reads = []  # the check's copies of the buffers (the one place a vmap-mode step reads them all)
+    real = engine_mod.ReplicaEngine.stacked_buffers
+    monkeypatch.setattr(engine_mod.ReplicaEngine, "stacked_buffers", property(lambda e: reads.append(1) or real.fget(e)))
+    with one_thread():
+        eng = _bn_engine(True, steps=4)
+        reads.clear()
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            eng.step((torch.randn(2, 5, 3, generator=g), torch.randn(2, 5, 1, generator=g)),
+                     lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), stacked=True)
+    assert len(reads) == 1

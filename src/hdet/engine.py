@@ -222,7 +222,9 @@ class ReplicaEngine:
                              "state, which needs one call per replica") + "), and only the vmapped call is compiled",
                           stacklevel=2)
         self.compile = compile
-        self._fns: dict[Any, list[Any]] = {}  # loss_fn -> [the vmapped function, its compiled form or None]
+        self._fns: dict[Any, list[Any]] = {}  # loss_fn -> [the vmapped function, its compiled form or None,
+        # whether its first compiled losses are still to be checked against eager's]
+        self._checked: set[Any] = set()  # the loss functions' code whose compiled losses were checked
         self._unkept: set[str] = set()  # reassigned buffers whose new shape or dtype could not be kept (warned)
         self._stacked: StackedStep | None = None
         self.share_base_schedule = True  # False: every replica steps its own base schedule (see _follow)
@@ -329,7 +331,8 @@ class ReplicaEngine:
                 return functional_call(self._call, (p, b), (x, loss_fn))
 
             eager = vmap(one, randomness="different")
-            fns = [eager, None if self.compile is False else self._compiled(eager), True]  # (True: not run yet)
+            code = getattr(loss_fn, "__code__", loss_fn)  # (an inline lambda: a new object, the same code, each step)
+            fns = [eager, None if self.compile is False else self._compiled(eager), code not in self._checked]
         self._fns[loss_fn] = fns  # (last: the most recently used)
         while len(self._fns) > MAX_LOSS_FNS:  # a loss function written inline is a new object every step: a bounded
             del self._fns[next(iter(self._fns))]  # cache, the least recently used first (one entry a step before)
@@ -350,6 +353,8 @@ class ReplicaEngine:
                                                  "compiled vmap of scaled_dot_product_attention with dropout is one "
                                                  "known case)")
                     losses, reassigned = eager  # non-finite either way: the model's or the data's, not compile's
+                if fns[2]:
+                    self._checked.add(getattr(loss_fn, "__code__", loss_fn))
                 fns[2] = False
             except Exception as e:  # noqa: BLE001 - torch.compile of a vmapped model can fail: say so, run eagerly
                 if saved is not None:
