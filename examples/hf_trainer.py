@@ -107,6 +107,7 @@ def main():
                    "(its loss a plain mean: model.accepts_loss_kwargs = False, as docs/hf_trainer.md says)")
     p.add_argument("--eval-steps", type=int, default=0, help="evaluate every N optimizer steps (eval_strategy "
                    '"steps") on held-out sequences')
+    p.add_argument("--best", action="store_true", help="with --eval-steps: load_best_model_at_end on eval_loss")
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -124,7 +125,8 @@ def main():
                              lr_scheduler_type="linear", warmup_steps=2, use_cpu=True, report_to=[], seed=0,
                              ddp_backend="gloo", save_only_model=False, dataloader_num_workers=0,
                              **({"eval_strategy": "steps", "eval_steps": a.eval_steps, "per_device_eval_batch_size": 4}
-                                if a.eval_steps else {}))
+                                if a.eval_steps else {}),
+                             **({"load_best_model_at_end": True, "metric_for_best_model": "eval_loss"} if a.best else {}))
     rec = Record(a.stop_at)
     if a.eval_steps:
         rec.evaluated = []

@@ -240,6 +240,20 @@ def test_hf_trainer_evaluates_and_saves_the_ensembles_average_between_converge_s
         assert all(torch.equal(a, b) for a, b in zip(got["params"], ref["params"])) and got["lrs"] == ref["lrs"]
 
 
+def test_hf_trainer_loads_the_best_average_at_the_end_of_a_run_stopped_early(tmp_path):
+    """load_best_model_at_end on eval_loss, evaluations and checkpoints every 4 steps (T = 5), training stopped at
+    step 14 (as EarlyStoppingCallback stops it): the model a user gets is the best checkpoint's, the replicas' average
+    at step 12 (the lowest eval_loss here), on both ranks, and HDET's closing average leaves it as it is."""
+    out = tmp_path / "best"
+    _torchrun(out, "--eval-steps", "4", "--save-steps", "4", "--best", "--stop-at", "14")
+    r0, r1 = _results(out)
+    losses = {v["step"]: v["eval_loss"] for v in r0["evaluated"]}
+    assert sorted(losses) == [4, 8, 12] and min(losses, key=losses.get) == 12
+    at12 = [v for v in r0["evaluated"] if v["step"] == 12][0]
+    for r in (r0, r1):
+        assert torch.equal(torch.cat([p.reshape(-1) for p in r["params"]]), at12["replicas"].mean(0))
+
+
 def test_hf_trainer_raises_the_load_warnings_the_trainer_drops(tmp_path):
     """The Trainer loads the scheduler inside its own warning filter, which keeps no UserWarning: hdet's warnings
     about the load (here: the checkpoint's alpha 0.3 replaces the 0.2 the resumed run was built with) are raised
