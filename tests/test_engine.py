@@ -749,6 +749,9 @@ def test_a_compiled_backward_that_fails_falls_back_before_anything_changed():
     vmapped), and trains as the eager engine does, bit for bit."""
     from torch._dynamo.backends.common import aot_autograd
 
+    if not hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
+        pytest.skip("this torch compiles the backward lazily, with no switch (the fallback cannot catch it)")
+
     def no_backward(gm, example_inputs):
         raise RuntimeError("simulated backward compile failure")
 
@@ -816,12 +819,11 @@ def test_compiled_attention_with_dropout_runs_eagerly_instead_of_training_on_nan
     eng = ReplicaEngine(Attention(), 3, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), _sched(steps=2, alpha=0.2),
                         mode="vmap", compile=True)
     idx = torch.randint(0, 11, (3, 4, 6))
-    with _w.catch_warnings(record=True) as seen:
-        _w.simplefilter("always")
+    with _w.catch_warnings():
+        _w.simplefilter("ignore")  # (the fallback's warning while torch has the bug; none once it is fixed)
         losses = [eng.step(idx, lambda m, b: F.cross_entropy(m(b).flatten(0, 1), b.flatten()), stacked=True)
                   for _ in range(2)]
     assert all(bool(torch.isfinite(x).all()) for x in losses), losses
-    assert [w for w in seen if "non-finite losses where the eager vmapped model's are finite" in str(w.message)]
 
 
 def test_an_inline_loss_function_is_checked_against_eager_once(monkeypatch):
@@ -840,3 +842,66 @@ def test_an_inline_loss_function_is_checked_against_eager_once(monkeypatch):
             eng.step((torch.randn(2, 5, 3, generator=g), torch.randn(2, 5, 1, generator=g)),
                      lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), stacked=True)
     assert len(reads) == 1
+
+
+
+@pytest.mark.parametrize("fault", ["nan", "no_backward"])
+def test_a_compile_that_failed_is_not_tried_again_for_an_inline_loss_function(fault):
+    """A loss function written inline is a new object each step: after a compile failed (or gave non-finite losses
+    where eager's are finite), each new one was compiled and failed again, every step, with its warning, extra eager
+    forwards and host reads (0.4-0.6 s a step against 2 ms: a review). Now said once, and eager from then on; the
+    discarded forward's random numbers are given back, so the run is the eager one's, dropout included."""
+    import warnings as _w
+
+    from torch._dynamo.backends.common import aot_autograd
+
+    from hdet.engine import ReplicaEngine
+
+    def nan_losses(gm, example_inputs):
+        return lambda *args: [x * float("nan") if i == 0 else x for i, x in enumerate(gm(*args))]
+
+    def no_backward(gm, example_inputs):
+        raise RuntimeError("simulated backward compile failure")
+
+    backend = nan_losses if fault == "nan" else aot_autograd(fw_compiler=lambda gm, ex: gm, bw_compiler=no_backward)
+    if fault == "no_backward" and not hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
+        pytest.skip("this torch compiles the backward lazily, with no switch")
+
+    def run(compile):
+        torch._dynamo.reset()  # (the vmapped function's code is shared: a graph compiled by an earlier test is kept)
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.3), nn.Tanh(), nn.Linear(8, 1))
+        eng = ReplicaEngine(net, 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), _sched(steps=6, alpha=0.2),
+                            mode="vmap", compile=compile)
+        g = torch.Generator().manual_seed(1)
+        with _w.catch_warnings(record=True) as seen:
+            _w.simplefilter("always")
+            losses = [eng.step((torch.randn(2, 5, 3, generator=g), torch.randn(2, 5, 1, generator=g)),
+                               lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), stacked=True).clone()
+                      for _ in range(6)]
+        return losses, [str(w.message) for w in seen if "torch.compile cannot run" in str(w.message)]
+
+    with one_thread():
+        eager, _ = run(False)
+        got, said = run({"backend": backend})
+    assert len(said) == 1, said
+    assert all(torch.equal(a, b) for a, b in zip(got, eager))
+
+
+def test_loss_functions_are_told_apart_by_their_code_however_many_are_made():
+    """The compile checks key loss functions by their code: a partial made each step (holding its bound tensors) was
+    keyed by the object, and the engine's set of checked ones grew by one a step (a review)."""
+    import functools as ft
+
+    from hdet.engine import _code_of
+
+    def loss(m, b, scale):
+        return scale
+
+    class Loss:
+        def __call__(self, m, b):
+            return 0
+
+    made = {_code_of(ft.partial(loss, scale=torch.ones(1000))) for _ in range(5)}
+    made |= {_code_of(lambda m, b: 0) for _ in range(5)} | {_code_of(Loss()) for _ in range(5)}
+    assert len(made) == 3 and loss.__code__ in made and Loss in made  # (the five lambdas: one code)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import math
 import warnings
@@ -225,6 +226,7 @@ class ReplicaEngine:
         self._fns: dict[Any, list[Any]] = {}  # loss_fn -> [the vmapped function, its compiled form or None,
         # whether its first compiled losses are still to be checked against eager's]
         self._checked: set[Any] = set()  # the loss functions' code whose compiled losses were checked
+        self._rejected: set[Any] = set()  # the loss functions' code that compile cannot run (eager from then on)
         self._unkept: set[str] = set()  # reassigned buffers whose new shape or dtype could not be kept (warned)
         self._stacked: StackedStep | None = None
         self.share_base_schedule = True  # False: every replica steps its own base schedule (see _follow)
@@ -286,11 +288,36 @@ class ReplicaEngine:
     def stacked_buffers(self) -> dict[str, torch.Tensor]:
         return self.stack.buffers if self.stack is not None else {}
 
+    def _before_forward(self) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None]:
+        """What a forward changes besides its outputs: the stacked buffers (BatchNorm's statistics) and the random
+        state (dropout), kept so that an eager re-run of the same step starts where the compiled one did."""
+        dev = self.group.device
+        cuda = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None
+        return {k: b.clone() for k, b in self.stacked_buffers.items()}, torch.get_rng_state(), cuda
+
     @torch.no_grad()
-    def _restore_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
-        """The stacked buffers as they were before a forward (no backward has run)."""
+    def _restore_forward(self, before: tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None]) -> None:
+        """:meth:`_before_forward`'s state back (no backward has run)."""
+        buffers, cpu, cuda = before
         for k, b in self.stacked_buffers.items():
             b.copy_(buffers[k])
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.group.device)
+
+    def _reject(self, fns: list[Any], key: Any, before: Any, why: str | None) -> None:
+        """The compiled form of this loss function is not used: the forward's state back (``before``), and with a
+        reason (``why``) for good, said once: every later function of the same code runs eagerly too (an inline
+        lambda is a new object each step, and would be compiled and fail again)."""
+        if before is not None:
+            self._restore_forward(before)
+        if why is None:
+            return
+        fns[1] = None
+        fns[2] = False
+        self._rejected.add(key)
+        warnings.warn(f"hdet: torch.compile cannot run this vmapped model ({why}); running it eagerly (still vmapped)",
+                      stacklevel=5)
 
     def _restore(self, buffers: dict[str, torch.Tensor]) -> None:
         """After a failed first step in auto mode: the buffers as they were, no gradients."""
@@ -326,43 +353,44 @@ class ReplicaEngine:
         """Forward + backward of all replicas at once; leaves ``sum_r g_r / N`` in every replica's grad
         (its own ``g_r`` in local mode)."""
         fns = self._fns.pop(loss_fn, None)
+        key = _code_of(loss_fn)  # (an inline lambda: a new object, the same code, each step)
         if fns is None:
             def one(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], x: Any) -> torch.Tensor:
                 return functional_call(self._call, (p, b), (x, loss_fn))
 
             eager = vmap(one, randomness="different")
-            code = getattr(loss_fn, "__code__", loss_fn)  # (an inline lambda: a new object, the same code, each step)
-            fns = [eager, None if self.compile is False else self._compiled(eager), code not in self._checked]
+            compiled = None if self.compile is False or key in self._rejected else self._compiled(eager, key)
+            fns = [eager, compiled, key not in self._checked]
         self._fns[loss_fn] = fns  # (last: the most recently used)
         while len(self._fns) > MAX_LOSS_FNS:  # a loss function written inline is a new object every step: a bounded
             del self._fns[next(iter(self._fns))]  # cache, the least recently used first (one entry a step before)
         self.stack.before_backward()
         args = (self._call_params, self._call_buffers, batch)
-        losses = None
+        losses = before = None
         if fns[1] is not None:
-            saved = {k: b.clone() for k, b in self.stacked_buffers.items()} if fns[2] else None
+            before = self._before_forward() if fns[2] else None  # (a first compiled step: what an eager re-run needs)
             try:
                 with embedding.routed(), _lower_backward_now():  # (padding_idx's row: no gradient from the lookup;
                     losses, reassigned = self._forward(fns[1], args)  # the backward compiled now, inside this try)
-                if fns[2] and not bool(torch.isfinite(losses).all()):  # HOST SYNC (a first compiled step only)
-                    self._restore_buffers(saved)
-                    with attention.routed(), autocast.routed(), self._linear(), embedding.routed():
-                        eager = self._forward(fns[0], args)
-                    if bool(torch.isfinite(eager[0]).all()):  # HOST SYNC (the same step)
-                        raise FloatingPointError("non-finite losses where the eager vmapped model's are finite (torch's "
-                                                 "compiled vmap of scaled_dot_product_attention with dropout is one "
-                                                 "known case)")
-                    losses, reassigned = eager  # non-finite either way: the model's or the data's, not compile's
-                if fns[2]:
-                    self._checked.add(getattr(loss_fn, "__code__", loss_fn))
-                fns[2] = False
             except Exception as e:  # noqa: BLE001 - torch.compile of a vmapped model can fail: say so, run eagerly
-                if saved is not None:
-                    self._restore_buffers(saved)  # (a forward that ran updated BatchNorm's statistics)
-                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                warnings.warn(f"hdet: torch.compile cannot run this vmapped model ({type(e).__name__}: {first}); "
-                              "running it eagerly (still vmapped)", stacklevel=3)
-                fns[1] = losses = None
+                self._reject(fns, key, before, f"{type(e).__name__}: {_first_line(e)}")
+                losses = None
+            if losses is not None and fns[2]:
+                if bool(torch.isfinite(losses).all()):  # HOST SYNC (the first compiled step of a loss function only)
+                    self._checked.add(key)
+                    fns[2] = False
+                else:  # the same step eagerly: non-finite there too, the model's or the data's (checked again next
+                    self._reject(fns, key, before, None)  # step); finite, compile's (torch's compiled vmap of SDPA
+                    losses = None  # with dropout gives NaN)
+        if losses is None:  # SDPA: one fused call for all replicas (hdet.attention); linear and conv layers in the
+            # autocast dtype (hdet.autocast); F.linear on the CPU: one baddbmm, dW in W's layout (hdet.linear);
+            # F.embedding: padding_idx's row gets no gradient from the lookup (hdet.embedding)
+            with attention.routed(), autocast.routed(), self._linear(), embedding.routed():
+                losses, reassigned = self._forward(fns[0], args)
+            if before is not None and fns[1] is not None:  # the eager re-run of a check whose compiled losses were
+                if bool(torch.isfinite(losses).all()):  # non-finite. HOST SYNC (that step only)
+                    self._reject(fns, key, None, "non-finite losses where the eager vmapped model's are finite (torch's "
+                                 "compiled vmap of scaled_dot_product_attention with dropout is one known case)")
         if losses is None:  # SDPA: one fused call for all replicas (hdet.attention); linear and conv layers in the
             # autocast dtype (hdet.autocast); F.linear on the CPU: one baddbmm, dW in W's layout (hdet.linear);
             # F.embedding: padding_idx's row gets no gradient from the lookup (hdet.embedding)
@@ -388,7 +416,7 @@ class ReplicaEngine:
         return options.get("mode") in ("reduce-overhead", "max-autotune") or bool(
             (options.get("options") or {}).get("triton.cudagraphs"))
 
-    def _compiled(self, eager: Callable[..., Any]) -> Callable[..., Any] | None:
+    def _compiled(self, eager: Callable[..., Any], key: Any) -> Callable[..., Any] | None:
         """``torch.compile`` of the vmapped function, or None (with the fallback's warning) where it cannot be built.
         dynamic=False: a new shape (another model in this process, a new batch size) compiles on its own; torch.compile
         would otherwise trace it with symbolic sizes, which vmap's batched tensors refuse."""
@@ -399,8 +427,7 @@ class ReplicaEngine:
         try:
             return torch.compile(eager, **options)
         except Exception as e:  # noqa: BLE001 - a compile that cannot be set up: eagerly, as below
-            warnings.warn(f"hdet: torch.compile cannot run this vmapped model ({type(e).__name__}: {e}); running it "
-                          "eagerly (still vmapped)", stacklevel=4)
+            self._reject([eager, None, False], key, None, f"{type(e).__name__}: {_first_line(e)}")
             return None
 
     def _forward(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -729,6 +756,19 @@ class ReplicaEngine:
 
 
 MAX_LOSS_FNS = 8  # loss functions whose vmapped (and compiled) forms the engine keeps
+
+
+def _code_of(loss_fn: Any) -> Any:
+    """What tells loss functions apart for the compile checks, bounded however many are made: a function's code (an
+    inline lambda is a new object with the same code each step), a partial's function's, else the callable's type."""
+    while isinstance(loss_fn, functools.partial):
+        loss_fn = loss_fn.func
+    return getattr(loss_fn, "__code__", None) or type(loss_fn)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _lower_backward_now() -> contextlib.AbstractContextManager:
