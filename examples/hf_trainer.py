@@ -14,6 +14,7 @@ import torch
 from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, TrainerCallback,
                           TrainingArguments)
 
+import hdet
 from hdet.integrations.hf import HDETTrainer
 
 
@@ -56,6 +57,7 @@ class Record(TrainerCallback):
         self.lrs, self.stop_at, self.logs, self.windows, self.hdet_logged = [], stop_at, [], [], []
         self.ce, self.own_losses = [0.0, 0], []  # this rank's per-token loss of each optimizer step
         self.evaluated = None  # (--eval-steps) a list: per evaluation, the weights evaluated, every rank's own, the loss
+        self.clipped = []  # (--clip) per optimizer step: the gradient's norm after clipping, the explored norm
 
     def on_train_begin(self, args, state, control, lr_scheduler=None, **kw):  # hdet's window losses at each sync
         lr_scheduler.ensemble.on_sync.append(lambda r: self.windows.append((r.step, r.losses)))
@@ -68,6 +70,12 @@ class Record(TrainerCallback):
 
     def on_train_end(self, args, state, control, model=None, **kw):  # what a reporting callback would upload
         self.end_params = [q.detach().clone() for q in model.parameters()]
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, lr_scheduler=None, **kw):  # (--clip)
+        clips = [h for h in lr_scheduler.ensemble.hypers if isinstance(h, hdet.GradClip)] if lr_scheduler else []
+        if clips:  # the norm the step is taken with, and the norm this replica was to be clipped to
+            norm = torch.cat([q.grad.reshape(-1) for q in model.parameters() if q.grad is not None]).norm()
+            self.clipped.append((float(norm), clips[0].max_norm))
 
     def on_evaluate(self, args, state, control, metrics=None, model=None, **kw):  # (--eval-steps) what was evaluated
         seen = torch.cat([q.detach().reshape(-1) for q in model.parameters()]).clone()
@@ -108,6 +116,8 @@ def main():
     p.add_argument("--eval-steps", type=int, default=0, help="evaluate every N optimizer steps (eval_strategy "
                    '"steps") on held-out sequences')
     p.add_argument("--best", action="store_true", help="with --eval-steps: load_best_model_at_end on eval_loss")
+    p.add_argument("--clip", type=float, default=0.0, help="explore the gradient-clipping norm around this value "
+                   "(hdet.GradClip; the Trainer's max_grad_norm stays at its default)")
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -160,14 +170,15 @@ def main():
     trainer = Trainer(model=model, args=args, train_dataset=Classes() if a.classifier else Tokens(uneven=a.uneven, label0=a.label0), callbacks=[rec], **own,
                       eval_dataset=Tokens(32, seed=1) if a.eval_steps else None,
                           hdet=dict(ensemble_lr_spread_ratio=a.alpha, model_sync_interval=5, controller="paper", enable_auto_lr=True,
-                                    auto_lr_warmup_steps=10, loss_scale=0.05))
+                                    auto_lr_warmup_steps=10, loss_scale=0.05,
+                                    explore=[hdet.GradClip(a.clip)] if a.clip else []))
     trainer.train(resume_from_checkpoint=a.resume)
     s = trainer.lr_scheduler
     torch.save({"params": [q.detach().clone() for q in model.parameters()], "lrs": rec.lrs,
                 "bases": s.base_lrs_now, "updates": s.ensemble.controllers[0].updates if s.ensemble.controllers[0]
                 else 0, "perms": s.ensemble.perms, "step": s.last_epoch, "world": s.world_size, "logs": rec.logs,
                 "windows": rec.windows, "guard": s.gradient_guard, "hdet_logged": rec.hdet_logged,
-                "own_losses": rec.own_losses, "end_params": rec.end_params, "evaluated": rec.evaluated, "scheduler": type(s).__name__,
+                "own_losses": rec.own_losses, "end_params": rec.end_params, "evaluated": rec.evaluated, "clipped": rec.clipped, "scheduler": type(s).__name__,
                 "trainer_shifts_labels": bool(getattr(trainer, "_loss_shifts_labels", True)),
                 "finite": all(bool(torch.isfinite(q).all()) for q in model.parameters())},
                os.path.join(a.out, f"result_rank{rank}.pt"))

@@ -32,9 +32,10 @@ class Data(torch.utils.data.Dataset):
 
 
 class Module(L.LightningModule):
-    def __init__(self, bn=False, fused=False, nan_at=0):
+    def __init__(self, bn=False, fused=False, nan_at=0, clip=0.0):
         super().__init__()
-        self.fused, self.nan_at = fused, nan_at
+        self.fused, self.nan_at, self.clip = fused, nan_at, clip
+        self.clipped = []  # (--clip) per optimizer step: the gradient's norm the step is taken with, the explored norm
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(6, 16), *([nn.BatchNorm1d(16)] if bn else []), nn.ReLU(), nn.Linear(16, 1))
         self.lrs, self.raw_losses, self.windows = [], [], []
@@ -50,6 +51,13 @@ class Module(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
 
+    def on_before_optimizer_step(self, optimizer):  # (after HDETCallback's: the gradients the step is taken with)
+        if self.clip:
+            norm = torch.cat([p.grad.reshape(-1) for p in self.parameters() if p.grad is not None]).norm()
+            clip = [h for h in self.trainer.lr_scheduler_configs[0].scheduler.ensemble.hypers
+                    if isinstance(h, hdet.GradClip)][0]
+            self.clipped.append((float(norm), clip.max_norm))
+
     def validation_step(self, batch, batch_idx):  # (--val) the metric a user monitors: the mean over every rank
         x, y = batch
         self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
@@ -58,7 +66,8 @@ class Module(L.LightningModule):
         opt = torch.optim.Adam(self.parameters(), lr=0.01, fused=self.fused or None)
         sched = hdet.OneCycleAutoLR(opt, max_lr=0.02, total_steps=STEPS, ensemble_lr_spread_ratio=0.3,
                                     model_sync_interval=4, controller="paper", enable_auto_lr=True, auto_lr_warmup_steps=4,
-                                    loss_scale=0.05, seed=3)  # no model=: as the docs write it
+                                    loss_scale=0.05, seed=3,  # no model=: as the docs write it
+                                    explore=[hdet.GradClip(self.clip)] if self.clip else [])
         sched.ensemble.on_sync.append(lambda r: self.windows.append((r.step, r.losses)))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -90,7 +99,7 @@ class Report(L.Callback):
         torch.save({"params": gathered[0], "lrs": pl_module.lrs, "updates": sched.ensemble.controllers[0].updates,
                     "step": sched.last_epoch, "bases": sched.base_lrs_now, "buffers": bufs,
                     "guard": sched.gradient_guard, "raw_losses": pl_module.raw_losses, "windows": pl_module.windows,
-                    "rank": sched.rank, "validated": self.validated, "skipped": None if sched.skip_guard is None or sched.skip_guard.skipped is None
+                    "rank": sched.rank, "validated": self.validated, "clipped": pl_module.clipped, "skipped": None if sched.skip_guard is None or sched.skip_guard.skipped is None
                     else float(sched.skip_guard.skipped),
                     "finite": all(bool(torch.isfinite(p).all()) for p in pl_module.parameters())},
                    os.path.join(self.out, f"result_rank{trainer.global_rank}.pt"))
@@ -106,6 +115,8 @@ def main():
     p.add_argument("--fused", action="store_true", help="a fused Adam (the skip guard)")
     p.add_argument("--nan-at", type=int, default=0, help="rank 1's loss is NaN at this optimizer step")
     p.add_argument("--precision", default="32-true", help='Lightning\'s precision, e.g. "bf16-true" (bf16 weights)')
+    p.add_argument("--clip", type=float, default=0.0, help="explore the gradient-clipping norm around this value "
+                   "(hdet.GradClip; HDETCallback clips with it)")
     p.add_argument("--val", type=int, default=0, help="validate every N training batches (a val_loss-monitoring "
                    "ModelCheckpoint saves val-step=<step>.ckpt at each)")
     a = p.parse_args()
@@ -124,7 +135,7 @@ def main():
                         **({} if a.fp16 else {"precision": a.precision}))
     loader = torch.utils.data.DataLoader(Data(), batch_size=8, shuffle=False)
     val = torch.utils.data.DataLoader(Data(64, seed=1), batch_size=8) if a.val else None
-    trainer.fit(Module(a.bn, a.fused, a.nan_at), loader, val, ckpt_path=a.resume)
+    trainer.fit(Module(a.bn, a.fused, a.nan_at, a.clip), loader, val, ckpt_path=a.resume)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ assignments, telemetry, state, engine and torchrun behaviour."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -405,3 +406,73 @@ def test_a_spread_past_its_bounds_says_so_once():
     assert len(said) == 1 and "dropout's spread around 0 (additive, alpha 0.05) reaches -0.05..0.05" in said[0]
     assert "2 of the 4 replicas are clamped" in said[0]
     assert build(0.1) == []
+
+
+def test_dropout_says_which_float_dropouts_it_leaves_alone():
+    """Many Hugging Face attention modules keep attention_dropout as a float the forward hands to SDPA: Dropout(model)
+    moved the nn.Dropout modules' p and left that float as it was, silently, while reporting dropout as explored (an
+    audit on a GPT-NeoX). It now names them."""
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention_dropout = 0.1
+            self.resid = nn.Dropout(0.1)
+
+    model = nn.Sequential(Attention(), nn.Linear(2, 2))
+    with pytest.warns(UserWarning, match=r"also keep a dropout as a plain float.*Attention.attention_dropout=0.1"):
+        Dropout(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to say: no float dropout, or one at 0
+        Dropout(nn.Sequential(nn.Dropout(0.1), nn.Linear(2, 2)))
+        model[0].attention_dropout = 0.0
+        Dropout(model)
+
+
+def test_label_smoothing_takes_a_hugging_face_label_smoother():
+    """TrainingArguments(label_smoothing_factor=...) gives the Trainer a LabelSmoother whose value is `epsilon`:
+    LabelSmoothing(trainer.label_smoother) was refused (an audit); it explores that epsilon now."""
+    class LabelSmoother:  # (transformers.trainer_pt_utils.LabelSmoother's one field)
+        epsilon = 0.1
+
+    smoother = LabelSmoother()
+    h = LabelSmoothing(smoother)
+    assert h.get() == 0.1
+    h.set(0.15)
+    assert smoother.epsilon == 0.15
+    with pytest.raises(ValueError, match="label_smoothing attribute"):
+        LabelSmoothing(object())
+
+
+def test_the_paper_controller_over_an_explored_dropout_says_it_reads_the_training_loss():
+    model = nn.Sequential(nn.Dropout(0.1), nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="dropout raises a replica's training loss by itself"):
+        hdet.HDETLR(opt, None, 20, enable_auto_lr=True, controller="paper", model_sync_interval=5, final_lr=0.01,
+                    explore=[Dropout(model)])
+
+
+@pytest.mark.parametrize("mode", ["loop", "auto"])
+def test_averaged_evaluates_at_the_explored_bases_and_gives_each_replica_its_own_back(mode):
+    """`with engine.averaged():` with an explored label smoothing: each replica evaluated the average with its own
+    smoothing (its share of a validation measured 0.1% off the average's loss at the base: an audit); the explored
+    values are at their base meanwhile, each replica's own back after."""
+    from hdet.engine import ReplicaEngine
+
+    torch.manual_seed(0)
+    crits = {}
+
+    def sched(o, rep, m):
+        crits[id(m)] = nn.CrossEntropyLoss(label_smoothing=0.1)
+        return hdet.HDETLR(o, None, 20, ensemble_lr_spread_ratio=0.2, model_sync_interval=5, replicas=rep, model=m,
+                           explore=[LabelSmoothing(crits[id(m)], alpha=0.05)])
+
+    eng = ReplicaEngine(nn.Linear(4, 3), 3, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), sched, mode=mode)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        eng.step([(torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)],
+                 lambda m, b: crits[id(m)](m(b[0]), b[1]))
+    own = [crits[id(m)].label_smoothing for m in eng.models]
+    assert sorted(own) == pytest.approx([0.05, 0.1, 0.15])
+    with eng.averaged():
+        assert [crits[id(m)].label_smoothing for m in eng.models] == pytest.approx([0.1] * 3)
+    assert [crits[id(m)].label_smoothing for m in eng.models] == own

@@ -254,6 +254,20 @@ def test_hf_trainer_loads_the_best_average_at_the_end_of_a_run_stopped_early(tmp
         assert torch.equal(torch.cat([p.reshape(-1) for p in r["params"]]), at12["replicas"].mean(0))
 
 
+def test_hf_trainer_clips_to_each_replicas_explored_norm(tmp_path):
+    """hdet=dict(explore=[hdet.GradClip(0.05)]) as the docs write it: hdet reported the replicas' norms (0.025 and 0.1)
+    while the Trainer clipped every replica to its max_grad_norm (1.0), silently (an audit). HDETTrainer now clips to
+    each replica's explored norm, at every step."""
+    out = tmp_path / "clip"
+    _torchrun(out, "--clip", "0.05")
+    res = _results(out)
+    assert sorted(r["clipped"][0][1] for r in res) == pytest.approx([0.025, 0.1], rel=1e-9)  # (x2 and /2: log spread)
+    for r in res:  # (every step's gradient is above both norms here, so each is clipped to exactly its own)
+        assert len(r["clipped"]) == 20
+        for norm, explored in r["clipped"]:
+            assert norm == pytest.approx(explored, rel=1e-4), r["clipped"]
+
+
 def test_hf_trainer_raises_the_load_warnings_the_trainer_drops(tmp_path):
     """The Trainer loads the scheduler inside its own warning filter, which keeps no UserWarning: hdet's warnings
     about the load (here: the checkpoint's alpha 0.3 replaces the 0.2 the resumed run was built with) are raised
@@ -424,6 +438,38 @@ def test_lightning_validates_and_checkpoints_the_ensembles_average_between_conve
         assert torch.equal(torch.cat([t.reshape(-1) for t in ckpt["state_dict"].values()]), v["replicas"].mean(0))
     for got, ref in zip(res, plain):
         assert torch.equal(got["params"], ref["params"]) and got["lrs"] == ref["lrs"]
+
+
+def test_lightning_clips_to_each_replicas_explored_norm_and_refuses_gradient_clip_val(tmp_path):
+    """An explored hdet.GradClip under Lightning: nothing applied it unless the user overrode
+    configure_gradient_clipping, and Trainer(gradient_clip_val=...) clipped every replica to that value while hdet
+    reported the spread (an audit). HDETCallback now clips each replica to its explored norm, and refuses
+    gradient_clip_val beside it."""
+    pytest.importorskip("lightning")
+    from types import SimpleNamespace
+
+    from hdet.integrations.lightning import HDETCallback
+
+    res = _lightning(tmp_path / "clip", "--clip", "0.05")
+    assert sorted(r["clipped"][0][1] for r in res) == pytest.approx([0.025, 0.1], rel=1e-9)
+    for r in res:
+        assert len(r["clipped"]) == 16
+        for norm, explored in r["clipped"]:
+            assert norm <= explored * (1 + 1e-4), r["clipped"]
+        assert sum(norm == pytest.approx(explored, rel=1e-4) for norm, explored in r["clipped"]) >= 8, r["clipped"]
+    sched = hdet_scheduler_with(hdet_clip=True)
+    trainer = SimpleNamespace(gradient_clip_val=0.5, lr_scheduler_configs=[SimpleNamespace(
+        scheduler=sched, interval="step", frequency=1)])
+    with pytest.raises(ValueError, match="no gradient_clip_val with an explored hdet.GradClip"):
+        HDETCallback().on_train_start(trainer, None)
+
+
+def hdet_scheduler_with(hdet_clip):
+    import hdet
+
+    p = torch.nn.Parameter(torch.ones(2))
+    return hdet.OneCycleAutoLR(torch.optim.SGD([p], lr=0.1), max_lr=0.1, total_steps=4,
+                               explore=[hdet.GradClip(1.0)] if hdet_clip else [])
 
 
 def _lightning_two_schedulers(rank, world):

@@ -49,7 +49,7 @@ from .stability import SharedCopies
 from .stacked_optim import StackedStep, Unstackable, unsupported
 from .stacking import StackedReplicas
 from .step_scale import share_local
-from .swap import AverageSwap
+from .swap import AverageSwap, explored_bases
 from .sync import health
 from .values import int_number
 
@@ -526,7 +526,10 @@ class ReplicaEngine:
                    for ts, strict in lists]
             finite = torch.stack(oks).tolist()  # HOST SYNC
         tensors = [ts for ts, _ in lists]
-        return self._swap.swap_in(tensors, finite, lambda bad: average_local(tensors, bad))
+        changed = self._swap.swap_in(tensors, finite, lambda bad: average_local(tensors, bad))
+        for e in ens:  # every replica's explored values at their base meanwhile (its own objects)
+            self._swap.hold_values(e.hypers, explored_bases(e))
+        return changed
 
     def swap_back(self) -> bool:
         """Put every replica's own weights and buffers back after :meth:`swap_in_average`. Returns whether the

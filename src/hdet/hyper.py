@@ -176,6 +176,13 @@ class Dropout(Hyperparameter):
         self.modules = drops + attn
         if not self.modules:
             raise ValueError("Expected at least one nn.Dropout module to explore, but found none")
+        floats = sorted({f"{type(m).__name__}.{k}={v:g}" for m in found if not isinstance(m, nn.MultiheadAttention)
+                         for k, v in vars(m).items() if "dropout" in k.lower() and isinstance(v, float) and v > 0})
+        if floats:  # (Hugging Face attention modules keep attention_dropout as a float the forward hands to SDPA)
+            warnings.warn(f"hdet: Dropout explores the p of nn.Dropout modules, but these modules also keep a dropout "
+                          f"as a plain float, which stays as it is: {', '.join(floats[:4])}"
+                          + (f" and {len(floats) - 4} more" if len(floats) > 4 else "") + ". Explore it with a "
+                          "hdet.Setter (or set it to 0) if the forward uses it", stacklevel=2)
         ps = sorted({self._p(m) for m in self.modules})
         if len(ps) > 1 and kw.get("base") is None and kw.get("schedule") is None:
             raise ValueError(f"Expected dropout modules with one p to explore as one value, but got p in {ps}: every "
@@ -200,27 +207,34 @@ class Dropout(Hyperparameter):
 
 
 class LabelSmoothing(Hyperparameter):
-    """``label_smoothing`` of a loss object (e.g. ``nn.CrossEntropyLoss``); additive, kept in [0, 0.999]."""
+    """``label_smoothing`` of a loss object (e.g. ``nn.CrossEntropyLoss``), or the ``epsilon`` of a Hugging Face
+    Trainer's ``label_smoother`` (``TrainingArguments(label_smoothing_factor=...)``); additive, kept in [0, 0.999]."""
 
     vmap_safe = False
 
     def __init__(self, loss: Any, alpha: float = 0.05, kind: str = "additive", bounds: tuple[float, float] = UNIT,
                  **kw: Any) -> None:
-        if not hasattr(loss, "label_smoothing"):
-            raise ValueError(f"Expected a loss with a label_smoothing attribute, but got {type(loss).__name__}")
+        self.attr = "label_smoothing" if hasattr(loss, "label_smoothing") else "epsilon" if hasattr(loss, "epsilon") \
+            else None
+        if self.attr is None:
+            raise ValueError(f"Expected a loss with a label_smoothing attribute (or a Hugging Face LabelSmoother's "
+                             f"epsilon), but got {type(loss).__name__}")
         self.loss = loss
         super().__init__("label_smoothing", Spread(kind, alpha, bounds), **kw)
 
     def get(self) -> float:
-        return float(self.loss.label_smoothing)
+        return float(getattr(self.loss, self.attr))
 
     def set(self, value: float) -> None:
-        self.loss.label_smoothing = float(value)
+        setattr(self.loss, self.attr, float(value))
 
 
 class GradClip(Hyperparameter):
-    """A gradient-clipping norm that you apply: ``clip.clip_(model.parameters())`` between
-    ``loss.backward()`` and ``optimizer.step()`` (in the engine: ``before_optimizer_step``). Log spread."""
+    """A gradient-clipping norm that you apply: ``clip.clip_(model.parameters())`` between the last
+    ``loss.backward()`` of an optimizer step and ``optimizer.step()``, once per optimizer step (with gradient
+    accumulation, after the last micro-batch: Accelerate's ``if accelerator.sync_gradients:``; in the engine:
+    ``before_optimizer_step``). ``HDETTrainer`` and ``HDETCallback`` apply it themselves, in place of the Trainer's
+    ``max_grad_norm`` and Lightning's ``gradient_clip_val``. Log spread."""
 
     def __init__(self, max_norm: float, alpha: float = 1.0, kind: str = "log",
                  bounds: tuple[float, float] = (1e-8, math.inf), **kw: Any) -> None:

@@ -27,12 +27,12 @@ from .config import OPTIONS, HDETConfig, spreading
 from .controller import gamma_as_printed
 from .ensemble import Ensemble, SyncRecord
 from .guard import GuardSetting, ScalerWatch, SkipWatch
-from .hyper import AdamBeta, Hyperparameter, LabelSmoothing
+from .hyper import AdamBeta, Dropout, Hyperparameter, LabelSmoothing
 from .loss_scale import LossScale
 from .optimizers import check_lr_groups, check_optimizer, check_shared_gradients, innermost
 from .replicas import DEFAULT_BUCKET_CAP_MB, LocalReplica, Replicas, check_mesh_placements, resolve_replicas
 from .slots import LRControl
-from .swap import AverageSwap
+from .swap import AverageSwap, explored_bases
 from .sync import health, persistent_float_buffers
 from .values import real_number
 
@@ -117,6 +117,10 @@ class HDETLR(LRScheduler):
                           "loss by itself: give it the loss without smoothing (the fit controller reads probe(model): "
                           "compute it without smoothing; the paper's reads what step() gets), or it reads a lower "
                           "smoothing as better and drives it to 0 (docs/explore.md)", stacklevel=2)
+        if config.enable_auto_lr and config.controller == "paper" and any(isinstance(h, Dropout) for h in explore):
+            warnings.warn("hdet: the paper controller compares the replicas' training losses, and dropout raises a "
+                          "replica's training loss by itself: it reads a lower dropout as better whatever it does to "
+                          "the model (the fit controller's probe runs in eval mode, without dropout)", stacklevel=2)
         _check_probe(config, probe, model, device_mesh)
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
         if device_mesh is not None:
@@ -496,7 +500,8 @@ class HDETLR(LRScheduler):
         :meth:`swap_back`, after which training goes on exactly as if nothing happened (:mod:`hdet.swap`).
 
         The average is Eq. 3's, of what a converge step averages in the model (its parameters and floating-point
-        buffers; not the optimizer state), over the replicas whose weights are finite. Without it an evaluation
+        buffers; not the optimizer state), over the replicas whose weights are finite; the explored hyperparameters
+        (label smoothing, an attention temperature, ...) are set to their base, the ensemble's value, meanwhile. Without it an evaluation
         between converge steps measures each rank's own replica on its share of the data. Every replica must call
         it, after ``scheduler.step()``; right after a converge step (or ``finish()``) the replicas are equal and it
         changes nothing, with no collective. Until :meth:`swap_back`, ``optimizer.step()``, ``scheduler.step()``
@@ -524,11 +529,13 @@ class HDETLR(LRScheduler):
             if over_shards is not None and ens.model is not None:  # HSDP: a replica's buffers, over its shard ranks
                 over_shards(persistent_float_buffers(ens.model))  # COLLECTIVES: one all_reduce per bucket
 
-        return self._swap.swap_in([tensors], finite, average, [innermost(self.optimizer)])
+        changed = self._swap.swap_in([tensors], finite, average, [innermost(self.optimizer)])
+        self._swap.hold_values(ens.hypers, explored_bases(ens))
+        return changed
 
     def swap_back(self) -> bool:
         """Put this replica's own weights and buffers back after :meth:`swap_in_average` (nothing otherwise; no
-        collective). Returns whether the average was in."""
+        collective), and its explored values. Returns whether the average was in."""
         return self._swap.swap_back()
 
     @contextlib.contextmanager

@@ -16,10 +16,18 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["AverageSwap", "SwappedInError"]
+__all__ = ["AverageSwap", "SwappedInError", "explored_bases"]
+
+
+def explored_bases(ensemble: Any) -> list[float]:
+    """Each explored hyperparameter's base now (the value at the spread's centre, in its bounds), in ``hypers``'
+    order: what the ensemble stands for, rather than one replica's own value."""
+    sl = ensemble.slots
+    return [sl.spreads[j].clamp(sl.bases[j]) for j in range(sl.num_lr_slots, sl.num_slots)]
 
 
 class SwappedInError(RuntimeError):
@@ -43,6 +51,7 @@ class AverageSwap:
         self.saved: list[list[torch.Tensor]] | None = None
         self.tensors: list[list[torch.Tensor]] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._values: list[tuple[Any, float]] = []  # explored hyperparameters and their own values, to put back
 
     @property
     def active(self) -> bool:
@@ -80,8 +89,18 @@ class AverageSwap:
         self._hooks = [o.register_step_pre_hook(self._refuse_step) for o in optimizers]
         return bool(self.tensors)
 
+    def hold_values(self, hypers: Sequence[Any], bases: Sequence[float]) -> None:
+        """While the average is in: each explored hyperparameter at its base (the ensemble's value: an evaluation's
+        label smoothing or attention temperature), its own value put back by :meth:`swap_back`."""
+        for h, base in zip(hypers, bases):
+            self._values.append((h, h.get()))
+            h.set(base)
+
     def swap_back(self) -> bool:
-        """Put each replica's own tensors back. Returns whether the average was in."""
+        """Put each replica's own tensors back, and its explored values. Returns whether the average was in."""
+        for h, own in reversed(self._values):
+            h.set(own)
+        self._values = []
         if self.saved is None:
             return False
         with torch.no_grad():

@@ -6,6 +6,17 @@ import warnings
 from typing import Any
 
 
+def explored_clips(sched: Any) -> list[Any]:
+    """The scheduler's explored ``hdet.GradClip`` (at most one: each would clip the same gradients)."""
+    from ..hyper import GradClip
+
+    clips = [h for h in sched.ensemble.hypers if isinstance(h, GradClip)]
+    if len(clips) > 1:
+        raise ValueError(f"Expected at most one explored hdet.GradClip per scheduler (each clips the same gradients), "
+                         f"but got {len(clips)}")
+    return clips
+
+
 def finish_at_train_end(sched: Any) -> None:
     """At a framework's end of training: :meth:`hdet.HDETLR.finish`, and a warning when it averaged (the run
     stopped before ``total_steps``, off a converge step)."""

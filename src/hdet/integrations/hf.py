@@ -36,7 +36,7 @@ import torch
 from ..optimizers import innermost
 from ..schedulers import HDETLR
 from ..telemetry import sync_scalars
-from . import finish_at_train_end
+from . import explored_clips, finish_at_train_end
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -86,7 +86,20 @@ class HDETTrainer(Trainer):
             opt = base.optimizer  # otherwise HDETLR refuses a schedule of another optimizer
         self.lr_scheduler = HDETLR(opt, base, total_steps=num_training_steps, model=self.model, **self.hdet_kwargs)
         self._hdet_total_steps = num_training_steps  # the run's length as this Trainer counts it (a resume keeps it)
+        clips = explored_clips(self.lr_scheduler)
+        if clips and self.args.max_grad_norm <= 0:
+            raise ValueError(f"Expected max_grad_norm > 0 with an explored hdet.GradClip (the Trainer clips only then; "
+                             f"HDETTrainer clips to each replica's explored norm in its place), but got "
+                             f"max_grad_norm={self.args.max_grad_norm}")
         return self.lr_scheduler
+
+    def _clip_grad_norm(self, model: Any) -> Any:
+        """With an explored ``hdet.GradClip``: the Trainer's clip, to this replica's explored norm instead of
+        ``max_grad_norm`` (which the Trainer applied, while hdet reported the explored norms: an audit)."""
+        clips = explored_clips(self.lr_scheduler) if isinstance(self.lr_scheduler, HDETLR) else []
+        if not clips:
+            return super()._clip_grad_norm(model)
+        return self.accelerator.clip_grad_norm_(model.parameters(), clips[0].max_norm)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)

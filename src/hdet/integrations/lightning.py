@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
+from ..optimizers import innermost
 from ..schedulers import HDETLR
 from ..telemetry import sync_scalars
-from . import finish_at_train_end
+from . import explored_clips, finish_at_train_end
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -89,6 +90,15 @@ class HDETCallback(Callback):
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         self._restored = True
 
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        """An explored ``hdet.GradClip``: this replica's norm applied to the gradients of the optimizer it explores
+        (after a GradScaler's unscale, as Lightning's own clipping), which Lightning's ``gradient_clip_val`` would
+        replace (refused with it: :meth:`on_train_start`)."""
+        for sched in _hdet_schedulers(trainer):
+            clips = explored_clips(sched)
+            if clips and innermost(sched.optimizer) is innermost(optimizer):
+                clips[0].clip_([p for g in sched.optimizer.param_groups for p in g["params"] if p.grad is not None])
+
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         """Validation during ``fit`` measures the ensemble's average (:meth:`hdet.HDETLR.swap_in_average`, on every
         rank; nothing to do right after a converge step): between converge steps each rank's module is its own
@@ -141,6 +151,11 @@ class HDETCallback(Callback):
                     f"{cfg.interval!r}, frequency {cfg.frequency}: HDET counts optimizer steps (its converge steps "
                     "and schedule would run once per epoch). Return {'optimizer': opt, 'lr_scheduler': "
                     "{'scheduler': sched, 'interval': 'step'}} from configure_optimizers")
+        if trainer.gradient_clip_val and any(explored_clips(s) for s in _hdet_schedulers(trainer)):
+            raise ValueError(f"Expected no gradient_clip_val with an explored hdet.GradClip (HDETCallback clips to each "
+                             f"replica's explored norm; Lightning would clip again to {trainer.gradient_clip_val} after "
+                             "it, so every replica would step at that norm while hdet reports the spread): leave "
+                             "gradient_clip_val out")
         for sched in _hdet_schedulers(trainer):
             sched.attach_model(trainer.strategy.model)  # buffers averaged if no model= was given; the guard on DDP
         weights_only = [c for c in trainer.checkpoint_callbacks if getattr(c, "save_weights_only", False)]
