@@ -170,7 +170,8 @@ def main():
     trainer = Trainer(model=model, args=args, train_dataset=Classes() if a.classifier else Tokens(uneven=a.uneven, label0=a.label0), callbacks=[rec], **own,
                       eval_dataset=Tokens(32, seed=1) if a.eval_steps else None,
                           hdet=dict(ensemble_lr_spread_ratio=a.alpha, model_sync_interval=5, controller="paper", enable_auto_lr=True,
-                                    auto_lr_warmup_steps=10, loss_scale=0.05,
+                                    auto_lr_warmup_steps=10, loss_scale=0.05, final_lr=3e-4,  # (Eq. 8's target: the
+                                    # Trainer's linear schedule ends at 0, no target for the paper controller's decay)
                                     explore=[hdet.GradClip(a.clip)] if a.clip else []))
     trainer.train(resume_from_checkpoint=a.resume)
     s = trainer.lr_scheduler

@@ -43,7 +43,7 @@ class Module(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
-        self.raw_losses.append(float(loss))  # the true per-batch loss (Lightning divides what it backpropagates)
+        self.raw_losses.append(float(loss.detach()))  # the true per-batch loss (Lightning divides what it backpropagates)
         if self.global_rank == 1 and self.trainer.global_step + 1 == self.nan_at:  # (--nan-at: a fault on one rank)
             loss = loss * float("nan")
         return loss
