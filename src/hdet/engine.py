@@ -33,7 +33,7 @@ import functools
 import inspect
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -49,7 +49,7 @@ from .stability import SharedCopies
 from .stacked_optim import StackedStep, Unstackable, unsupported
 from .stacking import StackedReplicas
 from .step_scale import share_local
-from .swap import AverageSwap, explored_bases
+from .swap import AverageSwap, averaged, explored_bases
 from .sync import health
 from .values import int_number
 
@@ -536,14 +536,9 @@ class ReplicaEngine:
         average was in."""
         return self._swap.swap_back()
 
-    @contextlib.contextmanager
-    def averaged(self) -> Iterator[bool]:
+    def averaged(self) -> contextlib.AbstractContextManager[bool]:
         """``with engine.averaged(): evaluate(engine.models[0])``: :meth:`swap_in_average`, then :meth:`swap_back`."""
-        changed = self.swap_in_average()
-        try:
-            yield changed
-        finally:
-            self.swap_back()
+        return averaged(self)
 
     @property
     def steps_taken(self) -> int:

@@ -32,7 +32,7 @@ from .loss_scale import LossScale
 from .optimizers import check_lr_groups, check_optimizer, check_shared_gradients, innermost
 from .replicas import DEFAULT_BUCKET_CAP_MB, LocalReplica, Replicas, check_mesh_placements, resolve_replicas
 from .slots import LRControl
-from .swap import AverageSwap, explored_bases
+from .swap import AverageSwap, averaged, explored_bases
 from .sync import health, persistent_float_buffers
 from .values import real_number
 
@@ -538,15 +538,10 @@ class HDETLR(LRScheduler):
         collective), and its explored values. Returns whether the average was in."""
         return self._swap.swap_back()
 
-    @contextlib.contextmanager
-    def averaged(self) -> Iterator[bool]:
+    def averaged(self) -> contextlib.AbstractContextManager[bool]:
         """``with scheduler.averaged(): evaluate(model)``: :meth:`swap_in_average` on entry (it yields whether the
         weights changed), :meth:`swap_back` on exit. On every replica (collectives)."""
-        changed = self.swap_in_average()
-        try:
-            yield changed
-        finally:
-            self.swap_back()
+        return averaged(self)
 
     @property
     def average_swapped_in(self) -> bool:

@@ -14,13 +14,25 @@ copy) leaves each replica's own weights, with nothing swapped in.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 __all__ = ["AverageSwap", "SwappedInError", "explored_bases"]
+
+
+@contextlib.contextmanager
+def averaged(owner: Any) -> Iterator[bool]:
+    """``with owner.averaged():`` for a scheduler or an engine: ``owner.swap_in_average()`` on entry (it yields
+    whether the weights changed), ``owner.swap_back()`` on exit, whatever happens inside."""
+    changed = owner.swap_in_average()
+    try:
+        yield changed
+    finally:
+        owner.swap_back()
 
 
 def explored_bases(ensemble: Any) -> list[float]:
