@@ -54,6 +54,9 @@ class Module(L.LightningModule):
     def on_before_optimizer_step(self, optimizer):  # (after HDETCallback's: the gradients the step is taken with)
         if self.clip:
             norm = torch.cat([p.grad.reshape(-1) for p in self.parameters() if p.grad is not None]).norm()
+            scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+            if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+                norm = norm / scaler.get_scale()  # ("16-mixed" + fused: Lightning leaves them scaled until the step)
             clip = [h for h in self.trainer.lr_scheduler_configs[0].scheduler.ensemble.hypers
                     if isinstance(h, hdet.GradClip)][0]
             self.clipped.append((float(norm), clip.max_norm))

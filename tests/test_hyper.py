@@ -476,3 +476,46 @@ def test_averaged_evaluates_at_the_explored_bases_and_gives_each_replica_its_own
     with eng.averaged():
         assert [crits[id(m)].label_smoothing for m in eng.models] == pytest.approx([0.1] * 3)
     assert [crits[id(m)].label_smoothing for m in eng.models] == own
+
+
+def test_dropout_of_a_model_with_only_float_dropouts_names_them():
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention_dropout = 0.1
+
+    with pytest.raises(ValueError, match=r"found none \(these modules keep their dropout as a plain float: "
+                                         r"Attention.attention_dropout=0.1"):
+        Dropout(nn.Sequential(Attention(), nn.Linear(2, 2)))
+
+
+def test_a_setter_that_raises_while_the_average_goes_in_leaves_nothing_swapped_in():
+    """A Setter that raised while the average's explored values were set left the average in, with every later step
+    refused (a review): each replica's own weights and values are now back, and nothing is swapped in."""
+    from hdet.engine import ReplicaEngine
+
+    armed, values = {"on": False}, {}
+
+    def setter(r):
+        def set_value(v):
+            if armed["on"]:
+                raise RuntimeError("setter failed")
+            values[r] = v
+        values[r] = 1.0
+        return Setter("t", lambda: values[r], set_value, Spread("log", 0.1, (0, math.inf)))
+
+    torch.manual_seed(0)
+    eng = ReplicaEngine(nn.Linear(3, 1), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                        lambda o, rep, m: hdet.HDETLR(o, None, 10, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                                                      replicas=rep, model=m, explore=[setter(rep.rank)]), mode="loop")
+    for _ in range(2):
+        eng.step([torch.randn(4, 3)] * 2, lambda m, b: m(b).pow(2).mean())
+    own = [m.weight.detach().clone() for m in eng.models]
+    armed["on"] = True
+    with pytest.raises(RuntimeError, match="setter failed"):
+        with eng.averaged():
+            pass
+    armed["on"] = False
+    assert not eng._swap.active and all(torch.equal(m.weight, w) for m, w in zip(eng.models, own))
+    assert sorted(values.values()) == pytest.approx([1 / 1.1, 1.1])  # (each replica's own value back)
+    eng.step([torch.randn(4, 3)] * 2, lambda m, b: m(b).pow(2).mean())

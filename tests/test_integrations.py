@@ -2,6 +2,7 @@
 
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -462,6 +463,56 @@ def test_lightning_clips_to_each_replicas_explored_norm_and_refuses_gradient_cli
         scheduler=sched, interval="step", frequency=1)])
     with pytest.raises(ValueError, match="no gradient_clip_val with an explored hdet.GradClip"):
         HDETCallback().on_train_start(trainer, None)
+
+
+def test_lightning_clips_the_true_norm_under_16_mixed_with_a_fused_optimizer(tmp_path):
+    """"16-mixed" with a fused Adam: Lightning leaves the gradients scaled until the optimizer's step, so the callback
+    clipped the scaled norm to the explored one, and the true norm came out explored / scale (0.5 / 64 in a review).
+    It now clips to the explored norm times the scale: the true norm is the explored one."""
+    pytest.importorskip("lightning")
+    res = _lightning(tmp_path / "clip16", "--clip", "0.05", "--fp16", "--fused")
+    for r in res:
+        taken = [(n, e) for n, e in r["clipped"] if math.isfinite(n)]
+        assert len(taken) >= 8, r["clipped"]
+        assert all(n == pytest.approx(e, rel=1e-3) for n, e in taken), taken
+
+
+def test_lightning_says_a_modules_own_clipping_overrides_the_explored_norm():
+    pytest.importorskip("lightning")
+    from types import SimpleNamespace
+
+    import lightning as L
+
+    from hdet.integrations.lightning import HDETCallback
+
+    class Module(L.LightningModule):
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            self.clip_gradients(optimizer, 1.0, "norm")
+
+    sched = hdet_scheduler_with(hdet_clip=True)
+    trainer = SimpleNamespace(gradient_clip_val=None, strategy=SimpleNamespace(model=torch.nn.Linear(2, 2)),
+                              checkpoint_callbacks=[], world_size=1,
+                              lr_scheduler_configs=[SimpleNamespace(scheduler=sched, interval="step", frequency=1)])
+    with pytest.warns(UserWarning, match="overrides configure_gradient_clipping"):
+        HDETCallback().on_train_start(trainer, Module())
+
+
+def test_hf_trainer_refuses_max_grad_norm_0_with_an_explored_clip_in_its_own_scheduler(tmp_path):
+    """The explored clip in an HDET scheduler passed as optimizers=(opt, sched), max_grad_norm=0: the Trainer never
+    clips then, and the check ran only for a scheduler HDETTrainer built (a review: no clipping at all, silently)."""
+    import hdet
+    from transformers import TrainingArguments
+
+    from hdet.integrations.hf import HDETTrainer
+
+    model, ds = _hf_model_and_data()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = hdet.HDETLR(opt, None, total_steps=4, explore=[hdet.GradClip(0.01)])
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, max_grad_norm=0.0, use_cpu=True, report_to=[],
+                             per_device_train_batch_size=8)
+    trainer = HDETTrainer(model=model, args=args, train_dataset=ds, optimizers=(opt, sched))
+    with pytest.raises(ValueError, match="max_grad_norm > 0 with an explored hdet.GradClip"):
+        trainer.train()
 
 
 def hdet_scheduler_with(hdet_clip):

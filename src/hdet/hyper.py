@@ -174,10 +174,12 @@ class Dropout(Hyperparameter):
                           "says you mean it)", stacklevel=2)
             attn = []
         self.modules = drops + attn
-        if not self.modules:
-            raise ValueError("Expected at least one nn.Dropout module to explore, but found none")
         floats = sorted({f"{type(m).__name__}.{k}={v:g}" for m in found if not isinstance(m, nn.MultiheadAttention)
                          for k, v in vars(m).items() if "dropout" in k.lower() and isinstance(v, float) and v > 0})
+        if not self.modules:
+            raise ValueError("Expected at least one nn.Dropout module to explore, but found none" + (
+                f" (these modules keep their dropout as a plain float: {', '.join(floats[:4])}; explore it with a "
+                "hdet.Setter)" if floats else ""))
         if floats:  # (Hugging Face attention modules keep attention_dropout as a float the forward hands to SDPA)
             warnings.warn(f"hdet: Dropout explores the p of nn.Dropout modules, but these modules also keep a dropout "
                           f"as a plain float, which stays as it is: {', '.join(floats[:4])}"
@@ -232,8 +234,9 @@ class LabelSmoothing(Hyperparameter):
 class GradClip(Hyperparameter):
     """A gradient-clipping norm that you apply: ``clip.clip_(model.parameters())`` between the last
     ``loss.backward()`` of an optimizer step and ``optimizer.step()``, once per optimizer step (with gradient
-    accumulation, after the last micro-batch: Accelerate's ``if accelerator.sync_gradients:``; in the engine:
-    ``before_optimizer_step``). ``HDETTrainer`` and ``HDETCallback`` apply it themselves, in place of the Trainer's
+    accumulation, after the last micro-batch, on unscaled gradients: under Accelerate
+    ``if accelerator.sync_gradients: accelerator.clip_grad_norm_(params, clip.max_norm)``; with a GradScaler,
+    ``scaler.unscale_(opt)`` first; in the engine: ``before_optimizer_step``). ``HDETTrainer`` and ``HDETCallback`` apply it themselves, in place of the Trainer's
     ``max_grad_norm`` and Lightning's ``gradient_clip_val``. Log spread."""
 
     def __init__(self, max_norm: float, alpha: float = 1.0, kind: str = "log",

@@ -104,25 +104,39 @@ class AverageSwap:
     def hold_values(self, hypers: Sequence[Any], bases: Sequence[float]) -> None:
         """While the average is in: each explored hyperparameter at its base (the ensemble's value: an evaluation's
         label smoothing or attention temperature), its own value put back by :meth:`swap_back`."""
-        for h, base in zip(hypers, bases):
-            self._values.append((h, h.get()))
-            h.set(base)
+        try:
+            for h, base in zip(hypers, bases):
+                self._values.append((h, h.get()))
+                h.set(base)
+        except BaseException:  # (a Setter that raised): nothing swapped in, every value and weight back
+            try:
+                self.swap_back()
+            except BaseException:  # noqa: BLE001 - the same setter again: the first error is the one to see
+                pass
+            raise
 
     def swap_back(self) -> bool:
-        """Put each replica's own tensors back, and its explored values. Returns whether the average was in."""
-        for h, own in reversed(self._values):
-            h.set(own)
-        self._values = []
-        if self.saved is None:
-            return False
-        with torch.no_grad():
-            for ts, kept in zip(self.tensors, self.saved):
-                if ts:
-                    torch._foreach_copy_(ts, kept)
-        for h in self._hooks:
-            h.remove()
-        self.saved, self.tensors, self._hooks = None, [], []
-        return True
+        """Put each replica's own tensors back, and its explored values (the tensors first: a value's setter that
+        raises leaves nothing swapped in, and its error is raised after). Returns whether the average was in."""
+        values, self._values = self._values, []
+        was_in = self.saved is not None
+        if was_in:
+            with torch.no_grad():
+                for ts, kept in zip(self.tensors, self.saved):
+                    if ts:
+                        torch._foreach_copy_(ts, kept)
+            for h in self._hooks:
+                h.remove()
+            self.saved, self.tensors, self._hooks = None, [], []
+        error = None
+        for h, own in reversed(values):
+            try:
+                h.set(own)
+            except BaseException as e:  # noqa: BLE001 - every other value still goes back; the first error is raised
+                error = error or e
+        if error is not None:
+            raise error
+        return was_in
 
     def _refuse_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         raise _refuse("optimizer.step() was called")

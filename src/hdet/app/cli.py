@@ -106,10 +106,11 @@ def _cmd_train(a: argparse.Namespace, argv: list[str]) -> int:
     if s["crashed"]:
         print(msg + f"crashed at {s['crashed']}")
         return 1
-    full = (s.get("final_metrics") or {}).get("val_loss_full")
+    final = s.get("final_metrics") or {}
+    full = final.get("val_loss_full")
     print(msg + f"train loss {s['final_train_loss']:.4f}, validation loss {s['final_val_loss']:.4f} (the fixed "
-          f"validation batches" + (f"; {full:.4f} over the whole held-out split" if full is not None else "") +
-          f") -> {a.out}")
+          f"validation batches" + (f"; {full:.4f} over {final.get('val_tokens')} held-out tokens" if full is not None
+                                   else "") + f") -> {a.out}")
     try:
         paths = plot_dir(a.out)
         print("plots: " + ", ".join(str(p) for p in paths))

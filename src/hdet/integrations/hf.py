@@ -77,7 +77,7 @@ class HDETTrainer(Trainer):
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
         if isinstance(self.lr_scheduler, HDETLR):  # built already (or the user's own HDET scheduler)
-            return self.lr_scheduler
+            return self._check_clip(self.lr_scheduler)
         # the Trainer's own schedule, or the one passed as optimizers=(optimizer, scheduler): HDET wraps either
         base = self.lr_scheduler if self.lr_scheduler is not None else super().create_scheduler(num_training_steps,
                                                                                                  optimizer)
@@ -86,20 +86,27 @@ class HDETTrainer(Trainer):
             opt = base.optimizer  # otherwise HDETLR refuses a schedule of another optimizer
         self.lr_scheduler = HDETLR(opt, base, total_steps=num_training_steps, model=self.model, **self.hdet_kwargs)
         self._hdet_total_steps = num_training_steps  # the run's length as this Trainer counts it (a resume keeps it)
-        clips = explored_clips(self.lr_scheduler)
-        if clips and self.args.max_grad_norm <= 0:
+        return self._check_clip(self.lr_scheduler)
+
+    def _check_clip(self, sched: HDETLR) -> HDETLR:
+        if explored_clips(sched) and self.args.max_grad_norm <= 0:
             raise ValueError(f"Expected max_grad_norm > 0 with an explored hdet.GradClip (the Trainer clips only then; "
                              f"HDETTrainer clips to each replica's explored norm in its place), but got "
                              f"max_grad_norm={self.args.max_grad_norm}")
-        return self.lr_scheduler
+        return sched
 
     def _clip_grad_norm(self, model: Any) -> Any:
-        """With an explored ``hdet.GradClip``: the Trainer's clip, to this replica's explored norm instead of
-        ``max_grad_norm`` (which the Trainer applied, while hdet reported the explored norms: an audit)."""
+        """With an explored ``hdet.GradClip``: the Trainer's own clip (every path of it: fp16's unscale, a mixed
+        device mesh), to this replica's explored norm instead of ``max_grad_norm`` (which the Trainer applied, while
+        hdet reported the explored norms: an audit)."""
         clips = explored_clips(self.lr_scheduler) if isinstance(self.lr_scheduler, HDETLR) else []
         if not clips:
             return super()._clip_grad_norm(model)
-        return self.accelerator.clip_grad_norm_(model.parameters(), clips[0].max_norm)
+        kept, self.args.max_grad_norm = self.args.max_grad_norm, clips[0].max_norm
+        try:
+            return super()._clip_grad_norm(model)
+        finally:
+            self.args.max_grad_norm = kept
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)

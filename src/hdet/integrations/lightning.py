@@ -34,6 +34,7 @@ from ..telemetry import sync_scalars
 from . import explored_clips, finish_at_train_end
 
 try:
+    from lightning.pytorch import LightningModule
     from lightning.pytorch.callbacks import Callback
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("hdet.integrations.lightning needs lightning: pip install 'hdet[lightning]'") from e
@@ -96,15 +97,26 @@ class HDETCallback(Callback):
         replace (refused with it: :meth:`on_train_start`)."""
         for sched in _hdet_schedulers(trainer):
             clips = explored_clips(sched)
-            if clips and innermost(sched.optimizer) is innermost(optimizer):
-                clips[0].clip_([p for g in sched.optimizer.param_groups for p in g["params"] if p.grad is not None])
+            if not clips or innermost(sched.optimizer) is not innermost(optimizer):
+                continue
+            params = [p for g in sched.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+            if scaler is not None and scaler.is_enabled() and getattr(innermost(optimizer), "_step_supports_amp_scaling",
+                                                                      False):
+                # "16-mixed" with an optimizer that unscales inside its step (fused Adam): Lightning leaves the
+                # gradients scaled here, so the norm is scaled too (clipped to max_norm, the true norm came out
+                # max_norm / scale: a review). The scale's device tensor: no host sync
+                amp = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else scaler.get_scale()
+                torch.nn.utils.clip_grad_norm_(params, clips[0].max_norm * amp)
+            else:
+                clips[0].clip_(params)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         """Validation during ``fit`` measures the ensemble's average (:meth:`hdet.HDETLR.swap_in_average`, on every
         rank; nothing to do right after a converge step): between converge steps each rank's module is its own
         replica, and the logged metrics (and what ``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` read) were
         a mix of them, each on its share of the validation data. Not in the sanity check before training."""
-        if trainer.sanity_checking or getattr(trainer.state, "fn", None) != "fit":
+        if trainer.sanity_checking:
             return
         for sched in _hdet_schedulers(trainer):
             if not sched.average_swapped_in:
@@ -112,6 +124,14 @@ class HDETCallback(Callback):
                 self._swapped.append(sched)
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self._swap_back()
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        """``trainer.test()``: as a validation (after ``fit`` the weights are equal; the explored values at their
+        base)."""
+        self.on_validation_start(trainer, pl_module)
+
+    def on_test_end(self, trainer: Any, pl_module: Any) -> None:
         self._swap_back()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
@@ -156,6 +176,11 @@ class HDETCallback(Callback):
                              f"replica's explored norm; Lightning would clip again to {trainer.gradient_clip_val} after "
                              "it, so every replica would step at that norm while hdet reports the spread): leave "
                              "gradient_clip_val out")
+        if pl_module is not None and any(explored_clips(s) for s in _hdet_schedulers(trainer)) and \
+                type(pl_module).configure_gradient_clipping is not LightningModule.configure_gradient_clipping:
+            warnings.warn("hdet: the module overrides configure_gradient_clipping, which Lightning runs after "
+                          "HDETCallback has clipped each replica to its explored hdet.GradClip norm: a clip of its own "
+                          "there overrides the spread hdet reports", stacklevel=2)
         for sched in _hdet_schedulers(trainer):
             sched.attach_model(trainer.strategy.model)  # buffers averaged if no model= was given; the guard on DDP
         weights_only = [c for c in trainer.checkpoint_callbacks if getattr(c, "save_weights_only", False)]
