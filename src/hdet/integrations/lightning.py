@@ -112,10 +112,11 @@ class HDETCallback(Callback):
                 clips[0].clip_(params)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        """Validation during ``fit`` measures the ensemble's average (:meth:`hdet.HDETLR.swap_in_average`, on every
-        rank; nothing to do right after a converge step): between converge steps each rank's module is its own
-        replica, and the logged metrics (and what ``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` read) were
-        a mix of them, each on its share of the validation data. Not in the sanity check before training."""
+        """A validation measures the ensemble's average (:meth:`hdet.HDETLR.swap_in_average`, on every rank, explored
+        values at their base; nothing to swap right after a converge step or ``fit``): between converge steps each
+        rank's module is its own replica, and the logged metrics (and what ``ModelCheckpoint(monitor=...)`` and
+        ``EarlyStopping`` read) were a mix of them, each on its share of the validation data. Not in the sanity check
+        before training."""
         if trainer.sanity_checking:
             return
         for sched in _hdet_schedulers(trainer):
