@@ -391,11 +391,6 @@ class ReplicaEngine:
                 if bool(torch.isfinite(losses).all()):  # non-finite. HOST SYNC (that step only)
                     self._reject(fns, key, None, "non-finite losses where the eager vmapped model's are finite (torch's "
                                  "compiled vmap of scaled_dot_product_attention with dropout is one known case)")
-        if losses is None:  # SDPA: one fused call for all replicas (hdet.attention); linear and conv layers in the
-            # autocast dtype (hdet.autocast); F.linear on the CPU: one baddbmm, dW in W's layout (hdet.linear);
-            # F.embedding: padding_idx's row gets no gradient from the lookup (hdet.embedding)
-            with attention.routed(), autocast.routed(), self._linear(), embedding.routed():
-                losses, reassigned = self._forward(fns[0], args)
         if losses.shape != (self.num_replicas,):
             raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(losses.shape[1:])}")
         self.stack.backward(losses)

@@ -284,7 +284,8 @@ class SkipNonFiniteStep:
         # torch's fused SGD makes its momentum buffers with empty_like at its first step and fills them only if the step
         # is taken: a skipped first step left them uninitialised memory, which the next step used (weights 1e22; a
         # torch bug). Until every buffer exists, the parameters without one, to drop those made by a skipped step
-        self._fresh_sgd = isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) for g in optimizer.param_groups)
+        self._fresh_sgd = isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0)
+                                                                          for g in optimizer.param_groups)
         self._no_buffer: list[torch.Tensor] = []
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 

@@ -236,8 +236,9 @@ class GradClip(Hyperparameter):
     ``loss.backward()`` of an optimizer step and ``optimizer.step()``, once per optimizer step (with gradient
     accumulation, after the last micro-batch, on unscaled gradients: under Accelerate
     ``if accelerator.sync_gradients: accelerator.clip_grad_norm_(params, clip.max_norm)``; with a GradScaler,
-    ``scaler.unscale_(opt)`` first; in the engine: ``before_optimizer_step``). ``HDETTrainer`` and ``HDETCallback`` apply it themselves, in place of the Trainer's
-    ``max_grad_norm`` and Lightning's ``gradient_clip_val``. Log spread."""
+    ``scaler.unscale_(opt)`` first; in the engine: ``before_optimizer_step``). ``HDETTrainer`` and
+    ``HDETCallback`` apply it themselves, in place of the Trainer's ``max_grad_norm`` and Lightning's
+    ``gradient_clip_val``. Log spread."""
 
     def __init__(self, max_norm: float, alpha: float = 1.0, kind: str = "log",
                  bounds: tuple[float, float] = (1e-8, math.inf), **kw: Any) -> None:

@@ -501,8 +501,8 @@ class HDETLR(LRScheduler):
 
         The average is Eq. 3's, of what a converge step averages in the model (its parameters and floating-point
         buffers; not the optimizer state), over the replicas whose weights are finite; the explored hyperparameters
-        (label smoothing, an attention temperature, ...) are set to their base, the ensemble's value, meanwhile. Without it an evaluation
-        between converge steps measures each rank's own replica on its share of the data. Every replica must call
+        (label smoothing, an attention temperature, ...) are set to their base, the ensemble's value, meanwhile.
+        Without it an evaluation between converge steps measures each rank's own replica on its share of the data. Every replica must call
         it, after ``scheduler.step()``; right after a converge step (or ``finish()``) the replicas are equal and it
         changes nothing, with no collective. Until :meth:`swap_back`, ``optimizer.step()``, ``scheduler.step()``
         and ``finish()`` raise :class:`hdet.SwappedInError`. Returns whether the weights changed. The integrations

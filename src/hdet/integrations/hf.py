@@ -187,20 +187,20 @@ class HDETTrainer(Trainer):
         each rank's model is its own replica, and the Trainer's metrics were a mix of them, each on its share of the
         evaluation data (:meth:`hdet.HDETLR.swap_in_average`; nothing to do at a converge step or after training).
         Only the evaluation: a hyperparameter search's report (which may end a pruned trial) runs after it."""
-        sched = self.lr_scheduler
-        if not isinstance(sched, HDETLR) or sched.average_swapped_in:
-            return super().evaluate(*args, **kwargs)
-        with sched.averaged():  # COLLECTIVES (off converge steps): on every rank, as the evaluation itself
-            return super().evaluate(*args, **kwargs)
+        return self._with_average(lambda: super(HDETTrainer, self).evaluate(*args, **kwargs))
 
     def _save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """A checkpoint saved between converge steps holds the ensemble's average (the model the run is building),
         not rank 0's replica, which the Trainer would save; with rank 0's optimizer and scheduler state, as before."""
+        return self._with_average(lambda: super(HDETTrainer, self)._save_checkpoint(*args, **kwargs))
+
+    def _with_average(self, call: Any) -> Any:
+        """``call()`` with the replicas' average in (once: not again inside an evaluation's save)."""
         sched = self.lr_scheduler
         if not isinstance(sched, HDETLR) or sched.average_swapped_in:
-            return super()._save_checkpoint(*args, **kwargs)
-        with sched.averaged():  # COLLECTIVES (off converge steps): every rank saves (rank 0 writes)
-            return super()._save_checkpoint(*args, **kwargs)
+            return call()
+        with sched.averaged():  # COLLECTIVES (off converge steps): on every rank, as the evaluation and the save
+            return call()
 
     def _get_learning_rate(self) -> float:
         sched = self.lr_scheduler
