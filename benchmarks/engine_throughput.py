@@ -155,7 +155,7 @@ def main() -> None:
     p.add_argument("--T", type=int, default=25)
     p.add_argument("--sizes", default="small", help="comma list of: tiny, small, medium")
     p.add_argument("--modes", default="vmap,vmap+compile,loop,vmap/per-replica",
-                   help="comma list of vmap, vmap+compile, loop, each with an optional /per-replica")
+                   help="comma list of vmap, vmap+compile, merged, loop, each with an optional /per-replica")
     p.add_argument("--optimizers", default="fused,foreach", help="AdamW implementations to run (comma list)")
     p.add_argument("--engine-attn", default="auto", choices=["auto", "sdpa", "math"],
                    help="the engine's attention (ByteGPT attn=): auto is explicit attention under vmap")

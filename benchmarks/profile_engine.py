@@ -72,7 +72,8 @@ def main() -> None:
     p.add_argument("--variants", default="default",
                    help="comma list of engine variants: default, reduce (the backward's gradients summed where they "
                         "lie, hdet.stacking._reduce_in_backward forced on), accumulate (the bound gradients accumulated into, "
-                        "hdet.stacking._copy_into_bound off), layout (gradient_layout=True), and joined with +")
+                        "hdet.stacking._copy_into_bound off), layout (gradient_layout=True), merged (mode='merged'), and "
+                        "joined with +")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     dev = torch.device("cuda")
@@ -105,8 +106,9 @@ def main() -> None:
                                 lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=10_000,
                                                                       ensemble_lr_spread_ratio=0.2,
                                                                       model_sync_interval=1000, replicas=rep, model=m),
-                                mode="vmap", gradient_layout="layout" in v)
+                                mode="merged" if "merged" in v else "vmap", gradient_layout="layout" in v)
             r[v] = measure(lambda: eng.step(data.view(N, B, ctx + 1), et.lm_loss, stacked=True), a.steps, a.rows)
+            r[v]["engine_mode"] = eng.mode
             r[v]["wall_ratio"] = r["baseline"]["wall_ms"] / r[v]["wall_ms"]
             r[v]["device_ratio"] = r["baseline"]["device_ms"] / r[v]["device_ms"]
             eng = None

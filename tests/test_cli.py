@@ -125,7 +125,8 @@ def test_train_with_the_range_test_records_the_ramp_and_its_end(tmp_path):
     (["train", "--task", "fashion", "--data", "/nonexistent/fm"], "Fashion-MNIST folder at /nonexistent/fm"),
     (["train", "--replicas", "0"], "--replicas to be at least 1, but got 0"),
     (["train", "--alpha", "1.5"], "--alpha in [0, 1), but got 1.5"),
-    (["train", "--mode", "fast"], "--mode auto, vmap or loop, but got 'fast'"),
+    (["train", "--mode", "fast"], "--mode auto, vmap, loop or merged, but got 'fast'"),
+    (["train", "--mode", "merged", "--compile"], "--compile with --mode auto or vmap (--mode merged runs eagerly)"),
     (["train", "--steps", "abc"], "invalid int value: 'abc'"),
     (["train", "--explore", "momentum"], "Expected --explore items from lr-groups, weight-decay"),
     (["plot", "/nonexistent/run"], "Expected a run folder, but /nonexistent/run does not exist"),
@@ -557,15 +558,16 @@ def _same_run(a: Path, b: Path) -> None:
     assert sa["final_metrics"] == sb["final_metrics"] and sa["val_curve"] == sb["val_curve"]
 
 
-@pytest.mark.parametrize("mode", ["vmap", "loop"])
+@pytest.mark.parametrize("mode", ["vmap", "loop", "merged"])
 def test_a_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, capsys, mode):
     """`hdet train` killed at step 25 (its checkpoint at 15, its records written to 24) and run again with
     --resume ends as the run that was never stopped: the same records, schedule, weights and losses (with the fit
     controller's probes, explored weight decay and dropout, dropout masks and the data streams mid-way)."""
     from hdet.app.runs import EngineRun
 
-    args = [*RESUMABLE, "--mode", mode] + ["--explore", "weight-decay"] * (mode == "vmap")  # (dropout: loop only)
+    args = [*RESUMABLE, "--mode", mode] + ["--explore", "weight-decay"] * (mode != "loop")  # (dropout: loop only)
     assert main(["train", *args, "--out", str(tmp_path / "whole")]) == 0
+    assert json.loads((tmp_path / "whole" / "summary.json").read_text())["mode"] == "engine-" + mode
     real, calls = EngineRun.step, [0]
 
     def killed_at_25(self, batches):

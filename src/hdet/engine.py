@@ -41,6 +41,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from . import attention, autocast, embedding, linear
+from .merged import MergedReplicas, NotMergeable, disagreement, no_dropout, reason_not_mergeable
 from .ensemble import ReplicaMismatchError
 from .guard import all_finite
 from .replicas import LocalReplicaGroup, Replicas, accumulation, average_local
@@ -58,7 +59,7 @@ __all__ = ["ReplicaEngine"]
 MakeOptimizer = Callable[[nn.Module], torch.optim.Optimizer]
 MakeScheduler = Callable[[torch.optim.Optimizer, Replicas, nn.Module], Any]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
-MODES = ("auto", "vmap", "loop")
+MODES = ("auto", "vmap", "loop", "merged")
 
 
 def _stack_batches(batches: Sequence[Any]) -> Any:
@@ -150,7 +151,10 @@ class ReplicaEngine:
         make_optimizer: ``make_optimizer(module)`` builds one replica's optimizer over ``module``'s parameters.
         make_scheduler: ``make_scheduler(optimizer, replicas, module)`` builds its hdet scheduler and must pass
             ``replicas=replicas`` (and usually ``model=module``) to ``OneCycleAutoLR``/``HDETLR``.
-        mode: "auto" (vmap, the loop if the first step cannot be vectorised), "vmap" or "loop". Explored values
+        mode: "auto" (vmap, the loop if the first step cannot be vectorised), "vmap", "loop" or "merged" (the
+            replicas' batches as one batch through the module, for a module built of ``nn.Linear``, ``nn.LayerNorm``,
+            ``nn.Embedding`` and ``nn.RMSNorm`` layers whose forward treats rows independently: :mod:`hdet.merged`;
+            its first step is checked against vmap, and vmap runs where it cannot, with a warning). Explored values
             that live in a module's Python state (dropout p, label smoothing) make "auto" use the loop.
         compile: run the vmapped forward through ``torch.compile`` (vmap path only); a dict: ``torch.compile``'s
             keyword arguments, e.g. ``{"mode": "reduce-overhead"}`` (CUDA graphs).
@@ -203,7 +207,7 @@ class ReplicaEngine:
             s.ensemble.share_copies(*self._copies)
         unsafe = [h.name for h in self.schedulers[0].ensemble.hypers if not h.vmap_safe]
         if unsafe and self.mode != "loop":
-            if mode == "vmap":
+            if mode in ("vmap", "merged"):
                 raise ValueError(f"Expected hyperparameters that vmap can batch, but {unsafe} live in the module's "
                                  "Python state, which vmap shares across replicas: use mode='loop' or 'auto'")
             self.mode = "loop"  # per-replica Python attributes (dropout p, ...) need one module call each
@@ -217,6 +221,16 @@ class ReplicaEngine:
         self._call_params = {"m." + k: v for k, v in self.stacked_params.items()}
         self._call_buffers = {"m." + k: v for k, v in self.stacked_buffers.items()}
         _check_compile(compile)
+        if compile is not False and self.mode == "merged":
+            raise ValueError("Expected compile=False with mode='merged' (it runs eagerly; compile applies to mode='vmap')")
+        self._merged: MergedReplicas | None = None
+        self._merge_checked: set[Any] = set()  # the loss functions' code whose first merged step was checked
+        if self.mode == "merged":
+            why = reason_not_mergeable(self.models[0])
+            if why:
+                self._no_merge(why, stacklevel=3)
+            else:
+                self._merged = MergedReplicas(self.models[0], self.stack.params, num_replicas)
         if compile is not False and self.mode == "loop":
             warnings.warn("hdet: compile has no effect here: the engine runs its loop over replica copies ("
                           + ("mode='loop'" if mode == "loop" else f"explored {unsafe} live in the module's Python "
@@ -349,9 +363,31 @@ class ReplicaEngine:
         0.95-1.01x: ``benchmarks/results/gpu_h100/linear_routing/``)."""
         return linear.routed() if self.group.device.type == "cpu" else contextlib.nullcontext()
 
-    def _vmap_losses(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
+    def _vmap_losses(self, batch: Any, loss_fn: LossFn, merged: bool = False) -> torch.Tensor:
         """Forward + backward of all replicas at once; leaves ``sum_r g_r / N`` in every replica's grad
-        (its own ``g_r`` in local mode)."""
+        (its own ``g_r`` in local mode). ``merged``: the forward on the replicas' merged batch (:mod:`hdet.merged`)."""
+        if merged:
+            self.stack.before_backward()
+            losses, reassigned, graphed = self._merged.losses(batch, loss_fn, _scalar_loss), {}, False
+        else:
+            losses, reassigned, graphed = self._vmapped_forward(batch, loss_fn)
+        if losses.shape != (self.num_replicas,):
+            raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(losses.shape[1:])}")
+        self.stack.backward(losses)
+        if graphed:  # the graph's next run writes over its output: what step() returns is the caller's
+            losses = losses.detach().clone()
+        self._keep_reassigned(reassigned)  # (after the backward: it may have saved the old value)
+        if self._stacked is not None and not self.stack.grads_bound and not self.stack.bind_grads():
+            unused = [n for n, p in self.stack.params.items() if p.requires_grad and p.grad is None]
+            self._stop_stacked(f"{_names(unused)} got no gradient at the first step (unused in the loss; freeze what "
+                               "it never uses with requires_grad_(False) to keep the stacked step)", stacklevel=5)
+        if self.share_gradients:  # (local mode: each replica keeps its own gradient)
+            self.stack.average_gradients()
+        return losses.detach()
+
+    def _vmap_fns(self, loss_fn: LossFn) -> list[Any]:
+        """``[the vmapped function, its compiled form or None, whether its first compiled losses are still to be
+        checked]`` for ``loss_fn`` (cached, most recently used last)."""
         fns = self._fns.pop(loss_fn, None)
         key = _code_of(loss_fn)  # (an inline lambda: a new object, the same code, each step)
         if fns is None:
@@ -364,6 +400,20 @@ class ReplicaEngine:
         self._fns[loss_fn] = fns  # (last: the most recently used)
         while len(self._fns) > MAX_LOSS_FNS:  # a loss function written inline is a new object every step: a bounded
             del self._fns[next(iter(self._fns))]  # cache, the least recently used first (one entry a step before)
+        return fns
+
+    def _eager_vmapped(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The eager vmapped call. SDPA: one fused call for all replicas (hdet.attention); linear and conv layers in
+        the autocast dtype (hdet.autocast); F.linear on the CPU: one baddbmm, dW in W's layout (hdet.linear);
+        F.embedding: padding_idx's row gets no gradient from the lookup (hdet.embedding)."""
+        with attention.routed(), autocast.routed(), self._linear(), embedding.routed():
+            return self._forward(fn, args)
+
+    def _vmapped_forward(self, batch: Any, loss_fn: LossFn) -> tuple[torch.Tensor, dict[str, Any], bool]:
+        """The vmapped forward (compiled where it can be): the losses, the reassigned buffers, and whether a CUDA
+        graph ran it."""
+        key = _code_of(loss_fn)
+        fns = self._vmap_fns(loss_fn)
         self.stack.before_backward()
         args = (self._call_params, self._call_buffers, batch)
         losses = before = None
@@ -382,28 +432,73 @@ class ReplicaEngine:
                 else:  # the same step eagerly: non-finite there too, the model's or the data's (checked again next
                     self._reject(fns, key, before, None)  # step); finite, compile's (torch's compiled vmap of SDPA
                     losses = None  # with dropout gives NaN)
-        if losses is None:  # SDPA: one fused call for all replicas (hdet.attention); linear and conv layers in the
-            # autocast dtype (hdet.autocast); F.linear on the CPU: one baddbmm, dW in W's layout (hdet.linear);
-            # F.embedding: padding_idx's row gets no gradient from the lookup (hdet.embedding)
-            with attention.routed(), autocast.routed(), self._linear(), embedding.routed():
-                losses, reassigned = self._forward(fns[0], args)
+        if losses is None:
+            losses, reassigned = self._eager_vmapped(fns[0], args)
             if before is not None and fns[1] is not None:  # the eager re-run of a check whose compiled losses were
                 if bool(torch.isfinite(losses).all()):  # non-finite. HOST SYNC (that step only)
                     self._reject(fns, key, None, "non-finite losses where the eager vmapped model's are finite (torch's "
                                  "compiled vmap of scaled_dot_product_attention with dropout is one known case)")
-        if losses.shape != (self.num_replicas,):
-            raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(losses.shape[1:])}")
-        self.stack.backward(losses)
-        if fns[1] is not None and self._cuda_graphs:  # the graph's next run writes over its output: what step()
-            losses = losses.detach().clone()  # returns is the caller's
-        self._keep_reassigned(reassigned)  # (after the backward: it may have saved the old value)
-        if self._stacked is not None and not self.stack.grads_bound and not self.stack.bind_grads():
-            unused = [n for n, p in self.stack.params.items() if p.requires_grad and p.grad is None]
-            self._stop_stacked(f"{_names(unused)} got no gradient at the first step (unused in the loss; freeze what "
-                               "it never uses with requires_grad_(False) to keep the stacked step)", stacklevel=5)
-        if self.share_gradients:  # (local mode: each replica keeps its own gradient)
-            self.stack.average_gradients()
-        return losses.detach()
+        return losses, reassigned, fns[1] is not None and self._cuda_graphs
+
+    # -- merged path ----------------------------------------------------------------------------------
+    def _no_merge(self, why: str, stacklevel: int) -> None:
+        warnings.warn(f"hdet: mode='merged' cannot run these replicas as one batch ({why}); running them vmapped",
+                      stacklevel=stacklevel)
+        self.mode = "vmap"
+        self._merged = None
+
+    def _merged_step(self, batch: Any, loss_fn: LossFn) -> torch.Tensor | None:
+        """The forward and backward on the merged batch; None where it cannot run (the engine is vmapped from then
+        on). A loss function's first merged step is checked against vmap first (:meth:`_check_merged`)."""
+        key = _code_of(loss_fn)
+        if key not in self._merge_checked:
+            why = self._check_merged(batch, loss_fn)
+            if why:
+                self._no_merge(why, stacklevel=5)
+                return None
+            self._merge_checked.add(key)
+        try:
+            return self._vmap_losses(batch, loss_fn, merged=True)
+        except NotMergeable as e:  # (raised in the forward, before anything changed)
+            self._no_merge(str(e), stacklevel=5)
+            return None
+        except Exception as e:  # noqa: BLE001 - the forward on the merged batch failed: vmapped if vmap runs it
+            failed = e
+        try:
+            losses = self._vmap_losses(batch, loss_fn)
+        except Exception:  # vmap fails too: the step's own error (loss_fn, batches), still merged for the next
+            raise failed from None
+        self._no_merge(f"{type(failed).__name__}: {_first_line(failed)}", stacklevel=5)
+        return losses
+
+    def _check_merged(self, batch: Any, loss_fn: LossFn) -> str | None:
+        """Why the merged batch does not compute what vmap does for this step, or None: the losses and gradients of
+        both, from the same weights and random state, with dropout off, must agree to rounding (a forward that mixes
+        rows, a statistic over the batch, shows here). Nothing changes: no ``.grad``, the random state as before."""
+        before = self._before_forward()
+        params = [p for p in self.stack.params.values() if p.requires_grad]
+        try:
+            with no_dropout():
+                got_v, _ = self._eager_vmapped(self._vmap_fns(loss_fn)[0], (self._call_params, self._call_buffers,
+                                                                            batch))
+                grads_v = torch.autograd.grad(got_v.sum(), params, allow_unused=True)
+                self._restore_forward(before)
+                try:
+                    got_m = self._merged.losses(batch, loss_fn, _scalar_loss)
+                    grads_m = torch.autograd.grad(got_m.sum(), params, allow_unused=True)
+                except NotMergeable as e:
+                    return str(e)
+                except Exception as e:  # noqa: BLE001 - vmap ran this step: merging it is what fails
+                    return f"{type(e).__name__}: {_first_line(e)}"
+        finally:
+            self._restore_forward(before)
+        tol = 5e-2 if torch.is_autocast_enabled(self.group.device.type) else (
+            1e-2 if self.group.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest" else 1e-4)
+        worst = max(disagreement([got_m], [got_v]), disagreement(grads_m, grads_v))
+        if not worst <= tol:
+            return (f"at the first step the merged batch's losses or gradients differ from vmap's by {worst:.2g} "
+                    f"(relative; rounding allows {tol:g}): the forward mixes the rows of its batch")
+        return None
 
     @property
     def _cuda_graphs(self) -> bool:
@@ -649,7 +744,12 @@ class ReplicaEngine:
 
         if self.mode != "loop":
             self._check_flags()
-        if self.mode == "vmap":
+        losses = None
+        if self.mode == "merged":  # (None: it fell back to vmap, self.mode says so)
+            losses = self._merged_step(batches if stacked else _stack_batches(batches), loss_fn)
+        if losses is not None:
+            pass
+        elif self.mode == "vmap":
             losses = vmapped()
         elif self.mode == "auto":
             saved = {k: b.clone() for k, b in self.stacked_buffers.items()}
@@ -677,7 +777,7 @@ class ReplicaEngine:
         if self._stacked is not None and self.stack.missing:  # the stacked step moves every column: per-replica
             self._stop_stacked(f"{_names(self.stack.missing)} got no gradient at step {t} (unused in the loss)")  # steps
             # skip it
-        if self._stacked is not None and self.mode == "vmap":
+        if self._stacked is not None and self.mode in ("vmap", "merged"):
             try:
                 self._stacked.step()  # every replica's optimizer.step() at once
                 stepped = True

@@ -30,7 +30,7 @@ def test_vmap_on_cuda_matches_loop_and_never_syncs_off_sync_steps():
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cuda").manual_seed(1)
     data = torch.randint(0, 256, (20, 4, 8, 33), device="cuda", generator=g)
-    engines = {m: _engine(m) for m in ("loop", "vmap")}
+    engines = {m: _engine(m) for m in ("loop", "vmap", "merged")}
     for mode, eng in engines.items():
         for t in range(1, 21):
             sync = eng.schedulers[0].is_sync_step(t)
@@ -41,9 +41,32 @@ def test_vmap_on_cuda_matches_loop_and_never_syncs_off_sync_steps():
                 torch.cuda.set_sync_debug_mode(0)
         assert eng.mode == mode
     # the replicas folded into one SDPA call (vmap) and one call each (loop) round differently, and Adam magnifies it
-    for a, b in zip(engines["loop"].models[0].parameters(), engines["vmap"].models[0].parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
-    assert engines["vmap"].schedulers[0].ensemble.controllers[0].updates == 4
+    for other in ("vmap", "merged"):
+        for a, b in zip(engines["loop"].models[0].parameters(), engines[other].models[0].parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+        assert engines[other].schedulers[0].ensemble.controllers[0].updates == 4
+
+
+@pytest.mark.parametrize("mode", ["vmap", "merged"])
+def test_a_nan_replica_is_left_out_of_the_shared_gradient_on_cuda(mode):
+    """Replica 2's weight is NaN from step 4: its gradient is left out of the average (the others stay finite: the
+    row check, the largest |g| of each row, sees NaN on the GPU), and the sync at step 5 resets it."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    data = torch.randint(0, 256, (8, 4, 8, 33), device="cuda", generator=g)
+    eng = _engine(mode, steps=8)
+    for t in range(1, 9):
+        if t == 4:
+            with torch.no_grad():
+                eng.models[2].blocks[0].qkv.weight[0, 0] = float("nan")
+        if t == 5:
+            with pytest.warns(UserWarning, match=r"replica\(s\) \[2\]"):
+                eng.step(data[t - 1], _lm, stacked=True)
+        else:
+            eng.step(data[t - 1], _lm, stacked=True)
+        for r, m in enumerate(eng.models):
+            finite = all(bool(torch.isfinite(p).all()) for p in m.parameters())
+            assert finite or (r == 2 and t == 4), (t, r)
+    assert eng.mode == mode
 
 
 def test_a_model_calling_sdpa_stays_vmapped_on_cuda():

@@ -153,6 +153,8 @@ def check_config(state: dict[str, Any], cfg: RunConfig, replicas: int, mode: str
     if mode.endswith("-auto"):  # the engine resolves auto at its first step: as the checkpointed run's auto did, and
         # as vmap for a run that ran vmap when asked for it (auto tries vmap first; an explicit loop stays another run)
         mode = saved_mode if raw.get("mode", "auto") == "auto" or saved_mode == "engine-vmap" else mode
+    if mode.endswith("-merged") and raw.get("mode") == "merged":  # merged runs vmapped where it cannot merge (decided
+        mode = saved_mode  # when the engine is built or at its first step): as the checkpointed run resolved it
     saved = _resolved(raw, saved_mode, saved_device)
     now = _resolved(_config(cfg), mode, device)
     differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]

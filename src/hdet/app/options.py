@@ -82,7 +82,9 @@ class RunConfig:
     width: int = field(default=128, metadata=_cli("model width"))
     layers: int = field(default=2, metadata=_cli("bytes task: transformer layers"))
     device: str = field(default="auto", metadata=_cli("auto, cpu, cuda or cuda:N"))
-    mode: str = field(default="auto", metadata=_cli("engine: auto (vmap, loop if it cannot), vmap or loop"))
+    mode: str = field(default="auto", metadata=_cli(
+        "engine: auto (vmap, loop if it cannot), vmap, loop or merged (the replicas' batches as one batch through the "
+        "model's standard layers, faster on a GPU; vmap where the model cannot: docs/engine.md)"))
     compile: bool = field(default=False, metadata=_cli(
         "engine: run the vmapped model through torch.compile (on a GPU 1.6-2.7x faster for the small GPTs of docs/engine.md; runs "
         "eagerly, with a warning, where compile fails)"))
@@ -163,7 +165,9 @@ def check(cfg: RunConfig) -> None:
         raise RunError(f"Expected --optimizer adamw with --range-test (it scales the learning rate; the peers set "
                        f"their own step size), but got {cfg.optimizer}")
     if cfg.mode not in MODES:
-        raise RunError(f"Expected --mode auto, vmap or loop, but got {cfg.mode!r}")
+        raise RunError(f"Expected --mode auto, vmap, loop or merged, but got {cfg.mode!r}")
+    if cfg.mode == "merged" and cfg.compile:
+        raise RunError("Expected --compile with --mode auto or vmap (--mode merged runs eagerly)")
     bad = [e for e in cfg.explore if e not in EXPLORE]
     if bad:
         raise RunError(f"Expected --explore items from {', '.join(EXPLORE)}, but got {', '.join(bad)}")

@@ -83,16 +83,25 @@ class ByteGPT(nn.Module):
         if d % heads:
             raise TaskError(f"Expected the width ({d}) to be a multiple of the number of heads ({heads})")
         self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Parameter(torch.randn(ctx, d) * 0.02)
+        self.pos = nn.Embedding(ctx, d, _weight=torch.randn(ctx, d) * 0.02)  # (a layer, not a raw parameter: the
+        # engine's mode="merged" runs such models' replicas as one batch, hdet.merged)
         self.blocks = nn.Sequential(*[Block(d, heads, dropout, attn) for _ in range(layers)])
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.tok.weight
         nn.init.normal_(self.tok.weight, std=0.02)  # tied: N(0, 1) embeddings would give huge logits
+        self._register_load_state_dict_pre_hook(_pos_was_a_parameter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tok(x) + self.pos[: x.shape[-1]]
+        t = x.shape[-1]
+        h = self.tok(x) + self.pos(torch.arange(t, device=x.device).view(*([1] * (x.dim() - 1)), t))
         return self.head(self.norm(self.blocks(h)))
+
+
+def _pos_was_a_parameter(state: dict[str, Any], prefix: str, *args: Any) -> None:
+    """A state dict saved before the position table was an ``nn.Embedding`` (``pos``) loads as ``pos.weight``."""
+    if prefix + "pos" in state and prefix + "pos.weight" not in state:
+        state[prefix + "pos.weight"] = state.pop(prefix + "pos")
 
 
 class SmallCNN(nn.Module):

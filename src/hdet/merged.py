@@ -1,0 +1,295 @@
+"""The engine's replicas as one batch: :class:`MergedReplicas` (``ReplicaEngine(..., mode="merged")``).
+
+Under ``torch.func.vmap`` every operation of the forward and backward goes through functorch's batching layer, which
+on small models costs more host time than the kernels themselves (a 2-layer GPT on one CPU core: 2.2 ms for the
+vmapped forward and backward of 8 replicas, 0.9 ms for one model at 8x the batch). A model whose parameters all live
+in standard layers (``nn.Linear``, ``nn.LayerNorm``, ``nn.Embedding``, ``nn.RMSNorm``) and whose forward treats the
+rows of its batch independently can run all replicas as one batch instead: the replicas' batches ``[N, B, ...]``
+become one ``[N * B, ...]`` batch, replica-major, and each of those layers computes its rows with its replica's
+weights (one ``baddbmm`` for a linear layer, :mod:`hdet.linear`'s backward; a normalisation over the rows with the
+replica's affine; a lookup in the replica's table). Everything else in the forward (activations, dropout, attention,
+reshapes) runs once, as for one model. ``loss_fn`` itself still runs under vmap, on each replica's rows of the
+model's output, so it returns each replica's loss as before.
+
+What is checked, and what falls back to vmap (with a warning that names the reason): a parameter outside those layers
+(a raw ``nn.Parameter`` used in ``forward``), a buffer (BatchNorm's statistics), a subclass of one of the layers (its
+own forward), forward hooks, an input every replica shares, a layer that gets rows that are not the batch's, and
+``loss_fn`` reading the module's layers or tensors. A forward that mixes rows (a statistic over the batch) is not
+visible in the module's structure, so the first merged step is computed both ways, merged and vmapped, from the same
+weights and random state with dropout off, and the losses and gradients must agree (to float32 rounding, more under
+TF32 or autocast): otherwise vmap from then on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import autocast
+from .linear import _BatchedLinear
+
+__all__ = ["MergedReplicas", "NotMergeable", "reason_not_mergeable", "LEAVES"]
+
+_functorch = torch._C._functorch
+try:
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter as _interpreter
+except ImportError:  # pragma: no cover - no functorch
+    _interpreter = None
+
+_RMSNorm = getattr(nn, "RMSNorm", None)
+LEAVES: tuple[type, ...] = (nn.Linear, nn.LayerNorm, nn.Embedding) + ((_RMSNorm,) if _RMSNorm is not None else ())
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+class NotMergeable(Exception):
+    """The replicas cannot run as one batch; the message says why."""
+
+
+def reason_not_mergeable(module: nn.Module) -> str | None:
+    """Why ``module``'s structure rules the merged batch out, or None."""
+    if _interpreter is None or not hasattr(_functorch, "_unwrap_batched"):
+        return "this torch has no functorch interpreter API"
+    hooks = [getattr(nn.modules.module, h, {}) for h in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                                         "_global_backward_hooks", "_global_backward_pre_hooks")]
+    if any(hooks):
+        return "global module hooks are registered"
+    for name, mod in module.named_modules():
+        where = repr(name) if name else "the model"
+        buffers = [k for k, b in mod._buffers.items() if b is not None]
+        if buffers:
+            return f"{where} ({type(mod).__name__}) holds buffers ({', '.join(buffers)})"
+        params = [k for k, p in mod._parameters.items() if p is not None]
+        if params and type(mod) not in LEAVES:
+            return (f"{where} ({type(mod).__name__}) holds parameters ({', '.join(params)}) and is not one of "
+                    f"{', '.join(t.__name__ for t in LEAVES)}")
+        if any(getattr(mod, h, None) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                               "_backward_pre_hooks")):
+            return f"{where} has hooks"
+        if isinstance(mod, nn.Embedding) and (mod.padding_idx is not None or mod.max_norm is not None
+                                              or mod.scale_grad_by_freq or mod.sparse):
+            return f"{where} (Embedding) uses padding_idx, max_norm, scale_grad_by_freq or sparse"
+    return None
+
+
+class MergedReplicas:
+    """Runs ``loss_fn(module, batch)`` for N replicas with their batches merged into one (see the module's doc).
+
+    ``module``: replica 0's module (its structure and train/eval flags); ``stacked``: the stacked ``[N, ...]``
+    parameters by name (:attr:`hdet.stacking.StackedReplicas.params`), which the standard layers read."""
+
+    def __init__(self, module: nn.Module, stacked: dict[str, torch.Tensor], num_replicas: int) -> None:
+        self.module = module
+        self.N = num_replicas
+        names = {id(p): n for n, p in module.named_parameters()}  # (a tied weight: its first name)
+        self.leaves = [(mod, {k: stacked[names[id(p)]] for k, p in mod._parameters.items() if p is not None})
+                       for mod in module.modules() if type(mod) in LEAVES]
+        self.rows = 0  # the merged batch's rows while the module runs (N * the replicas' batch)
+        self.calls = 0  # the module's calls in this loss_fn
+
+    def losses(self, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+               scalar: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        """``[N]``: each replica's ``scalar(loss_fn(module, its batch))``, the module run on the merged batch."""
+        proxy = _Proxy(self)
+
+        def one(b: Any) -> torch.Tensor:
+            self.calls = 0
+            loss = scalar(loss_fn(proxy, b))
+            if self.calls and not _functorch.is_batchedtensor(loss):  # (vmap would give every replica this one value)
+                raise NotMergeable("loss_fn's loss is one value for every replica (not computed from each one's rows)")
+            return loss
+        return torch.func.vmap(one, randomness="different")(batch)
+
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The module's call from inside the vmapped ``loss_fn``: inputs merged, outputs split back per replica."""
+        interp = _interpreter()
+        if interp is None or interp.level() != 1:
+            raise NotMergeable("the engine's vmap is not the only transform around the module's call")
+        level = interp.level()
+        flat, spec = tree_flatten((args, kwargs))
+        per = None
+        merged = []
+        for t in flat:
+            if not isinstance(t, torch.Tensor):
+                merged.append(t)
+                continue
+            if not (_functorch.is_batchedtensor(t) and _functorch.maybe_get_level(t) == level):
+                raise NotMergeable("an input to the module is shared by the replicas (not from their batches)")
+            x, bdim = _functorch._unwrap_batched(t, level)
+            if _functorch.is_functorch_wrapped_tensor(x) or x.dim() < 2:
+                raise NotMergeable("an input to the module has no batch axis of its own")
+            x = x.movedim(bdim, 0)
+            if per is None:
+                per = x.shape[1]
+            elif x.shape[1] != per:
+                raise NotMergeable(f"the module's inputs have {per} and {x.shape[1]} rows a replica")
+            merged.append(x.reshape(self.N * x.shape[1], *x.shape[2:]))
+        if per is None:
+            raise NotMergeable("the module got no tensor input")
+        args, kwargs = tree_unflatten(merged, spec)
+        self.rows = self.N * per
+        self.calls += 1
+        with interp.lower(), self._stacked_leaves():
+            out = self.module(*args, **kwargs)
+        flat, spec = tree_flatten(out)
+        split = []
+        for y in flat:
+            if isinstance(y, torch.Tensor):
+                if y.dim() == 0 or y.shape[0] % self.N:
+                    raise NotMergeable(f"the module returned a tensor of shape {tuple(y.shape)}, whose leading axis "
+                                       f"does not split into the {self.N} replicas' rows")
+                y = _functorch._add_batch_dim(y.reshape(self.N, y.shape[0] // self.N, *y.shape[1:]), 0, level)
+            elif not isinstance(y, _PLAIN):  # (an object holding tensors that tree_flatten does not reach)
+                raise NotMergeable(f"the module returned a {type(y).__name__}, whose tensors cannot be split into the "
+                                   "replicas' rows (return tensors, or tuples, lists or dicts of them)")
+            split.append(y)
+        return tree_unflatten(split, spec)
+
+    @contextlib.contextmanager
+    def _stacked_leaves(self) -> Iterator[None]:
+        """Inside: each standard layer's forward reads its stacked weights (an instance attribute over the class's)."""
+        for mod, ws in self.leaves:
+            mod.forward = _FORWARDS[type(mod)](self, mod, ws)
+        try:
+            yield
+        finally:
+            for mod, _ in self.leaves:
+                del mod.forward
+
+    # -- the rows of one replica -------------------------------------------------------------------------
+    def split(self, x: torch.Tensor, name: str) -> tuple[torch.Tensor, bool]:
+        """``x``'s rows grouped by replica, ``[N, rows a replica, ...]``; a leading axis of 1 (a tensor the replicas'
+        rows share, e.g. positions ``[1, T]``) is given to every replica (second value True)."""
+        if x.dim() == 0 or x.shape[0] not in (self.rows, 1):
+            raise NotMergeable(f"a {name} got an input of shape {tuple(x.shape)}, whose leading axis is not the "
+                               f"merged batch's {self.rows} rows")
+        if x.shape[0] == 1 and self.rows != 1:
+            return x.expand(self.N, *x.shape[1:]), True
+        return x.view(self.N, self.rows // self.N, *x.shape[1:]) if x.is_contiguous() else \
+            x.reshape(self.N, self.rows // self.N, *x.shape[1:]), False
+
+    def join(self, y: torch.Tensor, shared: bool) -> torch.Tensor:
+        """:meth:`split`'s inverse: ``[N, rows a replica, ...]`` as ``[rows, ...]`` (a shared input's result given to
+        each of its replica's rows)."""
+        if shared:
+            y = y.unsqueeze(1).expand(self.N, self.rows // self.N, *y.shape[1:])
+        return y.reshape(self.rows, *y.shape[2:])
+
+
+class _Proxy:
+    """What ``loss_fn`` gets as the module: calling it runs the merged batch; plain attributes (``training``, a
+    config's numbers) are the module's; its layers and tensors are not reachable (they are per replica)."""
+
+    def __init__(self, merged: MergedReplicas) -> None:
+        object.__setattr__(self, "_merged", merged)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._merged.call(args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._merged.module, name)
+        if isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value)):
+            return value
+        raise NotMergeable(f"loss_fn reads the module's {name!r} ({type(value).__name__}), which is per replica")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise NotMergeable(f"loss_fn sets the module's {name!r}")
+
+
+# -- the standard layers, on the merged rows ---------------------------------------------------------------
+def _linear(mr: MergedReplicas, mod: nn.Linear, ws: dict[str, torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    w, b = ws["weight"], ws.get("bias")
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2:  # [features]: one row, no batch axis (merged, the replicas' features would be joined)
+            raise NotMergeable(f"a Linear got an input of shape {tuple(x.shape)}, with no batch axis")
+        fast = x.shape[0] == mr.rows and x.is_contiguous()  # (the common case, at the least host cost)
+        x3, shared = (x.view(mr.N, -1, x.shape[-1]), False) if fast else mr.split(x, "Linear")
+        lead = x.shape[1:-1] if fast else x3.shape[1:-1]
+        x3 = x3.reshape(mr.N, -1, x3.shape[-1])
+        device = x3.device.type
+        y = (autocast.cast_and_call(device, _BatchedLinear.apply, x3, w, b) if torch.is_autocast_enabled(device)
+             else _BatchedLinear.apply(x3, w, b))
+        return y.view(*x.shape[:-1], y.shape[-1]) if fast else mr.join(y.view(mr.N, *lead, y.shape[-1]), shared)
+    return forward
+
+
+def _affine(y: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, k: int) -> torch.Tensor:
+    """``y * w + b`` with one ``[...]`` weight and bias per replica (``y``: ``[N, rows, ..., *normalized]``)."""
+    if w is None and b is None:
+        return y
+    shape = lambda t: t.view(t.shape[0], *([1] * (y.dim() - 1 - k)), *t.shape[1:])  # noqa: E731
+    if w is None:
+        return y + shape(b)
+    return torch.addcmul(shape(b), y, shape(w)) if b is not None else y * shape(w)
+
+
+def _layer_norm(mr: MergedReplicas, mod: nn.LayerNorm, ws: dict[str, torch.Tensor]) -> Callable[..., torch.Tensor]:
+    shape = tuple(mod.normalized_shape)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x3, shared = mr.split(x, "LayerNorm")
+        return mr.join(_affine(F.layer_norm(x3, shape, None, None, mod.eps), ws.get("weight"), ws.get("bias"),
+                               len(shape)), shared)
+    return forward
+
+
+def _rms_norm(mr: MergedReplicas, mod: nn.Module, ws: dict[str, torch.Tensor]) -> Callable[..., torch.Tensor]:
+    shape = tuple(mod.normalized_shape)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x3, shared = mr.split(x, "RMSNorm")
+        return mr.join(_affine(F.rms_norm(x3, shape, None, mod.eps), ws.get("weight"), None, len(shape)), shared)
+    return forward
+
+
+def _embedding(mr: MergedReplicas, mod: nn.Embedding, ws: dict[str, torch.Tensor]) -> Callable[..., torch.Tensor]:
+    w = ws["weight"]  # [N, V, D]
+
+    def forward(idx: torch.Tensor) -> torch.Tensor:
+        i3, shared = mr.split(idx, "Embedding")
+        rows = torch.arange(mr.N, device=w.device).view(mr.N, *([1] * (i3.dim() - 1)))
+        return mr.join(w[rows, i3], shared)  # each replica's rows from its own table
+    return forward
+
+
+_FORWARDS: dict[type, Callable[..., Callable[..., torch.Tensor]]] = {
+    nn.Linear: _linear, nn.LayerNorm: _layer_norm, nn.Embedding: _embedding,
+    **({_RMSNorm: _rms_norm} if _RMSNorm is not None else {})}
+
+
+# -- the first step's check --------------------------------------------------------------------------------
+@contextlib.contextmanager
+def no_dropout() -> Iterator[None]:
+    """Inside: ``F.dropout`` is the identity (the two ways of running the replicas draw their masks differently)."""
+    before = F.dropout
+    F.dropout = lambda input, p=0.5, training=True, inplace=False: input  # noqa: E731, ARG005
+    try:
+        yield
+    finally:
+        F.dropout = before
+
+
+def disagreement(a: Sequence[torch.Tensor | None], b: Sequence[torch.Tensor | None]) -> float:
+    """The largest relative difference, ``||a - b|| / ||b||``, over pairs of tensors (inf where one is missing)."""
+    worst = 0.0
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            if (x is None) != (y is None):
+                return math.inf
+            continue
+        x, y = x.detach().double(), y.detach().double()
+        diff = float(torch.linalg.vector_norm(x - y))  # HOST SYNC (the first merged step only)
+        scale = float(torch.linalg.vector_norm(y))
+        if not (math.isfinite(diff) and math.isfinite(scale)):
+            if not bool(torch.equal(torch.isfinite(x), torch.isfinite(y))):
+                return math.inf
+            continue
+        worst = max(worst, diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf))
+    return worst

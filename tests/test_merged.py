@@ -1,0 +1,393 @@
+"""The engine's mode="merged" (hdet.merged): the replicas' batches as one batch through standard layers. Each test runs
+the same replicas vmapped (or in the loop) beside it and compares what a user reads: losses, weights, learning rates."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hdet
+from hdet.app.tasks import ByteGPT
+from hdet.engine import ReplicaEngine
+from hdet.merged import NotMergeable, reason_not_mergeable
+
+N, B, CTX = 4, 3, 8
+
+
+def lm_loss(m, b):
+    logits = m(b[..., :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[..., 1:].reshape(-1))
+
+
+def xy_loss(m, b):
+    return F.mse_loss(m(b[0]), b[1])
+
+
+def _engine(model, mode, steps=12, alpha=0.3, T=4, opt="adamw", **kw):
+    make_opt = {"adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
+                "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)}[opt]
+    return ReplicaEngine(model, N, make_opt,
+                         lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=o.defaults["lr"], total_steps=steps,
+                                                               ensemble_lr_spread_ratio=alpha, model_sync_interval=T,
+                                                               replicas=rep, model=m), mode=mode, **kw)
+
+
+def _run(make_model, mode, batches, loss_fn, steps=12, **kw):
+    eng = _engine(make_model(), mode, steps=steps, **kw)
+    losses = [eng.step(batches[t], loss_fn, stacked=True) for t in range(steps)]
+    return eng, torch.stack(losses)
+
+
+def _gpt(dropout=0.0):
+    torch.manual_seed(0)
+    return ByteGPT(CTX, 16, 2, 2, dropout=dropout)
+
+
+def _tokens(steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (steps, N, B, CTX + 1), generator=g)
+
+
+def _assert_same(a: ReplicaEngine, b: ReplicaEngine, la, lb, rtol=1e-5, atol=1e-6):
+    torch.testing.assert_close(la, lb, rtol=rtol, atol=atol)
+    for ma, mb in zip(a.models, b.models):
+        for (n, p), q in zip(ma.named_parameters(), mb.parameters()):
+            torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=n)
+    assert [s.get_last_lr() for s in a.schedulers] == [s.get_last_lr() for s in b.schedulers]
+
+
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_merged_trains_the_gpt_as_vmap_and_the_loop_do(share, opt):
+    """ByteGPT (embeddings, a tied head, attention, LayerNorm, positions shared by every row): 12 steps, 3 syncs; in
+    local mode too. The loop is the reference semantics. (Adam: the key projection's bias has an exactly-zero true
+    gradient, and Adam turns the rounding noise of another summation order into full steps, so its weights agree to
+    1e-3 where the losses agree to 2e-5.)"""
+    data = _tokens(12)
+    tol = dict(rtol=2e-4, atol=2e-5) if opt == "sgd" else dict(rtol=1e-3, atol=2e-3)
+    loop, l_loop = _run(_gpt, "loop", data, lm_loss, share_gradients=share, opt=opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        merged, l_merged = _run(_gpt, "merged", data, lm_loss, share_gradients=share, opt=opt)
+    assert merged.mode == "merged" and merged.optimizer_path == "stacked"
+    torch.testing.assert_close(l_merged, l_loop, rtol=2e-4, atol=2e-5)
+    _assert_same(merged, loop, l_merged, l_loop, **tol)
+    vm, l_vm = _run(_gpt, "vmap", data, lm_loss, share_gradients=share, opt=opt)
+    _assert_same(merged, vm, l_merged, l_vm, **tol)
+
+
+class Mixed(nn.Module):
+    """Every standard layer, with the options that change their forward: no bias, no affine, several normalized axes,
+    RMSNorm, an embedding used twice, a linear layer called twice and one shared by two names."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.a = nn.Linear(6, 12, bias=False)
+        self.ln = nn.LayerNorm((2, 6))
+        self.ln_plain = nn.LayerNorm(12, elementwise_affine=False)
+        self.ln_nobias = nn.LayerNorm(12, bias=False)
+        self.rms = nn.RMSNorm(12) if hasattr(nn, "RMSNorm") else nn.LayerNorm(12)
+        self.b = nn.Linear(12, 12)
+        self.again = self.b
+        self.drop = nn.Dropout(0.0)
+        self.out = nn.Linear(12, 3)
+
+    def forward(self, idx):
+        h = self.emb(idx) + self.emb(idx.flip(-1))  # [rows, 4, 6]
+        h = self.a(h)
+        h = self.ln(h.view(*h.shape[:-1], 2, 6)).flatten(-2)
+        h = self.ln_nobias(self.ln_plain(h))
+        h = torch.tanh(self.again(self.rms(self.b(h))))
+        return self.out(self.drop(h)).mean(1)  # [rows, 3]
+
+
+def _mixed():
+    torch.manual_seed(0)
+    return Mixed()
+
+
+def _mixed_data(steps):
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randint(0, 11, (N, B, 4), generator=g), torch.randn(N, B, 3, generator=g)) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_merged_runs_every_standard_layer_as_vmap_does(opt):
+    data = _mixed_data(12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        merged, lm = _run(_mixed, "merged", data, xy_loss, opt=opt)
+    assert merged.mode == "merged"
+    vm, lv = _run(_mixed, "vmap", data, xy_loss, opt=opt)
+    _assert_same(merged, vm, lm, lv, rtol=1e-4, atol=1e-5)
+
+
+def test_dropout_draws_each_replicas_own_masks_and_training_matches_in_distribution():
+    data = _tokens(6)
+    eng = _engine(_gpt(dropout=0.5), "merged", steps=6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        losses = [eng.step(data[t], lm_loss, stacked=True) for t in range(6)]
+    assert eng.mode == "merged" and all(torch.isfinite(x).all() for x in losses)
+    torch.manual_seed(5)  # one step from equal weights, the same batch for every replica: the masks differ
+    eng = _engine(_gpt(dropout=0.5), "merged", steps=6, alpha=0.0)
+    same = data[0][:1].expand(N, B, CTX + 1)
+    got = eng.step(same, lm_loss, stacked=True)
+    assert len(set(got.tolist())) == N
+    eval_eng = _engine(_gpt(dropout=0.5), "merged", steps=6, alpha=0.0)
+    for m in eval_eng.models:
+        m.eval()
+    got = eval_eng.step(same, lm_loss, stacked=True)  # eval mode: no dropout, equal replicas, equal losses
+    assert len(set(got.tolist())) == 1
+
+
+class RawParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.scale = nn.Parameter(torch.ones(2))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+class RowMixing(nn.Module):
+    """Standard layers, but the forward centres each feature over the batch: merged, the replicas' rows would mix."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h - h.mean(0, keepdim=True)
+
+
+class Sub(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+class Returns(nn.Module):
+    def __init__(self, what):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.what = what
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y.sum() if self.what == "scalar" else y
+
+
+class Boxed(nn.Module):
+    """Returns its output inside an object torch's pytree does not open."""
+
+    class Out:
+        def __init__(self, y):
+            self.y = y
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return Boxed.Out(self.lin(x))
+
+
+class HardBatch(nn.Module):
+    """A forward with the batch size written in: a view that merged rows do not fit (vmap runs it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.lin(x.view(3, 3))
+
+
+def _xy(steps, rows=B, k=3):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(N, rows, k, generator=g), torch.randn(N, rows, 2, generator=g)) for _ in range(steps)]
+
+
+def _hooked():
+    m = nn.Sequential(nn.Linear(3, 2))
+    m[0].register_forward_hook(lambda mod, i, o: None)
+    return m
+
+
+@pytest.mark.parametrize("make, why", [
+    (RawParameter, r"'' \(RawParameter\) holds parameters \(scale\)|the model \(RawParameter\) holds parameters"),
+    (lambda: nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)), r"BatchNorm1d\) holds buffers"),
+    (lambda: nn.Sequential(Sub(3, 2)), r"\(Sub\) holds parameters"),
+    (_hooked, "has hooks"),
+    (lambda: nn.Sequential(nn.Embedding(5, 3, padding_idx=0)), "padding_idx"),
+])
+def test_a_model_merged_cannot_run_is_vmapped_from_the_start_with_the_reason(make, why):
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=r"mode='merged' cannot run these replicas as one batch \(.*" + why):
+        eng = _engine(make(), "merged")
+    assert eng.mode == "vmap"
+    assert reason_not_mergeable(make()) is not None
+
+
+def _step_both(make, loss_fn, data, steps=6):
+    torch.manual_seed(0)
+    model = make()
+    eng = _engine(model, "merged", steps=steps)
+    torch.manual_seed(0)
+    ref = _engine(make(), "vmap", steps=steps)
+    la = [eng.step(data[t], loss_fn, stacked=True) for t in range(steps)]
+    lb = [ref.step(data[t], loss_fn, stacked=True) for t in range(steps)]
+    return eng, ref, torch.stack(la), torch.stack(lb)
+
+
+@pytest.mark.parametrize("make, loss_fn, why", [
+    (RowMixing, xy_loss, "the forward mixes the rows of its batch"),
+    (lambda: Returns("scalar"), lambda m, b: m(b[0]), "does not split into the 4 replicas' rows"),
+    (lambda: Returns("rows"), lambda m, b: F.mse_loss(m(b[0]) + m.lin.bias, b[1]), r"reads the module's 'lin'"),
+    (lambda: Returns("rows"), lambda m, b: F.mse_loss(m(torch.ones(B, 3)), b[1]), "shared by the replicas"),
+    (lambda: Returns("rows"), lambda m, b: F.mse_loss(m(b[0][0]), b[1][0]), "a Linear got an input of shape"),
+    (HardBatch, xy_loss, r"RuntimeError: shape '\[3, 3\]' is invalid"),
+    (Boxed, lambda m, b: F.mse_loss(m(b[0]).y, b[1]), "returned a Out, whose tensors cannot be split"),
+])
+def test_a_step_merged_would_get_wrong_is_checked_and_run_vmapped_as_vmap_runs_it(make, loss_fn, why):
+    """What the module's structure cannot show: the first step is computed both ways (or cannot be merged at all), the
+    engine says why and runs vmap, and the run is the vmapped engine's."""
+    data = _xy(6)
+    with pytest.warns(UserWarning, match=why):
+        eng, ref, la, lb = _step_both(make, loss_fn, data)
+    assert eng.mode == "vmap"
+    _assert_same(eng, ref, la, lb, rtol=0, atol=0)
+
+
+def test_a_forward_that_mixes_rows_only_at_a_later_step_is_caught_there_and_not_applied():
+    """A NotMergeable raised after the first step (here: a new batch size the module cannot split) happens in the
+    forward, before any gradient or weight changed; the engine goes on vmapped from that very step."""
+    eng = _engine(nn.Sequential(nn.Linear(3, 2)), "merged", steps=6)
+    ref = _engine(nn.Sequential(nn.Linear(3, 2)), "vmap", steps=6)
+    for e in (eng, ref):
+        torch.manual_seed(0)
+        nn.init.normal_(e.stacked_params["0.weight"])
+    with torch.no_grad():
+        ref.stacked_params["0.weight"].copy_(eng.stacked_params["0.weight"])
+        ref.stacked_params["0.bias"].copy_(eng.stacked_params["0.bias"])
+    data = _xy(2)
+
+    def later(m, b):  # a module call the merged batch cannot take, from step 2 on: an input shared by the replicas
+        return F.mse_loss(m(b[0] if later.t < 2 else torch.ones(B, 3)), b[1])
+    for t in range(1, 4):
+        later.t = t
+        if t == 2:
+            with pytest.warns(UserWarning, match="shared by the replicas"):
+                la = eng.step(data[t % 2], later, stacked=True)
+        else:
+            la = eng.step(data[t % 2], later, stacked=True)
+        lb = ref.step(data[t % 2], later, stacked=True)
+        torch.testing.assert_close(la, lb)
+    assert eng.mode == "vmap"
+    _assert_same(eng, ref, la, lb, rtol=1e-6, atol=1e-7)
+
+
+def test_merged_refuses_compile_and_explored_module_state():
+    with pytest.raises(ValueError, match="compile=False with mode='merged'"):
+        _engine(_gpt(), "merged", compile=True)
+    m = _gpt(dropout=0.1)
+    with pytest.raises(ValueError, match="hyperparameters that vmap can batch"):
+        ReplicaEngine(m, N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                      lambda o, rep, mod: hdet.OneCycleAutoLR(o, max_lr=1e-2, total_steps=5,
+                                                              ensemble_lr_spread_ratio=0.2, model_sync_interval=2,
+                                                              replicas=rep, model=mod,
+                                                              explore=[hdet.Dropout(mod, alpha=0.05)]),
+                      mode="merged")
+
+
+def test_a_resumed_merged_engine_continues_exactly_and_averaged_swaps_in_the_mean():
+    data = _tokens(12)
+    full = _engine(_gpt(), "merged")
+    l_full = [full.step(data[t], lm_loss, stacked=True) for t in range(12)]
+    first = _engine(_gpt(), "merged")
+    for t in range(5):
+        first.step(data[t], lm_loss, stacked=True)
+    state = first.state_dict()
+    with first.averaged():
+        mean = [p.detach().clone() for p in first.models[0].parameters()]
+        assert all(torch.equal(a, b) for m in first.models[1:] for a, b in zip(mean, m.parameters()))
+    want = [torch.stack([p for p in ps]).mean(0) for ps in zip(*[list(m.parameters()) for m in first.models])]
+    for a, b in zip(mean, want):
+        torch.testing.assert_close(a, b)
+    second = _engine(_gpt(), "merged")
+    second.load_state_dict(state)
+    l_second = [second.step(data[t], lm_loss, stacked=True) for t in range(5, 12)]
+    torch.testing.assert_close(torch.stack(l_second), torch.stack(l_full[5:]), rtol=0, atol=0)
+    for a, b in zip(full.models, second.models):
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_a_non_finite_replica_is_left_out_and_reset_as_in_vmap():
+    data = _tokens(8)
+
+    def run(mode):
+        eng = _engine(_gpt(), mode, steps=8, opt="sgd")
+        out = []
+        for t in range(8):
+            if t == 2:
+                with torch.no_grad():
+                    eng.models[1].head.weight[0, 0] = float("nan")
+            if t == 3:
+                with pytest.warns(UserWarning, match=r"replica\(s\) \[1\]"):
+                    out.append(eng.step(data[t], lm_loss, stacked=True))
+            else:
+                out.append(eng.step(data[t], lm_loss, stacked=True))
+        return eng, torch.stack(out)
+    merged, lm = run("merged")
+    vm, lv = run("vmap")
+    assert merged.mode == "merged"
+    assert all(torch.isfinite(p).all() for m in merged.models for p in m.parameters())
+    torch.testing.assert_close(lm.nan_to_num(7.0), lv.nan_to_num(7.0), rtol=2e-4, atol=2e-5)
+    _assert_same(merged, vm, lm.nan_to_num(7.0), lv.nan_to_num(7.0), rtol=2e-4, atol=2e-5)
+
+
+def test_autocast_bf16_runs_merged_close_to_vmap():
+    data = _tokens(4)
+
+    def run(mode):
+        eng = _engine(_gpt(), mode, steps=4)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return eng, torch.stack([eng.step(data[t], lm_loss, stacked=True) for t in range(4)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        merged, lm = run("merged")
+    vm, lv = run("vmap")
+    assert merged.mode == "merged"
+    torch.testing.assert_close(lm, lv, rtol=2e-2, atol=2e-2)
+
+
+def test_the_proxy_gives_plain_attributes_and_refuses_layers():
+    eng = _engine(_gpt(), "merged", steps=3)
+    seen = {}
+
+    def loss_fn(m, b):
+        seen["training"], seen["heads"] = m.training, m.blocks[0].heads if False else None
+        return lm_loss(m, b)
+    eng.step(_tokens(1)[0], loss_fn, stacked=True)
+    assert seen["training"] is True and eng.mode == "merged"
+    from hdet.merged import MergedReplicas, _Proxy
+    proxy = _Proxy(MergedReplicas(eng.models[0], eng.stacked_params, N))
+    with pytest.raises(NotMergeable, match="'blocks'"):
+        proxy.blocks  # noqa: B018
+    with pytest.raises(NotMergeable, match="sets the module's 'x'"):
+        proxy.x = 1
+
+
+def test_a_bytegpt_state_dict_from_before_the_position_layer_loads():
+    m = _gpt()
+    old = {("pos" if k == "pos.weight" else k): v for k, v in m.state_dict().items()}
+    fresh = ByteGPT(CTX, 16, 2, 2)
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh.pos.weight, m.pos.weight)
