@@ -320,6 +320,46 @@ def test_accelerate_resume_through_load_state(tmp_path):
     assert full[0]["lrs"][3] != full[1]["lrs"][3]
 
 
+def test_accelerate_averaged_evaluation_and_checkpoint_and_explored_clipping_as_the_docs_write_them(tmp_path):
+    """docs/accelerate.md and docs/explore.md's recipes, end to end on 2 gloo processes: an explored GradClip applied
+    with accelerator.clip_grad_norm_ once per optimizer step clips the shared (averaged) gradient to each rank's own
+    norm; `with sched.averaged():` at optimizer step 6 (between the converge steps at 4 and 8) evaluates and
+    save_state-s the two ranks' mean, gives each rank its own weights back, and the run ends as one without it."""
+    pytest.importorskip("accelerate")
+    safetensors = pytest.importorskip("safetensors.torch")
+    plain = _accelerate(tmp_path / "plain", "--clip", "0.05")
+    res = _accelerate(tmp_path / "eval", "--clip", "0.05", "--eval-at", "6")
+    for got, ref in zip(res, plain):
+        assert got["done"] == 12 and all(torch.equal(a, b) for a, b in zip(got["params"], ref["params"]))
+        assert len(got["clips"]) == 12
+        for before, after, max_norm in got["clips"]:
+            assert before > max_norm and after == pytest.approx(max_norm, rel=1e-4)  # clipped to its own norm
+    assert [c[0] for c in res[0]["clips"]] == [c[0] for c in res[1]["clips"]]  # the same averaged gradient
+    assert res[0]["clips"][5][2] != pytest.approx(res[1]["clips"][5][2])  # each rank's own explored norm
+    ev = [r["eval"] for r in res]
+    mean = [(a + b) / 2 for a, b in zip(ev[0]["own"], ev[1]["own"])]
+    assert not all(torch.equal(a, b) for a, b in zip(ev[0]["own"], ev[1]["own"]))  # the replicas differ at step 6
+    for e in ev:
+        assert all(torch.equal(a, b) for a, b in zip(e["own"], e["own_after"]))  # each rank's own weights back
+        for a, b in zip(e["mean"], mean):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    with torch.no_grad():
+        for q, m in zip(model.parameters(), mean):
+            q.copy_(m)
+        sys.path.insert(0, str(EXAMPLES))
+        try:
+            from accelerate_ddp import batch
+        finally:
+            sys.path.remove(str(EXAMPLES))
+        xv, yv = batch(99, 0)
+        want = torch.nn.functional.mse_loss(model(xv), yv).item()
+    assert ev[0]["val"] == ev[1]["val"] == pytest.approx(want, rel=1e-6)
+    saved = safetensors.load_file(str(tmp_path / "eval" / "avg_state" / "model.safetensors"))
+    for (name, q), m in zip(model.named_parameters(), mean):
+        torch.testing.assert_close(saved[name], m, rtol=0, atol=1e-7)
+
+
 def test_accelerate_prepared_hdet_scheduler_is_called_out(tmp_path):
     """Accelerate's usual recipe, prepare(..., sched), steps the scheduler twice per optimizer step on 2
     processes: hdet warns, naming the cause, on every rank."""
