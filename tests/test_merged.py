@@ -29,7 +29,8 @@ def xy_loss(m, b):
 
 def _engine(model, mode, steps=12, alpha=0.3, T=4, opt="adamw", **kw):
     make_opt = {"adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
-                "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)}[opt]
+                "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                "rmsprop": lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-3)}[opt]
     return ReplicaEngine(model, N, make_opt,
                          lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=o.defaults["lr"], total_steps=steps,
                                                                ensemble_lr_spread_ratio=alpha, model_sync_interval=T,
@@ -391,3 +392,126 @@ def test_a_bytegpt_state_dict_from_before_the_position_layer_loads():
     fresh = ByteGPT(CTX, 16, 2, 2)
     fresh.load_state_dict(old)
     assert torch.equal(fresh.pos.weight, m.pos.weight)
+
+
+@pytest.mark.parametrize("how", ["rmsprop", "stacked_optimizer=False"])
+def test_merged_trains_with_each_replicas_own_optimizer_as_vmap_does(how):
+    """An optimizer the stacked step does not take (or stacked_optimizer=False): each replica's optimizer.step() reads
+    its .grad, which a merged step must point at its rows of the stacked gradient (it left them None: nothing
+    trained, silently; a review, 2026-11-29)."""
+    data = _tokens(8)
+    kw = dict(opt="rmsprop") if how == "rmsprop" else dict(opt="sgd", stacked_optimizer=False)
+    merged, lm = _run(_gpt, "merged", data, lm_loss, steps=8, **kw)
+    vm, lv = _run(_gpt, "vmap", data, lm_loss, steps=8, **kw)
+    assert merged.mode == "merged" and merged.optimizer_path.startswith("per-replica")
+    start = _gpt()
+    assert not torch.equal(merged.models[0].head.weight, start.head.weight)  # it trained
+    torch.testing.assert_close(lm, lv, rtol=2e-4, atol=2e-5)  # (RMSprop, like Adam, turns the key bias's rounding
+    _assert_same(merged, vm, lm, lv, **(dict(rtol=1e-3, atol=2e-3) if how == "rmsprop" else dict(rtol=2e-4, atol=2e-5)))
+    # noise, its true gradient 0, into full steps)
+
+
+class Unused(nn.Module):
+    """A layer the loss reaches only on odd steps (``self.t``): its gradient is None on the others."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 2)
+        self.b = nn.Linear(3, 2)
+        self.t = 0
+
+    def forward(self, x):
+        return self.a(x) + (self.b(x) if self.t % 2 else 0)
+
+
+def test_a_parameter_the_loss_skips_at_a_step_gets_no_gradient_as_in_vmap():
+    data = _xy(8)
+    engines = {}
+    for mode in ("merged", "vmap"):
+        torch.manual_seed(0)
+        eng = _engine(Unused(), mode, steps=8)
+        out = []
+        for t in range(8):
+            for m in eng.models:
+                m.t = t
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (the engine's note that it steps each replica from then on)
+                out.append(eng.step(data[t], xy_loss, stacked=True))
+        engines[mode] = (eng, torch.stack(out))
+    (merged, lm), (vm, lv) = engines["merged"], engines["vmap"]
+    assert merged.mode == "merged"
+    _assert_same(merged, vm, lm, lv, rtol=1e-5, atol=1e-6)
+
+
+class Centred(nn.Module):
+    """Centres each feature over the batch after a bias-free layer: mixes the rows, which equal replicas on one batch
+    cannot show."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2, bias=False)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h - h.mean(0, keepdim=True)
+
+
+@pytest.mark.parametrize("make", [Centred, lambda: nn.Sequential(nn.Linear(3, 2)).append(Flip())])
+def test_row_mixing_is_caught_when_every_replica_gets_the_same_batch(make):
+    """Full-batch training (every replica the same batch) from equal weights: merged and vmap agree at the first step
+    even for a forward that mixes rows, so the check also changes replica 0's weights alone and asks that no other
+    replica's loss or gradient moves (a review found the first check passed here and the runs parted later)."""
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(B, 3, generator=g), torch.randn(B, 2, generator=g)
+    data = [(x.expand(N, B, 3), y.expand(N, B, 2))] * 6
+    with pytest.warns(UserWarning, match="changing replica 0's weights changed the other replicas"):
+        eng, ref, la, lb = _step_both(make, xy_loss, data)
+    assert eng.mode == "vmap"
+    _assert_same(eng, ref, la, lb, rtol=0, atol=0)
+
+
+class Flip(nn.Module):
+    def forward(self, h):
+        return h.flip(0)
+
+
+def test_the_check_changes_nothing_a_user_sees():
+    """The first merged step's two checks (against vmap, and replica 0 moved alone) leave the weights, the random
+    state and the gradients as they were: the run equals one whose check is skipped."""
+    data = _tokens(4)
+    eng = _engine(_gpt(dropout=0.2), "merged", steps=4)
+    torch.manual_seed(11)
+    la = [eng.step(data[t], lm_loss, stacked=True) for t in range(4)]
+    skip = _engine(_gpt(dropout=0.2), "merged", steps=4)
+    skip._merge_checked.add(lm_loss.__code__)
+    torch.manual_seed(11)
+    lb = [skip.step(data[t], lm_loss, stacked=True) for t in range(4)]
+    assert eng.mode == skip.mode == "merged"
+    _assert_same(eng, skip, torch.stack(la), torch.stack(lb), rtol=0, atol=0)
+
+
+def test_a_layer_with_a_forward_of_its_own_is_not_merged():
+    m = nn.Sequential(nn.Linear(3, 2))
+    m[0].forward = lambda x: torch.zeros(x.shape[0], 2)  # e.g. a wrapper put on the instance
+    assert "forward of its own" in reason_not_mergeable(m)
+    with pytest.warns(UserWarning, match="forward of its own"):
+        eng = _engine(m, "merged")
+    assert eng.mode == "vmap" and "forward" in eng.models[0][0].__dict__
+
+
+def test_an_engine_state_saved_before_the_position_layer_loads_and_goes_on_exactly():
+    """A ReplicaEngine (or `hdet train --resume`) state of ByteGPT from before its positions were an nn.Embedding:
+    the key was `pos`; the model's own load hook maps it, and the engine's check of the state sees it mapped."""
+    data = _tokens(8)
+    full = _engine(_gpt(), "vmap", steps=8)
+    l_full = [full.step(data[t], lm_loss, stacked=True) for t in range(8)]
+    first = _engine(_gpt(), "vmap", steps=8)
+    for t in range(3):
+        first.step(data[t], lm_loss, stacked=True)
+    state = first.state_dict()
+    for rs in state["replicas"]:
+        rs["model"] = {("pos" if k == "pos.weight" else k): v for k, v in rs["model"].items()}
+    second = _engine(_gpt(), "vmap", steps=8)
+    second.load_state_dict(state)
+    l_second = [second.step(data[t], lm_loss, stacked=True) for t in range(3, 8)]
+    torch.testing.assert_close(torch.stack(l_second), torch.stack(l_full[3:]), rtol=0, atol=0)

@@ -498,7 +498,36 @@ class ReplicaEngine:
         if not worst <= tol:
             return (f"at the first step the merged batch's losses or gradients differ from vmap's by {worst:.2g} "
                     f"(relative; rounding allows {tol:g}): the forward mixes the rows of its batch")
+        if self.num_replicas > 1:  # replicas that start equal on one batch mix rows unseen: replica 0 made different
+            moved = self._merged_isolation(batch, loss_fn, params, got_m, grads_m, before)
+            if not moved <= tol:
+                return (f"changing replica 0's weights changed the other replicas' merged losses or gradients by "
+                        f"{moved:.2g} (relative; rounding allows {tol:g}): the forward mixes the rows of its batch")
         return None
+
+    @torch.no_grad()
+    def _merged_isolation(self, batch: Any, loss_fn: LossFn, params: list[torch.Tensor], got: torch.Tensor,
+                          grads: Sequence[torch.Tensor | None], before: Any) -> float:
+        """How far the merged losses and gradients of replicas 1..N-1 move when only replica 0's weights change (a
+        forward that treats rows independently: not at all). Replica 0's weights get noise of a tenth of their size,
+        from a generator of its own, and are put back exactly."""
+        g = torch.Generator(device=self.group.device).manual_seed(0)
+        moved = [p for p in self.stack.params.values() if p.is_floating_point()]  # (frozen ones too)
+        kept = [p[0].clone() for p in moved]
+        try:
+            for p in moved:  # HOST SYNC (the first merged step only: each tensor's size)
+                p[0].add_(torch.randn(p[0].shape, generator=g, device=p.device, dtype=p.dtype),
+                          alpha=0.1 * float(p[0].abs().mean()) + 1e-3)
+            with torch.enable_grad(), no_dropout():
+                self._restore_forward(before)
+                got2 = self._merged.losses(batch, loss_fn, _scalar_loss)
+                grads2 = torch.autograd.grad(got2.sum(), params, allow_unused=True)
+        finally:
+            for p, k in zip(moved, kept):
+                p[0].copy_(k)
+            self._restore_forward(before)
+        rest = lambda ts: [t[1:] if t is not None else None for t in ts]  # noqa: E731
+        return max(disagreement([got2[1:]], [got[1:]]), disagreement(rest(grads2), rest(grads)))
 
     @property
     def _cuda_graphs(self) -> bool:
@@ -674,7 +703,7 @@ class ReplicaEngine:
                                  f"{sorted(rs) if isinstance(rs, dict) else type(rs).__name__}")
             sched.check_state_dict(rs["scheduler"])  # everything checked before anything is loaded
             want = {k: tuple(v.shape) for k, v in m.state_dict().items()}
-            got = rs["model"] if isinstance(rs["model"], dict) else {}
+            got = _as_loaded(m, rs["model"]) if isinstance(rs["model"], dict) else {}
             if {k: tuple(getattr(v, "shape", ())) for k, v in got.items()} != want:
                 raise ValueError(f"Expected replica {r}'s model state with this model's keys and shapes, but it "
                                  f"differs (missing {sorted(set(want) - set(got))[:5]}, unexpected "
@@ -747,8 +776,9 @@ class ReplicaEngine:
         losses = None
         if self.mode == "merged":  # (None: it fell back to vmap, self.mode says so)
             losses = self._merged_step(batches if stacked else _stack_batches(batches), loss_fn)
-        if losses is not None:
-            pass
+        if losses is not None:  # each replica's .grad its view of the stacked gradient (per-replica optimizers
+            self.stack.point_grads()  # read them), None where the loss did not reach a parameter, as vmapped()
+            self.stack.unbind_missing()
         elif self.mode == "vmap":
             losses = vmapped()
         elif self.mode == "auto":
@@ -857,6 +887,16 @@ def _code_of(loss_fn: Any) -> Any:
     while isinstance(loss_fn, functools.partial):
         loss_fn = loss_fn.func
     return getattr(loss_fn, "__code__", None) or type(loss_fn)
+
+
+def _as_loaded(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` as ``module.load_state_dict`` will see it: after the modules' own load hooks (a model that renamed a
+    tensor maps an older checkpoint's key to the new one, e.g. ``ByteGPT``'s ``pos``), on a shallow copy."""
+    state = dict(state)
+    for name, mod in module.named_modules():
+        for hook in getattr(mod, "_load_state_dict_pre_hooks", {}).values():
+            hook(state, f"{name}." if name else "", {}, True, [], [], [])
+    return state
 
 
 def _first_line(e: BaseException) -> str:

@@ -72,6 +72,8 @@ def reason_not_mergeable(module: nn.Module) -> str | None:
         if any(getattr(mod, h, None) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
                                                "_backward_pre_hooks")):
             return f"{where} has hooks"
+        if "forward" in mod.__dict__:  # (a forward set on the instance: a wrapper, e.g. compiled or Accelerate's)
+            return f"{where} has a forward of its own (set on the instance)"
         if isinstance(mod, nn.Embedding) and (mod.padding_idx is not None or mod.max_norm is not None
                                               or mod.scale_grad_by_freq or mod.sparse):
             return f"{where} (Embedding) uses padding_idx, max_norm, scale_grad_by_freq or sparse"

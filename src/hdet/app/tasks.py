@@ -82,9 +82,11 @@ class ByteGPT(nn.Module):
             raise TaskError(f"Expected attn 'auto', 'sdpa' or 'math', but got {attn!r}")
         if d % heads:
             raise TaskError(f"Expected the width ({d}) to be a multiple of the number of heads ({heads})")
-        self.tok = nn.Embedding(vocab, d)
+        tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(ctx, d, _weight=torch.randn(ctx, d) * 0.02)  # (a layer, not a raw parameter: the
-        # engine's mode="merged" runs such models' replicas as one batch, hdet.merged)
+        # engine's mode="merged" runs such models' replicas as one batch, hdet.merged; before tok, as the raw
+        # parameter came first, so that optimizer states keep their order)
+        self.tok = tok
         self.blocks = nn.Sequential(*[Block(d, heads, dropout, attn) for _ in range(layers)])
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
