@@ -88,6 +88,7 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
                 lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=total, ensemble_lr_spread_ratio=0.2,
                                                       model_sync_interval=T, replicas=rep, model=m),
                 mode=engine_mode.split("+")[0], compile=engine_mode.endswith("+compile") and (compile_kwargs or True),
+                cuda_graph=engine_mode.endswith("+graph"),
                 stacked_optimizer=path != "per-replica")
             j = [0]
 
@@ -96,7 +97,7 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
                 j[0] += 1
                 eng.step(b, lm_loss, stacked=True)
 
-            dt = time_steps(eng_step, warm + (3 if "+compile" in mode else 0), steps, device)
+            dt = time_steps(eng_step, warm + (3 if "+" in mode else 0), steps, device)
         out[mode] = {"seconds_per_step": dt, "tokens_per_s": N * B * ctx / dt,
                      "ratio_to_baseline": out["baseline"]["seconds_per_step"] / dt,
                      "ratio_to_baseline_math_attention": out["baseline_math_attention"]["seconds_per_step"] / dt,
@@ -155,7 +156,8 @@ def main() -> None:
     p.add_argument("--T", type=int, default=25)
     p.add_argument("--sizes", default="small", help="comma list of: tiny, small, medium")
     p.add_argument("--modes", default="vmap,vmap+compile,loop,vmap/per-replica",
-                   help="comma list of vmap, vmap+compile, merged, loop, each with an optional /per-replica")
+                   help="comma list of vmap, vmap+compile, merged, merged+graph (cuda_graph=True), loop, each with an "
+                        "optional /per-replica")
     p.add_argument("--optimizers", default="fused,foreach", help="AdamW implementations to run (comma list)")
     p.add_argument("--engine-attn", default="auto", choices=["auto", "sdpa", "math"],
                    help="the engine's attention (ByteGPT attn=): auto is explicit attention under vmap")

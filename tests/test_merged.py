@@ -515,3 +515,11 @@ def test_an_engine_state_saved_before_the_position_layer_loads_and_goes_on_exact
     second.load_state_dict(state)
     l_second = [second.step(data[t], lm_loss, stacked=True) for t in range(3, 8)]
     torch.testing.assert_close(torch.stack(l_second), torch.stack(l_full[3:]), rtol=0, atol=0)
+
+
+def test_cuda_graph_needs_merged_mode_on_a_cuda_device():
+    with pytest.raises(ValueError, match="cuda_graph=True with mode='merged' and the model on a CUDA device, but got "
+                                         "mode='merged' on cpu"):
+        _engine(_gpt(), "merged", cuda_graph=True)
+    with pytest.raises(ValueError, match="mode='vmap'"):
+        _engine(_gpt(), "vmap", cuda_graph=True)

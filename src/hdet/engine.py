@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import attention, autocast, embedding, linear
 from .merged import MergedReplicas, NotMergeable, disagreement, no_dropout, reason_not_mergeable
@@ -171,12 +172,19 @@ class ReplicaEngine:
             an MLP, N = 8, before hdet.linear: 0.49x -> 0.53x one model at 8x the batch). The parameters are then
             non-contiguous: ``.view()`` on them (also in ``loss_fn``) fails where ``.reshape()`` works, hence off
             by default.
+        cuda_graph: with ``mode="merged"`` on a CUDA device, capture the merged forward and backward in a CUDA graph
+            (``torch.cuda.make_graphed_callables``) once a loss function's first step is checked, and replay it while
+            the batch's shapes, the train/eval flags and autocast stay as captured (a new combination is captured
+            anew, at most :data:`MAX_GRAPHS` kept). The graph replays what was captured: ``loss_fn`` and the
+            model's forward must compute the same thing at every step (no Python value that changes between steps,
+            no host sync, no data-dependent branch). Dropout draws new masks at each replay.
     """
 
     def __init__(self, model: nn.Module, num_replicas: int, make_optimizer: MakeOptimizer,
                  make_scheduler: MakeScheduler, *, mode: str = "auto", compile: bool | dict[str, Any] = False,
                  before_optimizer_step: Callable[[int, nn.Module, torch.optim.Optimizer], None] | None = None,
-                 share_gradients: bool = True, stacked_optimizer: bool = True, gradient_layout: bool = False) -> None:
+                 share_gradients: bool = True, stacked_optimizer: bool = True, gradient_layout: bool = False,
+                 cuda_graph: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(f"Expected mode in {MODES}, but got {mode!r}")
         if not isinstance(model, nn.Module):
@@ -223,6 +231,11 @@ class ReplicaEngine:
         _check_compile(compile)
         if compile is not False and self.mode == "merged":
             raise ValueError("Expected compile=False with mode='merged' (it runs eagerly; compile applies to mode='vmap')")
+        if cuda_graph and (mode != "merged" or self.group.device.type != "cuda"):
+            raise ValueError(f"Expected cuda_graph=True with mode='merged' and the model on a CUDA device, but got "
+                             f"mode={mode!r} on {self.group.device.type}")
+        self.cuda_graph = bool(cuda_graph)
+        self._graphs: dict[Any, Any] = {}  # (loss_fn's code, shapes, flags, autocast) -> graphed callable or None
         self._merged: MergedReplicas | None = None
         self._merge_checked: set[Any] = set()  # the loss functions' code whose first merged step was checked
         if self.mode == "merged":
@@ -368,7 +381,7 @@ class ReplicaEngine:
         (its own ``g_r`` in local mode). ``merged``: the forward on the replicas' merged batch (:mod:`hdet.merged`)."""
         if merged:
             self.stack.before_backward()
-            losses, reassigned, graphed = self._merged.losses(batch, loss_fn, _scalar_loss), {}, False
+            (losses, graphed), reassigned = self._merged_forward(batch, loss_fn), {}
         else:
             losses, reassigned, graphed = self._vmapped_forward(batch, loss_fn)
         if losses.shape != (self.num_replicas,):
@@ -441,6 +454,44 @@ class ReplicaEngine:
         return losses, reassigned, fns[1] is not None and self._cuda_graphs
 
     # -- merged path ----------------------------------------------------------------------------------
+    def _merged_forward(self, batch: Any, loss_fn: LossFn) -> tuple[torch.Tensor, bool]:
+        """The merged forward's losses (replayed from a CUDA graph where ``cuda_graph``), and whether a graph ran."""
+        if not self.cuda_graph:
+            return self._merged.losses(batch, loss_fn, _scalar_loss), False
+        leaves, spec = tree_flatten(batch)
+        params = [p for p in self.stack.params.values() if p.requires_grad]
+        dev = self.group.device
+        if not all(isinstance(t, torch.Tensor) and t.device == dev for t in leaves):
+            return self._merged.losses(batch, loss_fn, _scalar_loss), False  # (a non-tensor batch: eager)
+        on = torch.is_autocast_enabled(dev.type)
+        key = (_code_of(loss_fn), spec, tuple((t.shape, t.dtype) for t in leaves),
+               tuple(m.training for m in self._modules[0]), on, torch.get_autocast_dtype(dev.type) if on else None,
+               len(params))
+        graph = self._graphs.pop(key, _MISSING)
+        if graph is _MISSING:
+            graph = self._capture(loss_fn, params, leaves, spec)
+        self._graphs[key] = graph  # (last: the most recently used)
+        while len(self._graphs) > MAX_GRAPHS:
+            del self._graphs[next(iter(self._graphs))]
+        if graph is None:
+            return self._merged.losses(batch, loss_fn, _scalar_loss), False
+        return graph(*params, *leaves), True
+
+    def _capture(self, loss_fn: LossFn, params: list[torch.Tensor], leaves: list[torch.Tensor],
+                 spec: Any) -> Callable[..., torch.Tensor] | None:
+        """The merged forward and backward of ``loss_fn`` as a graphed callable of the stacked parameters and the
+        batch's tensors, or None (with a warning) where it cannot be captured. HOST SYNC: while capturing."""
+        k, merged = len(params), self._merged
+
+        def losses(*args: torch.Tensor) -> torch.Tensor:
+            return merged.losses(tree_unflatten(list(args[k:]), spec), loss_fn, _scalar_loss)
+        try:  # (its warm-up and capture runs draw dropout masks, as steps would; they change no weight)
+            return torch.cuda.make_graphed_callables(losses, (*params, *leaves), allow_unused_input=True)
+        except Exception as e:  # noqa: BLE001 - a forward that cannot be captured (a host sync, ...): eagerly
+            warnings.warn(f"hdet: the merged forward cannot be captured in a CUDA graph ({type(e).__name__}: "
+                          f"{_first_line(e)}); running it eagerly", stacklevel=7)
+            return None
+
     def _no_merge(self, why: str, stacklevel: int) -> None:
         warnings.warn(f"hdet: mode='merged' cannot run these replicas as one batch ({why}); running them vmapped",
                       stacklevel=stacklevel)
@@ -731,6 +782,7 @@ class ReplicaEngine:
             # lay the parameters out as the saved engine had them (from its first backward on): the same memory
             # order, so the resumed run's sums round as the uninterrupted run's
             self.stack.set_layout({n: (tuple(o) if o is not None else None) for n, o in saved.items()})
+        self._graphs.clear()  # (captured again at the next step: a graph reads the tensors where they were)
         for m, o, s, rs in zip(self.models, self.optimizers, self.schedulers, state["replicas"]):
             m.load_state_dict(rs["model"])  # in place: in vmap mode the stacked tensors follow
             o.load_state_dict(rs["optimizer"])  # the stacked step takes the loaded state in at its next step
@@ -879,6 +931,8 @@ class ReplicaEngine:
 
 
 MAX_LOSS_FNS = 8  # loss functions whose vmapped (and compiled) forms the engine keeps
+MAX_GRAPHS = 4  # CUDA graphs of the merged step the engine keeps (each holds its own memory pool)
+_MISSING = object()
 
 
 def _code_of(loss_fn: Any) -> Any:

@@ -1,0 +1,63 @@
+"""The engine's merged step in a CUDA graph (`ReplicaEngine(..., mode="merged", cuda_graph=True)`), against the same
+engine run eagerly (run on the GPU machine: `python -m pytest tests/gpu`)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hdet
+from hdet.app.tasks import ByteGPT
+from hdet.engine import ReplicaEngine
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _lm(m, b):
+    logits = m(b[..., :-1])
+    return F.cross_entropy(logits.reshape(-1, 256), b[..., 1:].reshape(-1))
+
+
+def _engine(graph, dropout=0.0, max_lr=1e-3, steps=12):
+    torch.manual_seed(0)
+    model = ByteGPT(32, 64, 2, 2, dropout=dropout).cuda()
+    return ReplicaEngine(model, 4, lambda m: torch.optim.AdamW(m.parameters(), lr=max_lr, fused=True),
+                         lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=max_lr, total_steps=steps,
+                                                               ensemble_lr_spread_ratio=0.3, model_sync_interval=4,
+                                                               replicas=rep, model=m),
+                         mode="merged", cuda_graph=graph)
+
+
+def test_the_graphed_merged_step_computes_what_the_eager_one_does():
+    """12 steps, 3 syncs, a batch size changed at step 9 (a second graph) and an eval-mode step at 11 (a third):
+    losses, weights and learning rates as the eager merged engine's."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cuda").manual_seed(1)
+    data = [torch.randint(0, 256, (4, 8 if t < 8 else 5, 33), device="cuda", generator=g) for t in range(12)]
+    out = {}
+    for graph in (False, True):
+        eng = _engine(graph)
+        losses = []
+        for t in range(12):
+            for m in eng.models:
+                m.train(t != 10)
+            losses.append(eng.step(data[t], _lm, stacked=True))
+        out[graph] = (eng, torch.stack(losses))
+    (eager, le), (graphed, lg) = out[False], out[True]
+    assert graphed.mode == "merged" and len([g for g in graphed._graphs.values() if g is not None]) == 3
+    torch.testing.assert_close(lg, le, rtol=1e-5, atol=1e-5)
+    for a, b in zip(eager.models[1].parameters(), graphed.models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # (Adam: the key bias's rounding noise, see
+    assert [s.get_last_lr() for s in eager.schedulers] == [s.get_last_lr() for s in graphed.schedulers]  # engine.md)
+
+
+def test_each_replay_draws_new_dropout_masks_and_returns_the_callers_own_losses():
+    eng = _engine(True, dropout=0.5, max_lr=1e-12)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    b = torch.randint(0, 256, (4, 8, 33), device="cuda", generator=g)
+    same = b[:1].expand(4, 8, 33).contiguous()
+    first = [eng.step(same, _lm, stacked=True) for _ in range(4)]
+    assert all(len(set(x.tolist())) == 4 for x in first)  # each replica its own masks
+    assert len({tuple(x.tolist()) for x in first[1:]}) == 3  # and new ones at every replay (weights barely move)
+    kept = first[2].clone()
+    eng.step(same, _lm, stacked=True)
+    assert torch.equal(first[2], kept)  # a later replay does not write over what step() returned
