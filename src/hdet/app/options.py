@@ -88,6 +88,8 @@ class RunConfig:
     compile: bool = field(default=False, metadata=_cli(
         "engine: run the vmapped model through torch.compile (on a GPU 1.6-2.7x faster for the small GPTs of docs/engine.md; runs "
         "eagerly, with a warning, where compile fails)"))
+    cuda_graph: bool = field(default=False, metadata=_cli(
+        "engine, --mode merged on a GPU: replay the merged forward and backward from a CUDA graph (docs/engine.md)"))
     seed: int = field(default=0, metadata=_cli("seed of the model, the data and the permutations"))
     out: str = field(default="runs/latest", metadata=_cli("output folder"))
     eval_every: int | None = field(default=None, metadata=_cli("validate every ~N steps, at syncs (default: T)"))
@@ -168,6 +170,8 @@ def check(cfg: RunConfig) -> None:
         raise RunError(f"Expected --mode auto, vmap, loop or merged, but got {cfg.mode!r}")
     if cfg.mode == "merged" and cfg.compile:
         raise RunError("Expected --compile with --mode auto or vmap (--mode merged runs eagerly)")
+    if cfg.cuda_graph and cfg.mode != "merged":
+        raise RunError(f"Expected --cuda-graph with --mode merged, but got --mode {cfg.mode}")
     bad = [e for e in cfg.explore if e not in EXPLORE]
     if bad:
         raise RunError(f"Expected --explore items from {', '.join(EXPLORE)}, but got {', '.join(bad)}")
@@ -215,7 +219,7 @@ def unused(cfg: RunConfig, world: int | None = None) -> list[str]:
     default = RunConfig()
     if world is not None:
         out += [f"--{name} under torchrun (the one-process engine's: each rank is one replica)"
-                for name in ("mode", "compile") if getattr(cfg, name) != getattr(default, name)]
+                for name in ("mode", "compile", "cuda_graph") if getattr(cfg, name) != getattr(default, name)]
     if cfg.warmup is not None and not (cfg.auto_lr or cfg.range_test):
         out.append("--warmup without --auto-lr or --range-test")
     if cfg.tie_lr_groups is not None and not cfg.auto_lr:

@@ -186,6 +186,8 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         owns_group = True
+    if cfg.cuda_graph and device.type != "cuda" and not distributed:
+        raise RunError(f"Expected --cuda-graph on a CUDA device, but the run is on {device.type}")
     rank = dist.get_rank() if distributed else 0
     N = dist.get_world_size() if distributed else (cfg.replicas or 4)
     if distributed and cfg.replicas not in (None, N):

@@ -154,7 +154,8 @@ class EngineRun:
     def __init__(self, task: Task, model: nn.Module, N: int, cfg: RunConfig, warmup: int, device: torch.device) -> None:
         self.task = task
         self.engine = ReplicaEngine(model, N, make_optimizer(task, cfg), make_scheduler(cfg, warmup, task, device),
-                                    mode=cfg.mode, compile=cfg.compile, share_gradients=not cfg.local,
+                                    mode=cfg.mode, compile=cfg.compile, cuda_graph=cfg.cuda_graph,
+                                    share_gradients=not cfg.local,
                                     gradient_layout=True,  # the tasks never .view() a parameter
                                     # only with an explored clip: a hook keeps one moment copy per replica
                                     before_optimizer_step=self._clip_grads if "grad-clip" in cfg.explore else None)
