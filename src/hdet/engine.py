@@ -39,9 +39,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import attention, autocast, embedding, linear
+from .graphs import MergedGraphs
 from .merged import MergedReplicas, NotMergeable, disagreement, no_dropout, reason_not_mergeable
 from .ensemble import ReplicaMismatchError
 from .guard import all_finite
@@ -174,10 +174,11 @@ class ReplicaEngine:
             by default.
         cuda_graph: with ``mode="merged"`` on a CUDA device, capture the merged forward and backward in a CUDA graph
             (``torch.cuda.make_graphed_callables``) once a loss function's first step is checked, and replay it while
-            the batch's shapes, the train/eval flags and autocast stay as captured (a new combination is captured
-            anew, at most :data:`MAX_GRAPHS` kept). The graph replays what was captured: ``loss_fn`` and the
-            model's forward must compute the same thing at every step (no Python value that changes between steps,
-            no host sync, no data-dependent branch). Dropout draws new masks at each replay.
+            what it was captured with stays the same (:mod:`hdet.graphs`: a new batch shape, train/eval flags,
+            autocast or loss function is captured anew, at most 4 kept). The graph replays what was captured:
+            ``loss_fn`` and the model's forward must compute the same thing at every step (no global or Python value
+            that changes between steps, no host sync, no data-dependent branch). Dropout draws new masks at each
+            replay.
     """
 
     def __init__(self, model: nn.Module, num_replicas: int, make_optimizer: MakeOptimizer,
@@ -235,7 +236,8 @@ class ReplicaEngine:
             raise ValueError(f"Expected cuda_graph=True with mode='merged' and the model on a CUDA device, but got "
                              f"mode={mode!r} on {self.group.device.type}")
         self.cuda_graph = bool(cuda_graph)
-        self._graphs: dict[Any, Any] = {}  # (loss_fn's code, shapes, flags, autocast) -> graphed callable or None
+        self._graphs = MergedGraphs(lambda b, f: self._merged.losses(b, f, _scalar_loss), self.group.device) \
+            if cuda_graph else None
         self._merged: MergedReplicas | None = None
         self._merge_checked: set[Any] = set()  # the loss functions' code whose first merged step was checked
         if self.mode == "merged":
@@ -455,42 +457,12 @@ class ReplicaEngine:
 
     # -- merged path ----------------------------------------------------------------------------------
     def _merged_forward(self, batch: Any, loss_fn: LossFn) -> tuple[torch.Tensor, bool]:
-        """The merged forward's losses (replayed from a CUDA graph where ``cuda_graph``), and whether a graph ran."""
-        if not self.cuda_graph:
+        """The merged forward's losses (replayed from a CUDA graph where ``cuda_graph``: :mod:`hdet.graphs`), and
+        whether a graph ran."""
+        if self._graphs is None:
             return self._merged.losses(batch, loss_fn, _scalar_loss), False
-        leaves, spec = tree_flatten(batch)
-        params = [p for p in self.stack.params.values() if p.requires_grad]
-        dev = self.group.device
-        if not all(isinstance(t, torch.Tensor) and t.device == dev for t in leaves):
-            return self._merged.losses(batch, loss_fn, _scalar_loss), False  # (a non-tensor batch: eager)
-        on = torch.is_autocast_enabled(dev.type)
-        key = (_code_of(loss_fn), spec, tuple((t.shape, t.dtype) for t in leaves),
-               tuple(m.training for m in self._modules[0]), on, torch.get_autocast_dtype(dev.type) if on else None,
-               len(params))
-        graph = self._graphs.pop(key, _MISSING)
-        if graph is _MISSING:
-            graph = self._capture(loss_fn, params, leaves, spec)
-        self._graphs[key] = graph  # (last: the most recently used)
-        while len(self._graphs) > MAX_GRAPHS:
-            del self._graphs[next(iter(self._graphs))]
-        if graph is None:
-            return self._merged.losses(batch, loss_fn, _scalar_loss), False
-        return graph(*params, *leaves), True
-
-    def _capture(self, loss_fn: LossFn, params: list[torch.Tensor], leaves: list[torch.Tensor],
-                 spec: Any) -> Callable[..., torch.Tensor] | None:
-        """The merged forward and backward of ``loss_fn`` as a graphed callable of the stacked parameters and the
-        batch's tensors, or None (with a warning) where it cannot be captured. HOST SYNC: while capturing."""
-        k, merged = len(params), self._merged
-
-        def losses(*args: torch.Tensor) -> torch.Tensor:
-            return merged.losses(tree_unflatten(list(args[k:]), spec), loss_fn, _scalar_loss)
-        try:  # (its warm-up and capture runs draw dropout masks, as steps would; they change no weight)
-            return torch.cuda.make_graphed_callables(losses, (*params, *leaves), allow_unused_input=True)
-        except Exception as e:  # noqa: BLE001 - a forward that cannot be captured (a host sync, ...): eagerly
-            warnings.warn(f"hdet: the merged forward cannot be captured in a CUDA graph ({type(e).__name__}: "
-                          f"{_first_line(e)}); running it eagerly", stacklevel=7)
-            return None
+        params = {n: p for n, p in self.stack.params.items() if p.requires_grad}
+        return self._graphs.losses(batch, loss_fn, params, tuple(m.training for m in self._modules[0]), stacklevel=8)
 
     def _no_merge(self, why: str, stacklevel: int) -> None:
         warnings.warn(f"hdet: mode='merged' cannot run these replicas as one batch ({why}); running them vmapped",
@@ -782,7 +754,8 @@ class ReplicaEngine:
             # lay the parameters out as the saved engine had them (from its first backward on): the same memory
             # order, so the resumed run's sums round as the uninterrupted run's
             self.stack.set_layout({n: (tuple(o) if o is not None else None) for n, o in saved.items()})
-        self._graphs.clear()  # (captured again at the next step: a graph reads the tensors where they were)
+        if self._graphs is not None:  # (captured again at the next step: a graph reads the tensors where they were)
+            self._graphs.clear()
         for m, o, s, rs in zip(self.models, self.optimizers, self.schedulers, state["replicas"]):
             m.load_state_dict(rs["model"])  # in place: in vmap mode the stacked tensors follow
             o.load_state_dict(rs["optimizer"])  # the stacked step takes the loaded state in at its next step
@@ -931,8 +904,6 @@ class ReplicaEngine:
 
 
 MAX_LOSS_FNS = 8  # loss functions whose vmapped (and compiled) forms the engine keeps
-MAX_GRAPHS = 4  # CUDA graphs of the merged step the engine keeps (each holds its own memory pool)
-_MISSING = object()
 
 
 def _code_of(loss_fn: Any) -> Any:

@@ -43,7 +43,7 @@ def test_the_graphed_merged_step_computes_what_the_eager_one_does():
             losses.append(eng.step(data[t], _lm, stacked=True))
         out[graph] = (eng, torch.stack(losses))
     (eager, le), (graphed, lg) = out[False], out[True]
-    assert graphed.mode == "merged" and len([g for g in graphed._graphs.values() if g is not None]) == 3
+    assert graphed.mode == "merged" and len([e for e in graphed._graphs.entries.values() if e[0] is not None]) == 3
     torch.testing.assert_close(lg, le, rtol=1e-5, atol=1e-5)
     for a, b in zip(eager.models[1].parameters(), graphed.models[1].parameters()):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # (Adam: the key bias's rounding noise, see
@@ -61,3 +61,72 @@ def test_each_replay_draws_new_dropout_masks_and_returns_the_callers_own_losses(
     kept = first[2].clone()
     eng.step(same, _lm, stacked=True)
     assert torch.equal(first[2], kept)  # a later replay does not write over what step() returned
+
+
+def test_the_callers_batches_are_never_written_into():
+    """The graph copies each batch into tensors of its own; it captured on a copy, not on the caller's first batch
+    (a dataset kept on the GPU and sliced per step had its first batch overwritten by every later one)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    data = torch.randint(0, 256, (6, 4, 8, 33), device="cuda", generator=g)
+    kept = data.clone()
+    eng = _engine(True, steps=6)
+    for t in range(6):
+        eng.step(data[t], _lm, stacked=True)
+    assert torch.equal(data, kept)
+
+
+def _scaled(m, b, scale=1.0):
+    return _lm(m, b) * scale
+
+
+def test_loss_functions_that_differ_only_in_what_they_close_over_get_their_own_graphs():
+    """partial(f, scale=2) after partial(f, scale=1): the same code, another computation (it replayed the first)."""
+    import functools
+    g = torch.Generator(device="cuda").manual_seed(4)
+    data = torch.randint(0, 256, (6, 4, 8, 33), device="cuda", generator=g)
+    out = {}
+    for graph in (False, True):
+        eng = _engine(graph, steps=6)
+        out[graph] = torch.stack([eng.step(data[t], functools.partial(_scaled, scale=1.0 + (t >= 3)), stacked=True)
+                                  for t in range(6)])
+    torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)
+    assert out[True][3:].mean() > 1.8 * out[True][:3].mean()
+
+
+def test_autocast_is_captured_and_computes_as_eager():
+    g = torch.Generator(device="cuda").manual_seed(5)
+    data = torch.randint(0, 256, (5, 4, 8, 33), device="cuda", generator=g)
+    out = {}
+    for graph in (False, True):
+        eng = _engine(graph, steps=5)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out[graph] = torch.stack([eng.step(data[t], _lm, stacked=True) for t in range(5)])
+        if graph:
+            assert any(e[0] is not None for e in eng._graphs.entries.values())
+    torch.testing.assert_close(out[True], out[False], rtol=2e-2, atol=2e-2)
+
+
+def test_a_thread_pinning_host_memory_during_the_capture_breaks_neither():
+    """A DataLoader with pin_memory=True pins host memory in a thread of its own: a capture in the default (global)
+    mode fails on it and leaves that thread's next allocation failing; hdet captures in thread_local mode."""
+    import threading
+    stop, errors = threading.Event(), []
+
+    def pin():
+        try:
+            while not stop.is_set():
+                torch.empty(1 << 16, pin_memory=True)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+    t = threading.Thread(target=pin)
+    t.start()
+    try:
+        g = torch.Generator(device="cuda").manual_seed(6)
+        data = torch.randint(0, 256, (3, 4, 8, 33), device="cuda", generator=g)
+        eng = _engine(True, steps=3)
+        for s in range(3):
+            eng.step(data[s], _lm, stacked=True)
+    finally:
+        stop.set()
+        t.join()
+    assert not errors and any(e[0] is not None for e in eng._graphs.entries.values())

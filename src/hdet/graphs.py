@@ -1,0 +1,157 @@
+"""The engine's merged step replayed from CUDA graphs: :class:`MergedGraphs` (``ReplicaEngine(..., cuda_graph=True)``).
+
+The merged forward and backward (:mod:`hdet.merged`) of a loss function are captured with
+``torch.cuda.make_graphed_callables`` over the stacked parameters and a copy of the batch's tensors the graph owns,
+and replayed at later steps: the host then launches one graph instead of every kernel (the tiny GPT on an H200 ran
+1.5x one eager model: ``benchmarks/results/gpu_h200/merged_graph/``). A graph replays what it captured, so its key
+holds everything the engine can see that changes the computation: the loss function's code and what it closes over
+(a ``functools.partial``'s arguments, closure cells and defaults: values, or objects by identity, kept alive with
+the graph), the batch's structure, shapes and dtypes, the modules' train/eval flags, autocast, the trainable
+parameters, and the matmul precision flags. What it cannot see (a global the loss function reads, a Python value in
+the model's forward that changes, a host sync, a data-dependent branch) the user must keep out.
+
+Captured in ``thread_local`` mode, so CUDA work in other threads (a ``DataLoader`` pinning memory) neither breaks the
+capture nor is broken by it; with autocast's weight cache off (a graph cannot replay it; the casts are recorded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+__all__ = ["MergedGraphs", "MAX_GRAPHS"]
+
+MAX_GRAPHS = 4  # graphs kept (each holds its own memory pool and a copy of its batch)
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+
+
+class MergedGraphs:
+    """Graphed merged steps, most recently used last. ``run(batch)`` is the eager merged losses of one batch
+    (``lambda batch, loss_fn: merged.losses(batch, loss_fn, scalar)``)."""
+
+    def __init__(self, run: Callable[[Any, Any], torch.Tensor], device: torch.device) -> None:
+        self.run = run
+        self.device = device
+        self.entries: dict[Any, tuple[Callable[..., torch.Tensor] | None, list[Any], list[torch.Tensor]]] = {}
+        self.captures = 0
+        self._churn_warned = False
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def losses(self, batch: Any, loss_fn: Any, params: dict[str, torch.Tensor], flags: tuple[bool, ...],
+               stacklevel: int) -> tuple[torch.Tensor, bool]:
+        """The merged losses of ``batch`` (replayed from a graph where one is or can be captured), and whether a graph
+        ran. ``params``: the trainable stacked parameters by name; ``flags``: the modules' train/eval flags."""
+        leaves, spec = tree_flatten(batch)
+        if not all(isinstance(t, torch.Tensor) and t.device == self.device for t in leaves):
+            return self.run(batch, loss_fn), False  # (a batch with other leaves: eagerly)
+        fn_key, keep = _function_key(loss_fn)
+        dev = self.device.type
+        on = torch.is_autocast_enabled(dev)
+        key = (fn_key, spec, tuple((t.shape, t.dtype, t.stride()) for t in leaves), flags, on,
+               torch.get_autocast_dtype(dev) if on else None, tuple(params),
+               torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
+               torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+               torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
+        entry = self.entries.pop(key, None)
+        if entry is None:
+            entry = self._capture(loss_fn, list(params.values()), leaves, spec, keep, stacklevel + 1)
+        self.entries[key] = entry
+        while len(self.entries) > MAX_GRAPHS:
+            del self.entries[next(iter(self.entries))]
+        graph = entry[0]
+        if graph is None:
+            return self.run(batch, loss_fn), False
+        return graph(*params.values(), *leaves), True  # (the leaves are copied into the graph's own)
+
+    def _capture(self, loss_fn: Any, params: list[torch.Tensor], leaves: list[torch.Tensor], spec: Any,
+                 keep: list[Any], stacklevel: int) -> tuple[Callable[..., torch.Tensor] | None, list[Any], list]:
+        """(the graphed callable or None, what its key refers to, its batch). HOST SYNC: while capturing."""
+        self.captures += 1
+        if self.captures > 2 * MAX_GRAPHS and not self._churn_warned:
+            self._churn_warned = True
+            warnings.warn(f"hdet: the merged step was captured in a CUDA graph {self.captures} times (new batch shapes, "
+                          f"flags or loss functions; {MAX_GRAPHS} kept): each capture costs three warm-up steps, a host "
+                          "sync and memory. Keep batches to a few shapes, or leave cuda_graph off", stacklevel=stacklevel)
+        k, run = len(params), self.run
+        static = [t.clone() for t in leaves]  # the graph's own batch (the caller's tensors are not written into)
+
+        def losses(*args: torch.Tensor) -> torch.Tensor:
+            return run(tree_unflatten(list(args[k:]), spec), loss_fn)
+        try:  # (its warm-up and capture runs draw dropout masks, as steps would; they change no weight)
+            with _thread_local_capture(), _no_autocast_cache(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match")  # (the
+                # eager steps' accumulators; the capture takes gradients with autograd.grad, which never runs them)
+                graph = torch.cuda.make_graphed_callables(losses, (*params, *static), allow_unused_input=True)
+        except Exception as e:  # noqa: BLE001 - a forward that cannot be captured (a host sync, ...): eagerly
+            warnings.warn(f"hdet: the merged forward cannot be captured in a CUDA graph ({type(e).__name__}: "
+                          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); running it eagerly",
+                          stacklevel=stacklevel)
+            return None, keep, []
+        return graph, keep, static
+
+
+def _function_key(loss_fn: Any) -> tuple[Any, list[Any]]:
+    """What tells loss functions apart for a graph: the code, a partial's arguments, the closure's cells, defaults and a
+    bound method's object, as values (plain ones) or identities (the objects, returned to be kept alive)."""
+    keep: list[Any] = []
+
+    def value(v: Any) -> Any:
+        if isinstance(v, _PLAIN):
+            return ("=", type(v), v)
+        keep.append(v)
+        return ("id", id(v))
+    parts: list[Any] = []
+    f = loss_fn
+    while isinstance(f, functools.partial):
+        parts.append((tuple(value(a) for a in f.args), tuple(sorted((k, value(v)) for k, v in f.keywords.items()))))
+        f = f.func
+    if hasattr(f, "__self__"):  # a bound method: its object
+        parts.append(value(f.__self__))
+    code = getattr(f, "__code__", None)
+    if code is None:  # a callable object: itself
+        parts.append(value(f))
+        return tuple(parts), keep
+    parts.append(code)
+    for cell in getattr(f, "__closure__", None) or ():
+        try:
+            parts.append(value(cell.cell_contents))
+        except ValueError:  # an empty cell
+            parts.append(None)
+    parts += [value(d) for d in getattr(f, "__defaults__", None) or ()]
+    parts += [(k, value(d)) for k, d in sorted((getattr(f, "__kwdefaults__", None) or {}).items())]
+    return tuple(parts), keep
+
+
+@contextlib.contextmanager
+def _thread_local_capture() -> Iterator[None]:
+    """Inside: ``torch.cuda.graph`` captures in ``thread_local`` mode (``make_graphed_callables`` takes no mode)."""
+    base = torch.cuda.graph
+
+    class graph(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            kw.setdefault("capture_error_mode", "thread_local")
+            super().__init__(*args, **kw)
+    torch.cuda.graph = graph
+    try:
+        yield
+    finally:
+        torch.cuda.graph = base
+
+
+@contextlib.contextmanager
+def _no_autocast_cache() -> Iterator[None]:
+    """Inside: autocast's cache of cast weights off (``make_graphed_callables`` refuses it: a graph records the casts)."""
+    before = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(before)
