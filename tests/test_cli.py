@@ -127,8 +127,9 @@ def test_train_with_the_range_test_records_the_ramp_and_its_end(tmp_path):
     (["train", "--alpha", "1.5"], "--alpha in [0, 1), but got 1.5"),
     (["train", "--mode", "fast"], "--mode auto, vmap, loop or merged, but got 'fast'"),
     (["train", "--mode", "merged", "--compile"], "--compile with --mode auto or vmap (--mode merged runs eagerly)"),
-    (["train", "--cuda-graph"], "--cuda-graph with --mode merged, but got --mode auto"),
-    (["train", "--mode", "merged", "--cuda-graph", "--device", "cpu"], "--cuda-graph on a CUDA device, but the run is on cpu"),
+    (["train", "--cuda-graph", "--mode", "loop"], "--cuda-graph with --mode auto, vmap or merged and without --compile, "
+                                                   "but got --mode loop"),
+    (["train", "--cuda-graph", "--device", "cpu"], "--cuda-graph on a CUDA device, but the run is on cpu"),
     (["train", "--steps", "abc"], "invalid int value: 'abc'"),
     (["train", "--explore", "momentum"], "Expected --explore items from lr-groups, weight-decay"),
     (["plot", "/nonexistent/run"], "Expected a run folder, but /nonexistent/run does not exist"),

@@ -517,9 +517,16 @@ def test_an_engine_state_saved_before_the_position_layer_loads_and_goes_on_exact
     torch.testing.assert_close(torch.stack(l_second), torch.stack(l_full[3:]), rtol=0, atol=0)
 
 
-def test_cuda_graph_needs_merged_mode_on_a_cuda_device():
-    with pytest.raises(ValueError, match="cuda_graph=True with mode='merged' and the model on a CUDA device, but got "
-                                         "mode='merged' on cpu"):
+def test_cuda_graph_needs_a_cuda_device_and_no_loop_or_compile():
+    with pytest.raises(ValueError, match="cuda_graph=True with mode 'auto', 'vmap' or 'merged', compile=False and the "
+                                         "model on a CUDA device, but got mode='merged', compile=False on cpu"):
         _engine(_gpt(), "merged", cuda_graph=True)
-    with pytest.raises(ValueError, match="mode='vmap'"):
-        _engine(_gpt(), "vmap", cuda_graph=True)
+    with pytest.raises(ValueError, match="mode='loop', compile=False"):
+        _engine(_gpt(), "loop", cuda_graph=True)
+    with pytest.raises(ValueError, match=r"mode='loop' \(explored \['dropout'\] need the loop\)"):
+        ReplicaEngine(_gpt(dropout=0.1), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                      lambda o, rep, mod: hdet.OneCycleAutoLR(o, max_lr=1e-2, total_steps=5,
+                                                              ensemble_lr_spread_ratio=0.2, model_sync_interval=2,
+                                                              replicas=rep, model=mod,
+                                                              explore=[hdet.Dropout(mod, alpha=0.05)]),
+                      cuda_graph=True)

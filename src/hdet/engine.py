@@ -41,7 +41,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from . import attention, autocast, embedding, linear
-from .graphs import MergedGraphs
+from .graphs import StepGraphs
 from .merged import MergedReplicas, NotMergeable, disagreement, no_dropout, reason_not_mergeable
 from .ensemble import ReplicaMismatchError
 from .guard import all_finite
@@ -172,8 +172,8 @@ class ReplicaEngine:
             an MLP, N = 8, before hdet.linear: 0.49x -> 0.53x one model at 8x the batch). The parameters are then
             non-contiguous: ``.view()`` on them (also in ``loss_fn``) fails where ``.reshape()`` works, hence off
             by default.
-        cuda_graph: with ``mode="merged"`` on a CUDA device, capture the merged forward and backward in a CUDA graph
-            (``torch.cuda.make_graphed_callables``) once a loss function's first step is checked, and replay it while
+        cuda_graph: on a CUDA device, vmapped or merged, not compiled: capture the forward and backward in a CUDA
+            graph (``torch.cuda.make_graphed_callables``) after a loss function's first step, and replay it while
             what it was captured with stays the same (:mod:`hdet.graphs`: a new batch shape, train/eval flags,
             autocast or loss function is captured anew, at most 4 kept). The graph replays what was captured:
             ``loss_fn`` and the model's forward must compute the same thing at every step (no global or Python value
@@ -232,12 +232,16 @@ class ReplicaEngine:
         _check_compile(compile)
         if compile is not False and self.mode == "merged":
             raise ValueError("Expected compile=False with mode='merged' (it runs eagerly; compile applies to mode='vmap')")
-        if cuda_graph and (mode != "merged" or self.group.device.type != "cuda"):
-            raise ValueError(f"Expected cuda_graph=True with mode='merged' and the model on a CUDA device, but got "
-                             f"mode={mode!r} on {self.group.device.type}")
+        if cuda_graph and (self.mode == "loop" or compile is not False or self.group.device.type != "cuda"):
+            raise ValueError(f"Expected cuda_graph=True with mode 'auto', 'vmap' or 'merged', compile=False and the "
+                             f"model on a CUDA device, but got mode={self.mode!r}"
+                             + (f" (explored {unsafe} need the loop)" if unsafe and mode != "loop" else "")
+                             + f", compile={compile!r} on {self.group.device.type}")
         self.cuda_graph = bool(cuda_graph)
-        self._graphs = MergedGraphs(lambda b, f: self._merged.losses(b, f, _scalar_loss), self.group.device) \
-            if cuda_graph else None
+        self._graphs = StepGraphs(lambda b, f: self._merged.losses(b, f, _scalar_loss), self.group.device) \
+            if cuda_graph else None  # the merged step's graphs; the vmapped step's:
+        self._vgraphs = StepGraphs(self._eager_losses, self.group.device, self._keeping) if cuda_graph else None
+        self._graph_ready: dict[Any, bool] = {}  # loss function code -> whether its vmapped step may be graphed
         self._merged: MergedReplicas | None = None
         self._merge_checked: set[Any] = set()  # the loss functions' code whose first merged step was checked
         if self.mode == "merged":
@@ -447,13 +451,39 @@ class ReplicaEngine:
                 else:  # the same step eagerly: non-finite there too, the model's or the data's (checked again next
                     self._reject(fns, key, before, None)  # step); finite, compile's (torch's compiled vmap of SDPA
                     losses = None  # with dropout gives NaN)
+        if losses is None and self._vgraphs is not None and self._graph_ready.get(key):
+            params = {n: p for n, p in self.stack.params.items() if p.requires_grad}
+            losses, graphed = self._vgraphs.losses(batch, loss_fn, params, tuple(m.training for m in self._modules[0]),
+                                                   stacklevel=8)
+            return losses, {}, graphed
         if losses is None:
             losses, reassigned = self._eager_vmapped(fns[0], args)
+            if self._vgraphs is not None and key not in self._graph_ready:  # graphed from the next step on, unless
+                self._graph_ready[key] = not reassigned  # the forward reassigns a buffer (a graph cannot keep it)
+                if reassigned:
+                    warnings.warn(f"hdet: the forward reassigns the buffers {sorted(n[2:] for n in reassigned)}, which a "
+                                  "CUDA graph cannot keep: this loss function's steps run without one", stacklevel=6)
             if before is not None and fns[1] is not None:  # the eager re-run of a check whose compiled losses were
                 if bool(torch.isfinite(losses).all()):  # non-finite. HOST SYNC (that step only)
                     self._reject(fns, key, None, "non-finite losses where the eager vmapped model's are finite (torch's "
                                  "compiled vmap of scaled_dot_product_attention with dropout is one known case)")
         return losses, reassigned, fns[1] is not None and self._cuda_graphs
+
+    def _eager_losses(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
+        """The eager vmapped losses of one batch (what :attr:`_vgraphs` captures)."""
+        return self._eager_vmapped(self._vmap_fns(loss_fn)[0], (self._call_params, self._call_buffers, batch))[0]
+
+    @contextlib.contextmanager
+    def _keeping(self) -> Any:
+        """Inside: forwards that change the stacked buffers (a capture's warm-up runs: BatchNorm's statistics would take
+        three extra updates); after: the buffers as they were (the random state goes on, as after three steps)."""
+        kept = {k: b.clone() for k, b in self.stacked_buffers.items()}
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for k, b in self.stacked_buffers.items():
+                    b.copy_(kept[k])
 
     # -- merged path ----------------------------------------------------------------------------------
     def _merged_forward(self, batch: Any, loss_fn: LossFn) -> tuple[torch.Tensor, bool]:
@@ -754,8 +784,9 @@ class ReplicaEngine:
             # lay the parameters out as the saved engine had them (from its first backward on): the same memory
             # order, so the resumed run's sums round as the uninterrupted run's
             self.stack.set_layout({n: (tuple(o) if o is not None else None) for n, o in saved.items()})
-        if self._graphs is not None:  # (captured again at the next step: a graph reads the tensors where they were)
-            self._graphs.clear()
+        for graphs in (self._graphs, self._vgraphs):  # (captured again at the next step: a graph reads the tensors
+            if graphs is not None:  # where they were)
+                graphs.clear()
         for m, o, s, rs in zip(self.models, self.optimizers, self.schedulers, state["replicas"]):
             m.load_state_dict(rs["model"])  # in place: in vmap mode the stacked tensors follow
             o.load_state_dict(rs["optimizer"])  # the stacked step takes the loaded state in at its next step

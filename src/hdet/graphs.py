@@ -1,9 +1,10 @@
-"""The engine's merged step replayed from CUDA graphs: :class:`MergedGraphs` (``ReplicaEngine(..., cuda_graph=True)``).
+"""The engine's step replayed from CUDA graphs: :class:`StepGraphs` (``ReplicaEngine(..., cuda_graph=True)``).
 
-The merged forward and backward (:mod:`hdet.merged`) of a loss function are captured with
+The forward and backward of a loss function, vmapped or merged (:mod:`hdet.merged`), are captured with
 ``torch.cuda.make_graphed_callables`` over the stacked parameters and a copy of the batch's tensors the graph owns,
 and replayed at later steps: the host then launches one graph instead of every kernel (the tiny GPT on an H200 ran
-1.5x one eager model: ``benchmarks/results/gpu_h200/merged_graph/``). A graph replays what it captured, so its key
+1.2x one eager model vmapped, 1.6x merged: ``benchmarks/results/gpu_h200/step_graph/``). A graph replays what it
+captured, so its key
 holds everything the engine can see that changes the computation: the loss function's code and what it closes over
 (a ``functools.partial``'s arguments, closure cells and defaults: values, or objects by identity, kept alive with
 the graph), the batch's structure, shapes and dtypes, the modules' train/eval flags, autocast, the trainable
@@ -25,19 +26,22 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["MergedGraphs", "MAX_GRAPHS"]
+__all__ = ["StepGraphs", "MAX_GRAPHS"]
 
 MAX_GRAPHS = 4  # graphs kept (each holds its own memory pool and a copy of its batch)
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
 
 
-class MergedGraphs:
-    """Graphed merged steps, most recently used last. ``run(batch)`` is the eager merged losses of one batch
-    (``lambda batch, loss_fn: merged.losses(batch, loss_fn, scalar)``)."""
+class StepGraphs:
+    """Graphed steps, most recently used last. ``run(batch, loss_fn)`` is the eager losses of one batch (the merged or
+    the vmapped forward); ``keeping()`` a context that puts back what a forward changes besides its outputs (the
+    stacked buffers: BatchNorm's statistics), around the capture's warm-up runs."""
 
-    def __init__(self, run: Callable[[Any, Any], torch.Tensor], device: torch.device) -> None:
+    def __init__(self, run: Callable[[Any, Any], torch.Tensor], device: torch.device,
+                 keeping: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
         self.run = run
         self.device = device
+        self.keeping = keeping
         self.entries: dict[Any, tuple[Callable[..., torch.Tensor] | None, list[Any], list[torch.Tensor]]] = {}
         self.captures = 0
         self._churn_warned = False
@@ -47,8 +51,7 @@ class MergedGraphs:
 
     def losses(self, batch: Any, loss_fn: Any, params: dict[str, torch.Tensor], flags: tuple[bool, ...],
                stacklevel: int) -> tuple[torch.Tensor, bool]:
-        """The merged losses of ``batch`` (replayed from a graph where one is or can be captured), and whether a graph
-        ran. ``params``: the trainable stacked parameters by name; ``flags``: the modules' train/eval flags."""
+        """The losses of ``batch`` (replayed from a graph where one is or can be captured), and whether a graph ran. ``params``: the trainable stacked parameters by name; ``flags``: the modules' train/eval flags."""
         leaves, spec = tree_flatten(batch)
         if not all(isinstance(t, torch.Tensor) and t.device == self.device for t in leaves):
             return self.run(batch, loss_fn), False  # (a batch with other leaves: eagerly)
@@ -77,7 +80,7 @@ class MergedGraphs:
         self.captures += 1
         if self.captures > 2 * MAX_GRAPHS and not self._churn_warned:
             self._churn_warned = True
-            warnings.warn(f"hdet: the merged step was captured in a CUDA graph {self.captures} times (new batch shapes, "
+            warnings.warn(f"hdet: the replicas' step was captured in a CUDA graph {self.captures} times (new batch shapes, "
                           f"flags or loss functions; {MAX_GRAPHS} kept): each capture costs three warm-up steps, a host "
                           "sync and memory. Keep batches to a few shapes, or leave cuda_graph off", stacklevel=stacklevel)
         k, run = len(params), self.run
@@ -86,12 +89,12 @@ class MergedGraphs:
         def losses(*args: torch.Tensor) -> torch.Tensor:
             return run(tree_unflatten(list(args[k:]), spec), loss_fn)
         try:  # (its warm-up and capture runs draw dropout masks, as steps would; they change no weight)
-            with _thread_local_capture(), _no_autocast_cache(), warnings.catch_warnings():
+            with self.keeping(), _thread_local_capture(), _no_autocast_cache(), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match")  # (the
                 # eager steps' accumulators; the capture takes gradients with autograd.grad, which never runs them)
                 graph = torch.cuda.make_graphed_callables(losses, (*params, *static), allow_unused_input=True)
         except Exception as e:  # noqa: BLE001 - a forward that cannot be captured (a host sync, ...): eagerly
-            warnings.warn(f"hdet: the merged forward cannot be captured in a CUDA graph ({type(e).__name__}: "
+            warnings.warn(f"hdet: the replicas' forward cannot be captured in a CUDA graph ({type(e).__name__}: "
                           f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); running it eagerly",
                           stacklevel=stacklevel)
             return None, keep, []

@@ -64,7 +64,7 @@ def _resolved(c: dict[str, Any], mode: str, device: str) -> dict[str, Any]:
             "probe_batches": not (auto and fit), "eq8": not (auto and not fit), "range_backoff": not c.get("range_test"),
             "prodigy_safeguard": c.get("optimizer") != "prodigy", "data": c.get("task") != "fashion",
             "nu": not c.get("warm_init"), "clip": "grad-clip" not in (c.get("explore") or ()),
-            "compile": mode != "engine-vmap", "cuda_graph": mode != "engine-merged", "ctx": c.get("task") == "fashion", "layers": c.get("task") == "fashion"}
+            "compile": mode != "engine-vmap", "cuda_graph": mode not in ("engine-merged", "engine-vmap"), "ctx": c.get("task") == "fashion", "layers": c.get("task") == "fashion"}
     if auto and c.get("tie_lr_groups") is None:
         c["tie_lr_groups"] = fit
     if c.get("alpha", 0) > 0:  # the groups' LRs are explored whenever there is a spread

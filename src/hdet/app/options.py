@@ -89,7 +89,8 @@ class RunConfig:
         "engine: run the vmapped model through torch.compile (on a GPU 1.6-2.7x faster for the small GPTs of docs/engine.md; runs "
         "eagerly, with a warning, where compile fails)"))
     cuda_graph: bool = field(default=False, metadata=_cli(
-        "engine, --mode merged on a GPU: replay the merged forward and backward from a CUDA graph (docs/engine.md)"))
+        "engine on a GPU (not --mode loop, not --compile): replay the replicas' forward and backward from a CUDA graph "
+        "(docs/engine.md)"))
     seed: int = field(default=0, metadata=_cli("seed of the model, the data and the permutations"))
     out: str = field(default="runs/latest", metadata=_cli("output folder"))
     eval_every: int | None = field(default=None, metadata=_cli("validate every ~N steps, at syncs (default: T)"))
@@ -170,8 +171,9 @@ def check(cfg: RunConfig) -> None:
         raise RunError(f"Expected --mode auto, vmap, loop or merged, but got {cfg.mode!r}")
     if cfg.mode == "merged" and cfg.compile:
         raise RunError("Expected --compile with --mode auto or vmap (--mode merged runs eagerly)")
-    if cfg.cuda_graph and cfg.mode != "merged":
-        raise RunError(f"Expected --cuda-graph with --mode merged, but got --mode {cfg.mode}")
+    if cfg.cuda_graph and (cfg.mode == "loop" or cfg.compile):
+        raise RunError(f"Expected --cuda-graph with --mode auto, vmap or merged and without --compile, but got --mode "
+                       f"{cfg.mode}" + (" --compile" if cfg.compile else ""))
     bad = [e for e in cfg.explore if e not in EXPLORE]
     if bad:
         raise RunError(f"Expected --explore items from {', '.join(EXPLORE)}, but got {', '.join(bad)}")
