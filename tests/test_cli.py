@@ -130,6 +130,7 @@ def test_train_with_the_range_test_records_the_ramp_and_its_end(tmp_path):
     (["train", "--cuda-graph", "--mode", "loop"], "--cuda-graph with --mode auto, vmap or merged and without --compile, "
                                                    "but got --mode loop"),
     (["train", "--cuda-graph", "--device", "cpu"], "--cuda-graph on a CUDA device, but the run is on cpu"),
+    (["train", "--cuda-graph", "--explore", "dropout"], "--cuda-graph without --explore dropout"),
     (["train", "--steps", "abc"], "invalid int value: 'abc'"),
     (["train", "--explore", "momentum"], "Expected --explore items from lr-groups, weight-decay"),
     (["plot", "/nonexistent/run"], "Expected a run folder, but /nonexistent/run does not exist"),

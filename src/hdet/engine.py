@@ -238,7 +238,7 @@ class ReplicaEngine:
                              + (f" (explored {unsafe} need the loop)" if unsafe and mode != "loop" else "")
                              + f", compile={compile!r} on {self.group.device.type}")
         self.cuda_graph = bool(cuda_graph)
-        self._graphs = StepGraphs(lambda b, f: self._merged.losses(b, f, _scalar_loss), self.group.device) \
+        self._graphs = StepGraphs(lambda b, f: (self._merged.losses(b, f, _scalar_loss), {}), self.group.device) \
             if cuda_graph else None  # the merged step's graphs; the vmapped step's:
         self._vgraphs = StepGraphs(self._eager_losses, self.group.device, self._keeping) if cuda_graph else None
         self._graph_ready: dict[Any, bool] = {}  # loss function code -> whether its vmapped step may be graphed
@@ -453,25 +453,21 @@ class ReplicaEngine:
                     losses = None  # with dropout gives NaN)
         if losses is None and self._vgraphs is not None and self._graph_ready.get(key):
             params = {n: p for n, p in self.stack.params.items() if p.requires_grad}
-            losses, graphed = self._vgraphs.losses(batch, loss_fn, params, tuple(m.training for m in self._modules[0]),
-                                                   stacklevel=8)
-            return losses, {}, graphed
+            return self._vgraphs.losses(batch, loss_fn, params, tuple(m.training for m in self._modules[0]),
+                                        stacklevel=8)
         if losses is None:
             losses, reassigned = self._eager_vmapped(fns[0], args)
-            if self._vgraphs is not None and key not in self._graph_ready:  # graphed from the next step on, unless
-                self._graph_ready[key] = not reassigned  # the forward reassigns a buffer (a graph cannot keep it)
-                if reassigned:
-                    warnings.warn(f"hdet: the forward reassigns the buffers {sorted(n[2:] for n in reassigned)}, which a "
-                                  "CUDA graph cannot keep: this loss function's steps run without one", stacklevel=6)
+            if self._vgraphs is not None:  # graphed from this loss function's next step on (a capture whose forward
+                self._graph_ready[key] = True  # reassigns a buffer is refused there)
             if before is not None and fns[1] is not None:  # the eager re-run of a check whose compiled losses were
                 if bool(torch.isfinite(losses).all()):  # non-finite. HOST SYNC (that step only)
                     self._reject(fns, key, None, "non-finite losses where the eager vmapped model's are finite (torch's "
                                  "compiled vmap of scaled_dot_product_attention with dropout is one known case)")
         return losses, reassigned, fns[1] is not None and self._cuda_graphs
 
-    def _eager_losses(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
-        """The eager vmapped losses of one batch (what :attr:`_vgraphs` captures)."""
-        return self._eager_vmapped(self._vmap_fns(loss_fn)[0], (self._call_params, self._call_buffers, batch))[0]
+    def _eager_losses(self, batch: Any, loss_fn: LossFn) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The eager vmapped losses of one batch and the buffers it reassigned (what :attr:`_vgraphs` captures)."""
+        return self._eager_vmapped(self._vmap_fns(loss_fn)[0], (self._call_params, self._call_buffers, batch))
 
     @contextlib.contextmanager
     def _keeping(self) -> Any:
@@ -481,6 +477,7 @@ class ReplicaEngine:
         try:
             yield
         finally:
+            torch.cuda.synchronize(self.group.device)  # (the warm-up runs' side stream: done before the restore)
             with torch.no_grad():
                 for k, b in self.stacked_buffers.items():
                     b.copy_(kept[k])
@@ -492,7 +489,9 @@ class ReplicaEngine:
         if self._graphs is None:
             return self._merged.losses(batch, loss_fn, _scalar_loss), False
         params = {n: p for n, p in self.stack.params.items() if p.requires_grad}
-        return self._graphs.losses(batch, loss_fn, params, tuple(m.training for m in self._modules[0]), stacklevel=8)
+        losses, _, graphed = self._graphs.losses(batch, loss_fn, params, tuple(m.training for m in self._modules[0]),
+                                                 stacklevel=8)
+        return losses, graphed
 
     def _no_merge(self, why: str, stacklevel: int) -> None:
         warnings.warn(f"hdet: mode='merged' cannot run these replicas as one batch ({why}); running them vmapped",
@@ -850,7 +849,8 @@ class ReplicaEngine:
                     self._restore(saved)
                     raise
                 warnings.warn(f"hdet: torch.func.vmap cannot run this model ({type(e).__name__}: {e}); "
-                              "using the loop over replica copies", stacklevel=2)
+                              "using the loop over replica copies" + (" (cuda_graph has no effect there)"
+                                                                      if self.cuda_graph else ""), stacklevel=2)
                 self.mode = "loop"
         else:
             losses = looped()

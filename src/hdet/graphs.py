@@ -33,11 +33,13 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.
 
 
 class StepGraphs:
-    """Graphed steps, most recently used last. ``run(batch, loss_fn)`` is the eager losses of one batch (the merged or
-    the vmapped forward); ``keeping()`` a context that puts back what a forward changes besides its outputs (the
-    stacked buffers: BatchNorm's statistics), around the capture's warm-up runs."""
+    """Graphed steps, most recently used last. ``run(batch, loss_fn)`` is the eager forward of one batch (the merged or
+    the vmapped one), ``(losses, reassigned)``: the buffers that forward reassigned (a graph cannot keep them, so such a
+    step is not captured and the engine keeps them from the eager run). ``keeping()``: a context that puts back what a
+    forward changes besides its outputs (the stacked buffers: BatchNorm's statistics), around a capture's warm-up runs.
+    Captures and replays run on ``device`` (the current CUDA device may be another)."""
 
-    def __init__(self, run: Callable[[Any, Any], torch.Tensor], device: torch.device,
+    def __init__(self, run: Callable[[Any, Any], tuple[torch.Tensor, dict[str, Any]]], device: torch.device,
                  keeping: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
         self.run = run
         self.device = device
@@ -50,11 +52,13 @@ class StepGraphs:
         self.entries.clear()
 
     def losses(self, batch: Any, loss_fn: Any, params: dict[str, torch.Tensor], flags: tuple[bool, ...],
-               stacklevel: int) -> tuple[torch.Tensor, bool]:
-        """The losses of ``batch`` (replayed from a graph where one is or can be captured), and whether a graph ran. ``params``: the trainable stacked parameters by name; ``flags``: the modules' train/eval flags."""
+               stacklevel: int) -> tuple[torch.Tensor, dict[str, Any], bool]:
+        """The losses of ``batch`` (replayed from a graph where one is or can be captured), the buffers an eager run
+        reassigned, and whether a graph ran. ``params``: the trainable stacked parameters by name; ``flags``: the
+        modules' train/eval flags."""
         leaves, spec = tree_flatten(batch)
         if not all(isinstance(t, torch.Tensor) and t.device == self.device for t in leaves):
-            return self.run(batch, loss_fn), False  # (a batch with other leaves: eagerly)
+            return (*self.run(batch, loss_fn), False)  # (a batch with other leaves: eagerly)
         fn_key, keep = _function_key(loss_fn)
         dev = self.device.type
         on = torch.is_autocast_enabled(dev)
@@ -71,8 +75,9 @@ class StepGraphs:
             del self.entries[next(iter(self.entries))]
         graph = entry[0]
         if graph is None:
-            return self.run(batch, loss_fn), False
-        return graph(*params.values(), *leaves), True  # (the leaves are copied into the graph's own)
+            return (*self.run(batch, loss_fn), False)
+        with torch.cuda.device(self.device):
+            return graph(*params.values(), *leaves), {}, True  # (the leaves are copied into the graph's own)
 
     def _capture(self, loss_fn: Any, params: list[torch.Tensor], leaves: list[torch.Tensor], spec: Any,
                  keep: list[Any], stacklevel: int) -> tuple[Callable[..., torch.Tensor] | None, list[Any], list]:
@@ -80,25 +85,49 @@ class StepGraphs:
         self.captures += 1
         if self.captures > 2 * MAX_GRAPHS and not self._churn_warned:
             self._churn_warned = True
-            warnings.warn(f"hdet: the replicas' step was captured in a CUDA graph {self.captures} times (new batch shapes, "
-                          f"flags or loss functions; {MAX_GRAPHS} kept): each capture costs three warm-up steps, a host "
-                          "sync and memory. Keep batches to a few shapes, or leave cuda_graph off", stacklevel=stacklevel)
+            warnings.warn(f"hdet: the replicas' step was captured in a CUDA graph {self.captures} times (new batch "
+                          f"shapes, flags or loss functions; {MAX_GRAPHS} kept): each capture costs three warm-up steps, "
+                          "a host sync and memory. Keep batches to a few shapes, or leave cuda_graph off",
+                          stacklevel=stacklevel)
         k, run = len(params), self.run
         static = [t.clone() for t in leaves]  # the graph's own batch (the caller's tensors are not written into)
+        reassigned: list[str] = []
 
         def losses(*args: torch.Tensor) -> torch.Tensor:
-            return run(tree_unflatten(list(args[k:]), spec), loss_fn)
+            out, new = run(tree_unflatten(list(args[k:]), spec), loss_fn)
+            reassigned.extend(new)
+            return out
         try:  # (its warm-up and capture runs draw dropout masks, as steps would; they change no weight)
-            with self.keeping(), _thread_local_capture(), _no_autocast_cache(), warnings.catch_warnings():
+            with torch.cuda.device(self.device), self.keeping(), _thread_local_capture(), _no_autocast_cache(), \
+                    warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match")  # (the
                 # eager steps' accumulators; the capture takes gradients with autograd.grad, which never runs them)
                 graph = torch.cuda.make_graphed_callables(losses, (*params, *static), allow_unused_input=True)
         except Exception as e:  # noqa: BLE001 - a forward that cannot be captured (a host sync, ...): eagerly
+            _after_failed_capture(self.device)
             warnings.warn(f"hdet: the replicas' forward cannot be captured in a CUDA graph ({type(e).__name__}: "
                           f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); running it eagerly",
                           stacklevel=stacklevel)
             return None, keep, []
+        if reassigned:
+            warnings.warn(f"hdet: the forward reassigns the buffers {sorted(set(n[2:] for n in reassigned))}, which a "
+                          "CUDA graph cannot keep: these steps run without one", stacklevel=stacklevel)
+            return None, keep, []
         return graph, keep, static
+
+
+def _after_failed_capture(device: torch.device) -> None:
+    """A capture that failed can leave the CUDA random generator in capture mode (its next eager draw then fails,
+    "Offset increment outside graph capture"): an empty capture that succeeds ends it. Then wait for the warm-up runs'
+    kernels, so that nothing restored afterwards races with them."""
+    with torch.cuda.device(device):
+        try:
+            with _thread_local_capture():
+                with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                    pass
+        except Exception:  # noqa: BLE001 - nothing more to undo
+            pass
+        torch.cuda.synchronize()
 
 
 def _function_key(loss_fn: Any) -> tuple[Any, list[Any]]:

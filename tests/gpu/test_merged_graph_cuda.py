@@ -190,3 +190,84 @@ def test_the_graphed_vmapped_gpt_computes_what_the_eager_one_does():
     torch.testing.assert_close(lg, le, rtol=1e-5, atol=1e-5)
     for a, b in zip(eager.models[1].parameters(), graphed.models[1].parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+class _Syncing(torch.nn.Module):
+    """Dropout, then a host sync in the forward (legal eagerly, refused while a CUDA graph is captured)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 1)
+        self.drop = torch.nn.Dropout(0.3)
+
+    def forward(self, x):
+        h = self.drop(x)
+        torch.cuda.synchronize()
+        return self.lin(h)
+
+
+class _Ema(torch.nn.Module):
+    """A buffer the forward reassigns in train mode only (eval-mode steps first, then train mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 1)
+        self.register_buffer("mu", torch.zeros(6))
+
+    def forward(self, x):
+        if self.training:
+            self.mu = 0.9 * self.mu + 0.1 * x.mean(0)
+        return self.lin(x - self.mu)
+
+
+def _small(model, mode, graph):
+    return ReplicaEngine(model, 4, lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
+                         lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=8,
+                                                               ensemble_lr_spread_ratio=0.3, model_sync_interval=4,
+                                                               replicas=rep, model=m), mode=mode, cuda_graph=graph)
+
+
+def _mse(m, b):
+    return F.mse_loss(m(b[0]), b[1])
+
+
+@pytest.mark.parametrize("mode", ["vmap", "merged"])
+def test_a_capture_that_fails_leaves_the_eager_step_working(mode):
+    """A host sync in the forward fails the capture after dropout drew its mask in capture mode: the engine says so and
+    runs eagerly, and the eager step's own dropout works (a failed capture can leave the random generator in capture
+    mode, "Offset increment outside graph capture")."""
+    g = torch.Generator(device="cuda").manual_seed(9)
+    data = [(torch.randn(4, 8, 6, device="cuda", generator=g), torch.randn(4, 8, 1, device="cuda", generator=g))
+            for _ in range(6)]
+    torch.manual_seed(0)
+    eng = _small(_Syncing().cuda(), mode, True)
+    with pytest.warns(UserWarning, match="cannot be captured in a CUDA graph"):  # (merged captures at its first
+        eng.step(data[0], _mse, stacked=True)  # step, after the check; vmapped at its second)
+        eng.step(data[1], _mse, stacked=True)
+    losses = [eng.step(data[t], _mse, stacked=True) for t in range(2, 6)]
+    assert all(bool(torch.isfinite(x).all()) for x in losses)
+    torch.rand(3, device="cuda")  # the generator works eagerly
+
+
+def test_a_buffer_the_forward_reassigns_only_in_train_mode_is_kept_as_eager_keeps_it():
+    g = torch.Generator(device="cuda").manual_seed(10)
+    data = [(torch.randn(4, 8, 6, device="cuda", generator=g), torch.randn(4, 8, 1, device="cuda", generator=g))
+            for _ in range(6)]
+    out = {}
+    for graph in (False, True):
+        torch.manual_seed(0)
+        eng = _small(_Ema().cuda(), "vmap", graph)
+        losses = []
+        for t in range(6):
+            for m in eng.models:
+                m.train(t >= 2)
+            if graph and t == 2:
+                with pytest.warns(UserWarning, match=r"reassigns the buffers \['mu'\]"):
+                    losses.append(eng.step(data[t], _mse, stacked=True))
+            else:
+                losses.append(eng.step(data[t], _mse, stacked=True))
+        out[graph] = (eng, torch.stack(losses))
+    (eager, le), (graphed, lg) = out[False], out[True]
+    torch.testing.assert_close(lg, le, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(graphed.stacked_buffers["mu"], eager.stacked_buffers["mu"], rtol=1e-5, atol=1e-6)
+    assert bool(eager.stacked_buffers["mu"].abs().sum() > 0)

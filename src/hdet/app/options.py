@@ -171,6 +171,9 @@ def check(cfg: RunConfig) -> None:
         raise RunError(f"Expected --mode auto, vmap, loop or merged, but got {cfg.mode!r}")
     if cfg.mode == "merged" and cfg.compile:
         raise RunError("Expected --compile with --mode auto or vmap (--mode merged runs eagerly)")
+    if cfg.cuda_graph and "dropout" in cfg.explore:
+        raise RunError("Expected --cuda-graph without --explore dropout (an explored dropout lives in the modules and "
+                       "needs the engine's loop, which runs no graph)")
     if cfg.cuda_graph and (cfg.mode == "loop" or cfg.compile):
         raise RunError(f"Expected --cuda-graph with --mode auto, vmap or merged and without --compile, but got --mode "
                        f"{cfg.mode}" + (" --compile" if cfg.compile else ""))
