@@ -376,6 +376,41 @@ def test_a_terminated_run_says_it_can_be_resumed(tmp_path):
     assert "hdet: terminated; the same command with --resume goes on from its last checkpoint" in err
 
 
+def test_a_sigterm_whose_exception_a_finalizer_swallowed_still_stops_the_run(tmp_path, monkeypatch, capsys):
+    """Python runs a signal handler between bytecodes of the main thread; inside a finalizer (garbage collection, a
+    __del__) its exception is dropped as unraisable, and a run in the CI trained on for 50 minutes after its SIGTERM.
+    The handler also sets a flag that the loop reads each step: here the handler runs inside a __del__ at step 5."""
+    import gc
+    import signal
+
+    from hdet.app import stop
+    from hdet.app.runs import EngineRun
+
+    real, calls = EngineRun.step, [0]
+
+    class Dropped:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, inside the finalizer
+            for _ in range(1000):  # (bytecodes for Python to run it at)
+                pass
+
+    def step(self, batches):
+        calls[0] += 1
+        if calls[0] == 5:
+            x = Dropped()
+            x.self = x  # collected by the garbage collector, not by the reference count
+            del x
+            gc.collect()
+        return real(self, batches)
+
+    monkeypatch.setattr(EngineRun, "step", step)
+    monkeypatch.setattr(stop, "requested", False)
+    code = main(["train", *TINY, "--steps", "40", "--checkpoint-every", "2", "--out", str(tmp_path / "run")])
+    assert code == 143 and calls[0] == 5, calls  # it stopped before step 6
+    assert "hdet: terminated; the same command with --resume goes on" in capsys.readouterr().err
+    assert stop.requested
+
+
 def test_flags_a_torchrun_run_does_not_use_are_named():
     """Under torchrun the engine's --mode and --compile did nothing, silently, and --auto-lr in one process (world
     size 1, no spread to compare) got no warning where --replicas 1 in the engine got one."""

@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any, NoReturn
 
+from . import stop
 from .options import RunConfig, RunError, check, unused
 
 __all__ = ["main"]
@@ -194,14 +195,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM (torchrun stopping its workers, a scheduler's kill): stopped as Ctrl-C stops a run."""
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise _Terminated()
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
@@ -209,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     # workers with SIGTERM when one fails, and a Python handler runs only once a blocked collective returns (the rank
     # would wait there for torchrun's SIGKILL instead of ending at once)
     handle = threading.current_thread() is threading.main_thread() and "WORLD_SIZE" not in os.environ
-    before = signal.signal(signal.SIGTERM, _on_sigterm) if handle else None
+    before = signal.signal(signal.SIGTERM, stop.on_sigterm) if handle else None
     try:
         return _run(a, argv)
     finally:
@@ -231,9 +224,9 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
         return 2
     except KeyboardInterrupt as e:
         saved = a.cmd == "train" and any(Path(a.out).glob("checkpoint*.pt"))
-        print(("hdet: terminated" if isinstance(e, _Terminated) else "hdet: interrupted") +
+        print(("hdet: terminated" if isinstance(e, stop.Terminated) else "hdet: interrupted") +
               ("; the same command with --resume goes on from its last checkpoint" if saved else ""), file=sys.stderr)
-        return 143 if isinstance(e, _Terminated) else 130
+        return 143 if isinstance(e, stop.Terminated) else 130
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from .. import __version__
 from ..ensemble import NonFiniteReplicaError
 from ..telemetry import SyncLogger
 from ..window import eval_mode
-from . import checkpoint
+from . import checkpoint, stop
 from .options import RunConfig, RunError, check, default_warmup, resolve, resolve_device
 from .runs import DDPRun, EngineRun, eval_weights, to_device
 from .tasks import Task, make_task
@@ -320,6 +320,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
     progress.update(start)
     try:
         for t in range(start + 1, cfg.steps + 1):
+            stop.check()  # a SIGTERM whose exception a finalizer swallowed (hdet.app.stop)
             batches = [to_device(task.sample("train", cfg.batch, gens[r]), device) for r in reps.local]
             lrs, bases = sched0.effective_lrs, sched0.base_lrs_now  # this step's (the scheduler steps in reps.step)
             d = _step_size_estimate(reps.optimizers[0])  # the one this step uses (the step updates it)
