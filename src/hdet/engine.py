@@ -42,7 +42,7 @@ from torch.func import functional_call, vmap
 
 from . import attention, autocast, embedding, linear
 from .graphs import StepGraphs
-from .merged import MergedReplicas, NotMergeable, disagreement, no_dropout, reason_not_mergeable
+from .merged import MergedReplicas, NotMergeable, check_merged, failure, reason_not_mergeable
 from .ensemble import ReplicaMismatchError
 from .guard import all_finite
 from .replicas import LocalReplicaGroup, Replicas, accumulation, average_local
@@ -442,7 +442,7 @@ class ReplicaEngine:
                 with embedding.routed(), _lower_backward_now():  # (padding_idx's row: no gradient from the lookup;
                     losses, reassigned = self._forward(fns[1], args)  # the backward compiled now, inside this try)
             except Exception as e:  # noqa: BLE001 - torch.compile of a vmapped model can fail: say so, run eagerly
-                self._reject(fns, key, before, f"{type(e).__name__}: {_first_line(e)}")
+                self._reject(fns, key, before, failure(e))
                 losses = None
             if losses is not None and fns[2]:
                 if bool(torch.isfinite(losses).all()):  # HOST SYNC (the first compiled step of a loss function only)
@@ -520,66 +520,15 @@ class ReplicaEngine:
             losses = self._vmap_losses(batch, loss_fn)
         except Exception:  # vmap fails too: the step's own error (loss_fn, batches), still merged for the next
             raise failed from None
-        self._no_merge(f"{type(failed).__name__}: {_first_line(failed)}", stacklevel=5)
+        self._no_merge(failure(failed), stacklevel=5)
         return losses
 
     def _check_merged(self, batch: Any, loss_fn: LossFn) -> str | None:
-        """Why the merged batch does not compute what vmap does for this step, or None: the losses and gradients of
-        both, from the same weights and random state, with dropout off, must agree to rounding (a forward that mixes
-        rows, a statistic over the batch, shows here). Nothing changes: no ``.grad``, the random state as before."""
+        """Why the merged batch does not compute what vmap does for this step, or None (:func:`hdet.merged.check_merged`)."""
         before = self._before_forward()
-        params = [p for p in self.stack.params.values() if p.requires_grad]
-        try:
-            with no_dropout():
-                got_v, _ = self._eager_vmapped(self._vmap_fns(loss_fn)[0], (self._call_params, self._call_buffers,
-                                                                            batch))
-                grads_v = torch.autograd.grad(got_v.sum(), params, allow_unused=True)
-                self._restore_forward(before)
-                try:
-                    got_m = self._merged.losses(batch, loss_fn, _scalar_loss)
-                    grads_m = torch.autograd.grad(got_m.sum(), params, allow_unused=True)
-                except NotMergeable as e:
-                    return str(e)
-                except Exception as e:  # noqa: BLE001 - vmap ran this step: merging it is what fails
-                    return f"{type(e).__name__}: {_first_line(e)}"
-        finally:
-            self._restore_forward(before)
-        tol = 5e-2 if torch.is_autocast_enabled(self.group.device.type) else (
-            1e-2 if self.group.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest" else 1e-4)
-        worst = max(disagreement([got_m], [got_v]), disagreement(grads_m, grads_v))
-        if not worst <= tol:
-            return (f"at the first step the merged batch's losses or gradients differ from vmap's by {worst:.2g} "
-                    f"(relative; rounding allows {tol:g}): the forward mixes the rows of its batch")
-        if self.num_replicas > 1:  # replicas that start equal on one batch mix rows unseen: replica 0 made different
-            moved = self._merged_isolation(batch, loss_fn, params, got_m, grads_m, before)
-            if not moved <= tol:
-                return (f"changing replica 0's weights changed the other replicas' merged losses or gradients by "
-                        f"{moved:.2g} (relative; rounding allows {tol:g}): the forward mixes the rows of its batch")
-        return None
-
-    @torch.no_grad()
-    def _merged_isolation(self, batch: Any, loss_fn: LossFn, params: list[torch.Tensor], got: torch.Tensor,
-                          grads: Sequence[torch.Tensor | None], before: Any) -> float:
-        """How far the merged losses and gradients of replicas 1..N-1 move when only replica 0's weights change (a
-        forward that treats rows independently: not at all). Replica 0's weights get noise of a tenth of their size,
-        from a generator of its own, and are put back exactly."""
-        g = torch.Generator(device=self.group.device).manual_seed(0)
-        moved = [p for p in self.stack.params.values() if p.is_floating_point()]  # (frozen ones too)
-        kept = [p[0].clone() for p in moved]
-        try:
-            for p in moved:  # HOST SYNC (the first merged step only: each tensor's size)
-                p[0].add_(torch.randn(p[0].shape, generator=g, device=p.device, dtype=p.dtype),
-                          alpha=0.1 * float(p[0].abs().mean()) + 1e-3)
-            with torch.enable_grad(), no_dropout():
-                self._restore_forward(before)
-                got2 = self._merged.losses(batch, loss_fn, _scalar_loss)
-                grads2 = torch.autograd.grad(got2.sum(), params, allow_unused=True)
-        finally:
-            for p, k in zip(moved, kept):
-                p[0].copy_(k)
-            self._restore_forward(before)
-        rest = lambda ts: [t[1:] if t is not None else None for t in ts]  # noqa: E731
-        return max(disagreement([got2[1:]], [got[1:]]), disagreement(rest(grads2), rest(grads)))
+        vmapped = lambda: self._eager_vmapped(self._vmap_fns(loss_fn)[0],  # noqa: E731
+                                              (self._call_params, self._call_buffers, batch))[0]
+        return check_merged(self._merged, batch, loss_fn, _scalar_loss, vmapped, lambda: self._restore_forward(before))
 
     @property
     def _cuda_graphs(self) -> bool:
@@ -598,7 +547,7 @@ class ReplicaEngine:
         try:
             return torch.compile(eager, **options)
         except Exception as e:  # noqa: BLE001 - a compile that cannot be set up: eagerly, as below
-            self._reject([eager, None, False], key, None, f"{type(e).__name__}: {_first_line(e)}")
+            self._reject([eager, None, False], key, None, failure(e))
             return None
 
     def _forward(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -953,11 +902,6 @@ def _as_loaded(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
         for hook in getattr(mod, "_load_state_dict_pre_hooks", {}).values():
             hook(state, f"{name}." if name else "", {}, True, [], [], [])
     return state
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def _lower_backward_now() -> contextlib.AbstractContextManager:

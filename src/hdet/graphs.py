@@ -26,10 +26,11 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .values import PLAIN
+
 __all__ = ["StepGraphs", "MAX_GRAPHS"]
 
 MAX_GRAPHS = 4  # graphs kept (each holds its own memory pool and a copy of its batch)
-_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
 
 
 class StepGraphs:
@@ -136,7 +137,7 @@ def _function_key(loss_fn: Any) -> tuple[Any, list[Any]]:
     keep: list[Any] = []
 
     def value(v: Any) -> Any:
-        if isinstance(v, _PLAIN):
+        if isinstance(v, PLAIN):
             return ("=", type(v), v)
         keep.append(v)
         return ("id", id(v))

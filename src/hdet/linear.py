@@ -30,7 +30,7 @@ from . import autocast
 from .attention import under_vmap
 from .patching import patched
 
-__all__ = ["linear", "routed"]
+__all__ = ["linear", "routed", "batched_linear"]
 
 _TORCH_LINEAR = torch._C._nn.linear  # torch's own F.linear
 _BMM, _BADDBMM = torch.bmm, torch.baddbmm  # torch's own (the engine routes torch.baddbmm: hdet.autocast)
@@ -94,13 +94,19 @@ def _stacked_linear(x: torch.Tensor, xd: int | None, w: torch.Tensor, wd: int, b
     if x.shape[-1] != w.shape[-1]:  # torch's own message for one replica (baddbmm's would name batch2)
         raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({math.prod(lead)}x{x.shape[-1]} and "
                            f"{w.shape[-1]}x{w.shape[1]})")
-    device = x.device.type
     with _interpreter().lower():  # plain tensors, autograd as usual (vmap is this function's only transform)
-        x3 = x.reshape(n, -1, x.shape[-1])  # [N, R, in]
-        y = (autocast.cast_and_call(device, _BatchedLinear.apply, x3, w, b)  # cast as autocast casts F.linear
-             if torch.is_autocast_enabled(device) else _BatchedLinear.apply(x3, w, b))
+        y = batched_linear(x.reshape(n, -1, x.shape[-1]), w, b)  # [N, R, in] rows
         y = y.view(n, *lead, y.shape[-1])
     return _functorch._add_batch_dim(y, 0, level)
+
+
+def batched_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``y[r] = x[r] @ w[r]^T + b[r]`` on plain ``[N, R, in]``, ``[N, out, in]``, ``[N, out]`` tensors, one ``baddbmm``
+    (:class:`_BatchedLinear`), cast as autocast casts ``F.linear``."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return autocast.cast_and_call(device, _BatchedLinear.apply, x, w, b)
+    return _BatchedLinear.apply(x, w, b)
 
 
 class _BatchedLinear(torch.autograd.Function):

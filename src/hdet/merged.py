@@ -32,10 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import autocast
-from .linear import _BatchedLinear
+from .linear import batched_linear
+from .values import PLAIN
 
-__all__ = ["MergedReplicas", "NotMergeable", "reason_not_mergeable", "LEAVES"]
+__all__ = ["MergedReplicas", "NotMergeable", "reason_not_mergeable", "check_merged", "LEAVES"]
 
 _functorch = torch._C._functorch
 try:
@@ -45,7 +45,6 @@ except ImportError:  # pragma: no cover - no functorch
 
 _RMSNorm = getattr(nn, "RMSNorm", None)
 LEAVES: tuple[type, ...] = (nn.Linear, nn.LayerNorm, nn.Embedding) + ((_RMSNorm,) if _RMSNorm is not None else ())
-_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
 class NotMergeable(Exception):
@@ -88,6 +87,7 @@ class MergedReplicas:
 
     def __init__(self, module: nn.Module, stacked: dict[str, torch.Tensor], num_replicas: int) -> None:
         self.module = module
+        self.stacked = stacked
         self.N = num_replicas
         names = {id(p): n for n, p in module.named_parameters()}  # (a tied weight: its first name)
         self.leaves = [(mod, {k: stacked[names[id(p)]] for k, p in mod._parameters.items() if p is not None})
@@ -147,7 +147,7 @@ class MergedReplicas:
                     raise NotMergeable(f"the module returned a tensor of shape {tuple(y.shape)}, whose leading axis "
                                        f"does not split into the {self.N} replicas' rows")
                 y = _functorch._add_batch_dim(y.reshape(self.N, y.shape[0] // self.N, *y.shape[1:]), 0, level)
-            elif not isinstance(y, _PLAIN):  # (an object holding tensors that tree_flatten does not reach)
+            elif not isinstance(y, PLAIN):  # (an object holding tensors that tree_flatten does not reach)
                 raise NotMergeable(f"the module returned a {type(y).__name__}, whose tensors cannot be split into the "
                                    "replicas' rows (return tensors, or tuples, lists or dicts of them)")
             split.append(y)
@@ -196,7 +196,7 @@ class _Proxy:
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._merged.module, name)
-        if isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value)):
+        if isinstance(value, PLAIN) or (isinstance(value, tuple) and all(isinstance(v, PLAIN) for v in value)):
             return value
         raise NotMergeable(f"loss_fn reads the module's {name!r} ({type(value).__name__}), which is per replica")
 
@@ -214,10 +214,7 @@ def _linear(mr: MergedReplicas, mod: nn.Linear, ws: dict[str, torch.Tensor]) -> 
         fast = x.shape[0] == mr.rows and x.is_contiguous()  # (the common case, at the least host cost)
         x3, shared = (x.view(mr.N, -1, x.shape[-1]), False) if fast else mr.split(x, "Linear")
         lead = x.shape[1:-1] if fast else x3.shape[1:-1]
-        x3 = x3.reshape(mr.N, -1, x3.shape[-1])
-        device = x3.device.type
-        y = (autocast.cast_and_call(device, _BatchedLinear.apply, x3, w, b) if torch.is_autocast_enabled(device)
-             else _BatchedLinear.apply(x3, w, b))
+        y = batched_linear(x3.reshape(mr.N, -1, x3.shape[-1]), w, b)
         return y.view(*x.shape[:-1], y.shape[-1]) if fast else mr.join(y.view(mr.N, *lead, y.shape[-1]), shared)
     return forward
 
@@ -267,6 +264,76 @@ _FORWARDS: dict[type, Callable[..., Callable[..., torch.Tensor]]] = {
 
 
 # -- the first step's check --------------------------------------------------------------------------------
+def check_merged(mr: MergedReplicas, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+                 scalar: Callable[[Any], torch.Tensor], vmapped: Callable[[], torch.Tensor],
+                 restore: Callable[[], None]) -> str | None:
+    """Why the merged batch does not compute what vmap does for this step, or None: the losses and gradients of
+    both, from the same weights and random state, with dropout off, must agree to rounding (a forward that mixes
+    rows, a statistic over the batch, shows here). ``vmapped()``: the vmapped forward's ``[N]`` losses;
+    ``restore()``: the buffers and random state as before the step. Nothing changes: no ``.grad``, the random state
+    as before."""
+    params = [p for p in mr.stacked.values() if p.requires_grad]
+    device = params[0].device if params else torch.device("cpu")
+    try:
+        with no_dropout():
+            got_v = vmapped()
+            grads_v = torch.autograd.grad(got_v.sum(), params, allow_unused=True)
+            restore()
+            try:
+                got_m = mr.losses(batch, loss_fn, scalar)
+                grads_m = torch.autograd.grad(got_m.sum(), params, allow_unused=True)
+            except NotMergeable as e:
+                return str(e)
+            except Exception as e:  # noqa: BLE001 - vmap ran this step: merging it is what fails
+                return failure(e)
+    finally:
+        restore()
+    tol = 5e-2 if torch.is_autocast_enabled(device.type) else (
+        1e-2 if device.type == "cuda" and torch.get_float32_matmul_precision() != "highest" else 1e-4)
+    worst = max(disagreement([got_m], [got_v]), disagreement(grads_m, grads_v))
+    if not worst <= tol:
+        return (f"at the first step the merged batch's losses or gradients differ from vmap's by {worst:.2g} "
+                f"(relative; rounding allows {tol:g}): the forward mixes the rows of its batch")
+    if mr.N > 1:  # replicas that start equal on one batch mix rows unseen: replica 0 made different
+        moved = _isolation(mr, batch, loss_fn, scalar, params, got_m, grads_m, restore)
+        if not moved <= tol:
+            return (f"changing replica 0's weights changed the other replicas' merged losses or gradients by "
+                    f"{moved:.2g} (relative; rounding allows {tol:g}): the forward mixes the rows of its batch")
+    return None
+
+
+@torch.no_grad()
+def _isolation(mr: MergedReplicas, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+               scalar: Callable[[Any], torch.Tensor], params: list[torch.Tensor], got: torch.Tensor,
+               grads: Sequence[torch.Tensor | None], restore: Callable[[], None]) -> float:
+    """How far the merged losses and gradients of replicas 1..N-1 move when only replica 0's weights change (a
+    forward that treats rows independently: not at all). Replica 0's weights get noise of a tenth of their size,
+    from a generator of its own, and are put back exactly."""
+    moved = [p for p in mr.stacked.values() if p.is_floating_point()]  # (frozen ones too)
+    g = torch.Generator(device=moved[0].device).manual_seed(0)
+    kept = [p[0].clone() for p in moved]
+    try:
+        for p in moved:  # HOST SYNC (the first merged step only: each tensor's size)
+            p[0].add_(torch.randn(p[0].shape, generator=g, device=p.device, dtype=p.dtype),
+                      alpha=0.1 * float(p[0].abs().mean()) + 1e-3)
+        with torch.enable_grad(), no_dropout():
+            restore()
+            got2 = mr.losses(batch, loss_fn, scalar)
+            grads2 = torch.autograd.grad(got2.sum(), params, allow_unused=True)
+    finally:
+        for p, k in zip(moved, kept):
+            p[0].copy_(k)
+        restore()
+    rest = lambda ts: [t[1:] if t is not None else None for t in ts]  # noqa: E731
+    return max(disagreement([got2[1:]], [got[1:]]), disagreement(rest(grads2), rest(grads)))
+
+
+def failure(e: BaseException) -> str:
+    """``"TypeName: the message's first line"``, for a fallback's warning."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 @contextlib.contextmanager
 def no_dropout() -> Iterator[None]:
     """Inside: ``F.dropout`` is the identity (the two ways of running the replicas draw their masks differently)."""

@@ -7,7 +7,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["real_number", "int_number"]
+__all__ = ["real_number", "int_number", "PLAIN"]
+
+# values compared by value, not identity (a graph's key, a loss function's plain arguments)
+PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
 
 
 def real_number(x: Any) -> float | None:
