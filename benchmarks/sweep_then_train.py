@@ -21,7 +21,8 @@ guess (0.1x, 1x, 10x the suite's grid best), with the evidence suite's tasks and
    winner's weights (:func:`noise_scale`, recorded with every factor) by the surge rule (:func:`surge_factor`);
 3. the main run: ``hdet train``'s recipe (alpha 0.2, T 25, ``on_runaway="recover"``) at that max_lr for the rest
    of the steps, from the sweep's best replica (``--from winner``, the same total compute as one run) or from the
-   initial weights for the full steps (``--from init``: 10% more compute; says what the pick alone is worth).
+   initial weights for the full steps (``--from init``: ``--sweep-frac`` more compute; says what the pick alone is
+   worth).
 
 Writes JSON (per run: the sweep's losses, the pick, the main run's final metric) with the command and versions.
 

@@ -12,6 +12,7 @@ from .replay import ReplayLR
 from .schedulers import HDETLR, OneCycleAutoLR
 from .spread import Dealer, linear_multipliers
 from .swap import SwappedInError
+from .sweep import SweepResult, lr_sweep
 from .telemetry import SyncLogger, sync_scalars
 
 __version__ = "0.1.0"
@@ -50,4 +51,6 @@ __all__ = [
     "SyncLogger",
     "sync_scalars",
     "contiguous_parameters_",
+    "lr_sweep",
+    "SweepResult",
 ]

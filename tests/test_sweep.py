@@ -1,0 +1,244 @@
+"""hdet.lr_sweep: the run's first steps as N independent short runs at LRs apart, the model left at the best one."""
+
+import copy
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import hdet
+from hdet.sweep import pick_lr, sweep_lrs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import check_ok, one_thread, run_gloo  # noqa: E402
+
+N, STEPS = 4, 12
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def data(r: int, i: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * r + i)
+    x = torch.randn(n, 6, generator=g)
+    return x, x[:, :1] * 2 - x[:, 1:2] + 0.1 * torch.randn(n, 1, generator=g)
+
+
+def batches(r: int):
+    return (data(r, i) for i in range(STEPS))
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def make_opt(params, lr):
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+
+
+def held_out(model):
+    x, y = data(99, 0, 64)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def reference(guess, judge, factor=None):
+    """The sweep written out by hand as benchmarks/sweep_then_train.py runs it: each replica's model from the same
+    seed, AdamW, OneCycle over the sweep, judged; the best one's weights."""
+    factor = math.sqrt(N) if factor is None else factor
+    lrs = [guess / factor * 32.0 ** ((2 * r - (N - 1)) / (N - 1)) for r in range(N)]
+    losses, firsts, states = [], [], []
+    start = held_out(make_model().eval()).item() if judge else None
+    for r, lr in enumerate(lrs):
+        model = make_model()
+        opt = make_opt(model.parameters(), lr)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=STEPS, pct_start=0.3)
+        tail = []
+        for i, b in enumerate(batches(r)):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model, b)
+            loss.backward()
+            opt.step()
+            sched.step()
+            if i == 0:
+                firsts.append(loss.item())
+            if i >= STEPS - max(1, STEPS // 10):
+                tail.append(loss.item())
+        if judge:
+            model.eval()
+            with torch.no_grad():
+                losses.append(held_out(model).item())
+        else:
+            losses.append(sum(tail) / len(tail))
+        states.append(copy.deepcopy(model.state_dict()))
+    return lrs, losses, states, (start if judge else sum(firsts) / len(firsts))
+
+
+@pytest.mark.parametrize("judge", [True, False])
+def test_one_process_is_the_hand_written_sweep(judge):
+    model = make_model()
+    res = hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N,
+                        judge=held_out if judge else None)
+    lrs, losses, states, start = reference(0.1, judge)
+    assert res.lrs == pytest.approx(lrs, rel=1e-15)
+    assert res.losses == pytest.approx(losses, rel=1e-6)
+    best = min(range(N), key=lambda i: losses[i])
+    assert res.winner == best
+    for k, v in model.state_dict().items():  # the model holds the best run's weights and BatchNorm statistics
+        assert torch.equal(v, states[best][k]), k
+    assert res.start_loss == pytest.approx(start, rel=1e-6)
+    assert res.pick == pytest.approx(pick_lr(lrs, losses, start), rel=1e-9)
+    assert res.max_lr == pytest.approx(res.pick * math.sqrt(N), rel=1e-12)
+    assert res.lr_factor == pytest.approx(math.sqrt(N))
+    assert model.training
+
+
+def test_lr_factor_moves_the_grid_and_the_peak():
+    res = hdet.lr_sweep(make_model(), make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N,
+                        judge=held_out, lr_factor=1.5)
+    assert res.lrs[0] == pytest.approx(0.1 / 1.5 / 32) and res.lrs[-1] == pytest.approx(0.1 / 1.5 * 32)
+    assert res.max_lr == pytest.approx(res.pick * 1.5)
+
+
+def test_pick_is_the_benchmarks_confirmed_rule():
+    """pick_lr is sweep_then_train.py's --pick fit7, the rule its fifth call ran on fresh seeds."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from sweep_then_train import pick_fit
+    g = torch.Generator().manual_seed(0)
+    lrs = sweep_lrs(1e-3, 8, 32.0)
+    for _ in range(50):
+        losses = (torch.rand(8, generator=g) + 0.3 * (torch.arange(8) - 3.5 * torch.rand(1, generator=g)) ** 2).tolist()
+        if torch.rand(1, generator=g) < 0.3:
+            losses[7] = math.inf
+        assert pick_lr(lrs, losses) == pytest.approx(pick_fit(lrs, losses, 3), rel=1e-12)
+
+
+def test_pick_finds_a_parabolas_vertex_and_stays_inside_the_points():
+    lrs = sweep_lrs(1e-3, 8, 32.0)
+    x = [math.log(v) for v in lrs]
+    vertex = math.log(2.5e-3)
+    assert pick_lr(lrs, [(v - vertex) ** 2 + 1 for v in x]) == pytest.approx(2.5e-3, rel=1e-9)
+    falling = [-v for v in x]  # lowest at the high end: the vertex is clipped to the points used
+    assert pick_lr(lrs, falling) == pytest.approx(lrs[-1])
+    assert pick_lr(lrs, [math.inf] * 7 + [1.0]) == lrs[-1]  # one finite point: its LR
+    with pytest.raises(RuntimeError, match="non-finite"):
+        pick_lr(lrs, [math.inf] * 8)
+
+
+def test_runs_that_blew_up_and_settled_near_the_start_are_out_of_the_fit():
+    """The study's call 5, seed 3 from 10x (Fashion-MNIST, held-out losses; the untrained CNN's loss is ~ln 10): two
+    runs that blew up ended at chance, finite; in the fit they moved the pick from 0.0087 to 0.0134."""
+    lrs = sweep_lrs(0.16 / math.sqrt(8), 8, 32.0)
+    losses = [0.364, 0.361, 0.363, 0.355, 0.394, 0.5, 2.308, 2.312]
+    assert pick_lr(lrs, losses) == pytest.approx(0.0134, rel=0.01)  # the study's rule
+    assert pick_lr(lrs, losses, start=math.log(10)) == pytest.approx(0.0087, rel=0.01)
+    assert pick_lr(lrs, losses, start=math.log(10)) == pytest.approx(pick_lr(lrs[:6], losses[:6]), rel=1e-12)
+    with pytest.raises(RuntimeError, match="No sweep run ended below the start's loss"):
+        pick_lr(lrs, losses, start=0.3)
+
+
+def test_a_diverged_run_is_judged_inf_and_the_edge_warns():
+    """Far too high a guess: the high runs blow up (judged inf), the best is the lowest LR, which warns."""
+    model = make_model()
+    with pytest.warns(UserWarning, match="low end"):
+        res = hdet.lr_sweep(model, lambda p, lr: torch.optim.SGD(p, lr=lr), loss_fn, batches, guess=10.0,
+                            steps=STEPS, num_replicas=N, judge=held_out)
+    assert math.isinf(res.losses[-1]) and res.winner == 0 and res.at_edge
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("how", ["diverged", "nan judge"])
+def test_every_run_non_finite_raises_and_leaves_the_start_weights(how):
+    model = make_model()
+    start = copy.deepcopy(model.state_dict())
+    opt = (lambda p, lr: torch.optim.SGD(p, lr=lr)) if how == "diverged" else make_opt
+    with pytest.raises(RuntimeError, match="guess is far too high"):
+        hdet.lr_sweep(model, opt, loss_fn, batches, guess=1e4 if how == "diverged" else 0.1, steps=STEPS,
+                      num_replicas=N, judge=held_out if how == "diverged" else (lambda m: float("nan")))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, start[k]), k
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(guess=0.0), "guess"), (dict(guess=float("inf")), "guess"), (dict(guess="1e-3"), "guess"),
+    (dict(steps=0), "steps"), (dict(steps=2.5), "steps"), (dict(num_replicas=1), "num_replicas"),
+    (dict(num_replicas=None), "num_replicas"), (dict(span=1.0), "span"), (dict(lr_factor=0), "lr_factor"),
+    (dict(pct_start=1.0), "pct_start"),
+])
+def test_bad_arguments_say_what_was_expected(kwargs, match):
+    args = {**dict(guess=0.1, steps=STEPS, num_replicas=N), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        hdet.lr_sweep(make_model(), make_opt, loss_fn, batches, **args)
+
+
+def test_too_few_batches_and_a_bad_judge_are_errors():
+    with pytest.raises(ValueError, match="at least steps=12 batches"):
+        hdet.lr_sweep(make_model(), make_opt, loss_fn, lambda r: [data(r, 0)] * 3, guess=0.1, steps=STEPS,
+                      num_replicas=N)
+    with pytest.raises(TypeError, match="one real number"):
+        hdet.lr_sweep(make_model(), make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N,
+                      judge=lambda m: torch.zeros(2))
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        hdet.lr_sweep(lambda x: x, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N)
+
+
+def _sweep_worker(rank, world, ddp):
+    import torch.distributed as dist
+    model = make_model()
+    wrapped = nn.parallel.DistributedDataParallel(model) if ddp else model
+    res = hdet.lr_sweep(wrapped, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, judge=held_out)
+    swept = {k: v.tolist() for k, v in model.state_dict().items()}
+    flat = torch.cat([t.detach().reshape(-1).double() for t in model.state_dict().values()])
+    out = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(out, flat)
+    with pytest.raises(ValueError, match="process group's size"):
+        hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=world + 1)
+    # the docs' recipe on: the main run at res.max_lr from the best run's weights, HDET over the DDP model
+    main = nn.parallel.DistributedDataParallel(model)
+    opt = make_opt(main.parameters(), res.max_lr)
+    sched = hdet.OneCycleAutoLR(opt, max_lr=res.max_lr, total_steps=8, ensemble_lr_spread_ratio=0.2,
+                                model_sync_interval=4, on_runaway="recover", model=main)
+    lrs = []
+    for i in range(8):
+        loss = loss_fn(main, data(rank, 100 + i))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        lrs.append(opt.param_groups[0]["lr"])
+        sched.step(loss)
+    after = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    synced = [torch.empty_like(after) for _ in range(world)]
+    dist.all_gather(synced, after)
+    return {"main_lrs": lrs, "main_equal_after_last_sync": all(torch.equal(o, synced[0]) for o in synced),
+            "main_finite": bool(torch.isfinite(after).all()),"max_lr": res.max_lr, "losses": res.losses, "winner": res.winner, "lrs": res.lrs,
+            "state": swept,
+            "same_on_every_rank": all(torch.equal(o, out[0]) for o in out)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world, ddp", [(2, False), (4, True)])
+def test_every_rank_one_replica_then_the_best_ranks_weights(world, ddp):
+    """Under gloo, rank r runs the r-th LR on its own batches; every rank ends with the best rank's weights and the
+    one-process sweep's result."""
+    res = check_ok(run_gloo(_sweep_worker, world, ddp))
+    one = make_model()
+    with one_thread():  # as the workers: the same summation order (Adam turns rounding into a step's sign)
+        ref = hdet.lr_sweep(one, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=world,
+                            judge=held_out)
+    for r in res:
+        assert r["same_on_every_rank"]
+        assert r["lrs"] == pytest.approx(ref.lrs, rel=1e-15)
+        assert r["losses"] == pytest.approx(ref.losses, rel=1e-6)
+        assert r["winner"] == ref.winner and r["max_lr"] == pytest.approx(ref.max_lr, rel=1e-9)
+        for k, v in one.state_dict().items():
+            assert torch.tensor(r["state"][k], dtype=v.dtype).equal(v), k
+        assert r["main_equal_after_last_sync"] and r["main_finite"]
+        assert max(r["main_lrs"]) <= ref.max_lr * 1.2 + 1e-12  # OneCycle to res.max_lr, times rho_r <= 1 + alpha
+    rho = hdet.linear_multipliers(world, 0.2)
+    peaks = [max(r["main_lrs"]) for r in res]
+    assert peaks == pytest.approx([max(res[0]["main_lrs"]) / rho[0] * p for p in rho], rel=1e-9)
