@@ -220,6 +220,26 @@ def _sweep_worker(rank, world, ddp):
             "same_on_every_rank": all(torch.equal(o, out[0]) for o in out)}
 
 
+def _failing_worker(rank, world):
+    short = (lambda r: [data(r, 0)] * 3) if rank == 1 else batches  # rank 1's batches end early
+    model = make_model()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        hdet.lr_sweep(model, make_opt, loss_fn, short, guess=0.1, steps=STEPS, judge=held_out)
+    except Exception as e:  # noqa: BLE001
+        return {"raised": type(e).__name__, "msg": str(e),
+                "at_start": all(torch.equal(v, start[k]) for k, v in model.state_dict().items())}
+    return {"raised": None}
+
+
+@pytest.mark.distributed
+def test_a_rank_that_fails_fails_every_rank_without_a_hang():
+    res = check_ok(run_gloo(_failing_worker, 2))
+    assert res[1]["raised"] == "ValueError" and "at least steps=12" in res[1]["msg"]
+    assert res[0]["raised"] == "RuntimeError" and "rank(s) [1]" in res[0]["msg"]
+    assert res[0]["at_start"] and res[1]["at_start"]
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("world, ddp", [(2, False), (4, True)])
 def test_every_rank_one_replica_then_the_best_ranks_weights(world, ddp):

@@ -106,7 +106,9 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     OneCycle peaks, so groups at a multiple of ``lr`` keep it); ``loss_fn(model, batch)``: the scalar training loss;
     ``batches(r)``: replica r's batches (at least ``steps`` of them); ``guess``: the user's peak LR, the grid's
     centre over ``lr_factor``; ``num_replicas``: N in one process (under torch.distributed, the group's size);
-    ``judge(model)``: a held-out loss (called under ``torch.no_grad()`` with the model in eval mode), or None for the
+    ``judge(model)``: a held-out loss (called under ``torch.no_grad()`` with the model in eval mode; under
+    torch.distributed it must read the same data on every rank, or the ranks' runs are judged on different data), or
+    None for the
     mean training loss over the run's last tenth (on the measured CNN it picked higher LRs than a held-out loss on
     the same seeds, and ended no worse);
     ``span``: the grid's reach each way from its centre; ``lr_factor``: the main run's peak over the pick (default
@@ -129,8 +131,9 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     lrs = sweep_lrs(guess_f / factor, n, span_f)
     start = copy.deepcopy(module.state_dict())
     was_training = module.training
-    start_judged = _judged(module, judge) if judge is not None else None  # the start weights' own judged loss
+    start_judged = None  # the start weights' own judged loss
     if rank is None:  # one process: the runs one after the other, each from the initial weights
+        start_judged = _judged(module, judge) if judge is not None else None
         losses, firsts, kept = [], [], None
         for r in range(n):
             module.load_state_dict(start)
@@ -140,8 +143,23 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
             if math.isfinite(value) and (kept is None or value < losses[kept[0]]):
                 kept = (r, copy.deepcopy(module.state_dict()))
     else:  # rank r: the r-th run; every rank's judged loss to every rank
-        mine = _run(module, make_optimizer, loss_fn, batches(rank), lrs[rank], steps_i, pct_start, judge)
-        losses, firsts = _all_gather(mine, _device(module), group)
+        try:
+            start_judged = _judged(module, judge) if judge is not None else math.nan
+            mine, failed = _run(module, make_optimizer, loss_fn, batches(rank), lrs[rank], steps_i, pct_start,
+                                judge), None
+        except Exception as e:  # (told to every rank below, so that none waits in a collective for this one)
+            start_judged, mine, failed = math.nan, (math.nan, math.nan), e
+        losses, firsts, starts, fails = _all_gather((*mine, start_judged, float(failed is not None)),
+                                                    _device(module), group)
+        if failed is not None:
+            module.load_state_dict(start)
+            raise failed
+        if any(fails):
+            module.load_state_dict(start)
+            raise RuntimeError(f"lr_sweep failed on rank(s) {[r for r, f in enumerate(fails) if f]} of the group "
+                               "(their error is raised there); this rank's model is back at its start weights")
+        if judge is not None:  # one start loss for every rank, so that every rank picks the same LR
+            start_judged = sum(starts) / len(starts)
     module.train(was_training)
     finite_firsts = [f for f in firsts if math.isfinite(f)]
     start_loss = start_judged if judge is not None else (
@@ -240,13 +258,12 @@ def _device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _all_gather(values: tuple[float, float], device: torch.device, group: Any) -> tuple[list[float], list[float]]:
-    """Every rank's (judged loss, first loss), as two lists in rank order."""
+def _all_gather(values: tuple[float, ...], device: torch.device, group: Any) -> list[list[float]]:
+    """Every rank's ``values``, one list per entry, in rank order."""
     mine = torch.tensor(values, dtype=torch.float64, device=device)
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, mine, group=group)  # COLLECTIVE (once a sweep)
-    rows = torch.stack(out).tolist()  # HOST SYNC (once a sweep)
-    return [r[0] for r in rows], [r[1] for r in rows]
+    return [list(col) for col in zip(*torch.stack(out).tolist())]  # HOST SYNC (once a sweep)
 
 
 def _fmt(lrs: list[float]) -> str:
