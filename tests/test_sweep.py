@@ -98,6 +98,69 @@ def test_one_process_is_the_hand_written_sweep(judge):
     assert model.training
 
 
+class Counting(nn.Module):
+    """The test model with a non-persistent buffer that training adds to (out of state_dict)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = make_model()
+        self.register_buffer("seen", torch.zeros(()), persistent=False)
+
+    def forward(self, x):
+        if self.training:
+            self.seen += x.mean()
+        return self.net(x)
+
+
+def test_non_persistent_buffers_come_from_the_best_run_and_errors_leave_the_model_as_it_came():
+    model = Counting()
+    res = hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N, judge=held_out)
+    assert float(model.seen) == pytest.approx(sum(float(data(res.winner, i)[0].mean()) for i in range(STEPS)))
+    calls = []
+
+    def failing(m):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyError("judge failed")
+        return held_out(m)
+    model = Counting()
+    start = [t.clone() for t in (*model.parameters(), *model.buffers())]
+    with pytest.raises(KeyError):
+        hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N, judge=failing)
+    assert all(torch.equal(t, s) for t, s in zip((*model.parameters(), *model.buffers()), start))
+    assert model.training
+
+
+def test_per_group_peaks_and_optimizers_without_momentum():
+    def two_groups(params, lr):
+        params = list(params)
+        return torch.optim.AdamW([{"params": params[:2], "lr": lr}, {"params": params[2:], "lr": lr / 10}])
+    model = make_model()
+    res = hdet.lr_sweep(model, two_groups, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N, judge=held_out)
+    ref = make_model()  # the winner's run by hand: OneCycle to lr and lr / 10
+    opt = two_groups(ref.parameters(), res.lrs[res.winner])
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[res.lrs[res.winner], res.lrs[res.winner] / 10],
+                                                total_steps=STEPS, pct_start=0.3)
+    for b in batches(res.winner):
+        opt.zero_grad(set_to_none=True)
+        loss_fn(ref, b).backward()
+        opt.step()
+        sched.step()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
+    res = hdet.lr_sweep(make_model(), lambda p, lr: torch.optim.Adagrad(p, lr=lr), loss_fn, batches, guess=0.1,
+                        steps=STEPS, num_replicas=N, judge=held_out)  # no momentum to cycle: OneCycle's LR alone
+    assert math.isfinite(res.max_lr)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        hdet.lr_sweep(make_model(), lambda p, lr: None, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N)
+
+
+def test_sync_batchnorm_is_refused():
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(make_model())
+    with pytest.raises(TypeError, match="SyncBatchNorm"):
+        hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N)
+
+
 def test_lr_factor_moves_the_grid_and_the_peak():
     res = hdet.lr_sweep(make_model(), make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N,
                         judge=held_out, lr_factor=1.5)
@@ -190,6 +253,10 @@ def test_too_few_batches_and_a_bad_judge_are_errors():
 def _sweep_worker(rank, world, ddp):
     import torch.distributed as dist
     model = make_model()
+    if ddp:  # and every rank's model seeded apart: the sweep starts every rank from rank 0's weights
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(rank)
     wrapped = nn.parallel.DistributedDataParallel(model) if ddp else model
     res = hdet.lr_sweep(wrapped, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, judge=held_out)
     swept = {k: v.tolist() for k, v in model.state_dict().items()}

@@ -27,7 +27,6 @@ N runs go one after the other on the same module, from the same initial weights.
 
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 from collections.abc import Callable, Iterable
@@ -99,7 +98,7 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
              loss_fn: Callable[[nn.Module, Any], torch.Tensor], batches: Callable[[int], Iterable[Any]], *,
              guess: float, steps: int, num_replicas: int | None = None,
              judge: Callable[[nn.Module], Any] | None = None, span: float = 32.0, lr_factor: float | None = None,
-             pct_start: float = 0.3, group: Any = None) -> SweepResult:
+             pct_start: float = 0.3, cycle_momentum: bool | None = None, group: Any = None) -> SweepResult:
     """Sweep the LR over the run's first ``steps``, then leave ``model`` at the best run's weights (see the module).
 
     ``make_optimizer(params, lr)``: a fresh optimizer at peak LR ``lr`` (its param groups' LRs are each run's
@@ -108,11 +107,13 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     centre over ``lr_factor``; ``num_replicas``: N in one process (under torch.distributed, the group's size);
     ``judge(model)``: a held-out loss (called under ``torch.no_grad()`` with the model in eval mode; under
     torch.distributed it must read the same data on every rank, or the ranks' runs are judged on different data), or
-    None for the
-    mean training loss over the run's last tenth (on the measured CNN it picked higher LRs than a held-out loss on
+    None for the mean training loss over the run's last tenth (on the measured CNN it picked higher LRs than a held-out loss on
     the same seeds, and ended no worse);
     ``span``: the grid's reach each way from its centre; ``lr_factor``: the main run's peak over the pick (default
-    sqrt(N)). A ``DistributedDataParallel`` model sweeps its ``module`` (no gradient is shared). Returns a
+    sqrt(N)); ``pct_start``, ``cycle_momentum``: each run's OneCycleLR (by default its momentum or beta1 cycles where
+    the optimizer has one, as OneCycleLR and OneCycleAutoLR do in the main run the pick is for; False for a main run
+    that keeps it fixed). The model's forward and the judge must be this rank's own (no collective inside: a
+    SyncBatchNorm is refused). With 2 replicas the grid is two LRs span^2 apart: use 4 or more. A ``DistributedDataParallel`` model sweeps its ``module`` (no gradient is shared). Returns a
     :class:`SweepResult`; its ``max_lr`` is the peak for the main run."""
     module, n, rank = _replicas(model, num_replicas, group)
     guess_f, steps_i = real_number(guess), int_number(steps)
@@ -126,55 +127,39 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     factor = math.sqrt(n) if lr_factor is None else real_number(lr_factor)
     if factor is None or not (math.isfinite(factor) and factor > 0):
         raise ValueError(f"Expected lr_factor to be a positive finite number or None, but got {lr_factor!r}")
-    if not 0.0 < pct_start < 1.0:
+    pct = real_number(pct_start)
+    if pct is None or not 0.0 < pct < 1.0:
         raise ValueError(f"Expected pct_start in (0, 1), but got {pct_start!r}")
     lrs = sweep_lrs(guess_f / factor, n, span_f)
-    start = copy.deepcopy(module.state_dict())
+    tensors = _tensors(module)
+    if rank is not None:  # every rank's run from the same weights: rank 0's (a model seeded per rank, say)
+        src0 = dist.get_global_rank(group, 0) if group is not None else 0
+        for t in tensors:  # COLLECTIVE: one broadcast a tensor (once a sweep)
+            dist.broadcast(t, src=src0, group=group)
+    start = [t.clone() for t in tensors]
     was_training = module.training
-    start_judged = None  # the start weights' own judged loss
-    if rank is None:  # one process: the runs one after the other, each from the initial weights
-        start_judged = _judged(module, judge) if judge is not None else None
-        losses, firsts, kept = [], [], None
-        for r in range(n):
-            module.load_state_dict(start)
-            value, first = _run(module, make_optimizer, loss_fn, batches(r), lrs[r], steps_i, pct_start, judge)
-            losses.append(value)
-            firsts.append(first)
-            if math.isfinite(value) and (kept is None or value < losses[kept[0]]):
-                kept = (r, copy.deepcopy(module.state_dict()))
-    else:  # rank r: the r-th run; every rank's judged loss to every rank
-        try:
-            start_judged = _judged(module, judge) if judge is not None else math.nan
-            mine, failed = _run(module, make_optimizer, loss_fn, batches(rank), lrs[rank], steps_i, pct_start,
-                                judge), None
-        except Exception as e:  # (told to every rank below, so that none waits in a collective for this one)
-            start_judged, mine, failed = math.nan, (math.nan, math.nan), e
-        losses, firsts, starts, fails = _all_gather((*mine, start_judged, float(failed is not None)),
-                                                    _device(module), group)
-        if failed is not None:
-            module.load_state_dict(start)
-            raise failed
-        if any(fails):
-            module.load_state_dict(start)
-            raise RuntimeError(f"lr_sweep failed on rank(s) {[r for r, f in enumerate(fails) if f]} of the group "
-                               "(their error is raised there); this rank's model is back at its start weights")
-        if judge is not None:  # one start loss for every rank, so that every rank picks the same LR
-            start_judged = sum(starts) / len(starts)
-    module.train(was_training)
-    finite_firsts = [f for f in firsts if math.isfinite(f)]
-    start_loss = start_judged if judge is not None else (
-        sum(finite_firsts) / len(finite_firsts) if finite_firsts else math.inf)
     try:
+        if rank is None:  # one process: the runs one after the other, each from the start weights
+            start_loss, losses, firsts, kept = _sweep_here(module, tensors, start, make_optimizer, loss_fn, batches,
+                                                          lrs, steps_i, pct, judge, cycle_momentum)
+        else:  # rank r: the r-th run; every rank's judged loss to every rank
+            start_loss, losses, firsts = _sweep_ranks(module, rank, make_optimizer, loss_fn, batches, lrs, steps_i,
+                                                      pct, judge, cycle_momentum, group)
+        if judge is None:  # the start's loss: the runs' first training losses (all from the start weights)
+            finite = [f for f in firsts if math.isfinite(f)]
+            start_loss = sum(finite) / len(finite) if finite else math.inf
         pick = pick_lr(lrs, losses, start_loss)  # (the same on every rank: the same gathered losses)
-    except RuntimeError:
-        module.load_state_dict(start)  # no run improved: the model as it came
+    except BaseException:
+        _copy(tensors, start)  # the model as it came, whatever failed
+        module.train(was_training)
         raise
+    module.train(was_training)
     winner = min((i for i, v in enumerate(losses) if math.isfinite(v)), key=lambda i: losses[i])
     if rank is None:
-        module.load_state_dict(kept[1])
+        _copy(tensors, kept)
     else:  # the best rank's weights and buffers to every rank
         src = dist.get_global_rank(group, winner) if group is not None else winner
-        for t in module.state_dict().values():  # COLLECTIVE: one broadcast a tensor (once a sweep)
+        for t in tensors:  # COLLECTIVE: one broadcast a tensor (once a sweep)
             dist.broadcast(t, src=src, group=group)
     at_edge = winner in (0, n - 1)
     if at_edge:
@@ -183,6 +168,60 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
                       f"{pick * factor:.3g}", stacklevel=2)
     return SweepResult(max_lr=pick * factor, pick=pick, lr_factor=factor, lrs=lrs, losses=losses,
                        start_loss=start_loss, winner=winner, at_edge=at_edge)
+
+
+def _sweep_here(module: nn.Module, tensors: list[torch.Tensor], start: list[torch.Tensor], make_optimizer: Any,
+                loss_fn: Any, batches: Any, lrs: list[float], steps: int, pct: float, judge: Any, cycle: bool | None,
+                ) -> tuple[float | None, list[float], list[float], list[torch.Tensor] | None]:
+    """The N runs one after the other in this process: the start's judged loss, each run's judged and first loss,
+    and the best run's tensors (None where none was finite)."""
+    start_loss = _judged(module, judge) if judge is not None else None
+    losses, firsts, kept, best = [], [], None, math.inf
+    for r, lr in enumerate(lrs):
+        _copy(tensors, start)
+        value, first = _run(module, make_optimizer, loss_fn, batches(r), lr, steps, pct, judge, cycle)
+        losses.append(value)
+        firsts.append(first)
+        if value < best:
+            best, kept = value, [t.clone() for t in tensors]
+    return start_loss, losses, firsts, kept
+
+
+def _sweep_ranks(module: nn.Module, rank: int, make_optimizer: Any, loss_fn: Any, batches: Any, lrs: list[float],
+                 steps: int, pct: float, judge: Any, cycle: bool | None, group: Any,
+                 ) -> tuple[float | None, list[float], list[float]]:
+    """This rank's run, then every rank's results: the start's judged loss (the ranks' mean), each run's judged and
+    first loss. A rank whose run or judge raises tells every rank, so none waits in a collective for it."""
+    try:
+        start_judged = _judged(module, judge) if judge is not None else math.nan
+        mine, failed = _run(module, make_optimizer, loss_fn, batches(rank), lrs[rank], steps, pct, judge, cycle), None
+    except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
+        start_judged, mine, failed = math.nan, (math.nan, math.nan), e
+    losses, firsts, starts, fails = _all_gather((*mine, start_judged, float(failed is not None)), _device(module),
+                                                group)
+    if failed is not None:
+        raise failed
+    if any(fails):
+        raise RuntimeError(f"lr_sweep failed on rank(s) {[r for r, f in enumerate(fails) if f]} of the group "
+                           "(their error is raised there); this rank's model is back at its start weights")
+    return (sum(starts) / len(starts) if judge is not None else None), losses, firsts
+
+
+def _tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The module's parameters and buffers (non-persistent ones too), each once, as the tensors themselves."""
+    seen: set[int] = set()
+    out = []
+    for t in (*module.parameters(), *module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t.data if isinstance(t, nn.Parameter) else t)
+    return out
+
+
+@torch.no_grad()
+def _copy(tensors: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    for t, v in zip(tensors, values):
+        t.copy_(v)
 
 
 def _replicas(model: nn.Module, num_replicas: int | None, group: Any) -> tuple[nn.Module, int, int | None]:
@@ -194,6 +233,9 @@ def _replicas(model: nn.Module, num_replicas: int | None, group: Any) -> tuple[n
             type(p).__name__ == "DTensor" for p in module.parameters()):
         raise TypeError("Expected a module with plain (unsharded) parameters: lr_sweep runs one replica a rank and "
                         "broadcasts the best one's weights; sweep before sharding the model")
+    if any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+        raise TypeError("Expected no nn.SyncBatchNorm in the model: it all-reduces its batch statistics across ranks, "
+                        "which would mix the sweep's independent runs; sweep before convert_sync_batchnorm")
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     if not distributed:
         n = int_number(num_replicas)
@@ -210,12 +252,17 @@ def _replicas(model: nn.Module, num_replicas: int | None, group: Any) -> tuple[n
 
 def _run(module: nn.Module, make_optimizer: Callable[..., torch.optim.Optimizer],
          loss_fn: Callable[[nn.Module, Any], torch.Tensor], batches: Iterable[Any], lr: float, steps: int,
-         pct_start: float, judge: Callable[[nn.Module], Any] | None) -> tuple[float, float]:
+         pct_start: float, judge: Callable[[nn.Module], Any] | None, cycle_momentum: bool | None,
+         ) -> tuple[float, float]:
     """One sweep run from the module's current weights: ``steps`` steps of OneCycle to ``lr``. Its judged loss (inf
     where non-finite) and its first training loss (the start's, on its first batch)."""
     opt = make_optimizer(module.parameters(), lr)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"Expected make_optimizer(params, lr) to return a torch.optim.Optimizer, but got "
+                        f"{type(opt).__name__}")
+    cycle = cycle_momentum if cycle_momentum is not None else ("momentum" in opt.defaults or "betas" in opt.defaults)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[g["lr"] for g in opt.param_groups],
-                                                total_steps=steps, pct_start=pct_start)
+                                                total_steps=steps, pct_start=pct_start, cycle_momentum=cycle)
     module.train()
     tail, last = [], max(1, steps // 10)
     it = iter(batches)
