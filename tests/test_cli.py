@@ -801,3 +801,60 @@ def test_torchrun_ranks_killed_at_different_steps_resume_from_the_step_all_hold(
     p = torchrun("--out", str(local), "--no-grad-sync", "--checkpoint-every", "7")
     assert p.returncode == 0, p.stderr[-3000:]
     assert sorted(torch.load(f, weights_only=True)["step"] for f in local.glob("checkpoint-rank0*")) == [10, 20]
+
+
+SWEEP = [*TINY, "--steps", "40", "--T", "5", "--replicas", "4", "--max-lr", "0.03", "--lr-sweep", "0.25"]
+
+
+def test_lr_sweep_trains_the_rest_from_its_pick_and_resumes(tmp_path, capsys):
+    """--lr-sweep 0.25 of 40 steps: 4 runs of 10 steps at 1/32x-32x of 0.03 / 2, the run's 30 steps after them at
+    2 x the pick, from the best run's weights; a copy resumed from its checkpoint ends as the run did."""
+    out = tmp_path / "whole"
+    assert main(["train", *SWEEP, "--checkpoint-every", "15", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    s = json.loads((out / "summary.json").read_text())
+    sw = s["lr_sweep"]
+    assert sw["steps"] == 10 and sw["guess"] == 0.03 and len(sw["lrs"]) == 4 and sw["lr_factor"] == 2.0
+    assert sw["lrs"][0] == pytest.approx(0.015 / 32) and sw["lrs"][-1] == pytest.approx(0.015 * 32)
+    assert sw["max_lr"] == pytest.approx(2 * sw["pick"]) and s["config"]["max_lr"] == sw["max_lr"]
+    assert s["config"]["steps"] == 30 and s["steps_done"] == 30 and s["crashed"] is None
+    assert f"the run goes on at --max-lr {sw['max_lr']:.3g}" in said
+    first = _jsonl(out / "metrics.jsonl")[0]  # the run starts from the sweep's best weights, not the initial ones
+    assert first["train_loss"] < sw["start_loss"] - 0.5
+    assert json.loads((out / "config.json").read_text())["lr_sweep"] == sw
+    shutil.copytree(out, tmp_path / "again")
+    assert main(["train", *SWEEP, "--checkpoint-every", "15", "--out", str(tmp_path / "again"), "--resume"]) == 0
+    assert "lr sweep" not in capsys.readouterr().out  # (read back from config.json, not run again)
+    _same_run(out, tmp_path / "again")
+    (tmp_path / "again" / "config.json").write_text(json.dumps({"config": {}}))
+    assert main(["train", *SWEEP, "--out", str(tmp_path / "again"), "--resume"]) == 2
+    assert "records no sweep" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, said", [
+    (["--lr-sweep", "1"], "--lr-sweep in [0, 1)"),
+    (["--lr-sweep", "0.01"], "leave the sweep at least one step"),
+    (["--lr-sweep", "0.95"], "the run after it at least --T"),
+    (["--lr-sweep", "0.2", "--optimizer", "dadapt-adam"], "--optimizer dadapt-adam (it sets its own step size)"),
+    (["--lr-sweep", "0.2", "--range-test"], "--range-test (both choose the peak LR)"),
+    (["--lr-sweep", "0.2", "--replicas", "1"], "--replicas 1"),
+])
+def test_lr_sweep_refusals(tmp_path, capsys, extra, said):
+    assert main(["train", *TINY, "--steps", "40", *extra, "--out", str(tmp_path / "r")]) == 2
+    assert said in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+def test_lr_sweep_under_torchrun_one_run_a_rank(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = list(SWEEP)
+    i = args.index("--replicas")
+    del args[i:i + 2]
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "hdet", "train", *args, "--out", str(tmp_path / "r")], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    sw = s["lr_sweep"]
+    assert len(sw["lrs"]) == 2 and sw["lr_factor"] == pytest.approx(math.sqrt(2)) and s["replicas"] == 2
+    assert s["config"]["max_lr"] == sw["max_lr"] and s["crashed"] is None and s["steps_done"] == 30

@@ -16,7 +16,7 @@ from ..controller import CONTROLLERS
 from ..engine import MODES
 from .tasks import gpt_heads
 
-__all__ = ["RunConfig", "RunError", "resolve_device", "check", "resolve", "default_warmup", "OPTIMIZERS", "EXPLORE",
+__all__ = ["RunConfig", "RunError", "resolve_device", "check", "resolve", "default_warmup", "sweep_steps", "OPTIMIZERS", "EXPLORE",
            "MAX_CTX"]
 
 OPTIMIZERS = ("adamw", "dadapt-adam", "prodigy", "schedulefree-adamw", "mechanic-adamw")
@@ -66,6 +66,11 @@ class RunConfig:
         "an LR range test during OneCycle's warm-up: --max-lr is a first guess; the LR ramps from 1/25 of the "
         "schedule past it until the loss's progress collapses or it turns unstable, then every replica goes back to "
         "the ramp's state at the new peak, the last good LR / --range-backoff (measured: docs/auto-lr.md)"))
+    lr_sweep: float = field(default=0.0, metadata=_cli(
+        "the first FRAC of --steps as N independent runs, one per replica on its own batches, at LRs 1/32x-32x "
+        "around --max-lr / sqrt(N), judged by their training loss over their last tenth (hdet.lr_sweep); the rest "
+        "of the run from the best one's weights at sqrt(N) x the pick (measured with 0.2: docs/auto-lr.md)",
+        metavar="FRAC"))
     range_backoff: float = field(default=2.0, metadata=_cli(
         "range test: the peak LR is the LR of the last window that made progress over this"))
     warmup: int | None = field(default=None, metadata=_cli(
@@ -164,6 +169,17 @@ def check(cfg: RunConfig) -> None:
         raise RunError(f"Expected --on-runaway ignore or recover, but got {cfg.on_runaway!r}")
     if not (cfg.range_backoff >= 1 and math.isfinite(cfg.range_backoff)):
         raise RunError(f"Expected --range-backoff >= 1, but got {cfg.range_backoff}")
+    if not (0 <= cfg.lr_sweep < 1):
+        raise RunError(f"Expected --lr-sweep in [0, 1) (the fraction of --steps the sweep takes), but got "
+                       f"{cfg.lr_sweep}")
+    if cfg.lr_sweep and not 1 <= sweep_steps(cfg) <= cfg.steps - cfg.T:
+        raise RunError(f"Expected --lr-sweep to leave the sweep at least one step and the run after it at least --T "
+                       f"{cfg.T} steps, but --lr-sweep {cfg.lr_sweep} of --steps {cfg.steps} is {sweep_steps(cfg)}")
+    if cfg.lr_sweep and (cfg.optimizer != "adamw" or cfg.range_test or cfg.replicas == 1):
+        why = (f"--optimizer {cfg.optimizer} (it sets its own step size)" if cfg.optimizer != "adamw" else
+               "--range-test (both choose the peak LR)" if cfg.range_test else "--replicas 1 (nothing to compare)")
+        raise RunError(f"Expected --lr-sweep with --optimizer adamw, without --range-test and with 2 or more "
+                       f"replicas, but got {why}")
     if cfg.range_test and cfg.optimizer != "adamw":
         raise RunError(f"Expected --optimizer adamw with --range-test (it scales the learning rate; the peers set "
                        f"their own step size), but got {cfg.optimizer}")
@@ -259,6 +275,11 @@ def default_warmup(steps: int, T: int, one_cycle: bool) -> int:
     """``--warmup`` left out: the end of OneCycle's warm-up (pct_start 0.3, as in the evidence suite) rounded down to
     a multiple of T for the fit controller and the range test (``one_cycle``); half the run for the paper's."""
     return int(0.3 * steps) // T * T if one_cycle else steps // 2
+
+
+def sweep_steps(cfg: RunConfig) -> int:
+    """The LR sweep's steps (``--lr-sweep`` of ``--steps``, rounded down); the run after it takes the rest."""
+    return int(cfg.lr_sweep * cfg.steps)
 
 
 def resolve(cfg: RunConfig) -> RunConfig:

@@ -30,8 +30,8 @@ from ..ensemble import NonFiniteReplicaError
 from ..telemetry import SyncLogger
 from ..window import eval_mode
 from . import checkpoint, stop
-from .options import RunConfig, RunError, check, default_warmup, resolve, resolve_device
-from .runs import DDPRun, EngineRun, eval_weights, to_device
+from .options import RunConfig, RunError, check, default_warmup, resolve, resolve_device, sweep_steps
+from .runs import DDPRun, EngineRun, eval_weights, lr_sweep, to_device
 from .tasks import Task, make_task
 
 __all__ = ["RunConfig", "RunError", "train", "resolve_device"]
@@ -177,6 +177,9 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
     ``{}`` without writing anything (``hdet compare`` checks every row so before it trains any)."""
     check(cfg)
     cfg = resolve(cfg)
+    swept_steps = sweep_steps(cfg)
+    if swept_steps:  # --lr-sweep: the run after the sweep is the run these options describe (its max_lr: below)
+        cfg = dataclasses.replace(cfg, steps=cfg.steps - swept_steps)
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     owns_group = False
     device = resolve_device(cfg.device)
@@ -228,6 +231,19 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
             raise RunError(f"Expected --init-from to hold this task's model weights (same --task, --width, "
                            f"--layers, --ctx), but they differ: {detail}") from None
     model.to(device)
+    swept = None
+    if swept_steps and not dry_run:  # COLLECTIVES under torchrun (hdet.lr_sweep: every rank one of its runs)
+        if cfg.resume:  # the sweep ran before the checkpoints: its peak LR is in the run's config.json
+            swept = json.loads((out / "config.json").read_text()).get("lr_sweep")
+            if not isinstance(swept, dict) or not isinstance(swept.get("max_lr"), float):
+                raise RunError(f"Expected the run at {out} to have swept its LR (--lr-sweep), but its config.json "
+                               "records no sweep")
+        else:
+            if distributed and N < 2:
+                raise RunError("Expected 2 or more ranks with --lr-sweep under torchrun (each rank runs one of its "
+                               "LRs), but the world size is 1")
+            swept = lr_sweep(task, model, cfg, N, swept_steps, device, progress=rank == 0)
+        cfg = dataclasses.replace(cfg, max_lr=swept["max_lr"])
     reps = (DDPRun(task, model, cfg, warmup, device) if distributed
             else EngineRun(task, model, N, cfg, warmup, device))
     if dry_run:
@@ -274,7 +290,8 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
     writer = metrics_f = syncs_f = None
     if rank == 0:
         meta = {"command": "hdet " + " ".join(argv if argv is not None else sys.argv[1:]),
-                "config": dataclasses.asdict(cfg), "replicas": N, "groups": groups, "task": task.describe,
+                "config": dataclasses.asdict(cfg), **({"lr_sweep": swept} if swept is not None else {}),
+                "replicas": N, "groups": groups, "task": task.describe,
                 "python": platform.python_version(), "torch": torch.__version__, "hdet": __version__,
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
                 (platform.processor() or platform.machine() or "cpu")}

@@ -5,12 +5,17 @@ under torchrun), which the training loop in :mod:`hdet.app.run` drives alike."""
 from __future__ import annotations
 
 import contextlib
+import math
+import sys
+import time
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import sweep
 from ..engine import ReplicaEngine
 from ..hyper import Dropout, GradClip, Hyperparameter, WeightDecay
 from ..schedulers import HDETLR, OneCycleAutoLR
@@ -18,7 +23,7 @@ from ..warm_init import warm_init_
 from .options import RunConfig, RunError
 from .tasks import Task, param_groups
 
-__all__ = ["EngineRun", "DDPRun", "make_optimizer", "make_scheduler", "eval_weights", "to_device"]
+__all__ = ["EngineRun", "DDPRun", "make_optimizer", "make_scheduler", "eval_weights", "to_device", "lr_sweep"]
 
 
 def make_optimizer(task: Task, cfg: RunConfig):
@@ -53,6 +58,38 @@ def make_optimizer(task: Task, cfg: RunConfig):
             raise RunError(f"Expected the package for --optimizer {cfg.optimizer} (pip install 'hdet[bench]'), but "
                            f"got: {e}") from None
     return make
+
+
+def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, device: torch.device,
+             progress: bool) -> dict[str, Any]:
+    """``--lr-sweep``: :func:`hdet.lr_sweep` over ``steps`` with the run's AdamW and param groups, each replica on a
+    data stream of its own (not the run's), judged by its training loss; ``model`` left at the best run's weights.
+    What it found, for the run's config.json and summary."""
+    def make(params: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(param_groups(model, task.group_of, cfg.weight_decay), lr=lr)
+
+    def batches(r: int) -> Any:
+        g = torch.Generator().manual_seed(SWEEP_SEED + cfg.seed * 1000 + r)
+        return (to_device(task.sample("train", cfg.batch, g), device) for _ in range(steps))
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = sweep.lr_sweep(model, make, task.loss_fn, batches, guess=cfg.max_lr, steps=steps,
+                             num_replicas=None if dist.is_initialized() else N)
+    found = {"steps": steps, "guess": cfg.max_lr, "max_lr": res.max_lr, "pick": res.pick, "lr_factor": res.lr_factor,
+             "lrs": res.lrs, "losses": [v if math.isfinite(v) else None for v in res.losses],
+             "start_loss": res.start_loss, "winner": res.winner, "at_edge": res.at_edge,
+             "seconds": time.perf_counter() - t0}
+    if progress:
+        print(f"lr sweep: {N} runs of {steps} steps at {res.lrs[0]:.3g} to {res.lrs[-1]:.3g}; the best at "
+              f"{res.lrs[res.winner]:.3g}, the pick {res.pick:.3g}; the run goes on at --max-lr {res.max_lr:.3g}",
+              flush=True)
+        for w in caught:
+            print(f"warning: {w.message}", file=sys.stderr)
+    return found
+
+
+SWEEP_SEED = 1 << 40  # the sweep's data streams, apart from the run's (seed * 1000 + r)
 
 
 @contextlib.contextmanager
