@@ -1,0 +1,94 @@
+"""`hdet train --lr-sweep` on the evidence suite's tasks and sizes, from 0.1x, 1x and 10x the grid's best LR
+(issue 15): the CLI's own form of `benchmarks/sweep_then_train.py` (the sweep judged by the training loss's tail,
+`hdet train`'s defaults after it: alpha 0.2, T 25, `--on-runaway recover`). Every run is one `hdet train` process
+(TF32 on, as the suite), all at once; writes JSON with each run's sweep, peak LR and final metric.
+
+    python benchmarks/lr_sweep_cli.py --seeds 9,10,11 --out lr_sweep_cli.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SIZES = {  # benchmarks/evidence.py's, and the grid's best max_lr the starts multiply
+    "bytes": dict(args=["--width", "256", "--layers", "4", "--ctx", "128", "--batch", "16"], best=4e-3),
+    "fashion": dict(args=["--batch", "32", "--width", "128"], best=1.6e-2),
+}
+LAUNCH = ("import sys, torch; torch.backends.cuda.matmul.allow_tf32 = True; torch.backends.cudnn.allow_tf32 = True; "
+          "from hdet.app.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", default="bytes,fashion")
+    p.add_argument("--starts", default="0.1,1,10")
+    p.add_argument("--seeds", default="9,10,11")
+    p.add_argument("--sweep", type=float, default=0.2)
+    p.add_argument("--data", default="data/fashion")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--runs", default="runs/lr_sweep_cli")
+    p.add_argument("--steps", default="1500")
+    p.add_argument("--deadline", type=float, default=540.0, help="seconds: runs still going then are stopped")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    procs = {}
+    for task in a.tasks.split(","):
+        for st in a.starts.split(","):
+            for sd in a.seeds.split(","):
+                name = f"{task}-x{st}-s{sd}"
+                out = Path(a.runs) / name
+                cmd = [sys.executable, "-c", LAUNCH, "train", "--task", task, *SIZES[task]["args"], "--replicas", "8",
+                       "--steps", a.steps, "--weight-decay", "0.01", "--seed", sd, "--device", a.device,
+                       "--max-lr", repr(SIZES[task]["best"] * float(st)), "--lr-sweep", str(a.sweep),
+                       "--checkpoint-every", "0", "--eval-every", "150", "--no-progress", "--out", str(out)]
+                if task == "fashion":
+                    cmd += ["--data", a.data]
+                out.parent.mkdir(parents=True, exist_ok=True)
+                log = (out.parent / f"{name}.log").open("w")
+                procs[name] = (task, float(st), int(sd), out, subprocess.Popen(cmd, stdout=log,
+                                                                               stderr=subprocess.STDOUT, text=True))
+    t0 = time.time()
+    while any(pr.poll() is None for *_, pr in procs.values()) and time.time() - t0 < a.deadline:
+        time.sleep(2)
+    runs = []
+    for name, (task, st, sd, out, proc) in procs.items():
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        log = (out.parent / f"{name}.log").read_text()
+        row = {"name": name, "task": task, "start": st, "seed": sd, "rc": proc.returncode, "log_tail": log[-1500:]}
+        if (out / "summary.json").is_file():
+            s = json.loads((out / "summary.json").read_text())
+            m = s.get("final_metrics") or {}
+            row.update(metric=m.get("test_accuracy") if task == "fashion" else m.get("val_loss_full"),
+                       crashed=s.get("crashed"), lr_sweep=s.get("lr_sweep"),
+                       max_lr_x_best=s["lr_sweep"]["max_lr"] / SIZES[task]["best"])
+        runs.append(row)
+    summary = {}
+    for task in a.tasks.split(","):
+        for st in sorted({r["start"] for r in runs}):
+            ms = [r["metric"] for r in runs if r["task"] == task and r["start"] == st and r.get("metric") is not None]
+            summary[f"{task} x{st}"] = {"mean": statistics.mean(ms) if ms else None,
+                                        "sd": statistics.stdev(ms) if len(ms) > 1 else None, "n": len(ms),
+                                        "max_lr_x_best": sorted(round(r["max_lr_x_best"], 3) for r in runs
+                                                                if r["task"] == task and r["start"] == st
+                                                                and "max_lr_x_best" in r)}
+    import torch
+
+    rec = {"command": "python " + " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "seconds": time.time() - t0, "summary": summary, "runs": runs}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(rec, indent=1))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
