@@ -13,8 +13,8 @@ main run starts there, with a fresh optimizer, for the remaining steps.
 
 Measured (``benchmarks/results/evidence/sweep_then_train/``: ``benchmarks/sweep_then_train.py``, the evidence suite's
 two tasks, N = 8, the sweep 20% of 1500 steps, then HDET at alpha 0.2, T 25, ``on_runaway="recover"``): from 0.1x, 1x
-and 10x the grid's best LR, a byte-level GPT ends +0.85% / +1.29% / +1.36% from the grid's best validation loss over
-9 seeds (every pick 0.93-1.48x the best LR; +0.4-0.9% from the same recipe started at the tuned LR), a BatchNorm CNN
+and 10x the grid's best LR, a byte-level GPT ends +1.11% / +1.19% / +1.90% from the grid's best validation loss over
+12 seeds (+0.7-1.5% from the same recipe started at the tuned LR), a BatchNorm CNN
 on Fashion-MNIST 0.42-0.46 point below the same recipe at the tuned LR over 6 seeds: its judged losses are flat over
 8x, and sqrt(N) sent some picks past that flat region's upper edge. The factor is the recipe's weak point: pass
 ``lr_factor`` where the batch rule is known. Leaving out the runs that kept less than half the best one's gain is this
