@@ -831,6 +831,29 @@ def test_lr_sweep_trains_the_rest_from_its_pick_and_resumes(tmp_path, capsys):
     assert "records no sweep" in capsys.readouterr().err
 
 
+def test_lr_sweep_failures_are_one_line_errors_and_leave_no_stale_run(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "r"
+    assert main(["train", *SWEEP, "--checkpoint-every", "15", "--out", str(out)]) == 0
+    assert main(["train", *SWEEP, "--max-lr", "0.05", "--out", str(out), "--resume"]) == 2  # another guess
+    assert "--max-lr 0.03 -> 0.05" in capsys.readouterr().err
+    assert main(["train", *SWEEP, "--max-lr", "1e12", "--out", str(tmp_path / "far")]) == 2  # every run blows up
+    err = capsys.readouterr().err
+    assert "Expected --lr-sweep to find an LR around --max-lr 1e+12" in err and "Traceback" not in err
+    import hdet.sweep
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(hdet.sweep, "_run", killed)  # a run killed inside its sweep: the earlier run's files are gone
+    assert main(["train", *SWEEP, "--checkpoint-every", "15", "--out", str(out)]) == 130
+    assert not (out / "config.json").exists() and not list(out.glob("checkpoint*"))
+    monkeypatch.undo()
+    assert main(["train", *SWEEP, "--out", str(out), "--resume"]) == 2
+    assert "Expected a run folder to resume" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # compare's rows are the paper's, over its own LR grid
+        main(["compare", "--lr-sweep", "0.2"])
+    assert "unrecognized arguments: --lr-sweep" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra, said", [
     (["--lr-sweep", "1"], "--lr-sweep in [0, 1)"),
     (["--lr-sweep", "0.01"], "leave the sweep at least one step"),

@@ -278,8 +278,8 @@ def default_warmup(steps: int, T: int, one_cycle: bool) -> int:
 
 
 def sweep_steps(cfg: RunConfig) -> int:
-    """The LR sweep's steps (``--lr-sweep`` of ``--steps``, rounded down); the run after it takes the rest."""
-    return int(cfg.lr_sweep * cfg.steps)
+    """The LR sweep's steps (``--lr-sweep`` of ``--steps``, rounded); the run after it takes the rest."""
+    return round(cfg.lr_sweep * cfg.steps)
 
 
 def resolve(cfg: RunConfig) -> RunConfig:

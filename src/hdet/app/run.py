@@ -238,11 +238,16 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
             if not isinstance(swept, dict) or not isinstance(swept.get("max_lr"), float):
                 raise RunError(f"Expected the run at {out} to have swept its LR (--lr-sweep), but its config.json "
                                "records no sweep")
+            if swept.get("guess") != cfg.max_lr:  # (check_config below sees the swept peak, not the guess)
+                raise RunError(f"Expected the options of the checkpointed run to resume it, but these differ: "
+                               f"--max-lr {swept.get('guess')!r} -> {cfg.max_lr!r}")
         else:
             if distributed and N < 2:
                 raise RunError("Expected 2 or more ranks with --lr-sweep under torchrun (each rank runs one of its "
                                "LRs), but the world size is 1")
-            swept = lr_sweep(task, model, cfg, N, swept_steps, device, progress=rank == 0)
+            if rank == 0:  # an earlier run's outputs go before the sweep: a run killed inside it leaves no stale
+                clear_earlier(out)  # checkpoint that --resume would take for this run's
+            swept = lr_sweep(task, model, cfg, N, swept_steps, device, progress=rank == 0, distributed=distributed)
         cfg = dataclasses.replace(cfg, max_lr=swept["max_lr"])
     reps = (DDPRun(task, model, cfg, warmup, device) if distributed
             else EngineRun(task, model, N, cfg, warmup, device))

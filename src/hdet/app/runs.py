@@ -61,7 +61,7 @@ def make_optimizer(task: Task, cfg: RunConfig):
 
 
 def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, device: torch.device,
-             progress: bool) -> dict[str, Any]:
+             progress: bool, distributed: bool) -> dict[str, Any]:
     """``--lr-sweep``: :func:`hdet.lr_sweep` over ``steps`` with the run's AdamW and param groups, each replica on a
     data stream of its own (not the run's), judged by its training loss; ``model`` left at the best run's weights.
     What it found, for the run's config.json and summary."""
@@ -72,14 +72,20 @@ def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, d
         g = torch.Generator().manual_seed(SWEEP_SEED + cfg.seed * 1000 + r)
         return (to_device(task.sample("train", cfg.batch, g), device) for _ in range(steps))
     t0 = time.perf_counter()
+    if not distributed and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RunError("Expected no process group with --lr-sweep in one process (hdet.lr_sweep would take every rank "
+                       "for one replica), but one is initialised; run under torchrun instead")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        res = sweep.lr_sweep(model, make, task.loss_fn, batches, guess=cfg.max_lr, steps=steps,
-                             num_replicas=None if dist.is_initialized() else N)
+        try:
+            res = sweep.lr_sweep(model, make, task.loss_fn, batches, guess=cfg.max_lr, steps=steps,
+                                 num_replicas=None if distributed else N)
+        except RuntimeError as e:  # every run non-finite, or none below the start's loss: the guess is far off
+            raise RunError(f"Expected --lr-sweep to find an LR around --max-lr {cfg.max_lr:g}, but {e}") from None
+    finite = lambda v: v if math.isfinite(v) else None  # noqa: E731 - strict JSON
     found = {"steps": steps, "guess": cfg.max_lr, "max_lr": res.max_lr, "pick": res.pick, "lr_factor": res.lr_factor,
-             "lrs": res.lrs, "losses": [v if math.isfinite(v) else None for v in res.losses],
-             "start_loss": res.start_loss, "winner": res.winner, "at_edge": res.at_edge,
-             "seconds": time.perf_counter() - t0}
+             "lrs": res.lrs, "losses": [finite(v) for v in res.losses], "start_loss": finite(res.start_loss),
+             "winner": res.winner, "at_edge": res.at_edge, "seconds": time.perf_counter() - t0}
     if progress:
         print(f"lr sweep: {N} runs of {steps} steps at {res.lrs[0]:.3g} to {res.lrs[-1]:.3g}; the best at "
               f"{res.lrs[res.winner]:.3g}, the pick {res.pick:.3g}; the run goes on at --max-lr {res.max_lr:.3g}",
