@@ -196,6 +196,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def entry() -> None:
+    """The ``hdet`` command and ``python -m hdet``: :func:`main`, then, under torchrun, an exit without C++
+    destructors (the run's files are written and closed by then): torch's gloo can abort a process at interpreter
+    exit after a finished run (pytorch/pytorch#179291), which torchrun then reports as the run's failure."""
+    rc = main()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
