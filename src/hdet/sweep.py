@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .replicas import ProcessGroupReplicas
 from .values import int_number, real_number
 
 __all__ = ["lr_sweep", "SweepResult", "sweep_lrs", "pick_lr"]
@@ -107,14 +108,14 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     centre over ``lr_factor``; ``num_replicas``: N in one process (under torch.distributed, the group's size);
     ``judge(model)``: a held-out loss (called under ``torch.no_grad()`` with the model in eval mode; under
     torch.distributed it must read the same data on every rank, or the ranks' runs are judged on different data), or
-    None for the mean training loss over the run's last tenth (on the measured CNN it picked higher LRs than a held-out loss on
-    the same seeds, and ended no worse);
-    ``span``: the grid's reach each way from its centre; ``lr_factor``: the main run's peak over the pick (default
-    sqrt(N)); ``pct_start``, ``cycle_momentum``: each run's OneCycleLR (by default its momentum or beta1 cycles where
-    the optimizer has one, as OneCycleLR and OneCycleAutoLR do in the main run the pick is for; False for a main run
-    that keeps it fixed). The model's forward and the judge must be this rank's own (no collective inside: a
-    SyncBatchNorm is refused). With 2 replicas the grid is two LRs span^2 apart: use 4 or more. A ``DistributedDataParallel`` model sweeps its ``module`` (no gradient is shared). Returns a
-    :class:`SweepResult`; its ``max_lr`` is the peak for the main run."""
+    None for the mean training loss over the run's last tenth (on the measured CNN it picked higher LRs than a
+    held-out loss on the same seeds, and ended no worse); ``span``: the grid's reach each way from its centre;
+    ``lr_factor``: the main run's peak over the pick (default sqrt(N)); ``pct_start``, ``cycle_momentum``: each run's
+    OneCycleLR (by default its momentum or beta1 cycles where the optimizer has one, as OneCycleLR and OneCycleAutoLR
+    do in the main run the pick is for; False for a main run that keeps it fixed). The model's forward and the judge
+    must be this rank's own (no collective inside: a SyncBatchNorm is refused). With 2 replicas the grid is two LRs
+    span^2 apart: use 4 or more. A ``DistributedDataParallel`` model sweeps its ``module`` (no gradient is shared).
+    Returns a :class:`SweepResult`; its ``max_lr`` is the peak for the main run."""
     module, n, rank = _replicas(model, num_replicas, group)
     guess_f, steps_i = real_number(guess), int_number(steps)
     if guess_f is None or not (math.isfinite(guess_f) and guess_f > 0):
@@ -197,8 +198,9 @@ def _sweep_ranks(module: nn.Module, rank: int, make_optimizer: Any, loss_fn: Any
         mine, failed = _run(module, make_optimizer, loss_fn, batches(rank), lrs[rank], steps, pct, judge, cycle), None
     except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
         start_judged, mine, failed = math.nan, (math.nan, math.nan), e
-    losses, firsts, starts, fails = _all_gather((*mine, start_judged, float(failed is not None)), _device(module),
-                                                group)
+    rows = ProcessGroupReplicas(group).gather(  # COLLECTIVE (once a sweep): [ranks, 4] on the host
+        torch.tensor([*mine, start_judged, float(failed is not None)], dtype=torch.float64))
+    losses, firsts, starts, fails = (col.tolist() for col in rows.T)
     if failed is not None:
         raise failed
     if any(fails):
@@ -297,20 +299,6 @@ def _judged(module: nn.Module, judge: Callable[[nn.Module], Any]) -> float:
     if value is None:
         raise TypeError(f"Expected judge(model) to return one real number, but got {type(got).__name__}")
     return value if math.isfinite(value) else math.inf
-
-
-def _device(module: nn.Module) -> torch.device:
-    for t in (*module.parameters(), *module.buffers()):
-        return t.device
-    return torch.device("cpu")
-
-
-def _all_gather(values: tuple[float, ...], device: torch.device, group: Any) -> list[list[float]]:
-    """Every rank's ``values``, one list per entry, in rank order."""
-    mine = torch.tensor(values, dtype=torch.float64, device=device)
-    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, mine, group=group)  # COLLECTIVE (once a sweep)
-    return [list(col) for col in zip(*torch.stack(out).tolist())]  # HOST SYNC (once a sweep)
 
 
 def _fmt(lrs: list[float]) -> str:
