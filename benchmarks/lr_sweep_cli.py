@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -30,7 +31,12 @@ def main() -> None:
     p.add_argument("--tasks", default="bytes,fashion")
     p.add_argument("--starts", default="0.1,1,10")
     p.add_argument("--seeds", default="9,10,11")
-    p.add_argument("--sweep", type=float, default=0.2)
+    p.add_argument("--sweep", type=float, default=0.2, help="--lr-sweep (0: only the --tuned runs)")
+    p.add_argument("--then", choices=("restart", "continue"), default="restart",
+                   help="--lr-sweep-then (call 6, seeds 9-11, ran before it existed: continue)")
+    p.add_argument("--tuned", default="", help="comma-separated tasks that also run, at each seed, without a sweep at "
+                                               "the grid's best max_lr: plain (--alpha 0 --on-runaway ignore) and "
+                                               "hdet train's defaults (the seeds' own references)")
     p.add_argument("--data", default="data/fashion")
     p.add_argument("--device", default="cuda")
     p.add_argument("--runs", default="runs/lr_sweep_cli")
@@ -39,47 +45,51 @@ def main() -> None:
     p.add_argument("--out", required=True)
     a = p.parse_args()
     procs = {}
-    for task in a.tasks.split(","):
-        for st in a.starts.split(","):
-            for sd in a.seeds.split(","):
-                name = f"{task}-x{st}-s{sd}"
-                out = Path(a.runs) / name
-                cmd = [sys.executable, "-c", LAUNCH, "train", "--task", task, *SIZES[task]["args"], "--replicas", "8",
-                       "--steps", a.steps, "--weight-decay", "0.01", "--seed", sd, "--device", a.device,
-                       "--max-lr", repr(SIZES[task]["best"] * float(st)), "--lr-sweep", str(a.sweep),
-                       "--checkpoint-every", "0", "--eval-every", "150", "--no-progress", "--out", str(out)]
-                if task == "fashion":
-                    cmd += ["--data", a.data]
-                out.parent.mkdir(parents=True, exist_ok=True)
-                log = (out.parent / f"{name}.log").open("w")
-                procs[name] = (task, float(st), int(sd), out, subprocess.Popen(cmd, stdout=log,
-                                                                               stderr=subprocess.STDOUT, text=True))
+    rows = [(task, st, sd, "sweep", ["--max-lr", repr(SIZES[task]["best"] * float(st)), "--lr-sweep", str(a.sweep),
+                                     "--lr-sweep-then", a.then])
+            for task in a.tasks.split(",") for st in a.starts.split(",") for sd in a.seeds.split(",") if a.sweep > 0]
+    for task in filter(None, a.tasks and a.tuned.split(",")):
+        best = ["--max-lr", repr(SIZES[task]["best"])]
+        rows += [(task, "1", sd, kind, best + extra) for sd in a.seeds.split(",")
+                 for kind, extra in (("plain", ["--alpha", "0", "--on-runaway", "ignore"]), ("hdet", []))]
+    for task, st, sd, kind, extra in rows:
+        name = f"{task}-x{st}-s{sd}" + ("" if kind == "sweep" else f"-{kind}")
+        out = Path(a.runs) / name
+        cmd = [sys.executable, "-c", LAUNCH, "train", "--task", task, *SIZES[task]["args"], "--replicas", "8",
+               "--steps", a.steps, "--weight-decay", "0.01", "--seed", sd, "--device", a.device, *extra,
+               "--checkpoint-every", "0", "--eval-every", "150", "--no-progress", "--out", str(out)]
+        if task == "fashion":
+            cmd += ["--data", a.data]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        log = (out.parent / f"{name}.log").open("w")
+        env = {**os.environ, **({} if a.device == "cpu" else {"OMP_NUM_THREADS": "1"})}  # (18 at once on a GPU host)
+        procs[name] = (task, float(st), int(sd), kind, out, subprocess.Popen(cmd, stdout=log, env=env,
+                                                                             stderr=subprocess.STDOUT, text=True))
     t0 = time.time()
     while any(pr.poll() is None for *_, pr in procs.values()) and time.time() - t0 < a.deadline:
         time.sleep(2)
     runs = []
-    for name, (task, st, sd, out, proc) in procs.items():
+    for name, (task, st, sd, kind, out, proc) in procs.items():
         if proc.poll() is None:
             proc.kill()
         proc.wait()
         log = (out.parent / f"{name}.log").read_text()
-        row = {"name": name, "task": task, "start": st, "seed": sd, "rc": proc.returncode, "log_tail": log[-1500:]}
+        row = {"name": name, "task": task, "kind": kind, "start": st, "seed": sd, "rc": proc.returncode, "log_tail": log[-1500:]}
         if (out / "summary.json").is_file():
             s = json.loads((out / "summary.json").read_text())
             m = s.get("final_metrics") or {}
             row.update(metric=m.get("test_accuracy") if task == "fashion" else m.get("val_loss_full"),
                        crashed=s.get("crashed"), lr_sweep=s.get("lr_sweep"),
-                       max_lr_x_best=s["lr_sweep"]["max_lr"] / SIZES[task]["best"])
+                       max_lr_x_best=s["lr_sweep"]["max_lr"] / SIZES[task]["best"] if kind == "sweep" else 1.0)
         runs.append(row)
     summary = {}
     for task in a.tasks.split(","):
-        for st in sorted({r["start"] for r in runs}):
-            ms = [r["metric"] for r in runs if r["task"] == task and r["start"] == st and r.get("metric") is not None]
-            summary[f"{task} x{st}"] = {"mean": statistics.mean(ms) if ms else None,
-                                        "sd": statistics.stdev(ms) if len(ms) > 1 else None, "n": len(ms),
-                                        "max_lr_x_best": sorted(round(r["max_lr_x_best"], 3) for r in runs
-                                                                if r["task"] == task and r["start"] == st
-                                                                and "max_lr_x_best" in r)}
+        for kind, st in sorted({(r["kind"], r["start"]) for r in runs}):
+            mine = [r for r in runs if r["task"] == task and r["kind"] == kind and r["start"] == st]
+            ms = [r["metric"] for r in mine if r.get("metric") is not None]
+            summary[f"{task} x{st}" + ("" if kind == "sweep" else f" {kind}")] = {
+                "mean": statistics.mean(ms) if ms else None, "sd": statistics.stdev(ms) if len(ms) > 1 else None,
+                "n": len(ms), "max_lr_x_best": sorted(round(r["max_lr_x_best"], 3) for r in mine if "max_lr_x_best" in r)}
     import torch
 
     rec = {"command": "python " + " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,

@@ -196,17 +196,19 @@ def job(spec: dict[str, Any]) -> dict[str, Any]:
     if a["start_from"] == "winner":
         init = str(out / "winner.pt")
         torch.save(models[winner], init)
+    rest = steps - s0 if a["start_from"] == "winner" else steps
+    pct = 0.3 if a.get("main_pct", "fresh") == "fresh" or rest == steps else max(0.3 * steps - s0, 0.05 * rest) / rest
     cfg = RunConfig(task=a["task"], data=a["data"], replicas=N, device=spec["device"], mode="vmap", progress=False,
                     checkpoint_every=0, eval_every=steps // 10, eval_batches=8, auto_lr=False, seed=seed,
-                    alpha=0.2, on_runaway="recover", max_lr=max_lr, init_from=init,
-                    **{**size, "steps": steps - s0 if a["start_from"] == "winner" else steps}, out=str(out / "main"))
+                    alpha=0.2, on_runaway="recover", max_lr=max_lr, init_from=init, pct_start=pct,
+                    **{**size, "steps": rest}, out=str(out / "main"))
     s = train(cfg, argv=["(sweep_then_train)", spec["name"]])
     m = s.get("final_metrics") or {}
     metric = m.get("test_accuracy") if a["task"] == "fashion" else m.get("val_loss_full")
     return {**{k: spec[k] for k in ("name", "start", "seed")}, "sweep_lrs": lrs, "sweep_heldout": losses, "sweep_train_tail": tails,
             "judge": a["judge"], "other_judge_pick": other_pick,
             "noise": noise, "factor": factor,
-            "picked": chosen, "max_lr": max_lr, "max_lr_x_best": max_lr / a["best"], "winner": winner,
+            "picked": chosen, "max_lr": max_lr, "main_pct_start": pct, "max_lr_x_best": max_lr / a["best"], "winner": winner,
             "metric": metric, "crashed": s.get("crashed"), "seconds": time.time() - t0}
 
 
@@ -228,6 +230,10 @@ def main() -> None:
     p.add_argument("--judge", choices=("heldout", "train"), default="heldout",
                    help="pick by the held-out loss, or by each sweep run's training loss over its last tenth")
     p.add_argument("--pick", choices=("parabola", "fit5", "fit7", "argmin"), default="parabola")
+    p.add_argument("--main-pct", choices=("fresh", "align"), default="fresh",
+                   help="the main run's OneCycle warm-up from the winner: fresh (pct_start 0.3 of its own steps, as in "
+                        "calls 1-6, and hdet train --lr-sweep's) or align (its peak at the whole run's, step 0.3 x --steps, "
+                        "after at least 5%% of its own steps; call 7: worse on the GPT)")
     p.add_argument("--from", dest="start_from", choices=("winner", "init"), default="winner")
     p.add_argument("--device", default="cuda")
     p.add_argument("--jobs", type=int, default=9)

@@ -806,29 +806,78 @@ def test_torchrun_ranks_killed_at_different_steps_resume_from_the_step_all_hold(
 SWEEP = [*TINY, "--steps", "40", "--T", "5", "--replicas", "4", "--max-lr", "0.03", "--lr-sweep", "0.25"]
 
 
-def test_lr_sweep_trains_the_rest_from_its_pick_and_resumes(tmp_path, capsys):
-    """--lr-sweep 0.25 of 40 steps: 4 runs of 10 steps at 1/32x-32x of 0.03 / 2, the run's 30 steps after them at
-    2 x the pick, from the best run's weights; a copy resumed from its checkpoint ends as the run did."""
+def test_lr_sweep_then_restart_is_the_run_at_the_swept_peak_and_resumes(tmp_path, capsys):
+    """--lr-sweep 0.25 of 40 steps, then (the default --lr-sweep-then restart) the run: 4 runs of 10 steps at
+    1/32x-32x of 0.03 / 2, then the run's 40 steps from the initial weights at 2 x the pick, bit for bit the run
+    without a sweep at that --max-lr; a copy resumed from its checkpoint ends as the run did."""
     out = tmp_path / "whole"
     assert main(["train", *SWEEP, "--checkpoint-every", "15", "--out", str(out)]) == 0
     said = capsys.readouterr().out
     s = json.loads((out / "summary.json").read_text())
     sw = s["lr_sweep"]
-    assert sw["steps"] == 10 and sw["guess"] == 0.03 and len(sw["lrs"]) == 4 and sw["lr_factor"] == 2.0
+    assert sw["steps"] == 10 and sw["then"] == "restart" and sw["guess"] == 0.03 and len(sw["lrs"]) == 4
+    assert sw["lr_factor"] == 2.0 and sw["max_lr"] == pytest.approx(2 * sw["pick"])
     assert sw["lrs"][0] == pytest.approx(0.015 / 32) and sw["lrs"][-1] == pytest.approx(0.015 * 32)
-    assert sw["max_lr"] == pytest.approx(2 * sw["pick"]) and s["config"]["max_lr"] == sw["max_lr"]
+    assert s["config"]["max_lr"] == sw["max_lr"] and s["config"]["steps"] == 40 and s["steps_done"] == 40
+    assert f"the run starts again at --max-lr {sw['max_lr']:.3g}" in said and s["crashed"] is None
+    plain = SWEEP[:SWEEP.index("--lr-sweep")] + SWEEP[SWEEP.index("--lr-sweep") + 2:]
+    i = plain.index("--max-lr")
+    plain[i + 1] = repr(sw["max_lr"])
+    assert main(["train", *plain, "--out", str(tmp_path / "plain")]) == 0
+    _same_run(out, tmp_path / "plain")  # the sweep's data and runs leave nothing behind but the peak LR
+    shutil.copytree(out, tmp_path / "again")
+    assert main(["train", *SWEEP, "--checkpoint-every", "15", "--out", str(tmp_path / "again"), "--resume"]) == 0
+    assert "lr sweep" not in capsys.readouterr().out  # (read back from config.json, not run again)
+    _same_run(out, tmp_path / "again")
+
+
+def test_lr_sweep_then_continue_trains_the_rest_from_the_best_run_and_resumes(tmp_path, capsys):
+    """--lr-sweep-then continue: the run's 30 steps after the sweep's 10, from the best run's weights."""
+    args = [*SWEEP, "--lr-sweep-then", "continue", "--checkpoint-every", "15"]
+    out = tmp_path / "whole"
+    assert main(["train", *args, "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    s = json.loads((out / "summary.json").read_text())
+    sw = s["lr_sweep"]
+    assert sw["steps"] == 10 and sw["then"] == "continue" and s["config"]["max_lr"] == sw["max_lr"]
     assert s["config"]["steps"] == 30 and s["steps_done"] == 30 and s["crashed"] is None
     assert f"the run goes on at --max-lr {sw['max_lr']:.3g}" in said
     first = _jsonl(out / "metrics.jsonl")[0]  # the run starts from the sweep's best weights, not the initial ones
     assert first["train_loss"] < sw["start_loss"] - 0.5
     assert json.loads((out / "config.json").read_text())["lr_sweep"] == sw
     shutil.copytree(out, tmp_path / "again")
-    assert main(["train", *SWEEP, "--checkpoint-every", "15", "--out", str(tmp_path / "again"), "--resume"]) == 0
-    assert "lr sweep" not in capsys.readouterr().out  # (read back from config.json, not run again)
+    assert main(["train", *args, "--out", str(tmp_path / "again"), "--resume"]) == 0
+    assert "lr sweep" not in capsys.readouterr().out
     _same_run(out, tmp_path / "again")
+    assert main(["train", *SWEEP, "--out", str(tmp_path / "again"), "--resume"]) == 2  # now restart: another run
+    assert "differ" in capsys.readouterr().err
     (tmp_path / "again" / "config.json").write_text(json.dumps({"config": {}}))
-    assert main(["train", *SWEEP, "--out", str(tmp_path / "again"), "--resume"]) == 2
+    assert main(["train", *args, "--out", str(tmp_path / "again"), "--resume"]) == 2
     assert "records no sweep" in capsys.readouterr().err
+
+
+def test_pct_start_sets_one_cycles_warm_up(tmp_path):
+    """--pct-start: OneCycle's peak at that fraction of the run (0.3 by default), as torch's OneCycleLR puts it."""
+    peaks = {}
+    for pct in (None, "0.5"):
+        out = tmp_path / str(pct)
+        assert main(["train", *TINY, "--steps", "20", "--alpha", "0", "--out", str(out),
+                     *(["--pct-start", pct] if pct else [])]) == 0
+        recs = [r for r in _jsonl(out / "metrics.jsonl") if "lr" in r]
+        lrs, steps = [max(r["lr"].values()) for r in recs], [r["step"] for r in recs]
+        peaks[pct] = steps[lrs.index(max(lrs))]
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    ref = {}
+    for pct in (0.3, 0.5):
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=20, pct_start=pct)
+        seen = []
+        for _ in range(20):
+            seen.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        ref[pct] = seen.index(max(seen))
+    assert peaks[None] != peaks["0.5"] and ref[0.3] != ref[0.5]
+    assert peaks[None] - ref[0.3] == peaks["0.5"] - ref[0.5]  # (the same offset between a record and its step)
 
 
 def test_lr_sweep_failures_are_one_line_errors_and_leave_no_stale_run(tmp_path, capsys, monkeypatch):
@@ -856,8 +905,10 @@ def test_lr_sweep_failures_are_one_line_errors_and_leave_no_stale_run(tmp_path, 
 
 @pytest.mark.parametrize("extra, said", [
     (["--lr-sweep", "1"], "--lr-sweep in [0, 1)"),
-    (["--lr-sweep", "0.01"], "leave the sweep at least one step"),
-    (["--lr-sweep", "0.95"], "the run after it at least --T"),
+    (["--lr-sweep", "0.01"], "give the sweep at least one step"),
+    (["--lr-sweep", "0.95", "--lr-sweep-then", "continue"], "the run after it at least --T"),
+    (["--lr-sweep", "0.2", "--lr-sweep-then", "again"], "--lr-sweep-then restart or continue"),
+    (["--pct-start", "1"], "--pct-start in (0, 1)"),
     (["--lr-sweep", "0.2", "--optimizer", "dadapt-adam"], "--optimizer dadapt-adam (it sets its own step size)"),
     (["--lr-sweep", "0.2", "--range-test"], "--range-test (both choose the peak LR)"),
     (["--lr-sweep", "0.2", "--replicas", "1"], "--replicas 1"),
@@ -880,4 +931,4 @@ def test_lr_sweep_under_torchrun_one_run_a_rank(tmp_path):
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
     sw = s["lr_sweep"]
     assert len(sw["lrs"]) == 2 and sw["lr_factor"] == pytest.approx(math.sqrt(2)) and s["replicas"] == 2
-    assert s["config"]["max_lr"] == sw["max_lr"] and s["crashed"] is None and s["steps_done"] == 30
+    assert s["config"]["max_lr"] == sw["max_lr"] and s["crashed"] is None and s["steps_done"] == 40

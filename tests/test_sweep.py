@@ -1,4 +1,4 @@
-"""hdet.lr_sweep: the run's first steps as N independent short runs at LRs apart, the model left at the best one."""
+"""hdet.lr_sweep: N independent short runs at LRs apart, the model left at its start weights or the best run's."""
 
 import copy
 import math
@@ -79,18 +79,21 @@ def reference(guess, judge, factor=None):
     return lrs, losses, states, (start if judge else sum(firsts) / len(firsts))
 
 
-@pytest.mark.parametrize("judge", [True, False])
-def test_one_process_is_the_hand_written_sweep(judge):
+@pytest.mark.parametrize("judge, keep", [(True, "winner"), (False, "winner"), (True, None)])
+def test_one_process_is_the_hand_written_sweep(judge, keep):
     model = make_model()
+    before = copy.deepcopy(model.state_dict())
     res = hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N,
-                        judge=held_out if judge else None)
+                        judge=held_out if judge else None, **({"keep": keep} if keep else {}))
     lrs, losses, states, start = reference(0.1, judge)
     assert res.lrs == pytest.approx(lrs, rel=1e-15)
     assert res.losses == pytest.approx(losses, rel=1e-6)
     best = min(range(N), key=lambda i: losses[i])
     assert res.winner == best
-    for k, v in model.state_dict().items():  # the model holds the best run's weights and BatchNorm statistics
-        assert torch.equal(v, states[best][k]), k
+    held = states[best] if keep == "winner" else before  # (keep="start", the default: the weights it came with)
+    assert not all(torch.equal(v, states[best][k]) for k, v in before.items())
+    for k, v in model.state_dict().items():  # the best run's weights and BatchNorm statistics, or the start's
+        assert torch.equal(v, held[k]), k
     assert res.start_loss == pytest.approx(start, rel=1e-6)
     assert res.pick == pytest.approx(pick_lr(lrs, losses, start), rel=1e-9)
     assert res.max_lr == pytest.approx(res.pick * math.sqrt(N), rel=1e-12)
@@ -114,8 +117,12 @@ class Counting(nn.Module):
 
 def test_non_persistent_buffers_come_from_the_best_run_and_errors_leave_the_model_as_it_came():
     model = Counting()
-    res = hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N, judge=held_out)
+    res = hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N, judge=held_out,
+                        keep="winner")
     assert float(model.seen) == pytest.approx(sum(float(data(res.winner, i)[0].mean()) for i in range(STEPS)))
+    model = Counting()
+    hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N, judge=held_out)
+    assert float(model.seen) == 0.0  # keep="start": back to the start, non-persistent buffers too
     calls = []
 
     def failing(m):
@@ -136,7 +143,8 @@ def test_per_group_peaks_and_optimizers_without_momentum():
         params = list(params)
         return torch.optim.AdamW([{"params": params[:2], "lr": lr}, {"params": params[2:], "lr": lr / 10}])
     model = make_model()
-    res = hdet.lr_sweep(model, two_groups, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N, judge=held_out)
+    res = hdet.lr_sweep(model, two_groups, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N, judge=held_out,
+                        keep="winner")
     ref = make_model()  # the winner's run by hand: OneCycle to lr and lr / 10
     opt = two_groups(ref.parameters(), res.lrs[res.winner])
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[res.lrs[res.winner], res.lrs[res.winner] / 10],
@@ -232,6 +240,7 @@ def test_every_run_non_finite_raises_and_leaves_the_start_weights(how):
     (dict(steps=0), "steps"), (dict(steps=2.5), "steps"), (dict(num_replicas=1), "num_replicas"),
     (dict(num_replicas=None), "num_replicas"), (dict(span=1.0), "span"), (dict(lr_factor=0), "lr_factor"),
     (dict(pct_start=1.0), "pct_start"),
+    (dict(keep="best"), "keep to be one of 'start', 'winner'"),
 ])
 def test_bad_arguments_say_what_was_expected(kwargs, match):
     args = {**dict(guess=0.1, steps=STEPS, num_replicas=N), **kwargs}
@@ -250,7 +259,7 @@ def test_too_few_batches_and_a_bad_judge_are_errors():
         hdet.lr_sweep(lambda x: x, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N)
 
 
-def _sweep_worker(rank, world, ddp):
+def _sweep_worker(rank, world, ddp, keep):
     import torch.distributed as dist
     model = make_model()
     if ddp:  # and every rank's model seeded apart: the sweep starts every rank from rank 0's weights
@@ -258,7 +267,7 @@ def _sweep_worker(rank, world, ddp):
             for p in model.parameters():
                 p.add_(rank)
     wrapped = nn.parallel.DistributedDataParallel(model) if ddp else model
-    res = hdet.lr_sweep(wrapped, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, judge=held_out)
+    res = hdet.lr_sweep(wrapped, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, judge=held_out, keep=keep)
     swept = {k: v.tolist() for k, v in model.state_dict().items()}
     flat = torch.cat([t.detach().reshape(-1).double() for t in model.state_dict().values()])
     out = [torch.empty_like(flat) for _ in range(world)]
@@ -308,15 +317,17 @@ def test_a_rank_that_fails_fails_every_rank_without_a_hang():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, ddp", [(2, False), (4, True)])
-def test_every_rank_one_replica_then_the_best_ranks_weights(world, ddp):
-    """Under gloo, rank r runs the r-th LR on its own batches; every rank ends with the best rank's weights and the
-    one-process sweep's result."""
-    res = check_ok(run_gloo(_sweep_worker, world, ddp))
+@pytest.mark.parametrize("world, ddp, keep", [(2, False, "winner"), (4, True, "winner"), (4, True, "start")])
+def test_every_rank_one_replica_then_the_best_ranks_weights(world, ddp, keep):
+    """Under gloo, rank r runs the r-th LR on its own batches; every rank ends with the best rank's weights (or rank 0's
+    start weights, where the ranks' own differed) and the one-process sweep's result."""
+    res = check_ok(run_gloo(_sweep_worker, world, ddp, keep))
     one = make_model()
     with one_thread():  # as the workers: the same summation order (Adam turns rounding into a step's sign)
         ref = hdet.lr_sweep(one, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=world,
-                            judge=held_out)
+                            judge=held_out, keep=keep)
+    if keep == "start":
+        assert all(torch.equal(v, make_model().state_dict()[k]) for k, v in one.state_dict().items())
     for r in res:
         assert r["same_on_every_rank"]
         assert r["lrs"] == pytest.approx(ref.lrs, rel=1e-15)

@@ -8,17 +8,21 @@ times the centre, evenly apart in log LR), each with its own OneCycle over the s
 parabola in log LR through the best judged loss and up to three finite neighbours on each side, leaving out runs that
 kept less than half the best one's gain over the start (they blew up and settled near chance); the main run's peak LR
 is the pick times ``lr_factor`` (sqrt(N) by default: the main run's batch is N times a sweep run's, and Adam's best
-LR grows about as the square root of the batch). The model ends holding the best run's weights, on every rank: the
-main run starts there, with a fresh optimizer, for the remaining steps.
+LR grows about as the square root of the batch). The model ends holding its start weights (``keep="start"``: the main
+run then trains all its steps from them at the found peak, the sweep's steps on top), or the best run's weights
+(``keep="winner"``: the main run goes on from there, with a fresh optimizer, for the remaining steps), on every rank.
 
 Measured (``benchmarks/results/evidence/sweep_then_train/``: ``benchmarks/sweep_then_train.py``, the evidence suite's
 two tasks, N = 8, the sweep 20% of 1500 steps, then HDET at alpha 0.2, T 25, ``on_runaway="recover"``): from 0.1x, 1x
 and 10x the grid's best LR, a byte-level GPT ends +1.11% / +1.19% / +1.90% from the grid's best validation loss over
 12 seeds (+0.7-1.5% from the same recipe started at the tuned LR), a BatchNorm CNN
 on Fashion-MNIST 0.42-0.46 point below the same recipe at the tuned LR over 6 seeds: its judged losses are flat over
-8x, and sqrt(N) sent some picks past that flat region's upper edge. The factor is the recipe's weak point: pass
-``lr_factor`` where the batch rule is known. Leaving out the runs that kept less than half the best one's gain is this
-function's own (the study's fit took them in); it has not run on those tasks.
+8x, and sqrt(N) sent some picks past that flat region's upper edge. Going on from the best run loses most of that to the
+sweep's steps, not to the pick: the main run from the *start* weights for all 1500 steps at the same picks (the
+sweep's 300 steps on top, 20% more compute) ended the GPT at -1.0% / -0.1% / -1.1% from the grid's best over 3 seeds
+(0.7-1.1% better than the same recipe at the tuned LR) and Fashion-MNIST at -0.17 / -0.21 / -0.22 point from its
+grid's best mean. Hence ``keep="start"`` by default. Leaving out the runs that kept less than half the best one's
+gain is this function's own (the study's fit took them in).
 
 Under torch.distributed (initialised, world size > 1) every rank is one replica: rank r runs the r-th LR on its own
 batches, the judged losses are all-gathered and the best rank's weights (and buffers) broadcast. In one process the
@@ -42,6 +46,7 @@ from .values import int_number, real_number
 
 __all__ = ["lr_sweep", "SweepResult", "sweep_lrs", "pick_lr"]
 
+KEEP = ("start", "winner")  # what the model holds after the sweep
 FIT_NEIGHBOURS = 3  # the pick's parabola: the best judged loss and up to this many finite neighbours on each side
 
 
@@ -49,8 +54,8 @@ FIT_NEIGHBOURS = 3  # the pick's parabola: the best judged loss and up to this m
 class SweepResult:
     """What :func:`lr_sweep` found. ``max_lr``: the main run's peak LR (``pick * lr_factor``); ``pick``: the sweep's
     best LR; ``lrs`` and ``losses``: each sweep run's LR and judged loss (inf: non-finite); ``start_loss``: the
-    start weights' (judged, or their first training losses' mean); ``winner``: the run
-    whose weights the model now holds; ``at_edge``: the best judged loss was at an end of the grid (the best LR may
+    start weights' (judged, or their first training losses' mean); ``winner``: the best run (whose weights the model
+    now holds with ``keep="winner"``); ``at_edge``: the best judged loss was at an end of the grid (the best LR may
     lie beyond it)."""
 
     max_lr: float
@@ -99,8 +104,9 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
              loss_fn: Callable[[nn.Module, Any], torch.Tensor], batches: Callable[[int], Iterable[Any]], *,
              guess: float, steps: int, num_replicas: int | None = None,
              judge: Callable[[nn.Module], Any] | None = None, span: float = 32.0, lr_factor: float | None = None,
-             pct_start: float = 0.3, cycle_momentum: bool | None = None, group: Any = None) -> SweepResult:
-    """Sweep the LR over the run's first ``steps``, then leave ``model`` at the best run's weights (see the module).
+             pct_start: float = 0.3, cycle_momentum: bool | None = None, keep: str = "start",
+             group: Any = None) -> SweepResult:
+    """Sweep the LR over ``steps``, then leave ``model`` at its start weights or the best run's (see the module).
 
     ``make_optimizer(params, lr)``: a fresh optimizer at peak LR ``lr`` (its param groups' LRs are each run's
     OneCycle peaks, so groups at a multiple of ``lr`` keep it); ``loss_fn(model, batch)``: the scalar training loss;
@@ -112,7 +118,9 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     held-out loss on the same seeds, and ended no worse); ``span``: the grid's reach each way from its centre;
     ``lr_factor``: the main run's peak over the pick (default sqrt(N)); ``pct_start``, ``cycle_momentum``: each run's
     OneCycleLR (by default its momentum or beta1 cycles where the optimizer has one, as OneCycleLR and OneCycleAutoLR
-    do in the main run the pick is for; False for a main run that keeps it fixed). The model's forward and the judge
+    do in the main run the pick is for; False for a main run that keeps it fixed); ``keep``: ``"start"`` (the
+model back at the weights it came with, for a main run of all its steps: measured better) or ``"winner"`` (the best
+run's weights and buffers, for a main run of the steps left). The model's forward and the judge
     must be this rank's own (no collective inside: a SyncBatchNorm is refused). With 2 replicas the grid is two LRs
     span^2 apart: use 4 or more. A ``DistributedDataParallel`` model sweeps its ``module`` (no gradient is shared).
     Returns a :class:`SweepResult`; its ``max_lr`` is the peak for the main run."""
@@ -131,6 +139,8 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     pct = real_number(pct_start)
     if pct is None or not 0.0 < pct < 1.0:
         raise ValueError(f"Expected pct_start in (0, 1), but got {pct_start!r}")
+    if keep not in KEEP:
+        raise ValueError(f"Expected keep to be one of {', '.join(map(repr, KEEP))}, but got {keep!r}")
     lrs = sweep_lrs(guess_f / factor, n, span_f)
     tensors = _tensors(module)
     if rank is not None:  # every rank's run from the same weights: rank 0's (a model seeded per rank, say)
@@ -156,7 +166,9 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
         raise
     module.train(was_training)
     winner = min((i for i, v in enumerate(losses) if math.isfinite(v)), key=lambda i: losses[i])
-    if rank is None:
+    if keep == "start":  # (the same on every rank: rank 0's, broadcast above)
+        _copy(tensors, start)
+    elif rank is None:
         _copy(tensors, kept)
     else:  # the best rank's weights and buffers to every rank
         src = dist.get_global_rank(group, winner) if group is not None else winner

@@ -58,8 +58,9 @@ def _resolved(c: dict[str, Any], mode: str, device: str) -> dict[str, Any]:
     c["eval_every"] = c.get("eval_every") or c.get("T")
     c["log_every"] = c.get("log_every") or min(10, max(1, c.get("steps", 0) // 100))
     auto, fit = c.get("auto_lr"), c.get("controller") == "fit"
+    c.setdefault("pct_start", 0.3)  # (a checkpoint from before --pct-start: OneCycle's default)
     if c.get("warmup") is None and (auto or c.get("range_test")):
-        c["warmup"] = default_warmup(c["steps"], c["T"], fit or c.get("range_test"))
+        c["warmup"] = default_warmup(c["steps"], c["T"], fit or c.get("range_test"), c["pct_start"])
     dead = {"warmup": not (auto or c.get("range_test")), "tie_lr_groups": not auto, "controller": not auto,
             "probe_batches": not (auto and fit), "eq8": not (auto and not fit), "range_backoff": not c.get("range_test"),
             "prodigy_safeguard": c.get("optimizer") != "prodigy", "data": c.get("task") != "fashion",

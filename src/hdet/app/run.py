@@ -30,7 +30,8 @@ from ..ensemble import NonFiniteReplicaError
 from ..telemetry import SyncLogger
 from ..window import eval_mode
 from . import checkpoint, stop
-from .options import RunConfig, RunError, check, default_warmup, resolve, resolve_device, sweep_steps
+from .options import (RunConfig, RunError, after_sweep, check, default_warmup, resolve, resolve_device,
+                      sweep_steps)
 from .runs import DDPRun, EngineRun, eval_weights, lr_sweep, to_device
 from .tasks import Task, make_task
 
@@ -178,8 +179,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
     check(cfg)
     cfg = resolve(cfg)
     swept_steps = sweep_steps(cfg)
-    if swept_steps:  # --lr-sweep: the run after the sweep is the run these options describe (its max_lr: below)
-        cfg = dataclasses.replace(cfg, steps=cfg.steps - swept_steps)
+    cfg = after_sweep(cfg)  # --lr-sweep: the run after the sweep is the run these options describe (max_lr: below)
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     owns_group = False
     device = resolve_device(cfg.device)
@@ -196,7 +196,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
     if distributed and cfg.replicas not in (None, N):
         raise RunError(f"Expected --replicas to match the torchrun world size ({N}), but got {cfg.replicas}")
     warmup = cfg.warmup if cfg.warmup is not None else default_warmup(cfg.steps, cfg.T, cfg.controller == "fit" or
-                                                                         cfg.range_test)
+                                                                         cfg.range_test, cfg.pct_start)
     if cfg.auto_lr and not 0 <= warmup < cfg.steps:
         raise RunError(f"Expected --warmup in [0, --steps) with --auto-lr, but got {warmup} (steps {cfg.steps})")
     if cfg.auto_lr and max(cfg.T, -(-warmup // cfg.T) * cfg.T) > cfg.steps:

@@ -63,7 +63,8 @@ def make_optimizer(task: Task, cfg: RunConfig):
 def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, device: torch.device,
              progress: bool, distributed: bool) -> dict[str, Any]:
     """``--lr-sweep``: :func:`hdet.lr_sweep` over ``steps`` with the run's AdamW and param groups, each replica on a
-    data stream of its own (not the run's), judged by its training loss; ``model`` left at the best run's weights.
+    data stream of its own (not the run's), judged by its training loss; ``model`` left at its start weights
+    (``--lr-sweep-then restart``) or the best run's (``continue``).
     What it found, for the run's config.json and summary."""
     def make(params: Any, lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(param_groups(model, task.group_of, cfg.weight_decay), lr=lr)
@@ -79,16 +80,18 @@ def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, d
         warnings.simplefilter("always")
         try:
             res = sweep.lr_sweep(model, make, task.loss_fn, batches, guess=cfg.max_lr, steps=steps,
-                                 num_replicas=None if distributed else N)
+                                 num_replicas=None if distributed else N,
+                                 keep="start" if cfg.lr_sweep_then == "restart" else "winner")
         except RuntimeError as e:  # every run non-finite, or none below the start's loss: the guess is far off
             raise RunError(f"Expected --lr-sweep to find an LR around --max-lr {cfg.max_lr:g}, but {e}") from None
     finite = lambda v: v if math.isfinite(v) else None  # noqa: E731 - strict JSON
-    found = {"steps": steps, "guess": cfg.max_lr, "max_lr": res.max_lr, "pick": res.pick, "lr_factor": res.lr_factor,
-             "lrs": res.lrs, "losses": [finite(v) for v in res.losses], "start_loss": finite(res.start_loss),
+    found = {"steps": steps, "then": cfg.lr_sweep_then, "guess": cfg.max_lr, "max_lr": res.max_lr, "pick": res.pick,
+             "lr_factor": res.lr_factor, "lrs": res.lrs, "losses": [finite(v) for v in res.losses], "start_loss": finite(res.start_loss),
              "winner": res.winner, "at_edge": res.at_edge, "seconds": time.perf_counter() - t0}
     if progress:
         print(f"lr sweep: {N} runs of {steps} steps at {res.lrs[0]:.3g} to {res.lrs[-1]:.3g}; the best at "
-              f"{res.lrs[res.winner]:.3g}, the pick {res.pick:.3g}; the run goes on at --max-lr {res.max_lr:.3g}",
+              f"{res.lrs[res.winner]:.3g}, the pick {res.pick:.3g}; the run "
+              f"{'starts again' if cfg.lr_sweep_then == 'restart' else 'goes on'} at --max-lr {res.max_lr:.3g}",
               flush=True)
         for w in caught:
             print(f"warning: {w.message}", file=sys.stderr)
@@ -168,7 +171,7 @@ def make_scheduler(cfg: RunConfig, warmup: int, task: Task, device: torch.device
             return HDETLR(optimizer, None, total_steps=cfg.steps, ensemble_lr_spread_ratio=cfg.alpha,
                           model_sync_interval=cfg.T, model=module, seed=cfg.seed, replicas=replicas,
                           average_optimizer_state=True)
-        return OneCycleAutoLR(optimizer, max_lr=cfg.max_lr, total_steps=cfg.steps,
+        return OneCycleAutoLR(optimizer, max_lr=cfg.max_lr, total_steps=cfg.steps, pct_start=cfg.pct_start,
                               ensemble_lr_spread_ratio=cfg.alpha, model_sync_interval=cfg.T,
                               enable_auto_lr=cfg.auto_lr, auto_lr_warmup_steps=warmup, eq8=cfg.eq8,
                               on_runaway=cfg.on_runaway, lr_range_test=cfg.range_test,
