@@ -48,7 +48,7 @@ def main() -> None:
     rows = [(task, st, sd, "sweep", ["--max-lr", repr(SIZES[task]["best"] * float(st)), "--lr-sweep", str(a.sweep),
                                      "--lr-sweep-then", a.then])
             for task in a.tasks.split(",") for st in a.starts.split(",") for sd in a.seeds.split(",") if a.sweep > 0]
-    for task in filter(None, a.tasks and a.tuned.split(",")):
+    for task in filter(None, a.tuned.split(",")):
         best = ["--max-lr", repr(SIZES[task]["best"])]
         rows += [(task, "1", sd, kind, best + extra) for sd in a.seeds.split(",")
                  for kind, extra in (("plain", ["--alpha", "0", "--on-runaway", "ignore"]), ("hdet", []))]
@@ -83,8 +83,8 @@ def main() -> None:
                        max_lr_x_best=s["lr_sweep"]["max_lr"] / SIZES[task]["best"] if kind == "sweep" else 1.0)
         runs.append(row)
     summary = {}
-    for task in a.tasks.split(","):
-        for kind, st in sorted({(r["kind"], r["start"]) for r in runs}):
+    for task in dict.fromkeys(r["task"] for r in runs):  # (--tasks' and --tuned's, in order)
+        for kind, st in sorted({(r["kind"], r["start"]) for r in runs if r["task"] == task}):
             mine = [r for r in runs if r["task"] == task and r["kind"] == kind and r["start"] == st]
             ms = [r["metric"] for r in mine if r.get("metric") is not None]
             summary[f"{task} x{st}" + ("" if kind == "sweep" else f" {kind}")] = {

@@ -856,6 +856,44 @@ def test_lr_sweep_then_continue_trains_the_rest_from_the_best_run_and_resumes(tm
     assert "records no sweep" in capsys.readouterr().err
 
 
+def test_checkpoints_from_before_lr_sweep_then_and_pct_start_resume_as_they_ran(tmp_path, capsys):
+    """A checkpoint whose config has neither --pct-start nor --lr-sweep-then (written before they existed) resumes:
+    a run without a sweep with the defaults, a swept one (which went on from the best run) with --lr-sweep-then
+    continue, and the default, another run, is refused with what differs."""
+    def strip(folder):
+        for f in folder.glob("checkpoint*.pt"):
+            state = torch.load(f, weights_only=True)
+            for k in ("pct_start", "lr_sweep_then"):
+                state["config"].pop(k)
+            torch.save(state, f)
+    plain = [*TINY, "--steps", "20", "--checkpoint-every", "10"]
+    assert main(["train", *plain, "--out", str(tmp_path / "plain")]) == 0
+    shutil.copytree(tmp_path / "plain", tmp_path / "plain2")
+    strip(tmp_path / "plain2")
+    assert main(["train", *plain, "--out", str(tmp_path / "plain2"), "--resume"]) == 0
+    _same_run(tmp_path / "plain", tmp_path / "plain2")
+    swept = [*SWEEP, "--lr-sweep-then", "continue", "--checkpoint-every", "15"]
+    assert main(["train", *swept, "--out", str(tmp_path / "swept")]) == 0
+    shutil.copytree(tmp_path / "swept", tmp_path / "swept2")
+    strip(tmp_path / "swept2")
+    capsys.readouterr()
+    assert main(["train", *SWEEP, "--out", str(tmp_path / "swept2"), "--resume"]) == 2
+    assert "--lr-sweep-then 'continue' -> 'restart'" in capsys.readouterr().err
+    assert main(["train", *swept, "--out", str(tmp_path / "swept2"), "--resume"]) == 0
+    _same_run(tmp_path / "swept", tmp_path / "swept2")
+
+
+def test_lr_sweep_then_restart_leaves_dropouts_draws_as_they_were(tmp_path):
+    """With dropout the sweep's forwards draw from torch's RNG: a restarted run is still the run without a sweep."""
+    out = tmp_path / "whole"
+    assert main(["train", *SWEEP, "--dropout", "0.1", "--out", str(out)]) == 0
+    sw = json.loads((out / "summary.json").read_text())["lr_sweep"]
+    plain = SWEEP[:SWEEP.index("--lr-sweep")] + SWEEP[SWEEP.index("--lr-sweep") + 2:]
+    plain[plain.index("--max-lr") + 1] = repr(sw["max_lr"])
+    assert main(["train", *plain, "--dropout", "0.1", "--out", str(tmp_path / "plain")]) == 0
+    _same_run(out, tmp_path / "plain")
+
+
 def test_pct_start_sets_one_cycles_warm_up(tmp_path):
     """--pct-start: OneCycle's peak at that fraction of the run (0.3 by default), as torch's OneCycleLR puts it."""
     peaks = {}
@@ -907,8 +945,8 @@ def test_lr_sweep_failures_are_one_line_errors_and_leave_no_stale_run(tmp_path, 
     (["--lr-sweep", "1"], "--lr-sweep in [0, 1)"),
     (["--lr-sweep", "0.01"], "give the sweep at least one step"),
     (["--lr-sweep", "0.95", "--lr-sweep-then", "continue"], "the run after it at least --T"),
-    (["--lr-sweep", "0.2", "--lr-sweep-then", "again"], "--lr-sweep-then restart or continue"),
     (["--pct-start", "1"], "--pct-start in (0, 1)"),
+    (["--pct-start", "0.025"], "other than one step (OneCycleLR cannot build a warm-up of exactly one step)"),
     (["--lr-sweep", "0.2", "--optimizer", "dadapt-adam"], "--optimizer dadapt-adam (it sets its own step size)"),
     (["--lr-sweep", "0.2", "--range-test"], "--range-test (both choose the peak LR)"),
     (["--lr-sweep", "0.2", "--replicas", "1"], "--replicas 1"),
@@ -916,6 +954,15 @@ def test_lr_sweep_failures_are_one_line_errors_and_leave_no_stale_run(tmp_path, 
 def test_lr_sweep_refusals(tmp_path, capsys, extra, said):
     assert main(["train", *TINY, "--steps", "40", *extra, "--out", str(tmp_path / "r")]) == 2
     assert said in capsys.readouterr().err
+
+
+def test_lr_sweep_then_takes_restart_or_continue(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["train", *TINY, "--lr-sweep", "0.2", "--lr-sweep-then", "again", "--out", str(tmp_path / "r")])
+    assert "--lr-sweep-then: invalid choice: 'again'" in capsys.readouterr().err
+    from hdet.app.options import RunConfig, RunError, check
+    with pytest.raises(RunError, match="--lr-sweep-then restart or continue, but got 'again'"):
+        check(RunConfig(lr_sweep=0.2, lr_sweep_then="again"))
 
 
 @pytest.mark.distributed

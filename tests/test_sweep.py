@@ -262,11 +262,10 @@ def test_too_few_batches_and_a_bad_judge_are_errors():
 def _sweep_worker(rank, world, ddp, keep):
     import torch.distributed as dist
     model = make_model()
-    if ddp:  # and every rank's model seeded apart: the sweep starts every rank from rank 0's weights
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(rank)
-    wrapped = nn.parallel.DistributedDataParallel(model) if ddp else model
+    wrapped = nn.parallel.DistributedDataParallel(model) if ddp else model  # (its constructor broadcasts rank 0's)
+    with torch.no_grad():  # every rank's model apart: the sweep starts every rank from rank 0's weights
+        for p in model.parameters():
+            p.add_(rank)
     res = hdet.lr_sweep(wrapped, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, judge=held_out, keep=keep)
     swept = {k: v.tolist() for k, v in model.state_dict().items()}
     flat = torch.cat([t.detach().reshape(-1).double() for t in model.state_dict().values()])
@@ -317,7 +316,8 @@ def test_a_rank_that_fails_fails_every_rank_without_a_hang():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, ddp, keep", [(2, False, "winner"), (4, True, "winner"), (4, True, "start")])
+@pytest.mark.parametrize("world, ddp, keep", [(2, False, "winner"), (4, True, "winner"), (2, False, "start"),
+                                              (4, True, "start")])
 def test_every_rank_one_replica_then_the_best_ranks_weights(world, ddp, keep):
     """Under gloo, rank r runs the r-th LR on its own batches; every rank ends with the best rank's weights (or rank 0's
     start weights, where the ranks' own differed) and the one-process sweep's result."""

@@ -117,8 +117,9 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     ``lr_factor``: the main run's peak over the pick (default sqrt(N)); ``pct_start``, ``cycle_momentum``: each run's
     OneCycleLR (by default its momentum or beta1 cycles where the optimizer has one, as OneCycleLR and OneCycleAutoLR
     do in the main run the pick is for; False for a main run that keeps it fixed); ``keep``: ``"start"`` (the
-model back at the weights it came with, for a main run of all its steps: measured better) or ``"winner"`` (the best
-run's weights and buffers, for a main run of the steps left). The model's forward and the judge
+    model back at the weights the sweep started from, rank 0's on every rank, for a main run of all its steps:
+    measured better) or ``"winner"`` (the best run's weights and buffers, for a main run of the steps left). The
+    model's forward and the judge
     must be this rank's own (no collective inside: a SyncBatchNorm is refused). With 2 replicas the grid is two LRs
     span^2 apart: use 4 or more. A ``DistributedDataParallel`` model sweeps its ``module`` (no gradient is shared).
     Returns a :class:`SweepResult`; its ``max_lr`` is the peak for the main run."""
@@ -150,7 +151,7 @@ run's weights and buffers, for a main run of the steps left). The model's forwar
     try:
         if rank is None:  # one process: the runs one after the other, each from the start weights
             start_loss, losses, firsts, kept = _sweep_here(module, tensors, start, make_optimizer, loss_fn, batches,
-                                                          lrs, steps_i, pct, judge, cycle_momentum)
+                                                          lrs, steps_i, pct, judge, cycle_momentum, keep == "winner")
         else:  # rank r: the r-th run; every rank's judged loss to every rank
             start_loss, losses, firsts = _sweep_ranks(module, rank, make_optimizer, loss_fn, batches, lrs, steps_i,
                                                       pct, judge, cycle_momentum, group)
@@ -183,9 +184,9 @@ run's weights and buffers, for a main run of the steps left). The model's forwar
 
 def _sweep_here(module: nn.Module, tensors: list[torch.Tensor], start: list[torch.Tensor], make_optimizer: Any,
                 loss_fn: Any, batches: Any, lrs: list[float], steps: int, pct: float, judge: Any, cycle: bool | None,
-                ) -> tuple[float | None, list[float], list[float], list[torch.Tensor] | None]:
+                keep_best: bool) -> tuple[float | None, list[float], list[float], list[torch.Tensor] | None]:
     """The N runs one after the other in this process: the start's judged loss, each run's judged and first loss,
-    and the best run's tensors (None where none was finite)."""
+    and the best run's tensors (None where none was finite, or not ``keep_best``)."""
     start_loss = _judged(module, judge) if judge is not None else None
     losses, firsts, kept, best = [], [], None, math.inf
     for r, lr in enumerate(lrs):
@@ -194,7 +195,7 @@ def _sweep_here(module: nn.Module, tensors: list[torch.Tensor], start: list[torc
         losses.append(value)
         firsts.append(first)
         if value < best:
-            best, kept = value, [t.clone() for t in tensors]
+            best, kept = value, ([t.clone() for t in tensors] if keep_best else None)
     return start_loss, losses, firsts, kept
 
 

@@ -59,11 +59,14 @@ def _resolved(c: dict[str, Any], mode: str, device: str) -> dict[str, Any]:
     c["log_every"] = c.get("log_every") or min(10, max(1, c.get("steps", 0) // 100))
     auto, fit = c.get("auto_lr"), c.get("controller") == "fit"
     c.setdefault("pct_start", 0.3)  # (a checkpoint from before --pct-start: OneCycle's default)
+    if c.get("lr_sweep"):  # (one from before --lr-sweep-then: it went on from the sweep's best run)
+        c.setdefault("lr_sweep_then", "continue")
     if c.get("warmup") is None and (auto or c.get("range_test")):
         c["warmup"] = default_warmup(c["steps"], c["T"], fit or c.get("range_test"), c["pct_start"])
     dead = {"warmup": not (auto or c.get("range_test")), "tie_lr_groups": not auto, "controller": not auto,
             "probe_batches": not (auto and fit), "eq8": not (auto and not fit), "range_backoff": not c.get("range_test"),
-            "prodigy_safeguard": c.get("optimizer") != "prodigy", "data": c.get("task") != "fashion",
+            "prodigy_safeguard": c.get("optimizer") != "prodigy",
+            "lr_sweep_then": not c.get("lr_sweep"), "pct_start": c.get("optimizer") == "schedulefree-adamw", "data": c.get("task") != "fashion",
             "nu": not c.get("warm_init"), "clip": "grad-clip" not in (c.get("explore") or ()),
             "compile": mode != "engine-vmap", "cuda_graph": mode not in ("engine-merged", "engine-vmap"), "ctx": c.get("task") == "fashion", "layers": c.get("task") == "fashion"}
     if auto and c.get("tie_lr_groups") is None:

@@ -73,12 +73,12 @@ class RunConfig:
         metavar="FRAC"))
     lr_sweep_then: str = field(default="restart", metadata=_cli(
         "with --lr-sweep: restart (the run trains all --steps from the initial weights: the sweep's steps come on "
-        "top) or continue (the rest of --steps from the best sweep run's weights: no extra steps, and measured 1-2%% "
-        "worse on the GPT, 0.3-0.4 point on Fashion-MNIST)"))
+        "top) or continue (the rest of --steps from the best sweep run's weights: no extra steps, and measured 0.5-2%% "
+        "worse on the GPT, 0.3-0.5 point on Fashion-MNIST)", choices=("restart", "continue")))
     range_backoff: float = field(default=2.0, metadata=_cli(
         "range test: the peak LR is the LR of the last window that made progress over this"))
     pct_start: float = field(default=0.3, metadata=_cli(
-        "OneCycle's warm-up, a fraction of the run's steps (with --lr-sweep, of the steps after the sweep)"))
+        "OneCycle's warm-up, a fraction of the run's steps (also each LR sweep run's, of its own)"))
     warmup: int | None = field(default=None, metadata=_cli(
         "auto-LR warmup steps, and the range test's length (default: OneCycle's warm-up, --pct-start of the run, "
         "rounded down to a multiple of --T, for the fit controller and the range test; half the run for the paper's)"))
@@ -187,6 +187,10 @@ def check(cfg: RunConfig) -> None:
         raise RunError("Expected --lr-sweep to give the sweep at least one step" + (
                        f" and leave the run after it at least --T {cfg.T} steps" if cfg.lr_sweep_then == "continue"
                        else "") + f", but --lr-sweep {cfg.lr_sweep} of --steps {cfg.steps} is {sweep_steps(cfg)}")
+    run_steps = after_sweep(cfg).steps
+    if cfg.optimizer != "schedulefree-adamw" and cfg.pct_start * run_steps == 1:  # (torch divides by its length - 1)
+        raise RunError(f"Expected --pct-start x the run's steps ({run_steps}) to be other than one step (OneCycleLR "
+                       f"cannot build a warm-up of exactly one step), but got --pct-start {cfg.pct_start}")
     if cfg.lr_sweep and (cfg.optimizer != "adamw" or cfg.range_test or cfg.replicas == 1):
         why = (f"--optimizer {cfg.optimizer} (it sets its own step size)" if cfg.optimizer != "adamw" else
                "--range-test (both choose the peak LR)" if cfg.range_test else "--replicas 1 (nothing to compare)")

@@ -76,12 +76,14 @@ def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, d
     if not distributed and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise RunError("Expected no process group with --lr-sweep in one process (hdet.lr_sweep would take every rank "
                        "for one replica), but one is initialised; run under torchrun instead")
-    with warnings.catch_warnings(record=True) as caught:
+    restart = cfg.lr_sweep_then == "restart"  # (then the sweep leaves nothing behind, dropout's RNG draws included)
+    with warnings.catch_warnings(record=True) as caught, torch.random.fork_rng(
+            devices=[device] if device.type == "cuda" else [], enabled=restart, device_type=device.type):
         warnings.simplefilter("always")
         try:
             res = sweep.lr_sweep(model, make, task.loss_fn, batches, guess=cfg.max_lr, steps=steps,
-                                 num_replicas=None if distributed else N,
-                                 keep="start" if cfg.lr_sweep_then == "restart" else "winner")
+                                 num_replicas=None if distributed else N, pct_start=cfg.pct_start,
+                                 keep="start" if restart else "winner")
         except RuntimeError as e:  # every run non-finite, or none below the start's loss: the guess is far off
             raise RunError(f"Expected --lr-sweep to find an LR around --max-lr {cfg.max_lr:g}, but {e}") from None
     finite = lambda v: v if math.isfinite(v) else None  # noqa: E731 - strict JSON
