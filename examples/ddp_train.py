@@ -5,6 +5,7 @@ validation). Launch with torchrun; gloo on CPU, NCCL on GPUs:
 
     torchrun --nproc-per-node 2 examples/ddp_train.py                 # HDET, alpha = 0.2
     torchrun --nproc-per-node 2 examples/ddp_train.py --alpha 0       # plain DDP + OneCycleLR
+    torchrun --nproc-per-node 4 examples/ddp_train.py --lr-sweep 0.2  # not sure of --max-lr: hdet.lr_sweep first
     python examples/ddp_train.py                                      # one process, one replica
 """
 
@@ -78,6 +79,9 @@ def main() -> None:
     p.add_argument("--auto-lr", action="store_true")
     p.add_argument("--warmup", type=int, default=100, help="auto-LR warmup steps")
     p.add_argument("--warm-init", action="store_true", help="warm noisy init (Eq. 10) of the start weights")
+    p.add_argument("--lr-sweep", type=float, default=0.0, metavar="FRAC",
+                   help="first an LR sweep of FRAC x --steps (hdet.lr_sweep: each rank one LR around --max-lr, judged "
+                        "on held-out batches), then the run from the initial weights at its peak; 4+ ranks")
     p.add_argument("--data-bytes", type=int, default=4_000_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=str, default=None, help="write a JSON summary here (rank 0)")
@@ -100,6 +104,28 @@ def main() -> None:
     torch.manual_seed(a.seed)
     model = ByteGPT(a.ctx).to(device)
     ddp = DDP(model) if distributed else model
+    swept = None
+    if a.lr_sweep:  # COLLECTIVES: one all-gather of the judged losses, broadcasts of the start weights
+        def heldout(m: nn.Module) -> torch.Tensor:  # the same batches on every rank (of the validation split;
+            # the final validation loss below reads other batches of it)
+            hg = torch.Generator().manual_seed(999)
+            return torch.stack([nn.functional.cross_entropy(m(x).flatten(0, 1), y.flatten())
+                                for x, y in (batch(val_data, 32, a.ctx, hg, device) for _ in range(4))]).mean()
+
+        def lm_loss(m: nn.Module, xy: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            return nn.functional.cross_entropy(m(xy[0]).flatten(0, 1), xy[1].flatten())
+        steps = max(1, round(a.lr_sweep * a.steps))
+        sg = torch.Generator().manual_seed(a.seed * 1000 + rank + 500)  # the sweep's own batches
+        res = hdet.lr_sweep(ddp, lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.01), lm_loss,
+                            lambda r: (batch(train_data, a.batch, a.ctx, sg, device) for _ in range(steps)),
+                            guess=a.max_lr, steps=steps, judge=heldout,  # (in one process: 4 runs, one after
+                            num_replicas=None if distributed else 4,  # the other, at the run's own batch)
+                            lr_factor=None if distributed else 1.0)
+        a.max_lr, swept = res.max_lr, {"steps": steps, "lrs": res.lrs, "losses": res.losses, "pick": res.pick,
+                                       "max_lr": res.max_lr}  # the model is back at its initial weights
+        if rank == 0:
+            print(f"lr sweep: the best of {res.lrs[0]:.2g}-{res.lrs[-1]:.2g} at {res.lrs[res.winner]:.2g}; "
+                  f"the run at --max-lr {res.max_lr:.3g}", flush=True)
     opt = torch.optim.AdamW(ddp.parameters(), lr=a.max_lr, weight_decay=0.01)
     sched = hdet.OneCycleAutoLR(
         opt, max_lr=a.max_lr, total_steps=a.steps, ensemble_lr_spread_ratio=a.alpha, model_sync_interval=a.T,
@@ -144,7 +170,7 @@ def main() -> None:
                 "args": vars(a), "world_size": world, "device": torch.cuda.get_device_name() if device.type == "cuda"
                 else platform.processor() or "cpu", "backend": dist.get_backend() if distributed else None,
                 "python": platform.python_version(), "torch": torch.__version__, "hdet": hdet.__version__,
-                "train_seconds": elapsed, "val_loss": val, "syncs": syncs,
+                "train_seconds": elapsed, "val_loss": val, "syncs": syncs, "lr_sweep": swept,
             }
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(a.out).write_text(json.dumps(summary, indent=1))

@@ -375,6 +375,35 @@ def test_accelerate_prepared_hdet_scheduler_is_called_out(tmp_path):
 
 
 @pytest.mark.distributed
+def test_the_ddp_examples_lr_sweep_then_trains_from_the_initial_weights_at_its_peak(tmp_path):
+    """examples/ddp_train.py --lr-sweep under torchrun (world 4): each rank sweeps one LR, then the run starts again
+    from the initial weights at 2 (sqrt 4) x the pick; the same run, to the last digit, as the example without a sweep
+    at that --max-lr, and its syncs report that OneCycle's base LRs."""
+    def run(out, *extra):
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                            str(EXAMPLES / "ddp_train.py"), "--steps", "40", "--T", "10", "--batch", "4", "--ctx",
+                            "16", "--data-bytes", "200000", "--out", str(out), *extra],
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(out.read_text()), p.stdout
+    s, said = run(tmp_path / "swept.json", "--max-lr", "0.01", "--lr-sweep", "0.25")
+    sw = s["lr_sweep"]
+    assert sw["steps"] == 10 and len(sw["lrs"]) == 4 and sw["lrs"][0] == pytest.approx(0.005 / 32)
+    assert sw["max_lr"] == pytest.approx(2 * sw["pick"]) and f"the run at --max-lr {sw['max_lr']:.3g}" in said
+    plain, _ = run(tmp_path / "plain.json", "--max-lr", repr(sw["max_lr"]))
+    assert plain["lr_sweep"] is None and plain["val_loss"] == s["val_loss"]
+    assert [x["losses"] for x in plain["syncs"]] == [x["losses"] for x in s["syncs"]]
+    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=sw["max_lr"])
+    one_cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=sw["max_lr"], total_steps=40)
+    base = []  # base[t - 1]: step t's LR
+    for _ in range(40):
+        base.append(opt.param_groups[0]["lr"])
+        opt.step()
+        one_cycle.step()
+    assert [x["base_lr"] for x in s["syncs"]] == pytest.approx([base[t - 1] for t in (10, 20, 30, 40)], rel=1e-12)
+
+
+@pytest.mark.distributed
 def test_the_ddp_example_reports_each_window_with_its_own_multipliers_and_base(tmp_path):
     """examples/ddp_train.py under torchrun, with the paper controller re-dealing the multipliers (Eq. 9): each sync
     line and JSON entry gives the window that just ended its own multipliers (before: the ones dealt for the next
