@@ -1,10 +1,10 @@
 """An LR sweep inside the run: :func:`lr_sweep`.
 
-Steps before the run (a fifth of its steps in the measured recipe) as N independent short runs, one per replica, each on its own
-batches (1/N of the ensemble's: what N ranks without their all-reduce, or N replicas in local mode, compute side by
-side at the cost of that many ensemble steps), at LRs ``centre * span ** ((2r - (N - 1)) / (N - 1))`` (1/span to span
-times the centre, evenly apart in log LR), each with its own OneCycle over the sweep. Each run is then judged (by
-``judge``, a held-out loss, or by its training loss over its last tenth); the pick is the vertex of a least-squares
+Steps before the run (a fifth of its steps in the measured recipe) as N independent short runs, one per replica, each
+on its own batches (1/N of the ensemble's: what N ranks without their all-reduce, or N replicas in local mode, compute
+side by side at the cost of that many ensemble steps), at LRs ``centre * span ** ((2r - (N - 1)) / (N - 1))`` (1/span
+to span times the centre, evenly apart in log LR), each with its own OneCycle over the sweep. Each run is then judged
+(by ``judge``, a held-out loss, or by its training loss over its last tenth); the pick is the vertex of a least-squares
 parabola in log LR through the best judged loss and up to three finite neighbours on each side, leaving out runs that
 kept less than half the best one's gain over the start (they blew up and settled near chance); the main run's peak LR
 is the pick times ``lr_factor`` (sqrt(N) by default: the main run's batch is N times a sweep run's, and Adam's best

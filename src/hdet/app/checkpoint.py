@@ -65,8 +65,8 @@ def _resolved(c: dict[str, Any], mode: str, device: str) -> dict[str, Any]:
         c["warmup"] = default_warmup(c["steps"], c["T"], fit or c.get("range_test"), c["pct_start"])
     dead = {"warmup": not (auto or c.get("range_test")), "tie_lr_groups": not auto, "controller": not auto,
             "probe_batches": not (auto and fit), "eq8": not (auto and not fit), "range_backoff": not c.get("range_test"),
-            "prodigy_safeguard": c.get("optimizer") != "prodigy",
-            "lr_sweep_then": not c.get("lr_sweep"), "pct_start": c.get("optimizer") == "schedulefree-adamw", "data": c.get("task") != "fashion",
+            "prodigy_safeguard": c.get("optimizer") != "prodigy", "lr_sweep_then": not c.get("lr_sweep"),
+            "pct_start": c.get("optimizer") == "schedulefree-adamw", "data": c.get("task") != "fashion",
             "nu": not c.get("warm_init"), "clip": "grad-clip" not in (c.get("explore") or ()),
             "compile": mode != "engine-vmap", "cuda_graph": mode not in ("engine-merged", "engine-vmap"), "ctx": c.get("task") == "fashion", "layers": c.get("task") == "fashion"}
     if auto and c.get("tie_lr_groups") is None:

@@ -16,8 +16,8 @@ from ..controller import CONTROLLERS
 from ..engine import MODES
 from .tasks import gpt_heads
 
-__all__ = ["RunConfig", "RunError", "resolve_device", "check", "resolve", "default_warmup", "sweep_steps", "after_sweep", "OPTIMIZERS",
-           "EXPLORE", "MAX_CTX"]
+__all__ = ["RunConfig", "RunError", "resolve_device", "check", "resolve", "default_warmup", "sweep_steps",
+           "after_sweep", "OPTIMIZERS", "EXPLORE", "MAX_CTX"]
 
 OPTIMIZERS = ("adamw", "dadapt-adam", "prodigy", "schedulefree-adamw", "mechanic-adamw")
 EXPLORE = ("lr-groups", "weight-decay", "dropout", "grad-clip")

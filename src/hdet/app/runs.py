@@ -88,8 +88,9 @@ def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, d
             raise RunError(f"Expected --lr-sweep to find an LR around --max-lr {cfg.max_lr:g}, but {e}") from None
     finite = lambda v: v if math.isfinite(v) else None  # noqa: E731 - strict JSON
     found = {"steps": steps, "then": cfg.lr_sweep_then, "guess": cfg.max_lr, "max_lr": res.max_lr, "pick": res.pick,
-             "lr_factor": res.lr_factor, "lrs": res.lrs, "losses": [finite(v) for v in res.losses], "start_loss": finite(res.start_loss),
-             "winner": res.winner, "at_edge": res.at_edge, "seconds": time.perf_counter() - t0}
+             "lr_factor": res.lr_factor, "lrs": res.lrs, "losses": [finite(v) for v in res.losses],
+             "start_loss": finite(res.start_loss), "winner": res.winner, "at_edge": res.at_edge,
+             "seconds": time.perf_counter() - t0}
     if progress:
         print(f"lr sweep: {N} runs of {steps} steps at {res.lrs[0]:.3g} to {res.lrs[-1]:.3g}; the best at "
               f"{res.lrs[res.winner]:.3g}, the pick {res.pick:.3g}; the run "
