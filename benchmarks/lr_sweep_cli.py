@@ -42,6 +42,8 @@ def main() -> None:
     p.add_argument("--runs", default="runs/lr_sweep_cli")
     p.add_argument("--steps", default="1500")
     p.add_argument("--deadline", type=float, default=540.0, help="seconds: runs still going then are stopped")
+    p.add_argument("--collect", action="store_true", help="launch nothing: gather the runs the same options left in "
+                                                           "--runs (whose launcher was stopped before they ended)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     procs = {}
@@ -60,6 +62,9 @@ def main() -> None:
                "--checkpoint-every", "0", "--eval-every", "150", "--no-progress", "--out", str(out)]
         if task == "fashion":
             cmd += ["--data", a.data]
+        if a.collect:
+            procs[name] = (task, float(st), int(sd), kind, out, None)
+            continue
         out.parent.mkdir(parents=True, exist_ok=True)
         log = (out.parent / f"{name}.log").open("w")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # (every run at once: 9 processes of 2 threads on 2 cores ran
@@ -67,15 +72,17 @@ def main() -> None:
         procs[name] = (task, float(st), int(sd), kind, out, subprocess.Popen(cmd, stdout=log, env=env,
                                                                              stderr=subprocess.STDOUT, text=True))
     t0 = time.time()
-    while any(pr.poll() is None for *_, pr in procs.values()) and time.time() - t0 < a.deadline:
+    while any(pr is not None and pr.poll() is None for *_, pr in procs.values()) and time.time() - t0 < a.deadline:
         time.sleep(2)
     runs = []
     for name, (task, st, sd, kind, out, proc) in procs.items():
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             proc.kill()
-        proc.wait()
+        if proc is not None:
+            proc.wait()
         log = (out.parent / f"{name}.log").read_text()
-        row = {"name": name, "task": task, "kind": kind, "start": st, "seed": sd, "rc": proc.returncode, "log_tail": log[-1500:]}
+        row = {"name": name, "task": task, "kind": kind, "start": st, "seed": sd,
+               "rc": proc.returncode if proc is not None else None, "log_tail": log[-1500:]}
         if (out / "summary.json").is_file():
             s = json.loads((out / "summary.json").read_text())
             m = s.get("final_metrics") or {}
