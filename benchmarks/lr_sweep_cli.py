@@ -80,11 +80,16 @@ def main() -> None:
             proc.kill()
         if proc is not None:
             proc.wait()
-        log = (out.parent / f"{name}.log").read_text()
+        log_file = out.parent / f"{name}.log"
+        log = log_file.read_text() if log_file.is_file() else ""
         row = {"name": name, "task": task, "kind": kind, "start": st, "seed": sd,
-               "rc": proc.returncode if proc is not None else None, "log_tail": log[-1500:]}
+               "rc": proc.returncode if proc is not None else None, "finished": (out / "summary.json").is_file(),
+               "log_tail": log[-1500:]}
         if (out / "summary.json").is_file():
             s = json.loads((out / "summary.json").read_text())
+            then = (s.get("lr_sweep") or {}).get("then", "continue")  # (before --lr-sweep-then: continue)
+            if a.collect and (kind == "sweep") != bool(s.get("lr_sweep")) or kind == "sweep" and then != a.then:
+                raise SystemExit(f"{out} holds another run than these options describe (--then {a.then})")
             m = s.get("final_metrics") or {}
             row.update(metric=m.get("test_accuracy") if task == "fashion" else m.get("val_loss_full"),
                        crashed=s.get("crashed"), lr_sweep=s.get("lr_sweep"),
@@ -102,7 +107,8 @@ def main() -> None:
 
     rec = {"command": "python " + " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "seconds": time.time() - t0, "summary": summary, "runs": runs}
+           "seconds": None if a.collect else time.time() - t0, "collected": a.collect, "summary": summary,
+           "runs": runs}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rec, indent=1))
     print(json.dumps(summary, indent=1))

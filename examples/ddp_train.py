@@ -86,6 +86,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=str, default=None, help="write a JSON summary here (rank 0)")
     a = p.parse_args()
+    if not 0 <= a.lr_sweep < 1:
+        p.error(f"expected --lr-sweep in [0, 1) (a fraction of --steps), but got {a.lr_sweep}")
 
     distributed = "RANK" in os.environ
     if distributed:
@@ -104,7 +106,7 @@ def main() -> None:
     torch.manual_seed(a.seed)
     model = ByteGPT(a.ctx).to(device)
     ddp = DDP(model) if distributed else model
-    swept = None
+    swept, max_lr = None, a.max_lr
     if a.lr_sweep:  # COLLECTIVES: one all-gather of the judged losses, broadcasts of the start weights
         def heldout(m: nn.Module) -> torch.Tensor:  # the same batches on every rank (of the validation split;
             # the final validation loss below reads other batches of it)
@@ -119,16 +121,18 @@ def main() -> None:
         res = hdet.lr_sweep(ddp, lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.01), lm_loss,
                             lambda r: (batch(train_data, a.batch, a.ctx, sg, device) for _ in range(steps)),
                             guess=a.max_lr, steps=steps, judge=heldout,  # (in one process: 4 runs, one after
-                            num_replicas=None if distributed else 4,  # the other, at the run's own batch)
-                            lr_factor=None if distributed else 1.0)
-        a.max_lr, swept = res.max_lr, {"steps": steps, "lrs": res.lrs, "losses": res.losses, "pick": res.pick,
-                                       "max_lr": res.max_lr}  # the model is back at its initial weights
+                            num_replicas=None if world > 1 else 4,  # the other, at the run's own batch)
+                            lr_factor=None if world > 1 else 1.0)
+        finite = [v if v != float("inf") else None for v in res.losses]  # (strict JSON: a run that blew up)
+        max_lr, swept = res.max_lr, {"steps": steps, "guess": a.max_lr, "lrs": res.lrs, "losses": finite,
+                                     "pick": res.pick, "max_lr": res.max_lr}  # the model is back at its start
+
         if rank == 0:
             print(f"lr sweep: the best of {res.lrs[0]:.2g}-{res.lrs[-1]:.2g} at {res.lrs[res.winner]:.2g}; "
                   f"the run at --max-lr {res.max_lr:.3g}", flush=True)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=a.max_lr, weight_decay=0.01)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=max_lr, weight_decay=0.01)
     sched = hdet.OneCycleAutoLR(
-        opt, max_lr=a.max_lr, total_steps=a.steps, ensemble_lr_spread_ratio=a.alpha, model_sync_interval=a.T,
+        opt, max_lr=max_lr, total_steps=a.steps, ensemble_lr_spread_ratio=a.alpha, model_sync_interval=a.T,
         controller="paper", enable_auto_lr=a.auto_lr, auto_lr_warmup_steps=a.warmup, model=ddp, seed=a.seed,
     )
     if a.warm_init:
