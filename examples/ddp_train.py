@@ -68,6 +68,11 @@ def batch(data: torch.Tensor, n: int, ctx: int, g: torch.Generator, device) -> t
     return x[:, :-1], x[:, 1:]
 
 
+def lm_loss(m: nn.Module, xy: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The next-byte cross-entropy of model ``m`` on one batch ``(x, y)``."""
+    return nn.functional.cross_entropy(m(xy[0]).flatten(0, 1), xy[1].flatten())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
@@ -111,11 +116,8 @@ def main() -> None:
         def heldout(m: nn.Module) -> torch.Tensor:  # the same batches on every rank (of the validation split;
             # the final validation loss below reads other batches of it)
             hg = torch.Generator().manual_seed(999)
-            return torch.stack([nn.functional.cross_entropy(m(x).flatten(0, 1), y.flatten())
-                                for x, y in (batch(val_data, 32, a.ctx, hg, device) for _ in range(4))]).mean()
+            return torch.stack([lm_loss(m, batch(val_data, 32, a.ctx, hg, device)) for _ in range(4)]).mean()
 
-        def lm_loss(m: nn.Module, xy: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-            return nn.functional.cross_entropy(m(xy[0]).flatten(0, 1), xy[1].flatten())
         steps = max(1, round(a.lr_sweep * a.steps))
         sg = torch.Generator().manual_seed(a.seed * 1000 + rank + 500)  # the sweep's own batches
         res = hdet.lr_sweep(ddp, lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.01), lm_loss,
@@ -126,7 +128,6 @@ def main() -> None:
         finite = [v if v != float("inf") else None for v in res.losses]  # (strict JSON: a run that blew up)
         max_lr, swept = res.max_lr, {"steps": steps, "guess": a.max_lr, "lrs": res.lrs, "losses": finite,
                                      "pick": res.pick, "max_lr": res.max_lr}  # the model is back at its start
-
         if rank == 0:
             print(f"lr sweep: the best of {res.lrs[0]:.2g}-{res.lrs[-1]:.2g} at {res.lrs[res.winner]:.2g}; "
                   f"the run at --max-lr {res.max_lr:.3g}", flush=True)
@@ -143,7 +144,7 @@ def main() -> None:
     used = list(sched.ensemble.rho)  # the multipliers of the window now running (replica r: rho_r at the start)
     for t in range(1, a.steps + 1):
         x, y = batch(train_data, a.batch, a.ctx, g, device)
-        loss = nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+        loss = lm_loss(ddp, (x, y))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -162,8 +163,7 @@ def main() -> None:
     model.eval()
     vg = torch.Generator().manual_seed(12345)
     with torch.no_grad():
-        val = sum(nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
-                  for x, y in (batch(val_data, 32, a.ctx, vg, device) for _ in range(20))) / 20
+        val = sum(lm_loss(model, batch(val_data, 32, a.ctx, vg, device)).item() for _ in range(20)) / 20
     if rank == 0:
         print(f"done: {a.steps} steps on {world} replica(s) ({device.type}) in {elapsed:.1f}s; "
               f"validation loss {val:.4f} (bits/byte {val / 0.6931:.3f})")

@@ -806,6 +806,14 @@ def test_torchrun_ranks_killed_at_different_steps_resume_from_the_step_all_hold(
 SWEEP = [*TINY, "--steps", "40", "--T", "5", "--replicas", "4", "--max-lr", "0.03", "--lr-sweep", "0.25"]
 
 
+def _unswept(max_lr: float) -> list[str]:
+    """SWEEP's run without its sweep, at ``max_lr``."""
+    i, j = SWEEP.index("--lr-sweep"), SWEEP.index("--max-lr")
+    args = SWEEP[:i] + SWEEP[i + 2:]
+    args[j + 1] = repr(max_lr)  # (--max-lr comes before --lr-sweep)
+    return args
+
+
 def test_lr_sweep_then_restart_is_the_run_at_the_swept_peak_and_resumes(tmp_path, capsys):
     """--lr-sweep 0.25 of 40 steps, then (the default --lr-sweep-then restart) the run: 4 runs of 10 steps at
     1/32x-32x of 0.03 / 2, then the run's 40 steps from the initial weights at 2 x the pick, bit for bit the run
@@ -820,10 +828,7 @@ def test_lr_sweep_then_restart_is_the_run_at_the_swept_peak_and_resumes(tmp_path
     assert sw["lrs"][0] == pytest.approx(0.015 / 32) and sw["lrs"][-1] == pytest.approx(0.015 * 32)
     assert s["config"]["max_lr"] == sw["max_lr"] and s["config"]["steps"] == 40 and s["steps_done"] == 40
     assert f"the run starts again at --max-lr {sw['max_lr']:.3g}" in said and s["crashed"] is None
-    plain = SWEEP[:SWEEP.index("--lr-sweep")] + SWEEP[SWEEP.index("--lr-sweep") + 2:]
-    i = plain.index("--max-lr")
-    plain[i + 1] = repr(sw["max_lr"])
-    assert main(["train", *plain, "--out", str(tmp_path / "plain")]) == 0
+    assert main(["train", *_unswept(sw["max_lr"]), "--out", str(tmp_path / "plain")]) == 0
     _same_run(out, tmp_path / "plain")  # the sweep's data and runs leave nothing behind but the peak LR
     shutil.copytree(out, tmp_path / "again")
     assert main(["train", *SWEEP, "--checkpoint-every", "15", "--out", str(tmp_path / "again"), "--resume"]) == 0
@@ -888,9 +893,7 @@ def test_lr_sweep_then_restart_leaves_dropouts_draws_as_they_were(tmp_path):
     out = tmp_path / "whole"
     assert main(["train", *SWEEP, "--dropout", "0.1", "--out", str(out)]) == 0
     sw = json.loads((out / "summary.json").read_text())["lr_sweep"]
-    plain = SWEEP[:SWEEP.index("--lr-sweep")] + SWEEP[SWEEP.index("--lr-sweep") + 2:]
-    plain[plain.index("--max-lr") + 1] = repr(sw["max_lr"])
-    assert main(["train", *plain, "--dropout", "0.1", "--out", str(tmp_path / "plain")]) == 0
+    assert main(["train", *_unswept(sw["max_lr"]), "--dropout", "0.1", "--out", str(tmp_path / "plain")]) == 0
     _same_run(out, tmp_path / "plain")
 
 

@@ -287,10 +287,9 @@ MAX_CTX = 4096
 DEFAULT_MAX_LR = {"adamw": 3e-3, "dadapt-adam": 1.0, "prodigy": 1.0, "schedulefree-adamw": 3e-3, "mechanic-adamw": 1.0}
 
 
-def default_warmup(steps: int, T: int, one_cycle: bool, pct_start: float = 0.3) -> int:
-    """``--warmup`` left out: the end of OneCycle's warm-up (``pct_start`` of the steps; 0.3, as in the evidence suite,
-    by default) rounded down to a multiple of T for the fit controller and the range test (``one_cycle``); half the
-    run for the paper's."""
+def default_warmup(steps: int, T: int, one_cycle: bool, pct_start: float) -> int:
+    """``--warmup`` left out: the end of OneCycle's warm-up (``pct_start`` of the steps, ``--pct-start``) rounded down
+    to a multiple of T for the fit controller and the range test (``one_cycle``); half the run for the paper's."""
     return int(pct_start * steps) // T * T if one_cycle else steps // 2
 
 
