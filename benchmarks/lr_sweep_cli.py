@@ -37,6 +37,9 @@ def main() -> None:
     p.add_argument("--tuned", default="", help="comma-separated tasks that also run, at each seed, without a sweep at "
                                                "the grid's best max_lr: plain (--alpha 0 --on-runaway ignore) and "
                                                "hdet train's defaults (the seeds' own references)")
+    p.add_argument("--tuned-at", default="1", help="the --tuned runs' max_lr, comma-separated multiples of the grid's "
+                                                   "best")
+    p.add_argument("--tuned-kinds", default="plain,hdet", help="which --tuned runs: plain and/or hdet")
     p.add_argument("--data", default="data/fashion")
     p.add_argument("--device", default="cuda")
     p.add_argument("--runs", default="runs/lr_sweep_cli")
@@ -51,9 +54,9 @@ def main() -> None:
                                      "--lr-sweep-then", a.then])
             for task in a.tasks.split(",") for st in a.starts.split(",") for sd in a.seeds.split(",") if a.sweep > 0]
     for task in filter(None, a.tuned.split(",")):
-        best = ["--max-lr", repr(SIZES[task]["best"])]
-        rows += [(task, "1", sd, kind, best + extra) for sd in a.seeds.split(",")
-                 for kind, extra in (("plain", ["--alpha", "0", "--on-runaway", "ignore"]), ("hdet", []))]
+        kinds = {"plain": ["--alpha", "0", "--on-runaway", "ignore"], "hdet": []}
+        rows += [(task, at, sd, kind, ["--max-lr", repr(SIZES[task]["best"] * float(at))] + kinds[kind])
+                 for at in a.tuned_at.split(",") for sd in a.seeds.split(",") for kind in a.tuned_kinds.split(",")]
     for task, st, sd, kind, extra in rows:
         name = f"{task}-x{st}-s{sd}" + ("" if kind == "sweep" else f"-{kind}")
         out = Path(a.runs) / name
@@ -93,7 +96,8 @@ def main() -> None:
             m = s.get("final_metrics") or {}
             row.update(metric=m.get("test_accuracy") if task == "fashion" else m.get("val_loss_full"),
                        crashed=s.get("crashed"), lr_sweep=s.get("lr_sweep"),
-                       max_lr_x_best=s["lr_sweep"]["max_lr"] / SIZES[task]["best"] if kind == "sweep" else 1.0)
+                       max_lr_x_best=(s["lr_sweep"]["max_lr"] if kind == "sweep" else s["config"]["max_lr"])
+                       / SIZES[task]["best"])
         runs.append(row)
     summary = {}
     for task in dict.fromkeys(r["task"] for r in runs):  # (--tasks' and --tuned's, in order)
