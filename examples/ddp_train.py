@@ -93,6 +93,9 @@ def main() -> None:
     a = p.parse_args()
     if not 0 <= a.lr_sweep < 1:
         p.error(f"expected --lr-sweep in [0, 1) (a fraction of --steps), but got {a.lr_sweep}")
+    if a.lr_sweep and round(a.lr_sweep * a.steps) < hdet.sweep.MIN_STEPS:
+        p.error(f"expected --lr-sweep x --steps to give the sweep at least {hdet.sweep.MIN_STEPS} steps, but "
+                f"--lr-sweep {a.lr_sweep} of --steps {a.steps} is {round(a.lr_sweep * a.steps)}")
 
     distributed = "RANK" in os.environ
     if distributed:
@@ -118,7 +121,7 @@ def main() -> None:
             hg = torch.Generator().manual_seed(999)
             return torch.stack([lm_loss(m, batch(val_data, 32, a.ctx, hg, device)) for _ in range(4)]).mean()
 
-        steps = max(1, round(a.lr_sweep * a.steps))
+        steps = round(a.lr_sweep * a.steps)
         sg = torch.Generator().manual_seed(a.seed * 1000 + rank + 500)  # the sweep's own batches
         res = hdet.lr_sweep(ddp, lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.01), lm_loss,
                             lambda r: (batch(train_data, a.batch, a.ctx, sg, device) for _ in range(steps)),

@@ -862,14 +862,15 @@ def test_lr_sweep_then_continue_trains_the_rest_from_the_best_run_and_resumes(tm
 
 
 def test_checkpoints_from_before_lr_sweep_then_and_pct_start_resume_as_they_ran(tmp_path, capsys):
-    """A checkpoint whose config has neither --pct-start nor --lr-sweep-then (written before they existed) resumes:
+    """A checkpoint whose config has neither --pct-start nor --lr-sweep-then (written before they existed; nor
+    --lr-sweep, for a run without a sweep) resumes:
     a run without a sweep with the defaults, a swept one (which went on from the best run) with --lr-sweep-then
     continue, and the default, another run, is refused with what differs."""
     def strip(folder):
         for f in folder.glob("checkpoint*.pt"):
             state = torch.load(f, weights_only=True)
-            for k in ("pct_start", "lr_sweep_then"):
-                state["config"].pop(k)
+            for k in ("pct_start", "lr_sweep_then") + (("lr_sweep",) if not state["config"]["lr_sweep"] else ()):
+                state["config"].pop(k)  # (a run without a sweep: from before --lr-sweep too)
             torch.save(state, f)
     plain = [*TINY, "--steps", "20", "--checkpoint-every", "10"]
     assert main(["train", *plain, "--out", str(tmp_path / "plain")]) == 0
@@ -883,7 +884,8 @@ def test_checkpoints_from_before_lr_sweep_then_and_pct_start_resume_as_they_ran(
     strip(tmp_path / "swept2")
     capsys.readouterr()
     assert main(["train", *SWEEP, "--out", str(tmp_path / "swept2"), "--resume"]) == 2
-    assert "--lr-sweep-then 'continue' -> 'restart'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--lr-sweep-then 'continue' -> 'restart'" in err and "--steps" not in err  # (the steps follow from it)
     assert main(["train", *swept, "--out", str(tmp_path / "swept2"), "--resume"]) == 0
     _same_run(tmp_path / "swept", tmp_path / "swept2")
 
@@ -946,22 +948,33 @@ def test_lr_sweep_failures_are_one_line_errors_and_leave_no_stale_run(tmp_path, 
 
 @pytest.mark.parametrize("extra, said", [
     (["--lr-sweep", "1"], "--lr-sweep in [0, 1)"),
-    (["--lr-sweep", "0.01"], "give the sweep at least one step"),
+    (["--lr-sweep", "0.2"], "give the sweep at least 10 steps, but --lr-sweep 0.2 of --steps 40 is 8"),
+    (["--lr-sweep", "0.25", "--pct-start", "0.1"], "--pct-start x the sweep's steps (10) to be other than one step"),
     (["--lr-sweep", "0.95", "--lr-sweep-then", "continue"], "the run after it at least --T"),
     (["--pct-start", "1"], "--pct-start in (0, 1)"),
     (["--pct-start", "0.025"], "other than one step (OneCycleLR cannot build a warm-up of exactly one step)"),
-    (["--lr-sweep", "0.2", "--optimizer", "dadapt-adam"], "--optimizer dadapt-adam (it sets its own step size)"),
-    (["--lr-sweep", "0.2", "--range-test"], "--range-test (both choose the peak LR)"),
-    (["--lr-sweep", "0.2", "--replicas", "1"], "--replicas 1"),
+    (["--lr-sweep", "0.25", "--optimizer", "dadapt-adam"], "--optimizer dadapt-adam (it sets its own step size)"),
+    (["--lr-sweep", "0.25", "--range-test"], "--range-test (both choose the peak LR)"),
+    (["--lr-sweep", "0.25", "--replicas", "1"], "--replicas 1"),
 ])
 def test_lr_sweep_refusals(tmp_path, capsys, extra, said):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "summary.json").write_text("{}")  # an earlier run's: a refused run leaves it
     assert main(["train", *TINY, "--steps", "40", *extra, "--out", str(tmp_path / "r")]) == 2
-    assert said in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err
+    assert (tmp_path / "r" / "summary.json").read_text() == "{}"
+
+
+def test_lr_sweep_then_without_a_sweep_is_named_as_unused():
+    from hdet.app.options import RunConfig, unused
+    assert "--lr-sweep-then without --lr-sweep" in unused(RunConfig(lr_sweep_then="continue"))
+    assert not any("lr-sweep" in u for u in unused(RunConfig(lr_sweep=0.2, lr_sweep_then="continue")))
 
 
 def test_lr_sweep_then_takes_restart_or_continue(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        main(["train", *TINY, "--lr-sweep", "0.2", "--lr-sweep-then", "again", "--out", str(tmp_path / "r")])
+        main(["train", *TINY, "--lr-sweep", "0.25", "--lr-sweep-then", "again", "--out", str(tmp_path / "r")])
     assert "--lr-sweep-then: invalid choice: 'again'" in capsys.readouterr().err
     from hdet.app.options import RunConfig, RunError, check
     with pytest.raises(RunError, match="--lr-sweep-then restart or continue, but got 'again'"):

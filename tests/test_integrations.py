@@ -374,6 +374,12 @@ def test_accelerate_prepared_hdet_scheduler_is_called_out(tmp_path):
         assert len(res["warnings"]) == 1 and "passed to accelerator.prepare()" in res["warnings"][0]
 
 
+def test_the_ddp_examples_lr_sweep_refuses_a_sweep_too_short_to_judge():
+    p = subprocess.run([sys.executable, str(EXAMPLES / "ddp_train.py"), "--steps", "60", "--lr-sweep", "0.1"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "at least 10 steps, but --lr-sweep 0.1 of --steps 60 is 6" in p.stderr
+
+
 @pytest.mark.distributed
 def test_the_ddp_examples_lr_sweep_then_trains_from_the_initial_weights_at_its_peak(tmp_path):
     """examples/ddp_train.py --lr-sweep under torchrun (world 4): each rank sweeps one LR, then the run starts again

@@ -237,7 +237,9 @@ def test_every_run_non_finite_raises_and_leaves_the_start_weights(how):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(guess=0.0), "guess"), (dict(guess=float("inf")), "guess"), (dict(guess="1e-3"), "guess"),
-    (dict(steps=0), "steps"), (dict(steps=2.5), "steps"), (dict(num_replicas=1), "num_replicas"),
+    (dict(steps=0), "steps"), (dict(steps=2.5), "steps"), (dict(steps=9), "steps to be an int of at least 10"),
+    (dict(steps=10, pct_start=0.1), "pct_start x steps \\(10\\) to be other than one step"),
+    (dict(num_replicas=1), "num_replicas"),
     (dict(num_replicas=None), "num_replicas"), (dict(span=1.0), "span"), (dict(lr_factor=0), "lr_factor"),
     (dict(pct_start=1.0), "pct_start"),
     (dict(keep="best"), "keep to be one of 'start', 'winner'"),
@@ -246,6 +248,35 @@ def test_bad_arguments_say_what_was_expected(kwargs, match):
     args = {**dict(guess=0.1, steps=STEPS, num_replicas=N), **kwargs}
     with pytest.raises(ValueError, match=match):
         hdet.lr_sweep(make_model(), make_opt, loss_fn, batches, **args)
+
+
+@pytest.mark.parametrize("keep", ["start", "winner"])
+def test_gradients_and_submodules_modes_come_back_as_they_came(keep):
+    """The runs leave no gradient behind (a stale one would add into the main run's first step if it zeroes its
+    gradients after stepping), and a submodule the user put in eval mode (a frozen BatchNorm) is neither trained nor
+    switched to train mode."""
+    model = make_model()
+    model.train()
+    model[1].eval()  # frozen: its running statistics must not move
+    held = torch.ones_like(model[0].weight)
+    model[0].weight.grad = held  # a gradient the user holds; every other parameter has none
+    frozen = {k: v.clone() for k, v in model[1].named_buffers()}  # (its affine weights train: eval mode is not
+    # requires_grad=False)
+    hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N, judge=held_out, keep=keep)
+    assert model[0].weight.grad is held and torch.equal(held, torch.ones_like(held))
+    assert all(p.grad is None for n, p in model.named_parameters() if n != "0.weight")
+    assert model.training and not model[1].training and model[3].training
+    for k, v in model[1].named_buffers():
+        assert torch.equal(v, frozen[k]), k
+
+
+def test_a_model_in_eval_mode_sweeps_in_train_mode_and_ends_in_eval_mode():
+    model = make_model().eval()
+    start = model[1].running_mean.clone()
+    hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N, judge=held_out,
+                  keep="winner")
+    assert not model.training and not any(m.training for m in model.modules())
+    assert not torch.equal(model[1].running_mean, start)  # the winner's BatchNorm trained: its statistics moved
 
 
 def test_too_few_batches_and_a_bad_judge_are_errors():
@@ -298,6 +329,9 @@ def _sweep_worker(rank, world, ddp, keep):
 def _failing_worker(rank, world):
     short = (lambda r: [data(r, 0)] * 3) if rank == 1 else batches  # rank 1's batches end early
     model = make_model()
+    with torch.no_grad():  # every rank's own weights (the sweep runs from rank 0's): a failure gives back its own
+        for p in model.parameters():
+            p.add_(rank)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     try:
         hdet.lr_sweep(model, make_opt, loss_fn, short, guess=0.1, steps=STEPS, judge=held_out)

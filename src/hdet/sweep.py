@@ -45,6 +45,7 @@ from .values import int_number, real_number
 __all__ = ["lr_sweep", "SweepResult", "sweep_lrs", "pick_lr"]
 
 KEEP = ("start", "winner")  # what the model holds after the sweep
+MIN_STEPS = 10  # a sweep run's fewest steps: its judged loss must show what its LR did (1 step: the start's loss)
 FIT_NEIGHBOURS = 3  # the pick's parabola: the best judged loss and up to this many finite neighbours on each side
 
 
@@ -118,8 +119,10 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     OneCycleLR (by default its momentum or beta1 cycles where the optimizer has one, as OneCycleLR and OneCycleAutoLR
     do in the main run the pick is for; False for a main run that keeps it fixed); ``keep``: ``"start"`` (the
     model back at the weights the sweep started from, rank 0's on every rank, for a main run of all its steps:
-    measured better) or ``"winner"`` (the best run's weights and buffers, for a main run of the steps left). The
-    model's forward and the judge
+    measured better) or ``"winner"`` (the best run's weights and buffers, for a main run of the steps left). Each
+    parameter's ``.grad`` and each submodule's train/eval mode end as they came; the runs train in the modes the model
+    came in (a submodule in eval mode, a frozen BatchNorm, stays so), or all in train mode if the model came in eval
+    mode. Any error leaves the model as it came (this rank's own weights). The model's forward and the judge
     must be this rank's own (no collective inside: a SyncBatchNorm is refused). With 2 replicas the grid is two LRs
     span^2 apart: use 4 or more. A ``DistributedDataParallel`` model sweeps its ``module`` (no gradient is shared).
     Returns a :class:`SweepResult`; its ``max_lr`` is the peak for the main run."""
@@ -127,8 +130,9 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     guess_f, steps_i = real_number(guess), int_number(steps)
     if guess_f is None or not (math.isfinite(guess_f) and guess_f > 0):
         raise ValueError(f"Expected guess to be a positive finite LR, but got {guess!r}")
-    if steps_i is None or steps_i < 1:
-        raise ValueError(f"Expected steps to be a positive int, but got {steps!r}")
+    if steps_i is None or steps_i < MIN_STEPS:
+        raise ValueError(f"Expected steps to be an int of at least {MIN_STEPS} (each run's judged loss must show "
+                         f"what its LR did: one step judges the start), but got {steps!r}")
     span_f = real_number(span)
     if span_f is None or not (math.isfinite(span_f) and span_f > 1):
         raise ValueError(f"Expected span to be a finite number above 1, but got {span!r}")
@@ -138,35 +142,45 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     pct = real_number(pct_start)
     if pct is None or not 0.0 < pct < 1.0:
         raise ValueError(f"Expected pct_start in (0, 1), but got {pct_start!r}")
+    if pct * steps_i == 1:  # (torch's OneCycleLR divides by the warm-up's length - 1)
+        raise ValueError(f"Expected pct_start x steps ({steps_i}) to be other than one step (OneCycleLR cannot build a "
+                         f"warm-up of exactly one step), but got pct_start {pct_start!r}")
     if keep not in KEEP:
         raise ValueError(f"Expected keep to be one of {', '.join(map(repr, KEEP))}, but got {keep!r}")
     lrs = sweep_lrs(guess_f / factor, n, span_f)
     tensors = _tensors(module)
+    start = [t.clone() for t in tensors]  # this rank's own: the model as it came, whatever fails
+    grads = [p.grad for p in module.parameters()]  # (the runs set each .grad to None before their first backward)
+    modes = [(m, m.training) for m in module.modules()]
+    train = modes if module.training else [(m, True) for m, _ in modes]  # the runs' modes: as they came under a
+    # module in train mode (a frozen BatchNorm in eval stays frozen), else module.train()'s
+    src0 = dist.get_global_rank(group, 0) if rank is not None and group is not None else 0
     if rank is not None:  # every rank's run from the same weights: rank 0's (a model seeded per rank, say)
-        src0 = dist.get_global_rank(group, 0) if group is not None else 0
         for t in tensors:  # COLLECTIVE: one broadcast a tensor (once a sweep)
             dist.broadcast(t, src=src0, group=group)
-    start = [t.clone() for t in tensors]
-    was_training = module.training
     try:
         if rank is None:  # one process: the runs one after the other, each from the start weights
             start_loss, losses, firsts, kept = _sweep_here(module, tensors, start, make_optimizer, loss_fn, batches,
-                                                          lrs, steps_i, pct, judge, cycle_momentum, keep == "winner")
+                                                          lrs, steps_i, pct, judge, cycle_momentum, keep == "winner",
+                                                          train)
         else:  # rank r: the r-th run; every rank's judged loss to every rank
             start_loss, losses, firsts = _sweep_ranks(module, rank, make_optimizer, loss_fn, batches, lrs, steps_i,
-                                                      pct, judge, cycle_momentum, group)
+                                                      pct, judge, cycle_momentum, group, train)
         if judge is None:  # the start's loss: the runs' first training losses (all from the start weights)
             finite = [f for f in firsts if math.isfinite(f)]
             start_loss = sum(finite) / len(finite) if finite else math.inf
         pick = pick_lr(lrs, losses, start_loss)  # (the same on every rank: the same gathered losses)
     except BaseException:
         _copy(tensors, start)  # the model as it came, whatever failed
-        module.train(was_training)
+        _restore(module, grads, modes)
         raise
-    module.train(was_training)
+    _restore(module, grads, modes)
     winner = min((i for i, v in enumerate(losses) if math.isfinite(v)), key=lambda i: losses[i])
-    if keep == "start":  # (the same on every rank: rank 0's, broadcast above)
+    if keep == "start":  # rank 0's start weights on every rank
         _copy(tensors, start)
+        if rank is not None:
+            for t in tensors:  # COLLECTIVE: one broadcast a tensor (once a sweep)
+                dist.broadcast(t, src=src0, group=group)
     elif rank is None:
         _copy(tensors, kept)
     else:  # the best rank's weights and buffers to every rank
@@ -184,14 +198,15 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
 
 def _sweep_here(module: nn.Module, tensors: list[torch.Tensor], start: list[torch.Tensor], make_optimizer: Any,
                 loss_fn: Any, batches: Any, lrs: list[float], steps: int, pct: float, judge: Any, cycle: bool | None,
-                keep_best: bool) -> tuple[float | None, list[float], list[float], list[torch.Tensor] | None]:
+                keep_best: bool, train: list[tuple[nn.Module, bool]],
+                ) -> tuple[float | None, list[float], list[float], list[torch.Tensor] | None]:
     """The N runs one after the other in this process: the start's judged loss, each run's judged and first loss,
     and the best run's tensors (None where none was finite, or not ``keep_best``)."""
     start_loss = _judged(module, judge) if judge is not None else None
     losses, firsts, kept, best = [], [], None, math.inf
     for r, lr in enumerate(lrs):
         _copy(tensors, start)
-        value, first = _run(module, make_optimizer, loss_fn, batches(r), lr, steps, pct, judge, cycle)
+        value, first = _run(module, make_optimizer, loss_fn, batches(r), lr, steps, pct, judge, cycle, train)
         losses.append(value)
         firsts.append(first)
         if value < best:
@@ -201,12 +216,13 @@ def _sweep_here(module: nn.Module, tensors: list[torch.Tensor], start: list[torc
 
 def _sweep_ranks(module: nn.Module, rank: int, make_optimizer: Any, loss_fn: Any, batches: Any, lrs: list[float],
                  steps: int, pct: float, judge: Any, cycle: bool | None, group: Any,
-                 ) -> tuple[float | None, list[float], list[float]]:
+                 train: list[tuple[nn.Module, bool]]) -> tuple[float | None, list[float], list[float]]:
     """This rank's run, then every rank's results: the start's judged loss (the ranks' mean), each run's judged and
     first loss. A rank whose run or judge raises tells every rank, so none waits in a collective for it."""
     try:
         start_judged = _judged(module, judge) if judge is not None else math.nan
-        mine, failed = _run(module, make_optimizer, loss_fn, batches(rank), lrs[rank], steps, pct, judge, cycle), None
+        mine, failed = _run(module, make_optimizer, loss_fn, batches(rank), lrs[rank], steps, pct, judge, cycle,
+                            train), None
     except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
         start_judged, mine, failed = math.nan, (math.nan, math.nan), e
     rows = ProcessGroupReplicas(group).gather(  # COLLECTIVE (once a sweep): [ranks, 4] on the host
@@ -229,6 +245,18 @@ def _tensors(module: nn.Module) -> list[torch.Tensor]:
             seen.add(id(t))
             out.append(t.data if isinstance(t, nn.Parameter) else t)
     return out
+
+
+def _restore(module: nn.Module, grads: list[torch.Tensor | None], modes: list[tuple[nn.Module, bool]]) -> None:
+    """Each parameter's gradient (the tensor it held, or None) and each submodule's train/eval mode, as they came."""
+    for p, g in zip(module.parameters(), grads):
+        p.grad = g
+    _set_modes(modes)
+
+
+def _set_modes(modes: list[tuple[nn.Module, bool]]) -> None:
+    for m, training in modes:
+        m.training = training
 
 
 @torch.no_grad()
@@ -266,7 +294,7 @@ def _replicas(model: nn.Module, num_replicas: int | None, group: Any) -> tuple[n
 def _run(module: nn.Module, make_optimizer: Callable[..., torch.optim.Optimizer],
          loss_fn: Callable[[nn.Module, Any], torch.Tensor], batches: Iterable[Any], lr: float, steps: int,
          pct_start: float, judge: Callable[[nn.Module], Any] | None, cycle_momentum: bool | None,
-         ) -> tuple[float, float]:
+         train: list[tuple[nn.Module, bool]]) -> tuple[float, float]:
     """One sweep run from the module's current weights: ``steps`` steps of OneCycle to ``lr``. Its judged loss (inf
     where non-finite) and its first training loss (the start's, on its first batch)."""
     opt = make_optimizer(module.parameters(), lr)
@@ -276,7 +304,7 @@ def _run(module: nn.Module, make_optimizer: Callable[..., torch.optim.Optimizer]
     cycle = cycle_momentum if cycle_momentum is not None else ("momentum" in opt.defaults or "betas" in opt.defaults)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[g["lr"] for g in opt.param_groups],
                                                 total_steps=steps, pct_start=pct_start, cycle_momentum=cycle)
-    module.train()
+    _set_modes(train)
     tail, last = [], max(1, steps // 10)
     it = iter(batches)
     for i in range(steps):

@@ -58,9 +58,11 @@ def _resolved(c: dict[str, Any], mode: str, device: str) -> dict[str, Any]:
     c["eval_every"] = c.get("eval_every") or c.get("T")
     c["log_every"] = c.get("log_every") or min(10, max(1, c.get("steps", 0) // 100))
     auto, fit = c.get("auto_lr"), c.get("controller") == "fit"
-    c.setdefault("pct_start", 0.3)  # (a checkpoint from before --pct-start: OneCycle's default)
     if c.get("lr_sweep"):  # (one from before --lr-sweep-then: it went on from the sweep's best run)
         c.setdefault("lr_sweep_then", "continue")
+    for k, v in _config(RunConfig()).items():  # an option added since the checkpoint was written: its default, which
+        if k not in ("replicas", "mode", "device"):  # is what runs did before it (--pct-start 0.3, no --lr-sweep, ...)
+            c.setdefault(k, v)
     if c.get("warmup") is None and (auto or c.get("range_test")):
         c["warmup"] = default_warmup(c["steps"], c["T"], fit or c.get("range_test"), c["pct_start"])
     dead = {"warmup": not (auto or c.get("range_test")), "tie_lr_groups": not auto, "controller": not auto,
@@ -164,6 +166,8 @@ def check_config(state: dict[str, Any], cfg: RunConfig, replicas: int, mode: str
     differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
     given = _config(cfg)
     named = [k for k in differ if raw.get(k) != given.get(k)]  # flags given differently: the others follow from them
+    if "lr_sweep_then" in named:  # (the steps after the sweep follow from it: continue trains the rest)
+        named = [k for k in named if k != "steps"]
 
     def flag(k: str) -> str:
         return f"--{k.replace('_', '-')}" if k in FLAGS else k

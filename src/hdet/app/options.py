@@ -14,6 +14,7 @@ import torch
 
 from ..controller import CONTROLLERS
 from ..engine import MODES
+from ..sweep import MIN_STEPS
 from .tasks import gpt_heads
 
 __all__ = ["RunConfig", "RunError", "resolve_device", "check", "resolve", "default_warmup", "sweep_steps",
@@ -183,14 +184,16 @@ def check(cfg: RunConfig) -> None:
                        f"{cfg.lr_sweep}")
     if cfg.lr_sweep_then not in ("restart", "continue"):
         raise RunError(f"Expected --lr-sweep-then restart or continue, but got {cfg.lr_sweep_then!r}")
-    if cfg.lr_sweep and not 1 <= sweep_steps(cfg) <= cfg.steps - (cfg.T if cfg.lr_sweep_then == "continue" else 0):
-        raise RunError("Expected --lr-sweep to give the sweep at least one step" + (
+    if cfg.lr_sweep and not MIN_STEPS <= sweep_steps(cfg) <= cfg.steps - (cfg.T if cfg.lr_sweep_then == "continue"
+                                                                        else 0):
+        raise RunError(f"Expected --lr-sweep to give the sweep at least {MIN_STEPS} steps" + (
                        f" and leave the run after it at least --T {cfg.T} steps" if cfg.lr_sweep_then == "continue"
                        else "") + f", but --lr-sweep {cfg.lr_sweep} of --steps {cfg.steps} is {sweep_steps(cfg)}")
     run_steps = after_sweep(cfg).steps
-    if cfg.optimizer != "schedulefree-adamw" and cfg.pct_start * run_steps == 1:  # (torch divides by its length - 1)
-        raise RunError(f"Expected --pct-start x the run's steps ({run_steps}) to be other than one step (OneCycleLR "
-                       f"cannot build a warm-up of exactly one step), but got --pct-start {cfg.pct_start}")
+    for what, n in (("the run's", run_steps), ("the sweep's", sweep_steps(cfg) if cfg.lr_sweep else 0)):
+        if cfg.optimizer != "schedulefree-adamw" and cfg.pct_start * n == 1:  # (torch divides by its length - 1)
+            raise RunError(f"Expected --pct-start x {what} steps ({n}) to be other than one step (OneCycleLR cannot "
+                           f"build a warm-up of exactly one step), but got --pct-start {cfg.pct_start}")
     if cfg.lr_sweep and (cfg.optimizer != "adamw" or cfg.range_test or cfg.replicas == 1):
         why = (f"--optimizer {cfg.optimizer} (it sets its own step size)" if cfg.optimizer != "adamw" else
                "--range-test (both choose the peak LR)" if cfg.range_test else "--replicas 1 (nothing to compare)")
@@ -261,6 +264,8 @@ def unused(cfg: RunConfig, world: int | None = None) -> list[str]:
         out.append("--warmup without --auto-lr or --range-test")
     if cfg.tie_lr_groups is not None and not cfg.auto_lr:
         out.append("--tie-lr-groups/--no-tie-lr-groups without --auto-lr (replicas keep their position in every group)")
+    if cfg.lr_sweep_then != default.lr_sweep_then and not cfg.lr_sweep:
+        out.append("--lr-sweep-then without --lr-sweep")
     if cfg.prodigy_safeguard and cfg.optimizer != "prodigy":
         out.append(f"--prodigy-safeguard with --optimizer {cfg.optimizer}")
     if cfg.data is not None and cfg.task != "fashion":
