@@ -855,7 +855,12 @@ def test_lr_sweep_then_continue_trains_the_rest_from_the_best_run_and_resumes(tm
     assert "lr sweep" not in capsys.readouterr().out
     _same_run(out, tmp_path / "again")
     assert main(["train", *SWEEP, "--out", str(tmp_path / "again"), "--resume"]) == 2  # now restart: another run
-    assert "differ" in capsys.readouterr().err
+    err = capsys.readouterr().err  # (the steps after the sweep follow from it: not named)
+    assert "differ: --lr-sweep-then 'continue' -> 'restart'" in err and "--steps" not in err
+    assert main(["train", *args, "--steps", "44", "--out", str(tmp_path / "again"), "--resume"]) == 2
+    assert "differ: --steps 30 -> 33 (the steps after the sweep)" in capsys.readouterr().err
+    assert main(["train", *SWEEP, "--steps", "50", "--out", str(tmp_path / "again"), "--resume"]) == 2
+    assert "--lr-sweep-then 'continue' -> 'restart'; --steps 30 -> 50" in capsys.readouterr().err
     (tmp_path / "again" / "config.json").write_text(json.dumps({"config": {}}))
     assert main(["train", *args, "--out", str(tmp_path / "again"), "--resume"]) == 2
     assert "records no sweep" in capsys.readouterr().err

@@ -279,6 +279,39 @@ def test_a_model_in_eval_mode_sweeps_in_train_mode_and_ends_in_eval_mode():
     assert not torch.equal(model[1].running_mean, start)  # the winner's BatchNorm trained: its statistics moved
 
 
+class FrozenNorm(nn.Sequential):
+    """Fine-tuning's frozen BatchNorm: its train() keeps the norm in eval mode (as torch's QAT ConvBn with
+    freeze_bn=True)."""
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self[1].eval()
+        return self
+
+
+def test_a_train_override_that_freezes_a_norm_is_kept_when_the_model_comes_in_eval_mode():
+    model = make_model()
+    model = FrozenNorm(*model).eval()
+    start = {k: v.clone() for k, v in model[1].named_buffers()}
+    hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N, judge=held_out,
+                  keep="winner")
+    for k, v in model[1].named_buffers():
+        assert torch.equal(v, start[k]), k
+    assert not any(m.training for m in model.modules())
+
+
+def test_a_parameter_the_optimizer_leaves_out_keeps_its_gradients_values():
+    """backward() adds into a .grad it finds: the sweep clears every parameter's first, not only the optimizer's."""
+    model = make_model()
+    held = torch.ones_like(model[3].weight)
+    model[3].weight.grad = held
+
+    def first_layers_only(params, lr):
+        return make_opt(list(model[0].parameters()), lr)  # (model[3] is trained by nobody, but has requires_grad)
+    hdet.lr_sweep(model, first_layers_only, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N)
+    assert model[3].weight.grad is held and torch.equal(held, torch.ones_like(held))
+
+
 def test_too_few_batches_and_a_bad_judge_are_errors():
     with pytest.raises(ValueError, match="at least steps=12 batches"):
         hdet.lr_sweep(make_model(), make_opt, loss_fn, lambda r: [data(r, 0)] * 3, guess=0.1, steps=STEPS,

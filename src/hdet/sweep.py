@@ -150,15 +150,18 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     lrs = sweep_lrs(guess_f / factor, n, span_f)
     tensors = _tensors(module)
     start = [t.clone() for t in tensors]  # this rank's own: the model as it came, whatever fails
-    grads = [p.grad for p in module.parameters()]  # (the runs set each .grad to None before their first backward)
+    grads = [p.grad for p in module.parameters()]
     modes = [(m, m.training) for m in module.modules()]
-    train = modes if module.training else [(m, True) for m, _ in modes]  # the runs' modes: as they came under a
-    # module in train mode (a frozen BatchNorm in eval stays frozen), else module.train()'s
     src0 = dist.get_global_rank(group, 0) if rank is not None and group is not None else 0
-    if rank is not None:  # every rank's run from the same weights: rank 0's (a model seeded per rank, say)
-        for t in tensors:  # COLLECTIVE: one broadcast a tensor (once a sweep)
-            dist.broadcast(t, src=src0, group=group)
     try:
+        for p in module.parameters():  # (a parameter the optimizer leaves out would add into the user's gradient)
+            p.grad = None
+        if not module.training:  # the runs' modes: as they came under a module in train mode (a frozen BatchNorm in
+            module.train()  # eval stays frozen), else module.train()'s (a train() override that freezes is kept)
+        train = [(m, m.training) for m in module.modules()]
+        if rank is not None:  # every rank's run from the same weights: rank 0's (a model seeded per rank, say)
+            for t in tensors:  # COLLECTIVE: one broadcast a tensor (once a sweep)
+                dist.broadcast(t, src=src0, group=group)
         if rank is None:  # one process: the runs one after the other, each from the start weights
             start_loss, losses, firsts, kept = _sweep_here(module, tensors, start, make_optimizer, loss_fn, batches,
                                                           lrs, steps_i, pct, judge, cycle_momentum, keep == "winner",
@@ -170,23 +173,23 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
             finite = [f for f in firsts if math.isfinite(f)]
             start_loss = sum(finite) / len(finite) if finite else math.inf
         pick = pick_lr(lrs, losses, start_loss)  # (the same on every rank: the same gathered losses)
+        winner = min((i for i, v in enumerate(losses) if math.isfinite(v)), key=lambda i: losses[i])
+        if keep == "start":  # rank 0's start weights on every rank
+            _copy(tensors, start)
+            if rank is not None:
+                for t in tensors:  # COLLECTIVE: one broadcast a tensor (once a sweep)
+                    dist.broadcast(t, src=src0, group=group)
+        elif rank is None:
+            _copy(tensors, kept)
+        else:  # the best rank's weights and buffers to every rank
+            src = dist.get_global_rank(group, winner) if group is not None else winner
+            for t in tensors:  # COLLECTIVE: one broadcast a tensor (once a sweep)
+                dist.broadcast(t, src=src, group=group)
     except BaseException:
-        _copy(tensors, start)  # the model as it came, whatever failed
         _restore(module, grads, modes)
+        _copy(tensors, start)  # the model as it came, whatever failed
         raise
     _restore(module, grads, modes)
-    winner = min((i for i, v in enumerate(losses) if math.isfinite(v)), key=lambda i: losses[i])
-    if keep == "start":  # rank 0's start weights on every rank
-        _copy(tensors, start)
-        if rank is not None:
-            for t in tensors:  # COLLECTIVE: one broadcast a tensor (once a sweep)
-                dist.broadcast(t, src=src0, group=group)
-    elif rank is None:
-        _copy(tensors, kept)
-    else:  # the best rank's weights and buffers to every rank
-        src = dist.get_global_rank(group, winner) if group is not None else winner
-        for t in tensors:  # COLLECTIVE: one broadcast a tensor (once a sweep)
-            dist.broadcast(t, src=src, group=group)
     at_edge = winner in (0, n - 1)
     if at_edge:
         warnings.warn(f"hdet.lr_sweep: the best judged loss is at the {'low' if winner == 0 else 'high'} end of "

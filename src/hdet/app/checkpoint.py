@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .options import RunConfig, RunError, default_warmup
+from .options import RunConfig, RunError, after_sweep, default_warmup
 
 __all__ = ["VERSION", "path_for", "previous", "save", "load", "available", "check_config", "restore_rng",
            "read_records", "write_records", "adopt", "other_kind",
@@ -45,6 +45,10 @@ def previous(path: Path) -> Path:
     return path.with_name(path.stem + ".prev.pt")
 
 
+ADDED = {"pct_start": 0.3, "lr_sweep": 0.0, "cuda_graph": False}  # options added since checkpoints exist (and
+# --lr-sweep-then, set in _resolved): what runs did before each, OneCycle's warm-up 0.3, no sweep, no CUDA graph
+
+
 def _config(cfg: RunConfig) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in SAME_RUN_EXEMPT}
 
@@ -60,9 +64,8 @@ def _resolved(c: dict[str, Any], mode: str, device: str) -> dict[str, Any]:
     auto, fit = c.get("auto_lr"), c.get("controller") == "fit"
     if c.get("lr_sweep"):  # (one from before --lr-sweep-then: it went on from the sweep's best run)
         c.setdefault("lr_sweep_then", "continue")
-    for k, v in _config(RunConfig()).items():  # an option added since the checkpoint was written: its default, which
-        if k not in ("replicas", "mode", "device"):  # is what runs did before it (--pct-start 0.3, no --lr-sweep, ...)
-            c.setdefault(k, v)
+    for k, v in ADDED.items():  # an option added since checkpoints exist: what runs did before it
+        c.setdefault(k, v)
     if c.get("warmup") is None and (auto or c.get("range_test")):
         c["warmup"] = default_warmup(c["steps"], c["T"], fit or c.get("range_test"), c["pct_start"])
     dead = {"warmup": not (auto or c.get("range_test")), "tie_lr_groups": not auto, "controller": not auto,
@@ -145,10 +148,12 @@ def load(path: Path, hint: str = "") -> dict[str, Any]:
     return state
 
 
-def check_config(state: dict[str, Any], cfg: RunConfig, replicas: int, mode: str, device: str) -> None:
+def check_config(state: dict[str, Any], cfg: RunConfig, replicas: int, mode: str, device: str,
+                 asked: RunConfig | None = None) -> None:
     """That the resumed run is the checkpointed one: every option that changes what is computed is the same as the
     run resolves it (``mode``: the engine's mode or ``ddp-<backend>``; ``device``: cpu or cuda), and the number of
-    replicas (under torchrun the world size, which no option names)."""
+    replicas (under torchrun the world size, which no option names). ``asked``: the options as given, where ``cfg``
+    is the run after an LR sweep (``--lr-sweep-then continue`` trains the steps left)."""
     raw = state["config"]
     saved_mode, saved_device = state.get("mode"), state.get("device")
     if saved_mode is None:  # version 1 kept the flags as given, not what they resolved to: equal as given, or named
@@ -166,12 +171,16 @@ def check_config(state: dict[str, Any], cfg: RunConfig, replicas: int, mode: str
     differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
     given = _config(cfg)
     named = [k for k in differ if raw.get(k) != given.get(k)]  # flags given differently: the others follow from them
-    if "lr_sweep_then" in named:  # (the steps after the sweep follow from it: continue trains the rest)
-        named = [k for k in named if k != "steps"]
+    asked = asked or cfg
+    if "steps" in named and raw.get("steps") == after_sweep(dataclasses.replace(  # the run's steps follow from a
+            asked, lr_sweep=raw.get("lr_sweep", 0.0), lr_sweep_then=raw.get("lr_sweep_then", "continue"))).steps:
+        named.remove("steps")  # sweep given differently, not from --steps
 
     def flag(k: str) -> str:
         return f"--{k.replace('_', '-')}" if k in FLAGS else k
-    diff = [f"{flag(k)} {saved.get(k)!r} -> {now.get(k)!r}" for k in (named or differ)]
+    after = (raw.get("lr_sweep") and raw.get("lr_sweep_then", "continue") == "continue") or asked.steps != cfg.steps
+    diff = [f"{flag(k)} {saved.get(k)!r} -> {now.get(k)!r}" + (" (the steps after the sweep)" if k == "steps" and
+                                                               after else "") for k in (named or differ)]
     if state.get("replicas", replicas) != replicas:
         diff.append(f"replicas (the world size under torchrun) {state['replicas']} -> {replicas}")
     if diff:

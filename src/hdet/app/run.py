@@ -178,7 +178,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
     ``{}`` without writing anything (``hdet compare`` checks every row so before it trains any)."""
     check(cfg)
     cfg = resolve(cfg)
-    swept_steps = sweep_steps(cfg)
+    swept_steps, asked = sweep_steps(cfg), cfg
     cfg = after_sweep(cfg)  # --lr-sweep: the run after the sweep is the run these options describe (max_lr: below)
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     owns_group = False
@@ -279,7 +279,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
             chosen, saved = found[max(common)]
         else:
             chosen, saved = ckpt_path, checkpoint.load(ckpt_path, hint=checkpoint.other_kind(out, distributed))
-        checkpoint.check_config(saved, cfg, N, reps.mode, device_type)
+        checkpoint.check_config(saved, cfg, N, reps.mode, device_type, asked)
         start, loop = int(saved["step"]), saved["loop"]
         reps.load_state_dict(saved["run"])
         checkpoint.restore_rng(saved, gens)
