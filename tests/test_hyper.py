@@ -519,3 +519,33 @@ def test_a_setter_that_raises_while_the_average_goes_in_leaves_nothing_swapped_i
     assert not eng._swap.active and all(torch.equal(m.weight, w) for m, w in zip(eng.models, own))
     assert sorted(values.values()) == pytest.approx([1 / 1.1, 1.1])  # (each replica's own value back)
     eng.step([torch.randn(4, 3)] * 2, lambda m, b: m(b).pow(2).mean())
+
+
+@pytest.mark.parametrize("clips", [False, True])
+def test_an_explored_clipping_norm_nobody_applies_says_so_once(clips):
+    """README's explore snippet built hdet.GradClip(1.0) inline: its norms were reported at every sync, the gradients
+    never clipped, and nothing said so (an audit). Now the first sync whose window never read the norm warns, once;
+    a loop that clips (clip.clip_) hears nothing."""
+    from hdet.engine import ReplicaEngine
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    clip_of = {}
+
+    def sched(o, rep, mm):
+        clip_of[len(clip_of)] = clip = hdet.GradClip(1.0)
+        return hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=12, replicas=rep, model_sync_interval=4, explore=[clip])
+
+    before = (lambda r, m, o: clip_of[r].clip_(m.parameters())) if clips else None
+    eng = ReplicaEngine(model, 2, lambda mm: torch.optim.SGD(mm.parameters(), lr=0.1), sched, mode="loop",
+                        before_optimizer_step=before)
+    x, y = torch.randn(2, 8, 4), torch.randn(2, 8, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(12):
+            eng.step([(x[r], y[r]) for r in range(2)], lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    said = [str(c.message) for c in caught if "hdet.GradClip" in str(c.message)]
+    if clips:
+        assert said == []
+    else:  # one a replica's GradClip (each replica has its own), at the first sync only
+        assert len(said) == 2 and all("no step before sync step 4 read it" in s for s in said)

@@ -410,6 +410,8 @@ class Ensemble:
         controller at a control sync, deal, record."""
         c = self.config
         N = self.replicas.world_size
+        for h in self.hypers:  # (hdet.GradClip: a norm nobody clips with is reported, never applied)
+            getattr(h, "check_applied", lambda t: None)(t)
         col, bad, losses = verdict.col, verdict.exclude, list(verdict.losses)
         if verdict.nonfinite and not verdict.collapsed:
             _warn_recovered(t, verdict.nonfinite, "sync")

@@ -238,24 +238,48 @@ class GradClip(Hyperparameter):
     ``if accelerator.sync_gradients: accelerator.clip_grad_norm_(params, clip.max_norm)``; with a GradScaler,
     ``scaler.unscale_(opt)`` first; in the engine: ``before_optimizer_step``). ``HDETTrainer`` and
     ``HDETCallback`` apply it themselves, in place of the Trainer's ``max_grad_norm`` and Lightning's
-    ``gradient_clip_val``. Log spread."""
+    ``gradient_clip_val``. Log spread. A sync whose window read the norm neither through :meth:`clip_` nor
+    ``max_norm`` warns (once): the explored norms would be reported, never applied."""
 
     def __init__(self, max_norm: float, alpha: float = 1.0, kind: str = "log",
                  bounds: tuple[float, float] = (1e-8, math.inf), **kw: Any) -> None:
         norm = real_number(max_norm)
         if norm is None or not 0 < norm < math.inf:
             raise ValueError(f"Expected a finite max_norm > 0, but got {max_norm!r}")
-        self.max_norm = norm
+        self._norm = norm
+        self.applied = False  # the norm read (to clip with) since the last sync: see check_applied
+        self._warned = False
         super().__init__("grad_clip_norm", Spread(kind, alpha, bounds), **kw)
 
+    @property
+    def max_norm(self) -> float:
+        """This replica's norm, to clip with (reading it counts as applying it)."""
+        self.applied = True
+        return self._norm
+
+    @max_norm.setter
+    def max_norm(self, value: float) -> None:
+        self._norm = float(value)
+
     def get(self) -> float:
-        return self.max_norm
+        return self._norm
 
     def set(self, value: float) -> None:
-        self.max_norm = float(value)
+        self._norm = float(value)
 
     def clip_(self, parameters: Iterable[torch.Tensor]) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(parameters, self.max_norm)
+
+    def check_applied(self, t: int) -> None:
+        """At each sync (step ``t``): warn once if the window's steps never read the norm to clip with."""
+        if not self.applied and not self._warned:
+            self._warned = True
+            warnings.warn(f"hdet: the clipping norm is explored (hdet.GradClip), but no step before sync step {t} "
+                          "read it (clip.clip_(params) or clip.max_norm): the gradients are not clipped to the "
+                          "explored norms that hdet reports. Keep the GradClip object and call clip.clip_(params) "
+                          "between backward() and optimizer.step() (the Trainer and Lightning integrations do)",
+                          stacklevel=4)
+        self.applied = False
 
 
 class Setter(Hyperparameter):
