@@ -15,7 +15,7 @@ run then trains all its steps from them at the found peak, the sweep's steps on 
 Measured (``benchmarks/results/evidence/sweep_then_train/``, the evidence suite's two tasks, N = 8, the sweep 20% of
 1500 steps, then HDET at alpha 0.2, T 25, ``on_runaway="recover"``), from 0.1x, 1x and 10x the grid's best LR, through
 ``hdet train --lr-sweep 0.2`` (this function, judged by the training loss): with ``keep="start"`` and all 1500 steps
-after the sweep, a byte-level GPT ends +0.63% / +0.05% / +1.04% from the grid's best validation loss (11 seeds) and a
+after the sweep, a byte-level GPT ends +0.43% / -0.00% / +0.86% from the grid's best validation loss (16 seeds) and a
 BatchNorm CNN on Fashion-MNIST -0.05 / -0.05 / -0.17 point from its best accuracy (3 seeds); with ``keep="winner"``
 and the remaining 1200 steps, +1.1% / +1.2% / +1.9% (12 seeds) and about -0.45 point (6 seeds): the picks were right,
 the steps the sweep took from the main run were not (its best run saw 1/N of the data). Hence ``keep="start"`` by
