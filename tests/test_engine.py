@@ -905,3 +905,25 @@ def test_loss_functions_are_told_apart_by_their_code_however_many_are_made():
     made = {_code_of(ft.partial(loss, scale=torch.ones(1000))) for _ in range(5)}
     made |= {_code_of(lambda m, b: 0) for _ in range(5)} | {_code_of(Loss()) for _ in range(5)}
     assert len(made) == 3 and loss.__code__ in made and Loss in made  # (the five lambdas: one code)
+
+
+def test_a_load_whose_settings_replace_the_engines_says_so_once_not_once_a_replica():
+    """Each replica's scheduler warned the same on a load (4 copies at N = 4: an audit)."""
+    import warnings
+
+    from hdet.engine import ReplicaEngine
+
+
+    def build(T):
+        torch.manual_seed(0)
+        return ReplicaEngine(nn.Linear(3, 1), 4, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                             lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=8, replicas=rep,
+                                                                   ensemble_lr_spread_ratio=0.2,
+                                                                   model_sync_interval=T), mode="loop")
+    saved = build(4).state_dict()
+    other = build(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other.load_state_dict(saved)
+    said = [str(w.message) for w in caught if "settings replace" in str(w.message)]
+    assert len(said) == 1 and "model_sync_interval 4 (built with 2)" in said[0]

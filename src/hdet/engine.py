@@ -735,12 +735,16 @@ class ReplicaEngine:
         for graphs in (self._graphs, self._vgraphs):  # (captured again at the next step: a graph reads the tensors
             if graphs is not None:  # where they were)
                 graphs.clear()
-        for m, o, s, rs in zip(self.models, self.optimizers, self.schedulers, state["replicas"]):
-            m.load_state_dict(rs["model"])  # in place: in vmap mode the stacked tensors follow
-            o.load_state_dict(rs["optimizer"])  # the stacked step takes the loaded state in at its next step
-            for st in o.state.values():  # a state saved by the stacked step holds views of one shared copy
-                st.update({k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)})
-            s.load_state_dict(rs["scheduler"])
+        with warnings.catch_warnings(record=True) as caught:  # each replica's scheduler says the same: once
+            warnings.simplefilter("always")
+            for m, o, s, rs in zip(self.models, self.optimizers, self.schedulers, state["replicas"]):
+                m.load_state_dict(rs["model"])  # in place: in vmap mode the stacked tensors follow
+                o.load_state_dict(rs["optimizer"])  # the stacked step takes the loaded state in at its next step
+                for st in o.state.values():  # a state saved by the stacked step holds views of one shared copy
+                    st.update({k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)})
+                s.load_state_dict(rs["scheduler"])
+        for message, category in dict.fromkeys((str(w.message), w.category) for w in caught):
+            warnings.warn(message, category, stacklevel=2)
         self._following = None
 
     # -- one step ---------------------------------------------------------------------------------
