@@ -411,7 +411,7 @@ class Ensemble:
         c = self.config
         N = self.replicas.world_size
         for h in self.hypers:  # (hdet.GradClip: a norm nobody clips with is reported, never applied)
-            getattr(h, "check_applied", lambda t: None)(t)
+            h.check_applied(t)
         col, bad, losses = verdict.col, verdict.exclude, list(verdict.losses)
         if verdict.nonfinite and not verdict.collapsed:
             _warn_recovered(t, verdict.nonfinite, "sync")

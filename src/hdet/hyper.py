@@ -60,6 +60,10 @@ class Hyperparameter:
     def set(self, value: float) -> None:
         raise NotImplementedError
 
+    def check_applied(self, t: int) -> None:
+        """Called at every sync (step ``t``): a value that needs the user to apply it can say it was not
+        (:class:`GradClip`); nothing by default."""
+
     def base(self, step: int) -> float:
         if self.schedule is None:
             return self.initial

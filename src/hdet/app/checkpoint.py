@@ -172,13 +172,14 @@ def check_config(state: dict[str, Any], cfg: RunConfig, replicas: int, mode: str
     given = _config(cfg)
     named = [k for k in differ if raw.get(k) != given.get(k)]  # flags given differently: the others follow from them
     asked = asked or cfg
-    if "steps" in named and raw.get("steps") == after_sweep(dataclasses.replace(  # the run's steps follow from a
-            asked, lr_sweep=raw.get("lr_sweep", 0.0), lr_sweep_then=raw.get("lr_sweep_then", "continue"))).steps:
-        named.remove("steps")  # sweep given differently, not from --steps
+    as_saved = after_sweep(dataclasses.replace(  # these --steps with the checkpointed run's sweep options
+        asked, lr_sweep=raw.get("lr_sweep", 0.0), lr_sweep_then=raw.get("lr_sweep_then", "continue"))).steps
+    if "steps" in named and raw.get("steps") == as_saved:  # the run's steps follow from a sweep given differently,
+        named.remove("steps")  # not from --steps
 
     def flag(k: str) -> str:
         return f"--{k.replace('_', '-')}" if k in FLAGS else k
-    after = (raw.get("lr_sweep") and raw.get("lr_sweep_then", "continue") == "continue") or asked.steps != cfg.steps
+    after = as_saved != asked.steps or cfg.steps != asked.steps  # either run's steps are those after its sweep
     diff = [f"{flag(k)} {saved.get(k)!r} -> {now.get(k)!r}" + (" (the steps after the sweep)" if k == "steps" and
                                                                after else "") for k in (named or differ)]
     if state.get("replicas", replicas) != replicas:

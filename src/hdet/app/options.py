@@ -190,7 +190,7 @@ def check(cfg: RunConfig) -> None:
                        f" and leave the run after it at least --T {cfg.T} steps" if cfg.lr_sweep_then == "continue"
                        else "") + f", but --lr-sweep {cfg.lr_sweep} of --steps {cfg.steps} is {sweep_steps(cfg)}")
     run_steps = after_sweep(cfg).steps
-    for what, n in (("the run's", run_steps), ("the sweep's", sweep_steps(cfg) if cfg.lr_sweep else 0)):
+    for what, n in (("the run's", run_steps), ("the sweep's", sweep_steps(cfg))):
         if cfg.optimizer != "schedulefree-adamw" and cfg.pct_start * n == 1:  # (torch divides by its length - 1)
             raise RunError(f"Expected --pct-start x {what} steps ({n}) to be other than one step (OneCycleLR cannot "
                            f"build a warm-up of exactly one step), but got --pct-start {cfg.pct_start}")
