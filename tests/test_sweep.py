@@ -3,6 +3,7 @@
 import copy
 import math
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -47,36 +48,67 @@ def held_out(model):
     return nn.functional.mse_loss(model(x), y)
 
 
-def reference(guess, judge, factor=None):
-    """The sweep written out by hand as benchmarks/sweep_then_train.py runs it: each replica's model from the same
-    seed, AdamW, OneCycle over the sweep, judged; the best one's weights."""
-    factor = math.sqrt(N) if factor is None else factor
-    lrs = [guess / factor * 32.0 ** ((2 * r - (N - 1)) / (N - 1)) for r in range(N)]
-    losses, firsts, states = [], [], []
-    start = held_out(make_model().eval()).item() if judge else None
-    for r, lr in enumerate(lrs):
-        model = make_model()
-        opt = make_opt(model.parameters(), lr)
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=STEPS, pct_start=0.3)
-        tail = []
-        for i, b in enumerate(batches(r)):
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model, b)
-            loss.backward()
-            opt.step()
-            sched.step()
-            if i == 0:
-                firsts.append(loss.item())
-            if i >= STEPS - max(1, STEPS // 10):
-                tail.append(loss.item())
-        if judge:
-            model.eval()
-            with torch.no_grad():
-                losses.append(held_out(model).item())
+def hand_run(lr, r, make=make_opt):
+    """One sweep run by hand, as benchmarks/sweep_then_train.py runs it: the model from its seed, AdamW, OneCycle over
+    the sweep on replica r's batches; its first loss, its tail's mean, and the model."""
+    model = make_model()
+    opt = make(model.parameters(), lr)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=STEPS, pct_start=0.3)
+    tail = []
+    for i, b in enumerate(batches(r)):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, b)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if i == 0:
+            first = loss.item()
+        if i >= STEPS - max(1, STEPS // 10):
+            tail.append(loss.item())
+    return first, sum(tail) / len(tail), model
+
+
+def judged(model):
+    model.eval()
+    with torch.no_grad():
+        value = held_out(model).item()
+    return value if math.isfinite(value) else math.inf
+
+
+def reference(guess, judge, factor=None, n=N, make=make_opt):
+    """The sweep written out by hand: the grid of n LRs 32 ** (2 / (n - 1)) apart from guess / factor / 32, moved to
+    the nearest power of that ratio's smallest root that is at most 3; then, while the best run has fewer than 3 runs
+    on a side and the run at that end is within half the best one's gain of it (or no run ended below the start: 3
+    below), runs further out on that side (the i-th of a round on batches(i)), up to 3 rounds and the grid's reach
+    again a side."""
+    factor = math.sqrt(n) if factor is None else factor
+    ratio = 32.0 ** (2 / (n - 1))
+    fine = ratio ** (1 / math.ceil(math.log(ratio, 3)))  # the lattice: at most 3x apart
+    k0 = round(math.log(guess / factor / ratio ** ((n - 1) / 2), fine)) * math.log(fine, ratio)
+    runs, firsts = {}, []  # k grid ratios above the grid's first LR -> (judged loss, state)
+    start = judged(make_model()) if judge else None
+    for r in range(n):
+        first, tail, model = hand_run(ratio ** (k0 + r), r, make)
+        firsts.append(first)
+        runs[r] = (judged(model) if judge else tail, copy.deepcopy(model.state_dict()))
+    start = start if judge else sum(firsts) / len(firsts)
+    for _ in range(3):
+        ks = sorted(runs)
+        best = min(ks, key=lambda k: runs[k][0])  # (inf where non-finite)
+        kept = lambda k: runs[k][0] < (runs[best][0] + start) / 2  # noqa: E731
+        if not runs[best][0] < start:  # every run blew up or ended above the start: three further down
+            more = [ks[0] - 1 - j for j in range(3)]
         else:
-            losses.append(sum(tail) / len(tail))
-        states.append(copy.deepcopy(model.state_dict()))
-    return lrs, losses, states, (start if judge else sum(firsts) / len(firsts))
+            more = [ks[0] - 1 - j for j in range(3 - (best - ks[0]))] if kept(ks[0]) else []
+            more += [ks[-1] + 1 + j for j in range(3 - (ks[-1] - best))] if kept(ks[-1]) else []
+        more = sorted(k for k in more if -(n - 1) <= k <= 2 * (n - 1))  # at most the grid's reach again a side
+        if not more:
+            break
+        for i, k in enumerate(more):
+            _, tail, model = hand_run(ratio ** (k0 + k), i % n, make)
+            runs[k] = (judged(model) if judge else tail, copy.deepcopy(model.state_dict()))
+    ks = sorted(runs)
+    return [ratio ** (k0 + k) for k in ks], [runs[k][0] for k in ks], [runs[k][1] for k in ks], start
 
 
 @pytest.mark.parametrize("judge, keep", [(True, "winner"), (False, "winner"), (True, None)])
@@ -86,9 +118,9 @@ def test_one_process_is_the_hand_written_sweep(judge, keep):
     res = hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N,
                         judge=held_out if judge else None, **({"keep": keep} if keep else {}))
     lrs, losses, states, start = reference(0.1, judge)
-    assert res.lrs == pytest.approx(lrs, rel=1e-15)
+    assert res.lrs == pytest.approx(lrs, rel=1e-12)
     assert res.losses == pytest.approx(losses, rel=1e-6)
-    best = min(range(N), key=lambda i: losses[i])
+    best = min(range(len(lrs)), key=lambda i: losses[i])
     assert res.winner == best
     held = states[best] if keep == "winner" else before  # (keep="start", the default: the weights it came with)
     assert not all(torch.equal(v, states[best][k]) for k, v in before.items())
@@ -172,7 +204,9 @@ def test_sync_batchnorm_is_refused():
 def test_lr_factor_moves_the_grid_and_the_peak():
     res = hdet.lr_sweep(make_model(), make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N,
                         judge=held_out, lr_factor=1.5)
-    assert res.lrs[0] == pytest.approx(0.1 / 1.5 / 32) and res.lrs[-1] == pytest.approx(0.1 / 1.5 * 32)
+    grid = sweep_lrs(0.1 / 1.5, N, 32.0)  # the grid's N points, the runs beyond it (if any) beside them
+    i = min(range(len(res.lrs)), key=lambda j: abs(res.lrs[j] - grid[0]))
+    assert res.lrs[i:i + N] == pytest.approx(grid, rel=1e-12)
     assert res.max_lr == pytest.approx(res.pick * 1.5)
 
 
@@ -187,6 +221,21 @@ def test_pick_is_the_benchmarks_confirmed_rule():
         if torch.rand(1, generator=g) < 0.3:
             losses[7] = math.inf
         assert pick_lr(lrs, losses) == pytest.approx(pick_fit(lrs, losses, 3), rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 16])
+def test_the_grid_is_on_a_lattice_that_guesses_a_power_of_its_ratio_apart_share(n):
+    ratio = 32.0 ** (2 / (n - 1))
+    g = torch.Generator().manual_seed(n)
+    for centre in (10 ** (-6 * torch.rand(20, generator=g, dtype=torch.float64))).tolist():
+        lrs = sweep_lrs(centre, n, 32.0)
+        assert [b / a for a, b in zip(lrs, lrs[1:])] == pytest.approx([ratio] * (n - 1), rel=1e-9)
+        moved = lrs[0] / (centre / 32.0)  # from the grid around centre itself, at most sqrt(3)x (the lattice's
+        assert 3 ** -0.5 - 1e-9 <= moved <= 3 ** 0.5 + 1e-9  # step, ratio ** (1 / m), is at most 3)
+        for j in (1, 2, 5):  # a guess j ratios higher: the same points, j further on
+            higher = sweep_lrs(centre * ratio ** j * (1 + 1e-9), n, 32.0)
+            assert higher[:max(n - j, 0)] == pytest.approx(lrs[j:], rel=1e-9)
+            assert higher[0] == pytest.approx(lrs[0] * ratio ** j, rel=1e-9)
 
 
 def test_pick_finds_a_parabolas_vertex_and_stays_inside_the_points():
@@ -204,7 +253,7 @@ def test_pick_finds_a_parabolas_vertex_and_stays_inside_the_points():
 def test_runs_that_blew_up_and_settled_near_the_start_are_out_of_the_fit():
     """The study's call 5, seed 3 from 10x (Fashion-MNIST, held-out losses; the untrained CNN's loss is ~ln 10): two
     runs that blew up ended at chance, finite; in the fit they moved the pick from 0.0087 to 0.0134."""
-    lrs = sweep_lrs(0.16 / math.sqrt(8), 8, 32.0)
+    lrs = [0.16 / math.sqrt(8) * 32.0 ** ((2 * r - 7) / 7) for r in range(8)]  # the study's grid (not on the lattice)
     losses = [0.364, 0.361, 0.363, 0.355, 0.394, 0.5, 2.308, 2.312]
     assert pick_lr(lrs, losses) == pytest.approx(0.0134, rel=0.01)  # the study's rule
     assert pick_lr(lrs, losses, start=math.log(10)) == pytest.approx(0.0087, rel=0.01)
@@ -213,14 +262,33 @@ def test_runs_that_blew_up_and_settled_near_the_start_are_out_of_the_fit():
         pick_lr(lrs, losses, start=0.3)
 
 
-def test_a_diverged_run_is_judged_inf_and_the_edge_warns():
-    """Far too high a guess: the high runs blow up (judged inf), the best is the lowest LR, which warns."""
+def test_a_diverged_run_is_judged_inf_and_the_edge_warns_without_runs_beyond_the_grid():
+    """Far too high a guess: the high runs blow up (judged inf), the best is the lowest LR, which warns with
+    extend=0; by default the sweep runs LRs below the grid until the best has three on each side that the fit keeps
+    (or the end below it barely trained)."""
     model = make_model()
+    sgd = lambda p, lr: torch.optim.SGD(p, lr=lr)  # noqa: E731
     with pytest.warns(UserWarning, match="low end"):
-        res = hdet.lr_sweep(model, lambda p, lr: torch.optim.SGD(p, lr=lr), loss_fn, batches, guess=10.0,
-                            steps=STEPS, num_replicas=N, judge=held_out)
-    assert math.isinf(res.losses[-1]) and res.winner == 0 and res.at_edge
+        res = hdet.lr_sweep(model, sgd, loss_fn, batches, guess=5.0, steps=STEPS, num_replicas=N, judge=held_out,
+                            extend=0)
+    assert math.isinf(res.losses[-1]) and res.winner == 0 and res.at_edge and len(res.lrs) == N
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        more = hdet.lr_sweep(make_model(), sgd, loss_fn, batches, guess=5.0, steps=STEPS, num_replicas=N,
+                             judge=held_out)
+    assert more.lrs[-N:] == pytest.approx(res.lrs, rel=1e-12) and more.losses[-N:] == pytest.approx(res.losses)
+    assert len(more.lrs) == N + 3 and more.lrs[:4] == pytest.approx([res.lrs[0] / 10.08 ** j for j in (3, 2, 1, 0)],
+                                                                    rel=1e-3)
+    assert more.winner == 3 and not more.at_edge and more.pick == more.lrs[3]  # (its neighbours below: out of the fit)
+    with pytest.raises(RuntimeError, match="far too high"):  # every run of the grid blew up
+        hdet.lr_sweep(make_model(), sgd, loss_fn, batches, guess=30.0, steps=STEPS, num_replicas=N, judge=held_out,
+                      extend=0)
+    more = hdet.lr_sweep(make_model(), sgd, loss_fn, batches, guess=30.0, steps=STEPS, num_replicas=N, judge=held_out)
+    assert len(more.lrs) == N + 3 and all(math.isinf(v) for v in more.losses[3:])  # three below, and the pick there
+    assert more.losses[2] < more.start_loss and more.pick == more.lrs[2]
+    with pytest.raises(ValueError, match="extend to be an int of at least 0"):
+        hdet.lr_sweep(make_model(), sgd, loss_fn, batches, guess=10.0, steps=STEPS, num_replicas=N, extend=-1)
 
 
 @pytest.mark.parametrize("how", ["diverged", "nan judge"])
@@ -229,7 +297,7 @@ def test_every_run_non_finite_raises_and_leaves_the_start_weights(how):
     start = copy.deepcopy(model.state_dict())
     opt = (lambda p, lr: torch.optim.SGD(p, lr=lr)) if how == "diverged" else make_opt
     with pytest.raises(RuntimeError, match="guess is far too high"):
-        hdet.lr_sweep(model, opt, loss_fn, batches, guess=1e4 if how == "diverged" else 0.1, steps=STEPS,
+        hdet.lr_sweep(model, opt, loss_fn, batches, guess=1e12 if how == "diverged" else 0.1, steps=STEPS,
                       num_replicas=N, judge=held_out if how == "diverged" else (lambda m: float("nan")))
     for k, v in model.state_dict().items():
         assert torch.equal(v, start[k]), k
@@ -407,3 +475,44 @@ def test_every_rank_one_replica_then_the_best_ranks_weights(world, ddp, keep):
     rho = hdet.linear_multipliers(world, 0.2)
     peaks = [max(r["main_lrs"]) for r in res]
     assert peaks == pytest.approx([max(res[0]["main_lrs"]) / rho[0] * p for p in rho], rel=1e-9)
+
+
+def _beyond_worker(rank, world, guess):
+    import torch.distributed as dist
+    model = make_model()
+    with torch.no_grad():  # every rank's model apart: every run starts from rank 0's weights
+        for p in model.parameters():
+            p.add_(rank)
+    res = hdet.lr_sweep(model, lambda p, lr: torch.optim.SGD(p, lr=lr), loss_fn, batches, guess=guess, steps=STEPS,
+                        judge=held_out, keep="winner")
+    flat = torch.cat([t.detach().reshape(-1).double() for t in model.state_dict().values()])
+    out = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(out, flat)
+    return {"lrs": res.lrs, "losses": res.losses, "winner": res.winner, "pick": res.pick,
+            "state": {k: v.tolist() for k, v in model.state_dict().items()},
+            "same_on_every_rank": all(torch.equal(o, out[0]) for o in out)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world, guess", [(4, 5.0), (4, 30.0), (2, 30.0)])
+def test_runs_beyond_the_grid_under_ranks_are_the_one_process_sweeps(world, guess):
+    """A guess too high: rounds of runs below the grid, rank r running a round's r-th; every rank ends with the best
+    run's weights, whether a rank ran it in the grid and then another run beyond it (4, 5.0: the winner is rank 0's
+    grid run), or beyond the grid (4, 30.0: every grid run blew up), as the one-process sweep does."""
+    res = check_ok(run_gloo(_beyond_worker, world, guess))
+    sgd = lambda p, lr: torch.optim.SGD(p, lr=lr)  # noqa: E731
+    one = make_model()
+    with one_thread():  # as the workers: the same summation order
+        ref = hdet.lr_sweep(one, sgd, loss_fn, batches, guess=guess, steps=STEPS, num_replicas=world, judge=held_out,
+                            keep="winner")
+        lrs, losses, states, _ = reference(guess, True, n=world, make=sgd)
+    assert len(ref.lrs) > world and ref.lrs == pytest.approx(lrs, rel=1e-12)
+    assert ref.losses == pytest.approx(losses, rel=1e-6)
+    for k, v in one.state_dict().items():  # the winner's weights, as the hand-written sweep's
+        assert torch.equal(v, states[ref.winner][k]), k
+    for r in res:
+        assert r["same_on_every_rank"]
+        assert r["lrs"] == pytest.approx(ref.lrs, rel=1e-12) and r["losses"] == pytest.approx(ref.losses, rel=1e-6)
+        assert r["winner"] == ref.winner and r["pick"] == pytest.approx(ref.pick, rel=1e-9)
+        for k, v in one.state_dict().items():
+            assert torch.tensor(r["state"][k], dtype=v.dtype).equal(v), k

@@ -46,13 +46,15 @@ __all__ = ["lr_sweep", "SweepResult", "sweep_lrs", "pick_lr"]
 
 KEEP = ("start", "winner")  # what the model holds after the sweep
 MIN_STEPS = 10  # a sweep run's fewest steps: its judged loss must show what its LR did (1 step: the start's loss)
+SNAP = 3.0  # the grid moves to a lattice at most this ratio apart (sweep_lrs)
 FIT_NEIGHBOURS = 3  # the pick's parabola: the best judged loss and up to this many finite neighbours on each side
 
 
 @dataclass
 class SweepResult:
     """What :func:`lr_sweep` found. ``max_lr``: the main run's peak LR (``pick * lr_factor``); ``pick``: the sweep's
-    best LR; ``lrs`` and ``losses``: each sweep run's LR and judged loss (inf: non-finite); ``start_loss``: the
+    best LR; ``lrs`` and ``losses``: each sweep run's LR (ascending: the grid's N and any beyond it) and judged loss
+    (inf: non-finite); ``start_loss``: the
     start weights' (judged, or their first training losses' mean); ``winner``: the best run (whose weights the model
     now holds with ``keep="winner"``); ``at_edge``: the best judged loss was at an end of the grid (the best LR may
     lie beyond it)."""
@@ -68,8 +70,39 @@ class SweepResult:
 
 
 def sweep_lrs(centre: float, n: int, span: float) -> list[float]:
-    """``n`` LRs from ``centre / span`` to ``centre * span``, evenly apart in log LR."""
-    return [centre * span ** ((2 * r - (n - 1)) / (n - 1)) for r in range(n)]
+    """``n`` LRs evenly apart in log LR, ``span ** (2 / (n - 1))`` apart (``centre / span`` to ``centre * span``),
+    moved by at most ``sqrt(SNAP)`` to the lattice of integer powers of that ratio's m-th root (the smallest m that
+    makes the root at most ``SNAP``): guesses apart by a power of the ratio get the same points."""
+    base, step = _lattice(centre, n, span)
+    return [_on_lattice(r, base, step) for r in range(n)]
+
+
+def _lattice(centre: float, n: int, span: float) -> tuple[float, float]:
+    """The log of the grid's first LR, on the lattice, and the log of the grid's ratio."""
+    step = 2 * math.log(span) / (n - 1)
+    fine = step / math.ceil(step / math.log(SNAP) - 1e-9)
+    return round((math.log(centre) - step * (n - 1) / 2) / fine) * fine, step
+
+
+def _on_lattice(k: int, base: float, step: float) -> float:
+    """The LR ``k`` grid ratios above the grid's first."""
+    return math.exp(base + k * step)
+
+
+def _needed(losses: list[float], start: float | None, neighbours: int = FIT_NEIGHBOURS) -> tuple[int, int]:
+    """How many more runs below and above the grid (one grid ratio apart) the pick's fit needs: up to ``neighbours`` a
+    side of the best run, where the grid's end on that side is a run the fit keeps (a run there that blew up, or
+    barely trained, says that LRs beyond it are worse still); ``neighbours`` below where every run was non-finite or
+    ended above the start's loss (a run at too low an LR still ends about at it)."""
+    ok = [i for i, v in enumerate(losses) if math.isfinite(v)]
+    best = min(ok, key=lambda i: losses[i]) if ok else None
+    if best is None or (start is not None and math.isfinite(start) and not losses[best] < start):
+        return neighbours, 0
+    if start is not None and math.isfinite(start):
+        ok = [i for i in ok if losses[i] < (losses[best] + start) / 2]
+    low = neighbours - best if 0 in ok else 0
+    high = neighbours - (len(losses) - 1 - best) if len(losses) - 1 in ok else 0
+    return max(low, 0), max(high, 0)
 
 
 def pick_lr(lrs: list[float], losses: list[float], start: float | None = None,
@@ -103,7 +136,7 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
              loss_fn: Callable[[nn.Module, Any], torch.Tensor], batches: Callable[[int], Iterable[Any]], *,
              guess: float, steps: int, num_replicas: int | None = None,
              judge: Callable[[nn.Module], Any] | None = None, span: float = 32.0, lr_factor: float | None = None,
-             pct_start: float = 0.3, cycle_momentum: bool | None = None, keep: str = "start",
+             pct_start: float = 0.3, cycle_momentum: bool | None = None, keep: str = "start", extend: int = 3,
              group: Any = None) -> SweepResult:
     """Sweep the LR over ``steps``, then leave ``model`` at its start weights or the best run's (see the module).
 
@@ -114,12 +147,18 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     ``judge(model)``: a held-out loss (called under ``torch.no_grad()`` with the model in eval mode; under
     torch.distributed it must read the same data on every rank, or the ranks' runs are judged on different data), or
     None for the mean training loss over the run's last tenth (on the measured CNN it picked higher LRs than a
-    held-out loss on the same seeds, and ended no worse); ``span``: the grid's reach each way from its centre;
+    held-out loss on the same seeds, and ended no worse); ``span``: the grid's reach each way from its centre (its
+    N points ``span ** (2 / (N - 1))`` apart, on a lattice that gives guesses apart by a power of that ratio the same
+    points: :func:`sweep_lrs`);
     ``lr_factor``: the main run's peak over the pick (default sqrt(N)); ``pct_start``, ``cycle_momentum``: each run's
     OneCycleLR (by default its momentum or beta1 cycles where the optimizer has one, as OneCycleLR and OneCycleAutoLR
     do in the main run the pick is for; False for a main run that keeps it fixed); ``keep``: ``"start"`` (the
     model back at the weights the sweep started from, rank 0's on every rank, for a main run of all its steps:
-    measured better) or ``"winner"`` (the best run's weights and buffers, for a main run of the steps left). Each
+    measured better) or ``"winner"`` (the best run's weights and buffers, for a main run of the steps left);
+    ``extend``: the most rounds of runs beyond the grid (0: none), one grid ratio apart, up to the grid's own reach
+    (``span ** 2``) again on each side, where the best run has fewer than three on a side (the guess was off by
+    more than about 4x) and the run at that end is kept in the fit, or three below where no run ended below the
+    start (under torch.distributed a round of up to N runs, rank r running the r-th, costs a sweep run's time). Each
     parameter's ``.grad`` and each submodule's train/eval mode end as they came; the runs train in the modes the model
     came in (a submodule in eval mode, a frozen BatchNorm, stays so), or all in train mode if the model came in eval
     mode. Any error leaves the model as it came (this rank's own weights). The model's forward and the judge
@@ -147,7 +186,10 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
                          f"warm-up of exactly one step), but got pct_start {pct_start!r}")
     if keep not in KEEP:
         raise ValueError(f"Expected keep to be one of {', '.join(map(repr, KEEP))}, but got {keep!r}")
-    lrs = sweep_lrs(guess_f / factor, n, span_f)
+    base, step = _lattice(guess_f / factor, n, span_f)
+    extend_i = int_number(extend)
+    if extend_i is None or extend_i < 0:
+        raise ValueError(f"Expected extend to be an int of at least 0, but got {extend!r}")
     tensors = _tensors(module)
     start = [t.clone() for t in tensors]  # this rank's own: the model as it came, whatever fails
     grads = [p.grad for p in module.parameters()]
@@ -158,20 +200,19 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
             p.grad = None
         if not module.training:  # the runs' modes: as they came under a module in train mode (a frozen BatchNorm in
             module.train()  # eval stays frozen), else module.train()'s (a train() override that freezes is kept)
-        train = [(m, m.training) for m in module.modules()]
-        if rank is not None:  # every rank's run from the same weights: rank 0's (a model seeded per rank, say)
-            for t in tensors:  # COLLECTIVE: one broadcast a tensor (once a sweep)
-                dist.broadcast(t, src=src0, group=group)
-        if rank is None:  # one process: the runs one after the other, each from the start weights
-            start_loss, losses, firsts, kept = _sweep_here(module, tensors, start, make_optimizer, loss_fn, batches,
-                                                          lrs, steps_i, pct, judge, cycle_momentum, keep == "winner",
-                                                          train)
-        else:  # rank r: the r-th run; every rank's judged loss to every rank
-            start_loss, losses, firsts = _sweep_ranks(module, rank, make_optimizer, loss_fn, batches, lrs, steps_i,
-                                                      pct, judge, cycle_momentum, group, train)
-        if judge is None:  # the start's loss: the runs' first training losses (all from the start weights)
-            finite = [f for f in firsts if math.isfinite(f)]
-            start_loss = sum(finite) / len(finite) if finite else math.inf
+        runs = _Runs(module, tensors, start, make_optimizer, loss_fn, batches, steps_i, pct, judge, cycle_momentum,
+                     [(m, m.training) for m in module.modules()], keep == "winner", n, rank, group, src0)
+        ks = list(range(n))  # the runs' places: LR = _on_lattice(k, base, step)
+        start_loss = runs.grid(ks, [_on_lattice(k, base, step) for k in ks])
+        for _ in range(extend_i):  # the fit's points on both sides of the best run, beyond the grid where needed
+            low, high = _needed([runs.loss[k] for k in ks], start_loss)
+            low, high = min(low, ks[0] + n - 1), min(high, 2 * (n - 1) - ks[-1])  # at most the grid's reach again
+            more = [*range(ks[0] - low, ks[0]), *range(ks[-1] + 1, ks[-1] + 1 + high)]
+            if not more:
+                break
+            runs.more(more, [_on_lattice(k, base, step) for k in more])
+            ks = list(range(ks[0] - low, ks[-1] + 1 + high))
+        lrs, losses = [_on_lattice(k, base, step) for k in ks], [runs.loss[k] for k in ks]
         pick = pick_lr(lrs, losses, start_loss)  # (the same on every rank: the same gathered losses)
         winner = min((i for i, v in enumerate(losses) if math.isfinite(v)), key=lambda i: losses[i])
         if keep == "start":  # rank 0's start weights on every rank
@@ -179,18 +220,14 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
             if rank is not None:
                 for t in tensors:  # COLLECTIVE: one broadcast a tensor (once a sweep)
                     dist.broadcast(t, src=src0, group=group)
-        elif rank is None:
-            _copy(tensors, kept)
-        else:  # the best rank's weights and buffers to every rank
-            src = dist.get_global_rank(group, winner) if group is not None else winner
-            for t in tensors:  # COLLECTIVE: one broadcast a tensor (once a sweep)
-                dist.broadcast(t, src=src, group=group)
+        else:
+            runs.keep_winner(ks[winner])
     except BaseException:
         _restore(module, grads, modes)
         _copy(tensors, start)  # the model as it came, whatever failed
         raise
     _restore(module, grads, modes)
-    at_edge = winner in (0, n - 1)
+    at_edge = winner in (0, len(lrs) - 1)
     if at_edge:
         warnings.warn(f"hdet.lr_sweep: the best judged loss is at the {'low' if winner == 0 else 'high'} end of "
                       f"the sweep's LRs ({_fmt(lrs)}): the best LR may lie beyond it; sweep again around "
@@ -199,44 +236,100 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
                        start_loss=start_loss, winner=winner, at_edge=at_edge)
 
 
-def _sweep_here(module: nn.Module, tensors: list[torch.Tensor], start: list[torch.Tensor], make_optimizer: Any,
-                loss_fn: Any, batches: Any, lrs: list[float], steps: int, pct: float, judge: Any, cycle: bool | None,
-                keep_best: bool, train: list[tuple[nn.Module, bool]],
-                ) -> tuple[float | None, list[float], list[float], list[torch.Tensor] | None]:
-    """The N runs one after the other in this process: the start's judged loss, each run's judged and first loss,
-    and the best run's tensors (None where none was finite, or not ``keep_best``)."""
-    start_loss = _judged(module, judge) if judge is not None else None
-    losses, firsts, kept, best = [], [], None, math.inf
-    for r, lr in enumerate(lrs):
-        _copy(tensors, start)
-        value, first = _run(module, make_optimizer, loss_fn, batches(r), lr, steps, pct, judge, cycle, train)
-        losses.append(value)
-        firsts.append(first)
-        if value < best:
-            best, kept = value, ([t.clone() for t in tensors] if keep_best else None)
-    return start_loss, losses, firsts, kept
+class _Runs:
+    """The sweep's runs, each from the start weights (under ranks rank 0's): in one process one after the other, or
+    one a rank (the i-th LR of a round on rank i). A round's i-th run trains on ``batches(i)``. ``loss[k]``: the judged
+    loss of the run k grid ratios above the grid's first LR (k < 0: below it), the same on every rank; with ``keep_best``, each process's own best run's
+    tensors are kept (held by the module until a later run would overwrite them), and ``owner[k]`` is the rank that
+    ran k."""
 
+    def __init__(self, module: nn.Module, tensors: list[torch.Tensor], start: list[torch.Tensor], make_optimizer: Any,
+                 loss_fn: Any, batches: Any, steps: int, pct: float, judge: Any, cycle: bool | None,
+                 train: list[tuple[nn.Module, bool]], keep_best: bool, n: int, rank: int | None, group: Any,
+                 src0: int) -> None:
+        self.module, self.tensors, self.start, self.judge, self.keep_best = module, tensors, start, judge, keep_best
+        self.n, self.rank, self.group, self.src0 = n, rank, group, src0
+        self.args = (make_optimizer, loss_fn, batches, steps, pct, judge, cycle, train)
+        self.loss: dict[int, float] = {}
+        self.owner: dict[int, int] = {}
+        self.best, self.kept, self.held = math.inf, None, False  # this process's best; its tensors; in the module?
 
-def _sweep_ranks(module: nn.Module, rank: int, make_optimizer: Any, loss_fn: Any, batches: Any, lrs: list[float],
-                 steps: int, pct: float, judge: Any, cycle: bool | None, group: Any,
-                 train: list[tuple[nn.Module, bool]]) -> tuple[float | None, list[float], list[float]]:
-    """This rank's run, then every rank's results: the start's judged loss (the ranks' mean), each run's judged and
-    first loss. A rank whose run or judge raises tells every rank, so none waits in a collective for it."""
-    try:
-        start_judged = _judged(module, judge) if judge is not None else math.nan
-        mine, failed = _run(module, make_optimizer, loss_fn, batches(rank), lrs[rank], steps, pct, judge, cycle,
-                            train), None
-    except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
-        start_judged, mine, failed = math.nan, (math.nan, math.nan), e
-    rows = ProcessGroupReplicas(group).gather(  # COLLECTIVE (once a sweep): [ranks, 4] on the host
-        torch.tensor([*mine, start_judged, float(failed is not None)], dtype=torch.float64))
-    losses, firsts, starts, fails = (col.tolist() for col in rows.T)
-    if failed is not None:
-        raise failed
-    if any(fails):
-        raise RuntimeError(f"lr_sweep failed on rank(s) {[r for r, f in enumerate(fails) if f]} of the group "
-                           "(their error is raised there); this rank's model is back at its start weights")
-    return (sum(starts) / len(starts) if judge is not None else None), losses, firsts
+    def grid(self, ks: list[int], lrs: list[float]) -> float | None:
+        """The grid's runs; the start's loss: judged (one process: before the runs; under ranks: the ranks' mean), or
+        the runs' first training losses' mean (all from the start weights)."""
+        start_loss = _judged(self.module, self.judge) if self.judge is not None and self.rank is None else None
+        firsts, starts = self._round(ks, lrs, first=True)
+        if self.judge is None:
+            finite = [f for f in firsts if math.isfinite(f)]
+            return sum(finite) / len(finite) if finite else math.inf
+        return start_loss if self.rank is None else sum(starts) / len(starts)
+
+    def more(self, ks: list[int], lrs: list[float]) -> None:
+        """Runs beyond the grid, ``n`` at a time."""
+        for c in range(0, len(ks), self.n):
+            self._round(ks[c:c + self.n], lrs[c:c + self.n], first=False)
+
+    def _round(self, ks: list[int], lrs: list[float], first: bool) -> tuple[list[float], list[float]]:
+        """The runs at places ``ks``: each one's first training loss, and (``first``, under ranks) each rank's
+        judged start loss."""
+        if self.rank is None:
+            firsts = []
+            for i, (k, lr) in enumerate(zip(ks, lrs)):
+                self._from_start()
+                value, f = self._run(i, lr)
+                self._done(k, value)
+                firsts.append(f)
+            return firsts, []
+        self._from_start()  # (under ranks, the module holds this rank's own weights until now in the first round)
+        for t in self.tensors:  # COLLECTIVE: one broadcast a tensor a round: rank 0's start weights on every rank
+            dist.broadcast(t, src=self.src0, group=self.group)
+        mine, judged, failed = (math.nan, math.nan), math.nan, None
+        try:
+            if first and self.judge is not None:
+                judged = _judged(self.module, self.judge)
+            if self.rank < len(ks):
+                mine = self._run(self.rank, lrs[self.rank])
+        except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
+            failed = e
+        rows = ProcessGroupReplicas(self.group).gather(  # COLLECTIVE (once a round): [ranks, 4] on the host
+            torch.tensor([*mine, judged, float(failed is not None)], dtype=torch.float64))
+        losses, firsts, starts, fails = (col.tolist() for col in rows.T)
+        if failed is not None:
+            raise failed
+        if any(fails):
+            raise RuntimeError(f"lr_sweep failed on rank(s) {[r for r, f in enumerate(fails) if f]} of the group "
+                               "(their error is raised there); this rank's model is back at its start weights")
+        for i, k in enumerate(ks):
+            self.loss[k], self.owner[k] = losses[i], i
+        if self.rank < len(ks):
+            self._done(ks[self.rank], losses[self.rank])
+        return firsts[:len(ks)], starts
+
+    def _run(self, i: int, lr: float) -> tuple[float, float]:
+        make_optimizer, loss_fn, batches, steps, pct, judge, cycle, train = self.args
+        return _run(self.module, make_optimizer, loss_fn, batches(i), lr, steps, pct, judge, cycle, train)
+
+    def _from_start(self) -> None:
+        """The module back at this process's start weights; this process's best run's tensors kept first."""
+        if self.held:
+            self.kept, self.held = [t.clone() for t in self.tensors], False
+        _copy(self.tensors, self.start)
+
+    def _done(self, k: int, value: float) -> None:
+        if self.rank is None:
+            self.loss[k] = value
+        if self.keep_best and value < self.best:
+            self.best, self.kept, self.held = value, None, True
+
+    def keep_winner(self, k: int) -> None:
+        """The run at place ``k``'s weights and buffers in the module, on every rank."""
+        mine = self.rank is None or self.owner[k] == self.rank
+        if mine and not self.held:
+            _copy(self.tensors, self.kept)
+        if self.rank is not None:
+            src = dist.get_global_rank(self.group, self.owner[k]) if self.group is not None else self.owner[k]
+            for t in self.tensors:  # COLLECTIVE: one broadcast a tensor (once a sweep)
+                dist.broadcast(t, src=src, group=self.group)
 
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:

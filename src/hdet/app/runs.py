@@ -92,7 +92,8 @@ def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, d
              "start_loss": finite(res.start_loss), "winner": res.winner, "at_edge": res.at_edge,
              "seconds": time.perf_counter() - t0}
     if progress:
-        print(f"lr sweep: {N} runs of {steps} steps at {res.lrs[0]:.3g} to {res.lrs[-1]:.3g}; the best at "
+        print(f"lr sweep: {len(res.lrs)} runs of {steps} steps at {res.lrs[0]:.3g} to {res.lrs[-1]:.3g}"
+              f"{f' ({len(res.lrs) - N} beyond the first {N})' if len(res.lrs) > N else ''}; the best at "
               f"{res.lrs[res.winner]:.3g}, the pick {res.pick:.3g}; the run "
               f"{'starts again' if cfg.lr_sweep_then == 'restart' else 'goes on'} at --max-lr {res.max_lr:.3g}",
               flush=True)
