@@ -1,0 +1,79 @@
+"""The runs of `benchmarks/lr_sweep_cli.py` JSONs in which hdet train's stability guard acted (a rising ensemble sent
+every replica back with the LR cut, or a runaway replica was reset with the LR cut), run again without the sweep at
+the peak LR their sweep found (the same run: `--lr-sweep-then restart` trains as the run without a sweep at that
+--max-lr), with the guard (`--on-runaway recover`, the default: does it repeat?) and without it (`ignore`: would the
+run have come back by itself, or broken?). Issue 15: what the guard's events cost the sweep's recipe.
+
+    python benchmarks/guard_events.py --task bytes --from A.json B.json --out guard_events.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lr_sweep_cli import LAUNCH, SIZES  # noqa: E402  (same folder)
+
+EVENTS = ("rose more than", "ran away")  # hdet.stability's warnings
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default="bytes")
+    p.add_argument("--from", dest="sources", nargs="+", required=True)
+    p.add_argument("--guards", default="recover,ignore")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--runs", default="runs/guard_events")
+    p.add_argument("--deadline", type=float, default=480.0)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    picked = [(src, r) for src in a.sources for r in json.loads(Path(src).read_text())["runs"]
+              if r["task"] == a.task and r.get("lr_sweep") and any(e in r["log_tail"] for e in EVENTS)]
+    procs = {}
+    for src, r in picked:
+        for guard in a.guards.split(","):
+            name = f"{r['name']}-{guard}"
+            out = Path(a.runs) / name
+            out.parent.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, "-c", LAUNCH, "train", "--task", a.task, *SIZES[a.task]["args"], "--replicas", "8",
+                   "--steps", "1500", "--weight-decay", "0.01", "--seed", str(r["seed"]), "--device", a.device,
+                   "--max-lr", repr(r["lr_sweep"]["max_lr"]), "--on-runaway", guard, "--checkpoint-every", "0",
+                   "--eval-every", "150", "--no-progress", "--out", str(out)]
+            log = (out.parent / f"{name}.log").open("w")
+            procs[name] = (src, r, guard, out, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                                                env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    t0 = time.time()
+    while any(pr.poll() is None for *_, pr in procs.values()) and time.time() - t0 < a.deadline:
+        time.sleep(2)
+    rows = []
+    for name, (src, r, guard, out, proc) in procs.items():
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        log = (out.parent / f"{name}.log").read_text()
+        s = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
+        m = s.get("final_metrics") or {}
+        rows.append({"name": name, "source": src, "seed": r["seed"], "start": r["start"], "guard": guard,
+                     "max_lr": r["lr_sweep"]["max_lr"], "swept_metric": r["metric"],
+                     "metric": m.get("test_accuracy") if a.task == "fashion" else m.get("val_loss_full"),
+                     "events": sum(log.count(e) for e in EVENTS), "rc": proc.returncode, "log_tail": log[-1200:]})
+    import torch
+
+    rec = {"command": "python " + " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "seconds": time.time() - t0, "runs": rows}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(rec, indent=1))
+    for row in rows:
+        print(row["name"], row["swept_metric"], row["metric"], row["events"])
+
+
+if __name__ == "__main__":
+    main()
