@@ -7,7 +7,8 @@ the numbers its README quotes:
    neighbours a side (3 points, 5, 7: the default) is compared with it (GPT: the 20 seeds of calls 4, 6, 8, 9, 10 and
    13; Fashion-MNIST: the 12 of calls 5, 8, 9 and the CPU call 12);
 2. the GPT's final loss against ln(max_lr), one offset a seed: over the CLI's sweep runs (calls 9, 10, 13, 16) and
-   with the runs without a sweep (calls 10, 13, 14, 16).
+   with the runs without a sweep (calls 10, 13, 14, 16);
+3. ``shifted_grid``: the 1x start's GPT sweeps as a grid two points higher would see them without runs beyond it.
 
     python benchmarks/sweep_pick_analysis.py --out benchmarks/results/evidence/sweep_then_train/pick_analysis.json
 """
@@ -84,6 +85,22 @@ def pick_rules(task: str) -> dict:
     return out
 
 
+def shifted_grid(task: str, shift: int = 2) -> dict:
+    """The 1x start's sweep as the grid ``shift`` points higher would see it (the lattice puts the 10x start's GPT
+    grid two points up): its lowest ``shift`` runs left out, the top ones beyond it blown up (inf); the 7-point pick
+    without runs beyond the grid, against the 1x grid's own."""
+    data = sweeps(task)
+    ss = [s for s in data if 1.0 in data[s]]
+    own, shifted = [], []
+    for s in ss:
+        lrs, losses, start = data[s][1.0]
+        ratio = lrs[1] / lrs[0]
+        own.append(pick_lr(lrs, losses, start))
+        shifted.append(pick_lr([lr * ratio ** shift for lr in lrs], losses[shift:] + [math.inf] * shift, start))
+    return {"seeds": ss, "shift": shift, "mean_pick_x_best_own": statistics.mean(own) * SQ / BEST[task],
+            "mean_pick_x_best_shifted": statistics.mean(shifted) * SQ / BEST[task]}
+
+
 def lr_fit() -> dict:
     sweep = [(r["max_lr_x_best"], r["metric"], r["seed"]) for f in CLI
              for r in json.loads((D / f).read_text())["runs"] if r["task"] == "bytes"]
@@ -109,7 +126,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     a = p.parse_args()
     rec = {"command": "python " + " ".join(sys.argv), "pick_rules": {t: pick_rules(t) for t in ("bytes", "fashion")},
-           "gpt_loss_against_ln_max_lr": lr_fit()}
+           "gpt_loss_against_ln_max_lr": lr_fit(), "shifted_grid": shifted_grid("bytes")}
     Path(a.out).write_text(json.dumps(rec, indent=1))
     print(json.dumps(rec, indent=1))
 

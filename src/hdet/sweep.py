@@ -2,29 +2,37 @@
 
 Steps before the run (a fifth of its steps in the measured recipe) as N independent short runs, one per replica, each
 on its own batches (1/N of the ensemble's: what N ranks without their all-reduce, or N replicas in local mode, compute
-side by side at the cost of that many ensemble steps), at LRs ``centre * span ** ((2r - (N - 1)) / (N - 1))`` (1/span
-to span times the centre, evenly apart in log LR), each with its own OneCycle over the sweep. Each run is then judged
-(by ``judge``, a held-out loss, or by its training loss over its last tenth); the pick is the vertex of a least-squares
-parabola in log LR through the best judged loss and up to three finite neighbours on each side, leaving out runs that
-kept less than half the best one's gain over the start (they blew up and settled near chance); the main run's peak LR
-is the pick times ``lr_factor`` (sqrt(N) by default: the main run's batch is N times a sweep run's, and Adam's best
-LR grows about as the square root of the batch). The model ends holding its start weights (``keep="start"``: the main
-run then trains all its steps from them at the found peak, the sweep's steps on top), or the best run's weights
-(``keep="winner"``: the main run goes on from there, with a fresh optimizer, for the remaining steps), on every rank.
+side by side at the cost of that many ensemble steps), at N LRs ``span ** (2 / (N - 1))`` apart from about
+``centre / span`` to ``centre * span`` (moved by at most sqrt(3)x to a lattice, so that guesses a power of that ratio
+apart get the same LRs: :func:`sweep_lrs`), each with its own OneCycle over the sweep. Each run is then judged (by
+``judge``, a held-out loss, or by its training loss over its last tenth). Where the best run has fewer than three
+runs on a side that the fit keeps, more runs go beyond the grid on that side, one ratio apart (``extend`` rounds at
+most; three below where no run ended below the start): an off-centre guess gets the neighbourhood a centred one
+gets. The pick is the vertex of a least-squares parabola in log LR through the best judged loss and up to three
+finite neighbours on each side, leaving out runs that kept less than half the best one's gain over the start (they
+blew up and settled near chance); the main run's peak LR is the pick times ``lr_factor`` (sqrt(N) by default: the
+main run's batch is N times a sweep run's, and Adam's best LR grows about as the square root of the batch). The
+model ends holding its start weights (``keep="start"``: the main run then trains all its steps from them at the
+found peak, the sweep's steps on top), or the best run's weights (``keep="winner"``: the main run goes on from
+there, with a fresh optimizer, for the remaining steps), on every rank.
 
 Measured (``benchmarks/results/evidence/sweep_then_train/``, the evidence suite's two tasks, N = 8, the sweep 20% of
 1500 steps, then HDET at alpha 0.2, T 25, ``on_runaway="recover"``), from 0.1x, 1x and 10x the grid's best LR, through
 ``hdet train --lr-sweep 0.2`` (this function, judged by the training loss): with ``keep="start"`` and all 1500 steps
-after the sweep, a byte-level GPT ends +0.43% / -0.00% / +0.86% from the grid's best validation loss (16 seeds) and a
-BatchNorm CNN on Fashion-MNIST -0.05 / -0.05 / -0.17 point from its best accuracy (3 seeds); with ``keep="winner"``
-and the remaining 1200 steps, +1.1% / +1.2% / +1.9% (12 seeds) and about -0.45 point (6 seeds): the picks were right,
-the steps the sweep took from the main run were not (its best run saw 1/N of the data). Hence ``keep="start"`` by
-default. The factor sqrt(N) is not fitted to these tasks; pass ``lr_factor`` where the batch rule is known. Leaving out
-the runs that kept less than half the best one's gain is this function's own (the study's fit took them in).
+after the sweep, a byte-level GPT ends +0.37% / +0.33% / +0.71% from the grid's best validation loss (16 seeds) and a
+BatchNorm CNN on Fashion-MNIST -0.06 / -0.10 / -0.10 point from its best accuracy (3 seeds), picking about the same
+LRs from every start (without the lattice and the runs beyond the grid: +0.43% / -0.00% / +0.86% and -0.05 / -0.05 /
+-0.17 point at the same seeds, the picks lower from 0.1x and 10x; the GPT's 10x cell loses to the stability guard's
+events, one run in eight at these LRs, not to its picks); with ``keep="winner"`` and the remaining 1200 steps,
++1.1% / +1.2% / +1.9% (12 seeds) and about -0.45 point (6 seeds): the picks were right, the steps the sweep took from
+the main run were not (its best run saw 1/N of the data). Hence ``keep="start"`` by default. The factor sqrt(N) is
+not fitted to these tasks; pass ``lr_factor`` where the batch rule is known. Leaving out the runs that kept less
+than half the best one's gain is this function's own (the study's fit took them in).
 
 Under torch.distributed (initialised, world size > 1) every rank is one replica: rank r runs the r-th LR on its own
-batches, the judged losses are all-gathered and (``keep="winner"``) the best rank's weights and buffers broadcast. In
-one process the N runs go one after the other on the same module, from the same initial weights.
+batches (and the r-th of each round beyond the grid), the judged losses are all-gathered and (``keep="winner"``)
+the best run's weights and buffers broadcast from the rank that ran it. In one process the runs go one after the
+other on the same module, from the same initial weights.
 """
 
 from __future__ import annotations
