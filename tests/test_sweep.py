@@ -380,6 +380,16 @@ def test_a_parameter_the_optimizer_leaves_out_keeps_its_gradients_values():
     assert model[3].weight.grad is held and torch.equal(held, torch.ones_like(held))
 
 
+def test_batches_that_give_one_shot_iterators_fail_clearly_when_runs_go_beyond_the_grid():
+    made = {r: batches(r) for r in range(N)}  # one generator per replica, used up by its first run
+    model = make_model()
+    start = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="a fresh iterable at each call: runs beyond the grid call it again"):
+        hdet.lr_sweep(model, lambda p, lr: torch.optim.SGD(p, lr=lr), loss_fn, lambda r: made[r], guess=5.0,
+                      steps=STEPS, num_replicas=N, judge=held_out)
+    assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+
+
 def test_too_few_batches_and_a_bad_judge_are_errors():
     with pytest.raises(ValueError, match="at least steps=12 batches"):
         hdet.lr_sweep(make_model(), make_opt, loss_fn, lambda r: [data(r, 0)] * 3, guess=0.1, steps=STEPS,

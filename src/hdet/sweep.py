@@ -150,7 +150,8 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
 
     ``make_optimizer(params, lr)``: a fresh optimizer at peak LR ``lr`` (its param groups' LRs are each run's
     OneCycle peaks, so groups at a multiple of ``lr`` keep it); ``loss_fn(model, batch)``: the scalar training loss;
-    ``batches(r)``: replica r's batches (at least ``steps`` of them); ``guess``: the user's peak LR, the grid's
+    ``batches(r)``: replica r's batches (at least ``steps`` of them; a fresh iterable at each call: a round beyond
+    the grid calls it again, its i-th run with ``batches(i)``); ``guess``: the user's peak LR, the grid's
     centre over ``lr_factor``; ``num_replicas``: N in one process (under torch.distributed, the group's size);
     ``judge(model)``: a held-out loss (called under ``torch.no_grad()`` with the model in eval mode; under
     torch.distributed it must read the same data on every rank, or the ranks' runs are judged on different data), or
@@ -415,8 +416,8 @@ def _run(module: nn.Module, make_optimizer: Callable[..., torch.optim.Optimizer]
         try:
             batch = next(it)
         except StopIteration:
-            raise ValueError(f"Expected batches(r) to yield at least steps={steps} batches, but it ended after "
-                             f"{i}") from None
+            raise ValueError(f"Expected batches(r) to yield at least steps={steps} batches (a fresh iterable at each "
+                             f"call: runs beyond the grid call it again), but it ended after {i}") from None
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(module, batch)
         loss.backward()
