@@ -115,7 +115,7 @@ def main() -> None:
     model = ByteGPT(a.ctx).to(device)
     ddp = DDP(model) if distributed else model
     swept, max_lr = None, a.max_lr
-    if a.lr_sweep:  # COLLECTIVES: one all-gather of the judged losses, broadcasts of the start weights
+    if a.lr_sweep:  # COLLECTIVES: an all-gather of the judged losses and broadcasts of the start weights a round
         def heldout(m: nn.Module) -> torch.Tensor:  # the same batches on every rank (of the validation split;
             # the final validation loss below reads other batches of it)
             hg = torch.Generator().manual_seed(999)

@@ -77,14 +77,15 @@ def judged(model):
 
 def reference(guess, judge, factor=None, n=N, make=make_opt):
     """The sweep written out by hand: the grid of n LRs 32 ** (2 / (n - 1)) apart from guess / factor / 32, moved to
-    the nearest power of that ratio's smallest root that is at most 3; then, while the best run has fewer than 3 runs
-    on a side and the run at that end is within half the best one's gain of it (or no run ended below the start: 3
-    below), runs further out on that side (the i-th of a round on batches(i)), up to 3 rounds and the grid's reach
+    the nearest power (halves up) of that ratio's smallest root that is at most 3; then, while the best run has fewer
+    than need = min(3, (n - 1) // 2) runs on a side and the run at that end is within half the best one's gain of it,
+    runs further out on that side (where no run ended below the start: need of them, one at least, beyond the end whose
+    run is the best, below if every run blew up), the i-th of a round on batches(i), up to 3 rounds and the grid's reach
     again a side."""
     factor = math.sqrt(n) if factor is None else factor
     ratio = 32.0 ** (2 / (n - 1))
     fine = ratio ** (1 / math.ceil(math.log(ratio, 3)))  # the lattice: at most 3x apart
-    k0 = round(math.log(guess / factor / ratio ** ((n - 1) / 2), fine)) * math.log(fine, ratio)
+    k0 = math.floor(math.log(guess / factor / ratio ** ((n - 1) / 2), fine) + 0.5 + 1e-9) * math.log(fine, ratio)
     runs, firsts = {}, []  # k grid ratios above the grid's first LR -> (judged loss, state)
     start = judged(make_model()) if judge else None
     for r in range(n):
@@ -92,15 +93,18 @@ def reference(guess, judge, factor=None, n=N, make=make_opt):
         firsts.append(first)
         runs[r] = (judged(model) if judge else tail, copy.deepcopy(model.state_dict()))
     start = start if judge else sum(firsts) / len(firsts)
+    need = min(3, (n - 1) // 2)
     for _ in range(3):
         ks = sorted(runs)
-        best = min(ks, key=lambda k: runs[k][0])  # (inf where non-finite)
+        best = min(ks, key=lambda k: runs[k][0])  # (inf where non-finite; of equal losses the lowest LR)
         kept = lambda k: runs[k][0] < (runs[best][0] + start) / 2  # noqa: E731
-        if not runs[best][0] < start:  # every run blew up or ended above the start: three further down
-            more = [ks[0] - 1 - j for j in range(3)]
+        if not runs[best][0] < start:
+            more = [ks[0] - 1 - j for j in range(max(need, 1))] if best == ks[0] else []
+            top = best == ks[-1] and math.isfinite(runs[best][0])
+            more += [ks[-1] + 1 + j for j in range(max(need, 1))] if top else []
         else:
-            more = [ks[0] - 1 - j for j in range(3 - (best - ks[0]))] if kept(ks[0]) else []
-            more += [ks[-1] + 1 + j for j in range(3 - (ks[-1] - best))] if kept(ks[-1]) else []
+            more = [ks[0] - 1 - j for j in range(need - (best - ks[0]))] if kept(ks[0]) else []
+            more += [ks[-1] + 1 + j for j in range(need - (ks[-1] - best))] if kept(ks[-1]) else []
         more = sorted(k for k in more if -(n - 1) <= k <= 2 * (n - 1))  # at most the grid's reach again a side
         if not more:
             break
@@ -202,12 +206,16 @@ def test_sync_batchnorm_is_refused():
 
 
 def test_lr_factor_moves_the_grid_and_the_peak():
-    res = hdet.lr_sweep(make_model(), make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N,
-                        judge=held_out, lr_factor=1.5)
-    grid = sweep_lrs(0.1 / 1.5, N, 32.0)  # the grid's N points, the runs beyond it (if any) beside them
-    i = min(range(len(res.lrs)), key=lambda j: abs(res.lrs[j] - grid[0]))
-    assert res.lrs[i:i + N] == pytest.approx(grid, rel=1e-12)
-    assert res.max_lr == pytest.approx(res.pick * 1.5)
+    grids = []
+    for factor in (1.5, 15.0):  # (a grid ratio, 10.08, apart: the lattice keeps them apart)
+        res = hdet.lr_sweep(make_model(), make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N,
+                            judge=held_out, lr_factor=factor)
+        grid = sweep_lrs(0.1 / factor, N, 32.0)  # the grid's N points, the runs beyond it (if any) beside them
+        i = min(range(len(res.lrs)), key=lambda j: abs(res.lrs[j] - grid[0]))
+        assert res.lrs[i:i + N] == pytest.approx(grid, rel=1e-12)
+        assert res.max_lr == pytest.approx(res.pick * factor)
+        grids.append(grid)
+    assert grids[1] == pytest.approx([v / 10.079368399158986 for v in grids[0]], rel=1e-9)
 
 
 def test_pick_is_the_benchmarks_confirmed_rule():
@@ -236,6 +244,10 @@ def test_the_grid_is_on_a_lattice_that_guesses_a_power_of_its_ratio_apart_share(
             higher = sweep_lrs(centre * ratio ** j * (1 + 1e-9), n, 32.0)
             assert higher[:max(n - j, 0)] == pytest.approx(lrs[j:], rel=1e-9)
             assert higher[0] == pytest.approx(lrs[0] * ratio ** j, rel=1e-9)
+    on = sweep_lrs(1.0, n, 32.0)  # a centre on the lattice: an even grid lies half a step off it, halves round up
+    for j in range(-40, 40):  # (whatever the rounding of the logs)
+        assert sweep_lrs(ratio ** j, n, 32.0)[0] == pytest.approx(on[0] * ratio ** j, rel=1e-9), j
+    assert len(sweep_lrs(1.0, n, 1 + 1e-10)) == n  # a span within rounding of 1: no division by zero
 
 
 def test_pick_finds_a_parabolas_vertex_and_stays_inside_the_points():
@@ -264,8 +276,8 @@ def test_runs_that_blew_up_and_settled_near_the_start_are_out_of_the_fit():
 
 def test_a_diverged_run_is_judged_inf_and_the_edge_warns_without_runs_beyond_the_grid():
     """Far too high a guess: the high runs blow up (judged inf), the best is the lowest LR, which warns with
-    extend=0; by default the sweep runs LRs below the grid until the best has three on each side that the fit keeps
-    (or the end below it barely trained)."""
+    extend=0; by default the sweep runs LRs below the grid (at N = 4 one a round) until the best has one on each
+    side that the fit keeps (or the end below it barely trained)."""
     model = make_model()
     sgd = lambda p, lr: torch.optim.SGD(p, lr=lr)  # noqa: E731
     with pytest.warns(UserWarning, match="low end"):
@@ -278,17 +290,51 @@ def test_a_diverged_run_is_judged_inf_and_the_edge_warns_without_runs_beyond_the
         more = hdet.lr_sweep(make_model(), sgd, loss_fn, batches, guess=5.0, steps=STEPS, num_replicas=N,
                              judge=held_out)
     assert more.lrs[-N:] == pytest.approx(res.lrs, rel=1e-12) and more.losses[-N:] == pytest.approx(res.losses)
-    assert len(more.lrs) == N + 3 and more.lrs[:4] == pytest.approx([res.lrs[0] / 10.08 ** j for j in (3, 2, 1, 0)],
-                                                                    rel=1e-3)
-    assert more.winner == 3 and not more.at_edge and more.pick == more.lrs[3]  # (its neighbours below: out of the fit)
+    assert len(more.lrs) == N + 1 and more.lrs[0] == pytest.approx(res.lrs[0] / 10.079368399158986, rel=1e-9)
+    assert more.winner == 1 and not more.at_edge and more.pick == more.lrs[1]  # (the one below: out of the fit)
     with pytest.raises(RuntimeError, match="far too high"):  # every run of the grid blew up
         hdet.lr_sweep(make_model(), sgd, loss_fn, batches, guess=30.0, steps=STEPS, num_replicas=N, judge=held_out,
                       extend=0)
     more = hdet.lr_sweep(make_model(), sgd, loss_fn, batches, guess=30.0, steps=STEPS, num_replicas=N, judge=held_out)
-    assert len(more.lrs) == N + 3 and all(math.isinf(v) for v in more.losses[3:])  # three below, and the pick there
-    assert more.losses[2] < more.start_loss and more.pick == more.lrs[2]
+    assert len(more.lrs) == N + 2 and all(math.isinf(v) for v in more.losses[2:])  # two rounds below, the pick there
+    assert more.losses[1] < more.start_loss and more.pick == more.lrs[1]
     with pytest.raises(ValueError, match="extend to be an int of at least 0"):
         hdet.lr_sweep(make_model(), sgd, loss_fn, batches, guess=10.0, steps=STEPS, num_replicas=N, extend=-1)
+
+
+@pytest.mark.parametrize("judge", [True, False])
+def test_a_guess_too_low_runs_above_the_grid_as_the_hand_written_sweep(judge):
+    """The best run at the grid's high end: rounds above it (up to the grid's reach again), the winner one of them,
+    its weights in the model (keep="winner"), as the sweep written out by hand."""
+    model = make_model()
+    res = hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=1e-4 if judge else 1e-3, steps=STEPS, num_replicas=N,
+                        judge=held_out if judge else None, keep="winner")
+    lrs, losses, states, start = reference(1e-4 if judge else 1e-3, judge)
+    grid = sweep_lrs((1e-4 if judge else 1e-3) / 2, N, 32.0)
+    assert res.lrs[:N] == pytest.approx(grid, rel=1e-12) and len(res.lrs) > N  # every run beyond it above it
+    assert res.lrs == pytest.approx(lrs, rel=1e-12) and res.losses == pytest.approx(losses, rel=1e-6)
+    assert res.winner >= N and res.start_loss == pytest.approx(start, rel=1e-6)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, states[res.winner][k]), k
+
+
+def test_equal_losses_keep_the_lowest_lr_as_the_winner_and_its_weights():
+    """A judge that reads equal losses (a quantised metric): the winner is the lowest LR among them, a run below the
+    grid that ran after the grid's, and the model holds that run's weights."""
+    sgd = lambda p, lr: torch.optim.SGD(p, lr=lr)  # noqa: E731
+
+    def coarse(m):
+        v = held_out(m).item()
+        return 1.0 if v < 4.0 else v  # (every run that trained reads 1.0)
+    model = make_model()
+    res = hdet.lr_sweep(model, sgd, loss_fn, batches, guess=5.0, steps=STEPS, num_replicas=N, judge=coarse,
+                        keep="winner")
+    grid = sweep_lrs(5.0 / 2, N, 32.0)
+    assert res.losses[res.winner] == 1.0 and res.lrs[res.winner] < grid[0]
+    assert [v for v in res.losses if v == 1.0] == [1.0, 1.0]  # (the grid's lowest run too)
+    _, _, ref = hand_run(res.lrs[res.winner], 0, sgd)  # the first run of its round: batches(0)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref.state_dict()[k]), k
 
 
 @pytest.mark.parametrize("how", ["diverged", "nan judge"])

@@ -1,20 +1,20 @@
 """An LR sweep inside the run: :func:`lr_sweep`.
 
-Steps before the run (a fifth of its steps in the measured recipe) as N independent short runs, one per replica, each
-on its own batches (1/N of the ensemble's: what N ranks without their all-reduce, or N replicas in local mode, compute
-side by side at the cost of that many ensemble steps), at N LRs ``span ** (2 / (N - 1))`` apart from about
-``centre / span`` to ``centre * span`` (moved by at most sqrt(3)x to a lattice, so that guesses a power of that ratio
-apart get the same LRs: :func:`sweep_lrs`), each with its own OneCycle over the sweep. Each run is then judged (by
-``judge``, a held-out loss, or by its training loss over its last tenth). Where the best run has fewer than three
-runs on a side that the fit keeps, more runs go beyond the grid on that side, one ratio apart (``extend`` rounds at
-most; three below where no run ended below the start): an off-centre guess gets the neighbourhood a centred one
-gets. The pick is the vertex of a least-squares parabola in log LR through the best judged loss and up to three
-finite neighbours on each side, leaving out runs that kept less than half the best one's gain over the start (they
-blew up and settled near chance); the main run's peak LR is the pick times ``lr_factor`` (sqrt(N) by default: the
-main run's batch is N times a sweep run's, and Adam's best LR grows about as the square root of the batch). The
-model ends holding its start weights (``keep="start"``: the main run then trains all its steps from them at the
-found peak, the sweep's steps on top), or the best run's weights (``keep="winner"``: the main run goes on from
-there, with a fresh optimizer, for the remaining steps), on every rank.
+Steps before the run (a fifth of its steps in the measured recipe) as N independent short runs, one per replica, each on
+its own batches (1/N of the ensemble's: what N ranks without their all-reduce, or N replicas in local mode, compute side
+by side at the cost of that many ensemble steps), at N LRs ``span ** (2 / (N - 1))`` apart from about ``centre / span``
+to ``centre * span`` (moved by at most sqrt(3)x to a lattice, so that guesses a power of that ratio apart get the same
+LRs: :func:`sweep_lrs`), each with its own OneCycle over the sweep. Each run is then judged (by ``judge``, a held-out
+loss, or by its training loss over its last tenth). Where the best run has fewer than three runs on a side that the fit
+keeps (fewer than ``(N - 1) // 2`` below N = 7), more runs go beyond the grid on that side, one ratio apart (``extend``
+rounds at most; where no run ended below the start, beyond the end whose run was the best): an off-centre guess gets the
+neighbourhood a centred one gets. The pick is the vertex of a least-squares parabola in log LR through the best judged
+loss and up to three finite neighbours on each side, leaving out runs that kept less than half the best one's gain over
+the start (they blew up and settled near chance); the main run's peak LR is the pick times ``lr_factor`` (sqrt(N) by
+default: the main run's batch is N times a sweep run's, and Adam's best LR grows about as the square root of the batch).
+The model ends holding its start weights (``keep="start"``: the main run then trains all its steps from them at the
+found peak, the sweep's steps on top), or the best run's weights (``keep="winner"``: the main run goes on from there,
+with a fresh optimizer, for the remaining steps), on every rank.
 
 Measured (``benchmarks/results/evidence/sweep_then_train/``, the evidence suite's two tasks, N = 8, the sweep 20% of
 1500 steps, then HDET at alpha 0.2, T 25, ``on_runaway="recover"``), from 0.1x, 1x and 10x the grid's best LR, through
@@ -62,10 +62,9 @@ FIT_NEIGHBOURS = 3  # the pick's parabola: the best judged loss and up to this m
 class SweepResult:
     """What :func:`lr_sweep` found. ``max_lr``: the main run's peak LR (``pick * lr_factor``); ``pick``: the sweep's
     best LR; ``lrs`` and ``losses``: each sweep run's LR (ascending: the grid's N and any beyond it) and judged loss
-    (inf: non-finite); ``start_loss``: the
-    start weights' (judged, or their first training losses' mean); ``winner``: the best run (whose weights the model
-    now holds with ``keep="winner"``); ``at_edge``: the best judged loss was at an end of the grid (the best LR may
-    lie beyond it)."""
+    (inf: non-finite); ``start_loss``: the start weights' (judged, or their first training losses' mean); ``winner``:
+    the best run (of equal losses the lowest LR; the model holds its weights with ``keep="winner"``); ``at_edge``: the
+    best judged loss was at an end of all the runs (the best LR may lie beyond it)."""
 
     max_lr: float
     pick: float
@@ -88,8 +87,10 @@ def sweep_lrs(centre: float, n: int, span: float) -> list[float]:
 def _lattice(centre: float, n: int, span: float) -> tuple[float, float]:
     """The log of the grid's first LR, on the lattice, and the log of the grid's ratio."""
     step = 2 * math.log(span) / (n - 1)
-    fine = step / math.ceil(step / math.log(SNAP) - 1e-9)
-    return round((math.log(centre) - step * (n - 1) / 2) / fine) * fine, step
+    fine = step / max(1, math.ceil(step / math.log(SNAP) - 1e-9))
+    # (halves round up, whatever the rounding of the logs: an even grid around a centre on the lattice lies half a
+    # step off it)
+    return math.floor((math.log(centre) - step * (n - 1) / 2) / fine + 0.5 + 1e-9) * fine, step
 
 
 def _on_lattice(k: int, base: float, step: float) -> float:
@@ -97,16 +98,19 @@ def _on_lattice(k: int, base: float, step: float) -> float:
     return math.exp(base + k * step)
 
 
-def _needed(losses: list[float], start: float | None, neighbours: int = FIT_NEIGHBOURS) -> tuple[int, int]:
+def _needed(losses: list[float], start: float | None, neighbours: int) -> tuple[int, int]:
     """How many more runs below and above the grid (one grid ratio apart) the pick's fit needs: up to ``neighbours`` a
     side of the best run, where the grid's end on that side is a run the fit keeps (a run there that blew up, or
-    barely trained, says that LRs beyond it are worse still); ``neighbours`` below where every run was non-finite or
-    ended above the start's loss (a run at too low an LR still ends about at it)."""
+    barely trained, says that LRs beyond it are worse still). Where no run ended below the start's loss, as many (one
+    at least) below if every run was non-finite or the best is the lowest LR, above if it is the highest, else none."""
     ok = [i for i, v in enumerate(losses) if math.isfinite(v)]
-    best = min(ok, key=lambda i: losses[i]) if ok else None
-    if best is None or (start is not None and math.isfinite(start) and not losses[best] < start):
-        return neighbours, 0
+    failed = max(neighbours, 1)
+    if not ok:
+        return failed, 0
+    best = min(ok, key=lambda i: losses[i])
     if start is not None and math.isfinite(start):
+        if not losses[best] < start:
+            return (failed if best == 0 else 0), (failed if best == len(losses) - 1 else 0)
         ok = [i for i in ok if losses[i] < (losses[best] + start) / 2]
     low = neighbours - best if 0 in ok else 0
     high = neighbours - (len(losses) - 1 - best) if len(losses) - 1 in ok else 0
@@ -148,32 +152,32 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
              group: Any = None) -> SweepResult:
     """Sweep the LR over ``steps``, then leave ``model`` at its start weights or the best run's (see the module).
 
-    ``make_optimizer(params, lr)``: a fresh optimizer at peak LR ``lr`` (its param groups' LRs are each run's
-    OneCycle peaks, so groups at a multiple of ``lr`` keep it); ``loss_fn(model, batch)``: the scalar training loss;
-    ``batches(r)``: replica r's batches (at least ``steps`` of them; a fresh iterable at each call: a round beyond
-    the grid calls it again, its i-th run with ``batches(i)``); ``guess``: the user's peak LR, the grid's
-    centre over ``lr_factor``; ``num_replicas``: N in one process (under torch.distributed, the group's size);
-    ``judge(model)``: a held-out loss (called under ``torch.no_grad()`` with the model in eval mode; under
-    torch.distributed it must read the same data on every rank, or the ranks' runs are judged on different data), or
-    None for the mean training loss over the run's last tenth (on the measured CNN it picked higher LRs than a
-    held-out loss on the same seeds, and ended no worse); ``span``: the grid's reach each way from its centre (its
-    N points ``span ** (2 / (N - 1))`` apart, on a lattice that gives guesses apart by a power of that ratio the same
-    points: :func:`sweep_lrs`);
-    ``lr_factor``: the main run's peak over the pick (default sqrt(N)); ``pct_start``, ``cycle_momentum``: each run's
-    OneCycleLR (by default its momentum or beta1 cycles where the optimizer has one, as OneCycleLR and OneCycleAutoLR
-    do in the main run the pick is for; False for a main run that keeps it fixed); ``keep``: ``"start"`` (the
-    model back at the weights the sweep started from, rank 0's on every rank, for a main run of all its steps:
-    measured better) or ``"winner"`` (the best run's weights and buffers, for a main run of the steps left);
-    ``extend``: the most rounds of runs beyond the grid (0: none), one grid ratio apart, up to the grid's own reach
-    (``span ** 2``) again on each side, where the best run has fewer than three on a side (the guess was off by
-    more than about 4x) and the run at that end is kept in the fit, or three below where no run ended below the
-    start (under torch.distributed a round of up to N runs, rank r running the r-th, costs a sweep run's time). Each
-    parameter's ``.grad`` and each submodule's train/eval mode end as they came; the runs train in the modes the model
-    came in (a submodule in eval mode, a frozen BatchNorm, stays so), or all in train mode if the model came in eval
-    mode. Any error leaves the model as it came (this rank's own weights). The model's forward and the judge
-    must be this rank's own (no collective inside: a SyncBatchNorm is refused). With 2 replicas the grid is two LRs
-    span^2 apart: use 4 or more. A ``DistributedDataParallel`` model sweeps its ``module`` (no gradient is shared).
-    Returns a :class:`SweepResult`; its ``max_lr`` is the peak for the main run."""
+    ``make_optimizer(params, lr)``: a fresh optimizer at peak LR ``lr`` (its param groups' LRs are each run's OneCycle
+    peaks, so groups at a multiple of ``lr`` keep it); ``loss_fn(model, batch)``: the scalar training loss;
+    ``batches(r)``: replica r's batches (at least ``steps`` of them; a fresh iterable at each call: a round beyond the
+    grid calls it again, its i-th run with ``batches(i)``); ``guess``: the user's peak LR, the grid's centre over
+    ``lr_factor``; ``num_replicas``: N in one process (under torch.distributed, the group's size); ``judge(model)``: a
+    held-out loss (called under ``torch.no_grad()`` with the model in eval mode; under torch.distributed it must read
+    the same data on every rank, or the ranks' runs are judged on different data), or None for the mean training loss
+    over the run's last tenth (on the measured CNN it picked higher LRs than a held-out loss on the same seeds, and
+    ended no worse); ``span``: the grid's reach each way from its centre (its N points ``span ** (2 / (N - 1))`` apart,
+    on a lattice that gives guesses apart by a power of that ratio the same points: :func:`sweep_lrs`); ``lr_factor``:
+    the main run's peak over the pick (default sqrt(N)); ``pct_start``, ``cycle_momentum``: each run's OneCycleLR (by
+    default its momentum or beta1 cycles where the optimizer has one, as OneCycleLR and OneCycleAutoLR do in the main
+    run the pick is for; False for a main run that keeps it fixed); ``keep``: ``"start"`` (the model back at the weights
+    the sweep started from, rank 0's on every rank, for a main run of all its steps: measured better) or ``"winner"``
+    (the best run's weights and buffers, for a main run of the steps left); ``extend``: the most rounds of runs beyond
+    the grid (0: none), one grid ratio apart, up to the grid's own reach (``span ** 2``) again on each side, where the
+    best run has fewer than ``min(3, (N - 1) // 2)`` runs on a side (at N = 8: the guess was off by more than about 4x)
+    and the run at that end is kept in the fit; where no run ended below the start, that many (one at least) below if
+    the best is the lowest LR or every run blew up, above if it is the highest (under torch.distributed a round of up to
+    N runs, rank r running the r-th, costs a sweep run's time). Each parameter's ``.grad`` and each submodule's
+    train/eval mode end as they came; the runs train in the modes the model came in (a submodule in eval mode, a frozen
+    BatchNorm, stays so), or all in train mode if the model came in eval mode. Any error leaves the model as it came
+    (this rank's own weights). The model's forward and the judge must be this rank's own (no collective inside: a
+    SyncBatchNorm is refused). With 2 replicas the grid is two LRs span^2 apart: use 4 or more. A
+    ``DistributedDataParallel`` model sweeps its ``module`` (no gradient is shared). Returns a :class:`SweepResult`; its
+    ``max_lr`` is the peak for the main run."""
     module, n, rank = _replicas(model, num_replicas, group)
     guess_f, steps_i = real_number(guess), int_number(steps)
     if guess_f is None or not (math.isfinite(guess_f) and guess_f > 0):
@@ -214,7 +218,7 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
         ks = list(range(n))  # the runs' places: LR = _on_lattice(k, base, step)
         start_loss = runs.grid(ks, [_on_lattice(k, base, step) for k in ks])
         for _ in range(extend_i):  # the fit's points on both sides of the best run, beyond the grid where needed
-            low, high = _needed([runs.loss[k] for k in ks], start_loss)
+            low, high = _needed([runs.loss[k] for k in ks], start_loss, min(FIT_NEIGHBOURS, (n - 1) // 2))
             low, high = min(low, ks[0] + n - 1), min(high, 2 * (n - 1) - ks[-1])  # at most the grid's reach again
             more = [*range(ks[0] - low, ks[0]), *range(ks[-1] + 1, ks[-1] + 1 + high)]
             if not more:
@@ -248,9 +252,9 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
 class _Runs:
     """The sweep's runs, each from the start weights (under ranks rank 0's): in one process one after the other, or
     one a rank (the i-th LR of a round on rank i). A round's i-th run trains on ``batches(i)``. ``loss[k]``: the judged
-    loss of the run k grid ratios above the grid's first LR (k < 0: below it), the same on every rank; with ``keep_best``, each process's own best run's
-    tensors are kept (held by the module until a later run would overwrite them), and ``owner[k]`` is the rank that
-    ran k."""
+    loss of the run k grid ratios above the grid's first LR (k < 0: below it), the same on every rank; with
+    ``keep_best``, each process's own best run's tensors are kept (held by the module until a later run would overwrite
+    them), and ``owner[k]`` is the rank that ran k."""
 
     def __init__(self, module: nn.Module, tensors: list[torch.Tensor], start: list[torch.Tensor], make_optimizer: Any,
                  loss_fn: Any, batches: Any, steps: int, pct: float, judge: Any, cycle: bool | None,
@@ -261,7 +265,8 @@ class _Runs:
         self.args = (make_optimizer, loss_fn, batches, steps, pct, judge, cycle, train)
         self.loss: dict[int, float] = {}
         self.owner: dict[int, int] = {}
-        self.best, self.kept, self.held = math.inf, None, False  # this process's best; its tensors; in the module?
+        self.best: tuple[float, int] = (math.inf, 0)  # this process's best run: (loss, place)
+        self.kept, self.held = None, False  # its tensors; or still in the module
 
     def grid(self, ks: list[int], lrs: list[float]) -> float | None:
         """The grid's runs; the start's loss: judged (one process: before the runs; under ranks: the ranks' mean), or
@@ -289,14 +294,17 @@ class _Runs:
                 self._done(k, value)
                 firsts.append(f)
             return firsts, []
-        self._from_start()  # (under ranks, the module holds this rank's own weights until now in the first round)
+        mine, judged, failed = (math.nan, math.nan), math.nan, None
+        try:  # (under ranks, the module holds this rank's own weights until now in the first round)
+            self._from_start()
+        except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
+            failed = e
         for t in self.tensors:  # COLLECTIVE: one broadcast a tensor a round: rank 0's start weights on every rank
             dist.broadcast(t, src=self.src0, group=self.group)
-        mine, judged, failed = (math.nan, math.nan), math.nan, None
         try:
-            if first and self.judge is not None:
+            if failed is None and first and self.judge is not None:
                 judged = _judged(self.module, self.judge)
-            if self.rank < len(ks):
+            if failed is None and self.rank < len(ks):
                 mine = self._run(self.rank, lrs[self.rank])
         except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
             failed = e
@@ -327,8 +335,8 @@ class _Runs:
     def _done(self, k: int, value: float) -> None:
         if self.rank is None:
             self.loss[k] = value
-        if self.keep_best and value < self.best:
-            self.best, self.kept, self.held = value, None, True
+        if self.keep_best and math.isfinite(value) and (value, k) < self.best:  # (ties: the lowest LR, as the winner)
+            self.best, self.kept, self.held = (value, k), None, True
 
     def keep_winner(self, k: int) -> None:
         """The run at place ``k``'s weights and buffers in the module, on every rank."""

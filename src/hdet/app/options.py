@@ -69,8 +69,9 @@ class RunConfig:
         "the ramp's state at the new peak, the last good LR / --range-backoff (measured: docs/auto-lr.md)"))
     lr_sweep: float = field(default=0.0, metadata=_cli(
         "an LR sweep of FRAC x --steps steps first: N independent runs, one per replica on its own batches, at LRs "
-        "1/32x-32x around --max-lr / sqrt(N), judged by their training loss over their last tenth (hdet.lr_sweep); "
-        "then the run at sqrt(N) x the pick (see --lr-sweep-then; measured with 0.2: docs/auto-lr.md)",
+        "about 1/32x-32x around --max-lr / sqrt(N) (and rounds of runs beyond them where the best is near an end), "
+        "judged by their training loss over their last tenth (hdet.lr_sweep); then the run at sqrt(N) x the pick "
+        "(see --lr-sweep-then; measured with 0.2: docs/auto-lr.md)",
         metavar="FRAC"))
     lr_sweep_then: str = field(default="restart", metadata=_cli(
         "with --lr-sweep: restart (the run trains all --steps from the initial weights: the sweep's steps come on "
