@@ -905,6 +905,41 @@ def test_lr_sweep_then_restart_leaves_dropouts_draws_as_they_were(tmp_path):
     _same_run(out, tmp_path / "plain")
 
 
+def test_a_sweep_that_runs_beyond_its_grid_restarts_as_the_unswept_run_and_continues_and_resumes(tmp_path, capsys):
+    """--max-lr 0.003: the best run at the grid's high end, a run beyond it; with dropout the restarted run is still
+    the run without a sweep at the swept peak, and with continue (the best run's weights, run by the round beyond the
+    grid or not) a resumed copy ends as the run did."""
+    args = list(SWEEP)
+    args[args.index("--max-lr") + 1] = "0.003"
+    out = tmp_path / "whole"
+    assert main(["train", *args, "--dropout", "0.1", "--out", str(out)]) == 0
+    sw = json.loads((out / "summary.json").read_text())["lr_sweep"]
+    assert len(sw["lrs"]) > 4 and "beyond the first 4" in capsys.readouterr().out
+    assert sw["lrs"] == sorted(sw["lrs"]) and len(sw["losses"]) == len(sw["lrs"]) and 0 <= sw["winner"] < len(sw["lrs"])
+    plain = list(args)
+    i = plain.index("--lr-sweep")
+    del plain[i:i + 2]
+    plain[plain.index("--max-lr") + 1] = repr(sw["max_lr"])
+    assert main(["train", *plain, "--dropout", "0.1", "--out", str(tmp_path / "plain")]) == 0
+    _same_run(out, tmp_path / "plain")
+    cont = [*args, "--lr-sweep-then", "continue", "--checkpoint-every", "15"]
+    assert main(["train", *cont, "--out", str(tmp_path / "cont")]) == 0
+    assert len(json.loads((tmp_path / "cont" / "summary.json").read_text())["lr_sweep"]["lrs"]) > 4
+    shutil.copytree(tmp_path / "cont", tmp_path / "again")
+    assert main(["train", *cont, "--out", str(tmp_path / "again"), "--resume"]) == 0
+    _same_run(tmp_path / "cont", tmp_path / "again")
+
+
+def test_an_error_inside_the_sweep_is_not_read_as_a_bad_guess(tmp_path, monkeypatch):
+    import hdet.sweep
+
+    def oom(*a, **k):
+        raise RuntimeError("CUDA out of memory (simulated)")
+    monkeypatch.setattr(hdet.sweep, "_run", oom)
+    with pytest.raises(RuntimeError, match="out of memory"):  # (not "Expected --lr-sweep to find an LR around ...")
+        main(["train", *SWEEP, "--out", str(tmp_path / "r")])
+
+
 def test_pct_start_sets_one_cycles_warm_up(tmp_path):
     """--pct-start: OneCycle's peak at that fraction of the run (0.3 by default), as torch's OneCycleLR puts it."""
     peaks = {}

@@ -50,12 +50,16 @@ from torch import nn
 from .replicas import ProcessGroupReplicas
 from .values import int_number, real_number
 
-__all__ = ["lr_sweep", "SweepResult", "sweep_lrs", "pick_lr"]
+__all__ = ["lr_sweep", "SweepResult", "SweepFoundNothing", "sweep_lrs", "pick_lr"]
 
 KEEP = ("start", "winner")  # what the model holds after the sweep
 MIN_STEPS = 10  # a sweep run's fewest steps: its judged loss must show what its LR did (1 step: the start's loss)
 SNAP = 3.0  # the grid moves to a lattice at most this ratio apart (sweep_lrs)
 FIT_NEIGHBOURS = 3  # the pick's parabola: the best judged loss and up to this many finite neighbours on each side
+
+
+class SweepFoundNothing(RuntimeError):
+    """The sweep found no LR: every run's judged loss was non-finite, or none ended below the start's."""
 
 
 @dataclass
@@ -125,11 +129,12 @@ def pick_lr(lrs: list[float], losses: list[float], start: float | None = None,
     (``loss >= (best + start) / 2``: it blew up and settled near chance, say) is left out of the fit."""
     ok = [i for i, v in enumerate(losses) if math.isfinite(v)]
     if not ok:
-        raise RuntimeError(f"Every sweep run's judged loss was non-finite (LRs {_fmt(lrs)}): the guess is far too high")
+        raise SweepFoundNothing(f"Every sweep run's judged loss was non-finite (LRs {_fmt(lrs)}): the guess is far "
+                                "too high")
     best = min(ok, key=lambda i: losses[i])
     if start is not None and not losses[best] < start:
-        raise RuntimeError(f"No sweep run ended below the start's loss ({start:.4g}; the best, {losses[best]:.4g}, at "
-                           f"LR {lrs[best]:.3g} of {_fmt(lrs)}): the guess is far off, or the sweep too short")
+        raise SweepFoundNothing(f"No sweep run ended below the start's loss ({start:.4g}; the best, {losses[best]:.4g}, "
+                                f"at LR {lrs[best]:.3g} of {_fmt(lrs)}): the guess is far off, or the sweep too short")
     if start is not None and math.isfinite(start):
         ok = [i for i in ok if losses[i] < (losses[best] + start) / 2]
     idx = [i for i in ok if abs(i - best) <= neighbours]

@@ -68,15 +68,17 @@ class RunConfig:
         "schedule past it until the loss's progress collapses or it turns unstable, then every replica goes back to "
         "the ramp's state at the new peak, the last good LR / --range-backoff (measured: docs/auto-lr.md)"))
     lr_sweep: float = field(default=0.0, metadata=_cli(
-        "an LR sweep of FRAC x --steps steps first: N independent runs, one per replica on its own batches, at LRs "
-        "about 1/32x-32x around --max-lr / sqrt(N) (and rounds of runs beyond them where the best is near an end), "
-        "judged by their training loss over their last tenth (hdet.lr_sweep); then the run at sqrt(N) x the pick "
-        "(see --lr-sweep-then; measured with 0.2: docs/auto-lr.md)",
+        "an LR sweep first: N independent runs of FRAC x --steps steps, one per replica on its own batches, at LRs "
+        "about 1/32x-32x around --max-lr / sqrt(N) (and up to 3 rounds of runs beyond them where the best is near an "
+        "end: each costs a run's steps more, a round of them under torchrun), judged by their training loss over their "
+        "last tenth (hdet.lr_sweep); then the run at sqrt(N) x the pick (see --lr-sweep-then; measured with 0.2: "
+        "docs/auto-lr.md)",
         metavar="FRAC"))
     lr_sweep_then: str = field(default="restart", metadata=_cli(
         "with --lr-sweep: restart (the run trains all --steps from the initial weights: the sweep's steps come on "
-        "top) or continue (the rest of --steps from the best sweep run's weights: no extra steps, and measured 0.5-2%% "
-        "worse on the GPT, 0.3-0.5 point on Fashion-MNIST)", choices=("restart", "continue")))
+        "top) or continue (the rest of --steps from the best sweep run's weights: no extra steps but the runs beyond "
+        "the grid, and measured 0.5-2%% worse on the GPT, 0.3-0.5 point on Fashion-MNIST)",
+        choices=("restart", "continue")))
     range_backoff: float = field(default=2.0, metadata=_cli(
         "range test: the peak LR is the LR of the last window that made progress over this"))
     pct_start: float = field(default=0.3, metadata=_cli(

@@ -244,7 +244,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
         else:
             if distributed and N < 2:
                 raise RunError("Expected 2 or more ranks with --lr-sweep under torchrun (each rank runs one of its "
-                               "LRs), but the world size is 1")
+                               "LRs a round), but the world size is 1")
             if rank == 0:  # an earlier run's outputs go before the sweep: a run killed inside it leaves no stale
                 clear_earlier(out)  # checkpoint that --resume would take for this run's
             swept = lr_sweep(task, model, cfg, N, swept_steps, device, progress=rank == 0, distributed=distributed)

@@ -84,7 +84,7 @@ def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, d
             res = sweep.lr_sweep(model, make, task.loss_fn, batches, guess=cfg.max_lr, steps=steps,
                                  num_replicas=None if distributed else N, pct_start=cfg.pct_start,
                                  keep="start" if restart else "winner")
-        except RuntimeError as e:  # every run non-finite, or none below the start's loss: the guess is far off
+        except sweep.SweepFoundNothing as e:  # every run non-finite, or none below the start's loss: the guess is far off
             raise RunError(f"Expected --lr-sweep to find an LR around --max-lr {cfg.max_lr:g}, but {e}") from None
     finite = lambda v: v if math.isfinite(v) else None  # noqa: E731 - strict JSON
     found = {"steps": steps, "then": cfg.lr_sweep_then, "guess": cfg.max_lr, "max_lr": res.max_lr, "pick": res.pick,
