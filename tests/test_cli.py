@@ -821,7 +821,10 @@ def test_lr_sweep_then_restart_is_the_run_at_the_swept_peak_and_resumes(tmp_path
     without a sweep at that --max-lr; a copy resumed from its checkpoint ends as the run did."""
     out = tmp_path / "whole"
     assert main(["train", *SWEEP, "--checkpoint-every", "15", "--out", str(out)]) == 0
-    said = capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "warning: the sweep's runs have 10 steps: it was measured with runs of 300" in said.err
+    assert "replicas give the sweep" not in said.err  # (4 replicas)
+    said = said.out
     s = json.loads((out / "summary.json").read_text())
     sw = s["lr_sweep"]
     assert sw["steps"] == 10 and sw["then"] == "restart" and sw["guess"] == 0.03 and len(sw["lrs"]) >= 4
@@ -1032,6 +1035,7 @@ def test_lr_sweep_under_torchrun_one_run_a_rank(tmp_path):
                         "-m", "hdet", "train", *args, "--out", str(tmp_path / "r")], capture_output=True, text=True,
                        timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "2 replicas give the sweep a grid of 2 LRs 1024x apart" in p.stderr
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
     sw = s["lr_sweep"]
     grid = sweep_lrs(0.03 / math.sqrt(2), 2, 32.0)  # (and any runs beyond it)

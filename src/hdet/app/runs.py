@@ -80,6 +80,13 @@ def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, d
     with warnings.catch_warnings(record=True) as caught, torch.random.fork_rng(
             devices=[device] if device.type == "cuda" else [], enabled=restart, device_type=device.type):
         warnings.simplefilter("always")
+        if steps < SHORT_SWEEP:
+            warnings.warn(f"the sweep's runs have {steps} steps: it was measured with runs of 300 (--lr-sweep 0.2 of "
+                          f"1500 steps), and short runs favour high LRs (the default job's 80 picked 5x its LR and "
+                          f"ended worse); sweep longer runs, or pass --max-lr without --lr-sweep")
+        if N < 4:
+            warnings.warn(f"{N} replicas give the sweep a grid of {N} LRs {32.0 ** (2 / (N - 1)):.0f}x apart: its pick "
+                          f"is little more than one of them (use 4 or more)")
         try:
             res = sweep.lr_sweep(model, make, task.loss_fn, batches, guess=cfg.max_lr, steps=steps,
                                  num_replicas=None if distributed else N, pct_start=cfg.pct_start,
@@ -103,6 +110,7 @@ def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, d
 
 
 SWEEP_SEED = 1 << 40  # the sweep's data streams, apart from the run's (seed * 1000 + r)
+SHORT_SWEEP = 150  # fewer steps a sweep run: warned (its picks run high: docs/cli.md)
 
 
 @contextlib.contextmanager
