@@ -75,21 +75,22 @@ def judged(model):
     return value if math.isfinite(value) else math.inf
 
 
-def reference(guess, judge, factor=None, n=N, make=make_opt):
+def reference(guess, judge, factor=None, n=N, make=make_opt, replicas=None):
     """The sweep written out by hand: the grid of n LRs 32 ** (2 / (n - 1)) apart from guess / factor / 32, moved to
     the nearest power (halves up) of that ratio's smallest root that is at most 3; then, while the best run has fewer
     than need = min(3, (n - 1) // 2) runs on a side and the run at that end is within half the best one's gain of it,
     runs further out on that side (where no run ended below the start: need of them, one at least, beyond the end whose
     run is the best, below if every run blew up), the i-th of a round on batches(i), up to 3 rounds and the grid's reach
-    again a side."""
-    factor = math.sqrt(n) if factor is None else factor
+    again a side. With fewer replicas than points, run r on batches(r % replicas), the factor sqrt(replicas)."""
+    replicas = n if replicas is None else replicas
+    factor = math.sqrt(replicas) if factor is None else factor
     ratio = 32.0 ** (2 / (n - 1))
     fine = ratio ** (1 / math.ceil(math.log(ratio, 3)))  # the lattice: at most 3x apart
     k0 = math.floor(math.log(guess / factor / ratio ** ((n - 1) / 2), fine) + 0.5 + 1e-9) * math.log(fine, ratio)
     runs, firsts = {}, []  # k grid ratios above the grid's first LR -> (judged loss, state)
     start = judged(make_model()) if judge else None
     for r in range(n):
-        first, tail, model = hand_run(ratio ** (k0 + r), r, make)
+        first, tail, model = hand_run(ratio ** (k0 + r), r % replicas, make)
         firsts.append(first)
         runs[r] = (judged(model) if judge else tail, copy.deepcopy(model.state_dict()))
     start = start if judge else sum(firsts) / len(firsts)
@@ -109,7 +110,7 @@ def reference(guess, judge, factor=None, n=N, make=make_opt):
         if not more:
             break
         for i, k in enumerate(more):
-            _, tail, model = hand_run(ratio ** (k0 + k), i % n, make)
+            _, tail, model = hand_run(ratio ** (k0 + k), i % replicas, make)
             runs[k] = (judged(model) if judge else tail, copy.deepcopy(model.state_dict()))
     ks = sorted(runs)
     return [ratio ** (k0 + k) for k in ks], [runs[k][0] for k in ks], [runs[k][1] for k in ks], start
@@ -426,6 +427,23 @@ def test_a_parameter_the_optimizer_leaves_out_keeps_its_gradients_values():
     assert model[3].weight.grad is held and torch.equal(held, torch.ones_like(held))
 
 
+@pytest.mark.parametrize("judge", [True, False])
+def test_more_points_than_replicas_run_in_rounds_as_the_hand_written_sweep(judge):
+    """points=8 with 2 replicas: the grid of 8 LRs 2.69x apart (not 2 LRs 1024x apart), run 2 at a time, run r on
+    batches(r % 2); the factor stays sqrt(2) (the batch ratio)."""
+    model = make_model()
+    res = hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=2, points=8,
+                        judge=held_out if judge else None, keep="winner")
+    lrs, losses, states, start = reference(0.1, judge, n=8, replicas=2)
+    assert res.lrs == pytest.approx(lrs, rel=1e-12) and res.losses == pytest.approx(losses, rel=1e-6)
+    assert res.start_loss == pytest.approx(start, rel=1e-6) and res.lr_factor == pytest.approx(math.sqrt(2))
+    assert len(res.lrs) >= 8 and res.lrs[1] / res.lrs[0] == pytest.approx(32.0 ** (2 / 7))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, states[res.winner][k]), k
+    with pytest.raises(ValueError, match="points to be None"):
+        hdet.lr_sweep(make_model(), make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=2, points=1)
+
+
 def test_batches_that_give_one_shot_iterators_fail_clearly_when_runs_go_beyond_the_grid():
     made = {r: batches(r) for r in range(N)}  # one generator per replica, used up by its first run
     model = make_model()
@@ -533,14 +551,14 @@ def test_every_rank_one_replica_then_the_best_ranks_weights(world, ddp, keep):
     assert peaks == pytest.approx([max(res[0]["main_lrs"]) / rho[0] * p for p in rho], rel=1e-9)
 
 
-def _beyond_worker(rank, world, guess):
+def _beyond_worker(rank, world, guess, points):
     import torch.distributed as dist
     model = make_model()
     with torch.no_grad():  # every rank's model apart: every run starts from rank 0's weights
         for p in model.parameters():
             p.add_(rank)
     res = hdet.lr_sweep(model, lambda p, lr: torch.optim.SGD(p, lr=lr), loss_fn, batches, guess=guess, steps=STEPS,
-                        judge=held_out, keep="winner")
+                        judge=held_out, keep="winner", points=points)
     flat = torch.cat([t.detach().reshape(-1).double() for t in model.state_dict().values()])
     out = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(out, flat)
@@ -550,18 +568,19 @@ def _beyond_worker(rank, world, guess):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, guess", [(4, 5.0), (4, 30.0), (2, 30.0)])
-def test_runs_beyond_the_grid_under_ranks_are_the_one_process_sweeps(world, guess):
+@pytest.mark.parametrize("world, guess, points", [(4, 5.0, None), (4, 30.0, None), (2, 30.0, None), (2, 0.1, 8)])
+def test_runs_beyond_the_grid_under_ranks_are_the_one_process_sweeps(world, guess, points):
     """A guess too high: rounds of runs below the grid, rank r running a round's r-th; every rank ends with the best
     run's weights, whether a rank ran it in the grid and then another run beyond it (4, 5.0: the winner is rank 0's
-    grid run), or beyond the grid (4, 30.0: every grid run blew up), as the one-process sweep does."""
-    res = check_ok(run_gloo(_beyond_worker, world, guess))
+    grid run), or beyond the grid (4, 30.0: every grid run blew up), or in a grid of more points than ranks (2, 0.1,
+    8: in rounds), as the one-process sweep does."""
+    res = check_ok(run_gloo(_beyond_worker, world, guess, points))
     sgd = lambda p, lr: torch.optim.SGD(p, lr=lr)  # noqa: E731
     one = make_model()
     with one_thread():  # as the workers: the same summation order
         ref = hdet.lr_sweep(one, sgd, loss_fn, batches, guess=guess, steps=STEPS, num_replicas=world, judge=held_out,
-                            keep="winner")
-        lrs, losses, states, _ = reference(guess, True, n=world, make=sgd)
+                            keep="winner", points=points)
+        lrs, losses, states, _ = reference(guess, True, n=points or world, make=sgd, replicas=world)
     assert len(ref.lrs) > world and ref.lrs == pytest.approx(lrs, rel=1e-12)
     assert ref.losses == pytest.approx(losses, rel=1e-6)
     for k, v in one.state_dict().items():  # the winner's weights, as the hand-written sweep's

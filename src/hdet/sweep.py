@@ -1,20 +1,21 @@
 """An LR sweep inside the run: :func:`lr_sweep`.
 
-Steps before the run (a fifth of its steps in the measured recipe) as N independent short runs, one per replica, each on
-its own batches (1/N of the ensemble's: what N ranks without their all-reduce, or N replicas in local mode, compute side
-by side at the cost of that many ensemble steps), at N LRs ``span ** (2 / (N - 1))`` apart from about ``centre / span``
-to ``centre * span`` (moved by at most sqrt(3)x to a lattice, so that guesses a power of that ratio apart get the same
-LRs: :func:`sweep_lrs`), each with its own OneCycle over the sweep. Each run is then judged (by ``judge``, a held-out
-loss, or by its training loss over its last tenth). Where the best run has fewer than three runs on a side that the fit
-keeps (fewer than ``(N - 1) // 2`` below N = 7), more runs go beyond the grid on that side, one ratio apart (``extend``
-rounds at most; where no run ended below the start, beyond the end whose run was the best): an off-centre guess gets the
-neighbourhood a centred one gets. The pick is the vertex of a least-squares parabola in log LR through the best judged
-loss and up to three finite neighbours on each side, leaving out runs that kept less than half the best one's gain over
-the start (they blew up and settled near chance); the main run's peak LR is the pick times ``lr_factor`` (sqrt(N) by
-default: the main run's batch is N times a sweep run's, and Adam's best LR grows about as the square root of the batch).
-The model ends holding its start weights (``keep="start"``: the main run then trains all its steps from them at the
-found peak, the sweep's steps on top), or the best run's weights (``keep="winner"``: the main run goes on from there,
-with a fresh optimizer, for the remaining steps), on every rank.
+Steps before the run (a fifth of its steps in the measured recipe) as independent short runs, N at a time (one per
+replica), each on its own batches (1/N of the ensemble's: what N ranks without their all-reduce, or N replicas in local
+mode, compute side by side at the cost of that many ensemble steps), at ``points`` LRs (N by default)
+``span ** (2 / (points - 1))`` apart from about ``centre / span`` to ``centre * span`` (moved by at most sqrt(3)x to a
+lattice, so that guesses a power of that ratio apart get the same LRs: :func:`sweep_lrs`), each with its own OneCycle
+over the sweep. Each run is then judged (by ``judge``, a held-out loss, or by its training loss over its last tenth).
+Where the best run has fewer than three runs on a side that the fit keeps (``(points - 1) // 2`` below 7 points), more
+runs go beyond the grid on that side, one ratio apart (``extend`` rounds at most; where no run ended below the start,
+beyond the end whose run was the best): an off-centre guess gets the neighbourhood a centred one gets. The pick is the
+vertex of a least-squares parabola in log LR through the best judged loss and up to three finite neighbours on each
+side, leaving out runs that kept less than half the best one's gain over the start (they blew up and settled near
+chance); the main run's peak LR is the pick times ``lr_factor`` (sqrt(N) by default: the main run's batch is N times a
+sweep run's, and Adam's best LR grows about as the square root of the batch). The model ends holding its start weights
+(``keep="start"``: the main run then trains all its steps from them at the found peak, the sweep's steps on top), or
+the best run's weights (``keep="winner"``: the main run goes on from there, with a fresh optimizer, for the remaining
+steps), on every rank.
 
 Measured (``benchmarks/results/evidence/sweep_then_train/``, the evidence suite's two tasks, N = 8, the sweep 20% of
 1500 steps, then HDET at alpha 0.2, T 25, ``on_runaway="recover"``), from 0.1x, 1x and 10x the grid's best LR, through
@@ -133,8 +134,9 @@ def pick_lr(lrs: list[float], losses: list[float], start: float | None = None,
                                 "too high")
     best = min(ok, key=lambda i: losses[i])
     if start is not None and not losses[best] < start:
-        raise SweepFoundNothing(f"No sweep run ended below the start's loss ({start:.4g}; the best, {losses[best]:.4g}, "
-                                f"at LR {lrs[best]:.3g} of {_fmt(lrs)}): the guess is far off, or the sweep too short")
+        raise SweepFoundNothing(f"No sweep run ended below the start's loss ({start:.4g}; the best, "
+                                f"{losses[best]:.4g}, at LR {lrs[best]:.3g} of {_fmt(lrs)}): the guess is far off, or "
+                                "the sweep too short")
     if start is not None and math.isfinite(start):
         ok = [i for i in ok if losses[i] < (losses[best] + start) / 2]
     idx = [i for i in ok if abs(i - best) <= neighbours]
@@ -154,7 +156,7 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
              guess: float, steps: int, num_replicas: int | None = None,
              judge: Callable[[nn.Module], Any] | None = None, span: float = 32.0, lr_factor: float | None = None,
              pct_start: float = 0.3, cycle_momentum: bool | None = None, keep: str = "start", extend: int = 3,
-             group: Any = None) -> SweepResult:
+             points: int | None = None, group: Any = None) -> SweepResult:
     """Sweep the LR over ``steps``, then leave ``model`` at its start weights or the best run's (see the module).
 
     ``make_optimizer(params, lr)``: a fresh optimizer at peak LR ``lr`` (its param groups' LRs are each run's OneCycle
@@ -173,16 +175,17 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     the sweep started from, rank 0's on every rank, for a main run of all its steps: measured better) or ``"winner"``
     (the best run's weights and buffers, for a main run of the steps left); ``extend``: the most rounds of runs beyond
     the grid (0: none), one grid ratio apart, up to the grid's own reach (``span ** 2``) again on each side, where the
-    best run has fewer than ``min(3, (N - 1) // 2)`` runs on a side (at N = 8: the guess was off by more than about 4x)
+    best run has fewer than ``min(3, (points - 1) // 2)`` runs on a side (at 8: the guess was off by more than about 4x)
     and the run at that end is kept in the fit; where no run ended below the start, that many (one at least) below if
     the best is the lowest LR or every run blew up, above if it is the highest (under torch.distributed a round of up to
-    N runs, rank r running the r-th, costs a sweep run's time). Each parameter's ``.grad`` and each submodule's
-    train/eval mode end as they came; the runs train in the modes the model came in (a submodule in eval mode, a frozen
-    BatchNorm, stays so), or all in train mode if the model came in eval mode. Any error leaves the model as it came
-    (this rank's own weights). The model's forward and the judge must be this rank's own (no collective inside: a
-    SyncBatchNorm is refused). With 2 replicas the grid is two LRs span^2 apart: use 4 or more. A
-    ``DistributedDataParallel`` model sweeps its ``module`` (no gradient is shared). Returns a :class:`SweepResult`; its
-    ``max_lr`` is the peak for the main run."""
+    N runs, rank r running the r-th, costs a sweep run's time); ``points``: the grid's LRs (default N, one a replica;
+    more run in rounds of N, as the runs beyond it: a grid fine enough for 2 ranks costs 4 rounds at 8 points). Each
+    parameter's ``.grad`` and each submodule's train/eval mode end as they came; the runs train in the modes the model
+    came in (a submodule in eval mode, a frozen BatchNorm, stays so), or all in train mode if the model came in eval
+    mode. Any error leaves the model as it came (this rank's own weights). The model's forward and the judge must be
+    this rank's own (no collective inside: a SyncBatchNorm is refused). With 2 points the grid is two LRs span^2 apart:
+    use 4 or more (8 measured). A ``DistributedDataParallel`` model sweeps its ``module`` (no gradient is shared).
+    Returns a :class:`SweepResult`; its ``max_lr`` is the peak for the main run."""
     module, n, rank = _replicas(model, num_replicas, group)
     guess_f, steps_i = real_number(guess), int_number(steps)
     if guess_f is None or not (math.isfinite(guess_f) and guess_f > 0):
@@ -204,10 +207,13 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
                          f"warm-up of exactly one step), but got pct_start {pct_start!r}")
     if keep not in KEEP:
         raise ValueError(f"Expected keep to be one of {', '.join(map(repr, KEEP))}, but got {keep!r}")
-    base, step = _lattice(guess_f / factor, n, span_f)
     extend_i = int_number(extend)
     if extend_i is None or extend_i < 0:
         raise ValueError(f"Expected extend to be an int of at least 0, but got {extend!r}")
+    g = n if points is None else int_number(points)  # the grid's points
+    if g is None or g < 2:
+        raise ValueError(f"Expected points to be None (one a replica) or an int of at least 2, but got {points!r}")
+    base, step = _lattice(guess_f / factor, g, span_f)
     tensors = _tensors(module)
     start = [t.clone() for t in tensors]  # this rank's own: the model as it came, whatever fails
     grads = [p.grad for p in module.parameters()]
@@ -220,11 +226,11 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
             module.train()  # eval stays frozen), else module.train()'s (a train() override that freezes is kept)
         runs = _Runs(module, tensors, start, make_optimizer, loss_fn, batches, steps_i, pct, judge, cycle_momentum,
                      [(m, m.training) for m in module.modules()], keep == "winner", n, rank, group, src0)
-        ks = list(range(n))  # the runs' places: LR = _on_lattice(k, base, step)
+        ks = list(range(g))  # the runs' places: LR = _on_lattice(k, base, step)
         start_loss = runs.grid(ks, [_on_lattice(k, base, step) for k in ks])
         for _ in range(extend_i):  # the fit's points on both sides of the best run, beyond the grid where needed
-            low, high = _needed([runs.loss[k] for k in ks], start_loss, min(FIT_NEIGHBOURS, (n - 1) // 2))
-            low, high = min(low, ks[0] + n - 1), min(high, 2 * (n - 1) - ks[-1])  # at most the grid's reach again
+            low, high = _needed([runs.loss[k] for k in ks], start_loss, min(FIT_NEIGHBOURS, (g - 1) // 2))
+            low, high = min(low, ks[0] + g - 1), min(high, 2 * (g - 1) - ks[-1])  # at most the grid's reach again
             more = [*range(ks[0] - low, ks[0]), *range(ks[-1] + 1, ks[-1] + 1 + high)]
             if not more:
                 break
@@ -274,10 +280,12 @@ class _Runs:
         self.kept, self.held = None, False  # its tensors; or still in the module
 
     def grid(self, ks: list[int], lrs: list[float]) -> float | None:
-        """The grid's runs; the start's loss: judged (one process: before the runs; under ranks: the ranks' mean), or
-        the runs' first training losses' mean (all from the start weights)."""
+        """The grid's runs, ``n`` at a time; the start's loss: judged (one process: before the runs; under ranks: the
+        ranks' mean), or the runs' first training losses' mean (all from the start weights)."""
         start_loss = _judged(self.module, self.judge) if self.judge is not None and self.rank is None else None
-        firsts, starts = self._round(ks, lrs, first=True)
+        firsts, starts = self._round(ks[:self.n], lrs[:self.n], first=True)
+        for c in range(self.n, len(ks), self.n):  # (a grid of more points than replicas: rounds of n)
+            firsts += self._round(ks[c:c + self.n], lrs[c:c + self.n], first=False)[0]
         if self.judge is None:
             finite = [f for f in firsts if math.isfinite(f)]
             return sum(finite) / len(finite) if finite else math.inf
