@@ -933,6 +933,26 @@ def test_a_sweep_that_runs_beyond_its_grid_restarts_as_the_unswept_run_and_conti
     _same_run(tmp_path / "cont", tmp_path / "again")
 
 
+def test_lr_sweep_points_makes_a_finer_grid_than_the_replicas(tmp_path, capsys):
+    """--replicas 2 --lr-sweep-points 8: eight LRs 2.7x apart, run two at a time (no warning of a coarse grid); without
+    it, two LRs 1024x apart and a warning; --lr-sweep-points without --lr-sweep is named unused, below 2 refused."""
+    from hdet.app.options import RunConfig, RunError, check, unused
+    args = list(SWEEP)
+    args[args.index("--replicas") + 1] = "2"
+    assert main(["train", *args, "--lr-sweep-points", "8", "--out", str(tmp_path / "fine")]) == 0
+    said = capsys.readouterr()
+    s = json.loads((tmp_path / "fine" / "summary.json").read_text())
+    sw = s["lr_sweep"]
+    assert s["config"]["lr_sweep_points"] == 8 and len(sw["lrs"]) >= 8 and "grid of" not in said.err
+    assert sw["lrs"][1] / sw["lrs"][0] == pytest.approx(32.0 ** (2 / 7)) and sw["lr_factor"] == pytest.approx(2 ** 0.5)
+    assert all(any(v == pytest.approx(g, rel=1e-12) for v in sw["lrs"]) for g in sweep_lrs(0.03 / 2 ** 0.5, 8, 32.0))
+    assert main(["train", *args, "--out", str(tmp_path / "coarse")]) == 0
+    assert "2 replicas give the sweep a grid of 2 LRs 1024x apart" in capsys.readouterr().err
+    assert "--lr-sweep-points without --lr-sweep" in unused(RunConfig(lr_sweep_points=8))
+    with pytest.raises(RunError, match="--lr-sweep-points to be at least 2"):
+        check(RunConfig(lr_sweep=0.2, lr_sweep_points=1))
+
+
 def test_an_error_inside_the_sweep_is_not_read_as_a_bad_guess(tmp_path, monkeypatch):
     import hdet.sweep
 

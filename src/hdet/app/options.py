@@ -74,6 +74,9 @@ class RunConfig:
         "last tenth (hdet.lr_sweep); then the run at sqrt(N) x the pick (see --lr-sweep-then; measured with 0.2: "
         "docs/auto-lr.md)",
         metavar="FRAC"))
+    lr_sweep_points: int | None = field(default=None, metadata=_cli(
+        "with --lr-sweep: the grid's LRs (default one a replica; more run N at a time, each round a sweep run's time "
+        "more: 8 with 2 replicas gives LRs 2.7x apart instead of 1024x)", metavar="K"))
     lr_sweep_then: str = field(default="restart", metadata=_cli(
         "with --lr-sweep: restart (the run trains all --steps from the initial weights: the sweep's steps come on "
         "top) or continue (the rest of --steps from the best sweep run's weights: no extra steps but the runs beyond "
@@ -187,6 +190,8 @@ def check(cfg: RunConfig) -> None:
                        f"{cfg.lr_sweep}")
     if cfg.lr_sweep_then not in ("restart", "continue"):
         raise RunError(f"Expected --lr-sweep-then restart or continue, but got {cfg.lr_sweep_then!r}")
+    if cfg.lr_sweep_points is not None and cfg.lr_sweep_points < 2:
+        raise RunError(f"Expected --lr-sweep-points to be at least 2 (the grid's LRs), but got {cfg.lr_sweep_points}")
     if cfg.lr_sweep and not MIN_STEPS <= sweep_steps(cfg) <= cfg.steps - (cfg.T if cfg.lr_sweep_then == "continue"
                                                                         else 0):
         raise RunError(f"Expected --lr-sweep to give the sweep at least {MIN_STEPS} steps" + (
@@ -269,6 +274,8 @@ def unused(cfg: RunConfig, world: int | None = None) -> list[str]:
         out.append("--tie-lr-groups/--no-tie-lr-groups without --auto-lr (replicas keep their position in every group)")
     if cfg.lr_sweep_then != default.lr_sweep_then and not cfg.lr_sweep:
         out.append("--lr-sweep-then without --lr-sweep")
+    if cfg.lr_sweep_points is not None and not cfg.lr_sweep:
+        out.append("--lr-sweep-points without --lr-sweep")
     if cfg.prodigy_safeguard and cfg.optimizer != "prodigy":
         out.append(f"--prodigy-safeguard with --optimizer {cfg.optimizer}")
     if cfg.data is not None and cfg.task != "fashion":

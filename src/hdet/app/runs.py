@@ -84,14 +84,16 @@ def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, d
             warnings.warn(f"the sweep's runs have {steps} steps: it was measured with runs of 300 (--lr-sweep 0.2 of "
                           f"1500 steps), and short runs favour high LRs (the default job's 80 picked 5x its LR and "
                           f"ended worse); sweep longer runs, or pass --max-lr without --lr-sweep")
-        if N < 4:
-            warnings.warn(f"{N} replicas give the sweep a grid of {N} LRs {32.0 ** (2 / (N - 1)):.0f}x apart: its pick "
-                          f"is little more than one of them (use 4 or more)")
+        points = cfg.lr_sweep_points or N
+        if points < 4:
+            warnings.warn(f"{points} {'points' if cfg.lr_sweep_points else 'replicas'} give the sweep a grid of "
+                          f"{points} LRs {32.0 ** (2 / (points - 1)):.0f}x apart: its pick is little more than one of "
+                          f"them (use 4 or more, --lr-sweep-points 8 say: run {N} at a time)")
         try:
             res = sweep.lr_sweep(model, make, task.loss_fn, batches, guess=cfg.max_lr, steps=steps,
                                  num_replicas=None if distributed else N, pct_start=cfg.pct_start,
-                                 keep="start" if restart else "winner")
-        except sweep.SweepFoundNothing as e:  # every run non-finite, or none below the start's loss: the guess is far off
+                                 keep="start" if restart else "winner", points=cfg.lr_sweep_points)
+        except sweep.SweepFoundNothing as e:  # every run non-finite, or none below the start's: the guess is far off
             raise RunError(f"Expected --lr-sweep to find an LR around --max-lr {cfg.max_lr:g}, but {e}") from None
     finite = lambda v: v if math.isfinite(v) else None  # noqa: E731 - strict JSON
     found = {"steps": steps, "then": cfg.lr_sweep_then, "guess": cfg.max_lr, "max_lr": res.max_lr, "pick": res.pick,
@@ -100,8 +102,8 @@ def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, d
              "seconds": time.perf_counter() - t0}
     if progress:
         print(f"lr sweep: {len(res.lrs)} runs of {steps} steps at {res.lrs[0]:.3g} to {res.lrs[-1]:.3g}"
-              f"{f' ({len(res.lrs) - N} beyond the first {N})' if len(res.lrs) > N else ''}; the best at "
-              f"{res.lrs[res.winner]:.3g}, the pick {res.pick:.3g}; the run "
+              f"{f' ({len(res.lrs) - points} beyond the first {points})' if len(res.lrs) > points else ''}; the best "
+              f"at {res.lrs[res.winner]:.3g}, the pick {res.pick:.3g}; the run "
               f"{'starts again' if cfg.lr_sweep_then == 'restart' else 'goes on'} at --max-lr {res.max_lr:.3g}",
               flush=True)
         for w in caught:
