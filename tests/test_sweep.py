@@ -93,7 +93,7 @@ def reference(guess, judge, factor=None, n=N, make=make_opt, replicas=None):
         first, tail, model = hand_run(ratio ** (k0 + r), r % replicas, make)
         firsts.append(first)
         runs[r] = (judged(model) if judge else tail, copy.deepcopy(model.state_dict()))
-    start = start if judge else sum(firsts) / len(firsts)
+    start = start if judge else sum(firsts[:replicas]) / len(firsts[:replicas])  # (the first round's)
     need = min(3, (n - 1) // 2)
     for _ in range(3):
         ks = sorted(runs)
@@ -442,6 +442,19 @@ def test_more_points_than_replicas_run_in_rounds_as_the_hand_written_sweep(judge
         assert torch.equal(v, states[res.winner][k]), k
     with pytest.raises(ValueError, match="points to be None"):
         hdet.lr_sweep(make_model(), make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=2, points=1)
+    res = hdet.lr_sweep(make_model(), make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=2, points=5,
+                        judge=held_out if judge else None)  # (a last round of one: the start's loss the first round's)
+    lrs, losses, _, start = reference(0.1, judge, n=5, replicas=2)
+    assert res.lrs == pytest.approx(lrs, rel=1e-12) and res.start_loss == pytest.approx(start, rel=1e-6)
+    far = 1e-4 if judge else 30.0  # a guess far off: runs beyond the grid of 8 (three a side, up to its reach again)
+    model = make_model()
+    res = hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=far, steps=STEPS, num_replicas=2, points=8,
+                        judge=held_out if judge else None, keep="winner")
+    lrs, losses, states, _ = reference(far, judge, n=8, replicas=2)
+    assert len(res.lrs) > 8 and res.lrs == pytest.approx(lrs, rel=1e-12)
+    assert res.losses == pytest.approx(losses, rel=1e-6)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, states[res.winner][k]), k
 
 
 def test_batches_that_give_one_shot_iterators_fail_clearly_when_runs_go_beyond_the_grid():
@@ -568,12 +581,14 @@ def _beyond_worker(rank, world, guess, points):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, guess, points", [(4, 5.0, None), (4, 30.0, None), (2, 30.0, None), (2, 0.1, 8)])
+@pytest.mark.parametrize("world, guess, points", [(4, 5.0, None), (4, 30.0, None), (2, 30.0, None), (2, 0.1, 8),
+                                                 (2, 30.0, 8), (2, 0.1, 5)])
 def test_runs_beyond_the_grid_under_ranks_are_the_one_process_sweeps(world, guess, points):
     """A guess too high: rounds of runs below the grid, rank r running a round's r-th; every rank ends with the best
     run's weights, whether a rank ran it in the grid and then another run beyond it (4, 5.0: the winner is rank 0's
     grid run), or beyond the grid (4, 30.0: every grid run blew up), or in a grid of more points than ranks (2, 0.1,
-    8: in rounds), as the one-process sweep does."""
+    8: in rounds; 2, 30.0, 8: and beyond it; 2, 0.1, 5: a last round with a rank idle), as the one-process sweep
+    does."""
     res = check_ok(run_gloo(_beyond_worker, world, guess, points))
     sgd = lambda p, lr: torch.optim.SGD(p, lr=lr)  # noqa: E731
     one = make_model()
@@ -591,3 +606,22 @@ def test_runs_beyond_the_grid_under_ranks_are_the_one_process_sweeps(world, gues
         assert r["winner"] == ref.winner and r["pick"] == pytest.approx(ref.pick, rel=1e-9)
         for k, v in one.state_dict().items():
             assert torch.tensor(r["state"][k], dtype=v.dtype).equal(v), k
+
+
+def _mismatch_worker(rank, world):
+    model = make_model()
+    try:
+        hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=0.1 * (1 + rank), steps=STEPS, judge=held_out)
+    except ValueError as e:
+        return {"raised": str(e), "at_start": all(torch.equal(v, make_model().state_dict()[k])
+                                                  for k, v in model.state_dict().items())}
+    return {"raised": None}
+
+
+@pytest.mark.distributed
+def test_ranks_that_sweep_different_grids_all_raise_instead_of_picking_apart():
+    """A guess that differs by rank (read from a per-rank config, say) would give every rank its own grid and its own
+    pick, silently: every rank raises after the first round's gather, its model back at its start weights."""
+    res = check_ok(run_gloo(_mismatch_worker, 2))
+    for r in res:
+        assert r["raised"] and "Expected every rank to sweep the same grid" in r["raised"] and r["at_start"]

@@ -66,7 +66,7 @@ class SweepFoundNothing(RuntimeError):
 @dataclass
 class SweepResult:
     """What :func:`lr_sweep` found. ``max_lr``: the main run's peak LR (``pick * lr_factor``); ``pick``: the sweep's
-    best LR; ``lrs`` and ``losses``: each sweep run's LR (ascending: the grid's N and any beyond it) and judged loss
+    best LR; ``lrs`` and ``losses``: each sweep run's LR (ascending: the grid's points and any beyond it) and judged loss
     (inf: non-finite); ``start_loss``: the start weights' (judged, or their first training losses' mean); ``winner``:
     the best run (of equal losses the lowest LR; the model holds its weights with ``keep="winner"``); ``at_edge``: the
     best judged loss was at an end of all the runs (the best LR may lie beyond it)."""
@@ -167,7 +167,7 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     held-out loss (called under ``torch.no_grad()`` with the model in eval mode; under torch.distributed it must read
     the same data on every rank, or the ranks' runs are judged on different data), or None for the mean training loss
     over the run's last tenth (on the measured CNN it picked higher LRs than a held-out loss on the same seeds, and
-    ended no worse); ``span``: the grid's reach each way from its centre (its N points ``span ** (2 / (N - 1))`` apart,
+    ended no worse); ``span``: the grid's reach each way from its centre (its points ``span ** (2 / (points - 1))`` apart,
     on a lattice that gives guesses apart by a power of that ratio the same points: :func:`sweep_lrs`); ``lr_factor``:
     the main run's peak over the pick (default sqrt(N)); ``pct_start``, ``cycle_momentum``: each run's OneCycleLR (by
     default its momentum or beta1 cycles where the optimizer has one, as OneCycleLR and OneCycleAutoLR do in the main
@@ -225,7 +225,8 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
         if not module.training:  # the runs' modes: as they came under a module in train mode (a frozen BatchNorm in
             module.train()  # eval stays frozen), else module.train()'s (a train() override that freezes is kept)
         runs = _Runs(module, tensors, start, make_optimizer, loss_fn, batches, steps_i, pct, judge, cycle_momentum,
-                     [(m, m.training) for m in module.modules()], keep == "winner", n, rank, group, src0)
+                     [(m, m.training) for m in module.modules()], keep == "winner", n, rank, group, src0,
+                     (g, base, step, steps_i))
         ks = list(range(g))  # the runs' places: LR = _on_lattice(k, base, step)
         start_loss = runs.grid(ks, [_on_lattice(k, base, step) for k in ks])
         for _ in range(extend_i):  # the fit's points on both sides of the best run, beyond the grid where needed
@@ -270,8 +271,9 @@ class _Runs:
     def __init__(self, module: nn.Module, tensors: list[torch.Tensor], start: list[torch.Tensor], make_optimizer: Any,
                  loss_fn: Any, batches: Any, steps: int, pct: float, judge: Any, cycle: bool | None,
                  train: list[tuple[nn.Module, bool]], keep_best: bool, n: int, rank: int | None, group: Any,
-                 src0: int) -> None:
+                 src0: int, plan: tuple[float, ...] = ()) -> None:
         self.module, self.tensors, self.start, self.judge, self.keep_best = module, tensors, start, judge, keep_best
+        self.plan = plan  # the grid (points, first LR, ratio) and the runs' steps: the same on every rank, checked
         self.n, self.rank, self.group, self.src0 = n, rank, group, src0
         self.args = (make_optimizer, loss_fn, batches, steps, pct, judge, cycle, train)
         self.loss: dict[int, float] = {}
@@ -281,11 +283,11 @@ class _Runs:
 
     def grid(self, ks: list[int], lrs: list[float]) -> float | None:
         """The grid's runs, ``n`` at a time; the start's loss: judged (one process: before the runs; under ranks: the
-        ranks' mean), or the runs' first training losses' mean (all from the start weights)."""
+        ranks' mean), or the first round's runs' first training losses' mean (all from the start weights)."""
         start_loss = _judged(self.module, self.judge) if self.judge is not None and self.rank is None else None
-        firsts, starts = self._round(ks[:self.n], lrs[:self.n], first=True)
-        for c in range(self.n, len(ks), self.n):  # (a grid of more points than replicas: rounds of n)
-            firsts += self._round(ks[c:c + self.n], lrs[c:c + self.n], first=False)[0]
+        firsts, starts = self._round(ks[:self.n], lrs[:self.n], first=True)  # (later rounds start from the same
+        for c in range(self.n, len(ks), self.n):  # weights on the same first batches: their first losses repeat these)
+            self._round(ks[c:c + self.n], lrs[c:c + self.n], first=False)
         if self.judge is None:
             finite = [f for f in firsts if math.isfinite(f)]
             return sum(finite) / len(finite) if finite else math.inf
@@ -321,9 +323,13 @@ class _Runs:
                 mine = self._run(self.rank, lrs[self.rank])
         except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
             failed = e
-        rows = ProcessGroupReplicas(self.group).gather(  # COLLECTIVE (once a round): [ranks, 4] on the host
-            torch.tensor([*mine, judged, float(failed is not None)], dtype=torch.float64))
-        losses, firsts, starts, fails = (col.tolist() for col in rows.T)
+        rows = ProcessGroupReplicas(self.group).gather(  # COLLECTIVE (once a round): [ranks, 4 + plan] on the host
+            torch.tensor([*mine, judged, float(failed is not None), *self.plan], dtype=torch.float64))
+        losses, firsts, starts, fails = (col.tolist() for col in rows.T[:4])
+        if any(len(set(col.tolist())) > 1 for col in rows.T[4:]):  # (every rank sees the same rows: all raise)
+            raise ValueError(f"Expected every rank to sweep the same grid (the same guess, lr_factor, span, points and "
+                             f"steps), but they differ: (points, log of the first LR, log of the ratio, steps) by rank "
+                             f"{[tuple(r) for r in rows[:, 4:].tolist()]}")
         if failed is not None:
             raise failed
         if any(fails):

@@ -79,8 +79,8 @@ class RunConfig:
         "more: 8 with 2 replicas gives LRs 2.7x apart instead of 1024x)", metavar="K"))
     lr_sweep_then: str = field(default="restart", metadata=_cli(
         "with --lr-sweep: restart (the run trains all --steps from the initial weights: the sweep's steps come on "
-        "top) or continue (the rest of --steps from the best sweep run's weights: no extra steps but the runs beyond "
-        "the grid, and measured 0.5-2%% worse on the GPT, 0.3-0.5 point on Fashion-MNIST)",
+        "top) or continue (the rest of --steps from the best sweep run's weights: no extra steps but the sweep's rounds "
+        "beyond its first, and measured 0.5-2%% worse on the GPT, 0.3-0.5 point on Fashion-MNIST)",
         choices=("restart", "continue")))
     range_backoff: float = field(default=2.0, metadata=_cli(
         "range test: the peak LR is the LR of the last window that made progress over this"))
