@@ -1062,3 +1062,25 @@ def test_lr_sweep_under_torchrun_one_run_a_rank(tmp_path):
     assert all(any(v == pytest.approx(g, rel=1e-12) for v in sw["lrs"]) for g in grid)
     assert sw["lr_factor"] == pytest.approx(math.sqrt(2)) and s["replicas"] == 2
     assert s["config"]["max_lr"] == sw["max_lr"] and s["crashed"] is None and s["steps_done"] == 40
+
+
+@pytest.mark.distributed
+def test_lr_sweep_points_under_torchrun_is_the_one_process_sweep(tmp_path):
+    """--lr-sweep-points 6 at 2 ranks: six LRs in rounds of two, rank r running each round's r-th, the same grid,
+    judged losses and peak as the one-process engine's sweep with --replicas 2 (each replica r on the same stream)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = list(SWEEP)
+    i = args.index("--replicas")
+    del args[i:i + 2]
+    args += ["--lr-sweep-points", "6"]
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "hdet", "train", *args, "--out", str(tmp_path / "ranks")], capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "grid of" not in p.stderr
+    with one_thread():
+        assert main(["train", *args, "--replicas", "2", "--out", str(tmp_path / "one")]) == 0
+    ranks, one = (json.loads((tmp_path / d / "summary.json").read_text())["lr_sweep"] for d in ("ranks", "one"))
+    assert len(ranks["lrs"]) >= 6 and ranks["lrs"] == pytest.approx(one["lrs"], rel=1e-12)
+    assert ranks["losses"] == pytest.approx(one["losses"], rel=1e-4) and ranks["winner"] == one["winner"]
+    assert ranks["max_lr"] == pytest.approx(one["max_lr"], rel=1e-6)
