@@ -21,14 +21,14 @@ Measured (``benchmarks/results/evidence/sweep_then_train/``, the evidence suite'
 1500 steps, then HDET at alpha 0.2, T 25, ``on_runaway="recover"``), from 0.1x, 1x and 10x the grid's best LR, through
 ``hdet train --lr-sweep 0.2`` (this function, judged by the training loss): with ``keep="start"`` and all 1500 steps
 after the sweep, a byte-level GPT ends +0.37% / +0.33% / +0.71% from the grid's best validation loss (16 seeds) and a
-BatchNorm CNN on Fashion-MNIST -0.06 / -0.10 / -0.10 point from its best accuracy (3 seeds), the GPT picking about
-the same LRs from every start (without the lattice and the runs beyond the grid: +0.43% / -0.00% / +0.86% and -0.06 /
--0.05 / -0.17 point at the same seeds, the picks lower from 0.1x and 10x; the GPT's 10x cell loses to the stability guard's
-events, one run in eight at these LRs, not to its picks); with ``keep="winner"`` and the remaining 1200 steps,
-+1.1% / +1.2% / +1.9% (12 seeds) and about -0.45 point (6 seeds): the picks were right, the steps the sweep took from
-the main run were not (its best run saw 1/N of the data). Hence ``keep="start"`` by default. The factor sqrt(N) is
-not fitted to these tasks; pass ``lr_factor`` where the batch rule is known. Leaving out the runs that kept less
-than half the best one's gain is this function's own (the study's fit took them in).
+BatchNorm CNN on Fashion-MNIST -0.06 / -0.10 / -0.10 point from its best accuracy (3 seeds), the GPT picking about the
+same LRs from every start (without the lattice and the runs beyond the grid: +0.43% / -0.00% / +0.86% and -0.06 / -0.05
+/ -0.17 point at the same seeds, the picks lower from 0.1x and 10x; the GPT's 10x cell loses to the stability guard's
+events, one run in eight at these LRs, not to its picks); with ``keep="winner"`` and the remaining 1200 steps, +1.1% /
++1.2% / +1.9% (12 seeds) and about -0.45 point (6 seeds): the picks were right, the steps the sweep took from the main
+run were not (its best run saw 1/N of the data). Hence ``keep="start"`` by default. The factor sqrt(N) is not fitted to
+these tasks; pass ``lr_factor`` where the batch rule is known. Leaving out the runs that kept less than half the best
+one's gain is this function's own (the study's fit took them in).
 
 Under torch.distributed (initialised, world size > 1) every rank is one replica: rank r runs the r-th LR on its own
 batches (and the r-th of each round beyond the grid), the judged losses are all-gathered and (``keep="winner"``)
@@ -66,10 +66,10 @@ class SweepFoundNothing(RuntimeError):
 @dataclass
 class SweepResult:
     """What :func:`lr_sweep` found. ``max_lr``: the main run's peak LR (``pick * lr_factor``); ``pick``: the sweep's
-    best LR; ``lrs`` and ``losses``: each sweep run's LR (ascending: the grid's points and any beyond it) and judged loss
-    (inf: non-finite); ``start_loss``: the start weights' (judged, or their first training losses' mean); ``winner``:
-    the best run (of equal losses the lowest LR; the model holds its weights with ``keep="winner"``); ``at_edge``: the
-    best judged loss was at an end of all the runs (the best LR may lie beyond it)."""
+    best LR; ``lrs`` and ``losses``: each sweep run's LR (ascending: the grid's points and any beyond it) and judged
+    loss (inf: non-finite); ``start_loss``: the start weights' (judged, or their first training losses' mean);
+    ``winner``: the best run (of equal losses the lowest LR; the model holds its weights with ``keep="winner"``);
+    ``at_edge``: the best judged loss was at an end of all the runs (the best LR may lie beyond it)."""
 
     max_lr: float
     pick: float
@@ -167,25 +167,25 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     held-out loss (called under ``torch.no_grad()`` with the model in eval mode; under torch.distributed it must read
     the same data on every rank, or the ranks' runs are judged on different data), or None for the mean training loss
     over the run's last tenth (on the measured CNN it picked higher LRs than a held-out loss on the same seeds, and
-    ended no worse); ``span``: the grid's reach each way from its centre (its points ``span ** (2 / (points - 1))`` apart,
-    on a lattice that gives guesses apart by a power of that ratio the same points: :func:`sweep_lrs`); ``lr_factor``:
-    the main run's peak over the pick (default sqrt(N)); ``pct_start``, ``cycle_momentum``: each run's OneCycleLR (by
-    default its momentum or beta1 cycles where the optimizer has one, as OneCycleLR and OneCycleAutoLR do in the main
-    run the pick is for; False for a main run that keeps it fixed); ``keep``: ``"start"`` (the model back at the weights
-    the sweep started from, rank 0's on every rank, for a main run of all its steps: measured better) or ``"winner"``
-    (the best run's weights and buffers, for a main run of the steps left); ``extend``: the most rounds of runs beyond
-    the grid (0: none), one grid ratio apart, up to the grid's own reach (``span ** 2``) again on each side, where the
-    best run has fewer than ``min(3, (points - 1) // 2)`` runs on a side (at 8: the guess was off by more than about 4x)
-    and the run at that end is kept in the fit; where no run ended below the start, that many (one at least) below if
-    the best is the lowest LR or every run blew up, above if it is the highest (under torch.distributed a round of up to
-    N runs, rank r running the r-th, costs a sweep run's time); ``points``: the grid's LRs (default N, one a replica;
-    more run in rounds of N, as the runs beyond it: a grid fine enough for 2 ranks costs 4 rounds at 8 points). Each
-    parameter's ``.grad`` and each submodule's train/eval mode end as they came; the runs train in the modes the model
-    came in (a submodule in eval mode, a frozen BatchNorm, stays so), or all in train mode if the model came in eval
-    mode. Any error leaves the model as it came (this rank's own weights). The model's forward and the judge must be
-    this rank's own (no collective inside: a SyncBatchNorm is refused). With 2 points the grid is two LRs span^2 apart:
-    use 4 or more (8 measured). A ``DistributedDataParallel`` model sweeps its ``module`` (no gradient is shared).
-    Returns a :class:`SweepResult`; its ``max_lr`` is the peak for the main run."""
+    ended no worse); ``span``: the grid's reach each way from its centre (its points ``span ** (2 / (points - 1))``
+    apart, on a lattice that gives guesses apart by a power of that ratio the same points: :func:`sweep_lrs`);
+    ``lr_factor``: the main run's peak over the pick (default sqrt(N)); ``pct_start``, ``cycle_momentum``: each run's
+    OneCycleLR (by default its momentum or beta1 cycles where the optimizer has one, as OneCycleLR and OneCycleAutoLR do
+    in the main run the pick is for; False for a main run that keeps it fixed); ``keep``: ``"start"`` (the model back at
+    the weights the sweep started from, rank 0's on every rank, for a main run of all its steps: measured better) or
+    ``"winner"`` (the best run's weights and buffers, for a main run of the steps left); ``extend``: the most rounds of
+    runs beyond the grid (0: none), one grid ratio apart, up to the grid's own reach (``span ** 2``) again on each side,
+    where the best run has fewer than ``min(3, (points - 1) // 2)`` runs on a side (at 8: the guess was off by more than
+    about 4x) and the run at that end is kept in the fit; where no run ended below the start, that many (one at least)
+    below if the best is the lowest LR or every run blew up, above if it is the highest (under torch.distributed a round
+    of up to N runs, rank r running the r-th, costs a sweep run's time); ``points``: the grid's LRs (default N, one a
+    replica; more run in rounds of N, as the runs beyond it: a grid fine enough for 2 ranks costs 4 rounds at 8 points).
+    Each parameter's ``.grad`` and each submodule's train/eval mode end as they came; the runs train in the modes the
+    model came in (a submodule in eval mode, a frozen BatchNorm, stays so), or all in train mode if the model came in
+    eval mode. Any error leaves the model as it came (this rank's own weights). The model's forward and the judge must
+    be this rank's own (no collective inside: a SyncBatchNorm is refused). With 2 points the grid is two LRs span^2
+    apart: use 4 or more (8 measured). A ``DistributedDataParallel`` model sweeps its ``module`` (no gradient is
+    shared). Returns a :class:`SweepResult`; its ``max_lr`` is the peak for the main run."""
     module, n, rank = _replicas(model, num_replicas, group)
     guess_f, steps_i = real_number(guess), int_number(steps)
     if guess_f is None or not (math.isfinite(guess_f) and guess_f > 0):
@@ -225,17 +225,16 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
         if not module.training:  # the runs' modes: as they came under a module in train mode (a frozen BatchNorm in
             module.train()  # eval stays frozen), else module.train()'s (a train() override that freezes is kept)
         runs = _Runs(module, tensors, start, make_optimizer, loss_fn, batches, steps_i, pct, judge, cycle_momentum,
-                     [(m, m.training) for m in module.modules()], keep == "winner", n, rank, group, src0,
-                     (g, base, step, steps_i))
+                     [(m, m.training) for m in module.modules()], keep == "winner", n, rank, group, src0, g, base, step)
         ks = list(range(g))  # the runs' places: LR = _on_lattice(k, base, step)
-        start_loss = runs.grid(ks, [_on_lattice(k, base, step) for k in ks])
+        start_loss = runs.grid(ks)
         for _ in range(extend_i):  # the fit's points on both sides of the best run, beyond the grid where needed
             low, high = _needed([runs.loss[k] for k in ks], start_loss, min(FIT_NEIGHBOURS, (g - 1) // 2))
             low, high = min(low, ks[0] + g - 1), min(high, 2 * (g - 1) - ks[-1])  # at most the grid's reach again
             more = [*range(ks[0] - low, ks[0]), *range(ks[-1] + 1, ks[-1] + 1 + high)]
             if not more:
                 break
-            runs.more(more, [_on_lattice(k, base, step) for k in more])
+            runs.more(more)
             ks = list(range(ks[0] - low, ks[-1] + 1 + high))
         lrs, losses = [_on_lattice(k, base, step) for k in ks], [runs.loss[k] for k in ks]
         pick = pick_lr(lrs, losses, start_loss)  # (the same on every rank: the same gathered losses)
@@ -263,17 +262,19 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
 
 class _Runs:
     """The sweep's runs, each from the start weights (under ranks rank 0's): in one process one after the other, or
-    one a rank (the i-th LR of a round on rank i). A round's i-th run trains on ``batches(i)``. ``loss[k]``: the judged
-    loss of the run k grid ratios above the grid's first LR (k < 0: below it), the same on every rank; with
+    one a rank (the i-th LR of a round on rank i). A round's i-th run trains on ``batches(i)``. The run at place k is
+    at LR ``_on_lattice(k, base, step)``, k grid ratios above the grid's first (k < 0: below it). ``loss[k]``: its
+    judged loss, the same on every rank; with
     ``keep_best``, each process's own best run's tensors are kept (held by the module until a later run would overwrite
     them), and ``owner[k]`` is the rank that ran k."""
 
     def __init__(self, module: nn.Module, tensors: list[torch.Tensor], start: list[torch.Tensor], make_optimizer: Any,
                  loss_fn: Any, batches: Any, steps: int, pct: float, judge: Any, cycle: bool | None,
                  train: list[tuple[nn.Module, bool]], keep_best: bool, n: int, rank: int | None, group: Any,
-                 src0: int, plan: tuple[float, ...] = ()) -> None:
+                 src0: int, points: int, base: float, step: float) -> None:
         self.module, self.tensors, self.start, self.judge, self.keep_best = module, tensors, start, judge, keep_best
-        self.plan = plan  # the grid (points, first LR, ratio) and the runs' steps: the same on every rank, checked
+        self.base, self.step = base, step
+        self.plan = (points, base, step, steps)  # the grid and the runs' steps: the same on every rank, checked
         self.n, self.rank, self.group, self.src0 = n, rank, group, src0
         self.args = (make_optimizer, loss_fn, batches, steps, pct, judge, cycle, train)
         self.loss: dict[int, float] = {}
@@ -281,31 +282,31 @@ class _Runs:
         self.best: tuple[float, int] = (math.inf, 0)  # this process's best run: (loss, place)
         self.kept, self.held = None, False  # its tensors; or still in the module
 
-    def grid(self, ks: list[int], lrs: list[float]) -> float | None:
+    def grid(self, ks: list[int]) -> float | None:
         """The grid's runs, ``n`` at a time; the start's loss: judged (one process: before the runs; under ranks: the
-        ranks' mean), or the first round's runs' first training losses' mean (all from the start weights)."""
+        ranks' mean), or the first round's runs' first training losses' mean (all from the start weights; later
+        rounds start from them on the same first batches, so their first losses repeat these)."""
         start_loss = _judged(self.module, self.judge) if self.judge is not None and self.rank is None else None
-        firsts, starts = self._round(ks[:self.n], lrs[:self.n], first=True)  # (later rounds start from the same
-        for c in range(self.n, len(ks), self.n):  # weights on the same first batches: their first losses repeat these)
-            self._round(ks[c:c + self.n], lrs[c:c + self.n], first=False)
+        firsts, starts = self._round(ks[:self.n], first=True)
+        self.more(ks[self.n:])
         if self.judge is None:
             finite = [f for f in firsts if math.isfinite(f)]
             return sum(finite) / len(finite) if finite else math.inf
         return start_loss if self.rank is None else sum(starts) / len(starts)
 
-    def more(self, ks: list[int], lrs: list[float]) -> None:
-        """Runs beyond the grid, ``n`` at a time."""
+    def more(self, ks: list[int]) -> None:
+        """Runs at places ``ks`` (the grid's after its first round, or beyond the grid), ``n`` at a time."""
         for c in range(0, len(ks), self.n):
-            self._round(ks[c:c + self.n], lrs[c:c + self.n], first=False)
+            self._round(ks[c:c + self.n], first=False)
 
-    def _round(self, ks: list[int], lrs: list[float], first: bool) -> tuple[list[float], list[float]]:
+    def _round(self, ks: list[int], first: bool) -> tuple[list[float], list[float]]:
         """The runs at places ``ks``: each one's first training loss, and (``first``, under ranks) each rank's
         judged start loss."""
         if self.rank is None:
             firsts = []
-            for i, (k, lr) in enumerate(zip(ks, lrs)):
+            for i, k in enumerate(ks):
                 self._from_start()
-                value, f = self._run(i, lr)
+                value, f = self._run(i, k)
                 self._done(k, value)
                 firsts.append(f)
             return firsts, []
@@ -320,7 +321,7 @@ class _Runs:
             if failed is None and first and self.judge is not None:
                 judged = _judged(self.module, self.judge)
             if failed is None and self.rank < len(ks):
-                mine = self._run(self.rank, lrs[self.rank])
+                mine = self._run(self.rank, ks[self.rank])
         except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
             failed = e
         rows = ProcessGroupReplicas(self.group).gather(  # COLLECTIVE (once a round): [ranks, 4 + plan] on the host
@@ -341,9 +342,11 @@ class _Runs:
             self._done(ks[self.rank], losses[self.rank])
         return firsts[:len(ks)], starts
 
-    def _run(self, i: int, lr: float) -> tuple[float, float]:
+    def _run(self, i: int, k: int) -> tuple[float, float]:
+        """The run at place ``k``, the i-th of its round (on ``batches(i)``)."""
         make_optimizer, loss_fn, batches, steps, pct, judge, cycle, train = self.args
-        return _run(self.module, make_optimizer, loss_fn, batches(i), lr, steps, pct, judge, cycle, train)
+        return _run(self.module, make_optimizer, loss_fn, batches(i), _on_lattice(k, self.base, self.step), steps, pct,
+                    judge, cycle, train)
 
     def _from_start(self) -> None:
         """The module back at this process's start weights; this process's best run's tensors kept first."""
