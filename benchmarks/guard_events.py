@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lr_sweep_cli import LAUNCH, SIZES  # noqa: E402  (same folder)
+from lr_sweep_cli import final_metric, train_command  # noqa: E402  (same folder)
 
 EVENTS = ("rose more than", "ran away")  # hdet.stability's warnings
 
@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--from", dest="sources", nargs="+", required=True)
     p.add_argument("--guards", default="recover,ignore")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--data", default="data/fashion")
     p.add_argument("--runs", default="runs/guard_events")
     p.add_argument("--deadline", type=float, default=480.0)
     p.add_argument("--out", required=True)
@@ -42,10 +43,8 @@ def main() -> None:
             name = f"{r['name']}-{guard}"
             out = Path(a.runs) / name
             out.parent.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-c", LAUNCH, "train", "--task", a.task, *SIZES[a.task]["args"], "--replicas", "8",
-                   "--steps", "1500", "--weight-decay", "0.01", "--seed", str(r["seed"]), "--device", a.device,
-                   "--max-lr", repr(r["lr_sweep"]["max_lr"]), "--on-runaway", guard, "--checkpoint-every", "0",
-                   "--eval-every", "150", "--no-progress", "--out", str(out)]
+            cmd = train_command(a.task, r["seed"], "1500", a.device, a.data,
+                                ["--max-lr", repr(r["lr_sweep"]["max_lr"]), "--on-runaway", guard], out)
             log = (out.parent / f"{name}.log").open("w")
             procs[name] = (src, r, guard, out, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
                                                                 env={**os.environ, "OMP_NUM_THREADS": "1"}))
@@ -59,10 +58,9 @@ def main() -> None:
         proc.wait()
         log = (out.parent / f"{name}.log").read_text()
         s = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
-        m = s.get("final_metrics") or {}
         rows.append({"name": name, "source": src, "seed": r["seed"], "start": r["start"], "guard": guard,
                      "max_lr": r["lr_sweep"]["max_lr"], "swept_metric": r["metric"],
-                     "metric": m.get("test_accuracy") if a.task == "fashion" else m.get("val_loss_full"),
+                     "metric": final_metric(a.task, s),
                      "events": sum(log.count(e) for e in EVENTS), "rc": proc.returncode, "log_tail": log[-1200:]})
     import torch
 

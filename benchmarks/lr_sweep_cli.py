@@ -26,6 +26,21 @@ LAUNCH = ("import sys, torch; torch.backends.cuda.matmul.allow_tf32 = True; torc
           "from hdet.app.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
+def train_command(task: str, seed: object, steps: str, device: str, data: str, extra: list[str], out: Path
+                  ) -> list[str]:
+    """One `hdet train` process of the evidence suite's task and size (N = 8, TF32 on): its command line."""
+    cmd = [sys.executable, "-c", LAUNCH, "train", "--task", task, *SIZES[task]["args"], "--replicas", "8",
+           "--steps", steps, "--weight-decay", "0.01", "--seed", str(seed), "--device", device, *extra,
+           "--checkpoint-every", "0", "--eval-every", "150", "--no-progress", "--out", str(out)]
+    return cmd + (["--data", data] if task == "fashion" else [])
+
+
+def final_metric(task: str, summary: dict) -> float | None:
+    """A run's final metric from its summary.json: Fashion-MNIST's test accuracy, the GPT's full validation loss."""
+    m = summary.get("final_metrics") or {}
+    return m.get("test_accuracy") if task == "fashion" else m.get("val_loss_full")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", default="bytes,fashion")
@@ -60,11 +75,7 @@ def main() -> None:
     for task, st, sd, kind, extra in rows:
         name = f"{task}-x{st}-s{sd}" + ("" if kind == "sweep" else f"-{kind}")
         out = Path(a.runs) / name
-        cmd = [sys.executable, "-c", LAUNCH, "train", "--task", task, *SIZES[task]["args"], "--replicas", "8",
-               "--steps", a.steps, "--weight-decay", "0.01", "--seed", sd, "--device", a.device, *extra,
-               "--checkpoint-every", "0", "--eval-every", "150", "--no-progress", "--out", str(out)]
-        if task == "fashion":
-            cmd += ["--data", a.data]
+        cmd = train_command(task, sd, a.steps, a.device, a.data, extra, out)
         if a.collect:
             procs[name] = (task, float(st), int(sd), kind, out, None)
             continue
@@ -93,8 +104,7 @@ def main() -> None:
             then = (s.get("lr_sweep") or {}).get("then", "continue")  # (before --lr-sweep-then: continue)
             if a.collect and (kind == "sweep") != bool(s.get("lr_sweep")) or kind == "sweep" and then != a.then:
                 raise SystemExit(f"{out} holds another run than these options describe (--then {a.then})")
-            m = s.get("final_metrics") or {}
-            row.update(metric=m.get("test_accuracy") if task == "fashion" else m.get("val_loss_full"),
+            row.update(metric=final_metric(task, s),
                        crashed=s.get("crashed"), lr_sweep=s.get("lr_sweep"),
                        max_lr_x_best=(s["lr_sweep"]["max_lr"] if kind == "sweep" else s["config"]["max_lr"])
                        / SIZES[task]["best"])
