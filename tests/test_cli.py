@@ -6,6 +6,7 @@ import gzip
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -484,6 +485,32 @@ def test_a_run_where_every_replica_fails_writes_null_not_nan(tmp_path):
     assert summary["crashed"] and metrics[-1]["train_loss"] is None
 
 
+def test_lr_cut_is_the_factor_of_each_recovery(tmp_path, capsys):
+    """--lr-cut 0.7: at the first recovery (the ensemble's loss rose at step 8, every replica went back) the LR
+    schedule is multiplied by 0.7 from the next step on, against the same run without the guard (the same schedule
+    and, up to the event, the same run); the second (step 12) makes it 0.49. A changed --lr-cut is another run for
+    --resume, and with --on-runaway ignore it does nothing (said)."""
+    from hdet.app.options import RunConfig, unused
+
+    args = [*TINY, "--max-lr", "1", "--checkpoint-every", "6"]
+    with pytest.warns(UserWarning) as said:
+        assert main(["train", *args, "--lr-cut", "0.7", "--out", str(tmp_path / "cut")]) == 0
+    cuts = sorted({re.search(r"step (\d+) .* cut to ([\d.]+) of its value", str(w.message)).groups()
+                   for w in said if "cut to" in str(w.message)})
+    assert cuts == [("12", "0.49"), ("8", "0.7")]
+    assert main(["train", *args, "--on-runaway", "ignore", "--out", str(tmp_path / "free")]) == 0
+    cut, free = (_strict_jsonl(tmp_path / d / "metrics.jsonl") for d in ("cut", "free"))
+    ratio = {m["step"]: m["lr_mean"]["mlp"] / f["lr_mean"]["mlp"] for m, f in zip(cut, free)}
+    assert all(ratio[t] == pytest.approx(1.0) for t in range(1, 9))
+    assert all(ratio[t] == pytest.approx(0.7) for t in range(9, 13)), ratio
+    capsys.readouterr()
+    assert main(["train", *args, "--lr-cut", "0.5", "--out", str(tmp_path / "cut"), "--resume"]) == 2
+    assert "--lr-cut 0.7 -> 0.5" in capsys.readouterr().err
+    assert "--lr-cut with --on-runaway ignore" in unused(RunConfig(lr_cut=0.7, on_runaway="ignore"))
+    assert main(["train", *TINY, "--lr-cut", "1.5", "--out", str(tmp_path / "bad")]) == 2
+    assert "Expected --lr-cut in (0, 1]" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("optimizer", ["dadapt-adam", "prodigy"])
 def test_the_records_d_is_the_one_each_step_used(tmp_path, optimizer, monkeypatch):
     """metrics.jsonl's d at step t is the estimate step t used (with lr: its step size d * lr), not the one after
@@ -870,15 +897,15 @@ def test_lr_sweep_then_continue_trains_the_rest_from_the_best_run_and_resumes(tm
     assert "records no sweep" in capsys.readouterr().err
 
 
-def test_checkpoints_from_before_lr_sweep_then_and_pct_start_resume_as_they_ran(tmp_path, capsys):
-    """A checkpoint whose config has neither --pct-start nor --lr-sweep-then (written before they existed; nor
+def test_checkpoints_from_before_lr_sweep_then_pct_start_and_lr_cut_resume_as_they_ran(tmp_path, capsys):
+    """A checkpoint whose config has none of --pct-start, --lr-sweep-then and --lr-cut (written before they existed; nor
     --lr-sweep, for a run without a sweep) resumes:
     a run without a sweep with the defaults, a swept one (which went on from the best run) with --lr-sweep-then
     continue, and the default, another run, is refused with what differs."""
     def strip(folder):
         for f in folder.glob("checkpoint*.pt"):
             state = torch.load(f, weights_only=True)
-            for k in ("pct_start", "lr_sweep_then") + (("lr_sweep",) if not state["config"]["lr_sweep"] else ()):
+            for k in ("pct_start", "lr_sweep_then", "lr_cut") + (("lr_sweep",) if not state["config"]["lr_sweep"] else ()):
                 state["config"].pop(k)  # (a run without a sweep: from before --lr-sweep too)
             torch.save(state, f)
     plain = [*TINY, "--steps", "20", "--checkpoint-every", "10"]

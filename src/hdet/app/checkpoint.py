@@ -45,9 +45,9 @@ def previous(path: Path) -> Path:
     return path.with_name(path.stem + ".prev.pt")
 
 
-ADDED = {"pct_start": 0.3, "lr_sweep": 0.0, "cuda_graph": False, "lr_sweep_points": None}  # options added since
-# checkpoints exist (and --lr-sweep-then, set in _resolved): what runs did before each, OneCycle's warm-up 0.3, no
-# sweep, no CUDA graph, a sweep grid of one LR a replica
+ADDED = {"pct_start": 0.3, "lr_sweep": 0.0, "cuda_graph": False, "lr_sweep_points": None, "lr_cut": 0.5}  # options
+# added since checkpoints exist (and --lr-sweep-then, set in _resolved): what runs did before each, OneCycle's warm-up
+# 0.3, no sweep, no CUDA graph, a sweep grid of one LR a replica, the recovery's LR cut 0.5
 
 
 def _config(cfg: RunConfig) -> dict[str, Any]:
@@ -73,6 +73,7 @@ def _resolved(c: dict[str, Any], mode: str, device: str) -> dict[str, Any]:
             "probe_batches": not (auto and fit), "eq8": not (auto and not fit), "range_backoff": not c.get("range_test"),
             "prodigy_safeguard": c.get("optimizer") != "prodigy", "lr_sweep_then": not c.get("lr_sweep"),
             "lr_sweep_points": not c.get("lr_sweep"),
+            "lr_cut": c.get("on_runaway") != "recover",
             "pct_start": c.get("optimizer") == "schedulefree-adamw", "data": c.get("task") != "fashion",
             "nu": not c.get("warm_init"), "clip": "grad-clip" not in (c.get("explore") or ()),
             "compile": mode != "engine-vmap", "cuda_graph": mode not in ("engine-merged", "engine-vmap"), "ctx": c.get("task") == "fashion", "layers": c.get("task") == "fashion"}

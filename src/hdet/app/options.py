@@ -63,6 +63,8 @@ class RunConfig:
     on_runaway: str = field(default="recover", metadata=_cli(
         "recover: a replica whose finite window loss runs away is reset like a non-finite one and the LR schedule "
         "is cut (also when the ensemble's loss rises); ignore: the paper's HDET"))
+    lr_cut: float = field(default=0.5, metadata=_cli(
+        "with --on-runaway recover: what the LR schedule is multiplied by at each such event, for the rest of the run"))
     range_test: bool = field(default=False, metadata=_cli(
         "an LR range test during OneCycle's warm-up: --max-lr is a first guess; the LR ramps from 1/25 of the "
         "schedule past it until the loss's progress collapses or it turns unstable, then every replica goes back to "
@@ -180,6 +182,8 @@ def check(cfg: RunConfig) -> None:
         raise RunError(f"Expected --controller {' or '.join(CONTROLLERS)}, but got {cfg.controller!r}")
     if cfg.on_runaway not in ("ignore", "recover"):
         raise RunError(f"Expected --on-runaway ignore or recover, but got {cfg.on_runaway!r}")
+    if not 0 < cfg.lr_cut <= 1:
+        raise RunError(f"Expected --lr-cut in (0, 1] (the LR schedule's factor at a recovery), but got {cfg.lr_cut}")
     if not (cfg.range_backoff >= 1 and math.isfinite(cfg.range_backoff)):
         raise RunError(f"Expected --range-backoff >= 1, but got {cfg.range_backoff}")
     if not (0 < cfg.pct_start < 1):
@@ -285,6 +289,8 @@ def unused(cfg: RunConfig, world: int | None = None) -> list[str]:
     for name in ("controller", "probe_batches"):
         if getattr(cfg, name) != getattr(default, name) and not cfg.auto_lr:
             out.append(f"--{name.replace('_', '-')} without --auto-lr")
+    if cfg.lr_cut != default.lr_cut and cfg.on_runaway != "recover":
+        out.append(f"--lr-cut with --on-runaway {cfg.on_runaway}")
     if cfg.range_backoff != default.range_backoff and not cfg.range_test:
         out.append("--range-backoff without --range-test")
     for name in ("ctx", "layers"):

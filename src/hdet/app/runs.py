@@ -188,7 +188,7 @@ def make_scheduler(cfg: RunConfig, warmup: int, task: Task, device: torch.device
         return OneCycleAutoLR(optimizer, max_lr=cfg.max_lr, total_steps=cfg.steps, pct_start=cfg.pct_start,
                               ensemble_lr_spread_ratio=cfg.alpha, model_sync_interval=cfg.T,
                               enable_auto_lr=cfg.auto_lr, auto_lr_warmup_steps=warmup, eq8=cfg.eq8,
-                              on_runaway=cfg.on_runaway, lr_range_test=cfg.range_test,
+                              on_runaway=cfg.on_runaway, lr_cut=cfg.lr_cut, lr_range_test=cfg.range_test,
                               range_backoff=cfg.range_backoff,
                               model=module, seed=cfg.seed, replicas=replicas,
                               explore=_explored(cfg, optimizer, inner), controller=cfg.controller,
