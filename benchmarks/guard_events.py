@@ -5,6 +5,10 @@ the peak LR their sweep found (the same run: `--lr-sweep-then restart` trains as
 run have come back by itself, or broken?). Issue 15: what the guard's events cost the sweep's recipe.
 
     python benchmarks/guard_events.py --task bytes --from A.json B.json --out guard_events.json
+
+--guards takes variants of the guard, comma-separated: ignore, recover, or recover:F (--lr-cut F). With --fixed-lr X
+--seeds S the runs are instead every seed of S at --max-lr X (the same task and size, no sweep): a stress test of the
+guard at one LR.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -27,7 +32,9 @@ EVENTS = ("rose more than", "ran away")  # hdet.stability's warnings
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="bytes")
-    p.add_argument("--from", dest="sources", nargs="+", required=True)
+    p.add_argument("--from", dest="sources", nargs="+", default=[])
+    p.add_argument("--fixed-lr", type=float, default=None)
+    p.add_argument("--seeds", default="")
     p.add_argument("--guards", default="recover,ignore")
     p.add_argument("--device", default="cuda")
     p.add_argument("--data", default="data/fashion")
@@ -37,14 +44,19 @@ def main() -> None:
     a = p.parse_args()
     picked = [(src, r) for src in a.sources for r in json.loads(Path(src).read_text())["runs"]
               if r["task"] == a.task and r.get("lr_sweep") and any(e in r["log_tail"] for e in EVENTS)]
+    if a.fixed_lr is not None:  # the stress test: no source, every seed at one LR
+        picked += [(None, {"name": f"{a.task}-lr{a.fixed_lr:g}-s{seed}", "seed": int(seed), "start": None,
+                           "metric": None, "lr_sweep": {"max_lr": a.fixed_lr}}) for seed in a.seeds.split(",") if seed]
     procs = {}
     for src, r in picked:
         for guard in a.guards.split(","):
-            name = f"{r['name']}-{guard}"
+            name = f"{r['name']}-{guard.replace(':', '')}"
             out = Path(a.runs) / name
             out.parent.mkdir(parents=True, exist_ok=True)
+            on, _, cut = guard.partition(":")
             cmd = train_command(a.task, r["seed"], "1500", a.device, a.data,
-                                ["--max-lr", repr(r["lr_sweep"]["max_lr"]), "--on-runaway", guard], out)
+                                ["--max-lr", repr(r["lr_sweep"]["max_lr"]), "--on-runaway", on]
+                                + (["--lr-cut", cut] if cut else []), out)
             log = (out.parent / f"{name}.log").open("w")
             procs[name] = (src, r, guard, out, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
                                                                 env={**os.environ, "OMP_NUM_THREADS": "1"}))
@@ -61,7 +73,9 @@ def main() -> None:
         rows.append({"name": name, "source": src, "seed": r["seed"], "start": r["start"], "guard": guard,
                      "max_lr": r["lr_sweep"]["max_lr"], "swept_metric": r["metric"],
                      "metric": final_metric(a.task, s),
-                     "events": sum(log.count(e) for e in EVENTS), "rc": proc.returncode, "log_tail": log[-1200:]})
+                     "events": sum(log.count(e) for e in EVENTS),
+                     "lr_scales": re.findall(r"cut to ([0-9.e-]+) of its value", log),  # after each event
+                     "rc": proc.returncode, "log_tail": log[-1200:]})
     import torch
 
     rec = {"command": "python " + " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,
