@@ -6,7 +6,8 @@ run have come back by itself, or broken?). Issue 15: what the guard's events cos
 
     python benchmarks/guard_events.py --task bytes --from A.json B.json --out guard_events.json
 
---guards takes variants of the guard, comma-separated: ignore, recover, or recover:F (--lr-cut F). With --fixed-lr X
+--guards takes variants of the guard, comma-separated: ignore, recover, or recover:F (--lr-cut F); old:V runs variant V
+with the hdet of --old-src instead (an earlier commit's src/, to compare rules side by side). With --fixed-lr X
 --seeds S the runs are instead every seed of S at --max-lr X (the same task and size, no sweep): a stress test of the
 guard at one LR.
 """
@@ -35,6 +36,7 @@ def main() -> None:
     p.add_argument("--from", dest="sources", nargs="+", default=[])
     p.add_argument("--fixed-lr", type=float, default=None)
     p.add_argument("--seeds", default="")
+    p.add_argument("--old-src", default=None, help="the src/ folder of the hdet that old:V variants run")
     p.add_argument("--guards", default="recover,ignore")
     p.add_argument("--device", default="cuda")
     p.add_argument("--data", default="data/fashion")
@@ -50,16 +52,18 @@ def main() -> None:
     procs = {}
     for src, r in picked:
         for guard in a.guards.split(","):
-            name = f"{r['name']}-{guard.replace(':', '')}"
+            name = f"{r['name']}-{guard.replace('old:', 'old-').replace(':', '')}"
             out = Path(a.runs) / name
             out.parent.mkdir(parents=True, exist_ok=True)
-            on, _, cut = guard.partition(":")
+            old = guard.startswith("old:")
+            on, _, cut = guard.removeprefix("old:").partition(":")
             cmd = train_command(a.task, r["seed"], "1500", a.device, a.data,
                                 ["--max-lr", repr(r["lr_sweep"]["max_lr"]), "--on-runaway", on]
                                 + (["--lr-cut", cut] if cut else []), out)
             log = (out.parent / f"{name}.log").open("w")
             procs[name] = (src, r, guard, out, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                                                env={**os.environ, "OMP_NUM_THREADS": "1"}))
+                                                                env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                                     **({"PYTHONPATH": a.old_src} if old else {})}))
     t0 = time.time()
     while any(pr.poll() is None for *_, pr in procs.values()) and time.time() - t0 < a.deadline:
         time.sleep(2)
@@ -80,7 +84,8 @@ def main() -> None:
 
     rec = {"command": "python " + " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "seconds": time.time() - t0, "runs": rows}
+           "seconds": time.time() - t0, "runs": rows,
+           "old_src_commit": (Path(a.old_src).parent / "COMMIT").read_text().strip() if a.old_src else None}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rec, indent=1))
     for row in rows:

@@ -488,7 +488,7 @@ def test_a_run_where_every_replica_fails_writes_null_not_nan(tmp_path):
 def test_lr_cut_is_the_factor_of_each_recovery(tmp_path, capsys):
     """--lr-cut 0.7: at the first recovery (the ensemble's loss rose at step 8, every replica went back) the LR
     schedule is multiplied by 0.7 from the next step on, against the same run without the guard (the same schedule
-    and, up to the event, the same run); the second (step 12) makes it 0.49. A changed --lr-cut is another run for
+    and, up to the event, the same run); the second (step 12) by 0.7 ** 2, to 0.343. A changed --lr-cut is another run for
     --resume, and with --on-runaway ignore it does nothing (said)."""
     from hdet.app.options import RunConfig, unused
 
@@ -497,7 +497,7 @@ def test_lr_cut_is_the_factor_of_each_recovery(tmp_path, capsys):
         assert main(["train", *args, "--lr-cut", "0.7", "--out", str(tmp_path / "cut")]) == 0
     cuts = sorted({re.search(r"step (\d+) .* cut to ([\d.]+) of its value", str(w.message)).groups()
                    for w in said if "cut to" in str(w.message)})
-    assert cuts == [("12", "0.49"), ("8", "0.7")]
+    assert cuts == [("12", "0.343"), ("8", "0.7")]
     assert main(["train", *args, "--on-runaway", "ignore", "--out", str(tmp_path / "free")]) == 0
     cut, free = (_strict_jsonl(tmp_path / d / "metrics.jsonl") for d in ("cut", "free"))
     ratio = {m["step"]: m["lr_mean"]["mlp"] / f["lr_mean"]["mlp"] for m, f in zip(cut, free)}

@@ -17,13 +17,13 @@ import hdet
 from hdet.engine import ReplicaEngine
 
 
-def _scripted(script, mode="recover", N=8, T=5):
+def _scripted(script, mode="recover", N=8, T=5, **kw):
     torch.manual_seed(0)
     m = nn.Linear(3, 1)
     o = torch.optim.SGD(m.parameters(), lr=0.1)
     it = iter(script)
     s = hdet.HDETLR(o, None, total_steps=100, model=m, replicas=ScriptedReplicas(0, N, lambda: next(it)),
-                    ensemble_lr_spread_ratio=0.2, model_sync_interval=T, on_runaway=mode)
+                    ensemble_lr_spread_ratio=0.2, model_sync_interval=T, on_runaway=mode, **kw)
     return m, o, s
 
 
@@ -152,6 +152,43 @@ def test_the_cuts_stop_at_min_lr_scale():
         for _ in range(10):
             _window(o, s)
     assert s.ensemble.slots.lr_scale == MIN_LR_SCALE == 1 / 64 and s.last_sync.went_back_to == 5
+
+
+def test_each_cut_is_harder_than_the_one_before_and_a_resume_counts_them():
+    """The k-th cut of a run is lr_cut ** k (0.7, then 0.49: the schedule at 0.7, 0.343, 0.0824); a resumed run
+    cuts as the uninterrupted one would (the count is in the state), and a state saved before the count was (every
+    cut by lr_cut then) reads it back from lr_scale."""
+    script = [[2.0] * 8] + [[2.5] * 8] * 4
+    m, o, s = _scripted(script, lr_cut=0.7)
+    scales = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for k in range(4):
+            _window(o, s)
+            scales.append(s.ensemble.slots.lr_scale)
+            if k == 1:
+                state = torch.load(io.BytesIO(_bytes(s.state_dict())), weights_only=True)
+    assert scales == pytest.approx([1.0, 0.7, 0.7 ** 3, 0.7 ** 6])
+    assert state["hdet"]["lr_cuts"] == 1
+    for saved, then in ((state, [0.7 ** 3, 0.7 ** 6]), (_without_cuts(state, 0.7 ** 2), [0.7 ** 5, 0.7 ** 9])):
+        _, o2, s2 = _scripted([[2.5] * 8] * 2, lr_cut=0.7)
+        s2.load_state_dict(saved)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for x in then:
+                _window(o2, s2)
+                assert s2.ensemble.slots.lr_scale == pytest.approx(x)
+    bad = _without_cuts(state, 0.7)
+    bad["hdet"]["lr_cuts"] = -1
+    with pytest.raises(ValueError, match="lr_cuts as a whole number >= 0, but got -1"):
+        _scripted([], lr_cut=0.7)[2].load_state_dict(bad)
+
+
+def _without_cuts(state, lr_scale):
+    """``state`` as saved before the cuts were counted, with ``lr_scale`` (two cuts of 0.7 then: 0.49)."""
+    out = {**state, "hdet": {k: v for k, v in state["hdet"].items() if k != "lr_cuts"}}
+    out["hdet"]["lr_scale"] = lr_scale
+    return out
 
 
 def _quadratic_rank(rank, world, mode):

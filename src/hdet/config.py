@@ -51,7 +51,8 @@ class HDETConfig:
         rise_threshold: with "recover": the ensemble is rising when its median window loss is more than this
             fraction above its best so far. Default 0.05.
         lr_cut: with "recover": at each sync with a runaway replica or a rising ensemble, the LR schedule is
-            multiplied by this factor for the rest of the run. Default 0.5.
+            cut for the rest of the run, the k-th time by ``lr_cut ** k`` (0.5, then 0.25, ... of what it was:
+            a repeated event says the LR is further past the edge). Default 0.5.
         lr_range_test: an LR range test during the warm-up (the first ``auto_lr_warmup_steps`` steps,
             :mod:`hdet.range_test`): the LR schedule is multiplied by a factor that starts at 1/25 and grows at
             every sync until the ensemble's loss stops making progress or turns unstable; the peak LR becomes the

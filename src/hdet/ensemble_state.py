@@ -55,6 +55,7 @@ def state_dict(ens: "Ensemble") -> dict[str, Any]:
         "total_steps": ens.total_steps,
         "names": list(s.names),
         "lr_scale": s.lr_scale,
+        "lr_cuts": s.cuts,
         "stability": ens.stability.state_dict(),
         "range_test": None if s.range is None else s.range.state_dict(),
         "range_snapshots": ens._ramp.state_dict(),
@@ -208,6 +209,7 @@ def _parse_fields(ens: "Ensemble", state: dict[str, Any], version: int) -> dict[
             "dealer": dealer, "total_steps": total, "peak0": float(state.get("peak0", 0.0)), "scheduled": scheduled,
             "perms": [[int(i) for i in p] for p in perms], "window": (None, None, 0, None) if elastic else window,
             "window_mean": window_mean, "lr_scale": _positive(state.get("lr_scale", 1.0), "lr_scale"),
+            "lr_cuts": _cuts(state, config),
             "stability": StabilityGuard.parse(state.get("stability")),
             "range_test": _parse_range(state.get("range_test"), config, ens),
             "range_snapshots": RampSnapshots.parse(state.get("range_snapshots")),
@@ -238,6 +240,18 @@ def _positive(x: Any, name: str) -> float:
     if not _is_real(x) or not 0 < x < math.inf:
         raise ValueError(f"Expected the state's {name} as a positive number, but got {x!r}: a corrupted state_dict")
     return float(x)
+
+
+def _cuts(state: dict[str, Any], config: HDETConfig) -> int:
+    """How many times the run cut its LR schedule: saved, or, in a state from before it was, what the rule of
+    then (every cut by ``lr_cut``) left in ``lr_scale``."""
+    if "lr_cuts" not in state:
+        scale = _positive(state.get("lr_scale", 1.0), "lr_scale")
+        return round(math.log(scale) / math.log(config.lr_cut)) if scale < 1 and config.lr_cut < 1 else 0
+    k = state["lr_cuts"]
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"Expected the state's lr_cuts as a whole number >= 0, but got {k!r}: a corrupted state_dict")
+    return k
 
 
 def _shard_rank(ens: "Ensemble") -> int:
@@ -292,6 +306,7 @@ def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
     s = ens.slots
     s.bases, s.controllers, s.dealer = new["bases"], new["controllers"], new["dealer"]
     s.peak0, s.scheduled, s.perms, s.lr_scale = new["peak0"], new["scheduled"], new["perms"], new["lr_scale"]
+    s.cuts = new["lr_cuts"]
     s.range = new["range_test"]
     kept, counts = ens.kept_tensors(), len(ens.step_counts())
     ens._ramp.load(new["range_snapshots"], kept, counts)

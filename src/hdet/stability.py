@@ -12,7 +12,8 @@ decides the same, with no communication):
   the spread of the step losses inside the windows: a noisy loss's plateau is not a rise): then every
   replica goes back to the weights (and optimizer state) it had, averaged, at the sync with the best
   loss, kept in memory like a checkpoint;
-* either way the LR schedule is cut by ``lr_cut`` for the rest of the run, to ``MIN_LR_SCALE`` at most.
+* either way the LR schedule is cut for the rest of the run, the k-th time by ``lr_cut ** k``, to
+  ``MIN_LR_SCALE`` at most.
 
 Memory: one copy of the averaged tensors and the optimizer state per replica (taken at syncs only); in the
 one-process engine, tensors that the replicas share (its one copy of the moments) are copied once

@@ -64,7 +64,8 @@ class RunConfig:
         "recover: a replica whose finite window loss runs away is reset like a non-finite one and the LR schedule "
         "is cut (also when the ensemble's loss rises); ignore: the paper's HDET"))
     lr_cut: float = field(default=0.5, metadata=_cli(
-        "with --on-runaway recover: what the LR schedule is multiplied by at each such event, for the rest of the run"))
+        "with --on-runaway recover: the LR schedule's cut at such an event, for the rest of the run (the k-th event's "
+        "is FRAC ** k)", metavar="FRAC"))
     range_test: bool = field(default=False, metadata=_cli(
         "an LR range test during OneCycle's warm-up: --max-lr is a first guess; the LR ramps from 1/25 of the "
         "schedule past it until the loss's progress collapses or it turns unstable, then every replica goes back to "
