@@ -51,8 +51,9 @@ class HDETConfig:
         rise_threshold: with "recover": the ensemble is rising when its median window loss is more than this
             fraction above its best so far. Default 0.05.
         lr_cut: with "recover": at each sync with a runaway replica or a rising ensemble, the LR schedule is
-            cut for the rest of the run, the k-th time by ``lr_cut ** k`` (0.5, then 0.25, ... of what it was:
-            a repeated event says the LR is further past the edge). Default 0.5.
+            cut for the rest of the run, the k-th time by ``lr_cut ** k`` (0.7, then 0.49, ... of what it was:
+            a repeated event says the LR is further past the edge). Default 0.7 (measured against 0.5, 0.85 and
+            every cut by the same factor: ``docs/reliability.md``).
         lr_range_test: an LR range test during the warm-up (the first ``auto_lr_warmup_steps`` steps,
             :mod:`hdet.range_test`): the LR schedule is multiplied by a factor that starts at 1/25 and grows at
             every sync until the ensemble's loss stops making progress or turns unstable; the peak LR becomes the
@@ -81,7 +82,7 @@ class HDETConfig:
     on_runaway: str = "ignore"
     outlier_threshold: float = 5.0
     rise_threshold: float = 0.05
-    lr_cut: float = 0.5
+    lr_cut: float = 0.7
     lr_range_test: bool = False
     range_max_factor: float = 300.0
     range_backoff: float = 2.0

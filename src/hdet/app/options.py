@@ -63,7 +63,7 @@ class RunConfig:
     on_runaway: str = field(default="recover", metadata=_cli(
         "recover: a replica whose finite window loss runs away is reset like a non-finite one and the LR schedule "
         "is cut (also when the ensemble's loss rises); ignore: the paper's HDET"))
-    lr_cut: float = field(default=0.5, metadata=_cli(
+    lr_cut: float = field(default=0.7, metadata=_cli(
         "with --on-runaway recover: the LR schedule's cut at such an event, for the rest of the run (the k-th event's "
         "is FRAC ** k)", metavar="FRAC"))
     range_test: bool = field(default=False, metadata=_cli(
