@@ -506,7 +506,7 @@ def test_lr_cut_is_the_factor_of_each_recovery(tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", *args, "--lr-cut", "0.5", "--out", str(tmp_path / "cut"), "--resume"]) == 2
     assert "--lr-cut 0.7 -> 0.5" in capsys.readouterr().err
-    assert "--lr-cut with --on-runaway ignore" in unused(RunConfig(lr_cut=0.7, on_runaway="ignore"))
+    assert "--lr-cut with --on-runaway ignore" in unused(RunConfig(lr_cut=0.5, on_runaway="ignore"))
     assert main(["train", *TINY, "--lr-cut", "1.5", "--out", str(tmp_path / "bad")]) == 2
     assert "Expected --lr-cut in (0, 1]" in capsys.readouterr().err
 
