@@ -1,6 +1,6 @@
 # Call 22 (issue 15): each cut harder than the one before (the k-th lr_cut ** k) at --lr-cut 0.7, against the rule
 # before it (every cut 0.5; old: runs the hdet of scratch_wt/src, commit in scratch_wt/COMMIT, made with
-# `git archive cb5dacd src | tar -x -C scratch_wt`). The six GPT event runs of calls 17-18 and the 10x starts
+# `git archive cb5dacd src | tar -x -C scratch_wt && git rev-parse cb5dacd > scratch_wt/COMMIT`). The six GPT event runs of calls 17-18 and the 10x starts
 # of call 21 with the new rule; the GPT at 1.5x the grid best (max_lr 0.006) on fresh seeds 28-39 with both.
 # Usage: bash benchmarks/gpu_guard_cut2.sh (carry data/fashion and scratch_wt)
 set -x

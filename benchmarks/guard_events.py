@@ -85,11 +85,18 @@ def main() -> None:
     rec = {"command": "python " + " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "seconds": time.time() - t0, "runs": rows,
-           "old_src_commit": (Path(a.old_src).parent / "COMMIT").read_text().strip() if a.old_src else None}
+           "old_src_commit": _commit(a.old_src)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rec, indent=1))
     for row in rows:
         print(row["name"], row["swept_metric"], row["metric"], row["events"])
+
+
+def _commit(src: str | None) -> str | None:
+    """The commit that --old-src was made from: the COMMIT file beside it (``git rev-parse C > scratch_wt/COMMIT``),
+    where there is one."""
+    f = Path(src).parent / "COMMIT" if src else None
+    return f.read_text().strip() if f is not None and f.is_file() else None
 
 
 if __name__ == "__main__":

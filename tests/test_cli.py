@@ -486,26 +486,26 @@ def test_a_run_where_every_replica_fails_writes_null_not_nan(tmp_path):
 
 
 def test_lr_cut_is_the_factor_of_each_recovery(tmp_path, capsys):
-    """--lr-cut 0.7: at the first recovery (the ensemble's loss rose at step 8, every replica went back) the LR
-    schedule is multiplied by 0.7 from the next step on, against the same run without the guard (the same schedule
-    and, up to the event, the same run); the second (step 12) by 0.7 ** 2, to 0.343. A changed --lr-cut is another run for
-    --resume, and with --on-runaway ignore it does nothing (said)."""
+    """--lr-cut 0.6 (not the default 0.7): at the first recovery (the ensemble's loss rose at step 8, every replica
+    went back) the LR schedule is multiplied by 0.6 from the next step on, against the same run without the guard
+    (the same schedule and, up to the event, the same run); the second (step 12) by 0.6 ** 2, to 0.216. A changed
+    --lr-cut is another run for --resume, and with --on-runaway ignore it does nothing (said)."""
     from hdet.app.options import RunConfig, unused
 
     args = [*TINY, "--max-lr", "1", "--checkpoint-every", "6"]
     with pytest.warns(UserWarning) as said:
-        assert main(["train", *args, "--lr-cut", "0.7", "--out", str(tmp_path / "cut")]) == 0
+        assert main(["train", *args, "--lr-cut", "0.6", "--out", str(tmp_path / "cut")]) == 0
     cuts = sorted({re.search(r"step (\d+) .* cut to ([\d.]+) of its value", str(w.message)).groups()
                    for w in said if "cut to" in str(w.message)})
-    assert cuts == [("12", "0.343"), ("8", "0.7")]
+    assert cuts == [("12", "0.216"), ("8", "0.6")]
     assert main(["train", *args, "--on-runaway", "ignore", "--out", str(tmp_path / "free")]) == 0
     cut, free = (_strict_jsonl(tmp_path / d / "metrics.jsonl") for d in ("cut", "free"))
     ratio = {m["step"]: m["lr_mean"]["mlp"] / f["lr_mean"]["mlp"] for m, f in zip(cut, free)}
     assert all(ratio[t] == pytest.approx(1.0) for t in range(1, 9))
-    assert all(ratio[t] == pytest.approx(0.7) for t in range(9, 13)), ratio
+    assert all(ratio[t] == pytest.approx(0.6) for t in range(9, 13)), ratio
     capsys.readouterr()
     assert main(["train", *args, "--lr-cut", "0.5", "--out", str(tmp_path / "cut"), "--resume"]) == 2
-    assert "--lr-cut 0.7 -> 0.5" in capsys.readouterr().err
+    assert "--lr-cut 0.6 -> 0.5" in capsys.readouterr().err
     assert "--lr-cut with --on-runaway ignore" in unused(RunConfig(lr_cut=0.5, on_runaway="ignore"))
     assert main(["train", *TINY, "--lr-cut", "1.5", "--out", str(tmp_path / "bad")]) == 2
     assert "Expected --lr-cut in (0, 1]" in capsys.readouterr().err
@@ -898,28 +898,31 @@ def test_lr_sweep_then_continue_trains_the_rest_from_the_best_run_and_resumes(tm
 
 
 def test_checkpoints_from_before_lr_sweep_then_pct_start_and_lr_cut_resume_as_they_ran(tmp_path, capsys):
-    """A checkpoint whose config has none of --pct-start, --lr-sweep-then and --lr-cut (written before they existed; nor
-    --lr-sweep, for a run without a sweep) resumes:
-    a run without a sweep with the defaults, a swept one (which went on from the best run) with --lr-sweep-then
-    continue, and the default, another run, is refused with what differs."""
+    """A checkpoint whose config has none of --pct-start, --lr-sweep-then and --lr-cut (written before they existed,
+    by runs with the recovery's cut 0.5; nor --lr-sweep, for a run without a sweep) resumes: a run without a sweep with
+    --lr-cut 0.5 (the default now, 0.7, is another run: refused, saying so), a swept one (which went on from the best
+    run) with --lr-sweep-then continue too (the default, another run, is refused with what differs)."""
     def strip(folder):
         for f in folder.glob("checkpoint*.pt"):
             state = torch.load(f, weights_only=True)
             for k in ("pct_start", "lr_sweep_then", "lr_cut") + (("lr_sweep",) if not state["config"]["lr_sweep"] else ()):
                 state["config"].pop(k)  # (a run without a sweep: from before --lr-sweep too)
             torch.save(state, f)
-    plain = [*TINY, "--steps", "20", "--checkpoint-every", "10"]
+    plain = [*TINY, "--steps", "20", "--checkpoint-every", "10", "--lr-cut", "0.5"]
     assert main(["train", *plain, "--out", str(tmp_path / "plain")]) == 0
     shutil.copytree(tmp_path / "plain", tmp_path / "plain2")
     strip(tmp_path / "plain2")
+    capsys.readouterr()
+    assert main(["train", *plain[:-2], "--out", str(tmp_path / "plain2"), "--resume"]) == 2
+    assert "differ: --lr-cut 0.5 -> 0.7\n" in capsys.readouterr().err
     assert main(["train", *plain, "--out", str(tmp_path / "plain2"), "--resume"]) == 0
     _same_run(tmp_path / "plain", tmp_path / "plain2")
-    swept = [*SWEEP, "--lr-sweep-then", "continue", "--checkpoint-every", "15"]
+    swept = [*SWEEP, "--lr-sweep-then", "continue", "--checkpoint-every", "15", "--lr-cut", "0.5"]
     assert main(["train", *swept, "--out", str(tmp_path / "swept")]) == 0
     shutil.copytree(tmp_path / "swept", tmp_path / "swept2")
     strip(tmp_path / "swept2")
     capsys.readouterr()
-    assert main(["train", *SWEEP, "--out", str(tmp_path / "swept2"), "--resume"]) == 2
+    assert main(["train", *SWEEP, "--lr-cut", "0.5", "--out", str(tmp_path / "swept2"), "--resume"]) == 2
     err = capsys.readouterr().err
     assert "--lr-sweep-then 'continue' -> 'restart'" in err and "--steps" not in err  # (the steps follow from it)
     assert main(["train", *swept, "--out", str(tmp_path / "swept2"), "--resume"]) == 0

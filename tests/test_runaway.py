@@ -156,8 +156,9 @@ def test_the_cuts_stop_at_min_lr_scale():
 
 def test_each_cut_is_harder_than_the_one_before_and_a_resume_counts_them():
     """The k-th cut of a run is lr_cut ** k (0.7, then 0.49: the schedule at 0.7, 0.343, 0.0824); a resumed run
-    cuts as the uninterrupted one would (the count is in the state), and a state saved before the count was (every
-    cut by lr_cut then) reads it back from lr_scale."""
+    cuts as the uninterrupted one would (the count is in the state); a state saved before the count was (every cut
+    by lr_cut then: two cuts of 0.5, lr_scale 0.25) reads it back from lr_scale, says that its cuts from now on follow
+    the rule of now (0.5 ** 3, then 0.5 ** 4, floored at 1/64), and cuts so."""
     script = [[2.0] * 8] + [[2.5] * 8] * 4
     m, o, s = _scripted(script, lr_cut=0.7)
     scales = []
@@ -170,25 +171,24 @@ def test_each_cut_is_harder_than_the_one_before_and_a_resume_counts_them():
                 state = torch.load(io.BytesIO(_bytes(s.state_dict())), weights_only=True)
     assert scales == pytest.approx([1.0, 0.7, 0.7 ** 3, 0.7 ** 6])
     assert state["hdet"]["lr_cuts"] == 1
-    for saved, then in ((state, [0.7 ** 3, 0.7 ** 6]), (_without_cuts(state, 0.7 ** 2), [0.7 ** 5, 0.7 ** 9])):
-        _, o2, s2 = _scripted([[2.5] * 8] * 2, lr_cut=0.7)
-        s2.load_state_dict(saved)
+    old = {**state, "hdet": {k: v for k, v in state["hdet"].items() if k != "lr_cuts"}}
+    old["hdet"]["lr_scale"], old["hdet"]["config"] = 0.25, {**state["hdet"]["config"], "lr_cut": 0.5}
+    for saved, cut, then in ((state, 0.7, [0.7 ** 3, 0.7 ** 6]), (old, 0.5, [0.25 * 0.5 ** 3, 1 / 64])):
+        _, o2, s2 = _scripted([[2.5] * 8] * 2, lr_cut=cut)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            s2.load_state_dict(saved)
+        before = [str(w.message) for w in said if "before the stability guard's cuts were counted" in str(w.message)]
+        assert len(before) == (saved is old)
+        assert all("taken as 2 cut(s) of 0.5, and the next cut is lr_cut ** 3" in w for w in before)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for x in then:
                 _window(o2, s2)
                 assert s2.ensemble.slots.lr_scale == pytest.approx(x)
-    bad = _without_cuts(state, 0.7)
-    bad["hdet"]["lr_cuts"] = -1
+    bad = {**state, "hdet": {**state["hdet"], "lr_cuts": -1}}
     with pytest.raises(ValueError, match="lr_cuts as a whole number >= 0, but got -1"):
         _scripted([], lr_cut=0.7)[2].load_state_dict(bad)
-
-
-def _without_cuts(state, lr_scale):
-    """``state`` as saved before the cuts were counted, with ``lr_scale`` (two cuts of 0.7 then: 0.49)."""
-    out = {**state, "hdet": {k: v for k, v in state["hdet"].items() if k != "lr_cuts"}}
-    out["hdet"]["lr_scale"] = lr_scale
-    return out
 
 
 def _quadratic_rank(rank, world, mode):

@@ -428,7 +428,8 @@ class Ensemble:
         elif verdict.runaway or verdict.rising:
             # the k-th cut of the run is lr_cut ** k: the first event says the LR is at the edge of stability, each
             # further one that it is further past it (measured: benchmarks/results/evidence/sweep_then_train/call21)
-            self.slots.cut_lr(max(c.lr_cut ** (self.slots.cuts + 1), MIN_LR_SCALE / self.slots.lr_scale))
+            self.slots.cuts += 1
+            self.slots.cut_lr(max(c.lr_cut ** self.slots.cuts, MIN_LR_SCALE / self.slots.lr_scale))
             self.stability.warn(t, verdict.runaway, losses, verdict.rising, back, self.slots.lr_scale, verdict.collapsed,
                                 "sync step" if self.is_sync_step(t) else "an early recovery at step")
         nonfinite_losses = [int(col.nonfinite[r]) for r in range(N)]

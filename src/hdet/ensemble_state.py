@@ -243,11 +243,19 @@ def _positive(x: Any, name: str) -> float:
 
 
 def _cuts(state: dict[str, Any], config: HDETConfig) -> int:
-    """How many times the run cut its LR schedule: saved, or, in a state from before it was, what the rule of
-    then (every cut by ``lr_cut``) left in ``lr_scale``."""
+    """How many times the stability guard cut the run's LR schedule: saved, or, in a state from before it was, what
+    the rule of then (every cut by ``lr_cut``) left in ``lr_scale``; from there the run cuts by the rule of now (the
+    k-th by ``lr_cut ** k``), which is not how it would have gone on: said."""
     if "lr_cuts" not in state:
         scale = _positive(state.get("lr_scale", 1.0), "lr_scale")
-        return round(math.log(scale) / math.log(config.lr_cut)) if scale < 1 and config.lr_cut < 1 else 0
+        if not (scale < 1 and config.lr_cut < 1):
+            return 0
+        k = round(math.log(scale) / math.log(config.lr_cut))
+        warnings.warn(f"hdet: this state was saved before the stability guard's cuts were counted: its LR schedule, "
+                      f"cut to {scale:.3g} of itself, is taken as {k} cut(s) of {config.lr_cut:g}, and the next cut is "
+                      f"lr_cut ** {k + 1} (the rule since: the k-th cut lr_cut ** k, where every cut was lr_cut)",
+                      stacklevel=4)
+        return k
     k = state["lr_cuts"]
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"Expected the state's lr_cuts as a whole number >= 0, but got {k!r}: a corrupted state_dict")

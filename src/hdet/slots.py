@@ -63,7 +63,7 @@ class Slots:
         self.controllers: list[Controller | None] = [None] * self.num_slots
         self.dealer = Dealer(config.seed)
         self.lr_scale = 1.0  # the cuts of the LR schedule so far (runaway replicas, an unstable ensemble)
-        self.cuts = 0  # how many there were
+        self.cuts = 0  # how many of them the stability guard made (its k-th is lr_cut ** k)
         self.range: RangeTest | None = None  # the in-run LR range test (lr_range_test=True), set with the run's length
 
     def resize(self, world_size: int, redeal: bool) -> None:
@@ -112,7 +112,6 @@ class Slots:
     def cut_lr(self, factor: float) -> None:
         """Multiply every LR slot's base by ``factor`` from now on (a paper controller's own base too)."""
         self.lr_scale *= factor
-        self.cuts += 1
         for j in range(self.num_lr_slots):
             ctrl = self.controllers[j]
             if ctrl is not None:

@@ -47,7 +47,8 @@ def previous(path: Path) -> Path:
 
 ADDED = {"pct_start": 0.3, "lr_sweep": 0.0, "cuda_graph": False, "lr_sweep_points": None, "lr_cut": 0.5}  # options
 # added since checkpoints exist (and --lr-sweep-then, set in _resolved): what runs did before each, OneCycle's warm-up
-# 0.3, no sweep, no CUDA graph, a sweep grid of one LR a replica, the recovery's LR cut 0.5
+# 0.3, no sweep, no CUDA graph, a sweep grid of one LR a replica, the recovery's LR cut 0.5 (its cuts after the
+# resume the rule of now, 0.5 ** k: hdet.ensemble_state warns where one was made before)
 
 
 def _config(cfg: RunConfig) -> dict[str, Any]:
