@@ -385,6 +385,28 @@ def test_gradients_and_submodules_modes_come_back_as_they_came(keep):
         assert torch.equal(v, frozen[k]), k
 
 
+@pytest.mark.parametrize("keep", ["start", "winner"])
+def test_torchs_rng_ends_as_it_came(keep):
+    """The runs' dropout draws from torch's RNG, and the sweep leaves it as it came: the main run after a sweep
+    with keep="start" draws what the run without a sweep draws (the same run, as `hdet train --lr-sweep-then restart`
+    promises), and ranks whose rounds ran different numbers of runs stay in step."""
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 1))
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N, keep=keep)
+    assert torch.equal(torch.get_rng_state(), before)
+    calls = []
+
+    def failing(model, batch):  # the third step's loss fails, after two of dropout's draws
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the user's loss failed")
+        return loss_fn(model, batch)
+    with pytest.raises(RuntimeError, match="the user's loss failed"):
+        hdet.lr_sweep(model, make_opt, failing, batches, guess=0.1, steps=STEPS, num_replicas=N, keep=keep)
+    assert torch.equal(torch.get_rng_state(), before)  # (an error too)
+
+
 def test_a_model_in_eval_mode_sweeps_in_train_mode_and_ends_in_eval_mode():
     model = make_model().eval()
     start = model[1].running_mean.clone()

@@ -180,7 +180,8 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     below if the best is the lowest LR or every run blew up, above if it is the highest (under torch.distributed a round
     of up to N runs, rank r running the r-th, costs a sweep run's time); ``points``: the grid's LRs (default N, one a
     replica; more run in rounds of N, as the runs beyond it: a grid fine enough for 2 ranks costs 4 rounds at 8 points).
-    Each parameter's ``.grad`` and each submodule's train/eval mode end as they came; the runs train in the modes the
+    Each parameter's ``.grad``, each submodule's train/eval mode and torch's RNG (the CPU's and the model's CUDA
+    devices': dropout's draws) end as they came; the runs train in the modes the
     model came in (a submodule in eval mode, a frozen BatchNorm, stays so), or all in train mode if the model came in
     eval mode. Any error leaves the model as it came (this rank's own weights). The model's forward and the judge must
     be this rank's own (no collective inside: a SyncBatchNorm is refused). With 2 points the grid is two LRs span^2
@@ -219,37 +220,40 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     grads = [p.grad for p in module.parameters()]
     modes = [(m, m.training) for m in module.modules()]
     src0 = dist.get_global_rank(group, 0) if rank is not None and group is not None else 0
-    try:
-        for p in module.parameters():  # (a parameter the optimizer leaves out would add into the user's gradient)
-            p.grad = None
-        if not module.training:  # the runs' modes: as they came under a module in train mode (a frozen BatchNorm in
-            module.train()  # eval stays frozen), else module.train()'s (a train() override that freezes is kept)
-        runs = _Runs(module, tensors, start, make_optimizer, loss_fn, batches, steps_i, pct, judge, cycle_momentum,
-                     [(m, m.training) for m in module.modules()], keep == "winner", n, rank, group, src0, g, base, step)
-        ks = list(range(g))  # the runs' places: LR = _on_lattice(k, base, step)
-        start_loss = runs.grid(ks)
-        for _ in range(extend_i):  # the fit's points on both sides of the best run, beyond the grid where needed
-            low, high = _needed([runs.loss[k] for k in ks], start_loss, min(FIT_NEIGHBOURS, (g - 1) // 2))
-            low, high = min(low, ks[0] + g - 1), min(high, 2 * (g - 1) - ks[-1])  # at most the grid's reach again
-            more = [*range(ks[0] - low, ks[0]), *range(ks[-1] + 1, ks[-1] + 1 + high)]
-            if not more:
-                break
-            runs.more(more)
-            ks = list(range(ks[0] - low, ks[-1] + 1 + high))
-        lrs, losses = [_on_lattice(k, base, step) for k in ks], [runs.loss[k] for k in ks]
-        pick = pick_lr(lrs, losses, start_loss)  # (the same on every rank: the same gathered losses)
-        winner = min((i for i, v in enumerate(losses) if math.isfinite(v)), key=lambda i: losses[i])
-        if keep == "start":  # rank 0's start weights on every rank
-            _copy(tensors, start)
-            if rank is not None:
-                for t in tensors:  # COLLECTIVE: one broadcast a tensor (once a sweep)
-                    dist.broadcast(t, src=src0, group=group)
-        else:
-            runs.keep_winner(ks[winner])
-    except BaseException:
-        _restore(module, grads, modes)
-        _copy(tensors, start)  # the model as it came, whatever failed
-        raise
+    cuda = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):  # the runs' draws (dropout) leave torch's RNG as it came
+        try:
+            for p in module.parameters():  # (a parameter the optimizer leaves out would add into the user's gradient)
+                p.grad = None
+            if not module.training:  # the runs' modes: as they came under a module in train mode (a frozen BatchNorm in
+                module.train()  # eval stays frozen), else module.train()'s (a train() override that freezes is kept)
+            runs = _Runs(module, tensors, start, make_optimizer, loss_fn, batches, steps_i, pct, judge, cycle_momentum,
+                         [(m, m.training) for m in module.modules()], keep == "winner", n, rank, group, src0, g, base,
+                         step)
+            ks = list(range(g))  # the runs' places: LR = _on_lattice(k, base, step)
+            start_loss = runs.grid(ks)
+            for _ in range(extend_i):  # the fit's points on both sides of the best run, beyond the grid where needed
+                low, high = _needed([runs.loss[k] for k in ks], start_loss, min(FIT_NEIGHBOURS, (g - 1) // 2))
+                low, high = min(low, ks[0] + g - 1), min(high, 2 * (g - 1) - ks[-1])  # at most the grid's reach again
+                more = [*range(ks[0] - low, ks[0]), *range(ks[-1] + 1, ks[-1] + 1 + high)]
+                if not more:
+                    break
+                runs.more(more)
+                ks = list(range(ks[0] - low, ks[-1] + 1 + high))
+            lrs, losses = [_on_lattice(k, base, step) for k in ks], [runs.loss[k] for k in ks]
+            pick = pick_lr(lrs, losses, start_loss)  # (the same on every rank: the same gathered losses)
+            winner = min((i for i, v in enumerate(losses) if math.isfinite(v)), key=lambda i: losses[i])
+            if keep == "start":  # rank 0's start weights on every rank
+                _copy(tensors, start)
+                if rank is not None:
+                    for t in tensors:  # COLLECTIVE: one broadcast a tensor (once a sweep)
+                        dist.broadcast(t, src=src0, group=group)
+            else:
+                runs.keep_winner(ks[winner])
+        except BaseException:
+            _restore(module, grads, modes)
+            _copy(tensors, start)  # the model as it came, whatever failed
+            raise
     _restore(module, grads, modes)
     at_edge = winner in (0, len(lrs) - 1)
     if at_edge:
