@@ -507,6 +507,9 @@ def test_lr_cut_is_the_factor_of_each_recovery(tmp_path, capsys):
     assert main(["train", *args, "--lr-cut", "0.5", "--out", str(tmp_path / "cut"), "--resume"]) == 2
     assert "--lr-cut 0.6 -> 0.5" in capsys.readouterr().err
     assert "--lr-cut with --on-runaway ignore" in unused(RunConfig(lr_cut=0.5, on_runaway="ignore"))
+    said = unused(RunConfig(lr_cut=0.5, on_runaway="ignore", optimizer="schedulefree-adamw", alpha=0))
+    assert said == [f"--{f} with --optimizer schedulefree-adamw (its runs have no stability guard)"
+                    for f in ("on-runaway", "lr-cut")]
     assert main(["train", *TINY, "--lr-cut", "1.5", "--out", str(tmp_path / "bad")]) == 2
     assert "Expected --lr-cut in (0, 1]" in capsys.readouterr().err
 

@@ -74,7 +74,8 @@ def _resolved(c: dict[str, Any], mode: str, device: str) -> dict[str, Any]:
             "probe_batches": not (auto and fit), "eq8": not (auto and not fit), "range_backoff": not c.get("range_test"),
             "prodigy_safeguard": c.get("optimizer") != "prodigy", "lr_sweep_then": not c.get("lr_sweep"),
             "lr_sweep_points": not c.get("lr_sweep"),
-            "lr_cut": c.get("on_runaway") != "recover",
+            "on_runaway": c.get("optimizer") == "schedulefree-adamw",  # (its runs have no stability guard)
+            "lr_cut": c.get("on_runaway") != "recover" or c.get("optimizer") == "schedulefree-adamw",
             "pct_start": c.get("optimizer") == "schedulefree-adamw", "data": c.get("task") != "fashion",
             "nu": not c.get("warm_init"), "clip": "grad-clip" not in (c.get("explore") or ()),
             "compile": mode != "engine-vmap", "cuda_graph": mode not in ("engine-merged", "engine-vmap"), "ctx": c.get("task") == "fashion", "layers": c.get("task") == "fashion"}

@@ -132,7 +132,7 @@ class RunConfig:
     optimizer: str = field(default="adamw", metadata=_cli(
         "adamw, or a learning-rate-free peer to compare with (pip install 'hdet[bench]'): dadapt-adam, prodigy (at "
         "--max-lr 1, OneCycle shape; under a spread the multiplier scales their step), schedulefree-adamw "
-        "(constant LR after its own warm-up; needs --alpha 0), mechanic-adamw (Mechanic's tuner over AdamW at --max-lr 1, "
+        "(constant LR after its own warm-up; needs --alpha 0; no stability guard), mechanic-adamw (Mechanic's tuner over AdamW at --max-lr 1, "
         "OneCycle shape; needs --alpha 0)"))
     prodigy_safeguard: bool = field(default=False, metadata=_cli(
         "prodigy: safeguard_warmup=True, prodigyopt's advice under a warm-up (off by default: with OneCycle's warm-up "
@@ -290,7 +290,10 @@ def unused(cfg: RunConfig, world: int | None = None) -> list[str]:
     for name in ("controller", "probe_batches"):
         if getattr(cfg, name) != getattr(default, name) and not cfg.auto_lr:
             out.append(f"--{name.replace('_', '-')} without --auto-lr")
-    if cfg.lr_cut != default.lr_cut and cfg.on_runaway != "recover":
+    if cfg.optimizer == "schedulefree-adamw":
+        out += [f"--{name.replace('_', '-')} with --optimizer schedulefree-adamw (its runs have no stability guard)"
+                for name in ("on_runaway", "lr_cut") if getattr(cfg, name) != getattr(default, name)]
+    elif cfg.lr_cut != default.lr_cut and cfg.on_runaway != "recover":
         out.append(f"--lr-cut with --on-runaway {cfg.on_runaway}")
     if cfg.range_backoff != default.range_backoff and not cfg.range_test:
         out.append("--range-backoff without --range-test")
