@@ -244,18 +244,11 @@ def _positive(x: Any, name: str) -> float:
 
 def _cuts(state: dict[str, Any], config: HDETConfig) -> int:
     """How many times the stability guard cut the run's LR schedule: saved, or, in a state from before it was, what
-    the rule of then (every cut by ``lr_cut``) left in ``lr_scale``; from there the run cuts by the rule of now (the
-    k-th by ``lr_cut ** k``), which is not how it would have gone on: said."""
+    the rule of then (every cut by ``lr_cut``) left in ``lr_scale`` (from there the run cuts by the rule of now, the
+    k-th by ``lr_cut ** k``, which is not how it would have gone on: :func:`commit` says so)."""
     if "lr_cuts" not in state:
         scale = _positive(state.get("lr_scale", 1.0), "lr_scale")
-        if not (scale < 1 and config.lr_cut < 1):
-            return 0
-        k = round(math.log(scale) / math.log(config.lr_cut))
-        warnings.warn(f"hdet: this state was saved before the stability guard's cuts were counted: its LR schedule, "
-                      f"cut to {scale:.3g} of itself, is taken as {k} cut(s) of {config.lr_cut:g}, and the next cut is "
-                      f"lr_cut ** {k + 1} (the rule since: the k-th cut lr_cut ** k, where every cut was lr_cut)",
-                      stacklevel=4)
-        return k
+        return round(math.log(scale) / math.log(config.lr_cut)) if scale < 1 and config.lr_cut < 1 else 0
     k = state["lr_cuts"]
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"Expected the state's lr_cuts as a whole number >= 0, but got {k!r}: a corrupted state_dict")
@@ -315,6 +308,10 @@ def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
     s.bases, s.controllers, s.dealer = new["bases"], new["controllers"], new["dealer"]
     s.peak0, s.scheduled, s.perms, s.lr_scale = new["peak0"], new["scheduled"], new["perms"], new["lr_scale"]
     s.cuts = new["lr_cuts"]
+    if "lr_cuts" not in state and s.cuts:
+        _say(ens, f"hdet: this state was saved before the stability guard's cuts were counted: its LR schedule, cut to "
+                  f"{s.lr_scale:.3g} of itself, is taken as {s.cuts} cut(s) of {ens.config.lr_cut:g}, and the next cut "
+                  f"is lr_cut ** {s.cuts + 1} (the rule since: the k-th cut lr_cut ** k, where every cut was lr_cut)")
     s.range = new["range_test"]
     kept, counts = ens.kept_tensors(), len(ens.step_counts())
     ens._ramp.load(new["range_snapshots"], kept, counts)

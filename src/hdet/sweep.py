@@ -38,9 +38,10 @@ other on the same module, from the same initial weights.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,8 +181,8 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     below if the best is the lowest LR or every run blew up, above if it is the highest (under torch.distributed a round
     of up to N runs, rank r running the r-th, costs a sweep run's time); ``points``: the grid's LRs (default N, one a
     replica; more run in rounds of N, as the runs beyond it: a grid fine enough for 2 ranks costs 4 rounds at 8 points).
-    Each parameter's ``.grad``, each submodule's train/eval mode and torch's RNG (the CPU's and the model's CUDA
-    devices': dropout's draws) end as they came; the runs train in the modes the
+    Each parameter's ``.grad``, each submodule's train/eval mode and torch's RNG (the CPU's and that of every
+    accelerator device of the model: dropout's draws) end as they came; the runs train in the modes the
     model came in (a submodule in eval mode, a frozen BatchNorm, stays so), or all in train mode if the model came in
     eval mode. Any error leaves the model as it came (this rank's own weights). The model's forward and the judge must
     be this rank's own (no collective inside: a SyncBatchNorm is refused). With 2 points the grid is two LRs span^2
@@ -220,8 +221,7 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     grads = [p.grad for p in module.parameters()]
     modes = [(m, m.training) for m in module.modules()]
     src0 = dist.get_global_rank(group, 0) if rank is not None and group is not None else 0
-    cuda = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
-    with torch.random.fork_rng(devices=cuda):  # the runs' draws (dropout) leave torch's RNG as it came
+    with _forked_rng(tensors):  # the runs' draws (dropout) leave torch's RNG as it came
         try:
             for p in module.parameters():  # (a parameter the optimizer leaves out would add into the user's gradient)
                 p.grad = None
@@ -262,6 +262,21 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
                       f"{pick * factor:.3g}", stacklevel=2)
     return SweepResult(max_lr=pick * factor, pick=pick, lr_factor=factor, lrs=lrs, losses=losses,
                        start_loss=start_loss, winner=winner, at_edge=at_edge)
+
+
+@contextlib.contextmanager
+def _forked_rng(tensors: list[torch.Tensor]) -> Iterator[None]:
+    """torch's RNG forked (``torch.random.fork_rng``) on the CPU and every accelerator device that holds one of
+    ``tensors``: what runs inside draws leaves it as it came."""
+    kinds: dict[str, set[int]] = {}
+    for t in tensors:
+        if t.device.type not in ("cpu", "meta"):
+            kinds.setdefault(t.device.type, set()).add(t.device.index or 0)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=[]))  # the CPU's
+        for kind, idx in kinds.items():
+            stack.enter_context(torch.random.fork_rng(devices=sorted(idx), device_type=kind))
+        yield
 
 
 class _Runs:

@@ -76,9 +76,8 @@ def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, d
     if not distributed and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise RunError("Expected no process group with --lr-sweep in one process (hdet.lr_sweep would take every rank "
                        "for one replica), but one is initialised; run under torchrun instead")
-    restart = cfg.lr_sweep_then == "restart"  # (then the sweep leaves nothing behind, dropout's RNG draws included)
-    with warnings.catch_warnings(record=True) as caught, torch.random.fork_rng(
-            devices=[device] if device.type == "cuda" else [], enabled=restart, device_type=device.type):
+    restart = cfg.lr_sweep_then == "restart"  # (the sweep leaves torch's RNG as it came: hdet.lr_sweep forks it)
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if steps < SHORT_SWEEP:
             warnings.warn(f"the sweep's runs have {steps} steps: it was measured with runs of 300 (--lr-sweep 0.2 of "
