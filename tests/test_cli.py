@@ -549,12 +549,16 @@ def test_auto_lr_with_the_paper_controller_over_d_adaptation_ties_the_lr_groups(
 
 
 def test_schedule_free_records_its_own_warm_up_lr(tmp_path):
+    """Its recorded LR is the one its own warm-up applied, and its records say it ran without the stability guard
+    (hdet train's default --on-runaway recover does not apply to it)."""
     pytest.importorskip("schedulefree")
     out = tmp_path / "sf"
     assert main(["train", *TINY, "--steps", "40", "--alpha", "0", "--optimizer", "schedulefree-adamw",
                  "--max-lr", "3e-3", "--out", str(out)]) == 0
     lrs = {m["step"]: m["lr"]["embed"] for m in _jsonl(out / "metrics.jsonl")}
     assert lrs[1] == pytest.approx(3e-3 / 2) and lrs[2] == pytest.approx(3e-3)  # warm-up of 40 // 20 = 2 steps
+    for f in ("summary.json", "config.json"):
+        assert json.loads((out / f).read_text())["config"]["on_runaway"] == "ignore", f
 
 
 @pytest.mark.parametrize("args, message", [

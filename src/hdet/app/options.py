@@ -334,9 +334,12 @@ def after_sweep(cfg: RunConfig) -> RunConfig:
 
 def resolve(cfg: RunConfig) -> RunConfig:
     """``cfg`` with its defaults that depend on other options filled in (``--max-lr`` by ``--optimizer``; no
-    checkpoints with Mechanic, whose state does not reload)."""
+    checkpoints with Mechanic, whose state does not reload; no stability guard with Schedule-Free, whose runs have
+    none: its records say so)."""
     if cfg.max_lr is None:
         cfg = dataclasses.replace(cfg, max_lr=DEFAULT_MAX_LR[cfg.optimizer])
+    if cfg.optimizer == "schedulefree-adamw" and cfg.on_runaway != "ignore":
+        cfg = dataclasses.replace(cfg, on_runaway="ignore")
     if cfg.checkpoint_every is None and cfg.optimizer == "mechanic-adamw":
         cfg = dataclasses.replace(cfg, checkpoint_every=0)
     return cfg
