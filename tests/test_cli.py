@@ -936,6 +936,25 @@ def test_checkpoints_from_before_lr_sweep_then_pct_start_and_lr_cut_resume_as_th
     _same_run(tmp_path / "swept", tmp_path / "swept2")
 
 
+def test_a_run_killed_after_its_sweep_resumes_without_sweeping_again(tmp_path, monkeypatch, capsys):
+    """The sweep's result is checkpointed as soon as it is known (step 0): a run killed before its first regular
+    checkpoint (here: none due before the end) resumes from there without running the sweep again, and ends as the
+    uninterrupted run."""
+    import hdet.app.runs as runs
+
+    args = [*SWEEP, "--checkpoint-every", "1000"]
+    assert main(["train", *args, "--out", str(tmp_path / "whole")]) == 0
+    shutil.copytree(tmp_path / "whole", tmp_path / "cut")
+    for name in ("summary.json", "model.pt"):  # as the killed run left it: no end, only the step-0 checkpoint
+        (tmp_path / "cut" / name).unlink()
+    assert torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["step"] == 0
+    monkeypatch.setattr(runs.sweep, "lr_sweep", lambda *a, **k: pytest.fail("the sweep ran again"))
+    capsys.readouterr()
+    assert main(["train", *args, "--out", str(tmp_path / "cut"), "--resume"]) == 0
+    assert "resumed from step 0" in capsys.readouterr().out
+    _same_run(tmp_path / "whole", tmp_path / "cut")
+
+
 def test_lr_sweep_then_restart_leaves_dropouts_draws_as_they_were(tmp_path):
     """With dropout the sweep's forwards draw from torch's RNG: a restarted run is still the run without a sweep."""
     out = tmp_path / "whole"

@@ -339,6 +339,15 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
     if loss_sum.dim() == 0:  # a checkpoint from before the count: every loss counted was finite
         loss_sum = torch.stack([loss_sum, torch.zeros_like(loss_sum)])
     before = loop.get("seconds", 0.0)  # training time before the resume
+
+    def save(step: int) -> None:  # HOST SYNC: the states are copied to the CPU and saved
+        checkpoint.save(ckpt_path, cfg, N, reps.mode, device_type, step, reps.state_dict(), gens, {
+            "train_losses": train_losses, "val_curve": val_curve, "last_eval": last_eval, "n_logged": n_logged,
+            "loss_sum": loss_sum.detach().cpu(), "seconds": before + time.perf_counter() - t0,
+            "probe_calls": [getattr(s.ensemble.probe, "calls", 0) for s in reps.schedulers]},
+            keep_previous=distributed)
+    if swept is not None and every and not cfg.resume:  # the sweep's work kept: a run killed before its first
+        save(0)  # checkpoint resumes from here instead of sweeping again
     progress.update(start)
     try:
         for t in range(start + 1, cfg.steps + 1):
@@ -394,13 +403,9 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
             else:
                 progress.update(t)
             due = every and ((t - last_save >= every and sync) if distributed and cfg.local else t % every == 0)
-            if due and t < cfg.steps:  # HOST SYNC: the states are copied to the CPU and saved
+            if due and t < cfg.steps:
                 last_save = t
-                checkpoint.save(ckpt_path, cfg, N, reps.mode, device_type, t, reps.state_dict(), gens, {
-                    "train_losses": train_losses, "val_curve": val_curve, "last_eval": last_eval, "n_logged": n_logged,
-                    "loss_sum": loss_sum.detach().cpu(), "seconds": before + time.perf_counter() - t0,
-                    "probe_calls": [getattr(s.ensemble.probe, "calls", 0) for s in reps.schedulers]},
-                    keep_previous=distributed)
+                save(t)
     finally:
         progress.close()
     elapsed = time.perf_counter() - t0
