@@ -936,13 +936,14 @@ def test_checkpoints_from_before_lr_sweep_then_pct_start_and_lr_cut_resume_as_th
     _same_run(tmp_path / "swept", tmp_path / "swept2")
 
 
-def test_a_run_killed_after_its_sweep_resumes_without_sweeping_again(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("then", ["restart", "continue"])
+def test_a_run_killed_after_its_sweep_resumes_without_sweeping_again(tmp_path, monkeypatch, capsys, then):
     """The sweep's result is checkpointed as soon as it is known (step 0): a run killed before its first regular
     checkpoint (here: none due before the end) resumes from there without running the sweep again, and ends as the
-    uninterrupted run."""
+    uninterrupted run (restarted from the initial weights, or going on from the best sweep run's)."""
     import hdet.app.runs as runs
 
-    args = [*SWEEP, "--checkpoint-every", "1000"]
+    args = [*SWEEP, "--checkpoint-every", "1000", "--lr-sweep-then", then]
     assert main(["train", *args, "--out", str(tmp_path / "whole")]) == 0
     shutil.copytree(tmp_path / "whole", tmp_path / "cut")
     for name in ("summary.json", "model.pt"):  # as the killed run left it: no end, only the step-0 checkpoint

@@ -346,10 +346,10 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
             "loss_sum": loss_sum.detach().cpu(), "seconds": before + time.perf_counter() - t0,
             "probe_calls": [getattr(s.ensemble.probe, "calls", 0) for s in reps.schedulers]},
             keep_previous=distributed)
-    if swept is not None and every and not cfg.resume:  # the sweep's work kept: a run killed before its first
-        save(0)  # checkpoint resumes from here instead of sweeping again
     progress.update(start)
     try:
+        if swept is not None and every and not cfg.resume:  # the sweep's work kept: a run killed before its first
+            save(0)  # checkpoint resumes from here instead of sweeping again
         for t in range(start + 1, cfg.steps + 1):
             stop.check()  # a SIGTERM whose exception a finalizer swallowed (hdet.app.stop)
             batches = [to_device(task.sample("train", cfg.batch, gens[r]), device) for r in reps.local]
