@@ -13,6 +13,8 @@ OneCycleLR, gradient norm clipped to 1.0 in every run.
         # whole global batch (the LR grid: the same update as DDP over --global-batch)
     torchrun --nproc-per-node 4 benchmarks/gpt_multi_gpu.py --max-lr 3e-3 --alpha 0.2 --out b.json
     python benchmarks/gpt_multi_gpu.py --best a.json b.json ...                       # the grid's best max_lr
+    torchrun --nproc-per-node 2 benchmarks/gpt_multi_gpu.py --max-lr 3e-3 --alpha 0.2 --lr-sweep 0.2 --out c.json
+        # hdet.lr_sweep first (8 LRs around 3e-3, one a rank a round, 200 steps each), then all steps at its peak
 
 ``benchmarks/gpt_multi_gpu.sh`` runs the whole comparison. ``--tiny`` shrinks everything for a CPU check.
 """
@@ -95,6 +97,44 @@ def evaluate(model: torch.nn.Module, val: torch.Tensor, ctx: int, windows: int, 
     return (total[0] / total[1]).item()  # host sync
 
 
+def sweep(a: argparse.Namespace, model: torch.nn.Module, net: torch.nn.Module, make_optimizer, data: torch.Tensor,
+          batch: int, dev: torch.device, cuda: bool) -> dict:
+    """``--lr-sweep F``: :func:`hdet.lr_sweep` over ``F * steps`` steps, ``--sweep-points`` LRs around ``--max-lr``
+    (each rank one run a round, on its own batches of the per-rank size; the same clipping as the main run, through a
+    step pre-hook), judged by each run's training loss over its last tenth; the model back at its start weights. What
+    it found (the main run's peak is its ``max_lr``: the pick times sqrt(world))."""
+    offsets = torch.arange(a.ctx + 1, device=dev)
+
+    def clipped(params, lr: float) -> torch.optim.Optimizer:
+        opt = make_optimizer(params, lr)
+        def clip(*_) -> None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), a.clip)
+        opt.register_step_pre_hook(clip)
+        return opt
+
+    def loss_fn(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+            logits = m(x[:, :-1])
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+
+    def batches(r: int):
+        g = torch.Generator(device=dev).manual_seed((1 << 40) + 1000 * a.seed + r)  # apart from the main run's
+        for _ in range(steps):
+            i = torch.randint(0, data.numel() - a.ctx - 1, (batch, 1), device=dev, generator=g)
+            yield data[i + offsets].long()
+    steps = int(a.lr_sweep * a.steps)
+    t0 = time.perf_counter()
+    ranks = dist.is_initialized()  # (in one process, as a check: 2 runs at a time, the pick taken as it is)
+    res = hdet.lr_sweep(model, clipped, loss_fn, batches, guess=a.max_lr, steps=steps, points=a.sweep_points,
+                        num_replicas=None if ranks else 2, lr_factor=None if ranks else 1.0)
+    if cuda:
+        torch.cuda.synchronize()
+    return {"steps": steps, "points": a.sweep_points, "guess": a.max_lr, "max_lr": res.max_lr, "pick": res.pick,
+            "lr_factor": res.lr_factor, "lrs": res.lrs, "losses": [v if math.isfinite(v) else None for v in res.losses],
+            "start_loss": res.start_loss, "winner": res.winner, "at_edge": res.at_edge,
+            "seconds": time.perf_counter() - t0}
+
+
 def train(a: argparse.Namespace) -> dict:
     distributed = "RANK" in os.environ
     cuda = torch.cuda.is_available() and not a.tiny
@@ -112,19 +152,27 @@ def train(a: argparse.Namespace) -> dict:
     torch.manual_seed(a.seed)  # the same initial model on every rank and in every run
     net = ByteGPT(a.ctx, a.width, a.layers, a.heads).to(dev)
     model = DDP(net, device_ids=[dev.index] if cuda else None) if distributed else net
-    opt = torch.optim.AdamW(param_groups(net, lambda n: "norm" if "ln" in n or "norm" in n else "weights", 0.1),
-                            lr=a.max_lr, betas=(0.9, 0.95), fused=cuda)
+    def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
+        opt = torch.optim.AdamW(param_groups(net, lambda n: "norm" if "ln" in n or "norm" in n else "weights", 0.1),
+                                lr=lr, betas=(0.9, 0.95), fused=cuda)
+        return opt
+
+    opt = make_optimizer(net.parameters(), a.max_lr)
+    max_lr, swept = a.max_lr, None
+    if a.lr_sweep:  # COLLECTIVES under torchrun (hdet.lr_sweep: each rank one of its runs a round)
+        swept = sweep(a, model, net, make_optimizer, train_data, batch, dev, cuda)
+        max_lr = swept["max_lr"]
     hdet_run = a.alpha > 0 or a.range_test
     syncs: list[dict] = []
     if hdet_run:
-        sched = hdet.OneCycleAutoLR(opt, max_lr=a.max_lr, total_steps=a.steps, ensemble_lr_spread_ratio=a.alpha,
+        sched = hdet.OneCycleAutoLR(opt, max_lr=max_lr, total_steps=a.steps, ensemble_lr_spread_ratio=a.alpha,
                                     model_sync_interval=a.T, model=model, on_runaway=a.on_runaway,
                                     lr_range_test=a.range_test, seed=a.seed)
         keep = ("step", "losses", "bases", "multipliers", "recovered", "runaway", "lr_scale", "went_back_to",
                 "range_scale", "range_ended")
         SyncLogger(sched, callback=lambda d: syncs.append({k: d[k] for k in keep}))
     else:
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=a.max_lr, total_steps=a.steps)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=max_lr, total_steps=a.steps)
     g = torch.Generator(device=dev).manual_seed(1000 * a.seed + rank)  # each rank its own batches
     offsets = torch.arange(a.ctx + 1, device=dev)
     curve, val_curve, error = [], [], None
@@ -160,6 +208,7 @@ def train(a: argparse.Namespace) -> dict:
            "python": platform.python_version(), "torch": torch.__version__, "hdet": hdet.__version__,
            "params": sum(p.numel() for p in net.parameters()), "tokens_per_step": a.global_batch * a.ctx,
            "corpus": json.loads((Path(a.cache) / "meta.json").read_text()),
+           "max_lr": max_lr, "lr_sweep": swept,
            "final_val_loss": final, "diverged": not math.isfinite(final) or final > a.diverged_above,
            "error": error, "seconds": seconds, "steps_per_second": a.steps / seconds,
            "train_curve": curve, "val_curve": val_curve, "syncs": syncs}
@@ -243,6 +292,9 @@ def main() -> None:
     p.add_argument("--on-runaway", default="recover")
     p.add_argument("--range-test", action="store_true")
     p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--lr-sweep", type=float, default=0.0,
+                   help="sweep the LR first over this fraction of --steps (hdet.lr_sweep), then train all steps")
+    p.add_argument("--sweep-points", type=int, default=8, help="the sweep's grid (runs one a rank, in rounds)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--eval-every", type=int, default=250)
