@@ -235,22 +235,28 @@ def report(folder: Path) -> str:
     """A markdown table of every run under ``folder`` (and ``curves.png``, if matplotlib is there)."""
     runs = {str(f.relative_to(folder).with_suffix("")): json.loads(f.read_text()) for f in sorted(folder.rglob("*.json"))}
     runs = {k: r for k, r in runs.items() if "final_val_loss" in r}
-    best_lr = best(list(map(str, folder.glob("grid_*.json"))))
-    plain = [r["final_val_loss"] for r in runs.values() if r["world"] > 1 and r["args"]["alpha"] == 0
-             and not r["args"]["range_test"] and r["args"]["max_lr"] == best_lr]
+    grid = list(map(str, folder.glob("grid_*.json")))
+    plain_ddp = [r for r in runs.values() if r["world"] > 1 and r["args"]["alpha"] == 0
+                 and not r["args"]["range_test"] and not r["args"].get("lr_sweep")]
+    best_lr = best(grid) if grid else min(r["args"]["max_lr"] for r in plain_ddp)  # (no grid: one plain LR run)
+    plain = [r["final_val_loss"] for r in plain_ddp if r["args"]["max_lr"] == best_lr]
     ref = sum(plain) / len(plain)
-    lines = [f"Reference: plain DDP at the grid's best max_lr, mean of {len(plain)} seeds: {ref:.4f}", "",
-             "| run | GPUs | max_lr | alpha | range test | seed | held-out loss | vs reference | events |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"Reference: plain DDP at {'the grid' + chr(39) + 's best ' if grid else ''}max_lr {best_lr:g}, "
+             f"mean of {len(plain)} seed(s): {ref:.4f}", "",
+             "| run | GPUs | max_lr | sweep: steps, pick -> peak | alpha | range test | seed | held-out loss | "
+             "vs reference | events |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for k, r in runs.items():
-        a = r["args"]
+        a, sw = r["args"], r.get("lr_sweep")
+        swept = f"{sw['steps']}, {sw['pick']:.3g} -> {sw['max_lr']:.3g}" if sw else "-"
         ev = [f"step {s['step']}: " + ", ".join(
             x for x in (f"reset {s['recovered'] + s['runaway']}" if s["recovered"] or s["runaway"] else "",
                         f"back to {s['went_back_to']}" if s["went_back_to"] is not None else "",
                         f"range ended ({s['range_ended']}) at x{s['range_scale']:.3g}" if s["range_ended"] else "",
                         f"LR x{s['lr_scale']:.3g}" if s["went_back_to"] is not None or s["runaway"] else "") if x)
               for s in r["syncs"] if s["recovered"] or s["runaway"] or s["went_back_to"] is not None or s["range_ended"]]
-        lines.append(f"| {k} | {r['world']} | {a['max_lr']:.4g} | {a['alpha']} | {'yes' if a['range_test'] else 'no'} | "
+        lines.append(f"| {k} | {r['world']} | {a['max_lr']:.4g} | {swept} | {a['alpha']} | "
+                     f"{'yes' if a['range_test'] else 'no'} | "
                      f"{a['seed']} | {r['final_val_loss']:.4f} | {100 * (r['final_val_loss'] / ref - 1):+.1f}% | "
                      f"{'; '.join(ev[:3]) + (f' (+{len(ev) - 3} more)' if len(ev) > 3 else '') or '-'} |")
     try:
