@@ -126,7 +126,8 @@ def sweep(a: argparse.Namespace, model: torch.nn.Module, net: torch.nn.Module, m
     t0 = time.perf_counter()
     ranks = dist.is_initialized()  # (in one process, as a check: 2 runs at a time, the pick taken as it is)
     res = hdet.lr_sweep(model, clipped, loss_fn, batches, guess=a.max_lr, steps=steps, points=a.sweep_points,
-                        num_replicas=None if ranks else 2, lr_factor=None if ranks else 1.0)
+                        num_replicas=None if ranks else 2,
+                        lr_factor=a.sweep_factor if a.sweep_factor else None if ranks else 1.0)
     if cuda:
         torch.cuda.synchronize()
     return {"steps": steps, "points": a.sweep_points, "guess": a.max_lr, "max_lr": res.max_lr, "pick": res.pick,
@@ -301,6 +302,8 @@ def main() -> None:
     p.add_argument("--lr-sweep", type=float, default=0.0,
                    help="sweep the LR first over this fraction of --steps (hdet.lr_sweep), then train all steps")
     p.add_argument("--sweep-points", type=int, default=8, help="the sweep's grid (runs one a rank, in rounds)")
+    p.add_argument("--sweep-factor", type=float, default=None,
+                   help="the main run's peak over the sweep's pick (default sqrt(world), hdet.lr_sweep's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--eval-every", type=int, default=250)

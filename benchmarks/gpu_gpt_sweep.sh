@@ -5,7 +5,8 @@
 # fifth of the steps, 8 LRs one a rank a round, then HDET at alpha 0.2, T 25, on_runaway="recover" for all the
 # steps at the sweep's peak) from 0.1x, 1x and 10x that LR. Usage, from the repo root:
 #   TAR=$OUT/r.tgz DEADLINE=540 bash benchmarks/gpu_gpt_sweep.sh OUT RUN...
-# RUN: name:multiplier:seed[:alpha[:sweep]] (alpha 0.2 and sweep 0.2 by default; alpha 0: plain DDP, sweep 0: none;
+# RUN: name:multiplier:seed[:alpha[:sweep[:factor]]] (alpha 0.2 and sweep 0.2 by default; alpha 0: plain DDP, sweep
+# 0: none; factor: the main run's peak over the sweep's pick, default sqrt(world);
 # "plain" for alpha: plain DDP without a sweep), e.g. sweep_10x:10:0 plain_1x:1:0:plain sweep_plain_10x:10:0:0.
 # Each run writes OUT/<name>.json (command, config, the sweep's LRs and losses, curves, final held-out loss);
 # DEADLINE (seconds) skips a run that would not finish in time (the last run's length as the guess).
@@ -23,7 +24,7 @@ python $S --prepare --cache /tmp/hdet_corpus > "$out/corpus.json" || exit 1
 echo "prepared ${SECONDS}s" | tee -a "$out/timeline.txt"
 last=0
 for spec in "$@"; do
-  IFS=: read -r name mult seed alpha frac <<< "$spec"
+  IFS=: read -r name mult seed alpha frac factor <<< "$spec"
   if [ $(( SECONDS + last )) -gt "${DEADLINE:-540}" ]; then
     echo "skipped $name: ${SECONDS}s + ${last}s > ${DEADLINE:-540}s" | tee -a "$out/timeline.txt"; continue
   fi
@@ -33,6 +34,7 @@ for spec in "$@"; do
   if [ "$alpha" = plain ]; then alpha=0; frac=0; fi
   extra="--alpha $alpha --lr-sweep $frac"
   if [ "$alpha" != 0 ]; then extra="$extra --T 25 --on-runaway recover"; fi
+  if [ -n "${factor:-}" ]; then extra="$extra --sweep-factor $factor"; fi
   torchrun --standalone --nproc-per-node "$G" $S --steps 1000 --max-lr "$lr" --seed "$seed" $extra \
     --out "$out/$name.json" > "$out/$name.log" 2>&1
   last=$(( SECONDS - t ))

@@ -630,10 +630,11 @@ def test_runs_beyond_the_grid_under_ranks_are_the_one_process_sweeps(world, gues
             assert torch.tensor(r["state"][k], dtype=v.dtype).equal(v), k
 
 
-def _mismatch_worker(rank, world):
+def _mismatch_worker(rank, world, what="guess"):
     model = make_model()
+    differ = {"guess": 0.1 * (1 + rank)} if what == "guess" else {"guess": 0.1, "lr_factor": None if rank else 1.0}
     try:
-        hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=0.1 * (1 + rank), steps=STEPS, judge=held_out)
+        hdet.lr_sweep(model, make_opt, loss_fn, batches, steps=STEPS, judge=held_out, **differ)
     except ValueError as e:
         return {"raised": str(e), "at_start": all(torch.equal(v, make_model().state_dict()[k])
                                                   for k, v in model.state_dict().items())}
@@ -641,9 +642,11 @@ def _mismatch_worker(rank, world):
 
 
 @pytest.mark.distributed
-def test_ranks_that_sweep_different_grids_all_raise_instead_of_picking_apart():
+@pytest.mark.parametrize("what", ["guess", "lr_factor"])
+def test_ranks_that_sweep_different_grids_all_raise_instead_of_picking_apart(what):
     """A guess that differs by rank (read from a per-rank config, say) would give every rank its own grid and its own
-    pick, silently: every rank raises after the first round's gather, its model back at its start weights."""
-    res = check_ok(run_gloo(_mismatch_worker, 2))
+    pick, silently; an lr_factor that differs (the same grid) every rank its own main-run peak: every rank raises
+    after the first round's gather, its model back at its start weights."""
+    res = check_ok(run_gloo(_mismatch_worker, 2, what))
     for r in res:
         assert r["raised"] and "Expected every rank to sweep the same grid" in r["raised"] and r["at_start"]

@@ -229,7 +229,7 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
                 module.train()  # eval stays frozen), else module.train()'s (a train() override that freezes is kept)
             runs = _Runs(module, tensors, start, make_optimizer, loss_fn, batches, steps_i, pct, judge, cycle_momentum,
                          [(m, m.training) for m in module.modules()], keep == "winner", n, rank, group, src0, g, base,
-                         step)
+                         step, factor)
             ks = list(range(g))  # the runs' places: LR = _on_lattice(k, base, step)
             start_loss = runs.grid(ks)
             for _ in range(extend_i):  # the fit's points on both sides of the best run, beyond the grid where needed
@@ -290,10 +290,11 @@ class _Runs:
     def __init__(self, module: nn.Module, tensors: list[torch.Tensor], start: list[torch.Tensor], make_optimizer: Any,
                  loss_fn: Any, batches: Any, steps: int, pct: float, judge: Any, cycle: bool | None,
                  train: list[tuple[nn.Module, bool]], keep_best: bool, n: int, rank: int | None, group: Any,
-                 src0: int, points: int, base: float, step: float) -> None:
+                 src0: int, points: int, base: float, step: float, factor: float) -> None:
         self.module, self.tensors, self.start, self.judge, self.keep_best = module, tensors, start, judge, keep_best
         self.base, self.step = base, step
-        self.plan = (points, base, step, steps)  # the grid and the runs' steps: the same on every rank, checked
+        self.plan = (points, base, step, steps, factor)  # the grid, the runs' steps and the main run's factor: the
+        # same on every rank, checked (guesses that fall on one lattice point sweep the same grid)
         self.n, self.rank, self.group, self.src0 = n, rank, group, src0
         self.args = (make_optimizer, loss_fn, batches, steps, pct, judge, cycle, train)
         self.loss: dict[int, float] = {}
@@ -348,7 +349,8 @@ class _Runs:
         losses, firsts, starts, fails = (col.tolist() for col in rows.T[:4])
         if any(len(set(col.tolist())) > 1 for col in rows.T[4:]):  # (every rank sees the same rows: all raise)
             raise ValueError(f"Expected every rank to sweep the same grid (the same guess, lr_factor, span, points and "
-                             f"steps), but they differ: (points, log of the first LR, log of the ratio, steps) by rank "
+                             f"steps), but they differ: (points, log of the first LR, log of the ratio, steps, lr_factor) "
+                             f"by rank "
                              f"{[tuple(r) for r in rows[:, 4:].tolist()]}")
         if failed is not None:
             raise failed
