@@ -79,6 +79,50 @@ def test_a_rising_ensemble_goes_back_to_the_best_sync_and_a_slow_falling_replica
     assert s.ensemble.stability.best_step == 20 and s.last_sync.went_back_to is None
 
 
+def test_a_rise_found_by_finish_says_so_not_an_early_recovery():
+    """finish() between syncs is a whole sync over the window so far; a rise it finds was reported as one found "at
+    an early recovery" (an audit): it says finish() now."""
+    m, o, s = _scripted([[3.0] * 8, [1.9] * 8, [2.2] * 8])
+    _window(o, s)
+    _window(o, s)
+    for _ in range(3):  # mid-window
+        o.step()
+        s.step(torch.tensor(1.0))
+    with pytest.warns(UserWarning, match=r"at the sync of finish\(\) at step 13 the ensemble's loss rose"):
+        s.finish()
+    assert s.last_sync.step == 13 and s.last_sync.went_back_to == 10
+
+
+def test_a_scheduler_loaded_before_its_optimizer_says_why_its_best_sync_is_dropped():
+    """Loading the scheduler's state before the optimizer's (torch's schedulers allow either order) drops the saved
+    best sync, which holds Adam's moments, and the warning blamed another model or optimizer (an audit): it says to
+    load the optimizer first; in that order the best sync is kept."""
+    def build():
+        torch.manual_seed(0)
+        m = nn.Linear(3, 1)
+        o = torch.optim.AdamW(m.parameters(), lr=0.1)
+        s = hdet.HDETLR(o, None, total_steps=100, model=m, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                        on_runaway="recover", replicas=ScriptedReplicas(0, 8, lambda: [2.0] * 8))
+        return m, o, s
+    m, o, s = build()
+    for _ in range(5):
+        m(torch.ones(2, 3)).sum().backward()
+        o.step()
+        s.step(torch.tensor(1.0))
+    assert s.ensemble.stability.best_step == 5
+    state = torch.load(io.BytesIO(_bytes({"o": o.state_dict(), "s": s.state_dict()})), weights_only=True)
+    _, o2, s2 = build()
+    with pytest.warns(UserWarning, match="the optimizer holds no state yet: load the optimizer's state_dict before "
+                                         "the scheduler's"):
+        s2.load_state_dict(state["s"])
+    _, o3, s3 = build()
+    o3.load_state_dict(state["o"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s3.load_state_dict(state["s"])
+    assert s3.ensemble.stability.can_go_back(s3.ensemble.kept_tensors())
+
+
 def test_off_by_default_the_paper_hdet_is_unchanged():
     m, o, s = _scripted([[2.0] * 8, [1.9] * 7 + [2.6], [3.0] * 8], mode="ignore")
     with warnings.catch_warnings():

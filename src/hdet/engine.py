@@ -671,14 +671,31 @@ class ReplicaEngine:
     def state_dict(self) -> dict[str, Any]:
         """Every replica's model, optimizer and scheduler state, as plain data (``torch.load(weights_only=True)``
         reads it). The global RNG (dropout masks, data order) is the caller's to save, as in any training loop.
-        Snapshots the replicas share (:class:`hdet.stability.SharedCopies`) are one tensor in it."""
+        Snapshots the replicas share (:class:`hdet.stability.SharedCopies`) are one tensor in it. Inside
+        :meth:`averaged` each replica's own weights and buffers, those kept aside, not the average swapped in (the
+        resume is exact wherever it is saved; ``engine.models[0].state_dict()`` there is the average)."""
         with self._copies[0].saving(), self._copies[1].saving():
             layout = {n: (list(o) if o is not None else None) for n, o in self.stack.orders.items()} \
                 if self.stack is not None else {}  # the parameters' memory order (gradient_layout)
             return {"version": self.STATE_VERSION, "num_replicas": self.num_replicas,
                     "share_gradients": self.share_gradients, "layout": layout,
-                    "replicas": [{"model": m.state_dict(), "optimizer": o.state_dict(), "scheduler": s.state_dict()}
-                                 for m, o, s in zip(self.models, self.optimizers, self.schedulers)]}
+                    "replicas": [{"model": ms, "optimizer": o.state_dict(), "scheduler": s.state_dict()}
+                                 for ms, o, s in zip(self._own_model_states(), self.optimizers, self.schedulers)]}
+
+    def _own_model_states(self) -> list[dict[str, Any]]:
+        """Every replica's ``model.state_dict()``, with its own tensors where the average is swapped in (the copies
+        :class:`hdet.swap.AverageSwap` keeps, matched to the live tensors by storage, shape and strides)."""
+        states = [m.state_dict() for m in self.models]
+        swap = self._swap
+        if not swap.active or not swap.tensors:
+            return states
+        for state, live, own in zip(states, swap.tensors, swap.saved):
+            where = {(t.data_ptr(), tuple(t.shape), t.stride()): k for k, t in enumerate(live) if t.numel()}
+            for name, v in state.items():
+                k = where.get((v.data_ptr(), tuple(v.shape), v.stride())) if isinstance(v, torch.Tensor) else None
+                if k is not None:
+                    state[name] = own[k]
+        return states
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`: models, then optimizers, then schedulers (which set each replica's own

@@ -59,6 +59,7 @@ class Verdict(NamedTuple):
     rising: bool  # the ensemble's median window loss is more than rise_threshold above its best so far
     losses: list[float]  # per replica: the window's mean training loss (NaN without a finite one)
     collapsed: bool = False  # every replica non-finite, and the stability guard goes back to its best sync
+    early: bool = False  # an early recovery's check (no window judged), not a sync's
 
 
 @dataclass
@@ -400,9 +401,9 @@ class Ensemble:
             )
         losses = [col.loss_sum[r] / col.loss_n[r] if col.loss_n[r] else float("nan") for r in range(N)]
         if collapsed:  # nothing healthy to average: every replica is overwritten by the best sync's state
-            return Verdict(col, [], bad, [], True, losses, collapsed=True)
+            return Verdict(col, [], bad, [], True, losses, collapsed=True, early=not everyone)
         runaway, rising = self.stability.judge(losses, bad, col) if everyone else ([], False)
-        return Verdict(col, sorted(bad + runaway), bad, runaway, rising, losses)
+        return Verdict(col, sorted(bad + runaway), bad, runaway, rising, losses, early=not everyone)
 
     # ----------------------------------------------------------------- phase 3: control, deal, record
     def finish_sync(self, t: int, verdict: Verdict) -> SyncRecord:
@@ -431,7 +432,8 @@ class Ensemble:
             self.slots.cuts += 1
             self.slots.cut_lr(max(c.lr_cut ** self.slots.cuts, MIN_LR_SCALE / self.slots.lr_scale))
             self.stability.warn(t, verdict.runaway, losses, verdict.rising, back, self.slots.lr_scale, verdict.collapsed,
-                                "sync step" if self.is_sync_step(t) else "an early recovery at step")
+                                "sync step" if self.is_sync_step(t) else "an early recovery at step" if verdict.early
+                                else "the sync of finish() at step")
         nonfinite_losses = [int(col.nonfinite[r]) for r in range(N)]
         bad_loss = [r for r in range(N) if nonfinite_losses[r] > 0]
         healthy_loss = [r for r in bad_loss if r not in bad and r not in verdict.nonfinite]  # (a collapse excludes none)

@@ -314,8 +314,9 @@ def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
                   f"is lr_cut ** {s.cuts + 1} (the rule since: the k-th cut lr_cut ** k, where every cut was lr_cut)")
     s.range = new["range_test"]
     kept, counts = ens.kept_tensors(), len(ens.step_counts())
-    ens._ramp.load(new["range_snapshots"], kept, counts)
-    ens.stability.load(new["stability"], kept, counts)
+    empty = not ens.optimizer.state  # (a snapshot with moments cannot fit before the optimizer's state is loaded)
+    ens._ramp.load(new["range_snapshots"], kept, counts, empty)
+    ens.stability.load(new["stability"], kept, counts, empty)
     ens.window.load(new["window"])
     ens.early_recovered = dict(new["early_recovered"])
     if ens.window_mean is not None:

@@ -204,7 +204,7 @@ class RampSnapshots:
         return [(x[0], x[1], x[2], x[3]) for x in state]
 
     def load(self, items: list[tuple[int, float, float, list[torch.Tensor]]], tensors: list[torch.Tensor],
-             counts: int = 0) -> None:
+             counts: int = 0, optimizer_empty: bool = False) -> None:
         """Set parsed snapshots onto the devices of ``tensors`` (snapshots of another layout are dropped, with a
         warning; ``counts``: the step counts at the end of ``tensors``, see :func:`hdet.stability.fit_snapshot`)."""
         items = [(step, lr, loss, fit_snapshot(ts, tensors, counts)) for step, lr, loss, ts in items]
@@ -213,6 +213,8 @@ class RampSnapshots:
                       and all(same_shape(s, t) for s, t in zip(ts, tensors))]
         if len(self.items) < len(items):
             warnings.warn(f"hdet: {len(items) - len(self.items)} of the checkpoint's range-test snapshots do not fit "
-                          f"this run's {len(tensors)} tensors: dropped (the test can go back only to the others)",
-                          stacklevel=2)
+                          f"this run's {len(tensors)} tensors"
+                          + (" (the optimizer holds no state yet: load the optimizer's state_dict before the "
+                             "scheduler's)" if optimizer_empty else "")
+                          + ": dropped (the test can go back only to the others)", stacklevel=2)
 

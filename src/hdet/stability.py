@@ -245,13 +245,19 @@ class StabilityGuard:
                 "best_se": float(state.get("best_se", 0.0)),
                 "snapshot": snap}
 
-    def load(self, parsed: dict[str, Any], tensors: list[torch.Tensor], counts: int = 0) -> None:
+    def load(self, parsed: dict[str, Any], tensors: list[torch.Tensor], counts: int = 0,
+             optimizer_empty: bool = False) -> None:
+        """``optimizer_empty``: the optimizer holds no state yet (loaded after the scheduler?), said if the saved
+        best sync does not fit."""
         self.best_loss, self.best_step, self.best_se = parsed["best_loss"], parsed["best_step"], parsed["best_se"]
         snap = None if parsed["snapshot"] is None else fit_snapshot(parsed["snapshot"], tensors, counts)
         if snap is not None and not same_layout(snap, tensors):
+            why = ("the optimizer holds no state yet: load the optimizer's state_dict before the scheduler's"
+                   if optimizer_empty and len(snap) > len(tensors) else
+                   "another model or optimizer, or a checkpoint from before hdet averaged D-Adaptation's/Prodigy's "
+                   "estimates")
             warnings.warn(f"hdet: the checkpoint's best sync ({len(snap)} tensors) does not fit this run's "
-                          f"{len(tensors)} tensors (another model or optimizer, or a checkpoint from before hdet "
-                          "averaged D-Adaptation's/Prodigy's estimates): it is dropped, and on_runaway='recover' "
+                          f"{len(tensors)} tensors ({why}): it is dropped, and on_runaway='recover' "
                           "can go back only to syncs from now on", stacklevel=2)
             snap = None
         self._snapshot = None if snap is None else [
