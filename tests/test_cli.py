@@ -1010,6 +1010,29 @@ def test_lr_sweep_points_makes_a_finer_grid_than_the_replicas(tmp_path, capsys):
         check(RunConfig(lr_sweep=0.2, lr_sweep_points=1))
 
 
+def test_lr_sweep_factor_sets_the_runs_peak_over_the_pick(tmp_path, capsys):
+    """--lr-sweep-factor 2: the grid centred on --max-lr / 2 and the run's peak twice the pick (recorded, and what the
+    run's schedule reaches); without --lr-sweep it is named unused, a factor <= 0 refused, and a resume with another
+    factor refused."""
+    from hdet.app.options import RunConfig, RunError, check, unused
+    args = [*SWEEP, "--lr-sweep-factor", "2", "--checkpoint-every", "15"]
+    assert main(["train", *args, "--out", str(tmp_path / "f2")]) == 0
+    s = json.loads((tmp_path / "f2" / "summary.json").read_text())
+    sw = s["lr_sweep"]
+    assert sw["lr_factor"] == 2.0 and sw["max_lr"] == pytest.approx(2 * sw["pick"], rel=1e-12)
+    assert s["config"]["max_lr"] == sw["max_lr"] and s["config"]["lr_sweep_factor"] == 2.0
+    assert all(any(v == pytest.approx(g, rel=1e-12) for v in sw["lrs"]) for g in sweep_lrs(0.03 / 2, 4, 32.0))
+    rows = [json.loads(line) for line in (tmp_path / "f2" / "metrics.jsonl").read_text().splitlines()]
+    assert max(max(r["lr_mean"].values()) for r in rows if "lr_mean" in r) == pytest.approx(sw["max_lr"], rel=1e-6)
+    assert "--lr-sweep-factor without --lr-sweep" in unused(RunConfig(lr_sweep_factor=2.0))
+    with pytest.raises(RunError, match="--lr-sweep-factor to be a positive finite number"):
+        check(RunConfig(lr_sweep=0.2, lr_sweep_factor=0.0))
+    capsys.readouterr()
+    assert main(["train", *SWEEP, "--lr-sweep-factor", "3", "--checkpoint-every", "15", "--out", str(tmp_path / "f2"),
+                 "--resume"]) != 0
+    assert "--lr-sweep-factor 2.0 -> 3.0" in capsys.readouterr().err
+
+
 def test_an_error_inside_the_sweep_is_not_read_as_a_bad_guess(tmp_path, monkeypatch):
     import hdet.sweep
 

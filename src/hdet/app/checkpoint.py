@@ -45,10 +45,11 @@ def previous(path: Path) -> Path:
     return path.with_name(path.stem + ".prev.pt")
 
 
-ADDED = {"pct_start": 0.3, "lr_sweep": 0.0, "cuda_graph": False, "lr_sweep_points": None, "lr_cut": 0.5}  # options
+ADDED = {"pct_start": 0.3, "lr_sweep": 0.0, "cuda_graph": False, "lr_sweep_points": None, "lr_cut": 0.5,  # options
+         "lr_sweep_factor": None}
 # added since checkpoints exist (and --lr-sweep-then, set in _resolved): what runs did before each, OneCycle's warm-up
 # 0.3, no sweep, no CUDA graph, a sweep grid of one LR a replica, the recovery's LR cut 0.5 (its cuts after the
-# resume the rule of now, 0.5 ** k: hdet.ensemble_state warns where one was made before)
+# resume the rule of now, 0.5 ** k: hdet.ensemble_state warns where one was made before), the sweep's factor sqrt(N)
 
 
 def _config(cfg: RunConfig) -> dict[str, Any]:
@@ -73,7 +74,7 @@ def _resolved(c: dict[str, Any], mode: str, device: str) -> dict[str, Any]:
     dead = {"warmup": not (auto or c.get("range_test")), "tie_lr_groups": not auto, "controller": not auto,
             "probe_batches": not (auto and fit), "eq8": not (auto and not fit), "range_backoff": not c.get("range_test"),
             "prodigy_safeguard": c.get("optimizer") != "prodigy", "lr_sweep_then": not c.get("lr_sweep"),
-            "lr_sweep_points": not c.get("lr_sweep"),
+            "lr_sweep_points": not c.get("lr_sweep"), "lr_sweep_factor": not c.get("lr_sweep"),
             "on_runaway": c.get("optimizer") == "schedulefree-adamw",  # (its runs have no stability guard)
             "lr_cut": c.get("on_runaway") != "recover" or c.get("optimizer") == "schedulefree-adamw",
             "pct_start": c.get("optimizer") == "schedulefree-adamw", "data": c.get("task") != "fashion",

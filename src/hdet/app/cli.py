@@ -31,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
 COMPARE_SETS = ("max_lr", "auto_lr", "warm_init", "init_from", "optimizer", "prodigy_safeguard",  # compare sets these
                 "range_test", "range_backoff",  # (the range test is not one of the paper's configurations)
                 "resume", "checkpoint_every",  # (a comparison starts afresh and cannot resume: its runs write no checkpoints)
-                "lr_sweep", "lr_sweep_then", "lr_sweep_points")  # (compare's rows are the paper's configurations over its own LR grid)
+                "lr_sweep", "lr_sweep_then", "lr_sweep_points", "lr_sweep_factor")  # (compare's rows are the paper's configurations over its own LR grid)
 
 
 class _Inverted(argparse.BooleanOptionalAction):

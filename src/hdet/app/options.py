@@ -74,12 +74,17 @@ class RunConfig:
         "an LR sweep first: N independent runs of FRAC x --steps steps, one per replica on its own batches, at LRs "
         "about 1/32x-32x around --max-lr / sqrt(N) (and up to 3 rounds of runs beyond them where the best is near an "
         "end: each costs a run's steps more, a round of them under torchrun), judged by their training loss over their "
-        "last tenth (hdet.lr_sweep); then the run at sqrt(N) x the pick (see --lr-sweep-then; measured with 0.2: "
+        "last tenth (hdet.lr_sweep); then the run at sqrt(N) x the pick (--lr-sweep-factor; see --lr-sweep-then; "
+        "measured with 0.2: "
         "docs/auto-lr.md)",
         metavar="FRAC"))
     lr_sweep_points: int | None = field(default=None, metadata=_cli(
         "with --lr-sweep: the grid's LRs (default one a replica; more run N at a time, each round a sweep run's time "
         "more: 8 with 2 replicas gives LRs 2.7x apart instead of 1024x)", metavar="K"))
+    lr_sweep_factor: float | None = field(default=None, metadata=_cli(
+        "with --lr-sweep: the run's peak LR over the sweep's pick (default sqrt(N): a sweep run's batch is 1/N of the "
+        "run's, and Adam's best LR grows about as the square root of the batch; measured best on the two small tasks at "
+        "N = 8, while N itself, the linear rule, did better at 128M on 2 GPUs: docs/auto-lr.md)", metavar="F"))
     lr_sweep_then: str = field(default="restart", metadata=_cli(
         "with --lr-sweep: restart (the run trains all --steps from the initial weights: the sweep's steps come on "
         "top) or continue (the rest of --steps from the best sweep run's weights: no extra steps but the sweep's rounds "
@@ -195,6 +200,9 @@ def check(cfg: RunConfig) -> None:
                        f"{cfg.lr_sweep}")
     if cfg.lr_sweep_then not in ("restart", "continue"):
         raise RunError(f"Expected --lr-sweep-then restart or continue, but got {cfg.lr_sweep_then!r}")
+    if cfg.lr_sweep_factor is not None and not (math.isfinite(cfg.lr_sweep_factor) and cfg.lr_sweep_factor > 0):
+        raise RunError(f"Expected --lr-sweep-factor to be a positive finite number (the run's peak over the sweep's "
+                       f"pick), but got {cfg.lr_sweep_factor}")
     if cfg.lr_sweep_points is not None and cfg.lr_sweep_points < 2:
         raise RunError(f"Expected --lr-sweep-points to be at least 2 (the grid's LRs), but got {cfg.lr_sweep_points}")
     if cfg.lr_sweep and not MIN_STEPS <= sweep_steps(cfg) <= cfg.steps - (cfg.T if cfg.lr_sweep_then == "continue"
@@ -281,6 +289,8 @@ def unused(cfg: RunConfig, world: int | None = None) -> list[str]:
         out.append("--lr-sweep-then without --lr-sweep")
     if cfg.lr_sweep_points is not None and not cfg.lr_sweep:
         out.append("--lr-sweep-points without --lr-sweep")
+    if cfg.lr_sweep_factor is not None and not cfg.lr_sweep:
+        out.append("--lr-sweep-factor without --lr-sweep")
     if cfg.prodigy_safeguard and cfg.optimizer != "prodigy":
         out.append(f"--prodigy-safeguard with --optimizer {cfg.optimizer}")
     if cfg.data is not None and cfg.task != "fashion":

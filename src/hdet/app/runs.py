@@ -91,7 +91,8 @@ def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, d
         try:
             res = sweep.lr_sweep(model, make, task.loss_fn, batches, guess=cfg.max_lr, steps=steps,
                                  num_replicas=None if distributed else N, pct_start=cfg.pct_start,
-                                 keep="start" if restart else "winner", points=cfg.lr_sweep_points)
+                                 keep="start" if restart else "winner", points=cfg.lr_sweep_points,
+                                 lr_factor=cfg.lr_sweep_factor)
         except sweep.SweepFoundNothing as e:  # every run non-finite, or none below the start's: the guess is far off
             raise RunError(f"Expected --lr-sweep to find an LR around --max-lr {cfg.max_lr:g}, but {e}") from None
     finite = lambda v: v if math.isfinite(v) else None  # noqa: E731 - strict JSON
