@@ -161,7 +161,8 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     """Sweep the LR over ``steps``, then leave ``model`` at its start weights or the best run's (see the module).
 
     ``make_optimizer(params, lr)``: a fresh optimizer at peak LR ``lr`` (its param groups' LRs are each run's OneCycle
-    peaks, so groups at a multiple of ``lr`` keep it); ``loss_fn(model, batch)``: the scalar training loss;
+    peaks, so groups at a multiple of ``lr`` keep it; a main run that clips its gradients can have the sweep's runs clip
+    alike through a step pre-hook registered there, as ``benchmarks/gpt_multi_gpu.py`` does); ``loss_fn(model, batch)``: the scalar training loss;
     ``batches(r)``: replica r's batches (at least ``steps`` of them; a fresh iterable at each call: a round beyond the
     grid calls it again, its i-th run with ``batches(i)``); ``guess``: the user's peak LR, the grid's centre over
     ``lr_factor``; ``num_replicas``: N in one process (under torch.distributed, the group's size); ``judge(model)``: a
