@@ -464,7 +464,7 @@ def test_row_mixing_is_caught_when_every_replica_gets_the_same_batch(make):
     g = torch.Generator().manual_seed(4)
     x, y = torch.randn(B, 3, generator=g), torch.randn(B, 2, generator=g)
     data = [(x.expand(N, B, 3), y.expand(N, B, 2))] * 6
-    with pytest.warns(UserWarning, match="changing replica 0's weights changed the other replicas"):
+    with pytest.warns(UserWarning, match="changing replica 0's weights and inputs changed the other replicas"):
         eng, ref, la, lb = _step_both(make, xy_loss, data)
     assert eng.mode == "vmap"
     _assert_same(eng, ref, la, lb, rtol=0, atol=0)
@@ -473,6 +473,79 @@ def test_row_mixing_is_caught_when_every_replica_gets_the_same_batch(make):
 class Flip(nn.Module):
     def forward(self, h):
         return h.flip(0)
+
+
+class InputScaled(nn.Module):
+    """Standard layers, but the forward scales its input by the batch's largest value (or its spread): merged, by the
+    replicas' together."""
+
+    def __init__(self, stat="amax"):
+        super().__init__()
+        self.stat, self.lin = stat, nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.lin(x / (x.abs().amax() if self.stat == "amax" else x.std()))
+
+
+def test_a_statistic_of_the_inputs_that_the_first_batch_hides_is_caught():
+    """Every replica's first batch has the same largest value (features clipped at 1), so merged and vmap agree there
+    and moving replica 0's weights moves no other replica: the check also changes replica 0's inputs (an audit found
+    the merged run scaling each replica by the others' largest value from the second step on, silently)."""
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(N, B, 3, generator=g).mul(3).clamp(-1, 1), torch.randn(N, B, 2, generator=g))
+            for _ in range(6)]
+    for x, _ in data:
+        x[:, 0, 0] = 1.0  # (every replica's largest is 1)
+        x[3] *= 0.5  # replica 3's: 0.5, from the second step on
+    data[0][0][3] *= 2
+    with pytest.warns(UserWarning, match="changing replica 0's weights and inputs changed the other replicas"):
+        eng, ref, la, lb = _step_both(InputScaled, xy_loss, data)
+    assert eng.mode == "vmap"
+    _assert_same(eng, ref, la, lb, rtol=0, atol=0)
+
+
+def test_under_autocast_a_forward_that_mixes_its_inputs_is_caught():
+    """Under autocast the first check allows 5e-2 (bfloat16 rounding), more than the mixing of an input's spread over
+    the merged batch moved the losses here (an audit: it stayed merged, each replica's loss moving with the others'
+    data): changing replica 0's inputs moves the others' far more."""
+    g = torch.Generator().manual_seed(6)
+    data = [(torch.randn(N, 256, 3, generator=g), torch.randn(N, 256, 2, generator=g)) for _ in range(3)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.warns(UserWarning, match="changing replica 0's weights and inputs changed the other replicas"):
+            eng, ref, la, lb = _step_both(lambda: InputScaled("std"), xy_loss, data, steps=3)
+    assert eng.mode == "vmap"
+    _assert_same(eng, ref, la, lb, rtol=0, atol=0)
+
+
+class InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x):
+        x /= 4.0  # (as `x /= 255` on image batches)
+        return self.lin(x)
+
+
+def test_a_forward_that_writes_into_its_input_is_checked_on_copies():
+    """The first step's check ran its forwards on the caller's batch: a forward that divides its input in place found
+    it divided by the check's runs, the check blamed row mixing, and the step ran on an input divided three times (an
+    audit): the check's forwards get copies; the run is vmap's, and the caller's batch is divided once, as vmap
+    leaves it."""
+    base = _xy(4)
+    runs = {}
+    for mode in ("merged", "vmap"):
+        data = [(x.clone(), y.clone()) for x, y in base]
+        torch.manual_seed(0)
+        eng = _engine(InPlace(), mode, steps=4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            losses = torch.stack([eng.step(data[t], xy_loss, stacked=True) for t in range(4)])
+        runs[mode] = (eng, losses, data)
+    (eng, la, da), (ref, lb, db) = runs["merged"], runs["vmap"]
+    assert eng.mode == "merged"
+    _assert_same(eng, ref, la, lb)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[0], x / 4) for a, b, (x, _) in zip(da, db, base))
 
 
 def test_the_check_changes_nothing_a_user_sees():

@@ -526,8 +526,8 @@ class ReplicaEngine:
     def _check_merged(self, batch: Any, loss_fn: LossFn) -> str | None:
         """Why the merged batch does not compute what vmap does for this step, or None (:func:`hdet.merged.check_merged`)."""
         before = self._before_forward()
-        vmapped = lambda: self._eager_vmapped(self._vmap_fns(loss_fn)[0],  # noqa: E731
-                                              (self._call_params, self._call_buffers, batch))[0]
+        vmapped = lambda b: self._eager_vmapped(self._vmap_fns(loss_fn)[0],  # noqa: E731
+                                                (self._call_params, self._call_buffers, b))[0]
         return check_merged(self._merged, batch, loss_fn, _scalar_loss, vmapped, lambda: self._restore_forward(before))
 
     @property

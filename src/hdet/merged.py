@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .linear import batched_linear
 from .values import PLAIN
@@ -269,18 +269,19 @@ def check_merged(mr: MergedReplicas, batch: Any, loss_fn: Callable[[Any, Any], t
                  restore: Callable[[], None]) -> str | None:
     """Why the merged batch does not compute what vmap does for this step, or None: the losses and gradients of
     both, from the same weights and random state, with dropout off, must agree to rounding (a forward that mixes
-    rows, a statistic over the batch, shows here). ``vmapped()``: the vmapped forward's ``[N]`` losses;
+    rows, a statistic over the batch, shows here). ``vmapped(batch)``: the vmapped forward's ``[N]`` losses;
     ``restore()``: the buffers and random state as before the step. Nothing changes: no ``.grad``, the random state
-    as before."""
+    as before, and the batch (each forward here gets a copy of it: one that writes into its input in place finds the
+    same input each time). Python state the forward keeps (a counter) sees these forwards, three in all."""
     params = [p for p in mr.stacked.values() if p.requires_grad]
     device = params[0].device if params else torch.device("cpu")
     try:
         with no_dropout():
-            got_v = vmapped()
+            got_v = vmapped(_copy(batch))
             grads_v = torch.autograd.grad(got_v.sum(), params, allow_unused=True)
             restore()
             try:
-                got_m = mr.losses(batch, loss_fn, scalar)
+                got_m = mr.losses(_copy(batch), loss_fn, scalar)
                 grads_m = torch.autograd.grad(got_m.sum(), params, allow_unused=True)
             except NotMergeable as e:
                 return str(e)
@@ -297,18 +298,37 @@ def check_merged(mr: MergedReplicas, batch: Any, loss_fn: Callable[[Any, Any], t
     if mr.N > 1:  # replicas that start equal on one batch mix rows unseen: replica 0 made different
         moved = _isolation(mr, batch, loss_fn, scalar, params, got_m, grads_m, restore)
         if not moved <= tol:
-            return (f"changing replica 0's weights changed the other replicas' merged losses or gradients by "
+            return (f"changing replica 0's weights and inputs changed the other replicas' merged losses or gradients by "
                     f"{moved:.2g} (relative; rounding allows {tol:g}): the forward mixes the rows of its batch")
     return None
+
+
+def _copy(batch: Any) -> Any:
+    """The batch with every tensor in it cloned."""
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, batch)
+
+
+def _moved_inputs(batch: Any) -> Any:
+    """A copy of the batch (every tensor's leading axis the replicas') with replica 0's rows changed: floating-point
+    ones to ``2 x + 1`` (a statistic over the merged batch, its scale or its largest value, moves with them), others
+    (token ids, masks) to replica 1's."""
+    def move(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] < 2:
+            return t
+        t = t.clone()
+        t[0] = t[0] * 2 + 1 if (t.is_floating_point() or t.is_complex()) else t[1]
+        return t
+    return tree_map(move, batch)
 
 
 @torch.no_grad()
 def _isolation(mr: MergedReplicas, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
                scalar: Callable[[Any], torch.Tensor], params: list[torch.Tensor], got: torch.Tensor,
                grads: Sequence[torch.Tensor | None], restore: Callable[[], None]) -> float:
-    """How far the merged losses and gradients of replicas 1..N-1 move when only replica 0's weights change (a
-    forward that treats rows independently: not at all). Replica 0's weights get noise of a tenth of their size,
-    from a generator of its own, and are put back exactly."""
+    """How far the merged losses and gradients of replicas 1..N-1 move when only replica 0's weights and inputs
+    change (a forward that treats rows independently: not at all). Replica 0's weights get noise of a tenth of their
+    size, from a generator of its own, and are put back exactly; its inputs are changed in a copy of the batch
+    (:func:`_moved_inputs`): a statistic of the inputs over the merged batch moves the others' losses."""
     moved = [p for p in mr.stacked.values() if p.is_floating_point()]  # (frozen ones too)
     g = torch.Generator(device=moved[0].device).manual_seed(0)
     kept = [p[0].clone() for p in moved]
@@ -318,7 +338,7 @@ def _isolation(mr: MergedReplicas, batch: Any, loss_fn: Callable[[Any, Any], tor
                       alpha=0.1 * float(p[0].abs().mean()) + 1e-3)
         with torch.enable_grad(), no_dropout():
             restore()
-            got2 = mr.losses(batch, loss_fn, scalar)
+            got2 = mr.losses(_moved_inputs(batch), loss_fn, scalar)
             grads2 = torch.autograd.grad(got2.sum(), params, allow_unused=True)
     finally:
         for p, k in zip(moved, kept):
