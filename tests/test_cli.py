@@ -956,6 +956,33 @@ def test_a_run_killed_after_its_sweep_resumes_without_sweeping_again(tmp_path, m
     _same_run(tmp_path / "whole", tmp_path / "cut")
 
 
+@pytest.mark.distributed
+def test_torchrun_ranks_killed_after_their_sweep_resume_without_sweeping_again(tmp_path):
+    """Under torchrun every rank checkpoints the sweep's pick at step 0: ranks killed before the first regular
+    checkpoint resume from it on every rank, without the sweep (no "lr sweep:" line), and end as the run that went on."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = list(SWEEP)
+    i = args.index("--replicas")
+    del args[i:i + 2]
+    args += ["--lr-sweep-points", "4", "--checkpoint-every", "1000"]
+
+    def torchrun(*extra):
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "-m", "hdet", "train", *args, *extra], capture_output=True, text=True, timeout=300, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p.stdout
+
+    assert "lr sweep:" in torchrun("--out", str(tmp_path / "whole"))
+    shutil.copytree(tmp_path / "whole", tmp_path / "cut")
+    for name in ("summary.json", "model.pt"):  # as the killed ranks left it: only the step-0 checkpoints
+        (tmp_path / "cut" / name).unlink()
+    for r in (0, 1):
+        assert torch.load(tmp_path / "cut" / f"checkpoint-rank{r}.pt", weights_only=True)["step"] == 0
+    out = torchrun("--out", str(tmp_path / "cut"), "--resume")
+    assert "lr sweep:" not in out and "resumed from step 0" in out
+    _same_run(tmp_path / "whole", tmp_path / "cut")
+
+
 def test_lr_sweep_then_restart_leaves_dropouts_draws_as_they_were(tmp_path):
     """With dropout the sweep's forwards draw from torch's RNG: a restarted run is still the run without a sweep."""
     out = tmp_path / "whole"
