@@ -548,6 +548,26 @@ def test_a_forward_that_writes_into_its_input_is_checked_on_copies():
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[0], x / 4) for a, b, (x, _) in zip(da, db, base))
 
 
+def test_the_check_turns_every_functional_dropout_off():
+    """The first-step check compares the merged batch with vmap with dropout off: F.dropout only, before (an audit),
+    so nn.AlphaDropout, nn.Dropout1d/2d/3d and the attention's own dropout_p stayed on; all are off inside now, and
+    back after."""
+    from hdet.merged import no_dropout
+    g = torch.Generator().manual_seed(7)
+    x, q = torch.randn(4, 3, 5, 6, generator=g), torch.randn(2, 2, 4, 8, generator=g)
+    sdpa = F.scaled_dot_product_attention
+    with no_dropout():
+        for name in ("dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"):
+            assert torch.equal(getattr(F, name)(x if name != "dropout1d" else x[0], 0.5, True),
+                               x if name != "dropout1d" else x[0]), name
+        for kw in ({"dropout_p": 0.9}, {}):
+            got = F.scaled_dot_product_attention(q, q, q, None, 0.9) if not kw else F.scaled_dot_product_attention(
+                q, q, q, **kw)
+            assert torch.equal(got, sdpa(q, q, q))
+    assert F.scaled_dot_product_attention is sdpa
+    assert not torch.equal(F.alpha_dropout(x, 0.5, True), x)
+
+
 def test_the_check_changes_nothing_a_user_sees():
     """The first merged step's two checks (against vmap, and replica 0 moved alone) leave the weights, the random
     state and the gradients as they were: the run equals one whose check is skipped."""

@@ -354,15 +354,32 @@ def failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
+_DROPOUTS = ("dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d")
+
+
 @contextlib.contextmanager
 def no_dropout() -> Iterator[None]:
-    """Inside: ``F.dropout`` is the identity (the two ways of running the replicas draw their masks differently)."""
-    before = F.dropout
-    F.dropout = lambda input, p=0.5, training=True, inplace=False: input  # noqa: E731, ARG005
+    """Inside: torch.nn.functional's dropouts are the identity, and its ``scaled_dot_product_attention`` drops nothing
+    (the two ways of running the replicas need not draw their masks alike)."""
+    before = {name: getattr(F, name) for name in (*_DROPOUTS, "scaled_dot_product_attention") if hasattr(F, name)}
+    sdpa = before.get("scaled_dot_product_attention")
+
+    def no_drop_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if len(args) > 4:  # (query, key, value, attn_mask, dropout_p, ...)
+            args = (*args[:4], 0.0, *args[5:])
+        else:
+            kwargs["dropout_p"] = 0.0
+        return sdpa(*args, **kwargs)
+    for name in _DROPOUTS:
+        if name in before:
+            setattr(F, name, lambda input, *args, **kwargs: input)  # noqa: ARG005
+    if sdpa is not None:
+        F.scaled_dot_product_attention = no_drop_sdpa
     try:
         yield
     finally:
-        F.dropout = before
+        for name, fn in before.items():
+            setattr(F, name, fn)
 
 
 def disagreement(a: Sequence[torch.Tensor | None], b: Sequence[torch.Tensor | None]) -> float:
