@@ -650,3 +650,86 @@ def test_ranks_that_sweep_different_grids_all_raise_instead_of_picking_apart(wha
     res = check_ok(run_gloo(_mismatch_worker, 2, what))
     for r in res:
         assert r["raised"] and "Expected every rank to sweep the same grid" in r["raised"] and r["at_start"]
+
+
+def _dropout_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
+
+
+def _saved(progress):
+    """What a checkpoint of the progress holds: written and read back (weights_only)."""
+    import io
+    buf = io.BytesIO()
+    torch.save(progress, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("keep", ["start", "winner"])
+@pytest.mark.parametrize("stop_after", [1, 2, 3])
+def test_a_stopped_sweep_goes_on_from_its_progress_as_the_uninterrupted_one(keep, stop_after):
+    """on_round gives the progress after each round; a sweep given the progress of round k (read back from a file)
+    runs only the rounds after it, and ends as the uninterrupted sweep, bit for bit: the same LRs, losses and pick,
+    the same weights after it (keep="winner": the best run's, also when an earlier round ran it), and torch's RNG as
+    it came (dropout: the resumed rounds draw as the uninterrupted ones did)."""
+    kw = dict(guess=3.0, steps=STEPS, num_replicas=3, points=6, keep=keep)  # 2 rounds of 3, then runs below the grid
+    seen = []
+    model = _dropout_model()
+    torch.manual_seed(5)
+    whole = hdet.lr_sweep(model, make_opt, loss_fn, batches, on_round=lambda p: seen.append(_saved(p)), **kw)
+    after = torch.get_rng_state()
+    assert len(seen) >= 3 and [p["rounds"] for p in seen] == list(range(1, len(seen) + 1))
+    runs = []
+    again = _dropout_model()
+    torch.manual_seed(5)
+    part = hdet.lr_sweep(again, lambda p, lr: runs.append(lr) or make_opt(p, lr), loss_fn, batches,
+                         progress=seen[stop_after - 1], **kw)
+    assert torch.equal(torch.get_rng_state(), after)
+    assert (part.lrs, part.losses, part.pick, part.winner) == (whole.lrs, whole.losses, whole.pick, whole.winner)
+    assert len(runs) == len(whole.lrs) - len(seen[stop_after - 1]["loss"])  # (the finished rounds are not run again)
+    for a, b in zip(model.state_dict().values(), again.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_progress_of_another_sweep_is_refused_before_anything_runs():
+    seen = []
+    hdet.lr_sweep(make_model(), make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N,
+                  on_round=seen.append)
+    model = make_model()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="Expected progress of this sweep"):
+        hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=0.1, steps=STEPS + 2, num_replicas=N,
+                      progress=seen[0])
+    with pytest.raises(ValueError, match="Expected progress as lr_sweep's on_round gives it"):
+        hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N, progress={"rounds": 1})
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def _progress_worker(rank, world, mode):
+    model = make_model()
+    seen = []
+    kw = dict(guess=0.1, steps=STEPS, points=8, judge=held_out, keep="winner")
+    whole = hdet.lr_sweep(model, make_opt, loss_fn, batches, on_round=lambda p: seen.append(_saved(p)), **kw)
+    again = make_model()
+    progress = seen[1] if mode == "same" else (seen[1] if rank == 0 else None)
+    try:
+        part = hdet.lr_sweep(again, make_opt, loss_fn, batches, progress=progress, **kw)
+    except ValueError as e:
+        return {"raised": str(e)}
+    return {"same": (part.lrs, part.losses, part.pick) == (whole.lrs, whole.losses, whole.pick)
+            and all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values())),
+            "rounds": [p["rounds"] for p in seen]}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["same", "one_rank_only"])
+def test_ranks_go_on_from_their_progress_or_all_refuse_progress_that_differs(mode):
+    """Under ranks (gloo, 2: 4 rounds of 2 at 8 points) every rank passes its own progress of round 2 and the sweep
+    ends as the uninterrupted one on both; progress on one rank only is refused on every rank before anything runs."""
+    res = check_ok(run_gloo(_progress_worker, 2, mode))
+    for r in res:
+        if mode == "same":
+            assert r["same"] and r["rounds"][:4] == [1, 2, 3, 4]
+        else:
+            assert "Expected every rank to pass its progress of the same round, or none" in r["raised"]

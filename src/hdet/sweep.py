@@ -157,7 +157,8 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
              guess: float, steps: int, num_replicas: int | None = None,
              judge: Callable[[nn.Module], Any] | None = None, span: float = 32.0, lr_factor: float | None = None,
              pct_start: float = 0.3, cycle_momentum: bool | None = None, keep: str = "start", extend: int = 3,
-             points: int | None = None, group: Any = None) -> SweepResult:
+             points: int | None = None, group: Any = None, progress: dict[str, Any] | None = None,
+             on_round: Callable[[dict[str, Any]], None] | None = None) -> SweepResult:
     """Sweep the LR over ``steps``, then leave ``model`` at its start weights or the best run's (see the module).
 
     ``make_optimizer(params, lr)``: a fresh optimizer at peak LR ``lr`` (its param groups' LRs are each run's OneCycle
@@ -188,7 +189,13 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     eval mode. Any error leaves the model as it came (this rank's own weights). The model's forward and the judge must
     be this rank's own (no collective inside: a SyncBatchNorm is refused). With 2 points the grid is two LRs span^2
     apart: use 4 or more (8 measured). A ``DistributedDataParallel`` model sweeps its ``module`` (no gradient is
-    shared). Returns a :class:`SweepResult`; its ``max_lr`` is the peak for the main run."""
+    shared). ``on_round(progress)``: called on every rank after each round with this process's progress so far
+    (plain data: the runs' losses, the first round's start losses, the RNG's state, and with ``keep="winner"`` this
+    process's best run's tensors, copies); ``progress``: such a dict, from a sweep that was stopped, to go on from
+    (the same model from the same start weights and the same arguments, checked: its finished rounds are not run
+    again, and the result is the uninterrupted sweep's, bit for bit where the runs are deterministic; under
+    torch.distributed every rank passes its own, of the same round, or none: checked on every rank before anything
+    runs). Returns a :class:`SweepResult`; its ``max_lr`` is the peak for the main run."""
     module, n, rank = _replicas(model, num_replicas, group)
     guess_f, steps_i = real_number(guess), int_number(steps)
     if guess_f is None or not (math.isfinite(guess_f) and guess_f > 0):
@@ -231,6 +238,7 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
             runs = _Runs(module, tensors, start, make_optimizer, loss_fn, batches, steps_i, pct, judge, cycle_momentum,
                          [(m, m.training) for m in module.modules()], keep == "winner", n, rank, group, src0, g, base,
                          step, factor)
+            runs.resume(progress, on_round)
             ks = list(range(g))  # the runs' places: LR = _on_lattice(k, base, step)
             start_loss = runs.grid(ks)
             for _ in range(extend_i):  # the fit's points on both sides of the best run, beyond the grid where needed
@@ -265,19 +273,51 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
                        start_loss=start_loss, winner=winner, at_edge=at_edge)
 
 
-@contextlib.contextmanager
-def _forked_rng(tensors: list[torch.Tensor]) -> Iterator[None]:
-    """torch's RNG forked (``torch.random.fork_rng``) on the CPU and every accelerator device that holds one of
-    ``tensors``: what runs inside draws leaves it as it came."""
+def _progress_rounds(progress: dict[str, Any] | None) -> int:
+    """The rounds a progress dict (from ``on_round``) holds, checked for its form (ValueError)."""
+    if progress is None:
+        return 0
+    keys = {"version", "plan", "n", "keep_best", "rounds", "loss", "owner", "first", "best", "kept", "rng"}
+    if not isinstance(progress, dict) or not keys <= set(progress) or progress["version"] != 1:
+        raise ValueError(f"Expected progress as lr_sweep's on_round gives it (version 1, keys {sorted(keys)}), but got "
+                         f"{sorted(progress) if isinstance(progress, dict) else type(progress).__name__}")
+    rounds = int_number(progress["rounds"])
+    if rounds is None or rounds < 1:
+        raise ValueError(f"Expected the progress's rounds as an int of at least 1, but got {progress['rounds']!r}")
+    return rounds
+
+
+def _rng_devices(tensors: list[torch.Tensor]) -> dict[str, list[int]]:
+    """The accelerator devices that hold one of ``tensors``, by type."""
     kinds: dict[str, set[int]] = {}
     for t in tensors:
         if t.device.type not in ("cpu", "meta"):
             kinds.setdefault(t.device.type, set()).add(t.device.index or 0)
+    return {kind: sorted(idx) for kind, idx in kinds.items()}
+
+
+@contextlib.contextmanager
+def _forked_rng(tensors: list[torch.Tensor]) -> Iterator[None]:
+    """torch's RNG forked (``torch.random.fork_rng``) on the CPU and every accelerator device that holds one of
+    ``tensors``: what runs inside draws leaves it as it came."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=[]))  # the CPU's
-        for kind, idx in kinds.items():
-            stack.enter_context(torch.random.fork_rng(devices=sorted(idx), device_type=kind))
+        for kind, idx in _rng_devices(tensors).items():
+            stack.enter_context(torch.random.fork_rng(devices=idx, device_type=kind))
         yield
+
+
+def _rng_state(tensors: list[torch.Tensor]) -> dict[str, Any]:
+    """torch's RNG state on the CPU and on every accelerator device of ``tensors`` (what :func:`_forked_rng` forks)."""
+    return {"cpu": torch.get_rng_state(), "devices": [
+        [kind, i, torch.get_device_module(kind).get_rng_state(i)] for kind, idx in _rng_devices(tensors).items()
+        for i in idx]}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    for kind, i, st in state["devices"]:
+        torch.get_device_module(kind).set_rng_state(st, i)
 
 
 class _Runs:
@@ -302,6 +342,47 @@ class _Runs:
         self.owner: dict[int, int] = {}
         self.best: tuple[float, int] = (math.inf, 0)  # this process's best run: (loss, place)
         self.kept, self.held = None, False  # its tensors; or still in the module
+        self.rounds = 0  # rounds run so far (or taken from a progress dict: not run again)
+        self.resumed = 0  # how many of the first rounds a progress dict holds
+        self.first: tuple[list[float], list[float]] = ([], [])  # the first round's first losses and judged starts
+        self.rng: dict[str, Any] | None = None  # the RNG's state after the last resumed round, set before the next
+        self.on_round: Callable[[dict[str, Any]], None] | None = None
+
+    def resume(self, progress: dict[str, Any] | None, on_round: Callable[[dict[str, Any]], None] | None) -> None:
+        """Take a stopped sweep's progress (its rounds are not run again), after checking that it is this sweep's
+        and, under ranks, that every rank has one of the same round or none (COLLECTIVE: one gather)."""
+        self.on_round = on_round
+        rounds = _progress_rounds(progress)
+        if self.rank is not None:
+            rows = ProcessGroupReplicas(self.group).gather(torch.tensor([float(progress is not None), float(rounds)],
+                                                                        dtype=torch.float64))
+            if len(set(map(tuple, rows.tolist()))) > 1:
+                raise ValueError(f"Expected every rank to pass its progress of the same round, or none, but they "
+                                 f"differ: (has progress, rounds) by rank {[tuple(r) for r in rows.tolist()]}")
+        if progress is None:
+            return
+        want = {"plan": list(self.plan), "n": self.n, "keep_best": self.keep_best}
+        got = {k: progress.get(k) for k in want}
+        if got != want:
+            raise ValueError(f"Expected progress of this sweep (the same grid, steps, lr_factor, replicas and keep), but "
+                             f"it differs: {got} -> {want}")
+        self.loss = {int(k): float(v) for k, v in progress["loss"].items()}
+        self.owner = {int(k): int(v) for k, v in progress["owner"].items()}
+        self.first = (list(progress["first"][0]), list(progress["first"][1]))
+        self.best = (float(progress["best"][0]), int(progress["best"][1]))
+        kept = progress.get("kept")
+        self.kept = None if kept is None else [k.to(t.device, t.dtype, copy=True) for k, t in zip(kept, self.tensors)]
+        self.held = False
+        self.resumed, self.rng = rounds, progress["rng"]
+
+    def _progress(self) -> dict[str, Any]:
+        """This process's progress after the rounds so far (plain data; the best run's tensors copied to the CPU)."""
+        best = None
+        if self.keep_best and (self.held or self.kept is not None):
+            best = [t.detach().to("cpu", copy=True) for t in (self.tensors if self.held else self.kept)]
+        return {"version": 1, "plan": list(self.plan), "n": self.n, "keep_best": self.keep_best, "rounds": self.rounds,
+                "loss": dict(self.loss), "owner": dict(self.owner), "first": [list(self.first[0]), list(self.first[1])],
+                "best": [self.best[0], self.best[1]], "kept": best, "rng": _rng_state(self.tensors)}
 
     def grid(self, ks: list[int]) -> float | None:
         """The grid's runs, ``n`` at a time; the start's loss: judged (one process: before the runs; under ranks: the
@@ -321,8 +402,26 @@ class _Runs:
             self._round(ks[c:c + self.n], first=False)
 
     def _round(self, ks: list[int], first: bool) -> tuple[list[float], list[float]]:
-        """The runs at places ``ks``: each one's first training loss, and (``first``, under ranks) each rank's
-        judged start loss."""
+        """The runs at places ``ks`` (or, where a progress dict holds them, what they gave): each one's first training
+        loss, and (``first``, under ranks) each rank's judged start loss; then ``on_round``."""
+        if self.rounds < self.resumed:
+            if any(k not in self.loss for k in ks):
+                raise ValueError(f"Expected the progress's round {self.rounds + 1} to hold the runs at places {ks}, but "
+                                 f"it holds {sorted(self.loss)}: it is not this sweep's")
+            self.rounds += 1
+            return self.first if first else ([], [])
+        if self.rng is not None:  # (the RNG as the uninterrupted sweep's after the resumed rounds)
+            _set_rng_state(self.rng)
+            self.rng = None
+        got = self._run_round(ks, first)
+        self.rounds += 1
+        if first:
+            self.first = got
+        if self.on_round is not None:
+            self.on_round(self._progress())
+        return got
+
+    def _run_round(self, ks: list[int], first: bool) -> tuple[list[float], list[float]]:
         if self.rank is None:
             firsts = []
             for i, k in enumerate(ks):
