@@ -983,6 +983,100 @@ def test_torchrun_ranks_killed_after_their_sweep_resume_without_sweeping_again(t
     _same_run(tmp_path / "whole", tmp_path / "cut")
 
 
+@pytest.mark.parametrize("then", ["restart", "continue"])
+def test_a_run_killed_inside_its_sweep_goes_on_from_the_sweeps_last_round(tmp_path, monkeypatch, capsys, then):
+    """With checkpoints on, the sweep writes its progress after each round (sweep.pt): a run killed after round 2 of
+    3 (2 replicas, 6 points, dropout) and run again with --resume runs the third round only, and ends as the run that
+    was never stopped; the progress goes once the step-0 checkpoint is written."""
+    import hdet.app.checkpoint as checkpoint
+    import hdet.sweep
+
+    args = list(SWEEP)
+    args[args.index("--replicas") + 1] = "2"
+    args += ["--lr-sweep-points", "6", "--checkpoint-every", "15", "--dropout", "0.1", "--lr-sweep-then", then]
+    assert main(["train", *args, "--out", str(tmp_path / "whole")]) == 0
+    assert not list((tmp_path / "whole").glob("sweep*"))
+    real, saves = checkpoint.save_sweep, []
+
+    def killed_after_round_2(*a, **k):
+        real(*a, **k)
+        saves.append(1)
+        if len(saves) == 2:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(checkpoint, "save_sweep", killed_after_round_2)
+    cut = tmp_path / "cut"
+    assert main(["train", *args, "--out", str(cut)]) == 130
+    assert "the same command with --resume goes on" in capsys.readouterr().err
+    assert (cut / "sweep.pt").is_file() and not (cut / "config.json").exists()
+    monkeypatch.undo()
+    real_run, runs = hdet.sweep._run, []
+    monkeypatch.setattr(hdet.sweep, "_run", lambda *a, **k: runs.append(1) or real_run(*a, **k))
+    assert main(["train", *args, "--out", str(cut), "--resume"]) == 0
+    assert "lr sweep: going on after its round 2 (sweep.pt)" in capsys.readouterr().out
+    whole = json.loads((tmp_path / "whole" / "summary.json").read_text())["lr_sweep"]
+    assert len(runs) == len(whole["lrs"]) - 4  # (rounds 1 and 2 ran two runs each)
+    _same_run(tmp_path / "whole", cut)
+    sw = json.loads((cut / "summary.json").read_text())["lr_sweep"]
+    assert {k: v for k, v in sw.items() if k != "seconds"} == {k: v for k, v in whole.items() if k != "seconds"}
+    assert not list(cut.glob("sweep*"))
+    capsys.readouterr()
+    (cut / "sweep.pt").write_bytes(b"")  # a stray progress file of another sweep's options is named, not taken
+    torch.save({"kind": "lr_sweep", "config": {"max_lr": 1.0}, "replicas": 2, "progress": {"rounds": 1}},
+               cut / "sweep.pt")
+    for name in ("config.json", "metrics.jsonl"):
+        (cut / name).unlink()
+    assert main(["train", *args, "--out", str(cut), "--resume"]) == 2
+    assert "Expected the options of the stopped LR sweep (sweep.pt) to resume it" in capsys.readouterr().err
+
+
+_KILL_IN_SWEEP = """
+import os, sys, time
+import hdet.app.checkpoint as checkpoint
+real, calls = checkpoint.save_sweep, [0]
+def killed(*a, **k):  # rank 1 dies before it writes round 2's progress, rank 0 after it (a kill mid-save)
+    calls[0] += 1
+    if calls[0] == 2 and os.environ["RANK"] == "1":
+        time.sleep(2)  # (rank 0 has written its file by then)
+        os._exit(1)
+    real(*a, **k)
+    if calls[0] == 2:
+        os._exit(1)
+checkpoint.save_sweep = killed
+from hdet.app.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.distributed
+def test_torchrun_ranks_killed_inside_their_sweep_go_on_from_the_round_every_rank_holds(tmp_path):
+    """Under torchrun each rank writes its sweep progress after each round and keeps the one before: ranks killed
+    while writing round 2's (rank 0 wrote it, rank 1 did not) go on from round 1, the newest every rank holds, and end
+    as the run that was never stopped."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = list(SWEEP)
+    i = args.index("--replicas")
+    del args[i:i + 2]
+    args += ["--lr-sweep-points", "6", "--checkpoint-every", "15"]
+    shim = tmp_path / "killed.py"
+    shim.write_text(_KILL_IN_SWEEP)
+
+    def torchrun(*cmd):
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               *cmd, *args], capture_output=True, text=True, timeout=300, env=env)
+
+    p = torchrun("-m", "hdet", "train", "--out", str(tmp_path / "whole"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = torchrun(str(shim), "train", "--out", str(tmp_path / "cut"))
+    assert p.returncode != 0 and not (tmp_path / "cut" / "config.json").exists()
+    assert sorted(f.name for f in (tmp_path / "cut").glob("sweep*")) == [
+        "sweep-rank0.prev.pt", "sweep-rank0.pt", "sweep-rank1.pt"]
+    p = torchrun("-m", "hdet", "train", "--out", str(tmp_path / "cut"), "--resume")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "lr sweep: going on after its round 1 (sweep-rank0.pt)" in p.stdout
+    _same_run(tmp_path / "whole", tmp_path / "cut")
+    assert not list((tmp_path / "cut").glob("sweep*"))
+
+
 def test_lr_sweep_then_restart_leaves_dropouts_draws_as_they_were(tmp_path):
     """With dropout the sweep's forwards draw from torch's RNG: a restarted run is still the run without a sweep."""
     out = tmp_path / "whole"

@@ -106,6 +106,54 @@ def save(path: Path, cfg: RunConfig, replicas: int, mode: str, device: str, step
     os.replace(tmp, path)
 
 
+def sweep_path(out: Path, rank: int | None) -> Path:
+    """The LR sweep's progress of this process (``--lr-sweep``, written after each of its rounds while it runs):
+    ``sweep.pt`` in the engine, ``sweep-rank<r>.pt`` under torchrun."""
+    return out / ("sweep.pt" if rank is None else f"sweep-rank{rank}.pt")
+
+
+def save_sweep(path: Path, cfg: RunConfig, replicas: int, progress: dict[str, Any], keep_previous: bool) -> None:
+    """Write the sweep's progress after a round (:func:`hdet.lr_sweep`'s ``on_round``), as :func:`save` writes."""
+    state = {"version": VERSION, "kind": "lr_sweep", "config": _config(cfg), "replicas": replicas, "progress": progress}
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    if keep_previous and path.is_file():
+        os.replace(path, previous(path))
+    os.replace(tmp, path)
+
+
+def sweep_progress(path: Path, cfg: RunConfig, replicas: int) -> dict[int, dict[str, Any]]:
+    """This process's readable sweep progress (newest and previous): rounds -> progress; a file of other options is
+    an error that names them."""
+    found: dict[int, dict[str, Any]] = {}
+    for p in (path, previous(path)):
+        try:
+            state = torch.load(p, map_location="cpu", weights_only=True)
+        except Exception:  # noqa: BLE001 - missing or unreadable: not there
+            continue
+        if not isinstance(state, dict) or state.get("kind") != "lr_sweep" or not isinstance(state.get("progress"), dict):
+            continue
+        now = _config(cfg)
+        if state.get("config") != now or state.get("replicas") != replicas:
+            saved = state.get("config") or {}
+            diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+                    if saved.get(k) != now.get(k)]
+            if state.get("replicas") != replicas:
+                diff.append(f"replicas (the world size under torchrun) {state.get('replicas')} -> {replicas}")
+            raise RunError(f"Expected the options of the stopped LR sweep ({p.name}) to resume it, but these differ: "
+                           + "; ".join(diff))
+        rounds = state["progress"].get("rounds")
+        if isinstance(rounds, int):
+            found.setdefault(rounds, state["progress"])
+    return found
+
+
+def clear_sweep(path: Path) -> None:
+    """Remove this process's sweep progress (the sweep is over, or a new one starts)."""
+    for p in (path, previous(path), path.with_name(path.name + ".tmp")):
+        p.unlink(missing_ok=True)
+
+
 def available(path: Path) -> dict[int, tuple[Path, dict[str, Any]]]:
     """This rank's readable checkpoints, newest and previous: step -> (file, state) (an unreadable one is skipped: a
     torchrun rank resumes from a step that every rank holds)."""

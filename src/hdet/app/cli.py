@@ -236,7 +236,7 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
         print(f"hdet: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        saved = a.cmd == "train" and any(Path(a.out).glob("checkpoint*.pt"))
+        saved = a.cmd == "train" and any(p for g in ("checkpoint*.pt", "sweep*.pt") for p in Path(a.out).glob(g))
         print(("hdet: terminated" if isinstance(e, stop.Terminated) else "hdet: interrupted") +
               ("; the same command with --resume goes on from its last checkpoint" if saved else ""), file=sys.stderr)
         return 143 if isinstance(e, stop.Terminated) else 130

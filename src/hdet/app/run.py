@@ -44,6 +44,22 @@ FINAL = ("summary.json", "schedule.json", "model.pt", "loss.png", "lr.png", "hpa
 # (compare.json: `hdet compare`'s table, which `hdet plot` would show instead of this run)
 
 
+def _sweep_resumed(path: Path, cfg: RunConfig, N: int, distributed: bool, rank: int) -> dict[str, Any] | None:
+    """The progress a stopped sweep goes on from: this process's newest (under torchrun, of the newest round every
+    rank holds: COLLECTIVE, one all_gather_object), or None (the sweep starts again, said)."""
+    found = checkpoint.sweep_progress(path, cfg, N)
+    rounds = set(found)
+    if distributed:
+        held: list[Any] = [None] * N
+        dist.all_gather_object(held, sorted(rounds))
+        rounds = set.intersection(*(set(h) for h in held))
+    if not rounds:
+        if rank == 0:
+            print("lr sweep: no round that every rank holds: it starts again", flush=True)
+        return None
+    return found[max(rounds)]
+
+
 def tail_mean(train_losses: list[tuple[int, float]], after: float) -> float | None:
     """The mean training loss of the records after step ``after`` (else of the last record): each record is the mean
     over the steps since the record before it, and is weighted by their number. None if one of them is not finite (a
@@ -207,6 +223,12 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
         raise RunError(f"Expected --warmup (the range test's length) in [2 T, --steps) = [{2 * cfg.T}, {cfg.steps}) "
                        f"with --range-test, but got {warmup}")
     out = Path(cfg.out)
+    sweep_file = checkpoint.sweep_path(out, rank if distributed else None)
+    # killed inside its LR sweep (no config.json yet): the sweep goes on from its last round, then the run starts
+    sweep_resume = bool(cfg.resume and swept_steps and not dry_run and not (out / "config.json").is_file()
+                        and any(out.glob("sweep*.pt")))
+    if sweep_resume:
+        cfg = dataclasses.replace(cfg, resume=False)
     if cfg.resume and not dry_run and not (out / "config.json").is_file():
         raise RunError(f"Expected a run folder to resume at {out} (--out), but there is no run there")
     if not dry_run:
@@ -245,9 +267,17 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
             if distributed and N < 2:
                 raise RunError("Expected 2 or more ranks with --lr-sweep under torchrun (each rank runs one of its "
                                "LRs a round), but the world size is 1")
+            resume_from = _sweep_resumed(sweep_file, cfg, N, distributed, rank) if sweep_resume else None
             if rank == 0:  # an earlier run's outputs go before the sweep: a run killed inside it leaves no stale
                 clear_earlier(out)  # checkpoint that --resume would take for this run's
-            swept = lr_sweep(task, model, cfg, N, swept_steps, device, progress=rank == 0, distributed=distributed)
+            if resume_from is None:
+                checkpoint.clear_sweep(sweep_file)  # (an earlier sweep's progress: not this one's)
+            elif rank == 0:
+                print(f"lr sweep: going on after its round {resume_from['rounds']} ({sweep_file.name})", flush=True)
+            on_round = ((lambda p: checkpoint.save_sweep(sweep_file, cfg, N, p, keep_previous=distributed))
+                        if cfg.checkpoint_every else None)  # (each round's progress: a run killed inside the sweep
+            swept = lr_sweep(task, model, cfg, N, swept_steps, device, progress=rank == 0,  # goes on from it)
+                             distributed=distributed, resume_from=resume_from, on_round=on_round)
         cfg = dataclasses.replace(cfg, max_lr=swept["max_lr"])
     reps = (DDPRun(task, model, cfg, warmup, device) if distributed
             else EngineRun(task, model, N, cfg, warmup, device))
@@ -350,6 +380,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
     try:
         if swept is not None and every and not cfg.resume:  # the sweep's work kept: a run killed before its first
             save(0)  # checkpoint resumes from here instead of sweeping again
+            checkpoint.clear_sweep(sweep_file)  # (its rounds' progress: no longer needed)
         for t in range(start + 1, cfg.steps + 1):
             stop.check()  # a SIGTERM whose exception a finalizer swallowed (hdet.app.stop)
             batches = [to_device(task.sample("train", cfg.batch, gens[r]), device) for r in reps.local]

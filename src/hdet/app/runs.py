@@ -61,10 +61,12 @@ def make_optimizer(task: Task, cfg: RunConfig):
 
 
 def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, device: torch.device,
-             progress: bool, distributed: bool) -> dict[str, Any]:
+             progress: bool, distributed: bool, resume_from: dict[str, Any] | None = None,
+             on_round: Any = None) -> dict[str, Any]:
     """``--lr-sweep``: :func:`hdet.lr_sweep` over ``steps`` with the run's AdamW and param groups, each replica on a
     data stream of its own (not the run's), judged by its training loss; ``model`` left at its start weights
-    (``--lr-sweep-then restart``) or the best run's (``continue``).
+    (``--lr-sweep-then restart``) or the best run's (``continue``). ``resume_from``, ``on_round``: hdet.lr_sweep's
+    ``progress`` and ``on_round`` (a sweep stopped after a round goes on from it).
     What it found, for the run's config.json and summary."""
     def make(params: Any, lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(param_groups(model, task.group_of, cfg.weight_decay), lr=lr)
@@ -92,7 +94,7 @@ def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, d
             res = sweep.lr_sweep(model, make, task.loss_fn, batches, guess=cfg.max_lr, steps=steps,
                                  num_replicas=None if distributed else N, pct_start=cfg.pct_start,
                                  keep="start" if restart else "winner", points=cfg.lr_sweep_points,
-                                 lr_factor=cfg.lr_sweep_factor)
+                                 lr_factor=cfg.lr_sweep_factor, progress=resume_from, on_round=on_round)
         except sweep.SweepFoundNothing as e:  # every run non-finite, or none below the start's: the guess is far off
             raise RunError(f"Expected --lr-sweep to find an LR around --max-lr {cfg.max_lr:g}, but {e}") from None
     finite = lambda v: v if math.isfinite(v) else None  # noqa: E731 - strict JSON
