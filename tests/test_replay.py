@@ -96,6 +96,34 @@ def test_sync_logger_writes_jsonl_tensorboard_and_callback(tmp_path):
     assert not quiet.active and not (tmp_path / "other.jsonl").exists()  # replica 1 writes nothing
 
 
+def test_in_an_engine_under_a_process_group_only_replica_0s_logger_writes(tmp_path):
+    """A one-process engine in a process that has a process group (world 1): the logger chose its writer by the
+    global rank, so every replica's logger wrote, each sync once per replica and every one into the same file (an
+    audit); only replica 0's writes now."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from hdet.engine import ReplicaEngine
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        eng = ReplicaEngine(nn.Linear(3, 1), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.01),
+                            lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.01, total_steps=10, model=m, replicas=rep,
+                                                                  ensemble_lr_spread_ratio=0.2, model_sync_interval=5),
+                            mode="loop")
+        got = []
+        logs = [hdet.SyncLogger(s, tmp_path / "syncs.jsonl", callback=lambda d, r=r: got.append((r, d["step"])))
+                for r, s in enumerate(eng.schedulers)]
+        for _ in range(10):
+            eng.step([torch.ones(4, 3)] * 2, lambda m, b: m(b).pow(2).mean())
+        for log in logs:
+            log.close()
+    finally:
+        dist.destroy_process_group()
+    assert [log.active for log in logs] == [True, False] and got == [(0, 5), (0, 10)]
+    assert [json.loads(x)["step"] for x in (tmp_path / "syncs.jsonl").read_text().splitlines()] == [5, 10]
+
+
 def test_the_paper_controllers_record_gives_a_log_slots_base_in_its_own_units(tmp_path):
     """SyncLogger wrote the paper controller's internal log(value) as the base of a log-spread slot (weight decay
     -3.1 for 0.045) beside the record's natural bases."""

@@ -83,8 +83,10 @@ class SyncLogger:
 
     def __init__(self, scheduler: Any, path: str | Path | None = None, tensorboard_dir: str | Path | None = None,
                  callback: Callable[[dict[str, Any]], None] | None = None, append: bool = False) -> None:
-        # replica 0's first rank only (under HSDP a replica is several ranks)
-        self.active = dist.get_rank() == 0 if dist.is_available() and dist.is_initialized() else scheduler.rank == 0
+        # replica 0's first rank only (under HSDP a replica is several ranks; a one-process engine's replicas share
+        # the process's rank, so the replica decides too)
+        self.active = scheduler.rank == 0 and (not (dist.is_available() and dist.is_initialized()) or
+                                               dist.get_rank() == 0)
         self.callback = callback
         self._file = Path(path).open("a" if append else "w") if (self.active and path is not None) else None
         self._tb = None
