@@ -79,24 +79,28 @@ def test_replicas_resumed_from_different_steps_are_an_error(tmp_path):
         assert "optimizer steps per replica [30, 20]" in r["msg"]
 
 
-FINGERPRINTS = r"settings fingerprints \(the HDET options and explored hyperparameters\) per replica \[\d+, \d+\]\."
+FINGERPRINTS = r"settings fingerprints \(the HDET options, explored hyperparameters and schedules\) per replica \[\d+, \d+\]\."
 
 
-@pytest.mark.parametrize("differ, match", [("total_steps", r"total_steps per replica \[20, 21\]\."),
+@pytest.mark.parametrize("differ, match", [("total_steps", r"total_steps per replica \[20, 21\]"),
                                            ("alpha", FINGERPRINTS), ("wd_alpha", FINGERPRINTS),
-                                           ("wd_base", FINGERPRINTS), ("explored", FINGERPRINTS)])
+                                           ("wd_base", FINGERPRINTS), ("explored", FINGERPRINTS),
+                                           ("max_lr", FINGERPRINTS), ("wd_schedule", FINGERPRINTS)])
 def test_replicas_with_different_settings_are_an_error_in_the_engine(differ, match):
     """One replica built with another total_steps or spread (in the engine, where nothing else would notice), or
     exploring another weight-decay spread, base or list of hyperparameters (those ran to the end silently, each
-    replica reporting its own spread, and different lists even drew the LR permutations apart)."""
+    replica reporting its own spread, and different lists even drew the LR permutations apart), or with another
+    max_lr or weight-decay schedule (an audit: those ran on silently too, the records showing replica 0's)."""
     def make_sched(o, rep, m):
         r = rep.rank
         if differ == "wd_base":
             o.param_groups[0]["weight_decay"] = 0.01 * (1 + r)
-        explore = [hdet.WeightDecay(o, alpha=0.5 + 0.5 * r * (differ == "wd_alpha"))]
+        sched = (lambda t, r=r: 0.01 * (1 + r)) if differ == "wd_schedule" else None
+        explore = [hdet.WeightDecay(o, alpha=0.5 + 0.5 * r * (differ == "wd_alpha"), schedule=sched)]
         if differ == "explored" and r:
             explore.append(hdet.GradClip(1.0))
-        return hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=20 + r * (differ == "total_steps"), model_sync_interval=2,
+        return hdet.OneCycleAutoLR(o, max_lr=0.1 * (1 + r * (differ == "max_lr")),
+                                   total_steps=20 + r * (differ == "total_steps"), model_sync_interval=2,
                                    replicas=rep, model=m, ensemble_lr_spread_ratio=0.1 * r * (differ == "alpha"),
                                    explore=explore)
 

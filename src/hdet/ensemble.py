@@ -202,13 +202,14 @@ class Ensemble:
 
     def fingerprint(self) -> int:
         """The settings every replica must share, as one number exchanged at each sync: the HDET options
-        (:meth:`HDETConfig.fingerprint`) and every explored hyperparameter's name, spread and unscheduled base
-        (replicas that explore different things, or the same thing differently, would average silently)."""
+        (:meth:`HDETConfig.fingerprint`), every explored hyperparameter's name, spread and unscheduled base, and every
+        slot's scheduled base now (the LR schedules' and the scheduled explored values': replicas that explore
+        different things, the same thing differently, or from another schedule, a max_lr of each rank's own say,
+        would average silently)."""
         hypers = [[h.name, h.spread.kind, float(h.spread.alpha), [float(b) for b in h.spread.bounds],
                    None if h.schedule is not None else float(h.initial)] for h in self.hypers]
-        if not hypers:
-            return self.config.fingerprint()
-        return zlib.crc32(json.dumps([self.config.fingerprint(), hypers]).encode())  # < 2**32: exact in float64
+        scheduled = [float(b) for b in self.slots.scheduled]
+        return zlib.crc32(json.dumps([self.config.fingerprint(), hypers, scheduled]).encode())  # < 2**32: exact
 
     def is_sync_step(self, t: int) -> bool:
         """Converge after optimizer step ``t`` when ``t mod T == 0``, and after the last step."""

@@ -153,7 +153,7 @@ def check_agreement(t: int, col: SyncVector) -> None:
     if len(set(col.seed)) > 1:
         raise ValueError(f"Expected the same seed on every replica, but got {[int(x) for x in col.seed]}")
     named = {"optimizer steps": col.step, "model_sync_interval": col.interval, "total_steps": col.total_steps,
-             "settings fingerprints (the HDET options and explored hyperparameters)": col.config}
+             "settings fingerprints (the HDET options, explored hyperparameters and schedules)": col.config}
     differ = {name: [int(x) for x in v] for name, v in named.items() if len(set(v)) > 1}
     if differ:
         raise ReplicaMismatchError(
