@@ -484,22 +484,21 @@ class InputScaled(nn.Module):
         self.stat, self.lin = stat, nn.Linear(3, 2)
 
     def forward(self, x):
-        return self.lin(x / (x.abs().amax() if self.stat == "amax" else x.std()))
+        return self.lin(x / (x.abs().amax() if self.stat == "amax" else x.std(correction=0)))
 
 
 def test_a_statistic_of_the_inputs_that_the_first_batch_hides_is_caught():
-    """Every replica's first batch has the same largest value (features clipped at 1), so merged and vmap agree there
-    and moving replica 0's weights moves no other replica: the check also changes replica 0's inputs (an audit found
-    the merged run scaling each replica by the others' largest value from the second step on, silently)."""
+    """Every replica's first batch has the same spread (each scaled to a standard deviation of 1), so merged and vmap
+    agree there and moving replica 0's weights moves no other replica: the check also changes replica 0's inputs (an
+    audit found a batch statistic of the inputs hidden this way, the merged run scaling each replica by the others'
+    data from the second step on, silently)."""
     g = torch.Generator().manual_seed(5)
-    data = [(torch.randn(N, B, 3, generator=g).mul(3).clamp(-1, 1), torch.randn(N, B, 2, generator=g))
-            for _ in range(6)]
-    for x, _ in data:
-        x[:, 0, 0] = 1.0  # (every replica's largest is 1)
-        x[3] *= 0.5  # replica 3's: 0.5, from the second step on
-    data[0][0][3] *= 2
+    data = [(torch.randn(N, B, 3, generator=g), torch.randn(N, B, 2, generator=g)) for _ in range(6)]
+    x0 = data[0][0]
+    x0 -= x0.reshape(N, -1).mean(1).view(N, 1, 1)  # (every replica's mean 0 and spread 1 at the first step: the
+    x0 /= x0.reshape(N, -1).std(1, correction=0).view(N, 1, 1)  # merged batch's too)
     with pytest.warns(UserWarning, match="changing replica 0's weights and inputs changed the other replicas"):
-        eng, ref, la, lb = _step_both(InputScaled, xy_loss, data)
+        eng, ref, la, lb = _step_both(lambda: InputScaled("std"), xy_loss, data)
     assert eng.mode == "vmap"
     _assert_same(eng, ref, la, lb, rtol=0, atol=0)
 
@@ -515,6 +514,29 @@ def test_under_autocast_a_forward_that_mixes_its_inputs_is_caught():
             eng, ref, la, lb = _step_both(lambda: InputScaled("std"), xy_loss, data, steps=3)
     assert eng.mode == "vmap"
     _assert_same(eng, ref, la, lb, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("target", ["labels", "embedding"])
+def test_float_inputs_that_hold_indices_stay_merged(target):
+    """The check's change of replica 0's floating-point inputs (2 x + 1) made float labels cast in the loss, or float
+    indices into an embedding, point past their table, and the error escaped the step (a review: it ran merged
+    before): such inputs are replaced by replica 1's instead, and the run stays merged, as vmap's."""
+    g = torch.Generator().manual_seed(8)
+    if target == "labels":
+        make = lambda: nn.Sequential(nn.Linear(3, 3))  # noqa: E731
+        fn = lambda m, b: F.cross_entropy(m(b[0]), b[1].long())  # noqa: E731
+        data = [(torch.randn(N, B, 3, generator=g), torch.randint(0, 3, (N, B), generator=g).float())
+                for _ in range(4)]
+    else:
+        make = lambda: nn.Sequential(nn.Embedding(10, 2))  # noqa: E731
+        fn = lambda m, b: F.mse_loss(m(b[0].long()), b[1])  # noqa: E731
+        data = [(torch.randint(0, 10, (N, B), generator=g).float(), torch.randn(N, B, 2, generator=g))
+                for _ in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eng, ref, la, lb = _step_both(make, fn, data, steps=4)
+    assert eng.mode == "merged"
+    _assert_same(eng, ref, la, lb)
 
 
 class InPlace(nn.Module):
