@@ -683,20 +683,24 @@ def test_engine_averaged_evaluates_the_replicas_mean_and_training_goes_on_unchan
     assert all(torch.equal(a, b) for a, b in zip(done, plain))
 
 
+@pytest.mark.parametrize("explore", [False, True])
 @pytest.mark.parametrize("mode", ["loop", "vmap"])
-def test_engine_state_saved_inside_averaged_resumes_exactly(mode):
+def test_engine_state_saved_inside_averaged_resumes_exactly(mode, explore):
     """`with engine.averaged(): evaluate(...); torch.save(engine.state_dict(), ...)` mid-window saved the average as
     every replica's weights beside each replica's own optimizer and scheduler state (an audit: the resumed run's
     weights 7e-5 from the uninterrupted one's): the state holds each replica's own weights and BatchNorm statistics,
-    and a resume from it matches the run that never stopped, bit for bit."""
+    and, with an explored weight decay held at its base there, each replica's own value (a review: 0.1 for all three
+    after the resume, the weights 0.14 off), and a resume from it matches the run that never stopped, bit for bit."""
     from hdet.engine import ReplicaEngine
 
     def build():
         torch.manual_seed(0)
-        sched = lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=20, ensemble_lr_spread_ratio=0.5,  # noqa: E731
-                                                      model_sync_interval=5, replicas=rep, model=m)
+        sched = lambda o, rep, m: hdet.OneCycleAutoLR(  # noqa: E731
+            o, max_lr=0.05, total_steps=20, ensemble_lr_spread_ratio=0.5, model_sync_interval=5, replicas=rep, model=m,
+            explore=[hdet.WeightDecay(o, alpha=0.5)] if explore else None)
         net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
-        return ReplicaEngine(net, 3, lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), sched, mode=mode)
+        return ReplicaEngine(net, 3, lambda m: torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1), sched,
+                             mode=mode)
 
     loss_fn = lambda m, b: nn.functional.mse_loss(m(b), b[:, :1])  # noqa: E731
     flat = lambda m: torch.cat([t.detach().reshape(-1) for t in [*m.parameters(), *m.buffers()]  # noqa: E731
@@ -708,6 +712,7 @@ def test_engine_state_saved_inside_averaged_resumes_exactly(mode):
             eng.step([torch.randn(8, 4, generator=g) for _ in range(3)], loss_fn)
             if t == 7:
                 own = [flat(m) for m in eng.models]
+                wd = [o.param_groups[0]["weight_decay"] for o in eng.optimizers]
                 with eng.averaged() as changed:
                     average = flat(eng.models[0])
                     buf = io.BytesIO()
@@ -717,6 +722,8 @@ def test_engine_state_saved_inside_averaged_resumes_exactly(mode):
         eng2 = build()
         eng2.load_state_dict(torch.load(io.BytesIO(saved[0]), weights_only=True))
         assert changed and all(torch.equal(flat(m), o) for m, o in zip(eng2.models, own))
+        assert [o.param_groups[0]["weight_decay"] for o in eng2.optimizers] == wd and (len(set(wd)) > 1) == explore
+        assert [o.param_groups[0]["weight_decay"] for o in eng.optimizers] == wd  # (after averaged(): its own again)
         assert not torch.equal(own[0], average)
         g.set_state(saved[1])
         for t in range(8, 21):

@@ -1522,3 +1522,47 @@ def test_finish_averages_the_replicas_of_a_run_left_early():
         assert out["apart"] and out["equal"] and out["mean"] and out["first"] == 7 and out["again"] is None
     for out in check_ok(run_gloo(_left_early, 2, 10)):
         assert not out["apart"] and out["equal"] and out["first"] is None and out["again"] is None
+
+
+def _local_reset_worker(rank, world):
+    """Local mode (DDP's no_sync at every step), fused Adam (the "skip-all" guard); rank 1's weight NaN from step 3,
+    so its guard skips steps 3-8 and its Adam count stays at 2; the sync at 8 resets it. Alpha 0 and, from then on,
+    the same batch on both ranks: the two replicas are one state and must stay equal."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    ddp = DDP(net)
+    opt = torch.optim.Adam(ddp.parameters(), lr=0.01, fused=True)
+    sched = hdet.OneCycleAutoLR(opt, max_lr=0.02, total_steps=12, ensemble_lr_spread_ratio=0.0, model_sync_interval=8,
+                                model=ddp)
+    out = []
+    for t in range(1, 12):
+        if t == 3 and rank == 1:
+            with torch.no_grad():
+                net[0].weight[0, 0] = float("nan")
+        g = torch.Generator().manual_seed(100 * (rank if t <= 8 else 0) + t)
+        x = torch.randn(8, 6, generator=g)
+        with ddp.no_sync():
+            loss = nn.functional.mse_loss(ddp(x), x[:, :1])
+            opt.zero_grad()
+            loss.backward()
+        opt.step()
+        sched.step(loss)
+        w = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        ws = [torch.empty_like(w) for _ in range(world)]
+        dist.all_gather(ws, w)
+        out.append((t, float((ws[0] - ws[1]).abs().max()), float(opt.state[net[0].weight]["step"])))
+    return {"out": out, "recovered": sched.last_sync.recovered if sched.last_sync else None}
+
+
+@pytest.mark.distributed
+def test_local_mode_a_reset_replica_takes_the_healthy_step_count_with_their_moments():
+    """A replica reset at a converge step got the healthy replicas' weights and moments but kept its own Adam step
+    count (2 against 8: its guard had skipped six steps on its own), so its bias correction no longer matched the
+    moments and the two replicas parted by 3e-3 within three steps (an audit): it takes their count too."""
+    res = check_ok(run_gloo(_local_reset_worker, 2))
+    for t, diff, step in res[1]["out"]:
+        if t >= 8:
+            assert diff == 0.0 and step == t, (t, diff, step)
+    assert [s for t, _, s in res[1]["out"] if t == 7] == [2.0]  # (the skipped steps, before the reset)

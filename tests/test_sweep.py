@@ -713,6 +713,8 @@ def _progress_worker(rank, world, mode):
     whole = hdet.lr_sweep(model, make_opt, loss_fn, batches, on_round=lambda p: seen.append(_saved(p)), **kw)
     again = make_model()
     progress = seen[1] if mode == "same" else (seen[1] if rank == 0 else None)
+    if mode == "foreign":  # rank 0's progress of another sweep (more steps), rank 1's of this one
+        progress = dict(seen[1], plan=[*seen[1]["plan"][:3], STEPS + 2, seen[1]["plan"][4]]) if rank == 0 else seen[1]
     try:
         part = hdet.lr_sweep(again, make_opt, loss_fn, batches, progress=progress, **kw)
     except ValueError as e:
@@ -723,13 +725,17 @@ def _progress_worker(rank, world, mode):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode", ["same", "one_rank_only"])
+@pytest.mark.parametrize("mode", ["same", "one_rank_only", "foreign"])
 def test_ranks_go_on_from_their_progress_or_all_refuse_progress_that_differs(mode):
     """Under ranks (gloo, 2: 4 rounds of 2 at 8 points) every rank passes its own progress of round 2 and the sweep
-    ends as the uninterrupted one on both; progress on one rank only is refused on every rank before anything runs."""
+    ends as the uninterrupted one on both; progress on one rank only, or one rank's of another sweep, is refused on
+    every rank before anything runs (a review: the other rank waited in the next round's broadcast)."""
     res = check_ok(run_gloo(_progress_worker, 2, mode))
-    for r in res:
+    for rank, r in enumerate(res):
         if mode == "same":
             assert r["same"] and r["rounds"][:4] == [1, 2, 3, 4]
-        else:
+        elif mode == "one_rank_only":
             assert "Expected every rank to pass its progress of the same round, or none" in r["raised"]
+        else:
+            assert ("Expected progress of this sweep" if rank == 0 else
+                    "Expected every rank's progress to be of this sweep, but rank(s) [0]'s are not") in r["raised"]

@@ -33,7 +33,7 @@ import functools
 import inspect
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -674,13 +674,26 @@ class ReplicaEngine:
         Snapshots the replicas share (:class:`hdet.stability.SharedCopies`) are one tensor in it. Inside
         :meth:`averaged` each replica's own weights and buffers, those kept aside, not the average swapped in (the
         resume is exact wherever it is saved; ``engine.models[0].state_dict()`` there is the average)."""
-        with self._copies[0].saving(), self._copies[1].saving():
+        with self._copies[0].saving(), self._copies[1].saving(), self._own_values():
             layout = {n: (list(o) if o is not None else None) for n, o in self.stack.orders.items()} \
                 if self.stack is not None else {}  # the parameters' memory order (gradient_layout)
             return {"version": self.STATE_VERSION, "num_replicas": self.num_replicas,
                     "share_gradients": self.share_gradients, "layout": layout,
                     "replicas": [{"model": ms, "optimizer": o.state_dict(), "scheduler": s.state_dict()}
                                  for ms, o, s in zip(self._own_model_states(), self.optimizers, self.schedulers)]}
+
+    @contextlib.contextmanager
+    def _own_values(self) -> Iterator[None]:
+        """Inside: every replica's own explored values, where :meth:`averaged` holds them at their base (the
+        optimizer's param groups a state saves hold them); after: as they were."""
+        held = [(h, h.get()) for h, _ in self._swap._values]
+        try:
+            for h, own in self._swap._values:
+                h.set(own)
+            yield
+        finally:
+            for h, v in held:
+                h.set(v)
 
     def _own_model_states(self) -> list[dict[str, Any]]:
         """Every replica's ``model.state_dict()``, with its own tensors where the average is swapped in (the copies
@@ -895,6 +908,7 @@ class ReplicaEngine:
         average_local([e.tensors() for e in ens], bad)  # Eq. 3 over the healthy replicas
         if bad:
             average_local([e.recovery_tensors() for e in ens], bad, into=bad)  # the reset replicas' moments
+            _reset_steps([e.param_steps() for e in ens], bad)
         try:
             for e, v in zip(ens, verdicts):
                 e.finish_sync(t, v)
@@ -954,6 +968,19 @@ def _check_compile(compile: Any) -> None:
     if isinstance(backend, str) and listed is not None and backend not in listed(exclude_tags=()):
         raise ValueError(f"Expected compile's backend among torch's {sorted(listed(exclude_tags=()))} (or a callable), "
                          f"but got {backend!r}")
+
+
+@torch.no_grad()
+def _reset_steps(steps: list[list[torch.Tensor]], bad: list[int]) -> None:
+    """The reset replicas' step counts (Adam's, per parameter) become the healthy replicas' mean, rounded (equal
+    with shared gradients; in local mode a replica whose guard skipped steps has a count of its own)."""
+    healthy = [r for r in range(len(steps)) if r not in bad]
+    if not healthy or not steps[0] or any(len(s) != len(steps[0]) for s in steps):
+        return
+    for k in range(len(steps[0])):
+        mean = torch.stack([steps[r][k].detach().double().reshape(()).cpu() for r in healthy]).mean().round()
+        for r in bad:
+            steps[r][k].copy_(mean)
 
 
 def _names(names: Sequence[str]) -> str:

@@ -319,6 +319,11 @@ class Ensemble:
         alone: a reset replica's probe is NaN for that one fit.)"""
         return [] if self.config.average_optimizer_state else self._optimizer_state(self._params())
 
+    def param_steps(self) -> list[torch.Tensor]:
+        """The optimizer's per-parameter step counts (Adam's ``state["step"]`` tensors)."""
+        steps = (self.optimizer.state.get(p, {}).get("step") for p in self._params())
+        return [s for s in steps if isinstance(s, torch.Tensor)]
+
     def step_counts(self) -> list[torch.Tensor]:
         """The optimizer's step counts: Adam's ``state["step"]`` tensors (one per parameter) and D-Adaptation's and
         Prodigy's ``k`` (their param groups', :meth:`hdet.step_scale.StepScale.counts`). Not averaged (equal on every
@@ -572,9 +577,19 @@ class Ensemble:
                                    "replica from the last checkpoint") from e
 
     def _reset_moments(self, t: int, exclude: list[int]) -> None:
-        """The reset replicas' optimizer moments (:meth:`recovery_tensors`) become the healthy replicas' mean; a
-        healthy replica keeps its own. COLLECTIVES: as :meth:`_average`."""
+        """The reset replicas' optimizer moments (:meth:`recovery_tensors`) and step counts become the healthy
+        replicas' mean (the count rounded: in local mode a replica whose guard skipped steps kept a count of its own,
+        and Adam's bias correction then no longer matched the moments it got, an audit); a healthy replica keeps its
+        own. COLLECTIVES: as :meth:`_average`, and one all_reduce of the counts."""
         self._average(t, self.recovery_tensors(), exclude, into=exclude)
+        steps = self.param_steps()
+        if steps:
+            device = local_shard(self._params()[0].detach()).device
+            counts = torch.stack([s.detach().to(device, torch.float64).reshape(()) for s in steps])
+            self._average(t, [counts], exclude, into=exclude)
+            with torch.no_grad():
+                for s, c in zip(steps, counts.round()):
+                    s.copy_(c)
 
     def _average(self, t: int, tensors: list[torch.Tensor], exclude: list[int],
                  into: list[int] | None = None) -> None:

@@ -215,6 +215,7 @@ class RampSnapshots:
             warnings.warn(f"hdet: {len(items) - len(self.items)} of the checkpoint's range-test snapshots do not fit "
                           f"this run's {len(tensors)} tensors"
                           + (" (the optimizer holds no state yet: load the optimizer's state_dict before the "
-                             "scheduler's)" if optimizer_empty else "")
+                             "scheduler's)" if optimizer_empty and any(len(ts) > len(tensors) for _, _, _, ts in items)
+                             else "")
                           + ": dropped (the test can go back only to the others)", stacklevel=2)
 

@@ -39,8 +39,10 @@ other on the same module, from the same initial weights.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import warnings
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -350,22 +352,39 @@ class _Runs:
 
     def resume(self, progress: dict[str, Any] | None, on_round: Callable[[dict[str, Any]], None] | None) -> None:
         """Take a stopped sweep's progress (its rounds are not run again), after checking that it is this sweep's
-        and, under ranks, that every rank has one of the same round or none (COLLECTIVE: one gather)."""
+        and, under ranks, that every rank has one of the same round, with the same runs, or none: every rank raises
+        if one rank's is not (COLLECTIVE: one gather, before anything runs)."""
         self.on_round = on_round
-        rounds = _progress_rounds(progress)
+        problem, rounds = None, 0
+        try:
+            rounds = _progress_rounds(progress)
+            if progress is not None:
+                want = {"plan": list(self.plan), "n": self.n, "keep_best": self.keep_best}
+                got = {k: progress.get(k) for k in want}
+                if got != want:
+                    raise ValueError(f"Expected progress of this sweep (the same grid, steps, lr_factor, replicas and "
+                                     f"keep), but it differs: {got} -> {want}")
+                runs = zlib.crc32(json.dumps(sorted(int(k) for k in progress["loss"])).encode())
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            problem = e if isinstance(e, ValueError) else ValueError(f"Expected progress as lr_sweep's on_round gives "
+                                                                      f"it, but it is not ({type(e).__name__}: {e})")
         if self.rank is not None:
-            rows = ProcessGroupReplicas(self.group).gather(torch.tensor([float(progress is not None), float(rounds)],
-                                                                        dtype=torch.float64))
-            if len(set(map(tuple, rows.tolist()))) > 1:
+            mine = [float(progress is not None), float(rounds), float(problem is None),
+                    float(runs) if progress is not None and problem is None else -1.0]
+            rows = ProcessGroupReplicas(self.group).gather(torch.tensor(mine, dtype=torch.float64)).tolist()
+            bad = [r for r, row in enumerate(rows) if not row[2]]
+            if problem is not None:
+                raise problem
+            if bad:
+                raise ValueError(f"Expected every rank's progress to be of this sweep, but rank(s) {bad}'s are not "
+                                 "(their error is raised there); nothing ran")
+            if len({(row[0], row[1], row[3]) for row in rows}) > 1:
                 raise ValueError(f"Expected every rank to pass its progress of the same round, or none, but they "
-                                 f"differ: (has progress, rounds) by rank {[tuple(r) for r in rows.tolist()]}")
+                                 f"differ: (has progress, rounds) by rank {[tuple(r[:2]) for r in rows]}")
+        elif problem is not None:
+            raise problem
         if progress is None:
             return
-        want = {"plan": list(self.plan), "n": self.n, "keep_best": self.keep_best}
-        got = {k: progress.get(k) for k in want}
-        if got != want:
-            raise ValueError(f"Expected progress of this sweep (the same grid, steps, lr_factor, replicas and keep), but "
-                             f"it differs: {got} -> {want}")
         self.loss = {int(k): float(v) for k, v in progress["loss"].items()}
         self.owner = {int(k): int(v) for k, v in progress["owner"].items()}
         self.first = (list(progress["first"][0]), list(progress["first"][1]))

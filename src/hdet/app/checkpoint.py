@@ -112,9 +112,11 @@ def sweep_path(out: Path, rank: int | None) -> Path:
     return out / ("sweep.pt" if rank is None else f"sweep-rank{rank}.pt")
 
 
-def save_sweep(path: Path, cfg: RunConfig, replicas: int, progress: dict[str, Any], keep_previous: bool) -> None:
+def save_sweep(path: Path, cfg: RunConfig, replicas: int, progress: dict[str, Any], device: str,
+               keep_previous: bool) -> None:
     """Write the sweep's progress after a round (:func:`hdet.lr_sweep`'s ``on_round``), as :func:`save` writes."""
-    state = {"version": VERSION, "kind": "lr_sweep", "config": _config(cfg), "replicas": replicas, "progress": progress}
+    state = {"version": VERSION, "kind": "lr_sweep", "config": _config(cfg), "replicas": replicas, "device": device,
+             "progress": progress}
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     if keep_previous and path.is_file():
@@ -122,9 +124,9 @@ def save_sweep(path: Path, cfg: RunConfig, replicas: int, progress: dict[str, An
     os.replace(tmp, path)
 
 
-def sweep_progress(path: Path, cfg: RunConfig, replicas: int) -> dict[int, dict[str, Any]]:
-    """This process's readable sweep progress (newest and previous): rounds -> progress; a file of other options is
-    an error that names them."""
+def sweep_progress(path: Path, cfg: RunConfig, replicas: int, device: str) -> dict[int, dict[str, Any]]:
+    """This process's readable sweep progress (newest and previous): rounds -> progress; a file of other options (as
+    the run resolves them: ``--device cpu`` is ``auto`` on a CPU) is an error that names them."""
     found: dict[int, dict[str, Any]] = {}
     for p in (path, previous(path)):
         try:
@@ -133,9 +135,10 @@ def sweep_progress(path: Path, cfg: RunConfig, replicas: int) -> dict[int, dict[
             continue
         if not isinstance(state, dict) or state.get("kind") != "lr_sweep" or not isinstance(state.get("progress"), dict):
             continue
-        now = _config(cfg)
-        if state.get("config") != now or state.get("replicas") != replicas:
-            saved = state.get("config") or {}
+        # (the engine's mode plays no part in the sweep: one placeholder for both)
+        now = _resolved(_config(cfg), "sweep", device)
+        saved = _resolved(state.get("config") or {}, "sweep", str(state.get("device")))
+        if saved != now or state.get("replicas") != replicas:
             diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
                     if saved.get(k) != now.get(k)]
             if state.get("replicas") != replicas:

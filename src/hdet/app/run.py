@@ -44,10 +44,16 @@ FINAL = ("summary.json", "schedule.json", "model.pt", "loss.png", "lr.png", "hpa
 # (compare.json: `hdet compare`'s table, which `hdet plot` would show instead of this run)
 
 
-def _sweep_resumed(path: Path, cfg: RunConfig, N: int, distributed: bool, rank: int) -> dict[str, Any] | None:
+def checkpoint_every(cfg: RunConfig) -> int:
+    """Steps between checkpoints (``--checkpoint-every``; by default a tenth of the run; 0: none)."""
+    return cfg.checkpoint_every if cfg.checkpoint_every is not None else max(1, cfg.steps // 10)
+
+
+def _sweep_resumed(path: Path, cfg: RunConfig, N: int, distributed: bool, rank: int,
+                   device: torch.device) -> dict[str, Any] | None:
     """The progress a stopped sweep goes on from: this process's newest (under torchrun, of the newest round every
     rank holds: COLLECTIVE, one all_gather_object), or None (the sweep starts again, said)."""
-    found = checkpoint.sweep_progress(path, cfg, N)
+    found = checkpoint.sweep_progress(path, cfg, N, device.type)
     rounds = set(found)
     if distributed:
         held: list[Any] = [None] * N
@@ -55,7 +61,8 @@ def _sweep_resumed(path: Path, cfg: RunConfig, N: int, distributed: bool, rank: 
         rounds = set.intersection(*(set(h) for h in held))
     if not rounds:
         if rank == 0:
-            print("lr sweep: no round that every rank holds: it starts again", flush=True)
+            print(f"lr sweep: {'no round that every rank holds' if distributed else 'no progress of it'}: it starts "
+                  "again", flush=True)
         return None
     return found[max(rounds)]
 
@@ -226,7 +233,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
     sweep_file = checkpoint.sweep_path(out, rank if distributed else None)
     # killed inside its LR sweep (no config.json yet): the sweep goes on from its last round, then the run starts
     sweep_resume = bool(cfg.resume and swept_steps and not dry_run and not (out / "config.json").is_file()
-                        and any(out.glob("sweep*.pt")))
+                        and any(out.glob("sweep-rank*.pt" if distributed else "sweep*.pt")))  # (every rank alike)
     if sweep_resume:
         cfg = dataclasses.replace(cfg, resume=False)
     if cfg.resume and not dry_run and not (out / "config.json").is_file():
@@ -267,15 +274,16 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
             if distributed and N < 2:
                 raise RunError("Expected 2 or more ranks with --lr-sweep under torchrun (each rank runs one of its "
                                "LRs a round), but the world size is 1")
-            resume_from = _sweep_resumed(sweep_file, cfg, N, distributed, rank) if sweep_resume else None
+            resume_from = _sweep_resumed(sweep_file, cfg, N, distributed, rank, device) if sweep_resume else None
             if rank == 0:  # an earlier run's outputs go before the sweep: a run killed inside it leaves no stale
                 clear_earlier(out)  # checkpoint that --resume would take for this run's
             if resume_from is None:
                 checkpoint.clear_sweep(sweep_file)  # (an earlier sweep's progress: not this one's)
             elif rank == 0:
                 print(f"lr sweep: going on after its round {resume_from['rounds']} ({sweep_file.name})", flush=True)
-            on_round = ((lambda p: checkpoint.save_sweep(sweep_file, cfg, N, p, keep_previous=distributed))
-                        if cfg.checkpoint_every else None)  # (each round's progress: a run killed inside the sweep
+            on_round = ((lambda p: checkpoint.save_sweep(sweep_file, cfg, N, p, device.type,
+                                                         keep_previous=distributed))
+                        if checkpoint_every(cfg) else None)  # (each round's progress: a run killed inside the sweep
             swept = lr_sweep(task, model, cfg, N, swept_steps, device, progress=rank == 0,  # goes on from it)
                              distributed=distributed, resume_from=resume_from, on_round=on_round)
         cfg = dataclasses.replace(cfg, max_lr=swept["max_lr"])
@@ -317,7 +325,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
         for s, calls in zip(reps.schedulers, loop.get("probe_calls", [])):  # the fit controller's probe batches
             if s.ensemble.probe is not None:
                 s.ensemble.probe.calls = calls
-    every = cfg.checkpoint_every if cfg.checkpoint_every is not None else max(1, cfg.steps // 10)
+    every = checkpoint_every(cfg)
     groups = [g.get("name", str(j)) for j, g in enumerate(sched0.optimizer.param_groups)]
     eval_every = cfg.eval_every or cfg.T
     log_every = cfg.log_every or min(10, max(1, cfg.steps // 100))
@@ -378,8 +386,11 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
             keep_previous=distributed)
     progress.update(start)
     try:
-        if swept is not None and every and not cfg.resume:  # the sweep's work kept: a run killed before its first
-            save(0)  # checkpoint resumes from here instead of sweeping again
+        if swept is not None and not cfg.resume:  # the sweep's work kept: a run killed before its first checkpoint
+            if every:  # resumes from here instead of sweeping again
+                save(0)
+            if distributed:  # COLLECTIVE: every rank's step-0 checkpoint is written before any rank drops its
+                dist.barrier()  # sweep progress
             checkpoint.clear_sweep(sweep_file)  # (its rounds' progress: no longer needed)
         for t in range(start + 1, cfg.steps + 1):
             stop.check()  # a SIGTERM whose exception a finalizer swallowed (hdet.app.stop)
