@@ -1031,6 +1031,27 @@ def test_a_run_killed_inside_its_sweep_goes_on_from_the_sweeps_last_round(tmp_pa
     assert "Expected the options of the stopped LR sweep (sweep.pt) to resume it" in capsys.readouterr().err
 
 
+def test_a_sweep_whose_progress_cannot_be_written_goes_on_and_says_so(tmp_path, monkeypatch, capsys):
+    """A write of the sweep's progress that fails (a full disk) is said once, and the sweep and the run go on as
+    without it (under torchrun an error on one rank alone would leave the others waiting)."""
+    import hdet.app.checkpoint as checkpoint
+
+    args = list(SWEEP)
+    args[args.index("--replicas") + 1] = "2"
+    args += ["--lr-sweep-points", "6"]
+    assert main(["train", *args, "--out", str(tmp_path / "whole")]) == 0
+    calls = []
+
+    def full(*a, **k):
+        calls.append(1)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(checkpoint, "save_sweep", full)
+    capsys.readouterr()
+    assert main(["train", *args, "--out", str(tmp_path / "full")]) == 0
+    assert len(calls) == 1 and capsys.readouterr().err.count("the LR sweep's progress could not be written") == 1
+    _same_run(tmp_path / "whole", tmp_path / "full")
+
+
 _KILL_IN_SWEEP = """
 import os, sys, time
 import hdet.app.checkpoint as checkpoint

@@ -191,7 +191,8 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     eval mode. Any error leaves the model as it came (this rank's own weights). The model's forward and the judge must
     be this rank's own (no collective inside: a SyncBatchNorm is refused). With 2 points the grid is two LRs span^2
     apart: use 4 or more (8 measured). A ``DistributedDataParallel`` model sweeps its ``module`` (no gradient is
-    shared). ``on_round(progress)``: called on every rank after each round with this process's progress so far
+    shared). ``on_round(progress)`` (it must not raise on one rank alone: the others would wait in the next round):
+    called on every rank after each round with this process's progress so far
     (plain data: the runs' losses, the first round's start losses, the RNG's state, and with ``keep="winner"`` this
     process's best run's tensors, copies); ``progress``: such a dict, from a sweep that was stopped, to go on from
     (the same model from the same start weights and the same arguments, checked: its finished rounds are not run

@@ -49,6 +49,25 @@ def checkpoint_every(cfg: RunConfig) -> int:
     return cfg.checkpoint_every if cfg.checkpoint_every is not None else max(1, cfg.steps // 10)
 
 
+def _sweep_saver(path: Path, cfg: RunConfig, N: int, device: torch.device, distributed: bool) -> Any:
+    """The sweep's ``on_round``: each round's progress written (a run killed inside the sweep goes on from it). A
+    write that fails (a full disk) is said once and the sweep goes on without saving more on this rank: an error
+    here on one rank alone would leave the others waiting in the next round (a resume takes the newest round every
+    rank holds)."""
+    failed: list[BaseException] = []
+
+    def save(progress: dict[str, Any]) -> None:
+        if failed:
+            return
+        try:
+            checkpoint.save_sweep(path, cfg, N, progress, device.type, keep_previous=distributed)
+        except Exception as e:  # noqa: BLE001 - any failed write: said, and the sweep goes on
+            failed.append(e)
+            print(f"warning: the LR sweep's progress could not be written to {path} ({type(e).__name__}: {e}); it "
+                  "goes on without saving it", file=sys.stderr, flush=True)
+    return save
+
+
 def _sweep_resumed(path: Path, cfg: RunConfig, N: int, distributed: bool, rank: int,
                    device: torch.device) -> dict[str, Any] | None:
     """The progress a stopped sweep goes on from: this process's newest (under torchrun, of the newest round every
@@ -281,10 +300,8 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
                 checkpoint.clear_sweep(sweep_file)  # (an earlier sweep's progress: not this one's)
             elif rank == 0:
                 print(f"lr sweep: going on after its round {resume_from['rounds']} ({sweep_file.name})", flush=True)
-            on_round = ((lambda p: checkpoint.save_sweep(sweep_file, cfg, N, p, device.type,
-                                                         keep_previous=distributed))
-                        if checkpoint_every(cfg) else None)  # (each round's progress: a run killed inside the sweep
-            swept = lr_sweep(task, model, cfg, N, swept_steps, device, progress=rank == 0,  # goes on from it)
+            on_round = _sweep_saver(sweep_file, cfg, N, device, distributed) if checkpoint_every(cfg) else None
+            swept = lr_sweep(task, model, cfg, N, swept_steps, device, progress=rank == 0,
                              distributed=distributed, resume_from=resume_from, on_round=on_round)
         cfg = dataclasses.replace(cfg, max_lr=swept["max_lr"])
     reps = (DDPRun(task, model, cfg, warmup, device) if distributed
