@@ -1058,8 +1058,12 @@ import hdet.app.checkpoint as checkpoint
 real, calls = checkpoint.save_sweep, [0]
 def killed(*a, **k):  # rank 1 dies before it writes round 2's progress, rank 0 after it (a kill mid-save)
     calls[0] += 1
-    if calls[0] == 2 and os.environ["RANK"] == "1":
-        time.sleep(2)  # (rank 0 has written its file by then)
+    if calls[0] == 2 and os.environ["RANK"] == "1":  # (once rank 0 has written its file, whatever the load)
+        prev = a[0].with_name("sweep-rank0.prev.pt")
+        for _ in range(1200):
+            if prev.is_file() and a[0].with_name("sweep-rank0.pt").is_file():
+                break
+            time.sleep(0.1)
         os._exit(1)
     real(*a, **k)
     if calls[0] == 2:

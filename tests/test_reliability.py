@@ -112,6 +112,23 @@ def test_replicas_with_different_settings_are_an_error_in_the_engine(differ, mat
         eng.step(batch, lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
 
 
+def test_bases_a_rank_computes_in_its_last_bits_apart_are_not_a_mismatch():
+    """A max_lr each rank computes from the same numbers (an LR sweep's pick through LAPACK) can differ in its last
+    bits: the fingerprint takes the scheduled bases to 6 significant digits, so that is no error (a CI run of
+    `hdet train --lr-sweep` under torchrun stopped at its first sync before), while another max_lr is."""
+    def make_sched(o, rep, m):
+        return hdet.OneCycleAutoLR(o, max_lr=0.1 * (1 + 4e-16 * rep.rank), total_steps=20, model_sync_interval=2,
+                                   replicas=rep, model=m, ensemble_lr_spread_ratio=0.1)
+
+    eng = ReplicaEngine(nn.Linear(3, 1), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), make_sched, mode="loop")
+    batch = [(torch.randn(4, 3), torch.randn(4, 1))] * 2
+    seen = set()
+    for _ in range(4):
+        eng.step(batch, lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+        seen.add(eng.schedulers[0].ensemble.slots.scheduled[0] != eng.schedulers[1].ensemble.slots.scheduled[0])
+    assert True in seen  # (the bases did differ, in their last bits)
+
+
 def test_an_explored_base_survives_an_optimizer_loaded_before_the_scheduler_is_built():
     """The documented order "load the optimizer first, then the scheduler", with the scheduler built after the
     optimizer's load: the explored weight decay's base was read from the loaded optimizer (this replica's spread

@@ -203,12 +203,14 @@ class Ensemble:
     def fingerprint(self) -> int:
         """The settings every replica must share, as one number exchanged at each sync: the HDET options
         (:meth:`HDETConfig.fingerprint`), every explored hyperparameter's name, spread and unscheduled base, and every
-        slot's scheduled base now (the LR schedules' and the scheduled explored values': replicas that explore
-        different things, the same thing differently, or from another schedule, a max_lr of each rank's own say,
-        would average silently)."""
+        slot's scheduled base now, to 6 significant digits (the LR schedules' and the scheduled explored values':
+        replicas that explore different things, the same thing differently, or from another schedule, a max_lr of each
+        rank's own say, would average silently)."""
         hypers = [[h.name, h.spread.kind, float(h.spread.alpha), [float(b) for b in h.spread.bounds],
                    None if h.schedule is not None else float(h.initial)] for h in self.hypers]
-        scheduled = [float(b) for b in self.slots.scheduled]
+        # (to 6 significant digits: a base each rank computes from the same numbers may differ in its last bits, an
+        # LR sweep's pick through LAPACK say, and a mismatch error there would stop a run that is right)
+        scheduled = [float(f"{float(b):.6g}") for b in self.slots.scheduled]
         return zlib.crc32(json.dumps([self.config.fingerprint(), hypers, scheduled]).encode())  # < 2**32: exact
 
     def is_sync_step(self, t: int) -> bool:
