@@ -99,6 +99,12 @@ def save(path: Path, cfg: RunConfig, replicas: int, mode: str, device: str, step
              "torch_rng": torch.get_rng_state(),
              "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
              "loop": loop}
+    _write(path, state, keep_previous)
+
+
+def _write(path: Path, state: dict[str, Any], keep_previous: bool) -> None:
+    """``torch.save`` to a temporary file, then renamed over ``path`` (``keep_previous``: the old one renamed to
+    :func:`previous` first)."""
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     if keep_previous and path.is_file():  # killed between these two renames: the previous one is there, whole
@@ -115,13 +121,8 @@ def sweep_path(out: Path, rank: int | None) -> Path:
 def save_sweep(path: Path, cfg: RunConfig, replicas: int, progress: dict[str, Any], device: str,
                keep_previous: bool) -> None:
     """Write the sweep's progress after a round (:func:`hdet.lr_sweep`'s ``on_round``), as :func:`save` writes."""
-    state = {"version": VERSION, "kind": "lr_sweep", "config": _config(cfg), "replicas": replicas, "device": device,
-             "progress": progress}
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    if keep_previous and path.is_file():
-        os.replace(path, previous(path))
-    os.replace(tmp, path)
+    _write(path, {"version": VERSION, "kind": "lr_sweep", "config": _config(cfg), "replicas": replicas,
+                  "device": device, "progress": progress}, keep_previous)
 
 
 def sweep_progress(path: Path, cfg: RunConfig, replicas: int, device: str) -> dict[int, dict[str, Any]]:
