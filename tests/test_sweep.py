@@ -739,3 +739,17 @@ def test_ranks_go_on_from_their_progress_or_all_refuse_progress_that_differs(mod
         else:
             assert ("Expected progress of this sweep" if rank == 0 else
                     "Expected every rank's progress to be of this sweep, but rank(s) [0]'s are not") in r["raised"]
+
+
+def test_the_pick_is_plain_python_so_every_rank_and_process_gets_the_same_bits(monkeypatch):
+    """LAPACK's least squares can move in the last bits with its buffers' alignment (ranks' peaks then differed, and a
+    resumed sweep picked another LR than the run never stopped): the fit uses no LAPACK, and is exact on a parabola."""
+    def no_lapack(*a, **k):
+        raise AssertionError("pick_lr called LAPACK")
+    monkeypatch.setattr(torch.linalg, "lstsq", no_lapack)
+    lrs = sweep_lrs(1e-3, 8, 32.0)
+    x = [math.log(v) for v in lrs]
+    vertex = math.log(2.5e-3)
+    losses = [0.7 * (v - vertex) ** 2 + 1.3 for v in x]
+    picks = {pick_lr(list(lrs), list(losses)) for _ in range(5)}
+    assert len(picks) == 1 and picks.pop() == pytest.approx(2.5e-3, rel=1e-12)

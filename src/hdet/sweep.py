@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .controller import fit_parabola
 from .replicas import ProcessGroupReplicas
 from .values import int_number, real_number
 
@@ -145,13 +146,13 @@ def pick_lr(lrs: list[float], losses: list[float], start: float | None = None,
     idx = [i for i in ok if abs(i - best) <= neighbours]
     if len(idx) < 3:
         return lrs[best]
-    x = torch.tensor([math.log(lrs[i]) for i in idx], dtype=torch.float64)
-    y = torch.tensor([losses[i] for i in idx], dtype=torch.float64)
-    design = torch.stack([x * x, x, torch.ones_like(x)], 1)
-    a, b, _ = torch.linalg.lstsq(design, y[:, None]).solution[:, 0].tolist()
-    if not a > 0:
+    x = [math.log(lrs[i]) for i in idx]
+    # In plain Python, not LAPACK: the same losses give the same bits on every rank and in every process (LAPACK's
+    # result can move in the last bits with the buffers' alignment, and ranks' peaks then differ).
+    _, b, q = fit_parabola(x, [losses[i] for i in idx])
+    if not q > 0:
         return lrs[best]
-    return math.exp(min(max(-b / (2 * a), float(x.min())), float(x.max())))
+    return math.exp(min(max(-b / (2 * q), min(x)), max(x)))
 
 
 def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer],
