@@ -102,7 +102,7 @@ def sweep(a: argparse.Namespace, model: torch.nn.Module, net: torch.nn.Module, m
     """``--lr-sweep F``: :func:`hdet.lr_sweep` over ``F * steps`` steps, ``--sweep-points`` LRs around ``--max-lr``
     (each rank one run a round, on its own batches of the per-rank size; the same clipping as the main run, through a
     step pre-hook), judged by each run's training loss over its last tenth; the model back at its start weights. What
-    it found (the main run's peak is its ``max_lr``: the pick times sqrt(world))."""
+    it found (the main run's peak is its ``max_lr``: the pick times hdet.lr_sweep's default factor, sqrt(max(world, 8)))."""
     offsets = torch.arange(a.ctx + 1, device=dev)
 
     def clipped(params, lr: float) -> torch.optim.Optimizer:
@@ -303,7 +303,7 @@ def main() -> None:
                    help="sweep the LR first over this fraction of --steps (hdet.lr_sweep), then train all steps")
     p.add_argument("--sweep-points", type=int, default=8, help="the sweep's grid (runs one a rank, in rounds)")
     p.add_argument("--sweep-factor", type=float, default=None,
-                   help="the main run's peak over the sweep's pick (default sqrt(world), hdet.lr_sweep's)")
+                   help="the main run's peak over the sweep's pick (default hdet.lr_sweep's, sqrt(max(world, 8)); calls 1-4 of gpt128m_sweep ran sqrt(world))")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--eval-every", type=int, default=250)

@@ -6,7 +6,7 @@
 # steps at the sweep's peak) from 0.1x, 1x and 10x that LR. Usage, from the repo root:
 #   TAR=$OUT/r.tgz DEADLINE=540 bash benchmarks/gpu_gpt_sweep.sh OUT RUN...
 # RUN: name:multiplier:seed[:alpha[:sweep[:factor]]] (alpha 0.2 and sweep 0.2 by default; alpha 0: plain DDP, sweep
-# 0: none; factor: the main run's peak over the sweep's pick, default sqrt(world);
+# 0: none; factor: the main run's peak over the sweep's pick, default hdet.lr_sweep's (sqrt(world) in calls 1-4, sqrt(max(world, 8)) since);
 # "plain" for alpha: plain DDP without a sweep), e.g. sweep_10x:10:0 plain_1x:1:0:plain sweep_plain_10x:10:0:0.
 # Each run writes OUT/<name>.json (command, config, the sweep's LRs and losses, curves, final held-out loss);
 # DEADLINE (seconds) skips a run that would not finish in time (the last run's length as the guess).

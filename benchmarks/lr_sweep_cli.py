@@ -26,10 +26,17 @@ LAUNCH = ("import sys, torch; torch.backends.cuda.matmul.allow_tf32 = True; torc
           "from hdet.app.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
-def train_command(task: str, seed: object, steps: str, device: str, data: str, extra: list[str], out: Path
-                  ) -> list[str]:
-    """One `hdet train` process of the evidence suite's task and size (N = 8, TF32 on): its command line."""
-    cmd = [sys.executable, "-c", LAUNCH, "train", "--task", task, *SIZES[task]["args"], "--replicas", "8",
+def train_command(task: str, seed: object, steps: str, device: str, data: str, extra: list[str], out: Path,
+                  replicas: int = 8) -> list[str]:
+    """One `hdet train` process of the evidence suite's task and size (N = 8, TF32 on): its command line. With
+    another N, the examples per replica are scaled so that the ensemble's batch is the suite's (N = 8's), and so the
+    grid's best max_lr still applies."""
+    args = list(SIZES[task]["args"])
+    i = args.index("--batch") + 1
+    if (int(args[i]) * 8) % replicas:
+        raise SystemExit(f"--replicas {replicas}: the suite's ensemble batch ({int(args[i]) * 8}) is not a multiple")
+    args[i] = str(int(args[i]) * 8 // replicas)
+    cmd = [sys.executable, "-c", LAUNCH, "train", "--task", task, *args, "--replicas", str(replicas),
            "--steps", steps, "--weight-decay", "0.01", "--seed", str(seed), "--device", device, *extra,
            "--checkpoint-every", "0", "--eval-every", "150", "--no-progress", "--out", str(out)]
     return cmd + (["--data", data] if task == "fashion" else [])
@@ -55,6 +62,11 @@ def main() -> None:
     p.add_argument("--tuned-at", default="1", help="the --tuned runs' max_lr, comma-separated multiples of the grid's "
                                                    "best")
     p.add_argument("--tuned-kinds", default="plain,hdet", help="which --tuned runs: plain and/or hdet")
+    p.add_argument("--replicas", type=int, default=8, help="N; the examples per replica scaled so the ensemble's batch "
+                                                          "stays N = 8's")
+    p.add_argument("--sweep-factors", default="", help="comma-separated --lr-sweep-factor values, each a run a seed "
+                                                      "(default: none given, the CLI's)")
+    p.add_argument("--sweep-points", default="", help="--lr-sweep-points (default: none given, the CLI's N)")
     p.add_argument("--data", default="data/fashion")
     p.add_argument("--device", default="cuda")
     p.add_argument("--runs", default="runs/lr_sweep_cli")
@@ -65,9 +77,13 @@ def main() -> None:
     p.add_argument("--out", required=True)
     a = p.parse_args()
     procs = {}
-    rows = [(task, st, sd, "sweep", ["--max-lr", repr(SIZES[task]["best"] * float(st)), "--lr-sweep", str(a.sweep),
-                                     "--lr-sweep-then", a.then])
-            for task in a.tasks.split(",") for st in a.starts.split(",") for sd in a.seeds.split(",") if a.sweep > 0]
+    factors = [f for f in a.sweep_factors.split(",") if f] or [None]
+    rows = [(task, st, sd, "sweep" if f is None else f"sweep-f{f}",
+             ["--max-lr", repr(SIZES[task]["best"] * float(st)), "--lr-sweep", str(a.sweep), "--lr-sweep-then", a.then]
+             + ([] if f is None else ["--lr-sweep-factor", f])
+             + (["--lr-sweep-points", a.sweep_points] if a.sweep_points else []))
+            for task in a.tasks.split(",") for st in a.starts.split(",") for sd in a.seeds.split(",") for f in factors
+            if a.sweep > 0]
     for task in filter(None, a.tuned.split(",")):
         kinds = {"plain": ["--alpha", "0", "--on-runaway", "ignore"], "hdet": []}
         rows += [(task, at, sd, kind, ["--max-lr", repr(SIZES[task]["best"] * float(at))] + kinds[kind])
@@ -75,7 +91,7 @@ def main() -> None:
     for task, st, sd, kind, extra in rows:
         name = f"{task}-x{st}-s{sd}" + ("" if kind == "sweep" else f"-{kind}")
         out = Path(a.runs) / name
-        cmd = train_command(task, sd, a.steps, a.device, a.data, extra, out)
+        cmd = train_command(task, sd, a.steps, a.device, a.data, extra, out, a.replicas)
         if a.collect:
             procs[name] = (task, float(st), int(sd), kind, out, None)
             continue
@@ -102,11 +118,12 @@ def main() -> None:
         if (out / "summary.json").is_file():
             s = json.loads((out / "summary.json").read_text())
             then = (s.get("lr_sweep") or {}).get("then", "continue")  # (before --lr-sweep-then: continue)
-            if a.collect and (kind == "sweep") != bool(s.get("lr_sweep")) or kind == "sweep" and then != a.then:
+            swept = kind.startswith("sweep")
+            if a.collect and swept != bool(s.get("lr_sweep")) or swept and then != a.then:
                 raise SystemExit(f"{out} holds another run than these options describe (--then {a.then})")
             row.update(metric=final_metric(task, s),
                        crashed=s.get("crashed"), lr_sweep=s.get("lr_sweep"),
-                       max_lr_x_best=(s["lr_sweep"]["max_lr"] if kind == "sweep" else s["config"]["max_lr"])
+                       max_lr_x_best=(s["lr_sweep"]["max_lr"] if swept else s["config"]["max_lr"])
                        / SIZES[task]["best"])
         runs.append(row)
     summary = {}

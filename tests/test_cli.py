@@ -851,7 +851,8 @@ def _unswept(max_lr: float) -> list[str]:
 
 def test_lr_sweep_then_restart_is_the_run_at_the_swept_peak_and_resumes(tmp_path, capsys):
     """--lr-sweep 0.25 of 40 steps, then (the default --lr-sweep-then restart) the run: 4 runs of 10 steps at
-    about 1/32x-32x of 0.03 / 2 (and any beyond them), then the run's 40 steps from the initial weights at 2 x the pick, bit for bit the run
+    about 1/32x-32x of 0.03 / sqrt(8) (and any beyond them), then the run's 40 steps from the initial weights at sqrt(8) x
+    the pick (the default factor's floor), bit for bit the run
     without a sweep at that --max-lr; a copy resumed from its checkpoint ends as the run did."""
     out = tmp_path / "whole"
     assert main(["train", *SWEEP, "--checkpoint-every", "15", "--out", str(out)]) == 0
@@ -862,8 +863,8 @@ def test_lr_sweep_then_restart_is_the_run_at_the_swept_peak_and_resumes(tmp_path
     s = json.loads((out / "summary.json").read_text())
     sw = s["lr_sweep"]
     assert sw["steps"] == 10 and sw["then"] == "restart" and sw["guess"] == 0.03 and len(sw["lrs"]) >= 4
-    assert sw["lr_factor"] == 2.0 and sw["max_lr"] == pytest.approx(2 * sw["pick"])
-    assert all(any(v == pytest.approx(g, rel=1e-12) for v in sw["lrs"]) for g in sweep_lrs(0.015, 4, 32.0))
+    assert sw["lr_factor"] == math.sqrt(8) and sw["max_lr"] == pytest.approx(math.sqrt(8) * sw["pick"])
+    assert all(any(v == pytest.approx(g, rel=1e-12) for v in sw["lrs"]) for g in sweep_lrs(0.03 / math.sqrt(8), 4, 32.0))
     assert s["config"]["max_lr"] == sw["max_lr"] and s["config"]["steps"] == 40 and s["steps_done"] == 40
     assert f"the run starts again at --max-lr {sw['max_lr']:.3g}" in said and s["crashed"] is None
     assert main(["train", *_unswept(sw["max_lr"]), "--out", str(tmp_path / "plain")]) == 0
@@ -1149,8 +1150,8 @@ def test_lr_sweep_points_makes_a_finer_grid_than_the_replicas(tmp_path, capsys):
     s = json.loads((tmp_path / "fine" / "summary.json").read_text())
     sw = s["lr_sweep"]
     assert s["config"]["lr_sweep_points"] == 8 and len(sw["lrs"]) >= 8 and "grid of" not in said.err
-    assert sw["lrs"][1] / sw["lrs"][0] == pytest.approx(32.0 ** (2 / 7)) and sw["lr_factor"] == pytest.approx(2 ** 0.5)
-    assert all(any(v == pytest.approx(g, rel=1e-12) for v in sw["lrs"]) for g in sweep_lrs(0.03 / 2 ** 0.5, 8, 32.0))
+    assert sw["lrs"][1] / sw["lrs"][0] == pytest.approx(32.0 ** (2 / 7)) and sw["lr_factor"] == pytest.approx(8 ** 0.5)
+    assert all(any(v == pytest.approx(g, rel=1e-12) for v in sw["lrs"]) for g in sweep_lrs(0.03 / 8 ** 0.5, 8, 32.0))
     assert main(["train", *args, "--out", str(tmp_path / "coarse")]) == 0
     assert "2 replicas give the sweep a grid of 2 LRs 1024x apart" in capsys.readouterr().err
     assert "--lr-sweep-points without --lr-sweep" in unused(RunConfig(lr_sweep_points=8))
@@ -1286,9 +1287,9 @@ def test_lr_sweep_under_torchrun_one_run_a_rank(tmp_path):
     assert "2 replicas give the sweep a grid of 2 LRs 1024x apart" in p.stderr
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
     sw = s["lr_sweep"]
-    grid = sweep_lrs(0.03 / math.sqrt(2), 2, 32.0)  # (and any runs beyond it)
+    grid = sweep_lrs(0.03 / math.sqrt(8), 2, 32.0)  # (and any runs beyond it; the factor's floor sqrt(8))
     assert all(any(v == pytest.approx(g, rel=1e-12) for v in sw["lrs"]) for g in grid)
-    assert sw["lr_factor"] == pytest.approx(math.sqrt(2)) and s["replicas"] == 2
+    assert sw["lr_factor"] == pytest.approx(math.sqrt(8)) and s["replicas"] == 2
     assert s["config"]["max_lr"] == sw["max_lr"] and s["crashed"] is None and s["steps_done"] == 40
 
 

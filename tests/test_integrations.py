@@ -385,7 +385,7 @@ def test_the_ddp_examples_lr_sweep_refuses_a_sweep_too_short_to_judge():
 @pytest.mark.distributed
 def test_the_ddp_examples_lr_sweep_then_trains_from_the_initial_weights_at_its_peak(tmp_path):
     """examples/ddp_train.py --lr-sweep under torchrun (world 4): each rank sweeps one LR, then the run starts again
-    from the initial weights at 2 (sqrt 4) x the pick; the same run, to the last digit, as the example without a sweep
+    from the initial weights at sqrt(8) x the pick (the default factor's floor); the same run, to the last digit, as the example without a sweep
     at that --max-lr, and its syncs report that OneCycle's base LRs."""
     def run(out, *extra):
         p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
@@ -396,9 +396,9 @@ def test_the_ddp_examples_lr_sweep_then_trains_from_the_initial_weights_at_its_p
         return json.loads(out.read_text()), p.stdout
     s, said = run(tmp_path / "swept.json", "--max-lr", "0.01", "--lr-sweep", "0.25")
     sw = s["lr_sweep"]
-    grid = hdet.sweep.sweep_lrs(0.005, 4, 32.0)  # (about 0.005 / 32 to 0.005 * 32, then any runs beyond them)
+    grid = hdet.sweep.sweep_lrs(0.01 / math.sqrt(8), 4, 32.0)  # (about /32 to x32 around it, then any runs beyond)
     assert sw["steps"] == 10 and all(any(v == pytest.approx(g, rel=1e-12) for v in sw["lrs"]) for g in grid)
-    assert sw["max_lr"] == pytest.approx(2 * sw["pick"]) and f"the run at --max-lr {sw['max_lr']:.3g}" in said
+    assert sw["max_lr"] == pytest.approx(math.sqrt(8) * sw["pick"]) and f"the run at --max-lr {sw['max_lr']:.3g}" in said
     plain, _ = run(tmp_path / "plain.json", "--max-lr", repr(sw["max_lr"]))
     assert plain["lr_sweep"] is None and plain["val_loss"] == s["val_loss"]
     assert [x["losses"] for x in plain["syncs"]] == [x["losses"] for x in s["syncs"]]

@@ -81,9 +81,9 @@ def reference(guess, judge, factor=None, n=N, make=make_opt, replicas=None):
     than need = min(3, (n - 1) // 2) runs on a side and the run at that end is within half the best one's gain of it,
     runs further out on that side (where no run ended below the start: need of them, one at least, beyond the end whose
     run is the best, below if every run blew up), the i-th of a round on batches(i), up to 3 rounds and the grid's reach
-    again a side. With fewer replicas than points, run r on batches(r % replicas), the factor sqrt(replicas)."""
+    again a side. With fewer replicas than points, run r on batches(r % replicas); the factor sqrt(max(replicas, 8)) by default."""
     replicas = n if replicas is None else replicas
-    factor = math.sqrt(replicas) if factor is None else factor
+    factor = math.sqrt(max(replicas, 8)) if factor is None else factor
     ratio = 32.0 ** (2 / (n - 1))
     fine = ratio ** (1 / math.ceil(math.log(ratio, 3)))  # the lattice: at most 3x apart
     k0 = math.floor(math.log(guess / factor / ratio ** ((n - 1) / 2), fine) + 0.5 + 1e-9) * math.log(fine, ratio)
@@ -133,8 +133,8 @@ def test_one_process_is_the_hand_written_sweep(judge, keep):
         assert torch.equal(v, held[k]), k
     assert res.start_loss == pytest.approx(start, rel=1e-6)
     assert res.pick == pytest.approx(pick_lr(lrs, losses, start), rel=1e-9)
-    assert res.max_lr == pytest.approx(res.pick * math.sqrt(N), rel=1e-12)
-    assert res.lr_factor == pytest.approx(math.sqrt(N))
+    assert res.max_lr == pytest.approx(res.pick * math.sqrt(8), rel=1e-12)  # (N = 4: the floor, sqrt(8))
+    assert res.lr_factor == pytest.approx(math.sqrt(8))
     assert model.training
 
 
@@ -308,10 +308,11 @@ def test_a_guess_too_low_runs_above_the_grid_as_the_hand_written_sweep(judge):
     """The best run at the grid's high end: rounds above it (up to the grid's reach again), the winner one of them,
     its weights in the model (keep="winner"), as the sweep written out by hand."""
     model = make_model()
-    res = hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=1e-4 if judge else 1e-3, steps=STEPS, num_replicas=N,
+    guess = (1e-4 if judge else 1e-3) * math.sqrt(2)  # (the grid around guess / sqrt(8): 1e-4 / 2, 1e-3 / 2)
+    res = hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=guess, steps=STEPS, num_replicas=N,
                         judge=held_out if judge else None, keep="winner")
-    lrs, losses, states, start = reference(1e-4 if judge else 1e-3, judge)
-    grid = sweep_lrs((1e-4 if judge else 1e-3) / 2, N, 32.0)
+    lrs, losses, states, start = reference(guess, judge)
+    grid = sweep_lrs(guess / math.sqrt(8), N, 32.0)
     assert res.lrs[:N] == pytest.approx(grid, rel=1e-12) and len(res.lrs) > N  # every run beyond it above it
     assert res.lrs == pytest.approx(lrs, rel=1e-12) and res.losses == pytest.approx(losses, rel=1e-6)
     assert res.winner >= N and res.start_loss == pytest.approx(start, rel=1e-6)
@@ -452,13 +453,13 @@ def test_a_parameter_the_optimizer_leaves_out_keeps_its_gradients_values():
 @pytest.mark.parametrize("judge", [True, False])
 def test_more_points_than_replicas_run_in_rounds_as_the_hand_written_sweep(judge):
     """points=8 with 2 replicas: the grid of 8 LRs 2.69x apart (not 2 LRs 1024x apart), run 2 at a time, run r on
-    batches(r % 2); the factor stays sqrt(2) (the batch ratio)."""
+    batches(r % 2); the factor sqrt(8) (the floor: at N = 2 sqrt(8) beat the batch ratio's sqrt(2))."""
     model = make_model()
     res = hdet.lr_sweep(model, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=2, points=8,
                         judge=held_out if judge else None, keep="winner")
     lrs, losses, states, start = reference(0.1, judge, n=8, replicas=2)
     assert res.lrs == pytest.approx(lrs, rel=1e-12) and res.losses == pytest.approx(losses, rel=1e-6)
-    assert res.start_loss == pytest.approx(start, rel=1e-6) and res.lr_factor == pytest.approx(math.sqrt(2))
+    assert res.start_loss == pytest.approx(start, rel=1e-6) and res.lr_factor == pytest.approx(math.sqrt(8))
     assert len(res.lrs) >= 8 and res.lrs[1] / res.lrs[0] == pytest.approx(32.0 ** (2 / 7))
     for k, v in model.state_dict().items():
         assert torch.equal(v, states[res.winner][k]), k
@@ -507,7 +508,8 @@ def _sweep_worker(rank, world, ddp, keep):
     with torch.no_grad():  # every rank's model apart: the sweep starts every rank from rank 0's weights
         for p in model.parameters():
             p.add_(rank)
-    res = hdet.lr_sweep(wrapped, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, judge=held_out, keep=keep)
+    res = hdet.lr_sweep(wrapped, make_opt, loss_fn, batches, guess=0.1 * math.sqrt(8 / world), steps=STEPS,
+                        judge=held_out, keep=keep)  # (the grid around 0.1 / sqrt(world), under the factor's floor)
     swept = {k: v.tolist() for k, v in model.state_dict().items()}
     flat = torch.cat([t.detach().reshape(-1).double() for t in model.state_dict().values()])
     out = [torch.empty_like(flat) for _ in range(world)]
@@ -568,8 +570,8 @@ def test_every_rank_one_replica_then_the_best_ranks_weights(world, ddp, keep):
     res = check_ok(run_gloo(_sweep_worker, world, ddp, keep))
     one = make_model()
     with one_thread():  # as the workers: the same summation order (Adam turns rounding into a step's sign)
-        ref = hdet.lr_sweep(one, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=world,
-                            judge=held_out, keep=keep)
+        ref = hdet.lr_sweep(one, make_opt, loss_fn, batches, guess=0.1 * math.sqrt(8 / world), steps=STEPS,
+                            num_replicas=world, judge=held_out, keep=keep)
     if keep == "start":
         assert all(torch.equal(v, make_model().state_dict()[k]) for k, v in one.state_dict().items())
     for r in res:
@@ -592,7 +594,8 @@ def _beyond_worker(rank, world, guess, points):
     with torch.no_grad():  # every rank's model apart: every run starts from rank 0's weights
         for p in model.parameters():
             p.add_(rank)
-    res = hdet.lr_sweep(model, lambda p, lr: torch.optim.SGD(p, lr=lr), loss_fn, batches, guess=guess, steps=STEPS,
+    res = hdet.lr_sweep(model, lambda p, lr: torch.optim.SGD(p, lr=lr), loss_fn, batches,
+                        guess=guess * math.sqrt(8 / world), steps=STEPS,  # (the grid around guess / sqrt(world))
                         judge=held_out, keep="winner", points=points)
     flat = torch.cat([t.detach().reshape(-1).double() for t in model.state_dict().values()])
     out = [torch.empty_like(flat) for _ in range(world)]
@@ -615,6 +618,7 @@ def test_runs_beyond_the_grid_under_ranks_are_the_one_process_sweeps(world, gues
     sgd = lambda p, lr: torch.optim.SGD(p, lr=lr)  # noqa: E731
     one = make_model()
     with one_thread():  # as the workers: the same summation order
+        guess = guess * math.sqrt(8 / world)  # (as the workers': the grid around the parameter / sqrt(world))
         ref = hdet.lr_sweep(one, sgd, loss_fn, batches, guess=guess, steps=STEPS, num_replicas=world, judge=held_out,
                             keep="winner", points=points)
         lrs, losses, states, _ = reference(guess, True, n=points or world, make=sgd, replicas=world)
@@ -673,7 +677,7 @@ def test_a_stopped_sweep_goes_on_from_its_progress_as_the_uninterrupted_one(keep
     runs only the rounds after it, and ends as the uninterrupted sweep, bit for bit: the same LRs, losses and pick,
     the same weights after it (keep="winner": the best run's, also when an earlier round ran it), and torch's RNG as
     it came (dropout: the resumed rounds draw as the uninterrupted ones did)."""
-    kw = dict(guess=3.0, steps=STEPS, num_replicas=3, points=6, keep=keep)  # 2 rounds of 3, then runs below the grid
+    kw = dict(guess=3.0 * math.sqrt(8 / 3), steps=STEPS, num_replicas=3, points=6, keep=keep)  # (around 3 / sqrt(3))  # 2 rounds of 3, then runs below the grid
     seen = []
     model = _dropout_model()
     torch.manual_seed(5)
@@ -753,3 +757,12 @@ def test_the_pick_is_plain_python_so_every_rank_and_process_gets_the_same_bits(m
     losses = [0.7 * (v - vertex) ** 2 + 1.3 for v in x]
     picks = {pick_lr(list(lrs), list(losses)) for _ in range(5)}
     assert len(picks) == 1 and picks.pop() == pytest.approx(2.5e-3, rel=1e-12)
+
+
+def test_the_default_factor_is_the_batch_rule_from_8_replicas_and_sqrt_8_below():
+    """sqrt(max(N, 8)): at N = 2 and 8 a sweep's short runs picked about half the grid's best (measured), so below 8
+    the batch ratio's sqrt(N) alone left the run too low; from 8 up the batch rule as measured at N = 8."""
+    from hdet.sweep import default_factor
+    assert [default_factor(n) for n in (1, 2, 4, 8, 16)] == [math.sqrt(8)] * 4 + [4.0]
+    res = hdet.lr_sweep(make_model(), make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=16, points=4)
+    assert res.lr_factor == 4.0 and res.max_lr == pytest.approx(res.pick * 4.0, rel=1e-12)

@@ -11,8 +11,9 @@ runs go beyond the grid on that side, one ratio apart (``extend`` rounds at most
 beyond the end whose run was the best): an off-centre guess gets the neighbourhood a centred one gets. The pick is the
 vertex of a least-squares parabola in log LR through the best judged loss and up to three finite neighbours on each
 side, leaving out runs that kept less than half the best one's gain over the start (they blew up and settled near
-chance); the main run's peak LR is the pick times ``lr_factor`` (sqrt(N) by default: the main run's batch is N times a
-sweep run's, and Adam's best LR grows about as the square root of the batch). The model ends holding its start weights
+chance); the main run's peak LR is the pick times ``lr_factor`` (sqrt(max(N, 8)) by default: the main run's batch is N
+times a sweep run's, Adam's best LR grows about as the square root of the batch, and a sweep's short runs pick low
+whatever N is: at N = 2 sqrt(8) beat sqrt(2) and 2, see below). The model ends holding its start weights
 (``keep="start"``: the main run then trains all its steps from them at the found peak, the sweep's steps on top), or
 the best run's weights (``keep="winner"``: the main run goes on from there, with a fresh optimizer, for the remaining
 steps), on every rank.
@@ -26,9 +27,13 @@ after the sweep, a byte-level GPT ends +0.25% / +0.32% / +0.51% from the grid's 
 with the stability guard's cut 0.5 each time: +0.43% / -0.00% / +0.86% and -0.06 / -0.05 / -0.17 point at the same
 seeds, the picks lower from 0.1x and 10x); with ``keep="winner"`` and the remaining 1200 steps, +1.1% /
 +1.2% / +1.9% (12 seeds) and about -0.45 point (6 seeds): the picks were right, the steps the sweep took from the main
-run were not (its best run saw 1/N of the data). Hence ``keep="start"`` by default. The factor sqrt(N) is not fitted to
-these tasks; pass ``lr_factor`` where the batch rule is known. Leaving out the runs that kept less than half the best
-one's gain is this function's own (the study's fit took them in).
+run were not (its best run saw 1/N of the data). Hence ``keep="start"`` by default. At N = 2 (the same tasks, the
+ensemble's batch kept at N = 8's, 8 points, ``benchmarks/results/evidence/sweep_factor_n2/``) the picks were about half
+the grid's best as at N = 8, and the GPT ended -0.33% / +0.7% / +1.5% from its grid best at factors sqrt(8) / 2 /
+sqrt(2) (4 seeds; sqrt(8) better than sqrt(2) in all 4), Fashion-MNIST level at all three (92.13-92.17%, 3 seeds); a
+128M GPT on 2 GPUs likewise (``benchmarks/results/gpu_2x_h200/gpt128m_sweep/``): hence the floor of sqrt(8). Not
+measured above N = 8; pass ``lr_factor`` where the batch rule is known. Leaving out the runs that kept less than half
+the best one's gain is this function's own (the study's fit took them in).
 
 Under torch.distributed (initialised, world size > 1) every rank is one replica: rank r runs the r-th LR on its own
 batches (and the r-th of each round beyond the grid), the judged losses are all-gathered and (``keep="winner"``)
@@ -126,6 +131,15 @@ def _needed(losses: list[float], start: float | None, neighbours: int) -> tuple[
     return max(low, 0), max(high, 0)
 
 
+FACTOR_FLOOR_N = 8  # the default factor is sqrt(N) from N = 8 up, sqrt(8) below (measured at N = 2 and 8)
+
+
+def default_factor(n: int) -> float:
+    """The main run's peak over the sweep's pick by default: sqrt(max(N, 8)) (the batch rule from N = 8 up; below it
+    a sweep's short runs still pick about half the best, as at N = 8: module docstring)."""
+    return math.sqrt(max(n, FACTOR_FLOOR_N))
+
+
 def pick_lr(lrs: list[float], losses: list[float], start: float | None = None,
             neighbours: int = FIT_NEIGHBOURS) -> float:
     """The vertex (in log LR) of the least-squares parabola through the lowest finite loss and up to ``neighbours``
@@ -175,7 +189,7 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     over the run's last tenth (on the measured CNN it picked higher LRs than a held-out loss on the same seeds, and
     ended no worse); ``span``: the grid's reach each way from its centre (its points ``span ** (2 / (points - 1))``
     apart, on a lattice that gives guesses apart by a power of that ratio the same points: :func:`sweep_lrs`);
-    ``lr_factor``: the main run's peak over the pick (default sqrt(N)); ``pct_start``, ``cycle_momentum``: each run's
+    ``lr_factor``: the main run's peak over the pick (default sqrt(max(N, 8)): :data:`FACTOR_FLOOR_N`); ``pct_start``, ``cycle_momentum``: each run's
     OneCycleLR (by default its momentum or beta1 cycles where the optimizer has one, as OneCycleLR and OneCycleAutoLR do
     in the main run the pick is for; False for a main run that keeps it fixed); ``keep``: ``"start"`` (the model back at
     the weights the sweep started from, rank 0's on every rank, for a main run of all its steps: measured better) or
@@ -210,7 +224,7 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     span_f = real_number(span)
     if span_f is None or not (math.isfinite(span_f) and span_f > 1):
         raise ValueError(f"Expected span to be a finite number above 1, but got {span!r}")
-    factor = math.sqrt(n) if lr_factor is None else real_number(lr_factor)
+    factor = default_factor(n) if lr_factor is None else real_number(lr_factor)
     if factor is None or not (math.isfinite(factor) and factor > 0):
         raise ValueError(f"Expected lr_factor to be a positive finite number or None, but got {lr_factor!r}")
     pct = real_number(pct_start)

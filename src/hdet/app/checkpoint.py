@@ -49,7 +49,8 @@ ADDED = {"pct_start": 0.3, "lr_sweep": 0.0, "cuda_graph": False, "lr_sweep_point
          "lr_sweep_factor": None}
 # added since checkpoints exist (and --lr-sweep-then, set in _resolved): what runs did before each, OneCycle's warm-up
 # 0.3, no sweep, no CUDA graph, a sweep grid of one LR a replica, the recovery's LR cut 0.5 (its cuts after the
-# resume the rule of now, 0.5 ** k: hdet.ensemble_state warns where one was made before), the sweep's factor sqrt(N)
+# resume the rule of now, 0.5 ** k: hdet.ensemble_state warns where one was made before), the sweep's factor by default (sqrt(N) then,
+# sqrt(max(N, 8)) now: a sweep resumed across that change is refused by its plan's factor)
 
 
 def _config(cfg: RunConfig) -> dict[str, Any]:

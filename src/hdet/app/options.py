@@ -72,9 +72,9 @@ class RunConfig:
         "the ramp's state at the new peak, the last good LR / --range-backoff (measured: docs/auto-lr.md)"))
     lr_sweep: float = field(default=0.0, metadata=_cli(
         "an LR sweep first: N independent runs of FRAC x --steps steps, one per replica on its own batches, at LRs "
-        "about 1/32x-32x around --max-lr / sqrt(N) (and up to 3 rounds of runs beyond them where the best is near an "
+        "about 1/32x-32x around --max-lr / sqrt(max(N, 8)) (and up to 3 rounds of runs beyond them where the best is near an "
         "end: each costs a run's steps more, a round of them under torchrun), judged by their training loss over their "
-        "last tenth (hdet.lr_sweep); then the run at sqrt(N) x the pick (--lr-sweep-factor; see --lr-sweep-then; "
+        "last tenth (hdet.lr_sweep); then the run at sqrt(max(N, 8)) x the pick (--lr-sweep-factor; see --lr-sweep-then; "
         "measured with 0.2: "
         "docs/auto-lr.md)",
         metavar="FRAC"))
@@ -82,9 +82,9 @@ class RunConfig:
         "with --lr-sweep: the grid's LRs (default one a replica; more run N at a time, each round a sweep run's time "
         "more: 8 with 2 replicas gives LRs 2.7x apart instead of 1024x)", metavar="K"))
     lr_sweep_factor: float | None = field(default=None, metadata=_cli(
-        "with --lr-sweep: the run's peak LR over the sweep's pick (default sqrt(N): a sweep run's batch is 1/N of the "
-        "run's, and Adam's best LR grows about as the square root of the batch; measured best on the two small tasks at "
-        "N = 8, while N itself, the linear rule, did better at 128M on 2 GPUs: docs/auto-lr.md)", metavar="F"))
+        "with --lr-sweep: the run's peak LR over the sweep's pick (default sqrt(max(N, 8)): a sweep run's batch is 1/N "
+        "of the run's, Adam's best LR grows about as the square root of the batch, and short runs pick low: measured "
+        "best on the two small tasks at N = 8 and at N = 2, and at 128M on 2 GPUs: docs/auto-lr.md)", metavar="F"))
     lr_sweep_then: str = field(default="restart", metadata=_cli(
         "with --lr-sweep: restart (the run trains all --steps from the initial weights: the sweep's steps come on "
         "top) or continue (the rest of --steps from the best sweep run's weights: no extra steps but the sweep's rounds "
