@@ -1095,3 +1095,102 @@ def lightning_callback_two_schedulers(rank, world):
             "saved": torch.allclose(saved.double(), mean, rtol=1e-6, atol=1e-7),
             "restored": torch.equal(after_validation, own) and torch.equal(flat(), own),
             "apart": not torch.equal(every[0], every[1])}
+
+
+def hsdp_after_an_evaluation(rank, world, *, case="averaged"):
+    """FSDP2 on a (2, 2) mesh (the root one FSDP group: it stays unsharded after a forward under no_grad), 7 steps of
+    20 (T = 5), then this replica's evaluation under no_grad, then: ``averaged`` - an evaluation inside
+    ``s.averaged()`` and training on to step 20 (with the same run without the evaluations beside it); ``finish`` -
+    ``s.finish()`` and an evaluation; ``warm_init`` - ``hdet.warm_init_(model)`` (before any step). Each evaluation is
+    compared with a plain forward of the full weights it should use."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+        fully_shard(model, mesh=mesh)
+        o = torch.optim.AdamW(model.parameters(), lr=0.01)
+        s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=20, ensemble_lr_spread_ratio=0.3, model_sync_interval=5,
+                                model=model, device_mesh=mesh, guard_gradients=False)
+        return model, o, s
+
+    def full(model):  # this replica's whole weights (a collective over its shard ranks), from the sharded DTensors
+        # the optimizer holds (model.parameters() are the root's unsharded copies while they are in)
+        return torch.cat([p.full_tensor().detach().reshape(-1) for g in opt_of[model].param_groups for p in g["params"]])
+
+    def plain(flat, x):  # the forward of those weights without FSDP
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+        torch.nn.utils.vector_to_parameters(flat, m.parameters())
+        with torch.no_grad():
+            return m(x)
+
+    x = batch(0, 999)[0]
+    opt_of = {}
+    model, o, s = build()
+    opt_of[model] = o
+
+    def evaluate():
+        with torch.no_grad():
+            return model(x)
+
+    out = {}
+    if case == "warm_init":
+        evaluate()
+        before = full(model)
+        hdet.warm_init_(model, nu=0.05, seed=3)
+        out["moved"] = float((full(model) - before).abs().max())
+        out["eval_err"] = float((evaluate() - plain(full(model), x)).abs().max())
+        return out
+    train_steps(model, o, s, rank, range(1, 8))
+    own = full(model)
+    out["own_err"] = float((evaluate() - plain(own, x)).abs().max())
+    if case == "finish":
+        s.finish()
+        avg = full(model)
+        out["apart"] = float((avg - own).abs().max())
+        out["eval_err"] = float((evaluate() - plain(avg, x)).abs().max())
+        return out
+    with s.averaged():
+        avg = full(model)
+        out["eval_err"] = float((evaluate() - plain(avg, x)).abs().max())
+    out["apart"] = float((avg - own).abs().max())
+    xt, yt = batch(rank, 8)
+    out["loss8_err"] = float((nn.functional.mse_loss(model(xt), yt).detach()
+                              - nn.functional.mse_loss(plain(own, xt), yt)).abs())
+    o.zero_grad()  # (the forward above made no graph to step from: train from step 8 as usual)
+    train_steps(model, o, s, rank, range(8, 21))
+    with_eval = full(model)
+    model, o, s = build()
+    opt_of[model] = o
+    train_steps(model, o, s, rank, range(1, 21))
+    out["final_diff"] = float((with_eval - full(model)).abs().max())
+    return out
+
+
+def sharded_without_its_mesh(rank, world, *, how="none"):
+    """FSDP2-sharded parameters with a scheduler that is not given the 2-D mesh: ``none`` (plain FSDP2 over every
+    rank, no device_mesh), ``hsdp-none`` (HSDP on (2, 2), no device_mesh), ``hsdp-replicate`` (device_mesh=
+    mesh["replicate"]), ``hsdp-group`` (process_group= the replicate group). The error, or None."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if how == "none":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    else:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+    fully_shard(model, mesh=mesh)
+    o = torch.optim.AdamW(model.parameters(), lr=0.01)
+    extra = {"hsdp-replicate": {"device_mesh": mesh["replicate"] if how == "hsdp-replicate" else None},
+             "hsdp-group": {"process_group": mesh.get_group("replicate") if how == "hsdp-group" else None}}.get(how, {})
+    try:
+        hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=10, ensemble_lr_spread_ratio=0.3, model_sync_interval=5,
+                            model=model, **extra)
+    except ValueError as e:
+        return str(e)
+    return None

@@ -598,6 +598,13 @@ def test_only_overlaid_runs_are_clipped_and_a_clip_is_said(tmp_path, monkeypatch
     plot.plot_losses([run, calm], tmp_path / "two.png")
     ax = figs[1].axes[0]
     assert ax.get_ylim()[1] == pytest.approx(3.0 * 1.05) and "clipped" in ax.texts[0].get_text()
+    low, high = ax.get_ylim()  # the lower limit fits the runs shown (it was the diverged range's autoscale: -63.6 under
+    assert 2.3 < low < 2.4 and high - low < 1.0  # a run that reached 1400, the healthy ones a sliver of the panel)
+    gone = {"metrics": [{"step": t, "train_loss": loss} for t, loss in enumerate([3.0, 2.95, 2.9, 30.0, 1400.0, 900.0], 1)],
+            "summary": {}, "label": "diverged"}
+    plot.plot_losses([calm, gone], tmp_path / "three.png")
+    low, high = figs[2].axes[0].get_ylim()
+    assert high == pytest.approx(3.0 * 1.05) and 2.3 < low < 2.4, (low, high)
 
 
 def test_tensorboard_missing_is_refused_before_anything_is_removed(tmp_path, capsys, monkeypatch):

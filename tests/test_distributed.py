@@ -573,6 +573,45 @@ def test_finish_averages_hsdp_replicas_left_early():
 
 
 
+def _hsdp_after_an_evaluation(rank, world, case):
+    from dist_workers import hsdp_after_an_evaluation
+
+    return hsdp_after_an_evaluation(rank, world, case=case)
+
+
+@pytest.mark.parametrize("case", ["averaged", "finish", "warm_init"])
+def test_hsdp_writes_reach_the_forward_after_an_evaluation_under_no_grad(case):
+    """FSDP2 keeps the root's parameters unsharded after a forward under no_grad, and its next forward reuses them:
+    hdet's writes into the shards went unseen (an evaluation inside averaged() measured the replica's own weights and
+    training went on from the average; after finish() the model still ran the replica's own; warm_init_ moved
+    nothing). Every write reshards first: each evaluation is the forward of the weights it should use."""
+    for r in check_ok(run_gloo(_hsdp_after_an_evaluation, 4, case)):
+        assert r["eval_err"] < 1e-6, r
+        if case == "warm_init":
+            assert r["moved"] > 1e-3, r
+            continue
+        assert r["own_err"] < 1e-6 and r["apart"] > 1e-4, r  # (the replicas were apart: the average is another model)
+        if case == "averaged":
+            assert r["loss8_err"] < 1e-6 and r["final_diff"] == 0.0, r  # training goes on as without the evaluation
+
+
+def _sharded_without_its_mesh(rank, world, how):
+    from dist_workers import sharded_without_its_mesh
+
+    return sharded_without_its_mesh(rank, world, how=how)
+
+
+@pytest.mark.parametrize("world, how", [(2, "none"), (4, "hsdp-none"), (4, "hsdp-replicate"), (4, "hsdp-group")])
+def test_sharded_parameters_without_their_2d_mesh_are_refused(world, how):
+    """FSDP2 without device_mesh took each shard for a replica (its own LR, rows of a weight averaged with other
+    rows); HSDP given mesh["replicate"] or the replicate group judged each replica from one shard (the shard ranks'
+    LRs and bases apart, no gradient guard). Refused at construction, saying to pass the 2-D mesh."""
+    for err in check_ok(run_gloo(_sharded_without_its_mesh, world, how)):
+        assert err is not None and "Expected device_mesh= the (replicate, shard) device mesh" in err, err
+        assert ("got no device_mesh" if how in ("none", "hsdp-none", "hsdp-group") else "got a 1-D mesh named "
+                "('replicate',)") in err, err
+
+
 def _swap_average(rank, world, nan_rank, mesh_shape):
     from dist_workers import swap_average
 

@@ -30,7 +30,7 @@ from .config import HDETConfig
 from .controller import ControllerStep
 from .hyper import Hyperparameter
 from .optimizers import innermost, lr_free_kind
-from .replicas import ProcessGroupReplicas, Replicas, ReplicaSyncError, local_shard
+from .replicas import ProcessGroupReplicas, Replicas, ReplicaSyncError, local_shard, reshard_fsdp
 from .range_test import MAX_RANGE_GROWTH, RANGE_START, RampSnapshots, RangeTest
 from .slots import LRControl, Slots
 from .stability import MIN_LR_SCALE, SharedCopies, StabilityGuard
@@ -525,6 +525,7 @@ class Ensemble:
 
         Collectives: one all_gather of a few float64 scalars, then one all_reduce per bucket of
         flattened tensors. Host syncs: the gathered scalars are read on the host once."""
+        reshard_fsdp(self.model)  # (FSDP2: the writes below must reach what the next forward reads)
         with self.marking_failure(t):
             verdict = self.check_sync(t, self._gather(t, self.prepare_sync(t)))
             self._average(t, self.tensors(), verdict.exclude)  # Eq. 3 over the healthy replicas
@@ -551,6 +552,7 @@ class Ensemble:
         replicas. When every replica is bad, with a best sync to go back to (``on_runaway="recover"``), every
         replica goes back to it now, as at a sync (a :class:`SyncRecord` at step ``t`` says so). Collectives as
         :meth:`sync`."""
+        reshard_fsdp(self.model)
         with self.marking_failure(t):
             verdict = self.check_sync(t, self._gather(t, self.prepare_sync(t, new_window=False)), everyone=False)
             if verdict.collapsed:  # every replica bad: back to the best sync now, as a sync would (a record says so)

@@ -265,14 +265,51 @@ class ProcessGroupReplicas(Replicas):
                 finish(item)
 
 
+def reshard_fsdp(model: Any) -> None:
+    """Reshard every FSDP2 module of ``model`` (a no-op where it is sharded already, and without FSDP2), before hdet
+    writes its sharded parameters: FSDP2 keeps the root's parameters unsharded after a forward under ``no_grad`` (an
+    evaluation: no backward reshards them), and its next forward reuses those copies, so a write into the shards would
+    be unseen (an evaluation of the average measured the replica's own weights; training went on from the average).
+    No collective."""
+    if model is None:
+        return
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # (torch < 2.6: FSDP2 lived in torch.distributed._composable.fsdp)
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
+        except ImportError:
+            return
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def check_mesh_placements(device_mesh: Any, params: Any) -> None:
-    """That no parameter is sharded along the mesh's replicate dimension (HDET's replicas): ``fully_shard`` over a
-    1-D mesh shards one model whatever the mesh's name, so its ranks hold parts of one model, not replicas."""
+    """That the ranks the replicas are taken from hold whole replicas' parameters: no parameter sharded along the
+    mesh's replicate dimension (``fully_shard`` over a 1-D mesh shards one model whatever the mesh's name, so its ranks
+    hold parts of one model, not replicas), and a parameter sharded at all (an FSDP2 DTensor) only with the 2-D
+    (replicate, shard) ``device_mesh`` whose shard dimension holds its shards: without a mesh (the default group, a
+    ``process_group``) or with a 1-D one (``mesh["replicate"]`` of an HSDP mesh) each shard rank would be taken for a
+    replica or judge its replica alone (its own LR and window loss; the gradient guard not installed)."""
     for p in params:
         placements, mesh = getattr(p, "placements", None), getattr(p, "device_mesh", None)  # DTensors only
         if placements is None or mesh is None:
             continue
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        sharded = [names[i] if i < len(names) else i for i, pl in enumerate(placements) if pl.is_shard()]
+        if sharded and (device_mesh is None or device_mesh.ndim == 1 and mesh.ndim > 1):
+            raise ValueError(
+                f"Expected device_mesh= the (replicate, shard) device mesh the model is sharded over, but a parameter "
+                f"of shape {tuple(p.shape)} is sharded (an FSDP2 DTensor placed {tuple(placements)} on a mesh named "
+                f"{names or None}) and the scheduler got "
+                + ("no device_mesh (its replicas would be the default group's or process_group's ranks: each shard "
+                   "of one model its own replica)" if device_mesh is None else
+                   f"a 1-D mesh named {tuple(getattr(device_mesh, 'mesh_dim_names', None) or ()) or None} (its ranks "
+                   "would judge their replica from their own shard alone)")
+                + ": pass device_mesh=mesh, the 2-D mesh of fully_shard(model, mesh=mesh)")
+        if device_mesh is None:
+            continue
         dim = names.index("replicate") if "replicate" in names else 0 if mesh.ndim == device_mesh.ndim else None
         if dim is not None and placements[dim].is_shard():
             raise ValueError(

@@ -30,7 +30,8 @@ from .guard import GuardSetting, ScalerWatch, SkipWatch
 from .hyper import AdamBeta, Dropout, Hyperparameter, LabelSmoothing
 from .loss_scale import LossScale
 from .optimizers import check_lr_groups, check_optimizer, check_shared_gradients, innermost
-from .replicas import DEFAULT_BUCKET_CAP_MB, LocalReplica, Replicas, check_mesh_placements, resolve_replicas
+from .replicas import (DEFAULT_BUCKET_CAP_MB, LocalReplica, Replicas, check_mesh_placements, reshard_fsdp,
+                       resolve_replicas)
 from .slots import LRControl
 from .swap import AverageSwap, averaged, explored_bases
 from .sync import health, persistent_float_buffers
@@ -123,7 +124,7 @@ class HDETLR(LRScheduler):
                           "the model (the fit controller's probe runs in eval mode, without dropout)", stacklevel=2)
         _check_probe(config, probe, model, device_mesh)
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
-        if device_mesh is not None:
+        if replicas is None:  # (the replicas from the process group or mesh: they must be whole replicas' ranks)
             check_mesh_placements(device_mesh, [p for g in innermost(optimizer).param_groups for p in g["params"]])
         self._constant = [_float(g["lr"]) for g in optimizer.param_groups]
         self._final = self._resolve_final(final_lr)
@@ -513,6 +514,8 @@ class HDETLR(LRScheduler):
             raise RuntimeError("hdet: this scheduler is a ReplicaEngine's replica: call engine.swap_in_average() (or "
                                "use `with engine.averaged():`), which averages every replica at once")
         self._swap.check("swap_in_average() was called again")
+        reshard_fsdp(ens.model)  # (FSDP2: an evaluation's forward left the root's unsharded copies, which the next
+        # forward would reuse, unseen the average written into the shards)
         t = self.last_epoch
         tensors, strict = ens.model_tensors()
         finite = None
@@ -536,6 +539,8 @@ class HDETLR(LRScheduler):
     def swap_back(self) -> bool:
         """Put this replica's own weights and buffers back after :meth:`swap_in_average` (nothing otherwise; no
         collective), and its explored values. Returns whether the average was in."""
+        if self._swap.saved is not None:
+            reshard_fsdp(self._hdet.model)  # (FSDP2: the evaluation's forward left the average's unsharded copies)
         return self._swap.swap_back()
 
     def averaged(self) -> contextlib.AbstractContextManager[bool]:

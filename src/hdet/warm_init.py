@@ -10,6 +10,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from .replicas import reshard_fsdp
 from .values import int_number, real_number
 
 __all__ = ["warm_init_"]
@@ -56,6 +57,7 @@ def warm_init_(
     if scope not in ("model", "tensor"):
         raise ValueError(f"Expected scope 'model' or 'tensor', but got {scope!r}")
     if isinstance(params, nn.Module):  # its trainable parameters: a frozen one is never averaged, so its noise
+        reshard_fsdp(params)  # (FSDP2: a forward under no_grad leaves the root's parameters unsharded copies)
         tensors = [p for p in params.parameters() if p.is_floating_point() and p.requires_grad]  # would stay
     else:
         tensors = [p for p in params if p.is_floating_point()]

@@ -54,6 +54,7 @@ def plot_losses(runs: list[dict[str, Any]], path: str | Path, title: str = "") -
     plt = _pyplot()
     fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
     firsts: tuple[list[float], list[float]] = ([], [])  # per panel: every run's first finite values
+    lows: tuple[list[float], list[float]] = ([], [])  # per panel: every run's lowest finite value
     for run in runs:
         steps = [m["step"] for m in run["metrics"]]
         loss = [m["train_loss"] if m["train_loss"] is not None and math.isfinite(m["train_loss"]) else float("nan")
@@ -66,11 +67,15 @@ def plot_losses(runs: list[dict[str, Any]], path: str | Path, title: str = "") -
             ax_v.plot(*zip(*val), "o-", ms=3, color=line.get_color(), label=label)
         firsts[0].extend(v for v in loss[:3] if math.isfinite(v))
         firsts[1].extend(v for _, v in val[:1] if math.isfinite(v))
-    for ax, first in zip((ax_t, ax_v), firsts):
+        for low, values in zip(lows, (loss, [v for _, v in val])):
+            low.append(min((v for v in values if math.isfinite(v)), default=math.inf))
+    for ax, first, low in zip((ax_t, ax_v), firsts, lows):
         if len(runs) > 1 and first:  # overlaid runs: keep a diverged one from squashing the others, and say so
             top = max(first) * 1.05
             if ax.dataLim.y1 > top:
-                ax.set_ylim(top=top)
+                bottom = min(min(low), top)  # (the lowest value shown: not the autoscale of the diverged range)
+                pad = 0.05 * (top - bottom)
+                ax.set_ylim(bottom - pad, top)
                 ax.text(0.99, 0.98, f"clipped at {top:.3g}", transform=ax.transAxes, ha="right", va="top", fontsize=7)
     ax_t.set(xlabel="step", ylabel="training loss (mean over replicas)", title="training loss")
     ax_v.set(xlabel="step", ylabel="validation loss (averaged model)", title="validation loss")
