@@ -1187,10 +1187,21 @@ def sharded_without_its_mesh(rank, world, *, how="none"):
     fully_shard(model, mesh=mesh)
     o = torch.optim.AdamW(model.parameters(), lr=0.01)
     extra = {"hsdp-replicate": {"device_mesh": mesh["replicate"] if how == "hsdp-replicate" else None},
-             "hsdp-group": {"process_group": mesh.get_group("replicate") if how == "hsdp-group" else None}}.get(how, {})
+             "hsdp-group": {"process_group": mesh.get_group("replicate") if how == "hsdp-group" else None},
+             "hsdp-nomodel": {"device_mesh": mesh if how == "hsdp-nomodel" else None}}.get(how, {})
+    import warnings
+
     try:
-        hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=10, ensemble_lr_spread_ratio=0.3, model_sync_interval=5,
-                            model=model, **extra)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=10, ensemble_lr_spread_ratio=0.3, model_sync_interval=5,
+                                    model=None if how == "hsdp-nomodel" else model, **extra)
     except ValueError as e:
         return str(e)
-    return None
+    if how != "hsdp-nomodel":
+        return None
+    try:  # (without the model hdet cannot reshard it: an evaluation of the average would see the replica's own)
+        s.swap_in_average()
+    except ValueError as e:
+        return {"warned": [str(w.message) for w in said if "without model=" in str(w.message)], "error": str(e)}
+    return {"warned": [], "error": None}

@@ -605,6 +605,9 @@ def test_only_overlaid_runs_are_clipped_and_a_clip_is_said(tmp_path, monkeypatch
     plot.plot_losses([calm, gone], tmp_path / "three.png")
     low, high = figs[2].axes[0].get_ylim()
     assert high == pytest.approx(3.0 * 1.05) and 2.3 < low < 2.4, (low, high)
+    gone["metrics"][-1]["val_loss"] = None  # (metrics.jsonl's null: a non-finite evaluation) raised a TypeError
+    plot.plot_losses([gone], tmp_path / "four.png")
+    plot.plot_losses([calm, gone], tmp_path / "five.png")
 
 
 def test_tensorboard_missing_is_refused_before_anything_is_removed(tmp_path, capsys, monkeypatch):

@@ -605,7 +605,13 @@ def _sharded_without_its_mesh(rank, world, how):
 def test_sharded_parameters_without_their_2d_mesh_are_refused(world, how):
     """FSDP2 without device_mesh took each shard for a replica (its own LR, rows of a weight averaged with other
     rows); HSDP given mesh["replicate"] or the replicate group judged each replica from one shard (the shard ranks'
-    LRs and bases apart, no gradient guard). Refused at construction, saying to pass the 2-D mesh."""
+    LRs and bases apart, no gradient guard). Refused at construction, saying to pass the 2-D mesh; a (2, 1) mesh
+    (every rank a whole replica) is not. Without model=, hdet cannot reshard the model before it writes: said at
+    construction, and an evaluation of the average refused."""
+    if how == "hsdp-none":
+        assert check_ok(run_gloo(_sharded_without_its_mesh, 2, how)) == [None, None]  # (2, 1): whole replicas
+        for r in check_ok(run_gloo(_sharded_without_its_mesh, 4, "hsdp-nomodel")):
+            assert r["warned"] and "Expected the scheduler built with model=" in r["error"], r
     for err in check_ok(run_gloo(_sharded_without_its_mesh, world, how)):
         assert err is not None and "Expected device_mesh= the (replicate, shard) device mesh" in err, err
         assert ("got no device_mesh" if how in ("none", "hsdp-none", "hsdp-group") else "got a 1-D mesh named "

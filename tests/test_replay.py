@@ -251,3 +251,93 @@ def test_a_replayed_hyperparameter_outside_its_bounds_is_refused():
     with pytest.raises(ValueError, match=r"within its bounds\), but step 3 holds"):
         hdet.ReplayLR(opt, bad, explore=[hdet.WeightDecay(opt)])
     assert opt.param_groups[0]["weight_decay"] == 0.01
+
+
+def _logged_engine(N=4, T=5, steps=20):
+    from torch import nn
+
+    from hdet.engine import ReplicaEngine
+
+    torch.manual_seed(0)
+    return ReplicaEngine(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)), N,
+                         lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                         lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-2, total_steps=steps, model=m, replicas=rep,
+                                                               ensemble_lr_spread_ratio=0.5, model_sync_interval=T))
+
+
+def _logged_step(eng, t, N=4):
+    from torch import nn
+
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(N, 16, 8, generator=g)
+    return eng.step([(x[r], x[r].sum(1, keepdim=True)) for r in range(N)],
+                    lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+
+
+def test_a_resumed_loggers_append_drops_what_the_run_wrote_past_its_checkpoint(tmp_path):
+    """SyncLogger(append=True), as its docstring says for a resumed run: the syncs the run wrote after the checkpoint
+    it resumed from were written again, twice in the file and in TensorBoard ([5, 10, 15, 20, 15, 20], an audit). At
+    its first sync the records of that step and after are dropped (a line torn by a kill too), and TensorBoard purges
+    them: each sync once, the resumed values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    eng, state = _logged_engine(), None
+    log = hdet.SyncLogger(eng.schedulers[0], tmp_path / "syncs.jsonl", tensorboard_dir=tmp_path / "tb")
+    for t in range(1, 21):
+        _logged_step(eng, t)
+        if t == 12:
+            state = copy.deepcopy(eng.state_dict())
+    log.close()
+    with (tmp_path / "syncs.jsonl").open("a") as f:
+        f.write('{"step": 2')  # (a kill mid-write)
+    eng = _logged_engine()
+    eng.load_state_dict(state)
+    log = hdet.SyncLogger(eng.schedulers[0], tmp_path / "syncs.jsonl", tensorboard_dir=tmp_path / "tb", append=True)
+    for t in range(13, 21):
+        _logged_step(eng, t)
+    log.close()
+    recs = [json.loads(x) for x in (tmp_path / "syncs.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [5, 10, 15, 20]
+    ea = EventAccumulator(str(tmp_path / "tb"))
+    ea.Reload()
+    tb = [(e.step, e.value) for e in ea.Scalars("hdet/window_loss/replica0")]
+    assert [s for s, _ in tb] == [5, 10, 15, 20]
+    assert [v for _, v in tb] == pytest.approx([r["losses"][0] for r in recs], rel=1e-6)
+
+
+def test_a_logger_that_raises_stops_the_run_after_a_complete_step(tmp_path):
+    """A callback that raises (a tracker's network error) raised inside the converge step: the schedulers were left
+    half-stepped, and no checkpoint could be written after it. The error is raised once the step is complete: the
+    state saves, and the run resumed from it ends as the run that never failed; the other hooks still ran."""
+    def flaky(rec):
+        if rec["step"] == 10:
+            raise ConnectionError("tracker unreachable")
+
+    def run(callback, stop_at_error):
+        eng, got = _logged_engine(), []
+        hdet.SyncLogger(eng.schedulers[0], None, callback=callback)
+        hdet.SyncLogger(eng.schedulers[0], None, callback=lambda d: got.append(d["step"]))
+        for t in range(1, 21):
+            try:
+                _logged_step(eng, t)
+            except ConnectionError:
+                assert stop_at_error and t == 10
+                assert [s.last_epoch for s in eng.schedulers] == [10] * 4
+                again = _logged_engine()
+                again.load_state_dict(copy.deepcopy(eng.state_dict()))  # (refused before: "half-stepped")
+                eng = again
+        return eng, got
+
+    failed, got = run(flaky, True)
+    whole, _ = run(lambda d: None, False)
+    assert got == [5, 10]  # (the second logger heard step 10 though the first raised; the resumed engine has none)
+    for a, b in zip(failed.models, whole.models):
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert torch.equal(p, q)
+    eng = _logged_engine(N=2)
+    hdet.SyncLogger(eng.schedulers[0], None, callback=lambda d: flaky({"step": d["step"] + 3}))  # (raises at step 7)
+    for t in range(1, 8):
+        _logged_step(eng, t, N=2)
+    with pytest.raises(ConnectionError):
+        eng.finish()  # (a run that ends early: its converge step at 7)
+    eng.state_dict()

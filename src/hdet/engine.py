@@ -627,6 +627,7 @@ class ReplicaEngine:
         self._finished_at = t
         for s in self.schedulers:
             s.reapply()  # the values the sync dealt, should training go on
+        self._raise_hook_errors()
         return True
 
     def swap_in_average(self) -> bool:
@@ -865,7 +866,18 @@ class ReplicaEngine:
         if self.schedulers[0].ensemble.is_sync_step(t):
             self._sync(t)
         self._end_steps()
+        self._raise_hook_errors()
         return losses
+
+    def _raise_hook_errors(self) -> None:
+        """The first error an ``on_sync`` hook (a logger) raised at this step's sync, once every replica's step is
+        complete (raised inside the sync, it left the schedulers half-stepped, and no checkpoint could be written)."""
+        errors = [s.ensemble.hook_error for s in self.schedulers]
+        for s in self.schedulers:
+            s.ensemble.hook_error = None
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
     def _begin_steps(self) -> None:
         """Every scheduler's first half of its step; the base schedule computed once, by replica 0's."""

@@ -138,6 +138,7 @@ class Ensemble:
         self.early_recovered: dict[int, int] = {}  # replica -> the step of its early recovery since the last sync
         self.failed_sync: str | None = None  # why the last converge step failed part-way (state_dict refuses then)
         self.on_sync: list[Callable[[SyncRecord], None]] = []
+        self.hook_error: Exception | None = None  # an on_sync hook's, raised once the scheduler's step is complete
         # D-Adaptation/Prodigy: the LR multiplier goes on the step, their estimates are averaged with the weights
         self.step_scale = StepScale.install(optimizer) if lr_free_kind(optimizer) == "distance" else None
         if self.step_scale is not None and isinstance(replicas, ProcessGroupReplicas) and replicas.world_size > 1:
@@ -491,9 +492,20 @@ class Ensemble:
         self.last_sync = record
         if self.step_scale is not None:  # the averaged (or gone-back-to) estimates into the param groups now
             self.step_scale.take_estimates()
-        for hook in self.on_sync:
-            hook(record)
+        for hook in self.on_sync:  # (a logger's error, a full disk or a tracker's network, is raised after the step:
+            try:  # raised here it left the scheduler half-stepped, and no checkpoint could be written after it)
+                hook(record)
+            except Exception as e:  # noqa: BLE001 - every hook still runs; the first error is raised
+                if self.hook_error is None:
+                    self.hook_error = e
         return record
+
+    def raise_hook_error(self) -> None:
+        """Raise the first error an ``on_sync`` hook raised at this step's sync (the scheduler calls it once its step
+        is complete), and forget it."""
+        e, self.hook_error = self.hook_error, None
+        if e is not None:
+            raise e
 
     def _range_step(self, t: int, verdict: Verdict, back: bool, tensors: list[torch.Tensor]) -> bool:
         """One sync of the LR range test (:mod:`hdet.range_test`): keep this sync's state (``tensors``: the

@@ -420,7 +420,9 @@ class SkipWatch:
     guard's skip counter to the host and reads the copy started ``every`` steps before (long finished:
     waiting on its event costs nothing in practice); when all ``every`` steps between the two copies
     before that were skipped, it returns True and the scheduler runs an early recovery
-    (:meth:`hdet.Ensemble.recover`). A stall is thus bounded by about ``2 * every`` steps. Not before a step
+    (:meth:`hdet.Ensemble.recover`). A stall is thus bounded by about ``3 * every`` steps (a stretch of ``every``
+    skipped steps, up to ``every`` more before a copy starts after it, and ``every`` before that copy is read: a NaN
+    weight at step 7 is reset after step 30 at ``every`` 10). Not before a step
     was taken: a ``torch.amp.GradScaler`` skips the first steps while it lowers its initial scale, and those are
     the scaler's work, not a stall (every replica's weights are still the initial ones). The counter
     is the same on every replica (DDP averages the gradient; sharded replicas agree by an all_reduce),

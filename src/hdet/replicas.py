@@ -59,6 +59,13 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+def is_sharded(t: Any) -> bool:
+    """Whether ``t`` is a DTensor sharded over more than one rank (FSDP2): a forward may run on unsharded copies."""
+    placements, mesh = getattr(t, "placements", None), getattr(t, "device_mesh", None)
+    return placements is not None and mesh is not None and any(
+        pl.is_shard() and mesh.size(i) > 1 for i, pl in enumerate(placements))
+
+
 HALF = (torch.float16, torch.bfloat16)  # averaged in float32: their own sum overflows fp16 (a mean of finite values
 # came out +Inf: BatchNorm's running_var 38240 and 38976, an audit) and rounds at every addition (bf16 replicas that
 # were equal moved by up to 0.94% after a converge step of N = 8)
@@ -297,11 +304,12 @@ def check_mesh_placements(device_mesh: Any, params: Any) -> None:
         if placements is None or mesh is None:
             continue
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        sharded = [names[i] if i < len(names) else i for i, pl in enumerate(placements) if pl.is_shard()]
+        sharded = [names[i] if i < len(names) else i for i, pl in enumerate(placements)
+                   if pl.is_shard() and mesh.size(i) > 1]  # (a mesh dimension of one rank: whole on every rank)
         if sharded and (device_mesh is None or device_mesh.ndim == 1 and mesh.ndim > 1):
             raise ValueError(
                 f"Expected device_mesh= the (replicate, shard) device mesh the model is sharded over, but a parameter "
-                f"of shape {tuple(p.shape)} is sharded (an FSDP2 DTensor placed {tuple(placements)} on a mesh named "
+                f"of shape {tuple(p.shape)} is sharded (a DTensor placed {tuple(placements)} on a mesh named "
                 f"{names or None}) and the scheduler got "
                 + ("no device_mesh (its replicas would be the default group's or process_group's ranks: each shard "
                    "of one model its own replica)" if device_mesh is None else

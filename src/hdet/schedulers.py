@@ -30,8 +30,8 @@ from .guard import GuardSetting, ScalerWatch, SkipWatch
 from .hyper import AdamBeta, Dropout, Hyperparameter, LabelSmoothing
 from .loss_scale import LossScale
 from .optimizers import check_lr_groups, check_optimizer, check_shared_gradients, innermost
-from .replicas import (DEFAULT_BUCKET_CAP_MB, LocalReplica, Replicas, check_mesh_placements, reshard_fsdp,
-                       resolve_replicas)
+from .replicas import (DEFAULT_BUCKET_CAP_MB, LocalReplica, Replicas, check_mesh_placements, is_sharded,
+                       reshard_fsdp, resolve_replicas)
 from .slots import LRControl
 from .swap import AverageSwap, averaged, explored_bases
 from .sync import health, persistent_float_buffers
@@ -124,8 +124,14 @@ class HDETLR(LRScheduler):
                           "the model (the fit controller's probe runs in eval mode, without dropout)", stacklevel=2)
         _check_probe(config, probe, model, device_mesh)
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
-        if replicas is None:  # (the replicas from the process group or mesh: they must be whole replicas' ranks)
-            check_mesh_placements(device_mesh, [p for g in innermost(optimizer).param_groups for p in g["params"]])
+        if replicas is None or device_mesh is not None:  # (replicas from a process group or mesh: whole replicas)
+            params = [p for g in innermost(optimizer).param_groups for p in g["params"]]
+            check_mesh_placements(device_mesh, params)
+            if model is None and any(is_sharded(p) for p in params):
+                warnings.warn("hdet: sharded (FSDP2) parameters without model=: FSDP2 keeps the root's parameters "
+                              "unsharded after a forward under no_grad, and hdet reshards the model before it writes "
+                              "the shards only when it has the model: pass model= the fully_shard-ed module (without "
+                              "it, swap_in_average()/averaged() is refused)", stacklevel=3)
         self._constant = [_float(g["lr"]) for g in optimizer.param_groups]
         self._final = self._resolve_final(final_lr)
         if config.enable_auto_lr and config.controller == "paper" and config.eq8 == "decay" and \
@@ -357,6 +363,7 @@ class HDETLR(LRScheduler):
             elif stalled:  # every step of a stretch skipped on every replica: reset the bad replica now
                 self._recover_stall(t, self._guard.watch)
             self.end_step()
+        self._hdet.raise_hook_error()  # (an on_sync hook's, now that the step is complete)
 
     def _check_epoch_counter(self, loss: float) -> None:
         """torch documents ``CosineAnnealingWarmRestarts.step(epoch + i / iters)``: under HDET that number was taken
@@ -493,6 +500,7 @@ class HDETLR(LRScheduler):
             self._guard.watch.reset()
         self._loss_scale.after_sync(bool(rec.recovered) or rec.went_back_to is not None, not any(rec.nonfinite_losses))
         self.reapply()  # the values the sync dealt, should training go on (step() sets them after a sync)
+        self._hdet.raise_hook_error()
         return rec
 
     def swap_in_average(self) -> bool:
@@ -514,6 +522,11 @@ class HDETLR(LRScheduler):
             raise RuntimeError("hdet: this scheduler is a ReplicaEngine's replica: call engine.swap_in_average() (or "
                                "use `with engine.averaged():`), which averages every replica at once")
         self._swap.check("swap_in_average() was called again")
+        if ens.model is None and any(is_sharded(p) for g in self.optimizer.param_groups for p in g["params"]):
+            raise ValueError("Expected the scheduler built with model= the fully_shard-ed module to evaluate the "
+                             "average of sharded (FSDP2) replicas, but it has no model: after an evaluation's forward "
+                             "FSDP2 reuses its unsharded copies, so the average written into the shards would go "
+                             "unseen")
         reshard_fsdp(ens.model)  # (FSDP2: an evaluation's forward left the root's unsharded copies, which the next
         # forward would reuse, unseen the average written into the shards)
         t = self.last_epoch

@@ -6,6 +6,7 @@ callback (W&B, MLflow, ...). Only the process of replica 0 writes; the others st
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -78,7 +79,9 @@ class SyncLogger:
         path: a JSON-lines file, one line per sync (None: none).
         tensorboard_dir: write TensorBoard scalars here (needs tensorboard; None: none).
         callback: called with each sync's record as a dict (e.g. ``wandb.log``).
-        append: add to ``path`` instead of starting it afresh (a resumed run).
+        append: add to ``path`` instead of starting it afresh (a resumed run: at its first sync the records of
+            that step and after, which the run before the resume wrote past its checkpoint, are dropped, from
+            ``path`` and, through ``purge_step``, from TensorBoard, so that each sync is recorded once).
     """
 
     def __init__(self, scheduler: Any, path: str | Path | None = None, tensorboard_dir: str | Path | None = None,
@@ -88,20 +91,45 @@ class SyncLogger:
         self.active = scheduler.rank == 0 and (not (dist.is_available() and dist.is_initialized()) or
                                                dist.get_rank() == 0)
         self.callback = callback
-        self._file = Path(path).open("a" if append else "w") if (self.active and path is not None) else None
-        self._tb = None
-        if self.active and tensorboard_dir is not None:
+        self.append = append
+        self._path = Path(path) if path is not None else None
+        self._file = self._path.open("a" if append else "w") if (self.active and path is not None) else None
+        self._tb: Any = None
+        self._tb_dir = tensorboard_dir if self.active else None
+        if self._tb_dir is not None:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                importlib.import_module("torch.utils.tensorboard")  # (the writer is made at the first sync)
             except ImportError:
                 raise ValueError("Expected the tensorboard package for tensorboard_dir (pip install tensorboard), "
                                  "but it is not installed") from None
-            self._tb = SummaryWriter(str(tensorboard_dir))
+        self._started = False
         scheduler.ensemble.on_sync.append(self)
+
+    def _start(self, step: int) -> None:
+        """At the first sync: with ``append``, drop the records of ``step`` and after (written past the checkpoint
+        the run resumed from) from the file, and open TensorBoard purging them."""
+        self._started = True
+        if self.append and self._file is not None:
+            self._file.close()
+            kept = []
+            for line in self._path.read_text().splitlines(keepends=True):
+                try:
+                    if json.loads(line)["step"] < step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+                except (ValueError, KeyError, TypeError):  # (a line torn by a kill, or not a record: dropped)
+                    pass
+            self._path.write_text("".join(kept))
+            self._file = self._path.open("a")
+        if self._tb_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self._tb_dir), purge_step=step if self.append else None)
 
     def __call__(self, rec: SyncRecord) -> None:
         if not self.active:
             return
+        if not self._started:
+            self._start(rec.step)
         d = sync_record_dict(rec)
         if self._file is not None:
             self._file.write(json.dumps(d) + "\n")

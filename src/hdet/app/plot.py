@@ -62,7 +62,8 @@ def plot_losses(runs: list[dict[str, Any]], path: str | Path, title: str = "") -
         crashed = run["summary"].get("crashed")
         label = run["label"] + (" (crashed)" if crashed else "")
         (line,) = ax_t.plot(steps, loss, label=label, lw=1.2)
-        val = [(m["step"], m["val_loss"]) for m in run["metrics"] if "val_loss" in m]
+        val = [(m["step"], math.nan if m["val_loss"] is None else m["val_loss"]) for m in run["metrics"]
+               if "val_loss" in m]  # (null: a non-finite evaluation)
         if val:
             ax_v.plot(*zip(*val), "o-", ms=3, color=line.get_color(), label=label)
         firsts[0].extend(v for v in loss[:3] if math.isfinite(v))

@@ -1,6 +1,7 @@
 """One training run of a task with HDET: in the one-process engine, or one replica per process under
 torchrun (DDP). Writes a run folder: ``config.json``, ``metrics.jsonl`` (training loss and LRs every
-``log_every`` steps, each the mean over replicas and over the steps since the previous record;
+``log_every`` steps: the loss the mean over replicas and over the steps since the previous record, the LRs
+those of the record's own step;
 validation loss at evaluations), ``syncs.jsonl`` (one record per sync: step,
 per-replica window losses, multipliers and values, controller weights w, Delta, velocity, base),
 ``summary.json``, ``model.pt`` (the averaged model), ``schedule.json`` (every step's base values, for
