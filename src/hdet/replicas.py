@@ -60,7 +60,8 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 
 
 def is_sharded(t: Any) -> bool:
-    """Whether ``t`` is a DTensor sharded over more than one rank (FSDP2): a forward may run on unsharded copies."""
+    """Whether ``t`` is a DTensor sharded over more than one rank (FSDP2; a mesh dimension of one rank leaves it whole
+    on every rank): a forward may run on unsharded copies."""
     placements, mesh = getattr(t, "placements", None), getattr(t, "device_mesh", None)
     return placements is not None and mesh is not None and any(
         pl.is_shard() and mesh.size(i) > 1 for i, pl in enumerate(placements))
@@ -304,9 +305,7 @@ def check_mesh_placements(device_mesh: Any, params: Any) -> None:
         if placements is None or mesh is None:
             continue
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        sharded = [names[i] if i < len(names) else i for i, pl in enumerate(placements)
-                   if pl.is_shard() and mesh.size(i) > 1]  # (a mesh dimension of one rank: whole on every rank)
-        if sharded and (device_mesh is None or device_mesh.ndim == 1 and mesh.ndim > 1):
+        if is_sharded(p) and (device_mesh is None or device_mesh.ndim == 1 and mesh.ndim > 1):
             raise ValueError(
                 f"Expected device_mesh= the (replicate, shard) device mesh the model is sharded over, but a parameter "
                 f"of shape {tuple(p.shape)} is sharded (a DTensor placed {tuple(placements)} on a mesh named "
