@@ -1042,6 +1042,39 @@ def test_a_run_killed_inside_its_sweep_goes_on_from_the_sweeps_last_round(tmp_pa
     assert "Expected the options of the stopped LR sweep (sweep.pt) to resume it" in capsys.readouterr().err
 
 
+def test_a_sweep_stopped_under_the_old_default_factor_goes_on_with_it(tmp_path, monkeypatch, capsys):
+    """The default factor was sqrt(N) (2 replicas: sqrt(2)), now sqrt(max(N, 8)): a sweep stopped under the old default
+    (its progress's plan holds sqrt(2), the grid around --max-lr / sqrt(2)) was refused on --resume as another sweep,
+    and --lr-sweep-factor could not match it (another option). It goes on with the factor it began with, and ends as
+    the run that old default would have run, never stopped."""
+    import math
+
+    import hdet.app.checkpoint as checkpoint
+    import hdet.sweep
+
+    args = list(SWEEP)
+    args[args.index("--replicas") + 1] = "2"
+    args += ["--lr-sweep-points", "6"]
+    monkeypatch.setattr(hdet.sweep, "default_factor", lambda n: math.sqrt(n))  # the old default
+    assert main(["train", *args, "--out", str(tmp_path / "whole")]) == 0
+    real, saves = checkpoint.save_sweep, []
+
+    def killed_after_round_2(*a, **k):
+        real(*a, **k)
+        saves.append(1)
+        if len(saves) == 2:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(checkpoint, "save_sweep", killed_after_round_2)
+    assert main(["train", *args, "--out", str(tmp_path / "cut")]) == 130
+    monkeypatch.undo()  # (the default of now)
+    capsys.readouterr()
+    assert main(["train", *args, "--out", str(tmp_path / "cut"), "--resume"]) == 0
+    assert "lr sweep: going on after its round 2 (sweep.pt)" in capsys.readouterr().out
+    sw = json.loads((tmp_path / "cut" / "summary.json").read_text())["lr_sweep"]
+    assert sw["lr_factor"] == math.sqrt(2)
+    _same_run(tmp_path / "whole", tmp_path / "cut")
+
+
 def test_a_sweep_whose_progress_cannot_be_written_goes_on_and_says_so(tmp_path, monkeypatch, capsys):
     """A write of the sweep's progress that fails (a full disk) is said once, and the sweep and the run go on as
     without it (under torchrun an error on one rank alone would leave the others waiting)."""

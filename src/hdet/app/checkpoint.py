@@ -50,7 +50,7 @@ ADDED = {"pct_start": 0.3, "lr_sweep": 0.0, "cuda_graph": False, "lr_sweep_point
 # added since checkpoints exist (and --lr-sweep-then, set in _resolved): what runs did before each, OneCycle's warm-up
 # 0.3, no sweep, no CUDA graph, a sweep grid of one LR a replica, the recovery's LR cut 0.5 (its cuts after the
 # resume the rule of now, 0.5 ** k: hdet.ensemble_state warns where one was made before), the sweep's factor by default (sqrt(N) then,
-# sqrt(max(N, 8)) now: a sweep resumed across that change is refused by its plan's factor)
+# sqrt(max(N, 8)) now: a sweep stopped under the old one goes on with its plan's factor, runs.py)
 
 
 def _config(cfg: RunConfig) -> dict[str, Any]:

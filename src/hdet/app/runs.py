@@ -90,11 +90,16 @@ def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, d
             warnings.warn(f"{points} {'points' if cfg.lr_sweep_points else 'replicas'} give the sweep a grid of "
                           f"{points} LRs {32.0 ** (2 / (points - 1)):.0f}x apart: its pick is little more than one of "
                           f"them (use 4 or more, --lr-sweep-points 8 say: run {N} at a time)")
+        factor = cfg.lr_sweep_factor
+        plan = resume_from.get("plan") if isinstance(resume_from, dict) else None
+        if factor is None and isinstance(plan, list) and len(plan) == 5 and isinstance(plan[4], float):
+            factor = plan[4]  # (a sweep stopped under the default factor goes on with the factor it began with: the
+            # default was sqrt(N) before it became sqrt(max(N, 8)), and the plan, the grid included, follows it)
         try:
             res = sweep.lr_sweep(model, make, task.loss_fn, batches, guess=cfg.max_lr, steps=steps,
                                  num_replicas=None if distributed else N, pct_start=cfg.pct_start,
                                  keep="start" if restart else "winner", points=cfg.lr_sweep_points,
-                                 lr_factor=cfg.lr_sweep_factor, progress=resume_from, on_round=on_round)
+                                 lr_factor=factor, progress=resume_from, on_round=on_round)
         except sweep.SweepFoundNothing as e:  # every run non-finite, or none below the start's: the guess is far off
             raise RunError(f"Expected --lr-sweep to find an LR around --max-lr {cfg.max_lr:g}, but {e}") from None
     finite = lambda v: v if math.isfinite(v) else None  # noqa: E731 - strict JSON
