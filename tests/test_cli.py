@@ -53,6 +53,13 @@ def test_train_writes_records_and_plots(tmp_path):
     schedule = json.loads((out / "schedule.json").read_text())
     assert schedule["names"][:4] == ["lr/embed", "lr/norm", "lr/attn", "lr/mlp"] and len(schedule["bases"]) == 13
     assert list((out / "tb").iterdir())
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(out / "tb" / "syncs"))  # every sync's scalars too (the run's own were all it wrote)
+    ea.Reload()
+    tb = ea.Scalars("hdet/window_loss/replica2")
+    assert [e.step for e in tb] == [s["step"] for s in syncs]
+    assert [e.value for e in tb] == pytest.approx([s["losses"][2] for s in syncs], rel=1e-6)
     # the saved model is the averaged one and holds no [N, ...] storage
     sd = torch.load(out / "model.pt", weights_only=True)
     assert sd["tok.weight"].untyped_storage().nbytes() == sd["tok.weight"].numel() * 4

@@ -81,7 +81,8 @@ class SyncLogger:
         callback: called with each sync's record as a dict (e.g. ``wandb.log``).
         append: add to ``path`` instead of starting it afresh (a resumed run: at its first sync the records of
             that step and after, which the run before the resume wrote past its checkpoint, are dropped, from
-            ``path`` and, through ``purge_step``, from TensorBoard, so that each sync is recorded once).
+            ``path`` and, through ``purge_step``, from TensorBoard, so that each sync is recorded once; give the logger
+            a TensorBoard folder of its own: TensorBoard applies a purge to every file of the folder).
     """
 
     def __init__(self, scheduler: Any, path: str | Path | None = None, tensorboard_dir: str | Path | None = None,

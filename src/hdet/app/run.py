@@ -369,7 +369,9 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
             clear_earlier(out)
         (out / "config.json").write_text(json.dumps(meta, indent=1))
         metrics_f = (out / "metrics.jsonl").open("a" if cfg.resume else "w")
-        syncs_f = SyncLogger(sched0, out / "syncs.jsonl", append=cfg.resume)
+        syncs_f = SyncLogger(sched0, out / "syncs.jsonl", append=cfg.resume,  # (its TensorBoard scalars in a folder
+                             tensorboard_dir=out / "tb" / "syncs" if cfg.tensorboard else None)  # of their own: a purge
+        # reads across one folder's files)
         if cfg.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
