@@ -30,7 +30,8 @@ seeds, the picks lower from 0.1x and 10x); with ``keep="winner"`` and the remain
 run were not (its best run saw 1/N of the data). Hence ``keep="start"`` by default. At N = 2 (the same tasks, the
 ensemble's batch kept at N = 8's, 8 points, ``benchmarks/results/evidence/sweep_factor_n2/``) the picks were about half
 the grid's best as at N = 8, and the GPT ended -0.33% / +0.7% / +1.5% from its grid best at factors sqrt(8) / 2 /
-sqrt(2) (4 seeds; sqrt(8) better than sqrt(2) in all 4), Fashion-MNIST level at all three (92.13-92.17%, 3 seeds); a
+sqrt(2) (4 seeds from 1x; sqrt(8) better than sqrt(2) in all 4; from 1x, 10x and 0.1x together +0.38%, 12 runs),
+Fashion-MNIST level at all three (92.13-92.17%, 3 seeds); a
 128M GPT on 2 GPUs likewise (``benchmarks/results/gpu_2x_h200/gpt128m_sweep/``): hence the floor of sqrt(8). Not
 measured above N = 8; pass ``lr_factor`` where the batch rule is known. Leaving out the runs that kept less than half
 the best one's gain is this function's own (the study's fit took them in).
