@@ -906,3 +906,34 @@ def test_a_base_schedule_stepped_elsewhere_is_an_error():
     chained.step()
     with pytest.raises(ValueError, match=r"Expected the base schedule \(ChainedScheduler\) at step 1"):
         s.step(1.0)
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                  lambda ps: torch.optim.AdamW(ps, lr=0.1, betas=(0.9, 0.99))])
+@pytest.mark.parametrize("saved", [True, False])
+def test_a_state_saved_with_the_other_cycle_momentum_loads_as_torchs_does(saved, make):
+    """A state saved with cycle_momentum=True loaded into a scheduler built with False (or the reverse) was refused
+    ("its keys differ: unexpected ['use_beta1']", an audit), where torch loads it and the saved setting wins (as
+    docs/reliability.md says of a base's own settings): it loads, and every later LR and momentum is torch's."""
+    runs = {}
+    for cls in (OneCycleLR, OneCycleAutoLR):
+        p = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+        o = make([p])
+        s = cls(o, max_lr=0.05, total_steps=12, cycle_momentum=saved)
+        for _ in range(4):
+            o.step()
+            s.step()
+        state = roundtrip(s.state_dict())
+        o2 = make([nn.Parameter(torch.zeros(2, dtype=torch.float64))])
+        s2 = cls(o2, max_lr=0.05, total_steps=12, cycle_momentum=not saved)
+        o2.load_state_dict(o.state_dict())
+        s2.load_state_dict(state)
+        seen = []
+        for _ in range(8):
+            o2.step()
+            s2.step()
+            g = o2.param_groups[0]
+            seen.append((g["lr"], g.get("momentum", g.get("betas", (None,))[0])))
+        runs[cls] = seen
+    assert runs[OneCycleAutoLR] == runs[OneCycleLR]
+    assert (len({m for _, m in runs[OneCycleLR]}) > 4) == saved  # (cycled as saved, or held)

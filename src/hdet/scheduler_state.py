@@ -156,8 +156,10 @@ def _check_base(s: "HDETLR", state: dict[str, Any]) -> None:
         raise ValueError(f"Expected the state of a {want} base, but the state holds {base_state!r}")
     if kind is not None and kind != want:
         raise ValueError(f"Expected the state of a {want} base, but the state holds a {kind}'s")
-    public = {k for k in s._base.state_dict() if not k.startswith("_")}  # private keys vary with torch
-    got = {k for k in base_state if not k.startswith("_")}
+    optional = {"use_beta1"}  # (OneCycleLR and CyclicLR keep it only with cycle_momentum: a state saved with the
+    # other setting loads, the saved one winning, as torch loads it)
+    public = {k for k in s._base.state_dict() if not k.startswith("_")} - optional  # private keys vary with torch
+    got = {k for k in base_state if not k.startswith("_")} - optional
     if got != public:
         raise ValueError(f"Expected the state of a {want} base, but its keys differ: missing "
                          f"{sorted(public - got)}, unexpected {sorted(got - public)}")
