@@ -766,3 +766,67 @@ def test_the_default_factor_is_the_batch_rule_from_8_replicas_and_sqrt_8_below()
     assert [default_factor(n) for n in (1, 2, 4, 8, 16)] == [math.sqrt(8)] * 4 + [4.0]
     res = hdet.lr_sweep(make_model(), make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=16, points=4)
     assert res.lr_factor == 4.0 and res.max_lr == pytest.approx(res.pick * 4.0, rel=1e-12)
+
+
+
+class _RunningNorm(nn.Module):
+    """Running statistics updated by reassignment (``self.mean = 0.9 * self.mean + ...``), as EMA code often is."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(d))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        if self.training:
+            self.mean = 0.9 * self.mean + 0.1 * x.mean(0).detach()
+            self.count = self.count + 1
+        return x - self.mean
+
+
+def test_a_buffer_a_forward_reassigns_starts_each_run_afresh_and_comes_back():
+    """The sweep kept the buffers' tensor objects and restored into them, so a buffer a forward reassigns carried from
+    run to run (the judge saw counts 0, 12, 24, 36, 48, an audit) and the model kept the last run's: each run starts
+    from the start's value now, and the model ends with it (keep="start") or the best run's (keep="winner")."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(_RunningNorm(4), nn.Linear(4, 1))
+
+    def data(r):
+        g = torch.Generator().manual_seed(r)
+        for _ in range(STEPS):
+            x = torch.randn(16, 4, generator=g) + 3.0
+            yield x, x.sum(1, keepdim=True)
+
+    fn = lambda m, b: nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    for keep in ("start", "winner"):
+        m, seen = make(), []
+        res = hdet.lr_sweep(m, lambda p, lr: torch.optim.SGD(p, lr=lr), fn, data, guess=1e-2, steps=STEPS,
+                            num_replicas=4, keep=keep, extend=0,
+                            judge=lambda mod: seen.append(int(mod[0].count)) or fn(mod, next(iter(data(99)))))
+        assert seen == [0] + [STEPS] * 4
+        if keep == "start":
+            assert int(m[0].count) == 0 and torch.equal(m[0].mean, torch.zeros(4))
+        else:  # the best run's statistics (one run's count, not the sum of the runs')
+            assert int(m[0].count) == STEPS and not torch.equal(m[0].mean, torch.zeros(4)) and res.winner >= 0
+
+
+def _compiled_ddp_worker(rank, world, how):
+    torch.manual_seed(0)
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    wrapped = torch.compile(ddp, backend="eager") if how == "compiled" else ddp
+    res = hdet.lr_sweep(wrapped, make_opt, loss_fn, batches, guess=0.1, steps=STEPS, judge=held_out, points=4,
+                        extend=0, keep="winner")
+    return {"losses": res.losses, "state": {k: v.tolist() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.distributed
+def test_a_compiled_ddp_model_is_swept_as_independent_runs():
+    """torch.compile(DDP(model)) (the order torch's docs show) was swept through DDP: every step all-reduced, so the
+    ranks' runs shared their gradients (other losses than DDP(model)'s, an audit) and a round with an idle rank hung
+    until the timeout. It is unwrapped as DDP is: the same losses and winner as DDP(model)."""
+    plain = check_ok(run_gloo(_compiled_ddp_worker, 2, "ddp"))
+    compiled = check_ok(run_gloo(_compiled_ddp_worker, 2, "compiled"))
+    for a, b in zip(plain, compiled):
+        assert a["losses"] == b["losses"] and a["state"] == b["state"]

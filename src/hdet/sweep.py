@@ -58,6 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .controller import fit_parabola
+from .guard import uncompiled
 from .replicas import ProcessGroupReplicas
 from .values import int_number, real_number
 
@@ -352,6 +353,7 @@ class _Runs:
                  train: list[tuple[nn.Module, bool]], keep_best: bool, n: int, rank: int | None, group: Any,
                  src0: int, points: int, base: float, step: float, factor: float) -> None:
         self.module, self.tensors, self.start, self.judge, self.keep_best = module, tensors, start, judge, keep_best
+        self.buffers = _buffer_slots(module)  # (a buffer a forward reassigns goes back in its slot after each run)
         self.base, self.step = base, step
         self.plan = (points, base, step, steps, factor)  # the grid, the runs' steps and the main run's factor: the
         # same on every rank, checked (guesses that fall on one lattice point sweep the same grid)
@@ -502,8 +504,11 @@ class _Runs:
     def _run(self, i: int, k: int) -> tuple[float, float]:
         """The run at place ``k``, the i-th of its round (on ``batches(i)``)."""
         make_optimizer, loss_fn, batches, steps, pct, judge, cycle, train = self.args
-        return _run(self.module, make_optimizer, loss_fn, batches(i), _on_lattice(k, self.base, self.step), steps, pct,
-                    judge, cycle, train)
+        try:
+            return _run(self.module, make_optimizer, loss_fn, batches(i), _on_lattice(k, self.base, self.step), steps,
+                        pct, judge, cycle, train)
+        finally:
+            _rebind(self.buffers)
 
     def _from_start(self) -> None:
         """The module back at this process's start weights; this process's best run's tensors kept first."""
@@ -539,6 +544,24 @@ def _tensors(module: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def _buffer_slots(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """Every buffer's slot (its module and name) and the tensor in it now."""
+    return [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
+
+
+@torch.no_grad()
+def _rebind(slots: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+    """A buffer a forward reassigned (``self.mean = 0.9 * self.mean + ...``, not in place) back in its slot as the
+    tensor the sweep restores and keeps, holding the new value: else the next run started from the last one's value,
+    and the model ended with it (an audit)."""
+    for m, name, b in slots:
+        now = m._buffers.get(name)
+        if now is not b:
+            if isinstance(now, torch.Tensor) and now.shape == b.shape:
+                b.copy_(now)
+            m._buffers[name] = b
+
+
 def _restore(module: nn.Module, grads: list[torch.Tensor | None], modes: list[tuple[nn.Module, bool]]) -> None:
     """Each parameter's gradient (the tensor it held, or None) and each submodule's train/eval mode, as they came."""
     for p, g in zip(module.parameters(), grads):
@@ -561,7 +584,8 @@ def _replicas(model: nn.Module, num_replicas: int | None, group: Any) -> tuple[n
     """The module to sweep, N, and this process's replica (None: one process runs all N)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"Expected model to be a torch.nn.Module, but got {type(model).__name__}")
-    module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    inner = uncompiled(model)  # (torch.compile(DDP(net)): its steps all-reduce, so the runs shared their gradients)
+    module = inner.module if isinstance(inner, nn.parallel.DistributedDataParallel) else model
     if type(module).__name__ in ("FSDPModule", "FullyShardedDataParallel") or any(
             type(p).__name__ == "DTensor" for p in module.parameters()):
         raise TypeError("Expected a module with plain (unsharded) parameters: lr_sweep runs one replica a rank and "
