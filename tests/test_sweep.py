@@ -830,3 +830,16 @@ def test_a_compiled_ddp_model_is_swept_as_independent_runs():
     compiled = check_ok(run_gloo(_compiled_ddp_worker, 2, "compiled"))
     for a, b in zip(plain, compiled):
         assert a["losses"] == b["losses"] and a["state"] == b["state"]
+
+
+def test_an_optimizer_that_steps_parameters_outside_the_model_is_refused():
+    """make_optimizer adding a parameter the model does not hold (a loss's learnable temperature): the sweep restores
+    the model alone, so that parameter carried from run to run (0, -0.005, -0.054, ... an audit) and was left at the
+    last run's value; refused with the reason, before any step, the model as it came."""
+    model = make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    temperature = nn.Parameter(torch.zeros(()))
+    with pytest.raises(ValueError, match="step only the model's parameters, but it steps 1 other"):
+        hdet.lr_sweep(model, lambda ps, lr: make_opt([*ps, temperature], lr), loss_fn, batches, guess=0.1,
+                      steps=STEPS, num_replicas=2)
+    assert float(temperature) == 0.0 and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -617,6 +617,13 @@ def _run(module: nn.Module, make_optimizer: Callable[..., torch.optim.Optimizer]
     if not isinstance(opt, torch.optim.Optimizer):
         raise TypeError(f"Expected make_optimizer(params, lr) to return a torch.optim.Optimizer, but got "
                         f"{type(opt).__name__}")
+    own = {id(p) for p in module.parameters()}
+    outside = [p for g in opt.param_groups for p in g["params"] if id(p) not in own]
+    if outside:  # (a loss module's learnable temperature, added in make_optimizer's closure)
+        raise ValueError(f"Expected make_optimizer to step only the model's parameters, but it steps {len(outside)} "
+                         f"other(s) (shapes {[tuple(p.shape) for p in outside][:4]}): the sweep restores the model "
+                         "alone, so each run would start where the one before left them, and the run after the sweep "
+                         "from the last run's; make them part of the model, or leave them out of the sweep's optimizer")
     cycle = cycle_momentum if cycle_momentum is not None else ("momentum" in opt.defaults or "betas" in opt.defaults)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[g["lr"] for g in opt.param_groups],
                                                 total_steps=steps, pct_start=pct_start, cycle_momentum=cycle)
