@@ -1001,21 +1001,10 @@ def test_torchrun_ranks_killed_after_their_sweep_resume_without_sweeping_again(t
     _same_run(tmp_path / "whole", tmp_path / "cut")
 
 
-@pytest.mark.parametrize("then", ["restart", "continue"])
-def test_a_run_killed_inside_its_sweep_goes_on_from_the_sweeps_last_round(tmp_path, monkeypatch, capsys, then):
-    """With checkpoints on (by default), the sweep writes its progress after each round (sweep.pt): a run killed
-    after round 2 of 3 (2 replicas, 6 points, dropout) and run again with --resume (and options that resolve the same:
-    --device cpu for auto, no checkpoints from now on) runs the third round only, and ends as the run that was never
-    stopped; the progress goes once the sweep has ended (a review: not written under the default --checkpoint-every,
-    refused for --device cpu, left behind without checkpoints)."""
+def _kill_after_round_2(monkeypatch) -> None:
+    """The sweep's progress written after its round 2, then a Ctrl-C (a run killed there)."""
     import hdet.app.checkpoint as checkpoint
-    import hdet.sweep
 
-    args = list(SWEEP)
-    args[args.index("--replicas") + 1] = "2"
-    args += ["--lr-sweep-points", "6", "--dropout", "0.1", "--lr-sweep-then", then]
-    assert main(["train", *args, "--out", str(tmp_path / "whole")]) == 0
-    assert not list((tmp_path / "whole").glob("sweep*"))
     real, saves = checkpoint.save_sweep, []
 
     def killed_after_round_2(*a, **k):
@@ -1024,6 +1013,23 @@ def test_a_run_killed_inside_its_sweep_goes_on_from_the_sweeps_last_round(tmp_pa
         if len(saves) == 2:
             raise KeyboardInterrupt
     monkeypatch.setattr(checkpoint, "save_sweep", killed_after_round_2)
+
+
+@pytest.mark.parametrize("then", ["restart", "continue"])
+def test_a_run_killed_inside_its_sweep_goes_on_from_the_sweeps_last_round(tmp_path, monkeypatch, capsys, then):
+    """With checkpoints on (by default), the sweep writes its progress after each round (sweep.pt): a run killed
+    after round 2 of 3 (2 replicas, 6 points, dropout) and run again with --resume (and options that resolve the same:
+    --device cpu for auto, no checkpoints from now on) runs the third round only, and ends as the run that was never
+    stopped; the progress goes once the sweep has ended (a review: not written under the default --checkpoint-every,
+    refused for --device cpu, left behind without checkpoints)."""
+    import hdet.sweep
+
+    args = list(SWEEP)
+    args[args.index("--replicas") + 1] = "2"
+    args += ["--lr-sweep-points", "6", "--dropout", "0.1", "--lr-sweep-then", then]
+    assert main(["train", *args, "--out", str(tmp_path / "whole")]) == 0
+    assert not list((tmp_path / "whole").glob("sweep*"))
+    _kill_after_round_2(monkeypatch)
     cut = tmp_path / "cut"
     assert main(["train", *args, "--out", str(cut)]) == 130
     assert "the same command with --resume goes on" in capsys.readouterr().err
@@ -1056,7 +1062,6 @@ def test_a_sweep_stopped_under_the_old_default_factor_goes_on_with_it(tmp_path, 
     the run that old default would have run, never stopped."""
     import math
 
-    import hdet.app.checkpoint as checkpoint
     import hdet.sweep
 
     args = list(SWEEP)
@@ -1064,14 +1069,7 @@ def test_a_sweep_stopped_under_the_old_default_factor_goes_on_with_it(tmp_path, 
     args += ["--lr-sweep-points", "6"]
     monkeypatch.setattr(hdet.sweep, "default_factor", lambda n: math.sqrt(n))  # the old default
     assert main(["train", *args, "--out", str(tmp_path / "whole")]) == 0
-    real, saves = checkpoint.save_sweep, []
-
-    def killed_after_round_2(*a, **k):
-        real(*a, **k)
-        saves.append(1)
-        if len(saves) == 2:
-            raise KeyboardInterrupt
-    monkeypatch.setattr(checkpoint, "save_sweep", killed_after_round_2)
+    _kill_after_round_2(monkeypatch)
     assert main(["train", *args, "--out", str(tmp_path / "cut")]) == 130
     monkeypatch.undo()  # (the default of now)
     capsys.readouterr()
