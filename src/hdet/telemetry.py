@@ -16,7 +16,27 @@ import torch.distributed as dist
 
 from .ensemble import SyncRecord
 
-__all__ = ["SyncLogger", "sync_record_dict", "sync_scalars"]
+__all__ = ["SyncLogger", "sync_record_dict", "sync_scalars", "records_up_to"]
+
+
+def records_up_to(path: Path, step: int) -> list[str] | None:
+    """The JSON-lines records of ``path`` up to optimizer step ``step`` (a resumed run drops those written after its
+    checkpoint), or None if there is no such file. A last line cut short (a run killed while writing it) goes too;
+    any other line that is not a record is a ValueError."""
+    if not path.is_file():
+        return None
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    keep = []
+    for i, line in enumerate(lines):
+        try:
+            at = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"Expected one JSON record a line in {path}, but line {i + 1} is not one") from None
+        if at <= step:
+            keep.append(line)
+    return keep
 
 
 def sync_record_dict(rec: SyncRecord) -> dict[str, Any]:
@@ -112,14 +132,7 @@ class SyncLogger:
         self._started = True
         if self.append and self._file is not None:
             self._file.close()
-            kept = []
-            for line in self._path.read_text().splitlines(keepends=True):
-                try:
-                    if json.loads(line)["step"] < step:
-                        kept.append(line if line.endswith("\n") else line + "\n")
-                except (ValueError, KeyError, TypeError):  # (a line torn by a kill, or not a record: dropped)
-                    pass
-            self._path.write_text("".join(kept))
+            self._path.write_text("".join(line + "\n" for line in records_up_to(self._path, step - 1) or []))
             self._file = self._path.open("a")
         if self._tb_dir is not None:
             from torch.utils.tensorboard import SummaryWriter

@@ -16,13 +16,13 @@ with no effect on this run is no difference).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..telemetry import records_up_to
 from .options import RunConfig, RunError, after_sweep, default_warmup
 
 __all__ = ["VERSION", "path_for", "previous", "save", "load", "available", "check_config", "restore_rng",
@@ -263,22 +263,10 @@ def read_records(path: Path, step: int) -> list[str] | None:
     """The records of ``path`` up to optimizer step ``step`` (those written after the checkpoint go), or None if
     there is no such file. A last line cut short (the run killed while writing it, after its checkpoint) goes too;
     any other line that is not a record is an error, raised before anything is written."""
-    if not path.is_file():
-        return None
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    keep = []
-    for i, line in enumerate(lines):
-        try:
-            rec = json.loads(line)
-            at = int(rec["step"])
-        except (ValueError, KeyError, TypeError):
-            if i == len(lines) - 1:
-                break
-            raise RunError(f"Expected one JSON record a line in {path}, but line {i + 1} is not one: the folder was "
-                           "changed since the run wrote it") from None
-        if at <= step:
-            keep.append(line)
-    return keep
+    try:
+        return records_up_to(path, step)
+    except ValueError as e:
+        raise RunError(f"{e}: the folder was changed since the run wrote it") from None
 
 
 def write_records(path: Path, keep: list[str] | None) -> None:
