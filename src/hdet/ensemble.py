@@ -209,8 +209,8 @@ class Ensemble:
         rank's own say, would average silently)."""
         hypers = [[h.name, h.spread.kind, float(h.spread.alpha), [float(b) for b in h.spread.bounds],
                    None if h.schedule is not None else float(h.initial)] for h in self.hypers]
-        # (to 6 significant digits: a base each rank computes from the same numbers may differ in its last bits, an
-        # LR sweep's pick through LAPACK say, and a mismatch error there would stop a run that is right)
+        # (to 6 significant digits: a base each rank computes from the same numbers may differ in its last bits, as an
+        # LR sweep's pick through LAPACK once did, and a mismatch error there would stop a run that is right)
         scheduled = [float(f"{float(b):.6g}") for b in self.slots.scheduled]
         return zlib.crc32(json.dumps([self.config.fingerprint(), hypers, scheduled]).encode())  # < 2**32: exact
 

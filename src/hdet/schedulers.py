@@ -124,10 +124,11 @@ class HDETLR(LRScheduler):
                           "the model (the fit controller's probe runs in eval mode, without dropout)", stacklevel=2)
         _check_probe(config, probe, model, device_mesh)
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
+        params = [p for g in innermost(optimizer).param_groups for p in g["params"]]
+        self._has_shards = any(is_sharded(p) for p in params)  # (FSDP2: writes need the model, to reshard it first)
         if replicas is None or device_mesh is not None:  # (replicas from a process group or mesh: whole replicas)
-            params = [p for g in innermost(optimizer).param_groups for p in g["params"]]
             check_mesh_placements(device_mesh, params)
-            if model is None and any(is_sharded(p) for p in params):
+            if model is None and self._has_shards:
                 warnings.warn("hdet: sharded (FSDP2) parameters without model=: FSDP2 keeps the root's parameters "
                               "unsharded after a forward under no_grad, and hdet reshards the model before it writes "
                               "the shards only when it has the model: pass model= the fully_shard-ed module (without "
@@ -522,7 +523,7 @@ class HDETLR(LRScheduler):
             raise RuntimeError("hdet: this scheduler is a ReplicaEngine's replica: call engine.swap_in_average() (or "
                                "use `with engine.averaged():`), which averages every replica at once")
         self._swap.check("swap_in_average() was called again")
-        if ens.model is None and any(is_sharded(p) for g in self.optimizer.param_groups for p in g["params"]):
+        if ens.model is None and self._has_shards:
             raise ValueError("Expected the scheduler built with model= the fully_shard-ed module to evaluate the "
                              "average of sharded (FSDP2) replicas, but it has no model: after an evaluation's forward "
                              "FSDP2 reuses its unsharded copies, so the average written into the shards would go "
