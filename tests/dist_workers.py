@@ -1205,3 +1205,20 @@ def sharded_without_its_mesh(rank, world, *, how="none"):
     except ValueError as e:
         return {"warned": [str(w.message) for w in said if "without model=" in str(w.message)], "error": str(e)}
     return {"warned": [], "error": None}
+
+
+def failed_construction(rank, world):
+    """A scheduler whose construction fails (its base gives a NaN LR at step 0, which LRScheduler.__init__ meets) on a DDP model, then a good one on the
+    same model and optimizer: the guard and the LRs are the good one's. The first left DDP's one comm hook behind
+    (the second then raised "can only be called once") and the groups' ``initial_lr``."""
+    model = DDP(make_model())
+    o = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    try:
+        hdet.HDETLR(o, lambda t: float("nan") if t == 0 else 0.1, total_steps=10, model=model, ensemble_lr_spread_ratio=0.3)
+    except ValueError as e:
+        first = str(e)
+    groups_after_failure = [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]
+    s = hdet.HDETLR(o, None, total_steps=10, model=model, ensemble_lr_spread_ratio=0.3, model_sync_interval=5)
+    train_steps(model, o, s, rank, range(10))
+    return {"first": first, "groups": groups_after_failure, "guard": s.gradient_guard,
+            "lr": s.get_last_lr(), "finite": all(bool(p.isfinite().all()) for p in model.parameters())}

@@ -200,6 +200,23 @@ def _fault(rank, world, kw):
     return fault_injection(rank, world, **kw)
 
 
+def _failed_construction(rank, world):
+    from dist_workers import failed_construction
+
+    return failed_construction(rank, world)
+
+
+def test_a_failed_construction_leaves_no_guard_behind():
+    """A scheduler whose construction fails installs nothing on the DDP model (DDP takes one comm hook: the next,
+    correct scheduler's guard raised) and leaves the param groups as they were."""
+    res = check_ok(run_gloo(_failed_construction, 2))
+    for r, out in enumerate(res):
+        assert "NaN" in out["first"] or "nan" in out["first"], out["first"]
+        assert "initial_lr" not in out["groups"][0] and out["groups"][0]["lr"] == 0.1
+        assert out["guard"] == "hook" and out["finite"]
+        assert out["lr"] == [pytest.approx(0.1 * linear_multipliers(2, 0.3)[r])]
+
+
 @pytest.mark.parametrize("fault", ["weights", "loss"])
 def test_non_finite_replica_is_dropped_reset_and_training_goes_on(fault):
     """4 gloo replicas, Adam, auto-LR. At step 7 replica 2 gets a NaN weight (or a NaN loss) mid-window:

@@ -372,11 +372,17 @@ def test_elastic_resume_keeps_bases_and_velocity_and_redeals():
     (dict(world_size=4), r"rank=0 and world_size=1 without an initialised torch.distributed process group"),
     (dict(auto_lr_bounds=(1.0, 0.5)), r"auto_lr_bounds as \(low, high\)"),
     (dict(seed=-3), r"seed >= 0 and < 9223372036854775808, but got -3"),
+    (dict(final_div_factor=-1), r"final_div_factor as a finite number > 0, but got -1"),
+    (dict(div_factor=0), r"div_factor as a finite number > 0, but got 0"),
 ])
 def test_bad_input_raises_value_error_naming_argument(kwargs, match):
+    """...and leaves the optimizer's param groups as they were (OneCycleLR rewrites them before hdet's checks: a
+    caller who fixed the argument and built again started from max_lr / div_factor with stale OneCycle keys)."""
     _, o = _opt()
+    before = [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]
     with pytest.raises(ValueError, match=match):
         OneCycleAutoLR(o, max_lr=0.1, total_steps=50, **kwargs)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] == before
 
 
 def test_stepping_past_total_steps():

@@ -154,12 +154,10 @@ class HDETLR(LRScheduler):
         self._loss_scale = LossScale()  # a torch.amp.GradScaler seen driving the optimizer (here or by the hook guard)
         self._guard = GuardSetting(guard_gradients, process_group, device_mesh, optimizer, resolved.world_size,
                                    self._loss_scale, recovering=config.recovering)
-        self._guard.install(model)
         self._history: dict[str, list[float]] | None = None
         # optimizer steps counted by a post-hook (the real optimizer under wrappers): a second scheduler.step()
         # with none in between is what a prepared Accelerate scheduler does (num_processes calls per step)
         self._opt_steps = self._opt_steps_seen = 0
-        self._opt_hook = innermost(optimizer).register_step_post_hook(self._count_optimizer_step)
         self._warned_double_step = self._warned_missed_step = self._warned_epoch = self._checked_local = False
         self._finished_at: int | None = None  # the step finish() averaged the replicas after
         self._swap = AverageSwap()  # this replica's own weights while the ensemble's average is in (swap_in_average)
@@ -167,7 +165,11 @@ class HDETLR(LRScheduler):
         self._scale_version: int | None = None  # the GradScaler scale's in-place version at the last scheduler.step()
         self._unmatched = 0  # scheduler steps with no optimizer step (a GradScaler's skips, or a prepared scheduler)
         self._first_floats: list[float] | None = []  # the first losses given as numbers (an epoch counter? step())
-        super().__init__(optimizer, last_epoch)
+        with _restored_on_failure(optimizer):
+            super().__init__(optimizer, last_epoch)
+        # hooks last, once nothing can fail: a failed construction leaves none behind (DDP takes one comm hook)
+        self._guard.install(model)
+        self._opt_hook = innermost(optimizer).register_step_post_hook(self._count_optimizer_step)
 
     # -- the base schedule ----------------------------------------------------------------------
     def _onecycle_factors(self) -> tuple[float, float]:
@@ -671,22 +673,28 @@ class OneCycleAutoLR(HDETLR):
                  max_momentum: float | list[float] = 0.95, div_factor: float = 25.0, final_div_factor: float = 1e4,
                  three_phase: bool = False, last_epoch: int = -1, *, auto_lr_warmup_steps: int | None = None,
                  **kwargs: Any) -> None:
-        explore = kwargs.get("explore") or ()
-        _check_cycled_beta1(cycle_momentum, [explore] if isinstance(explore, Hyperparameter) else explore)
-        total_steps, epochs, steps_per_epoch = (_as_int(x) for x in (total_steps, epochs, steps_per_epoch))
-        base = OneCycleLR(optimizer, max_lr, total_steps=total_steps, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                          pct_start=pct_start, anneal_strategy=anneal_strategy, cycle_momentum=cycle_momentum,
-                          base_momentum=base_momentum, max_momentum=max_momentum, div_factor=div_factor,
-                          final_div_factor=final_div_factor, three_phase=three_phase, last_epoch=last_epoch)
-        self.div_factor, self.final_div_factor = float(div_factor), float(final_div_factor)
-        config = kwargs.get("config")
-        if auto_lr_warmup_steps is None and not getattr(config, "auto_lr_warmup_steps", 0):
-            # not given (a config's 0 is HDETConfig's default): the range test runs during OneCycle's warm-up
-            ranging = kwargs.get("lr_range_test", getattr(config, "lr_range_test", False))
-            auto_lr_warmup_steps = int(float(pct_start) * base.total_steps) if ranging is True else 100_000
-        if auto_lr_warmup_steps is not None:  # (else the config's stands)
-            kwargs["auto_lr_warmup_steps"] = auto_lr_warmup_steps
-        super().__init__(optimizer, base, base.total_steps, last_epoch=last_epoch, **kwargs)
+        with _restored_on_failure(optimizer):  # (OneCycleLR rewrites the groups before hdet's checks)
+            explore = kwargs.get("explore") or ()
+            _check_cycled_beta1(cycle_momentum, [explore] if isinstance(explore, Hyperparameter) else explore)
+            total_steps, epochs, steps_per_epoch = (_as_int(x) for x in (total_steps, epochs, steps_per_epoch))
+            for name, factor in (("div_factor", div_factor), ("final_div_factor", final_div_factor)):
+                value = real_number(factor)  # (torch takes any: a negative one gives negative LRs, met only late on)
+                if value is None or not (math.isfinite(value) and value > 0):
+                    raise ValueError(f"Expected {name} as a finite number > 0, but got {factor!r}")
+            base = OneCycleLR(optimizer, max_lr, total_steps=total_steps, epochs=epochs,
+                              steps_per_epoch=steps_per_epoch, pct_start=pct_start, anneal_strategy=anneal_strategy,
+                              cycle_momentum=cycle_momentum, base_momentum=base_momentum, max_momentum=max_momentum,
+                              div_factor=div_factor, final_div_factor=final_div_factor, three_phase=three_phase,
+                              last_epoch=last_epoch)
+            self.div_factor, self.final_div_factor = float(div_factor), float(final_div_factor)
+            config = kwargs.get("config")
+            if auto_lr_warmup_steps is None and not getattr(config, "auto_lr_warmup_steps", 0):
+                # not given (a config's 0 is HDETConfig's default): the range test runs during OneCycle's warm-up
+                ranging = kwargs.get("lr_range_test", getattr(config, "lr_range_test", False))
+                auto_lr_warmup_steps = int(float(pct_start) * base.total_steps) if ranging is True else 100_000
+            if auto_lr_warmup_steps is not None:  # (else the config's stands)
+                kwargs["auto_lr_warmup_steps"] = auto_lr_warmup_steps
+            super().__init__(optimizer, base, base.total_steps, last_epoch=last_epoch, **kwargs)
 
     def _onecycle_factors(self) -> tuple[float, float]:
         return self.div_factor, self.final_div_factor
@@ -700,6 +708,25 @@ def _check_cycled_beta1(cycle_momentum: bool, explore: Sequence[Any]) -> None:
         raise ValueError("Expected cycle_momentum=False when exploring beta1 (AdamBeta(index=0)): "
                          "the base schedule's momentum cycle (OneCycleLR, CyclicLR, also inside a ChainedScheduler or "
                          "SequentialLR) writes beta1 too")
+
+
+@contextlib.contextmanager
+def _restored_on_failure(optimizer: Any) -> Iterator[None]:
+    """A constructor that fails leaves the optimizer's param groups as they were: OneCycleLR's own constructor (and
+    LRScheduler's) rewrite ``lr``, ``initial_lr``, ``max_lr``, ``min_lr`` and the momentum before hdet's checks can
+    fail, and a caller who fixes the argument and builds again would start from the rewritten LRs."""
+    groups = getattr(optimizer, "param_groups", None)
+    saved = [{k: v for k, v in g.items() if k != "params"} for g in groups] if isinstance(groups, list) and all(
+        isinstance(g, dict) for g in groups) else None
+    try:
+        yield
+    except BaseException:
+        if saved is not None and len(groups) == len(saved):
+            for g, kept in zip(groups, saved):
+                for k in [k for k in g if k != "params" and k not in kept]:
+                    del g[k]
+                g.update(kept)
+        raise
 
 
 def _step_count_of(base: LRScheduler, default: int) -> int:
