@@ -3,6 +3,7 @@
 import copy
 import io
 import json
+import math
 
 import pytest
 import torch
@@ -94,6 +95,27 @@ def test_sync_logger_writes_jsonl_tensorboard_and_callback(tmp_path):
     assert "controller" in lines[1] and len(lines[1]["controller"][0]["weights"]) == 4
     assert list((tmp_path / "tb").iterdir())
     assert not quiet.active and not (tmp_path / "other.jsonl").exists()  # replica 1 writes nothing
+
+
+def test_sync_logger_writes_strict_json_with_a_non_finite_loss(tmp_path):
+    """A replica's NaN window loss is null in syncs.jsonl (Python's NaN token is not JSON: jq and JavaScript refuse
+    the file); the callback still gets the float."""
+    got = []
+    opt = _opt()
+    sched = hdet.OneCycleAutoLR(opt, max_lr=0.05, total_steps=10, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                                replicas=ScriptedReplicas(0, 4, lambda: [1.0, float("nan"), 0.8, 1.1]))
+    log = hdet.SyncLogger(sched, tmp_path / "syncs.jsonl", callback=got.append)
+    for _ in range(10):
+        opt.step()
+        sched.step(torch.tensor(1.0))
+    log.close()
+
+    def refuse(token):
+        raise ValueError(f"not JSON: {token}")
+
+    lines = [json.loads(x, parse_constant=refuse) for x in (tmp_path / "syncs.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [5, 10] and lines[0]["losses"][1] is None
+    assert lines[0]["losses"][0] == 1.0 and math.isnan(got[0]["losses"][1])
 
 
 def test_in_an_engine_under_a_process_group_only_replica_0s_logger_writes(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,19 @@ import torch.distributed as dist
 
 from .ensemble import SyncRecord
 
-__all__ = ["SyncLogger", "sync_record_dict", "sync_scalars", "records_up_to"]
+__all__ = ["SyncLogger", "sync_record_dict", "sync_scalars", "records_up_to", "strict_json"]
+
+
+def strict_json(x: Any) -> Any:
+    """``x`` with every non-finite float as None (null): strict JSON, which Python's ``NaN`` is not (``jq``,
+    JavaScript and most JSON readers refuse it)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: strict_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict_json(v) for v in x]
+    return x
 
 
 def records_up_to(path: Path, step: int) -> list[str] | None:
@@ -146,7 +159,7 @@ class SyncLogger:
             self._start(rec.step)
         d = sync_record_dict(rec)
         if self._file is not None:
-            self._file.write(json.dumps(d) + "\n")
+            self._file.write(json.dumps(strict_json(d)) + "\n")  # (a NaN loss: null)
             self._file.flush()
         if self._tb is not None:
             for key, value in sync_scalars(rec).items():

@@ -28,7 +28,7 @@ from torch import nn
 
 from .. import __version__
 from ..ensemble import NonFiniteReplicaError
-from ..telemetry import SyncLogger
+from ..telemetry import SyncLogger, strict_json
 from ..window import eval_mode
 from . import checkpoint, stop
 from .options import (RunConfig, RunError, after_sweep, check, default_warmup, resolve, resolve_device,
@@ -204,17 +204,6 @@ def _step_size_estimate(optimizer: torch.optim.Optimizer) -> float | None:
     return None
 
 
-def _strict(x: Any) -> Any:
-    """``x`` with every non-finite float as None (null): strict JSON, which Python's NaN is not."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _strict(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_strict(v) for v in x]
-    return x
-
-
 def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) -> dict[str, Any]:
     """Run ``cfg``; returns the summary (also written to ``<out>/summary.json`` on rank 0). ``dry_run``: check
     the options and build the run (task, model, optimizers, schedulers; ``--init-from`` is not read), then return
@@ -382,7 +371,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
 
     def log(f, rec: dict[str, Any]) -> None:
         if rank == 0:
-            f.write(json.dumps(_strict(rec)) + "\n")
+            f.write(json.dumps(strict_json(rec)) + "\n")
             f.flush()
 
     progress = _Progress(cfg.progress and rank == 0, cfg.steps, cfg.label or f"{cfg.task} x{N}")
@@ -499,7 +488,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
             with eval_weights(task, reps.eval_model(), reps.optimizers, cfg, device):  # Schedule-Free: its x
                 torch.save({k: v.detach().clone(memory_format=torch.contiguous_format)
                             for k, v in reps.eval_model().state_dict().items()}, out / "model.pt")
-        (out / "summary.json").write_text(json.dumps(_strict(summary), indent=1))
+        (out / "summary.json").write_text(json.dumps(strict_json(summary), indent=1))
     if owns_group:
         dist.barrier()  # every rank is done with its collectives before the group goes
         dist.destroy_process_group()
