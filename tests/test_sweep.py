@@ -538,15 +538,23 @@ def _sweep_worker(rank, world, ddp, keep):
             "same_on_every_rank": all(torch.equal(o, out[0]) for o in out)}
 
 
-def _failing_worker(rank, world):
-    short = (lambda r: [data(r, 0)] * 3) if rank == 1 else batches  # rank 1's batches end early
+def _failing_worker(rank, world, how="batches"):
+    short = (lambda r: [data(r, 0)] * 3) if rank == 1 and how == "batches" else batches  # rank 1's batches end early
     model = make_model()
     with torch.no_grad():  # every rank's own weights (the sweep runs from rank 0's): a failure gives back its own
         for p in model.parameters():
             p.add_(rank)
     start = {k: v.clone() for k, v in model.state_dict().items()}
+    rounds = []
+
+    def on_round(progress):  # rank 1's checkpoint write fails at round 2 (a full disk); rank 0 passes none
+        rounds.append(progress["rounds"])
+        if progress["rounds"] == 2:
+            raise OSError("No space left on device")
+
     try:
-        hdet.lr_sweep(model, make_opt, loss_fn, short, guess=0.1, steps=STEPS, judge=held_out)
+        hdet.lr_sweep(model, make_opt, loss_fn, short, guess=0.1, steps=STEPS, judge=held_out,
+                      on_round=on_round if how == "on_round" and rank == 1 else None)
     except Exception as e:  # noqa: BLE001
         return {"raised": type(e).__name__, "msg": str(e),
                 "at_start": all(torch.equal(v, start[k]) for k, v in model.state_dict().items())}
@@ -558,6 +566,16 @@ def test_a_rank_that_fails_fails_every_rank_without_a_hang():
     res = check_ok(run_gloo(_failing_worker, 2))
     assert res[1]["raised"] == "ValueError" and "at least steps=12" in res[1]["msg"]
     assert res[0]["raised"] == "RuntimeError" and "rank(s) [1]" in res[0]["msg"]
+    assert res[0]["at_start"] and res[1]["at_start"]
+
+
+@pytest.mark.distributed
+def test_an_on_round_that_raises_on_one_rank_raises_on_every_rank():
+    """An on_round that raises on one rank alone (rank 0 passes none): every rank raises after that round, each model
+    back at its own start; before, the other rank waited for it in the next round's collective (a hang)."""
+    res = check_ok(run_gloo(_failing_worker, 2, "on_round"))
+    assert res[1]["raised"] == "OSError" and "No space" in res[1]["msg"]
+    assert res[0]["raised"] == "RuntimeError" and "on_round raised on rank(s) [1]" in res[0]["msg"]
     assert res[0]["at_start"] and res[1]["at_start"]
 
 

@@ -208,7 +208,7 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     eval mode. Any error leaves the model as it came (this rank's own weights). The model's forward and the judge must
     be this rank's own (no collective inside: a SyncBatchNorm is refused). With 2 points the grid is two LRs span^2
     apart: use 4 or more (8 measured). A ``DistributedDataParallel`` model sweeps its ``module`` (no gradient is
-    shared). ``on_round(progress)`` (it must not raise on one rank alone: the others would wait in the next round):
+    shared). ``on_round(progress)`` (an error it raises on one rank is raised on every rank, the others' a RuntimeError):
     called on every rank after each round with this process's progress so far
     (plain data: the runs' losses, the first round's start losses, the RNG's state, and with ``keep="winner"`` this
     process's best run's tensors, copies); ``progress``: such a dict, from a sweep that was stopped, to go on from
@@ -455,9 +455,29 @@ class _Runs:
         self.rounds += 1
         if first:
             self.first = got
-        if self.on_round is not None:
-            self.on_round(self._progress())
+        self._call_on_round()
         return got
+
+    def _call_on_round(self) -> None:
+        """``on_round(progress)``; under ranks, an error on one rank is raised on every rank (it raised there alone,
+        and the others waited for it in the next round's collective)."""
+        if self.rank is None:
+            if self.on_round is not None:
+                self.on_round(self._progress())
+            return
+        failed = None
+        try:
+            if self.on_round is not None:
+                self.on_round(self._progress())
+        except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
+            failed = e
+        fails = ProcessGroupReplicas(self.group).gather(  # COLLECTIVE (once a round): whether on_round raised
+            torch.tensor([float(failed is not None)], dtype=torch.float64)).flatten().tolist()
+        if failed is not None:
+            raise failed
+        if any(fails):
+            raise RuntimeError(f"lr_sweep's on_round raised on rank(s) {[r for r, f in enumerate(fails) if f]} of the "
+                               "group (their error is raised there); this rank's model is back at its start weights")
 
     def _run_round(self, ks: list[int], first: bool) -> tuple[list[float], list[float]]:
         if self.rank is None:
