@@ -665,3 +665,71 @@ def test_half_precision_adam_computes_in_float32_as_fused_adam_does(dtype, fused
     # of fp16's second moments underflow to 0, and a moment one bit apart then takes a step 10x the LR either way)
     fast = _engine(opt, model=model(), loss_fn=loss, steps=8)
     assert all(torch.isfinite(p).all() for m in fast.models for p in m.parameters())
+
+
+@pytest.mark.skipif("decoupled_weight_decay" not in torch.optim.Adam([torch.zeros(1)]).defaults,
+                    reason="torch.optim.Adam without decoupled_weight_decay")
+def test_a_decoupled_group_after_a_coupled_one_decays_its_weights():
+    """Adam, group 0 coupled with no decay, group 1 decoupled with 0.5: the groups' moments agree, so they update as
+    one block, and group 1 got no decay at all (the block's first group's kind was read: 5e-2 off; an audit)."""
+    make = lambda m: torch.optim.Adam([{"params": m[0].parameters()},  # noqa: E731
+                                       {"params": m[2].parameters(), "weight_decay": 0.5,
+                                        "decoupled_weight_decay": True}], lr=0.01)
+    fast = _engine(make)
+    assert fast.optimizer_path == "stacked"
+    _close(fast, _engine(make, stacked=False))
+
+
+@pytest.mark.parametrize("case", ["one_replica_from_0", "every_replica_to_0_and_back"])
+def test_sgd_momentum_to_or_from_0_mid_run_steps_as_torch(case):
+    """torch keeps a momentum buffer unused while its momentum is 0 and starts one afresh (``buf = g``) where there
+    was none: the stacked step overwrote a replica's row at 0 with its gradient and went on from it (4e-3 off), or
+    dropped every buffer when all went to 0 (5e-2 off; an audit). It now hands over to each replica's optimizer."""
+    def edit(t, eng):
+        for r, o in enumerate(eng.optimizers):
+            if case == "one_replica_from_0" and r == 0 and t < 6:
+                o.param_groups[0]["momentum"] = 0.0
+            elif case == "every_replica_to_0_and_back" and 4 <= t < 8:
+                o.param_groups[0]["momentum"] = 0.0
+    make = lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)  # noqa: E731
+    with pytest.warns(UserWarning, match="SGD's momentum went to or from 0"):
+        fast = _run_with(make, True, edit)
+    assert fast.optimizer_path.startswith("per-replica: SGD's momentum went to or from 0")
+    _close(fast, _run_with(make, False, edit))
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd_momentum"])
+def test_a_hook_that_sets_a_replicas_gradient_to_none_skips_its_step(opt):
+    """``p.grad = None`` on one replica in before_optimizer_step (skip this replica's step, as with torch): the stacked
+    step moved it on a zero gradient (AdamW: 1.6e-2 off, 12 Adam steps where torch took 9; an audit). It now hands
+    over to each replica's optimizer, which skips it."""
+    calls = []
+
+    def hook(r, module, optimizer):
+        calls.append(r)
+        if r == 1 and 3 <= (len(calls) - 1) // N <= 5:
+            for p in module.parameters():
+                p.grad = None
+    with pytest.warns(UserWarning, match="before_optimizer_step set the gradient of"):
+        fast = _engine(OPTIMIZERS[opt][0], before_optimizer_step=hook)
+    calls.clear()
+    _close(fast, _engine(OPTIMIZERS[opt][0], stacked=False, before_optimizer_step=hook))
+    if opt == "adamw":
+        assert [float(o.state_dict()["state"][0]["step"]) for o in fast.optimizers] == [STEPS, STEPS - 3, STEPS, STEPS]
+
+
+@pytest.mark.parametrize("how", ["freeze", "unfreeze"])
+def test_freezing_a_replicas_parameter_after_the_engine_is_built_is_refused(how):
+    """A vmapped step differentiates the stacked parameters, which took requires_grad at construction: freezing a layer
+    later kept training it, and unfreezing one never trained it, silently (an audit). Refused before anything runs."""
+    model = _model()
+    if how == "unfreeze":
+        model[0].requires_grad_(False)
+    eng = _engine(OPTIMIZERS["adamw"][0], model=model, steps=2)
+    before = [p.detach().clone() for p in eng.models[0].parameters()]
+    for m in eng.models:
+        m[0].requires_grad_(how == "unfreeze")
+    with pytest.raises(ValueError, match=r"Expected '0.weight' with requires_grad=.* but replica 0's has "
+                                         r"requires_grad=.*nothing was run"):
+        eng.step((X[2], Y[2]), _loss, stacked=True)
+    assert all(torch.equal(a, b) for a, b in zip(before, eng.models[0].parameters()))

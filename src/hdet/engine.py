@@ -376,6 +376,22 @@ class ReplicaEngine:
                     f"{'train' if mods[i].training else 'eval'} mode on replica {r}: call .train() (or .eval()) on "
                     "every replica, e.g. after evaluating one; nothing was run")
 
+    def _check_frozen(self) -> None:
+        """vmap differentiates the stacked parameters, which took the replicas' ``requires_grad`` when the engine was
+        built: that no replica's parameter was frozen or unfrozen since (it kept training, or never started, silently;
+        the stacked step's state went out of step with the parameters: an audit)."""
+        if self.stack is None:
+            return
+        for n, views in self.stack.views.items():
+            want = self.stack.params[n].requires_grad
+            for r, p in enumerate(views):
+                if p.requires_grad is not want:
+                    raise ValueError(
+                        f"Expected {n!r} with requires_grad={want} on every replica, as when the engine was built (a "
+                        f"vmapped step differentiates the replicas' stacked parameters, made then), but replica {r}'s "
+                        f"has requires_grad={p.requires_grad}: freeze or unfreeze before building the engine, or use "
+                        "mode='loop'; nothing was run")
+
     def _linear(self) -> contextlib.AbstractContextManager:
         """F.linear through :mod:`hdet.linear` on the CPU (side by side against torch's vmapped F.linear: 1.03-1.13x
         an MLP's step and 1.04-1.05x the tiny GPT's on 2 cores; on an H100, where the host is the bottleneck,
@@ -812,6 +828,7 @@ class ReplicaEngine:
 
         if self.mode != "loop":
             self._check_flags()
+            self._check_frozen()
         losses = None
         if self.mode == "merged":  # (None: it fell back to vmap, self.mode says so)
             losses = self._merged_step(batches if stacked else _stack_batches(batches), loss_fn)
@@ -841,8 +858,9 @@ class ReplicaEngine:
         if self.before_optimizer_step is not None:  # e.g. per-replica gradient clipping (hdet.GradClip)
             for r, (m, o) in enumerate(zip(self.models, self.optimizers)):
                 self.before_optimizer_step(r, m, o)
-            if self.stack is not None:
-                self.stack.rebind_grads()
+            dropped = self.stack.rebind_grads() if self.stack is not None else []
+            if self._stacked is not None and dropped:  # the stacked step moves every column: per-replica steps skip
+                self._stop_stacked(f"before_optimizer_step set the gradient of {_names(dropped)} to None at step {t}")
         stepped = False
         if self._stacked is not None and self.stack.missing:  # the stacked step moves every column: per-replica
             self._stop_stacked(f"{_names(self.stack.missing)} got no gradient at step {t} (unused in the loss)")  # steps

@@ -148,6 +148,7 @@ class StackedStep:
         self._pinned: list[tuple[torch.Tensor, Any]] = []
         self._slot = 0
         self._state_steps: list[tuple[dict[str, Any], int]] = []  # Prodigy: each bound state and its group
+        self._zero_momentum: dict[int, tuple[bool, ...]] = {}  # SGD: per group, which replicas' momentum was 0
         for o in self.optimizers:
             o.register_state_dict_post_hook(_own_step_tensors)
 
@@ -284,7 +285,8 @@ class StackedStep:
             for k in ks:  # then each group's own LR (and decoupled weight decay), per replica
                 seg, c = self.segments[k], cols[values[k]["at"]:]
                 th = self.theta[:, seg.start:seg.stop]
-                if self.kind == "adam" and v0["decoupled"] and any(values[k]["wd"]):
+                if self.kind == "adam" and values[k]["decoupled"] and any(values[k]["wd"]):  # (each group's own:
+                    # a span holds groups of either kind where the moments agree)
                     th.mul_(c[1])  # theta_r *= 1 - lr_r wd_r
                 th.addcmul_(d[:, seg.start - a:seg.stop - a], c[0])  # theta_r -= step_r * d
                 self._step_t[k].fill_(float(self.steps[k]))
@@ -475,12 +477,26 @@ class StackedStep:
             shaping = ("b1", "b2", "eps")
         else:
             v["momentum"] = [float(g["momentum"]) for g in groups]
+            zero, last = tuple(m == 0 for m in v["momentum"]), self._zero_momentum.get(k)
+            if zero != last and (any(zero) or last is not None) and self._buffers_held(k):
+                raise Unstackable(f"SGD's momentum went to or from 0 on some replica with momentum buffers held "
+                                  f"({v['momentum']}: torch keeps a buffer unused while its momentum is 0, and starts "
+                                  "one afresh where there was none)")
+            self._zero_momentum[k] = zero
             v["dampening"] = [float(g["dampening"]) for g in groups]
             v["nesterov"] = bool(g0["nesterov"])
             v["decoupled"] = False
             shaping = ("momentum", "dampening")
         v["same"] = all(len(set(v[key])) == 1 for key in shaping) and (v["decoupled"] or not any(v["wd"]))
         return v
+
+    def _buffers_held(self, k: int) -> bool:
+        """Whether group ``k``'s parameters hold SGD momentum buffers (bound: the stacked ones; else, loaded: the
+        optimizers' states)."""
+        if self.rows and all(o.state is b for o, b in zip(self.optimizers, self._bound)):
+            return "momentum_buffer" in self.moments and self.steps[k] > 0
+        return any("momentum_buffer" in (o.state.get(p) or {}) for o in self.optimizers
+                   for p in trained(o.param_groups[k]))
 
     def _columns(self, v: dict[str, Any], t: int) -> list[float]:
         """The per-replica numbers of one group's step, N each, in the order the directions and

@@ -357,18 +357,23 @@ class StackedReplicas:
             for p in self.views[n]:
                 p.grad = None
 
-    def rebind_grads(self) -> None:
-        """A hook that set a replica's ``p.grad`` to a new tensor (not in place): copy it into :attr:`grad`."""
+    def rebind_grads(self) -> list[str]:
+        """A hook that set a replica's ``p.grad`` to a new tensor (not in place): copy it into :attr:`grad`. Returns
+        the parameters a hook set to None on some replica (left None: that replica's optimizer skips them, as torch's
+        skip a None gradient, where the stacked step would move them on a zero one: Adam's moments, weight decay)."""
+        dropped: list[str] = []
         if not self.grads_bound:
-            return
+            return dropped
         with torch.no_grad():
             for n, views in self._replica_grads.items():
                 for p, v in zip(self.views[n], views):
-                    if p.grad is None and n in self.missing:  # (no gradient this step: unbind_missing)
-                        continue
-                    if p.grad is not v:
-                        v.copy_(p.grad if p.grad is not None else torch.zeros_like(v))
+                    if p.grad is None:
+                        if n not in self.missing and n not in dropped:  # (missing: unbind_missing's, this step)
+                            dropped.append(n)
+                    elif p.grad is not v:
+                        v.copy_(p.grad)
                         p.grad = v
+        return dropped
 
     def point_grads(self) -> None:
         """Not bound: each replica's parameter views get the matching slice of the stacked gradient."""
