@@ -331,6 +331,45 @@ def test_schedule_free_local_mode_converge_keeps_y_and_z_consistent():
         assert torch.equal(eng.optimizers[0].state[pa]["z"], eng.optimizers[1].state[pb]["z"])
 
 
+@pytest.mark.parametrize("inside", ["eval", "none"])
+def test_schedule_free_evaluated_inside_averaged_trains_on_as_without_it(inside):
+    """The Hugging Face Trainer's order: ``with averaged(): optimizer.eval(); evaluate`` then ``optimizer.train()``.
+    The replicas' own weights (y, train mode) went back while the optimizer was in eval mode, and its train() then
+    moved them as if they were x: 1.3e-3 off after 15 steps (4.7e-3 under HDETTrainer; an audit). The mode is now put
+    back first; training goes on exactly as without the evaluation."""
+    def run(evaluate):
+        torch.manual_seed(0)
+        eng = ReplicaEngine(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1)), 2,
+                            lambda m: schedulefree.AdamWScheduleFree(m.parameters(), lr=0.01, warmup_steps=2),
+                            lambda o, rep, m: hdet.HDETLR(o, None, total_steps=20, ensemble_lr_spread_ratio=0.0,
+                                                          average_optimizer_state=True, model_sync_interval=10,
+                                                          replicas=rep, model=m),
+                            mode="loop")
+        for o in eng.optimizers:
+            o.train()
+        for t in range(1, 16):
+            if t == 6 and evaluate:
+                with eng.averaged() as changed:
+                    assert changed
+                    for o in eng.optimizers:
+                        if inside == "eval":
+                            o.eval()
+                    assert all(o.param_groups[0]["train_mode"] is (inside != "eval") for o in eng.optimizers)
+                assert all(o.param_groups[0]["train_mode"] for o in eng.optimizers)  # as at the swap-in
+                for o in eng.optimizers:
+                    o.train()
+            batches = []
+            for r in range(2):
+                x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1000 * t + r))
+                batches.append((x, x[:, :1] * 2 - x[:, 1:2]))
+            eng.step(batches, lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+        return [p.detach().clone() for m in eng.models for p in m.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain, evaluated = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, evaluated))
+
+
 def test_the_cli_run_trains_with_each_peer(tmp_path):
     """`hdet train --optimizer ...` (what benchmarks/evidence.py --peers runs): each peer trains at alpha 0;
     Schedule-Free is evaluated at its average x and left in train mode; a spread over a peer is a one-line error."""

@@ -46,7 +46,7 @@ from .merged import MergedReplicas, NotMergeable, check_merged, failure, reason_
 from .ensemble import ReplicaMismatchError
 from .guard import all_finite
 from .replicas import LocalReplicaGroup, Replicas, accumulation, average_local
-from .optimizers import check_shared_gradients
+from .optimizers import check_shared_gradients, innermost
 from .stability import SharedCopies
 from .stacked_optim import StackedStep, Unstackable, unsupported
 from .stacking import StackedReplicas
@@ -663,7 +663,8 @@ class ReplicaEngine:
                    for ts, strict in lists]
             finite = torch.stack(oks).tolist()  # HOST SYNC
         tensors = [ts for ts, _ in lists]
-        changed = self._swap.swap_in(tensors, finite, lambda bad: average_local(tensors, bad))
+        changed = self._swap.swap_in(tensors, finite, lambda bad: average_local(tensors, bad),
+                                     [innermost(o) for o in self.optimizers])
         for e in ens:  # every replica's explored values at their base meanwhile (its own objects)
             self._swap.hold_values(e.hypers, explored_bases(e))
         return changed
