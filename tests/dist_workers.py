@@ -1222,3 +1222,34 @@ def failed_construction(rank, world):
     train_steps(model, o, s, rank, range(10))
     return {"first": first, "groups": groups_after_failure, "guard": s.gradient_guard,
             "lr": s.get_last_lr(), "finite": all(bool(p.isfinite().all()) for p in model.parameters())}
+
+
+def prodigy_local_skip(rank, world, *, skip=True, steps=12, T=5):
+    """Prodigy in local mode (DDP no_sync every step) under a GradScaler, alpha 0.5: at step 3 rank 0's gradient
+    overflows, so its scaler skips its optimizer step while rank 1 steps. Prodigy's estimate is shared at every
+    scheduler step: one all_gather a step on every rank (from the optimizer's post-hook, rank 0's skipped step made
+    none, its later gathers paired with rank 1's of the step before, then the converge step's met a Prodigy gather:
+    gloo aborted). Returns d per step and this rank's weights at the end."""
+    import prodigyopt
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    ddp = DDP(model)
+    o = prodigyopt.Prodigy(ddp.parameters(), lr=1.0)
+    s = hdet.HDETLR(o, None, total_steps=steps, ensemble_lr_spread_ratio=0.5, model_sync_interval=T, model=ddp)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    ds, ks = [], []
+    for t in range(1, steps + 1):
+        x, y = batch(rank, t)
+        with ddp.no_sync():
+            loss = nn.functional.mse_loss(ddp(x), y)
+            o.zero_grad()
+            scaler.scale(loss).backward()
+        if skip and rank == 0 and t == 3:
+            model[0].bias.grad[0] = float("inf")  # an overflow on this replica only
+        scaler.step(o)
+        scaler.update()
+        s.step(loss)
+        ds.append(float(o.param_groups[0]["d"]))
+        ks.append(int(o.param_groups[0]["k"]))
+    return {"d": ds, "k": ks, "w": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}

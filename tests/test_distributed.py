@@ -206,6 +206,28 @@ def _failed_construction(rank, world):
     return failed_construction(rank, world)
 
 
+def _prodigy_local_skip(rank, world):
+    import warnings
+
+    from dist_workers import prodigy_local_skip
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the scheduler's note on a step the GradScaler skipped)
+        return prodigy_local_skip(rank, world)
+
+
+def test_prodigy_in_local_mode_with_a_step_skipped_on_one_rank():
+    """Prodigy's estimate is shared at every scheduler step, which every rank takes: a step its GradScaler skipped on
+    rank 0 alone (local mode) no longer leaves the ranks' per-step gathers paired apart (d from other steps' numerators,
+    then an abort at the converge step). Rank 0 takes one step fewer; d agrees again from the next step on, and the
+    replicas are equal after the last converge step."""
+    pytest.importorskip("prodigyopt")
+    res = check_ok(run_gloo(_prodigy_local_skip, 2))
+    assert res[0]["k"][-1] == res[1]["k"][-1] - 1  # rank 0's skipped step: Prodigy's own count
+    assert res[0]["d"][3:] == res[1]["d"][3:] and res[0]["d"][:2] == res[1]["d"][:2]
+    assert torch.equal(res[0]["w"], res[1]["w"])
+
+
 def test_a_failed_construction_leaves_no_guard_behind():
     """A scheduler whose construction fails installs nothing on the DDP model (DDP takes one comm hook: the next,
     correct scheduler's guard raised) and leaves the param groups as they were."""

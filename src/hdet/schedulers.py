@@ -402,6 +402,8 @@ class HDETLR(LRScheduler):
                              "scheduler after adding every param group (a group frozen for now can hold parameters "
                              "with requires_grad=False)")
         self._check_optimizer_stepped()
+        if self._hdet.step_scale is not None:  # Prodigy under a process group: its estimate shared (COLLECTIVE)
+            self._hdet.step_scale.exchange()
         if t == 1:  # again after the first step: an optimizer recognised only by what its first step leaves in the
             c = self._hdet.config  # param groups (schedulefree.ScheduleFreeWrapper's base optimizer)
             check_optimizer(self.optimizer, spreading(c, self._hdet.hypers), c.average_optimizer_state,

@@ -145,8 +145,8 @@ class StepScale:
 
     # -- Prodigy: the estimate shared at every step ---------------------------------------------------
     def _contribute(self) -> None:
-        """This replica's numerator and denominator of the step just taken, then, under a process group,
-        every replica's through ``share`` (COLLECTIVE: one all_gather of three float64; HOST SYNC)."""
+        """This replica's numerator and denominator of the step just taken (shared by :meth:`exchange`, under a
+        process group, or by the engine's :func:`share_local`)."""
         g = self.optimizer.param_groups[0]
         num, den = float(g["d_numerator"]), float(g.get("d_denom", 0.0))
         self._took = took = self._pre is not None and int(g["k"]) == self._pre[2] + 1
@@ -157,9 +157,19 @@ class StepScale:
                           "may drift apart between them; upgrade prodigyopt (>= 1.1)", stacklevel=3)
         ok = took and den > 0 and math.isfinite(num) and math.isfinite(den)  # a non-finite replica is left out
         self.contribution = [num, den, 1.0] if ok else [0.0, 0.0, 0.0]
-        if self.share is not None:
-            rows = self.share(torch.tensor(self.contribution, dtype=torch.float64))
-            self.set_shared(rows.sum(0).tolist())
+
+    def exchange(self) -> None:
+        """Under a process group, at every scheduler step (which every rank takes every step, where an optimizer
+        step skipped on one rank alone, a GradScaler's in local mode, made no collective there: the ranks' gathers
+        paired steps apart and then met the converge step's, an abort; an audit): every replica's contribution of the
+        optimizer step just taken, zeros from one that took none, into this one's groups (COLLECTIVE: one all_gather
+        of three float64; HOST SYNC)."""
+        if self.share is None or not self.every_step:
+            return
+        mine, self.contribution = self.contribution or [0.0, 0.0, 0.0], None
+        rows = self.share(torch.tensor(mine, dtype=torch.float64))
+        self.set_shared(rows.sum(0).tolist())
+        self._took = False  # (set by the next step's contribution)
 
     def set_shared(self, total: list[float]) -> None:
         """The replicas' summed ``[numerator, denominator, count]`` of this step into this optimizer's groups:
