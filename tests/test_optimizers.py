@@ -242,6 +242,10 @@ def test_schedule_free_needs_its_state_averaged_and_no_spread():
         _sched(o)
     _sched(o, average_optimizer_state=True)
     assert lr_free_kind(torch.optim.AdamW(m.parameters())) is None
+    # going back to a best sync would leave its k, weight_sum and lr_max at the later step (an audit: 1.6x long steps)
+    for recovering in ({"on_runaway": "recover"}, {"lr_range_test": True, "auto_lr_warmup_steps": 10}):
+        with pytest.raises(ValueError, match="Expected on_runaway='ignore' and no lr_range_test with AdamWScheduleFree"):
+            _sched(o, average_optimizer_state=True, **recovering)
 
 
 def test_mechanic_is_refused_under_a_spread_and_keeps_one_scale_with_averaging_alone():

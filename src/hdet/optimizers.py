@@ -125,11 +125,12 @@ def check_shared_gradients(optimizer: torch.optim.Optimizer, average_optimizer_s
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, spreading: bool, average_optimizer_state: bool,
-                    sharded: bool = False, lr_spread: bool = False) -> None:
-    """Refuse, with the reason, an optimizer that a spread (``spreading``: any alpha > 0; ``lr_spread``: the LR's)
-    or a converge step would silently break. Averaging alone (alpha 0) is allowed; distance estimators take the
-    multiplier on their step (:mod:`hdet.step_scale`), which does not handle ``sharded`` (FSDP2/HSDP, DTensor)
-    parameters, nor dual averaging."""
+                    sharded: bool = False, lr_spread: bool = False, recovering: bool = False) -> None:
+    """Refuse, with the reason, an optimizer that a spread (``spreading``: any alpha > 0; ``lr_spread``: the LR's),
+    a converge step or a go-back to a best sync (``recovering``: ``on_runaway="recover"``) would silently break.
+    Averaging alone (alpha 0) is allowed; distance estimators take the multiplier on their step
+    (:mod:`hdet.step_scale`), which does not handle ``sharded`` (FSDP2/HSDP, DTensor) parameters, nor dual
+    averaging."""
     kind = lr_free_kind(optimizer)
     name = type(innermost(optimizer)).__name__
     if spreading and not lr_spread and dual_averaging(optimizer) and not average_optimizer_state:
@@ -163,4 +164,11 @@ def check_optimizer(optimizer: torch.optim.Optimizer, spreading: bool, average_o
             raise ValueError(
                 f"Expected average_optimizer_state=True with {name} (Schedule-Free): its parameters hold y, an "
                 "interpolation of its state z and the average x; averaging y without z makes them inconsistent."
+            )
+        if recovering:
+            raise ValueError(
+                f"Expected on_runaway='ignore' and no lr_range_test with {name} (Schedule-Free): going back to a best "
+                "sync restores its y, z and moments but not the step count, weight sum and peak LR in its param "
+                "groups, so its steps after it would be too long (1.6x in an audit's run) and its averaging weights "
+                "wrong. A non-finite replica is still reset at the next converge step without it."
             )

@@ -148,8 +148,9 @@ class HDETLR(LRScheduler):
             self._hdet.lr_control.gamma_as_printed = gamma_as_printed(
                 *self._onecycle_factors(), self._hdet.num_control_syncs)  # Eq. 8 as printed
         self._sharded = device_mesh is not None
-        check_optimizer(optimizer, spreading(config, explore), config.average_optimizer_state,
-                        sharded=self._sharded, lr_spread=config.ensemble_lr_spread_ratio > 0)  # LR-free optimizers: refused where they would break
+        check_optimizer(optimizer, spreading(config, explore), config.average_optimizer_state, sharded=self._sharded,
+                        lr_spread=config.ensemble_lr_spread_ratio > 0, recovering=config.recovering)  # LR-free
+        # optimizers: refused where they would break
         check_lr_groups(optimizer, config.enable_auto_lr, config.tie_lr_groups)
         self._loss_scale = LossScale()  # a torch.amp.GradScaler seen driving the optimizer (here or by the hook guard)
         self._guard = GuardSetting(guard_gradients, process_group, device_mesh, optimizer, resolved.world_size,
@@ -407,7 +408,8 @@ class HDETLR(LRScheduler):
         if t == 1:  # again after the first step: an optimizer recognised only by what its first step leaves in the
             c = self._hdet.config  # param groups (schedulefree.ScheduleFreeWrapper's base optimizer)
             check_optimizer(self.optimizer, spreading(c, self._hdet.hypers), c.average_optimizer_state,
-                            sharded=self._sharded, lr_spread=c.ensemble_lr_spread_ratio > 0)
+                            sharded=self._sharded, lr_spread=c.ensemble_lr_spread_ratio > 0,
+                            recovering=c.recovering)
         if lead is not None:
             self._follow_base(lead)
         elif self._base is not None:
