@@ -404,3 +404,21 @@ def test_the_window_mean_of_float64_parameters_keeps_their_precision():
     again = WindowMean(list(m.parameters()))
     again.load(again.parse(state))
     assert all(x.dtype == torch.float64 for x in again.sum)
+
+
+@pytest.mark.parametrize("alpha", [0.2, 0.01, 0.005])
+@pytest.mark.parametrize("n", [3, 8])
+def test_the_fit_finds_the_minimum_of_a_narrow_spread(n, alpha):
+    """An exact parabola with its minimum inside the spread, at a quarter of its half-width: found whatever the width
+    (the degeneracy test was not scale invariant: under a spread of about 0.015 in log LR the fit was a straight line,
+    and x* went to 2w, 8x the minimum; an audit). An additive beta2 spread (5e-4 wide) is fitted too."""
+    from hdet.spread import Spread, linear_multipliers
+
+    x = [math.log(r) for r in linear_multipliers(n, alpha)]
+    w = (max(x) - min(x)) / 2
+    y = [1.0 + 5.0 * (xi - 0.25 * w) ** 2 for xi in x]
+    assert fit_parabola(x, y)[2] == pytest.approx(5.0, rel=1e-6)
+    assert FitController().update(x, y).h_tilde == pytest.approx(0.25 * w, rel=1e-6)
+    off = Spread("additive", 0.0005, (0.0, 0.9999)).offsets(4)
+    y = [1.0 + 1e4 * (o - 1e-4) ** 2 for o in off]
+    assert FitController(log_scale=False, bounds=(-1, 1)).update(off, y).h_tilde == pytest.approx(1e-4, rel=1e-6)

@@ -169,7 +169,10 @@ def fit_parabola(x: Sequence[float], y: Sequence[float]) -> tuple[float, float, 
     straight line; a single x gives b = q = 0)."""
     n = len(x)
     mx = sum(x) / n
-    u = [xi - mx for xi in x]  # centred: better conditioned
+    rms = math.sqrt(sum((xi - mx) ** 2 for xi in x) / n) or 1.0
+    u = [(xi - mx) / rms for xi in x]  # centred and scaled: the degeneracy test below does not depend on the spread's
+    # width (unscaled, the determinant went as width^6 against a fixed floor, and a spread under about 0.015 in log LR,
+    # or an additive beta2 spread, was fitted by a straight line and sent to the edge: an audit)
     S = [sum(ui ** k for ui in u) for k in range(5)]  # S0..S4
     T = [sum(yi * ui ** k for yi, ui in zip(y, u)) for k in range(3)]
     A = [[S[0], S[1], S[2]], [S[1], S[2], S[3]], [S[2], S[3], S[4]]]
@@ -189,7 +192,7 @@ def fit_parabola(x: Sequence[float], y: Sequence[float]) -> tuple[float, float, 
         a = T[0] / S[0]
     else:
         return (T[0] / S[0], 0.0, 0.0)
-    # back from the centred variable: y = a + b (x - mx) + q (x - mx)^2
+    b, q = b / rms, q / (rms * rms)  # back from the scaled variable, then the centred one: y = a + b (x - mx) + q (x - mx)^2
     return (a - b * mx + q * mx * mx, b - 2 * q * mx, q)
 
 
