@@ -422,3 +422,30 @@ def test_the_fit_finds_the_minimum_of_a_narrow_spread(n, alpha):
     off = Spread("additive", 0.0005, (0.0, 0.9999)).offsets(4)
     y = [1.0 + 1e4 * (o - 1e-4) ** 2 for o in off]
     assert FitController(log_scale=False, bounds=(-1, 1)).update(off, y).h_tilde == pytest.approx(1e-4, rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_probe_that_overflows_on_a_healthy_replica_ranks_it_worst(bad):
+    """The probe overflows (inf, or NaN) on the replica at the highest multiplier, its weights finite; the others'
+    probes fall with the LR's multiplier. The fit ranks it worst, a loss above the others', and moves the LR down, as
+    with a finite 1e30 there (it was left out, and the fit of the rest moved the LR up: 1.107x; an audit)."""
+    scheds = []
+
+    def make_sched(o, rep, m):
+        def probe(model, rep=rep):
+            mult = scheds[rep.rank].multipliers[0]
+            return torch.tensor(bad if mult == max(scheds[rep.rank].ensemble.rho) else 3.0 - mult)
+        s = hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=40, ensemble_lr_spread_ratio=0.2, model_sync_interval=10,
+                                enable_auto_lr=True, auto_lr_warmup_steps=10, model=m, replicas=rep,
+                                controller="fit", probe=probe)
+        scheds.append(s)
+        return s
+    torch.manual_seed(0)
+    eng = ReplicaEngine(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1)), 4,
+                        lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), make_sched, mode="loop")
+    for t in range(1, 11):
+        eng.step([batch(r, t) for r in range(4)], lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    step = scheds[0].last_sync.controller[0]
+    worst = step.losses[scheds[0].ensemble.rho.index(max(scheds[0].ensemble.rho))]
+    assert math.isfinite(worst) and worst > max(v for v in step.losses if v != worst)
+    assert step.factor < 1.0

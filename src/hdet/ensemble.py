@@ -479,6 +479,11 @@ class Ensemble:
                 raise ValueError("controller='fit' needs probe=: a function probe(model) -> loss on a batch that is "
                                  "the same on every replica")
             probes = [float("nan") if r in bad else col.probe[r] for r in range(N)]  # bad: left out
+            overflowed = [r for r in range(N) if r not in bad and not math.isfinite(probes[r])]
+            finite = [v for v in probes if math.isfinite(v)]
+            if overflowed and finite:  # a healthy replica whose probe overflowed (inf, or NaN): ranked worst, as a
+                # window loss is (left out, an inf at the highest LR read as no verdict and the fit moved up: an audit)
+                probes = [max(finite) + 10 * c.loss_scale if r in overflowed else v for r, v in enumerate(probes)]
             steps = self.slots.control(losses, probes, self.lr_control, self.num_control_syncs)
         if self.window_mean is not None and t % c.model_sync_interval == 0:
             self.window_mean.reset()  # a new window starts
