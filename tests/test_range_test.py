@@ -86,7 +86,9 @@ def test_a_rise_ends_the_test_and_nothing_is_cut_twice():
 
 
 def test_without_an_edge_the_ramp_runs_to_the_end_of_the_warmup_and_keeps_the_last_good_lr():
-    m, o, s = _scripted([[2.0 * 0.9 ** k] * 8 for k in range(40)], T=5, warm=20, total=100)
+    with pytest.warns(UserWarning, match=r"warm-up \(20 steps, 4 windows of model_sync_interval=5\) is too short.*at "
+                                         r"most at 0.32x.*auto_lr_warmup_steps >= 30"):
+        m, o, s = _scripted([[2.0 * 0.9 ** k] * 8 for k in range(40)], T=5, warm=20, total=100)
     for _ in range(4):
         _window(m, o, s)
     rt = s.ensemble.slots.range
@@ -282,3 +284,19 @@ def test_a_corrupted_range_test_or_stability_state_is_refused_up_front(corrupt):
     fresh = _scripted(script)[2]
     with pytest.raises(ValueError, match="Expected the (range test's|state's best)"):
         fresh.load_state_dict(state)
+
+
+@pytest.mark.parametrize("warm, short", [(50, True), (60, False), (100, False)])
+def test_a_warmup_too_short_for_the_ramp_to_pass_the_given_lr_is_said(warm, short):
+    """The ramp starts at 1/25 and at most doubles a window: with fewer than 6 windows it cannot pass the LR given
+    and, with no edge seen, the run trained below it, silently (0.64x at 5 windows of 10; an audit). Said at
+    construction, with the warm-up that would do; the ramp's reach is the estimate's."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        m, o, s = _scripted([[2.0 * 0.9 ** k] * 8 for k in range(40)], T=10, warm=warm, total=200)
+    said = [str(w.message) for w in said if "too short for its ramp" in str(w.message)]
+    assert len(said) == short and (not short or "at most at 0.64x" in said[0] and ">= 60" in said[0])
+    for _ in range(warm // 10):
+        _window(m, o, s, T=10)
+    rt = s.ensemble.slots.range
+    assert rt.reason == "warm-up over" and (rt.peak < 0.1) is short

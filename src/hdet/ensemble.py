@@ -174,8 +174,17 @@ class Ensemble:
                     f"Expected auto_lr_warmup_steps (the range test's length) in [2 * model_sync_interval, total_steps) "
                     f"= [{2 * T}, {total_steps}) with lr_range_test=True, but got {warm}: the test needs at least two "
                     "windows of the warm-up (e.g. OneCycle's pct_start * total_steps)")
+            growth = min((c.range_max_factor / RANGE_START) ** (T / warm), MAX_RANGE_GROWTH)  # short: slower
+            reach = min(RANGE_START * growth ** (warm // T - 1), c.range_max_factor)  # c in the ramp's last window
+            if reach < 1:
+                need = T * (1 + math.ceil(math.log(1 / RANGE_START, MAX_RANGE_GROWTH)))
+                warnings.warn(
+                    f"hdet: the range test's warm-up ({warm} steps, {warm // T} windows of model_sync_interval={T}) is "
+                    f"too short for its ramp to pass the LR you gave: it starts at {RANGE_START:g}x the schedule and "
+                    f"at most doubles a window, so it ends at most at {reach:.2g}x, where no edge is seen, and the run "
+                    f"trains below your LR. Give auto_lr_warmup_steps >= {need} (or a shorter model_sync_interval)",
+                    stacklevel=4)
             if self.slots.range is None:
-                growth = min((c.range_max_factor / RANGE_START) ** (T / warm), MAX_RANGE_GROWTH)  # short: slower
                 self.slots.range = RangeTest(growth=growth, max_factor=c.range_max_factor, factor=RANGE_START,
                                              backoff=c.range_backoff, patience=c.range_patience)
         if c.enable_auto_lr:
