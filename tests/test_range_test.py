@@ -300,3 +300,28 @@ def test_a_warmup_too_short_for_the_ramp_to_pass_the_given_lr_is_said(warm, shor
         _window(m, o, s, T=10)
     rt = s.ensemble.slots.range
     assert rt.reason == "warm-up over" and (rt.peak < 0.1) is short
+
+
+def test_the_paper_controllers_bounds_and_decay_target_follow_the_range_tests_peak():
+    """The range test ends at 20x the max_lr given (no edge seen); the paper controller's default bounds (min_lr,
+    10 max_lr) and Eq. 8's target (min_lr) are of the schedule, which the test scaled: they scale with it. Unscaled, its
+    first update was clamped to 10x max_lr, halving the LR at once, silently (an audit)."""
+    syncs = {"k": 0}
+    torch.manual_seed(0)
+    m = nn.Linear(2, 1)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = hdet.OneCycleAutoLR(opt, max_lr=0.01, total_steps=400, pct_start=0.25, model=m,
+                                replicas=ScriptedReplicas(0, 4, lambda: [2.0 * 0.9 ** syncs["k"]] * 4),
+                                ensemble_lr_spread_ratio=0.2, model_sync_interval=10, lr_range_test=True,
+                                enable_auto_lr=True, controller="paper")
+    for t in range(1, 101):
+        opt.step()
+        s.step(1.0)
+        syncs["k"] += t % 10 == 0
+    rt, ctrl = s.ensemble.slots.range, s.ensemble.controllers[0]
+    assert rt.reason == "warm-up over" and rt.peak > 10 * 0.01
+    assert not s.last_sync.controller[0].clamped and s.last_sync.bases[0] > 10 * 0.01
+    k = rt.peak / 0.01  # (OneCycle's peak is max_lr)
+    assert ctrl.bounds == pytest.approx((k * 0.01 / 25 / 1e4, k * 10 * 0.01))

@@ -198,12 +198,16 @@ class Slots:
         if j >= self.num_lr_slots:
             return PaperController(beta=c.momentum_of_lr, sigma=c.loss_scale, lam=c.lr_of_lr, gamma=0.0,
                                    bounds=spread.ctrl_bounds(), log_space=spread.kind == "log")
+        # the range test scaled the schedule (its peak P in place of the LR given): the bounds and Eq. 8's target,
+        # set from the schedule, scale with it (unscaled, a test that ended at 20x clamped the first update to 10x)
+        k = 1.0 if self.range is None else self.range.scale(self.peak0)
         if c.eq8 == "as_printed":
             if lr.gamma_as_printed is None:
                 raise ValueError("eq8='as_printed' needs OneCycle's div_factor and final_div_factor; use "
                                  "OneCycleAutoLR (or a OneCycleLR base)")
             gamma = lr.gamma_as_printed
         else:
-            gamma = 0.0 if lr.finals is None else gamma_decay(self.bases[j], lr.finals[j], K)
+            gamma = 0.0 if lr.finals is None else gamma_decay(self.bases[j], k * lr.finals[j], K)
+        lo, hi = lr.bounds[j]
         return PaperController(beta=c.momentum_of_lr, sigma=c.loss_scale, lam=c.lr_of_lr, gamma=gamma,
-                               bounds=lr.bounds[j])
+                               bounds=(k * lo, k * hi))
