@@ -112,6 +112,13 @@ def test_range_test_logic_alone():
     # too high from the first window on (non-finite): the peak is below the first window's LR
     rt = RangeTest(growth=2.0, max_factor=10.0, backoff=2.0, patience=3)
     assert rt.update(5, 0.4, math.nan, 0, False, False, False) and rt.peak == pytest.approx(0.1)
+    # a loss below 0 (a Gaussian NLL) collapses alike: the improvement over |L| (none was recorded below 0, and the
+    # test ran on to the end of the warm-up, 128x higher in an audit's run)
+    for shift in (0.0, -10.0):
+        rt = RangeTest(growth=1.5, max_factor=4.0, backoff=2.0, patience=3)
+        for k, loss in enumerate([5.0, 4.5, 4.05, 3.645]):
+            assert not rt.update(10 * (k + 1), 0.1 * 1.5 ** k, loss + shift, 0, False, False, False)
+        assert rt.update(50, 0.5, 3.62 + shift, 0, False, False, False) and rt.reason == "collapse"
     for bad in (dict(growth=0.5), dict(backoff=math.inf)):
         with pytest.raises(ValueError, match="range test's"):
             RangeTest(**{**dict(growth=1.5, max_factor=4.0, backoff=2.0, patience=3), **bad})

@@ -94,8 +94,8 @@ class RangeTest:
         reason = "runaway" if runaway else "rising" if rising else None
         if reason is None and not math.isfinite(loss):
             reason = "rising"
-        if reason is None and self.last_loss is not None and self.last_loss > 0:
-            gain = (self.last_loss - loss) / self.last_loss
+        if reason is None and self.last_loss is not None and self.last_loss != 0:
+            gain = (self.last_loss - loss) / abs(self.last_loss)  # (a loss below 0, a Gaussian NLL's: the same sign)
             if len(self.improvements) >= 2 and gain < COLLAPSE * max(statistics.median(self.improvements), 0.0):
                 reason = "collapse"
             self.improvements.append(gain)
