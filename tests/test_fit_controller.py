@@ -449,3 +449,32 @@ def test_a_probe_that_overflows_on_a_healthy_replica_ranks_it_worst(bad):
     worst = step.losses[scheds[0].ensemble.rho.index(max(scheds[0].ensemble.rho))]
     assert math.isfinite(worst) and worst > max(v for v in step.losses if v != worst)
     assert step.factor < 1.0
+
+
+def test_finish_mid_window_starts_the_probes_window_mean_afresh():
+    """finish() at step 13, then training goes on: the probe at 20 sees the mean of the iterates 14..20, as the loss
+    window covers 14..20 (it saw 11..20: each replica's own iterates from before finish() averaged them; an audit)."""
+    seen, iterates = [], {}
+
+    def make_sched(o, rep, m):
+        def probe(model):
+            if rep.rank == 0:
+                seen.append([p.detach().clone() for p in model.parameters()])
+            return torch.tensor(1.0)
+        return hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=40, ensemble_lr_spread_ratio=0.5,
+                                   model_sync_interval=10, enable_auto_lr=True, auto_lr_warmup_steps=10, model=m,
+                                   replicas=rep, controller="fit", probe=probe)
+    torch.manual_seed(0)
+    eng = ReplicaEngine(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1)), 2,
+                        lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), make_sched, mode="loop")
+    now = {"t": 0}  # replica 0's iterate after each optimizer step (what the window mean takes, before a sync)
+    eng.optimizers[0].register_step_post_hook(lambda o, a, k: iterates.__setitem__(
+        now["t"], [p.detach().clone() for p in eng.models[0].parameters()]))
+    for t in range(1, 21):
+        now["t"] = t
+        eng.step([batch(r, t) for r in range(2)], lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+        if t == 13:
+            eng.finish()
+    mean = [sum(iterates[t][i] for t in range(14, 21)) / 7 for i in range(len(seen[-1]))]
+    for a, b in zip(seen[-1], mean):
+        torch.testing.assert_close(a, b)

@@ -494,8 +494,8 @@ class Ensemble:
                 # window loss is (left out, an inf at the highest LR read as no verdict and the fit moved up: an audit)
                 probes = [max(finite) + 10 * c.loss_scale if r in overflowed else v for r, v in enumerate(probes)]
             steps = self.slots.control(losses, probes, self.lr_control, self.num_control_syncs)
-        if self.window_mean is not None and t % c.model_sync_interval == 0:
-            self.window_mean.reset()  # a new window starts
+        if self.window_mean is not None:  # a new window starts (after finish() mid-window too, as the losses' does:
+            self.window_mean.reset()  # it went on averaging each replica's own iterates from before; an audit)
         record = SyncRecord(step=t, losses=window if any(col.observed) else None, multipliers=self.slots.all_offsets(),
                             bases=list(self.slots.bases), controller=steps, names=list(self.names),
                             values=self.all_values(), recovered=verdict.nonfinite, nonfinite_losses=nonfinite_losses,
