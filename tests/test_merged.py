@@ -598,7 +598,9 @@ def test_the_check_changes_nothing_a_user_sees():
     torch.manual_seed(11)
     la = [eng.step(data[t], lm_loss, stacked=True) for t in range(4)]
     skip = _engine(_gpt(dropout=0.2), "merged", steps=4)
-    skip._merge_checked.add(lm_loss.__code__)
+    from hdet.engine import _merge_key
+
+    skip._merge_checked[_merge_key(data[0], lm_loss)[0]] = []
     torch.manual_seed(11)
     lb = [skip.step(data[t], lm_loss, stacked=True) for t in range(4)]
     assert eng.mode == skip.mode == "merged"
@@ -645,3 +647,100 @@ def test_cuda_graph_needs_a_cuda_device_and_no_loop_or_compile():
                                                               replicas=rep, model=mod,
                                                               explore=[hdet.Dropout(mod, alpha=0.05)]),
                       cuda_graph=True)
+
+
+@pytest.mark.parametrize("mode", ["merged", "vmap"])
+def test_an_id_out_of_the_tables_range_reads_nan_not_another_replicas_row(mode):
+    """Ids V (one past the table) and -1 on replicas 1 and 2, where one replica's lookup raises: the stacked tables were
+    looked up as one, and vmap read replica 2's row 0 for replica 1's id V, merged the last row for -1, silently (an
+    audit). They read NaN now (the replica's loss is NaN: its step is left out, and the sync says so); the others read
+    their own rows."""
+    V, D = 7, 4
+    torch.manual_seed(0)
+    eng = _engine(nn.Sequential(nn.Embedding(V, D)), mode, steps=2)
+    with torch.no_grad():  # row value = r * V + row
+        eng.stacked_params["0.weight"].copy_(torch.arange(N * V, dtype=torch.float).view(N, V, 1).expand(N, V, D))
+    x = torch.zeros(N, 1, 1, dtype=torch.long)
+    x[1, 0, 0], x[2, 0, 0], x[3, 0, 0] = V, -1, V - 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = eng.step(x, lambda m, b: m(b)[..., 0].sum(), stacked=True)
+    assert eng.mode == mode
+    assert got[0] == 0.0 and got[3] == 3 * V + V - 1 and got[1].isnan() and got[2].isnan()
+
+
+def _loop_and_merged(make_model, batches, loss_fns):
+    """The replicas in the loop and merged, on the same batches, a loss function a step: (loop, merged) engines and
+    losses, and the merged run's hdet warnings."""
+    out = []
+    for mode in ("loop", "merged"):
+        torch.manual_seed(0)
+        eng = _engine(make_model(), mode, steps=len(batches), opt="sgd")
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            losses = torch.stack([eng.step(b, f, stacked=True).detach().clone() for b, f in zip(batches, loss_fns)])
+        out.append((eng, losses, [str(w.message) for w in said if "mode='merged' cannot" in str(w.message)]))
+    return out
+
+
+class _Mixer(nn.Module):
+    """``forward(x, mix)``: with ``mix``, each row averaged with its mirror row in the batch (mixes its batch's rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(5, 8), nn.Linear(8, 2)
+
+    def forward(self, x, mix=False):
+        h = torch.tanh(self.l1(x))
+        return self.l2(0.5 * h + 0.5 * h.flip(0) if mix else h)
+
+
+class _Ghost(nn.Module):
+    """Statistics over chunks of 4 rows (ghost batch norm): a chunk crosses the replicas once a replica's rows are
+    not a multiple of 4."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(5, 8, bias=False), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.l1(x)
+        return self.l2(torch.relu(torch.cat([F.batch_norm(c, None, None, training=True) for c in h.split(4, 0)])))
+
+
+class _LastRow(nn.Module):
+    """Each row relative to its batch's last row (``x[-1:]``, a leading axis of 1, taken for an input every replica
+    shares)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.lr, self.l2 = nn.Linear(5, 8), nn.Linear(5, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x) - self.lr(x[-1:])))
+
+
+def _mix_loss(m, b, mix):
+    return F.mse_loss(m(b[0], mix=mix), b[1])
+
+
+@pytest.mark.parametrize("case", ["second_loss_same_code", "new_batch_shape", "last_rows"])
+def test_what_the_first_step_check_did_not_see_falls_back_later(case):
+    """Three ways a merged run mixed the replicas' rows unseen (an audit): a second loss function with the first's code
+    (a partial with other arguments: 0.02 off the loop's weights), a batch of a new shape (chunk statistics that now
+    cross replicas: 9e-3), and a forward that reads its batch's last rows (every replica got replica N-1's: 0.06, when
+    the first batch was the same on every replica). Each new (loss function, batch shapes) is checked at its first
+    merged step, and the check moves the last replica as well as the first: the run falls back to vmap, as the loop."""
+    g = torch.Generator().manual_seed(3)
+    rows = [8, 8, 6, 6] if case == "new_batch_shape" else [6] * 4
+    batches = [(torch.randn(N, r, 5, generator=g), torch.randn(N, r, 2, generator=g)) for r in rows]
+    fns = [xy_loss] * 4
+    if case == "second_loss_same_code":
+        import functools
+        fns = [functools.partial(_mix_loss, mix=False)] * 2 + [functools.partial(_mix_loss, mix=True)] * 2
+    if case == "last_rows":  # the first batch the same for every replica (equal replicas mix unseen on it)
+        batches[0] = tuple(t[:1].expand_as(t).contiguous() for t in batches[0])
+    model = {"second_loss_same_code": _Mixer, "new_batch_shape": _Ghost, "last_rows": _LastRow}[case]
+    (loop, l_loop, _), (merged, l_merged, said) = _loop_and_merged(model, batches, fns)
+    assert merged.mode == "vmap" and len(said) == 1
+    _assert_same(merged, loop, l_merged, l_loop)

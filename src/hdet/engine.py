@@ -39,9 +39,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
+from torch.utils._pytree import tree_leaves
 
 from . import attention, autocast, embedding, linear
-from .graphs import StepGraphs
+from .graphs import StepGraphs, function_key
 from .merged import MergedReplicas, NotMergeable, check_merged, failure, reason_not_mergeable
 from .ensemble import ReplicaMismatchError
 from .guard import all_finite
@@ -243,7 +244,8 @@ class ReplicaEngine:
         self._vgraphs = StepGraphs(self._eager_losses, self.group.device, self._keeping) if cuda_graph else None
         self._graph_ready: dict[Any, bool] = {}  # loss function code -> whether its vmapped step may be graphed
         self._merged: MergedReplicas | None = None
-        self._merge_checked: set[Any] = set()  # the loss functions' code whose first merged step was checked
+        # (loss function, the batch's shapes) whose first merged step was checked, each with what its key refers to
+        self._merge_checked: dict[Any, list[Any]] = {}
         if self.mode == "merged":
             why = reason_not_mergeable(self.models[0])
             if why:
@@ -518,13 +520,17 @@ class ReplicaEngine:
     def _merged_step(self, batch: Any, loss_fn: LossFn) -> torch.Tensor | None:
         """The forward and backward on the merged batch; None where it cannot run (the engine is vmapped from then
         on). A loss function's first merged step is checked against vmap first (:meth:`_check_merged`)."""
-        key = _code_of(loss_fn)
+        key, keep = _merge_key(batch, loss_fn)
         if key not in self._merge_checked:
+            if len(self._merge_checked) >= MAX_MERGE_CHECKS:
+                self._no_merge(f"more than {MAX_MERGE_CHECKS} loss functions or batch shapes, each checked against vmap "
+                               "at its first merged step", stacklevel=5)
+                return None
             why = self._check_merged(batch, loss_fn)
             if why:
                 self._no_merge(why, stacklevel=5)
                 return None
-            self._merge_checked.add(key)
+            self._merge_checked[key] = keep
         try:
             return self._vmap_losses(batch, loss_fn, merged=True)
         except NotMergeable as e:  # (raised in the forward, before anything changed)
@@ -950,6 +956,16 @@ class ReplicaEngine:
 
 
 MAX_LOSS_FNS = 8  # loss functions whose vmapped (and compiled) forms the engine keeps
+MAX_MERGE_CHECKS = 16  # (loss function, batch shapes) pairs mode='merged' checks at their first step, then vmap
+
+
+def _merge_key(batch: Any, loss_fn: LossFn) -> tuple[Any, list[Any]]:
+    """What mode='merged' checks once, at its first step: the loss function (its code, a partial's arguments, its
+    closure and bound object: the same code with other arguments mixed rows unseen, an audit) and the batch's shapes
+    and dtypes (a new shape can make a statistic cross the replicas' rows); with the objects the key refers to."""
+    fn_key, keep = function_key(loss_fn)
+    shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t) for t in tree_leaves(batch))
+    return (fn_key, shapes), keep
 
 
 def _code_of(loss_fn: Any) -> Any:

@@ -224,9 +224,9 @@ def _affine(y: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, k: 
     if w is None and b is None:
         return y
     shape = lambda t: t.view(t.shape[0], *([1] * (y.dim() - 1 - k)), *t.shape[1:])  # noqa: E731
-    if w is None:
-        return y + shape(b)
-    return torch.addcmul(shape(b), y, shape(w)) if b is not None else y * shape(w)
+    out = y + shape(b) if w is None else torch.addcmul(shape(b), y, shape(w)) if b is not None else y * shape(w)
+    return out.to(y.dtype)  # (the norm's dtype, as torch's norm with its affine returns it: float32 weights on a
+    # bfloat16 input under CPU autocast promoted it to float32; an audit)
 
 
 def _layer_norm(mr: MergedReplicas, mod: nn.LayerNorm, ws: dict[str, torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -254,7 +254,10 @@ def _embedding(mr: MergedReplicas, mod: nn.Embedding, ws: dict[str, torch.Tensor
     def forward(idx: torch.Tensor) -> torch.Tensor:
         i3, shared = mr.split(idx, "Embedding")
         rows = torch.arange(mr.N, device=w.device).view(mr.N, *([1] * (i3.dim() - 1)))
-        return mr.join(w[rows, i3], shared)  # each replica's rows from its own table
+        valid = (i3 >= 0) & (i3 < w.shape[1])  # (an id out of range: NaN, as hdet.embedding makes it under vmap; -1
+        # read the replica's last row, silently, where one replica's lookup raises: an audit)
+        out = w[rows, torch.where(valid, i3, 0)].masked_fill(~valid.unsqueeze(-1), float("nan"))
+        return mr.join(out, shared)  # each replica's rows from its own table
     return forward
 
 
@@ -295,17 +298,18 @@ def check_merged(mr: MergedReplicas, batch: Any, loss_fn: Callable[[Any, Any], t
     if not worst <= tol:
         return (f"at the first step the merged batch's losses or gradients differ from vmap's by {worst:.2g} "
                 f"(relative; rounding allows {tol:g}): the forward mixes the rows of its batch")
-    if mr.N > 1:  # replicas that start equal on one batch mix rows unseen: replica 0 made different
+    for i in (0, mr.N - 1) if mr.N > 1 else ():  # replicas that start equal on one batch mix rows unseen: the first
+        # made different, then the last (a forward that reads the batch's last rows, x[-1:], reads replica N-1's)
         moved = math.inf
-        for how in ("halved", "copied", None):  # inputs that cannot be halved, or replaced: replica 0's weights
+        for how in ("halved", "copied", None):  # inputs that cannot be halved, or replaced: replica i's weights
             try:  # alone, as before
-                moved = _isolation(mr, batch, loss_fn, scalar, params, got_m, grads_m, restore, how)
+                moved = _isolation(mr, batch, loss_fn, scalar, params, got_m, grads_m, restore, how, i)
                 break
             except Exception:  # noqa: BLE001 - the forward on changed inputs failed: change them less
                 continue
         if not moved <= tol:
-            return (f"changing replica 0's weights and inputs changed the other replicas' merged losses or gradients by "
-                    f"{moved:.2g} (relative; rounding allows {tol:g}): the forward mixes the rows of its batch")
+            return (f"changing replica {i}'s weights and inputs changed the other replicas' merged losses or gradients "
+                    f"by {moved:.2g} (relative; rounding allows {tol:g}): the forward mixes the rows of its batch")
     return None
 
 
@@ -314,17 +318,20 @@ def _copy(batch: Any) -> Any:
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, batch)
 
 
-def _moved_inputs(batch: Any, how: str | None) -> Any:
-    """A copy of the batch (every tensor's leading axis the replicas') with replica 0's rows changed (``how``):
+def _moved_inputs(batch: Any, how: str | None, i: int = 0) -> Any:
+    """A copy of the batch (every tensor's leading axis the replicas') with replica ``i``'s rows changed (``how``):
     ``"halved"``, floating-point ones halved (a statistic over the merged batch, its spread or its mean, moves with
     them; float labels or indices stay in range, so no device-side assert on a GPU) and others (token ids, masks) to
-    replica 1's; ``"copied"``, all to replica 1's (real inputs whatever they hold); None, none. (A largest value over
-    the batch that replica 0's rows do not hold is not moved by either.)"""
+    a neighbour's (replica 1's for replica 0, else replica i - 1's); ``"copied"``, all to the neighbour's (real inputs
+    whatever they hold); None, none. (A largest value over the batch that replica i's rows do not hold is not moved by
+    either.)"""
+    j = 1 if i == 0 else i - 1
+
     def move(t: Any) -> Any:
         if how is None or not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] < 2:
             return t
         t = t.clone()
-        t[0] = t[0] * 0.5 if how == "halved" and (t.is_floating_point() or t.is_complex()) else t[1]
+        t[i] = t[i] * 0.5 if how == "halved" and (t.is_floating_point() or t.is_complex()) else t[j]
         return t
     return tree_map(move, batch)
 
@@ -332,28 +339,29 @@ def _moved_inputs(batch: Any, how: str | None) -> Any:
 @torch.no_grad()
 def _isolation(mr: MergedReplicas, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
                scalar: Callable[[Any], torch.Tensor], params: list[torch.Tensor], got: torch.Tensor,
-               grads: Sequence[torch.Tensor | None], restore: Callable[[], None], how: str | None) -> float:
-    """How far the merged losses and gradients of replicas 1..N-1 move when only replica 0's weights and inputs
-    change (a forward that treats rows independently: not at all). Replica 0's weights get noise of a tenth of their
-    size, from a generator of its own, and are put back exactly; its inputs are changed in a copy of the batch
+               grads: Sequence[torch.Tensor | None], restore: Callable[[], None], how: str | None, i: int = 0) -> float:
+    """How far the merged losses and gradients of the replicas other than ``i`` move when only replica i's weights and
+    inputs change (a forward that treats rows independently: not at all). Replica i's weights get noise of a tenth of
+    their size, from a generator of its own, and are put back exactly; its inputs are changed in a copy of the batch
     (:func:`_moved_inputs`): a statistic of the inputs over the merged batch moves the others' losses."""
     moved = [p for p in mr.stacked.values() if p.is_floating_point()]  # (frozen ones too)
     g = torch.Generator(device=moved[0].device).manual_seed(0)
-    kept = [p[0].clone() for p in moved]
+    kept = [p[i].clone() for p in moved]
     try:
         for p in moved:  # HOST SYNC (the first merged step only: each tensor's size)
-            p[0].add_(torch.randn(p[0].shape, generator=g, device=p.device, dtype=p.dtype),
-                      alpha=0.1 * float(p[0].abs().mean()) + 1e-3)
+            p[i].add_(torch.randn(p[i].shape, generator=g, device=p.device, dtype=p.dtype),
+                      alpha=0.1 * float(p[i].abs().mean()) + 1e-3)
         with torch.enable_grad(), no_dropout():
             restore()
-            got2 = mr.losses(_moved_inputs(batch, how), loss_fn, scalar)
+            got2 = mr.losses(_moved_inputs(batch, how, i), loss_fn, scalar)
             grads2 = torch.autograd.grad(got2.sum(), params, allow_unused=True)
     finally:
         for p, k in zip(moved, kept):
-            p[0].copy_(k)
+            p[i].copy_(k)
         restore()
-    rest = lambda ts: [t[1:] if t is not None else None for t in ts]  # noqa: E731
-    return max(disagreement([got2[1:]], [got[1:]]), disagreement(rest(grads2), rest(grads)))
+    others = [r for r in range(mr.N) if r != i]
+    rest = lambda ts: [t[others] if t is not None else None for t in ts]  # noqa: E731
+    return max(disagreement([got2[others]], [got[others]]), disagreement(rest(grads2), rest(grads)))
 
 
 def failure(e: BaseException) -> str:
