@@ -314,7 +314,9 @@ def check_mesh_placements(device_mesh: Any, params: Any) -> None:
                    "of one model its own replica)" if device_mesh is None else
                    f"a 1-D mesh named {tuple(getattr(device_mesh, 'mesh_dim_names', None) or ()) or None} (its ranks "
                    "would judge their replica from their own shard alone)")
-                + ": pass device_mesh=mesh, the 2-D mesh of fully_shard(model, mesh=mesh)")
+                + ": pass device_mesh= the 2-D (replicate, shard) mesh it is sharded over (FSDP2: the mesh of "
+                  "fully_shard(model, mesh=mesh); a tensor-parallel layer's shards likewise along the shard dimension), "
+                  "whose replicate dimension holds HDET's replicas")
         if device_mesh is None:
             continue
         dim = names.index("replicate") if "replicate" in names else 0 if mesh.ndim == device_mesh.ndim else None
