@@ -201,7 +201,7 @@ def test_a_signed_explored_value_replays():
     opt2.step()
     replay.step()
     assert box2["shift"] == schedule["bases"][1][1]
-    bad = {"names": schedule["names"], "bases": [[-1e-3, 0.0]]}
+    bad = {"names": schedule["names"], "bases": [[-1e-3, 0.0], [1e-3, 0.0]]}  # (the last row is never used)
     with pytest.raises(ValueError, match=r"LRs >= 0.*step 0 holds \[-0.001, 0.0\]"):
         hdet.ReplayLR(_opt(), bad)
 
@@ -363,3 +363,68 @@ def test_a_logger_that_raises_stops_the_run_after_a_complete_step(tmp_path):
     with pytest.raises(ConnectionError):
         eng.finish()  # (a run that ends early: its converge step at 7)
     eng.state_dict()
+
+
+def _one_group(value=0.1):
+    return torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=value)
+
+
+def test_a_recorded_zero_weight_decay_and_a_linear_onecycles_last_row_replay():
+    """A log spread keeps 0 at 0 (a weight decay warmed up from 0, or decayed to it), and the last row is set after
+    the last step, never used (torch's linear OneCycleLR goes below 0 there, and so did the run that recorded it):
+    both were refused, so such runs could not be replayed (an audit)."""
+    o = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=0.1, weight_decay=0.01)
+    wd = hdet.WeightDecay(o)
+    replay = hdet.ReplayLR(o, {"names": ["lr/0", wd.name], "bases": [[0.1, 0.0], [0.2, 0.01], [0.3, 0.0]]},
+                           explore=[wd])
+    assert o.param_groups[0]["weight_decay"] == 0.0 and replay.get_last_lr() == [0.1]
+    hdet.ReplayLR(_one_group(), {"names": ["lr/0"], "bases": [[0.1], [0.2], [-0.007]]})  # the last row
+    with pytest.raises(ValueError, match="step 1 holds"):
+        hdet.ReplayLR(_one_group(), {"names": ["lr/0"], "bases": [[0.1], [-0.2], [0.1]]})
+
+
+def test_replays_state_sets_the_steps_lrs_on_a_fresh_optimizer_and_refuses_another_schedulers():
+    """A weights-only checkpoint and the replay's state: the LRs of the step it stopped at, set at the load (the fresh
+    optimizer went on at its own first LR for a step); another scheduler's state, an HDETLR's, is refused (it was taken,
+    and failed later with a misleading step count; an audit)."""
+    schedule = {"names": ["lr/0"], "bases": [[0.01 * (t + 1)] for t in range(6)]}
+    o = _one_group()
+    r = hdet.ReplayLR(o, schedule)
+    for _ in range(3):
+        o.step()
+        r.step()
+    fresh = _one_group(0.5)
+    r2 = hdet.ReplayLR(fresh, schedule)
+    r2.load_state_dict(copy.deepcopy(r.state_dict()))
+    assert fresh.param_groups[0]["lr"] == o.param_groups[0]["lr"] == pytest.approx(0.04)
+    assert r2.get_last_lr() == r.get_last_lr()
+    other = hdet.HDETLR(_one_group(), None, 5, replicas=ScriptedReplicas(0, 4))
+    with pytest.raises(ValueError, match="Expected a state_dict\\(\\) of a ReplayLR of this schedule"):
+        r2.load_state_dict(other.state_dict())
+
+
+def test_a_state_taken_inside_averaged_resumes_the_replicas_own_values():
+    """HDETTrainer saves inside averaged(), where the explored values are held at their bases: the state kept those
+    as this replica's, and its resumed next step ran at the bases (an audit). It keeps the replica's own now."""
+    def build():
+        torch.manual_seed(0)
+        crit = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+        o = torch.optim.AdamW(torch.nn.Linear(3, 1).parameters(), lr=0.01, weight_decay=0.02)
+        s = hdet.HDETLR(o, None, 20, ensemble_lr_spread_ratio=0.2, model_sync_interval=5, replicas=ScriptedReplicas(0, 4),
+                        explore=[hdet.WeightDecay(o), hdet.LabelSmoothing(crit)])
+        return o, s, crit
+
+    def values(o, crit):
+        return o.param_groups[0]["weight_decay"], crit.label_smoothing, o.param_groups[0]["lr"]
+    o, s, crit = build()
+    for _ in range(10):
+        o.step()
+        s.step(torch.tensor(1.0))
+    own = values(o, crit)
+    with s.averaged():
+        assert values(o, crit)[:2] != own[:2]  # the bases, meanwhile
+        state, opt_state = copy.deepcopy(s.state_dict()), copy.deepcopy(o.state_dict())
+    o2, s2, crit2 = build()
+    o2.load_state_dict(opt_state)
+    s2.load_state_dict(state)
+    assert values(o2, crit2) == pytest.approx(own)

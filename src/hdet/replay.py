@@ -54,15 +54,19 @@ class ReplayLR(LRScheduler):
         # a weight decay or a dropout is never negative, an explored Setter's values may be signed)
         spreads = {h.name: h.spread for h in explore}
 
-        def fine(name: str, v: float | None) -> bool:
+        def fine(name: str, v: float | None, used: bool) -> bool:
             if v is None or not math.isfinite(v):
                 return False
-            if name.startswith("lr/"):
-                return v >= 0
+            if name.startswith("lr/"):  # (the last row is set after the last step and never used: torch's linear
+                return v >= 0 or not used  # OneCycleLR, and the run that recorded it, go below 0 there)
             sp = spreads.get(name)
-            return sp is None or (sp.clamp(v) == v and (sp.kind != "log" or v > 0))
-        if not all(fine(n, v) for row in bases for n, v in zip(names, row)):
-            bad = next(t for t, row in enumerate(bases) if not all(fine(n, v) for n, v in zip(names, row)))
+            return sp is None or (sp.clamp(v) == v and (sp.kind != "log" or v >= 0))  # (a log spread keeps 0 at 0:
+            # a weight decay warmed up from 0, or decayed to it)
+
+        def row_fine(t: int, row: list[float | None]) -> bool:
+            return all(fine(n, v, t < len(bases) - 1) for n, v in zip(names, row))
+        if not all(row_fine(t, row) for t, row in enumerate(bases)):
+            bad = next(t for t, row in enumerate(bases) if not row_fine(t, row))
             raise ValueError(f"Expected finite recorded values for {names} (LRs >= 0, each replayed hyperparameter "
                              f"within its bounds), but step {bad} holds {rows[bad]!r}")
         groups = [f"lr/{g.get('name', j)}" for j, g in enumerate(optimizer.param_groups)]
@@ -97,7 +101,23 @@ class ReplayLR(LRScheduler):
         return {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "_hypers")}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.__dict__.update({k: v for k, v in state_dict.items() if k not in ("optimizer", "_hypers")})
-        if self._hypers and self.last_epoch < self.total_steps:
-            for h, j in self._hypers:
-                h.set(self._replay_bases[self.last_epoch][j])
+        """Restore :meth:`state_dict`'s state of a replay of the same schedule (a ValueError otherwise, nothing
+        changed), then set the optimizer's LRs and each replayed value to the step's (a fresh optimizer, from a
+        weights-only checkpoint, went on at its own LRs for a step)."""
+        if not isinstance(state_dict, dict) or state_dict.get("_replay_bases") != self._replay_bases or not all(
+                isinstance(state_dict.get(k), int) and not isinstance(state_dict.get(k), bool)
+                for k in ("last_epoch", "_step_count")):
+            raise ValueError("Expected a state_dict() of a ReplayLR of this schedule, but got "
+                             + (f"one with keys {sorted(state_dict)[:8]}" if isinstance(state_dict, dict) else
+                                type(state_dict).__name__) + " (another scheduler's, or another schedule's)")
+        t = state_dict["last_epoch"]
+        if not 0 <= t < self.total_steps:
+            raise ValueError(f"Expected the state's last_epoch in [0, {self.total_steps}), but got {t}")
+        self.__dict__.update({k: v for k, v in state_dict.items()
+                              if k not in ("optimizer", "_hypers", "_replay_bases", "_lr_index", "total_steps")})
+        row = self._replay_bases[t]
+        for g, j in zip(self.optimizer.param_groups, self._lr_index):
+            g["lr"] = row[j]
+        self._last_lr = [row[j] for j in self._lr_index]
+        for h, j in self._hypers:
+            h.set(row[j])

@@ -29,7 +29,10 @@ def state_dict(s: "HDETLR") -> dict[str, Any]:
     # last LRs go on changing with the scheduler, a state taken in memory must not)
     state["hdet"] = s.ensemble.state_dict()
     state["hdet"]["scheduler"] = type(s).__name__
-    state["hdet"]["hyper_values"] = [h.get() for h in s.ensemble.hypers]  # restored exactly on load
+    own = dict((id(h), v) for h, v in s._swap._values)  # inside averaged(): the values put back after it, not the
+    # bases held meanwhile (a checkpoint taken there resumed this replica's next step at the bases; an audit)
+    state["hdet"]["hyper_values"] = [own.get(id(h), h.get()) if s._swap.active else h.get()
+                                     for h in s.ensemble.hypers]  # restored exactly on load
     state["hdet"]["hyper_bases"] = [h.initial for h in s.ensemble.hypers]  # their unscheduled bases, too
     if s._base is not None:
         state["base"] = s._base.state_dict()
