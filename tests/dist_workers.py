@@ -1218,9 +1218,15 @@ def failed_construction(rank, world):
     except ValueError as e:
         first = str(e)
     groups_after_failure = [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]
+    try:  # the guard's install fails (a "skip" guard needs a fused optimizer), after LRScheduler's init set this
+        # replica's LR: the groups as they were (a retry read this rank's base * rho_r as its base; a review)
+        hdet.HDETLR(o, None, total_steps=10, model=model, ensemble_lr_spread_ratio=0.3, guard_gradients="skip")
+    except ValueError as e:
+        second = str(e)
+    groups_after_failure += [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]
     s = hdet.HDETLR(o, None, total_steps=10, model=model, ensemble_lr_spread_ratio=0.3, model_sync_interval=5)
     train_steps(model, o, s, rank, range(10))
-    return {"first": first, "groups": groups_after_failure, "guard": s.gradient_guard,
+    return {"first": first, "second": second, "groups": groups_after_failure, "guard": s.gradient_guard,
             "lr": s.get_last_lr(), "finite": all(bool(p.isfinite().all()) for p in model.parameters())}
 
 

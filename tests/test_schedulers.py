@@ -385,6 +385,16 @@ def test_bad_input_raises_value_error_naming_argument(kwargs, match):
     assert [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] == before
 
 
+def test_a_failed_construction_puts_a_tensor_lr_back_in_place():
+    """A tensor LR (fused or capturable optimizers keep one) is written in place by torch's first step: a failed
+    construction put the same, changed, tensor back (a review). Its value is restored, in the same tensor."""
+    _, o = _opt()
+    o.param_groups[0]["lr"] = lr = torch.tensor(0.01)
+    with pytest.raises(ValueError, match="seed"):
+        OneCycleAutoLR(o, max_lr=0.1, total_steps=50, seed=-3)
+    assert o.param_groups[0]["lr"] is lr and torch.equal(lr, torch.tensor(0.01))
+
+
 def test_stepping_past_total_steps():
     _, o = _opt()
     s = OneCycleAutoLR(o, max_lr=0.1, total_steps=5)

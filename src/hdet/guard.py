@@ -758,6 +758,18 @@ class GuardSetting:
         self.local = not module.require_backward_grad_sync
 
     def install(self, model: Any) -> None:
+        """Install the guard on ``model`` (once); an install that fails (a "skip" guard on a non-fused optimizer, a
+        "hook" with a device mesh) takes back the forward pre-hook it put on."""
+        added = self._local_hook is None
+        try:
+            self._install(model)
+        except BaseException:
+            if added and self._local_hook is not None:
+                self._local_hook.remove()
+                self._local_hook = None
+            raise
+
+    def _install(self, model: Any) -> None:
         model = uncompiled(model)  # torch.compile(DDP(net)): the guard goes on the DDP module inside
         if isinstance(model, torch.nn.parallel.DistributedDataParallel) and self._local_hook is None:
             self._local_hook = model.register_forward_pre_hook(self._note_local)

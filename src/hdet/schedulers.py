@@ -168,8 +168,9 @@ class HDETLR(LRScheduler):
         self._first_floats: list[float] | None = []  # the first losses given as numbers (an epoch counter? step())
         with _restored_on_failure(optimizer):
             super().__init__(optimizer, last_epoch)
-        # hooks last, once nothing can fail: a failed construction leaves none behind (DDP takes one comm hook)
-        self._guard.install(model)
+            # the guard last (DDP takes one comm hook, which a construction that failed after it left behind); an
+            # install that fails takes back what it put on
+            self._guard.install(model)
         self._opt_hook = innermost(optimizer).register_step_post_hook(self._count_optimizer_step)
 
     # -- the base schedule ----------------------------------------------------------------------
@@ -720,8 +721,8 @@ def _restored_on_failure(optimizer: Any) -> Iterator[None]:
     LRScheduler's) rewrite ``lr``, ``initial_lr``, ``max_lr``, ``min_lr`` and the momentum before hdet's checks can
     fail, and a caller who fixes the argument and builds again would start from the rewritten LRs."""
     groups = getattr(optimizer, "param_groups", None)
-    saved = [{k: v for k, v in g.items() if k != "params"} for g in groups] if isinstance(groups, list) and all(
-        isinstance(g, dict) for g in groups) else None
+    saved = [{k: (v.clone(), v) if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+             for g in groups] if isinstance(groups, list) and all(isinstance(g, dict) for g in groups) else None
     try:
         yield
     except BaseException:
@@ -729,7 +730,14 @@ def _restored_on_failure(optimizer: Any) -> Iterator[None]:
             for g, kept in zip(groups, saved):
                 for k in [k for k in g if k != "params" and k not in kept]:
                     del g[k]
-                g.update(kept)
+                for k, v in kept.items():
+                    if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], torch.Tensor):  # a tensor LR (fused,
+                        copy, obj = v  # capturable): written in place by torch's step; its value back in place
+                        with torch.no_grad():
+                            obj.copy_(copy)
+                        g[k] = obj
+                    else:
+                        g[k] = v
         raise
 
 
