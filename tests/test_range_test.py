@@ -332,3 +332,24 @@ def test_the_paper_controllers_bounds_and_decay_target_follow_the_range_tests_pe
     assert not s.last_sync.controller[0].clamped and s.last_sync.bases[0] > 10 * 0.01
     k = rt.peak / 0.01  # (OneCycle's peak is max_lr)
     assert ctrl.bounds == pytest.approx((k * 0.01 / 25 / 1e4, k * 10 * 0.01))
+
+
+def test_bounds_the_user_gives_are_kept_under_the_range_test():
+    """``auto_lr_bounds=`` given: the paper controller keeps them as given, whatever the range test's factor (a review
+    found them scaled with the defaults: (1e-5, 0.02) became (2e-4, 0.41))."""
+    syncs = {"k": 0}
+    torch.manual_seed(0)
+    m = nn.Linear(2, 1)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = hdet.OneCycleAutoLR(opt, max_lr=0.01, total_steps=400, pct_start=0.25, model=m,
+                                replicas=ScriptedReplicas(0, 4, lambda: [2.0 * 0.9 ** syncs["k"]] * 4),
+                                ensemble_lr_spread_ratio=0.2, model_sync_interval=10, lr_range_test=True,
+                                enable_auto_lr=True, controller="paper", auto_lr_bounds=(1e-5, 0.02))
+    for t in range(1, 121):
+        opt.step()
+        s.step(1.0)
+        syncs["k"] += t % 10 == 0
+    assert s.ensemble.slots.range.peak > 0.1 and s.ensemble.controllers[0].bounds == (1e-5, 0.02)
+    assert s.last_sync.bases[0] <= 0.02

@@ -69,7 +69,7 @@ def _lr_control_state(c: LRControl) -> dict[str, Any]:
     bounds, Eq. 8's gamma as printed): saved, so that a resume before the first control sync uses the saved run's."""
     return {"bounds": [[float(lo), float(hi)] for lo, hi in c.bounds],
             "finals": None if c.finals is None else [float(f) for f in c.finals],
-            "gamma_as_printed": c.gamma_as_printed}
+            "gamma_as_printed": c.gamma_as_printed, "given": list(c.given)}
 
 
 def _parse_lr_control(state: Any, ens: "Ensemble") -> LRControl | None:
@@ -84,9 +84,13 @@ def _parse_lr_control(state: Any, ens: "Ensemble") -> LRControl | None:
             or not (gamma is None or _is_real(gamma))):
         raise ValueError(f"Expected the state's lr_control to hold {n} LR bounds (low, high), None or {n} final LRs, "
                          f"and None or a number, but got {state!r}: a corrupted state_dict")
+    given = state.get("given", list(ens.lr_control.given))  # (states saved before it: as this scheduler was built)
+    if not (isinstance(given, list) and len(given) == 2 and all(isinstance(g, bool) for g in given)):
+        raise ValueError(f"Expected the state's lr_control 'given' as two booleans, but got {given!r}: a corrupted "
+                         "state_dict")
     return LRControl(bounds=[(float(lo), float(hi)) for lo, hi in bounds],
                      finals=None if finals is None else [float(f) for f in finals],
-                     gamma_as_printed=None if gamma is None else float(gamma))
+                     gamma_as_printed=None if gamma is None else float(gamma), given=(given[0], given[1]))
 
 
 def _replaced_lr_control(saved: LRControl | None, built: LRControl, config: HDETConfig) -> list[str]:

@@ -142,7 +142,8 @@ class HDETLR(LRScheduler):
                           "base LR no longer decays as the schedule would. Pass final_lr=..., or use the fit "
                           "controller (it corrects the schedule instead of replacing it)", stacklevel=2)
         self._hdet = Ensemble(config, resolved, optimizer, model, explore, probe=probe,
-                              lr_control=LRControl(bounds=self._bounds(auto_lr_bounds), finals=self._final))
+                              lr_control=LRControl(bounds=self._bounds(auto_lr_bounds), finals=self._final,
+                                                    given=(auto_lr_bounds is not None, final_lr is not None)))
         self._hdet.set_total_steps(total_steps)
         if config.eq8 == "as_printed" and isinstance(self._base, OneCycleLR):
             self._hdet.lr_control.gamma_as_printed = gamma_as_printed(

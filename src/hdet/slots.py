@@ -30,11 +30,14 @@ class LRControl:
         bounds: per param group, the (low, high) range the paper controller keeps the LR in.
         finals: per param group, the schedule's last value (Eq. 8's decay target), or None (no decay).
         gamma_as_printed: Eq. 8's gamma as printed (OneCycle bases only), or None.
+        given: whether the bounds and the finals were given (``auto_lr_bounds=``, ``final_lr=``); those set from the
+            schedule scale with the range test's factor, as the schedule does.
     """
 
     bounds: list[tuple[float, float]]
     finals: list[float] | None = None
     gamma_as_printed: float | None = None
+    given: tuple[bool, bool] = (False, False)  # (bounds, finals) given by the user, not set from the schedule
 
 
 class Slots:
@@ -201,13 +204,14 @@ class Slots:
         # the range test scaled the schedule (its peak P in place of the LR given): the bounds and Eq. 8's target,
         # set from the schedule, scale with it (unscaled, a test that ended at 20x clamped the first update to 10x)
         k = 1.0 if self.range is None else self.range.scale(self.peak0)
+        k_bounds, k_finals = (1.0 if given else k for given in lr.given)  # (the user's own: as given)
         if c.eq8 == "as_printed":
             if lr.gamma_as_printed is None:
                 raise ValueError("eq8='as_printed' needs OneCycle's div_factor and final_div_factor; use "
                                  "OneCycleAutoLR (or a OneCycleLR base)")
             gamma = lr.gamma_as_printed
         else:
-            gamma = 0.0 if lr.finals is None else gamma_decay(self.bases[j], k * lr.finals[j], K)
+            gamma = 0.0 if lr.finals is None else gamma_decay(self.bases[j], k_finals * lr.finals[j], K)
         lo, hi = lr.bounds[j]
         return PaperController(beta=c.momentum_of_lr, sigma=c.loss_scale, lam=c.lr_of_lr, gamma=gamma,
-                               bounds=(k * lo, k * hi))
+                               bounds=(k_bounds * lo, k_bounds * hi))
