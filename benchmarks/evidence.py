@@ -91,7 +91,7 @@ def run_job(job: dict[str, Any], deadline: float, expected: float) -> dict[str, 
         rec = json.loads(line)
         if rec.get("range_ended"):
             range_end = [rec["step"], rec["range_ended"], rec["bases"][0], rec.get("went_back_to")]
-        ok = sorted(x for x in rec.get("losses") or [] if x == x)
+        ok = sorted(x for x in rec.get("losses") or [] if x is not None and x == x)  # (null: NaN, strict JSON)
         if ok:
             window.append([rec["step"], ok[len(ok) // 2] if len(ok) % 2 else (ok[len(ok) // 2 - 1] + ok[len(ok) // 2]) / 2,
                            rec["bases"][0]])

@@ -744,3 +744,18 @@ def test_what_the_first_step_check_did_not_see_falls_back_later(case):
     (loop, l_loop, _), (merged, l_merged, said) = _loop_and_merged(model, batches, fns)
     assert merged.mode == "vmap" and len(said) == 1
     _assert_same(merged, loop, l_merged, l_loop)
+
+
+def test_a_loss_closing_over_a_per_step_value_is_checked_once():
+    """A loss function written inline each step over a changing weight (a ramp): one function, checked once, still
+    merged after 20 steps (keyed by its closure's values, each step was a new one: 16 checks, then vmap; a review)."""
+    torch.manual_seed(0)
+    eng = _engine(nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2)), "merged", steps=20, opt="sgd")
+    g = torch.Generator().manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for t in range(20):
+            ramp = min(1.0, (t + 1) / 10)
+            b = (torch.randn(N, 6, 5, generator=g), torch.randn(N, 6, 2, generator=g))
+            eng.step(b, lambda m, b: ramp * F.mse_loss(m(b[0]), b[1]), stacked=True)
+    assert eng.mode == "merged" and len(eng._merge_checked) == 1

@@ -85,6 +85,13 @@ class SyncRecord:
     recovered_early: list[int] = field(default_factory=list)  # replicas reset at an early recovery since the last sync
 
 
+def _ramp(T: int, warm: int, max_factor: float) -> tuple[float, float]:
+    """The range test's growth a window over a warm-up of ``warm`` steps, and the factor it reaches in its last window
+    (it starts at RANGE_START; a short warm-up grows slower: at most MAX_RANGE_GROWTH a window)."""
+    growth = min((max_factor / RANGE_START) ** (T / warm), MAX_RANGE_GROWTH)
+    return growth, min(RANGE_START * growth ** (warm // T - 1), max_factor)
+
+
 class Ensemble:
     """The HDET state of one replica. Collectives happen only in :meth:`sync` and :meth:`recover`.
 
@@ -174,15 +181,16 @@ class Ensemble:
                     f"Expected auto_lr_warmup_steps (the range test's length) in [2 * model_sync_interval, total_steps) "
                     f"= [{2 * T}, {total_steps}) with lr_range_test=True, but got {warm}: the test needs at least two "
                     "windows of the warm-up (e.g. OneCycle's pct_start * total_steps)")
-            growth = min((c.range_max_factor / RANGE_START) ** (T / warm), MAX_RANGE_GROWTH)  # short: slower
-            reach = min(RANGE_START * growth ** (warm // T - 1), c.range_max_factor)  # c in the ramp's last window
+            growth, reach = _ramp(T, warm, c.range_max_factor)
             if reach < 1:
-                need = T * (1 + math.ceil(math.log(1 / RANGE_START, MAX_RANGE_GROWTH)))
+                need = next((k * T for k in range(2, 100_000) if _ramp(T, k * T, c.range_max_factor)[1] >= 1), None)
                 warnings.warn(
                     f"hdet: the range test's warm-up ({warm} steps, {warm // T} windows of model_sync_interval={T}) is "
                     f"too short for its ramp to pass the LR you gave: it starts at {RANGE_START:g}x the schedule and "
                     f"at most doubles a window, so it ends at most at {reach:.2g}x, where no edge is seen, and the run "
-                    f"trains below your LR. Give auto_lr_warmup_steps >= {need} (or a shorter model_sync_interval)",
+                    "trains below your LR. " + (f"Give auto_lr_warmup_steps >= {need} (or a shorter "
+                                               "model_sync_interval)" if need is not None else
+                                               f"No warm-up does with range_max_factor={c.range_max_factor:g} < 1"),
                     stacklevel=4)
             if self.slots.range is None:
                 self.slots.range = RangeTest(growth=growth, max_factor=c.range_max_factor, factor=RANGE_START,

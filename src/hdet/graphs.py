@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .values import PLAIN
 
-__all__ = ["StepGraphs", "MAX_GRAPHS", "function_key"]
+__all__ = ["StepGraphs", "MAX_GRAPHS"]
 
 MAX_GRAPHS = 4  # graphs kept (each holds its own memory pool and a copy of its batch)
 
@@ -60,7 +60,7 @@ class StepGraphs:
         leaves, spec = tree_flatten(batch)
         if not all(isinstance(t, torch.Tensor) and t.device == self.device for t in leaves):
             return (*self.run(batch, loss_fn), False)  # (a batch with other leaves: eagerly)
-        fn_key, keep = function_key(loss_fn)
+        fn_key, keep = _function_key(loss_fn)
         dev = self.device.type
         on = torch.is_autocast_enabled(dev)
         key = (fn_key, spec, tuple((t.shape, t.dtype, t.stride()) for t in leaves), flags, on,
@@ -131,7 +131,7 @@ def _after_failed_capture(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def function_key(loss_fn: Any) -> tuple[Any, list[Any]]:
+def _function_key(loss_fn: Any) -> tuple[Any, list[Any]]:
     """What tells loss functions apart for a graph: the code, a partial's arguments, the closure's cells, defaults and a
     bound method's object, as values (plain ones) or identities (the objects, returned to be kept alive)."""
     keep: list[Any] = []

@@ -389,7 +389,8 @@ class HDETLR(LRScheduler):
 
     def begin_step(self, lead: "HDETLR | None" = None) -> int:
         """The first half of :meth:`step` (the one-process engine runs the sync between the halves): checks,
-        the base schedule's step, the fit controller's window mean. Returns the optimizer step ``t``.
+        Prodigy's estimate shared under a process group (COLLECTIVE: :meth:`hdet.step_scale.StepScale.exchange`), the
+        base schedule's step, the fit controller's window mean. Returns the optimizer step ``t``.
 
         ``lead``: another replica's scheduler of the same engine, whose base schedule has just stepped: this one's
         takes its state instead of computing the same values again (:meth:`follows`)."""
