@@ -759,3 +759,19 @@ def test_a_loss_closing_over_a_per_step_value_is_checked_once():
             b = (torch.randn(N, 6, 5, generator=g), torch.randn(N, 6, 2, generator=g))
             eng.step(b, lambda m, b: ramp * F.mse_loss(m(b[0]), b[1]), stacked=True)
     assert eng.mode == "merged" and len(eng._merge_checked) == 1
+
+
+def test_the_checks_vmapped_run_routes_attention_as_a_step_does():
+    """The first-step check's vmapped run, with dropout off, still routes SDPA through hdet.attention (one fused call
+    for the replicas): it did not (the dropout-free wrapper hid torch's SDPA from the routing), and on an H200 vmap's
+    own SDPA backward failed ("LSE is not correctly aligned"), so the first merged step raised (found by the GPU tests,
+    2026-11-30). Entered in either order."""
+    import hdet.attention as attention
+    from hdet.merged import no_dropout
+    q = torch.randn(2, 2, 4, 8, generator=torch.Generator().manual_seed(7))
+    for outer, inner in ((no_dropout, attention.routed), (attention.routed, no_dropout)):
+        with outer(), inner():
+            f = F.scaled_dot_product_attention
+            assert f.__wrapped__ is attention.scaled_dot_product_attention and f._hdet_without_dropout
+            assert torch.equal(f(q, q, q, dropout_p=0.9), attention.scaled_dot_product_attention(q, q, q))
+    assert F.scaled_dot_product_attention is attention._SDPA

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .patching import patched
 
-__all__ = ["scaled_dot_product_attention", "routed", "under_vmap"]
+__all__ = ["scaled_dot_product_attention", "routed", "under_vmap", "without_dropout"]
 
 _SDPA = torch._C._nn.scaled_dot_product_attention  # torch's own (F.scaled_dot_product_attention)
 
@@ -107,6 +107,26 @@ def _fold(t: torch.Tensor) -> torch.Tensor:
 
 def routed() -> contextlib.AbstractContextManager:
     """``torch.nn.functional.scaled_dot_product_attention`` is :func:`scaled_dot_product_attention` inside (where F
-    holds torch's own; a user's wrapper of it keeps being called)."""
-    return patched("attention", F, {"scaled_dot_product_attention":
-                                    lambda before: scaled_dot_product_attention if before is _SDPA else before})
+    holds torch's own, or :func:`without_dropout` of it; a user's wrapper of it keeps being called)."""
+    def route(before: Any) -> Any:
+        if before is _SDPA:
+            return scaled_dot_product_attention
+        if getattr(before, "__wrapped__", None) is _SDPA and getattr(before, "_hdet_without_dropout", False):
+            # (merged mode's check runs vmap with dropout off: unrouted, vmap's own SDPA ran, whose memory-efficient
+            # CUDA backward fails under vmap, "LSE is not correctly aligned", and the first merged step raised)
+            return without_dropout(scaled_dot_product_attention)
+        return before
+    return patched("attention", F, {"scaled_dot_product_attention": route})
+
+
+def without_dropout(sdpa: Any) -> Any:
+    """``sdpa`` with its ``dropout_p`` at 0 (the merged check's runs draw no masks)."""
+    def no_drop_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if len(args) > 4:  # (query, key, value, attn_mask, dropout_p, ...)
+            args = (*args[:4], 0.0, *args[5:])
+        else:
+            kwargs["dropout_p"] = 0.0
+        return sdpa(*args, **kwargs)
+    no_drop_sdpa.__wrapped__ = sdpa  # type: ignore[attr-defined]
+    no_drop_sdpa._hdet_without_dropout = True  # type: ignore[attr-defined]
+    return no_drop_sdpa

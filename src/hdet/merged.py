@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .attention import without_dropout
 from .linear import batched_linear
 from .values import PLAIN
 
@@ -379,18 +380,11 @@ def no_dropout() -> Iterator[None]:
     (the two ways of running the replicas need not draw their masks alike)."""
     before = {name: getattr(F, name) for name in (*_DROPOUTS, "scaled_dot_product_attention") if hasattr(F, name)}
     sdpa = before.get("scaled_dot_product_attention")
-
-    def no_drop_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if len(args) > 4:  # (query, key, value, attn_mask, dropout_p, ...)
-            args = (*args[:4], 0.0, *args[5:])
-        else:
-            kwargs["dropout_p"] = 0.0
-        return sdpa(*args, **kwargs)
     for name in _DROPOUTS:
         if name in before:
             setattr(F, name, lambda input, *args, **kwargs: input)  # noqa: ARG005
     if sdpa is not None:
-        F.scaled_dot_product_attention = no_drop_sdpa
+        F.scaled_dot_product_attention = without_dropout(sdpa)  # (hdet.attention.routed routes it for vmap still)
     try:
         yield
     finally:
