@@ -133,7 +133,10 @@ def main() -> None:
             ms = [r["metric"] for r in mine if r.get("metric") is not None]
             summary[f"{task} x{st}" + ("" if kind == "sweep" else f" {kind}")] = {
                 "mean": statistics.mean(ms) if ms else None, "sd": statistics.stdev(ms) if len(ms) > 1 else None,
-                "n": len(ms), "max_lr_x_best": sorted(round(r["max_lr_x_best"], 3) for r in mine if "max_lr_x_best" in r)}
+                "n": len(ms), "max_lr_x_best": sorted(round(r["max_lr_x_best"], 3) for r in mine if "max_lr_x_best" in r),
+                # the runs the mean leaves out, said (a crashed run has no metric; one the deadline stopped, no summary)
+                "crashed": sum(1 for r in mine if r.get("crashed")),
+                "unfinished": sum(1 for r in mine if not r["finished"])}
     import torch
 
     rec = {"command": "python " + " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,

@@ -109,10 +109,12 @@ def _cmd_train(a: argparse.Namespace, argv: list[str]) -> int:
         print(msg + f"crashed at {s['crashed']}")
         return 1
     final = s.get("final_metrics") or {}
-    full = final.get("val_loss_full")
-    print(msg + f"train loss {s['final_train_loss']:.4f}, validation loss {s['final_val_loss']:.4f} (the fixed "
-          f"validation batches" + (f"; {full:.4f} over {final.get('val_tokens')} held-out tokens" if full is not None
-                                   else "") + f") -> {a.out}")
+    full, acc = final.get("val_loss_full"), final.get("test_accuracy")
+    held_out = "validation" if acc is None else "test"  # (Fashion-MNIST has no validation split: its t10k test set)
+    print(msg + f"train loss {s['final_train_loss']:.4f}, {held_out} loss {s['final_val_loss']:.4f} (the fixed "
+          f"{held_out} batches" + (f"; {full:.4f} over {final.get('val_tokens')} held-out tokens" if full is not None
+                                   else "") + (f"; test accuracy {acc:.2f}% over the whole test set" if acc is not None
+                                               else "") + f") -> {a.out}")
     try:
         paths = plot_dir(a.out)
         print("plots: " + ", ".join(str(p) for p in paths))
