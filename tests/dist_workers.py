@@ -1259,3 +1259,27 @@ def prodigy_local_skip(rank, world, *, skip=True, steps=12, T=5):
         ds.append(float(o.param_groups[0]["d"]))
         ks.append(int(o.param_groups[0]["k"]))
     return {"d": ds, "k": ks, "w": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+
+
+def aliased_parameter(rank, world, *, cap_mb=0.5, nan=False):
+    """Two Parameters over one memory (``out.weight = nn.Parameter(emb.weight)``, a tied head torch takes without a
+    word), 1 MiB, above ``bucket_cap_mb``: rank r holds r + 1 (the last one NaN with ``nan``). Its converge step
+    averaged it twice in place, a wrong mean (1.89 or 1.56 for 2.0; 1.25 for 1.5: a review); it is averaged once now."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(1024, 256)
+    out = nn.Linear(256, 1024, bias=False)
+    out.weight = nn.Parameter(emb.weight)
+    model = nn.ModuleList([emb, out])
+    o = torch.optim.SGD(model.parameters(), lr=0.0)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = hdet.OneCycleAutoLR(o, max_lr=1e-9, total_steps=4, model_sync_interval=1, model=model, seed=1,
+                                bucket_cap_mb=cap_mb)
+        with torch.no_grad():
+            emb.weight.fill_(float(rank + 1))
+            if nan and rank == world - 1:
+                emb.weight[5, 5] = float("nan")
+        o.step()
+        s.step(1.0)
+    return [emb.weight[0, 0].item(), emb.weight[5, 5].item()]

@@ -228,6 +228,18 @@ def test_prodigy_in_local_mode_with_a_step_skipped_on_one_rank():
     assert torch.equal(res[0]["w"], res[1]["w"])
 
 
+def _aliased_parameter(rank, world, nan):
+    from dist_workers import aliased_parameter
+
+    return aliased_parameter(rank, world, nan=nan)
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_two_parameters_over_one_memory_are_averaged_once(nan):
+    res = check_ok(run_gloo(_aliased_parameter, 3, nan))
+    assert res == [[1.5, 1.5]] * 3 if nan else res == [[2.0, 2.0]] * 3
+
+
 def test_a_failed_construction_leaves_no_guard_behind():
     """A scheduler whose construction fails installs nothing on the DDP model (DDP takes one comm hook: the next,
     correct scheduler's guard raised) and leaves the param groups as they were."""

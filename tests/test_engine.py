@@ -976,3 +976,35 @@ def test_a_load_whose_settings_replace_the_engines_says_so_once_not_once_a_repli
         other.load_state_dict(saved)
     said = [str(w.message) for w in caught if "settings replace" in str(w.message)]
     assert len(said) == 1 and "model_sync_interval 4 (built with 2)" in said[0]
+
+
+def test_optimizer_state_of_different_parameters_is_not_averaged_together():
+    """Local mode, replica r's loss reaches head r only: Adam holds state for head 1 on replica 0 and head 2 on replica
+    1, of one shape. The converge step lined them up by position and averaged head 1's moments with head 2's, silently
+    (an audit); it raises ReplicaMismatchError now, naming the cause."""
+    from torch import nn
+
+    from hdet.engine import ReplicaEngine
+    from hdet.sync import ReplicaMismatchError
+
+    torch.manual_seed(0)
+    eng = ReplicaEngine(nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)]), 2,
+                        lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+                        lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.01, total_steps=10, model_sync_interval=2,
+                                                              model=m, replicas=rep, average_optimizer_state=True,
+                                                              ensemble_lr_spread_ratio=0.2),
+                        mode="loop", share_gradients=False)
+    g = torch.Generator().manual_seed(0)
+    eng.step([(torch.randn(8, 4, generator=g), r) for r in range(2)], lambda m, b: m[1 + b[1]](m[0](b[0])).pow(2).mean())
+    with pytest.raises(ReplicaMismatchError, match="hold state for the same parameters"):
+        eng.step([(torch.randn(8, 4, generator=g), r) for r in range(2)],
+                 lambda m, b: m[1 + b[1]](m[0](b[0])).pow(2).mean())
+
+
+def test_averaging_with_every_replica_left_out_is_refused():
+    from hdet.replicas import average_local
+
+    lists = [[torch.ones(3)], [torch.full((3,), 2.0)]]
+    with pytest.raises(ValueError, match="exclude= leaves out all 2"):
+        average_local(lists, exclude=[0, 1])
+    assert torch.equal(lists[0][0], torch.ones(3))

@@ -678,6 +678,7 @@ def test_a_stacked_prodigy_resume_keeps_the_kept_syncs(hdet_kw):
     saved = _dadapt_engine(True, stop=23, **kw)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "does not fit" warning
+        warnings.filterwarnings("ignore", message="hdet: the range test's warm-up")  # (4 windows: short, said)
         resumed = _dadapt_engine(True, state=saved, train=False, **kw)
     ens = resumed.schedulers[0].ensemble
     kept = ens._ramp.items if "lr_range_test" in hdet_kw else [ens.stability._snapshot]

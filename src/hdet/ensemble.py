@@ -315,7 +315,8 @@ class Ensemble:
         """The model's part of :meth:`tensors` (its parameters' local shards, then its persistent floating-point
         buffers: what an evaluation of the average needs, :meth:`hdet.HDETLR.swap_in_average`), and per tensor
         whether it must be finite."""
-        out = [as_real(local_shard(p.detach())) for p in self._params()]
+        out = _distinct([as_real(local_shard(p.detach())) for p in self._params()])  # (two Parameters on one memory,
+        # nn.Parameter(emb.weight) as a tied head: averaged twice in place under a process group, a wrong mean; a review)
         strict = [True] * len(out)
         if self.model is not None:
             buffers = persistent_float_buffers(self.model)
@@ -332,6 +333,17 @@ class Ensemble:
                 if key != "step" and isinstance(v, torch.Tensor) and averaged(v):
                     out.append(as_real(local_shard(v.detach())))
         return out
+
+    def _layout(self, tensors: list[torch.Tensor]) -> int:
+        """The layout every replica must share: the averaged tensors' shapes and dtypes, and which parameter holds which
+        optimizer state (averaged, or reset at a recovery): a replica whose optimizer never stepped a parameter another
+        stepped had its state lined up with the next parameter's of the same shape, averaged silently (or, of another
+        count, the collectives mismatched and the run aborted; an audit)."""
+        def keys(p: torch.Tensor) -> str:
+            state = self.optimizer.state.get(p, {})
+            return ",".join(sorted(k for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)))
+        text = ";".join(f"{i}:{keys(p)}" for i, p in enumerate(self._params()))
+        return zlib.crc32(text.encode(), layout_signature(tensors))  # (< 2**32: exact in float64)
 
     def recovery_tensors(self) -> list[torch.Tensor]:
         """What a recovery resets besides :meth:`tensors`: the optimizer state (moments), unless it is averaged
@@ -394,7 +406,7 @@ class Ensemble:
             loss_n=self.window.finite if self.window.finite is not None else zero,
             loss_sq=self.window.sq if self.window.sq is not None else zero, observed=self.window.count,
             nonfinite=self.window.count - (self.window.finite if self.window.finite is not None else zero),
-            finite=finite, buf_inf=buf_inf, layout=layout_signature(tensors), ntensors=len(tensors), seed=c.seed,
+            finite=finite, buf_inf=buf_inf, layout=self._layout(tensors), ntensors=len(tensors), seed=c.seed,
             probe=probe, step=t, interval=c.model_sync_interval,
             total_steps=-1 if self.total_steps is None else self.total_steps, config=self.fingerprint(),
         ).to_tensor(dev)
@@ -679,3 +691,15 @@ def _warn_recovered(t: int, bad: list[int], when: str) -> None:
     warnings.warn(
         f"hdet: at {when} step {t} replica(s) {bad} had non-finite weights or buffers; they were left out of the "
         "average, reset to the other replicas' mean, and ranked worst by the controller", stacklevel=4)
+
+
+def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` without a second view of the same memory (the same storage, offset, shape, strides and dtype)."""
+    seen: set[tuple[Any, ...]] = set()
+    out = []
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out

@@ -235,6 +235,9 @@ class ProcessGroupReplicas(Replicas):
     def _average(self, tensors: Sequence[torch.Tensor], exclude: Sequence[int],
                  into: Sequence[int] | None = None) -> None:
         n = self.world_size - len(set(exclude))
+        if n <= 0:
+            raise ValueError(f"Expected at least one replica to average over, but exclude= leaves out all "
+                             f"{self.world_size} (nothing changed)")
         use_avg = "nccl" in self.backend and n == self.world_size
         op = dist.ReduceOp.AVG if use_avg else dist.ReduceOp.SUM
         excluded = self.rank in exclude
@@ -407,6 +410,9 @@ def average_local(lists: Sequence[Sequence[torch.Tensor]], exclude: Sequence[int
     as :class:`ProcessGroupReplicas` does), divide by the count (as gloo does), copy back into every replica's
     (``into``: these replicas' only). Replicas in ``exclude`` are left out of the sum and receive the others' mean."""
     keep = [r for r in range(len(lists)) if r not in set(exclude)]
+    if lists and not keep:
+        raise ValueError(f"Expected at least one replica to average over, but exclude= leaves out all {len(lists)} "
+                         "(nothing changed)")
     if not lists or not lists[0]:
         return
     with torch.no_grad():

@@ -148,7 +148,9 @@ def check_agreement(t: int, col: SyncVector) -> None:
         raise ReplicaMismatchError(
             f"At sync step {t} the replicas hold different tensors to average "
             f"(count per replica: {[int(n) for n in col.ntensors]}, layout hashes: {[int(x) for x in col.layout]}). "
-            "Every replica must build the optimizer, its param groups and the model identically."
+            "Every replica must build the optimizer, its param groups and the model identically, and its optimizer "
+            "hold state for the same parameters (one a replica's loss never reached has none there: a parameter "
+            "one replica never stepped)."
         )
     if len(set(col.seed)) > 1:
         raise ValueError(f"Expected the same seed on every replica, but got {[int(x) for x in col.seed]}")
