@@ -1283,3 +1283,41 @@ def aliased_parameter(rank, world, *, cap_mb=0.5, nan=False):
         o.step()
         s.step(1.0)
     return [emb.weight[0, 0].item(), emb.weight[5, 5].item()]
+
+
+def local_scaler_first_steps(rank, world, *, overflow_steps=5, T=4, steps=8):
+    """Local mode (no_sync every step), the "hook" guard (non-fused AdamW), a GradScaler under fp16 autocast: rank 1
+    overflows at steps 1..overflow_steps, so its first step taken comes after the converge step at T. The guard's
+    one-time agreement at each rank's first step taken paired the ranks' different steps: rank 0 waited there while
+    rank 1 waited in the converge step (a hang; an audit). Returns the guard, each step's scale and whether the
+    ranks' weights are equal at the end."""
+    import warnings
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    model = DDP(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    sched = hdet.OneCycleAutoLR(opt, max_lr=1e-2, total_steps=steps, model_sync_interval=T, model=model,
+                                ensemble_lr_spread_ratio=0.2)
+    scales = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for t in range(1, steps + 1):
+            g = torch.Generator().manual_seed(1000 * t + rank)
+            x = torch.randn(16, 8, generator=g)
+            y = x[:, :1] * 2 - x[:, 1:2]
+            if rank == 1 and t <= overflow_steps:
+                x = x * 1e5
+            with model.no_sync():
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = nn.functional.mse_loss(model(x).float(), y)
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            sched.step(loss.detach())
+            scales.append(scaler.get_scale())
+    return {"guard": sched.gradient_guard, "scales": scales,
+            "equal": all(torch.equal(a, b) for a, b in zip(gather_flat(net.parameters())[:1],
+                                                          gather_flat(net.parameters())[1:]))}

@@ -228,6 +228,19 @@ def test_prodigy_in_local_mode_with_a_step_skipped_on_one_rank():
     assert torch.equal(res[0]["w"], res[1]["w"])
 
 
+def _local_scaler_first_steps(rank, world):
+    from dist_workers import local_scaler_first_steps
+
+    return local_scaler_first_steps(rank, world)
+
+
+def test_local_mode_with_a_scaler_whose_first_steps_differ_by_rank_does_not_hang():
+    res = check_ok(run_gloo(_local_scaler_first_steps, 2))
+    assert [r["guard"] for r in res] == ["hook", "hook"]
+    assert res[0]["scales"] == [1024.0] * 8 and res[1]["scales"][:5] == [512.0, 256.0, 128.0, 64.0, 32.0]
+    assert res[0]["equal"]  # (the last step, 8, is a converge step)
+
+
 def _aliased_parameter(rank, world, nan):
     from dist_workers import aliased_parameter
 

@@ -35,8 +35,8 @@ from .range_test import MAX_RANGE_GROWTH, RANGE_START, RampSnapshots, RangeTest
 from .slots import LRControl, Slots
 from .stability import MIN_LR_SCALE, SharedCopies, StabilityGuard
 from .step_scale import StepScale
-from .sync import (SHARD_MAX, SHARD_MIN, SHARD_SUM, ReplicaMismatchError, SyncVector, as_real, averaged, check_agreement, health,
-                   layout_signature, persistent_float_buffers, batch_counts)
+from .sync import (SHARD_MAX, SHARD_MIN, SHARD_SUM, ReplicaMismatchError, SyncVector, as_real, averaged, batch_counts,
+                   check_agreement, check_state_layout, health, layout_signature, persistent_float_buffers)
 from .window import LossWindow, Probe, WindowMean
 
 __all__ = ["Ensemble", "Verdict", "NonFiniteReplicaError", "ReplicaSyncError", "ReplicaMismatchError", "SyncRecord",
@@ -334,16 +334,14 @@ class Ensemble:
                     out.append(as_real(local_shard(v.detach())))
         return out
 
-    def _layout(self, tensors: list[torch.Tensor]) -> int:
-        """The layout every replica must share: the averaged tensors' shapes and dtypes, and which parameter holds which
-        optimizer state (averaged, or reset at a recovery): a replica whose optimizer never stepped a parameter another
-        stepped had its state lined up with the next parameter's of the same shape, averaged silently (or, of another
-        count, the collectives mismatched and the run aborted; an audit)."""
+    def _state_layout(self) -> int:
+        """Which parameter holds which optimizer state (averaged with average_optimizer_state, or reset at a recovery;
+        checked then: :func:`hdet.sync.check_state_layout`)."""
         def keys(p: torch.Tensor) -> str:
             state = self.optimizer.state.get(p, {})
             return ",".join(sorted(k for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)))
         text = ";".join(f"{i}:{keys(p)}" for i, p in enumerate(self._params()))
-        return zlib.crc32(text.encode(), layout_signature(tensors))  # (< 2**32: exact in float64)
+        return zlib.crc32(text.encode())  # (< 2**32: exact in float64)
 
     def recovery_tensors(self) -> list[torch.Tensor]:
         """What a recovery resets besides :meth:`tensors`: the optimizer state (moments), unless it is averaged
@@ -406,9 +404,10 @@ class Ensemble:
             loss_n=self.window.finite if self.window.finite is not None else zero,
             loss_sq=self.window.sq if self.window.sq is not None else zero, observed=self.window.count,
             nonfinite=self.window.count - (self.window.finite if self.window.finite is not None else zero),
-            finite=finite, buf_inf=buf_inf, layout=self._layout(tensors), ntensors=len(tensors), seed=c.seed,
+            finite=finite, buf_inf=buf_inf, layout=layout_signature(tensors), ntensors=len(tensors), seed=c.seed,
             probe=probe, step=t, interval=c.model_sync_interval,
             total_steps=-1 if self.total_steps is None else self.total_steps, config=self.fingerprint(),
+            state_layout=self._state_layout(),
         ).to_tensor(dev)
         if new_window:
             self.window.reset()
@@ -422,7 +421,7 @@ class Ensemble:
         ``on_nonfinite="raise"``, or when every replica is bad. Pure arithmetic on the rows: every replica
         decides the same."""
         col = SyncVector.from_rows(rows)
-        check_agreement(t, col)
+        check_agreement(t, col, state=self.config.average_optimizer_state)
         N = self.replicas.world_size
         bad = [r for r in range(N) if col.finite[r] != 1.0 or col.buf_inf[r] > min(col.buf_inf)]
         bad_loss = [r for r in range(N) if col.nonfinite[r] > 0]
@@ -441,6 +440,8 @@ class Ensemble:
         if collapsed:  # nothing healthy to average: every replica is overwritten by the best sync's state
             return Verdict(col, [], bad, [], True, losses, collapsed=True, early=not everyone)
         runaway, rising = self.stability.judge(losses, bad, col) if everyone else ([], False)
+        if (bad or runaway) and not self.config.average_optimizer_state:  # (their moments reset to the others' mean)
+            check_state_layout(t, col, f"reset replica(s) {sorted(bad + runaway)}'s optimizer state to the others' mean")
         return Verdict(col, sorted(bad + runaway), bad, runaway, rising, losses, early=not everyone)
 
     # ----------------------------------------------------------------- phase 3: control, deal, record

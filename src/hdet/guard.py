@@ -125,8 +125,10 @@ class HookGuard:
     skipped on every replica, as the scaler would have skipped it, and the scaler is told, so that it lowers its
     scale: the run is then DDP's, step for step."""
 
-    def __init__(self, process_group: Any, optimizer: torch.optim.Optimizer, loss_scale: LossScale) -> None:
+    def __init__(self, process_group: Any, optimizer: torch.optim.Optimizer, loss_scale: LossScale,
+                 local: Callable[[], bool] = lambda: False) -> None:
         self.process_group = process_group
+        self.local = local  # the DDP model's last forward ran inside no_sync(): the hook did not run, nothing to agree
         self.loss_scale = loss_scale  # the scheduler's: the GradScaler once seen (by this guard or the scheduler)
         self._zeroed: torch.Tensor | None = None  # since the last optimizer step: this rank zeroed a bucket (device bool)
         self.taken = 0  # optimizer steps taken (a step the GradScaler skips never calls optimizer.step())
@@ -147,7 +149,8 @@ class HookGuard:
             return
         self.loss_scale.scaler, optimizer_state = found
         grads = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
+        if not grads or self.local():  # local mode: each rank's scaler decides its own first step, at its own step (a
+            # collective here paired ranks' first steps taken, which differ there: a hang; an audit); nothing zeroed
             return
         flag = torch.zeros((), device=grads[0].grad.device) if zeroed is None else zeroed.float()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)  # COLLECTIVE: once, at the scaler's
@@ -669,10 +672,12 @@ def _hdet_hook_on(ddp: "torch.nn.parallel.DistributedDataParallel") -> HookGuard
 
 
 def install_gradient_guard(ddp: "torch.nn.parallel.DistributedDataParallel", optimizer: torch.optim.Optimizer,
-                           loss_scale: LossScale, process_group: Any = None) -> HookGuard | None:
+                           loss_scale: LossScale, process_group: Any = None,
+                           local: Callable[[], bool] = lambda: False) -> HookGuard | None:
     """Register the hook guard (:class:`HookGuard`) on ``ddp`` for ``optimizer``; None (with a warning) if DDP
-    refuses (a hook is already registered, or training has started)."""
-    state = HookGuard(process_group, optimizer, loss_scale)
+    refuses (a hook is already registered, or training has started). ``local()``: the model's last forward ran
+    inside ``no_sync()``."""
+    state = HookGuard(process_group, optimizer, loss_scale, local)
     try:
         ddp.register_comm_hook(state, _guarded_allreduce)
     except RuntimeError as e:
@@ -787,7 +792,8 @@ class GuardSetting:
             self.watch = SkipWatch(self.skip, local=lambda: self.local, loss_scale=self.loss_scale)
             self.installed = guard
         elif guard == "hook" and ddp:
-            self.hook = install_gradient_guard(model, self.optimizer, self.loss_scale, self.process_group)
+            self.hook = install_gradient_guard(model, self.optimizer, self.loss_scale, self.process_group,
+                                               local=lambda: self.local)
             self.installed = "hook" if self.hook is not None else None
             if self.hook is not None and not _fused(self.optimizer):  # (steps stall only under a GradScaler; a fused
                 # optimizer, "hook" chosen by hand, is stepped by the scaler even when it skips: no count to read)

@@ -42,6 +42,7 @@ class SyncVector(NamedTuple):
     config: Any  # fingerprint of the settings
     loss_sq: Any  # the sum of the squares of the window's finite training losses (its noise, hdet.stability)
     nonfinite: Any  # the window's non-finite training losses (observed - loss_n; a replica of shards: their max)
+    state_layout: Any  # hash of which parameter holds which optimizer state (averaged, or reset at a recovery)
 
     def to_tensor(self, dev: torch.device) -> torch.Tensor:
         """The 1-D float64 vector on ``dev`` (tensors stay on their device until this copy: no host sync; the
@@ -141,17 +142,30 @@ def layout_signature(tensors: list[torch.Tensor]) -> int:
     return zlib.crc32(text.encode())  # < 2**32: exact in float64
 
 
-def check_agreement(t: int, col: SyncVector) -> None:
+def check_state_layout(t: int, col: SyncVector, what: str) -> None:
+    """That every replica's optimizer holds state for the same parameters, before ``what`` uses it (lined up by
+    position, one parameter's moments were averaged into another's of the same shape, silently; or, of another count,
+    the collectives mismatched and the run aborted: an audit)."""
+    if len(set(col.state_layout)) > 1:
+        raise ReplicaMismatchError(
+            f"At sync step {t} the replicas' optimizers hold state for different parameters (layout hashes "
+            f"{[int(x) for x in col.state_layout]}), and hdet must {what}: a parameter one replica never stepped "
+            "(its loss never reached it, or its GradScaler skipped every step so far) has none there. Step every "
+            "parameter on every replica, or average no optimizer state")
+
+
+def check_agreement(t: int, col: SyncVector, state: bool = False) -> None:
     """Every replica must be at the same step of the same run: same layout, seed, step, T, total_steps and
-    settings. Averaging replicas that disagree would be silently wrong."""
+    settings (and, ``state``: its optimizer state averaged, the same parameters holding it). Averaging replicas
+    that disagree would be silently wrong."""
     if len(set(zip(col.layout, col.ntensors))) > 1:
         raise ReplicaMismatchError(
             f"At sync step {t} the replicas hold different tensors to average "
             f"(count per replica: {[int(n) for n in col.ntensors]}, layout hashes: {[int(x) for x in col.layout]}). "
-            "Every replica must build the optimizer, its param groups and the model identically, and its optimizer "
-            "hold state for the same parameters (one a replica's loss never reached has none there: a parameter "
-            "one replica never stepped)."
+            "Every replica must build the optimizer, its param groups and the model identically."
         )
+    if state:
+        check_state_layout(t, col, "average their optimizer state (average_optimizer_state=True)")
     if len(set(col.seed)) > 1:
         raise ValueError(f"Expected the same seed on every replica, but got {[int(x) for x in col.seed]}")
     named = {"optimizer steps": col.step, "model_sync_interval": col.interval, "total_steps": col.total_steps,
