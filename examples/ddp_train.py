@@ -81,7 +81,8 @@ def main() -> None:
     p.add_argument("--max-lr", type=float, default=3e-3)
     p.add_argument("--alpha", type=float, default=0.2, help="spread ratio; 0 = plain DDP + OneCycleLR")
     p.add_argument("--T", type=int, default=25, help="sync interval (steps)")
-    p.add_argument("--auto-lr", action="store_true")
+    p.add_argument("--auto-lr", action="store_true", help="auto-LR with the paper's controller (the library's default, "
+                   "the fit controller, needs probe=: docs/auto-lr.md)")
     p.add_argument("--warmup", type=int, default=100, help="auto-LR warmup steps")
     p.add_argument("--warm-init", action="store_true", help="warm noisy init (Eq. 10) of the start weights")
     p.add_argument("--lr-sweep", type=float, default=0.0, metavar="FRAC",

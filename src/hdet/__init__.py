@@ -14,11 +14,13 @@ from .spread import Dealer, linear_multipliers
 from .swap import SwappedInError
 from .sweep import SweepResult, lr_sweep
 from .telemetry import SyncLogger, sync_scalars
+from .engine import ReplicaEngine  # (and hdet.engine, hdet.attention after a plain `import hdet`)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "OneCycleAutoLR",
+    "ReplicaEngine",
     "HDETLR",
     "warm_init_",
     "linear_multipliers",

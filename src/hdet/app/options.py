@@ -135,7 +135,7 @@ class RunConfig:
         "group, x2../2), dropout (+-0.05), grad-clip (norm x2../2)", comma=True))
     clip: float = field(default=1.0, metadata=_cli("base gradient-clipping norm for --explore grad-clip"))
     optimizer: str = field(default="adamw", metadata=_cli(
-        "adamw, or a learning-rate-free peer to compare with (pip install 'hdet[bench]'): dadapt-adam, prodigy (at "
+        "adamw, or a learning-rate-free peer to compare with (pip install -e '.[bench]' in the clone): dadapt-adam, prodigy (at "
         "--max-lr 1, OneCycle shape; under a spread the multiplier scales their step), schedulefree-adamw "
         "(constant LR after its own warm-up; needs --alpha 0; no stability guard), mechanic-adamw (Mechanic's tuner over AdamW at --max-lr 1, "
         "OneCycle shape; needs --alpha 0)"))

@@ -27,7 +27,7 @@ __all__ = ["EngineRun", "DDPRun", "make_optimizer", "make_scheduler", "eval_weig
 
 
 def make_optimizer(task: Task, cfg: RunConfig):
-    """AdamW (hdet's default), or a learning-rate-free peer (pip install hdet[bench]): D-Adaptation Adam and
+    """AdamW (hdet's default), or a learning-rate-free peer (pip install -e '.[bench]' in the clone): D-Adaptation Adam and
     Prodigy at ``--max-lr`` (1 is their documented use) under the same OneCycle shape (Prodigy's
     ``safeguard_warmup`` with ``--prodigy-safeguard``), or Schedule-Free AdamW
     at a constant ``--max-lr`` after its own warm-up (5% of the run), with no schedule (its documented use), or
@@ -55,7 +55,7 @@ def make_optimizer(task: Task, cfg: RunConfig):
             opt.train()
             return opt
         except ImportError as e:
-            raise RunError(f"Expected the package for --optimizer {cfg.optimizer} (pip install 'hdet[bench]'), but "
+            raise RunError(f"Expected the package for --optimizer {cfg.optimizer} (pip install -e '.[bench]' in the clone), but "
                            f"got: {e}") from None
     return make
 
@@ -83,7 +83,7 @@ def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, d
         warnings.simplefilter("always")
         if steps < SHORT_SWEEP:
             warnings.warn(f"the sweep's runs have {steps} steps: it was measured with runs of 300 (--lr-sweep 0.2 of "
-                          f"1500 steps), and short runs favour high LRs (the default job's 80 picked 5x its LR and "
+                          f"1500 steps), and short runs favour high LRs (the default job's 80 ran at 7x its LR and "
                           f"ended worse); sweep longer runs, or pass --max-lr without --lr-sweep")
         points = cfg.lr_sweep_points or N
         if points < 4:
