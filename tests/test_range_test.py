@@ -309,10 +309,9 @@ def test_a_warmup_too_short_for_the_ramp_to_pass_the_given_lr_is_said(warm, shor
     assert rt.reason == "warm-up over" and (rt.peak < 0.1) is short
 
 
-def test_the_paper_controllers_bounds_and_decay_target_follow_the_range_tests_peak():
-    """The range test ends at 20x the max_lr given (no edge seen); the paper controller's default bounds (min_lr,
-    10 max_lr) and Eq. 8's target (min_lr) are of the schedule, which the test scaled: they scale with it. Unscaled, its
-    first update was clamped to 10x max_lr, halving the LR at once, silently (an audit)."""
+def _range_then_paper(steps, **kw):
+    """OneCycleAutoLR(max_lr=0.01) with the range test (a loss falling 10% a window: no edge, it ends at the warm-up's
+    end, 20x) and then the paper controller, ``steps`` steps of 400."""
     syncs = {"k": 0}
     torch.manual_seed(0)
     m = nn.Linear(2, 1)
@@ -322,11 +321,19 @@ def test_the_paper_controllers_bounds_and_decay_target_follow_the_range_tests_pe
         s = hdet.OneCycleAutoLR(opt, max_lr=0.01, total_steps=400, pct_start=0.25, model=m,
                                 replicas=ScriptedReplicas(0, 4, lambda: [2.0 * 0.9 ** syncs["k"]] * 4),
                                 ensemble_lr_spread_ratio=0.2, model_sync_interval=10, lr_range_test=True,
-                                enable_auto_lr=True, controller="paper")
-    for t in range(1, 101):
+                                enable_auto_lr=True, controller="paper", **kw)
+    for t in range(1, steps + 1):
         opt.step()
         s.step(1.0)
         syncs["k"] += t % 10 == 0
+    return s
+
+
+def test_the_paper_controllers_bounds_and_decay_target_follow_the_range_tests_peak():
+    """The range test ends at 20x the max_lr given (no edge seen); the paper controller's default bounds (min_lr,
+    10 max_lr) and Eq. 8's target (min_lr) are of the schedule, which the test scaled: they scale with it. Unscaled, its
+    first update was clamped to 10x max_lr, halving the LR at once, silently (an audit)."""
+    s = _range_then_paper(100)
     rt, ctrl = s.ensemble.slots.range, s.ensemble.controllers[0]
     assert rt.reason == "warm-up over" and rt.peak > 10 * 0.01
     assert not s.last_sync.controller[0].clamped and s.last_sync.bases[0] > 10 * 0.01
@@ -337,19 +344,6 @@ def test_the_paper_controllers_bounds_and_decay_target_follow_the_range_tests_pe
 def test_bounds_the_user_gives_are_kept_under_the_range_test():
     """``auto_lr_bounds=`` given: the paper controller keeps them as given, whatever the range test's factor (a review
     found them scaled with the defaults: (1e-5, 0.02) became (2e-4, 0.41))."""
-    syncs = {"k": 0}
-    torch.manual_seed(0)
-    m = nn.Linear(2, 1)
-    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        s = hdet.OneCycleAutoLR(opt, max_lr=0.01, total_steps=400, pct_start=0.25, model=m,
-                                replicas=ScriptedReplicas(0, 4, lambda: [2.0 * 0.9 ** syncs["k"]] * 4),
-                                ensemble_lr_spread_ratio=0.2, model_sync_interval=10, lr_range_test=True,
-                                enable_auto_lr=True, controller="paper", auto_lr_bounds=(1e-5, 0.02))
-    for t in range(1, 121):
-        opt.step()
-        s.step(1.0)
-        syncs["k"] += t % 10 == 0
+    s = _range_then_paper(120, auto_lr_bounds=(1e-5, 0.02))
     assert s.ensemble.slots.range.peak > 0.1 and s.ensemble.controllers[0].bounds == (1e-5, 0.02)
     assert s.last_sync.bases[0] <= 0.02

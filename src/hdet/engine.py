@@ -43,7 +43,7 @@ from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_leaves
 
 from . import attention, autocast, embedding, linear
-from .graphs import StepGraphs
+from .graphs import StepGraphs, function_key
 from .merged import MergedReplicas, NotMergeable, check_merged, failure, reason_not_mergeable
 from .ensemble import ReplicaMismatchError
 from .guard import all_finite
@@ -55,7 +55,7 @@ from .stacking import StackedReplicas
 from .step_scale import share_local
 from .swap import AverageSwap, averaged, explored_bases
 from .sync import health
-from .values import PLAIN, int_number
+from .values import int_number
 
 __all__ = ["ReplicaEngine"]
 
@@ -974,28 +974,10 @@ def _merge_key(batch: Any, loss_fn: LossFn) -> tuple[Any, list[Any]]:
     """What mode='merged' checks once, at its first step: the loss function (its code, a partial's arguments, a bound
     method's or a callable's object: the same code with other arguments mixed rows unseen, an audit; not a closure's
     cells, which may change every step, a loss weight's ramp, and would each be a new function) and the batch's shapes
-    and dtypes (a new shape can make a statistic cross the replicas' rows); with the objects the key refers to (kept
-    alive so that their ids are not reused; a tensor is keyed by its shape, dtype and device and not kept)."""
-    keep: list[Any] = []
-
-    def value(v: Any) -> Any:
-        if isinstance(v, PLAIN):
-            return ("=", type(v), v)
-        if isinstance(v, torch.Tensor):
-            return ("tensor", tuple(v.shape), v.dtype, v.device)
-        keep.append(v)
-        return ("id", id(v))
-    parts: list[Any] = []
-    f = loss_fn
-    while isinstance(f, functools.partial):
-        parts.append((tuple(value(a) for a in f.args), tuple(sorted((k, value(v)) for k, v in f.keywords.items()))))
-        f = f.func
-    if hasattr(f, "__self__"):  # a bound method: its object
-        parts.append(value(f.__self__))
-    code = getattr(f, "__code__", None) or getattr(getattr(f, "__func__", None), "__code__", None)
-    parts.append(code if code is not None else value(f))  # (a callable object: itself)
+    and dtypes (a new shape can make a statistic cross the replicas' rows); with the objects the key refers to."""
+    fn_key, keep = function_key(loss_fn, closure=False)
     shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t) for t in tree_leaves(batch))
-    return (tuple(parts), shapes), keep
+    return (fn_key, shapes), keep
 
 
 def _code_of(loss_fn: Any) -> Any:

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .values import PLAIN
 
-__all__ = ["StepGraphs", "MAX_GRAPHS"]
+__all__ = ["StepGraphs", "MAX_GRAPHS", "function_key"]
 
 MAX_GRAPHS = 4  # graphs kept (each holds its own memory pool and a copy of its batch)
 
@@ -60,7 +60,7 @@ class StepGraphs:
         leaves, spec = tree_flatten(batch)
         if not all(isinstance(t, torch.Tensor) and t.device == self.device for t in leaves):
             return (*self.run(batch, loss_fn), False)  # (a batch with other leaves: eagerly)
-        fn_key, keep = _function_key(loss_fn)
+        fn_key, keep = function_key(loss_fn)
         dev = self.device.type
         on = torch.is_autocast_enabled(dev)
         key = (fn_key, spec, tuple((t.shape, t.dtype, t.stride()) for t in leaves), flags, on,
@@ -131,14 +131,18 @@ def _after_failed_capture(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _function_key(loss_fn: Any) -> tuple[Any, list[Any]]:
+def function_key(loss_fn: Any, closure: bool = True) -> tuple[Any, list[Any]]:
     """What tells loss functions apart for a graph: the code, a partial's arguments, the closure's cells, defaults and a
-    bound method's object, as values (plain ones) or identities (the objects, returned to be kept alive)."""
+    bound method's object, as values (plain ones) or identities (the objects, returned to be kept alive). ``closure``
+    False (merged mode's check, :func:`hdet.engine._merge_key`): not the closure's cells and defaults, which may change
+    every step, and a tensor by its shape, dtype and device (not kept alive)."""
     keep: list[Any] = []
 
     def value(v: Any) -> Any:
         if isinstance(v, PLAIN):
             return ("=", type(v), v)
+        if not closure and isinstance(v, torch.Tensor):
+            return ("tensor", tuple(v.shape), v.dtype, v.device)
         keep.append(v)
         return ("id", id(v))
     parts: list[Any] = []
@@ -153,6 +157,8 @@ def _function_key(loss_fn: Any) -> tuple[Any, list[Any]]:
         parts.append(value(f))
         return tuple(parts), keep
     parts.append(code)
+    if not closure:
+        return tuple(parts), keep
     for cell in getattr(f, "__closure__", None) or ():
         try:
             parts.append(value(cell.cell_contents))
