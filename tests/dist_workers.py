@@ -1318,6 +1318,5 @@ def local_scaler_first_steps(rank, world, *, overflow_steps=5, T=4, steps=8):
             scaler.update()
             sched.step(loss.detach())
             scales.append(scaler.get_scale())
-    return {"guard": sched.gradient_guard, "scales": scales,
-            "equal": all(torch.equal(a, b) for a, b in zip(gather_flat(net.parameters())[:1],
-                                                          gather_flat(net.parameters())[1:]))}
+    flat = gather_flat(net.parameters())  # (every rank's weights)
+    return {"guard": sched.gradient_guard, "scales": scales, "equal": all(torch.equal(flat[0], f) for f in flat[1:])}

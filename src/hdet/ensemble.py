@@ -36,7 +36,8 @@ from .slots import LRControl, Slots
 from .stability import MIN_LR_SCALE, SharedCopies, StabilityGuard
 from .step_scale import StepScale
 from .sync import (SHARD_MAX, SHARD_MIN, SHARD_SUM, ReplicaMismatchError, SyncVector, as_real, averaged, batch_counts,
-                   check_agreement, check_state_layout, health, layout_signature, persistent_float_buffers)
+                   check_agreement, check_state_layout, health, layout_signature, memory_key,
+                   persistent_float_buffers)
 from .window import LossWindow, Probe, WindowMean
 
 __all__ = ["Ensemble", "Verdict", "NonFiniteReplicaError", "ReplicaSyncError", "ReplicaMismatchError", "SyncRecord",
@@ -695,11 +696,11 @@ def _warn_recovered(t: int, bad: list[int], when: str) -> None:
 
 
 def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` without a second view of the same memory (the same storage, offset, shape, strides and dtype)."""
+    """``tensors`` without a second view of the same memory (:func:`hdet.sync.memory_key`)."""
     seen: set[tuple[Any, ...]] = set()
     out = []
     for t in tensors:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        key = memory_key(t)
         if key not in seen:
             seen.add(key)
             out.append(t)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from .config import HDETConfig, _is_real
+from .sync import memory_key
 
 __all__ = ["StabilityGuard", "NOISE_Z", "MIN_LR_SCALE", "Copier", "SharedCopies", "fit_snapshot"]
 
@@ -95,8 +96,7 @@ class SharedCopies:
     def copy(self, k: int, tensors: list[torch.Tensor], into: list[torch.Tensor] | None) -> list[torch.Tensor]:
         out = []
         for i, t in enumerate(tensors):
-            key = (k, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
-                   t.device)
+            key = (k, *memory_key(t))
             c = self._made.get(key)
             if c is None:
                 # an earlier copy of a tensor the replicas shared, which another replica wrote in this sync: the

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["SyncVector", "ReplicaMismatchError", "averaged", "as_real", "persistent_float_buffers", "health",
+__all__ = ["SyncVector", "ReplicaMismatchError", "averaged", "as_real", "memory_key", "persistent_float_buffers", "health",
            "layout_signature"]
 
 
@@ -71,6 +71,12 @@ SHARD_MAX = (SyncVector._fields.index("nonfinite"),)
 def averaged(t: torch.Tensor) -> bool:
     """Whether a tensor is averaged at a converge step: floating point, or complex (as a real view)."""
     return t.is_floating_point() or t.is_complex()
+
+
+def memory_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """The memory a tensor views (its storage, offset, shape, strides, dtype and device): two views with one key are
+    one tensor, whatever their Python objects."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
 def as_real(t: torch.Tensor) -> torch.Tensor:
