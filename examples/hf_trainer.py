@@ -113,6 +113,8 @@ def main():
                    "loss never predicts it)")
     p.add_argument("--classifier", action="store_true", help="a tiny BERT sequence classifier instead of the GPT-2 "
                    "(its loss a plain mean: model.accepts_loss_kwargs = False, as docs/hf_trainer.md says)")
+    p.add_argument("--own-loss", action="store_true", help="the Trainer subclass computes its own per-token loss "
+                   "(a plain mean of this rank's tokens) without calling super().compute_loss")
     p.add_argument("--eval-steps", type=int, default=0, help="evaluate every N optimizer steps (eval_strategy "
                    '"steps") on held-out sequences')
     p.add_argument("--best", action="store_true", help="with --eval-steps: load_best_model_at_end on eval_loss")
@@ -144,7 +146,12 @@ def main():
 
     class Trainer(HDETTrainer):  # the user's own compute_loss, with a fault on rank 1 if asked
         def compute_loss(self, model, inputs, *args, **kwargs):
-            loss = super().compute_loss(model, inputs, *args, **kwargs)
+            if a.own_loss:  # the user's own loss: this rank's per-token mean, the Trainer's scaling not asked for
+                logits = model(input_ids=inputs["input_ids"]).logits[:, :-1]
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                                         inputs["labels"][:, 1:].reshape(-1), ignore_index=-100)
+            else:
+                loss = super().compute_loss(model, inputs, *args, **kwargs)
             if rank == 1 and self.state.global_step + 1 == a.nan_at:
                 loss = loss * float("nan")
             if model.training and a.classifier:  # this rank's own mean loss, measured apart (dropout is off)

@@ -109,6 +109,19 @@ def test_hf_trainer_window_loss_is_each_ranks_own_per_token_loss_with_uneven_tok
             assert losses[rank] == pytest.approx(sum(r["own_losses"][5 * k:5 * k + 5]) / 5, rel=1e-4)
 
 
+def test_hf_trainer_window_loss_of_a_users_own_compute_loss_is_taken_as_it_is(tmp_path):
+    """A subclass's compute_loss that returns its own per-token mean without calling super() (rank 1 with a quarter of
+    rank 0's labels): HDET's correction of the Trainer's token averaging was applied to it anyway, and the window
+    losses read x0.6 and x2.4 (an audit). Each window's loss is now this rank's own per-token loss."""
+    out = tmp_path / "own_loss"
+    _torchrun(out, "--uneven", "--own-loss", "--ga", "1")
+    res = _results(out)
+    for rank, r in enumerate(res):
+        assert len(r["own_losses"]) == 20 and [s for s, _ in r["windows"]] == [5, 10, 15, 20]
+        for k, (_, losses) in enumerate(r["windows"]):
+            assert losses[rank] == pytest.approx(sum(r["own_losses"][5 * k:5 * k + 5]) / 5, rel=1e-4)
+
+
 def test_hf_trainer_window_loss_of_a_classifier_is_each_ranks_mean_loss(tmp_path):
     """A BERT classifier's forward takes **kwargs but its loss is a plain mean: transformers counts its labels and
     multiplies each rank's loss by the world size, and HDET's correction then read each rank's mean times its share of
@@ -195,6 +208,32 @@ def test_hf_trainer_save_steps_as_a_ratio_is_checked_in_steps(tmp_path, ratio, w
                     hdet=dict(model_sync_interval=3))
     said = [str(w.message) for w in caught if "not a multiple of model_sync_interval" in str(w.message)]
     assert bool(said) == warned, said
+
+
+@pytest.mark.parametrize("how", ["config", "scheduler"])
+@pytest.mark.parametrize("save_steps, warned", [(500, False), (1000, True)])
+def test_hf_trainer_save_steps_are_checked_against_the_schedulers_own_interval(tmp_path, how, save_steps, warned):
+    """T given as hdet=dict(config=HDETConfig(...)) or by a scheduler of the user's (optimizers=): the check read
+    the keyword or 1000, so save_steps=500 with T = 100 was warned about and 1000 with T = 300 was not (an audit)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    import hdet
+    from hdet.integrations.hf import HDETTrainer
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1))
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3000, save_steps=save_steps, use_cpu=True,
+                             report_to=[])
+    T = 100 if save_steps == 500 else 300
+    own: dict = {"hdet": dict(config=hdet.HDETConfig(model_sync_interval=T))}
+    if how == "scheduler":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        own = {"optimizers": (opt, hdet.OneCycleAutoLR(opt, max_lr=1e-3, total_steps=3000, model_sync_interval=T))}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        HDETTrainer(model=model, args=args, train_dataset=[{"input_ids": [1, 2, 3]}], **own)
+    said = [str(w.message) for w in caught if "not a multiple of model_sync_interval" in str(w.message)]
+    assert bool(said) == warned, said
+    assert not said or f"model_sync_interval={T}" in said[0]
 
 
 def test_hf_trainer_stopped_early_averages_the_replicas(tmp_path):

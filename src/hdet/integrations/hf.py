@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..config import HDETConfig
 from ..optimizers import innermost
 from ..schedulers import HDETLR
 from ..telemetry import sync_scalars
@@ -63,10 +64,11 @@ class HDETTrainer(Trainer):
                              "compares the replicas' own losses")
         self._hdet_loss: torch.Tensor | None = None  # this optimizer step's micro-batch losses, summed on the device
         self._hdet_token_scale: torch.Tensor | None = None  # this window's correction of a token-averaged loss
+        self._hdet_trainer_loss = False  # this micro-step's loss came from the Trainer's own compute_loss
         self.add_callback(_HDETHooks(self))
         self.callback_handler.callbacks.insert(0, _HDETFinish(self))  # first: the reporting callbacks' on_train_end
         # (WandbCallback's model upload, ...) then see the averaged model
-        T = self.hdet_kwargs.get("model_sync_interval", 1000)
+        T = self._sync_interval()
         every = self.args.save_steps
         if every and 0 < every < 1:  # a ratio of the run: the Trainer saves every ceil(max_steps * ratio) steps
             every = math.ceil(self.args.max_steps * every) if self.args.max_steps > 0 else 0  # (epochs: unknown yet)
@@ -74,6 +76,15 @@ class HDETTrainer(Trainer):
             warnings.warn(f"hdet: save_steps={self.args.save_steps} is not a multiple of model_sync_interval={T}; "
                           "the Trainer saves rank 0's scheduler state, so a resume between converge steps gives "
                           "every replica rank 0's loss window", stacklevel=2)
+
+    def _sync_interval(self) -> int:
+        """T as the scheduler will have it: a scheduler of the user's (``optimizers=``), ``config=``, or the keyword
+        (before, the keyword or 1000: ``config=HDETConfig(model_sync_interval=100)`` was checked as 1000)."""
+        if isinstance(self.lr_scheduler, HDETLR):
+            return self.lr_scheduler.ensemble.config.model_sync_interval
+        config = self.hdet_kwargs.get("config")
+        return self.hdet_kwargs.get("model_sync_interval", (config if isinstance(config, HDETConfig) else
+                                                            HDETConfig()).model_sync_interval)
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
         if isinstance(self.lr_scheduler, HDETLR):  # built already (or the user's own HDET scheduler)
@@ -173,12 +184,21 @@ class HDETTrainer(Trainer):
             self._hdet_token_scale = (torch.as_tensor(n, dtype=torch.float64, device=device) / (own * per_rank)).float()
         return n
 
+    def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's own loss, noted as such: only its scaling by every rank's token count is undone
+        (:meth:`_get_num_items_in_batch`); a subclass's ``compute_loss`` that does not call this one returns a loss
+        hdet takes as it is (an audit: a plain per-token mean of the user's was rescaled, x0.6 and x2.4 at uneven
+        token counts)."""
+        self._hdet_trainer_loss = True
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._hdet_trainer_loss = False
         loss = super().training_step(model, inputs, *args, **kwargs)  # scaled for the window, as the Trainer logs it
         if isinstance(loss, torch.Tensor):
             part = loss.detach().float().mean()
-            if self._hdet_token_scale is not None:  # averaged over every rank's tokens: back to this rank's own
-                part = part * self._hdet_token_scale
+            if self._hdet_token_scale is not None and self._hdet_trainer_loss:
+                part = part * self._hdet_token_scale  # averaged over every rank's tokens: back to this rank's own
             self._hdet_loss = part if self._hdet_loss is None else self._hdet_loss + part  # on the device
         return loss
 
