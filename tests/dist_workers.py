@@ -592,6 +592,36 @@ def one_d_mesh(rank, world, *, name="shard", dadapt=False, shard=True):
     return {"error": None, "N": s.world_size}
 
 
+def partitioned(rank, world, *, kind="fsdp1", steps=4, T=2):
+    """What an FSDP1 or ZeroRedundancyOptimizer user writes: the scheduler's error, or (none) whether the run
+    averaged shards of different parameters (``kind``: "fsdp1", "fsdp1-orig" (use_orig_params=True),
+    "fsdp1-no-model" (no model=), "zero"; "zero-alpha0": ZeRO without a spread, allowed)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    if kind.startswith("fsdp1"):
+        model = FSDP(net, device_id=torch.device("cpu"), use_orig_params=kind == "fsdp1-orig")
+        o = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        model = DDP(net)
+        o = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    try:
+        s = hdet.HDETLR(o, None, total_steps=steps, ensemble_lr_spread_ratio=0.0 if kind == "zero-alpha0" else 0.5,
+                        model_sync_interval=T, model=None if kind == "fsdp1-no-model" else model)
+    except ValueError as e:
+        return {"error": str(e)}
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        loss = (model(torch.randn(8, 4, generator=g)) ** 2).mean()
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        s.step(loss)
+    return {"error": None, "params": gather_flat([p.detach() for p in net.parameters()])}
+
+
 def hsdp_guard(rank, world, *, fault="loss", steps=10, T=5, at=3):
     """FSDP2 on a (2, 2) mesh with torch's fused AdamW, so "auto" installs the "skip-all" guard. At step ``at``
     rank 1 (a shard of replica 0) gets a NaN loss, or rank 3 a NaN in its own gradient shard after the

@@ -463,6 +463,33 @@ def test_a_plain_one_dimensional_fsdp2_mesh_is_not_taken_for_replicas():
     assert [r["N"] for r in check_ok(run_gloo(_one_d_mesh, 2, "replicate", False, False))] == [2, 2]
 
 
+def _partitioned(rank, world, kind):
+    from dist_workers import partitioned
+
+    return partitioned(rank, world, kind=kind)
+
+
+@pytest.mark.parametrize("kind", ["fsdp1", "fsdp1-orig", "fsdp1-no-model"])
+def test_fsdp1_is_refused_with_the_reason(kind):
+    """FSDP1 (FullyShardedDataParallel, Accelerate's default FSDP plugin): each rank holds a flat shard of one model,
+    and HDET took each shard for a replica; a converge step averaged rank 0's shard with rank 1's, writing the model's
+    first half over its second, silently (with use_orig_params=True: an error at the first converge step). Refused at
+    construction, with or without model=."""
+    for r in check_ok(run_gloo(_partitioned, 2, kind)):
+        assert r["error"] is not None and "FSDP1" in r["error"] and "fully_shard" in r["error"], r
+
+
+def test_zero_redundancy_optimizer_under_a_spread_is_refused_with_the_reason():
+    """ZeroRedundancyOptimizer steps each parameter on its owner rank and broadcasts it: every replica got the owner's
+    multiplier and the replicas stayed identical (no spread at all, silently). Refused under a spread; without one
+    (averaging only) it runs, and the ranks hold the same weights."""
+    for r in check_ok(run_gloo(_partitioned, 2, "zero")):
+        assert r["error"] is not None and "ZeroRedundancyOptimizer" in r["error"], r
+    res = check_ok(run_gloo(_partitioned, 2, "zero-alpha0"))
+    assert all(r["error"] is None for r in res)
+    assert torch.equal(res[0]["params"][0], res[0]["params"][1])
+
+
 def test_d_adaptation_with_a_device_mesh_and_a_spread_is_refused_clearly():
     """D-Adaptation on FSDP2 replicas with a spread failed at the first step inside hdet.step_scale (a foreach copy
     of DTensors); it is refused at construction with the reason."""

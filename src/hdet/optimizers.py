@@ -133,6 +133,12 @@ def check_optimizer(optimizer: torch.optim.Optimizer, spreading: bool, average_o
     averaging."""
     kind = lr_free_kind(optimizer)
     name = type(innermost(optimizer)).__name__
+    if spreading and any(c.__name__ == "ZeroRedundancyOptimizer" for c in type(innermost(optimizer)).__mro__):
+        raise ValueError(f"Expected an optimizer that steps every parameter on every rank under a spread, but got {name}: "
+                         "it steps each parameter on one rank and broadcasts it, so every replica would get the owner "
+                         "rank's multiplier for that parameter and the replicas would stay identical (an audit: no "
+                         "spread at all, silently). Use the optimizer it wraps (optimizer_class) with DDP, or FSDP2 "
+                         "with device_mesh= to shard")
     if spreading and not lr_spread and dual_averaging(optimizer) and not average_optimizer_state:
         raise ValueError(_undone_average(optimizer, "an explored hyperparameter's spread (the replicas' running sums "
                                                     "differ)"))

@@ -296,6 +296,29 @@ def reshard_fsdp(model: Any) -> None:
             m.reshard()
 
 
+def check_not_fsdp1(params: Any, model: Any) -> None:
+    """Refuse FSDP1 (``FullyShardedDataParallel``): each rank holds a flat shard of one model, not a replica, and a
+    converge step averaged rank 0's shard with rank 1's, other parameters (an audit: the model's first half written
+    over its second, no word); with ``use_orig_params=True`` it was met only at the first converge step. FSDP2
+    (``fully_shard``) with ``device_mesh=`` is the sharded form hdet supports (docs/sharded.md)."""
+    flat = next((p for p in params if getattr(p, "_fsdp_flattened", False)), None)  # FSDP1's FlatParameter
+    wrapped = None
+    if model is not None:
+        try:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+        except ImportError:  # pragma: no cover - a torch without distributed
+            FSDP1 = None
+        wrapped = next((m for m in model.modules() if FSDP1 is not None and isinstance(m, FSDP1)), None)
+    if flat is not None or wrapped is not None:
+        raise ValueError(
+            "Expected whole replicas on each rank (DDP) or FSDP2 (fully_shard, with device_mesh=), but got "
+            + ("a model wrapped in FSDP1's FullyShardedDataParallel" if wrapped is not None else
+               f"FSDP1's flattened parameters (shape {tuple(flat.shape)})")
+            + ": its ranks hold shards of one model, and HDET would take each shard for a replica and average "
+              "different parameters together. Use FSDP2 (torch.distributed.fsdp.fully_shard over a (replicate, shard) "
+              "mesh, passed as device_mesh=; Accelerate: fsdp_version=2) or DDP")
+
+
 def check_mesh_placements(device_mesh: Any, params: Any) -> None:
     """That the ranks the replicas are taken from hold whole replicas' parameters: no parameter sharded along the
     mesh's replicate dimension (``fully_shard`` over a 1-D mesh shards one model whatever the mesh's name, so its ranks

@@ -30,7 +30,7 @@ from .guard import GuardSetting, ScalerWatch, SkipWatch
 from .hyper import AdamBeta, Dropout, Hyperparameter, LabelSmoothing
 from .loss_scale import LossScale
 from .optimizers import check_lr_groups, check_optimizer, check_shared_gradients, innermost
-from .replicas import (DEFAULT_BUCKET_CAP_MB, LocalReplica, Replicas, check_mesh_placements, is_sharded,
+from .replicas import (DEFAULT_BUCKET_CAP_MB, LocalReplica, Replicas, check_mesh_placements, check_not_fsdp1, is_sharded,
                        reshard_fsdp, resolve_replicas)
 from .slots import LRControl
 from .swap import AverageSwap, averaged, explored_bases
@@ -125,6 +125,7 @@ class HDETLR(LRScheduler):
         _check_probe(config, probe, model, device_mesh)
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
         params = [p for g in innermost(optimizer).param_groups for p in g["params"]]
+        check_not_fsdp1(params, model)
         self._has_shards = any(is_sharded(p) for p in params)  # (FSDP2: writes need the model, to reshard it first)
         if replicas is None or device_mesh is not None:  # (replicas from a process group or mesh: whole replicas)
             check_mesh_placements(device_mesh, params)
