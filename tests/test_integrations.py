@@ -248,6 +248,7 @@ def test_hf_trainer_stopped_early_averages_the_replicas(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
     # and already in the user's own callbacks' on_train_end (a reporting callback's model upload): hdet's runs first
     assert all(torch.equal(a, b) for a, b in zip(r0["end_params"], r1["end_params"]))
+    assert [s for s, _ in r0["windows"]] == r0["hdet_logged"] == [5, 8]  # the end's sync logged too (an audit)
 
 
 def test_hf_trainer_evaluates_and_saves_the_ensembles_average_between_converge_steps(full_run, tmp_path):
@@ -527,6 +528,10 @@ def test_lightning_stopped_before_total_steps_averages_the_replicas(tmp_path, ma
     for r in res:
         assert r["step"] == max_steps
         assert torch.equal(r["params"][0], r["params"][1])  # (all_gather of both ranks' weights)
+    rows = list(csv.DictReader(open(out / "logs" / "version_0" / "metrics.csv")))  # the logger's file
+    synced = [int(r["step"]) for r in rows if r.get("hdet/window_loss/replica1")]
+    assert synced == [s for s, _ in res[0]["windows"]] == [4, 8] + ([10] if max_steps == 10 else [])  # the end's
+    # sync logged too (it was not: an audit)
 
 
 def test_lightning_validates_and_checkpoints_the_ensembles_average_between_converge_steps(tmp_path):

@@ -17,12 +17,15 @@ def explored_clips(sched: Any) -> list[Any]:
     return clips
 
 
-def finish_at_train_end(sched: Any) -> None:
+def finish_at_train_end(sched: Any) -> Any:
     """At a framework's end of training: :meth:`hdet.HDETLR.finish`, and a warning when it averaged (the run
-    stopped before ``total_steps``, off a converge step)."""
+    stopped before ``total_steps``, off a converge step). Returns that sync's record (None when it did not
+    average), for the integration to log as it logs every sync."""
     sched.swap_back()  # (an evaluation that raised may have left the average in: each replica's own first)
-    if sched.finish() is not None:
+    rec = sched.finish()
+    if rec is not None:
         warnings.warn(f"hdet: training ended after optimizer step {sched.last_epoch}, before total_steps="
                       f"{sched.total_steps} and off a converge step: the replicas were averaged then (a checkpoint "
                       "saved since the last converge step without sched.averaged() holds one replica, not the "
                       "average; HDETTrainer's and HDETCallback's full checkpoints hold the average)", stacklevel=3)
+    return rec

@@ -275,4 +275,6 @@ class _HDETFinish(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         sched = self.trainer.lr_scheduler
         if isinstance(sched, HDETLR):
-            finish_at_train_end(sched)
+            rec = finish_at_train_end(sched)
+            if rec is not None:  # that sync's scalars, as every sync's (to every report_to tracker: an audit)
+                self.trainer.log(sync_scalars(rec))

@@ -72,21 +72,24 @@ class HDETCallback(Callback):
         steps or, between two logging steps, not at all. (Lightning's ``LearningRateMonitor`` reads the optimizer,
         i.e. this rank's multiplied LR: the base is ``hdet/base/lr/...`` here.)"""
         for k, sched in enumerate(_hdet_schedulers(trainer)):
-            rec = sched.last_sync
-            if rec is not None and rec.step != self._logged.get(k):
-                self._logged[k] = rec.step
-                if trainer.is_global_zero:
-                    metrics = {f"{key}" if k == 0 else f"{key}/{k}": v for key, v in sync_scalars(rec).items()}
-                    for logger in trainer.loggers:
-                        logger.log_metrics(metrics, step=rec.step)
+            self._log_sync(trainer, k, sched.last_sync)
+
+    def _log_sync(self, trainer: Any, k: int, rec: Any) -> None:
+        """Scheduler ``k``'s sync record to the loggers, once (global rank 0)."""
+        if rec is not None and rec.step != self._logged.get(k):
+            self._logged[k] = rec.step
+            if trainer.is_global_zero:
+                metrics = {f"{key}" if k == 0 else f"{key}/{k}": v for key, v in sync_scalars(rec).items()}
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=rec.step)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Training stopped before the schedulers' ``total_steps`` (``EarlyStopping``, ``max_time``, a smaller
         ``max_steps``): the replicas are averaged now (:meth:`hdet.HDETLR.finish`, on every rank), so that the module
         after ``fit`` is the ensemble's average, not each rank's own replica."""
         self._swap_back()
-        for sched in _hdet_schedulers(trainer):
-            finish_at_train_end(sched)
+        for k, sched in enumerate(_hdet_schedulers(trainer)):
+            self._log_sync(trainer, k, finish_at_train_end(sched))  # (that sync's scalars too: an audit)
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         self._restored = True
