@@ -419,7 +419,8 @@ def test_a_collapse_says_every_replica_went_back_and_nothing_else():
                         lambda o, rep, m: hdet.HDETLR(o, None, total_steps=30, model=m, replicas=rep,
                                                       ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
                                                       on_runaway="recover"))
-    x = torch.randn(3, 8, 3)
+    x = torch.randn(1, 8, 3).expand(3, 8, 3)  # every replica's batch the same (a replica whose data's loss is
+    # 4x the others' is a runaway at sync 10, and a sync that resets one is no best sync to go back to)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for t in range(1, 16):
@@ -491,3 +492,152 @@ def test_a_go_back_keeps_only_batchnorms_counts_among_integer_buffers():
     net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), Observer(), nn.BatchNorm1d(2))
     net[3].num_batches_tracked = net[1].num_batches_tracked  # shared: once
     assert batch_counts(net) == [net[1].num_batches_tracked]
+
+
+class _Tanh(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(3, 16), nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+def _blown_up(mode, steps, at, replicas, factor, T=4, N=4):
+    """An engine of N replicas (AdamW, alpha 0.3) learning sin(x0); at step ``at`` the output weights of
+    ``replicas`` are multiplied by ``factor``. Returns the engine, every sync's record and the held-out loss."""
+    torch.manual_seed(0)
+    eng = ReplicaEngine(_Tanh(), N, lambda m: torch.optim.AdamW(m.parameters(), lr=0.05),
+                        lambda o, rep, m: hdet.HDETLR(o, None, total_steps=steps, model=m, replicas=rep,
+                                                      ensemble_lr_spread_ratio=0.3, model_sync_interval=T,
+                                                      on_runaway=mode), mode="loop")
+    recs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for t in range(1, steps + 1):
+            x = torch.randn(N, 16, 3, generator=torch.Generator().manual_seed(t))
+            if t == at:
+                with torch.no_grad():
+                    for r in replicas:
+                        eng.models[r].l2.weight.mul_(factor)
+            eng.step([(x[r], x[r, :, :1].sin()) for r in range(N)], lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
+            if eng.schedulers[0].is_sync_step(t):
+                recs.append(eng.schedulers[0].last_sync)
+    xt = torch.randn(512, 3, generator=torch.Generator().manual_seed(99))
+    with torch.no_grad():
+        held_out = float(((eng.models[0](xt) - xt[:, :1].sin()) ** 2).mean())
+    return eng, recs, held_out
+
+
+class _BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.bn, self.drop, self.l2 = nn.Linear(3, 16), nn.BatchNorm1d(16), nn.Dropout(0.1), nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.l2(self.drop(torch.tanh(self.bn(self.l1(x)))))
+
+
+def test_a_sync_that_resets_a_runaway_replica_is_not_the_best_one_to_go_back_to():
+    """Replica 1's output weights x30 at step 10: its huge (finite) gradients reach every replica through the shared
+    gradients before the sync at 12 resets it. That sync was kept as the best one, under a loss measured before the
+    damage, which no later window reached: every sync after it went back there and cut the LR, to the LR's floor (an
+    audit's run: 47 go-backs in 200 steps, held-out 0.256 against 0.040 with on_runaway="ignore"). A sync that resets
+    a replica is not kept as a best one now."""
+    def run(mode, steps=100, N=4):
+        torch.manual_seed(0)
+        eng = ReplicaEngine(_BNNet(), N, lambda m: torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.01),
+                            lambda o, rep, m: hdet.HDETLR(o, None, total_steps=steps, model=m, replicas=rep,
+                                                          ensemble_lr_spread_ratio=0.3, model_sync_interval=4,
+                                                          on_runaway=mode), mode="loop")
+        backs = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for t in range(1, steps + 1):
+                torch.manual_seed(1000 + t)  # dropout
+                x = torch.randn(N, 16, 3, generator=torch.Generator().manual_seed(t))
+                if t == 10:
+                    with torch.no_grad():
+                        eng.models[1].l2.weight.mul_(30)
+                eng.step((x, x[..., :1].sin()), lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), stacked=True)
+                if eng.schedulers[0].is_sync_step(t) and eng.schedulers[0].last_sync.went_back_to is not None:
+                    backs.append(eng.schedulers[0].last_sync.went_back_to)
+        xt = torch.randn(512, 3, generator=torch.Generator().manual_seed(99))
+        m = eng.models[0].eval()
+        with torch.no_grad():
+            return backs, float(nn.functional.mse_loss(m(xt), xt[:, :1].sin()))
+
+    backs, held_out = run("recover")
+    assert len(backs) <= 2 and 12 not in backs, backs
+    assert held_out < run("ignore")[1]
+
+
+def test_windows_of_no_finite_loss_go_back():
+    """Every replica's output weights x1e20 at step 14 (in the engine, through the shared gradients, every loss
+    non-finite from then on): the non-finite window losses were dropped before the checks, so nothing rose, and with
+    finite weights (the audit's run: 3e19) the run trained on to the end, held-out loss inf. A window without a finite
+    loss is a rise now: every replica goes back to the best sync, and the run ends trained."""
+    eng, recs, held_out = _blown_up("recover", 40, 14, [0, 1, 2, 3], 1e20)
+    lost = [r for r in recs if not any(x == x for x in r.losses)]  # (NaN != NaN)
+    assert lost and all(r.went_back_to is not None for r in lost), recs
+    assert held_out < 0.1 and all(bool(torch.isfinite(p).all()) for p in eng.models[0].parameters())
+
+
+class _LostReplicas(ScriptedReplicas):
+    """Scripted window losses, where ``None`` is a replica whose every loss in the window was non-finite (its finite
+    losses' sum and count 0, its non-finite count the window's)."""
+
+    def __init__(self, script):
+        it = iter(script)
+        super().__init__(0, len(script[0]), lambda: next(it))
+
+    def gather(self, local, shard_sum=(), shard_min=(), shard_max=()):
+        from hdet.sync import SyncVector
+
+        script, losses = self.window_losses, self.window_losses()
+        self.window_losses = lambda: [1.0 if x is None else x for x in losses]
+        try:
+            rows = super().gather(local, shard_sum, shard_min, shard_max)
+        finally:
+            self.window_losses = script
+        f = SyncVector._fields
+        for r, x in enumerate(losses):
+            if x is None:
+                rows[r, f.index("nonfinite")] = rows[r, f.index("loss_n")]
+                rows[r, f.index("loss_sum")] = rows[r, f.index("loss_n")] = rows[r, f.index("loss_sq")] = 0.0
+        return rows
+
+
+def test_a_replica_whose_every_loss_overflowed_is_reset_as_a_runaway():
+    """A replica with finite weights whose every loss in the window was non-finite (a loss that overflows) was ranked
+    worst but never reset, so it went on overflowing (an audit). It is a runaway now: left out, reset to the others'
+    mean, the LR cut. When no replica has a finite loss, the ensemble is rising: back to the best sync."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 1)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    s = hdet.HDETLR(o, None, total_steps=100, model=m, replicas=_LostReplicas([[1.0] * 4, [0.9, 0.9, 0.9, None],
+                                                                               [None] * 4]),
+                    ensemble_lr_spread_ratio=0.2, model_sync_interval=5, on_runaway="recover")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _window(o, s)
+        _window(o, s)
+        assert s.last_sync.runaway == [3] and s.last_sync.lr_scale == pytest.approx(0.7)
+        _window(o, s)
+    assert s.last_sync.went_back_to == 5 and s.last_sync.runaway == []
+
+
+@pytest.mark.parametrize("growth", [1.5, 3.0, 10.0, 100.0])
+def test_a_loss_growing_fast_within_a_window_is_a_rise_not_noise(growth):
+    """The noise a rise must beat was taken from the spread of the step losses within the window, which includes the
+    window's own trend: a loss growing 3x a step (a window mean 886x the best) read as noise (an audit)."""
+    from types import SimpleNamespace
+
+    from hdet.stability import StabilityGuard
+
+    guard = StabilityGuard(hdet.HDETConfig(on_runaway="recover"))
+    guard.best_loss, guard.best_step, guard.best_se = 0.1, 10, 0.001
+    steps = [0.1 * growth ** k for k in range(1, 11)]
+    col = SimpleNamespace(loss_sum=[sum(steps)] * 4, loss_n=[10] * 4, loss_sq=[sum(x * x for x in steps)] * 4,
+                          nonfinite=[0] * 4)
+    assert guard.judge([sum(steps) / 10] * 4, [], col) == ([], True)

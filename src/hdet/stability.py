@@ -38,6 +38,7 @@ __all__ = ["StabilityGuard", "NOISE_Z", "MIN_LR_SCALE", "Copier", "SharedCopies"
 
 NOISE_Z = 4.0  # a rise must exceed this many standard errors of the window losses
 MIN_LR_SCALE = 1 / 64  # the LR schedule is never cut below this fraction of itself
+RISE_CEILING = 9.0  # a window loss this much of the best above it (10x a positive best) is a rise whatever the noise
 
 
 def window_noise(col: Any, ok: list[int]) -> tuple[float, float]:
@@ -152,12 +153,26 @@ class StabilityGuard:
         return self.config.recovering
 
     def judge(self, losses: list[float], bad: list[int], col: Any) -> tuple[list[int], bool]:
-        """The runaway replicas and whether the ensemble is rising (pure arithmetic on the gathered rows)."""
+        """The runaway replicas and whether the ensemble is rising (pure arithmetic on the gathered rows).
+
+        A replica with finite weights whose every loss in the window was non-finite (its loss overflowed) ran away
+        too; when no replica has a finite window loss, the ensemble is rising (before, such windows were dropped
+        and a run whose weights reached 1e19 trained on to the end: an audit). A rise is judged against the
+        window losses' noise, but never needs more than a window loss ``RISE_CEILING`` times the best's magnitude
+        above it (10x a positive best; or the best window's own noise): the spread of the step losses in a window includes its trend, so a loss growing 3x or more a step
+        read as noise (a window mean 886x the best was not a rise: an audit)."""
         c = self.config
-        ok = [r for r, x in enumerate(losses) if r not in bad and math.isfinite(x)]
-        best = self.best_loss
-        if not self.on or len(ok) < 2 or best is None:
+        if not self.on:
             return [], False
+        ok = [r for r, x in enumerate(losses) if r not in bad and math.isfinite(x)]
+        nonfinite = getattr(col, "nonfinite", None)
+        lost = [r for r, x in enumerate(losses) if r not in bad and not math.isfinite(x) and nonfinite is not None
+                and nonfinite[r] > 0]  # observed losses, none of them finite
+        best = self.best_loss
+        if not ok:
+            return [], bool(lost) and best is not None
+        if len(ok) < 2 or best is None:
+            return lost, False
         se_replica, se_ensemble = window_noise(col, ok)
         med = statistics.median(losses[r] for r in ok)
         scale = max(1.4826 * statistics.median(abs(losses[r] - med) for r in ok), 0.02 * abs(med), se_replica)
@@ -165,7 +180,8 @@ class StabilityGuard:
                    and losses[r] > best]
         healthy = [losses[r] for r in ok if r not in runaway]
         margin = max(c.rise_threshold * abs(best), NOISE_Z * math.hypot(se_ensemble, self.best_se))
-        return runaway, statistics.median(healthy) > best + margin
+        ceiling = max(RISE_CEILING * abs(best), c.rise_threshold * abs(best), NOISE_Z * math.sqrt(2) * self.best_se)
+        return sorted(runaway + lost), statistics.median(healthy) > best + min(margin, ceiling)
 
     @torch.no_grad()
     def after_average(self, step: int, losses: list[float], exclude: list[int], rising: bool,
@@ -175,14 +191,17 @@ class StabilityGuard:
         back. No collective; one foreach copy on the tensors' devices when it remembers or goes back."""
         if not self.on:
             return False
+        if rising and self.can_go_back(tensors):
+            copy_kept(tensors, self._snapshot)
+            return True
         keep = [r for r, x in enumerate(losses) if r not in exclude and math.isfinite(x)]
         if not keep:
             return False
         loss = statistics.median(losses[r] for r in keep)
-        if rising and self.can_go_back(tensors):
-            copy_kept(tensors, self._snapshot)
-            return True
-        if self.best_loss is None or loss < self.best_loss:
+        clean = not exclude and not any(getattr(col, "nonfinite", ()))  # no replica reset, no non-finite loss
+        # (a sync that reset a runaway replica kept the weights its huge gradients had already reached, under a loss
+        # measured before: a best no later window could reach, and every sync after it went back there: an audit)
+        if clean and (self.best_loss is None or loss < self.best_loss):
             self.best_loss, self.best_step, self.best_se = loss, step, window_noise(col, keep)[1]
             self._snapshot = self.copier(tensors, self._recyclable(tensors))
         return False
