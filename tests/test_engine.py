@@ -608,6 +608,39 @@ def test_engine_finish_averages_the_replicas_of_a_run_left_early(mode):
     assert eng.steps_taken == 10 and not eng.finish()
 
 
+def test_engine_finish_after_a_resume_from_its_own_checkpoint_is_no_second_sync():
+    """finish() at step 10 (T = 4, the range test ramping), a checkpoint, a resume, finish() again (an integration
+    that resumes from its last checkpoint and ends at once): whether finish() ran was not in the state, so the resumed
+    run synced again over an empty window, whose NaN loss ended the range test as "rising" and went back, the LR 4x
+    lower (an audit). It does nothing now, as in the process that saved it."""
+    import io
+
+    from hdet.engine import ReplicaEngine
+
+    def build():
+        torch.manual_seed(0)
+        sched = lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=60, ensemble_lr_spread_ratio=0.3,  # noqa: E731
+                                                      model_sync_interval=4, replicas=rep, model=m, lr_range_test=True,
+                                                      auto_lr_warmup_steps=24)
+        return ReplicaEngine(nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1)), 4,
+                             lambda m: torch.optim.AdamW(m.parameters(), lr=0.02), sched, mode="loop")
+
+    eng = build()
+    for t in range(1, 11):
+        x = torch.randn(4, 16, 3, generator=torch.Generator().manual_seed(t))
+        eng.step((x, x[..., :1].sin()), lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), stacked=True)
+    assert eng.finish()
+    buf = io.BytesIO()
+    torch.save(eng.state_dict(), buf)
+    buf.seek(0)
+    resumed = build()
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    assert not resumed.finish() and not eng.finish()
+    rt = resumed.schedulers[0].ensemble.slots.range
+    assert rt.ramping and rt.reason is None
+    assert resumed.schedulers[0].get_last_lr() == eng.schedulers[0].get_last_lr()
+
+
 def test_engine_finish_sets_the_values_its_sync_deals():
     """finish() is a whole sync: under the range test its ramp moves there, and the replicas' LRs must follow for
     training to go on (they kept the values from before it: a review)."""

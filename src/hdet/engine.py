@@ -658,6 +658,7 @@ class ReplicaEngine:
         self._sync(t)
         self._finished_at = t
         for s in self.schedulers:
+            s._finished_at = t  # (in their states: a resumed engine's finish() at t is not a second sync)
             s.reapply()  # the values the sync dealt, should training go on
         self._raise_hook_errors()
         return True
@@ -810,6 +811,7 @@ class ReplicaEngine:
         for message, category in dict.fromkeys((str(w.message), w.category) for w in caught):
             warnings.warn(message, category, stacklevel=2)
         self._following = None
+        self._finished_at = self.schedulers[0]._finished_at
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self, batches: Sequence[Any] | Any, loss_fn: LossFn, *, stacked: bool = False) -> torch.Tensor:

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 __all__ = ["state_dict", "check", "load", "check_plain", "momentum_cyclers"]
 
-OWN = ("last_epoch", "_step_count", "_last_lr", "base_lrs", "total_steps", "_history", "_constant")
+OWN = ("last_epoch", "_step_count", "_last_lr", "base_lrs", "total_steps", "_history", "_constant",
+       "_finished_at")  # (the step finish() averaged after: a resumed run's finish() there again is no second sync)
 
 
 def state_dict(s: "HDETLR") -> dict[str, Any]:
@@ -123,6 +124,10 @@ def _check_own(s: "HDETLR", state: dict[str, Any]) -> None:
         v = state.get(key)
         if v is not None and (not isinstance(v, list) or len(v) != n):
             raise ValueError(f"Expected the state's {key} with one value per param group ({n}), but got {v!r}")
+    done = state.get("_finished_at")
+    if done is not None and (isinstance(done, bool) or not isinstance(done, int) or not 0 < done <= last):
+        raise ValueError(f"Expected the state's _finished_at as a step in 1..last_epoch ({last}) or None, but got "
+                         f"{done!r}")
     check_watch_state(state.get("guard"))
     kept = state.get("loss_scale_kept")
     if kept is not None and (isinstance(kept, bool) or not isinstance(kept, (int, float)) or not math.isfinite(kept)
