@@ -1583,3 +1583,40 @@ def test_local_mode_a_reset_replica_takes_the_healthy_step_count_with_their_mome
         if t >= 8:
             assert diff == 0.0 and step == t, (t, diff, step)
     assert [s for t, _, s in res[1]["out"] if t == 7] == [2.0]  # (the skipped steps, before the reset)
+
+
+def _resumed_into(base, explore, state=None, steps=7):
+    """An HDETLR (one replica, alpha 0.3) over ``base``, with ``explore(opt)``; ``state``: loaded (its warnings
+    returned), else ``steps`` steps taken and its state returned."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 1)
+    o = torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.01)
+    s = hdet.HDETLR(o, base, total_steps=100, model_sync_interval=5, ensemble_lr_spread_ratio=0.3, explore=explore(o))
+    if state is None:
+        for _ in range(steps):
+            o.step()
+            s.step(1.0)
+        return roundtrip(s.state_dict())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s.load_state_dict(state)
+    return [str(w.message) for w in caught if "hdet" in str(w.message)], s
+
+
+def test_a_state_loaded_into_a_scheduler_built_with_another_schedule_or_spread_says_so():
+    """A callable base schedule 10x higher resumed at 10x the LR, and an explored weight decay's alpha 0.5 -> 0.9 (or
+    a schedule= given at load) moved its values at the next deal, silently (an audit). Said now; the same build says
+    nothing."""
+    def wd(alpha=0.5, schedule=None):
+        return lambda o: [hdet.WeightDecay(o, alpha=alpha, schedule=schedule)]
+
+    state = _resumed_into(lambda t: 0.05 * (1 - t / 100), wd())
+    said, s = _resumed_into(lambda t: 0.05 * (1 - t / 100), wd(), state)
+    assert said == []
+    said, s = _resumed_into(lambda t: 0.5 * (1 - t / 100), wd(), state)
+    assert len(said) == 1 and "schedule gave lr/0 0.0465 at step 7, and this scheduler's gives 0.465" in said[0], said
+    assert s.ensemble.load_warnings == said  # (HDETTrainer raises them again after the Trainer's load)
+    said, _ = _resumed_into(lambda t: 0.05 * (1 - t / 100), wd(alpha=0.9), state)
+    assert len(said) == 1 and "explored spreads differ" in said[0] and "0.5" in said[0] and "0.9" in said[0], said
+    said, _ = _resumed_into(lambda t: 0.05 * (1 - t / 100), wd(schedule=lambda t: 0.1), state)
+    assert any("schedule gave weight_decay/0 0.01" in m for m in said) and any("explored spreads" in m for m in said)

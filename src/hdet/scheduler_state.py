@@ -35,6 +35,7 @@ def state_dict(s: "HDETLR") -> dict[str, Any]:
     state["hdet"]["hyper_values"] = [own.get(id(h), h.get()) if s._swap.active else h.get()
                                      for h in s.ensemble.hypers]  # restored exactly on load
     state["hdet"]["hyper_bases"] = [h.initial for h in s.ensemble.hypers]  # their unscheduled bases, too
+    state["hdet"]["hyper_spreads"] = [_spread(h) for h in s.ensemble.hypers]  # compared on load (said if changed)
     if s._base is not None:
         state["base"] = s._base.state_dict()
         state["base_scheduler"] = type(s._base).__name__
@@ -42,6 +43,39 @@ def state_dict(s: "HDETLR") -> dict[str, Any]:
     state["guard"] = s._guard.state_dict()  # the gradient guard's stall counts (HOST SYNC: its skip counter)
     check_plain(state, "state_dict()")
     return state
+
+
+def _spread(h: Any) -> list[Any]:
+    """An explored hyperparameter's spread as plain data: kind, alpha, bounds, and whether it has a schedule."""
+    return [h.spread.kind, float(h.spread.alpha), [float(b) for b in h.spread.bounds], h.schedule is not None]
+
+
+def _said_if_rebuilt_differently(s: "HDETLR", hdet_state: dict[str, Any]) -> None:
+    """A state loaded into a scheduler built with another schedule or spread resumes on the new one: said, where
+    it was silent (an audit: a callable base 10x higher resumed at 10x the LR; an explored weight decay's alpha
+    0.5 -> 0.9 moved its values at the next deal). The saved schedule's value at the saved step against the
+    rebuilt one's (to 6 significant digits, as the replicas' settings fingerprint compares them)."""
+    from .ensemble_state import _say
+
+    ens = s.ensemble
+    saved = hdet_state.get("scheduled")
+    now = ens.slots.scheduled
+    if isinstance(saved, list) and len(saved) == len(now) and s.last_epoch >= 0:
+        moved = [(name, float(a), float(b)) for name, a, b in zip(ens.slots.names, saved, now)
+                 if f"{float(a):.6g}" != f"{float(b):.6g}"]
+        if moved:
+            _say(ens, f"hdet: the loaded state's schedule gave {', '.join(f'{n} {a:.6g}' for n, a, _ in moved)} at "
+                      f"step {s.last_epoch}, and this scheduler's gives {', '.join(f'{b:.6g}' for _, _, b in moved)}: "
+                      "it was built with another base schedule (max_lr, a callable, an explored value's schedule=), "
+                      "and the resumed run follows this one. Build it as the saved run was to resume that run")
+    spreads = hdet_state.get("hyper_spreads")
+    if isinstance(spreads, list) and len(spreads) == len(ens.hypers):
+        changed = [(h.name, old, _spread(h)) for h, old in zip(ens.hypers, spreads) if list(old) != _spread(h)]
+        if changed:
+            _say(ens, "hdet: the loaded state's explored spreads differ from this scheduler's ("
+                      + "; ".join(f"{n}: kind, alpha, bounds, scheduled {o} saved, {c} now" for n, o, c in changed)
+                      + "): the resumed run deals this scheduler's from its next sync on. Build the explored "
+                      "hyperparameters as the saved run did to resume that run")
 
 
 def _copy(x: Any) -> Any:
@@ -102,6 +136,7 @@ def load(s: "HDETLR", state: dict[str, Any]) -> None:
     if "loss_scale_kept" in state:  # (states saved before it: the scale kept by this process, if any)
         s._loss_scale.set_kept(state["loss_scale_kept"])
     s.reapply()  # this replica's values on the optimizer and hyperparameters
+    _said_if_rebuilt_differently(s, hdet_state)
     if same_replica:  # exactly the values this replica had (they equal what reapply computed)
         for h, v in zip(s.ensemble.hypers, hdet_state.get("hyper_values", [])):
             h.set(v)
