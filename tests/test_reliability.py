@@ -1620,3 +1620,51 @@ def test_a_state_loaded_into_a_scheduler_built_with_another_schedule_or_spread_s
     assert len(said) == 1 and "explored spreads differ" in said[0] and "0.5" in said[0] and "0.9" in said[0], said
     said, _ = _resumed_into(lambda t: 0.05 * (1 - t / 100), wd(schedule=lambda t: 0.1), state)
     assert any("schedule gave weight_decay/0 0.01" in m for m in said) and any("explored spreads" in m for m in said)
+
+
+def _scaled_run(stop=None, state=None, steps=25, nan_at=12):
+    """One replica (OneCycleAutoLR, on_runaway="recover", T = 5) under a GradScaler on the CPU, no gradient guard; a
+    NaN weight at step ``nan_at``: every step skipped (the scale halving) until the sync at 15 goes back. Returns
+    the state at ``stop``, or the scale after every step (the scaler dropped on return: one in the process)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1))
+    o = torch.optim.AdamW(m.parameters(), lr=0.01)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, model_sync_interval=5, model=m, on_runaway="recover")
+    sc = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    start = 0
+    if state is not None:
+        m.load_state_dict(state["m"]), o.load_state_dict(state["o"]), sc.load_state_dict(state["sc"])
+        s.load_state_dict(state["s"])
+        start = s.last_epoch
+    scales = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for t in range(start + 1, steps + 1):
+            x = torch.randn(16, 3, generator=torch.Generator().manual_seed(t))
+            if t == nan_at:
+                with torch.no_grad():
+                    m[0].weight[0, 0] = float("nan")
+            loss = nn.functional.mse_loss(m(x), x[:, :1].sin())
+            o.zero_grad()
+            sc.scale(loss).backward()
+            sc.step(o)
+            sc.update()
+            s.step(loss)
+            scales.append(sc.get_scale())
+            if t == stop:
+                return roundtrip({"m": m.state_dict(), "o": o.state_dict(), "sc": sc.state_dict(), "s": s.state_dict()})
+    return scales
+
+
+@pytest.mark.parametrize("stop", [11, 13])
+def test_a_run_resumed_inside_a_scaler_stall_puts_the_scale_back_as_the_whole_run_does(stop):
+    """Resumed just before or inside the stall a NaN weight makes (every step skipped by the GradScaler), no optimizer
+    step showed hdet the scaler, so the go-back at 15 left its collapsed scale (16x below the whole run's to the end:
+    an audit). The scaler is found when that reset needs it now, and the resumed run's scales are the whole run's."""
+    import gc
+
+    whole = _scaled_run()
+    gc.collect()
+    assert whole[10:15] == [8192.0, 4096.0, 2048.0, 1024.0, 8192.0]  # halved in the stall, put back at the sync at 15
+    resumed = _scaled_run(state=_scaled_run(stop=stop))
+    assert resumed == whole[stop:]

@@ -4,6 +4,7 @@ nothing of the scaler that steps it), and its loss scale taken back to a healthy
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -26,6 +27,19 @@ def driving_scaler(depth: int = 12) -> tuple[Any, dict[str, Any]] | None:
                 return scaler, local["optimizer_state"]
         frame = frame.f_back
     return None
+
+
+def _the_only_scaler() -> Any:
+    """The one ``torch.amp.GradScaler`` in use in this process (its scale made), found among the live objects, or
+    None when there is none or more than one. For a run resumed inside an overflow stall: every step since was
+    skipped, so no optimizer step showed the scaler, and a reset left its collapsed scale (16x below the whole run's
+    in an audit). A collection and one walk of the garbage collector's objects, at such a reset only."""
+    import gc
+
+    gc.collect()  # (a scaler of an earlier run in this process, unreachable but not yet collected, is not this one)
+    found = [o for o in gc.get_objects() if isinstance(o, torch.amp.GradScaler)
+             and isinstance(getattr(o, "_scale", None), torch.Tensor)]
+    return found[0] if len(found) == 1 else None
 
 
 class LossScale:
@@ -88,6 +102,13 @@ class LossScale:
     def after_sync(self, recovered: bool, healthy: bool) -> None:
         """After a converge step (or an early recovery): back to the kept scale where a replica was reset, else keep
         this one when the window was healthy."""
+        if recovered and self.scaler is None and self._kept is not None:
+            self.scaler = _the_only_scaler()  # (resumed into a stall: no step taken since, so none seen; an audit)
+            if self.scaler is None:
+                warnings.warn("hdet: a replica was reset, and the checkpoint kept a GradScaler's scale to put back, but "
+                              "no optimizer step has shown which GradScaler drives this optimizer since the resume "
+                              "and this process holds none or several: its scale is left as it is (collapsed by the "
+                              "skipped steps, it grows back at the scaler's own pace)", stacklevel=4)
         scale = getattr(self.scaler, "_scale", None)
         if not isinstance(scale, torch.Tensor):  # no scaler, or not yet used
             return
