@@ -159,8 +159,9 @@ class StabilityGuard:
         too; when no replica has a finite window loss, the ensemble is rising (before, such windows were dropped
         and a run whose weights reached 1e19 trained on to the end: an audit). A rise is judged against the
         window losses' noise, but never needs more than a window loss ``RISE_CEILING`` times the best's magnitude
-        above it (10x a positive best; or the best window's own noise): the spread of the step losses in a window includes its trend, so a loss growing 3x or more a step
-        read as noise (a window mean 886x the best was not a rise: an audit)."""
+        above it (10x a positive best; or the best window's own noise): the spread of the step losses in a window
+        includes its trend, so a loss growing 3x or more a step read as noise (a window mean 886x the best was not a
+        rise: an audit)."""
         c = self.config
         if not self.on:
             return [], False
