@@ -347,3 +347,40 @@ def test_bounds_the_user_gives_are_kept_under_the_range_test():
     s = _range_then_paper(120, auto_lr_bounds=(1e-5, 0.02))
     assert s.ensemble.slots.range.peak > 0.1 and s.ensemble.controllers[0].bounds == (1e-5, 0.02)
     assert s.last_sync.bases[0] <= 0.02
+
+
+def test_a_step_loss_that_overflowed_now_and_then_does_not_end_the_ramp_as_stalled():
+    """Every window 15% better, one step of replica 3's window non-finite from the third window on: a sync that saw a
+    non-finite loss is not kept as the best one to go back to (the stability guard), and the range test's patience
+    counted windows since that best, so the ramp ended at 25 as "stalled" (a review). It counts them since the lowest
+    loss now, and the ramp runs to the end of its warm-up."""
+    from helpers import ScriptedReplicas
+
+    from hdet.sync import SyncVector
+
+    windows = [0]
+
+    class OneOverflow(ScriptedReplicas):
+        def gather(self, local, shard_sum=(), shard_min=(), shard_max=()):
+            rows = super().gather(local, shard_sum, shard_min, shard_max)
+            if windows[0] >= 3:
+                rows[3, SyncVector._fields.index("nonfinite")] = 1.0
+            return rows
+
+    def losses():
+        windows[0] += 1
+        return [2.0 * 0.85 ** windows[0]] * 4
+
+    torch.manual_seed(0)
+    m = nn.Linear(3, 1)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=200, model=m, replicas=OneOverflow(0, 4, losses),
+                            ensemble_lr_spread_ratio=0.2, model_sync_interval=5, lr_range_test=True,
+                            auto_lr_warmup_steps=60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(60):
+            o.step()
+            s.step(torch.tensor(1.0))
+    rt = s.ensemble.slots.range
+    assert rt.reason != "stalled" and rt.ended_at == 60, (rt.reason, rt.ended_at)

@@ -1622,6 +1622,29 @@ def test_a_state_loaded_into_a_scheduler_built_with_another_schedule_or_spread_s
     assert any("schedule gave weight_decay/0 0.01" in m for m in said) and any("explored spreads" in m for m in said)
 
 
+@pytest.mark.parametrize("max_lr, warned", [(0.01, False), (0.1, True)])
+def test_a_one_cycle_state_loaded_with_another_max_lr_says_so(max_lr, warned):
+    """OneCycleLR's loaded state gives back the saved LR, so the check above saw nothing when max_lr changed, and the
+    run resumed at 10x the LR (a review); its base_lrs (max_lr / div_factor) are compared too."""
+    def build(peak):
+        torch.manual_seed(0)
+        o = torch.optim.AdamW(nn.Linear(3, 1).parameters(), lr=peak)
+        return o, hdet.OneCycleAutoLR(o, max_lr=peak, total_steps=100, model_sync_interval=5,
+                                      ensemble_lr_spread_ratio=0.3)
+
+    o, s = build(0.01)
+    for _ in range(12):
+        o.step()
+        s.step(1.0)
+    state = roundtrip(s.state_dict())
+    _, s2 = build(max_lr)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s2.load_state_dict(state)
+    said = [str(w.message) for w in caught if "schedule gave" in str(w.message)]
+    assert bool(said) == warned and (not said or "OneCycleLR's base_lrs[0] 0.0004" in said[0]), said
+
+
 def _scaled_run(stop=None, state=None, steps=25, nan_at=12):
     """One replica (OneCycleAutoLR, on_runaway="recover", T = 5) under a GradScaler on the CPU, no gradient guard; a
     NaN weight at step ``nan_at``: every step skipped (the scale halving) until the sync at 15 goes back. Returns

@@ -636,8 +636,25 @@ def test_a_loss_growing_fast_within_a_window_is_a_rise_not_noise(growth):
     from hdet.stability import StabilityGuard
 
     guard = StabilityGuard(hdet.HDETConfig(on_runaway="recover"))
-    guard.best_loss, guard.best_step, guard.best_se = 0.1, 10, 0.001
+    guard.best_loss, guard.best_step, guard.best_se, guard.first_loss = 0.1, 10, 0.001, 0.5
     steps = [0.1 * growth ** k for k in range(1, 11)]
     col = SimpleNamespace(loss_sum=[sum(steps)] * 4, loss_n=[10] * 4, loss_sq=[sum(x * x for x in steps)] * 4,
                           nonfinite=[0] * 4)
     assert guard.judge([sum(steps) / 10] * 4, [], col) == ([], True)
+
+
+@pytest.mark.parametrize("best", [0.0, 1e-4, -1e-4])
+def test_a_noisy_window_near_a_best_of_zero_is_no_rise(best):
+    """The rule above, as first written (10x the best whatever the noise), made every noisy window a rise once the
+    best was near 0 (an exact fit, a loss crossing 0: one step loss of 0.1 in a window of zeros went back and cut
+    the LR; a review). The window must also be above the first sync's loss."""
+    from types import SimpleNamespace
+
+    from hdet.stability import StabilityGuard
+
+    guard = StabilityGuard(hdet.HDETConfig(on_runaway="recover"))
+    guard.best_loss, guard.best_step, guard.best_se, guard.first_loss = best, 10, 0.0, 0.4
+    steps = [0.0] * 9 + [0.1]
+    col = SimpleNamespace(loss_sum=[sum(steps)] * 4, loss_n=[10] * 4, loss_sq=[sum(x * x for x in steps)] * 4,
+                          nonfinite=[0] * 4)
+    assert guard.judge([0.01] * 4, [], col) == ([], False)

@@ -552,7 +552,7 @@ class Ensemble:
         assert rt is not None
         ok = [x for r, x in enumerate(verdict.losses) if r not in verdict.exclude and math.isfinite(x)]
         loss = statistics.median(ok) if ok else math.nan
-        stale = 0 if guard.best_step is None else (t - guard.best_step) // T
+        stale = 0 if guard.lowest is None else (t - guard.lowest[1]) // T  # (windows since the lowest loss)
         lr = self.slots.bases[0]
         if rt.update(t, lr, loss, stale_windows=stale, runaway=bool(verdict.runaway),
                      rising=verdict.rising or verdict.collapsed, last=t + T > self.config.auto_lr_warmup_steps):

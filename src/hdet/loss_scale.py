@@ -30,15 +30,25 @@ def driving_scaler(depth: int = 12) -> tuple[Any, dict[str, Any]] | None:
 
 
 def _the_only_scaler() -> Any:
-    """The one ``torch.amp.GradScaler`` in use in this process (its scale made), found among the live objects, or
-    None when there is none or more than one. For a run resumed inside an overflow stall: every step since was
-    skipped, so no optimizer step showed the scaler, and a reset left its collapsed scale (16x below the whole run's
-    in an audit). A collection and one walk of the garbage collector's objects, at such a reset only."""
-    import gc
+    """The one ``torch.amp.GradScaler`` in use (its scale made) among the callers' local variables (the training
+    loop's), else among the process's live objects; None when there is none or more than one. For a run resumed
+    inside an overflow stall: every step since was skipped, so no optimizer step showed the scaler, and a reset left
+    its collapsed scale (16x below the whole run's in an audit). At such a reset only: a walk up the stack, and at
+    most once a collection and one walk of the garbage collector's objects."""
+    def scalers(objects: Any) -> list[Any]:
+        seen = {id(o): o for o in objects if issubclass(type(o), torch.amp.GradScaler)  # (type(): no __class__ read)
+                and isinstance(getattr(o, "_scale", None), torch.Tensor)}
+        return list(seen.values())
 
-    gc.collect()  # (a scaler of an earlier run in this process, unreachable but not yet collected, is not this one)
-    found = [o for o in gc.get_objects() if isinstance(o, torch.amp.GradScaler)
-             and isinstance(getattr(o, "_scale", None), torch.Tensor)]
+    frame, found = sys._getframe(1), []
+    while frame is not None and not found:
+        found = scalers(frame.f_locals.values())
+        frame = frame.f_back
+    if len(found) != 1:
+        import gc
+
+        gc.collect()  # (a scaler of an earlier run in this process, unreachable but not yet collected, is not this one)
+        found = scalers(gc.get_objects())
     return found[0] if len(found) == 1 else None
 
 
@@ -57,6 +67,7 @@ class LossScale:
     def __init__(self) -> None:
         self.scaler: Any = None
         self._kept: torch.Tensor | float | None = None  # (a float: loaded from a checkpoint, before the scaler is seen)
+        self._searched = False  # whether a reset has looked for the scaler among the live objects
 
     def look(self) -> None:
         """From an optimizer step hook: the scaler driving this step, if any (kept once found)."""
@@ -102,7 +113,8 @@ class LossScale:
     def after_sync(self, recovered: bool, healthy: bool) -> None:
         """After a converge step (or an early recovery): back to the kept scale where a replica was reset, else keep
         this one when the window was healthy."""
-        if recovered and self.scaler is None and self._kept is not None:
+        if recovered and self.scaler is None and self._kept is not None and not self._searched:
+            self._searched = True  # (once: a search that found none finds none again)
             self.scaler = _the_only_scaler()  # (resumed into a stall: no step taken since, so none seen; an audit)
             if self.scaler is None:
                 warnings.warn("hdet: a replica was reset, and the checkpoint kept a GradScaler's scale to put back, but "

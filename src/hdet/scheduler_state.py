@@ -50,11 +50,13 @@ def _spread(h: Any) -> list[Any]:
     return [h.spread.kind, float(h.spread.alpha), [float(b) for b in h.spread.bounds], h.schedule is not None]
 
 
-def _said_if_rebuilt_differently(s: "HDETLR", hdet_state: dict[str, Any]) -> None:
+def _said_if_rebuilt_differently(s: "HDETLR", hdet_state: dict[str, Any], built: list[float], saved_base: Any) -> None:
     """A state loaded into a scheduler built with another schedule or spread resumes on the new one: said, where
     it was silent (an audit: a callable base 10x higher resumed at 10x the LR; an explored weight decay's alpha
     0.5 -> 0.9 moved its values at the next deal). The saved schedule's value at the saved step against the
-    rebuilt one's (to 6 significant digits, as the replicas' settings fingerprint compares them)."""
+    rebuilt one's (to 6 significant digits, as the replicas' settings fingerprint compares them); for a torch
+    scheduler as the base (whose loaded state gives back the saved value), its ``base_lrs`` as built here against
+    the saved ones (OneCycleLR's are max_lr / div_factor)."""
     from .ensemble_state import _say
 
     ens = s.ensemble
@@ -63,11 +65,15 @@ def _said_if_rebuilt_differently(s: "HDETLR", hdet_state: dict[str, Any]) -> Non
     if isinstance(saved, list) and len(saved) == len(now) and s.last_epoch >= 0:
         moved = [(name, float(a), float(b)) for name, a, b in zip(ens.slots.names, saved, now)
                  if f"{float(a):.6g}" != f"{float(b):.6g}"]
+        if isinstance(saved_base, list) and len(saved_base) == len(built):
+            moved += [(f"{type(s._base).__name__}'s base_lrs[{i}]", float(a), float(b))
+                      for i, (a, b) in enumerate(zip(saved_base, built)) if f"{float(a):.6g}" != f"{float(b):.6g}"]
         if moved:
             _say(ens, f"hdet: the loaded state's schedule gave {', '.join(f'{n} {a:.6g}' for n, a, _ in moved)} at "
                       f"step {s.last_epoch}, and this scheduler's gives {', '.join(f'{b:.6g}' for _, _, b in moved)}: "
                       "it was built with another base schedule (max_lr, a callable, an explored value's schedule=), "
-                      "and the resumed run follows this one. Build it as the saved run was to resume that run")
+                      "and the resumed run does not follow the saved run's. Build it as the saved run was to resume "
+                      "that run")
     spreads = hdet_state.get("hyper_spreads")
     if isinstance(spreads, list) and len(spreads) == len(ens.hypers):
         changed = [(h.name, old, _spread(h)) for h, old in zip(ens.hypers, spreads) if list(old) != _spread(h)]
@@ -129,14 +135,16 @@ def load(s: "HDETLR", state: dict[str, Any]) -> None:
         warnings.warn(f"hdet: record_schedule() was called, but the loaded state holds no record (it was saved before "
                       f"record_schedule() was called): the record goes on from step {s.last_epoch} only, and "
                       "discovered_schedule() refuses a record that does not start at step 0", stacklevel=3)
+    s._finished_at = state.get("_finished_at")  # (None in states before it, and when finish() never ran)
     s._guard.load_state_dict(state.get("guard"))  # (states before it have none: the guard's resumed() rule)
+    built = list(getattr(s._base, "base_lrs", None) or [])  # the base scheduler's own, as built here
     if s._base is not None:
         _load_base(s, state)
         _cycled_momentum(s._base)
     if "loss_scale_kept" in state:  # (states saved before it: the scale kept by this process, if any)
         s._loss_scale.set_kept(state["loss_scale_kept"])
     s.reapply()  # this replica's values on the optimizer and hyperparameters
-    _said_if_rebuilt_differently(s, hdet_state)
+    _said_if_rebuilt_differently(s, hdet_state, built, (state.get("base") or {}).get("base_lrs"))
     if same_replica:  # exactly the values this replica had (they equal what reapply computed)
         for h, v in zip(s.ensemble.hypers, hdet_state.get("hyper_values", [])):
             h.set(v)

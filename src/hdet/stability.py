@@ -38,7 +38,8 @@ __all__ = ["StabilityGuard", "NOISE_Z", "MIN_LR_SCALE", "Copier", "SharedCopies"
 
 NOISE_Z = 4.0  # a rise must exceed this many standard errors of the window losses
 MIN_LR_SCALE = 1 / 64  # the LR schedule is never cut below this fraction of itself
-RISE_CEILING = 9.0  # a window loss this much of the best above it (10x a positive best) is a rise whatever the noise
+RISE_CEILING = 9.0  # a window loss this much of the best above it (10x a positive best), and above the first sync's,
+# is a rise whatever the noise
 
 
 def window_noise(col: Any, ok: list[int]) -> tuple[float, float]:
@@ -145,6 +146,9 @@ class StabilityGuard:
         self.best_loss: float | None = None  # the healthy replicas' median window loss, lowest so far
         self.best_step: int | None = None
         self.best_se = 0.0  # the standard error of the best sync's ensemble loss
+        self.first_loss: float | None = None  # the first sync's (the loss the run started from, about)
+        self.lowest: tuple[float, int] | None = None  # the lowest loss of any sync and its step, whether or not it
+        # became the best one (the range test's patience counts the windows since)
         self._snapshot: list[torch.Tensor] | None = None  # the tensors at the best sync (on their devices)
         self.copier = Copier()
 
@@ -158,10 +162,10 @@ class StabilityGuard:
         A replica with finite weights whose every loss in the window was non-finite (its loss overflowed) ran away
         too; when no replica has a finite window loss, the ensemble is rising (before, such windows were dropped
         and a run whose weights reached 1e19 trained on to the end: an audit). A rise is judged against the
-        window losses' noise, but never needs more than a window loss ``RISE_CEILING`` times the best's magnitude
-        above it (10x a positive best; or the best window's own noise): the spread of the step losses in a window
+        window losses' noise, but a window loss ``RISE_CEILING`` times the best's magnitude above it (10x a positive
+        best) and above the first sync's loss is a rise whatever the noise: the spread of the step losses in a window
         includes its trend, so a loss growing 3x or more a step read as noise (a window mean 886x the best was not a
-        rise: an audit)."""
+        rise: an audit). (The first sync's loss keeps a best near 0 from making every noisy window a rise.)"""
         c = self.config
         if not self.on:
             return [], False
@@ -181,8 +185,10 @@ class StabilityGuard:
                    and losses[r] > best]
         healthy = [losses[r] for r in ok if r not in runaway]
         margin = max(c.rise_threshold * abs(best), NOISE_Z * math.hypot(se_ensemble, self.best_se))
-        ceiling = max(RISE_CEILING * abs(best), c.rise_threshold * abs(best), NOISE_Z * math.sqrt(2) * self.best_se)
-        return sorted(runaway + lost), statistics.median(healthy) > best + min(margin, ceiling)
+        now = statistics.median(healthy)
+        blown = self.first_loss is not None and now > max(best + max(RISE_CEILING, c.rise_threshold) * abs(best),
+                                                           self.first_loss)
+        return sorted(runaway + lost), now > best + margin or blown
 
     @torch.no_grad()
     def after_average(self, step: int, losses: list[float], exclude: list[int], rising: bool,
@@ -199,9 +205,14 @@ class StabilityGuard:
         if not keep:
             return False
         loss = statistics.median(losses[r] for r in keep)
-        clean = not exclude and not any(getattr(col, "nonfinite", ()))  # no replica reset, no non-finite loss
-        # (a sync that reset a runaway replica kept the weights its huge gradients had already reached, under a loss
-        # measured before: a best no later window could reach, and every sync after it went back there: an audit)
+        if self.first_loss is None:
+            self.first_loss = loss
+        if self.lowest is None or loss < self.lowest[0]:
+            self.lowest = (loss, step)
+        clean = not exclude and (self.best_loss is None or not any(getattr(col, "nonfinite", ())))
+        # (no replica reset, and after the first best no non-finite loss: a sync that reset a runaway replica kept the
+        # weights its huge gradients had already reached, under a loss measured before them, a best no later window
+        # could reach, and every sync after it went back there: an audit)
         if clean and (self.best_loss is None or loss < self.best_loss):
             self.best_loss, self.best_step, self.best_se = loss, step, window_noise(col, keep)[1]
             self._snapshot = self.copier(tensors, self._recyclable(tensors))
@@ -228,6 +239,7 @@ class StabilityGuard:
         """Make the state in ``tensors`` (that of sync ``step``, median loss ``loss``) the best sync: where the
         range test went back to."""
         self.best_loss, self.best_step = (loss if math.isfinite(loss) else self.best_loss), step
+        self.lowest = None if self.best_loss is None else (self.best_loss, step)
         self._snapshot = self.copier(tensors, self._recyclable(tensors))
 
     def warn(self, t: int, runaway: list[int], losses: list[float], rising: bool, back: bool, scale: float,
@@ -245,6 +257,7 @@ class StabilityGuard:
 
     def state_dict(self) -> dict[str, Any]:
         return {"best_loss": self.best_loss, "best_step": self.best_step, "best_se": self.best_se,
+                "first_loss": self.first_loss, "lowest": None if self.lowest is None else list(self.lowest),
                 "snapshot": None if self._snapshot is None else self.copier.saved(self._snapshot)}
 
     @staticmethod
@@ -258,18 +271,28 @@ class StabilityGuard:
             raise ValueError(f"Expected the state's best_step as a step (an integer >= 0) or None, but got {step!r}")
         if not _is_real(se) or not math.isfinite(se) or se < 0:
             raise ValueError(f"Expected the state's best_se as a finite number >= 0, but got {se!r}")
+        first = state.get("first_loss")  # (states saved before it have none: no ceiling until the next run)
+        if first is not None and (not _is_real(first) or not math.isfinite(first)):
+            raise ValueError(f"Expected the state's first_loss as a finite number or None, but got {first!r}")
+        lowest = state.get("lowest", None if best is None else [best, step])  # (before it: the best sync's)
+        if lowest is not None and not (isinstance(lowest, (list, tuple)) and len(lowest) == 2 and _is_real(lowest[0])
+                                       and math.isfinite(lowest[0]) and isinstance(lowest[1], int)
+                                       and not isinstance(lowest[1], bool) and lowest[1] >= 0):
+            raise ValueError(f"Expected the state's lowest as [a finite loss, a step] or None, but got {lowest!r}")
         snap = state.get("snapshot")
         if snap is not None and (not isinstance(snap, list) or not all(isinstance(t, torch.Tensor) for t in snap)):
             raise ValueError("Expected the state's stability snapshot as a list of tensors: a corrupted state_dict")
         return {"best_loss": None if best is None else float(best), "best_step": state.get("best_step"),
-                "best_se": float(state.get("best_se", 0.0)),
-                "snapshot": snap}
+                "best_se": float(state.get("best_se", 0.0)), "first_loss": None if first is None else float(first),
+                "lowest": None if lowest is None else (float(lowest[0]), int(lowest[1])), "snapshot": snap}
 
     def load(self, parsed: dict[str, Any], tensors: list[torch.Tensor], counts: int = 0,
              optimizer_empty: bool = False) -> None:
         """``optimizer_empty``: the optimizer holds no state yet (loaded after the scheduler?), said if the saved
         best sync does not fit."""
         self.best_loss, self.best_step, self.best_se = parsed["best_loss"], parsed["best_step"], parsed["best_se"]
+        self.first_loss = parsed.get("first_loss")
+        self.lowest = parsed.get("lowest")
         snap = None if parsed["snapshot"] is None else fit_snapshot(parsed["snapshot"], tensors, counts)
         if snap is not None and not same_layout(snap, tensors):
             why = ("the optimizer holds no state yet: load the optimizer's state_dict before the scheduler's"
