@@ -83,15 +83,21 @@ def main() -> None:
     p.add_argument("--T", type=int, default=25, help="sync interval (steps)")
     p.add_argument("--auto-lr", action="store_true", help="auto-LR with the paper's controller (the library's default, "
                    "the fit controller, needs probe=: docs/auto-lr.md)")
-    p.add_argument("--warmup", type=int, default=100, help="auto-LR warmup steps")
+    p.add_argument("--warmup", type=int, default=None, help="auto-LR warmup steps (default: 100, or a third of "
+                   "--steps when shorter)")
     p.add_argument("--warm-init", action="store_true", help="warm noisy init (Eq. 10) of the start weights")
     p.add_argument("--lr-sweep", type=float, default=0.0, metavar="FRAC",
                    help="first an LR sweep of FRAC x --steps (hdet.lr_sweep: each rank one LR around --max-lr, judged "
-                        "on held-out batches), then the run from the initial weights at its peak; 4+ ranks")
+                        "on held-out batches), then the run from the initial weights at its peak")
+    p.add_argument("--lr-sweep-points", type=int, default=None, help="the sweep's LRs, in rounds of one a rank "
+                   "(default: one a rank from 4 ranks, 8 at 2 or 3 (a grid of 2 points 1024x apart trained at 48x "
+                   "the default LR), 4 in one process)")
     p.add_argument("--data-bytes", type=int, default=4_000_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=str, default=None, help="write a JSON summary here (rank 0)")
     a = p.parse_args()
+    if a.warmup is None:
+        a.warmup = min(100, a.steps // 3)
     if not 0 <= a.lr_sweep < 1:
         p.error(f"expected --lr-sweep in [0, 1) (a fraction of --steps), but got {a.lr_sweep}")
     if a.lr_sweep and round(a.lr_sweep * a.steps) < hdet.sweep.MIN_STEPS:
@@ -128,6 +134,7 @@ def main() -> None:
                             lambda r: (batch(train_data, a.batch, a.ctx, sg, device) for _ in range(steps)),
                             guess=a.max_lr, steps=steps, judge=heldout,  # (in one process: 4 runs, one after
                             num_replicas=None if world > 1 else 4,  # the other, at the run's own batch)
+                            points=a.lr_sweep_points or (8 if 1 < world < 4 else None),
                             lr_factor=None if world > 1 else 1.0)
         finite = [v if v != float("inf") else None for v in res.losses]  # (strict JSON: a run that blew up)
         max_lr, swept = res.max_lr, {"steps": steps, "guess": a.max_lr, "lrs": res.lrs, "losses": finite,

@@ -705,6 +705,9 @@ def test_resume_refuses_other_options_and_a_missing_checkpoint(tmp_path, capsys)
     err = capsys.readouterr().err
     assert "Expected the options of the checkpointed run to resume it, but these differ: --alpha 0.3 -> 0.2" in err
     assert (out / "metrics.jsonl").read_text() == before  # a refused resume leaves the run as it was
+    assert main(["train", *RESUMABLE, "--no-grad-sync", "--out", str(out), "--resume"]) == 2
+    assert "these differ: --grad-sync True -> False" in capsys.readouterr().err  # (it named a --local flag, the
+    # values turned over: an audit)
     assert main(["train", *RESUMABLE, "--checkpoint-every", "-1", "--out", str(out)]) == 2
     assert "--checkpoint-every to be a whole number >= 0" in capsys.readouterr().err
 

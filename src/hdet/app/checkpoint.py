@@ -30,7 +30,7 @@ __all__ = ["VERSION", "path_for", "previous", "save", "load", "available", "chec
            "SAME_RUN_EXEMPT"]
 
 VERSION = 2  # 2: the run's resolved mode and device kept (version 1 still loads)
-FLAGS = {f.name for f in dataclasses.fields(RunConfig) if "cli" in f.metadata}  # options with a flag
+CLI = {f.name: f.metadata["cli"] for f in dataclasses.fields(RunConfig) if "cli" in f.metadata}  # options with a flag
 # options that may differ between a run and its resumption: how it is watched, not what it computes
 SAME_RUN_EXEMPT = ("resume", "progress", "tensorboard", "label", "checkpoint_every", "out")
 
@@ -237,10 +237,15 @@ def check_config(state: dict[str, Any], cfg: RunConfig, replicas: int, mode: str
         named.remove("steps")  # not from --steps
 
     def flag(k: str) -> str:
-        return f"--{k.replace('_', '-')}" if k in FLAGS else k
+        cli = CLI.get(k)
+        if cli is None:
+            return k
+        name = cli["flag"] or f"--{k.replace('_', '-')}"
+        if cli["kw"].get("invert"):  # (--grad-sync is local's opposite: said as the flag, its values turned over)
+            return f"{name} {not saved.get(k)!r} -> {not now.get(k)!r}"
+        return f"{name} {saved.get(k)!r} -> {now.get(k)!r}"
     after = as_saved != asked.steps or cfg.steps != asked.steps  # either run's steps are those after its sweep
-    diff = [f"{flag(k)} {saved.get(k)!r} -> {now.get(k)!r}" + (" (the steps after the sweep)" if k == "steps" and
-                                                               after else "") for k in (named or differ)]
+    diff = [flag(k) + (" (the steps after the sweep)" if k == "steps" and after else "") for k in (named or differ)]
     if state.get("replicas", replicas) != replicas:
         diff.append(f"replicas (the world size under torchrun) {state['replicas']} -> {replicas}")
     if diff:
