@@ -453,6 +453,20 @@ def test_the_ddp_examples_lr_sweep_then_trains_from_the_initial_weights_at_its_p
 
 
 @pytest.mark.distributed
+def test_the_ddp_examples_lr_sweep_at_two_ranks_sweeps_eight_lrs(tmp_path):
+    """At 2 ranks the example swept 2 LRs, 1024x apart, and trained at 48x its default LR (an audit): it sweeps 8 in
+    rounds now, as `hdet train` does."""
+    out = tmp_path / "two.json"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(EXAMPLES / "ddp_train.py"), "--steps", "40", "--T", "10", "--batch", "4", "--ctx", "16",
+                        "--data-bytes", "200000", "--lr-sweep", "0.25", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    lrs = json.loads(out.read_text())["lr_sweep"]["lrs"]
+    assert len(lrs) >= 8 and all(b / a < 3 for a, b in zip(lrs, lrs[1:])), lrs  # (2.7x apart: 1024x over 8)
+
+
+@pytest.mark.distributed
 def test_the_ddp_example_reports_each_window_with_its_own_multipliers_and_base(tmp_path):
     """examples/ddp_train.py under torchrun, with the paper controller re-dealing the multipliers (Eq. 9): each sync
     line and JSON entry gives the window that just ended its own multipliers (before: the ones dealt for the next
