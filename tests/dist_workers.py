@@ -1315,6 +1315,21 @@ def aliased_parameter(rank, world, *, cap_mb=0.5, nan=False):
     return [emb.weight[0, 0].item(), emb.weight[5, 5].item()]
 
 
+def fp16_scaled_backward(model, opt, scaler, rank, t, overflow=False):
+    """The GradScaler workers' step ``t`` up to the backward: this rank's batch (x1e5 where ``overflow``: fp16 overflows
+    in its backward), the loss under fp16 autocast, the scaled backward. Returns the loss."""
+    g = torch.Generator().manual_seed(1000 * t + rank)
+    x = torch.randn(16, 8, generator=g)
+    y = x[:, :1] * 2 - x[:, 1:2]
+    if overflow:
+        x = x * 1e5
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = nn.functional.mse_loss(model(x).float(), y)
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    return loss
+
+
 def local_scaler_first_steps(rank, world, *, overflow_steps=5, T=4, steps=8):
     """Local mode (no_sync every step), the "hook" guard (non-fused AdamW), a GradScaler under fp16 autocast: rank 1
     overflows at steps 1..overflow_steps, so its first step taken comes after the converge step at T. The guard's
@@ -1334,16 +1349,8 @@ def local_scaler_first_steps(rank, world, *, overflow_steps=5, T=4, steps=8):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for t in range(1, steps + 1):
-            g = torch.Generator().manual_seed(1000 * t + rank)
-            x = torch.randn(16, 8, generator=g)
-            y = x[:, :1] * 2 - x[:, 1:2]
-            if rank == 1 and t <= overflow_steps:
-                x = x * 1e5
             with model.no_sync():
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = nn.functional.mse_loss(model(x).float(), y)
-                opt.zero_grad()
-                scaler.scale(loss).backward()
+                loss = fp16_scaled_backward(model, opt, scaler, rank, t, overflow=rank == 1 and t <= overflow_steps)
             scaler.step(opt)
             scaler.update()
             sched.step(loss.detach())

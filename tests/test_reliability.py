@@ -214,6 +214,8 @@ def test_hook_guard_keeps_healthy_fp16_gradients_under_gloo():
 def _scaler_ddp(rank, world):
     """Plain DDP + OneCycleLR and hdet at alpha 0 (the hook guard: a non-fused AdamW) under fp16 autocast with
     torch.amp.GradScaler, as torch's AMP recipe writes it, for three ways to overflow."""
+    from dist_workers import fp16_scaled_backward
+
     out = {}
     for mode, steps in (("scale overflows from the start", 24), ("scale grows until it overflows", 40),
                         ("one rank overflows", 24)):
@@ -231,15 +233,9 @@ def _scaler_ddp(rank, world):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 for step in range(1, steps + 1):
-                    g = torch.Generator().manual_seed(1000 * step + rank)
-                    x = torch.randn(16, 8, generator=g)
-                    y = x[:, :1] * 2 - x[:, 1:2]
-                    if mode == "one rank overflows" and rank == 1 and step in (5, 6, 7):
-                        x = x * 1e5  # fp16 overflow in rank 1's backward only
-                    with torch.autocast("cpu", dtype=torch.float16):
-                        loss = nn.functional.mse_loss(model(x).float(), y)
-                    opt.zero_grad()
-                    scaler.scale(loss).backward()
+                    loss = fp16_scaled_backward(model, opt, scaler, rank, step,  # fp16 overflow in rank 1's
+                                                overflow=mode == "one rank overflows" and rank == 1  # backward only
+                                                and step in (5, 6, 7))
                     scaler.step(opt)
                     scaler.update()
                     sched.step(loss.detach()) if use_hdet else sched.step()  # every step, as torch's recipe

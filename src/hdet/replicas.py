@@ -307,8 +307,9 @@ def check_not_fsdp1(params: Any, model: Any) -> None:
         try:
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
         except ImportError:  # pragma: no cover - a torch without distributed
-            FSDP1 = None
-        wrapped = next((m for m in model.modules() if FSDP1 is not None and isinstance(m, FSDP1)), None)
+            pass
+        else:
+            wrapped = next((m for m in model.modules() if isinstance(m, FSDP1)), None)
     if flat is not None or wrapped is not None:
         raise ValueError(
             "Expected whole replicas on each rank (DDP) or FSDP2 (fully_shard, with device_mesh=), but got "
