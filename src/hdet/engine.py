@@ -269,7 +269,6 @@ class ReplicaEngine:
         self.share_base_schedule = True  # False: every replica steps its own base schedule (see _follow)
         self._following: bool | None = None
         self.optimizer_path = "per-replica: loop mode" if self.mode == "loop" else self._setup_stacked(stacked_optimizer)
-        self._finished_at: int | None = None  # the step finish() averaged the replicas after
         self._swap = AverageSwap()  # the replicas' own weights while their average is in (swap_in_average)
 
     def _check_own_values(self) -> None:
@@ -653,10 +652,9 @@ class ReplicaEngine:
         was a sync step, or none was taken. Returns whether it averaged."""
         self._swap.check("engine.finish() was called")
         t = self.steps_taken
-        if t <= 0 or self.schedulers[0].ensemble.is_sync_step(t) or self._finished_at == t:
+        if t <= 0 or self.schedulers[0].ensemble.is_sync_step(t) or self._finished_at() == t:
             return False
         self._sync(t)
-        self._finished_at = t
         for s in self.schedulers:
             s._finished_at = t  # (in their states: a resumed engine's finish() at t is not a second sync)
             s.reapply()  # the values the sync dealt, should training go on
@@ -674,7 +672,7 @@ class ReplicaEngine:
         lists = [e.model_tensors() for e in ens]
         t = self.steps_taken
         finite = None
-        if self.num_replicas > 1 and not (t > 0 and (ens[0].is_sync_step(t) or self._finished_at == t)):
+        if self.num_replicas > 1 and not (t > 0 and (ens[0].is_sync_step(t) or self._finished_at() == t)):
             dev = self.group.device
             oks = [health(ts, strict, dev)[0] if ts else torch.ones((), dtype=torch.bool, device=dev)
                    for ts, strict in lists]
@@ -685,6 +683,10 @@ class ReplicaEngine:
         for e in ens:  # every replica's explored values at their base meanwhile (its own objects)
             self._swap.hold_values(e.hypers, explored_bases(e))
         return changed
+
+    def _finished_at(self) -> int | None:
+        """The step :meth:`finish` averaged the replicas after (kept by the schedulers, in their states)."""
+        return self.schedulers[0]._finished_at
 
     def swap_back(self) -> bool:
         """Put every replica's own weights and buffers back after :meth:`swap_in_average`. Returns whether the
@@ -811,7 +813,6 @@ class ReplicaEngine:
         for message, category in dict.fromkeys((str(w.message), w.category) for w in caught):
             warnings.warn(message, category, stacklevel=2)
         self._following = None
-        self._finished_at = self.schedulers[0]._finished_at
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self, batches: Sequence[Any] | Any, loss_fn: LossFn, *, stacked: bool = False) -> torch.Tensor:
