@@ -111,6 +111,9 @@ def test_train_fashion_from_data_dir(tmp_path, fashion_dir):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mode"] == "engine-vmap" and summary["groups"] == ["conv", "bn", "head"]
     assert math.isfinite(summary["final_val_loss"])
+    # --width is the GPT's; the CNN takes a quarter of it (at least 8), and the run's record says so
+    assert "8 and 16 channels at --width 32" in json.loads((out / "config.json").read_text())["task"]
+    assert torch.load(out / "model.pt", weights_only=True)["features.0.weight"].shape[0] == 8
 
 
 def test_train_with_the_range_test_records_the_ramp_and_its_end(tmp_path):
@@ -216,7 +219,10 @@ def test_train_under_torchrun_matches_engine(tmp_path, local):
     assert p.stderr.count("hdet: warning: --mode under torchrun (the one-process engine's") == 1, p.stderr[-2000:]
     ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert ddp["mode"] == "ddp-gloo" and ddp["replicas"] == 2
-    assert json.loads((tmp_path / "ddp" / "config.json").read_text())["config"]["local"] is local
+    meta = json.loads((tmp_path / "ddp" / "config.json").read_text())
+    assert meta["config"]["local"] is local
+    # the command that made it names the launcher (it read `hdet train ...`, one process's command)
+    assert meta["command"] == "torchrun --nproc-per-node 2 -m hdet train " + " ".join([*args, "--out", str(tmp_path / "ddp")])
     with one_thread():  # as the gloo workers (tests/helpers.py)
         assert main(["train", *args, "--replicas", "2", "--out", str(tmp_path / "eng")]) == 0
     eng = json.loads((tmp_path / "eng" / "summary.json").read_text())
@@ -227,6 +233,17 @@ def test_train_under_torchrun_matches_engine(tmp_path, local):
     for a, b in zip(s_ddp, s_eng):
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-4)
         assert sum(a["values"], []) == pytest.approx(sum(b["values"], []), rel=1e-12)
+
+
+def test_compare_under_torchrun_is_refused_for_what_it_is(tmp_path, capsys, monkeypatch):
+    """Under torchrun `hdet compare`'s one-replica pre-training said 'Expected --replicas to match the torchrun world
+    size (2), but got 1', an option the user had not given."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["compare", *TINY, "--out", str(tmp_path / "cmp")]) == 2
+    err = capsys.readouterr().err
+    assert "Expected `hdet compare` in one process" in err and "world size 2" in err and "--replicas to match" not in err
+    assert not (tmp_path / "cmp").exists()
 
 
 def test_compare_runs_six_configurations(tmp_path, capsys):
@@ -615,6 +632,37 @@ def test_only_overlaid_runs_are_clipped_and_a_clip_is_said(tmp_path, monkeypatch
     gone["metrics"][-1]["val_loss"] = None  # (metrics.jsonl's null: a non-finite evaluation) raised a TypeError
     plot.plot_losses([gone], tmp_path / "four.png")
     plot.plot_losses([calm, gone], tmp_path / "five.png")
+
+
+def test_plot_of_a_run_with_no_logged_step_writes_nothing(tmp_path, capsys):
+    """`hdet plot` on a run folder whose metrics.jsonl is empty wrote loss.png, then failed on lr.png."""
+    run = tmp_path / "empty"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    assert main(["plot", str(run)]) == 2
+    assert "Expected learning rates in" in capsys.readouterr().err and sorted(p.name for p in run.iterdir()) == [
+        "metrics.jsonl"]
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "metrics.jsonl").write_text(json.dumps({"step": 1, "train_loss": 2.0, "lr": {"0": 1e-3},
+                                                    "lr_mean": {"0": 1e-3}}) + "\n")
+    assert main(["plot", str(full), str(run), "--out", str(tmp_path / "both")]) == 2  # several runs into one folder
+    assert not list((tmp_path / "both").glob("*.png"))
+
+
+@pytest.mark.parametrize("task, label", [("fashion", "test loss"), ("bytes", "validation loss"), (None, "held-out loss")])
+def test_the_loss_plot_names_the_held_out_split(tmp_path, monkeypatch, task, label):
+    """Fashion-MNIST's held-out loss is its test set's (it has no validation split), as `hdet train` prints it; the
+    plot called it validation loss."""
+    import hdet.app.plot as plot
+
+    figs = []
+    monkeypatch.setattr(plot, "_save", lambda fig, path, dpi: figs.append(fig) or Path(path))
+    run = {"metrics": [{"step": 1, "train_loss": 2.0, "val_loss": 2.1}], "summary": {}, "label": "r",
+           "config": {"config": {"task": task}} if task else {}}
+    plot.plot_losses([run], tmp_path / "loss.png")
+    ax = figs[0].axes[1]
+    assert ax.get_title() == label and ax.get_ylabel() == f"{label} (averaged model)"
 
 
 def test_tensorboard_missing_is_refused_before_anything_is_removed(tmp_path, capsys, monkeypatch):
@@ -1042,6 +1090,10 @@ def test_a_run_killed_inside_its_sweep_goes_on_from_the_sweeps_last_round(tmp_pa
     monkeypatch.setattr(hdet.sweep, "_run", lambda *a, **k: runs.append(1) or real_run(*a, **k))
     assert main(["train", *args, "--out", str(cut), "--resume", "--device", "cpu", "--checkpoint-every", "0"]) == 0
     assert "lr sweep: going on after its round 2 (sweep.pt)" in capsys.readouterr().out
+    # config.json says the run was resumed, and from where (it held the resuming command only, as if never stopped)
+    resumed = json.loads((cut / "config.json").read_text())["resumed"]
+    assert resumed == [{"command": "hdet train " + " ".join([*args, "--out", str(cut), "--resume", "--device", "cpu",
+                                                       "--checkpoint-every", "0"]), "from_step": 0, "after_sweep_round": 2}]
     whole = json.loads((tmp_path / "whole" / "summary.json").read_text())["lr_sweep"]
     assert len(runs) == len(whole["lrs"]) - 4  # (rounds 1 and 2 ran two runs each)
     _same_run(tmp_path / "whole", cut)

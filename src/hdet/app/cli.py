@@ -139,6 +139,10 @@ def _cmd_compare(a: argparse.Namespace, argv: list[str]) -> int:
     from .compare import compare
     from .plot import plot_dir
 
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # (its pre-training row is one replica: it said --replicas)
+        raise RunError("Expected `hdet compare` in one process (its rows run in the one-process engine, the "
+                       f"pre-training on one replica), but it runs under torchrun (world size {os.environ['WORLD_SIZE']}); "
+                       "run it without torchrun (--replicas sets the rows' replicas)")
     if not 0 < a.lr_low < a.lr_high:
         raise RunError(f"Expected 0 < --lr-low < --lr-high, but got {a.lr_low} and {a.lr_high}")
     if a.pretrain_steps < 1:

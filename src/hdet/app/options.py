@@ -105,7 +105,9 @@ class RunConfig:
     warm_init: bool = field(default=False, metadata=_cli("Eq. 10 noise"))
     init_from: str | None = field(default=None, metadata=_cli("start from this model.pt"))
     ctx: int = field(default=64, metadata=_cli("bytes task: context length"))
-    width: int = field(default=128, metadata=_cli("model width"))
+    width: int = field(default=128, metadata=_cli(
+        "model width: the bytes GPT's channels; the fashion CNN's first convolution has width // 4 channels (at least 8), "
+        "its second twice that"))
     layers: int = field(default=2, metadata=_cli("bytes task: transformer layers"))
     device: str = field(default="auto", metadata=_cli("auto, cpu, cuda or cuda:N"))
     mode: str = field(default="auto", metadata=_cli(

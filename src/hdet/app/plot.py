@@ -1,7 +1,7 @@
 """PNG plots of run folders written by :func:`hdet.run.train` (matplotlib, no display needed).
 
-* ``loss.png``: training and validation loss against steps for one run or every run of a comparison
-  (the layout of the paper's Figure 2).
+* ``loss.png``: training and held-out loss against steps for one run or every run of a comparison
+  (the layout of the paper's Figure 2; the held-out loss is the task's validation split, Fashion-MNIST's test set).
 * ``lr.png``: the per-group learning rates of replica 0 (dashed) and the mean over replicas (solid,
   the base schedule) against steps (the paper's Figure 3).
 * ``hparams.png`` (runs that explore more than the LR): for every explored hyperparameter, every
@@ -50,6 +50,13 @@ def _save(fig: Any, path: str | Path, dpi: int) -> Path:
     return out
 
 
+def _held_out(runs: list[dict[str, Any]]) -> str:
+    """What the runs' ``val_loss`` is the loss of: the GPT's validation files, Fashion-MNIST's test set (it has no
+    validation split), as ``hdet train`` prints it."""
+    tasks = {r.get("config", {}).get("config", {}).get("task") for r in runs}
+    return "test" if tasks == {"fashion"} else "validation" if tasks <= {"bytes"} else "held-out"
+
+
 def plot_losses(runs: list[dict[str, Any]], path: str | Path, title: str = "") -> Path:
     plt = _pyplot()
     fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -79,7 +86,8 @@ def plot_losses(runs: list[dict[str, Any]], path: str | Path, title: str = "") -
                 ax.set_ylim(bottom - pad, top)
                 ax.text(0.99, 0.98, f"clipped at {top:.3g}", transform=ax.transAxes, ha="right", va="top", fontsize=7)
     ax_t.set(xlabel="step", ylabel="training loss (mean over replicas)", title="training loss")
-    ax_v.set(xlabel="step", ylabel="validation loss (averaged model)", title="validation loss")
+    held_out = _held_out(runs)
+    ax_v.set(xlabel="step", ylabel=f"{held_out} loss (averaged model)", title=f"{held_out} loss")
     for ax in (ax_t, ax_v):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -88,11 +96,17 @@ def plot_losses(runs: list[dict[str, Any]], path: str | Path, title: str = "") -
     return _save(fig, path, 120)
 
 
+def _check_lrs(run: dict[str, Any]) -> None:
+    """Before any file is written: a run with no logged step has no learning rates to plot."""
+    if not (run["metrics"] and run["metrics"][0].get("lr")):
+        raise ValueError(f"Expected learning rates in {run['dir']}/metrics.jsonl, but found none (a run that "
+                         "logged no step)")
+
+
 def plot_lrs(run: dict[str, Any], path: str | Path) -> Path:
     plt = _pyplot()
-    groups = list(run["metrics"][0]["lr"]) if run["metrics"] else []
-    if not groups:
-        raise ValueError(f"Expected learning rates in {run['dir']}/metrics.jsonl, but found none")
+    _check_lrs(run)
+    groups = list(run["metrics"][0]["lr"])
     cols = min(len(groups), 2)
     rows = math.ceil(len(groups) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.2 * rows), squeeze=False)
@@ -175,6 +189,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> list[Path]:
     names = [r["dir"].name for r in runs]
     if len(set(names)) < len(names):  # folders of the same name from different places
         names = [f"{k}-{n}" for k, n in enumerate(names)]
+    for run in runs:
+        _check_lrs(run)
     out_dir = _out_folder(out)
     paths = [plot_losses(runs, out_dir / "loss.png")]
     for run, name in zip(runs, names):
@@ -193,9 +209,12 @@ def plot_dir(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
         runs = [load_run(d / r["folder"]) for r in comp["runs"]]
         for run, r in zip(runs, comp["runs"]):
             run["label"] = r["config"]
-        lr_run = next((r for r in runs if r["label"] == "HDET (full)"), runs[-1])
+        logged = [r for r in runs if r["metrics"]]  # (a row that crashed before its first log has none)
+        lr_run = next((r for r in logged if r["label"] == "HDET (full)"), logged[-1] if logged else runs[-1])
+        _check_lrs(lr_run)
         return [plot_losses(runs, out_dir / "loss.png", comp.get("title", "")),
                 plot_lrs(lr_run, out_dir / "lr.png")]
     run = load_run(d)
+    _check_lrs(run)
     hp = plot_hparams(run, out_dir / "hparams.png")
     return [plot_losses([run], out_dir / "loss.png"), plot_lrs(run, out_dir / "lr.png"), *([hp] if hp else [])]

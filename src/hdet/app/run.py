@@ -269,7 +269,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
             raise RunError(f"Expected --init-from to hold this task's model weights (same --task, --width, "
                            f"--layers, --ctx), but they differ: {detail}") from None
     model.to(device)
-    swept = None
+    swept, sweep_resumed = None, None
     if swept_steps and not dry_run:  # COLLECTIVES under torchrun (hdet.lr_sweep: every rank one of its runs)
         if cfg.resume:  # the sweep ran before the checkpoints: its peak LR is in the run's config.json
             swept = json.loads((out / "config.json").read_text()).get("lr_sweep")
@@ -288,8 +288,10 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
                 clear_earlier(out)  # checkpoint that --resume would take for this run's
             if resume_from is None:
                 checkpoint.clear_sweep(sweep_file)  # (an earlier sweep's progress: not this one's)
-            elif rank == 0:
-                print(f"lr sweep: going on after its round {resume_from['rounds']} ({sweep_file.name})", flush=True)
+            else:
+                sweep_resumed = resume_from["rounds"]
+                if rank == 0:
+                    print(f"lr sweep: going on after its round {sweep_resumed} ({sweep_file.name})", flush=True)
             on_round = _sweep_saver(sweep_file, cfg, N, device, distributed) if checkpoint_every(cfg) else None
             swept = lr_sweep(task, model, cfg, N, swept_steps, device, progress=rank == 0,
                              distributed=distributed, resume_from=resume_from, on_round=on_round)
@@ -339,7 +341,11 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
 
     writer = metrics_f = syncs_f = None
     if rank == 0:
-        meta = {"command": "hdet " + " ".join(argv if argv is not None else sys.argv[1:]),
+        local = os.environ.get("LOCAL_WORLD_SIZE", str(N))  # (torchrun's other flags are not known here)
+        nodes = N // int(local) if local.isdigit() and int(local) > 0 else 1
+        launcher = ("torchrun " + (f"--nnodes {nodes} " if nodes > 1 else "") + f"--nproc-per-node {local} -m "
+                    if distributed else "")
+        meta = {"command": launcher + "hdet " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "config": dataclasses.asdict(cfg), **({"lr_sweep": swept} if swept is not None else {}),
                 "replicas": N, "groups": groups, "task": task.describe,
                 "python": platform.python_version(), "torch": torch.__version__, "hdet": __version__,
@@ -356,6 +362,8 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
                 (out / name).unlink(missing_ok=True)
         else:
             clear_earlier(out)
+            if sweep_resumed is not None:  # killed inside its sweep: the command before is not known (no config.json)
+                meta["resumed"] = [{"command": meta["command"], "from_step": 0, "after_sweep_round": sweep_resumed}]
         (out / "config.json").write_text(json.dumps(meta, indent=1))
         metrics_f = (out / "metrics.jsonl").open("a" if cfg.resume else "w")
         syncs_f = SyncLogger(sched0, out / "syncs.jsonl", append=cfg.resume,  # (its TensorBoard scalars in a folder

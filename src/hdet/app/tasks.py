@@ -249,7 +249,9 @@ def make_task(name: str, *, data: str | Path | None = None, ctx: int = 64, width
             i = torch.randint(0, x.shape[0], (n,), generator=g)
             return x[i], y[i]
 
-        return Task("fashion", lambda: SmallCNN(max(8, width // 4), dropout), fsample, _cls_loss,
-                    f"small CNN (BatchNorm) on Fashion-MNIST from {root} ({xt.shape[0]} train, {xv.shape[0]} test)",
+        channels = max(8, width // 4)  # (--width 128, the default: 32 and 64 channels)
+        return Task("fashion", lambda: SmallCNN(channels, dropout), fsample, _cls_loss,
+                    f"small CNN (BatchNorm; {channels} and {2 * channels} channels at --width {width}) on Fashion-MNIST "
+                    f"from {root} ({xt.shape[0]} train, {xv.shape[0]} test)",
                     _cnn_group, fsplits)
     raise TaskError(f"Expected task 'bytes' or 'fashion', but got {name!r}")
