@@ -294,6 +294,80 @@ def test_every_replica_nonfinite_goes_back_to_the_best_sync_with_recover_and_rai
         assert all(torch.equal(p, b) for p, b in zip(m.parameters(), best))
 
 
+def test_a_collapse_before_the_first_sync_goes_back_to_the_first_steps_state():
+    """Every replica non-finite before the first sync (an LR far too high from the start): with recover there was no
+    best sync to go back to, and it raised. The state after the first step is kept for it (each replica its own); not
+    a best: the first sync's loss is."""
+    m, o, s = _scripted([[2.0] * 8, [1.9] * 8, [1.8] * 8])
+    o.step()
+    s.step(torch.tensor(1.0))  # step 1
+    first = [p.detach().clone() for p in m.parameters()]
+    with torch.no_grad():
+        m.weight.add_(1.0)  # steps 2-4 move it
+    for _ in range(3):
+        o.step()
+        s.step(torch.tensor(1.0))
+    with torch.no_grad():
+        m.weight.fill_(float("nan"))  # every replica (the scripted gather copies this replica's health)
+    with pytest.warns(UserWarning, match=r"every replica had non-finite weights or buffers; every replica went "
+                                         r"back to its state at step 1; the LR schedule is cut to 0.7"):
+        o.step()
+        s.step(torch.tensor(1.0))  # step 5: the first sync
+    assert s.last_sync.went_back_to == 1 and s.base_lrs_now[0] == pytest.approx(0.07)
+    assert all(torch.equal(p, b) for p, b in zip(m.parameters(), first))
+    assert s.ensemble.stability.best_loss is None
+    _window(o, s)  # the first best: step 10's
+    assert s.ensemble.stability.best_step == 10 and s.ensemble.stability.best_loss == 1.9
+
+
+@pytest.mark.parametrize("mode", ["vmap", "loop"])
+def test_a_collapse_before_the_first_sync_goes_back_to_step_1_in_the_engine_and_resumes_exactly(mode):
+    """The engine's replicas, each with its own weights after step 1 and one copy of the shared moments: a collapse at
+    step 3 goes back there at the sync of step 5 (before: NonFiniteReplicaError), and a run resumed from a checkpoint
+    of step 2 does the same."""
+    def build():
+        torch.manual_seed(0)
+        return ReplicaEngine(nn.Linear(3, 1), 3, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                             lambda o, rep, m: hdet.HDETLR(o, None, total_steps=30, model=m, replicas=rep,
+                                                           ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                                                           on_runaway="recover"), mode=mode)
+
+    x = torch.randn(1, 8, 3).expand(3, 8, 3)
+    batches = [(x[r], x[r].sum(-1, keepdim=True)) for r in range(3)]
+    loss_fn = lambda m, b: ((m(b[0]) - b[1]) ** 2).mean()  # noqa: E731
+
+    def run(eng, steps, start=1, first=None):
+        saved = None
+        for t in range(start, steps + 1):
+            if t == 3:
+                with torch.no_grad():
+                    for m in eng.models:
+                        m.weight.fill_(float("nan"))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                losses = eng.step(batches, loss_fn)
+            if t == 1 and first is not None:
+                first += [[p.detach().clone() for p in m.parameters()] for m in eng.models]
+            if t == 2:
+                saved = io.BytesIO(_bytes(eng.state_dict()))
+        return losses, saved
+
+    eng, first = build(), []
+    _, saved = run(eng, 5, first=first)
+    assert eng.schedulers[0].last_sync.went_back_to == 1
+    assert not torch.equal(first[0][0], first[1][0])  # (each replica's own step-1 weights: the spread's LRs)
+    for m, kept in zip(eng.models, first):
+        assert all(torch.equal(p, k) for p, k in zip(m.parameters(), kept))
+    assert all(int(st["step"]) == 1 for o in eng.optimizers for st in o.state.values())
+    losses, _ = run(eng, 15, start=6)
+    assert torch.isfinite(losses).all() and eng.schedulers[0].ensemble.stability.best_step in (10, 15)
+    again = build()
+    again.load_state_dict(torch.load(saved, weights_only=True))
+    run(again, 15, start=3)
+    for a, b in zip(again.models, eng.models):
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
 def _adam_window(m, o, s, T=5):
     for _ in range(T):
         o.zero_grad()

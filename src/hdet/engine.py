@@ -901,6 +901,9 @@ class ReplicaEngine:
         for s, loss in zip(self.schedulers, kept):
             s.ensemble.window.keep(loss)  # = s.observe(loss), with one copy for the N replicas
         self._begin_steps()
+        if t == 1:  # the start's snapshots (under recover) were made: the first sync's copies start afresh
+            for c in self._copies:
+                c.clear()
         if self.schedulers[0].ensemble.is_sync_step(t):
             self._sync(t)
         self._end_steps()

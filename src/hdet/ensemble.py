@@ -288,6 +288,8 @@ class Ensemble:
         T = self.config.model_sync_interval
         if self.window_mean is not None and -(-t // T) * T >= self.config.auto_lr_warmup_steps:
             self.window_mean.add()
+        if t == 1 and self.stability.on:  # under recover: a state to go back to before the first sync's
+            self.stability.keep_start(t, self.kept_tensors())
 
     # ----------------------------------------------------------------- tensors
     def tensors(self) -> list[torch.Tensor]:

@@ -15,7 +15,10 @@ decides the same, with no communication):
 * either way the LR schedule is cut for the rest of the run, the k-th time by ``lr_cut ** k``, to
   ``MIN_LR_SCALE`` at most.
 
-Memory: one copy of the averaged tensors and the optimizer state per replica (taken at syncs only); in the
+Every replica non-finite at once (a collapse) goes back to the best sync too, or before the first sync to the state
+after the run's first step (:meth:`StabilityGuard.keep_start`).
+
+Memory: one copy of the averaged tensors and the optimizer state per replica (taken at syncs, and after step 1); in the
 one-process engine, tensors that the replicas share (its one copy of the moments) are copied once
 (:class:`SharedCopies`).
 """
@@ -217,6 +220,14 @@ class StabilityGuard:
             self.best_loss, self.best_step, self.best_se = loss, step, window_noise(col, keep)[1]
             self._snapshot = self.copier(tensors, self._recyclable(tensors))
         return False
+
+    def keep_start(self, step: int, tensors: list[torch.Tensor]) -> None:
+        """Before any sync (no best yet): the state after the run's first optimizer step, each replica its own, for a
+        collapse (every replica non-finite) before the first sync to go back to (it raised: nothing was kept). Not a
+        best: no loss is known, so a rising loss still needs the first sync's. One foreach copy, no host sync."""
+        if self.on and self._snapshot is None and self.best_step is None:
+            self.best_step = step
+            self._snapshot = self.copier(tensors)
 
     def _recyclable(self, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """The kept snapshot, when a new one can be copied into it (the same shapes)."""
