@@ -67,6 +67,8 @@ def main() -> None:
     p.add_argument("--sweep-factors", default="", help="comma-separated --lr-sweep-factor values, each a run a seed "
                                                       "(default: none given, the CLI's)")
     p.add_argument("--sweep-points", default="", help="--lr-sweep-points (default: none given, the CLI's N)")
+    p.add_argument("--extra", default="", help="more `hdet train` flags for the sweep rows, one string (e.g. "
+                                               "'--alpha 0': the run after the sweep without the spread)")
     p.add_argument("--data", default="data/fashion")
     p.add_argument("--device", default="cuda")
     p.add_argument("--runs", default="runs/lr_sweep_cli")
@@ -81,7 +83,7 @@ def main() -> None:
     rows = [(task, st, sd, "sweep" if f is None else f"sweep-f{f}",
              ["--max-lr", repr(SIZES[task]["best"] * float(st)), "--lr-sweep", str(a.sweep), "--lr-sweep-then", a.then]
              + ([] if f is None else ["--lr-sweep-factor", f])
-             + (["--lr-sweep-points", a.sweep_points] if a.sweep_points else []))
+             + (["--lr-sweep-points", a.sweep_points] if a.sweep_points else []) + a.extra.split())
             for task in a.tasks.split(",") for st in a.starts.split(",") for sd in a.seeds.split(",") for f in factors
             if a.sweep > 0]
     for task in filter(None, a.tuned.split(",")):
