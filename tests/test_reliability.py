@@ -1017,6 +1017,28 @@ def test_a_nan_born_in_a_matrix_gradient_is_never_silent(on_runaway):
             assert [r for r in out["records"] if r[1] is not None] == [(60, 30, 0.7)], out["records"]
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("at", [1, 2])
+def test_a_collapse_before_the_first_sync_goes_back_to_step_1_only_from_a_healthy_start(at):
+    """The same NaN born in a matrix gradient, under recover, before the first sync (T = 30). At step 2 every rank
+    goes back to its own state after step 1 (before 2026-11-30: NonFiniteReplicaError, no best sync to go back to),
+    at the early recovery, and the run ends finite. At step 1 that state is itself NaN on every rank: it is dropped on
+    both (their health rides in the sync vector) and the run stops with NonFiniteReplicaError as before (going back to
+    it went on at every sync to the end of the run: a review)."""
+    res = run_gloo(_fused_fault, 2, {"fault": "matrix_grad", "fused": True, "T": 30, "steps": 60, "at": at,
+                                     "bad_rank": 1, "on_runaway": "recover", "guard": "auto"})
+    for out in res:
+        if at == 1:
+            assert out["error"] == "NonFiniteReplicaError" and "every replica" in out["msg"], out
+            continue
+        assert out["error"] is None and out["finite"][0] and out["finite"][-1], out
+        back = [r for r in out["records"] if r[1] is not None]
+        assert back and back[0][1] == 1 and back[0][2] == pytest.approx(0.7), out["records"]
+    if at == 2:
+        assert torch.equal(torch.cat([p.flatten() for p in res[0]["params"]]),
+                           torch.cat([p.flatten() for p in res[1]["params"]]))
+
+
 def _scaler_resume(rank, world):
     from dist_workers import scaler_resume
 

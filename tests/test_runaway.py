@@ -368,6 +368,127 @@ def test_a_collapse_before_the_first_sync_goes_back_to_step_1_in_the_engine_and_
         assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
+@pytest.mark.parametrize("mode", ["vmap", "loop"])
+def test_a_start_that_is_itself_non_finite_is_never_gone_back_to(mode):
+    """Step 1 blows up every replica (SGD at 1e36: finite gradients, an update that overflows to inf): the kept start
+    is that state, and going back to it went on at every sync to the end of the run, which ended non-finite with
+    warnings only (a review). It now raises at the first sync, as before there was a start."""
+    torch.manual_seed(0)
+    eng = ReplicaEngine(nn.Linear(3, 1), 3, lambda m: torch.optim.SGD(m.parameters(), lr=1e36),
+                        lambda o, rep, m: hdet.HDETLR(o, None, total_steps=30, model=m, replicas=rep,
+                                                      ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                                                      on_runaway="recover"), mode=mode)
+    x = torch.randn(3, 8, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(hdet.NonFiniteReplicaError, match="every replica"):
+            for t in range(1, 6):
+                xs = x * 100.0
+                eng.step([(xs[r], xs[r].sum(-1, keepdim=True)) for r in range(3)],
+                         lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
+    assert t == 5 and not torch.isfinite(eng.models[0].weight).all()
+    assert not eng.schedulers[0].ensemble.stability.starting
+
+
+@pytest.mark.parametrize("mode", ["vmap", "loop"])
+def test_one_replicas_unhealthy_start_drops_every_replicas_start(mode):
+    """Replica 0 alone non-finite after step 1 (a NaN in its batch; local mode: no shared gradient), reset at the
+    first sync: its kept start is unhealthy, so no replica keeps one (each replica's start_ok rides in the sync vector:
+    every replica decides the same), and a collapse before a best sync raises as before; a healthy start is kept by
+    every replica through that sync."""
+    torch.manual_seed(0)
+    eng = ReplicaEngine(nn.Linear(3, 1), 3, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                        lambda o, rep, m: hdet.HDETLR(o, None, total_steps=30, model=m, replicas=rep,
+                                                      ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                                                      on_runaway="recover"), mode=mode, share_gradients=False)
+    x = torch.randn(3, 8, 3)
+    loss_fn = lambda m, b: ((m(b[0]) - b[1]) ** 2).mean()  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for t in range(1, 6):
+            xs = x.clone()
+            if t == 1:
+                xs[0, 0, 0] = float("nan")
+            eng.step([(xs[r], xs[r].sum(-1, keepdim=True)) for r in range(3)], loss_fn)
+        rec = eng.schedulers[0].last_sync
+        assert rec.recovered == [0] and not any(s.ensemble.stability.starting for s in eng.schedulers)
+        with torch.no_grad():
+            for m in eng.models:
+                m.weight.fill_(float("nan"))
+        with pytest.raises(hdet.NonFiniteReplicaError, match="every replica"):
+            for _ in range(5):
+                eng.step([(x[r], x[r].sum(-1, keepdim=True)) for r in range(3)], loss_fn)
+
+
+def test_a_start_kept_before_the_optimizer_had_state_is_dropped_when_it_no_longer_fits(tmp_path):
+    """A GradScaler-style first step skipped by a non-fused Adam makes no moments: the start (weights only) can never
+    fit. It is dropped at the first sync, and a checkpoint taken before that resumes without a warning that the best
+    sync does not fit (a review: it blamed another model or optimizer)."""
+    def build():
+        torch.manual_seed(0)
+        m = nn.Linear(3, 1)
+        o = torch.optim.Adam(m.parameters(), lr=1e-2)
+        s = hdet.HDETLR(o, None, total_steps=30, model=m, replicas=ScriptedReplicas(0, 4, lambda: [1.0] * 4),
+                        ensemble_lr_spread_ratio=0.2, model_sync_interval=5, on_runaway="recover")
+        return m, o, s
+
+    m, o, s = build()
+    s.step(torch.tensor(1.0))  # step 1 skipped: no optimizer.step(), no moments
+    for _ in range(2):
+        o.zero_grad()
+        m(torch.ones(2, 3)).sum().backward()
+        o.step()
+        s.step(torch.tensor(1.0))
+    assert s.ensemble.stability.starting
+    state = torch.load(io.BytesIO(_bytes({"o": o.state_dict(), "s": s.state_dict()})), weights_only=True)
+    m2, o2, s2 = build()
+    o2.load_state_dict(state["o"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s2.load_state_dict(state["s"])
+    assert not s2.ensemble.stability.starting
+    for _ in range(2):
+        o.zero_grad()
+        m(torch.ones(2, 3)).sum().backward()
+        o.step()
+        s.step(torch.tensor(1.0))  # step 5: the first sync drops it (the scripted losses make it the first best too)
+    assert not s.ensemble.stability.starting and s.ensemble.stability.best_step == 5
+
+
+def test_keeping_the_start_reads_no_estimate_back_between_syncs(monkeypatch):
+    """Prodigy's estimates, read into the start's copy at step 1, were then taken back into its param groups before
+    step 2: a host read (``tolist``) between syncs that the run without recovery does not make (a review)."""
+    from prodigyopt import Prodigy
+
+    import hdet.step_scale as ss
+
+    reads = {}
+    real = ss.StepScale.take_estimates
+    for mode in ("recover", "ignore"):
+        reads[mode] = 0
+
+        def spy(self, mode=mode):
+            reads[mode] += bool(self._filled)
+            return real(self)
+
+        monkeypatch.setattr(ss.StepScale, "take_estimates", spy)
+        torch.manual_seed(0)
+        m = nn.Linear(3, 1)
+        o = Prodigy(m.parameters(), lr=1.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            s = hdet.HDETLR(o, None, total_steps=20, model=m, replicas=ScriptedReplicas(0, 4),
+                            ensemble_lr_spread_ratio=0.2, model_sync_interval=10, on_runaway=mode)
+            x = torch.randn(8, 3)
+            for _ in range(4):
+                o.zero_grad()
+                loss = m(x).pow(2).mean()
+                loss.backward()
+                o.step()
+                s.step(loss.detach())
+    assert reads == {"recover": 0, "ignore": 0}
+
+
 def _adam_window(m, o, s, T=5):
     for _ in range(T):
         o.zero_grad()

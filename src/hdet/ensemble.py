@@ -80,7 +80,8 @@ class SyncRecord:
     nonfinite_losses: list[int] = field(default_factory=list)  # per replica: non-finite losses in the window
     runaway: list[int] = field(default_factory=list)  # replicas whose finite window loss ran away, reset too
     lr_scale: float = 1.0  # the LR schedule's cut so far (runaway replicas or a rising ensemble loss)
-    went_back_to: int | None = None  # the sync step whose state every replica went back to (a rising loss)
+    went_back_to: int | None = None  # the sync step whose state every replica went back to (a rising loss, a
+    # collapse), or 1: each replica's state after the first step (a collapse before the first best sync)
     range_scale: float | None = None  # lr_range_test: what the range test multiplies the LR schedule by now
     range_ended: str | None = None  # lr_range_test: why the test ended at this sync (None: it did not end here)
     recovered_early: list[int] = field(default_factory=list)  # replicas reset at an early recovery since the last sync
@@ -288,8 +289,13 @@ class Ensemble:
         T = self.config.model_sync_interval
         if self.window_mean is not None and -(-t // T) * T >= self.config.auto_lr_warmup_steps:
             self.window_mean.add()
-        if t == 1 and self.stability.on:  # under recover: a state to go back to before the first sync's
-            self.stability.keep_start(t, self.kept_tensors())
+        if t == 1 and self.stability.on:  # under recover: a state to go back to before the first best sync's
+            tensors, strict = self._tensors()  # (kept_tensors()'s, with their health; once a run: no host sync)
+            moments = self.recovery_tensors()
+            ok = health(tensors + moments, strict + [True] * len(moments), self.replicas.comm_device())[0]
+            self.stability.keep_start(t, tensors + moments + self.step_counts(), ok)
+            if self.step_scale is not None:  # (its estimates were read for the copy, not for a sync: nothing to
+                self.step_scale.unfill()  # take back into the param groups before step 2)
 
     # ----------------------------------------------------------------- tensors
     def tensors(self) -> list[torch.Tensor]:
@@ -410,7 +416,7 @@ class Ensemble:
             finite=finite, buf_inf=buf_inf, layout=layout_signature(tensors), ntensors=len(tensors), seed=c.seed,
             probe=probe, step=t, interval=c.model_sync_interval,
             total_steps=-1 if self.total_steps is None else self.total_steps, config=self.fingerprint(),
-            state_layout=self._state_layout(),
+            state_layout=self._state_layout(), start_ok=self.stability.start_health(),
         ).to_tensor(dev)
         if new_window:
             self.window.reset()
@@ -430,6 +436,7 @@ class Ensemble:
         bad_loss = [r for r in range(N) if col.nonfinite[r] > 0]
         # every replica bad: with on_runaway="recover" (or the range test) and a best sync to go back to, that
         # is where every replica goes (a collapse, at a sync or an early recovery); otherwise nothing can be recovered
+        self.stability.drop_start(col.start_ok)  # (a replica's unhealthy start: no replica goes back there)
         collapsed = len(bad) == N and self.stability.on and self.stability.can_go_back(self.kept_tensors())
         if ((bad or (bad_loss and everyone)) and self.config.on_nonfinite == "raise") or (len(bad) == N and not collapsed):
             raise NonFiniteReplicaError(

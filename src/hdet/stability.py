@@ -15,8 +15,8 @@ decides the same, with no communication):
 * either way the LR schedule is cut for the rest of the run, the k-th time by ``lr_cut ** k``, to
   ``MIN_LR_SCALE`` at most.
 
-Every replica non-finite at once (a collapse) goes back to the best sync too, or before the first sync to the state
-after the run's first step (:meth:`StabilityGuard.keep_start`).
+Every replica non-finite at once (a collapse) goes back to the best sync too, or before the first best sync to the
+state after the run's first step, where every replica's is healthy (:meth:`StabilityGuard.keep_start`).
 
 Memory: one copy of the averaged tensors and the optimizer state per replica (taken at syncs, and after step 1); in the
 one-process engine, tensors that the replicas share (its one copy of the moments) are copied once
@@ -152,7 +152,10 @@ class StabilityGuard:
         self.first_loss: float | None = None  # the first sync's (the loss the run started from, about)
         self.lowest: tuple[float, int] | None = None  # the lowest loss of any sync and its step, whether or not it
         # became the best one (the range test's patience counts the windows since)
-        self._snapshot: list[torch.Tensor] | None = None  # the tensors at the best sync (on their devices)
+        self._snapshot: list[torch.Tensor] | None = None  # the tensors at the best sync (on their devices),
+        # or, until the first best sync, each replica's own state after step 1 (keep_start), and whether it is healthy
+        self.starting = False
+        self.start_ok: torch.Tensor | bool = True
         self.copier = Copier()
 
     @property
@@ -201,6 +204,7 @@ class StabilityGuard:
         back. No collective; one foreach copy on the tensors' devices when it remembers or goes back."""
         if not self.on:
             return False
+        self.drop_start(tensors=tensors)
         if rising and self.can_go_back(tensors):
             copy_kept(tensors, self._snapshot)
             return True
@@ -219,15 +223,33 @@ class StabilityGuard:
         if clean and (self.best_loss is None or loss < self.best_loss):
             self.best_loss, self.best_step, self.best_se = loss, step, window_noise(col, keep)[1]
             self._snapshot = self.copier(tensors, self._recyclable(tensors))
+            self.starting, self.start_ok = False, True
         return False
 
-    def keep_start(self, step: int, tensors: list[torch.Tensor]) -> None:
+    def keep_start(self, step: int, tensors: list[torch.Tensor], ok: torch.Tensor) -> None:
         """Before any sync (no best yet): the state after the run's first optimizer step, each replica its own, for a
-        collapse (every replica non-finite) before the first sync to go back to (it raised: nothing was kept). Not a
-        best: no loss is known, so a rising loss still needs the first sync's. One foreach copy, no host sync."""
+        collapse (every replica non-finite) until the first best sync to go back to (it raised: nothing was kept).
+        ``ok``: whether that state is healthy (a device flag, :func:`hdet.sync.health`): every replica's rides in the
+        sync vector (``start_ok``), and one unhealthy start is dropped everywhere (going back to a non-finite state
+        went on doing so to the end of the run: a review). Not a best: no loss is known, so a rising loss still needs
+        the first best sync. One foreach copy, no host sync."""
         if self.on and self._snapshot is None and self.best_step is None:
-            self.best_step = step
+            self.best_step, self.starting, self.start_ok = step, True, ok
             self._snapshot = self.copier(tensors)
+
+    def start_health(self) -> torch.Tensor | float:
+        """This replica's ``start_ok`` for the sync vector: 1 unless a kept start is unhealthy."""
+        return self.start_ok if self.starting else 1.0
+
+    def drop_start(self, why_healthy: list[float] | None = None, tensors: list[torch.Tensor] | None = None) -> None:
+        """Drop the kept start where some replica's is unhealthy (``why_healthy``: every replica's ``start_ok``), or
+        where it no longer fits ``tensors`` (optimizer state made after step 1: a first step a GradScaler skipped).
+        Every replica decides the same (the gathered numbers; the same layout on every replica)."""
+        if not self.starting:
+            return
+        if (why_healthy is not None and min(why_healthy) < 1.0) or (
+                tensors is not None and not same_layout(self._snapshot, tensors)):
+            self._snapshot, self.best_step, self.starting, self.start_ok = None, None, False, True
 
     def _recyclable(self, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """The kept snapshot, when a new one can be copied into it (the same shapes)."""
@@ -252,6 +274,7 @@ class StabilityGuard:
         self.best_loss, self.best_step = (loss if math.isfinite(loss) else self.best_loss), step
         self.lowest = None if self.best_loss is None else (self.best_loss, step)
         self._snapshot = self.copier(tensors, self._recyclable(tensors))
+        self.starting, self.start_ok = False, True
 
     def warn(self, t: int, runaway: list[int], losses: list[float], rising: bool, back: bool, scale: float,
              collapsed: bool = False, at: str = "sync step") -> None:
@@ -269,7 +292,9 @@ class StabilityGuard:
     def state_dict(self) -> dict[str, Any]:
         return {"best_loss": self.best_loss, "best_step": self.best_step, "best_se": self.best_se,
                 "first_loss": self.first_loss, "lowest": None if self.lowest is None else list(self.lowest),
-                "snapshot": None if self._snapshot is None else self.copier.saved(self._snapshot)}
+                "snapshot": None if self._snapshot is None else self.copier.saved(self._snapshot),
+                # the kept start (HOST SYNC, while one is kept: its health flag, read with the copies)
+                **({"start": {"ok": bool(self.start_ok)}} if self.starting else {})}
 
     @staticmethod
     def parse(state: dict[str, Any] | None) -> dict[str, Any]:
@@ -293,7 +318,12 @@ class StabilityGuard:
         snap = state.get("snapshot")
         if snap is not None and (not isinstance(snap, list) or not all(isinstance(t, torch.Tensor) for t in snap)):
             raise ValueError("Expected the state's stability snapshot as a list of tensors: a corrupted state_dict")
-        return {"best_loss": None if best is None else float(best), "best_step": state.get("best_step"),
+        start = state.get("start")  # (states saved before it kept none)
+        if start is not None and not (isinstance(start, dict) and isinstance(start.get("ok"), bool) and snap is not None
+                                      and best is None):
+            raise ValueError(f"Expected the state's start as {{'ok': a bool}} with a snapshot and no best loss, but got "
+                             f"{start!r}")
+        return {"start": start, "best_loss": None if best is None else float(best), "best_step": state.get("best_step"),
                 "best_se": float(state.get("best_se", 0.0)), "first_loss": None if first is None else float(first),
                 "lowest": None if lowest is None else (float(lowest[0]), int(lowest[1])), "snapshot": snap}
 
@@ -305,6 +335,10 @@ class StabilityGuard:
         self.first_loss = parsed.get("first_loss")
         self.lowest = parsed.get("lowest")
         snap = None if parsed["snapshot"] is None else fit_snapshot(parsed["snapshot"], tensors, counts)
+        start = parsed.get("start")
+        self.starting, self.start_ok = start is not None, True if start is None else start["ok"]
+        if start is not None and snap is not None and not same_layout(snap, tensors):
+            snap, self.best_step, self.starting, self.start_ok = None, None, False, True  # (as the run would drop it)
         if snap is not None and not same_layout(snap, tensors):
             why = ("the optimizer holds no state yet: load the optimizer's state_dict before the scheduler's"
                    if optimizer_empty and len(snap) > len(tensors) else

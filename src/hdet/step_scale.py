@@ -219,6 +219,10 @@ class StepScale:
         or without any): a go-back writes the best sync's into it, :meth:`take_estimates` sets them."""
         return [self._counts] if self._filled and self._counts is not None else []
 
+    def unfill(self) -> None:
+        """The estimates were read outside a sync (a snapshot of step 1): nothing to take back into the groups."""
+        self._filled = False
+
     def take_estimates(self) -> None:
         """The tensor's estimates (averaged, or gone back to) into the param groups; the next sync fills it
         afresh."""
