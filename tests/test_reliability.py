@@ -1039,6 +1039,46 @@ def test_a_collapse_before_the_first_sync_goes_back_to_step_1_only_from_a_health
                            torch.cat([p.flatten() for p in res[1]["params"]]))
 
 
+def _local_start_fit(rank, world):
+    """Local mode (no DDP, no shared gradient): rank 0's first step overflows under a GradScaler, so its non-fused Adam
+    makes no moments at step 1 (its kept start: the weights only) where rank 1's does; every weight NaN after step 4."""
+    import warnings
+
+    torch.manual_seed(0)
+    m = nn.Linear(3, 1)
+    o = torch.optim.Adam(m.parameters(), lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = hdet.HDETLR(o, None, total_steps=40, model=m, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                        on_runaway="recover")
+        scaler = torch.amp.GradScaler("cpu")
+        x = torch.randn(8, 3)
+        try:
+            for t in range(1, 11):
+                o.zero_grad()
+                loss = m(x).pow(2).mean() * (float("inf") if (t == 1 and rank == 0) else 1.0)
+                scaler.scale(loss).backward()
+                scaler.step(o)
+                scaler.update()
+                s.step(loss.detach())
+                if t == 4:
+                    with torch.no_grad():
+                        m.weight.fill_(float("nan"))
+        except hdet.NonFiniteReplicaError as e:
+            return {"error": "NonFiniteReplicaError", "msg": str(e), "step": t}
+    return {"error": None, "step": t}
+
+
+@pytest.mark.distributed
+def test_ranks_whose_kept_starts_differ_in_layout_decide_the_same():
+    """Whether the kept start still fits the optimizer's state was judged by each rank alone: rank 0's (no moments
+    at step 1) was dropped and it raised at the collapse, while rank 1 went back to its start and waited in the
+    average, until the process group's timeout (a review). The fit rides in the sync vector now: both raise."""
+    res = run_gloo(_local_start_fit, 2)
+    assert [r.get("error") for r in res] == ["NonFiniteReplicaError"] * 2, res
+    assert [r["step"] for r in res] == [5, 5] and all("every replica" in r["msg"] for r in res), res
+
+
 def _scaler_resume(rank, world):
     from dist_workers import scaler_resume
 

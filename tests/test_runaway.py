@@ -422,8 +422,9 @@ def test_one_replicas_unhealthy_start_drops_every_replicas_start(mode):
 
 def test_a_start_kept_before_the_optimizer_had_state_is_dropped_when_it_no_longer_fits(tmp_path):
     """A GradScaler-style first step skipped by a non-fused Adam makes no moments: the start (weights only) can never
-    fit. It is dropped at the first sync, and a checkpoint taken before that resumes without a warning that the best
-    sync does not fit (a review: it blamed another model or optimizer)."""
+    fit. It is dropped at the first sync (its fit rides in the sync vector), and a checkpoint taken before that resumes
+    without a warning that the best sync does not fit (a review: it blamed another model or optimizer), to the same
+    drop at the same sync."""
     def build():
         torch.manual_seed(0)
         m = nn.Linear(3, 1)
@@ -446,13 +447,75 @@ def test_a_start_kept_before_the_optimizer_had_state_is_dropped_when_it_no_longe
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         s2.load_state_dict(state["s"])
-    assert not s2.ensemble.stability.starting
-    for _ in range(2):
-        o.zero_grad()
-        m(torch.ones(2, 3)).sum().backward()
-        o.step()
-        s.step(torch.tensor(1.0))  # step 5: the first sync drops it (the scripted losses make it the first best too)
-    assert not s.ensemble.stability.starting and s.ensemble.stability.best_step == 5
+    for mm, oo, ss in ((m, o, s), (m2, o2, s2)):
+        assert ss.ensemble.stability.starting
+        for _ in range(2):
+            oo.zero_grad()
+            mm(torch.ones(2, 3)).sum().backward()
+            oo.step()
+            ss.step(torch.tensor(1.0))  # step 5: the first sync drops it (the scripted losses make it the first best)
+        assert not ss.ensemble.stability.starting and ss.ensemble.stability.best_step == 5
+
+
+def _blowing_up(lr=30.0, steps=200):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    return ReplicaEngine(model, 4, lambda m: torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9),
+                         lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=lr, total_steps=steps, model=m, replicas=rep,
+                                                               ensemble_lr_spread_ratio=0.2, model_sync_interval=10,
+                                                               on_runaway="recover"))
+
+
+def _blow_up_steps(eng, start, stop, g, W, saved=None, first=None):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(start, stop + 1):
+            x = torch.randn(4, 64, 8, generator=g)
+            losses = eng.step([(x[r], x[r] @ W) for r in range(4)], lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
+            if t == 1 and first is not None:
+                first += [[p.detach().clone() for p in m.parameters()] for m in eng.models]
+            if saved is not None and t == 5:
+                saved.append((io.BytesIO(_bytes(eng.state_dict())), g.get_state()))
+    return losses, [str(w.message) for w in caught]
+
+
+def test_a_run_that_blows_up_in_its_first_window_goes_back_to_the_start():
+    """SGD with momentum at 10x its stable LR: the loss 4 at step 1, 6e15 at the first sync (step 10). That sync was
+    the best one (there was no other), and every later sync went back to it, already damaged: the run ended at a
+    loss of 1e19. A window loss 10x the first step's (its magnitude 9x above it) before any best sync is a rise now:
+    back to the state after step 1, the LR cut, again until it holds. And a checkpoint inside the first window
+    resumes to the same run."""
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(8, 1, generator=g)
+    eng, first, saved = _blowing_up(), [], []
+    _, said = _blow_up_steps(eng, 1, 10, g, W, saved, first)
+    rec = eng.schedulers[0].last_sync
+    assert rec.went_back_to == 1 and rec.lr_scale == pytest.approx(0.7)
+    assert any("rose more than 9x its first step's magnitude above it" in m and "went back to its state at step 1" in m
+               for m in said), said
+    for m, kept in zip(eng.models, first):
+        assert all(torch.equal(p, k) for p, k in zip(m.parameters(), kept))
+    losses, _ = _blow_up_steps(eng, 11, 200, g, W)
+    assert float(losses.max()) < 1.0 and eng.schedulers[0].ensemble.stability.best_loss is not None
+    buf, rng = saved[0]
+    again = _blowing_up()
+    again.load_state_dict(torch.load(buf, weights_only=True))
+    g2 = torch.Generator()
+    g2.set_state(rng)
+    _blow_up_steps(again, 6, 200, g2, W)
+    for a, b in zip(again.models, eng.models):
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_a_first_window_below_ten_times_the_first_loss_is_the_best_as_before():
+    """At a stable LR nothing changes: the first sync's loss is below the first step's, and it is the first best."""
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(8, 1, generator=g)
+    eng = _blowing_up(lr=0.3, steps=40)
+    _, said = _blow_up_steps(eng, 1, 10, g, W)
+    st = eng.schedulers[0].ensemble.stability
+    assert eng.schedulers[0].last_sync.went_back_to is None and st.best_step == 10 and not st.starting
+    assert not [m for m in said if "hdet:" in m], said
 
 
 def test_keeping_the_start_reads_no_estimate_back_between_syncs(monkeypatch):

@@ -293,7 +293,7 @@ class Ensemble:
             tensors, strict = self._tensors()  # (kept_tensors()'s, with their health; once a run: no host sync)
             moments = self.recovery_tensors()
             ok = health(tensors + moments, strict + [True] * len(moments), self.replicas.comm_device())[0]
-            self.stability.keep_start(t, tensors + moments + self.step_counts(), ok)
+            self.stability.keep_start(t, tensors + moments + self.step_counts(), ok, self.window.only_loss())
             if self.step_scale is not None:  # (its estimates were read for the copy, not for a sync: nothing to
                 self.step_scale.unfill()  # take back into the param groups before step 2)
 
@@ -416,7 +416,9 @@ class Ensemble:
             finite=finite, buf_inf=buf_inf, layout=layout_signature(tensors), ntensors=len(tensors), seed=c.seed,
             probe=probe, step=t, interval=c.model_sync_interval,
             total_steps=-1 if self.total_steps is None else self.total_steps, config=self.fingerprint(),
-            state_layout=self._state_layout(), start_ok=self.stability.start_health(),
+            state_layout=self._state_layout(),
+            start_ok=self.stability.start_health(self.kept_tensors() if self.stability.starting else None),
+            start_sum=self.stability.start_loss()[0], start_n=self.stability.start_loss()[1],
         ).to_tensor(dev)
         if new_window:
             self.window.reset()

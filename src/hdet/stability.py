@@ -15,8 +15,9 @@ decides the same, with no communication):
 * either way the LR schedule is cut for the rest of the run, the k-th time by ``lr_cut ** k``, to
   ``MIN_LR_SCALE`` at most.
 
-Every replica non-finite at once (a collapse) goes back to the best sync too, or before the first best sync to the
-state after the run's first step, where every replica's is healthy (:meth:`StabilityGuard.keep_start`).
+Every replica non-finite at once (a collapse) goes back to the best sync too. Before the first best sync, the state
+after the run's first step is kept (:meth:`StabilityGuard.keep_start`, where every replica's is healthy): a collapse,
+a window with no finite loss or one ``RISE_CEILING`` times the first step's loss magnitude above it goes back there.
 
 Memory: one copy of the averaged tensors and the optimizer state per replica (taken at syncs, and after step 1); in the
 one-process engine, tensors that the replicas share (its one copy of the moments) are copied once
@@ -156,6 +157,8 @@ class StabilityGuard:
         # or, until the first best sync, each replica's own state after step 1 (keep_start), and whether it is healthy
         self.starting = False
         self.start_ok: torch.Tensor | bool = True
+        self._start_loss: tuple[torch.Tensor | float, torch.Tensor | float] = (0.0, 0.0)  # its first loss: (sum, n)
+        self._start_rise: tuple[float, float] | None = None  # (window loss, first step's loss) of a rise from it
         self.copier = Copier()
 
     @property
@@ -180,6 +183,17 @@ class StabilityGuard:
         lost = [r for r, x in enumerate(losses) if r not in bad and not math.isfinite(x) and nonfinite is not None
                 and nonfinite[r] > 0]  # observed losses, none of them finite
         best = self.best_loss
+        self._start_rise = None
+        if best is None and self.starting:  # no best yet: a blow-up from the first step's loss goes back to the start
+            firsts = [col.start_sum[r] / col.start_n[r] for r in range(len(losses)) if getattr(col, "start_n", [0] * (
+                r + 1))[r] > 0]
+            start = statistics.median(firsts) if firsts else math.nan
+            now = statistics.median(losses[r] for r in ok) if ok else math.nan
+            blown = not ok or (math.isfinite(start) and now > start + max(RISE_CEILING, c.rise_threshold) * abs(start))
+            if blown and (ok or lost):
+                self._start_rise = (now, start)
+                return lost, True
+            return lost, False
         if not ok:
             return [], bool(lost) and best is not None
         if len(ok) < 2 or best is None:
@@ -204,7 +218,6 @@ class StabilityGuard:
         back. No collective; one foreach copy on the tensors' devices when it remembers or goes back."""
         if not self.on:
             return False
-        self.drop_start(tensors=tensors)
         if rising and self.can_go_back(tensors):
             copy_kept(tensors, self._snapshot)
             return True
@@ -226,30 +239,44 @@ class StabilityGuard:
             self.starting, self.start_ok = False, True
         return False
 
-    def keep_start(self, step: int, tensors: list[torch.Tensor], ok: torch.Tensor) -> None:
+    def keep_start(self, step: int, tensors: list[torch.Tensor], ok: torch.Tensor,
+                   loss: torch.Tensor | None = None) -> None:
         """Before any sync (no best yet): the state after the run's first optimizer step, each replica its own, for a
         collapse (every replica non-finite) until the first best sync to go back to (it raised: nothing was kept).
         ``ok``: whether that state is healthy (a device flag, :func:`hdet.sync.health`): every replica's rides in the
         sync vector (``start_ok``), and one unhealthy start is dropped everywhere (going back to a non-finite state
-        went on doing so to the end of the run: a review). Not a best: no loss is known, so a rising loss still needs
-        the first best sync. One foreach copy, no host sync."""
+        went on doing so to the end of the run: a review). ``loss``: the first step's training loss (the loss near the
+        initial weights; None if not observed): until the first best sync, a window loss ``RISE_CEILING`` times its
+        magnitude above it is a rise, back to the start (a run that blew up within its first window made that sync
+        its best and went back there, already damaged, at every later sync). One foreach copy, no host sync."""
         if self.on and self._snapshot is None and self.best_step is None:
             self.best_step, self.starting, self.start_ok = step, True, ok
             self._snapshot = self.copier(tensors)
+            if loss is not None:
+                x = loss.detach().reshape(()).to(torch.float64)
+                fin = torch.isfinite(x)
+                self._start_loss = (torch.where(fin, x, torch.zeros_like(x)), fin.to(torch.float64))
 
-    def start_health(self) -> torch.Tensor | float:
-        """This replica's ``start_ok`` for the sync vector: 1 unless a kept start is unhealthy."""
-        return self.start_ok if self.starting else 1.0
+    def start_loss(self) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+        """This replica's first loss for the sync vector, ``(start_sum, start_n)``: (0, 0) unless a start is kept."""
+        return self._start_loss if self.starting else (0.0, 0.0)
 
-    def drop_start(self, why_healthy: list[float] | None = None, tensors: list[torch.Tensor] | None = None) -> None:
-        """Drop the kept start where some replica's is unhealthy (``why_healthy``: every replica's ``start_ok``), or
-        where it no longer fits ``tensors`` (optimizer state made after step 1: a first step a GradScaler skipped).
-        Every replica decides the same (the gathered numbers; the same layout on every replica)."""
+    def start_health(self, tensors: list[torch.Tensor] | None = None) -> torch.Tensor | float:
+        """This replica's ``start_ok`` for the sync vector: 1 unless a kept start is not finite, or no longer fits
+        ``tensors`` (the kept tensors now: optimizer state made after step 1, a first step that a GradScaler or the
+        guard skipped; in local mode on one rank and not another, so the fit is gathered too, not judged alone)."""
         if not self.starting:
-            return
-        if (why_healthy is not None and min(why_healthy) < 1.0) or (
-                tensors is not None and not same_layout(self._snapshot, tensors)):
+            return 1.0
+        if tensors is not None and not same_layout(self._snapshot, tensors):
+            return 0.0
+        return self.start_ok
+
+    def drop_start(self, every_start_ok: list[float]) -> None:
+        """Drop the kept start where some replica's is unhealthy or does not fit (``every_start_ok``: the gathered
+        :meth:`start_health` of every replica): every replica decides the same."""
+        if self.starting and min(every_start_ok) < 1.0:
             self._snapshot, self.best_step, self.starting, self.start_ok = None, None, False, True
+            self._start_loss = (0.0, 0.0)
 
     def _recyclable(self, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """The kept snapshot, when a new one can be copied into it (the same shapes)."""
@@ -284,17 +311,26 @@ class StabilityGuard:
             + (f"replica(s) {runaway} ran away (window losses "
             f"{[round(losses[r], 4) for r in runaway]}): left out of the average, reset to the others' mean and "
             "ranked worst; " if runaway else "")
-            + (f"the ensemble's loss rose more than {self.config.rise_threshold:g} above its best "
-               f"({self.best_loss:.4f}); " if rising and not collapsed else "")
+            + (self._rise_said() if rising and not collapsed else "")
             + (f"every replica went back to its state at step {self.best_step}; " if back else "")
             + f"the LR schedule is cut to {scale:.3g} of its value", stacklevel=5)
+
+    def _rise_said(self) -> str:
+        if self.best_loss is not None:
+            return f"the ensemble's loss rose more than {self.config.rise_threshold:g} above its best ({self.best_loss:.4f}); "
+        now, start = self._start_rise if self._start_rise is not None else (math.nan, math.nan)
+        if not math.isfinite(now):
+            return "no replica had a finite training loss in the window, before any best sync; "
+        return (f"the ensemble's loss ({now:.4g}) rose more than {RISE_CEILING:g}x its first step's magnitude above "
+                f"it ({start:.4f}), before any best sync; ")
 
     def state_dict(self) -> dict[str, Any]:
         return {"best_loss": self.best_loss, "best_step": self.best_step, "best_se": self.best_se,
                 "first_loss": self.first_loss, "lowest": None if self.lowest is None else list(self.lowest),
                 "snapshot": None if self._snapshot is None else self.copier.saved(self._snapshot),
                 # the kept start (HOST SYNC, while one is kept: its health flag, read with the copies)
-                **({"start": {"ok": bool(self.start_ok)}} if self.starting else {})}
+                **({"start": {"ok": bool(self.start_ok), "loss": [float(x) for x in self._start_loss]}}
+                   if self.starting else {})}
 
     @staticmethod
     def parse(state: dict[str, Any] | None) -> dict[str, Any]:
@@ -319,10 +355,13 @@ class StabilityGuard:
         if snap is not None and (not isinstance(snap, list) or not all(isinstance(t, torch.Tensor) for t in snap)):
             raise ValueError("Expected the state's stability snapshot as a list of tensors: a corrupted state_dict")
         start = state.get("start")  # (states saved before it kept none)
+        first_step = start.get("loss", [0.0, 0.0]) if isinstance(start, dict) else None
         if start is not None and not (isinstance(start, dict) and isinstance(start.get("ok"), bool) and snap is not None
-                                      and best is None):
-            raise ValueError(f"Expected the state's start as {{'ok': a bool}} with a snapshot and no best loss, but got "
-                             f"{start!r}")
+                                      and best is None and isinstance(first_step, list) and len(first_step) == 2
+                                      and all(_is_real(x) and math.isfinite(x) for x in first_step)
+                                      and first_step[1] in (0, 1)):
+            raise ValueError(f"Expected the state's start as {{'ok': a bool, 'loss': [a finite sum, 0 or 1]}} with a "
+                             f"snapshot and no best loss, but got {start!r}")
         return {"start": start, "best_loss": None if best is None else float(best), "best_step": state.get("best_step"),
                 "best_se": float(state.get("best_se", 0.0)), "first_loss": None if first is None else float(first),
                 "lowest": None if lowest is None else (float(lowest[0]), int(lowest[1])), "snapshot": snap}
@@ -337,8 +376,13 @@ class StabilityGuard:
         snap = None if parsed["snapshot"] is None else fit_snapshot(parsed["snapshot"], tensors, counts)
         start = parsed.get("start")
         self.starting, self.start_ok = start is not None, True if start is None else start["ok"]
+        self._start_loss = (0.0, 0.0) if start is None else tuple(float(x) for x in start.get("loss", [0.0, 0.0]))
         if start is not None and snap is not None and not same_layout(snap, tensors):
-            snap, self.best_step, self.starting, self.start_ok = None, None, False, True  # (as the run would drop it)
+            # (the optimizer loaded after the scheduler, or moments made after step 1: whether it fits is gathered at
+            # the next sync, start_health, and every replica drops it or none)
+            dev = tensors[0].device if tensors else torch.device("cpu")
+            self._snapshot = [x.to(dev, copy=True) for x in snap]
+            return
         if snap is not None and not same_layout(snap, tensors):
             why = ("the optimizer holds no state yet: load the optimizer's state_dict before the scheduler's"
                    if optimizer_empty and len(snap) > len(tensors) else

@@ -44,6 +44,8 @@ class SyncVector(NamedTuple):
     nonfinite: Any  # the window's non-finite training losses (observed - loss_n; a replica of shards: their max)
     state_layout: Any  # hash of which parameter holds which optimizer state (averaged, or reset at a recovery)
     start_ok: Any  # 1 unless the state kept after step 1 (recover, before the first best sync) is unhealthy
+    start_sum: Any  # while that state is kept: the first step's training loss where finite, else 0
+    start_n: Any  # and 1 where it was finite (0: not kept, not observed, or not finite)
 
     def to_tensor(self, dev: torch.device) -> torch.Tensor:
         """The 1-D float64 vector on ``dev`` (tensors stay on their device until this copy: no host sync; the
@@ -64,7 +66,8 @@ class SyncVector(NamedTuple):
 
 
 # FSDP2/HSDP: one replica is several ranks; these fields are summed (or min-reduced) over its shard ranks first
-SHARD_SUM = tuple(SyncVector._fields.index(f) for f in ("loss_sum", "loss_n", "observed", "buf_inf", "loss_sq"))
+SHARD_SUM = tuple(SyncVector._fields.index(f) for f in ("loss_sum", "loss_n", "observed", "buf_inf", "loss_sq",
+                                                        "start_sum", "start_n"))
 SHARD_MIN = (SyncVector._fields.index("finite"), SyncVector._fields.index("start_ok"))
 SHARD_MAX = (SyncVector._fields.index("nonfinite"),)
 

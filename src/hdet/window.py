@@ -64,6 +64,10 @@ class LossWindow:
         self._kept.append(loss)
         self.count += 1
 
+    def only_loss(self) -> torch.Tensor | None:
+        """The window's one loss while it holds exactly one, not yet reduced (the run's first step's), else None."""
+        return self._kept[0] if self.count == 1 and len(self._kept) == 1 and self.sum is None else None
+
     def fold(self) -> None:
         """Reduce the kept losses into :attr:`sum` (finite ones) and :attr:`finite` (their count), on the
         losses' device: one stack and a few small ops. A non-finite loss is counted, not summed."""
