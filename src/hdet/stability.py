@@ -16,8 +16,9 @@ decides the same, with no communication):
   ``MIN_LR_SCALE`` at most.
 
 Every replica non-finite at once (a collapse) goes back to the best sync too. Before the first best sync, the state
-after the run's first step is kept (:meth:`StabilityGuard.keep_start`, where every replica's is healthy): a collapse,
-a window with no finite loss or one ``RISE_CEILING`` times the first step's loss magnitude above it goes back there.
+after the run's first step is kept (:meth:`StabilityGuard.keep_start`, where every replica's is healthy): a collapse
+or a window with no finite loss goes back there, and a sync ``RISE_CEILING`` times the first step's loss magnitude
+above it is no best.
 
 Memory: one copy of the averaged tensors and the optimizer state per replica (taken at syncs, and after step 1); in the
 one-process engine, tensors that the replicas share (its one copy of the moments) are copied once
@@ -158,7 +159,8 @@ class StabilityGuard:
         self.starting = False
         self.start_ok: torch.Tensor | bool = True
         self._start_loss: tuple[torch.Tensor | float, torch.Tensor | float] = (0.0, 0.0)  # its first loss: (sum, n)
-        self._start_rise: tuple[float, float] | None = None  # (window loss, first step's loss) of a rise from it
+        self._start_rise: tuple[float, float] | None = None  # (window loss, first step's loss): blown up from it
+        self._said_blown = False
         self.copier = Copier()
 
     @property
@@ -184,15 +186,14 @@ class StabilityGuard:
                 and nonfinite[r] > 0]  # observed losses, none of them finite
         best = self.best_loss
         self._start_rise = None
-        if best is None and self.starting:  # no best yet: a blow-up from the first step's loss goes back to the start
-            firsts = [col.start_sum[r] / col.start_n[r] for r in range(len(losses)) if getattr(col, "start_n", [0] * (
-                r + 1))[r] > 0]
+        if best is None and self.starting:  # no best yet: the start (the state after step 1) is the one to go back to
+            if not ok:  # no replica has a finite window loss: a rise, back to the start (nobody left out: all go back)
+                return [], bool(lost)
+            firsts = [col.start_sum[r] / col.start_n[r] for r in range(len(losses)) if col.start_n[r] > 0]
             start = statistics.median(firsts) if firsts else math.nan
-            now = statistics.median(losses[r] for r in ok) if ok else math.nan
-            blown = not ok or (math.isfinite(start) and now > start + max(RISE_CEILING, c.rise_threshold) * abs(start))
-            if blown and (ok or lost):
-                self._start_rise = (now, start)
-                return lost, True
+            now = statistics.median(losses[r] for r in ok)
+            if math.isfinite(start) and now > start + max(RISE_CEILING, c.rise_threshold) * abs(start):
+                self._start_rise = (now, start)  # blown up from the first step's loss: no best (after_average)
             return lost, False
         if not ok:
             return [], bool(lost) and best is not None
@@ -229,10 +230,21 @@ class StabilityGuard:
             self.first_loss = loss
         if self.lowest is None or loss < self.lowest[0]:
             self.lowest = (loss, step)
-        clean = not exclude and (self.best_loss is None or not any(getattr(col, "nonfinite", ())))
+        blown, self._start_rise = self._start_rise, None
+        if blown is not None and not self._said_blown:
+            self._said_blown = True
+            times = max(RISE_CEILING, self.config.rise_threshold) + 1
+            warnings.warn(f"hdet: at sync step {step} the ensemble's loss ({blown[0]:.4g}) is more than {times:g}x "
+                          f"its first step's ({blown[1]:.4g}): not kept as a best sync (a run that blew up within its "
+                          "first window went back to such a sync at every later one); a collapse, or a window with no "
+                          "finite loss, goes back to the state after step 1 until a sync is kept. If a first loss near "
+                          "0 is by design (a student that starts as its teacher), no rise is caught until then",
+                          stacklevel=4)
+        clean = not exclude and blown is None and (self.best_loss is None or not any(getattr(col, "nonfinite", ())))
         # (no replica reset, and after the first best no non-finite loss: a sync that reset a runaway replica kept the
         # weights its huge gradients had already reached, under a loss measured before them, a best no later window
-        # could reach, and every sync after it went back there: an audit)
+        # could reach, and every sync after it went back there: an audit; nor, before any best, one whose loss blew up
+        # from the first step's: a run that blew up within its first window went back to that sync at every later one)
         if clean and (self.best_loss is None or loss < self.best_loss):
             self.best_loss, self.best_step, self.best_se = loss, step, window_noise(col, keep)[1]
             self._snapshot = self.copier(tensors, self._recyclable(tensors))
@@ -246,14 +258,14 @@ class StabilityGuard:
         ``ok``: whether that state is healthy (a device flag, :func:`hdet.sync.health`): every replica's rides in the
         sync vector (``start_ok``), and one unhealthy start is dropped everywhere (going back to a non-finite state
         went on doing so to the end of the run: a review). ``loss``: the first step's training loss (the loss near the
-        initial weights; None if not observed): until the first best sync, a window loss ``RISE_CEILING`` times its
-        magnitude above it is a rise, back to the start (a run that blew up within its first window made that sync
-        its best and went back there, already damaged, at every later sync). One foreach copy, no host sync."""
+        initial weights; None if not observed): until the first best sync, a sync whose window loss is
+        ``RISE_CEILING`` times its magnitude above it is no best (a run that blew up within its first window made that
+        sync its best and went back there, already damaged, at every later sync). One foreach copy, no host sync."""
         if self.on and self._snapshot is None and self.best_step is None:
             self.best_step, self.starting, self.start_ok = step, True, ok
             self._snapshot = self.copier(tensors)
-            if loss is not None:
-                x = loss.detach().reshape(()).to(torch.float64)
+            if loss is not None:  # (MPS has no float64)
+                x = loss.detach().reshape(()).to(torch.float32 if loss.device.type == "mps" else torch.float64)
                 fin = torch.isfinite(x)
                 self._start_loss = (torch.where(fin, x, torch.zeros_like(x)), fin.to(torch.float64))
 
@@ -318,11 +330,7 @@ class StabilityGuard:
     def _rise_said(self) -> str:
         if self.best_loss is not None:
             return f"the ensemble's loss rose more than {self.config.rise_threshold:g} above its best ({self.best_loss:.4f}); "
-        now, start = self._start_rise if self._start_rise is not None else (math.nan, math.nan)
-        if not math.isfinite(now):
-            return "no replica had a finite training loss in the window, before any best sync; "
-        return (f"the ensemble's loss ({now:.4g}) rose more than {RISE_CEILING:g}x its first step's magnitude above "
-                f"it ({start:.4f}), before any best sync; ")
+        return "no healthy replica had a finite training loss in the window, before any best sync; "
 
     def state_dict(self) -> dict[str, Any]:
         return {"best_loss": self.best_loss, "best_step": self.best_step, "best_se": self.best_se,
