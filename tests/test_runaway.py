@@ -562,6 +562,19 @@ def test_a_first_loss_of_zero_trains_as_before_and_says_why_no_best_is_kept():
                                   for m in said), said
 
 
+@pytest.mark.parametrize("observed, first", [((2.0, 4.0), 3.0), ((float("inf"), 2.0), 2.0), ((5.0,), 5.0)])
+def test_the_first_loss_is_the_mean_of_the_first_steps_finite_losses(observed, first):
+    """A loop that observes every micro-batch (Lightning under accumulate_grad_batches) kept no first loss at all (the
+    first version took a window of exactly one loss), so its blow-up went unnoticed (a review)."""
+    m, o, s = _scripted([[2.0] * 8])
+    o.step()
+    for x in observed:
+        s.observe(torch.tensor(x))
+    s.step()
+    total, n = s.ensemble.stability.start_loss()
+    assert (float(total), float(n)) == (first, 1.0)
+
+
 def test_a_first_window_below_ten_times_the_first_loss_is_the_best_as_before():
     """At a stable LR nothing changes: the first sync's loss is below the first step's, and it is the first best."""
     g = torch.Generator().manual_seed(1)

@@ -252,22 +252,26 @@ class StabilityGuard:
         return False
 
     def keep_start(self, step: int, tensors: list[torch.Tensor], ok: torch.Tensor,
-                   loss: torch.Tensor | None = None) -> None:
+                   losses: list[torch.Tensor] = ()) -> None:
         """Before any sync (no best yet): the state after the run's first optimizer step, each replica its own, for a
         collapse (every replica non-finite) until the first best sync to go back to (it raised: nothing was kept).
         ``ok``: whether that state is healthy (a device flag, :func:`hdet.sync.health`): every replica's rides in the
         sync vector (``start_ok``), and one unhealthy start is dropped everywhere (going back to a non-finite state
-        went on doing so to the end of the run: a review). ``loss``: the first step's training loss (the loss near the
-        initial weights; None if not observed): until the first best sync, a sync whose window loss is
+        went on doing so to the end of the run: a review). ``losses``: the first step's training losses (their finite
+        ones' mean: about the loss at the initial weights; none if not observed): until the first best sync, a sync
+        whose window loss is
         ``RISE_CEILING`` times its magnitude above it is no best (a run that blew up within its first window made that
         sync its best and went back there, already damaged, at every later sync). One foreach copy, no host sync."""
         if self.on and self._snapshot is None and self.best_step is None:
             self.best_step, self.starting, self.start_ok = step, True, ok
             self._snapshot = self.copier(tensors)
-            if loss is not None:  # (MPS has no float64)
-                x = loss.detach().reshape(()).to(torch.float32 if loss.device.type == "mps" else torch.float64)
+            if losses:  # (MPS has no float64)
+                dev = losses[0].device
+                x = torch.stack([v.detach().reshape(()).to(dev) for v in losses]).to(
+                    torch.float32 if dev.type == "mps" else torch.float64)
                 fin = torch.isfinite(x)
-                self._start_loss = (torch.where(fin, x, torch.zeros_like(x)), fin.to(torch.float64))
+                n = fin.sum().to(x.dtype)  # this replica's first loss: the mean of the finite ones, weight 1 if any
+                self._start_loss = (torch.where(fin, x, torch.zeros_like(x)).sum() / n.clamp(min=1), (n > 0).to(x.dtype))
 
     def start_loss(self) -> tuple[torch.Tensor | float, torch.Tensor | float]:
         """This replica's first loss for the sync vector, ``(start_sum, start_n)``: (0, 0) unless a start is kept."""

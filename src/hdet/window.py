@@ -64,9 +64,10 @@ class LossWindow:
         self._kept.append(loss)
         self.count += 1
 
-    def only_loss(self) -> torch.Tensor | None:
-        """The window's one loss while it holds exactly one, not yet reduced (the run's first step's), else None."""
-        return self._kept[0] if self.count == 1 and len(self._kept) == 1 and self.sum is None else None
+    def unreduced(self) -> list[torch.Tensor]:
+        """The losses kept since the window began, none reduced yet (at the run's first step: that step's, one a
+        micro-batch where the loop observes each), else []."""
+        return list(self._kept) if self.sum is None and len(self._kept) == self.count else []
 
     def fold(self) -> None:
         """Reduce the kept losses into :attr:`sum` (finite ones) and :attr:`finite` (their count), on the
