@@ -293,7 +293,9 @@ class Ensemble:
             tensors, strict = self._tensors()  # (kept_tensors()'s, with their health; once a run: no host sync)
             moments = self.recovery_tensors()
             ok = health(tensors + moments, strict + [True] * len(moments), self.replicas.comm_device())[0]
-            self.stability.keep_start(t, tensors + moments + self.step_counts(), ok, self.window.unreduced())
+            self.window.fold()  # (step 1's losses, one a micro-batch where the loop observes each: their finite sum)
+            first = None if self.window.sum is None else (self.window.sum, self.window.finite)
+            self.stability.keep_start(t, tensors + moments + self.step_counts(), ok, first)
             if self.step_scale is not None:  # (its estimates were read for the copy, not for a sync: nothing to
                 self.step_scale.unfill()  # take back into the param groups before step 2)
 

@@ -233,13 +233,14 @@ class StabilityGuard:
         blown, self._start_rise = self._start_rise, None
         if blown is not None and not self._said_blown:
             self._said_blown = True
-            times = max(RISE_CEILING, self.config.rise_threshold) + 1
-            warnings.warn(f"hdet: at sync step {step} the ensemble's loss ({blown[0]:.4g}) is more than {times:g}x "
-                          f"its first step's ({blown[1]:.4g}): not kept as a best sync (a run that blew up within its "
+            times = max(RISE_CEILING, self.config.rise_threshold)
+            warnings.warn(f"hdet: at sync step {step} the ensemble's loss ({blown[0]:.4g}) is more than {times:g}x its "
+                          f"first step's loss magnitude above it ({blown[1]:.4g}): not kept as a best sync (a run that "
+                          "blew up within its "
                           "first window went back to such a sync at every later one); a collapse, or a window with no "
                           "finite loss, goes back to the state after step 1 until a sync is kept. If a first loss near "
-                          "0 is by design (a student that starts as its teacher), no rise is caught until then",
-                          stacklevel=4)
+                          "0 is by design (a student that starts as its teacher), no rise is caught until then "
+                          "(with a first loss of 0: none)", stacklevel=6)
         clean = not exclude and blown is None and (self.best_loss is None or not any(getattr(col, "nonfinite", ())))
         # (no replica reset, and after the first best no non-finite loss: a sync that reset a runaway replica kept the
         # weights its huge gradients had already reached, under a loss measured before them, a best no later window
@@ -252,26 +253,22 @@ class StabilityGuard:
         return False
 
     def keep_start(self, step: int, tensors: list[torch.Tensor], ok: torch.Tensor,
-                   losses: list[torch.Tensor] = ()) -> None:
+                   first: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Before any sync (no best yet): the state after the run's first optimizer step, each replica its own, for a
         collapse (every replica non-finite) until the first best sync to go back to (it raised: nothing was kept).
         ``ok``: whether that state is healthy (a device flag, :func:`hdet.sync.health`): every replica's rides in the
         sync vector (``start_ok``), and one unhealthy start is dropped everywhere (going back to a non-finite state
-        went on doing so to the end of the run: a review). ``losses``: the first step's training losses (their finite
-        ones' mean: about the loss at the initial weights; none if not observed): until the first best sync, a sync
-        whose window loss is
+        went on doing so to the end of the run: a review). ``first``: the sum of the first step's finite training
+        losses and their count (their mean: about the loss at the initial weights; None if none was observed): until
+        the first best sync, a sync whose window loss is
         ``RISE_CEILING`` times its magnitude above it is no best (a run that blew up within its first window made that
         sync its best and went back there, already damaged, at every later sync). One foreach copy, no host sync."""
         if self.on and self._snapshot is None and self.best_step is None:
             self.best_step, self.starting, self.start_ok = step, True, ok
             self._snapshot = self.copier(tensors)
-            if losses:  # (MPS has no float64)
-                dev = losses[0].device
-                x = torch.stack([v.detach().reshape(()).to(dev) for v in losses]).to(
-                    torch.float32 if dev.type == "mps" else torch.float64)
-                fin = torch.isfinite(x)
-                n = fin.sum().to(x.dtype)  # this replica's first loss: the mean of the finite ones, weight 1 if any
-                self._start_loss = (torch.where(fin, x, torch.zeros_like(x)).sum() / n.clamp(min=1), (n > 0).to(x.dtype))
+            if first is not None:  # this replica's first loss: the mean of the finite ones, weight 1 if any
+                total, n = first
+                self._start_loss = (total / n.clamp(min=1), (n > 0).to(total.dtype))
 
     def start_loss(self) -> tuple[torch.Tensor | float, torch.Tensor | float]:
         """This replica's first loss for the sync vector, ``(start_sum, start_n)``: (0, 0) unless a start is kept."""

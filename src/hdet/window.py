@@ -64,11 +64,6 @@ class LossWindow:
         self._kept.append(loss)
         self.count += 1
 
-    def unreduced(self) -> list[torch.Tensor]:
-        """The losses kept since the window began, none reduced yet (at the run's first step: that step's, one a
-        micro-batch where the loop observes each), else []."""
-        return list(self._kept) if self.sum is None and len(self._kept) == self.count else []
-
     def fold(self) -> None:
         """Reduce the kept losses into :attr:`sum` (finite ones) and :attr:`finite` (their count), on the
         losses' device: one stack and a few small ops. A non-finite loss is counted, not summed."""
