@@ -405,6 +405,7 @@ class Ensemble:
         self.window.fold()
         dev = self.replicas.comm_device()
         finite, buf_inf = health(tensors, strict, dev)
+        start_sum, start_n = self.stability.start_loss()
         zero = torch.zeros((), dtype=torch.float64)
         probe = torch.full((), float("nan"), dtype=torch.float64)
         if self.window_mean is not None and self.probe is not None and self.model is not None and new_window \
@@ -420,7 +421,7 @@ class Ensemble:
             total_steps=-1 if self.total_steps is None else self.total_steps, config=self.fingerprint(),
             state_layout=self._state_layout(),
             start_ok=self.stability.start_health(self.kept_tensors() if self.stability.starting else None),
-            start_sum=self.stability.start_loss()[0], start_n=self.stability.start_loss()[1],
+            start_sum=start_sum, start_n=start_n,
         ).to_tensor(dev)
         if new_window:
             self.window.reset()

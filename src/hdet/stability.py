@@ -236,11 +236,10 @@ class StabilityGuard:
             times = max(RISE_CEILING, self.config.rise_threshold)
             warnings.warn(f"hdet: at sync step {step} the ensemble's loss ({blown[0]:.4g}) is more than {times:g}x its "
                           f"first step's loss magnitude above it ({blown[1]:.4g}): not kept as a best sync (a run that "
-                          "blew up within its "
-                          "first window went back to such a sync at every later one); a collapse, or a window with no "
-                          "finite loss, goes back to the state after step 1 until a sync is kept. If a first loss near "
-                          "0 is by design (a student that starts as its teacher), no rise is caught until then "
-                          "(with a first loss of 0: none)", stacklevel=6)
+                          "blew up within its first window went back to such a sync at every later one); a collapse, "
+                          "or a window with no finite loss, goes back to the state after step 1 until a sync is kept. "
+                          "If a first loss near 0 is by design (a student that starts as its teacher), no rise is "
+                          "caught until then (with a first loss of 0: none)", stacklevel=6)
         clean = not exclude and blown is None and (self.best_loss is None or not any(getattr(col, "nonfinite", ())))
         # (no replica reset, and after the first best no non-finite loss: a sync that reset a runaway replica kept the
         # weights its huge gradients had already reached, under a loss measured before them, a best no later window
@@ -260,9 +259,9 @@ class StabilityGuard:
         sync vector (``start_ok``), and one unhealthy start is dropped everywhere (going back to a non-finite state
         went on doing so to the end of the run: a review). ``first``: the sum of the first step's finite training
         losses and their count (their mean: about the loss at the initial weights; None if none was observed): until
-        the first best sync, a sync whose window loss is
-        ``RISE_CEILING`` times its magnitude above it is no best (a run that blew up within its first window made that
-        sync its best and went back there, already damaged, at every later sync). One foreach copy, no host sync."""
+        the first best sync, a sync whose window loss is ``RISE_CEILING`` times its magnitude above it is no best (a
+        run that blew up within its first window made that sync its best and went back there, already damaged, at
+        every later sync). One foreach copy, no host sync."""
         if self.on and self._snapshot is None and self.best_step is None:
             self.best_step, self.starting, self.start_ok = step, True, ok
             self._snapshot = self.copier(tensors)
