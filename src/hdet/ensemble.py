@@ -81,7 +81,8 @@ class SyncRecord:
     runaway: list[int] = field(default_factory=list)  # replicas whose finite window loss ran away, reset too
     lr_scale: float = 1.0  # the LR schedule's cut so far (runaway replicas or a rising ensemble loss)
     went_back_to: int | None = None  # the sync step whose state every replica went back to (a rising loss, a
-    # collapse), or 1: each replica's state after the first step (a collapse before the first best sync)
+    # collapse), or 1: each replica's state after the first step (a collapse, or a window with no finite loss, before
+    # the first best sync)
     range_scale: float | None = None  # lr_range_test: what the range test multiplies the LR schedule by now
     range_ended: str | None = None  # lr_range_test: why the test ended at this sync (None: it did not end here)
     recovered_early: list[int] = field(default_factory=list)  # replicas reset at an early recovery since the last sync
