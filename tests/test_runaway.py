@@ -294,6 +294,15 @@ def test_every_replica_nonfinite_goes_back_to_the_best_sync_with_recover_and_rai
         assert all(torch.equal(p, b) for p, b in zip(m.parameters(), best))
 
 
+def _recovering_linear(make_optimizer, **engine_kw):
+    """3 replicas of a seeded Linear(3, 1) under recover (spread 0.2, T 5, 30 steps) in the engine."""
+    torch.manual_seed(0)
+    return ReplicaEngine(nn.Linear(3, 1), 3, make_optimizer,
+                         lambda o, rep, m: hdet.HDETLR(o, None, total_steps=30, model=m, replicas=rep,
+                                                       ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                                                       on_runaway="recover"), **engine_kw)
+
+
 def test_a_collapse_before_the_first_sync_goes_back_to_the_first_steps_state():
     """Every replica non-finite before the first sync (an LR far too high from the start): with recover there was no
     best sync to go back to, and it raised. The state after the first step is kept for it (each replica its own); not
@@ -326,11 +335,7 @@ def test_a_collapse_before_the_first_sync_goes_back_to_step_1_in_the_engine_and_
     step 3 goes back there at the sync of step 5 (before: NonFiniteReplicaError), and a run resumed from a checkpoint
     of step 2 does the same."""
     def build():
-        torch.manual_seed(0)
-        return ReplicaEngine(nn.Linear(3, 1), 3, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
-                             lambda o, rep, m: hdet.HDETLR(o, None, total_steps=30, model=m, replicas=rep,
-                                                           ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
-                                                           on_runaway="recover"), mode=mode)
+        return _recovering_linear(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), mode=mode)
 
     x = torch.randn(1, 8, 3).expand(3, 8, 3)
     batches = [(x[r], x[r].sum(-1, keepdim=True)) for r in range(3)]
@@ -373,11 +378,7 @@ def test_a_start_that_is_itself_non_finite_is_never_gone_back_to(mode):
     """Step 1 blows up every replica (SGD at 1e36: finite gradients, an update that overflows to inf): the kept start
     is that state, and going back to it went on at every sync to the end of the run, which ended non-finite with
     warnings only (a review). It now raises at the first sync, as before there was a start."""
-    torch.manual_seed(0)
-    eng = ReplicaEngine(nn.Linear(3, 1), 3, lambda m: torch.optim.SGD(m.parameters(), lr=1e36),
-                        lambda o, rep, m: hdet.HDETLR(o, None, total_steps=30, model=m, replicas=rep,
-                                                      ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
-                                                      on_runaway="recover"), mode=mode)
+    eng = _recovering_linear(lambda m: torch.optim.SGD(m.parameters(), lr=1e36), mode=mode)
     x = torch.randn(3, 8, 3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -396,11 +397,7 @@ def test_one_replicas_unhealthy_start_drops_every_replicas_start(mode):
     first sync: its kept start is unhealthy, so no replica keeps one (each replica's start_ok rides in the sync vector:
     every replica decides the same), and a collapse before a best sync raises as before; a healthy start is kept by
     every replica through that sync."""
-    torch.manual_seed(0)
-    eng = ReplicaEngine(nn.Linear(3, 1), 3, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
-                        lambda o, rep, m: hdet.HDETLR(o, None, total_steps=30, model=m, replicas=rep,
-                                                      ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
-                                                      on_runaway="recover"), mode=mode, share_gradients=False)
+    eng = _recovering_linear(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), mode=mode, share_gradients=False)
     x = torch.randn(3, 8, 3)
     loss_fn = lambda m, b: ((m(b[0]) - b[1]) ** 2).mean()  # noqa: E731
     with warnings.catch_warnings():
@@ -535,15 +532,10 @@ def test_a_first_window_with_no_finite_loss_goes_back_to_the_start_and_averages_
 def test_a_first_loss_of_zero_trains_as_before_and_says_why_no_best_is_kept():
     """A first batch with no supervised row (a masked loss: 0 at step 1), then a healthy run: the first version of the
     rule read every window as a blow-up from 0, went back to step 1 at every sync and cut the LR to its floor (the run
-    never trained: a review). Now no sync is kept as a best until one is within 10x of the first loss (here none:
-    said once), nothing is cut, and the run trains as the one with a normal first batch does."""
+    never trained: a review). Now no sync is kept as a best until one is within 9x the first loss's magnitude above it
+    (with a first loss of 0, none: said once), nothing is cut, and the run trains as the one with a normal first batch does."""
     def run(zero_first):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
-        eng = ReplicaEngine(model, 4, lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
-                            lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=60, model=m,
-                                                                  replicas=rep, ensemble_lr_spread_ratio=0.2,
-                                                                  model_sync_interval=10, on_runaway="recover"))
+        eng = _blowing_up(lr=0.05, steps=60)
         g = torch.Generator().manual_seed(1)
         W = torch.randn(8, 1, generator=g)
         with warnings.catch_warnings(record=True) as caught:
@@ -741,11 +733,7 @@ def test_going_back_restores_batchnorms_count_of_batches():
 def test_a_collapse_says_every_replica_went_back_and_nothing_else():
     """Every replica's weights NaN in the engine: the sync goes back to the best one; it also warned that those
     replicas had non-finite losses "but finite weights", which contradicted the first warning."""
-    torch.manual_seed(0)
-    eng = ReplicaEngine(nn.Linear(3, 1), 3, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
-                        lambda o, rep, m: hdet.HDETLR(o, None, total_steps=30, model=m, replicas=rep,
-                                                      ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
-                                                      on_runaway="recover"))
+    eng = _recovering_linear(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
     x = torch.randn(1, 8, 3).expand(3, 8, 3)  # every replica's batch the same (a replica whose data's loss is
     # 4x the others' is a runaway at sync 10, and a sync that resets one is no best sync to go back to)
     with warnings.catch_warnings(record=True) as caught:
