@@ -300,8 +300,9 @@ def explore_hypers(rank, world, steps=30):
 def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20, T=5, guard=True, fused=False,
                     clip=False, on_runaway="ignore", norm_type=2.0, sgd=False):
     """DDP + Adam (``fused``: torch's fused Adam) + auto-LR; at step ``at`` replica ``bad_rank`` (-1: every
-    replica) gets a NaN weight (mid-window), a NaN loss, or a NaN born in its first weight matrix's own gradient
-    (``"matrix_grad"``: a tensor hook, before DDP's all-reduce; loss and activations finite). Records, after every step, whether each rank's weights are finite
+    replica) gets a NaN weight (mid-window), a NaN loss, or a NaN born in one element of its first weight matrix's own
+    gradient, off its first row (``"matrix_grad"``: a tensor hook, before DDP's all-reduce; loss and activations finite:
+    what the "skip" guard's sentinels miss). Records, after every step, whether each rank's weights are finite
     and whether they changed, and after every sync whether the replicas are equal. ``clip``: clip through
     ``scheduler.clip_grad_norm_`` (max norm 1e6: no healthy gradient is changed) and count the guard's own
     passes over the gradients; ``norm_type``: its norm. ``sgd``: SGD with momentum 0.9 instead of Adam."""
@@ -336,7 +337,7 @@ def fault_injection(rank, world, *, fault="weights", bad_rank=2, at=7, steps=20,
                 hook = None
                 if fault in ("matrix_grad", "matrix_grad_inf") and t == at and bad_rank in (rank, -1):
                     bad = float("nan") if fault == "matrix_grad" else float("inf")
-                    hook = model[0].weight.register_hook(lambda g: g.index_put((torch.tensor(0), torch.tensor(0)),
+                    hook = model[0].weight.register_hook(lambda g: g.index_put((torch.tensor(3), torch.tensor(2)),
                                                                                torch.tensor(bad)))
                 loss.backward()
                 if hook is not None:

@@ -339,10 +339,10 @@ def test_someone_elses_found_inf_without_a_grad_scale_is_not_taken_for_a_full_ch
     assert torch.equal(p, before) and calls == [2] and float(guard.skipped) == 1.0
 
 
-def test_the_sentinel_read_takes_only_biases_and_norm_weights(monkeypatch):
+def test_the_sentinel_read_takes_biases_norm_weights_and_each_matrix_first_row(monkeypatch):
     """reads="sentinels" (the "skip" guard's): the own pass reads the gradients of parameters with at most one
-    dimension, where any NaN of a loss or an activation lands; a NaN born only in a matrix's gradient is what it
-    misses (documented), "all" sees it; with no such parameter every gradient is read."""
+    dimension, where any NaN of a loss or an activation lands, and the first row of every other parameter's; a NaN
+    born in one element of a matrix's gradient off that row is what it misses (documented), "all" sees it."""
     import hdet.guard
 
     passes = []
@@ -356,24 +356,63 @@ def test_the_sentinel_read_takes_only_biases_and_norm_weights(monkeypatch):
     before = [p.detach().clone(), q.detach().clone()]
     opt.step()
     assert torch.equal(p, before[0]) and torch.equal(q, before[1]) and float(guard.skipped) == 1.0
-    assert passes == [[(5,)]]
-    p.grad, q.grad = torch.ones(5), torch.full((3, 2), float("nan"))  # only the matrix: not read, stepped
+    assert passes == [[(5,), (2,)]]
+    p.grad, q.grad = torch.ones(5), torch.ones(3, 2)
+    q.grad[0, 1] = float("inf")  # in the matrix's first row: skipped
     opt.step()
-    assert not torch.isfinite(q).all() and float(guard.skipped) == 1.0 and passes[-1] == [(5,)]
+    assert torch.equal(q, before[1]) and float(guard.skipped) == 2.0
+    p.grad, q.grad = torch.ones(5), torch.ones(3, 2)
+    q.grad[1:, 0] = float("nan")  # off the first row: not read, stepped
+    opt.step()
+    assert not torch.isfinite(q).all() and float(guard.skipped) == 2.0 and passes[-1] == [(5,), (2,)]
     p2, q2, opt2 = _setup()
     full = SkipNonFiniteStep(opt2, reads="all")
     p2.grad, q2.grad = torch.ones(5), torch.full((3, 2), float("nan"))
     opt2.step()
     assert torch.isfinite(q2).all() and float(full.skipped) == 1.0 and passes[-1] == [(5,), (3, 2)]
-    p2.grad = None  # no sentinel has a gradient: every gradient is read
-    q3, = [torch.nn.Parameter(torch.randn(3, 2))]
+    q3, = [torch.nn.Parameter(torch.randn(3, 2))]  # matrices only: their first rows
     opt3 = torch.optim.AdamW([q3], lr=0.1, fused=True)
     mats = SkipNonFiniteStep(opt3, reads="sentinels")
     q3.grad = torch.full((3, 2), float("nan"))
     opt3.step()
-    assert torch.isfinite(q3).all() and float(mats.skipped) == 1.0 and passes[-1] == [(3, 2)]
+    assert torch.isfinite(q3).all() and float(mats.skipped) == 1.0 and passes[-1] == [(2,)]
     with pytest.raises(ValueError, match=r"Expected reads in \('sentinels', 'all'\), but got 'some'"):
         SkipNonFiniteStep(opt3, reads="some")
+
+
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+def test_a_nan_in_rows_the_loss_leaves_out_is_seen_by_the_first_rows_without_a_norm_layer(layout):
+    """A NaN in an input row the loss leaves out (selected away by indexing: its gradient rows are exact zeros), in an
+    MLP with biases and no norm layer: every bias's gradient stays finite (0 for that row), which the sentinels read
+    before 2026-11-30 (1-D parameters only) saw as a healthy step, and the NaN stepped into every replica; each
+    weight's gradient ``dY^T X`` holds ``0 * NaN`` in whole rows or columns, and from the second layer on in its first
+    row, in torch's ``[out, in]`` layout and in Hugging Face's ``Conv1D`` ``[in, out]``: the "skip" guard skips the
+    step."""
+
+    class Conv1D(torch.nn.Module):  # Hugging Face's GPT-2 layer: y = x @ W + b, W of shape [in, out]
+        def __init__(self, i, o):
+            super().__init__()
+            self.weight, self.bias = torch.nn.Parameter(torch.randn(i, o) / i ** 0.5), torch.nn.Parameter(torch.zeros(o))
+
+        def forward(self, x):
+            return x @ self.weight + self.bias
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear if layout == "linear" else Conv1D
+    net = torch.nn.Sequential(layer(5, 8), torch.nn.ReLU(), layer(8, 16), torch.nn.ReLU(), layer(16, 10))
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1, fused=True)
+    guard = SkipNonFiniteStep(opt, reads="sentinels")
+    x, y = torch.randn(6, 5), torch.randint(0, 10, (6,))
+    x[2, 3] = float("nan")  # a row the loss leaves out (a padded example, say)
+    keep = torch.arange(6) != 2
+    loss = torch.nn.functional.cross_entropy(net(x)[keep], y[keep])
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in net.parameters() if p.dim() == 1)  # the biases: blind
+    assert all(not torch.isfinite(p.grad[0]).all() for p in (net[2].weight, net[4].weight))
+    before = [p.detach().clone() for p in net.parameters()]
+    opt.step()
+    assert float(guard.skipped) == 1.0 and all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
 
 
 def test_a_nan_loss_reaches_every_sentinel_of_a_real_model():

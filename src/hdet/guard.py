@@ -19,21 +19,21 @@ optimizer can skip a step on the device, i.e. every param group is ``fused``, or
   ``torch.amp.GradScaler``): every replica skips that step together, weights and optimizer state
   untouched. ``"skip-all"`` reads every gradient (their max-abs norms, ``torch._foreach_norm(..., inf)``:
   NaN and Inf propagate, and a max cannot overflow): one read of the gradients a step, 0.6% of a 124M GPT's
-  step on an H100 (``docs/cost.md``). ``"skip"`` reads only the *sentinel* gradients, those of the
-  parameters with at most one dimension (biases, norm weights; 0.1% of that GPT's): a NaN/Inf in a
-  replica's loss, or in an activation's gradient, reaches every gradient the backward computes after it
-  on its path, and a bias's or a norm weight's gradient sums over the whole batch; a NaN/Inf in an
-  activation that the loss does see reaches them too, and a norm weight also sees one in a row the loss
-  drops. What the sentinels miss: a NaN in rows the loss leaves out, where no norm weight sees them (the
-  weight's gradient ``dY^T X`` is then ``0 * NaN``, a bias's is 0); a NaN born in the backward (``sqrt``'s
-  gradient at 0) off every sentinel's path; an overflow in a weight's own product (fp16 without a
-  GradScaler); sentinels off the loss's path that keep a stale gradient (``zero_grad(set_to_none=False)``
-  and an unused branch); a gradient set by hand. Such a step reaches every replica's weights: every
+  step on an H100 (``docs/cost.md``). ``"skip"`` reads only the *sentinel* gradients: those of the
+  parameters with at most one dimension (biases, norm weights) and the first row of every other parameter's
+  (0.1% of that GPT's): a NaN/Inf in a replica's loss, or in an activation's gradient, reaches every gradient the
+  backward computes after it on its path, and a bias's or a norm weight's gradient sums over the whole batch; a
+  NaN/Inf in an activation that the loss does see reaches them too, and a norm weight also sees one in a row the loss
+  drops. A NaN in a row the loss leaves out (its gradient rows exact zeros) leaves the biases finite, but a weight's
+  gradient ``dY^T X`` holds ``0 * NaN`` in a whole column, and from the next layer on in every element, so in its
+  first row. What the sentinels miss: a NaN/Inf born in the backward or in a gradient itself (a gradient set by hand, a
+  custom backward, an overflow in a weight's own product: fp16 without a GradScaler) that reaches no bias, norm
+  weight or first row: single elements, or a row of a bias-free layer's gradient other than its first, where the
+  layers below do not carry it into theirs (a ReLU's backward zeroes part of it). Such a step reaches every replica's weights: every
   replica's next loss is non-finite, the sentinels see that, and the next sync (or early recovery) finds
   every replica bad, then goes back to the best sync under ``on_runaway="recover"``, or stops with
   :class:`~hdet.NonFiniteReplicaError`. So ``"auto"`` picks ``"skip"`` only with ``on_runaway="recover"``
-  (or the range test), where that costs at most a go-back, and ``"skip-all"`` otherwise. A model with no
-  sentinel gradient has every gradient read. Neither reads anything when the step's gradient norm is
+  (or the range test), where that costs at most a go-back, and ``"skip-all"`` otherwise. Neither reads anything when the step's gradient norm is
   handed over (:meth:`SkipNonFiniteStep.use_norm`, which ``HDETLR.clip_grad_norm_`` does): a clipping
   user has computed it anyway, over every gradient; nor under ``torch.amp.GradScaler`` (fp16), whose
   ``step`` has just checked every gradient and hands its verdict over as ``found_inf`` (not after an
@@ -245,6 +245,17 @@ def _fused(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(inner, "_step_supports_amp_scaling", False)) and all(g.get("fused") for g in inner.param_groups)
 
 
+def _sentinel(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+    """What the "skip" guard reads of ``grad`` (this rank's shard of ``param``'s gradient): all of it when the parameter
+    has at most one dimension (a bias, a norm weight: each element sums over the whole batch), else its first row
+    ``grad[0]`` (a view: a row of a matrix's gradient ``dY^T X``, in which a NaN/Inf in a column of ``X`` leaves a whole
+    column, and through the layers below one in a row of ``dY`` too; a convolution's first output channel). None for
+    an empty shard."""
+    if param.dim() <= 1:  # (a DTensor's dim is the whole parameter's)
+        return grad
+    return grad[0] if grad.dim() and grad.shape[0] else None
+
+
 class SkipNonFiniteStep:
     """Skip ``optimizer.step()`` on the device when a gradient is NaN/Inf (the ``"skip"`` and ``"skip-all"`` guards).
 
@@ -261,9 +272,8 @@ class SkipNonFiniteStep:
     averaged gradient is the same on every rank.
 
     ``reads``: which gradients the guard's own pass reads: ``"all"`` (default), or ``"sentinels"``, those of the
-    parameters with at most one dimension (biases, norm weights), which a NaN/Inf of the loss or of an
-    activation's gradient reaches (the module docstring says what they miss); every gradient when no parameter
-    with a gradient has at most one dimension."""
+    parameters with at most one dimension (biases, norm weights) and the first row of every other's, which a NaN/Inf
+    of the loss or of an activation reaches (the module docstring says what they miss)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, agree_over: Sequence[Any] = (), reads: str = "all") -> None:
         if reads not in READS:
@@ -351,13 +361,14 @@ class SkipNonFiniteStep:
                 if p.grad is not None:
                     grad = local_shard(p.grad)  # FSDP2: this rank's shard
                     groups.setdefault((grad.device, grad.dtype), []).append(grad)
-                    if self.reads == "sentinels" and p.dim() <= 1:  # (a DTensor's dim is the whole parameter's)
-                        sentinels.setdefault((grad.device, grad.dtype), []).append(grad)
+                    probe = _sentinel(p, grad) if self.reads == "sentinels" else None
+                    if probe is not None:
+                        sentinels.setdefault((grad.device, grad.dtype), []).append(probe)
         if not groups:
             self._saved.append(_UNSET)  # nothing to check: found_inf left alone
             return
         norm = handed[0] if handed is not None and _unchanged(handed[1], groups) else None
-        read = sentinels or groups  # (no sentinel with a gradient: every gradient)
+        read = sentinels or groups  # (every shard empty: nothing to read)
         prev = getattr(optimizer, "found_inf", None)
         if prev is not None and prev is self._mine:  # ours, left by a step that raised before its post-hook
             prev, self._saved = None, []
