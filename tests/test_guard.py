@@ -342,7 +342,8 @@ def test_someone_elses_found_inf_without_a_grad_scale_is_not_taken_for_a_full_ch
 def test_the_sentinel_read_takes_biases_norm_weights_and_each_matrix_first_row(monkeypatch):
     """reads="sentinels" (the "skip" guard's): the own pass reads the gradients of parameters with at most one
     dimension, where any NaN of a loss or an activation lands, and the first row of every other parameter's; a NaN
-    born in one element of a matrix's gradient off that row is what it misses (documented), "all" sees it."""
+    born in one element of a matrix's gradient off that row is what it misses (documented), "all" sees it; with no
+    parameter of at most one dimension (no bias or norm weight to carry a NaN of the loss), every gradient is read."""
     import hdet.guard
 
     passes = []
@@ -370,14 +371,15 @@ def test_the_sentinel_read_takes_biases_norm_weights_and_each_matrix_first_row(m
     p2.grad, q2.grad = torch.ones(5), torch.full((3, 2), float("nan"))
     opt2.step()
     assert torch.isfinite(q2).all() and float(full.skipped) == 1.0 and passes[-1] == [(5,), (3, 2)]
-    q3, = [torch.nn.Parameter(torch.randn(3, 2))]  # matrices only: their first rows
-    opt3 = torch.optim.AdamW([q3], lr=0.1, fused=True)
-    mats = SkipNonFiniteStep(opt3, reads="sentinels")
-    q3.grad = torch.full((3, 2), float("nan"))
-    opt3.step()
-    assert torch.isfinite(q3).all() and float(mats.skipped) == 1.0 and passes[-1] == [(2,)]
+    p2.grad = None  # no bias or norm weight has a gradient: every gradient is read
+    q2.grad = torch.ones(3, 2)
+    q2.grad[2, 1] = float("nan")  # off the first row
+    opt2 = torch.optim.AdamW([p2, q2], lr=0.1, fused=True)
+    mats = SkipNonFiniteStep(opt2, reads="sentinels")
+    opt2.step()
+    assert torch.isfinite(q2).all() and float(mats.skipped) == 1.0 and passes[-1] == [(3, 2)]
     with pytest.raises(ValueError, match=r"Expected reads in \('sentinels', 'all'\), but got 'some'"):
-        SkipNonFiniteStep(opt3, reads="some")
+        SkipNonFiniteStep(opt2, reads="some")
 
 
 @pytest.mark.parametrize("layout", ["linear", "conv1d"])

@@ -996,9 +996,10 @@ def test_every_replica_nan_between_syncs_goes_back_at_the_early_recovery():
 @pytest.mark.distributed
 @pytest.mark.parametrize("on_runaway", ["ignore", "recover"])
 def test_a_nan_born_in_a_matrix_gradient_is_never_silent(on_runaway):
-    """What the sentinels miss: a NaN born in one replica's weight-matrix gradient (finite loss and activations) at
-    step 31, all-reduced into every replica's gradient. The default guard is "skip-all" there (on_runaway="ignore"),
-    which skips that step. Under on_runaway="recover" it is "skip" (biases and norm weights), which steps it into
+    """What the sentinels miss: a NaN born in one element of one replica's weight-matrix gradient, off its first row
+    (finite loss and activations) at step 31, all-reduced into every replica's gradient. The default guard is
+    "skip-all" there (on_runaway="ignore"), which skips that step. Under on_runaway="recover" it is "skip" (biases,
+    norm weights and the matrices' first rows), which steps it into
     every replica; every next loss is then NaN, its gradient reaches the sentinels, the steps are skipped, and the
     next sync (step 60; the early recovery's stretch of skipped steps, from step 32, is one short at step 50) finds
     every replica bad and goes back to the best sync (step 30) with the LR cut: finite again, never silently

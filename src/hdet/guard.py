@@ -24,16 +24,20 @@ optimizer can skip a step on the device, i.e. every param group is ``fused``, or
   (0.1% of that GPT's): a NaN/Inf in a replica's loss, or in an activation's gradient, reaches every gradient the
   backward computes after it on its path, and a bias's or a norm weight's gradient sums over the whole batch; a
   NaN/Inf in an activation that the loss does see reaches them too, and a norm weight also sees one in a row the loss
-  drops. A NaN in a row the loss leaves out (its gradient rows exact zeros) leaves the biases finite, but a weight's
-  gradient ``dY^T X`` holds ``0 * NaN`` in a whole column, and from the next layer on in every element, so in its
-  first row. What the sentinels miss: a NaN/Inf born in the backward or in a gradient itself (a gradient set by hand, a
-  custom backward, an overflow in a weight's own product: fp16 without a GradScaler) that reaches no bias, norm
-  weight or first row: single elements, or a row of a bias-free layer's gradient other than its first, where the
-  layers below do not carry it into theirs (a ReLU's backward zeroes part of it). Such a step reaches every replica's weights: every
-  replica's next loss is non-finite, the sentinels see that, and the next sync (or early recovery) finds
+  drops. A NaN in a row the loss leaves out (its gradient rows exact zeros: selected away, or behind a ReLU) leaves the
+  biases finite, but a weight's gradient ``dY^T X`` holds ``0 * NaN`` in a whole column of torch's ``[out, in]``
+  layout, and from the next layer on (the product spreads it over the row) in every element, so in its first row.
+  What the sentinels miss: a NaN/Inf born in the backward or in a gradient itself (a gradient set by hand, a custom
+  backward, an overflow in a weight's own product: fp16 without a GradScaler) that reaches no bias, norm weight or
+  first row: single elements, or a row of a bias-free layer's gradient other than its first, where the layers below
+  do not carry it into theirs (a ReLU's backward zeroes part of it); an Inf (an overflow) in a row the loss leaves
+  out, with no norm layer, in gradients of the ``[in, out]`` layout (Hugging Face's ``Conv1D``), where a ReLU turns
+  the Inf to 0 on part of the row and leaves only some of their rows non-finite. Such a step reaches every replica's
+  weights: every replica's next loss is non-finite, the sentinels see that, and the next sync (or early recovery) finds
   every replica bad, then goes back to the best sync under ``on_runaway="recover"``, or stops with
   :class:`~hdet.NonFiniteReplicaError`. So ``"auto"`` picks ``"skip"`` only with ``on_runaway="recover"``
-  (or the range test), where that costs at most a go-back, and ``"skip-all"`` otherwise. Neither reads anything when the step's gradient norm is
+  (or the range test), where that costs at most a go-back, and ``"skip-all"`` otherwise. A model with no bias or
+  norm weight with a gradient (bias-free, norm-free, or adapters only) has every gradient read. Neither reads anything when the step's gradient norm is
   handed over (:meth:`SkipNonFiniteStep.use_norm`, which ``HDETLR.clip_grad_norm_`` does): a clipping
   user has computed it anyway, over every gradient; nor under ``torch.amp.GradScaler`` (fp16), whose
   ``step`` has just checked every gradient and hands its verdict over as ``found_inf`` (not after an
@@ -273,7 +277,8 @@ class SkipNonFiniteStep:
 
     ``reads``: which gradients the guard's own pass reads: ``"all"`` (default), or ``"sentinels"``, those of the
     parameters with at most one dimension (biases, norm weights) and the first row of every other's, which a NaN/Inf
-    of the loss or of an activation reaches (the module docstring says what they miss)."""
+    of the loss or of an activation reaches (the module docstring says what they miss); every gradient when no
+    parameter with a gradient has at most one dimension."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, agree_over: Sequence[Any] = (), reads: str = "all") -> None:
         if reads not in READS:
@@ -355,7 +360,8 @@ class SkipNonFiniteStep:
         if self._fresh_sgd:  # (here: after a closure has made this step's gradients)
             self._momentum_buffers_missing(optimizer)
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # every gradient
-        sentinels: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # those of parameters of <= 1 dim
+        sentinels: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # <= 1 dim, and matrices' first rows
+        vectors = False  # whether a parameter of at most one dimension has a gradient
         for g in optimizer.param_groups:
             for p in g["params"]:
                 if p.grad is not None:
@@ -364,11 +370,12 @@ class SkipNonFiniteStep:
                     probe = _sentinel(p, grad) if self.reads == "sentinels" else None
                     if probe is not None:
                         sentinels.setdefault((grad.device, grad.dtype), []).append(probe)
+                        vectors = vectors or p.dim() <= 1
         if not groups:
             self._saved.append(_UNSET)  # nothing to check: found_inf left alone
             return
         norm = handed[0] if handed is not None and _unchanged(handed[1], groups) else None
-        read = sentinels or groups  # (every shard empty: nothing to read)
+        read = sentinels if vectors else groups  # (no bias or norm weight with a gradient: every gradient)
         prev = getattr(optimizer, "found_inf", None)
         if prev is not None and prev is self._mine:  # ours, left by a step that raised before its post-hook
             prev, self._saved = None, []
