@@ -417,41 +417,64 @@ def test_one_replicas_unhealthy_start_drops_every_replicas_start(mode):
                 eng.step([(x[r], x[r].sum(-1, keepdim=True)) for r in range(3)], loss_fn)
 
 
-def test_a_start_kept_before_the_optimizer_had_state_is_dropped_when_it_no_longer_fits(tmp_path):
-    """A GradScaler-style first step skipped by a non-fused Adam makes no moments: the start (weights only) can never
-    fit. It is dropped at the first sync (its fit rides in the sync vector), and a checkpoint taken before that resumes
-    without a warning that the best sync does not fit (a review: it blamed another model or optimizer), to the same
-    drop at the same sync."""
+def test_a_first_step_a_grad_scaler_skipped_keeps_the_start_at_the_first_step_taken():
+    """torch.amp.GradScaler at a scale that overflows the first step's gradients skips it, and a non-fused Adam makes no
+    moments: the start kept after step 1 (weights only) could never fit, and was dropped at the first sync, so a
+    collapse before it raised (before 2026-11-30). It is kept again at step 2, the first step taken: a collapse goes
+    back there, to the weights and moments after step 2. A run resumed from a checkpoint of step 1 (before the start
+    was kept again) or of step 3 (after) ends where the run that was never stopped does, warning of nothing."""
     def build():
         torch.manual_seed(0)
         m = nn.Linear(3, 1)
         o = torch.optim.Adam(m.parameters(), lr=1e-2)
         s = hdet.HDETLR(o, None, total_steps=30, model=m, replicas=ScriptedReplicas(0, 4, lambda: [1.0] * 4),
                         ensemble_lr_spread_ratio=0.2, model_sync_interval=5, on_runaway="recover")
-        return m, o, s
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 124)  # x 20 (each gradient): inf at step 1 only
+        return m, o, s, scaler
 
-    m, o, s = build()
-    s.step(torch.tensor(1.0))  # step 1 skipped: no optimizer.step(), no moments
-    for _ in range(2):
-        o.zero_grad()
-        m(torch.ones(2, 3)).sum().backward()
-        o.step()
-        s.step(torch.tensor(1.0))
-    assert s.ensemble.stability.starting
-    state = torch.load(io.BytesIO(_bytes({"o": o.state_dict(), "s": s.state_dict()})), weights_only=True)
-    m2, o2, s2 = build()
-    o2.load_state_dict(state["o"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        s2.load_state_dict(state["s"])
-    for mm, oo, ss in ((m, o, s), (m2, o2, s2)):
-        assert ss.ensemble.stability.starting
-        for _ in range(2):
-            oo.zero_grad()
-            mm(torch.ones(2, 3)).sum().backward()
-            oo.step()
-            ss.step(torch.tensor(1.0))  # step 5: the first sync drops it (the scripted losses make it the first best)
-        assert not ss.ensemble.stability.starting and ss.ensemble.stability.best_step == 5
+    def steps(m, o, s, scaler, ts, nan_at=None):
+        for t in ts:
+            if t == nan_at:
+                with torch.no_grad():
+                    m.weight.fill_(float("nan"))  # every replica (the scripted gather copies this replica's health)
+            o.zero_grad()
+            loss = 10 * m(torch.ones(2, 3)).sum()
+            scaler.scale(loss).backward()
+            scaler.step(o)
+            scaler.update()
+            s.step(loss.detach())
+
+    m, o, s, scaler = build()
+    steps(m, o, s, scaler, [1])
+    assert not o.state and s.ensemble.stability.best_step == 1  # skipped: no moments
+    saved1 = _bytes({"m": m.state_dict(), "o": o.state_dict(), "s": s.state_dict(), "g": scaler.state_dict()})
+    steps(m, o, s, scaler, [2])
+    after2 = [p.detach().clone() for p in m.parameters()] + [v.clone() for st in o.state.values() for v in st.values()]
+    assert s.ensemble.stability.starting and s.ensemble.stability.best_step == 2  # kept again
+    steps(m, o, s, scaler, [3])
+    saved3 = _bytes({"m": m.state_dict(), "o": o.state_dict(), "s": s.state_dict(), "g": scaler.state_dict()})
+    with pytest.warns(UserWarning, match=r"every replica had non-finite weights or buffers; every replica went back "
+                                         r"to its state at step 2"):
+        steps(m, o, s, scaler, [4, 5], nan_at=5)  # step 5: the first sync
+    assert s.last_sync.went_back_to == 2
+    now = [p.detach() for p in m.parameters()] + [v for st in o.state.values() for v in st.values()]
+    assert all(torch.equal(a, b) for a, b in zip(now, after2))
+    steps(m, o, s, scaler, range(6, 11))
+    for saved, first in ((saved1, 2), (saved3, 4)):
+        state = torch.load(io.BytesIO(saved), weights_only=True)
+        m2, o2, s2, scaler2 = build()
+        m2.load_state_dict(state["m"])
+        o2.load_state_dict(state["o"])
+        scaler2.load_state_dict(state["g"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            s2.load_state_dict(state["s"])
+            steps(m2, o2, s2, scaler2, range(first, 5))
+        with pytest.warns(UserWarning, match="went back to its state at step 2"):
+            steps(m2, o2, s2, scaler2, [5], nan_at=5)
+        steps(m2, o2, s2, scaler2, range(6, 11))
+        assert s2.last_sync.went_back_to == s.last_sync.went_back_to and s2.base_lrs_now == s.base_lrs_now
+        assert all(torch.equal(a, b) for a, b in zip(m2.parameters(), m.parameters()))
 
 
 def _blowing_up(lr=30.0, steps=200):

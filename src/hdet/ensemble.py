@@ -142,6 +142,7 @@ class Ensemble:
         self.window_mean = WindowMean(self._float_params()) if config.probing else None
         self.total_steps: int | None = None
         self.stability = StabilityGuard(config)  # on_runaway="recover"
+        self._start_state: int | None = None  # the optimizer's state tensors when the start was kept (None: unknown)
         self.load_warnings: list[str] = []  # what the last load_state_dict warned about (hdet.ensemble_state)
         self._ramp = RampSnapshots()  # lr_range_test: the ramp's recent states
         self.last_sync: SyncRecord | None = None
@@ -290,15 +291,42 @@ class Ensemble:
         T = self.config.model_sync_interval
         if self.window_mean is not None and -(-t // T) * T >= self.config.auto_lr_warmup_steps:
             self.window_mean.add()
-        if t == 1 and self.stability.on:  # under recover: a state to go back to before the first best sync's
-            tensors, strict = self._tensors()  # (kept_tensors()'s, with their health; once a run: no host sync)
-            moments = self.recovery_tensors()
-            ok = health(tensors + moments, strict + [True] * len(moments), self.replicas.comm_device())[0]
+        if not self.stability.on:
+            return
+        if t == 1:  # under recover: a state to go back to before the first best sync's
             self.window.fold()  # (step 1's losses, one a micro-batch where the loop observes each: their finite sum)
             first = None if self.window.sum is None else (self.window.sum, self.window.finite)
-            self.stability.keep_start(t, tensors + moments + self.step_counts(), ok, first)
-            if self.step_scale is not None:  # (its estimates were read for the copy, not for a sync: nothing to
-                self.step_scale.unfill()  # take back into the param groups before step 2)
+            self._keep_start(t, lambda kept, ok: self.stability.keep_start(t, kept, ok, first))
+        elif self.stability.starting and t < self.config.model_sync_interval and self._start_misfits():
+            # a first step that a GradScaler (or the guard, fused SGD's momentum) skipped made no optimizer state, so the
+            # start kept then could never fit: kept again at the first step that made it (before the first sync only)
+            self._keep_start(t, lambda kept, ok: self.stability.keep_start_again(t, kept, ok))
+
+    def _keep_start(self, t: int, keep: Callable[[list[torch.Tensor], torch.Tensor], None]) -> None:
+        """The state after step ``t`` and its health (a device flag: no host sync) handed to ``keep``."""
+        tensors, strict = self._tensors()  # (kept_tensors()'s, with their health)
+        moments = self.recovery_tensors()
+        ok = health(tensors + moments, strict + [True] * len(moments), self.replicas.comm_device())[0]
+        keep(tensors + moments + self.step_counts(), ok)
+        self._start_state = self._state_count()
+        if self.step_scale is not None:  # (its estimates were read for the copy, not for a sync: nothing to
+            self.step_scale.unfill()  # take back into the param groups before the next step)
+
+    def _start_misfits(self) -> bool:
+        """Whether the optimizer's state has changed its layout since the start was kept (host only; resumed, once:
+        whether the kept start fits the state now)."""
+        count = self._state_count()
+        if self._start_state is None:
+            self._start_state = count if self.stability.start_fits(self.kept_tensors()) else -1
+            if self.step_scale is not None:  # (read for the layout only)
+                self.step_scale.unfill()
+        return count != self._start_state
+
+    def _state_count(self) -> int:
+        """How many tensors the optimizer's state holds for the trained parameters (host only: a skipped first step
+        made none, or fewer)."""
+        state = self.optimizer.state
+        return sum(isinstance(v, torch.Tensor) for p in self._params() for v in state.get(p, {}).values())
 
     # ----------------------------------------------------------------- tensors
     def tensors(self) -> list[torch.Tensor]:

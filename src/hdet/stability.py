@@ -16,7 +16,8 @@ decides the same, with no communication):
   ``MIN_LR_SCALE`` at most.
 
 Every replica non-finite at once (a collapse) goes back to the best sync too. Before the first best sync, the state
-after the run's first step is kept (:meth:`StabilityGuard.keep_start`, where every replica's is healthy): a collapse
+after the run's first step is kept (:meth:`StabilityGuard.keep_start`, where every replica's is healthy; again after
+the first step that made the optimizer's state, where a GradScaler skipped the first: :meth:`keep_start_again`): a collapse
 or a window with no finite loss goes back there, and a sync ``RISE_CEILING`` times the first step's loss magnitude
 above it is no best.
 
@@ -268,6 +269,17 @@ class StabilityGuard:
             if first is not None:  # this replica's first loss: the mean of the finite ones, weight 1 if any
                 total, n = first
                 self._start_loss = (total / n.clamp(min=1), (n > 0).to(total.dtype))
+
+    def keep_start_again(self, step: int, tensors: list[torch.Tensor], ok: torch.Tensor) -> None:
+        """The start kept again, at ``step`` (the first optimizer step that made the optimizer's state, where a
+        GradScaler skipped the first: the start kept then had no moments and could never fit), the first loss kept."""
+        if self.on and self.starting:
+            self.best_step, self.start_ok = step, ok
+            self._snapshot = self.copier(tensors)
+
+    def start_fits(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether a kept start fits ``tensors`` (the kept tensors now)."""
+        return self._snapshot is not None and same_layout(self._snapshot, tensors)
 
     def start_loss(self) -> tuple[torch.Tensor | float, torch.Tensor | float]:
         """This replica's first loss for the sync vector, ``(start_sum, start_n)``: (0, 0) unless a start is kept."""
