@@ -43,6 +43,7 @@ from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_leaves
 
 from . import attention, autocast, embedding, linear
+from .caller import user_stacklevel
 from .graphs import StepGraphs, function_key
 from .merged import MergedReplicas, NotMergeable, check_merged, failure, reason_not_mergeable
 from .ensemble import ReplicaMismatchError
@@ -251,14 +252,14 @@ class ReplicaEngine:
         if self.mode == "merged":
             why = reason_not_mergeable(self.models[0])
             if why:
-                self._no_merge(why, stacklevel=3)
+                self._no_merge(why)
             else:
                 self._merged = MergedReplicas(self.models[0], self.stack.params, num_replicas)
         if compile is not False and self.mode == "loop":
             warnings.warn("hdet: compile has no effect here: the engine runs its loop over replica copies ("
                           + ("mode='loop'" if mode == "loop" else f"explored {unsafe} live in the module's Python "
                              "state, which needs one call per replica") + "), and only the vmapped call is compiled",
-                          stacklevel=2)
+                          stacklevel=user_stacklevel())
         self.compile = compile
         self._fns: dict[Any, list[Any]] = {}  # loss_fn -> [the vmapped function, its compiled form or None,
         # whether its first compiled losses are still to be checked against eager's]
@@ -301,12 +302,13 @@ class ReplicaEngine:
                                     shared=self.stack.one_grad_row)
         return "stacked"
 
-    def _stop_stacked(self, why: str, warn: bool = True, stacklevel: int = 3) -> None:
+    def _stop_stacked(self, why: str, warn: bool = True) -> None:
         """From now on each replica's ``optimizer.step()`` (its own copy of the state); ``warn``: say so (N optimizer
         steps a step instead of one, and N copies of the moments: a cost the user should hear of once)."""
         if self._stacked is not None and warn:
             warnings.warn(f"hdet: the engine steps each replica's optimizer from now on, instead of one stacked step for "
-                          f"all ({why}): slower, with a copy of the optimizer state per replica", stacklevel=stacklevel)
+                          f"all ({why}): slower, with a copy of the optimizer state per replica",
+                          stacklevel=user_stacklevel())
         if self._stacked is not None:
             self._stacked.release()
             self._stacked = None
@@ -353,7 +355,7 @@ class ReplicaEngine:
         fns[2] = False
         self._rejected.add(key)
         warnings.warn(f"hdet: torch.compile cannot run this vmapped model ({why}); running it eagerly (still vmapped)",
-                      stacklevel=5)
+                      stacklevel=user_stacklevel())
 
     def _restore(self, buffers: dict[str, torch.Tensor]) -> None:
         """After a failed first step in auto mode: the buffers as they were, no gradients."""
@@ -425,7 +427,7 @@ class ReplicaEngine:
         if self._stacked is not None and not self.stack.grads_bound and not self.stack.bind_grads():
             unused = [n for n, p in self.stack.params.items() if p.requires_grad and p.grad is None]
             self._stop_stacked(f"{_names(unused)} got no gradient at the first step (unused in the loss; freeze what "
-                               "it never uses with requires_grad_(False) to keep the stacked step)", stacklevel=5)
+                               "it never uses with requires_grad_(False) to keep the stacked step)")
         if self.share_gradients:  # (local mode: each replica keeps its own gradient)
             self.stack.average_gradients()
         return losses.detach()
@@ -479,8 +481,7 @@ class ReplicaEngine:
                     losses = None  # with dropout gives NaN)
         if losses is None and self._vgraphs is not None and self._graph_ready.get(key):
             params = {n: p for n, p in self.stack.params.items() if p.requires_grad}
-            return self._vgraphs.losses(batch, loss_fn, params, tuple(m.training for m in self._modules[0]),
-                                        stacklevel=8)
+            return self._vgraphs.losses(batch, loss_fn, params, tuple(m.training for m in self._modules[0]))
         if losses is None:
             losses, reassigned = self._eager_vmapped(fns[0], args)
             if self._vgraphs is not None:  # graphed from this loss function's next step on (a capture whose forward
@@ -515,13 +516,12 @@ class ReplicaEngine:
         if self._graphs is None:
             return self._merged.losses(batch, loss_fn, _scalar_loss), False
         params = {n: p for n, p in self.stack.params.items() if p.requires_grad}
-        losses, _, graphed = self._graphs.losses(batch, loss_fn, params, tuple(m.training for m in self._modules[0]),
-                                                 stacklevel=8)
+        losses, _, graphed = self._graphs.losses(batch, loss_fn, params, tuple(m.training for m in self._modules[0]))
         return losses, graphed
 
-    def _no_merge(self, why: str, stacklevel: int) -> None:
+    def _no_merge(self, why: str) -> None:
         warnings.warn(f"hdet: mode='merged' cannot run these replicas as one batch ({why}); running them vmapped",
-                      stacklevel=stacklevel)
+                      stacklevel=user_stacklevel())
         self.mode = "vmap"
         self._merged = None
 
@@ -533,17 +533,17 @@ class ReplicaEngine:
         if key not in self._merge_checked:
             if len(self._merge_checked) >= MAX_MERGE_CHECKS:
                 self._no_merge(f"more than {MAX_MERGE_CHECKS} loss functions or batch shapes, each checked against vmap "
-                               "at its first merged step", stacklevel=5)
+                               "at its first merged step")
                 return None
             why = self._check_merged(batch, loss_fn)
             if why:
-                self._no_merge(why, stacklevel=5)
+                self._no_merge(why)
                 return None
             self._merge_checked[key] = keep
         try:
             return self._vmap_losses(batch, loss_fn, merged=True)
         except NotMergeable as e:  # (raised in the forward, before anything changed)
-            self._no_merge(str(e), stacklevel=5)
+            self._no_merge(str(e))
             return None
         except Exception as e:  # noqa: BLE001 - the forward on the merged batch failed: vmapped if vmap runs it
             failed = e
@@ -551,7 +551,7 @@ class ReplicaEngine:
             losses = self._vmap_losses(batch, loss_fn)
         except Exception:  # vmap fails too: the step's own error (loss_fn, batches), still merged for the next
             raise failed from None
-        self._no_merge(failure(failed), stacklevel=5)
+        self._no_merge(failure(failed))
         return losses
 
     def _check_merged(self, batch: Any, loss_fn: LossFn) -> str | None:
@@ -603,7 +603,7 @@ class ReplicaEngine:
                                   f"{tuple(new.shape[1:])}, where the vmapped replicas hold a {old.dtype} one of shape "
                                   f"{tuple(old.shape[1:])}: its new value is not kept (as torch.func.functional_call "
                                   "leaves it). Harmless for a cache the forward rebuilds; for state, update it in "
-                                  "place, or use mode='loop'", stacklevel=4)
+                                  "place, or use mode='loop'", stacklevel=user_stacklevel())
                 continue
             old.copy_(new)
 
@@ -811,7 +811,7 @@ class ReplicaEngine:
                     st.update({k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)})
                 s.load_state_dict(rs["scheduler"])
         for message, category in dict.fromkeys((str(w.message), w.category) for w in caught):
-            warnings.warn(message, category, stacklevel=2)
+            warnings.warn(message, category, stacklevel=user_stacklevel())
         self._following = None
 
     # -- one step ---------------------------------------------------------------------------------
@@ -871,7 +871,8 @@ class ReplicaEngine:
                     raise
                 warnings.warn(f"hdet: torch.func.vmap cannot run this model ({type(e).__name__}: {e}); "
                               "using the loop over replica copies" + (" (cuda_graph has no effect there)"
-                                                                      if self.cuda_graph else ""), stacklevel=2)
+                                                                      if self.cuda_graph else ""),
+                                                                      stacklevel=user_stacklevel())
                 self.mode = "loop"
         else:
             losses = looped()
@@ -901,7 +902,8 @@ class ReplicaEngine:
         for s, loss in zip(self.schedulers, kept):
             s.ensemble.window.keep(loss)  # = s.observe(loss), with one copy for the N replicas
         self._begin_steps()
-        if t == 1:  # the start's snapshots (under recover) were made: the first sync's copies start afresh
+        if t == 1 or any(s.ensemble.stability.kept_start_at(t) for s in self.schedulers):
+            # the start's snapshots (under recover) were made: the first sync's copies start afresh
             for c in self._copies:
                 c.clear()
         if self.schedulers[0].ensemble.is_sync_step(t):

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from . import ensemble_state
+from .caller import user_stacklevel
 from .config import HDETConfig
 from .controller import ControllerStep
 from .hyper import Hyperparameter
@@ -81,8 +82,8 @@ class SyncRecord:
     runaway: list[int] = field(default_factory=list)  # replicas whose finite window loss ran away, reset too
     lr_scale: float = 1.0  # the LR schedule's cut so far (runaway replicas or a rising ensemble loss)
     went_back_to: int | None = None  # the sync step whose state every replica went back to (a rising loss, a
-    # collapse), or 1: each replica's state after the first step (a collapse, or a window with no finite loss, before
-    # the first best sync)
+    # collapse), or the step of the start: each replica's state after the first step, or after the step where that
+    # stopped fitting the optimizer's state (a collapse, or a window with no finite loss, before the first best sync)
     range_scale: float | None = None  # lr_range_test: what the range test multiplies the LR schedule by now
     range_ended: str | None = None  # lr_range_test: why the test ended at this sync (None: it did not end here)
     recovered_early: list[int] = field(default_factory=list)  # replicas reset at an early recovery since the last sync
@@ -142,7 +143,6 @@ class Ensemble:
         self.window_mean = WindowMean(self._float_params()) if config.probing else None
         self.total_steps: int | None = None
         self.stability = StabilityGuard(config)  # on_runaway="recover"
-        self._start_state: int | None = None  # the optimizer's state tensors when the start was kept (None: unknown)
         self.load_warnings: list[str] = []  # what the last load_state_dict warned about (hdet.ensemble_state)
         self._ramp = RampSnapshots()  # lr_range_test: the ramp's recent states
         self.last_sync: SyncRecord | None = None
@@ -195,7 +195,7 @@ class Ensemble:
                     "trains below your LR. " + (f"Give auto_lr_warmup_steps >= {need} (or a shorter "
                                                "model_sync_interval)" if need is not None else
                                                f"No warm-up does with range_max_factor={c.range_max_factor:g} < 1"),
-                    stacklevel=4)
+                    stacklevel=user_stacklevel())
             if self.slots.range is None:
                 self.slots.range = RangeTest(growth=growth, max_factor=c.range_max_factor, factor=RANGE_START,
                                              backoff=c.range_backoff, patience=c.range_patience)
@@ -274,7 +274,7 @@ class Ensemble:
                               f"{min(raw):g}..{max(raw):g}, past its bounds [{lo:g}, {hi:g}]: {len(out)} of the "
                               f"{sl.world_size} replicas are clamped to a bound, so they share a value and the spread is "
                               "lopsided around the base. A smaller alpha, or a base further inside the bounds, keeps "
-                              "it even", stacklevel=2)
+                              "it even", stacklevel=user_stacklevel())
 
     def all_values(self) -> list[list[float]]:
         """Every replica's value per slot, from the current bases (what each replica uses next)."""
@@ -299,7 +299,8 @@ class Ensemble:
             self._keep_start(t, lambda kept, ok: self.stability.keep_start(t, kept, ok, first))
         elif self.stability.starting and t < self.config.model_sync_interval and self._start_misfits():
             # a first step that a GradScaler (or the guard, fused SGD's momentum) skipped made no optimizer state, so the
-            # start kept then could never fit: kept again at the first step that made it (before the first sync only)
+            # start kept then could never fit: kept again at the first step where it no longer fits (before the first
+            # sync only; the same test after a resume, so a resumed run keeps it again where the first run did)
             self._keep_start(t, lambda kept, ok: self.stability.keep_start_again(t, kept, ok))
 
     def _keep_start(self, t: int, keep: Callable[[list[torch.Tensor], torch.Tensor], None]) -> None:
@@ -308,25 +309,15 @@ class Ensemble:
         moments = self.recovery_tensors()
         ok = health(tensors + moments, strict + [True] * len(moments), self.replicas.comm_device())[0]
         keep(tensors + moments + self.step_counts(), ok)
-        self._start_state = self._state_count()
         if self.step_scale is not None:  # (its estimates were read for the copy, not for a sync: nothing to
             self.step_scale.unfill()  # take back into the param groups before the next step)
 
     def _start_misfits(self) -> bool:
-        """Whether the optimizer's state has changed its layout since the start was kept (host only; resumed, once:
-        whether the kept start fits the state now)."""
-        count = self._state_count()
-        if self._start_state is None:
-            self._start_state = count if self.stability.start_fits(self.kept_tensors()) else -1
-            if self.step_scale is not None:  # (read for the layout only)
-                self.step_scale.unfill()
-        return count != self._start_state
-
-    def _state_count(self) -> int:
-        """How many tensors the optimizer's state holds for the trained parameters (host only: a skipped first step
-        made none, or fewer)."""
-        state = self.optimizer.state
-        return sum(isinstance(v, torch.Tensor) for p in self._params() for v in state.get(p, {}).values())
+        """Whether the kept start no longer fits the state it would go back to (host only: the tensors' layout)."""
+        kept = self.kept_tensors()
+        if self.step_scale is not None:  # (its estimates were read for the layout only)
+            self.step_scale.unfill()
+        return not self.stability.start_fits(kept)
 
     # ----------------------------------------------------------------- tensors
     def tensors(self) -> list[torch.Tensor]:
@@ -528,13 +519,14 @@ class Ensemble:
                 f"hdet: at sync step {t} replica(s) {reset_early} had non-finite training losses "
                 f"({[nonfinite_losses[r] for r in reset_early]} in the window): their weights were non-finite and "
                 f"were reset at early recoveries (steps {[self.early_recovered[r] for r in reset_early]}; "
-                "sched.last_sync.recovered_early), ranked worst by the controller; training goes on", stacklevel=3)
+                "sched.last_sync.recovered_early), ranked worst by the controller; training goes on",
+                stacklevel=user_stacklevel())
         if healthy_loss:
             warnings.warn(
                 f"hdet: at sync step {t} replica(s) {healthy_loss} had non-finite training losses "
                 f"({[nonfinite_losses[r] for r in healthy_loss]} in the window) but finite weights (a step the "
                 "gradient guard skipped, or a bad batch): counted in sched.last_sync.nonfinite_losses, ranked "
-                "worst by the controller; training goes on", stacklevel=3)
+                "worst by the controller; training goes on", stacklevel=user_stacklevel())
         self.early_recovered = {}
         window = list(losses)  # each replica's own window mean (NaN where it had no finite loss): what is reported
         worst_ranked = set(bad) | set(bad_loss)
@@ -735,7 +727,7 @@ class Ensemble:
 def _warn_recovered(t: int, bad: list[int], when: str) -> None:
     warnings.warn(
         f"hdet: at {when} step {t} replica(s) {bad} had non-finite weights or buffers; they were left out of the "
-        "average, reset to the other replicas' mean, and ranked worst by the controller", stacklevel=4)
+        "average, reset to the other replicas' mean, and ranked worst by the controller", stacklevel=user_stacklevel())
 
 
 def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

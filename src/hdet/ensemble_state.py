@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from .caller import user_stacklevel
 from .config import LEGACY_NAMES, OPTIONS, HDETConfig, _is_real, spreading
 from .controller import PaperController, controller_from_state
 from .hyper import AdamBeta, GradClip
@@ -278,7 +279,7 @@ def _say(ens: "Ensemble", message: str) -> None:
     """A load's warning, also kept in ``ens.load_warnings`` (the Hugging Face Trainer drops the warnings raised
     while it loads the scheduler; HDETTrainer raises these again after its load)."""
     ens.load_warnings.append(message)
-    warnings.warn(message, stacklevel=5)
+    warnings.warn(message, stacklevel=user_stacklevel())
 
 
 def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
@@ -321,7 +322,6 @@ def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
     empty = not ens.optimizer.state  # (a snapshot with moments cannot fit before the optimizer's state is loaded)
     ens._ramp.load(new["range_snapshots"], kept, counts, empty)
     ens.stability.load(new["stability"], kept, counts, empty)
-    ens._start_state = None  # (whether the loaded start fits the optimizer's state: at the next step)
     ens.window.load(new["window"])
     ens.early_recovered = dict(new["early_recovered"])
     if ens.window_mean is not None:

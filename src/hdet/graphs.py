@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .caller import user_stacklevel
 from .values import PLAIN
 
 __all__ = ["StepGraphs", "MAX_GRAPHS", "function_key"]
@@ -52,8 +53,8 @@ class StepGraphs:
     def clear(self) -> None:
         self.entries.clear()
 
-    def losses(self, batch: Any, loss_fn: Any, params: dict[str, torch.Tensor], flags: tuple[bool, ...],
-               stacklevel: int) -> tuple[torch.Tensor, dict[str, Any], bool]:
+    def losses(self, batch: Any, loss_fn: Any, params: dict[str, torch.Tensor],
+               flags: tuple[bool, ...]) -> tuple[torch.Tensor, dict[str, Any], bool]:
         """The losses of ``batch`` (replayed from a graph where one is or can be captured), the buffers an eager run
         reassigned, and whether a graph ran. ``params``: the trainable stacked parameters by name; ``flags``: the
         modules' train/eval flags."""
@@ -70,7 +71,7 @@ class StepGraphs:
                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
         entry = self.entries.pop(key, None)
         if entry is None:
-            entry = self._capture(loss_fn, list(params.values()), leaves, spec, keep, stacklevel + 1)
+            entry = self._capture(loss_fn, list(params.values()), leaves, spec, keep)
         self.entries[key] = entry
         while len(self.entries) > MAX_GRAPHS:
             del self.entries[next(iter(self.entries))]
@@ -81,7 +82,7 @@ class StepGraphs:
             return graph(*params.values(), *leaves), {}, True  # (the leaves are copied into the graph's own)
 
     def _capture(self, loss_fn: Any, params: list[torch.Tensor], leaves: list[torch.Tensor], spec: Any,
-                 keep: list[Any], stacklevel: int) -> tuple[Callable[..., torch.Tensor] | None, list[Any], list]:
+                 keep: list[Any]) -> tuple[Callable[..., torch.Tensor] | None, list[Any], list]:
         """(the graphed callable or None, what its key refers to, its batch). HOST SYNC: while capturing."""
         self.captures += 1
         if self.captures > 2 * MAX_GRAPHS and not self._churn_warned:
@@ -89,7 +90,7 @@ class StepGraphs:
             warnings.warn(f"hdet: the replicas' step was captured in a CUDA graph {self.captures} times (new batch "
                           f"shapes, flags or loss functions; {MAX_GRAPHS} kept): each capture costs three warm-up steps, "
                           "a host sync and memory. Keep batches to a few shapes, or leave cuda_graph off",
-                          stacklevel=stacklevel)
+                          stacklevel=user_stacklevel())
         k, run = len(params), self.run
         static = [t.clone() for t in leaves]  # the graph's own batch (the caller's tensors are not written into)
         reassigned: list[str] = []
@@ -108,11 +109,11 @@ class StepGraphs:
             _after_failed_capture(self.device)
             warnings.warn(f"hdet: the replicas' forward cannot be captured in a CUDA graph ({type(e).__name__}: "
                           f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); running it eagerly",
-                          stacklevel=stacklevel)
+                          stacklevel=user_stacklevel())
             return None, keep, []
         if reassigned:
             warnings.warn(f"hdet: the forward reassigns the buffers {sorted(set(n[2:] for n in reassigned))}, which a "
-                          "CUDA graph cannot keep: these steps run without one", stacklevel=stacklevel)
+                          "CUDA graph cannot keep: these steps run without one", stacklevel=user_stacklevel())
             return None, keep, []
         return graph, keep, static
 

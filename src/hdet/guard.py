@@ -62,6 +62,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .caller import user_stacklevel
 from .loss_scale import LossScale, driving_scaler
 from .optimizers import innermost as _innermost
 from .optimizers import lr_free_kind
@@ -651,13 +652,14 @@ def resolve_guard(guard: Any, optimizer: torch.optim.Optimizer, advise: bool = T
         if mesh:
             warnings.warn("hdet: no gradient guard for these sharded replicas: the 'skip' guard needs a fused optimizer "
                           "(fused=True); without it one replica's NaN gradient reaches the others through the all-reduce "
-                          "of the gradients over the replicas. Pass guard_gradients=False to silence this", stacklevel=4)
+                          "of the gradients over the replicas. Pass guard_gradients=False to silence this",
+                          stacklevel=user_stacklevel())
             return None
         if advise and any(p.device.type != "cpu" for g in _innermost(optimizer).param_groups for p in g["params"]):
             warnings.warn("hdet: the optimizer is not fused, so the gradient guard is the DDP comm hook ('hook'), "
                           "which costs far more than the 'skip' guard of a fused optimizer (fused=True; "
                           "docs/cost.md). Pass guard_gradients='hook' (or False) to choose and silence this",
-                          stacklevel=4)
+                          stacklevel=user_stacklevel())
         return "hook"
     return guard
 
@@ -677,7 +679,7 @@ def _check_one_kind(ddp: "torch.nn.parallel.DistributedDataParallel", guard: str
                       "zeroes a replica's non-finite contribution before the skip check runs, so the fused optimizer's "
                       "parameters step on the healthy replicas' mean instead of skipping. Give every optimizer of one "
                       "DDP model the same kind (all fused, or none; or guard_gradients=\"hook\" for all)",
-                      stacklevel=5)
+                      stacklevel=user_stacklevel())
     kinds.add(guard)
 
 
@@ -707,11 +709,13 @@ def install_gradient_guard(ddp: "torch.nn.parallel.DistributedDataParallel", opt
                           "takes one comm hook): it keeps a replica's non-finite gradient out of every bucket, but "
                           "watches that scheduler's optimizer only (its GradScaler, its early recovery), so this "
                           "scheduler has no guard of its own. Build one scheduler per DDP model, or use fused "
-                          "optimizers (fused=True: the \"skip\" guard, one per optimizer)", stacklevel=3)
+                          "optimizers (fused=True: the \"skip\" guard, one per optimizer)",
+                          stacklevel=user_stacklevel())
         else:
             warnings.warn(f"hdet: could not install the gradient guard on the DDP model ({e}); a non-finite gradient "
                           "on one replica will reach all of them. DDP takes one comm hook: with a hook of your own, a "
-                          "fused optimizer (fused=True) gets hdet's \"skip\" guard, which needs none", stacklevel=3)
+                          "fused optimizer (fused=True) gets hdet's \"skip\" guard, which needs none",
+                          stacklevel=user_stacklevel())
         return None
     return state
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .caller import user_stacklevel
 from .spread import Spread
 from .values import int_number, real_number
 
@@ -175,7 +176,7 @@ class Dropout(Hyperparameter):
             warnings.warn(f"hdet: Dropout leaves out {len(attn)} nn.MultiheadAttention module(s): their dropout "
                           f"{sorted({self._p(m) for m in attn})} is not the other modules' p "
                           f"{sorted({self._p(m) for m in drops})} (attention=True explores them too, attention=False "
-                          "says you mean it)", stacklevel=2)
+                          "says you mean it)", stacklevel=user_stacklevel())
             attn = []
         self.modules = drops + attn
         floats = sorted({f"{type(m).__name__}.{k}={v:g}" for m in found if not isinstance(m, nn.MultiheadAttention)
@@ -188,7 +189,7 @@ class Dropout(Hyperparameter):
             warnings.warn(f"hdet: Dropout explores the p of nn.Dropout modules, but these modules also keep a dropout "
                           f"as a plain float, which stays as it is: {', '.join(floats[:4])}"
                           + (f" and {len(floats) - 4} more" if len(floats) > 4 else "") + ". Explore it with a "
-                          "hdet.Setter (or set it to 0) if the forward uses it", stacklevel=2)
+                          "hdet.Setter (or set it to 0) if the forward uses it", stacklevel=user_stacklevel())
         ps = sorted({self._p(m) for m in self.modules})
         if len(ps) > 1 and kw.get("base") is None and kw.get("schedule") is None:
             raise ValueError(f"Expected dropout modules with one p to explore as one value, but got p in {ps}: every "
@@ -282,7 +283,7 @@ class GradClip(Hyperparameter):
                           "read it (clip.clip_(params) or clip.max_norm): the gradients are not clipped to the "
                           "explored norms that hdet reports. Keep the GradClip object and call clip.clip_(params) "
                           "between backward() and optimizer.step() (the Trainer and Lightning integrations do)",
-                          stacklevel=4)
+                          stacklevel=user_stacklevel())
         self.applied = False
 
 

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from .caller import user_stacklevel
+
 __all__ = ["driving_scaler", "LossScale"]
 
 
@@ -120,7 +122,7 @@ class LossScale:
                 warnings.warn("hdet: a replica was reset, and the checkpoint kept a GradScaler's scale to put back, but "
                               "no optimizer step has shown which GradScaler drives this optimizer since the resume "
                               "and this process holds none or several: its scale is left as it is (collapsed by the "
-                              "skipped steps, it grows back at the scaler's own pace)", stacklevel=4)
+                              "skipped steps, it grows back at the scaler's own pace)", stacklevel=user_stacklevel())
         scale = getattr(self.scaler, "_scale", None)
         if not isinstance(scale, torch.Tensor):  # no scaler, or not yet used
             return

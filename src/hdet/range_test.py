@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from .caller import user_stacklevel
 from .stability import Copier, copy_kept, fit_snapshot, same_layout, same_shape
 
 __all__ = ["RangeTest", "RampSnapshots", "MAX_RANGE_GROWTH", "COLLAPSE", "RANGE_START"]
@@ -217,5 +218,5 @@ class RampSnapshots:
                           + (" (the optimizer holds no state yet: load the optimizer's state_dict before the "
                              "scheduler's)" if optimizer_empty and any(len(ts) > len(tensors) for _, _, _, ts in items)
                              else "")
-                          + ": dropped (the test can go back only to the others)", stacklevel=2)
+                          + ": dropped (the test can go back only to the others)", stacklevel=user_stacklevel())
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from .caller import user_stacklevel
 from .hyper import Hyperparameter
 from .values import real_number
 
@@ -80,7 +81,7 @@ class ReplayLR(LRScheduler):
         left = [n for n in names if n not in lr_names and n not in {h.name for h in explore}]
         if left:
             warnings.warn(f"hdet: the schedule also recorded {left}, which this replay leaves alone: pass them in "
-                          "explore= (e.g. hdet.WeightDecay(optimizer)) to replay them", stacklevel=2)
+                          "explore= (e.g. hdet.WeightDecay(optimizer)) to replay them", stacklevel=user_stacklevel())
         self._replay_bases = bases
         self._lr_index = [names.index(n) for n in groups]
         self._hypers = [(h, names.index(h.name)) for h in explore]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim.lr_scheduler import OneCycleLR, SequentialLR
 
+from .caller import user_stacklevel
 from .guard import check_watch_state
 
 if TYPE_CHECKING:
@@ -125,7 +126,7 @@ def load(s: "HDETLR", state: dict[str, Any]) -> None:
                       "base it read when this scheduler was built. If the optimizer was loaded before the scheduler "
                       "was built, that is this replica's spread value, and the replicas will disagree at the next "
                       "sync (ReplicaMismatchError): build the scheduler, then load the optimizer and the scheduler",
-                      stacklevel=3)
+                      stacklevel=user_stacklevel())
     recording = s._history is not None
     for key in OWN:
         if key in state:
@@ -134,7 +135,8 @@ def load(s: "HDETLR", state: dict[str, Any]) -> None:
         s._history = {}
         warnings.warn(f"hdet: record_schedule() was called, but the loaded state holds no record (it was saved before "
                       f"record_schedule() was called): the record goes on from step {s.last_epoch} only, and "
-                      "discovered_schedule() refuses a record that does not start at step 0", stacklevel=3)
+                      "discovered_schedule() refuses a record that does not start at step 0",
+                      stacklevel=user_stacklevel())
     s._finished_at = state.get("_finished_at")  # (None in states before it, and when finish() never ran)
     s._guard.load_state_dict(state.get("guard"))  # (states before it have none: the guard's resumed() rule)
     built = list(getattr(s._base, "base_lrs", None) or [])  # the base scheduler's own, as built here

@@ -23,6 +23,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR, ReduceLROnPlateau
 
 from . import scheduler_state
+from .caller import user_stacklevel
 from .config import OPTIONS, HDETConfig, spreading
 from .controller import gamma_as_printed
 from .ensemble import Ensemble, SyncRecord
@@ -118,11 +119,12 @@ class HDETLR(LRScheduler):
             warnings.warn("hdet: the controller compares the replicas' losses, and label smoothing raises a replica's "
                           "loss by itself: give it the loss without smoothing (the fit controller reads probe(model): "
                           "compute it without smoothing; the paper's reads what step() gets), or it reads a lower "
-                          "smoothing as better and drives it to 0 (docs/explore.md)", stacklevel=2)
+                          "smoothing as better and drives it to 0 (docs/explore.md)", stacklevel=user_stacklevel())
         if config.enable_auto_lr and config.controller == "paper" and any(isinstance(h, Dropout) for h in explore):
             warnings.warn("hdet: the paper controller compares the replicas' training losses, and dropout raises a "
                           "replica's training loss by itself: it reads a lower dropout as better whatever it does to "
-                          "the model (the fit controller's probe runs in eval mode, without dropout)", stacklevel=2)
+                          "the model (the fit controller's probe runs in eval mode, without dropout)",
+                          stacklevel=user_stacklevel())
         _check_probe(config, probe, model, device_mesh)
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
         params = [p for g in innermost(optimizer).param_groups for p in g["params"]]
@@ -134,7 +136,7 @@ class HDETLR(LRScheduler):
                 warnings.warn("hdet: sharded (FSDP2) parameters without model=: FSDP2 keeps the root's parameters "
                               "unsharded after a forward under no_grad, and hdet reshards the model before it writes "
                               "the shards only when it has the model: pass model= the fully_shard-ed module (without "
-                              "it, swap_in_average()/averaged() is refused)", stacklevel=3)
+                              "it, swap_in_average()/averaged() is refused)", stacklevel=user_stacklevel())
         self._constant = [_float(g["lr"]) for g in optimizer.param_groups]
         self._final = self._resolve_final(final_lr)
         if config.enable_auto_lr and config.controller == "paper" and config.eq8 == "decay" and \
@@ -142,7 +144,7 @@ class HDETLR(LRScheduler):
             warnings.warn("hdet: the paper controller's decay (Eq. 8) has no target here (the base schedule's last "
                           f"value is {self._final}: not a positive LR per group), so once the controller starts the "
                           "base LR no longer decays as the schedule would. Pass final_lr=..., or use the fit "
-                          "controller (it corrects the schedule instead of replacing it)", stacklevel=2)
+                          "controller (it corrects the schedule instead of replacing it)", stacklevel=user_stacklevel())
         self._hdet = Ensemble(config, resolved, optimizer, model, explore, probe=probe,
                               lr_control=LRControl(bounds=self._bounds(auto_lr_bounds), finals=self._final,
                                                     given=(auto_lr_bounds is not None, final_lr is not None)))
@@ -301,7 +303,7 @@ class HDETLR(LRScheduler):
                 ": keep calling scheduler.step() after each scaler.step(), as torch's AMP recipe does). HDET counts "
                 "optimizer steps: its converge steps and schedule now run ahead of training. A scheduler passed to "
                 "accelerator.prepare() does this (stepped num_processes times per optimizer step): do not prepare it",
-                stacklevel=4)
+                stacklevel=user_stacklevel())
         self._scale_version = version
         if self._guard.local and not self._checked_local:  # (once: it reads every parameter's optimizer state)
             check_shared_gradients(self.optimizer, self._hdet.config.average_optimizer_state)
@@ -314,7 +316,7 @@ class HDETLR(LRScheduler):
                 "scheduler.step(). HDET counts optimizer steps by its scheduler: this replica's schedule and converge "
                 "steps now run behind its training, and in local mode (no gradient all-reduce) it is averaged with the "
                 "others at another step without any other error. Call scheduler.step() after every optimizer.step(), "
-                "on every replica", stacklevel=4)
+                "on every replica", stacklevel=user_stacklevel())
         self._opt_steps_seen = self._opt_steps
 
     # -- LRScheduler ----------------------------------------------------------------------------
@@ -352,7 +354,7 @@ class HDETLR(LRScheduler):
             self._warned_epoch = True
             warnings.warn(f"hdet: scheduler.step({loss}) got an int: HDET's step takes this step's training loss, not "
                           "an epoch (torch's deprecated step(epoch) is not supported); it was taken as a loss. Pass "
-                          "the loss (a tensor or float), or nothing", stacklevel=2)
+                          "the loss (a tensor or float), or nothing", stacklevel=user_stacklevel())
         elif isinstance(loss, float) and self._first_floats is not None:
             self._check_epoch_counter(loss)
         if loss is not None:
@@ -387,7 +389,8 @@ class HDETLR(LRScheduler):
             warnings.warn(f"hdet: scheduler.step() got {a!r}, {b!r}, {c!r}: an epoch counter (torch's step(epoch + "
                           "i / iters))? HDET's step takes this step's training loss (they were taken as losses) and "
                           "steps the base schedule once per optimizer step: pass the loss, or nothing, and give "
-                          "the base's periods (CosineAnnealingWarmRestarts' T_0) in optimizer steps", stacklevel=3)
+                          "the base's periods (CosineAnnealingWarmRestarts' T_0) in optimizer steps",
+                          stacklevel=user_stacklevel())
 
     def begin_step(self, lead: "HDETLR | None" = None) -> int:
         """The first half of :meth:`step` (the one-process engine runs the sync between the halves): checks,
@@ -490,7 +493,8 @@ class HDETLR(LRScheduler):
         if not bad:
             warnings.warn(f"hdet: every optimizer step of the last {watch.every} (at least) was skipped on "
                           "every replica, but every replica's weights are finite: the loss or gradients are "
-                          "non-finite for another reason (data, loss scale, learning rate)", stacklevel=3)
+                          "non-finite for another reason (data, loss scale, learning rate)",
+                          stacklevel=user_stacklevel())
         watch.reset()
 
     def finish(self) -> SyncRecord | None:
@@ -836,13 +840,14 @@ def _torch_first_step_checks(optimizer: torch.optim.Optimizer, first: bool) -> I
     if not hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         warnings.warn("Seems like `optimizer.step()` has been overridden after learning rate scheduler initialization. "
                       "Please, make sure to call `optimizer.step()` before `lr_scheduler.step()`. See more details at "
-                      "https://pytorch.org/docs/stable/optim.html#how-to-adjust-learning-rate", UserWarning, stacklevel=4)
+                      "https://pytorch.org/docs/stable/optim.html#how-to-adjust-learning-rate", UserWarning,
+                      stacklevel=user_stacklevel())
     elif not getattr(optimizer, "_opt_called", False):
         warnings.warn("Detected call of `lr_scheduler.step()` before `optimizer.step()`. In PyTorch 1.1.0 and later, you "
                       "should call them in the opposite order: `optimizer.step()` before `lr_scheduler.step()`.  Failure "
                       "to do this will result in PyTorch skipping the first value of the learning rate schedule. See "
                       "more details at https://pytorch.org/docs/stable/optim.html#how-to-adjust-learning-rate",
-                      UserWarning, stacklevel=4)
+                      UserWarning, stacklevel=user_stacklevel())
     with warnings.catch_warnings():
         for text in _TORCH_FIRST_STEP:
             warnings.filterwarnings("ignore", message=re.escape(text))

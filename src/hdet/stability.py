@@ -21,7 +21,7 @@ the first step that made the optimizer's state, where a GradScaler skipped the f
 or a window with no finite loss goes back there, and a sync ``RISE_CEILING`` times the first step's loss magnitude
 above it is no best.
 
-Memory: one copy of the averaged tensors and the optimizer state per replica (taken at syncs, and after step 1); in the
+Memory: one copy of the averaged tensors and the optimizer state per replica (taken at syncs, and at the start); in the
 one-process engine, tensors that the replicas share (its one copy of the moments) are copied once
 (:class:`SharedCopies`).
 """
@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from .caller import user_stacklevel
 from .config import HDETConfig, _is_real
 from .sync import memory_key
 
@@ -156,7 +157,7 @@ class StabilityGuard:
         self.lowest: tuple[float, int] | None = None  # the lowest loss of any sync and its step, whether or not it
         # became the best one (the range test's patience counts the windows since)
         self._snapshot: list[torch.Tensor] | None = None  # the tensors at the best sync (on their devices),
-        # or, until the first best sync, each replica's own state after step 1 (keep_start), and whether it is healthy
+        # or, until the first best sync, each replica's own start (keep_start), and whether it is healthy
         self.starting = False
         self.start_ok: torch.Tensor | bool = True
         self._start_loss: tuple[torch.Tensor | float, torch.Tensor | float] = (0.0, 0.0)  # its first loss: (sum, n)
@@ -187,7 +188,7 @@ class StabilityGuard:
                 and nonfinite[r] > 0]  # observed losses, none of them finite
         best = self.best_loss
         self._start_rise = None
-        if best is None and self.starting:  # no best yet: the start (the state after step 1) is the one to go back to
+        if best is None and self.starting:  # no best yet: the start (after step 1, or kept again) is the one to go back to
             if not ok:  # no replica has a finite window loss: a rise, back to the start (nobody left out: all go back)
                 return [], bool(lost)
             firsts = [col.start_sum[r] / col.start_n[r] for r in range(len(losses)) if col.start_n[r] > 0]
@@ -238,9 +239,10 @@ class StabilityGuard:
             warnings.warn(f"hdet: at sync step {step} the ensemble's loss ({blown[0]:.4g}) is more than {times:g}x its "
                           f"first step's loss magnitude above it ({blown[1]:.4g}): not kept as a best sync (a run that "
                           "blew up within its first window went back to such a sync at every later one); a collapse, "
-                          "or a window with no finite loss, goes back to the state after step 1 until a sync is kept. "
+                          "or a window with no finite loss, goes back to the start (the state after step "
+                          f"{self.best_step if self.starting else 1}) until a sync is kept. "
                           "If a first loss near 0 is by design (a student that starts as its teacher), no rise is "
-                          "caught until then (with a first loss of 0: none)", stacklevel=6)
+                          "caught until then (with a first loss of 0: none)", stacklevel=user_stacklevel())
         clean = not exclude and blown is None and (self.best_loss is None or not any(getattr(col, "nonfinite", ())))
         # (no replica reset, and after the first best no non-finite loss: a sync that reset a runaway replica kept the
         # weights its huge gradients had already reached, under a loss measured before them, a best no later window
@@ -277,6 +279,10 @@ class StabilityGuard:
             self.best_step, self.start_ok = step, ok
             self._snapshot = self.copier(tensors)
 
+    def kept_start_at(self, step: int) -> bool:
+        """Whether the start was kept (again) after optimizer step ``step``."""
+        return self.starting and self.best_step == step
+
     def start_fits(self, tensors: list[torch.Tensor]) -> bool:
         """Whether a kept start fits ``tensors`` (the kept tensors now)."""
         return self._snapshot is not None and same_layout(self._snapshot, tensors)
@@ -287,8 +293,9 @@ class StabilityGuard:
 
     def start_health(self, tensors: list[torch.Tensor] | None = None) -> torch.Tensor | float:
         """This replica's ``start_ok`` for the sync vector: 1 unless a kept start is not finite, or no longer fits
-        ``tensors`` (the kept tensors now: optimizer state made after step 1, a first step that a GradScaler or the
-        guard skipped; in local mode on one rank and not another, so the fit is gathered too, not judged alone)."""
+        ``tensors`` (the kept tensors now: every first-window step skipped, so the optimizer made its state after the
+        last chance to keep it again; in local mode on one rank and not another, so the fit is gathered too, not judged
+        alone)."""
         if not self.starting:
             return 1.0
         if tensors is not None and not same_layout(self._snapshot, tensors):
@@ -337,7 +344,7 @@ class StabilityGuard:
             "ranked worst; " if runaway else "")
             + (self._rise_said() if rising and not collapsed else "")
             + (f"every replica went back to its state at step {self.best_step}; " if back else "")
-            + f"the LR schedule is cut to {scale:.3g} of its value", stacklevel=5)
+            + f"the LR schedule is cut to {scale:.3g} of its value", stacklevel=user_stacklevel())
 
     def _rise_said(self) -> str:
         if self.best_loss is not None:
@@ -410,7 +417,7 @@ class StabilityGuard:
                    "estimates")
             warnings.warn(f"hdet: the checkpoint's best sync ({len(snap)} tensors) does not fit this run's "
                           f"{len(tensors)} tensors ({why}): it is dropped, and on_runaway='recover' "
-                          "can go back only to syncs from now on", stacklevel=2)
+                          "can go back only to syncs from now on", stacklevel=user_stacklevel())
             snap = None
         self._snapshot = None if snap is None else [
             s.to(t.device, t.dtype, copy=True) for s, t in zip(snap, tensors)]  # never the caller's tensors

@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .caller import user_stacklevel
 from .optimizers import innermost
 
 __all__ = ["StepScale", "ESTIMATES", "prodigy_estimate", "reads_weights"]
@@ -154,7 +155,7 @@ class StepScale:
             self._warned = True
             warnings.warn(f"hdet: {type(self.optimizer).__name__} keeps no 'd_denom' in its param groups (an older "
                           "Prodigy?): its estimate is averaged at converge steps only, and the replicas' estimates "
-                          "may drift apart between them; upgrade prodigyopt (>= 1.1)", stacklevel=3)
+                          "may drift apart between them; upgrade prodigyopt (>= 1.1)", stacklevel=user_stacklevel())
         ok = took and den > 0 and math.isfinite(num) and math.isfinite(den)  # a non-finite replica is left out
         self.contribution = [num, den, 1.0] if ok else [0.0, 0.0, 0.0]
 

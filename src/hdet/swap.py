@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .caller import user_stacklevel
+
 __all__ = ["AverageSwap", "SwappedInError", "explored_bases"]
 
 
@@ -90,7 +92,7 @@ class AverageSwap:
         kept: list[list[torch.Tensor]] = []
         if finite is not None and len(bad) == len(finite):
             warnings.warn("hdet: every replica's weights are non-finite: there is no average to evaluate, so each "
-                          "replica keeps its own", stacklevel=4)
+                          "replica keeps its own", stacklevel=user_stacklevel())
         elif finite is not None:
             with torch.no_grad():
                 kept = [[t.clone() for t in ts] for ts in tensors]  # this replica's own: one copy

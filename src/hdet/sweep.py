@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .caller import user_stacklevel
 from .controller import fit_parabola
 from .guard import uncompiled
 from .replicas import ProcessGroupReplicas
@@ -288,7 +289,7 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     if at_edge:
         warnings.warn(f"hdet.lr_sweep: the best judged loss is at the {'low' if winner == 0 else 'high'} end of "
                       f"the sweep's LRs ({_fmt(lrs)}): the best LR may lie beyond it; sweep again around "
-                      f"{pick * factor:.3g}", stacklevel=2)
+                      f"{pick * factor:.3g}", stacklevel=user_stacklevel())
     return SweepResult(max_lr=pick * factor, pick=pick, lr_factor=factor, lrs=lrs, losses=losses,
                        start_loss=start_loss, winner=winner, at_edge=at_edge)
 

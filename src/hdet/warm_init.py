@@ -10,6 +10,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from .caller import user_stacklevel
 from .replicas import reshard_fsdp
 from .values import int_number, real_number
 
@@ -75,7 +76,7 @@ def warm_init_(
             rank = 0
             warnings.warn("hdet: warm_init_ with no process group and no rank draws replica 0's noise: every call "
                           "adds the same noise. In the one-process engine give each replica its own, "
-                          "warm_init_(model, rank=r) for replica r", stacklevel=2)
+                          "warm_init_(model, rank=r) for replica r", stacklevel=user_stacklevel())
     r, s = int_number(rank), int_number(seed)
     if r is None or r < 0 or s is None or s < 0:
         raise ValueError(f"Expected integers rank >= 0 and seed >= 0, but got rank={rank!r}, seed={seed!r}")

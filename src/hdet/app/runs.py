@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import sweep
+from ..caller import user_stacklevel
 from ..engine import ReplicaEngine
 from ..hyper import Dropout, GradClip, Hyperparameter, WeightDecay
 from ..schedulers import HDETLR, OneCycleAutoLR
@@ -84,12 +85,14 @@ def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, d
         if steps < SHORT_SWEEP:
             warnings.warn(f"the sweep's runs have {steps} steps: it was measured with runs of 300 (--lr-sweep 0.2 of "
                           f"1500 steps), and short runs favour high LRs (the default job's 80 ran at 7x its LR and "
-                          f"ended worse); sweep longer runs, or pass --max-lr without --lr-sweep")
+                          f"ended worse); sweep longer runs, or pass --max-lr without --lr-sweep",
+                          stacklevel=user_stacklevel())
         points = cfg.lr_sweep_points or N
         if points < 4:
             warnings.warn(f"{points} {'points' if cfg.lr_sweep_points else 'replicas'} give the sweep a grid of "
                           f"{points} LRs {32.0 ** (2 / (points - 1)):.0f}x apart: its pick is little more than one of "
-                          f"them (use 4 or more, --lr-sweep-points 8 say: run {N} at a time)")
+                          f"them (use 4 or more, --lr-sweep-points 8 say: run {N} at a time)",
+                          stacklevel=user_stacklevel())
         factor = cfg.lr_sweep_factor
         plan = resume_from.get("plan") if isinstance(resume_from, dict) else None
         if factor is None and isinstance(plan, list) and len(plan) == 5 and isinstance(plan[4], float):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from ..caller import user_stacklevel
+
 
 def explored_clips(sched: Any) -> list[Any]:
     """The scheduler's explored ``hdet.GradClip`` (at most one: each would clip the same gradients)."""
@@ -27,5 +29,6 @@ def finish_at_train_end(sched: Any) -> Any:
         warnings.warn(f"hdet: training ended after optimizer step {sched.last_epoch}, before total_steps="
                       f"{sched.total_steps} and off a converge step: the replicas were averaged then (a checkpoint "
                       "saved since the last converge step without sched.averaged() holds one replica, not the "
-                      "average; HDETTrainer's and HDETCallback's full checkpoints hold the average)", stacklevel=3)
+                      "average; HDETTrainer's and HDETCallback's full checkpoints hold the average)",
+                      stacklevel=user_stacklevel())
     return rec

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..caller import user_stacklevel
 from ..config import HDETConfig
 from ..optimizers import innermost
 from ..schedulers import HDETLR
@@ -75,7 +76,7 @@ class HDETTrainer(Trainer):
         if self.args.save_strategy == "steps" and every and every % T:
             warnings.warn(f"hdet: save_steps={self.args.save_steps} is not a multiple of model_sync_interval={T}; "
                           "the Trainer saves rank 0's scheduler state, so a resume between converge steps gives "
-                          "every replica rank 0's loss window", stacklevel=2)
+                          "every replica rank 0's loss window", stacklevel=user_stacklevel())
 
     def _sync_interval(self) -> int:
         """T as the scheduler will have it: a scheduler of the user's (``optimizers=``), ``config=``, or the keyword
@@ -131,12 +132,12 @@ class HDETTrainer(Trainer):
                     message = message[:-len(resized)].rstrip(", ")  # (but for the run's length, said below)
                     if message.endswith(":"):
                         continue
-                warnings.warn(message, stacklevel=2)
+                warnings.warn(message, stacklevel=user_stacklevel())
             if resized:
                 warnings.warn(f"hdet: resumed from {checkpoint} into a run of {sched.total_steps} optimizer steps, "
                               f"where the checkpoint's run had {resized.split()[1]}: the Trainer's own schedule "
                               "follows the new length, and so does HDET (its last converge step, where the replicas "
-                              f"are averaged, is now step {sched.total_steps})", stacklevel=2)
+                              f"are averaged, is now step {sched.total_steps})", stacklevel=user_stacklevel())
             if sched.world_size > 1 and sched.last_epoch > 0 and not sched.is_sync_step(sched.last_epoch):
                 # (warned here, after the Trainer's load: it drops the warnings raised while loading)
                 warnings.warn(f"hdet: resumed from {checkpoint} at step {sched.last_epoch}, between converge steps "
@@ -144,7 +145,7 @@ class HDETTrainer(Trainer):
                               "one model (HDETTrainer saves the replicas' average between converge steps) and rank "
                               "0's optimizer and scheduler state only, so every replica goes on from them, replica 0's "
                               "loss window and optimizer moments included. Checkpoint at multiples of "
-                              "model_sync_interval (save_steps) for an exact resume", stacklevel=2)
+                              "model_sync_interval (save_steps) for an exact resume", stacklevel=user_stacklevel())
 
     def _follow_run_length(self, sched: HDETLR, checkpoint: str) -> str:
         """A resume into a run of another length (``max_steps`` or ``num_train_epochs`` changed): the Trainer builds

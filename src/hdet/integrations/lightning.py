@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..caller import user_stacklevel
 from ..optimizers import innermost
 from ..schedulers import HDETLR
 from ..telemetry import sync_scalars
@@ -184,7 +185,7 @@ class HDETCallback(Callback):
                 type(pl_module).configure_gradient_clipping is not LightningModule.configure_gradient_clipping:
             warnings.warn("hdet: the module overrides configure_gradient_clipping, which Lightning runs after "
                           "HDETCallback has clipped each replica to its explored hdet.GradClip norm: a clip of its own "
-                          "there overrides the spread hdet reports", stacklevel=2)
+                          "there overrides the spread hdet reports", stacklevel=user_stacklevel())
         for sched in _hdet_schedulers(trainer):
             sched.attach_model(trainer.strategy.model)  # buffers averaged if no model= was given; the guard on DDP
         weights_only = [c for c in trainer.checkpoint_callbacks if getattr(c, "save_weights_only", False)]
@@ -192,7 +193,7 @@ class HDETCallback(Callback):
             warnings.warn("hdet: ModelCheckpoint(save_weights_only=True) saves without calling any callback, so its "
                           "checkpoints saved between converge steps hold rank 0's replica, not the ensemble's average "
                           "(a full checkpoint holds the average): save at multiples of model_sync_interval "
-                          "(every_n_train_steps), or save_weights_only=False", stacklevel=2)
+                          "(every_n_train_steps), or save_weights_only=False", stacklevel=user_stacklevel())
         if self._restored:  # rank 0's optimizer and scheduler states were loaded on every rank
             for sched in _hdet_schedulers(trainer):
                 sched.reapply()
