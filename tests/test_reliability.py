@@ -1040,9 +1040,10 @@ def test_a_collapse_before_the_first_sync_goes_back_to_step_1_only_from_a_health
                            torch.cat([p.flatten() for p in res[1]["params"]]))
 
 
-def _local_start_fit(rank, world):
-    """Local mode (no DDP, no shared gradient): rank 0's first step overflows under a GradScaler, so its non-fused Adam
-    makes no moments at step 1 (its kept start: the weights only) where rank 1's does; every weight NaN after step 4."""
+def _local_start_fit(rank, world, skipped):
+    """Local mode (no DDP, no shared gradient): rank 0's first ``skipped`` steps overflow under a GradScaler, so its
+    non-fused Adam makes no moments then (its kept start: the weights only) where rank 1's does; every weight NaN after
+    step 5's optimizer step, before its sync."""
     import warnings
 
     torch.manual_seed(0)
@@ -1057,27 +1058,36 @@ def _local_start_fit(rank, world):
         try:
             for t in range(1, 11):
                 o.zero_grad()
-                loss = m(x).pow(2).mean() * (float("inf") if (t == 1 and rank == 0) else 1.0)
+                loss = m(x).pow(2).mean() * (float("inf") if (t <= skipped and rank == 0) else 1.0)
                 scaler.scale(loss).backward()
                 scaler.step(o)
                 scaler.update()
-                s.step(loss.detach())
-                if t == 4:
+                if t == 5:
                     with torch.no_grad():
                         m.weight.fill_(float("nan"))
+                s.step(loss.detach())
+                if t == 5:
+                    back = s.last_sync.went_back_to
         except hdet.NonFiniteReplicaError as e:
             return {"error": "NonFiniteReplicaError", "msg": str(e), "step": t}
-    return {"error": None, "step": t}
+    return {"error": None, "step": t, "went_back_to": back, "finite": bool(torch.isfinite(m.weight).all())}
 
 
 @pytest.mark.distributed
-def test_ranks_whose_kept_starts_differ_in_layout_decide_the_same():
-    """Whether the kept start still fits the optimizer's state was judged by each rank alone: rank 0's (no moments
-    at step 1) was dropped and it raised at the collapse, while rank 1 went back to its start and waited in the
-    average, until the process group's timeout (a review). The fit rides in the sync vector now: both raise."""
-    res = run_gloo(_local_start_fit, 2)
-    assert [r.get("error") for r in res] == ["NonFiniteReplicaError"] * 2, res
-    assert [r["step"] for r in res] == [5, 5] and all("every replica" in r["msg"] for r in res), res
+@pytest.mark.parametrize("skipped", [1, 4])
+def test_ranks_whose_kept_starts_differ_in_layout_decide_the_same(skipped):
+    """Whether the kept start still fits the optimizer's state was judged by each rank alone: rank 0's (no moments)
+    was dropped and it raised at the collapse, while rank 1 went back to its start and waited in the average, until
+    the process group's timeout (a review). The fit rides in the sync vector now. Rank 0's first step skipped: it keeps
+    its start again at step 2 (2026-11-30), and both go back at the collapse, each to its own start. Its first four
+    skipped (no chance left before the sync to keep it again): its start never fits, and both raise."""
+    res = run_gloo(_local_start_fit, 2, skipped)
+    if skipped == 1:
+        assert [r["error"] for r in res] == [None, None], res
+        assert [r["went_back_to"] for r in res] == [2, 1] and all(r["finite"] and r["step"] == 10 for r in res), res
+    else:
+        assert [r.get("error") for r in res] == ["NonFiniteReplicaError"] * 2, res
+        assert [r["step"] for r in res] == [5, 5] and all("every replica" in r["msg"] for r in res), res
 
 
 def _scaler_resume(rank, world):
