@@ -1090,6 +1090,53 @@ def test_ranks_whose_kept_starts_differ_in_layout_decide_the_same(skipped):
         assert [r["step"] for r in res] == [5, 5] and all("every replica" in r["msg"] for r in res), res
 
 
+def _ddp_scaler_start(rank, world):
+    """DDP, a non-fused Adam and a GradScaler whose first scale overflows the first step's gradients (on every rank:
+    they are all-reduced), under recover; every weight NaN after step 5's optimizer step, before its sync."""
+    import warnings
+
+    torch.manual_seed(0)
+    m = nn.Linear(3, 1)
+    ddp = DDP(m)
+    o = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = hdet.HDETLR(o, None, total_steps=40, model=ddp, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                        on_runaway="recover")
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 124)  # x 20 (each gradient): inf at step 1 only
+        x = torch.ones(2, 3)
+        kept = []
+        for t in range(1, 11):
+            o.zero_grad()
+            loss = 10 * ddp(x).sum()
+            scaler.scale(loss).backward()
+            scaler.step(o)
+            scaler.update()
+            if t == 5:
+                with torch.no_grad():
+                    m.weight.fill_(float("nan"))
+                at2 = kept[-1]
+            s.step(loss.detach())
+            if t == 2:
+                kept.append([p.detach().clone() for p in m.parameters()])
+            if t == 5:
+                back = s.last_sync.went_back_to
+                same = all(torch.equal(p, k) for p, k in zip(m.parameters(), at2))
+    return {"went_back_to": back, "at_step_2": same, "finite": bool(torch.isfinite(m.weight).all()),
+            "adam_steps": o.state_dict()["state"][0]["step"].item()}
+
+
+@pytest.mark.distributed
+def test_a_ddp_run_whose_grad_scaler_skipped_its_first_step_goes_back_to_step_2_at_a_collapse():
+    """As a user writes it: DDP, torch's default (non-fused) Adam and a GradScaler whose first step overflows. The start
+    kept after step 1 had no moments and was dropped at the first sync (a collapse then raised); it is kept again at
+    step 2 on every rank, and a collapse before the first sync goes back there (2026-11-30)."""
+    res = check_ok(run_gloo(_ddp_scaler_start, 2))
+    for r in res:
+        assert r["went_back_to"] == 2 and r["at_step_2"] and r["finite"], res
+    assert res[0]["adam_steps"] == res[1]["adam_steps"], res
+
+
 def _scaler_resume(rank, world):
     from dist_workers import scaler_resume
 
