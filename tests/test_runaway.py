@@ -1002,9 +1002,12 @@ def test_a_warning_reached_through_the_engine_or_a_training_loop_points_at_the_u
     """The stability guard's warning names the line of the user's code that stepped: the engine's ``step`` call, or the
     loop's ``scheduler.step``. Fixed ``stacklevel``s pointed into hdet on the engine's path (its extra frames), and a
     warning raised inside torch's optimizer hooks pointed into torch (hdet.caller counts the frames now)."""
+    import inspect
+
     eng = _recovering_linear(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
     x = torch.randn(3, 8, 3)
     batches = [(x[r], x[r].sum(-1, keepdim=True)) for r in range(3)]
+    loss_fn = lambda m, b: ((m(b[0]) - b[1]) ** 2).mean()  # noqa: E731
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for t in range(1, 6):
@@ -1012,9 +1015,10 @@ def test_a_warning_reached_through_the_engine_or_a_training_loop_points_at_the_u
                 with torch.no_grad():
                     for m in eng.models:
                         m.weight.fill_(float("nan"))
-            eng.step(batches, lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())  # the line the warning names
+            line = inspect.currentframe().f_lineno + 1
+            eng.step(batches, loss_fn)  # the line the warning names
     said = [w for w in seen if "every replica went back" in str(w.message)]
-    assert said and all(w.filename == __file__ for w in said), [(w.filename, w.lineno) for w in said]
+    assert said and all((w.filename, w.lineno) == (__file__, line) for w in said), [(w.filename, w.lineno) for w in said]
     m, o, s = _scripted([[2.0] * 8, [1.9] * 8])
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -1023,9 +1027,46 @@ def test_a_warning_reached_through_the_engine_or_a_training_loop_points_at_the_u
                 with torch.no_grad():
                     m.weight.fill_(float("nan"))
             o.step()
+            line = inspect.currentframe().f_lineno + 1
             s.step(torch.tensor(1.0))  # the line the warning names
     said = [w for w in seen if "every replica went back" in str(w.message)]
-    assert said and all(w.filename == __file__ for w in said), [(w.filename, w.lineno) for w in said]
+    assert said and all((w.filename, w.lineno) == (__file__, line) for w in said), [(w.filename, w.lineno) for w in said]
+
+
+@pytest.mark.parametrize("mode", ["loop", "vmap"])
+def test_an_engine_whose_optimizer_state_grows_at_step_2_keeps_its_start_again_there(mode):
+    """A parameter the loss first uses at step 2: a non-fused Adam makes its moments then, so the start kept after step
+    1 no longer fits. Each replica keeps it again at step 2 (and the engine's shared copies start afresh, a review), and
+    a collapse before the first sync goes back there."""
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 1), nn.Linear(3, 1)
+
+        def forward(self, x, use_b):
+            return self.a(x) + (self.b(x) if use_b else 0)
+
+    torch.manual_seed(0)
+    eng = ReplicaEngine(Two(), 3, lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
+                        lambda o, rep, m: hdet.HDETLR(o, None, total_steps=30, model=m, replicas=rep,
+                                                      ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                                                      on_runaway="recover"), mode=mode, stacked_optimizer=False)
+    x = torch.randn(3, 8, 3)
+    batches = [(x[r], x[r].sum(-1, keepdim=True)) for r in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for t in range(1, 6):
+            if t == 4:
+                with torch.no_grad():
+                    for m in eng.models:
+                        m.a.weight.fill_(float("nan"))
+            eng.step(batches, lambda m, b, use=t > 1: ((m(b[0], use) - b[1]) ** 2).mean())
+            if t == 2:
+                assert all(s.ensemble.stability.kept_start_at(2) for s in eng.schedulers)
+                at2 = [[p.detach().clone() for p in m.parameters()] for m in eng.models]
+    assert [s.last_sync.went_back_to for s in eng.schedulers] == [2, 2, 2]
+    for m, kept in zip(eng.models, at2):
+        assert all(torch.equal(p, k) for p, k in zip(m.parameters(), kept))
 
 
 def test_a_start_whose_optimizer_state_changes_layout_is_kept_again_and_resumes_exactly():

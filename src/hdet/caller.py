@@ -15,18 +15,30 @@ import torch
 
 __all__ = ["user_stacklevel"]
 
-_INTERNAL = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_INTERNAL = (_HERE, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+_APP = os.path.join(_HERE, "app") + os.sep  # (hdet's CLI: its own lines are the user's code there)
 _HELPERS = (os.path.abspath(contextlib.__file__),)  # (a generator context manager's code after its yield runs there)
 
 
 def user_stacklevel() -> int:
-    """The ``stacklevel`` for a ``warnings.warn`` called in the frame that calls this: the first frame outside hdet,
-    torch and contextlib (the user's code, or the framework that called hdet), or the outermost one."""
+    """The ``stacklevel`` for a ``warnings.warn`` called in the frame that calls this: the first frame outside hdet
+    (its CLI excepted), torch and contextlib (the user's code, or the framework that called hdet), or the outermost
+    one. Frames of a module being imported are not counted, as ``warnings.warn`` skips them."""
     frame, level = sys._getframe(1), 1  # (level 1: the frame that calls warnings.warn)
-    while frame.f_back is not None and _internal(os.path.abspath(frame.f_code.co_filename)):
-        frame, level = frame.f_back, level + 1
+    while frame.f_back is not None and (_internal(frame.f_code.co_filename) or _importing(frame.f_code.co_filename)):
+        frame = frame.f_back
+        if not _importing(frame.f_code.co_filename):
+            level += 1
     return level
 
 
-def _internal(path: str) -> bool:
-    return path.startswith(_INTERNAL) or path in _HELPERS
+def _internal(name: str) -> bool:
+    if not os.path.isabs(name):  # ("<string>", "<frozen runpy>", a notebook's cell: the user's)
+        return False
+    return (name.startswith(_INTERNAL) and not name.startswith(_APP)) or name in _HELPERS
+
+
+def _importing(name: str) -> bool:
+    """CPython's test of a frame that ``warnings.warn`` does not count (importlib's bootstrap)."""
+    return "importlib" in name and "_bootstrap" in name

@@ -872,7 +872,7 @@ class ReplicaEngine:
                 warnings.warn(f"hdet: torch.func.vmap cannot run this model ({type(e).__name__}: {e}); "
                               "using the loop over replica copies" + (" (cuda_graph has no effect there)"
                                                                       if self.cuda_graph else ""),
-                                                                      stacklevel=user_stacklevel())
+                              stacklevel=user_stacklevel())
                 self.mode = "loop"
         else:
             losses = looped()

@@ -143,6 +143,7 @@ class Ensemble:
         self.window_mean = WindowMean(self._float_params()) if config.probing else None
         self.total_steps: int | None = None
         self.stability = StabilityGuard(config)  # on_runaway="recover"
+        self._start_checked: tuple[Any, bool] = (None, True)  # (_start_misfits: the state's signature, start fits)
         self.load_warnings: list[str] = []  # what the last load_state_dict warned about (hdet.ensemble_state)
         self._ramp = RampSnapshots()  # lr_range_test: the ramp's recent states
         self.last_sync: SyncRecord | None = None
@@ -309,15 +310,27 @@ class Ensemble:
         moments = self.recovery_tensors()
         ok = health(tensors + moments, strict + [True] * len(moments), self.replicas.comm_device())[0]
         keep(tensors + moments + self.step_counts(), ok)
+        self._start_checked = (self._state_signature(), True)  # (it fits the state it was kept from)
         if self.step_scale is not None:  # (its estimates were read for the copy, not for a sync: nothing to
             self.step_scale.unfill()  # take back into the param groups before the next step)
 
     def _start_misfits(self) -> bool:
-        """Whether the kept start no longer fits the state it would go back to (host only: the tensors' layout)."""
-        kept = self.kept_tensors()
-        if self.step_scale is not None:  # (its estimates were read for the layout only)
-            self.step_scale.unfill()
-        return not self.stability.start_fits(kept)
+        """Whether the kept start no longer fits the state it would go back to (the tensors' layout). Checked again
+        only where the optimizer's state changed its keys, types, dtypes or shapes since the last check (the rest of
+        what is kept keeps its layout): host work over the state's entries a step, and a host sync only then (a step
+        scale's counts copied to the device)."""
+        signature = self._state_signature()
+        if signature != self._start_checked[0]:
+            kept = self.kept_tensors()
+            if self.step_scale is not None:  # (its estimates were read for the layout only)
+                self.step_scale.unfill()
+            self._start_checked = (signature, self.stability.start_fits(kept))
+        return not self._start_checked[1]
+
+    def _state_signature(self) -> tuple[Any, ...]:
+        """The optimizer's state entries' keys, and the types of their values (a tensor's dtype and shape)."""
+        return tuple((k, v.dtype, v.shape) if isinstance(v, torch.Tensor) else (k, type(v))
+                     for s in self.optimizer.state.values() for k, v in s.items())
 
     # ----------------------------------------------------------------- tensors
     def tensors(self) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ optimizer can skip a step on the device, i.e. every param group is ``fused``, or
   NaN and Inf propagate, and a max cannot overflow): one read of the gradients a step, 0.6% of a 124M GPT's
   step on an H100 (``docs/cost.md``). ``"skip"`` reads only the *sentinel* gradients: those of the
   parameters with at most one dimension (biases, norm weights) and the first row of every other parameter's
-  (0.1% of that GPT's): a NaN/Inf in a replica's loss, or in an activation's gradient, reaches every gradient the
+  (0.15% of that GPT's): a NaN/Inf in a replica's loss, or in an activation's gradient, reaches every gradient the
   backward computes after it on its path, and a bias's or a norm weight's gradient sums over the whole batch; a
   NaN/Inf in an activation that the loss does see reaches them too, and a norm weight also sees one in a row the loss
   drops. A NaN in a row the loss leaves out (its gradient rows exact zeros: selected away, or behind a ReLU) leaves the
@@ -37,8 +37,8 @@ optimizer can skip a step on the device, i.e. every param group is ``fused``, or
   every replica bad, then goes back to the best sync under ``on_runaway="recover"``, or stops with
   :class:`~hdet.NonFiniteReplicaError`. So ``"auto"`` picks ``"skip"`` only with ``on_runaway="recover"``
   (or the range test), where that costs at most a go-back, and ``"skip-all"`` otherwise. A model with no bias or
-  norm weight with a gradient (bias-free, norm-free, or adapters only) has every gradient read. Neither reads anything when the step's gradient norm is
-  handed over (:meth:`SkipNonFiniteStep.use_norm`, which ``HDETLR.clip_grad_norm_`` does): a clipping
+  norm weight with a gradient (bias-free, norm-free, or adapters only) has every gradient read. Neither reads
+  anything when the step's gradient norm is handed over (:meth:`SkipNonFiniteStep.use_norm`, which ``HDETLR.clip_grad_norm_`` does): a clipping
   user has computed it anyway, over every gradient; nor under ``torch.amp.GradScaler`` (fp16), whose
   ``step`` has just checked every gradient and hands its verdict over as ``found_inf`` (not after an
   explicit ``scaler.unscale_``, whose verdict may be stale by the step).

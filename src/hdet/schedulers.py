@@ -71,8 +71,7 @@ class HDETLR(LRScheduler):
         guard_gradients: "auto" (default), "skip", "skip-all", "hook" or False: keep one replica's non-finite
             gradient from reaching the others' weights (:mod:`hdet.guard`; "skip-all" reads every gradient, "skip"
             only those of biases and norm weights and every other's first row, which most NaNs reach; "auto" with a
-            fused optimizer: "skip"
-            under ``on_runaway="recover"``, "skip-all" otherwise).
+            fused optimizer: "skip" under ``on_runaway="recover"``, "skip-all" otherwise).
         auto_lr_bounds: (low, high), or one pair per group: the paper controller keeps the LR inside.
         final_lr: per group, or one float: Eq. 8's decay target (default: ``base(total_steps)`` for a
             callable or a LambdaLR (the Hugging Face Trainer's schedules), OneCycle's ``min_lr``, otherwise no

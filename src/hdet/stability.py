@@ -16,9 +16,9 @@ decides the same, with no communication):
   ``MIN_LR_SCALE`` at most.
 
 Every replica non-finite at once (a collapse) goes back to the best sync too. Before the first best sync, the state
-after the run's first step is kept (:meth:`StabilityGuard.keep_start`, where every replica's is healthy; again after
-the first step that made the optimizer's state, where a GradScaler skipped the first: :meth:`keep_start_again`): a collapse
-or a window with no finite loss goes back there, and a sync ``RISE_CEILING`` times the first step's loss magnitude
+after the run's first step is kept (:meth:`StabilityGuard.keep_start`, where every replica's is healthy; again, before
+the first sync, at a step where it stops fitting the optimizer's state: :meth:`StabilityGuard.keep_start_again`): a
+collapse or a window with no finite loss goes back there, and a sync ``RISE_CEILING`` times the first step's loss magnitude
 above it is no best.
 
 Memory: one copy of the averaged tensors and the optimizer state per replica (taken at syncs, and at the start); in the
@@ -239,8 +239,8 @@ class StabilityGuard:
             warnings.warn(f"hdet: at sync step {step} the ensemble's loss ({blown[0]:.4g}) is more than {times:g}x its "
                           f"first step's loss magnitude above it ({blown[1]:.4g}): not kept as a best sync (a run that "
                           "blew up within its first window went back to such a sync at every later one); a collapse, "
-                          "or a window with no finite loss, goes back to the start (the state after step "
-                          f"{self.best_step if self.starting else 1}) until a sync is kept. "
+                          f"or a window with no finite loss, goes back to the start (the state after step {self.best_step}) "
+                          "until a sync is kept. "
                           "If a first loss near 0 is by design (a student that starts as its teacher), no rise is "
                           "caught until then (with a first loss of 0: none)", stacklevel=user_stacklevel())
         clean = not exclude and blown is None and (self.best_loss is None or not any(getattr(col, "nonfinite", ())))
@@ -273,10 +273,11 @@ class StabilityGuard:
                 self._start_loss = (total / n.clamp(min=1), (n > 0).to(total.dtype))
 
     def keep_start_again(self, step: int, tensors: list[torch.Tensor], ok: torch.Tensor) -> None:
-        """The start kept again, at ``step`` (the first optimizer step that made the optimizer's state, where a
-        GradScaler skipped the first: the start kept then had no moments and could never fit), the first loss kept."""
+        """The start kept again, at ``step``, where the one kept no longer fits the optimizer's state (a first step
+        that a GradScaler skipped made no moments under a non-fused optimizer; LBFGS changes its state's types at step
+        2; a parameter first trained later): the first loss kept."""
         if self.on and self.starting:
-            self.best_step, self.start_ok = step, ok
+            self.best_step, self.start_ok, self._snapshot = step, ok, None  # (the old copy freed before the new one)
             self._snapshot = self.copier(tensors)
 
     def kept_start_at(self, step: int) -> bool:
