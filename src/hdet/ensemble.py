@@ -297,22 +297,23 @@ class Ensemble:
         if t == 1:  # under recover: a state to go back to before the first best sync's
             self.window.fold()  # (step 1's losses, one a micro-batch where the loop observes each: their finite sum)
             first = None if self.window.sum is None else (self.window.sum, self.window.finite)
-            self._keep_start(t, lambda kept, ok: self.stability.keep_start(t, kept, ok, first))
+            self.stability.keep_start(t, *self._start_state(), first)
         elif self.stability.starting and t < self.config.model_sync_interval and self._start_misfits():
-            # a first step that a GradScaler (or the guard, fused SGD's momentum) skipped made no optimizer state, so the
-            # start kept then could never fit: kept again at the first step where it no longer fits (before the first
+            # a first step that a GradScaler (or the guard, fused SGD's momentum) skipped made no optimizer state, so
+            # the start kept then could never fit: kept again at the first step where it no longer fits (before the first
             # sync only; the same test after a resume, so a resumed run keeps it again where the first run did)
-            self._keep_start(t, lambda kept, ok: self.stability.keep_start_again(t, kept, ok))
+            self.stability.keep_start_again(t, *self._start_state())
 
-    def _keep_start(self, t: int, keep: Callable[[list[torch.Tensor], torch.Tensor], None]) -> None:
-        """The state after step ``t`` and its health (a device flag: no host sync) handed to ``keep``."""
-        tensors, strict = self._tensors()  # (kept_tensors()'s, with their health)
+    def _start_state(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The state to keep as the start (:meth:`kept_tensors`'s) and its health (a device flag: no host sync)."""
+        tensors, strict = self._tensors()
         moments = self.recovery_tensors()
         ok = health(tensors + moments, strict + [True] * len(moments), self.replicas.comm_device())[0]
-        keep(tensors + moments + self.step_counts(), ok)
-        self._start_checked = (self._state_signature(), True)  # (it fits the state it was kept from)
+        kept = tensors + moments + self.step_counts()
         if self.step_scale is not None:  # (its estimates were read for the copy, not for a sync: nothing to
             self.step_scale.unfill()  # take back into the param groups before the next step)
+        self._start_checked = (self._state_signature(), True)  # (it fits the state it is kept from)
+        return kept, ok
 
     def _start_misfits(self) -> bool:
         """Whether the kept start no longer fits the state it would go back to (the tensors' layout). Checked again

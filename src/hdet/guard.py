@@ -38,7 +38,8 @@ optimizer can skip a step on the device, i.e. every param group is ``fused``, or
   :class:`~hdet.NonFiniteReplicaError`. So ``"auto"`` picks ``"skip"`` only with ``on_runaway="recover"``
   (or the range test), where that costs at most a go-back, and ``"skip-all"`` otherwise. A model with no bias or
   norm weight with a gradient (bias-free, norm-free, or adapters only) has every gradient read. Neither reads
-  anything when the step's gradient norm is handed over (:meth:`SkipNonFiniteStep.use_norm`, which ``HDETLR.clip_grad_norm_`` does): a clipping
+  anything when the step's gradient norm is handed over (:meth:`SkipNonFiniteStep.use_norm`, which
+  ``HDETLR.clip_grad_norm_`` does): a clipping
   user has computed it anyway, over every gradient; nor under ``torch.amp.GradScaler`` (fp16), whose
   ``step`` has just checked every gradient and hands its verdict over as ``found_inf`` (not after an
   explicit ``scaler.unscale_``, whose verdict may be stale by the step).

@@ -18,8 +18,8 @@ decides the same, with no communication):
 Every replica non-finite at once (a collapse) goes back to the best sync too. Before the first best sync, the state
 after the run's first step is kept (:meth:`StabilityGuard.keep_start`, where every replica's is healthy; again, before
 the first sync, at a step where it stops fitting the optimizer's state: :meth:`StabilityGuard.keep_start_again`): a
-collapse or a window with no finite loss goes back there, and a sync ``RISE_CEILING`` times the first step's loss magnitude
-above it is no best.
+collapse or a window with no finite loss goes back there, and a sync ``RISE_CEILING`` times the first step's loss
+magnitude above it is no best.
 
 Memory: one copy of the averaged tensors and the optimizer state per replica (taken at syncs, and at the start); in the
 one-process engine, tensors that the replicas share (its one copy of the moments) are copied once
@@ -188,7 +188,7 @@ class StabilityGuard:
                 and nonfinite[r] > 0]  # observed losses, none of them finite
         best = self.best_loss
         self._start_rise = None
-        if best is None and self.starting:  # no best yet: the start (after step 1, or kept again) is the one to go back to
+        if best is None and self.starting:  # no best yet: the start (after step 1, or kept again) is where to go back
             if not ok:  # no replica has a finite window loss: a rise, back to the start (nobody left out: all go back)
                 return [], bool(lost)
             firsts = [col.start_sum[r] / col.start_n[r] for r in range(len(losses)) if col.start_n[r] > 0]
@@ -239,8 +239,8 @@ class StabilityGuard:
             warnings.warn(f"hdet: at sync step {step} the ensemble's loss ({blown[0]:.4g}) is more than {times:g}x its "
                           f"first step's loss magnitude above it ({blown[1]:.4g}): not kept as a best sync (a run that "
                           "blew up within its first window went back to such a sync at every later one); a collapse, "
-                          f"or a window with no finite loss, goes back to the start (the state after step {self.best_step}) "
-                          "until a sync is kept. "
+                          "or a window with no finite loss, goes back to the start (the state after step "
+                          f"{self.best_step}) until a sync is kept. "
                           "If a first loss near 0 is by design (a student that starts as its teacher), no rise is "
                           "caught until then (with a first loss of 0: none)", stacklevel=user_stacklevel())
         clean = not exclude and blown is None and (self.best_loss is None or not any(getattr(col, "nonfinite", ())))
@@ -299,7 +299,7 @@ class StabilityGuard:
         alone)."""
         if not self.starting:
             return 1.0
-        if tensors is not None and not same_layout(self._snapshot, tensors):
+        if tensors is not None and not self.start_fits(tensors):
             return 0.0
         return self.start_ok
 
