@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import hdet
+import hdet.kernels
 from hdet.engine import ReplicaEngine
 from hdet.app.tasks import ByteGPT
 
@@ -83,6 +84,8 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             engine_mode, _, path = mode.partition("/")
+            fused_passes = hdet.kernels.AVAILABLE
+            hdet.kernels.AVAILABLE = fused_passes and path != "torch-passes"  # ("/torch-passes": without hdet.kernels)
             eng = ReplicaEngine(
                 fresh_model(engine_attn), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, **kw),
                 lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=total, ensemble_lr_spread_ratio=0.2,
@@ -97,7 +100,10 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
                 j[0] += 1
                 eng.step(b, lm_loss, stacked=True)
 
-            dt = time_steps(eng_step, warm + (3 if "+" in mode else 0), steps, device)
+            try:
+                dt = time_steps(eng_step, warm + (3 if "+" in mode else 0), steps, device)
+            finally:
+                hdet.kernels.AVAILABLE = fused_passes
         out[mode] = {"seconds_per_step": dt, "tokens_per_s": N * B * ctx / dt,
                      "ratio_to_baseline": out["baseline"]["seconds_per_step"] / dt,
                      "ratio_to_baseline_math_attention": out["baseline_math_attention"]["seconds_per_step"] / dt,
@@ -157,7 +163,7 @@ def main() -> None:
     p.add_argument("--sizes", default="small", help="comma list of: tiny, small, medium")
     p.add_argument("--modes", default="vmap,vmap+compile,loop,vmap/per-replica",
                    help="comma list of vmap, vmap+compile, merged, merged+graph (cuda_graph=True), loop, each with an "
-                        "optional /per-replica")
+                        "optional /per-replica (per-replica optimizers) or /torch-passes (the stacked step and the gradients' mean in torch's ops, not hdet.kernels' fused passes)")
     p.add_argument("--optimizers", default="fused,foreach", help="AdamW implementations to run (comma list)")
     p.add_argument("--engine-attn", default="auto", choices=["auto", "sdpa", "math"],
                    help="the engine's attention (ByteGPT attn=): auto is explicit attention under vmap")

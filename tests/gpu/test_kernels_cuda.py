@@ -1,0 +1,117 @@
+"""The fused passes over the engine's stacked weights and gradients (hdet.kernels, Triton) on a GPU, against float64
+references and against torch's ops in the engine (run on the GPU machine: `python -m pytest tests/gpu`)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hdet
+from hdet import kernels
+from hdet.app.tasks import ByteGPT
+from hdet.engine import ReplicaEngine
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(not kernels.AVAILABLE, reason="needs Triton")]
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d_rows", [1, 5])
+@pytest.mark.parametrize("decay", [True, False])
+def test_scale_add_rows_is_one_rounding_of_the_exact_update_and_leaves_other_columns_alone(dtype, d_rows, decay):
+    torch.manual_seed(0)
+    N, D, a0, b0 = 5, 10007, 123, 9001  # a slice of columns at an odd offset, not a multiple of the block
+    full = torch.randn(N, D, device="cuda").to(dtype)
+    before = full.clone()
+    th = full[:, a0:b0]
+    d = torch.randn(d_rows, b0 - a0, device="cuda").to(dtype)
+    a = 1 - 1e-3 * torch.arange(1, N + 1, device="cuda", dtype=torch.float32)
+    b = -1e-2 * torch.arange(1, N + 1, device="cuda", dtype=torch.float32)
+    want = (before[:, a0:b0].double() * (a.double()[:, None] if decay else 1) + b.double()[:, None] * d.double())
+    kernels.scale_add_rows_(th, d, a.view(N, 1) if decay else None, b.view(N, 1))
+    assert th.dtype == dtype
+    eps = torch.finfo(dtype).eps  # (float32: computed in float32, the product maybe fused: within an ulp or two)
+    torch.testing.assert_close(th.double(), want, rtol=2 * eps, atol=1e-6)
+    assert torch.equal(full[:, :a0], before[:, :a0]) and torch.equal(full[:, b0:], before[:, b0:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", [[], [2], [0, 3]])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_finite_row_mean_leaves_out_every_row_holding_a_nan_or_inf(dtype, bad, value, where):
+    torch.manual_seed(1)
+    N, D = 4, 70001
+    G = torch.randn(N, D, device="cuda").to(dtype)
+    col = {"first": 0, "middle": D // 2, "last": D - 1}[where]
+    for r in bad:
+        G[r, col] = value
+    keep = [r for r in range(N) if r not in bad]
+    want = G[keep].double().sum(0) / N
+    for dest in ("own", "row 0"):
+        g = G.clone()
+        out = g[:1] if dest == "row 0" else torch.empty(1, D, device="cuda", dtype=dtype)
+        flags = kernels.finite_row_mean(g, out)
+        assert flags.tolist() == [int(r in bad) for r in range(N)]
+        tol = 1e-6 if dtype == torch.float32 else torch.finfo(dtype).eps
+        torch.testing.assert_close(out[0].double(), want, rtol=tol, atol=tol)
+        torch.testing.assert_close(g[1:], G[1:], rtol=0, atol=0, equal_nan=True)  # the other rows: read, not written
+
+
+def test_finite_row_mean_keeps_an_overflowed_sum_of_finite_rows_as_torch_does():
+    """Finite float32 rows whose sum overflows: no row is left out, the mean is Inf (torch's sum overflows the same)."""
+    G = torch.full((4, 3000), 3e38, device="cuda")
+    out = torch.empty(1, 3000, device="cuda")
+    assert kernels.finite_row_mean(G, out).tolist() == [0, 0, 0, 0]
+    assert bool(torch.isinf(out).all()) and bool(torch.isinf(G.sum(0) / 4).all())
+
+
+def _lm(m, b):
+    logits = m(b[..., :-1])
+    return F.cross_entropy(logits.reshape(-1, 256), b[..., 1:].reshape(-1))
+
+
+def _run(mode, fused_kernels, monkeypatch, nan_at=None):
+    calls = []
+    for name in ("scale_add_rows_", "finite_row_mean"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    monkeypatch.setattr(kernels, "AVAILABLE", fused_kernels)
+    torch.manual_seed(0)
+    model = ByteGPT(32, 64, 2, 2).cuda()
+    eng = ReplicaEngine(model, 4, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, fused=True),
+                        lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=12,
+                                                              ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                                                              replicas=rep, model=m), mode=mode)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    data = torch.randint(0, 256, (12, 4, 8, 33), device="cuda", generator=g)
+    for t in range(1, 13):
+        if t == nan_at:
+            with torch.no_grad():
+                eng.models[1].blocks[0].qkv.weight[0, 0] = float("nan")
+        eng.step(data[t - 1], _lm, stacked=True)
+    monkeypatch.undo()
+    return [torch.cat([p.detach().flatten() for p in m.parameters()]) for m in eng.models], calls
+
+
+@pytest.mark.parametrize("mode", ["vmap", "merged"])
+@pytest.mark.parametrize("nan_at", [None, 4])
+def test_the_engine_trains_the_same_with_the_fused_passes_as_with_torchs_ops(mode, nan_at, monkeypatch):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with pytest.warns(UserWarning, match=r"replica\(s\) \[1\]") if nan_at else _nothing():
+        fused, calls = _run(mode, True, monkeypatch, nan_at)
+    with pytest.warns(UserWarning, match=r"replica\(s\) \[1\]") if nan_at else _nothing():
+        plain, plain_calls = _run(mode, False, monkeypatch, nan_at)
+    assert calls.count("finite_row_mean") == 12 and calls.count("scale_add_rows_") >= 12 and not plain_calls
+    for a, b in zip(fused, plain):  # the mean summed in another order (an ulp), magnified by Adam where the second
+        assert bool(torch.isfinite(a).all())  # moment is small: the tolerance of the loop-against-vmap check
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
