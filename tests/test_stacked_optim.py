@@ -733,3 +733,11 @@ def test_freezing_a_replicas_parameter_after_the_engine_is_built_is_refused(how)
                                          r"requires_grad=.*nothing was run"):
         eng.step((X[2], Y[2]), _loss, stacked=True)
     assert all(torch.equal(a, b) for a, b in zip(before, eng.models[0].parameters()))
+
+
+def test_the_fused_passes_are_for_cuda_tensors_only():
+    """hdet.kernels (Triton) takes CUDA float32/16/bf16 rows only: on the CPU the stacked step and the gradients'
+    mean stay torch's ops (what every test above runs)."""
+    from hdet import kernels
+
+    assert not kernels.usable(torch.zeros(2, 3))

@@ -43,16 +43,19 @@ if AVAILABLE:
         r = tl.program_id(1)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < cols
-        th = tl.load(theta + r * theta_row + offs, mask=inside)
-        x = tl.load(d + r * d_row + offs, mask=inside).to(tl.float32)
+        theta = theta + r.to(tl.int64) * theta_row  # (64-bit: N rows of a large model pass 2^31 elements)
+        th = tl.load(theta + offs, mask=inside)
+        x = tl.load(d + r.to(tl.int64) * d_row + offs, mask=inside).to(tl.float32)
         out = th.to(tl.float32)
         if HAS_A:
             out = out * tl.load(a + r)
         out = out + tl.load(b + r) * x
-        tl.store(theta + r * theta_row + offs, out.to(th.dtype), mask=inside)
+        tl.store(theta + offs, out.to(th.dtype), mask=inside)
 
     @triton.jit
     def _sum_rows_kernel(g, mean, bad, cols, g_row, N: tl.constexpr, BLOCK: tl.constexpr):
+        g_row = tl.full([], 1, tl.int64) * g_row  # (64-bit: N rows of a large model pass 2^31 elements; a stride
+        # of 1 comes as a constant, which has no .to)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < cols
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -67,6 +70,7 @@ if AVAILABLE:
 
     @triton.jit
     def _finite_mean_kernel(g, mean, bad, dest, cols, g_row, N: tl.constexpr, BLOCK: tl.constexpr):
+        g_row = tl.full([], 1, tl.int64) * g_row
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < cols
         any_bad = 0

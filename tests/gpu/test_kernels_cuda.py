@@ -67,6 +67,28 @@ def test_finite_row_mean_keeps_an_overflowed_sum_of_finite_rows_as_torch_does():
     assert bool(torch.isinf(out).all()) and bool(torch.isinf(G.sum(0) / 4).all())
 
 
+def test_one_column_and_rows_past_two_to_the_31_elements():
+    """A row stride of 1 (one column: Triton passes it as a constant) and offsets past 2^31 elements (64-bit)."""
+    G = torch.tensor([[1.0], [float("nan")], [3.0]], device="cuda")
+    out = torch.empty(1, 1, device="cuda")
+    assert kernels.finite_row_mean(G, out).tolist() == [0, 1, 0] and out.item() == pytest.approx(4 / 3)
+    th = torch.ones(3, 1, device="cuda")
+    kernels.scale_add_rows_(th, torch.ones(1, 1, device="cuda"), None, torch.tensor([1.0, 2.0, 3.0], device="cuda"))
+    assert th.flatten().tolist() == [2.0, 3.0, 4.0]
+    if torch.cuda.mem_get_info()[0] < 24 * 2 ** 30:
+        pytest.skip("the large case needs 24 GiB free")
+    N, D = 3, 2 ** 30 + 3  # 3 x 2^30 bf16 elements: the last row starts past 2^31
+    G = torch.zeros(N, D, device="cuda", dtype=torch.bfloat16)
+    G[:, -1] = torch.tensor([1.0, 2.0, 4.0])
+    G[2, -2] = float("inf")
+    out = torch.empty(1, D, device="cuda", dtype=torch.bfloat16)
+    assert kernels.finite_row_mean(G, out).tolist() == [0, 0, 1] and out[0, -1].item() == 1.0
+    d = torch.zeros(1, D, device="cuda", dtype=torch.bfloat16)
+    d[0, -1] = 1
+    kernels.scale_add_rows_(G, d, None, torch.tensor([1.0, 1.0, 4.0], device="cuda"))
+    assert G[:, -1].tolist() == [2.0, 3.0, 8.0] and G[2, -2].item() == float("inf") and G[2, 0].item() == 0.0
+
+
 def _lm(m, b):
     logits = m(b[..., :-1])
     return F.cross_entropy(logits.reshape(-1, 256), b[..., 1:].reshape(-1))
