@@ -10,102 +10,93 @@ fill of the non-finite rows, the sum, the copy). Here the update is one pass and
 plus a second only on a step where a replica's gradient is not finite (decided on the device: no host sync).
 Measured in ``benchmarks/merged_kernels.py``.
 
-:data:`AVAILABLE` is False without Triton (the CPU wheel of torch has none), and the callers keep torch's ops;
-:func:`usable` says whether a tensor can take the fused path.
+:func:`usable` says whether tensors take the fused path: CUDA tensors large enough that the device, not the host,
+bounds their pass (Triton's launch costs more host time than torch's: the tiny GPT's engine ran 3-8% slower with
+them), with Triton importable and working. Triton is imported, and its kernels compiled and checked on a few numbers,
+at the first such tensors (never on a CPU-only run); where that fails (no Triton, no C compiler, a GPU older than
+compute capability 7.0) the callers keep torch's ops, with a warning. The kernels themselves are in
+:mod:`hdet._triton_kernels`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from typing import Any
+
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - the CPU wheel of torch ships no Triton
-    triton = tl = None
+from .caller import user_stacklevel
 
 __all__ = ["AVAILABLE", "usable", "scale_add_rows_", "finite_row_mean"]
 
-AVAILABLE = triton is not None
+AVAILABLE = True  # False: never take the fused path (set when Triton is missing or fails; benchmarks set it too)
+MIN_ELEMENTS = 1 << 22  # smaller passes stay torch's: bound by the host, where a Triton launch costs more
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_BLOCK = 2048
+_impl: Any = None  # hdet._triton_kernels once imported and checked
+_checked: set[int] = set()  # the CUDA devices the kernels were checked on
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """Whether these tensors can take the fused path: CUDA floating tensors of float32/16/bf16 whose rows are dense
-    (last stride 1), with Triton installed."""
-    return AVAILABLE and all(t.is_cuda and t.dtype in _FLOATS and t.dim() == 2 and t.stride(1) == 1 for t in tensors)
+    """Whether these tensors take the fused path: CUDA float32/16/bf16 matrices with dense rows (last stride 1), the
+    first of at least :data:`MIN_ELEMENTS` elements, and the kernels working on their device."""
+    if not AVAILABLE:
+        return False
+    if not all(t.is_cuda and t.dtype in _FLOATS and t.dim() == 2 and t.stride(1) == 1 for t in tensors):
+        return False
+    return tensors[0].numel() >= MIN_ELEMENTS and _ready(tensors[0].device)
 
 
-if AVAILABLE:
-    @triton.jit
-    def _scale_add_kernel(theta, d, a, b, cols, theta_row, d_row, HAS_A: tl.constexpr, BLOCK: tl.constexpr):
-        r = tl.program_id(1)
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offs < cols
-        theta = theta + r.to(tl.int64) * theta_row  # (64-bit: N rows of a large model pass 2^31 elements)
-        th = tl.load(theta + offs, mask=inside)
-        x = tl.load(d + r.to(tl.int64) * d_row + offs, mask=inside).to(tl.float32)
-        out = th.to(tl.float32)
-        if HAS_A:
-            out = out * tl.load(a + r)
-        out = out + tl.load(b + r) * x
-        tl.store(theta + offs, out.to(th.dtype), mask=inside)
+def _ready(device: torch.device) -> bool:
+    """Import Triton and check the kernels on ``device`` once (False, with a warning, where that fails)."""
+    global AVAILABLE, _impl
+    if not AVAILABLE:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _checked:
+        return True
+    try:
+        if torch.cuda.get_device_capability(index) < (7, 0):
+            raise RuntimeError(f"compute capability {torch.cuda.get_device_capability(index)}, Triton needs 7.0")
+        if _impl is None:
+            from . import _triton_kernels as impl
+            _impl = impl
+        with _on(torch.device("cuda", index)):
+            _impl.check(torch.device("cuda", index))
+    except Exception as e:  # (ImportError, a compiler missing, ...): torch's ops from now on
+        AVAILABLE = False
+        warnings.warn(f"hdet: the engine's fused passes over the replicas' weights (Triton) do not run here "
+                      f"({type(e).__name__}: {str(e)[:200]}); torch's ops do the same work, more slowly on large "
+                      "models", stacklevel=user_stacklevel())
+        return False
+    _checked.add(index)
+    return True
 
-    @triton.jit
-    def _sum_rows_kernel(g, mean, bad, cols, g_row, N: tl.constexpr, BLOCK: tl.constexpr):
-        g_row = tl.full([], 1, tl.int64) * g_row  # (64-bit: N rows of a large model pass 2^31 elements; a stride
-        # of 1 comes as a constant, which has no .to)
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offs < cols
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for r in tl.static_range(N):
-            acc += tl.load(g + r * g_row + offs, mask=inside, other=0.0).to(tl.float32)
-        if tl.min(((acc - acc) == 0).to(tl.int32), axis=0) == 0:  # a NaN or Inf in the sum (inf - inf is NaN): which
-            for r in tl.static_range(N):  # rows hold one? (none, where finite values overflowed the sum: kept)
-                x = tl.load(g + r * g_row + offs, mask=inside, other=0.0).to(tl.float32)
-                if tl.min(((x - x) == 0).to(tl.int32), axis=0) == 0:
-                    tl.store(bad + r, 1)  # (every program that finds one stores the same value)
-        tl.store(mean + offs, acc / N, mask=inside)
 
-    @triton.jit
-    def _finite_mean_kernel(g, mean, bad, dest, cols, g_row, N: tl.constexpr, BLOCK: tl.constexpr):
-        g_row = tl.full([], 1, tl.int64) * g_row
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offs < cols
-        any_bad = 0
-        for r in tl.static_range(N):
-            any_bad += tl.load(bad + r)
-        if any_bad == 0:
-            acc = tl.load(mean + offs, mask=inside)
-        else:  # a replica's gradient is not finite: the sum again without it (it counts as 0, as under DDP's guard)
-            acc = tl.zeros([BLOCK], dtype=tl.float32)
-            for r in tl.static_range(N):
-                if tl.load(bad + r) == 0:
-                    acc += tl.load(g + r * g_row + offs, mask=inside, other=0.0).to(tl.float32)
-            acc = acc / N
-        tl.store(dest + offs, acc.to(dest.dtype.element_ty), mask=inside)
+def _on(device: torch.device) -> contextlib.AbstractContextManager:
+    """The tensors' device as the current one where it is not (Triton launches on the current device's stream)."""
+    return contextlib.nullcontext() if device.index == torch.cuda.current_device() else torch.cuda.device(device)
 
 
 def scale_add_rows_(theta: torch.Tensor, d: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor) -> None:
-    """``theta[r] = a[r] * theta[r] + b[r] * d[r or 0]`` in place, one pass, computed in float32 and rounded once
-    to theta's dtype. ``theta``: ``[N, n]`` (dense rows, any row stride); ``d``: ``[1 or N, n]``; ``a`` (None: 1)
-    and ``b``: ``N`` float32 numbers on the device."""
-    n_rows, cols = theta.shape
-    grid = (triton.cdiv(cols, _BLOCK), n_rows)
-    _scale_add_kernel[grid](theta, d, b if a is None else a, b, cols, theta.stride(0),
-                            d.stride(0) if d.shape[0] > 1 else 0, HAS_A=a is not None, BLOCK=_BLOCK)
+    """``theta[r] = a[r] * theta[r] + b[r] * d[r or 0]`` in place, one pass, computed in float32 from theta's and
+    d's values and stored in theta's dtype. ``theta``: ``[N, n]`` (dense rows, any row stride); ``d``: ``[1 or N, n]``;
+    ``a`` (None: 1) and ``b``: ``N`` float32 numbers on the device. Call where :func:`usable` says so."""
+    _need(theta.device)
+    with _on(theta.device):
+        _impl.scale_add_rows_(theta, d, a, b)
 
 
 def finite_row_mean(G: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
     """``dest = sum_r G[r] / N`` over the rows of ``G`` (``[N, D]``) that are finite, a non-finite row counting as
-    0, summed in float32; ``dest``: ``[1, D]`` (may be ``G``'s row 0). Returns the ``[N]`` int32 flags of the
-    non-finite rows. One read of ``G`` when every row is finite (the second kernel then copies the mean), two
-    when one is not; no host sync."""
-    N, cols = G.shape
-    mean = torch.empty(cols, dtype=torch.float32, device=G.device)
-    bad = torch.zeros(N, dtype=torch.int32, device=G.device)
-    grid = (triton.cdiv(cols, _BLOCK),)
-    _sum_rows_kernel[grid](G, mean, bad, cols, G.stride(0), N=N, BLOCK=_BLOCK)
-    _finite_mean_kernel[grid](G, mean, bad, dest, cols, G.stride(0), N=N, BLOCK=_BLOCK)
-    return bad
+    0, summed in float32; ``dest``: ``[1, D]`` (may be ``G``'s row 0; the other rows are only read). Returns the
+    ``[N]`` int32 flags of the non-finite rows. One read of ``G`` when every row is finite, two when one is not; no
+    host sync. Call where :func:`usable` says so."""
+    _need(G.device)
+    with _on(G.device):
+        return _impl.finite_row_mean(G, dest)
+
+
+def _need(device: torch.device) -> None:
+    if not (device.type == "cuda" and _ready(device)):
+        raise RuntimeError(f"Expected a CUDA device where hdet's Triton kernels run, but got {device} (see usable())")

@@ -601,8 +601,9 @@ class StackedStep:
 
 def _fused_update(th: torch.Tensor, d: torch.Tensor, v: dict[str, Any]) -> bool:
     """Whether a group's ``theta_r = (1 - lr_r wd_r) theta_r - step_r d`` runs as one fused pass
-    (:func:`hdet.kernels.scale_add_rows_`: computed in float32, rounded once): float32 weights, or fp16/bf16 ones
-    of a fused optimizer (as torch's fused Adam rounds them: once; a non-fused one rounds after each op, kept).
+    (:func:`hdet.kernels.scale_add_rows_`: computed in float32, stored once): float32 weights, or fp16/bf16 ones of
+    a fused optimizer (torch's fused Adam stores them once too, from a direction it keeps in float32, where this
+    one's is in the weights' dtype; a non-fused optimizer rounds after each op, kept).
     Torch's broadcasting ``mul_`` and ``addcmul_`` took 2.9 ms a step over the medium GPT's 8 replicas on an H200,
     the fused pass 1.3 ms (bf16: 4.6 and 0.6 ms; ``benchmarks/merged_kernels.py``)."""
     return kernels.usable(th, d) and th.dtype == d.dtype and (th.dtype == torch.float32 or bool(v.get("fused")))

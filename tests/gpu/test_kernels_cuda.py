@@ -1,6 +1,8 @@
 """The fused passes over the engine's stacked weights and gradients (hdet.kernels, Triton) on a GPU, against float64
 references and against torch's ops in the engine (run on the GPU machine: `python -m pytest tests/gpu`)."""
 
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,13 +13,13 @@ from hdet.app.tasks import ByteGPT
 from hdet.engine import ReplicaEngine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(not kernels.AVAILABLE, reason="needs Triton")]
+              pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d_rows", [1, 5])
+@pytest.mark.parametrize("d_rows", [1, 5, "5 strided"])
 @pytest.mark.parametrize("decay", [True, False])
 def test_scale_add_rows_is_one_rounding_of_the_exact_update_and_leaves_other_columns_alone(dtype, d_rows, decay):
     torch.manual_seed(0)
@@ -25,7 +27,8 @@ def test_scale_add_rows_is_one_rounding_of_the_exact_update_and_leaves_other_col
     full = torch.randn(N, D, device="cuda").to(dtype)
     before = full.clone()
     th = full[:, a0:b0]
-    d = torch.randn(d_rows, b0 - a0, device="cuda").to(dtype)
+    d = torch.randn(5, b0 - a0 + 77, device="cuda").to(dtype)[:, 77:] if d_rows == "5 strided" else \
+        torch.randn(d_rows, b0 - a0, device="cuda").to(dtype)
     a = 1 - 1e-3 * torch.arange(1, N + 1, device="cuda", dtype=torch.float32)
     b = -1e-2 * torch.arange(1, N + 1, device="cuda", dtype=torch.float32)
     want = (before[:, a0:b0].double() * (a.double()[:, None] if decay else 1) + b.double()[:, None] * d.double())
@@ -94,46 +97,88 @@ def _lm(m, b):
     return F.cross_entropy(logits.reshape(-1, 256), b[..., 1:].reshape(-1))
 
 
-def _run(mode, fused_kernels, monkeypatch, nan_at=None):
+def _groups(m):
+    """Two param groups: matrices with the optimizer's weight decay, the rest without."""
+    return [{"params": [p for p in m.parameters() if p.dim() > 1]},
+            {"params": [p for p in m.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+
+
+OPTIMIZERS = {
+    "adamw": lambda m: torch.optim.AdamW(_groups(m), lr=1e-2, weight_decay=1.0, fused=True),
+    "adam_l2": lambda m: torch.optim.Adam(_groups(m), lr=1e-2, weight_decay=0.1),  # coupled: N rows of moments
+    "sgd_nesterov": lambda m: torch.optim.SGD(_groups(m), lr=1e-1, momentum=0.9, nesterov=True, weight_decay=0.1),
+    "adamw_bf16": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=1.0, fused=True),
+}
+
+
+def _run(mode, fused_kernels, monkeypatch, optimizer="adamw", steps=3, nan_at=None, hook=None):
     calls = []
-    for name in ("scale_add_rows_", "finite_row_mean"):
-        real = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
-    monkeypatch.setattr(kernels, "AVAILABLE", fused_kernels)
-    torch.manual_seed(0)
-    model = ByteGPT(32, 64, 2, 2).cuda()
-    eng = ReplicaEngine(model, 4, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, fused=True),
-                        lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=12,
-                                                              ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
-                                                              replicas=rep, model=m), mode=mode)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    data = torch.randint(0, 256, (12, 4, 8, 33), device="cuda", generator=g)
-    for t in range(1, 13):
-        if t == nan_at:
-            with torch.no_grad():
-                eng.models[1].blocks[0].qkv.weight[0, 0] = float("nan")
-        eng.step(data[t - 1], _lm, stacked=True)
-    monkeypatch.undo()
-    return [torch.cat([p.detach().flatten() for p in m.parameters()]) for m in eng.models], calls
+    with monkeypatch.context() as mp:
+        for name in ("scale_add_rows_", "finite_row_mean"):
+            real = getattr(kernels, name)
+            mp.setattr(kernels, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+        mp.setattr(kernels, "AVAILABLE", fused_kernels)
+        mp.setattr(kernels, "MIN_ELEMENTS", 0)  # (these models are small)
+        mp.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+        torch.manual_seed(0)
+        model = ByteGPT(32, 64, 2, 2).cuda()
+        if optimizer.endswith("bf16"):
+            model = model.to(torch.bfloat16)
+        eng = ReplicaEngine(model, 4, OPTIMIZERS[optimizer],
+                            lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=o.param_groups[0]["lr"], total_steps=12,
+                                                                  ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                                                                  replicas=rep, model=m),
+                            mode=mode, before_optimizer_step=hook)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        data = torch.randint(0, 256, (12, 4, 8, 33), device="cuda", generator=g)
+        for t in range(1, steps + 1):
+            if t == nan_at:
+                with torch.no_grad():
+                    eng.models[1].blocks[0].qkv.weight[0, 0] = float("nan")
+            eng.step(data[t - 1], _lm, stacked=True)
+        assert eng.optimizer_path == "stacked"
+    return [torch.cat([p.detach().float().flatten() for p in m.parameters()]) for m in eng.models], calls
 
 
 @pytest.mark.parametrize("mode", ["vmap", "merged"])
-@pytest.mark.parametrize("nan_at", [None, 4])
-def test_the_engine_trains_the_same_with_the_fused_passes_as_with_torchs_ops(mode, nan_at, monkeypatch):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    with pytest.warns(UserWarning, match=r"replica\(s\) \[1\]") if nan_at else _nothing():
-        fused, calls = _run(mode, True, monkeypatch, nan_at)
-    with pytest.warns(UserWarning, match=r"replica\(s\) \[1\]") if nan_at else _nothing():
-        plain, plain_calls = _run(mode, False, monkeypatch, nan_at)
-    assert calls.count("finite_row_mean") == 12 and calls.count("scale_add_rows_") >= 12 and not plain_calls
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("hook", [None, "no-op"])
+def test_the_engine_steps_the_same_with_the_fused_passes_as_with_torchs_ops(mode, optimizer, hook, monkeypatch):
+    """Three steps at a weight decay whose factor moves the weights 1% a step (a decay left out or applied twice
+    shows); two param groups (one without decay); coupled L2 (every replica its own moments: N rows of directions);
+    SGD with Nesterov momentum; bf16 weights; a before_optimizer_step hook (each replica's gradient its own row)."""
+    hook = (lambda r, m, o: None) if hook else None
+    fused, calls = _run(mode, True, monkeypatch, optimizer, hook=hook)
+    plain, plain_calls = _run(mode, False, monkeypatch, optimizer, hook=hook)
+    assert calls.count("finite_row_mean") == 3 and calls.count("scale_add_rows_") >= 3 and not plain_calls
+    tol = dict(rtol=2e-2, atol=2e-2) if optimizer.endswith("bf16") else dict(rtol=1e-4, atol=1e-6)
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("mode", ["vmap", "merged"])
+def test_a_nan_replica_trains_the_same_with_the_fused_passes_as_with_torchs_ops(mode, monkeypatch):
+    with pytest.warns(UserWarning, match=r"replica\(s\) \[1\]"):
+        fused, calls = _run(mode, True, monkeypatch, steps=12, nan_at=4)
+    with pytest.warns(UserWarning, match=r"replica\(s\) \[1\]"):
+        plain, _ = _run(mode, False, monkeypatch, steps=12, nan_at=4)
+    assert calls.count("finite_row_mean") == 12
     for a, b in zip(fused, plain):  # the mean summed in another order (an ulp), magnified by Adam where the second
-        assert bool(torch.isfinite(a).all())  # moment is small: the tolerance of the loop-against-vmap check
+        assert bool(torch.isfinite(a).all())  # moment is small, over 12 steps: the loop-against-vmap tolerance
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_the_kernels_run_on_their_tensors_device_not_the_current_one():
+    assert torch.cuda.current_device() == 0
+    dev = torch.device("cuda", 1)
+    th = torch.ones(3, 5000, device=dev)
+    kernels.scale_add_rows_(th, torch.ones(1, 5000, device=dev), torch.full((3,), 2.0, device=dev),
+                            torch.tensor([1.0, 2.0, 3.0], device=dev))
+    assert th[:, -1].tolist() == [3.0, 4.0, 5.0] and th.device == dev
+    G = torch.arange(15000.0, device=dev).view(3, 5000)
+    G[2, 7] = float("nan")
+    out = torch.empty(1, 5000, device=dev)
+    assert kernels.finite_row_mean(G, out).tolist() == [0, 0, 1]
+    torch.testing.assert_close(out[0], (G[0] + G[1]) / 3)
+    assert torch.cuda.current_device() == 0
