@@ -152,18 +152,18 @@ def test_the_engine_steps_the_same_with_the_fused_passes_as_with_torchs_ops(mode
     plain, plain_calls = _run(mode, False, monkeypatch, optimizer, hook=hook)
     assert calls.count("finite_row_mean") == 3 and calls.count("scale_add_rows_") >= 3 and not plain_calls
     for a, b in zip(fused, plain):
-        _agree(a, b, **(dict(rtol=2e-2, atol=2e-3, bound=1.5e-2) if optimizer.endswith("bf16")  # (bf16: rounded once
-                        else dict(rtol=1e-4, atol=1e-6)))  # against twice, 59% of the weights an ulp apart; 99% within
-        # 1e-3; an Adam step of 1e-2 at most: measured on an H200)
+        _agree(a, b, **(dict(rtol=2e-2, atol=2e-3, bound=(4e-2, 1.5e-2)) if optimizer.endswith("bf16")  # (bf16: once
+                        else dict(rtol=1e-4, atol=1e-6)))  # rounded against twice, 59% of the weights an ulp apart, 99%
+        # within 1e-3; an Adam step of 1e-2 and a few ulps at most: measured on an H200)
 
 
-def _agree(a, b, rtol, atol, most=0.99, bound=1e-3):
+def _agree(a, b, rtol, atol, most=0.99, bound=(0.0, 1e-3)):
     """``a`` and ``b`` agree to ``rtol``/``atol`` in ``most`` of their elements and within ``bound`` in all: the
     gradients' mean sums in another order (an ulp), and Adam turns that into a visible difference where an element's
     gradient is about 0 (a few per thousand here), where a decay left out or a wrong row moves nearly every one."""
     close = (a - b).abs() <= atol + rtol * b.abs()
     assert close.float().mean().item() >= most, (close.float().mean().item(), (a - b).abs().max().item())
-    torch.testing.assert_close(a, b, rtol=0, atol=bound)
+    torch.testing.assert_close(a, b, rtol=bound[0], atol=bound[1])
 
 
 @pytest.mark.parametrize("mode", ["vmap", "merged"])
