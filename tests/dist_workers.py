@@ -569,6 +569,60 @@ def hsdp(rank, world, *, mesh_shape=(2, 2), steps=10, T=5, bn=False):
             "bases": s.base_lrs_now, "updates": s.ensemble.controllers[0].updates, "logs": logger.active}
 
 
+def hsdp_fit(rank, world, *, mesh_shape=(2, 2), steps=16, T=4, checkpoint_at=None, ckpt=None):
+    """The fit controller (the default) over a (replicate, shard) mesh. Replica r's batch at step t is ``batch(2r, t)``
+    and ``batch(2r + 1, t)``: on a (2, 2) mesh each shard rank takes one (FSDP2 averages their gradients, and the
+    sync sums their losses), on (2, 1) the replica's one rank takes both, so both runs see the same losses and
+    gradients. ``checkpoint_at``: save every rank's scheduler and model state at that step into ``ckpt`` (a folder),
+    start afresh from it and run to the end (each rank loads its own)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    R, S = mesh_shape
+    replica, shard = divmod(rank, S)
+    xp, yp = batch(0, 100_000)  # the probe's batch, the same on every rank (and after a resume)
+
+    def build():
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+        fully_shard(model, mesh=mesh)
+        o = torch.optim.Adam(model.parameters(), lr=0.01)
+        s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.3,
+                                model_sync_interval=T, enable_auto_lr=True, auto_lr_warmup_steps=T, model=model,
+                                probe=lambda m: nn.functional.mse_loss(m(xp), yp), seed=3, device_mesh=mesh)
+        return model, o, s
+
+    model, o, s = build()
+    lrs, full_after, probes = [], [], []
+    t = 1
+    while t <= steps:
+        parts = [batch(2 * replica + k, t) for k in range(2)]
+        x, y = parts[shard] if S == 2 else (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+        loss = nn.functional.mse_loss(model(x), y)
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        s.step(loss)
+        lrs.append(s.get_last_lr()[0])
+        if s.is_sync_step(t):
+            full_after.append(torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()]))
+            rec = s.last_sync
+            if rec is not None and rec.controller:
+                probes.append([float(x) for x in rec.controller[0].losses])
+        if t == checkpoint_at:
+            model_sd, opt_sd = get_state_dict(model, o)
+            torch.save({"sched": s.state_dict(), "model": model_sd, "opt": opt_sd}, os.path.join(ckpt, f"rank{rank}.pt"))
+            model, o, s = build()
+            loaded = torch.load(os.path.join(ckpt, f"rank{rank}.pt"), weights_only=False)
+            set_state_dict(model, o, model_state_dict=loaded["model"], optim_state_dict=loaded["opt"])
+            s.load_state_dict(loaded["sched"])
+        t += 1
+    return {"lrs": lrs, "full_after": full_after, "replica": s.rank, "N": s.world_size, "bases": s.base_lrs_now,
+            "updates": s.ensemble.controllers[0].updates, "probes": probes}
+
+
 def one_d_mesh(rank, world, *, name="shard", dadapt=False, shard=True):
     """A plain 1-D FSDP2 mesh passed as device_mesh: the error (or, named 'replicate' with whole replicas, the number
     of replicas). ``dadapt``: D-Adaptation Adam instead of AdamW; ``shard``: fully_shard the model over the mesh."""

@@ -537,6 +537,36 @@ def test_fsdp2_hsdp_replicas_are_the_replicate_dimension(shape):
     assert [r["logs"] for r in res] == [True, False, False, False]  # one telemetry writer, not one per shard
 
 
+def _hsdp_fit(rank, world, shape, checkpoint_at=None, ckpt=None):
+    from dist_workers import hsdp_fit
+
+    return hsdp_fit(rank, world, mesh_shape=shape, checkpoint_at=checkpoint_at, ckpt=ckpt)
+
+
+def test_the_fit_controller_on_sharded_replicas_decides_as_on_whole_ones(tmp_path):
+    """The fit controller (the default) with FSDP2 over a (2, 2) mesh: each shard rank sums its own shards of the
+    window mean and the probe runs at the mean written into the shards FSDP2 gathers from (a swapped .data was unseen
+    by it). Against the same two replicas whole on a (2, 1) mesh, each on the union of the batches its two shard ranks
+    take: the same probe losses, LRs, bases and weights (to float rounding), every shard rank of a replica the same;
+    and a resume from checkpoints written mid-window (step 6 of windows of 4) lands on the same run."""
+    sharded = check_ok(run_gloo(_hsdp_fit, 4, (2, 2)))
+    whole = check_ok(run_gloo(_hsdp_fit, 2, (2, 1)))
+    resumed = check_ok(run_gloo(_hsdp_fit, 4, (2, 2), 6, str(tmp_path)))
+    assert [r["replica"] for r in sharded] == [0, 0, 1, 1] and all(r["N"] == 2 for r in sharded + whole)
+    assert whole[0]["updates"] == 4 and whole[0]["probes"] and all(len(p) == 2 for p in whole[0]["probes"])
+    for i, r in enumerate(sharded):
+        w = whole[i // 2]
+        assert r["updates"] == w["updates"] and r["probes"] == sharded[0]["probes"] and r["lrs"] == sharded[i // 2 * 2]["lrs"]
+        for a, b in zip(r["probes"], w["probes"]):
+            assert a == pytest.approx(b, rel=1e-5)
+        assert r["lrs"] == pytest.approx(w["lrs"], rel=1e-5) and r["bases"] == pytest.approx(w["bases"], rel=1e-5)
+        for a, b in zip(r["full_after"], w["full_after"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert resumed[i]["lrs"][6:] == r["lrs"][6:] and resumed[i]["probes"][-2:] == r["probes"][-2:]
+        assert all(torch.equal(a, b) for a, b in zip(resumed[i]["full_after"][-2:], r["full_after"][-2:]))
+    assert sharded[0]["lrs"] != sharded[2]["lrs"]  # the replicas differ
+
+
 def _hsdp_bn(rank, world, shape):
     return _hsdp(rank, world, shape, bn=True)
 

@@ -199,7 +199,7 @@ def test_sharded_replicas_have_only_the_skip_guard():
 def test_sharded_replicas_get_advice_that_applies_to_them():
     """An audit of FSDP2/HSDP (2026-11-28): "skip" with a non-fused optimizer advised guard_gradients='hook', which
     sharded replicas refuse; the fit controller without a probe asked for a probe first, and only then said that it
-    does not support sharded replicas at all."""
+    did not support sharded replicas at all (it does since 2026-11-30: the probe is what it asks for)."""
     import hdet
 
     opt = _setup(fused=False)[2]
@@ -207,8 +207,8 @@ def test_sharded_replicas_get_advice_that_applies_to_them():
         SkipNonFiniteStep(opt, agree_over=[object()])
     with pytest.raises(ValueError, match="use guard_gradients='hook'"):
         SkipNonFiniteStep(opt)
-    with pytest.raises(ValueError, match=r"controller='paper' .* with device_mesh .* fit controller"):
-        hdet.OneCycleAutoLR(opt, max_lr=0.1, total_steps=10, enable_auto_lr=True, device_mesh=object())
+    with pytest.raises(ValueError, match=r"Expected probe=.* for the auto-LR controller 'fit'"):  # (sharded replicas
+        hdet.OneCycleAutoLR(opt, max_lr=0.1, total_steps=10, enable_auto_lr=True, device_mesh=object())  # take it now)
 
 
 def test_a_handed_over_norm_decides_the_step_and_the_guard_makes_no_pass(monkeypatch):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import ensemble_state
@@ -426,6 +427,11 @@ class Ensemble:
         frozen after the replicas parted is brought back together; equal copies may move in the last bit)."""
         return [p for g in self.optimizer.param_groups for p in g["params"] if averaged(p)]
 
+    def _shards(self) -> int:
+        """How many ranks hold this replica's shards (FSDP2/HSDP), 1 where a replica is one rank."""
+        group = getattr(self.replicas, "shard_group", None)
+        return dist.get_world_size(group) if group is not None else 1
+
     def _float_params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"] if p.is_floating_point()]
 
@@ -444,7 +450,8 @@ class Ensemble:
         probe = torch.full((), float("nan"), dtype=torch.float64)
         if self.window_mean is not None and self.probe is not None and self.model is not None and new_window \
                 and self.is_control_step(t):
-            probe = self.window_mean.probe(self.model, self.probe)
+            probe = self.window_mean.probe(self.model, self.probe) / self._shards()  # (FSDP2: each shard rank of a
+            # replica ran the same probe; the gather sums the entry over them, so their mean is what every one reads)
         vec = SyncVector(
             loss_sum=self.window.sum if self.window.sum is not None else zero,
             loss_n=self.window.finite if self.window.finite is not None else zero,

@@ -124,7 +124,7 @@ class HDETLR(LRScheduler):
                           "replica's training loss by itself: it reads a lower dropout as better whatever it does to "
                           "the model (the fit controller's probe runs in eval mode, without dropout)",
                           stacklevel=user_stacklevel())
-        _check_probe(config, probe, model, device_mesh)
+        _check_probe(config, probe, model)
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
         params = [p for g in innermost(optimizer).param_groups for p in g["params"]]
         check_not_fsdp1(params, model)
@@ -775,12 +775,9 @@ def _resolve_base(base: Any, optimizer: torch.optim.Optimizer) -> tuple[LRSchedu
     return None, None
 
 
-def _check_probe(config: HDETConfig, probe: Any, model: Any, device_mesh: Any) -> None:
+def _check_probe(config: HDETConfig, probe: Any, model: Any) -> None:
     if not config.probing:
         return
-    if device_mesh is not None:  # (first: a probe would not help)
-        raise ValueError("Expected controller='paper' (or enable_auto_lr=False) with device_mesh (sharded replicas), "
-                         "but got the fit controller (the default), which does not support sharded replicas yet")
     if probe is None or not callable(probe):
         raise ValueError(
             "Expected probe=<function(model) -> scalar loss on a batch that is the same on every replica> for the "

@@ -67,7 +67,7 @@ class SyncVector(NamedTuple):
 
 # FSDP2/HSDP: one replica is several ranks; these fields are summed (or min-reduced) over its shard ranks first
 SHARD_SUM = tuple(SyncVector._fields.index(f) for f in ("loss_sum", "loss_n", "observed", "buf_inf", "loss_sq",
-                                                        "start_sum", "start_n"))
+                                                        "start_sum", "start_n", "probe"))  # (probe: each rank's / shards)
 SHARD_MIN = (SyncVector._fields.index("finite"), SyncVector._fields.index("start_ok"))
 SHARD_MAX = (SyncVector._fields.index("nonfinite"),)
 

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .replicas import local_shard, reshard_fsdp
+
 __all__ = ["LossWindow", "WindowMean", "Probe"]
 
 Probe = Callable[[nn.Module], "torch.Tensor | float"]
@@ -121,17 +123,26 @@ class LossWindow:
 class WindowMean:
     """The mean of this replica's iterates over the window (Polyak), for the fit controller: a float32 sum
     (float64 for float64 parameters) of the parameters after each optimizer step, and the probe evaluated at the mean (the parameters'
-    storage swapped for the mean's and back, as schedule_free's ``eval()`` swaps to its average)."""
+    storage swapped for the mean's and back, as schedule_free's ``eval()`` swaps to its average).
+
+    FSDP2 parameters (DTensors): each rank sums its local shards, and the probe runs at the mean written into them
+    (and the rank's own values written back after): FSDP2 gathers a forward's weights from its own shard storage,
+    where a swapped ``.data`` would be unseen, and keeps the root's gathered copies after a forward under ``no_grad``
+    (:func:`hdet.replicas.reshard_fsdp` drops them before and after)."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
-        self.params = params  # floating-point parameters (local tensors)
+        self.params = params  # floating-point parameters (DTensors: their local shards are summed)
+        self.sharded = any(callable(getattr(p, "to_local", None)) for p in params)
         self.sum: list[torch.Tensor] | None = None
         self.n = 0
+
+    def _locals(self) -> list[torch.Tensor]:
+        return [local_shard(p).detach() for p in self.params] if self.sharded else [p.detach() for p in self.params]
 
     @torch.no_grad()
     def add(self) -> None:
         """Add the parameters now: one foreach add on their devices, no host sync. Once per optimizer step."""
-        params = [p.detach() for p in self.params]
+        params = self._locals()
         if self.sum is None:  # float32 sums (float64 for float64 parameters: their mean at their own precision)
             self.sum = [p.to(_sum_dtype(p), copy=True) for p in params]
         else:
@@ -150,18 +161,30 @@ class WindowMean:
         with nothing summed). The parameters are restored whatever happens."""
         if self.sum is None or self.n == 0:
             return torch.full((), float("nan"), dtype=torch.float64)
+        params = self._locals()
         means = torch._foreach_div(self.sum, float(self.n))
-        means = [m if m.dtype == p.dtype else m.to(p.dtype) for m, p in zip(means, self.params)]
-        saved = [p.data for p in self.params]
+        means = [m if m.dtype == p.dtype else m.to(p.dtype) for m, p in zip(means, params)]
         module = getattr(model, "module", model)  # the module under DDP
-        try:
+        if self.sharded:  # the mean written into the shards FSDP2 gathers from, the rank's own kept aside
+            reshard_fsdp(model)
+            saved = [p.clone() for p in params]
+            for p, m in zip(params, means):
+                p.copy_(m)
+        else:
+            saved = [p.data for p in self.params]
             for p, m in zip(self.params, means):
                 p.data = m
+        try:
             with eval_mode(module):
                 loss = probe(module)
         finally:
-            for p, d in zip(self.params, saved):
-                p.data = d
+            if self.sharded:
+                for p, d in zip(params, saved):
+                    p.copy_(d)
+                reshard_fsdp(model)  # (the probe's forward left the root's gathered copies of the mean)
+            else:
+                for p, d in zip(self.params, saved):
+                    p.data = d
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
                 raise ValueError(f"Expected probe(model) to return a scalar loss, but got shape {tuple(loss.shape)}")
@@ -176,10 +199,11 @@ class WindowMean:
         if state is None:
             return None, 0
         sums = state["sum"]
-        if len(sums) != len(self.params) or any(tuple(x.shape) != tuple(p.shape) for x, p in zip(sums, self.params)):
+        params = self._locals()  # (FSDP2: this rank's shards)
+        if len(sums) != len(params) or any(tuple(x.shape) != tuple(p.shape) for x, p in zip(sums, params)):
             raise ValueError(f"Expected a window mean of {len(self.params)} tensors shaped like the parameters, but "
                              f"the state holds {len(sums)} that do not match")
-        return [x.to(p.device, _sum_dtype(p), copy=True) for x, p in zip(sums, self.params)], int(state["n"])  # (never
+        return [x.to(p.device, _sum_dtype(p), copy=True) for x, p in zip(sums, params)], int(state["n"])  # (never
         # the caller's; a float64 parameter's sum in float64 also when saved in float32, before that was so)
 
     def load(self, parsed: tuple[list[torch.Tensor] | None, int]) -> None:
