@@ -595,7 +595,9 @@ def hsdp_fit(rank, world, *, mesh_shape=(2, 2), steps=16, T=4, checkpoint_at=Non
         return model, o, s
 
     model, o, s = build()
-    lrs, full_after, probes = [], [], []
+    lrs, full_after, probes, expected = [], [], [], []
+    window: list[torch.Tensor] = []  # this replica's full weights after each step of the window, summed (by hand)
+    n = 0
     t = 1
     while t <= steps:
         parts = [batch(2 * replica + k, t) for k in range(2)]
@@ -604,6 +606,8 @@ def hsdp_fit(rank, world, *, mesh_shape=(2, 2), steps=16, T=4, checkpoint_at=Non
         o.zero_grad()
         loss.backward()
         o.step()
+        full = [p.full_tensor().detach().clone() for p in model.parameters()]
+        window, n = ([w + f for w, f in zip(window, full)] if window else full), n + 1
         s.step(loss)
         lrs.append(s.get_last_lr()[0])
         if s.is_sync_step(t):
@@ -611,6 +615,12 @@ def hsdp_fit(rank, world, *, mesh_shape=(2, 2), steps=16, T=4, checkpoint_at=Non
             rec = s.last_sync
             if rec is not None and rec.controller:
                 probes.append([float(x) for x in rec.controller[0].losses])
+                plain = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))  # the probe by hand, at the mean
+                with torch.no_grad():
+                    for p, w in zip(plain.parameters(), window):
+                        p.copy_(w / n)
+                    expected.append(float(nn.functional.mse_loss(plain(xp), yp)))
+            window, n = [], 0
         if t == checkpoint_at:
             model_sd, opt_sd = get_state_dict(model, o)
             torch.save({"sched": s.state_dict(), "model": model_sd, "opt": opt_sd}, os.path.join(ckpt, f"rank{rank}.pt"))
@@ -620,7 +630,7 @@ def hsdp_fit(rank, world, *, mesh_shape=(2, 2), steps=16, T=4, checkpoint_at=Non
             s.load_state_dict(loaded["sched"])
         t += 1
     return {"lrs": lrs, "full_after": full_after, "replica": s.rank, "N": s.world_size, "bases": s.base_lrs_now,
-            "updates": s.ensemble.controllers[0].updates, "probes": probes}
+            "updates": s.ensemble.controllers[0].updates, "probes": probes, "expected": expected}
 
 
 def one_d_mesh(rank, world, *, name="shard", dadapt=False, shard=True):
