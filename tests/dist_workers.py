@@ -569,12 +569,15 @@ def hsdp(rank, world, *, mesh_shape=(2, 2), steps=10, T=5, bn=False):
             "bases": s.base_lrs_now, "updates": s.ensemble.controllers[0].updates, "logs": logger.active}
 
 
-def hsdp_fit(rank, world, *, mesh_shape=(2, 2), steps=16, T=4, checkpoint_at=None, ckpt=None):
+def hsdp_fit(rank, world, *, mesh_shape=(2, 2), steps=16, T=4, checkpoint_at=None, ckpt=None, load_rank=None):
     """The fit controller (the default) over a (replicate, shard) mesh. Replica r's batch at step t is ``batch(2r, t)``
     and ``batch(2r + 1, t)``: on a (2, 2) mesh each shard rank takes one (FSDP2 averages their gradients, and the
     sync sums their losses), on (2, 1) the replica's one rank takes both, so both runs see the same losses and
     gradients. ``checkpoint_at``: save every rank's scheduler and model state at that step into ``ckpt`` (a folder),
-    start afresh from it and run to the end (each rank loads its own)."""
+    start afresh from it and run to the end (each rank loads its own; ``load_rank``: every rank loads that rank's
+    scheduler state, as the Hugging Face Trainer does, and its own model and optimizer state)."""
+    import warnings
+
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -598,6 +601,7 @@ def hsdp_fit(rank, world, *, mesh_shape=(2, 2), steps=16, T=4, checkpoint_at=Non
     lrs, full_after, probes, expected = [], [], [], []
     window: list[torch.Tensor] = []  # this replica's full weights after each step of the window, summed (by hand)
     n = 0
+    load_warnings: list[str] = []
     t = 1
     while t <= steps:
         parts = [batch(2 * replica + k, t) for k in range(2)]
@@ -624,13 +628,20 @@ def hsdp_fit(rank, world, *, mesh_shape=(2, 2), steps=16, T=4, checkpoint_at=Non
         if t == checkpoint_at:
             model_sd, opt_sd = get_state_dict(model, o)
             torch.save({"sched": s.state_dict(), "model": model_sd, "opt": opt_sd}, os.path.join(ckpt, f"rank{rank}.pt"))
+            dist.barrier()
             model, o, s = build()
             loaded = torch.load(os.path.join(ckpt, f"rank{rank}.pt"), weights_only=False)
             set_state_dict(model, o, model_state_dict=loaded["model"], optim_state_dict=loaded["opt"])
-            s.load_state_dict(loaded["sched"])
+            sched = loaded["sched"] if load_rank is None else \
+                torch.load(os.path.join(ckpt, f"rank{load_rank}.pt"), weights_only=False)["sched"]
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                s.load_state_dict(sched)
+            load_warnings = [str(w.message) for w in said if "hdet" in str(w.message)]
         t += 1
     return {"lrs": lrs, "full_after": full_after, "replica": s.rank, "N": s.world_size, "bases": s.base_lrs_now,
-            "updates": s.ensemble.controllers[0].updates, "probes": probes, "expected": expected}
+            "updates": s.ensemble.controllers[0].updates, "probes": probes, "expected": expected,
+            "load_warnings": load_warnings}
 
 
 def one_d_mesh(rank, world, *, name="shard", dadapt=False, shard=True):

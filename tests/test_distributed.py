@@ -537,10 +537,10 @@ def test_fsdp2_hsdp_replicas_are_the_replicate_dimension(shape):
     assert [r["logs"] for r in res] == [True, False, False, False]  # one telemetry writer, not one per shard
 
 
-def _hsdp_fit(rank, world, shape, checkpoint_at=None, ckpt=None):
+def _hsdp_fit(rank, world, shape, checkpoint_at=None, ckpt=None, load_rank=None):
     from dist_workers import hsdp_fit
 
-    return hsdp_fit(rank, world, mesh_shape=shape, checkpoint_at=checkpoint_at, ckpt=ckpt)
+    return hsdp_fit(rank, world, mesh_shape=shape, checkpoint_at=checkpoint_at, ckpt=ckpt, load_rank=load_rank)
 
 
 def test_the_fit_controller_on_sharded_replicas_decides_as_on_whole_ones(tmp_path):
@@ -567,6 +567,25 @@ def test_the_fit_controller_on_sharded_replicas_decides_as_on_whole_ones(tmp_pat
         assert resumed[i]["lrs"][6:] == r["lrs"][6:] and resumed[i]["probes"][-2:] == r["probes"][-2:]
         assert all(torch.equal(a, b) for a, b in zip(resumed[i]["full_after"][-2:], r["full_after"][-2:]))
     assert sharded[0]["lrs"] != sharded[2]["lrs"]  # the replicas differ
+
+
+def test_rank_0s_fit_state_loaded_on_every_sharded_rank(tmp_path):
+    """Rank 0's scheduler state on every rank of a (2, 2) mesh (how the Hugging Face Trainer resumes), each rank its
+    own model and optimizer state. At a sync step the window mean holds nothing and the run goes on as if never
+    stopped (it raised on the other shard ranks: their shards are shaped otherwise). Mid-window, another shard rank's
+    sums are dropped (they are of other shards) with a warning: that replica's probe is NaN for the window, while its
+    other shard rank still runs the probe (its forward's all-gathers need both: no hang), every shard rank of a
+    replica keeps one LR, and the next windows' probes are measured again."""
+    plain = check_ok(run_gloo(_hsdp_fit, 4, (2, 2)))
+    (tmp_path / "sync").mkdir(), (tmp_path / "mid").mkdir()
+    at_sync = check_ok(run_gloo(_hsdp_fit, 4, (2, 2), 4, str(tmp_path / "sync"), 0))
+    assert [r["lrs"] for r in at_sync] == [r["lrs"] for r in plain]
+    assert [r["probes"] for r in at_sync] == [r["probes"] for r in plain]
+    mid = check_ok(run_gloo(_hsdp_fit, 4, (2, 2), 6, str(tmp_path / "mid"), 0))
+    for i, r in enumerate(mid):
+        assert r["lrs"] == mid[i // 2 * 2]["lrs"] and r["updates"] == plain[i]["updates"]
+        assert (i == 0) == (not r["load_warnings"])  # every rank but rank 0 itself is told
+        assert all(math.isnan(x) for x in r["probes"][1]) and all(map(math.isfinite, r["probes"][2]))
 
 
 def _hsdp_bn(rank, world, shape):

@@ -204,8 +204,10 @@ def _parse_fields(ens: "Ensemble", state: dict[str, Any], version: int) -> dict[
     elastic = W != N
     window_mean = (None, 0)
     mean = (ens.window_mean or WindowMean(ens._float_params())) if config.probing else None  # the saved config's
-    if mean is not None and not elastic:
-        window_mean = mean.parse(state.get("window_mean"))
+    if mean is not None and not elastic:  # (another shard rank's sums are of other shards: dropped, the probe NaN
+        # for this window, n = -1; a state saved at a sync step holds none)
+        foreign = mean.sharded and state.get("shard_rank", 0) != _shard_rank(ens) and (state.get("window_mean") or {}).get("n")
+        window_mean = (None, -1) if foreign else mean.parse(state.get("window_mean"))
     lr_control = _parse_lr_control(state.get("lr_control"), ens)
     replaced = _replaced_settings(config, ens.config) + _replaced_lr_control(lr_control, ens.lr_control, config) + (
         [f"total_steps {total} (built with {ens.total_steps})"] if total != ens.total_steps else [])
@@ -290,7 +292,8 @@ def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
     if not elastic and (state["rank"] != ens.replicas.rank or saved_shard != shard) and state["loss_count"]:
         _say(ens, f"hdet: loading replica {state['rank']}'s HDET state (saved by its shard rank "
                   f"{saved_shard}) into replica {ens.replicas.rank}'s shard rank {shard} in "
-                  "the middle of a window: the window's loss accumulator is not this rank's, and the optimizer state "
+                  "the middle of a window: the window's loss accumulator is not this rank's (nor the fit controller's "
+                  "window mean: another replica's is taken, another shard rank's dropped), and the optimizer state "
                   f"loaded with it is replica {state['rank']}'s (the weights too, unless they were saved as the "
                   "replicas' average: sched.averaged(), as HDETTrainer and HDETCallback save them). Save each rank's "
                   "state, or save at a sync step.")

@@ -135,6 +135,7 @@ class WindowMean:
         self.sharded = any(callable(getattr(p, "to_local", None)) for p in params)
         self.sum: list[torch.Tensor] | None = None
         self.n = 0
+        self.void = False  # this window's sums were dropped at a load (another shard rank's): its probe is NaN
 
     def _locals(self) -> list[torch.Tensor]:
         return [local_shard(p).detach() for p in self.params] if self.sharded else [p.detach() for p in self.params]
@@ -154,60 +155,94 @@ class WindowMean:
             for s in self.sum:
                 s.zero_()
         self.n = 0
+        self.void = False
 
     @torch.no_grad()
     def probe(self, model: nn.Module, probe: Probe) -> torch.Tensor:
         """``probe(model)`` at the window mean, in eval mode; a float64 scalar on the probe's device (NaN
         with nothing summed). The parameters are restored whatever happens."""
+        if self.sharded:
+            return self._sharded_probe(model, probe)
         if self.sum is None or self.n == 0:
             return torch.full((), float("nan"), dtype=torch.float64)
-        params = self._locals()
         means = torch._foreach_div(self.sum, float(self.n))
-        means = [m if m.dtype == p.dtype else m.to(p.dtype) for m, p in zip(means, params)]
-        module = getattr(model, "module", model)  # the module under DDP
-        if self.sharded:  # the mean written into the shards FSDP2 gathers from, the rank's own kept aside
-            reshard_fsdp(model)
-            saved = [p.clone() for p in params]
-            for p, m in zip(params, means):
-                p.copy_(m)
-        else:
-            saved = [p.data for p in self.params]
+        means = [m if m.dtype == p.dtype else m.to(p.dtype) for m, p in zip(means, self.params)]
+        saved = [p.data for p in self.params]
+        try:
             for p, m in zip(self.params, means):
                 p.data = m
+            with eval_mode(getattr(model, "module", model)):  # (the module under DDP)
+                loss = probe(getattr(model, "module", model))
+        finally:
+            for p, d in zip(self.params, saved):
+                p.data = d
+        return _scalar(loss)
+
+    def _sharded_probe(self, model: nn.Module, probe: Probe) -> torch.Tensor:
+        """FSDP2: the mean written into this rank's shards, the probe run, the rank's own values written back (each
+        shard swapped with its mean's buffer, one at a time: no extra copy of the shards). A rank with nothing summed,
+        or whose window's sums were dropped at a load (:attr:`void`), still runs the probe at its own values, since the
+        forward's all-gathers need every shard rank, and says NaN: the replica's probe (the sum over its shard ranks)
+        is then NaN."""
+        params = self._locals()
+        empty = self.sum is None or self.n == 0 or self.void
+        means = [] if empty else torch._foreach_div(self.sum, float(self.n))  # (float32: each swapped in its dtype)
+        written: list[int] = []
         try:
+            reshard_fsdp(model)
+            for i, (p, m) in enumerate(zip(params, means)):
+                own = p.to(m.dtype, copy=True)
+                p.copy_(m)
+                m.copy_(own)  # (the buffer holds the rank's own values now)
+                written.append(i)
+            module = getattr(model, "module", model)
             with eval_mode(module):
                 loss = probe(module)
+            if isinstance(loss, torch.Tensor) and loss.is_cuda and any(p.device.type == "cpu" for p in params):
+                torch.cuda.synchronize(loss.device)  # HOST SYNC (shards offloaded to the CPU: the forward's copies of
+                # them to the device, non-blocking, may still be queued when they are written back below)
         finally:
-            if self.sharded:
-                for p, d in zip(params, saved):
-                    p.copy_(d)
-                reshard_fsdp(model)  # (the probe's forward left the root's gathered copies of the mean)
-            else:
-                for p, d in zip(self.params, saved):
-                    p.data = d
-        if isinstance(loss, torch.Tensor):
-            if loss.numel() != 1:
-                raise ValueError(f"Expected probe(model) to return a scalar loss, but got shape {tuple(loss.shape)}")
-            return loss.detach().reshape(()).to(torch.float64)
-        return torch.tensor(float(loss), dtype=torch.float64)
+            for i in written:
+                params[i].copy_(means[i])
+            reshard_fsdp(model)  # (the probe's forward left the root's gathered copies of the mean)
+        return torch.full((), float("nan"), dtype=torch.float64) if empty else _scalar(loss)
 
     def state_dict(self) -> dict[str, Any] | None:
-        return None if self.sum is None else {"sum": [x.detach().cpu().clone() for x in self.sum], "n": self.n}
+        if self.sum is None:
+            return {"sum": [], "n": 0, "void": True} if self.void else None
+        return {"sum": [x.detach().cpu().clone() for x in self.sum], "n": self.n, **({"void": True} if self.void else {})}
 
     def parse(self, state: dict[str, Any] | None) -> tuple[list[torch.Tensor] | None, int]:
         """``(sum, n)`` from a saved state, checked against the parameters (ValueError); changes nothing."""
-        if state is None:
+        if state is not None and state.get("void"):  # (a window whose sums were dropped: still none)
+            return None, -1
+        if state is None or not state["n"]:  # (nothing summed: a state saved at a sync step)
             return None, 0
         sums = state["sum"]
         params = self._locals()  # (FSDP2: this rank's shards)
         if len(sums) != len(params) or any(tuple(x.shape) != tuple(p.shape) for x, p in zip(sums, params)):
+            if self.sharded:  # another mesh's shards (the caller drops another shard rank's before): none this window
+                return None, -1
             raise ValueError(f"Expected a window mean of {len(self.params)} tensors shaped like the parameters, but "
                              f"the state holds {len(sums)} that do not match")
         return [x.to(p.device, _sum_dtype(p), copy=True) for x, p in zip(sums, params)], int(state["n"])  # (never
         # the caller's; a float64 parameter's sum in float64 also when saved in float32, before that was so)
 
     def load(self, parsed: tuple[list[torch.Tensor] | None, int]) -> None:
+        """Set what :meth:`parse` returned; ``n == -1``: this window's sums were dropped (FSDP2: another shard
+        rank's, or another mesh's), so its probe says NaN (:attr:`void`) until the next window."""
         self.sum, self.n = parsed
+        self.void = self.n == -1
+        self.n = max(self.n, 0)
+
+
+def _scalar(loss: "torch.Tensor | float") -> torch.Tensor:
+    """A probe's loss as a float64 scalar (on its device; ValueError for a tensor of more than one element)."""
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise ValueError(f"Expected probe(model) to return a scalar loss, but got shape {tuple(loss.shape)}")
+        return loss.detach().reshape(()).to(torch.float64)
+    return torch.tensor(float(loss), dtype=torch.float64)
 
 
 def _sum_dtype(p: torch.Tensor) -> torch.dtype:
