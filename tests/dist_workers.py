@@ -569,13 +569,16 @@ def hsdp(rank, world, *, mesh_shape=(2, 2), steps=10, T=5, bn=False):
             "bases": s.base_lrs_now, "updates": s.ensemble.controllers[0].updates, "logs": logger.active}
 
 
-def hsdp_fit(rank, world, *, mesh_shape=(2, 2), steps=16, T=4, checkpoint_at=None, ckpt=None, load_rank=None):
+def hsdp_fit(rank, world, *, mesh_shape=(2, 2), steps=16, T=4, checkpoint_at=None, ckpt=None, load_rank=None,
+             warm=None, broken_probe=False):
     """The fit controller (the default) over a (replicate, shard) mesh. Replica r's batch at step t is ``batch(2r, t)``
     and ``batch(2r + 1, t)``: on a (2, 2) mesh each shard rank takes one (FSDP2 averages their gradients, and the
     sync sums their losses), on (2, 1) the replica's one rank takes both, so both runs see the same losses and
     gradients. ``checkpoint_at``: save every rank's scheduler and model state at that step into ``ckpt`` (a folder),
     start afresh from it and run to the end (each rank loads its own; ``load_rank``: every rank loads that rank's
-    scheduler state, as the Hugging Face Trainer does, and its own model and optimizer state)."""
+    scheduler state, as the Hugging Face Trainer does, and its own model and optimizer state). ``warm``: the
+    controller's first sync (T by default); ``broken_probe``: after the load, the probe returns every row's loss
+    (not a scalar)."""
     import warnings
 
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -593,9 +596,15 @@ def hsdp_fit(rank, world, *, mesh_shape=(2, 2), steps=16, T=4, checkpoint_at=Non
         fully_shard(model, mesh=mesh)
         o = torch.optim.Adam(model.parameters(), lr=0.01)
         s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=0.3,
-                                model_sync_interval=T, enable_auto_lr=True, auto_lr_warmup_steps=T, model=model,
-                                probe=lambda m: nn.functional.mse_loss(m(xp), yp), seed=3, device_mesh=mesh)
+                                model_sync_interval=T, enable_auto_lr=True, auto_lr_warmup_steps=warm or T,
+                                model=model, probe=probe, seed=3, device_mesh=mesh)
         return model, o, s
+
+    def probe(m):
+        out = nn.functional.mse_loss(m(xp), yp, reduction="none" if broken[0] else "mean")
+        return out
+
+    broken = [False]
 
     model, o, s = build()
     lrs, full_after, probes, expected = [], [], [], []
@@ -638,6 +647,7 @@ def hsdp_fit(rank, world, *, mesh_shape=(2, 2), steps=16, T=4, checkpoint_at=Non
                 warnings.simplefilter("always")
                 s.load_state_dict(sched)
             load_warnings = [str(w.message) for w in said if "hdet" in str(w.message)]
+            broken[0] = broken_probe
         t += 1
     return {"lrs": lrs, "full_after": full_after, "replica": s.rank, "N": s.world_size, "bases": s.base_lrs_now,
             "updates": s.ensemble.controllers[0].updates, "probes": probes, "expected": expected,

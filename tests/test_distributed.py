@@ -537,10 +537,11 @@ def test_fsdp2_hsdp_replicas_are_the_replicate_dimension(shape):
     assert [r["logs"] for r in res] == [True, False, False, False]  # one telemetry writer, not one per shard
 
 
-def _hsdp_fit(rank, world, shape, checkpoint_at=None, ckpt=None, load_rank=None):
+def _hsdp_fit(rank, world, shape, checkpoint_at=None, ckpt=None, load_rank=None, warm=None, broken_probe=False):
     from dist_workers import hsdp_fit
 
-    return hsdp_fit(rank, world, mesh_shape=shape, checkpoint_at=checkpoint_at, ckpt=ckpt, load_rank=load_rank)
+    return hsdp_fit(rank, world, mesh_shape=shape, checkpoint_at=checkpoint_at, ckpt=ckpt, load_rank=load_rank,
+                    warm=warm, broken_probe=broken_probe)
 
 
 def test_the_fit_controller_on_sharded_replicas_decides_as_on_whole_ones(tmp_path):
@@ -586,6 +587,10 @@ def test_rank_0s_fit_state_loaded_on_every_sharded_rank(tmp_path):
         assert r["lrs"] == mid[i // 2 * 2]["lrs"] and r["updates"] == plain[i]["updates"]
         assert (i == 0) == (not r["load_warnings"])  # every rank but rank 0 itself is told
         assert all(math.isnan(x) for x in r["probes"][1]) and all(map(math.isfinite, r["probes"][2]))
+    (tmp_path / "broken").mkdir()
+    broken = run_gloo(_hsdp_fit, 4, (2, 2), 6, str(tmp_path / "broken"), 0, 8, True)  # a probe that returns no scalar,
+    # at the first control sync, just after the load: every rank raises it (the void ones waited in the sync alone)
+    assert all(r.get("error") == "ValueError" and "scalar loss" in r["msg"] for r in broken), broken
 
 
 def _hsdp_bn(rank, world, shape):

@@ -478,3 +478,17 @@ def test_finish_mid_window_starts_the_probes_window_mean_afresh():
     mean = [sum(iterates[t][i] for t in range(14, 21)) / 7 for i in range(len(seen[-1]))]
     for a, b in zip(seen[-1], mean):
         torch.testing.assert_close(a, b)
+
+
+def test_no_finite_probe_is_no_verdict_and_moves_nothing():
+    """Every replica's probe NaN (a window whose means were dropped at a load under FSDP2): the controller's
+    correction and momentum stay as they were (read as a vote for x* = 0, the momentum still moved the LR by about
+    5%, and halved); the update is counted."""
+    ctrl = FitController()
+    ctrl.update(LOG_RHO, [1.0 + 0.5 * x for x in LOG_RHO])  # a slope: momentum builds
+    c, m, updates = ctrl.c, ctrl.m, ctrl.updates
+    assert m != 0.0
+    step = ctrl.update(LOG_RHO, [float("nan")] * len(LOG_RHO))
+    assert (ctrl.c, ctrl.m, ctrl.updates, step.delta) == (c, m, updates + 1, 0.0)
+    ctrl.update(LOG_RHO, [float("nan")] + [1.0] * (len(LOG_RHO) - 1))  # (one left out: still a fit of the others)
+    assert ctrl.m != m

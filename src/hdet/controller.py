@@ -294,6 +294,11 @@ class FitController:
                 x_star = min(max(-b / (2 * q), -2 * w), 2 * w)
             elif b != 0:
                 x_star = -2 * w * math.copysign(1.0, b)
+        if len(ok) < 2:  # no verdict (every replica's probe NaN: a window whose means were dropped at a load under
+            # FSDP2, or left out): nothing moves; read as a vote for x* = 0, the momentum still moved c (about 5% LR)
+            self.updates += 1
+            return ControllerStep(values=list(x), losses=list(losses), weights=[], h_tilde=0.0, h_bar=weight, delta=0.0,
+                                  velocity=self.m, new_base=self.factor, clamped=False, kind="fit", factor=self.factor)
         self.m = self.beta * self.m + (1.0 - self.beta) * x_star
         step = min(max(self.kappa * min(max(weight, 0.0), 1.0) * self.m, -self.max_step * w), self.max_step * w)
         lo, hi = self.c_bounds

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from .caller import user_stacklevel
 from .replicas import local_shard, reshard_fsdp
 
 __all__ = ["LossWindow", "WindowMean", "Probe"]
@@ -163,7 +165,7 @@ class WindowMean:
         with nothing summed). The parameters are restored whatever happens."""
         if self.sharded:
             return self._sharded_probe(model, probe)
-        if self.sum is None or self.n == 0:
+        if self.sum is None or self.n == 0 or self.void:
             return torch.full((), float("nan"), dtype=torch.float64)
         means = torch._foreach_div(self.sum, float(self.n))
         means = [m if m.dtype == p.dtype else m.to(p.dtype) for m, p in zip(means, self.params)]
@@ -180,7 +182,7 @@ class WindowMean:
 
     def _sharded_probe(self, model: nn.Module, probe: Probe) -> torch.Tensor:
         """FSDP2: the mean written into this rank's shards, the probe run, the rank's own values written back (each
-        shard swapped with its mean's buffer, one at a time: no extra copy of the shards). A rank with nothing summed,
+        shard swapped with its mean's buffer, one at a time: no copy of the shards beyond the means). A rank with nothing summed,
         or whose window's sums were dropped at a load (:attr:`void`), still runs the probe at its own values, since the
         forward's all-gathers need every shard rank, and says NaN: the replica's probe (the sum over its shard ranks)
         is then NaN."""
@@ -195,33 +197,42 @@ class WindowMean:
                 p.copy_(m)
                 m.copy_(own)  # (the buffer holds the rank's own values now)
                 written.append(i)
-            module = getattr(model, "module", model)
-            with eval_mode(module):
-                loss = probe(module)
-            if isinstance(loss, torch.Tensor) and loss.is_cuda and any(p.device.type == "cpu" for p in params):
-                torch.cuda.synchronize(loss.device)  # HOST SYNC (shards offloaded to the CPU: the forward's copies of
+            with eval_mode(model):  # (the FSDP2 root itself: a .module of it would skip the root's all-gather)
+                value = _scalar(probe(model))  # (checked on every rank, a void one too: one raising alone left the
+                # others waiting in the sync's collective)
+            if value.is_cuda and any(p.device.type == "cpu" for p in params):
+                torch.cuda.synchronize(value.device)  # HOST SYNC (shards offloaded to the CPU: the forward's copies of
                 # them to the device, non-blocking, may still be queued when they are written back below)
         finally:
             for i in written:
                 params[i].copy_(means[i])
             reshard_fsdp(model)  # (the probe's forward left the root's gathered copies of the mean)
-        return torch.full((), float("nan"), dtype=torch.float64) if empty else _scalar(loss)
+        return torch.full((), float("nan"), dtype=torch.float64) if empty else value
 
     def state_dict(self) -> dict[str, Any] | None:
-        if self.sum is None:
+        if self.sum is None or (self.n == 0 and not self.void):  # (nothing summed: no zeros saved)
             return {"sum": [], "n": 0, "void": True} if self.void else None
         return {"sum": [x.detach().cpu().clone() for x in self.sum], "n": self.n, **({"void": True} if self.void else {})}
 
     def parse(self, state: dict[str, Any] | None) -> tuple[list[torch.Tensor] | None, int]:
         """``(sum, n)`` from a saved state, checked against the parameters (ValueError); changes nothing."""
-        if state is not None and state.get("void"):  # (a window whose sums were dropped: still none)
+        if state is None:
+            return None, 0
+        n, void = state.get("n"), state.get("void", False)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0 or not isinstance(void, bool):
+            raise ValueError(f"Expected the window mean's n as a whole number >= 0 and void as a bool, but got "
+                             f"{n!r} and {void!r}: a corrupted state_dict")
+        if void:  # (a window whose sums were dropped: still none)
             return None, -1
-        if state is None or not state["n"]:  # (nothing summed: a state saved at a sync step)
+        if not n:  # (nothing summed: a state saved at a sync step)
             return None, 0
         sums = state["sum"]
         params = self._locals()  # (FSDP2: this rank's shards)
         if len(sums) != len(params) or any(tuple(x.shape) != tuple(p.shape) for x, p in zip(sums, params)):
             if self.sharded:  # another mesh's shards (the caller drops another shard rank's before): none this window
+                warnings.warn("hdet: the fit controller's window mean in this state is of other shards (another mesh, "
+                              "or another model): dropped, so this window's probe is NaN and the controller waits for "
+                              "the next", stacklevel=user_stacklevel())
                 return None, -1
             raise ValueError(f"Expected a window mean of {len(self.params)} tensors shaped like the parameters, but "
                              f"the state holds {len(sums)} that do not match")
