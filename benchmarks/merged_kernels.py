@@ -39,7 +39,17 @@ def baddbmm_bias(x, w, b):  # hdet's until now
     return batched_linear(x, w, b)
 
 
-class _OuterInit(torch.autograd.Function):
+class _Linear(torch.autograd.Function):
+    """The candidates' common backward (hdet's: dx = dy W, dW = dy^T x in W's layout, db = sum dy); a subclass's
+    forward saves (x, w) and computes y."""
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        return torch.bmm(dy, w), torch.bmm(dy.transpose(1, 2), x), dy.sum(1)
+
+
+class _OuterInit(_Linear):
     @staticmethod
     def forward(ctx, x, w, b):
         ctx.save_for_backward(x, w)
@@ -47,25 +57,15 @@ class _OuterInit(torch.autograd.Function):
         y = torch.bmm(ones, b.unsqueeze(1))
         return y.baddbmm_(x, w.transpose(1, 2))
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        return torch.bmm(dy, w), torch.bmm(dy.transpose(1, 2), x), dy.sum(1)
 
-
-class _AddAfter(torch.autograd.Function):
+class _AddAfter(_Linear):
     @staticmethod
     def forward(ctx, x, w, b):
         ctx.save_for_backward(x, w)
         return torch.bmm(x, w.transpose(1, 2)).add_(b.unsqueeze(1))
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        return torch.bmm(dy, w), torch.bmm(dy.transpose(1, 2), x), dy.sum(1)
 
-
-class _PerReplicaAddmm(torch.autograd.Function):
+class _PerReplicaAddmm(_Linear):
     @staticmethod
     def forward(ctx, x, w, b):
         ctx.save_for_backward(x, w)
@@ -73,11 +73,6 @@ class _PerReplicaAddmm(torch.autograd.Function):
         for r in range(x.shape[0]):
             torch.addmm(b[r], x[r], w[r].t(), out=y[r])
         return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        return torch.bmm(dy, w), torch.bmm(dy.transpose(1, 2), x), dy.sum(1)
 
 
 LINEARS = {"baddbmm_broadcast_bias": baddbmm_bias, "outer_product_init": _OuterInit.apply,
