@@ -636,13 +636,14 @@ def hsdp_fit(rank, world, *, mesh_shape=(2, 2), steps=16, T=4, checkpoint_at=Non
             window, n = [], 0
         if t == checkpoint_at:
             model_sd, opt_sd = get_state_dict(model, o)
-            torch.save({"sched": s.state_dict(), "model": model_sd, "opt": opt_sd}, os.path.join(ckpt, f"rank{rank}.pt"))
+            torch.save({"model": model_sd, "opt": opt_sd}, os.path.join(ckpt, f"rank{rank}.pt"))
+            torch.save(s.state_dict(), os.path.join(ckpt, f"sched{rank}.pt"))
             dist.barrier()
             model, o, s = build()
             loaded = torch.load(os.path.join(ckpt, f"rank{rank}.pt"), weights_only=False)
             set_state_dict(model, o, model_state_dict=loaded["model"], optim_state_dict=loaded["opt"])
-            sched = loaded["sched"] if load_rank is None else \
-                torch.load(os.path.join(ckpt, f"rank{load_rank}.pt"), weights_only=False)["sched"]
+            sched = torch.load(os.path.join(ckpt, f"sched{rank if load_rank is None else load_rank}.pt"),
+                               weights_only=True)  # (hdet's state: plain data)
             with warnings.catch_warnings(record=True) as said:
                 warnings.simplefilter("always")
                 s.load_state_dict(sched)

@@ -549,7 +549,8 @@ def test_the_fit_controller_on_sharded_replicas_decides_as_on_whole_ones(tmp_pat
     window mean and the probe runs at the mean written into the shards FSDP2 gathers from (a swapped .data was unseen
     by it). Against the same two replicas whole on a (2, 1) mesh, each on the union of the batches its two shard ranks
     take: the same probe losses, LRs, bases and weights (to float rounding), every shard rank of a replica the same;
-    each replica's probe loss the probe at the mean of its weights over the window, computed by hand; and a resume from checkpoints written mid-window (step 6 of windows of 4) lands on the same run."""
+    each replica's probe loss the probe at the mean of its weights over the window, computed by hand; and a resume
+    from checkpoints written mid-window (step 6 of windows of 4) lands on the same run."""
     sharded = check_ok(run_gloo(_hsdp_fit, 4, (2, 2)))
     whole = check_ok(run_gloo(_hsdp_fit, 2, (2, 1)))
     resumed = check_ok(run_gloo(_hsdp_fit, 4, (2, 2), 6, str(tmp_path)))
@@ -557,7 +558,8 @@ def test_the_fit_controller_on_sharded_replicas_decides_as_on_whole_ones(tmp_pat
     assert whole[0]["updates"] == 4 and whole[0]["probes"] and all(len(p) == 2 for p in whole[0]["probes"])
     for i, r in enumerate(sharded):
         w = whole[i // 2]
-        assert r["updates"] == w["updates"] and r["probes"] == sharded[0]["probes"] and r["lrs"] == sharded[i // 2 * 2]["lrs"]
+        assert r["updates"] == w["updates"] and r["probes"] == sharded[0]["probes"]
+        assert r["lrs"] == sharded[i // 2 * 2]["lrs"]
         for a, b in zip(r["probes"], w["probes"]):
             assert a == pytest.approx(b, rel=1e-5)
         assert [p[i // 2] for p in r["probes"]] == pytest.approx(r["expected"], rel=1e-5)  # the probe at the mean

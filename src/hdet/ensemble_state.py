@@ -206,7 +206,8 @@ def _parse_fields(ens: "Ensemble", state: dict[str, Any], version: int) -> dict[
     mean = (ens.window_mean or WindowMean(ens._float_params())) if config.probing else None  # the saved config's
     if mean is not None and not elastic:  # (another shard rank's sums are of other shards: dropped, the probe NaN
         # for this window, n = -1; a state saved at a sync step holds none)
-        foreign = mean.sharded and state.get("shard_rank", 0) != _shard_rank(ens) and (state.get("window_mean") or {}).get("n")
+        saved = state.get("window_mean") or {}
+        foreign = mean.sharded and state.get("shard_rank", 0) != _shard_rank(ens) and saved.get("n")
         window_mean = (None, -1) if foreign else mean.parse(state.get("window_mean"))
     lr_control = _parse_lr_control(state.get("lr_control"), ens)
     replaced = _replaced_settings(config, ens.config) + _replaced_lr_control(lr_control, ens.lr_control, config) + (

@@ -289,7 +289,7 @@ class StackedStep:
                 decay = self.kind == "adam" and values[k]["decoupled"] and any(values[k]["wd"])  # (each group's own:
                 # a span holds groups of either kind where the moments agree)
                 dk = d[:, seg.start - a:seg.stop - a]
-                if _fused_update(th, dk, values[k]):  # one pass, rounded once (a CUDA device, with Triton)
+                if _fused_update(th, dk, values[k]):  # one pass, stored once (a CUDA device, with Triton)
                     kernels.scale_add_rows_(th, dk, c[1] if decay else None, c[0])
                 else:
                     if decay:

@@ -182,10 +182,10 @@ class WindowMean:
 
     def _sharded_probe(self, model: nn.Module, probe: Probe) -> torch.Tensor:
         """FSDP2: the mean written into this rank's shards, the probe run, the rank's own values written back (each
-        shard swapped with its mean's buffer, one at a time: no copy of the shards beyond the means). A rank with nothing summed,
-        or whose window's sums were dropped at a load (:attr:`void`), still runs the probe at its own values, since the
-        forward's all-gathers need every shard rank, and says NaN: the replica's probe (the sum over its shard ranks)
-        is then NaN."""
+        shard swapped with its mean's buffer, one at a time: no copy of the shards beyond the means). A rank with
+        nothing summed, or whose window's sums were dropped at a load (:attr:`void`), still runs the probe at its own
+        values, since the forward's all-gathers need every shard rank, and says NaN: the replica's probe (the sum over
+        its shard ranks) is then NaN."""
         params = self._locals()
         empty = self.sum is None or self.n == 0 or self.void
         means = [] if empty else torch._foreach_div(self.sum, float(self.n))  # (float32: each swapped in its dtype)
@@ -212,7 +212,8 @@ class WindowMean:
     def state_dict(self) -> dict[str, Any] | None:
         if self.sum is None or (self.n == 0 and not self.void):  # (nothing summed: no zeros saved)
             return {"sum": [], "n": 0, "void": True} if self.void else None
-        return {"sum": [x.detach().cpu().clone() for x in self.sum], "n": self.n, **({"void": True} if self.void else {})}
+        return {"sum": [x.detach().cpu().clone() for x in self.sum], "n": self.n,
+                **({"void": True} if self.void else {})}
 
     def parse(self, state: dict[str, Any] | None) -> tuple[list[torch.Tensor] | None, int]:
         """``(sum, n)`` from a saved state, checked against the parameters (ValueError); changes nothing."""
