@@ -11,7 +11,7 @@ plus a second only on a step where a replica's gradient is not finite (decided o
 Measured in ``benchmarks/merged_kernels.py``.
 
 :func:`usable` says whether tensors take the fused path: CUDA tensors large enough that the device, not the host,
-bounds their pass (Triton's launch costs more host time than torch's: the tiny GPT's engine ran 3-8% slower with
+bounds their pass (Triton's launch costs more host time than torch's: the tiny GPT's engine ran 4-8% slower with
 them), with Triton importable and working. Triton is imported, and its kernels compiled and checked on a few numbers,
 at the first such tensors (never on a CPU-only run); where that fails (no Triton, no C compiler, a GPU older than
 compute capability 7.0) the callers keep torch's ops, with a warning. The kernels themselves are in
