@@ -606,7 +606,8 @@ def _fused_update(th: torch.Tensor, d: torch.Tensor, v: dict[str, Any]) -> bool:
     one's is in the weights' dtype; a non-fused optimizer rounds after each op, kept).
     Torch's broadcasting ``mul_`` and ``addcmul_`` took 2.9 ms a step over the medium GPT's 8 replicas on an H200,
     the fused pass 1.3 ms (bf16: 4.6 and 0.6 ms; ``benchmarks/merged_kernels.py``)."""
-    return kernels.usable(th, d) and th.dtype == d.dtype and (th.dtype == torch.float32 or bool(v.get("fused")))
+    return th.dtype == d.dtype and (th.dtype == torch.float32 or bool(v.get("fused"))) and kernels.usable(th, d)
+    # (kernels.usable last: its first True imports Triton and compiles the kernels, not for a group that never uses them)
 
 
 OPMATH_SLICE = 1 << 22  # columns computed in float32 at a time (fp16/bf16 weights): bounds the float32 copies
