@@ -53,6 +53,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tf32", type=int, default=1, help="1: TF32 matmuls on a GPU (engine_throughput.py's setting)")
+    p.add_argument("--mode", default="vmap", choices=["vmap", "merged"], help="both engines' mode")
+    p.add_argument("--autocast", default="none", choices=["none", "bf16"],
+                   help="bf16: every step (the baseline's and both engines') under torch.autocast(bfloat16)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     dev, N = torch.device(a.device), a.replicas
@@ -98,9 +101,12 @@ def main() -> None:
             model(), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=dev.type == "cuda"),
             lambda o, rep, m: pkg.OneCycleAutoLR(o, max_lr=1e-3, total_steps=total, ensemble_lr_spread_ratio=0.2,
                                                  model_sync_interval=25, replicas=rep, model=m),
-            mode="vmap", compile=a.compile)
+            mode=a.mode, compile=a.compile)
     engines = {"old": engine(old_hdet, old_engine), "new": engine(hdet, importlib.import_module("hdet.engine"))}
+    modes = {k: e.mode for k, e in engines.items()}
     steps = {"baseline": base_step, **{k: (lambda e=e: e.step(batch, loss, stacked=True)) for k, e in engines.items()}}
+    if a.autocast == "bf16":
+        steps = {k: (lambda f=f: _bf16(dev, f)) for k, f in steps.items()}
     times: dict[str, list[float]] = {k: [] for k in steps}
     for k, f in steps.items():  # warm-up (compilation)
         time_steps(f, 5, 1, dev)
@@ -111,13 +117,19 @@ def main() -> None:
     rec = {"command": "python " + " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,
            "hdet": hdet.__version__, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else
            f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)", "task": a.task, "N": N,
-           "compile": a.compile, "tf32": torch.backends.cuda.matmul.allow_tf32,
+           "compile": a.compile, "mode": a.mode, "autocast": a.autocast, "tf32": torch.backends.cuda.matmul.allow_tf32,
            "seconds_per_step_median": med, "seconds_per_step_all": times,
            "ratio_to_baseline": {k: med["baseline"] / med[k] for k in engines}, "new_over_old": med["old"] / med["new"],
-           "optimizer_path": {k: e.optimizer_path for k, e in engines.items()}}
-    print(json.dumps({k: rec[k] for k in ("task", "compile", "ratio_to_baseline", "new_over_old")}))
+           "optimizer_path": {k: e.optimizer_path for k, e in engines.items()},
+           "engine_mode": {k: (modes[k], e.mode) for k, e in engines.items()}}  # (at the start, at the end: a fallback)
+    print(json.dumps({k: rec[k] for k in ("task", "compile", "mode", "autocast", "ratio_to_baseline", "new_over_old")}))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rec, indent=1))
+
+
+def _bf16(dev: torch.device, step) -> None:
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
+        step()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ Writes JSON (with the command, device, versions) to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 import hdet
 import hdet.kernels
+import hdet.linear
 from hdet.engine import ReplicaEngine
 from hdet.app.tasks import ByteGPT
 
@@ -57,12 +59,13 @@ def time_steps(step, n_warm: int, n_timed: int, device) -> float:
 
 
 def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, modes: list[str], optim: str,
-          engine_attn: str = "auto", compile_kwargs: dict | None = None) -> dict:
+          engine_attn: str = "auto", compile_kwargs: dict | None = None, autocast: str = "none") -> dict:
     ctx = size["ctx"]
     g = torch.Generator(device=device).manual_seed(0)
     data = torch.randint(0, 256, (N * B * 4, ctx + 1), device=device, generator=g)
     out = {"size": size, "N": N, "batch_per_replica": B, "tokens_per_step": N * B * ctx, "T": T, "optimizer": optim,
-           "engine_attention": engine_attn}
+           "engine_attention": engine_attn, "autocast": autocast}
+    amp = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if autocast == "bf16" else contextlib.nullcontext
     kw = {"fused": True} if optim == "fused" else {"foreach": True}
     total = warm + steps + 4  # compiled modes warm up 3 more steps
 
@@ -75,7 +78,7 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
         if comp and not any("+compile" in m for m in modes):
             continue
         out[key] = bench_single(fresh_model(base_attn), data, N, B, ctx, total, warm, steps, device, kw,
-                                comp and (compile_kwargs or True))
+                                comp and (compile_kwargs or True), amp)
     out["params"] = sum(p.numel() for p in fresh_model().parameters())
     for mode in modes:
         if device.type == "cuda":
@@ -84,8 +87,10 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             engine_mode, _, path = mode.partition("/")
-            fused_passes = hdet.kernels.AVAILABLE
+            fused_passes, per_replica_min = hdet.kernels.AVAILABLE, hdet.linear.PER_REPLICA_MIN
             hdet.kernels.AVAILABLE = fused_passes and path != "torch-passes"  # ("/torch-passes": without hdet.kernels)
+            if path == "baddbmm":  # ("/baddbmm": every linear layer one baddbmm, none one addmm per replica)
+                hdet.linear.PER_REPLICA_MIN = float("inf")
             eng = ReplicaEngine(
                 fresh_model(engine_attn), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, **kw),
                 lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=total, ensemble_lr_spread_ratio=0.2,
@@ -98,12 +103,13 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
             def eng_step():
                 b = data[(j[0] % 4) * N * B: (j[0] % 4 + 1) * N * B].view(N, B, ctx + 1)
                 j[0] += 1
-                eng.step(b, lm_loss, stacked=True)
+                with amp():
+                    eng.step(b, lm_loss, stacked=True)
 
             try:
                 dt = time_steps(eng_step, warm + (3 if "+" in mode else 0), steps, device)
             finally:
-                hdet.kernels.AVAILABLE = fused_passes
+                hdet.kernels.AVAILABLE, hdet.linear.PER_REPLICA_MIN = fused_passes, per_replica_min
         out[mode] = {"seconds_per_step": dt, "tokens_per_s": N * B * ctx / dt,
                      "ratio_to_baseline": out["baseline"]["seconds_per_step"] / dt,
                      "ratio_to_baseline_math_attention": out["baseline_math_attention"]["seconds_per_step"] / dt,
@@ -128,7 +134,8 @@ def state_bytes(optimizers) -> int:
     return sum(seen.values())
 
 
-def bench_single(model, data, N, B, ctx, total, warm, steps, device, kw, comp=False) -> dict:
+def bench_single(model, data, N, B, ctx, total, warm, steps, device, kw, comp=False,
+                 amp=contextlib.nullcontext) -> dict:
     """One model (plain AdamW + OneCycleLR, no hdet) at N x B sequences per step."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **kw)
     if comp:
@@ -140,7 +147,8 @@ def bench_single(model, data, N, B, ctx, total, warm, steps, device, kw, comp=Fa
     def base_step():
         b = data[(i[0] % 4) * N * B: (i[0] % 4 + 1) * N * B]
         i[0] += 1
-        loss = lm_loss(model, b)
+        with amp():
+            loss = lm_loss(model, b)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -163,13 +171,15 @@ def main() -> None:
     p.add_argument("--sizes", default="small", help="comma list of: tiny, small, medium")
     p.add_argument("--modes", default="vmap,vmap+compile,loop,vmap/per-replica",
                    help="comma list of vmap, vmap+compile, merged, merged+graph (cuda_graph=True), loop, each with an "
-                        "optional /per-replica (per-replica optimizers) or /torch-passes (the stacked step and the gradients' mean in torch's ops, not hdet.kernels' fused passes)")
+                        "optional /per-replica (per-replica optimizers), /torch-passes (the stacked step and the gradients' mean in torch's ops, not hdet.kernels' fused passes) or /baddbmm (every linear layer one baddbmm, none one addmm per replica: hdet.linear.PER_REPLICA_MIN)")
     p.add_argument("--optimizers", default="fused,foreach", help="AdamW implementations to run (comma list)")
     p.add_argument("--engine-attn", default="auto", choices=["auto", "sdpa", "math"],
                    help="the engine's attention (ByteGPT attn=): auto is explicit attention under vmap")
     p.add_argument("--compile-kwargs", default=None, type=json.loads,
                    help='torch.compile keyword arguments for every compiled mode, one model\'s included (JSON, e.g. '
                         '\'{"mode": "reduce-overhead"}\')')
+    p.add_argument("--autocast", default="none", choices=["none", "bf16"],
+                   help="bf16: every step (one model's and the engine's) under torch.autocast(bfloat16)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -182,7 +192,7 @@ def main() -> None:
             B = s.pop("B")
             try:
                 r = bench({**s, "name": name}, a.replicas, B, a.steps, a.warm, a.T, device, a.modes.split(","), optim,
-                          a.engine_attn, a.compile_kwargs)
+                          a.engine_attn, a.compile_kwargs, a.autocast)
             except Exception as e:  # noqa: BLE001 - a configuration that cannot run is a result too
                 print(json.dumps({"size": name, "optimizer": optim, "error": f"{type(e).__name__}: {e}"[:500]}))
                 results.append({"size": {**s, "name": name}, "optimizer": optim, "engine_attention": a.engine_attn,

@@ -10,6 +10,7 @@ device, versions) to --out and prints the tables.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -19,6 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import hdet
+import hdet.linear
 import hdet.stacking
 from hdet.engine import ReplicaEngine
 from hdet.app.tasks import ByteGPT
@@ -38,6 +40,23 @@ def kernels(prof, steps: int, rows: int) -> tuple[float, list[dict]]:
         out.append({"name": e.key[:120], "us_per_step": dt / steps, "calls_per_step": e.count / steps})
     out.sort(key=lambda r: -r["us_per_step"])
     return total / steps, out[:rows]
+
+
+def ops(step, steps: int, rows: int) -> list[dict]:
+    """The aten ops by the device time of the kernels they launch (self)."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    out = []
+    for e in prof.key_averages():
+        dt = getattr(e, "self_device_time_total", None)
+        dt = e.self_cuda_time_total if dt is None else dt
+        if e.device_type == torch.autograd.DeviceType.CUDA or not dt:
+            continue
+        out.append({"op": e.key, "us_per_step": dt / steps, "calls_per_step": e.count / steps})
+    out.sort(key=lambda r: -r["us_per_step"])
+    return out[:rows]
 
 
 def measure(step, steps: int, rows: int) -> dict:
@@ -61,6 +80,7 @@ def measure(step, steps: int, rows: int) -> dict:
 
 reduce_default = hdet.stacking._reduce_in_backward
 copy_default = hdet.stacking._copy_into_bound
+per_replica_default = hdet.linear.PER_REPLICA_MIN
 
 
 def main() -> None:
@@ -72,12 +92,16 @@ def main() -> None:
     p.add_argument("--variants", default="default",
                    help="comma list of engine variants: default, reduce (the backward's gradients summed where they "
                         "lie, hdet.stacking._reduce_in_backward forced on), accumulate (the bound gradients accumulated into, "
-                        "hdet.stacking._copy_into_bound off), layout (gradient_layout=True), merged (mode='merged'), and "
-                        "joined with +")
+                        "hdet.stacking._copy_into_bound off), layout (gradient_layout=True), merged (mode='merged'), baddbmm (every "
+                        "linear layer one baddbmm: hdet.linear.PER_REPLICA_MIN), joined with +")
+    p.add_argument("--ops", type=int, default=0, help="also list this many aten ops by their kernels' device time "
+                   "(a second profile)")
+    p.add_argument("--autocast", default="none", choices=["none", "bf16"], help="bf16: every step under autocast")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = True
+    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if a.autocast == "bf16" else contextlib.nullcontext
     res = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "python": platform.python_version(), "sizes": {}}
     for name in a.sizes.split(","):
@@ -93,12 +117,15 @@ def main() -> None:
         sch = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=10_000)
 
         def base():
-            loss = et.lm_loss(one, data)
+            with amp():
+                loss = et.lm_loss(one, data)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             sch.step()
         r = {"baseline": measure(base, a.steps, a.rows)}
+        if a.ops:
+            r["baseline"]["top_ops"] = ops(base, a.steps, a.ops)
         for v in a.variants.split(","):
             hdet.stacking._reduce_in_backward = (lambda d: True) if "reduce" in v else reduce_default
             hdet.stacking._copy_into_bound = (lambda d: False) if "accumulate" in v else copy_default
@@ -107,7 +134,14 @@ def main() -> None:
                                                                       ensemble_lr_spread_ratio=0.2,
                                                                       model_sync_interval=1000, replicas=rep, model=m),
                                 mode="merged" if "merged" in v else "vmap", gradient_layout="layout" in v)
-            r[v] = measure(lambda: eng.step(data.view(N, B, ctx + 1), et.lm_loss, stacked=True), a.steps, a.rows)
+            hdet.linear.PER_REPLICA_MIN = float("inf") if "baddbmm" in v else per_replica_default
+
+            def eng_step():
+                with amp():
+                    eng.step(data.view(N, B, ctx + 1), et.lm_loss, stacked=True)
+            r[v] = measure(eng_step, a.steps, a.rows)
+            if a.ops:
+                r[v]["top_ops"] = ops(eng_step, a.steps, a.ops)
             r[v]["engine_mode"] = eng.mode
             r[v]["wall_ratio"] = r["baseline"]["wall_ms"] / r[v]["wall_ms"]
             r[v]["device_ratio"] = r["baseline"]["device_ms"] / r[v]["device_ms"]
@@ -115,6 +149,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         hdet.stacking._reduce_in_backward = reduce_default
         hdet.stacking._copy_into_bound = copy_default
+        hdet.linear.PER_REPLICA_MIN = per_replica_default
         res["sizes"][name] = r
         for v in ["baseline", *a.variants.split(",")]:
             x = r[v]
@@ -122,6 +157,8 @@ def main() -> None:
                   f"{x['device_ms']:.2f} ms (ratio {x.get('device_ratio', 1):.3f}), {x['launches_per_step']:.0f} launches")
             for k in x["top_kernels"][:a.rows]:
                 print(f"{k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f}x  {k['name'][:90]}")
+            for k in x.get("top_ops", []):
+                print(f"  op {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f}x  {k['op']}")
         one = opt = None
         torch.cuda.empty_cache()
     if a.out:

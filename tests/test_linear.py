@@ -1,6 +1,8 @@
 """hdet.linear: F.linear for vmapped replicas (one batched matmul, the weight gradient in the weight's layout),
 against torch's own vmapped F.linear; autocast as F.linear."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,9 +91,14 @@ def test_nested_vmap_and_multihead_attention_match_torch():
 
 
 def test_weight_gradient_comes_in_the_weights_layout():
+    """The backward's own gradient (autograd.grad: a .grad is made contiguous whatever the backward gives)."""
     x, w, b = _inputs()
-    _, (_, gw, _) = _run(F.linear, (x, w, b), (0, 0, 0), route=True)
-    assert gw.is_contiguous()  # [N, out, in], as the weight (torch's vmapped F.linear gives its transpose)
+    w = w.requires_grad_()
+    for route, contiguous in ((False, False), (True, True)):  # torch's vmapped F.linear gives the transpose
+        with routed() if route else contextlib.nullcontext():
+            y = vmap(lambda *a: F.linear(*a))(x, w, b)  # (F.linear looked up inside: routed, it is hdet's)
+        gw, = torch.autograd.grad(y.pow(2).sum(), w)
+        assert gw.shape == w.shape and gw.is_contiguous() is contiguous, route
 
 
 def test_autocast_casts_as_f_linear_does():
@@ -167,3 +174,42 @@ def test_a_shape_mismatch_reads_as_torchs(lead):
     with routed(), pytest.raises(RuntimeError) as routed_err:
         vmap(lambda a, b: F.linear(a, b))(x, w)
     assert str(routed_err.value) == str(torch_err.value)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_one_addmm_per_replica_computes_what_the_batched_matmul_does(autocast, monkeypatch):
+    """Large layers with a bias on a CUDA device run one addmm per replica (the bias in cuBLASLt's epilogue instead of
+    a copy into the output that the GEMM reads back): forced here on the CPU, the same values and gradients, under
+    autocast too; without a bias, the batched matmul still."""
+    x, w, b = _inputs()
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else torch.enable_grad
+    with ctx():
+        y0, g0 = _run(lambda *a: F.linear(*a), (x, w, b), (0, 0, 0), route=True)
+    calls = []
+    addmm = hdet.linear._ADDMM
+    monkeypatch.setattr(hdet.linear, "_ADDMM", lambda *a, **k: calls.append(1) or addmm(*a, **k))
+    monkeypatch.setattr(hdet.linear, "_per_replica", lambda x_, w_, b_: b_ is not None)
+    with ctx():
+        y1, g1 = _run(lambda *a: F.linear(*a), (x, w, b), (0, 0, 0), route=True)
+    assert len(calls) == N  # one addmm a replica
+    assert y1.dtype == y0.dtype == (torch.bfloat16 if autocast else torch.float32)
+    torch.testing.assert_close(y1, y0)
+    for a, r in zip(g1, g0):
+        torch.testing.assert_close(a, r)
+    calls.clear()
+    _run(lambda *a: F.linear(*a), (x, w, None), (0, 0, None), route=True)
+    assert not calls
+
+
+def test_the_per_replica_addmm_is_for_large_cuda_layers_with_a_bias():
+    x, w, b = torch.randn(2, 4096, 8), torch.randn(2, 1024, 8), torch.randn(2, 1024)
+    assert not hdet.linear._per_replica(x, w, b)  # (the CPU)
+    meta = [t.to("meta") for t in (x, w, b)]
+    assert not hdet.linear._per_replica(*meta)
+    fake_cuda = type("T", (), {"is_cuda": True})
+    big = type("X", (fake_cuda,), {"shape": (2, 4096, 8), "dtype": torch.float32})()
+    small = type("X", (fake_cuda,), {"shape": (2, 4095, 8), "dtype": torch.float32})()
+    assert hdet.linear._per_replica(big, w, b)  # 4096 rows x 1024 outputs = PER_REPLICA_MIN
+    assert not hdet.linear._per_replica(small, w, b)
+    assert not hdet.linear._per_replica(big, w, None)
+    assert not hdet.linear._per_replica(big, w, b.half())
