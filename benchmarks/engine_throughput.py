@@ -88,28 +88,33 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
             warnings.simplefilter("always")
             engine_mode, _, path = mode.partition("/")
             fused_passes, per_replica_min = hdet.kernels.AVAILABLE, hdet.linear.PER_REPLICA_MIN
-            hdet.kernels.AVAILABLE = fused_passes and path != "torch-passes"  # ("/torch-passes": without hdet.kernels)
-            if path == "baddbmm":  # ("/baddbmm": every linear layer one baddbmm, none one addmm per replica)
-                hdet.linear.PER_REPLICA_MIN = float("inf")
-            eng = ReplicaEngine(
-                fresh_model(engine_attn), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, **kw),
-                lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=total, ensemble_lr_spread_ratio=0.2,
-                                                      model_sync_interval=T, replicas=rep, model=m),
-                mode=engine_mode.split("+")[0], compile=engine_mode.endswith("+compile") and (compile_kwargs or True),
-                cuda_graph=engine_mode.endswith("+graph"),
-                stacked_optimizer=path != "per-replica")
-            j = [0]
+            norm_usable = hdet.kernels.layer_norm_usable
+            try:  # (every toggle put back, whatever fails: the next mode measures the code as it is)
+                hdet.kernels.AVAILABLE = fused_passes and path != "torch-passes"  # ("/torch-passes": no hdet.kernels)
+                if path == "baddbmm":  # ("/baddbmm": every linear layer one baddbmm, none one addmm per replica)
+                    hdet.linear.PER_REPLICA_MIN = float("inf")
+                if path == "torchnorm":  # ("/torchnorm": the merged layer norms in torch's ops, in graphs too)
+                    hdet.kernels.layer_norm_usable = lambda *x: False
+                eng = ReplicaEngine(
+                    fresh_model(engine_attn), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, **kw),
+                    lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=total,
+                                                          ensemble_lr_spread_ratio=0.2, model_sync_interval=T,
+                                                          replicas=rep, model=m),
+                    mode=engine_mode.split("+")[0],
+                    compile=engine_mode.endswith("+compile") and (compile_kwargs or True),
+                    cuda_graph=engine_mode.endswith("+graph"), stacked_optimizer=path != "per-replica")
+                j = [0]
 
-            def eng_step():
-                b = data[(j[0] % 4) * N * B: (j[0] % 4 + 1) * N * B].view(N, B, ctx + 1)
-                j[0] += 1
-                with amp():
-                    eng.step(b, lm_loss, stacked=True)
+                def eng_step():
+                    b = data[(j[0] % 4) * N * B: (j[0] % 4 + 1) * N * B].view(N, B, ctx + 1)
+                    j[0] += 1
+                    with amp():
+                        eng.step(b, lm_loss, stacked=True)
 
-            try:
                 dt = time_steps(eng_step, warm + (3 if "+" in mode else 0), steps, device)
             finally:
                 hdet.kernels.AVAILABLE, hdet.linear.PER_REPLICA_MIN = fused_passes, per_replica_min
+                hdet.kernels.layer_norm_usable = norm_usable
         out[mode] = {"seconds_per_step": dt, "tokens_per_s": N * B * ctx / dt,
                      "ratio_to_baseline": out["baseline"]["seconds_per_step"] / dt,
                      "ratio_to_baseline_math_attention": out["baseline_math_attention"]["seconds_per_step"] / dt,
@@ -147,12 +152,12 @@ def bench_single(model, data, N, B, ctx, total, warm, steps, device, kw, comp=Fa
     def base_step():
         b = data[(i[0] % 4) * N * B: (i[0] % 4 + 1) * N * B]
         i[0] += 1
-        with amp():
+        with amp():  # (the whole step, as the engine's)
             loss = lm_loss(model, b)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
 
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -171,7 +176,7 @@ def main() -> None:
     p.add_argument("--sizes", default="small", help="comma list of: tiny, small, medium")
     p.add_argument("--modes", default="vmap,vmap+compile,loop,vmap/per-replica",
                    help="comma list of vmap, vmap+compile, merged, merged+graph (cuda_graph=True), loop, each with an "
-                        "optional /per-replica (per-replica optimizers), /torch-passes (the stacked step and the gradients' mean in torch's ops, not hdet.kernels' fused passes) or /baddbmm (every linear layer one baddbmm, none one addmm per replica: hdet.linear.PER_REPLICA_MIN)")
+                        "optional /per-replica (per-replica optimizers), /torch-passes (the stacked step and the gradients' mean in torch's ops, not hdet.kernels' fused passes) /baddbmm (every linear layer one baddbmm, none one addmm per replica: hdet.linear.PER_REPLICA_MIN) or /torchnorm (the merged layer norms in torch's ops: hdet.kernels.layer_norm_usable)")
     p.add_argument("--optimizers", default="fused,foreach", help="AdamW implementations to run (comma list)")
     p.add_argument("--engine-attn", default="auto", choices=["auto", "sdpa", "math"],
                    help="the engine's attention (ByteGPT attn=): auto is explicit attention under vmap")

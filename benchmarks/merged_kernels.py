@@ -108,7 +108,11 @@ def ln_per_replica(x, w, b, eps=1e-5):
     return _LNPerReplica.apply(x, w, b, eps)
 
 
-NORMS = {"norm_then_addcmul": ln_affine_after, "native_per_replica": ln_per_replica}
+def ln_fused(x, w, b, eps=1e-5):  # hdet's since 2026-11-30 on CUDA (float32, large enough: hdet.kernels)
+    return hm._ReplicaLayerNorm.apply(x, w, b, eps)
+
+
+NORMS = {"norm_then_addcmul": ln_affine_after, "native_per_replica": ln_per_replica, "fused_triton": ln_fused}
 
 PARAMS = {"tiny": 437760, "small": 10844160, "medium": 57097728}  # the GPTs' parameters (the [N, D] passes)
 
@@ -147,6 +151,7 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--passes-only", action="store_true", help="only the [N, D] passes (no linear/LayerNorm variants)")
+    p.add_argument("--norms-only", action="store_true", help="only the LayerNorm variants")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -155,7 +160,7 @@ def main() -> None:
     results = []
     for dtype in (torch.float32, torch.bfloat16):
         for size, (rows, d) in ({} if a.passes_only else SHAPES).items():
-            for mult in (1, 4):
+            for mult in () if a.norms_only else (1, 4):
                 x = torch.randn(n, rows, d, device=dev, dtype=dtype, requires_grad=True)
                 w = (torch.randn(n, mult * d, d, device=dev, dtype=dtype) / d ** 0.5).requires_grad_()
                 b = torch.randn(n, mult * d, device=dev, dtype=dtype, requires_grad=True)
@@ -177,6 +182,9 @@ def main() -> None:
             dy = torch.randn(n, rows, d, device=dev, dtype=dtype)
             ref = None
             for name, f in NORMS.items():
+                if name == "fused_triton" and dtype != torch.float32:  # (float32 only: merged runs norms in float32
+                    continue  # under autocast)
+
                 def step(f=f):
                     xs.grad = ws.grad = bs.grad = None
                     f(xs, ws, bs).backward(dy)
@@ -188,7 +196,7 @@ def main() -> None:
                 results.append({"layer": "layer_norm", "variant": name, "size": size, "dtype": str(dtype),
                                 "shape": [n, rows, d], "device_us": dt, "wall_us": ht,
                                 "max_abs_diff_to_first": float((got - ref).abs().max())})
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in () if a.norms_only else (torch.float32, torch.bfloat16):
         for size, cols in PARAMS.items():
             theta = torch.randn(n, cols, device=dev, dtype=dtype)
             d = torch.randn(1, cols, device=dev, dtype=dtype)

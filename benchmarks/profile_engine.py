@@ -20,6 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import hdet
+import hdet.kernels
 import hdet.linear
 import hdet.stacking
 from hdet.engine import ReplicaEngine
@@ -81,6 +82,7 @@ def measure(step, steps: int, rows: int) -> dict:
 reduce_default = hdet.stacking._reduce_in_backward
 copy_default = hdet.stacking._copy_into_bound
 per_replica_default = hdet.linear.PER_REPLICA_MIN
+norm_default = hdet.kernels.layer_norm_usable
 
 
 def main() -> None:
@@ -93,7 +95,8 @@ def main() -> None:
                    help="comma list of engine variants: default, reduce (the backward's gradients summed where they "
                         "lie, hdet.stacking._reduce_in_backward forced on), accumulate (the bound gradients accumulated into, "
                         "hdet.stacking._copy_into_bound off), layout (gradient_layout=True), merged (mode='merged'), baddbmm (every "
-                        "linear layer one baddbmm: hdet.linear.PER_REPLICA_MIN), joined with +")
+                        "linear layer one baddbmm: hdet.linear.PER_REPLICA_MIN), torchnorm (the merged layer norms in "
+                        "torch's ops, not hdet.kernels'), joined with +")
     p.add_argument("--ops", type=int, default=0, help="also list this many aten ops by their kernels' device time "
                    "(a second profile)")
     p.add_argument("--autocast", default="none", choices=["none", "bf16"], help="bf16: every step under autocast")
@@ -117,12 +120,12 @@ def main() -> None:
         sch = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=10_000)
 
         def base():
-            with amp():
+            with amp():  # (the whole step, as the engine's)
                 loss = et.lm_loss(one, data)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sch.step()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sch.step()
         r = {"baseline": measure(base, a.steps, a.rows)}
         if a.ops:
             r["baseline"]["top_ops"] = ops(base, a.steps, a.ops)
@@ -135,6 +138,7 @@ def main() -> None:
                                                                       model_sync_interval=1000, replicas=rep, model=m),
                                 mode="merged" if "merged" in v else "vmap", gradient_layout="layout" in v)
             hdet.linear.PER_REPLICA_MIN = float("inf") if "baddbmm" in v else per_replica_default
+            hdet.kernels.layer_norm_usable = (lambda *x: False) if "torchnorm" in v else norm_default
 
             def eng_step():
                 with amp():
@@ -150,6 +154,7 @@ def main() -> None:
         hdet.stacking._reduce_in_backward = reduce_default
         hdet.stacking._copy_into_bound = copy_default
         hdet.linear.PER_REPLICA_MIN = per_replica_default
+        hdet.kernels.layer_norm_usable = norm_default
         res["sizes"][name] = r
         for v in ["baseline", *a.variants.split(",")]:
             x = r[v]

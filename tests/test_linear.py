@@ -1,8 +1,6 @@
 """hdet.linear: F.linear for vmapped replicas (one batched matmul, the weight gradient in the weight's layout),
 against torch's own vmapped F.linear; autocast as F.linear."""
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,11 +92,13 @@ def test_weight_gradient_comes_in_the_weights_layout():
     """The backward's own gradient (autograd.grad: a .grad is made contiguous whatever the backward gives)."""
     x, w, b = _inputs()
     w = w.requires_grad_()
-    for route, contiguous in ((False, False), (True, True)):  # torch's vmapped F.linear gives the transpose
-        with routed() if route else contextlib.nullcontext():
-            y = vmap(lambda *a: F.linear(*a))(x, w, b)  # (F.linear looked up inside: routed, it is hdet's)
-        gw, = torch.autograd.grad(y.pow(2).sum(), w)
-        assert gw.shape == w.shape and gw.is_contiguous() is contiguous, route
+    calls = []
+    apply = hdet.linear._BatchedLinear.apply
+    with routed(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hdet.linear._BatchedLinear, "apply", lambda *a: calls.append(1) or apply(*a))
+        y = vmap(lambda *a: F.linear(*a))(x, w, b)  # (F.linear looked up inside: routed, it is hdet's; torch's
+    gw, = torch.autograd.grad(y.pow(2).sum(), w)  # vmapped F.linear gives the transpose, torch 2.13)
+    assert calls and gw.shape == w.shape and gw.is_contiguous()
 
 
 def test_autocast_casts_as_f_linear_does():
@@ -177,27 +177,29 @@ def test_a_shape_mismatch_reads_as_torchs(lead):
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-def test_one_addmm_per_replica_computes_what_the_batched_matmul_does(autocast, monkeypatch):
+@pytest.mark.parametrize("case", [c for c in CASES if c not in ("no bias", "one weight, own biases", "one weight and bias")])
+def test_one_addmm_per_replica_computes_what_the_batched_matmul_does(case, autocast, monkeypatch):
     """Large layers with a bias on a CUDA device run one addmm per replica (the bias in cuBLASLt's epilogue instead of
-    a copy into the output that the GEMM reads back): forced here on the CPU, the same values and gradients, under
-    autocast too; without a bias, the batched matmul still."""
-    x, w, b = _inputs()
+    a copy into the output that the GEMM reads back): forced here on the CPU, the same values and gradients for
+    stacked, shared (stride 0) and moved inputs, under autocast too; without a bias, the batched matmul still."""
+    make, in_dims = CASES[case]
+    args = make(*_inputs())
     ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else torch.enable_grad
     with ctx():
-        y0, g0 = _run(lambda *a: F.linear(*a), (x, w, b), (0, 0, 0), route=True)
+        y0, g0 = _run(lambda *a: F.linear(*a), args, in_dims, route=True)
     calls = []
     addmm = hdet.linear._ADDMM
     monkeypatch.setattr(hdet.linear, "_ADDMM", lambda *a, **k: calls.append(1) or addmm(*a, **k))
     monkeypatch.setattr(hdet.linear, "_per_replica", lambda x_, w_, b_: b_ is not None)
     with ctx():
-        y1, g1 = _run(lambda *a: F.linear(*a), (x, w, b), (0, 0, 0), route=True)
+        y1, g1 = _run(lambda *a: F.linear(*a), args, in_dims, route=True)
     assert len(calls) == N  # one addmm a replica
     assert y1.dtype == y0.dtype == (torch.bfloat16 if autocast else torch.float32)
     torch.testing.assert_close(y1, y0)
     for a, r in zip(g1, g0):
         torch.testing.assert_close(a, r)
     calls.clear()
-    _run(lambda *a: F.linear(*a), (x, w, None), (0, 0, None), route=True)
+    _run(lambda *a: F.linear(*a), (args[0], args[1], None), (in_dims[0], in_dims[1], None), route=True)
     assert not calls
 
 
@@ -213,3 +215,4 @@ def test_the_per_replica_addmm_is_for_large_cuda_layers_with_a_bias():
     assert not hdet.linear._per_replica(small, w, b)
     assert not hdet.linear._per_replica(big, w, None)
     assert not hdet.linear._per_replica(big, w, b.half())
+    assert not hdet.linear._per_replica(big, torch.randn(3, 1024, 8), torch.randn(3, 1024))  # (baddbmm raises)

@@ -775,3 +775,23 @@ def test_the_checks_vmapped_run_routes_attention_as_a_step_does():
             assert f.__wrapped__ is attention.scaled_dot_product_attention and f._hdet_without_dropout
             assert torch.equal(f(q, q, q, dropout_p=0.9), attention.scaled_dot_product_attention(q, q, q))
     assert F.scaled_dot_product_attention is attention._SDPA
+
+
+def test_the_fused_layer_norm_is_for_cuda_tensors_only(monkeypatch):
+    """hdet.kernels' layer norm (Triton) takes CUDA float32 rows only: on the CPU the merged replicas' norms stay torch's
+    layer_norm and addcmul (what every test above runs), and the gate never imports Triton there."""
+    from hdet import kernels
+
+    x, w, b = torch.zeros(2, 3, 4), torch.ones(2, 4), torch.zeros(2, 4)
+    monkeypatch.setattr(kernels, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(kernels, "_ready", lambda device: pytest.fail("Triton checked for CPU tensors"))
+    assert not kernels.layer_norm_usable(x, w, b)
+    assert not kernels.layer_norm_usable(x.cuda() if torch.cuda.is_available() else x, None, b)
+    monkeypatch.setattr(kernels, "layer_norm_rows", lambda *a: pytest.fail("the fused norm ran on the CPU"))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    eng = ReplicaEngine(net, 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                        lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=2, replicas=rep, model=m),
+                        mode="merged")
+    eng.step(torch.randn(2, 3, 4), lambda m, x: m(x).pow(2).mean(), stacked=True)
+    assert eng.mode == "merged"

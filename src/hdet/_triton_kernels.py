@@ -60,6 +60,81 @@ def _finite_mean_kernel(g, mean, bad, dest, cols, g_row, N: tl.constexpr, BLOCK:
     tl.store(dest + offs, acc.to(dest.dtype.element_ty), mask=inside)
 
 
+@triton.jit
+def _ln_forward_kernel(x, y, w, b, mean, rstd, D, R, w_row, b_row, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # one row of the merged batch, replica row // R's
+    rep = row // R
+    cols = tl.arange(0, BLOCK)
+    inside = cols < D
+    xv = tl.load(x + row * D + cols, mask=inside, other=0.0).to(tl.float32)
+    mu = tl.sum(xv, axis=0) / D
+    xc = tl.where(inside, xv - mu, 0.0)
+    rs = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / D + eps)  # (the biased variance, as torch's layer_norm)
+    wv = tl.load(w + rep * w_row + cols, mask=inside, other=0.0).to(tl.float32)
+    bv = tl.load(b + rep * b_row + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(y + row * D + cols, (xc * rs * wv + bv).to(y.dtype.element_ty), mask=inside)
+    tl.store(mean + row, mu)
+    tl.store(rstd + row, rs)
+
+
+@triton.jit
+def _ln_backward_kernel(x, dy, dx, w, mean, rstd, dw_part, db_part, D, R, w_row, ROWS, BLOCK: tl.constexpr):
+    rep = tl.program_id(0).to(tl.int64)  # replica
+    p = tl.program_id(1).to(tl.int64)  # its p-th chunk of ROWS rows
+    parts = tl.num_programs(1)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < D
+    wv = tl.load(w + rep * w_row + cols, mask=inside, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    db = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(0, ROWS):
+        r = p * ROWS + i
+        if r < R:
+            row = rep * R + r
+            xv = tl.load(x + row * D + cols, mask=inside, other=0.0).to(tl.float32)
+            g = tl.load(dy + row * D + cols, mask=inside, other=0.0).to(tl.float32)
+            xh = tl.where(inside, (xv - tl.load(mean + row)) * tl.load(rstd + row), 0.0)
+            wg = wv * g
+            c1 = tl.sum(xh * wg, axis=0) / D
+            c2 = tl.sum(wg, axis=0) / D
+            tl.store(dx + row * D + cols, ((wg - (xh * c1 + c2)) * tl.load(rstd + row)).to(dx.dtype.element_ty),
+                     mask=inside)
+            dw += g * xh
+            db += g
+    tl.store(dw_part + (rep * parts + p) * D + cols, dw, mask=inside)
+    tl.store(db_part + (rep * parts + p) * D + cols, db, mask=inside)
+
+
+def _ln_warps(block: int) -> int:
+    return min(max(block // 256, 1), 8)
+
+
+def layer_norm_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    N, R, D = x.shape
+    y = torch.empty_like(x)
+    mean = torch.empty(N * R, dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    block = triton.next_power_of_2(D)
+    _ln_forward_kernel[(N * R,)](x, y, w, b, mean, rstd, D, R, w.stride(0), b.stride(0), eps, BLOCK=block,
+                                 num_warps=_ln_warps(block))
+    return y, mean, rstd
+
+
+def layer_norm_rows_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, mean: torch.Tensor,
+                             rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    N, R, D = x.shape
+    rows = triton.cdiv(R, max(1, min(R, 512 // N)))  # about 512 programs in all, each summing its rows' dw, db
+    parts = triton.cdiv(R, rows)
+    dx = torch.empty_like(x)
+    dw_part = torch.empty(N, parts, D, dtype=torch.float32, device=x.device)
+    db_part = torch.empty_like(dw_part)
+    block = triton.next_power_of_2(D)
+    _ln_backward_kernel[(N, parts)](x, dy, dx, w, mean, rstd, dw_part, db_part, D, R, w.stride(0), rows,
+                                    BLOCK=block, num_warps=_ln_warps(block))
+    return dx, dw_part.sum(1).to(w.dtype), db_part.sum(1).to(w.dtype)
+
+
 def scale_add_rows_(theta: torch.Tensor, d: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor) -> None:
     n_rows, cols = theta.shape
     grid = (triton.cdiv(cols, _BLOCK), n_rows)
@@ -86,6 +161,23 @@ def check(device: torch.device) -> None:
     G = torch.tensor([[1.0, 2.0], [float("nan"), 4.0]], device=device)
     out = torch.empty(1, 2, device=device)
     bad = finite_row_mean(G, out)
-    got = (theta.flatten().tolist(), out.flatten().tolist(), bad.tolist())  # HOST SYNC (once per device)
-    if got != ([3.0, 5.0, 2.0, 3.0], [0.5, 1.0], [0, 1]):
-        raise RuntimeError(f"the fused kernels computed {got} for ([3, 5, 2, 3], [0.5, 1], [0, 1])")
+    x = torch.tensor([[[1.0, 3.0]], [[2.0, 4.0]]], device=device)  # [N=2, R=1, D=2]
+    y, _, rstd = layer_norm_rows(x, torch.tensor([[1.0, 2.0], [1.0, 1.0]], device=device),
+                                 torch.tensor([[0.0, 1.0], [5.0, 5.0]], device=device), 0.0)
+    got = (theta.flatten().tolist(), out.flatten().tolist(), bad.tolist(), y.flatten().tolist(),
+           rstd.tolist())  # HOST SYNC (once per device)
+    want = ([3.0, 5.0, 2.0, 3.0], [0.5, 1.0], [0, 1], [-1.0, 3.0, 4.0, 6.0], [1.0, 1.0])
+    if got != want:
+        raise RuntimeError(f"the fused kernels computed {got} for {want}")
+    g = torch.Generator(device=device).manual_seed(0)  # the layer norm's backward against torch's
+    x, w, b, dy = (torch.randn(2, 3, 5, device=device, generator=g), torch.randn(2, 5, device=device, generator=g),
+                   torch.randn(2, 5, device=device, generator=g), torch.randn(2, 3, 5, device=device, generator=g))
+    _, mean, rstd = layer_norm_rows(x, w, b, 1e-5)
+    got = layer_norm_rows_backward(dy, x, w, mean, rstd)
+    with torch.enable_grad():
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        ref = torch.stack([torch.nn.functional.layer_norm(leaves[0][r], (5,), leaves[1][r], leaves[2][r], 1e-5)
+                           for r in range(2)])
+        want = torch.autograd.grad(ref, leaves, dy)
+    if not all(torch.allclose(a, e, rtol=1e-4, atol=1e-5) for a, e in zip(got, want)):  # HOST SYNC (once)
+        raise RuntimeError("the fused layer norm's backward does not compute torch's gradients")

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import kernels
 from .caller import user_stacklevel
 from .values import PLAIN
 
@@ -104,7 +105,8 @@ class StepGraphs:
                     warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match")  # (the
                 # eager steps' accumulators; the capture takes gradients with autograd.grad, which never runs them)
-                graph = torch.cuda.make_graphed_callables(losses, (*params, *static), allow_unused_input=True)
+                with kernels.for_graphs():  # (the merged replicas' layer norms fused: hdet.kernels)
+                    graph = torch.cuda.make_graphed_callables(losses, (*params, *static), allow_unused_input=True)
         except Exception as e:  # noqa: BLE001 - a forward that cannot be captured (a host sync, ...): eagerly
             _after_failed_capture(self.device)
             warnings.warn(f"hdet: the replicas' forward cannot be captured in a CUDA graph ({type(e).__name__}: "

@@ -1,5 +1,5 @@
 """Fused passes over the engine's stacked ``[N, D]`` weights and gradients on a CUDA device (Triton), for the
-work whose size grows with N: the replicas' step and the mean of their gradients.
+work whose size grows with N: the replicas' step and the mean of their gradients; and the merged replicas' layer norm.
 
 With shared gradients the engine keeps one copy of the optimizer's moments, so what costs N times one model's is
 the weights' update, ``theta_r <- a_r theta_r + b_r d`` (AdamW's decay ``a_r = 1 - lr_r wd`` and step
@@ -9,6 +9,9 @@ torch's elementwise kernels off their vectorised path) and four for the mean (ea
 fill of the non-finite rows, the sum, the copy). Here the update is one pass and the mean one read of ``[N, D]``,
 plus a second only on a step where a replica's gradient is not finite (decided on the device: no host sync).
 Measured in ``benchmarks/merged_kernels.py``.
+
+The merged replicas' layer norms (:mod:`hdet.merged`) have a fused forward and backward here too
+(:func:`layer_norm_rows`), used while the engine captures its step in a CUDA graph (:func:`for_graphs`).
 
 :func:`usable` says whether tensors take the fused path: CUDA tensors large enough that the device, not the host,
 bounds their pass (Triton's launch costs more host time than torch's: the tiny GPT's engine ran 4-8% slower with
@@ -28,10 +31,14 @@ import torch
 
 from .caller import user_stacklevel
 
-__all__ = ["AVAILABLE", "usable", "scale_add_rows_", "finite_row_mean"]
+__all__ = ["AVAILABLE", "usable", "scale_add_rows_", "finite_row_mean", "layer_norm_usable", "for_graphs",
+           "layer_norm_rows", "layer_norm_rows_backward"]
 
 AVAILABLE = True  # False: never take the fused path (set when Triton is missing or fails; benchmarks set it too)
 MIN_ELEMENTS = 1 << 22  # smaller passes stay torch's: bound by the host, where a Triton launch costs more
+MAX_NORMALIZED = 16384  # the longest row the layer norm's kernels take (one row a program, in registers)
+EAGER_LAYER_NORM = False  # True: the fused layer norm in eager steps too, not only in CUDA graphs (see layer_norm_usable)
+_graphing = 0  # > 0 inside for_graphs()
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _impl: Any = None  # hdet._triton_kernels once imported and checked
 _checked: set[int] = set()  # the CUDA devices the kernels were checked on
@@ -95,6 +102,61 @@ def finite_row_mean(G: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
     _need(G.device)
     with _on(G.device):
         return _impl.finite_row_mean(G, dest)
+
+
+def layer_norm_usable(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether the replicas' layer norm takes the fused kernels: while the engine captures its step in a CUDA graph
+    (:func:`for_graphs`; :data:`EAGER_LAYER_NORM`: in eager steps too), ``x`` ``[N, R, D]`` float32 and contiguous on
+    a CUDA device, of at least :data:`MIN_ELEMENTS` elements, ``D`` at most :data:`MAX_NORMALIZED`, a float32 weight and
+    bias ``[N, D]`` each (dense rows, any row stride: views of the engine's flat ``[N, D]`` weights), outside ``torch.compile`` (which fuses torch's ops itself) and not in a CUDA graph's capture
+    before the kernels were checked on the device (the check reads values on the host)."""
+    if not AVAILABLE or w is None or b is None or not (_graphing or EAGER_LAYER_NORM):
+        return False
+    if not (x.is_cuda and x.dtype == w.dtype == b.dtype == torch.float32 and x.dim() == 3 and x.is_contiguous()
+            and w.shape == b.shape == (x.shape[0], x.shape[2]) and w.stride(1) == b.stride(1) == 1
+            and w.device == b.device == x.device):
+        return False
+    if x.numel() < MIN_ELEMENTS or x.shape[2] > MAX_NORMALIZED or torch.compiler.is_compiling():
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _checked and torch.cuda.is_current_stream_capturing():
+        return False
+    return _ready(x.device)
+
+
+@contextlib.contextmanager
+def for_graphs() -> Any:
+    """Inside (:class:`hdet.graphs.StepGraphs`' capture, its warm-up runs included: the kernels compile there, before
+    the capture): the merged replicas' layer norms take the fused kernels (:func:`layer_norm_usable`). Measured on an
+    H200 (``benchmarks/results/gpu_h200/fused_norm/``), the fused norm takes a third of torch's device time but more
+    host time (Triton's launches: about 0.6 ms a forward and backward, against 0.2-0.5 ms for torch's seven ops), so
+    eager steps bound by the host, the small GPT's and the medium one's under bf16 autocast, ran slower with it; a graph
+    replays without the host."""
+    global _graphing
+    _graphing += 1
+    try:
+        yield
+    finally:
+        _graphing -= 1
+
+
+def layer_norm_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Replica ``r``'s rows of ``x`` (``[N, R, D]``) normalised, times ``w[r]``, plus ``b[r]``, as
+    ``F.layer_norm(x[r], (D,), w[r], b[r], eps)``, in one pass; returns ``y`` and each row's mean and ``1 / std``
+    (``[N * R]``, float32) for :func:`layer_norm_rows_backward`. Call where :func:`layer_norm_usable` says so."""
+    _need(x.device)
+    with _on(x.device):
+        return _impl.layer_norm_rows(x, w, b, eps)
+
+
+def layer_norm_rows_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, mean: torch.Tensor,
+                             rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`layer_norm_rows`' gradients ``(dx, dw, db)`` from ``dy`` (contiguous, as ``x``): one pass over the rows
+    (``dw``, ``db`` summed in float32 by parts, then over the parts)."""
+    _need(x.device)
+    with _on(x.device):
+        return _impl.layer_norm_rows_backward(dy, x, w, mean, rstd)
 
 
 def _need(device: torch.device) -> None:

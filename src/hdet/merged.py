@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from . import kernels
 from .attention import without_dropout
 from .linear import batched_linear
 from .values import PLAIN
@@ -232,12 +233,41 @@ def _affine(y: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, k: 
 
 def _layer_norm(mr: MergedReplicas, mod: nn.LayerNorm, ws: dict[str, torch.Tensor]) -> Callable[..., torch.Tensor]:
     shape = tuple(mod.normalized_shape)
+    w, b = ws.get("weight"), ws.get("bias")
+    D = math.prod(shape)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         x3, shared = mr.split(x, "LayerNorm")
-        return mr.join(_affine(F.layer_norm(x3, shape, None, None, mod.eps), ws.get("weight"), ws.get("bias"),
-                               len(shape)), shared)
+        if not shared and x3.is_cuda and x3.is_contiguous() and w is not None and b is not None:  # (hdet.kernels'
+            # fused layer norm, where it runs)
+            xf = x3.float() if x3.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(
+                "cuda") else x3  # (autocast runs layer_norm in float32)
+            x2, w2, b2 = xf.view(mr.N, -1, D), w.reshape(mr.N, D), b.reshape(mr.N, D)  # (views, or copies of N x D)
+            if kernels.layer_norm_usable(x2, w2, b2):
+                return mr.join(_ReplicaLayerNorm.apply(x2, w2, b2, mod.eps).view(x3.shape), shared)
+        return mr.join(_affine(F.layer_norm(x3, shape, None, None, mod.eps), w, b, len(shape)), shared)
     return forward
+
+
+class _ReplicaLayerNorm(torch.autograd.Function):
+    """``F.layer_norm(x[r], (D,), w[r], b[r], eps)`` for every replica ``r`` of ``x`` (``[N, R, D]``) in one pass, and
+    its backward in another (:func:`hdet.kernels.layer_norm_rows`). Torch's ops take five passes and a temporary more:
+    the norm, the affine's ``addcmul`` forward; ``dy * w``, ``dy * x_hat`` and its sum, the sum of ``dy``, the norm's
+    backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, eps):  # noqa: ANN001, ANN205 - torch's protocol
+        y, mean, rstd = kernels.layer_norm_rows(x, w, b, eps)
+        ctx.save_for_backward(x, w, mean, rstd)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):  # noqa: ANN001, ANN205
+        x, w, mean, rstd = ctx.saved_tensors
+        dx, dw, db = kernels.layer_norm_rows_backward(dy.contiguous(), x, w, mean, rstd)
+        need_x, need_w, need_b, _ = ctx.needs_input_grad
+        return dx if need_x else None, dw if need_w else None, db if need_b else None, None
 
 
 def _rms_norm(mr: MergedReplicas, mod: nn.Module, ws: dict[str, torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -192,3 +192,88 @@ def test_the_kernels_run_on_their_tensors_device_not_the_current_one():
     assert kernels.finite_row_mean(G, out).tolist() == [0, 0, 1]
     torch.testing.assert_close(out[0], (G[0] + G[1]) / 3)
     assert torch.cuda.current_device() == 0
+
+
+@pytest.mark.parametrize("N,R,D", [(1, 1, 7), (3, 5, 768), (8, 1000, 1000), (2, 4097, 4096), (2, 3, 1)])
+@pytest.mark.parametrize("nan_row", [False, True])
+def test_the_replicas_layer_norm_and_its_backward_against_float64(N, R, D, nan_row):
+    """kernels.layer_norm_rows: each replica's rows normalised with its own weight and bias (strided rows of a larger
+    tensor, as the engine's flat weights are), against F.layer_norm per replica in float64; a NaN in one row of
+    replica 0 stays in that row's outputs and replica 0's dw (db, the sum of dy, does not read x: finite, as torch's;
+    the other replicas' are finite)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(N, R, D, device="cuda", generator=g) * 3 + 1
+    flat = torch.randn(N, 2 * D + 5, device="cuda", generator=g)
+    w, b = flat[:, 5:5 + D], flat[:, 5 + D:]
+    dy = torch.randn(N, R, D, device="cuda", generator=g)
+    if nan_row:
+        x[0, R // 2, 0] = float("nan")
+    y, mean, rstd = kernels.layer_norm_rows(x, w, b, 1e-5)
+    dx, dw, db = kernels.layer_norm_rows_backward(dy, x, w, mean, rstd)
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    ref = torch.stack([F.layer_norm(leaves[0][r], (D,), leaves[1][r], leaves[2][r], 1e-5) for r in range(N)])
+    want = torch.autograd.grad(ref, leaves, dy.double())
+    ok = torch.ones(N, R, dtype=torch.bool, device="cuda")
+    if nan_row:
+        ok[0, R // 2] = False
+        assert bool(y[0, R // 2].isnan().all()) and bool(dx[0, R // 2].isnan().all())
+        assert bool(dw[0].isnan().all()) and bool(want[1][0].isnan().all())
+    torch.testing.assert_close(y[ok].double(), ref.detach()[ok], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx[ok].double(), want[0][ok], rtol=1e-4, atol=1e-4)
+    first = 1 if nan_row else 0
+    torch.testing.assert_close(dw[first:].double(), want[1][first:], rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(db.double(), want[2], rtol=1e-4, atol=1e-3)
+    assert y.dtype == dx.dtype == dw.dtype == torch.float32
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("how", ["eager", "graph"])
+def test_the_merged_engine_trains_the_same_with_the_fused_layer_norm(autocast, how, monkeypatch):
+    """ByteGPT's LayerNorms through kernels.layer_norm_rows (the engine's flat weights as the norms' weights) against
+    torch's norm and addcmul, 4 replicas, 3 steps (a graph: captured at the first, replayed at the others), float32
+    and bf16 autocast; the other fused passes on in both. Eager steps take it only with EAGER_LAYER_NORM."""
+    def run(fused_norm):
+        calls = []
+        with monkeypatch.context() as mp:
+            mp.setattr(kernels, "MIN_ELEMENTS", 0)
+            mp.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+            real = kernels.layer_norm_rows
+            mp.setattr(kernels, "layer_norm_rows", lambda *a: calls.append(1) or real(*a))
+            mp.setattr(kernels, "EAGER_LAYER_NORM", how == "eager")
+            if not fused_norm:
+                mp.setattr(kernels, "layer_norm_usable", lambda *a: False)
+            torch.manual_seed(0)
+            eng = ReplicaEngine(ByteGPT(32, 64, 2, 2).cuda(), 4, OPTIMIZERS["adamw"],
+                                lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-2, total_steps=12, model=m,
+                                                                      ensemble_lr_spread_ratio=0.2, replicas=rep),
+                                mode="merged", cuda_graph=how == "graph")
+            g = torch.Generator(device="cuda").manual_seed(1)
+            data = torch.randint(0, 256, (3, 4, 8, 33), device="cuda", generator=g)
+            losses = []
+            for t in range(3):
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                    losses.append(eng.step(data[t], _lm, stacked=True))
+            assert eng.mode == "merged"
+            if how == "graph":
+                assert eng._graphs is not None and eng._graphs.captures == 1
+        return torch.stack(losses), torch.cat([p.detach().flatten() for p in eng.stacked_params.values()]), calls
+    l1, p1, c1 = run(True)
+    l0, p0, c0 = run(False)
+    assert c1 and not c0  # (5 norms a forward: 2 blocks x 2, and the final one)
+    if how == "graph":  # the capture's three warm-up runs and the capture itself (eager steps and replays: none)
+        assert len(c1) == 5 * 4
+    torch.testing.assert_close(l1, l0, rtol=1e-2 if autocast else 1e-5, atol=1e-3 if autocast else 1e-6)
+    if not autocast:  # (under autocast a norm's output rounded to bf16 either side of a boundary, then Adam's step
+        _agree(p1, p0, rtol=1e-4, atol=1e-6)  # of 1e-2 on a near-0 gradient: the losses are the comparison there)
+
+
+def test_eager_steps_keep_torchs_layer_norm_by_default(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(kernels, "layer_norm_rows", lambda *a: calls.append(1))
+    torch.manual_seed(0)
+    eng = ReplicaEngine(ByteGPT(32, 64, 2, 2).cuda(), 2, OPTIMIZERS["adamw"],
+                        lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-2, total_steps=3, model=m, replicas=rep),
+                        mode="merged")
+    eng.step(torch.randint(0, 256, (2, 4, 33), device="cuda"), _lm, stacked=True)
+    assert eng.mode == "merged" and not calls and not kernels.EAGER_LAYER_NORM
