@@ -96,7 +96,8 @@ def main() -> None:
                         "lie, hdet.stacking._reduce_in_backward forced on), accumulate (the bound gradients accumulated into, "
                         "hdet.stacking._copy_into_bound off), layout (gradient_layout=True), merged (mode='merged'), baddbmm (every "
                         "linear layer one baddbmm: hdet.linear.PER_REPLICA_MIN), torchnorm (the merged layer norms in "
-                        "torch's ops, not hdet.kernels'), joined with +")
+                        "torch's ops, not hdet.kernels', in graphs too), eagernorm (hdet.kernels' in eager steps too: "
+                        "EAGER_LAYER_NORM), joined with +")
     p.add_argument("--ops", type=int, default=0, help="also list this many aten ops by their kernels' device time "
                    "(a second profile)")
     p.add_argument("--autocast", default="none", choices=["none", "bf16"], help="bf16: every step under autocast")
@@ -139,6 +140,7 @@ def main() -> None:
                                 mode="merged" if "merged" in v else "vmap", gradient_layout="layout" in v)
             hdet.linear.PER_REPLICA_MIN = float("inf") if "baddbmm" in v else per_replica_default
             hdet.kernels.layer_norm_usable = (lambda *x: False) if "torchnorm" in v else norm_default
+            hdet.kernels.EAGER_LAYER_NORM = "eagernorm" in v
 
             def eng_step():
                 with amp():
@@ -155,6 +157,7 @@ def main() -> None:
         hdet.stacking._copy_into_bound = copy_default
         hdet.linear.PER_REPLICA_MIN = per_replica_default
         hdet.kernels.layer_norm_usable = norm_default
+        hdet.kernels.EAGER_LAYER_NORM = False
         res["sizes"][name] = r
         for v in ["baseline", *a.variants.split(",")]:
             x = r[v]

@@ -784,6 +784,7 @@ def test_the_fused_layer_norm_is_for_cuda_tensors_only(monkeypatch):
 
     x, w, b = torch.zeros(2, 3, 4), torch.ones(2, 4), torch.zeros(2, 4)
     monkeypatch.setattr(kernels, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(kernels, "EAGER_LAYER_NORM", True)  # (else every step says no before the device is asked)
     monkeypatch.setattr(kernels, "_ready", lambda device: pytest.fail("Triton checked for CPU tensors"))
     assert not kernels.layer_norm_usable(x, w, b)
     assert not kernels.layer_norm_usable(x.cuda() if torch.cuda.is_available() else x, None, b)
@@ -791,7 +792,15 @@ def test_the_fused_layer_norm_is_for_cuda_tensors_only(monkeypatch):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
     eng = ReplicaEngine(net, 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
-                        lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=2, replicas=rep, model=m),
+                        lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=3, replicas=rep, model=m),
                         mode="merged")
     eng.step(torch.randn(2, 3, 4), lambda m, x: m(x).pow(2).mean(), stacked=True)
+    with kernels.for_graphs():
+        assert kernels.layer_norm_wanted()
+        eng.step(torch.randn(2, 3, 4), lambda m, x: m(x).pow(2).mean(), stacked=True)
     assert eng.mode == "merged"
+    monkeypatch.setattr(kernels, "EAGER_LAYER_NORM", False)
+    assert not kernels.layer_norm_wanted()
+    with kernels.for_graphs():
+        assert kernels.layer_norm_wanted()
+    assert not kernels.layer_norm_wanted()

@@ -174,7 +174,8 @@ def check(device: torch.device) -> None:
                    torch.randn(2, 5, device=device, generator=g), torch.randn(2, 3, 5, device=device, generator=g))
     _, mean, rstd = layer_norm_rows(x, w, b, 1e-5)
     got = layer_norm_rows_backward(dy, x, w, mean, rstd)
-    with torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad():  # (whatever mode the first caller runs in)
+        x, w, b, dy = (t.clone() for t in (x, w, b, dy))
         leaves = [t.clone().requires_grad_() for t in (x, w, b)]
         ref = torch.stack([torch.nn.functional.layer_norm(leaves[0][r], (5,), leaves[1][r], leaves[2][r], 1e-5)
                            for r in range(2)])

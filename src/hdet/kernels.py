@@ -24,6 +24,7 @@ compute capability 7.0) the callers keep torch's ops, with a warning. The kernel
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from typing import Any
 
@@ -36,9 +37,10 @@ __all__ = ["AVAILABLE", "usable", "scale_add_rows_", "finite_row_mean", "layer_n
 
 AVAILABLE = True  # False: never take the fused path (set when Triton is missing or fails; benchmarks set it too)
 MIN_ELEMENTS = 1 << 22  # smaller passes stay torch's: bound by the host, where a Triton launch costs more
-MAX_NORMALIZED = 16384  # the longest row the layer norm's kernels take (one row a program, in registers)
+MAX_NORMALIZED = 4096  # the longest row the layer norm's kernels take (one row a program, in registers; the widest
+# tested on a GPU)
 EAGER_LAYER_NORM = False  # True: the fused layer norm in eager steps too, not only in CUDA graphs (see layer_norm_usable)
-_graphing = 0  # > 0 inside for_graphs()
+_graphing = threading.local()  # .depth > 0 inside for_graphs(), in this thread
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _impl: Any = None  # hdet._triton_kernels once imported and checked
 _checked: set[int] = set()  # the CUDA devices the kernels were checked on
@@ -110,7 +112,7 @@ def layer_norm_usable(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor |
     a CUDA device, of at least :data:`MIN_ELEMENTS` elements, ``D`` at most :data:`MAX_NORMALIZED`, a float32 weight and
     bias ``[N, D]`` each (dense rows, any row stride: views of the engine's flat ``[N, D]`` weights), outside ``torch.compile`` (which fuses torch's ops itself) and not in a CUDA graph's capture
     before the kernels were checked on the device (the check reads values on the host)."""
-    if not AVAILABLE or w is None or b is None or not (_graphing or EAGER_LAYER_NORM):
+    if not layer_norm_wanted() or w is None or b is None:
         return False
     if not (x.is_cuda and x.dtype == w.dtype == b.dtype == torch.float32 and x.dim() == 3 and x.is_contiguous()
             and w.shape == b.shape == (x.shape[0], x.shape[2]) and w.stride(1) == b.stride(1) == 1
@@ -124,6 +126,12 @@ def layer_norm_usable(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor |
     return _ready(x.device)
 
 
+def layer_norm_wanted() -> bool:
+    """The cheap half of :func:`layer_norm_usable` (asked first, before an input is cast for it): whether the fused
+    layer norm may run at all here (inside :func:`for_graphs` in this thread, or :data:`EAGER_LAYER_NORM`)."""
+    return AVAILABLE and (getattr(_graphing, "depth", 0) > 0 or EAGER_LAYER_NORM)
+
+
 @contextlib.contextmanager
 def for_graphs() -> Any:
     """Inside (:class:`hdet.graphs.StepGraphs`' capture, its warm-up runs included: the kernels compile there, before
@@ -132,12 +140,11 @@ def for_graphs() -> Any:
     host time (Triton's launches: about 0.6 ms a forward and backward, against 0.2-0.5 ms for torch's seven ops), so
     eager steps bound by the host, the small GPT's and the medium one's under bf16 autocast, ran slower with it; a graph
     replays without the host."""
-    global _graphing
-    _graphing += 1
+    _graphing.depth = getattr(_graphing, "depth", 0) + 1
     try:
         yield
     finally:
-        _graphing -= 1
+        _graphing.depth -= 1
 
 
 def layer_norm_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float
