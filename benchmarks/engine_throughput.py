@@ -176,7 +176,10 @@ def main() -> None:
     p.add_argument("--sizes", default="small", help="comma list of: tiny, small, medium")
     p.add_argument("--modes", default="vmap,vmap+compile,loop,vmap/per-replica",
                    help="comma list of vmap, vmap+compile, merged, merged+graph (cuda_graph=True), loop, each with an "
-                        "optional /per-replica (per-replica optimizers), /torch-passes (the stacked step and the gradients' mean in torch's ops, not hdet.kernels' fused passes) /baddbmm (every linear layer one baddbmm, none one addmm per replica: hdet.linear.PER_REPLICA_MIN) or /torchnorm (the merged layer norms in torch's ops: hdet.kernels.layer_norm_usable)")
+                        "optional /per-replica (per-replica optimizers), /torch-passes (the stacked step and the "
+                        "gradients' mean in torch's ops, not hdet.kernels' fused passes), /baddbmm (every linear layer "
+                        "one baddbmm, none one addmm per replica: hdet.linear.PER_REPLICA_MIN) or /torchnorm (the "
+                        "merged layer norms in torch's ops: hdet.kernels.layer_norm_usable)")
     p.add_argument("--optimizers", default="fused,foreach", help="AdamW implementations to run (comma list)")
     p.add_argument("--engine-attn", default="auto", choices=["auto", "sdpa", "math"],
                    help="the engine's attention (ByteGPT attn=): auto is explicit attention under vmap")

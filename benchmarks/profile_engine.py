@@ -92,12 +92,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--variants", default="default",
-                   help="comma list of engine variants: default, reduce (the backward's gradients summed where they "
-                        "lie, hdet.stacking._reduce_in_backward forced on), accumulate (the bound gradients accumulated into, "
-                        "hdet.stacking._copy_into_bound off), layout (gradient_layout=True), merged (mode='merged'), baddbmm (every "
-                        "linear layer one baddbmm: hdet.linear.PER_REPLICA_MIN), torchnorm (the merged layer norms in "
-                        "torch's ops, not hdet.kernels', in graphs too), eagernorm (hdet.kernels' in eager steps too: "
-                        "EAGER_LAYER_NORM), joined with +")
+                   help="comma list of engine variants: default, reduce (the backward's gradients summed where "
+                        "they lie, hdet.stacking._reduce_in_backward forced on), accumulate (the bound gradients "
+                        "accumulated into, hdet.stacking._copy_into_bound off), layout (gradient_layout=True), merged "
+                        "(mode='merged'), baddbmm (every linear layer one baddbmm: hdet.linear.PER_REPLICA_MIN), "
+                        "torchnorm (the merged layer norms in torch's ops, not hdet.kernels', in graphs too), "
+                        "eagernorm (hdet.kernels' in eager steps too: EAGER_LAYER_NORM), joined with +")
     p.add_argument("--ops", type=int, default=0, help="also list this many aten ops by their kernels' device time "
                    "(a second profile)")
     p.add_argument("--autocast", default="none", choices=["none", "bf16"], help="bf16: every step under autocast")

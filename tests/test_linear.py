@@ -177,7 +177,8 @@ def test_a_shape_mismatch_reads_as_torchs(lead):
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-@pytest.mark.parametrize("case", [c for c in CASES if c not in ("no bias", "one weight, own biases", "one weight and bias")])
+@pytest.mark.parametrize("case", [c for c in CASES
+                                  if c not in ("no bias", "one weight, own biases", "one weight and bias")])
 def test_one_addmm_per_replica_computes_what_the_batched_matmul_does(case, autocast, monkeypatch):
     """Large layers with a bias on a CUDA device run one addmm per replica (the bias in cuBLASLt's epilogue instead of
     a copy into the output that the GEMM reads back): forced here on the CPU, the same values and gradients for

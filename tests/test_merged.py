@@ -778,8 +778,8 @@ def test_the_checks_vmapped_run_routes_attention_as_a_step_does():
 
 
 def test_the_fused_layer_norm_is_for_cuda_tensors_only(monkeypatch):
-    """hdet.kernels' layer norm (Triton) takes CUDA float32 rows only: on the CPU the merged replicas' norms stay torch's
-    layer_norm and addcmul (what every test above runs), and the gate never imports Triton there."""
+    """hdet.kernels' layer norm (Triton) takes CUDA float32 rows only: on the CPU the merged replicas' norms stay
+    torch's layer_norm and addcmul (what every test above runs), and the gate never imports Triton there."""
     from hdet import kernels
 
     x, w, b = torch.zeros(2, 3, 4), torch.ones(2, 4), torch.zeros(2, 4)

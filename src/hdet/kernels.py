@@ -39,7 +39,8 @@ AVAILABLE = True  # False: never take the fused path (set when Triton is missing
 MIN_ELEMENTS = 1 << 22  # smaller passes stay torch's: bound by the host, where a Triton launch costs more
 MAX_NORMALIZED = 4096  # the longest row the layer norm's kernels take (one row a program, in registers; the widest
 # tested on a GPU)
-EAGER_LAYER_NORM = False  # True: the fused layer norm in eager steps too, not only in CUDA graphs (see layer_norm_usable)
+EAGER_LAYER_NORM = False  # True: the fused layer norm in eager steps too, not only in CUDA graphs
+# (see layer_norm_usable)
 _graphing = threading.local()  # .depth > 0 inside for_graphs(), in this thread
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _impl: Any = None  # hdet._triton_kernels once imported and checked
@@ -109,9 +110,10 @@ def finite_row_mean(G: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
 def layer_norm_usable(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     """Whether the replicas' layer norm takes the fused kernels: while the engine captures its step in a CUDA graph
     (:func:`for_graphs`; :data:`EAGER_LAYER_NORM`: in eager steps too), ``x`` ``[N, R, D]`` float32 and contiguous on
-    a CUDA device, of at least :data:`MIN_ELEMENTS` elements, ``D`` at most :data:`MAX_NORMALIZED`, a float32 weight and
-    bias ``[N, D]`` each (dense rows, any row stride: views of the engine's flat ``[N, D]`` weights), outside ``torch.compile`` (which fuses torch's ops itself) and not in a CUDA graph's capture
-    before the kernels were checked on the device (the check reads values on the host)."""
+    a CUDA device, of at least :data:`MIN_ELEMENTS` elements, ``D`` at most :data:`MAX_NORMALIZED`, a float32 weight
+    and bias ``[N, D]`` each (dense rows, any row stride: views of the engine's flat ``[N, D]`` weights), outside
+    ``torch.compile`` (which fuses torch's ops itself) and not in a CUDA graph's capture before the kernels were
+    checked on the device (the check reads values on the host)."""
     if not layer_norm_wanted() or w is None or b is None:
         return False
     if not (x.is_cuda and x.dtype == w.dtype == b.dtype == torch.float32 and x.dim() == 3 and x.is_contiguous()

@@ -119,7 +119,8 @@ def _per_replica(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bo
     layers whose output is large enough that the device bounds them. ``baddbmm`` takes the broadcast bias as its C
     operand: a copy of it into the whole ``[N, R, out]`` output, then a GEMM that reads it back; ``addmm`` with a 1-d
     bias adds it in cuBLASLt's epilogue, at N launches' host time (the medium GPT's 768 -> 3072 layer: 0.90 against
-    1.11 ms forward and backward on an H200, ``benchmarks/results/gpu_h200/fused_passes/merged_kernels_layers.json``)."""
+    1.11 ms forward and backward on an H200, ``benchmarks/results/gpu_h200/fused_passes/merged_kernels_layers.json``;
+    the engine: ``benchmarks/results/gpu_h200/addmm/``)."""
     return (b is not None and x.is_cuda and x.shape[1] * w.shape[1] >= PER_REPLICA_MIN
             and x.dtype == w.dtype == b.dtype and x.shape[0] == w.shape[0] == b.shape[0])  # (else baddbmm's error)
 
