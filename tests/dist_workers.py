@@ -1444,3 +1444,35 @@ def local_scaler_first_steps(rank, world, *, overflow_steps=5, T=4, steps=8):
             scales.append(scaler.get_scale())
     flat = gather_flat(net.parameters())  # (every rank's weights)
     return {"guard": sched.gradient_guard, "scales": scales, "equal": all(torch.equal(flat[0], f) for f in flat[1:])}
+
+
+def local_reset_scales(rank, world, *, T=2, steps=6, nan_at=3):
+    """Local mode (no_sync every step), the "hook" guard, a GradScaler whose scale doubles at every step taken
+    (growth_interval 1): at step ``nan_at`` rank 1's weights turn NaN (its steps are skipped, its scale halves each time),
+    and the converge step at 2T resets it. Returns each step's scale and the last sync's reset replicas."""
+    import warnings
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    model = DDP(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1)
+    sched = hdet.OneCycleAutoLR(opt, max_lr=1e-3, total_steps=steps, model_sync_interval=T, model=model,
+                                ensemble_lr_spread_ratio=0.2)
+    scales, recovered = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for t in range(1, steps + 1):
+            if t == nan_at and rank == 1:
+                with torch.no_grad():
+                    net[0].weight[0, 0] = float("nan")
+            with model.no_sync():
+                loss = fp16_scaled_backward(model, opt, scaler, rank, t)
+            scaler.step(opt)
+            scaler.update()
+            sched.step(loss.detach())
+            scales.append(scaler.get_scale())
+            if sched.last_sync is not None and sched.last_sync.step == t:
+                recovered.append((t, list(sched.last_sync.recovered)))
+    return {"guard": sched.gradient_guard, "scales": scales, "recovered": recovered,
+            "finite": bool(all(torch.isfinite(p).all() for p in net.parameters()))}

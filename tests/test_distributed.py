@@ -241,6 +241,26 @@ def test_local_mode_with_a_scaler_whose_first_steps_differ_by_rank_does_not_hang
     assert res[0]["equal"]  # (the last step, 8, is a converge step)
 
 
+def _local_reset_scales(rank, world):
+    from dist_workers import local_reset_scales
+
+    return local_reset_scales(rank, world)
+
+
+def test_local_mode_puts_back_the_scale_of_the_reset_replica_only():
+    """In local mode each rank's GradScaler is its own: a reset of rank 1's replica puts its scale back (to the last
+    healthy sync's, not what its NaN steps left) and leaves rank 0's, which kept doubling (it was put back too, to
+    4x below its own here, before: 1024 at step 4 instead of 4096)."""
+    res = check_ok(run_gloo(_local_reset_scales, 2))
+    assert [r["guard"] for r in res] == ["hook", "hook"]
+    assert res[0]["recovered"] == res[1]["recovered"] == [(2, []), (4, [1]), (6, [])]
+    assert res[0]["scales"] == [2.0 ** (8 + t) for t in range(1, 7)]  # every step taken: doubled every time
+    # rank 1: NaN from step 3 (halved; at step 4 halved again, then the reset puts back step 2's, the healthy
+    # sync's), then doubled at every step taken again
+    assert res[1]["scales"] == [2.0 ** 9, 2.0 ** 10, 2.0 ** 9, 2.0 ** 10, 2.0 ** 11, 2.0 ** 12]
+    assert res[0]["finite"] and res[1]["finite"]
+
+
 def _aliased_parameter(rank, world, nan):
     from dist_workers import aliased_parameter
 

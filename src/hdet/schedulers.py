@@ -367,8 +367,7 @@ class HDETLR(LRScheduler):
                 rec = self._hdet.sync(t)
                 if self._guard.watch is not None:
                     self._guard.watch.reset()
-                self._loss_scale.after_sync(bool(rec.recovered) or rec.went_back_to is not None,
-                                            not any(rec.nonfinite_losses))
+                self._loss_scale.after_sync(self._went_back(rec), not any(rec.nonfinite_losses))
             elif stalled:  # every step of a stretch skipped on every replica: reset the bad replica now
                 self._recover_stall(t, self._guard.watch)
             self.end_step()
@@ -486,6 +485,18 @@ class HDETLR(LRScheduler):
                 else:
                     g["momentum"] = h["momentum"]
 
+    def _went_back(self, rec: SyncRecord) -> bool:
+        """Whether this replica was reset at sync ``rec`` (so its GradScaler's scale goes back too): every replica where
+        the ensemble went back to its best sync; with shared gradients every replica where one was reset (each rank's
+        scaler sees the same all-reduced gradients and keeps the same scale: they must stay equal); in local mode
+        (``ddp.no_sync()``, each rank's scaler its own) only the reset replica (a healthy one's scale was put back
+        too, 32x below its own in an audit)."""
+        if rec.went_back_to is not None:
+            return True
+        if not rec.recovered:
+            return False
+        return not self._guard.local or self._hdet.replicas.rank in rec.recovered
+
     def _recover_stall(self, t: int, watch: SkipWatch | ScalerWatch) -> None:
         bad = self._hdet.recover(t)
         self._loss_scale.after_sync(bool(bad), False)
@@ -513,7 +524,7 @@ class HDETLR(LRScheduler):
         self._finished_at = t
         if self._guard.watch is not None:
             self._guard.watch.reset()
-        self._loss_scale.after_sync(bool(rec.recovered) or rec.went_back_to is not None, not any(rec.nonfinite_losses))
+        self._loss_scale.after_sync(self._went_back(rec), not any(rec.nonfinite_losses))
         self.reapply()  # the values the sync dealt, should training go on (step() sets them after a sync)
         self._hdet.raise_hook_error()
         return rec
