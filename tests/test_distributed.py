@@ -241,22 +241,25 @@ def test_local_mode_with_a_scaler_whose_first_steps_differ_by_rank_does_not_hang
     assert res[0]["equal"]  # (the last step, 8, is a converge step)
 
 
-def _local_reset_scales(rank, world):
+def _local_reset_scales(rank, world, T):
     from dist_workers import local_reset_scales
 
-    return local_reset_scales(rank, world)
+    return local_reset_scales(rank, world, T=T)
 
 
-def test_local_mode_puts_back_the_scale_of_the_reset_replica_only():
-    """In local mode each rank's GradScaler is its own: a reset of rank 1's replica puts its scale back (to the last
-    healthy sync's, not what its NaN steps left) and leaves rank 0's, which kept doubling (it was put back too, to
-    4x below its own here, before: 1024 at step 4 instead of 4096)."""
-    res = check_ok(run_gloo(_local_reset_scales, 2))
+@pytest.mark.parametrize("T", [2, 4])
+def test_local_mode_puts_back_the_scale_of_the_reset_replica_only(T):
+    """In local mode each rank's GradScaler is its own: a reset of rank 1's replica puts its scale back (to its last
+    step taken's, not what its NaN steps left) and leaves rank 0's, which kept doubling (it was put back too, to 4x
+    below its own here, before: 1024 at step 4 instead of 4096). At T = 4 no sync came before the fault: the reset
+    left rank 1's scale collapsed before (256), the last step taken's scale kept only at healthy syncs in local mode."""
+    res = check_ok(run_gloo(_local_reset_scales, 2, T))
     assert [r["guard"] for r in res] == ["hook", "hook"]
-    assert res[0]["recovered"] == res[1]["recovered"] == [(2, []), (4, [1]), (6, [])]
+    syncs = [(2, []), (4, [1]), (6, [])] if T == 2 else [(4, [1]), (6, [])]  # (the last step is a converge step too)
+    assert res[0]["recovered"] == res[1]["recovered"] == syncs
     assert res[0]["scales"] == [2.0 ** (8 + t) for t in range(1, 7)]  # every step taken: doubled every time
-    # rank 1: NaN from step 3 (halved; at step 4 halved again, then the reset puts back step 2's, the healthy
-    # sync's), then doubled at every step taken again
+    # rank 1: NaN from step 3 (halved; at step 4 halved again, then the reset puts back step 2's, its last step
+    # taken), then doubled at every step taken again
     assert res[1]["scales"] == [2.0 ** 9, 2.0 ** 10, 2.0 ** 9, 2.0 ** 10, 2.0 ** 11, 2.0 ** 12]
     assert res[0]["finite"] and res[1]["finite"]
 

@@ -552,6 +552,9 @@ class ScalerWatch:
 
     def poll(self, t: int) -> bool:
         before, self._taken = self._taken, self.guard.taken
+        if self.guard.loss_scale.scaler is not None and self._taken and self._taken != before:  # a step taken: a
+            self.guard.loss_scale.step_taken(None)  # healthy scale (a device copy), in local mode too (where a reset
+            # went back to the last healthy sync's scale only, none before the first: left collapsed, 256 for 1024)
         if self.guard.loss_scale.scaler is None or self.local() or not self._taken:
             # no scaler: the hook zeroes, nothing stalls; local mode: each replica's scaler decides alone (a recovery,
             # a collective, would be entered by some replicas only: the converge step resets them); no step taken
@@ -559,8 +562,6 @@ class ScalerWatch:
             self._missed = 0
             return False
         self._missed = self._missed + 1 if self._taken == before else 0
-        if not self._missed:  # a step taken: a healthy scale (a device copy, under a GradScaler only)
-            self.guard.loss_scale.step_taken(None)
         if self._missed < self.every:
             return False
         self._missed = 0

@@ -487,15 +487,16 @@ class HDETLR(LRScheduler):
 
     def _went_back(self, rec: SyncRecord) -> bool:
         """Whether this replica was reset at sync ``rec`` (so its GradScaler's scale goes back too): every replica where
-        the ensemble went back to its best sync; with shared gradients every replica where one was reset (each rank's
-        scaler sees the same all-reduced gradients and keeps the same scale: they must stay equal); in local mode
-        (``ddp.no_sync()``, each rank's scaler its own) only the reset replica (a healthy one's scale was put back
-        too, 32x below its own in an audit)."""
+        the ensemble went back to its best sync; with shared gradients every replica where one with non-finite
+        weights was reset (each rank's scaler sees the same all-reduced gradients and keeps the same scale: they must
+        stay equal); in local mode (the DDP model under ``no_sync()``: each rank's scaler its own) only a reset
+        replica, non-finite or run away (a healthy one's scale was put back too before: 4x below its own in the
+        test, 32x in an audit's run)."""
         if rec.went_back_to is not None:
             return True
-        if not rec.recovered:
-            return False
-        return not self._guard.local or self._hdet.replicas.rank in rec.recovered
+        if self._guard.local:
+            return self._hdet.replicas.rank in (*rec.recovered, *rec.runaway)
+        return bool(rec.recovered)
 
     def _recover_stall(self, t: int, watch: SkipWatch | ScalerWatch) -> None:
         bad = self._hdet.recover(t)
