@@ -102,3 +102,21 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def in_gloo_world_of_one(tmp_path, run) -> None:
+    """``run()`` in this process as rank 0 of a gloo world of one (a ``file://`` rendezvous in ``tmp_path``), the process
+    group destroyed after it. ``run``'s objects (DDP models, their reducers and comm hooks, schedulers) are gone before
+    the group is. (In one of two clean-clone CI runs on 2026-11-30 the pytest process stood still right after the two
+    tests that use this, its main thread waiting on a lock beside live gloo threads: most likely a DDP model of theirs,
+    freed only after its group was destroyed, at a garbage collection in a later test.)"""
+    import gc
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=file_init_method(str(tmp_path)), rank=0, world_size=1)
+    try:
+        run()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()

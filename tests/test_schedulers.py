@@ -751,13 +751,11 @@ def test_a_missed_scheduler_step_in_local_mode_is_said_once(tmp_path):
     is DDP with all-reduced gradients (where every replica skips alike, e.g. a step GradScaler skipped)."""
     import warnings
 
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from helpers import file_init_method
+    from helpers import in_gloo_world_of_one
 
-    dist.init_process_group("gloo", init_method=file_init_method(str(tmp_path)), rank=0, world_size=1)
-    try:
+    def run():
         for local in (False, True):
             m = DDP(torch.nn.Linear(3, 1))
             opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -785,8 +783,8 @@ def test_a_missed_scheduler_step_in_local_mode_is_said_once(tmp_path):
                 warnings.simplefilter("error")
                 step(sched_too=False)
                 step()  # said once
-    finally:
-        dist.destroy_process_group()
+
+    in_gloo_world_of_one(tmp_path, run)
 
 
 def test_gradient_accumulation_under_ddp_is_not_local_mode(tmp_path):
@@ -794,13 +792,11 @@ def test_gradient_accumulation_under_ddp_is_not_local_mode(tmp_path):
     gradients, so a step the scheduler misses (e.g. after GradScaler skipped it) is not the local-mode warning."""
     import warnings
 
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from helpers import file_init_method
+    from helpers import in_gloo_world_of_one
 
-    dist.init_process_group("gloo", init_method=file_init_method(str(tmp_path)), rank=0, world_size=1)
-    try:
+    def run():
         m = DDP(torch.nn.Linear(3, 1))
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         sched = hdet.HDETLR(opt, None, 20, model_sync_interval=100, model=m)
@@ -815,8 +811,8 @@ def test_gradient_accumulation_under_ddp_is_not_local_mode(tmp_path):
                 if k != 1:  # the scheduler misses the second optimizer step
                     sched.step()
         assert not sched._guard.local
-    finally:
-        dist.destroy_process_group()
+
+    in_gloo_world_of_one(tmp_path, run)
 
 
 def test_torchs_first_step_checks_are_said_once_at_the_callers_line_and_an_int_step_warns():
