@@ -796,11 +796,11 @@ def test_the_fused_layer_norm_is_for_cuda_tensors_only(monkeypatch):
                         mode="merged")
     eng.step(torch.randn(2, 3, 4), lambda m, x: m(x).pow(2).mean(), stacked=True)
     with kernels.for_graphs():
-        assert kernels.layer_norm_wanted()
+        assert kernels._wanted_here()
         eng.step(torch.randn(2, 3, 4), lambda m, x: m(x).pow(2).mean(), stacked=True)
     assert eng.mode == "merged"
     monkeypatch.setattr(kernels, "EAGER_LAYER_NORM", False)
-    assert not kernels.layer_norm_wanted()
+    assert not kernels._wanted_here()
     with kernels.for_graphs():
-        assert kernels.layer_norm_wanted()
-    assert not kernels.layer_norm_wanted()
+        assert kernels._wanted_here()
+    assert not kernels._wanted_here()

@@ -62,7 +62,7 @@ def _ready(device: torch.device) -> bool:
     global AVAILABLE, _impl
     if not AVAILABLE:
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     if index in _checked:
         return True
     try:
@@ -81,6 +81,11 @@ def _ready(device: torch.device) -> bool:
         return False
     _checked.add(index)
     return True
+
+
+def _index(device: torch.device) -> int:
+    """A CUDA device's index (the current device's where it names none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _on(device: torch.device) -> contextlib.AbstractContextManager:
@@ -114,23 +119,27 @@ def layer_norm_usable(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor |
     and bias ``[N, D]`` each (dense rows, any row stride: views of the engine's flat ``[N, D]`` weights), outside
     ``torch.compile`` (which fuses torch's ops itself) and not in a CUDA graph's capture before the kernels were
     checked on the device (the check reads values on the host)."""
-    if not layer_norm_wanted() or w is None or b is None:
+    if not layer_norm_wanted(x) or w is None or b is None:
         return False
-    if not (x.is_cuda and x.dtype == w.dtype == b.dtype == torch.float32 and x.dim() == 3 and x.is_contiguous()
-            and w.shape == b.shape == (x.shape[0], x.shape[2]) and w.stride(1) == b.stride(1) == 1
-            and w.device == b.device == x.device):
+    if not (x.dtype == w.dtype == b.dtype == torch.float32 and x.dim() == 3 and w.shape == b.shape == (
+            x.shape[0], x.shape[2]) and w.stride(1) == b.stride(1) == 1 and w.device == b.device == x.device):
         return False
-    if x.numel() < MIN_ELEMENTS or x.shape[2] > MAX_NORMALIZED or torch.compiler.is_compiling():
+    if x.shape[2] > MAX_NORMALIZED or torch.compiler.is_compiling():
         return False
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if index not in _checked and torch.cuda.is_current_stream_capturing():
+    if _index(x.device) not in _checked and torch.cuda.is_current_stream_capturing():
         return False
     return _ready(x.device)
 
 
-def layer_norm_wanted() -> bool:
+def layer_norm_wanted(x: torch.Tensor) -> bool:
     """The cheap half of :func:`layer_norm_usable` (asked first, before an input is cast for it): whether the fused
-    layer norm may run at all here (inside :func:`for_graphs` in this thread, or :data:`EAGER_LAYER_NORM`)."""
+    layer norm may run at all here (inside :func:`for_graphs` in this thread, or :data:`EAGER_LAYER_NORM`), on ``x``
+    (or a cast of it): contiguous, on a CUDA device, of at least :data:`MIN_ELEMENTS` elements."""
+    return _wanted_here() and x.is_cuda and x.is_contiguous() and x.numel() >= MIN_ELEMENTS
+
+
+def _wanted_here() -> bool:
+    """Inside :func:`for_graphs` in this thread, or :data:`EAGER_LAYER_NORM`, with the kernels not ruled out."""
     return AVAILABLE and (getattr(_graphing, "depth", 0) > 0 or EAGER_LAYER_NORM)
 
 

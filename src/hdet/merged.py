@@ -238,10 +238,9 @@ def _layer_norm(mr: MergedReplicas, mod: nn.LayerNorm, ws: dict[str, torch.Tenso
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         x3, shared = mr.split(x, "LayerNorm")
-        if (not shared and x3.is_cuda and kernels.layer_norm_wanted() and w is not None and b is not None
-                and x3.is_contiguous() and tuple(x3.shape[x3.dim() - len(shape):]) == shape
-                and x3.numel() >= kernels.MIN_ELEMENTS):  # (hdet.kernels' fused layer norm, where it may run: the
-            # cheap conditions before the cast)
+        if (not shared and w is not None and b is not None and kernels.layer_norm_wanted(x3)
+                and tuple(x3.shape[x3.dim() - len(shape):]) == shape):  # (hdet.kernels' fused layer norm, where it
+            # may run: the cheap conditions before the cast)
             xf = x3.float() if x3.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(
                 "cuda") else x3  # (autocast runs layer_norm in float32)
             x2, w2, b2 = xf.view(mr.N, -1, D), w.reshape(mr.N, D), b.reshape(mr.N, D)  # (views, or copies of N x D)
