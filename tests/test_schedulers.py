@@ -815,6 +815,38 @@ def test_gradient_accumulation_under_ddp_is_not_local_mode(tmp_path):
     in_gloo_world_of_one(tmp_path, run)
 
 
+def test_an_evaluation_through_the_ddp_model_does_not_end_local_mode(tmp_path):
+    """Local mode (every training forward inside ``ddp.no_sync()``) with an evaluation through the DDP model, outside
+    ``no_sync()`` and with autograd off, between the backward and the optimizer step: the run stays local (before, that
+    step counted as shared: its sync's stall watch would enter a collective the other ranks skip)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from helpers import in_gloo_world_of_one
+
+    def run():
+        m = DDP(torch.nn.Linear(3, 1))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        sched = hdet.HDETLR(opt, None, 20, model_sync_interval=100, model=m)
+        seen = []
+        for k in range(3):
+            with m.no_sync():
+                loss = m(torch.ones(2, 3)).sum()
+            loss.backward()
+            with torch.no_grad():
+                m(torch.zeros(2, 3))  # an evaluation, outside no_sync()
+            with torch.inference_mode():
+                m(torch.zeros(2, 3))
+            opt.step()
+            opt.zero_grad()
+            seen.append(sched._guard.local)
+            sched.step(loss.detach())
+        assert seen == [True, True, True]
+        m(torch.ones(2, 3)).sum().backward()  # a training forward outside no_sync(): shared again
+        assert not sched._guard.local
+
+    in_gloo_world_of_one(tmp_path, run)
+
+
 def test_torchs_first_step_checks_are_said_once_at_the_callers_line_and_an_int_step_warns():
     """As OneCycleLR: one "scheduler.step() before optimizer.step()" warning, at the caller's line (before: hdet's
     own, then torch's twice from inside hdet); scheduler.step(5), torch's deprecated step(epoch), is taken as a loss

@@ -783,8 +783,11 @@ class GuardSetting:
         """At each forward of the DDP model: inside ``ddp.no_sync()`` its backward all-reduces nothing. When the
         optimizer steps on such gradients (local mode; not gradient accumulation, whose last micro-step syncs),
         replicas skip steps on their own and :class:`SkipWatch`'s early recovery (a collective that every replica
-        must enter) is left to the converge step."""
-        self.local = not module.require_backward_grad_sync
+        must enter) is left to the converge step. A forward with autograd off (an evaluation through the DDP model,
+        outside ``no_sync()``, between a training forward and its optimizer step) has no backward and says nothing:
+        it left a local run treated as shared at that step's sync (its early recovery's collective entered alone)."""
+        if torch.is_grad_enabled():
+            self.local = not module.require_backward_grad_sync
 
     def install(self, model: Any) -> None:
         """Install the guard on ``model`` (once); an install that fails (a "skip" guard on a non-fused optimizer, a
