@@ -56,6 +56,8 @@ def main() -> None:
     p.add_argument("--mode", default="vmap", choices=["vmap", "merged"], help="both engines' mode")
     p.add_argument("--autocast", default="none", choices=["none", "bf16"],
                    help="bf16: every step (the baseline's and both engines') under torch.autocast(bfloat16)")
+    p.add_argument("--baseline-one-thread", action="store_true",
+                   help="also time the baseline under torch.autograd.set_multithreading_enabled(False)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     dev, N = torch.device(a.device), a.replicas
@@ -105,6 +107,8 @@ def main() -> None:
     engines = {"old": engine(old_hdet, old_engine), "new": engine(hdet, importlib.import_module("hdet.engine"))}
     modes = {k: e.mode for k, e in engines.items()}
     steps = {"baseline": base_step, **{k: (lambda e=e: e.step(batch, loss, stacked=True)) for k, e in engines.items()}}
+    if a.baseline_one_thread:  # the one model with its backward on the calling thread too (as hdet's engine runs its)
+        steps["baseline_one_thread"] = lambda: _one_thread(base_step)
     if a.autocast == "bf16":
         steps = {k: (lambda f=f: _bf16(dev, f)) for k, f in steps.items()}
     times: dict[str, list[float]] = {k: [] for k in steps}
@@ -119,12 +123,20 @@ def main() -> None:
            f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)", "task": a.task, "N": N,
            "compile": a.compile, "mode": a.mode, "autocast": a.autocast, "tf32": torch.backends.cuda.matmul.allow_tf32,
            "seconds_per_step_median": med, "seconds_per_step_all": times,
-           "ratio_to_baseline": {k: med["baseline"] / med[k] for k in engines}, "new_over_old": med["old"] / med["new"],
+           "ratio_to_baseline": {k: med["baseline"] / med[k] for k in engines},
+           **({"ratio_to_baseline_one_thread": {k: med["baseline_one_thread"] / med[k] for k in engines}}
+              if a.baseline_one_thread else {}), "new_over_old": med["old"] / med["new"],
            "optimizer_path": {k: e.optimizer_path for k, e in engines.items()},
            "engine_mode": {k: (modes[k], e.mode) for k, e in engines.items()}}  # (at the start, at the end: a fallback)
-    print(json.dumps({k: rec[k] for k in ("task", "compile", "mode", "autocast", "ratio_to_baseline", "new_over_old")}))
+    print(json.dumps({k: rec[k] for k in ("task", "compile", "mode", "autocast", "ratio_to_baseline",
+                                          "ratio_to_baseline_one_thread", "new_over_old") if k in rec}))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rec, indent=1))
+
+
+def _one_thread(step) -> None:
+    with torch.autograd.set_multithreading_enabled(False):
+        step()
 
 
 def _bf16(dev: torch.device, step) -> None:

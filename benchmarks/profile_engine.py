@@ -97,7 +97,9 @@ def main() -> None:
                         "accumulated into, hdet.stacking._copy_into_bound off), layout (gradient_layout=True), merged "
                         "(mode='merged'), baddbmm (every linear layer one baddbmm: hdet.linear.PER_REPLICA_MIN), "
                         "torchnorm (the merged layer norms in torch's ops, not hdet.kernels', in graphs too), "
-                        "eagernorm (hdet.kernels' in eager steps too: EAGER_LAYER_NORM), joined with +")
+                        "eagernorm (hdet.kernels' in eager steps too: EAGER_LAYER_NORM), onethread (the engine's step under "
+                        "torch.autograd.set_multithreading_enabled(False): its backward on the calling thread, not "
+                        "autograd's device thread), joined with +")
     p.add_argument("--ops", type=int, default=0, help="also list this many aten ops by their kernels' device time "
                    "(a second profile)")
     p.add_argument("--autocast", default="none", choices=["none", "bf16"], help="bf16: every step under autocast")
@@ -142,8 +144,8 @@ def main() -> None:
             hdet.kernels.layer_norm_usable = (lambda *x: False) if "torchnorm" in v else norm_default
             hdet.kernels.EAGER_LAYER_NORM = "eagernorm" in v
 
-            def eng_step():
-                with amp():
+            def eng_step(v=v):
+                with amp(), torch.autograd.set_multithreading_enabled("onethread" not in v):
                     eng.step(data.view(N, B, ctx + 1), et.lm_loss, stacked=True)
             r[v] = measure(eng_step, a.steps, a.rows)
             if a.ops:

@@ -113,8 +113,7 @@ def layer_norm_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: floa
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     N, R, D = x.shape
     y = torch.empty_like(x)
-    mean = torch.empty(N * R, dtype=torch.float32, device=x.device)
-    rstd = torch.empty_like(mean)
+    mean, rstd = torch.empty(2, N * R, dtype=torch.float32, device=x.device)  # (one allocation: host time)
     block = triton.next_power_of_2(D)
     _ln_forward_kernel[(N * R,)](x, y, w, b, mean, rstd, D, R, w.stride(0), b.stride(0), eps, BLOCK=block,
                                  num_warps=_ln_warps(block))
@@ -127,12 +126,12 @@ def layer_norm_rows_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     rows = triton.cdiv(R, max(1, min(R, 512 // N)))  # about 512 programs in all, each summing its rows' dw, db
     parts = triton.cdiv(R, rows)
     dx = torch.empty_like(x)
-    dw_part = torch.empty(N, parts, D, dtype=torch.float32, device=x.device)
-    db_part = torch.empty_like(dw_part)
+    part = torch.empty(2, N, parts, D, dtype=torch.float32, device=x.device)  # dw's and db's parts: one allocation
     block = triton.next_power_of_2(D)
-    _ln_backward_kernel[(N, parts)](x, dy, dx, w, mean, rstd, dw_part, db_part, D, R, w.stride(0), rows,
+    _ln_backward_kernel[(N, parts)](x, dy, dx, w, mean, rstd, part[0], part[1], D, R, w.stride(0), rows,
                                     BLOCK=block, num_warps=_ln_warps(block))
-    return dx, dw_part.sum(1).to(w.dtype), db_part.sum(1).to(w.dtype)
+    dw, db = part.sum(2)  # (one sum over the parts for both: host time)
+    return dx, dw.to(w.dtype), db.to(w.dtype)
 
 
 def scale_add_rows_(theta: torch.Tensor, d: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor) -> None:
