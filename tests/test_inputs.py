@@ -260,3 +260,31 @@ def test_warm_init_without_a_process_group_or_rank_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hdet.warm_init_(b, rank=1, nu=0.1)
+
+
+def test_an_optimizer_over_master_copies_of_the_model_says_the_model_is_not_averaged():
+    """A half-precision model trained through float32 master copies in the optimizer (apex's O2, a hand-written loop):
+    a converge step averages the optimizer's parameters, and the model holds one replica's weights until the loop copies
+    the masters in again, after the last converge step too. Said once, at construction (it was silent: an audit), for
+    every parameter or only some (float32 norms kept as the model's own). Not said where the optimizer's parameters are
+    the model's (all, or one part's: two optimizers on one model), nor for a tensor trained beside a frozen model (a
+    soft prompt), nor without model=."""
+    def build(**kw):
+        return hdet.OneCycleAutoLR(torch.optim.AdamW(kw.pop("params"), lr=1e-3), max_lr=1e-3, total_steps=10,
+                                   ensemble_lr_spread_ratio=0.2, **kw)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    model[0].half(), model[2].half()
+    masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    with pytest.warns(UserWarning, match="6 of the optimizer's 6 parameters are copies of model="):
+        build(params=masters, model=model)
+    mixed = [masters[0], masters[1], model[1].weight, model[1].bias, masters[4], masters[5]]  # the norm's own
+    with pytest.warns(UserWarning, match="4 of the optimizer's 6 parameters are copies"):
+        build(params=mixed, model=model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for params in (model.parameters(), model[2].parameters()):  # all of the model's, or one part's
+            build(params=params, model=model)
+        build(params=masters)  # (no model=)
+        build(params=[torch.zeros(5, 4, requires_grad=True)], model=model.requires_grad_(False))  # a soft prompt

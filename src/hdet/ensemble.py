@@ -158,6 +158,7 @@ class Ensemble:
             # Prodigy: its estimate shared at every step, over the replicas (each rank's own values; prodigyopt
             # 1.1.2 itself does not step FSDP2's sharded parameters: its flatten of a DTensor shard fails)
             self.step_scale.share = replicas.gather
+        _warn_if_masters(optimizer, model, self._params())
         if config.probing and any(p.is_complex() for p in self._params()):
             raise ValueError("controller='fit' does not support complex parameters (its probe averages real "
                              "iterates); use controller='paper' or auto-LR off")
@@ -761,3 +762,33 @@ def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             seen.add(key)
             out.append(t)
     return out
+
+
+def _warn_if_masters(optimizer: Any, model: nn.Module | None, params: list[torch.Tensor]) -> None:
+    """Said where the optimizer holds master copies of ``model=``'s parameters: each of its parameters outside the
+    model matches, by shape, a parameter of the model in another dtype that the optimizer does not hold (an fp16 or
+    bf16 model trained through float32 masters: apex's O2, a hand-written mixed-precision loop). A converge step
+    averages the optimizer's parameters, so the model's own weights hold the average only once the loop copies the
+    masters in again; after the last converge step (at ``total_steps``, or ``finish()``), a model saved without that
+    copy is one replica's, not the ensemble's (an audit noted it, silent). Not said for tensors the optimizer trains
+    outside the model otherwise (a soft prompt beside a frozen ``model=``), nor for DTensors (FSDP2: after a forward
+    under ``no_grad`` the root's parameters are unsharded ones, in the policy's dtype: not masters)."""
+    if model is None or not params or any(hasattr(p, "placements") for p in params):
+        return
+    held = {id(p) for p in params}
+    own = list(model.parameters())
+    own_ids = {id(q) for q in own}
+    outside = [p for p in params if id(p) not in own_ids]
+    if not outside:
+        return
+    left = {}  # the model's parameters the optimizer does not hold, by shape
+    for q in own:
+        if id(q) not in held and q.is_floating_point():
+            left.setdefault(tuple(q.shape), set()).add(q.dtype)
+    if all(any(d != p.dtype for d in left.get(tuple(p.shape), ())) for p in outside):
+        warnings.warn(f"hdet: {len(outside)} of the optimizer's {len(params)} parameters are copies of model= "
+                      f"({type(model).__name__})'s parameters in another dtype, which the optimizer does not hold "
+                      "(float32 master copies of a half-precision model?). HDET averages the optimizer's parameters at "
+                      "each converge step: copy them into the model after every scheduler.step() that converges, and "
+                      "after the last one (total_steps, or finish()), or the model keeps one replica's weights, not "
+                      "the ensemble's average", stacklevel=user_stacklevel())
