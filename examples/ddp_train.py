@@ -51,7 +51,7 @@ class ByteGPT(nn.Module):
         self.tok = nn.Embedding(256, d)
         self.pos = nn.Parameter(torch.zeros(ctx, d))
         layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
-        self.blocks = nn.TransformerEncoder(layer, layers)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)  # (norm_first: no fast path)
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, 256)
         self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(ctx), persistent=False)
