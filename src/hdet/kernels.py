@@ -149,7 +149,7 @@ def for_graphs() -> Any:
     the capture): the merged replicas' layer norms take the fused kernels (:func:`layer_norm_usable`). Measured on an
     H200 (``benchmarks/results/gpu_h200/fused_norm/``), the fused norm takes a third of torch's device time but more
     host time (through autograd, up to 220 us more than torch's ops a forward and backward, of which its two Triton
-    launches are 16-19 us each: ``benchmarks/results/gpu_h200/triton_launch/``), so eager steps bound by the host, the
+    launches are 16-28 us each: ``benchmarks/results/gpu_h200/triton_launch/``), so eager steps bound by the host, the
     small GPT's and the medium one's under bf16 autocast, ran slower with it; a graph replays without the host."""
     _graphing.depth = getattr(_graphing, "depth", 0) + 1
     try:
