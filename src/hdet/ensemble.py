@@ -158,8 +158,9 @@ class Ensemble:
             # Prodigy: its estimate shared at every step, over the replicas (each rank's own values; prodigyopt
             # 1.1.2 itself does not step FSDP2's sharded parameters: its flatten of a DTensor shard fails)
             self.step_scale.share = replicas.gather
-        _warn_if_masters(optimizer, model, self._params())
-        if config.probing and any(p.is_complex() for p in self._params()):
+        params = self._params()
+        _warn_if_masters(model, params)
+        if config.probing and any(p.is_complex() for p in params):
             raise ValueError("controller='fit' does not support complex parameters (its probe averages real "
                              "iterates); use controller='paper' or auto-LR off")
 
@@ -764,7 +765,7 @@ def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _warn_if_masters(optimizer: Any, model: nn.Module | None, params: list[torch.Tensor]) -> None:
+def _warn_if_masters(model: nn.Module | None, params: list[torch.Tensor]) -> None:
     """Said where the optimizer holds master copies of ``model=``'s parameters: each of its parameters outside the
     model matches, by shape, a parameter of the model in another dtype that the optimizer does not hold (an fp16 or
     bf16 model trained through float32 masters: apex's O2, a hand-written mixed-precision loop). A converge step
