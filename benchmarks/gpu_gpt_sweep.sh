@@ -5,7 +5,7 @@
 # fifth of the steps, 8 LRs one a rank a round, then HDET at alpha 0.2, T 25, on_runaway="recover" for all the
 # steps at the sweep's peak) from 0.1x, 1x and 10x that LR. Usage, from the repo root:
 #   TAR=$OUT/r.tgz DEADLINE=540 bash benchmarks/gpu_gpt_sweep.sh OUT RUN...
-# RUN: name:multiplier:seed[:alpha[:sweep[:factor]]] (alpha 0.2 and sweep 0.2 by default; alpha 0: plain DDP, sweep
+# RUN: name:multiplier:seed[:alpha[:sweep[:factor[:T]]]] (alpha 0.2, sweep 0.2 and T 25 by default; alpha 0: plain DDP, sweep
 # 0: none; factor: the main run's peak over the sweep's pick, default hdet.lr_sweep's (sqrt(world) in calls 1-4, sqrt(max(world, 8)) since);
 # "plain" for alpha: plain DDP without a sweep), e.g. sweep_10x:10:0 plain_1x:1:0:plain sweep_plain_10x:10:0:0.
 # Each run writes OUT/<name>.json (command, config, the sweep's LRs and losses, curves, final held-out loss);
@@ -24,7 +24,7 @@ python $S --prepare --cache /tmp/hdet_corpus > "$out/corpus.json" || exit 1
 echo "prepared ${SECONDS}s" | tee -a "$out/timeline.txt"
 last=0
 for spec in "$@"; do
-  IFS=: read -r name mult seed alpha frac factor <<< "$spec"
+  IFS=: read -r name mult seed alpha frac factor T <<< "$spec"
   if [ $(( SECONDS + last )) -gt "${DEADLINE:-540}" ]; then
     echo "skipped $name: ${SECONDS}s + ${last}s > ${DEADLINE:-540}s" | tee -a "$out/timeline.txt"; continue
   fi
@@ -33,7 +33,7 @@ for spec in "$@"; do
   alpha=${alpha:-0.2}; frac=${frac:-0.2}
   if [ "$alpha" = plain ]; then alpha=0; frac=0; fi
   extra="--alpha $alpha --lr-sweep $frac"
-  if [ "$alpha" != 0 ]; then extra="$extra --T 25 --on-runaway recover"; fi
+  if [ "$alpha" != 0 ]; then extra="$extra --T ${T:-25} --on-runaway recover"; fi
   if [ -n "${factor:-}" ]; then extra="$extra --sweep-factor $factor"; fi
   torchrun --standalone --nproc-per-node "$G" $S --steps 1000 --max-lr "$lr" --seed "$seed" $extra \
     --out "$out/$name.json" > "$out/$name.log" 2>&1
