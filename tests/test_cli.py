@@ -516,7 +516,7 @@ def test_lr_cut_is_the_factor_of_each_recovery(tmp_path, capsys):
     --lr-cut is another run for --resume, and with --on-runaway ignore it does nothing (said)."""
     from hdet.app.options import RunConfig, unused
 
-    args = [*TINY, "--max-lr", "1", "--checkpoint-every", "6"]
+    args = [*TINY, "--max-lr", "1", "--checkpoint-every", "6", "--judge-steps", "1"]  # (--T 4: every window judged)
     with pytest.warns(UserWarning) as said:
         assert main(["train", *args, "--lr-cut", "0.6", "--out", str(tmp_path / "cut")]) == 0
     cuts = sorted({re.search(r"step (\d+) .* cut to ([\d.]+) of its value", str(w.message)).groups()
@@ -531,6 +531,10 @@ def test_lr_cut_is_the_factor_of_each_recovery(tmp_path, capsys):
     assert main(["train", *args, "--lr-cut", "0.5", "--out", str(tmp_path / "cut"), "--resume"]) == 2
     assert "--lr-cut 0.6 -> 0.5" in capsys.readouterr().err
     assert "--lr-cut with --on-runaway ignore" in unused(RunConfig(lr_cut=0.5, on_runaway="ignore"))
+    assert "--judge-steps with --on-runaway ignore" in unused(RunConfig(judge_steps=5, on_runaway="ignore"))
+    assert not unused(RunConfig(judge_steps=5, on_runaway="ignore", range_test=True))  # (the range test guards)
+    assert main(["train", *TINY, "--judge-steps", "0", "--out", str(tmp_path / "bad")]) == 2
+    assert "Expected --judge-steps >= 1 (steps of windows judged together), but got 0" in capsys.readouterr().err
     said = unused(RunConfig(lr_cut=0.5, on_runaway="ignore", optimizer="schedulefree-adamw", alpha=0))
     assert said == [f"--{f} with --optimizer schedulefree-adamw (its runs have no stability guard)"
                     for f in ("on-runaway", "lr-cut")]

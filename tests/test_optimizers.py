@@ -498,7 +498,8 @@ def test_a_checkpoint_from_before_the_estimates_were_averaged_loads_with_a_warni
         torch.manual_seed(0)
         m = nn.Linear(3, 1)
         o = dadaptation.DAdaptAdam(m.parameters(), lr=1.0)
-        return m, o, hdet.HDETLR(o, None, total_steps=20, model_sync_interval=5, on_runaway="recover", model=m)
+        return m, o, hdet.HDETLR(o, None, total_steps=20, model_sync_interval=5, on_runaway="recover", model=m,
+                                 judge_steps=1)
 
     m, o, s = build()
     for _ in range(10):

@@ -624,7 +624,8 @@ def test_a_state_saved_with_recovery_on_resumes_with_it_whatever_the_scheduler_w
             return [1.0 * 0.9 ** k["n"]] * 4 if k["n"] <= 4 else [2.0] * 4  # the ensemble's loss rises at sync 5
         return losses
 
-    kw = dict(max_lr=0.05, total_steps=S, ensemble_lr_spread_ratio=0.2, model_sync_interval=5, on_runaway="recover")
+    kw = dict(max_lr=0.05, total_steps=S, ensemble_lr_spread_ratio=0.2, model_sync_interval=5, on_runaway="recover",
+              judge_steps=1)
     s, full, saved_sched, saved_opt = _run_and_save(kw, ScriptedReplicas(1, 4, script(0)), S, stop)
     assert s.ensemble.slots.lr_scale < 0.5  # the uninterrupted run cut the LR at the rise (and after)
     _, o2 = _opt("adam")

@@ -296,8 +296,9 @@ def _snapshot_bytes(eng, which):
     return sum(seen.values())
 
 
-UNSTABLE = {"recover": {"max_lr": 3.0, "on_runaway": "recover", "model_sync_interval": 2},
-            "range_test": {"max_lr": 30.0, "lr_range_test": True, "auto_lr_warmup_steps": 12, "model_sync_interval": 2}}
+UNSTABLE = {"recover": {"max_lr": 3.0, "on_runaway": "recover", "model_sync_interval": 2, "judge_steps": 1},
+            "range_test": {"max_lr": 30.0, "lr_range_test": True, "auto_lr_warmup_steps": 12, "model_sync_interval": 2,
+                           "judge_steps": 1}}
 
 
 @pytest.mark.parametrize("kind", list(UNSTABLE))

@@ -50,6 +50,10 @@ class HDETConfig:
             the best ensemble loss so far. Default 5.
         rise_threshold: with "recover": the ensemble is rising when its median window loss is more than this
             fraction above its best so far. Default 0.05.
+        judge_steps: with "recover": a runaway or a rise is judged over windows of at least this many steps:
+            where T is shorter, ``ceil(judge_steps / T)`` windows are pooled (their losses summed per replica) and
+            only every such sync judges them (on a 128M GPT, 5-step windows set the rule off on their noise in 2 of 3
+            seeds at the right LR: ``docs/reliability.md``). Non-finite values are acted on at every sync. Default 25.
         lr_cut: with "recover": at each sync with a runaway replica or a rising ensemble, the LR schedule is
             cut for the rest of the run, the k-th time by ``lr_cut ** k`` (0.7, then 0.49, ... of what it was:
             a repeated event says the LR is further past the edge). Default 0.7 (measured against 0.5, 0.85 and
@@ -82,6 +86,7 @@ class HDETConfig:
     on_runaway: str = "ignore"
     outlier_threshold: float = 5.0
     rise_threshold: float = 0.05
+    judge_steps: int = 25
     lr_cut: float = 0.7
     lr_range_test: bool = False
     range_max_factor: float = 300.0
@@ -95,6 +100,7 @@ class HDETConfig:
         self.auto_lr_warmup_steps = _check_int("auto_lr_warmup_steps", self.auto_lr_warmup_steps, lo=0)
         self.seed = _check_int("seed", self.seed, lo=0, hi=2 ** 63)  # (a torch.Generator seed)
         self.range_patience = _check_int("range_patience", self.range_patience, lo=1)
+        self.judge_steps = _check_int("judge_steps", self.judge_steps, lo=1)
         for name in ("enable_auto_lr", "average_optimizer_state", "tie_lr_groups", "lr_range_test"):
             setattr(self, name, _check_bool(name, getattr(self, name)))
         for name, symbol, ok, want in (("loss_scale", "sigma", lambda v: v > 0, "{} > 0"),
@@ -137,6 +143,11 @@ class HDETConfig:
     def recovering(self) -> bool:
         """Whether runaway replicas and a rising loss are acted on (``on_runaway="recover"``, or the range test)."""
         return self.on_runaway == "recover" or self.lr_range_test
+
+    @property
+    def judged_windows(self) -> int:
+        """How many windows the stability guard pools for one judgment: ``ceil(judge_steps / T)`` (1 at T >= it)."""
+        return -(-self.judge_steps // self.model_sync_interval)
 
     @property
     def probing(self) -> bool:

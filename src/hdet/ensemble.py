@@ -497,7 +497,9 @@ class Ensemble:
         losses = [col.loss_sum[r] / col.loss_n[r] if col.loss_n[r] else float("nan") for r in range(N)]
         if collapsed:  # nothing healthy to average: every replica is overwritten by the best sync's state
             return Verdict(col, [], bad, [], True, losses, collapsed=True, early=not everyone)
-        runaway, rising = self.stability.judge(losses, bad, col) if everyone else ([], False)
+        rt = self.slots.range  # (the range test's ramp judges every window itself: nothing pooled during it)
+        ramping = rt is not None and rt.ramping and t <= self.config.auto_lr_warmup_steps
+        runaway, rising = self.stability.judge(losses, bad, col, pool=not ramping) if everyone else ([], False)
         if (bad or runaway) and not self.config.average_optimizer_state:  # (their moments reset to the others' mean)
             check_state_layout(t, col, f"reset replica(s) {sorted(bad + runaway)}'s optimizer state to the others' mean")
         return Verdict(col, sorted(bad + runaway), bad, runaway, rising, losses, early=not everyone)

@@ -135,7 +135,8 @@ def _parse_config(cfg: Any, version: int) -> HDETConfig:
     if unknown:
         raise ValueError(f"Expected the settings of this hdet ({sorted(OPTIONS)}), but the state also has {unknown}: "
                          "it was saved by a newer hdet, or is corrupted")
-    return HDETConfig(**{"controller": "paper", **cfg})  # states before "fit" existed: the paper's
+    return HDETConfig(**{"controller": "paper", "judge_steps": 1, **cfg})  # states before "fit" existed: the
+    # paper's; before judge_steps (2026-11-30): every window judged alone
 
 
 def _replaced_settings(saved: HDETConfig, built: HDETConfig) -> list[str]:

@@ -15,11 +15,19 @@ decides the same, with no communication):
 * either way the LR schedule is cut for the rest of the run, the k-th time by ``lr_cut ** k``, to
   ``MIN_LR_SCALE`` at most.
 
+Both are judged over windows of at least ``judge_steps`` (25) steps: where T is shorter, ``ceil(judge_steps / T)``
+windows are pooled (each replica's loss sums added up) and only every such sync judges them, and keeps a best sync.
+Short windows' losses move together by more than their steps' spread says (on a 128M GPT, 5-step windows rose 7-14%
+above a lucky best while the loss fell, and the rule went back three times and cut the LR to 0.12x: an audit of
+``benchmarks/results/gpu_4x_h200/gpt128m_sweep/``). Non-finite values are acted on at every sync.
+
 Every replica non-finite at once (a collapse) goes back to the best sync too. Before the first best sync, the state
 after the run's first step is kept (:meth:`StabilityGuard.keep_start`, where every replica's is healthy; again, before
 the first sync, at a step where it stops fitting the optimizer's state: :meth:`StabilityGuard.keep_start_again`): a
 collapse or a window with no finite loss goes back there, and a sync ``RISE_CEILING`` times the first step's loss
-magnitude above it is no best.
+magnitude above it is no best; one that is also that many times the lowest window's loss magnitude above it (and above
+the first sync's) is a rise, back to the start, unless the first step's loss was 0 (a masked first batch, a student
+that starts as its teacher).
 
 Memory: one copy of the averaged tensors and the optimizer state per replica (taken at syncs, and at the start); in the
 one-process engine, tensors that the replicas share (its one copy of the moments) are copied once
@@ -33,6 +41,7 @@ import math
 import statistics
 import warnings
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -163,13 +172,21 @@ class StabilityGuard:
         self._start_loss: tuple[torch.Tensor | float, torch.Tensor | float] = (0.0, 0.0)  # its first loss: (sum, n)
         self._start_rise: tuple[float, float] | None = None  # (window loss, first step's loss): blown up from it
         self._said_blown = False
+        self._start_grown: tuple[float, float] | None = None  # (window loss, lowest window loss): a rise before a best
+        # T < judge_steps: the windows pooled since the last judgment, per replica [loss sums, sums of squares,
+        # counts], how many, and whether one of them left a replica out or saw a non-finite loss (no best then)
+        self._pool: list[list[float]] | None = None
+        self._pooled = 0
+        self._pool_dirty = False
+        self._judged: tuple[list[float], Any] | None = None  # this sync's pooled (losses, columns), once full
+        self._pooling: bool | None = None  # whether this sync's judgment pooled (None: not judged)
         self.copier = Copier()
 
     @property
     def on(self) -> bool:
         return self.config.recovering
 
-    def judge(self, losses: list[float], bad: list[int], col: Any) -> tuple[list[int], bool]:
+    def judge(self, losses: list[float], bad: list[int], col: Any, pool: bool = True) -> tuple[list[int], bool]:
         """The runaway replicas and whether the ensemble is rising (pure arithmetic on the gathered rows).
 
         A replica with finite weights whose every loss in the window was non-finite (its loss overflowed) ran away
@@ -178,7 +195,9 @@ class StabilityGuard:
         window losses' noise, but a window loss ``RISE_CEILING`` times the best's magnitude above it (10x a positive
         best) and above the first sync's loss is a rise whatever the noise: the spread of the step losses in a window
         includes its trend, so a loss growing 3x or more a step read as noise (a window mean 886x the best was not a
-        rise: an audit). (The first sync's loss keeps a best near 0 from making every noisy window a rise.)"""
+        rise: an audit). (The first sync's loss keeps a best near 0 from making every noisy window a rise.) ``pool``:
+        windows shorter than ``judge_steps`` are pooled and judged together (the module's docstring); False during the
+        range test's ramp, which judges every window itself."""
         c = self.config
         if not self.on:
             return [], False
@@ -187,20 +206,38 @@ class StabilityGuard:
         lost = [r for r, x in enumerate(losses) if r not in bad and not math.isfinite(x) and nonfinite is not None
                 and nonfinite[r] > 0]  # observed losses, none of them finite
         best = self.best_loss
-        self._start_rise = None
+        self._start_rise = self._start_grown = None
+        pooling = self._pooling = pool and c.judged_windows > 1
+        self._judged = self._pool_window(col, len(losses)) if pooling else None
         if best is None and self.starting:  # no best yet: the start (after step 1, or kept again) is where to go back
             if not ok:  # no replica has a finite window loss: a rise, back to the start (nobody left out: all go back)
                 return [], bool(lost)
             firsts = [col.start_sum[r] / col.start_n[r] for r in range(len(losses)) if col.start_n[r] > 0]
             start = statistics.median(firsts) if firsts else math.nan
             now = statistics.median(losses[r] for r in ok)
-            if math.isfinite(start) and now > start + max(RISE_CEILING, c.rise_threshold) * abs(start):
+            times = max(RISE_CEILING, c.rise_threshold)
+            if math.isfinite(start) and now > start + times * abs(start):
                 self._start_rise = (now, start)  # blown up from the first step's loss: no best (after_average)
+                low = None if self.lowest is None else self.lowest[0]
+                if start != 0 and low is not None and now > max(low + times * abs(low), self.first_loss or low):
+                    # and grown that much past the lowest window since, and above the first sync's (as after a best):
+                    # a rise, back to the start (a run blown up to 1e30 from step 1 stayed there with finite losses:
+                    # no best, so no rise was caught: an audit). Not from a first loss of 0 (a masked first batch, a
+                    # student that starts as its teacher: every window is "blown" from it; a review)
+                    self._start_grown = (now, low)
+                    return lost, True
             return lost, False
         if not ok:
             return [], bool(lost) and best is not None
         if len(ok) < 2 or best is None:
             return lost, False
+        if pooling:  # judged over the pooled windows, or not at this sync
+            if self._judged is None:
+                return lost, False
+            losses, col = self._judged
+            ok = [r for r in ok if col.loss_n[r] > 0]
+            if len(ok) < 2:
+                return lost, False
         se_replica, se_ensemble = window_noise(col, ok)
         med = statistics.median(losses[r] for r in ok)
         scale = max(1.4826 * statistics.median(abs(losses[r] - med) for r in ok), 0.02 * abs(med), se_replica)
@@ -221,8 +258,17 @@ class StabilityGuard:
         back. No collective; one foreach copy on the tensors' devices when it remembers or goes back."""
         if not self.on:
             return False
+        judged, self._judged = self._judged, None
+        pooling = self.config.judged_windows > 1 if self._pooling is None else self._pooling
+        if self._pool is not None:  # a replica reset here is judged on its windows from now on (its sums before the
+            for r in exclude:  # reset made it a runaway again at the next judgment: a review)
+                if r < len(self._pool[0]):
+                    for row in self._pool:
+                        row[r] = 0.0
+        self._pooling = None  # (not judged: an early recovery, whose window goes on into the next sync's)
         if rising and self.can_go_back(tensors):
             copy_kept(tensors, self._snapshot)
+            self.clear_pool()
             return True
         keep = [r for r, x in enumerate(losses) if r not in exclude and math.isfinite(x)]
         if not keep:
@@ -240,19 +286,51 @@ class StabilityGuard:
                           f"first step's loss magnitude above it ({blown[1]:.4g}): not kept as a best sync (a run that "
                           "blew up within its first window went back to such a sync at every later one); a collapse, "
                           "or a window with no finite loss, goes back to the start (the state after step "
-                          f"{self.best_step}) until a sync is kept. "
-                          "If a first loss near 0 is by design (a student that starts as its teacher), no rise is "
-                          "caught until then (with a first loss of 0: none)", stacklevel=user_stacklevel())
+                          f"{self.best_step}) until a sync is kept, and so does a window also {times:g}x the lowest "
+                          "window's loss magnitude above it, unless the first loss is 0. "
+                          "If a first loss near 0 is by design (a student that starts as its teacher), no other rise "
+                          "is caught until then", stacklevel=user_stacklevel())
         clean = not exclude and blown is None and (self.best_loss is None or not any(getattr(col, "nonfinite", ())))
         # (no replica reset, and after the first best no non-finite loss: a sync that reset a runaway replica kept the
         # weights its huge gradients had already reached, under a loss measured before them, a best no later window
         # could reach, and every sync after it went back there: an audit; nor, before any best, one whose loss blew up
         # from the first step's: a run that blew up within its first window went back to that sync at every later one)
+        if pooling:  # pooled windows: a best only where they were judged, over all of them
+            if judged is None:
+                self._pool_dirty = self._pool_dirty or not clean
+                return False
+            clean, self._pool_dirty = clean and not self._pool_dirty, False
+            losses, col = judged
+            keep = [r for r in keep if col.loss_n[r] > 0]
+            if not keep:
+                return False
+            loss = statistics.median(losses[r] for r in keep)
         if clean and (self.best_loss is None or loss < self.best_loss):
             self.best_loss, self.best_step, self.best_se = loss, step, window_noise(col, keep)[1]
             self._snapshot = self.copier(tensors, self._recyclable(tensors))
             self.starting, self.start_ok = False, True
         return False
+
+    def _pool_window(self, col: Any, n: int) -> tuple[list[float], Any] | None:
+        """Add this window's per-replica loss sums to the pool; once it holds ``judged_windows`` windows, empty it and
+        return its per-replica losses (NaN where none was finite) and sums (as ``col``'s fields), else None."""
+        rows = [[float(x) for x in col.loss_sum[:n]], [float(x) for x in col.loss_sq[:n]],
+                [float(x) for x in col.loss_n[:n]]]
+        if self._pool is None or len(self._pool[0]) != n:  # (another world size: an elastic resume starts afresh)
+            self._pool, self._pooled, self._pool_dirty = rows, 1, self._pool_dirty and self._pool is None
+        else:
+            self._pool = [[a + b for a, b in zip(p, w)] for p, w in zip(self._pool, rows)]
+            self._pooled += 1
+        if self._pooled < self.config.judged_windows:
+            return None
+        total, sq, count = self._pool
+        self._pool, self._pooled = None, 0
+        return ([x / k if k else math.nan for x, k in zip(total, count)],
+                SimpleNamespace(loss_sum=total, loss_sq=sq, loss_n=count))
+
+    def clear_pool(self) -> None:
+        """Forget the pooled windows (the state went back: what they measured is gone)."""
+        self._pool, self._pooled, self._pool_dirty, self._judged, self._pooling = None, 0, False, None, None
 
     def keep_start(self, step: int, tensors: list[torch.Tensor], ok: torch.Tensor,
                    first: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -324,6 +402,7 @@ class StabilityGuard:
         if not self.can_go_back(tensors):
             return False
         copy_kept(tensors, self._snapshot)
+        self.clear_pool()
         return True
 
     @torch.no_grad()
@@ -334,6 +413,7 @@ class StabilityGuard:
         self.lowest = None if self.best_loss is None else (self.best_loss, step)
         self._snapshot = self.copier(tensors, self._recyclable(tensors))
         self.starting, self.start_ok = False, True
+        self.clear_pool()
 
     def warn(self, t: int, runaway: list[int], losses: list[float], rising: bool, back: bool, scale: float,
              collapsed: bool = False, at: str = "sync step") -> None:
@@ -348,6 +428,11 @@ class StabilityGuard:
             + f"the LR schedule is cut to {scale:.3g} of its value", stacklevel=user_stacklevel())
 
     def _rise_said(self) -> str:
+        if self._start_grown is not None:
+            now, low = self._start_grown
+            times = max(RISE_CEILING, self.config.rise_threshold)
+            return (f"before any best sync, the ensemble's loss ({now:.4g}) is more than {times:g}x both its first "
+                    f"step's and its lowest window's ({low:.4g}) magnitude above them; ")
         if self.best_loss is not None:
             return f"the ensemble's loss rose more than {self.config.rise_threshold:g} above its best ({self.best_loss:.4f}); "
         return "no healthy replica had a finite training loss in the window, before any best sync; "
@@ -358,7 +443,10 @@ class StabilityGuard:
                 "snapshot": None if self._snapshot is None else self.copier.saved(self._snapshot),
                 # the kept start (HOST SYNC, while one is kept: its health flag, read with the copies)
                 **({"start": {"ok": bool(self.start_ok), "loss": [float(x) for x in self._start_loss]}}
-                   if self.starting else {})}
+                   if self.starting else {}),
+                # T < judge_steps: the windows pooled since the last judgment (plain numbers)
+                **({"pool": {"sums": [list(x) for x in self._pool], "windows": self._pooled, "dirty": self._pool_dirty}}
+                   if self._pool is not None else {})}
 
     @staticmethod
     def parse(state: dict[str, Any] | None) -> dict[str, Any]:
@@ -390,9 +478,20 @@ class StabilityGuard:
                                       and first_step[1] in (0, 1)):
             raise ValueError(f"Expected the state's start as {{'ok': a bool, 'loss': [a finite sum, 0 or 1]}} with a "
                              f"snapshot and no best loss, but got {start!r}")
+        pool = state.get("pool")  # (states saved before it, or at T >= judge_steps, pooled nothing)
+        sums = pool.get("sums") if isinstance(pool, dict) else None
+        if pool is not None and not (
+                isinstance(sums, list) and len(sums) == 3 and all(isinstance(x, list) for x in sums)
+                and len({len(x) for x in sums}) == 1 and len(sums[0]) > 0
+                and all(_is_real(v) and math.isfinite(v) for x in sums for v in x) and min(sums[2]) >= 0
+                and isinstance(pool.get("windows"), int) and not isinstance(pool["windows"], bool)
+                and pool["windows"] >= 1 and isinstance(pool.get("dirty"), bool)):
+            raise ValueError("Expected the state's pool as {'sums': [three lists of finite numbers, one a replica, the "
+                             f"counts >= 0], 'windows': an integer >= 1, 'dirty': a bool}}, but got {pool!r}")
         return {"start": start, "best_loss": None if best is None else float(best), "best_step": state.get("best_step"),
                 "best_se": float(state.get("best_se", 0.0)), "first_loss": None if first is None else float(first),
-                "lowest": None if lowest is None else (float(lowest[0]), int(lowest[1])), "snapshot": snap}
+                "lowest": None if lowest is None else (float(lowest[0]), int(lowest[1])), "snapshot": snap,
+                "pool": None if pool is None else ([[float(v) for v in x] for x in sums], pool["windows"], pool["dirty"])}
 
     def load(self, parsed: dict[str, Any], tensors: list[torch.Tensor], counts: int = 0,
              optimizer_empty: bool = False) -> None:
@@ -401,6 +500,9 @@ class StabilityGuard:
         self.best_loss, self.best_step, self.best_se = parsed["best_loss"], parsed["best_step"], parsed["best_se"]
         self.first_loss = parsed.get("first_loss")
         self.lowest = parsed.get("lowest")
+        self.clear_pool()
+        if parsed.get("pool") is not None:
+            self._pool, self._pooled, self._pool_dirty = parsed["pool"]
         snap = None if parsed["snapshot"] is None else fit_snapshot(parsed["snapshot"], tensors, counts)
         start = parsed.get("start")
         self.starting, self.start_ok = start is not None, True if start is None else start["ok"]

@@ -66,6 +66,9 @@ class RunConfig:
     lr_cut: float = field(default=0.7, metadata=_cli(
         "with --on-runaway recover: the LR schedule's cut at such an event, for the rest of the run (the k-th event's "
         "is FRAC ** k)", metavar="FRAC"))
+    judge_steps: int = field(default=25, metadata=_cli(
+        "with --on-runaway recover: runaways and rises are judged over at least N steps (windows of a shorter --T "
+        "pooled: 5-step windows set the rule off on their noise; 1: every window alone)", metavar="N"))
     range_test: bool = field(default=False, metadata=_cli(
         "an LR range test during OneCycle's warm-up: --max-lr is a first guess; the LR ramps from 1/25 of the "
         "schedule past it until the loss's progress collapses or it turns unstable, then every replica goes back to "
@@ -192,6 +195,8 @@ def check(cfg: RunConfig) -> None:
         raise RunError(f"Expected --on-runaway ignore or recover, but got {cfg.on_runaway!r}")
     if not 0 < cfg.lr_cut <= 1:
         raise RunError(f"Expected --lr-cut in (0, 1] (the LR schedule's factor at a recovery), but got {cfg.lr_cut}")
+    if cfg.judge_steps < 1:
+        raise RunError(f"Expected --judge-steps >= 1 (steps of windows judged together), but got {cfg.judge_steps}")
     if not (cfg.range_backoff >= 1 and math.isfinite(cfg.range_backoff)):
         raise RunError(f"Expected --range-backoff >= 1, but got {cfg.range_backoff}")
     if not (0 < cfg.pct_start < 1):
@@ -304,9 +309,11 @@ def unused(cfg: RunConfig, world: int | None = None) -> list[str]:
             out.append(f"--{name.replace('_', '-')} without --auto-lr")
     if cfg.optimizer == "schedulefree-adamw":
         out += [f"--{name.replace('_', '-')} with --optimizer schedulefree-adamw (its runs have no stability guard)"
-                for name in ("on_runaway", "lr_cut") if getattr(cfg, name) != getattr(default, name)]
-    elif cfg.lr_cut != default.lr_cut and cfg.on_runaway != "recover":
-        out.append(f"--lr-cut with --on-runaway {cfg.on_runaway}")
+                for name in ("on_runaway", "lr_cut", "judge_steps") if getattr(cfg, name) != getattr(default, name)]
+    elif cfg.on_runaway != "recover":
+        out += [f"--{name.replace('_', '-')} with --on-runaway {cfg.on_runaway}"
+                for name, used in (("lr_cut", False), ("judge_steps", cfg.range_test))  # (the range test guards too)
+                if getattr(cfg, name) != getattr(default, name) and not used]
     if cfg.range_backoff != default.range_backoff and not cfg.range_test:
         out.append("--range-backoff without --range-test")
     for name in ("ctx", "layers"):
