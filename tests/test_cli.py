@@ -532,7 +532,7 @@ def test_lr_cut_is_the_factor_of_each_recovery(tmp_path, capsys):
     assert "--lr-cut 0.6 -> 0.5" in capsys.readouterr().err
     assert "--lr-cut with --on-runaway ignore" in unused(RunConfig(lr_cut=0.5, on_runaway="ignore"))
     assert "--judge-steps with --on-runaway ignore" in unused(RunConfig(judge_steps=5, on_runaway="ignore"))
-    assert not unused(RunConfig(judge_steps=5, on_runaway="ignore", range_test=True))  # (the range test guards)
+    assert not unused(RunConfig(judge_steps=5, lr_cut=0.5, on_runaway="ignore", range_test=True))  # (it guards)
     assert main(["train", *TINY, "--judge-steps", "0", "--out", str(tmp_path / "bad")]) == 2
     assert "Expected --judge-steps >= 1 (steps of windows judged together), but got 0" in capsys.readouterr().err
     said = unused(RunConfig(lr_cut=0.5, on_runaway="ignore", optimizer="schedulefree-adamw", alpha=0))
@@ -540,6 +540,29 @@ def test_lr_cut_is_the_factor_of_each_recovery(tmp_path, capsys):
                     for f in ("on-runaway", "lr-cut")]
     assert main(["train", *TINY, "--lr-cut", "1.5", "--out", str(tmp_path / "bad")]) == 2
     assert "Expected --lr-cut in (0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("T, judge_steps, same", [(4, 25, False), (4, 1, True), (4, 4, True), (25, 25, True),
+                                                   (30, 1, True)])
+def test_a_checkpoint_from_before_judge_steps_resumes_only_as_it_was_judged(T, judge_steps, same):
+    """A run checkpointed before --judge-steps judged every window alone: at --T 4 the default (25: 7 windows pooled)
+    is another run, refused with what differs (the steps judged together, 4 -> 28); --judge-steps 1 (or 4) resumes it;
+    at --T >= 25 every value up to T is the same run."""
+    import dataclasses
+
+    from hdet.app import checkpoint as ck
+    from hdet.app.options import RunConfig, RunError
+
+    old = {k: v for k, v in dataclasses.asdict(RunConfig(T=T)).items() if k not in ck.SAME_RUN_EXEMPT
+           and k != "judge_steps"}
+    old["lr_cut"] = 0.7
+    state = {"config": old, "mode": "engine-loop", "device": "cpu", "replicas": 4}
+    cfg = RunConfig(T=T, judge_steps=judge_steps, lr_cut=0.7)
+    if same:
+        ck.check_config(state, cfg, 4, "engine-loop", "cpu")
+    else:
+        with pytest.raises(RunError, match="--judge-steps 4 -> 28"):
+            ck.check_config(state, cfg, 4, "engine-loop", "cpu")
 
 
 @pytest.mark.parametrize("optimizer", ["dadapt-adam", "prodigy"])

@@ -52,8 +52,9 @@ class HDETConfig:
             fraction above its best so far. Default 0.05.
         judge_steps: with "recover": a runaway or a rise is judged over windows of at least this many steps:
             where T is shorter, ``ceil(judge_steps / T)`` windows are pooled (their losses summed per replica) and
-            only every such sync judges them (on a 128M GPT, 5-step windows set the rule off on their noise in 2 of 3
-            seeds at the right LR: ``docs/reliability.md``). Non-finite values are acted on at every sync. Default 25.
+            only every such sync judges them (on a 128M GPT, 5-step windows set the rule off on their noise in 2 of
+            3 seeds at the right LR: ``docs/reliability.md``). Non-finite values, and windows no noise explains (a
+            replica 10x the others, an ensemble 10x its best), are acted on at every sync. Default 25.
         lr_cut: with "recover": at each sync with a runaway replica or a rising ensemble, the LR schedule is
             cut for the rest of the run, the k-th time by ``lr_cut ** k`` (0.7, then 0.49, ... of what it was:
             a repeated event says the LR is further past the edge). Default 0.7 (measured against 0.5, 0.85 and

@@ -673,6 +673,7 @@ class Ensemble:
                 self._reset_moments(t, bad)
                 for r in bad:  # (said at the next sync: sched.last_sync.recovered_early)
                     self.early_recovered.setdefault(r, t)
+                self.stability.forget(bad)  # (judged on their windows from now on)
         if bad:
             _warn_recovered(t, bad, "an early recovery at")
         if self.step_scale is not None:

@@ -142,7 +142,10 @@ def _parse_config(cfg: Any, version: int) -> HDETConfig:
 def _replaced_settings(saved: HDETConfig, built: HDETConfig) -> list[str]:
     """The settings the state's replace (a resume continues the saved run, as torch's schedulers do)."""
     return [f"{f.name} {getattr(saved, f.name)!r} (built with {getattr(built, f.name)!r})"
-            for f in dataclasses.fields(HDETConfig) if getattr(saved, f.name) != getattr(built, f.name)]
+            for f in dataclasses.fields(HDETConfig) if getattr(saved, f.name) != getattr(built, f.name)
+            and not (f.name == "judge_steps"
+                     and (saved.judged_windows == built.judged_windows or not saved.recovering))]
+    # (judge_steps: only where it changes what is judged; every state from before it says 1)
 
 
 def _parse_fields(ens: "Ensemble", state: dict[str, Any], version: int) -> dict[str, Any]:

@@ -16,7 +16,9 @@ decides the same, with no communication):
   ``MIN_LR_SCALE`` at most.
 
 Both are judged over windows of at least ``judge_steps`` (25) steps: where T is shorter, ``ceil(judge_steps / T)``
-windows are pooled (each replica's loss sums added up) and only every such sync judges them, and keeps a best sync.
+windows are pooled (each replica's loss sums added up) and only every such sync judges them, and keeps a best sync;
+between judgments only a window no noise explains is acted on (a replica's loss 10x the median's magnitude above it,
+an ensemble's 10x its best's).
 Short windows' losses move together by more than their steps' spread says (on a 128M GPT, 5-step windows rose 7-14%
 above a lucky best while the loss fell, and the rule went back three times and cut the LR to 0.12x: an audit of
 ``benchmarks/results/gpu_4x_h200/gpt128m_sweep/``). Non-finite values are acted on at every sync.
@@ -25,9 +27,8 @@ Every replica non-finite at once (a collapse) goes back to the best sync too. Be
 after the run's first step is kept (:meth:`StabilityGuard.keep_start`, where every replica's is healthy; again, before
 the first sync, at a step where it stops fitting the optimizer's state: :meth:`StabilityGuard.keep_start_again`): a
 collapse or a window with no finite loss goes back there, and a sync ``RISE_CEILING`` times the first step's loss
-magnitude above it is no best; one that is also that many times the lowest window's loss magnitude above it (and above
-the first sync's) is a rise, back to the start, unless the first step's loss was 0 (a masked first batch, a student
-that starts as its teacher).
+magnitude above it is no best; one that is also that many times the last window's loss magnitude above it (a blow-up:
+10x in one window) is a rise, back to the start.
 
 Memory: one copy of the averaged tensors and the optimizer state per replica (taken at syncs, and at the start); in the
 one-process engine, tensors that the replicas share (its one copy of the moments) are copied once
@@ -172,7 +173,8 @@ class StabilityGuard:
         self._start_loss: tuple[torch.Tensor | float, torch.Tensor | float] = (0.0, 0.0)  # its first loss: (sum, n)
         self._start_rise: tuple[float, float] | None = None  # (window loss, first step's loss): blown up from it
         self._said_blown = False
-        self._start_grown: tuple[float, float] | None = None  # (window loss, lowest window loss): a rise before a best
+        self._start_grown: tuple[float, float] | None = None  # (window loss, the last one): a rise before a best
+        self.last_loss: float | None = None  # the last sync's median window loss (after going back: the state's)
         # T < judge_steps: the windows pooled since the last judgment, per replica [loss sums, sums of squares,
         # counts], how many, and whether one of them left a replica out or saw a non-finite loss (no best then)
         self._pool: list[list[float]] | None = None
@@ -218,13 +220,14 @@ class StabilityGuard:
             times = max(RISE_CEILING, c.rise_threshold)
             if math.isfinite(start) and now > start + times * abs(start):
                 self._start_rise = (now, start)  # blown up from the first step's loss: no best (after_average)
-                low = None if self.lowest is None else self.lowest[0]
-                if start != 0 and low is not None and now > max(low + times * abs(low), self.first_loss or low):
-                    # and grown that much past the lowest window since, and above the first sync's (as after a best):
-                    # a rise, back to the start (a run blown up to 1e30 from step 1 stayed there with finite losses:
-                    # no best, so no rise was caught: an audit). Not from a first loss of 0 (a masked first batch, a
-                    # student that starts as its teacher: every window is "blown" from it; a review)
-                    self._start_grown = (now, low)
+                prev = self.last_loss
+                if prev is not None and prev != 0 and now > prev + times * abs(prev):
+                    # and grown that much in one window (from the last sync's loss, or the first step's after going
+                    # back to the start): a blow-up, back to the start. A run blown up to 1e30 from step 1 stayed
+                    # there with finite losses: no best, so no rise was caught (an audit). Against the lowest window
+                    # instead, a loss near 0 by design (a student that starts as its teacher) drifting up 1.3x a window
+                    # went back at every sync, with a first loss of 0 or of 1e-9 (two reviews)
+                    self._start_grown = (now, prev)
                     return lost, True
             return lost, False
         if not ok:
@@ -232,8 +235,15 @@ class StabilityGuard:
         if len(ok) < 2 or best is None:
             return lost, False
         if pooling:  # judged over the pooled windows, or not at this sync
-            if self._judged is None:
-                return lost, False
+            if self._judged is None:  # between judgments, only what no noise explains (a blow-up): a replica's window
+                # loss 10x the median's magnitude above it, or the ensemble's 10x the best's (both above the first
+                # sync's loss, as below); a window read alone caught the 128M GPT's noise, this does not
+                times = max(RISE_CEILING, c.rise_threshold)
+                med = statistics.median(losses[r] for r in ok)
+                first = self.first_loss if self.first_loss is not None else -math.inf
+                gross = [r for r in ok if len(ok) >= 3 and losses[r] > max(med + times * abs(med), best, first)]
+                now = statistics.median(losses[r] for r in ok if r not in gross)
+                return sorted(gross + lost), now > max(best + times * abs(best), first)
             losses, col = self._judged
             ok = [r for r in ok if col.loss_n[r] > 0]
             if len(ok) < 2:
@@ -260,20 +270,19 @@ class StabilityGuard:
             return False
         judged, self._judged = self._judged, None
         pooling = self.config.judged_windows > 1 if self._pooling is None else self._pooling
-        if self._pool is not None:  # a replica reset here is judged on its windows from now on (its sums before the
-            for r in exclude:  # reset made it a runaway again at the next judgment: a review)
-                if r < len(self._pool[0]):
-                    for row in self._pool:
-                        row[r] = 0.0
         self._pooling = None  # (not judged: an early recovery, whose window goes on into the next sync's)
+        dirty = self._pool_dirty
+        if judged is not None:
+            self._pool_dirty = False
+        self.forget(exclude)
         if rising and self.can_go_back(tensors):
             copy_kept(tensors, self._snapshot)
-            self.clear_pool()
+            self._went_back()
             return True
         keep = [r for r, x in enumerate(losses) if r not in exclude and math.isfinite(x)]
         if not keep:
             return False
-        loss = statistics.median(losses[r] for r in keep)
+        loss = self.last_loss = statistics.median(losses[r] for r in keep)
         if self.first_loss is None:
             self.first_loss = loss
         if self.lowest is None or loss < self.lowest[0]:
@@ -286,10 +295,10 @@ class StabilityGuard:
                           f"first step's loss magnitude above it ({blown[1]:.4g}): not kept as a best sync (a run that "
                           "blew up within its first window went back to such a sync at every later one); a collapse, "
                           "or a window with no finite loss, goes back to the start (the state after step "
-                          f"{self.best_step}) until a sync is kept, and so does a window also {times:g}x the lowest "
-                          "window's loss magnitude above it, unless the first loss is 0. "
-                          "If a first loss near 0 is by design (a student that starts as its teacher), no other rise "
-                          "is caught until then", stacklevel=user_stacklevel())
+                          f"{self.best_step}) until a sync is kept, and so does a window also {times:g}x the last "
+                          "one's loss magnitude above it (a blow-up). If a first loss near 0 is by design (a student "
+                          "that starts as its teacher), no other rise is caught until then",
+                          stacklevel=user_stacklevel())
         clean = not exclude and blown is None and (self.best_loss is None or not any(getattr(col, "nonfinite", ())))
         # (no replica reset, and after the first best no non-finite loss: a sync that reset a runaway replica kept the
         # weights its huge gradients had already reached, under a loss measured before them, a best no later window
@@ -297,9 +306,9 @@ class StabilityGuard:
         # from the first step's: a run that blew up within its first window went back to that sync at every later one)
         if pooling:  # pooled windows: a best only where they were judged, over all of them
             if judged is None:
-                self._pool_dirty = self._pool_dirty or not clean
+                self._pool_dirty = dirty or not clean
                 return False
-            clean, self._pool_dirty = clean and not self._pool_dirty, False
+            clean = clean and not dirty
             losses, col = judged
             keep = [r for r in keep if col.loss_n[r] > 0]
             if not keep:
@@ -327,6 +336,25 @@ class StabilityGuard:
         self._pool, self._pooled = None, 0
         return ([x / k if k else math.nan for x, k in zip(total, count)],
                 SimpleNamespace(loss_sum=total, loss_sq=sq, loss_n=count))
+
+    def forget(self, replicas: list[int]) -> None:
+        """Replicas reset to the others' mean (at a sync or an early recovery) are judged on their windows from now
+        on: their pooled sums from before the reset made a healthy replica a runaway again at the next judgment (two
+        reviews)."""
+        if self._pool is not None:
+            for r in replicas:
+                if r < len(self._pool[0]):
+                    for row in self._pool:
+                        row[r] = 0.0
+
+    def _went_back(self) -> None:
+        """After every replica went back to the kept state: the pool is gone, and the last loss is the state's."""
+        self.clear_pool()
+        if self.best_loss is not None:
+            self.last_loss = self.best_loss
+        else:  # the start: its first step's loss
+            total, n = self._start_loss
+            self.last_loss = float(total) / float(n) if float(n) > 0 else None
 
     def clear_pool(self) -> None:
         """Forget the pooled windows (the state went back: what they measured is gone)."""
@@ -402,7 +430,7 @@ class StabilityGuard:
         if not self.can_go_back(tensors):
             return False
         copy_kept(tensors, self._snapshot)
-        self.clear_pool()
+        self._went_back()
         return True
 
     @torch.no_grad()
@@ -414,6 +442,7 @@ class StabilityGuard:
         self._snapshot = self.copier(tensors, self._recyclable(tensors))
         self.starting, self.start_ok = False, True
         self.clear_pool()
+        self.last_loss = self.best_loss
 
     def warn(self, t: int, runaway: list[int], losses: list[float], rising: bool, back: bool, scale: float,
              collapsed: bool = False, at: str = "sync step") -> None:
@@ -432,7 +461,7 @@ class StabilityGuard:
             now, low = self._start_grown
             times = max(RISE_CEILING, self.config.rise_threshold)
             return (f"before any best sync, the ensemble's loss ({now:.4g}) is more than {times:g}x both its first "
-                    f"step's and its lowest window's ({low:.4g}) magnitude above them; ")
+                    f"step's and its last window's ({low:.4g}) magnitude above them; ")
         if self.best_loss is not None:
             return f"the ensemble's loss rose more than {self.config.rise_threshold:g} above its best ({self.best_loss:.4f}); "
         return "no healthy replica had a finite training loss in the window, before any best sync; "
@@ -440,6 +469,7 @@ class StabilityGuard:
     def state_dict(self) -> dict[str, Any]:
         return {"best_loss": self.best_loss, "best_step": self.best_step, "best_se": self.best_se,
                 "first_loss": self.first_loss, "lowest": None if self.lowest is None else list(self.lowest),
+                "last_loss": self.last_loss,
                 "snapshot": None if self._snapshot is None else self.copier.saved(self._snapshot),
                 # the kept start (HOST SYNC, while one is kept: its health flag, read with the copies)
                 **({"start": {"ok": bool(self.start_ok), "loss": [float(x) for x in self._start_loss]}}
@@ -478,19 +508,25 @@ class StabilityGuard:
                                       and first_step[1] in (0, 1)):
             raise ValueError(f"Expected the state's start as {{'ok': a bool, 'loss': [a finite sum, 0 or 1]}} with a "
                              f"snapshot and no best loss, but got {start!r}")
+        last = state.get("last_loss")  # (states saved before it: none until the next sync)
+        if last is not None and (not _is_real(last) or not math.isfinite(last)):
+            raise ValueError(f"Expected the state's last_loss as a finite number or None, but got {last!r}")
         pool = state.get("pool")  # (states saved before it, or at T >= judge_steps, pooled nothing)
         sums = pool.get("sums") if isinstance(pool, dict) else None
         if pool is not None and not (
                 isinstance(sums, list) and len(sums) == 3 and all(isinstance(x, list) for x in sums)
                 and len({len(x) for x in sums}) == 1 and len(sums[0]) > 0
-                and all(_is_real(v) and math.isfinite(v) for x in sums for v in x) and min(sums[2]) >= 0
+                and all(_is_real(v) and not math.isnan(v) for x in sums for v in x)  # (a sum of squares may overflow)
+                and all(math.isfinite(v) and v >= 0 for v in sums[2])
                 and isinstance(pool.get("windows"), int) and not isinstance(pool["windows"], bool)
                 and pool["windows"] >= 1 and isinstance(pool.get("dirty"), bool)):
-            raise ValueError("Expected the state's pool as {'sums': [three lists of finite numbers, one a replica, the "
-                             f"counts >= 0], 'windows': an integer >= 1, 'dirty': a bool}}, but got {pool!r}")
+            raise ValueError("Expected the state's pool as {'sums': [three lists of numbers (no NaN), one a replica, "
+                             "the counts finite and >= 0], 'windows': an integer >= 1, 'dirty': a bool}, but got "
+                             f"{pool!r}")
         return {"start": start, "best_loss": None if best is None else float(best), "best_step": state.get("best_step"),
                 "best_se": float(state.get("best_se", 0.0)), "first_loss": None if first is None else float(first),
                 "lowest": None if lowest is None else (float(lowest[0]), int(lowest[1])), "snapshot": snap,
+                "last_loss": None if last is None else float(last),
                 "pool": None if pool is None else ([[float(v) for v in x] for x in sums], pool["windows"], pool["dirty"])}
 
     def load(self, parsed: dict[str, Any], tensors: list[torch.Tensor], counts: int = 0,
@@ -500,6 +536,7 @@ class StabilityGuard:
         self.best_loss, self.best_step, self.best_se = parsed["best_loss"], parsed["best_step"], parsed["best_se"]
         self.first_loss = parsed.get("first_loss")
         self.lowest = parsed.get("lowest")
+        self.last_loss = parsed.get("last_loss")
         self.clear_pool()
         if parsed.get("pool") is not None:
             self._pool, self._pooled, self._pool_dirty = parsed["pool"]

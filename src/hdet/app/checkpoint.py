@@ -78,12 +78,15 @@ def _resolved(c: dict[str, Any], mode: str, device: str) -> dict[str, Any]:
             "prodigy_safeguard": c.get("optimizer") != "prodigy", "lr_sweep_then": not c.get("lr_sweep"),
             "lr_sweep_points": not c.get("lr_sweep"), "lr_sweep_factor": not c.get("lr_sweep"),
             "on_runaway": c.get("optimizer") == "schedulefree-adamw",  # (its runs have no stability guard)
-            "lr_cut": c.get("on_runaway") != "recover" or c.get("optimizer") == "schedulefree-adamw",
+            "lr_cut": (c.get("on_runaway") != "recover" and not c.get("range_test"))
+            or c.get("optimizer") == "schedulefree-adamw",  # (the range test turns the guard on)
             "judge_steps": (c.get("on_runaway") != "recover" and not c.get("range_test"))
-            or c.get("optimizer") == "schedulefree-adamw" or c.get("T", 0) >= c["judge_steps"],
+            or c.get("optimizer") == "schedulefree-adamw",
             "pct_start": c.get("optimizer") == "schedulefree-adamw", "data": c.get("task") != "fashion",
             "nu": not c.get("warm_init"), "clip": "grad-clip" not in (c.get("explore") or ()),
             "compile": mode != "engine-vmap", "cuda_graph": mode not in ("engine-merged", "engine-vmap"), "ctx": c.get("task") == "fashion", "layers": c.get("task") == "fashion"}
+    if c.get("T"):  # the steps judged together, a whole number of windows (1 and 25 at --T 25: both every window)
+        c["judge_steps"] = c["T"] * -(-c["judge_steps"] // c["T"])
     if auto and c.get("tie_lr_groups") is None:
         c["tie_lr_groups"] = fit
     if c.get("alpha", 0) > 0:  # the groups' LRs are explored whenever there is a spread

@@ -312,8 +312,8 @@ def unused(cfg: RunConfig, world: int | None = None) -> list[str]:
                 for name in ("on_runaway", "lr_cut", "judge_steps") if getattr(cfg, name) != getattr(default, name)]
     elif cfg.on_runaway != "recover":
         out += [f"--{name.replace('_', '-')} with --on-runaway {cfg.on_runaway}"
-                for name, used in (("lr_cut", False), ("judge_steps", cfg.range_test))  # (the range test guards too)
-                if getattr(cfg, name) != getattr(default, name) and not used]
+                for name in ("lr_cut", "judge_steps")  # (the range test turns the guard on)
+                if getattr(cfg, name) != getattr(default, name) and not cfg.range_test]
     if cfg.range_backoff != default.range_backoff and not cfg.range_test:
         out.append("--range-backoff without --range-test")
     for name in ("ctx", "layers"):
