@@ -27,8 +27,8 @@ Every replica non-finite at once (a collapse) goes back to the best sync too. Be
 after the run's first step is kept (:meth:`StabilityGuard.keep_start`, where every replica's is healthy; again, before
 the first sync, at a step where it stops fitting the optimizer's state: :meth:`StabilityGuard.keep_start_again`): a
 collapse or a window with no finite loss goes back there, and a sync ``RISE_CEILING`` times the first step's loss
-magnitude above it is no best; one that is also that many times the last window's loss magnitude above it (a blow-up:
-10x in one window) is a rise, back to the start.
+magnitude above it is no best; one that is also that many times the last or the lowest window's loss magnitude above
+it (a blow-up) is a rise, back to the start, unless the first step's loss is within ``NEAR_ZERO`` of 0.
 
 Memory: one copy of the averaged tensors and the optimizer state per replica (taken at syncs, and at the start); in the
 one-process engine, tensors that the replicas share (its one copy of the moments) are copied once
@@ -57,6 +57,8 @@ NOISE_Z = 4.0  # a rise must exceed this many standard errors of the window loss
 MIN_LR_SCALE = 1 / 64  # the LR schedule is never cut below this fraction of itself
 RISE_CEILING = 9.0  # a window loss this much of the best above it (10x a positive best), and above the first sync's,
 # is a rise whatever the noise
+NEAR_ZERO = 1e-3  # a first step's loss below this in magnitude is near 0 by design (a student that starts as its
+# teacher, a masked first batch): no window is taken as blown up from it
 
 
 def window_noise(col: Any, ok: list[int]) -> tuple[float, float]:
@@ -220,14 +222,15 @@ class StabilityGuard:
             times = max(RISE_CEILING, c.rise_threshold)
             if math.isfinite(start) and now > start + times * abs(start):
                 self._start_rise = (now, start)  # blown up from the first step's loss: no best (after_average)
-                prev = self.last_loss
-                if prev is not None and prev != 0 and now > prev + times * abs(prev):
-                    # and grown that much in one window (from the last sync's loss, or the first step's after going
-                    # back to the start): a blow-up, back to the start. A run blown up to 1e30 from step 1 stayed
-                    # there with finite losses: no best, so no rise was caught (an audit). Against the lowest window
-                    # instead, a loss near 0 by design (a student that starts as its teacher) drifting up 1.3x a window
-                    # went back at every sync, with a first loss of 0 or of 1e-9 (two reviews)
-                    self._start_grown = (now, prev)
+                low = None if self.lowest is None else self.lowest[0]
+                grown = [x for x in (self.last_loss, low) if x is not None and now > x + times * abs(x)]
+                if abs(start) >= NEAR_ZERO and grown:
+                    # and grown that much past the last window or the lowest one (the same numbers on every replica):
+                    # a blow-up, back to the start. A run blown up to 1e30 from step 1 stayed there with finite losses:
+                    # no best, so no rise was caught (an audit). Not from a first loss near 0 (by design: a student
+                    # that starts as its teacher, a masked first batch), which makes every window "blown": such a loss
+                    # drifting up 1.3x a window went back at every sync (three reviews)
+                    self._start_grown = (now, grown[0])
                     return lost, True
             return lost, False
         if not ok:
@@ -240,7 +243,9 @@ class StabilityGuard:
                 # sync's loss, as below); a window read alone caught the 128M GPT's noise, this does not
                 times = max(RISE_CEILING, c.rise_threshold)
                 med = statistics.median(losses[r] for r in ok)
-                first = self.first_loss if self.first_loss is not None else -math.inf
+                first = self.first_loss
+                if first is None:  # (a state from before it: no floor, so none of this, as the judged rule's)
+                    return lost, False
                 gross = [r for r in ok if len(ok) >= 3 and losses[r] > max(med + times * abs(med), best, first)]
                 now = statistics.median(losses[r] for r in ok if r not in gross)
                 return sorted(gross + lost), now > max(best + times * abs(best), first)
@@ -295,8 +300,9 @@ class StabilityGuard:
                           f"first step's loss magnitude above it ({blown[1]:.4g}): not kept as a best sync (a run that "
                           "blew up within its first window went back to such a sync at every later one); a collapse, "
                           "or a window with no finite loss, goes back to the start (the state after step "
-                          f"{self.best_step}) until a sync is kept, and so does a window also {times:g}x the last "
-                          "one's loss magnitude above it (a blow-up). If a first loss near 0 is by design (a student "
+                          f"{self.best_step}) until a sync is kept, and so does a window also {times:g}x the last or "
+                          "the lowest one's loss magnitude above it (a blow-up; not from a first loss within "
+                          f"{NEAR_ZERO:g} of 0). If a first loss near 0 is by design (a student "
                           "that starts as its teacher), no other rise is caught until then",
                           stacklevel=user_stacklevel())
         clean = not exclude and blown is None and (self.best_loss is None or not any(getattr(col, "nonfinite", ())))
@@ -348,13 +354,10 @@ class StabilityGuard:
                         row[r] = 0.0
 
     def _went_back(self) -> None:
-        """After every replica went back to the kept state: the pool is gone, and the last loss is the state's."""
+        """After every replica went back to the kept state: the pool is gone, and the last loss is the best sync's
+        (at the start, none: each replica's own first loss differs, and the replicas must decide alike: a review)."""
         self.clear_pool()
-        if self.best_loss is not None:
-            self.last_loss = self.best_loss
-        else:  # the start: its first step's loss
-            total, n = self._start_loss
-            self.last_loss = float(total) / float(n) if float(n) > 0 else None
+        self.last_loss = self.best_loss
 
     def clear_pool(self) -> None:
         """Forget the pooled windows (the state went back: what they measured is gone)."""
@@ -461,7 +464,7 @@ class StabilityGuard:
             now, low = self._start_grown
             times = max(RISE_CEILING, self.config.rise_threshold)
             return (f"before any best sync, the ensemble's loss ({now:.4g}) is more than {times:g}x both its first "
-                    f"step's and its last window's ({low:.4g}) magnitude above them; ")
+                    f"step's and its last or lowest window's ({low:.4g}) magnitude above them; ")
         if self.best_loss is not None:
             return f"the ensemble's loss rose more than {self.config.rise_threshold:g} above its best ({self.best_loss:.4f}); "
         return "no healthy replica had a finite training loss in the window, before any best sync; "
