@@ -175,7 +175,7 @@ class StabilityGuard:
         self._start_loss: tuple[torch.Tensor | float, torch.Tensor | float] = (0.0, 0.0)  # its first loss: (sum, n)
         self._start_rise: tuple[float, float] | None = None  # (window loss, first step's loss): blown up from it
         self._said_blown = False
-        self._start_grown: tuple[float, float] | None = None  # (window loss, the last one): a rise before a best
+        self._start_grown: tuple[float, float] | None = None  # (window loss, the last or lowest one): a rise, no best
         self.last_loss: float | None = None  # the last sync's median window loss (after going back: the state's)
         # T < judge_steps: the windows pooled since the last judgment, per replica [loss sums, sums of squares,
         # counts], how many, and whether one of them left a replica out or saw a non-finite loss (no best then)
@@ -210,6 +210,7 @@ class StabilityGuard:
         lost = [r for r, x in enumerate(losses) if r not in bad and not math.isfinite(x) and nonfinite is not None
                 and nonfinite[r] > 0]  # observed losses, none of them finite
         best = self.best_loss
+        times = max(RISE_CEILING, c.rise_threshold)
         self._start_rise = self._start_grown = None
         pooling = self._pooling = pool and c.judged_windows > 1
         self._judged = self._pool_window(col, len(losses)) if pooling else None
@@ -219,7 +220,6 @@ class StabilityGuard:
             firsts = [col.start_sum[r] / col.start_n[r] for r in range(len(losses)) if col.start_n[r] > 0]
             start = statistics.median(firsts) if firsts else math.nan
             now = statistics.median(losses[r] for r in ok)
-            times = max(RISE_CEILING, c.rise_threshold)
             if math.isfinite(start) and now > start + times * abs(start):
                 self._start_rise = (now, start)  # blown up from the first step's loss: no best (after_average)
                 low = None if self.lowest is None else self.lowest[0]
@@ -241,7 +241,6 @@ class StabilityGuard:
             if self._judged is None:  # between judgments, only what no noise explains (a blow-up): a replica's window
                 # loss 10x the median's magnitude above it, or the ensemble's 10x the best's (both above the first
                 # sync's loss, as below); a window read alone caught the 128M GPT's noise, this does not
-                times = max(RISE_CEILING, c.rise_threshold)
                 med = statistics.median(losses[r] for r in ok)
                 first = self.first_loss
                 if first is None:  # (a state from before it: no floor, so none of this, as the judged rule's)
@@ -261,8 +260,7 @@ class StabilityGuard:
         healthy = [losses[r] for r in ok if r not in runaway]
         margin = max(c.rise_threshold * abs(best), NOISE_Z * math.hypot(se_ensemble, self.best_se))
         now = statistics.median(healthy)
-        blown = self.first_loss is not None and now > max(best + max(RISE_CEILING, c.rise_threshold) * abs(best),
-                                                           self.first_loss)
+        blown = self.first_loss is not None and now > max(best + times * abs(best), self.first_loss)
         return sorted(runaway + lost), now > best + margin or blown
 
     @torch.no_grad()
@@ -274,8 +272,7 @@ class StabilityGuard:
         if not self.on:
             return False
         judged, self._judged = self._judged, None
-        pooling = self.config.judged_windows > 1 if self._pooling is None else self._pooling
-        self._pooling = None  # (not judged: an early recovery, whose window goes on into the next sync's)
+        pooling, self._pooling = bool(self._pooling), None
         dirty = self._pool_dirty
         if judged is not None:
             self._pool_dirty = False
@@ -331,8 +328,10 @@ class StabilityGuard:
         return its per-replica losses (NaN where none was finite) and sums (as ``col``'s fields), else None."""
         rows = [[float(x) for x in col.loss_sum[:n]], [float(x) for x in col.loss_sq[:n]],
                 [float(x) for x in col.loss_n[:n]]]
-        if self._pool is None or len(self._pool[0]) != n:  # (another world size: an elastic resume starts afresh)
-            self._pool, self._pooled, self._pool_dirty = rows, 1, self._pool_dirty and self._pool is None
+        if self._pool is not None and len(self._pool[0]) != n:  # another world size (an elastic resume): afresh
+            self._pool, self._pool_dirty = None, False
+        if self._pool is None:
+            self._pool, self._pooled = rows, 1
         else:
             self._pool = [[a + b for a, b in zip(p, w)] for p, w in zip(self._pool, rows)]
             self._pooled += 1
