@@ -17,12 +17,13 @@ import hdet
 from hdet.engine import ReplicaEngine
 
 
-def _scripted(script, mode="recover", N=8, T=5, judge_steps=1, **kw):
+def _scripted(script, mode="recover", N=8, T=5, judge_steps=1, replicas=ScriptedReplicas, total_steps=100, **kw):
+    """``script``: the replicas' window losses, one list of N a sync (any iterable, a generator included)."""
     torch.manual_seed(0)
     m = nn.Linear(3, 1)
     o = torch.optim.SGD(m.parameters(), lr=0.1)
     it = iter(script)
-    s = hdet.HDETLR(o, None, total_steps=100, model=m, replicas=ScriptedReplicas(0, N, lambda: next(it)),
+    s = hdet.HDETLR(o, None, total_steps=total_steps, model=m, replicas=replicas(0, N, lambda: next(it)),
                     ensemble_lr_spread_ratio=0.2, model_sync_interval=T, on_runaway=mode, judge_steps=judge_steps, **kw)
     return m, o, s
 
@@ -230,12 +231,7 @@ def test_a_replica_reset_between_judgments_is_judged_on_its_windows_after_the_re
                 rows[7, SyncVector._fields.index("finite")] = 0.0
             return rows
 
-    script = iter([[1.0] * 8] * 7 + [[1.0] * 7 + [3.0]] + [[1.0] * 8] * 4)
-    torch.manual_seed(0)
-    m = nn.Linear(3, 1)
-    o = torch.optim.SGD(m.parameters(), lr=0.1)
-    s = hdet.HDETLR(o, None, total_steps=100, model=m, replicas=Broken(0, 8, lambda: next(script)),
-                    ensemble_lr_spread_ratio=0.2, model_sync_interval=5, on_runaway="recover")
+    _, o, s = _scripted([[1.0] * 8] * 7 + [[1.0] * 7 + [3.0]] + [[1.0] * 8] * 4, judge_steps=25, replicas=Broken)
     records = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -253,20 +249,10 @@ def test_a_first_loss_of_zero_and_a_loss_drifting_up_is_never_sent_back(first):
     a window with no finite loss sent it back once. Against the lowest window it fired at every sync, with the LR cut to
     its floor; against the last one, after that go-back, too (three reviews): no blow-up is read from a first loss
     within NEAR_ZERO of 0."""
-    k = {"n": 0}
-
-    def losses():
-        k["n"] += 1
-        return [float("nan")] * 4 if k["n"] == 4 else [1e-4 * 1.3 ** k["n"]] * 4
-
     for T, judge_steps in ((10, 1), (5, 25)):
-        k["n"] = 0
-        torch.manual_seed(0)
-        m = nn.Linear(3, 1)
-        o = torch.optim.SGD(m.parameters(), lr=0.1)
-        s = hdet.HDETLR(o, None, total_steps=200, model=m, replicas=ScriptedReplicas(0, 4, losses),
-                        ensemble_lr_spread_ratio=0.2, model_sync_interval=T, on_runaway="recover",
-                        judge_steps=judge_steps)
+        syncs = 180 // T
+        script = ([float("nan")] * 4 if n == 4 else [1e-4 * 1.3 ** n] * 4 for n in range(1, syncs + 1))
+        _, o, s = _scripted(script, N=4, T=T, judge_steps=judge_steps, total_steps=200)
         back = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -275,24 +261,15 @@ def test_a_first_loss_of_zero_and_a_loss_drifting_up_is_never_sent_back(first):
                 s.step(torch.tensor(first if t == 1 else float("nan") if 3 * T < t <= 4 * T else 1.0))
                 if s.is_sync_step() and s.last_sync.went_back_to is not None:
                     back.append(t)
-        assert back == [4 * T] and s.ensemble.slots.lr_scale == pytest.approx(0.7) and k["n"] == 180 // T
+        assert back == [4 * T] and s.ensemble.slots.lr_scale == pytest.approx(0.7)
+        assert next(script, None) is None  # (every window scripted was read: one a sync)
 
 
 @pytest.mark.parametrize("T, growth", [(5, 5.0), (10, 8.0)])
 def test_a_blow_up_from_the_start_growing_under_10x_a_window_is_caught(T, growth):
     """Before any best, a loss growing 5x (8x) a window from a first loss of 1, up to a finite 1e30: sent back to the
     start once it is 10x its lowest window, though no window is 10x the last one (a review)."""
-    k = {"n": 0}
-
-    def losses():
-        k["n"] += 1
-        return [min(2 * growth ** k["n"], 1e30)] * 4
-
-    torch.manual_seed(0)
-    m = nn.Linear(3, 1)
-    o = torch.optim.SGD(m.parameters(), lr=0.1)
-    s = hdet.HDETLR(o, None, total_steps=100, model=m, replicas=ScriptedReplicas(0, 4, losses),
-                    ensemble_lr_spread_ratio=0.2, model_sync_interval=T, on_runaway="recover")
+    _, o, s = _scripted(([min(2 * growth ** n, 1e30)] * 4 for n in range(1, 61 // T + 1)), N=4, T=T, judge_steps=25)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for t in range(1, 61):
@@ -378,11 +355,7 @@ def test_a_pool_whose_sum_of_squares_overflowed_is_saved_and_loaded():
     """A finite loss whose square overflows (1e160 in float64; above 1.8e19 where the window sums are float32) made
     the pooled sum of squares inf, and the checkpoint could not be loaded (a review)."""
     def build():
-        torch.manual_seed(0)
-        m = nn.Linear(3, 1)
-        o = torch.optim.SGD(m.parameters(), lr=0.1)
-        return o, hdet.HDETLR(o, None, total_steps=100, model=m, replicas=ScriptedReplicas(0, 4, lambda: [1.0] * 4),
-                              ensemble_lr_spread_ratio=0.2, model_sync_interval=5, on_runaway="recover")
+        return _scripted([[1.0] * 4] * 2, N=4, judge_steps=25)[1:]
 
     o, s = build()
     with warnings.catch_warnings():
@@ -424,7 +397,8 @@ def test_a_state_from_before_judge_steps_resumes_judging_every_window(T, recover
 
 def _falling_then(bump, then, judge_steps, steps=75):
     """T 5, 4 identical replicas; step losses falling from 2.0 to 1.5 over 25 steps (+-0.02 noise; the last window's
-    mean 1.54), then ``bump`` for 5 steps, falling 1.45 to 1.40 to step 50, then ``then`` to step ``steps``. Returns the syncs' records."""
+    mean 1.54), then ``bump`` for 5 steps, falling 1.45 to 1.40 to step 50, then ``then`` to step ``steps``. Returns
+    the syncs' records."""
     torch.manual_seed(0)
     m = nn.Linear(3, 1)
     o = torch.optim.SGD(m.parameters(), lr=0.1)

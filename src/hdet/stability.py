@@ -443,8 +443,7 @@ class StabilityGuard:
         self.lowest = None if self.best_loss is None else (self.best_loss, step)
         self._snapshot = self.copier(tensors, self._recyclable(tensors))
         self.starting, self.start_ok = False, True
-        self.clear_pool()
-        self.last_loss = self.best_loss
+        self._went_back()
 
     def warn(self, t: int, runaway: list[int], losses: list[float], rising: bool, back: bool, scale: float,
              collapsed: bool = False, at: str = "sync step") -> None:
@@ -529,7 +528,8 @@ class StabilityGuard:
                 "best_se": float(state.get("best_se", 0.0)), "first_loss": None if first is None else float(first),
                 "lowest": None if lowest is None else (float(lowest[0]), int(lowest[1])), "snapshot": snap,
                 "last_loss": None if last is None else float(last),
-                "pool": None if pool is None else ([[float(v) for v in x] for x in sums], pool["windows"], pool["dirty"])}
+                "pool": None if pool is None else ([[float(v) for v in x] for x in sums], pool["windows"],
+                                                   pool["dirty"])}
 
     def load(self, parsed: dict[str, Any], tensors: list[torch.Tensor], counts: int = 0,
              optimizer_empty: bool = False) -> None:
