@@ -177,6 +177,7 @@ def train(a: argparse.Namespace) -> dict:
     g = torch.Generator(device=dev).manual_seed(1000 * a.seed + rank)  # each rank its own batches
     offsets = torch.arange(a.ctx + 1, device=dev)
     curve, val_curve, error = [], [], None
+    norms, norm_sum = [], torch.zeros((), device=dev)  # the pre-clip gradient norm, summed on the device
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -189,11 +190,13 @@ def train(a: argparse.Namespace) -> dict:
             loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), x[:, 1:].reshape(-1))
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), a.clip)
+            norm_sum += torch.nn.utils.clip_grad_norm_(net.parameters(), a.clip)
             opt.step()
             sched.step(loss) if hdet_run else sched.step()
             if step % a.log_every == 0 or step == a.steps:
                 curve.append((step, loss.item(), opt.param_groups[0]["lr"]))  # host sync every log_every steps
+                norms.append((step, norm_sum.item() / (step - (norms[-1][0] if norms else 0))))  # (window mean)
+                norm_sum.zero_()
             if step % a.eval_every == 0 or step == a.steps:
                 # mid-run, HDET's replicas differ: the mean over replicas; after the last step they are averaged
                 val_curve.append((step, evaluate(model, val_data, a.ctx, a.eval_windows, 32, rank, world)))
@@ -212,7 +215,8 @@ def train(a: argparse.Namespace) -> dict:
            "max_lr": max_lr, "lr_sweep": swept,
            "final_val_loss": final, "diverged": not math.isfinite(final) or final > a.diverged_above,
            "error": error, "seconds": seconds, "steps_per_second": a.steps / seconds,
-           "train_curve": curve, "val_curve": val_curve, "syncs": syncs}
+           "train_curve": curve, "val_curve": val_curve, "syncs": syncs,
+           "grad_norm_curve": norms}
     if rank == 0 and a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
     if rank == 0:
