@@ -12,6 +12,7 @@ moments are the same on every replica: the same gradients). Multipliers 1,1 is p
 
     python benchmarks/gpt_multi_gpu.py --prepare --cache /tmp/corpus
     python benchmarks/spread_eos.py --cache /tmp/corpus --multipliers 0.8,1.2 --T 25 --out a.json
+    python benchmarks/spread_eos.py --report FOLDER     # the tables of every run in FOLDER (markdown)
 
 Writes JSON: the command, config, versions, the final held-out loss of the averaged weights, and per step: every
 replica's loss and local gradient norm, the mean gradient's norm.
@@ -37,7 +38,48 @@ import hdet  # noqa: E402
 from hdet.app.tasks import ByteGPT, param_groups  # noqa: E402
 
 
+PHASES = ((0, 100), (100, 300), (300, 500), (500, 700), (700, 1000))  # 0-based steps: warm-up to step 300, then decay
+
+
+def report(folder: Path) -> str:
+    """Per run: the final held-out loss and, per phase of the run, the mean local gradient norm of the lowest- and
+    the highest-multiplier replica and of their mean gradient; then, for steps 300-600, the same by the step's place
+    in its window (k steps after a converge step)."""
+    runs = {f.stem: json.loads(f.read_text()) for f in sorted(folder.glob("*.json")) if f.stem != "corpus"}
+    runs = {k: r for k, r in runs.items() if "local_grad_norms" in r}
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    head = "| run | multipliers | T | seed | held-out loss | " + " | ".join(
+        f"steps {a + 1}-{b}: low / high / mean" for a, b in PHASES) + " |"
+    lines = [head, "|" + "---|" * (5 + len(PHASES))]
+    for k, r in runs.items():
+        L, M, arg = r["local_grad_norms"], r["mean_grad_norm"], r["args"]
+        rho = [float(x) for x in arg["multipliers"].split(",")]
+        lo, hi = rho.index(min(rho)), rho.index(max(rho))
+        cells = [f"{mean([l[lo] for l in L[a:b]]):.2f} / {mean([l[hi] for l in L[a:b]]):.2f} / {mean(M[a:b]):.2f}"
+                 for a, b in PHASES if b <= len(L)]
+        lines.append(f"| {k} | {arg['multipliers']} | {arg['T']} | {arg['seed']} | {r['final_val_loss']:.4f} | "
+                     + " | ".join(cells) + " |")
+    lines += ["", "Steps 301-600 by the step's place in its window (k = 1: the first step after a converge step): local "
+              "gradient norm of the lowest / highest multiplier's replica, and the highest's loss minus the lowest's", ""]
+    for k, r in runs.items():
+        rho = [float(x) for x in r["args"]["multipliers"].split(",")]
+        T, lo, hi = r["args"]["T"], rho.index(min(rho)), rho.index(max(rho))
+        if lo == hi:
+            continue
+        by: dict[int, list[tuple[float, float, float]]] = {}
+        for s in range(300, min(600, len(r["losses"]))):
+            L, X = r["local_grad_norms"][s], r["losses"][s]
+            by.setdefault(s % T + 1, []).append((L[lo], L[hi], X[hi] - X[lo]))
+        lines.append(f"* {k}: " + ", ".join(
+            f"k {j}: {mean([v[0] for v in by[j]]):.2f} / {mean([v[1] for v in by[j]]):.2f} ({mean([v[2] for v in by[j]]):+.3f})"
+            for j in sorted(by) if j in (1, 2, 3, 5, 10, 15, 25)))
+    return "\n".join(lines)
+
+
 def main() -> None:
+    if "--report" in sys.argv:
+        print(report(Path(sys.argv[sys.argv.index("--report") + 1])))
+        return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cache", default="/tmp/hdet_corpus")
     p.add_argument("--tiny", action="store_true", help="a small model (a CPU check of the script)")
