@@ -1,7 +1,7 @@
 """What HDET's spread does to the shared gradient: N replicas on one device, HDET's DDP semantics written out by hand.
 
-Issue 15's 128M GPT ends 1.2-2.8% above plain DDP under HDET's spread (alpha 0.2), the machinery alone costs nothing
-(``benchmarks/results/gpu_h200/world1_machinery/``), and a shorter window (T 5) was no cheaper. One hypothesis: at
+Issue 15's 128M GPT ends 1-3% above plain DDP under HDET's spread (alpha 0.2), the machinery alone costs nothing
+(``benchmarks/results/gpu_h200/world1_machinery/``), and a shorter window (T 5) was no cheaper on 4 x H200. One hypothesis: at
 the tuned LR training sits at the edge of stability, the replica at 1 + alpha is past it, its weights oscillate along
 the sharpest directions between syncs, and its large local gradient enters everyone's all-reduced gradient (and
 Adam's second moment). This script measures that, without torch.distributed: N copies of the model of
@@ -151,6 +151,7 @@ def main() -> None:
     rec = {"command": "python " + " ".join(sys.argv), "args": vars(a), "python": platform.python_version(),
            "torch": torch.__version__, "hdet": hdet.__version__,
            "device": torch.cuda.get_device_name() if cuda else "cpu", "seconds": seconds,
+           "corpus": json.loads((Path(a.cache) / "meta.json").read_text()),
            "final_val_loss": final, "max_moment_difference": same_moments,
            "losses": losses.tolist(), "local_grad_norms": local.tolist(), "mean_grad_norm": mean_norm.tolist()}
     print(json.dumps({"final_val_loss": final, "seconds": seconds, "max_moment_difference": same_moments}))
