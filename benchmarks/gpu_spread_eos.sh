@@ -9,7 +9,8 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 mkdir -p "$out"
 nvidia-smi -L > "$out/gpus.txt"
 python -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__)" >> "$out/gpus.txt"
-[ -f /tmp/hdet_corpus/train.bin ] || python benchmarks/gpt_multi_gpu.py --prepare --cache /tmp/hdet_corpus > "$out/corpus.json"
+[ -f /tmp/hdet_corpus/train.bin ] || python benchmarks/gpt_multi_gpu.py --prepare --cache /tmp/hdet_corpus > /dev/null
+cp /tmp/hdet_corpus/meta.json "$out/corpus.json"
 echo "prepared ${SECONDS}s" | tee -a "$out/timeline.txt"
 last=0
 for spec in "$@"; do

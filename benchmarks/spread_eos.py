@@ -4,7 +4,8 @@ Issue 15's 128M GPT ends 1-3% above plain DDP under HDET's spread (alpha 0.2), t
 (``benchmarks/results/gpu_h200/world1_machinery/``), and a shorter window (T 5) was no cheaper on 4 x H200. One hypothesis: at
 the tuned LR training sits at the edge of stability, the replica at 1 + alpha is past it, its weights oscillate along
 the sharpest directions between syncs, and its large local gradient enters everyone's all-reduced gradient (and
-Adam's second moment). This script measures that, without torch.distributed: N copies of the model of
+Adam's second moment); its first runs ruled that out (the all-reduced norm is plain's or below:
+``benchmarks/results/gpu_h200/spread_eos/``). This script measures it, without torch.distributed: N copies of the model of
 ``benchmarks/gpt_multi_gpu.py`` (same init, same data streams as the ranks of a world-N run), each step every
 replica's gradient on its own batch (its *local* norm logged), their mean clipped to 1.0 and given to every
 replica's fused AdamW at its own LR (OneCycleLR at ``max_lr * rho_r``), the weights averaged every T steps (the Adam
