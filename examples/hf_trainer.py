@@ -58,9 +58,12 @@ class Record(TrainerCallback):
         self.ce, self.own_losses = [0.0, 0], []  # this rank's per-token loss of each optimizer step
         self.evaluated = None  # (--eval-steps) a list: per evaluation, the weights evaluated, every rank's own, the loss
         self.clipped = []  # (--clip) per optimizer step: the gradient's norm after clipping, the explored norm
+        self.went_back = []  # (--recover) the syncs where every replica went back to a kept state: (step, to step)
 
     def on_train_begin(self, args, state, control, lr_scheduler=None, **kw):  # hdet's window losses at each sync
         lr_scheduler.ensemble.on_sync.append(lambda r: self.windows.append((r.step, r.losses)))
+        lr_scheduler.ensemble.on_sync.append(
+            lambda r: self.went_back.append((r.step, r.went_back_to)) if r.went_back_to is not None else None)
 
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs:
@@ -120,6 +123,10 @@ def main():
     p.add_argument("--best", action="store_true", help="with --eval-steps: load_best_model_at_end on eval_loss")
     p.add_argument("--clip", type=float, default=0.0, help="explore the gradient-clipping norm around this value "
                    "(hdet.GradClip; the Trainer's max_grad_norm stays at its default)")
+    p.add_argument("--recover", action="store_true", help='on_runaway="recover" (the stability guard)')
+    p.add_argument("--judge-steps", type=int, default=25, help="with --recover: judge_steps")
+    p.add_argument("--blow-up-from", type=int, default=None, help="rank 1's loss x100 from this optimizer step on "
+                   "(a run that goes wrong)")
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -154,6 +161,8 @@ def main():
                 loss = super().compute_loss(model, inputs, *args, **kwargs)
             if rank == 1 and self.state.global_step + 1 == a.nan_at:
                 loss = loss * float("nan")
+            if rank == 1 and model.training and a.blow_up_from is not None and self.state.global_step + 1 >= a.blow_up_from:
+                loss = loss * 100.0
             if model.training and a.classifier:  # this rank's own mean loss, measured apart (dropout is off)
                 with torch.no_grad():
                     logits = getattr(model, "module", model)(input_ids=inputs["input_ids"]).logits
@@ -179,7 +188,8 @@ def main():
                           hdet=dict(ensemble_lr_spread_ratio=a.alpha, model_sync_interval=5, controller="paper", enable_auto_lr=True,
                                     auto_lr_warmup_steps=10, loss_scale=0.05, final_lr=3e-4,  # (Eq. 8's target: the
                                     # Trainer's linear schedule ends at 0, no target for the paper controller's decay)
-                                    explore=[hdet.GradClip(a.clip)] if a.clip else []))
+                                    explore=[hdet.GradClip(a.clip)] if a.clip else [],
+                                    **({"on_runaway": "recover", "judge_steps": a.judge_steps} if a.recover else {})))
     trainer.train(resume_from_checkpoint=a.resume)
     s = trainer.lr_scheduler
     torch.save({"params": [q.detach().clone() for q in model.parameters()], "lrs": rec.lrs,
@@ -188,7 +198,9 @@ def main():
                 "windows": rec.windows, "guard": s.gradient_guard, "hdet_logged": rec.hdet_logged,
                 "own_losses": rec.own_losses, "end_params": rec.end_params, "evaluated": rec.evaluated, "clipped": rec.clipped, "scheduler": type(s).__name__,
                 "trainer_shifts_labels": bool(getattr(trainer, "_loss_shifts_labels", True)),
-                "finite": all(bool(torch.isfinite(q).all()) for q in model.parameters())},
+                "finite": all(bool(torch.isfinite(q).all()) for q in model.parameters()),
+                "best_checkpoint": trainer.state.best_model_checkpoint,
+                "went_back": rec.went_back},
                os.path.join(a.out, f"result_rank{rank}.pt"))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

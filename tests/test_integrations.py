@@ -297,6 +297,22 @@ def test_hf_trainer_loads_the_best_average_at_the_end_of_a_run_stopped_early(tmp
         assert torch.equal(torch.cat([p.reshape(-1) for p in r["params"]]), at12["replicas"].mean(0))
 
 
+def test_hf_trainer_keeps_the_best_model_it_loaded_when_the_closing_sync_sees_a_rise(tmp_path):
+    """load_best_model_at_end with on_runaway="recover" (T 5, judge_steps 10), rank 1's loss x100 from step 16 and the
+    run stopped at 18 (off a converge step): the Trainer loads the best checkpoint (step 15's average), then HDET's
+    closing sync judged the windows 11-18, saw the rise and sent every replica back to the guard's best sync (step
+    10) over the model the user asked for (an audit). The model after train() is the best checkpoint's average."""
+    out = tmp_path / "best_rise"
+    _torchrun(out, "--eval-steps", "5", "--save-steps", "5", "--best", "--max-steps", "30", "--stop-at", "18",
+              "--recover", "--judge-steps", "10", "--blow-up-from", "16")
+    r0, r1 = _results(out)
+    assert r0["best_checkpoint"].endswith("checkpoint-15"), r0["best_checkpoint"]
+    at15 = [v for v in r0["evaluated"] if v["step"] == 15][0]
+    for r in (r0, r1):
+        assert r["went_back"] == []  # (the closing sync did not run: the loaded model is the run's result)
+        assert torch.equal(torch.cat([p.reshape(-1) for p in r["params"]]), at15["replicas"].mean(0))
+
+
 def test_hf_trainer_clips_to_each_replicas_explored_norm(tmp_path):
     """hdet=dict(explore=[hdet.GradClip(0.05)]) as the docs write it: hdet reported the replicas' norms (0.025 and 0.1)
     while the Trainer clipped every replica to its max_grad_norm (1.0), silently (an audit). HDETTrainer now clips to

@@ -268,13 +268,19 @@ class _HDETHooks(TrainerCallback):
 class _HDETFinish(TrainerCallback):
     """Training stopped before ``total_steps`` (``EarlyStoppingCallback``, ``control.should_training_stop``): the
     replicas are averaged when it ends (:meth:`hdet.HDETLR.finish`, on every rank), before any other callback's
-    ``on_train_end`` (this one is first in the list)."""
+    ``on_train_end`` (this one is first in the list); not after ``load_best_model_at_end`` loaded the best checkpoint
+    (already the average, on every rank)."""
 
     def __init__(self, trainer: HDETTrainer) -> None:
         self.trainer = trainer
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         sched = self.trainer.lr_scheduler
+        if args.load_best_model_at_end and state.best_model_checkpoint is not None:
+            # the Trainer has just loaded the best checkpoint (the replicas' average, the same on every rank): that
+            # is the run's result. A closing sync would judge the windows of the weights it replaced, and a rise there
+            # sent every replica back to the stability guard's best sync, over the model loaded (an audit)
+            return
         if isinstance(sched, HDETLR):
             rec = finish_at_train_end(sched)
             if rec is not None:  # that sync's scalars, as every sync's (to every report_to tracker: an audit)
