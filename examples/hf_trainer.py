@@ -127,6 +127,7 @@ def main():
     p.add_argument("--judge-steps", type=int, default=25, help="with --recover: judge_steps")
     p.add_argument("--blow-up-from", type=int, default=None, help="rank 1's loss x100 from this optimizer step on "
                    "(a run that goes wrong)")
+    p.add_argument("--blow-up-until", type=int, default=None, help="with --blow-up-from: the last such step")
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -161,7 +162,8 @@ def main():
                 loss = super().compute_loss(model, inputs, *args, **kwargs)
             if rank == 1 and self.state.global_step + 1 == a.nan_at:
                 loss = loss * float("nan")
-            if rank == 1 and model.training and a.blow_up_from is not None and self.state.global_step + 1 >= a.blow_up_from:
+            if (rank == 1 and model.training and a.blow_up_from is not None
+                    and a.blow_up_from <= self.state.global_step + 1 <= (a.blow_up_until or a.max_steps)):
                 loss = loss * 100.0
             if model.training and a.classifier:  # this rank's own mean loss, measured apart (dropout is off)
                 with torch.no_grad():

@@ -297,6 +297,23 @@ def test_hf_trainer_loads_the_best_average_at_the_end_of_a_run_stopped_early(tmp
         assert torch.equal(torch.cat([p.reshape(-1) for p in r["params"]]), at12["replicas"].mean(0))
 
 
+def test_hf_trainer_resumes_exactly_from_a_converge_step_before_the_guards_first_judgment(tmp_path):
+    """on_runaway="recover" at T 5 (judge_steps 25: no best before step 25), a checkpoint at step 10 (a converge step,
+    as the docs advise), rank 1's loss x100 at steps 12-14 (a blow-up: every replica goes back at step 15). The
+    guard kept each replica's own state after step 1 to go back to until its first judgment, and the Trainer's
+    checkpoint holds rank 0's: the resumed run put rank 0's step-1 state on both ranks at step 15 and ended elsewhere
+    (an audit). It goes back to step 10's state now, the same on every rank, and resumes bit for bit."""
+    flags = ["--max-steps", "30", "--recover", "--blow-up-from", "12", "--blow-up-until", "14"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    _torchrun(whole, *flags)
+    _torchrun(cut, *flags, "--stop-at", "10")
+    _torchrun(cut, *flags, "--resume", str(cut / "checkpoint-10"))
+    for w, c in zip(_results(whole), _results(cut)):
+        assert w["went_back"] == c["went_back"] == [(15, 10)]
+        assert all(torch.equal(a, b) for a, b in zip(w["params"], c["params"]))
+        assert w["lrs"][-20:] == c["lrs"]
+
+
 def test_hf_trainer_keeps_the_best_model_it_loaded_when_the_closing_sync_sees_a_rise(tmp_path):
     """load_best_model_at_end with on_runaway="recover" (T 5, judge_steps 10), rank 1's loss x100 from step 16 and the
     run stopped at 18 (off a converge step): the Trainer loads the best checkpoint (step 15's average), then HDET's

@@ -209,7 +209,9 @@ def test_short_windows_are_judged_together_over_judge_steps():
             _window(o, s)
             assert s.last_sync.runaway == [] and s.last_sync.lr_scale == 1.0
             bests.append(s.ensemble.stability.best_step)
-    assert bests == [1] * 4 + [25] * 5 + [50]  # (the kept start, step 1, until the first judged sync; none at 30-45)
+    # (until the first judged sync, where to go back is the clean sync of the lowest window, 5: the same on every
+    # replica, no longer each one's own step-1 state; the first best at 25; none at 30-45)
+    assert bests == [5] * 4 + [25] * 5 + [50]
     assert s.ensemble.stability.best_loss == pytest.approx(0.99)
     for _ in range(4):
         _window(o, s)

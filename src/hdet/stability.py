@@ -310,6 +310,8 @@ class StabilityGuard:
         if pooling:  # pooled windows: a best only where they were judged, over all of them
             if judged is None:
                 self._pool_dirty = dirty or not clean
+                if clean and self.starting and self.lowest is not None and self.lowest[1] == step:
+                    self._keep_synced_start(step, loss, tensors, col)
                 return False
             clean = clean and not dirty
             losses, col = judged
@@ -322,6 +324,23 @@ class StabilityGuard:
             self._snapshot = self.copier(tensors, self._recyclable(tensors))
             self.starting, self.start_ok = False, True
         return False
+
+    def _keep_synced_start(self, step: int, loss: float, tensors: list[torch.Tensor], col: Any) -> None:
+        """Pooled windows, before the first judged sync: a clean sync with the lowest window loss so far, at or below
+        the first step's (the replicas' median), is where a collapse, a window with no finite loss or a blow-up goes
+        back to, instead of each replica's own state after step 1, and that median is every replica's first loss from
+        now on: the same on every replica (no best yet, so no rise is judged against it). A checkpoint of one rank's
+        state (the Trainer's, Lightning's, Accelerate's) at such a sync gave every rank that rank's own start, and a
+        go-back before the first judgment put rank 0's step-1 state on every replica: not the run's (an audit). (At
+        T >= judge_steps the first sync is a best.) A window above the first step's loss keeps the start: it may be
+        the beginning of a blow-up."""
+        firsts = [col.start_sum[r] / col.start_n[r] for r in range(len(col.start_n)) if col.start_n[r] > 0]
+        first = statistics.median(firsts) if firsts else math.nan
+        if not loss <= first:  # (no first loss observed: NaN, the start kept)
+            return
+        self._start_loss = (first, 1.0)
+        self._snapshot = self.copier(tensors, self._recyclable(tensors))
+        self.best_step, self.start_ok = step, True
 
     def _pool_window(self, col: Any, n: int) -> tuple[list[float], Any] | None:
         """Add this window's per-replica loss sums to the pool; once it holds ``judged_windows`` windows, empty it and
