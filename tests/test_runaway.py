@@ -1398,7 +1398,8 @@ def test_a_start_whose_optimizer_state_changes_layout_is_kept_again_and_resumes_
 def test_an_engine_resumed_inside_the_pooled_windows_trains_as_the_uninterrupted_run(mode):
     """T 5 under the default judge_steps (25: five windows pooled), 4 replicas in the engine on noisy targets (loss ~1),
     replica 3's 2 off from step 28 on (its loss ~5: a runaway, not a blow-up, which would be acted on between
-    judgments): the judged sync at step 50 resets it and cuts the LR, from sums pooled partly before step 37. A run
+    judgments): the judged sync at step 50 resets it and cuts the LR, from sums pooled partly before step 37 (and the
+    last sync, 60, again, from its two windows). A run
     saved at step 37 (two windows pooled, a third begun) and resumed ends with the same weights, LRs and sync records
     as the run never stopped, bit for bit (the earlier resume test compared the decisions of scripted losses only)."""
     def build():
@@ -1431,7 +1432,8 @@ def test_an_engine_resumed_inside_the_pooled_windows_trains_as_the_uninterrupted
 
     whole, whole_records = build(), []
     saved = run(whole, 1, whole_records, save_at=37)
-    assert [(t, r, scale) for t, r, scale, *_ in whole_records if r] == [(50, [3], 0.7)]  # judged on pooled sums
+    # judged on pooled sums at 50, and again at the run's last sync (60), which judges its partial pool
+    assert [(t, r, scale) for t, r, scale, *_ in whole_records if r] == [(50, [3], 0.7), (60, [3], pytest.approx(0.343))]
     assert whole_records[6][4][3] > 2 * max(whole_records[6][4][:3])  # (its window at step 35 already far above)
     again, again_records = build(), []
     again.load_state_dict(torch.load(saved, weights_only=True))
@@ -1441,3 +1443,50 @@ def test_an_engine_resumed_inside_the_pooled_windows_trains_as_the_uninterrupted
     for a, b in zip(again.models, whole.models):
         assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert [s.get_last_lr() for s in again.schedulers] == [s.get_last_lr() for s in whole.schedulers]
+
+
+def _jumped(jump, steps, jump_from):
+    """4 replicas of a small regression net in the engine under recover at T 5 (judge_steps 25: five windows pooled),
+    the LR schedule times ``jump`` from step ``jump_from`` on; per sync: (step, went_back_to, the best step after it)."""
+    def batch(r, t):
+        g = torch.Generator().manual_seed(10007 * r + t)
+        x = torch.randn(32, 8, generator=g)
+        return x, x[:, :1] * 1.5 - x[:, 1:2] * 0.7 + 0.1 * torch.randn(32, 1, generator=g)
+
+    torch.manual_seed(0)
+    eng = ReplicaEngine(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)), 4,
+                        lambda m: torch.optim.AdamW(m.parameters(), lr=2e-2),
+                        lambda o, rep, m: hdet.HDETLR(o, lambda t: 2e-2 * (jump if t >= jump_from else 1.0), steps,
+                                                      model=m, replicas=rep, ensemble_lr_spread_ratio=0.2,
+                                                      model_sync_interval=5, on_runaway="recover"))
+    ens = eng.schedulers[0].ensemble
+    recs = []
+    ens.on_sync.append(lambda r: recs.append((r.step, r.went_back_to, ens.stability.best_step)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for t in range(1, steps + 1):
+            eng.step([batch(r, t) for r in range(4)], lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    return recs
+
+
+def test_a_blow_up_in_the_last_window_of_a_judgment_is_acted_on_there():
+    """The LR x80 from step 46: the window at the judged sync 50 is 37.6 against a best of 0.18 (pooled at 25). The
+    pooled losses (and their spread, the blow-up's own) let it pass there, caught at 55 (an audit); what no noise
+    explains in the window alone is acted on at a judged sync too."""
+    recs = _jumped(80.0, 100, 46)
+    assert [(t, back) for t, back, _ in recs if back is not None][0] == (50, 25)
+
+
+def test_a_judged_sync_whose_last_window_blew_up_is_no_best():
+    """The LR x20 from step 46: the pool 26-50 (0.12) is below the best (0.18), but its last window (0.26) is twice the
+    pool's: the state at 50 was kept as the best, and later rises went back to it (an audit). No best there now."""
+    recs = _jumped(20.0, 100, 46)
+    assert [best for t, _, best in recs if t == 50] == [25]
+
+
+def test_the_last_sync_judges_what_is_pooled():
+    """The LR x10 from step 76 of 90: the windows 80-90 (0.05, 0.10, 0.15 against a best of 0.04) were pooled and never
+    judged (the next judgment would have been at 100), and the run ended there (an audit). The last sync judges them,
+    and every replica goes back to the best sync (75)."""
+    recs = _jumped(10.0, 90, 76)
+    assert recs[-1][:2] == (90, 75)

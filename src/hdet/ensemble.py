@@ -499,7 +499,8 @@ class Ensemble:
             return Verdict(col, [], bad, [], True, losses, collapsed=True, early=not everyone)
         rt = self.slots.range  # (the range test's ramp judges every window itself: nothing pooled during it)
         ramping = rt is not None and rt.ramping and t <= self.config.auto_lr_warmup_steps
-        runaway, rising = self.stability.judge(losses, bad, col, pool=not ramping) if everyone else ([], False)
+        last = t == self.total_steps or not self.is_sync_step(t)  # (the run's last sync, or finish()'s)
+        runaway, rising = self.stability.judge(losses, bad, col, pool=not ramping, last=last) if everyone else ([], False)
         if (bad or runaway) and not self.config.average_optimizer_state:  # (their moments reset to the others' mean)
             check_state_layout(t, col, f"reset replica(s) {sorted(bad + runaway)}'s optimizer state to the others' mean")
         return Verdict(col, sorted(bad + runaway), bad, runaway, rising, losses, early=not everyone)

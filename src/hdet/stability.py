@@ -16,9 +16,12 @@ decides the same, with no communication):
   ``MIN_LR_SCALE`` at most.
 
 Both are judged over windows of at least ``judge_steps`` (25) steps: where T is shorter, ``ceil(judge_steps / T)``
-windows are pooled (each replica's loss sums added up) and only every such sync judges them, and keeps a best sync;
-between judgments only a window no noise explains is acted on (a replica's loss 10x the median's magnitude above it,
-an ensemble's 10x its best's).
+windows are pooled (each replica's loss sums added up) and only every such sync judges them, and keeps a best sync
+(where its last window is no more than ``rise_threshold`` above the pool's loss: the pool lags the state kept); at every
+sync a window no noise explains is acted on (a replica's loss 10x the median's magnitude above it, an ensemble's 10x
+its best's); the run's last sync (``total_steps``, or ``finish()``'s) judges what is pooled. Before the first
+judgment, a clean sync at or below the first step's loss (the lowest so far) is where a collapse goes back to: the
+same state on every replica, so that a checkpoint of one rank's state at a converge step holds every rank's.
 Short windows' losses move together by more than their steps' spread says (on a 128M GPT, 5-step windows rose 7-14%
 above a lucky best while the loss fell, and the rule went back three times and cut the LR to 0.12x: an audit of
 ``benchmarks/results/gpu_4x_h200/gpt128m_sweep/``). Non-finite values are acted on at every sync.
@@ -190,7 +193,8 @@ class StabilityGuard:
     def on(self) -> bool:
         return self.config.recovering
 
-    def judge(self, losses: list[float], bad: list[int], col: Any, pool: bool = True) -> tuple[list[int], bool]:
+    def judge(self, losses: list[float], bad: list[int], col: Any, pool: bool = True,
+              last: bool = False) -> tuple[list[int], bool]:
         """The runaway replicas and whether the ensemble is rising (pure arithmetic on the gathered rows).
 
         A replica with finite weights whose every loss in the window was non-finite (its loss overflowed) ran away
@@ -201,7 +205,9 @@ class StabilityGuard:
         includes its trend, so a loss growing 3x or more a step read as noise (a window mean 886x the best was not a
         rise: an audit). (The first sync's loss keeps a best near 0 from making every noisy window a rise.) ``pool``:
         windows shorter than ``judge_steps`` are pooled and judged together (the module's docstring); False during the
-        range test's ramp, which judges every window itself."""
+        range test's ramp, which judges every window itself. ``last``: the run's last sync (``total_steps``, or
+        ``finish()``'s), which judges what is pooled however few windows it holds (a rise in a run's last windows was
+        never judged: an audit)."""
         c = self.config
         if not self.on:
             return [], False
@@ -213,7 +219,7 @@ class StabilityGuard:
         times = max(RISE_CEILING, c.rise_threshold)
         self._start_rise = self._start_grown = None
         pooling = self._pooling = pool and c.judged_windows > 1
-        self._judged = self._pool_window(col, len(losses)) if pooling else None
+        self._judged = self._pool_window(col, len(losses), last) if pooling else None
         if best is None and self.starting:  # no best yet: the start (after step 1, or kept again) is where to go back
             if not ok:  # no replica has a finite window loss: a rise, back to the start (nobody left out: all go back)
                 return [], bool(lost)
@@ -237,21 +243,25 @@ class StabilityGuard:
             return [], bool(lost) and best is not None
         if len(ok) < 2 or best is None:
             return lost, False
-        if pooling:  # judged over the pooled windows, or not at this sync
-            if self._judged is None:  # between judgments, only what no noise explains (a blow-up): a replica's window
-                # loss 10x the median's magnitude above it, or the ensemble's 10x the best's (both above the first
-                # sync's loss, as below); a window read alone caught the 128M GPT's noise, this does not
-                med = statistics.median(losses[r] for r in ok)
-                first = self.first_loss
-                if first is None:  # (a state from before it: no floor, so none of this, as the judged rule's)
-                    return lost, False
+        gross: list[int] = []
+        blown_now = False
+        if pooling:  # judged over the pooled windows, or not at this sync; at every sync, what no noise explains in
+            # this window alone (a blow-up): a replica's window loss 10x the median's magnitude above it, or the
+            # ensemble's 10x the best's (both above the first sync's loss, as below); a window read alone caught the
+            # 128M GPT's noise, this does not. (At a judged sync too: the pooled losses lag a blow-up in the last
+            # window, which passed there and ended a run at 28x its best: an audit.)
+            med = statistics.median(losses[r] for r in ok)
+            first = self.first_loss
+            if first is not None:  # (a state from before it: no floor, so none of this, as the judged rule's)
                 gross = [r for r in ok if len(ok) >= 3 and losses[r] > max(med + times * abs(med), best, first)]
-                now = statistics.median(losses[r] for r in ok if r not in gross)
-                return sorted(gross + lost), now > max(best + times * abs(best), first)
+                blown_now = statistics.median(losses[r] for r in ok if r not in gross) > max(best + times * abs(best),
+                                                                                            first)
+            if self._judged is None:
+                return sorted(gross + lost), blown_now
             losses, col = self._judged
             ok = [r for r in ok if col.loss_n[r] > 0]
             if len(ok) < 2:
-                return lost, False
+                return sorted(gross + lost), blown_now
         se_replica, se_ensemble = window_noise(col, ok)
         med = statistics.median(losses[r] for r in ok)
         scale = max(1.4826 * statistics.median(abs(losses[r] - med) for r in ok), 0.02 * abs(med), se_replica)
@@ -261,7 +271,7 @@ class StabilityGuard:
         margin = max(c.rise_threshold * abs(best), NOISE_Z * math.hypot(se_ensemble, self.best_se))
         now = statistics.median(healthy)
         blown = self.first_loss is not None and now > max(best + times * abs(best), self.first_loss)
-        return sorted(runaway + lost), now > best + margin or blown
+        return sorted(set(runaway + gross + lost)), now > best + margin or blown or blown_now
 
     @torch.no_grad()
     def after_average(self, step: int, losses: list[float], exclude: list[int], rising: bool,
@@ -314,11 +324,17 @@ class StabilityGuard:
                     self._keep_synced_start(step, loss, tensors, col)
                 return False
             clean = clean and not dirty
+            window = loss  # this window's alone: the state kept is its end's
             losses, col = judged
             keep = [r for r in keep if col.loss_n[r] > 0]
             if not keep:
                 return False
             loss = statistics.median(losses[r] for r in keep)
+            # a best only where the last window is no worse than the pool by more than rise_threshold (no noise
+            # margin: the spread of a blowing-up window's steps is its trend; not keeping a best costs nothing): the
+            # pooled loss lags the state, and a window 4x the pool's at the end of it was kept as the best, every later
+            # rise going back to that damaged state (an audit)
+            clean = clean and window <= loss + self.config.rise_threshold * abs(loss)
         if clean and (self.best_loss is None or loss < self.best_loss):
             self.best_loss, self.best_step, self.best_se = loss, step, window_noise(col, keep)[1]
             self._snapshot = self.copier(tensors, self._recyclable(tensors))
@@ -342,9 +358,10 @@ class StabilityGuard:
         self._snapshot = self.copier(tensors, self._recyclable(tensors))
         self.best_step, self.start_ok = step, True
 
-    def _pool_window(self, col: Any, n: int) -> tuple[list[float], Any] | None:
-        """Add this window's per-replica loss sums to the pool; once it holds ``judged_windows`` windows, empty it and
-        return its per-replica losses (NaN where none was finite) and sums (as ``col``'s fields), else None."""
+    def _pool_window(self, col: Any, n: int, last: bool = False) -> tuple[list[float], Any] | None:
+        """Add this window's per-replica loss sums to the pool; once it holds ``judged_windows`` windows (or at the
+        run's ``last`` sync), empty it and return its per-replica losses (NaN where none was finite) and sums (as
+        ``col``'s fields), else None."""
         rows = [[float(x) for x in col.loss_sum[:n]], [float(x) for x in col.loss_sq[:n]],
                 [float(x) for x in col.loss_n[:n]]]
         if self._pool is not None and len(self._pool[0]) != n:  # another world size (an elastic resume): afresh
@@ -354,7 +371,7 @@ class StabilityGuard:
         else:
             self._pool = [[a + b for a, b in zip(p, w)] for p, w in zip(self._pool, rows)]
             self._pooled += 1
-        if self._pooled < self.config.judged_windows:
+        if self._pooled < self.config.judged_windows and not last:
             return None
         total, sq, count = self._pool
         self._pool, self._pooled = None, 0
