@@ -6,6 +6,7 @@ default (``on_runaway="ignore"``: the paper's HDET)."""
 from __future__ import annotations
 
 import io
+import re
 import warnings
 
 import pytest
@@ -1420,9 +1421,7 @@ def test_an_engine_resumed_inside_the_pooled_windows_trains_as_the_uninterrupted
             y = x.sum(-1, keepdim=True) + torch.randn(4, 16, 1, generator=g)
             if t >= 28:
                 y[3] += 2.0
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                eng.step([(x[r], y[r]) for r in range(4)], loss_fn)
+            eng.step([(x[r], y[r]) for r in range(4)], loss_fn)
             rec = eng.schedulers[0].last_sync
             if eng.schedulers[0].ensemble.is_sync_step(t):
                 records.append((t, rec.runaway, rec.lr_scale, rec.went_back_to, list(rec.losses)))
@@ -1431,14 +1430,20 @@ def test_an_engine_resumed_inside_the_pooled_windows_trains_as_the_uninterrupted
         return saved
 
     whole, whole_records = build(), []
-    saved = run(whole, 1, whole_records, save_at=37)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        saved = run(whole, 1, whole_records, save_at=37)
+    assert any(re.search(r"at sync step 50 replica\(s\) \[3\] ran away \(window losses \[[\d.]+\]; judged over their "
+                         r"last 25 steps: \[[\d.]+\]\)", str(w.message)) for w in said), [str(w.message) for w in said]
     # judged on pooled sums at 50, and again at the run's last sync (60), which judges its partial pool
     assert [(t, r, scale) for t, r, scale, *_ in whole_records if r] == [(50, [3], 0.7), (60, [3], pytest.approx(0.343))]
     assert whole_records[6][4][3] > 2 * max(whole_records[6][4][:3])  # (its window at step 35 already far above)
     again, again_records = build(), []
     again.load_state_dict(torch.load(saved, weights_only=True))
     assert again.schedulers[0].ensemble.stability.state_dict()["pool"]["windows"] == 2
-    run(again, 38, again_records)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run(again, 38, again_records)
     assert again_records == [r for r in whole_records if r[0] > 37]
     for a, b in zip(again.models, whole.models):
         assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
@@ -1462,24 +1467,28 @@ def _jumped(jump, steps, jump_from):
     ens = eng.schedulers[0].ensemble
     recs = []
     ens.on_sync.append(lambda r: recs.append((r.step, r.went_back_to, ens.stability.best_step)))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
         for t in range(1, steps + 1):
             eng.step([batch(r, t) for r in range(4)], lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    _jumped.said = [str(w.message) for w in said if "hdet:" in str(w.message)]
     return recs
 
 
 def test_a_blow_up_in_the_last_window_of_a_judgment_is_acted_on_there():
-    """The LR x80 from step 46: the window at the judged sync 50 is 37.6 against a best of 0.18 (pooled at 25). The
-    pooled losses (and their spread, the blow-up's own) let it pass there, caught at 55 (an audit); what no noise
-    explains in the window alone is acted on at a judged sync too."""
+    """The LR x80 from step 46: the window at the judged sync 50 is 34 against a best of 0.77 (pooled over steps
+    1-25). The pooled losses (and their spread, the blow-up's own) let it pass there, caught at 55 (an audit); what no
+    noise explains in the window alone is acted on at a judged sync too."""
     recs = _jumped(80.0, 100, 46)
     assert [(t, back) for t, back, _ in recs if back is not None][0] == (50, 25)
+    assert re.search(r"at sync step 50 the ensemble's window loss \(34\.\d+\) is more than 9x its best's magnitude "
+                     r"above it \(0\.7683\)", _jumped.said[0])  # (not "rose more than 0.05 above its best")
 
 
 def test_a_judged_sync_whose_last_window_blew_up_is_no_best():
-    """The LR x20 from step 46: the pool 26-50 (0.12) is below the best (0.18), but its last window (0.26) is twice the
-    pool's: the state at 50 was kept as the best, and later rises went back to it (an audit). No best there now."""
+    """The LR x20 from step 46: the pool 26-50 is below the best (pooled over 1-25), but its last window (median
+    0.26) is more than twice the windows before it (0.05-0.1): the state at 50 was kept as the best, and later rises
+    went back to it (an audit). No best there now."""
     recs = _jumped(20.0, 100, 46)
     assert [best for t, _, best in recs if t == 50] == [25]
 

@@ -218,6 +218,7 @@ class StabilityGuard:
         best = self.best_loss
         times = max(RISE_CEILING, c.rise_threshold)
         self._start_rise = self._start_grown = None
+        self._said_pool = self._said_gross = None  # (what warn() says: the pooled losses judged, a window 10x the best)
         pooling = self._pooling = pool and c.judged_windows > 1
         self._judged = self._pool_window(col, len(losses), last) if pooling else None
         if best is None and self.starting:  # no best yet: the start (after step 1, or kept again) is where to go back
@@ -254,11 +255,13 @@ class StabilityGuard:
             first = self.first_loss
             if first is not None:  # (a state from before it: no floor, so none of this, as the judged rule's)
                 gross = [r for r in ok if len(ok) >= 3 and losses[r] > max(med + times * abs(med), best, first)]
-                blown_now = statistics.median(losses[r] for r in ok if r not in gross) > max(best + times * abs(best),
-                                                                                            first)
+                now = statistics.median(losses[r] for r in ok if r not in gross)
+                blown_now = now > max(best + times * abs(best), first)
+                self._said_gross = (now, best) if blown_now else None
             if self._judged is None:
                 return sorted(gross + lost), blown_now
             losses, col = self._judged
+            self._said_pool = (list(losses), int(max(col.loss_n)))
             ok = [r for r in ok if col.loss_n[r] > 0]
             if len(ok) < 2:
                 return sorted(gross + lost), blown_now
@@ -486,14 +489,20 @@ class StabilityGuard:
         """Say what this sync did (a UserWarning pointing at the training loop); ``at``: what step ``t`` was."""
         warnings.warn(
             f"hdet: at {at} {t} " + ("every replica had non-finite weights or buffers; " if collapsed else "")
-            + (f"replica(s) {runaway} ran away (window losses "
-            f"{[round(losses[r], 4) for r in runaway]}): left out of the average, reset to the others' mean and "
-            "ranked worst; " if runaway else "")
+            + (f"replica(s) {runaway} ran away (window losses {[round(losses[r], 4) for r in runaway]}"
+            + (f"; judged over their last {self._said_pool[1]} steps: {[round(self._said_pool[0][r], 4) for r in runaway]}"
+               if self._said_pool is not None else "")
+            + "): left out of the average, reset to the others' mean and ranked worst; " if runaway else "")
             + (self._rise_said() if rising and not collapsed else "")
             + (f"every replica went back to its state at step {self.best_step}; " if back else "")
             + f"the LR schedule is cut to {scale:.3g} of its value", stacklevel=user_stacklevel())
 
     def _rise_said(self) -> str:
+        if self._said_gross is not None:
+            now, best = self._said_gross
+            times = max(RISE_CEILING, self.config.rise_threshold)
+            return (f"the ensemble's window loss ({now:.4g}) is more than {times:g}x its best's magnitude above it "
+                    f"({best:.4f}); ")
         if self._start_grown is not None:
             now, low = self._start_grown
             times = max(RISE_CEILING, self.config.rise_threshold)
