@@ -1433,8 +1433,8 @@ def test_an_engine_resumed_inside_the_pooled_windows_trains_as_the_uninterrupted
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         saved = run(whole, 1, whole_records, save_at=37)
-    assert any(re.search(r"at sync step 50 replica\(s\) \[3\] ran away \(window losses \[[\d.]+\]; judged over their "
-                         r"last 25 steps: \[[\d.]+\]\)", str(w.message)) for w in said), [str(w.message) for w in said]
+    assert any(re.search(r"at sync step 50 replica\(s\) \[3\] ran away \(window losses \[[\d.]+\]; over the windows "
+                         r"pooled since the last judgment: \[[\d.]+\]\)", str(w.message)) for w in said), [str(w.message) for w in said]
     # judged on pooled sums at 50, and again at the run's last sync (60), which judges its partial pool
     assert [(t, r, scale) for t, r, scale, *_ in whole_records if r] == [(50, [3], 0.7), (60, [3], pytest.approx(0.343))]
     assert whole_records[6][4][3] > 2 * max(whole_records[6][4][:3])  # (its window at step 35 already far above)
