@@ -214,10 +214,15 @@ def test_short_windows_are_judged_together_over_judge_steps():
     # replica, no longer each one's own step-1 state; the first best at 25; none at 30-45)
     assert bests == [5] * 4 + [25] * 5 + [50]
     assert s.ensemble.stability.best_loss == pytest.approx(0.99)
-    for _ in range(4):
+    _quiet_then_replica_7_at_75(o, s, 4, r"replica\(s\) \[7\] ran away .* cut to 0.7 of its value")
+
+
+def _quiet_then_replica_7_at_75(o, s, quiet, match):
+    """``quiet`` windows with no runaway, then replica 7 found running away at step 75, said as ``match``."""
+    for _ in range(quiet):
         _window(o, s)
         assert s.last_sync.runaway == []
-    with pytest.warns(UserWarning, match=r"replica\(s\) \[7\] ran away .* cut to 0.7 of its value"):
+    with pytest.warns(UserWarning, match=match):
         _window(o, s)
     assert s.last_sync.step == 75 and s.last_sync.runaway == [7]
 
@@ -448,12 +453,7 @@ def test_a_resume_inside_the_pooled_windows_judges_as_the_uninterrupted_run():
     assert pool["windows"] == 2 and pool["sums"][0][7] == pytest.approx(2 * 5 * 1.3)
     _, o2, s2 = _scripted(script[12:], judge_steps=25)
     s2.load_state_dict(state)
-    for _ in range(2):
-        _window(o2, s2)
-        assert s2.last_sync.runaway == []
-    with pytest.warns(UserWarning, match=r"replica\(s\) \[7\] ran away"):
-        _window(o2, s2)
-    assert s2.last_sync.step == 75 and s2.last_sync.runaway == [7]
+    _quiet_then_replica_7_at_75(o2, s2, 2, r"replica\(s\) \[7\] ran away")
     bad = {**state, "hdet": {**state["hdet"], "stability": {**state["hdet"]["stability"],
                                                             "pool": {**pool, "windows": 0}}}}
     with pytest.raises(ValueError, match="Expected the state's pool as"):

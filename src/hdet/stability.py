@@ -78,6 +78,12 @@ def window_noise(col: Any, ok: list[int]) -> tuple[float, float]:
     return math.sqrt(sigma2 / (sum(n) / len(n))), 1.25 * math.sqrt(sigma2 / sum(n))
 
 
+def median_first_loss(col: Any, n: int) -> float:
+    """The replicas' median first-step loss, from the gathered rows of ``n`` replicas (NaN where none kept one)."""
+    firsts = [col.start_sum[r] / col.start_n[r] for r in range(n) if col.start_n[r] > 0]
+    return statistics.median(firsts) if firsts else math.nan
+
+
 class SharedCopies:
     """What the replicas of one process share when they keep copies of their state: where their tensors are
     the same memory (the engine's one copy of the moments), the k-th copy a replica makes in a sync is the
@@ -227,8 +233,7 @@ class StabilityGuard:
         if best is None and self.starting:  # no best yet: the start (after step 1, or kept again) is where to go back
             if not ok:  # no replica has a finite window loss: a rise, back to the start (nobody left out: all go back)
                 return [], bool(lost)
-            firsts = [col.start_sum[r] / col.start_n[r] for r in range(len(losses)) if col.start_n[r] > 0]
-            start = statistics.median(firsts) if firsts else math.nan
+            start = median_first_loss(col, len(losses))
             now = statistics.median(losses[r] for r in ok)
             if math.isfinite(start) and now > start + times * abs(start):
                 self._start_rise = (now, start)  # blown up from the first step's loss: no best (after_average)
@@ -363,8 +368,7 @@ class StabilityGuard:
         go-back before the first judgment put rank 0's step-1 state on every replica: not the run's (an audit). (At
         T >= judge_steps the first sync is a best.) A window above the first step's loss keeps the start: it may be
         the beginning of a blow-up."""
-        firsts = [col.start_sum[r] / col.start_n[r] for r in range(len(col.start_n)) if col.start_n[r] > 0]
-        first = statistics.median(firsts) if firsts else math.nan
+        first = median_first_loss(col, len(col.start_n))
         if not loss <= first:  # (no first loss observed: NaN, the start kept)
             return
         self._start_loss = (first, 1.0)
