@@ -41,7 +41,8 @@ def committed() -> list[tuple[str, str, float]]:
             if key in seen:
                 continue
             seen.add(key)
-            out.append(("hdet" if c.get("alpha") else "plain", f"{path.relative_to(HERE)}:{r['name']}", v))
+            kind = "hdet" if c.get("alpha") else "guard" if c.get("on_runaway") == "recover" else "plain"
+            out.append((kind, f"{path.relative_to(HERE)}:{r['name']}", v))
     for line in (HERE / "lr_free_estimate" / "salvage_d.txt").read_text().splitlines():
         m = re.search(r"^(\S+).*'val_loss_full': ([0-9.]+)", line)
         if m and not line.startswith("#"):
@@ -56,7 +57,8 @@ def main() -> None:
     runs = committed()
     print("| runs | counted | broke (final val. loss > %g) | the broken ones |" % a.above)
     print("|---|---|---|---|")
-    for kind, label in (("plain", "without HDET (alpha 0: AdamW, D-Adaptation, Prodigy)"), ("hdet", "with HDET")):
+    for kind, label in (("plain", "without HDET (alpha 0: AdamW, D-Adaptation, Prodigy)"), ("hdet", "with HDET"),
+                        ("guard", "without HDET's spread, with its stability guard (alpha 0, on_runaway='recover')")):
         xs = [(w, v) for k, w, v in runs if k == kind]
         bad = [f"{w} ({v:.4f})" for w, v in xs if v > a.above]
         print(f"| {label} | {len(xs)} | {len(bad)} | {'; '.join(bad) or '-'} |")

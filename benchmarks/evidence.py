@@ -167,6 +167,9 @@ def main() -> None:
     ap.add_argument("--breaks", type=float, default=None, metavar="MAX_LR",
                     help="how often a run breaks (issue 15): at MAX_LR, for every --seeds, plain DP, HDET as the paper "
                     "has it (--alpha, T from the size) and HDET with on_runaway='recover' (names: breaks-<arm>-s<seed>)")
+    ap.add_argument("--breaks-arms", default="plain,hdet,recover",
+                    help="with --breaks: the arms, comma-separated, of plain, hdet, recover and plainguard (plain DP "
+                    "with on_runaway='recover': the stability guard without HDET's spread)")
     ap.add_argument("--range", type=float, default=None, dest="range_best", metavar="BEST_MAX_LR",
                     help="the in-run LR range test (issue 15, item 3) instead of the main suite: HDET (--alpha) with "
                     "lr_range_test=True from 0.1x, 1x and 10x BEST_MAX_LR, seeds 0-2, once per --range-backoffs value")
@@ -265,9 +268,13 @@ def main() -> None:
         return run_study(a.signals, jobs)
 
     if a.breaks is not None:
-        arms = {"plain": dict(alpha=0.0), "hdet": dict(alpha=a.alpha), "recover": dict(alpha=a.alpha, on_runaway="recover")}
-        jobs = [job(f"breaks-{arm}-s{seed}", f"breaks-{arm}", max_lr=a.breaks, seed=seed, **over)
-                for seed in seeds for arm, over in arms.items()]
+        arms = {"plain": dict(alpha=0.0), "hdet": dict(alpha=a.alpha), "recover": dict(alpha=a.alpha, on_runaway="recover"),
+                "plainguard": dict(alpha=0.0, on_runaway="recover")}
+        wanted = a.breaks_arms.split(",")
+        if unknown := [w for w in wanted if w not in arms]:
+            raise SystemExit(f"Expected --breaks-arms from {sorted(arms)}, but got {unknown}")
+        jobs = [job(f"breaks-{arm}-s{seed}", f"breaks-{arm}", max_lr=a.breaks, seed=seed, **arms[arm])
+                for seed in seeds for arm in wanted]
         return run_study(a.breaks, jobs)
 
     if a.range_best is not None:

@@ -4,7 +4,8 @@
 # Fashion-MNIST 92.22%). STEPS and SWEEP (default 1250 and 0.2) change the split: STEPS=1364 SWEEP=0.1 is a
 # 136-step sweep and a 1364-step run, 1500 again. Usage: `TASK=bytes STARTS=0.1,1,10 SEEDS=12,13,14,15,16 bash benchmarks/gpu_sweep_budget.sh`,
 # `TASK=fashion STARTS=0.1,1,10 SEEDS=12,13,14 bash benchmarks/gpu_sweep_budget.sh` (data/fashion carried).
-# EXTRA: more `hdet train` flags for every run (EXTRA="--alpha 0": the run after the sweep without HDET's spread).
+# EXTRA: more `hdet train` flags for every run (EXTRA="--alpha 0": the run after the sweep without HDET's spread, the
+# default since 2026-12-01; the calls committed before ran at alpha 0.2, then the default: EXTRA="--alpha 0.2" repeats them).
 set -x
 export PYTHONPATH=$PWD/src
 python -c "import sys,torch;print(sys.version, torch.__version__, torch.cuda.get_device_name())" > $OUT/env.txt

@@ -1,7 +1,8 @@
 """`hdet train --lr-sweep` on the evidence suite's tasks and sizes, from 0.1x, 1x and 10x the grid's best LR
 (issue 15): the CLI's own form of `benchmarks/sweep_then_train.py` (the sweep judged by the training loss's tail,
-`hdet train`'s defaults after it: alpha 0.2, T 25, `--on-runaway recover`). Every run is one `hdet train` process
-(TF32 on, as the suite), all at once; writes JSON with each run's sweep, peak LR and final metric.
+`hdet train`'s defaults after it: T 25, `--on-runaway recover`, and alpha 0 since 2026-12-01; the runs committed
+before ran at alpha 0.2, then the default: `--extra "--alpha 0.2"` repeats them). Every run is one `hdet train`
+process (TF32 on, as the suite), all at once; writes JSON with each run's sweep, peak LR, spread and final metric.
 
     python benchmarks/lr_sweep_cli.py --seeds 9,10,11 --out lr_sweep_cli.json
 """
@@ -124,7 +125,7 @@ def main() -> None:
             if a.collect and swept != bool(s.get("lr_sweep")) or swept and then != a.then:
                 raise SystemExit(f"{out} holds another run than these options describe (--then {a.then})")
             row.update(metric=final_metric(task, s),
-                       crashed=s.get("crashed"), lr_sweep=s.get("lr_sweep"),
+                       crashed=s.get("crashed"), lr_sweep=s.get("lr_sweep"), alpha=s["config"].get("alpha"),
                        max_lr_x_best=(s["lr_sweep"]["max_lr"] if swept else s["config"]["max_lr"])
                        / SIZES[task]["best"])
         runs.append(row)

@@ -5,7 +5,8 @@ validation). Launch with torchrun; gloo on CPU, NCCL on GPUs:
 
     torchrun --nproc-per-node 2 examples/ddp_train.py                 # HDET, alpha = 0.2
     torchrun --nproc-per-node 2 examples/ddp_train.py --alpha 0       # plain DDP + OneCycleLR
-    torchrun --nproc-per-node 4 examples/ddp_train.py --lr-sweep 0.2  # not sure of --max-lr: hdet.lr_sweep first
+    torchrun --nproc-per-node 4 examples/ddp_train.py --lr-sweep 0.2  # not sure of --max-lr: hdet.lr_sweep first,
+                                        # then the run at alpha 0 with the stability guard, unless --alpha is given
     python examples/ddp_train.py                                      # one process, one replica
 """
 
@@ -79,8 +80,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16, help="sequences per replica per step")
     p.add_argument("--ctx", type=int, default=64)
     p.add_argument("--max-lr", type=float, default=3e-3)
-    p.add_argument("--alpha", type=float, default=0.2, help="spread ratio; 0 = plain DDP + OneCycleLR")
+    p.add_argument("--alpha", type=float, default=None, help="spread ratio; 0 = plain DDP + OneCycleLR (default 0.2, "
+                   "and 0 with --lr-sweep: after a sweep the spread gained nothing on the evidence suite's tasks and "
+                   "cost about 2%% at 128M, docs/auto-lr.md)")
     p.add_argument("--T", type=int, default=25, help="sync interval (steps)")
+    p.add_argument("--on-runaway", choices=["ignore", "recover"], default=None, help="the stability guard (default: "
+                   "recover with --lr-sweep, where it takes the spread's place; ignore, the paper's HDET, without)")
     p.add_argument("--auto-lr", action="store_true", help="auto-LR with the paper's controller (the library's default, "
                    "the fit controller, needs probe=: docs/auto-lr.md)")
     p.add_argument("--warmup", type=int, default=None, help="auto-LR warmup steps (default: 100, or a third of "
@@ -98,6 +103,10 @@ def main() -> None:
     a = p.parse_args()
     if a.warmup is None:
         a.warmup = min(100, a.steps // 3)
+    if a.alpha is None:
+        a.alpha = 0.0 if a.lr_sweep else 0.2
+    if a.on_runaway is None:
+        a.on_runaway = "recover" if a.lr_sweep else "ignore"
     if not 0 <= a.lr_sweep < 1:
         p.error(f"expected --lr-sweep in [0, 1) (a fraction of --steps), but got {a.lr_sweep}")
     if a.lr_sweep and round(a.lr_sweep * a.steps) < hdet.sweep.MIN_STEPS:
@@ -141,11 +150,12 @@ def main() -> None:
                                      "pick": res.pick, "max_lr": res.max_lr}  # the model is back at its start
         if rank == 0:
             print(f"lr sweep: the best of {res.lrs[0]:.2g}-{res.lrs[-1]:.2g} at {res.lrs[res.winner]:.2g}; "
-                  f"the run at --max-lr {res.max_lr:.3g}", flush=True)
+                  f"the run at --max-lr {res.max_lr:.3g}, --alpha {a.alpha:g}, --on-runaway {a.on_runaway}", flush=True)
     opt = torch.optim.AdamW(ddp.parameters(), lr=max_lr, weight_decay=0.01)
     sched = hdet.OneCycleAutoLR(
         opt, max_lr=max_lr, total_steps=a.steps, ensemble_lr_spread_ratio=a.alpha, model_sync_interval=a.T,
         controller="paper", enable_auto_lr=a.auto_lr, auto_lr_warmup_steps=a.warmup, model=ddp, seed=a.seed,
+        on_runaway=a.on_runaway,
     )
     if a.warm_init:
         hdet.warm_init_(model, nu=0.01, seed=a.seed)

@@ -937,11 +937,11 @@ SWEEP = [*TINY, "--steps", "40", "--T", "5", "--replicas", "4", "--max-lr", "0.0
 
 
 def _unswept(max_lr: float) -> list[str]:
-    """SWEEP's run without its sweep, at ``max_lr``."""
+    """SWEEP's run without its sweep, at ``max_lr`` (and at --alpha 0, --alpha's default after a sweep)."""
     i, j = SWEEP.index("--lr-sweep"), SWEEP.index("--max-lr")
     args = SWEEP[:i] + SWEEP[i + 2:]
     args[j + 1] = repr(max_lr)  # (--max-lr comes before --lr-sweep)
-    return args
+    return [*args, "--alpha", "0"]
 
 
 def test_lr_sweep_then_restart_is_the_run_at_the_swept_peak_and_resumes(tmp_path, capsys):
@@ -968,6 +968,57 @@ def test_lr_sweep_then_restart_is_the_run_at_the_swept_peak_and_resumes(tmp_path
     assert main(["train", *SWEEP, "--checkpoint-every", "15", "--out", str(tmp_path / "again"), "--resume"]) == 0
     assert "lr sweep" not in capsys.readouterr().out  # (read back from config.json, not run again)
     _same_run(out, tmp_path / "again")
+
+
+def test_after_a_sweep_alpha_defaults_to_no_spread_and_a_given_alpha_keeps_it(tmp_path, capsys):
+    """--alpha left out is 0 after --lr-sweep (the measured recipe: docs/auto-lr.md) and 0.2 without one; --alpha 0.2
+    given keeps the spread after the sweep. The records show it (every replica's multiplier at every sync, the config,
+    the sweep's line); a run checkpointed at --alpha 0.2 is not resumed under the default, which would be another run:
+    the refusal names --alpha."""
+    def multipliers(out):
+        return {m for rec in _jsonl(out / "syncs.jsonl") for row in rec["multipliers"] for m in row}
+    assert main(["train", *SWEEP, "--out", str(tmp_path / "default")]) == 0
+    assert "without HDET's spread (--alpha 0)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "default" / "summary.json").read_text())["config"]["alpha"] == 0.0
+    assert multipliers(tmp_path / "default") == {1.0}
+    spread = [*SWEEP, "--alpha", "0.2", "--checkpoint-every", "15"]
+    assert main(["train", *spread, "--out", str(tmp_path / "spread")]) == 0
+    assert "HDET's spread at --alpha 0.2" in capsys.readouterr().out
+    assert json.loads((tmp_path / "spread" / "summary.json").read_text())["config"]["alpha"] == 0.2
+    assert sorted(multipliers(tmp_path / "spread")) == pytest.approx([0.8, 1 - 0.2 / 3, 1 + 0.2 / 3, 1.2])  # Eq. 1, N 4
+    assert main(["train", *TINY, "--out", str(tmp_path / "unswept")]) == 0  # no sweep: HDET's spread, 0.2
+    assert json.loads((tmp_path / "unswept" / "summary.json").read_text())["config"]["alpha"] == 0.2
+    capsys.readouterr()
+    assert main(["train", *spread[:-4], "--checkpoint-every", "15", "--out", str(tmp_path / "spread"), "--resume"]) == 2
+    assert "differ: --alpha 0.2 -> 0.0" in capsys.readouterr().err
+    shutil.copytree(tmp_path / "spread", tmp_path / "again")  # with --alpha 0.2 given, it resumes as it ran
+    assert main(["train", *spread, "--out", str(tmp_path / "again"), "--resume"]) == 0
+    _same_run(tmp_path / "spread", tmp_path / "again")
+    assert main(["train", *SWEEP, "--explore", "lr-groups", "--out", str(tmp_path / "x")]) == 2
+    assert "but got --alpha 0 (its default with --lr-sweep)" in capsys.readouterr().err
+
+
+def test_a_sweep_stopped_at_alpha_0_2_is_refused_under_the_default_naming_alpha_alone(tmp_path, monkeypatch, capsys):
+    """A run killed inside its sweep at --alpha 0.2 (what --lr-sweep ran before --alpha's default became 0 after a
+    sweep) resumed without --alpha is another run: refused, naming --alpha only (not --explore's lr-groups, which
+    follows from it); with --alpha 0.2 it goes on. --auto-lr with --lr-sweep and no --alpha says why it does nothing."""
+    from hdet.app.options import RunConfig, unused
+
+    args = list(SWEEP)
+    args[args.index("--replicas") + 1] = "2"
+    args += ["--lr-sweep-points", "6"]
+    _kill_after_round_2(monkeypatch)
+    cut = tmp_path / "cut"
+    assert main(["train", *args, "--alpha", "0.2", "--out", str(cut)]) == 130
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert main(["train", *args, "--out", str(cut), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "stopped LR sweep (sweep.pt) to resume it, but these differ: --alpha 0.2 -> 0.0\n" in err, err
+    assert main(["train", *args, "--alpha", "0.2", "--out", str(cut), "--resume"]) == 0
+    assert "lr sweep: going on after its round 2 (sweep.pt)" in capsys.readouterr().out
+    said = unused(RunConfig(auto_lr=True, lr_sweep=0.2, replicas=4))
+    assert any("--auto-lr with --alpha 0 (its default with --lr-sweep: pass --alpha 0.2" in w for w in said), said
 
 
 def test_lr_sweep_then_continue_trains_the_rest_from_the_best_run_and_resumes(tmp_path, capsys):
@@ -1259,6 +1310,7 @@ def test_a_sweep_that_runs_beyond_its_grid_restarts_as_the_unswept_run_and_conti
     i = plain.index("--lr-sweep")
     del plain[i:i + 2]
     plain[plain.index("--max-lr") + 1] = repr(sw["max_lr"])
+    plain += ["--alpha", "0"]  # (--alpha's default after a sweep)
     assert main(["train", *plain, "--dropout", "0.1", "--out", str(tmp_path / "plain")]) == 0
     _same_run(out, tmp_path / "plain")
     cont = [*args, "--lr-sweep-then", "continue", "--checkpoint-every", "15"]

@@ -76,7 +76,7 @@ def test_cli_messages_name_the_commands(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = capsys.readouterr().out
-    assert "(default: 400)" in out and "(default: 0.2)" in out
+    assert "(default: 400)" in out and "(default 0.2, and 0 with --lr-sweep" in " ".join(out.split())
     with pytest.raises(SystemExit):
         main(["compare", "--help"])
     out = capsys.readouterr().out

@@ -458,8 +458,10 @@ def test_the_ddp_examples_lr_sweep_refuses_a_sweep_too_short_to_judge():
 @pytest.mark.distributed
 def test_the_ddp_examples_lr_sweep_then_trains_from_the_initial_weights_at_its_peak(tmp_path):
     """examples/ddp_train.py --lr-sweep under torchrun (world 4): each rank sweeps one LR, then the run starts again
-    from the initial weights at sqrt(8) x the pick (the default factor's floor); the same run, to the last digit, as the example without a sweep
-    at that --max-lr, and its syncs report that OneCycle's base LRs."""
+    from the initial weights at sqrt(8) x the pick (the default factor's floor) without HDET's spread and with the
+    stability guard (--alpha's and --on-runaway's defaults after a sweep); the same run, to the last digit, as the
+    example without a sweep at that --max-lr, --alpha 0 and --on-runaway recover, and its syncs report that OneCycle's
+    base LRs."""
     def run(out, *extra):
         p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                             str(EXAMPLES / "ddp_train.py"), "--steps", "40", "--T", "10", "--batch", "4", "--ctx",
@@ -471,8 +473,11 @@ def test_the_ddp_examples_lr_sweep_then_trains_from_the_initial_weights_at_its_p
     sw = s["lr_sweep"]
     grid = hdet.sweep.sweep_lrs(0.01 / math.sqrt(8), 4, 32.0)  # (about /32 to x32 around it, then any runs beyond)
     assert sw["steps"] == 10 and all(any(v == pytest.approx(g, rel=1e-12) for v in sw["lrs"]) for g in grid)
-    assert sw["max_lr"] == pytest.approx(math.sqrt(8) * sw["pick"]) and f"the run at --max-lr {sw['max_lr']:.3g}" in said
-    plain, _ = run(tmp_path / "plain.json", "--max-lr", repr(sw["max_lr"]))
+    assert sw["max_lr"] == pytest.approx(math.sqrt(8) * sw["pick"])
+    assert f"the run at --max-lr {sw['max_lr']:.3g}, --alpha 0, --on-runaway recover" in said
+    assert s["args"]["alpha"] == 0.0 and s["args"]["on_runaway"] == "recover"
+    assert all(x["multipliers"] == [1.0] * 4 for x in s["syncs"])
+    plain, _ = run(tmp_path / "plain.json", "--max-lr", repr(sw["max_lr"]), "--alpha", "0", "--on-runaway", "recover")
     assert plain["lr_sweep"] is None and plain["val_loss"] == s["val_loss"]
     assert [x["losses"] for x in plain["syncs"]] == [x["losses"] for x in s["syncs"]]
     opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=sw["max_lr"])

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..telemetry import records_up_to
-from .options import RunConfig, RunError, after_sweep, default_warmup
+from .options import RunConfig, RunError, after_sweep, default_alpha, default_warmup
 
 __all__ = ["VERSION", "path_for", "previous", "save", "load", "available", "check_config", "restore_rng",
            "read_records", "write_records", "adopt", "other_kind",
@@ -89,7 +89,9 @@ def _resolved(c: dict[str, Any], mode: str, device: str) -> dict[str, Any]:
         c["judge_steps"] = c["T"] * -(-c["judge_steps"] // c["T"])
     if auto and c.get("tie_lr_groups") is None:
         c["tie_lr_groups"] = fit
-    if c.get("alpha", 0) > 0:  # the groups' LRs are explored whenever there is a spread
+    if c.get("alpha") is None:  # (--alpha left out: its default follows --lr-sweep)
+        c["alpha"] = default_alpha(c.get("lr_sweep") or 0.0)
+    if c["alpha"] > 0:  # the groups' LRs are explored whenever there is a spread
         c["explore"] = tuple(sorted(set(c.get("explore") or ()) | {"lr-groups"}))
     elif c.get("explore") is not None:
         c["explore"] = tuple(sorted(c["explore"]))
@@ -147,8 +149,10 @@ def sweep_progress(path: Path, cfg: RunConfig, replicas: int, device: str) -> di
         now = _resolved(_config(cfg), "sweep", device)
         saved = _resolved(state.get("config") or {}, "sweep", str(state.get("device")))
         if saved != now or state.get("replicas") != replicas:
-            diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
-                    if saved.get(k) != now.get(k)]
+            differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+            raw, given = state.get("config") or {}, _config(cfg)
+            named = [k for k in differ if raw.get(k) != given.get(k)]  # flags given differently: the others follow
+            diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}" for k in (named or differ)]
             if state.get("replicas") != replicas:
                 diff.append(f"replicas (the world size under torchrun) {state.get('replicas')} -> {replicas}")
             raise RunError(f"Expected the options of the stopped LR sweep ({p.name}) to resume it, but these differ: "

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from .options import check
+from .options import check, spread
 from .run import RunConfig, check_out, train
 
 __all__ = ["ABLATIONS", "compare"]
@@ -35,7 +35,8 @@ def compare(base: RunConfig, lr_low: float, lr_high: float, pretrain_steps: int,
     out = Path(base.out)
     check(base)  # as hdet train checks them (the alpha-0 rows drop lr-groups, so theirs would pass where it fails)
     unspread = tuple(e for e in base.explore if e != "lr-groups")  # what rows at alpha 0 explore
-    base = dataclasses.replace(base, checkpoint_every=0, resume=False)  # nothing resumes a comparison's rows
+    base = dataclasses.replace(base, alpha=spread(base), checkpoint_every=0, resume=False)  # (nothing resumes a
+    # comparison's rows; the spread as the rows run it, recorded in compare.json)
     pre = dataclasses.replace(base, replicas=1, alpha=0.0, auto_lr=False, warm_init=False, init_from=None,
                               explore=unspread,
                               steps=pretrain_steps, max_lr=lr_low, seed=base.seed + 1, out=str(out / "pretrain"),
@@ -45,7 +46,7 @@ def compare(base: RunConfig, lr_low: float, lr_high: float, pretrain_steps: int,
     for i, (name, desc, o) in enumerate(ABLATIONS, 1):
         lr = lr_low if o["lr"] == "low" else lr_high
         folder = f"{i}-{name.lower().replace(' ', '-').replace('/', '').replace('(', '').replace(')', '')}"
-        alpha = o.get("alpha", base.alpha)
+        alpha = o.get("alpha", spread(base))
         cfg = dataclasses.replace(
             base, alpha=alpha, max_lr=lr, auto_lr=o.get("auto", False),
             explore=base.explore if alpha > 0 else unspread,

@@ -114,7 +114,8 @@ def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, d
         print(f"lr sweep: {len(res.lrs)} runs of {steps} steps at {res.lrs[0]:.3g} to {res.lrs[-1]:.3g}"
               f"{f' ({len(res.lrs) - points} beyond the first {points})' if len(res.lrs) > points else ''}; the best "
               f"at {res.lrs[res.winner]:.3g}, the pick {res.pick:.3g}; the run "
-              f"{'starts again' if cfg.lr_sweep_then == 'restart' else 'goes on'} at --max-lr {res.max_lr:.3g}",
+              f"{'starts again' if cfg.lr_sweep_then == 'restart' else 'goes on'} at --max-lr {res.max_lr:.3g}"
+              + (f", HDET's spread at --alpha {cfg.alpha:g}" if cfg.alpha else ", without HDET's spread (--alpha 0)"),
               flush=True)
         for w in caught:
             print(f"warning: {w.message}", file=sys.stderr)

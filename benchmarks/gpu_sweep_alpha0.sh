@@ -1,0 +1,23 @@
+# Issue 15 (session 33): the recipe `hdet train --lr-sweep 0.2` (1500 steps after a 300-step sweep) with the run after
+# the sweep WITHOUT HDET's spread (`--alpha 0`; the stability guard `on_runaway="recover"` kept), at the seeds whose
+# alpha-0.2 runs are committed (GPT 12-27 in ../sweep_then_train/call17-23, Fashion-MNIST 12-14 in call17/19/23), from
+# 0.1x, 1x and 10x the grid's best. One GPU; data/fashion carried.
+# Usage: call 1 `bash benchmarks/gpu_sweep_alpha0.sh` (GPT 12-16 and Fashion-MNIST 12-14 side by side);
+#        calls 2-3 `BYTES_SEEDS=17,18,19,20,21,22 FASHION_SEEDS= bash benchmarks/gpu_sweep_alpha0.sh`, then 23-27.
+set -x
+export PYTHONPATH=$PWD/src
+BS=${BYTES_SEEDS-12,13,14,15,16}
+FS=${FASHION_SEEDS-12,13,14}
+python -c "import sys,torch;print(sys.version, torch.__version__, torch.cuda.get_device_name())" > $OUT/env.txt
+if [ -n "$BS" ]; then
+  python benchmarks/lr_sweep_cli.py --tasks bytes --starts 0.1,1,10 --seeds $BS --then restart \
+    --deadline ${DEADLINE:-540} --runs /tmp/lsc_b --extra "--alpha 0" \
+    --out $OUT/lr_sweep_cli_alpha0_bytes_s${BS//,/-}.json > $OUT/sweep_bytes.log 2>&1 &
+fi
+if [ -n "$FS" ]; then
+  python benchmarks/lr_sweep_cli.py --tasks fashion --starts 0.1,1,10 --seeds $FS --then restart \
+    --deadline ${DEADLINE:-540} --runs /tmp/lsc_f --extra "--alpha 0" \
+    --out $OUT/lr_sweep_cli_alpha0_fashion_s${FS//,/-}.json > $OUT/sweep_fashion.log 2>&1 &
+fi
+wait
+tail -n 12 $OUT/sweep_*.log

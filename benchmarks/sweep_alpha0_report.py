@@ -1,0 +1,87 @@
+"""The recipe's run after an LR sweep with and without HDET's spread, seed for seed (issue 15, session 33).
+
+`hdet train --lr-sweep 0.2` (1500 steps after a 300-step sweep) from 0.1x, 1x and 10x the grid's best, run after the
+sweep at ``--alpha 0`` (``results/evidence/sweep_alpha0/``, ``benchmarks/gpu_sweep_alpha0.sh``) against the committed
+alpha-0.2 runs of the same seeds (``results/evidence/sweep_then_train/``: calls 17-19, the runs the stability guard
+acted in replaced by calls 22-23's, as that folder's headline does). Per task and start: each arm's mean, its distance
+from the grid's best (GPT 1.2127 validation loss, Fashion-MNIST 92.22%), the paired difference and its standard
+error, and the runs in which the stability guard acted.
+
+    python benchmarks/sweep_alpha0_report.py --out benchmarks/results/evidence/sweep_alpha0/report.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics as st
+import sys
+from pathlib import Path
+
+R = Path(__file__).resolve().parent / "results" / "evidence"
+BEST = {"bytes": 1.2127, "fashion": 92.22}
+ALPHA02 = {"bytes": ["call17/lr_sweep_cli_lattice_bytes_x10_s12-27.json", "call18/lr_sweep_cli_lattice_bytes_x0.1_s12-27.json",
+                     "call18/lr_sweep_cli_lattice_bytes_x1_s12-17.json", "call19/lr_sweep_cli_lattice_bytes_x1_s18-27.json"],
+           "fashion": ["call17/lr_sweep_cli_lattice_fashion_s12-14.json", "call19/lr_sweep_cli_lattice_fashion_x1_s12-14.json"]}
+REPLACED = {"bytes": ("call22/guard_cut2_bytes.json", "recover:0.7"), "fashion": ("call23/guard_cut3_fashion.json", "recover")}
+
+
+def acted(log_tail: str) -> bool:
+    return "went back" in log_tail or "reset" in log_tail
+
+
+def alpha02(task: str) -> dict[tuple[float, int], tuple[float, bool]]:
+    out = {}
+    for f in ALPHA02[task]:
+        for r in json.loads((R / "sweep_then_train" / f).read_text())["runs"]:
+            if r.get("kind") == "sweep" and r.get("metric") is not None:
+                out[(r["start"], r["seed"])] = (r["metric"], acted(r["log_tail"]))
+    f, guard = REPLACED[task]
+    for r in json.loads((R / "sweep_then_train" / f).read_text())["runs"]:
+        if r["guard"] == guard and (r["start"], r["seed"]) in out:
+            out[(r["start"], r["seed"])] = (r["metric"], True)
+    return out
+
+
+def alpha0(task: str) -> dict[tuple[float, int], tuple[float, bool]]:
+    out = {}
+    for f in sorted((R / "sweep_alpha0").glob(f"call*/lr_sweep_cli_alpha0_{task}_*.json")):
+        for r in json.loads(f.read_text())["runs"]:
+            if r.get("metric") is not None:
+                out[(r["start"], r["seed"])] = (r["metric"], acted(r["log_tail"]))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    rec: dict = {"command": "python " + " ".join(sys.argv), "grid_best": BEST, "cells": [], "all": {}}
+    for task in ("bytes", "fashion"):
+        new, old = alpha0(task), alpha02(task)
+        diffs = []
+        for start in (0.1, 1.0, 10.0):
+            seeds = sorted(s for (st_, s) in new if st_ == start)
+            x = [new[(start, s)][0] for s in seeds]
+            y = [old[(start, s)][0] for s in seeds]
+            d = [u - v for u, v in zip(x, y)]
+            diffs += d
+            rel = (lambda m: 100 * (m / BEST[task] - 1)) if task == "bytes" else (lambda m: m - BEST[task])
+            cell = {"task": task, "start": start, "seeds": seeds, "alpha0_mean": st.mean(x), "alpha0.2_mean": st.mean(y),
+                    "alpha0_vs_best": rel(st.mean(x)), "alpha0.2_vs_best": rel(st.mean(y)),
+                    "paired_difference": st.mean(d), "paired_se": st.stdev(d) / len(d) ** 0.5,
+                    "guard_acted": {"alpha0": sum(new[(start, s)][1] for s in seeds),
+                                    "alpha0.2": sum(old[(start, s)][1] for s in seeds)}}
+            rec["cells"].append(cell)
+            unit = "%" if task == "bytes" else " pt"
+            print(f"{task} {start:g}x ({len(seeds)} seeds): alpha 0 {cell['alpha0_mean']:.4f} ({cell['alpha0_vs_best']:+.2f}{unit}), "
+                  f"alpha 0.2 {cell['alpha0.2_mean']:.4f} ({cell['alpha0.2_vs_best']:+.2f}{unit}); paired "
+                  f"{cell['paired_difference']:+.4f} (se {cell['paired_se']:.4f}); guard acted {cell['guard_acted']}")
+        rec["all"][task] = {"runs": len(diffs), "paired_difference": st.mean(diffs),
+                            "paired_se": st.stdev(diffs) / len(diffs) ** 0.5}
+        print(f"{task}, all {len(diffs)}: alpha 0 minus alpha 0.2 {st.mean(diffs):+.4f} (se {rec['all'][task]['paired_se']:.4f})")
+    Path(a.out).write_text(json.dumps(rec, indent=1))
+
+
+if __name__ == "__main__":
+    main()
