@@ -5,7 +5,8 @@ sweep at ``--alpha 0`` (``results/evidence/sweep_alpha0/``, ``benchmarks/gpu_swe
 alpha-0.2 runs of the same seeds (``results/evidence/sweep_then_train/``: calls 17-19, the runs the stability guard
 acted in replaced by calls 22-23's, as that folder's headline does). Per task and start: each arm's mean, its distance
 from the grid's best (GPT 1.2127 validation loss, Fashion-MNIST 92.22%), the paired difference and its standard
-error, and the runs in which the stability guard acted.
+error, and the runs in which the stability guard acted; then the same for the GPT at one run's compute
+(``--steps 1250``, ``results/evidence/sweep_budget/``).
 
     python benchmarks/sweep_alpha0_report.py --out benchmarks/results/evidence/sweep_alpha0/report.json
 """
@@ -80,7 +81,38 @@ def main() -> None:
         rec["all"][task] = {"runs": len(diffs), "paired_difference": st.mean(diffs),
                             "paired_se": st.stdev(diffs) / len(diffs) ** 0.5}
         print(f"{task}, all {len(diffs)}: alpha 0 minus alpha 0.2 {st.mean(diffs):+.4f} (se {rec['all'][task]['paired_se']:.4f})")
+    rec["one_run_compute"] = one_run_compute()
     Path(a.out).write_text(json.dumps(rec, indent=1))
+
+
+def one_run_compute() -> dict:
+    """The GPT at one run's compute (``--steps 1250``, ``../sweep_budget/``): alpha 0.2 in its calls 1 and 3, alpha 0
+    in its call 7 (seeds 12-16) and this folder's call 4 (seeds 17-21)."""
+    def read(files: list[Path]) -> dict[tuple[float, int], float]:
+        return {(r["start"], r["seed"]): r["metric"] for f in files for r in json.loads(f.read_text())["runs"]
+                if r.get("metric") is not None}
+    b = R / "sweep_budget"
+    old = read([*b.glob("call1/*.json"), *b.glob("call3/*.json")])
+    new = read([*b.glob("call7/*.json"), *(R / "sweep_alpha0").glob("call4/sweep_budget_alpha0_bytes_*.json")])
+    out: dict = {}
+    every = [new[k] - old[k] for k in new if k in old]
+    out["all"] = {"runs": len(every), "paired_difference": st.mean(every),
+                  "paired_se": st.stdev(every) / len(every) ** 0.5}
+    print(f"one run's compute, bytes, all {len(every)}: alpha 0 minus alpha 0.2 {st.mean(every):+.4f} "
+          f"(se {out['all']['paired_se']:.4f})")
+    for start in (0.1, 1.0, 10.0):
+        seeds = sorted(s for (st_, s) in new if st_ == start and (st_, s) in old)
+        x, y = [new[(start, s)] for s in seeds], [old[(start, s)] for s in seeds]
+        d = [u - v for u, v in zip(x, y)]
+        out[str(start)] = {"seeds": seeds, "alpha0_mean": st.mean(x), "alpha0.2_mean": st.mean(y),
+                           "alpha0_vs_best": 100 * (st.mean(x) / BEST["bytes"] - 1),
+                           "alpha0.2_vs_best": 100 * (st.mean(y) / BEST["bytes"] - 1),
+                           "paired_difference": st.mean(d), "paired_se": st.stdev(d) / len(d) ** 0.5}
+        c = out[str(start)]
+        print(f"one run's compute, bytes {start:g}x ({len(seeds)} seeds): alpha 0 {c['alpha0_mean']:.4f} "
+              f"({c['alpha0_vs_best']:+.2f}%), alpha 0.2 {c['alpha0.2_mean']:.4f} ({c['alpha0.2_vs_best']:+.2f}%); "
+              f"paired {c['paired_difference']:+.4f} (se {c['paired_se']:.4f})")
+    return out
 
 
 if __name__ == "__main__":

@@ -1499,3 +1499,39 @@ def test_the_last_sync_judges_what_is_pooled():
     and every replica goes back to the best sync (75)."""
     recs = _jumped(10.0, 90, 76)
     assert recs[-1][:2] == (90, 75)
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_replicas_of_the_same_weights_are_never_runaways_of_their_data(local):
+    """At alpha 0 with shared gradients every replica holds the same weights: one replica's noisier shard (non-IID
+    data) raises its window loss, not its weights'. It was called a runaway at every sync, "reset" (a no-op) and the LR
+    cut to its floor, 1/64 (an audit of the recipe after an LR sweep). Now no replica is a runaway of its data and the
+    LR stays; in local mode (no shared gradients) the replicas' weights part, and the same shard still sets the rule off
+    (what it is for: a replica whose weights ran away)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    w_star = torch.randn(8, 1, generator=torch.Generator().manual_seed(123))
+    N, S = 4, 200
+
+    def batch_at(r, t):
+        g = torch.Generator().manual_seed(1000 * r + t + 7)
+        x = torch.randn(32, 8, generator=g)
+        y = torch.tanh(x @ w_star) + 0.05 * torch.randn(32, 1, generator=g)
+        return x, y + (torch.randn(32, 1, generator=g) if r == 3 else 0.0)  # replica 3: a noisier shard
+
+    eng = ReplicaEngine(model, N, lambda m: torch.optim.AdamW(m.parameters(), lr=7e-3),
+                        lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=7e-3, total_steps=S, model_sync_interval=25,
+                                                              on_runaway="recover", model=m, replicas=rep),
+                        mode="loop", share_gradients=not local)
+    runaway = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for t in range(1, S + 1):
+            eng.step([batch_at(r, t) for r in range(N)], lambda m, b: (m(b[0]) - b[1]).pow(2).mean())
+            if eng.schedulers[0].is_sync_step(t):
+                runaway += eng.schedulers[0].last_sync.runaway
+    if local:
+        assert 3 in runaway and eng.schedulers[0].ensemble.slots.lr_scale < 1
+    else:
+        assert runaway == [] and eng.schedulers[0].ensemble.slots.lr_scale == 1.0
+        assert all(torch.equal(p, q) for m in eng.models[1:] for p, q in zip(eng.models[0].parameters(), m.parameters()))

@@ -38,7 +38,7 @@ from .slots import LRControl, Slots
 from .stability import MIN_LR_SCALE, SharedCopies, StabilityGuard
 from .step_scale import StepScale
 from .sync import (SHARD_MAX, SHARD_MIN, SHARD_SUM, ReplicaMismatchError, SyncVector, as_real, averaged, batch_counts,
-                   check_agreement, check_state_layout, health, layout_signature, memory_key,
+                   check_agreement, check_state_layout, fingerprint, health, layout_signature, memory_key,
                    persistent_float_buffers)
 from .window import LossWindow, Probe, WindowMean
 
@@ -464,7 +464,7 @@ class Ensemble:
             total_steps=-1 if self.total_steps is None else self.total_steps, config=self.fingerprint(),
             state_layout=self._state_layout(),
             start_ok=self.stability.start_health(self.kept_tensors() if self.stability.starting else None),
-            start_sum=start_sum, start_n=start_n,
+            start_sum=start_sum, start_n=start_n, weights=fingerprint(tensors, strict, dev),
         ).to_tensor(dev)
         if new_window:
             self.window.reset()
@@ -545,14 +545,14 @@ class Ensemble:
                 f"hdet: at sync step {t} replica(s) {reset_early} had non-finite training losses "
                 f"({[nonfinite_losses[r] for r in reset_early]} in the window): their weights were non-finite and "
                 f"were reset at early recoveries (steps {[self.early_recovered[r] for r in reset_early]}; "
-                "sched.last_sync.recovered_early), ranked worst by the controller; training goes on",
+                "sched.last_sync.recovered_early), ranked worst by the controller where one runs; training goes on",
                 stacklevel=user_stacklevel())
         if healthy_loss:
             warnings.warn(
                 f"hdet: at sync step {t} replica(s) {healthy_loss} had non-finite training losses "
-                f"({[nonfinite_losses[r] for r in healthy_loss]} in the window) but finite weights (a step the "
-                "gradient guard skipped, or a bad batch): counted in sched.last_sync.nonfinite_losses, ranked "
-                "worst by the controller; training goes on", stacklevel=user_stacklevel())
+                f"({[nonfinite_losses[r] for r in healthy_loss]} in the window) but finite weights (a step whose "
+                "gradient the guard skipped or zeroed, or a bad batch): counted in sched.last_sync.nonfinite_losses, "
+                "ranked worst by the controller where one runs; training goes on", stacklevel=user_stacklevel())
         self.early_recovered = {}
         window = list(losses)  # each replica's own window mean (NaN where it had no finite loss): what is reported
         worst_ranked = set(bad) | set(bad_loss)
@@ -754,7 +754,8 @@ class Ensemble:
 def _warn_recovered(t: int, bad: list[int], when: str) -> None:
     warnings.warn(
         f"hdet: at {when} step {t} replica(s) {bad} had non-finite weights or buffers; they were left out of the "
-        "average, reset to the other replicas' mean, and ranked worst by the controller", stacklevel=user_stacklevel())
+        "average, reset to the other replicas' mean, and ranked worst by the controller where one runs",
+        stacklevel=user_stacklevel())
 
 
 def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -78,6 +78,13 @@ def window_noise(col: Any, ok: list[int]) -> tuple[float, float]:
     return math.sqrt(sigma2 / (sum(n) / len(n))), 1.25 * math.sqrt(sigma2 / sum(n))
 
 
+def same_weights(col: Any, replicas: list[int]) -> bool:
+    """Whether ``replicas`` (two or more) hold the same weights: their fingerprints (:func:`hdet.sync.fingerprint`,
+    in the gathered rows) are equal. A column without them (a state or test from before) says no."""
+    marks = getattr(col, "weights", None)
+    return marks is not None and len(replicas) >= 2 and len({marks[r] for r in replicas}) == 1
+
+
 def median_first_loss(col: Any, n: int) -> float:
     """The replicas' median first-step loss, from the gathered rows of ``n`` replicas (NaN where none kept one)."""
     firsts = [col.start_sum[r] / col.start_n[r] for r in range(n) if col.start_n[r] > 0]
@@ -207,7 +214,8 @@ class StabilityGuard:
         """The runaway replicas and whether the ensemble is rising (pure arithmetic on the gathered rows).
 
         A replica with finite weights whose every loss in the window was non-finite (its loss overflowed) ran away
-        too; when no replica has a finite window loss, the ensemble is rising (before, such windows were dropped
+        too (no replica runs away from others that hold the same weights: :func:`same_weights`); when no replica has a
+        finite window loss, the ensemble is rising (before, such windows were dropped
         and a run whose weights reached 1e19 trained on to the end: an audit). A rise is judged against the
         window losses' noise, but a window loss ``RISE_CEILING`` times the best's magnitude above it (10x a positive
         best) and above the first sync's loss is a rise whatever the noise: the spread of the step losses in a window
@@ -224,6 +232,12 @@ class StabilityGuard:
         nonfinite = getattr(col, "nonfinite", None)
         lost = [r for r, x in enumerate(losses) if r not in bad and not math.isfinite(x) and nonfinite is not None
                 and nonfinite[r] > 0]  # observed losses, none of them finite
+        # Replicas that hold the same weights (shared gradients at one LR: data parallel with the guard, alpha 0) differ
+        # in their window losses by their data alone: none of them runs away from the others (at alpha 0 with 4
+        # replicas, one replica's noisier shard was "reset" at every sync, a no-op, and the LR cut to its floor: an
+        # audit). The ensemble's rules below still judge them.
+        same = same_weights(col, [r for r in range(len(losses)) if r not in bad])
+        apart = [] if same else lost  # (a lost replica of the same weights: its batches' losses, not its weights')
         best = self.best_loss
         times = max(RISE_CEILING, c.rise_threshold)
         self._start_rise = self._start_grown = None
@@ -246,12 +260,12 @@ class StabilityGuard:
                     # that starts as its teacher, a masked first batch), which makes every window "blown": such a loss
                     # drifting up 1.3x a window went back at every sync (three reviews)
                     self._start_grown = (now, grown[0])
-                    return lost, True
-            return lost, False
+                    return apart, True
+            return apart, False
         if not ok:
             return [], bool(lost) and best is not None
         if len(ok) < 2 or best is None:
-            return lost, False
+            return apart, False
         gross: list[int] = []
         blown_now = False
         if pooling:  # judged over the pooled windows, or not at this sync; at every sync, what no noise explains in
@@ -262,21 +276,22 @@ class StabilityGuard:
             med = statistics.median(losses[r] for r in ok)
             first = self.first_loss
             if first is not None:  # (a state from before it: no floor, so none of this, as the judged rule's)
-                gross = [r for r in ok if len(ok) >= 3 and losses[r] > max(med + times * abs(med), best, first)]
+                gross = [r for r in ok if len(ok) >= 3 and not same and losses[r] > max(med + times * abs(med), best,
+                                                                                        first)]
                 now = statistics.median(losses[r] for r in ok if r not in gross)
                 blown_now = now > max(best + times * abs(best), first)
                 self._said_gross = (now, best) if blown_now else None
             if self._judged is None:
-                return sorted(gross + lost), blown_now
+                return sorted(gross + apart), blown_now
             losses, col = self._judged
             self._said_pool = list(losses)
             ok = [r for r in ok if col.loss_n[r] > 0]
             if len(ok) < 2:
-                return sorted(gross + lost), blown_now
+                return sorted(gross + apart), blown_now
         se_replica, se_ensemble = window_noise(col, ok)
         med = statistics.median(losses[r] for r in ok)
         scale = max(1.4826 * statistics.median(abs(losses[r] - med) for r in ok), 0.02 * abs(med), se_replica)
-        runaway = [r for r in ok if len(ok) >= 3 and losses[r] - med > c.outlier_threshold * scale
+        runaway = [r for r in ok if len(ok) >= 3 and not same and losses[r] - med > c.outlier_threshold * scale
                    and losses[r] > best]
         healthy = [losses[r] for r in ok if r not in runaway]
         # (a partial pool, judged at the run's last sync: its windows' shared noise, which their steps' spread does not
@@ -286,7 +301,7 @@ class StabilityGuard:
         margin = max(c.rise_threshold * abs(best) * math.sqrt(short), NOISE_Z * math.hypot(se_ensemble, self.best_se))
         now = statistics.median(healthy)
         blown = self.first_loss is not None and now > max(best + times * abs(best), self.first_loss)
-        return sorted(set(runaway + gross + lost)), now > best + margin or blown or blown_now
+        return sorted(set(runaway + gross + apart)), now > best + margin or blown or blown_now
 
     @torch.no_grad()
     def after_average(self, step: int, losses: list[float], exclude: list[int], rising: bool,

@@ -46,6 +46,7 @@ class SyncVector(NamedTuple):
     start_ok: Any  # 1 unless the state kept after step 1 (recover, before the first best sync) is unhealthy
     start_sum: Any  # while that state is kept: the first step's training loss where finite, else 0
     start_n: Any  # and 1 where it was finite (0: not kept, not observed, or not finite)
+    weights: Any  # fingerprint of the weights (:func:`fingerprint`): equal on replicas that hold the same weights
 
     def to_tensor(self, dev: torch.device) -> torch.Tensor:
         """The 1-D float64 vector on ``dev`` (tensors stay on their device until this copy: no host sync; the
@@ -67,7 +68,8 @@ class SyncVector(NamedTuple):
 
 # FSDP2/HSDP: one replica is several ranks; these fields are summed (or min-reduced) over its shard ranks first
 SHARD_SUM = tuple(SyncVector._fields.index(f) for f in ("loss_sum", "loss_n", "observed", "buf_inf", "loss_sq",
-                                                        "start_sum", "start_n", "probe"))  # (probe: each rank's / shards)
+                                                        "start_sum", "start_n", "probe", "weights"))  # (probe: each
+# rank's / shards; weights: a replica's is its shards')
 SHARD_MIN = (SyncVector._fields.index("finite"), SyncVector._fields.index("start_ok"))
 SHARD_MAX = (SyncVector._fields.index("nonfinite"),)
 
@@ -145,6 +147,25 @@ def max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
     if tensors[0].device.type == "cpu":
         return torch.stack([t.abs().amax() for t in tensors]).amax()
     return torch.stack(torch._foreach_norm(tensors, float("inf"))).amax()
+
+
+def fingerprint(tensors: list[torch.Tensor], strict: list[bool], dev: torch.device) -> torch.Tensor:
+    """On ``dev``, float64: the sum of the ``strict`` tensors' L1 norms (the parameters, and the optimizer state where
+    it is averaged). Replicas that hold the same weights give the same number, bit for bit (the same reductions of the
+    same values); replicas apart by a window's training do not (:func:`hdet.stability.same_weights`). Not a checksum
+    of the weights' order, nor compared across different models. No host sync (one fused read per device on CUDA)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for x, must_be_finite in zip(tensors, strict):
+        if must_be_finite and x.numel():
+            by_device.setdefault(x.device, []).append(x)
+    out = torch.zeros((), dtype=torch.float64, device=dev)
+    for d, xs in by_device.items():
+        if d.type == "cpu":
+            part = torch.stack([x.abs().sum(dtype=torch.float64) for x in xs]).sum()
+        else:
+            part = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(xs, 1)]).sum()
+        out = out + part.to(dev)
+    return out
 
 
 def layout_signature(tensors: list[torch.Tensor]) -> int:
