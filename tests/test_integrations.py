@@ -297,6 +297,26 @@ def test_hf_trainer_loads_the_best_average_at_the_end_of_a_run_stopped_early(tmp
         assert torch.equal(torch.cat([p.reshape(-1) for p in r["params"]]), at12["replicas"].mean(0))
 
 
+@pytest.mark.parametrize("missing", ["1", "0,1"])
+def test_hf_trainer_settles_a_best_checkpoint_that_some_ranks_could_not_load(tmp_path, missing):
+    """load_best_model_at_end where the best checkpoint's files are not on every rank's disk (several nodes without
+    save_on_each_node): the Trainer logs it and keeps that rank's weights, its own replica, and HDETTrainer skipped its
+    closing average all the same, so the ranks ended apart (an audit). Missing on rank 1: rank 0's loaded best is
+    broadcast, both ranks hold step 12's average; missing on both: the replicas are averaged as at a run's end (step
+    14), the same on both ranks, with a warning that says it is not the best checkpoint."""
+    out = tmp_path / "best"
+    p = _torchrun(out, "--eval-steps", "4", "--save-steps", "4", "--best", "--stop-at", "14", "--best-missing-on",
+                  missing)
+    r0, r1 = _results(out)
+    at12 = [v for v in r0["evaluated"] if v["step"] == 12][0]["replicas"].mean(0)
+    flat = [torch.cat([q.reshape(-1) for q in r["params"]]) for r in (r0, r1)]
+    assert r0["best_checkpoint"].endswith("checkpoint-12") and torch.equal(flat[0], flat[1])
+    if missing == "1":
+        assert torch.equal(flat[0], at12) and "rank 0's loaded model was broadcast to them" in p.stderr
+    else:
+        assert not torch.equal(flat[0], at12) and "could not be loaded on any rank" in p.stderr
+
+
 def test_hf_trainer_resumes_exactly_from_a_converge_step_before_the_guards_first_judgment(tmp_path):
     """on_runaway="recover" at T 5 (judge_steps 25: no best before step 25), a checkpoint at step 10 (a converge step,
     as the docs advise), rank 1's loss x100 at steps 12-14 (a blow-up: every replica goes back at step 15). The

@@ -28,15 +28,18 @@ scheduler states only, so after loading them each rank re-applies its own learni
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..caller import user_stacklevel
 from ..config import HDETConfig
 from ..optimizers import innermost
 from ..schedulers import HDETLR
+from ..sync import fingerprint
 from ..telemetry import sync_scalars
 from . import explored_clips, finish_at_train_end
 
@@ -77,6 +80,45 @@ class HDETTrainer(Trainer):
             warnings.warn(f"hdet: save_steps={self.args.save_steps} is not a multiple of model_sync_interval={T}; "
                           "the Trainer saves rank 0's scheduler state, so a resume between converge steps gives "
                           "every replica rank 0's loss window", stacklevel=user_stacklevel())
+
+    def _load_best_model(self) -> None:
+        """The Trainer's, noting whether it loaded anything on this rank: where the best checkpoint's files are not on
+        this rank's disk (several nodes without ``save_on_each_node``) the Trainer logs that and keeps the weights, here
+        one replica's own (:meth:`_HDETFinish.on_train_end` then settles it on every rank)."""
+        before = _weights_mark(self.model)
+        found = self.is_deepspeed_enabled or self.is_fsdp_enabled or _best_files_here(self.state.best_model_checkpoint)
+        super()._load_best_model()
+        self._hdet_best_loaded = found or not torch.equal(before, _weights_mark(self.model))
+
+    def _hdet_settle_best(self) -> bool:
+        """After ``load_best_model_at_end``, on every rank: whether every rank now holds the best checkpoint (the
+        replicas' average). Where some ranks loaded it and others could not, theirs is broadcast from the first rank
+        that did. Where none could, False: the replicas are then averaged as at a run's end, and a warning says so.
+        COLLECTIVE (under torch.distributed): an all-gather of one flag a rank, and a broadcast of the model's
+        parameters and buffers where ranks differ."""
+        loaded = bool(getattr(self, "_hdet_best_loaded", True))  # (not noted: the Trainer loaded it its own way)
+        tensors = [t for t in (*self.model.parameters(), *self.model.buffers())]
+        flags = [loaded]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            mine = torch.tensor([float(loaded)], device=tensors[0].device if tensors else "cpu")
+            every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(every, mine)  # COLLECTIVE (HOST SYNC: the flags are read)
+            flags = [bool(f.item()) for f in every]
+        if all(flags):
+            return True
+        if any(flags):
+            src = flags.index(True)
+            for t in tensors:  # COLLECTIVE: the best checkpoint's weights to the ranks that could not load it
+                dist.broadcast(t.data, src)
+            warnings.warn(f"hdet: the best checkpoint ({self.state.best_model_checkpoint}) could not be loaded on "
+                          f"rank(s) {[r for r, f in enumerate(flags) if not f]} (its files are not on their disk: "
+                          f"save_on_each_node=True keeps a copy on every node); rank {src}'s loaded model was "
+                          "broadcast to them, so every rank holds the best checkpoint", stacklevel=user_stacklevel())
+            return True
+        warnings.warn(f"hdet: the best checkpoint ({self.state.best_model_checkpoint}) could not be loaded on any rank; "
+                      "the replicas are averaged as at the end of a run instead (the model is the run's last average, "
+                      "not the best checkpoint's)", stacklevel=user_stacklevel())
+        return False
 
     def _sync_interval(self) -> int:
         """T as the scheduler will have it: a scheduler of the user's (``optimizers=``), ``config=``, or the keyword
@@ -265,6 +307,24 @@ class _HDETHooks(TrainerCallback):
             t.lr_scheduler.observe(loss)  # this rank's own loss of the step, on its device
 
 
+def _best_files_here(checkpoint: str) -> bool:
+    """Whether this rank sees the files the Trainer loads a best checkpoint from (its ``_load_best_model``'s test)."""
+    from transformers.utils import (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME,
+                                    SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME)
+
+    return any(os.path.exists(os.path.join(checkpoint, name)) for name in (
+        WEIGHTS_NAME, SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME, ADAPTER_SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME,
+        WEIGHTS_INDEX_NAME))
+
+
+def _weights_mark(model: torch.nn.Module) -> torch.Tensor:
+    """A fingerprint of the model's parameters (:func:`hdet.sync.fingerprint`): equal before and after a load that
+    changed nothing."""
+    params = [p.detach() for p in model.parameters()]
+    dev = params[0].device if params else torch.device("cpu")
+    return fingerprint(params, [True] * len(params), dev)
+
+
 class _HDETFinish(TrainerCallback):
     """Training stopped before ``total_steps`` (``EarlyStoppingCallback``, ``control.should_training_stop``): the
     replicas are averaged when it ends (:meth:`hdet.HDETLR.finish`, on every rank), before any other callback's
@@ -276,10 +336,12 @@ class _HDETFinish(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         sched = self.trainer.lr_scheduler
-        if args.load_best_model_at_end and state.best_model_checkpoint is not None:
+        if args.load_best_model_at_end and state.best_model_checkpoint is not None \
+                and self.trainer._hdet_settle_best():  # COLLECTIVE
             # the Trainer has just loaded the best checkpoint (the replicas' average, the same on every rank): that
             # is the run's result. A closing sync would judge the windows of the weights it replaced, and a rise there
-            # sent every replica back to the stability guard's best sync, over the model loaded (an audit)
+            # sent every replica back to the stability guard's best sync, over the model loaded (an audit). Where no
+            # rank could load it, each rank still held its own replica, and the run ended unaveraged (an audit)
             return
         if isinstance(sched, HDETLR):
             rec = finish_at_train_end(sched)
