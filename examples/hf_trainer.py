@@ -7,6 +7,7 @@ on 2 gloo processes, gradient accumulation 2; optionally stopped at a step and r
 checkpoint. Each rank writes its final weights, LRs seen and HDET state."""
 
 import argparse
+import contextlib
 import os
 import sys
 from unittest import mock
@@ -129,8 +130,9 @@ def main():
     p.add_argument("--blow-up-from", type=int, default=None, help="rank 1's loss x100 from this optimizer step on "
                    "(a run that goes wrong)")
     p.add_argument("--blow-up-until", type=int, default=None, help="with --blow-up-from: the last such step")
-    p.add_argument("--best-missing-on", default="", help="with --best: comma-separated ranks that do not see the best "
-                   "checkpoint's files when the Trainer loads it (as on nodes without save_on_each_node)")
+    p.add_argument("--best-missing-on", default="", help="with --best: comma-separated ranks that do not see the "
+                   "checkpoint folders (as on another node without save_on_each_node): the Trainer records no best "
+                   "checkpoint there, nor loads one")
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -182,12 +184,19 @@ def main():
                     rec.ce[1] += int((labels != -100).sum())
             return loss
 
+        def _save_checkpoint(self, *args, **kwargs):  # (where the Trainer records the best checkpoint)
+            with self._hidden():
+                return super()._save_checkpoint(*args, **kwargs)
+
         def _load_best_model(self):
+            with self._hidden():
+                return super()._load_best_model()
+
+        def _hidden(self):  # --best-missing-on: this rank's disk does not hold the checkpoints (another node's)
             if str(rank) not in a.best_missing_on.split(","):
-                return super()._load_best_model()
-            best, exists = self.state.best_model_checkpoint, os.path.exists  # this rank's disk lacks its files
-            with mock.patch("os.path.exists", lambda q: not str(q).startswith(best) and exists(q)):
-                return super()._load_best_model()
+                return contextlib.nullcontext()
+            folders, exists = os.path.join(a.out, "checkpoint-"), os.path.exists
+            return mock.patch("os.path.exists", lambda q: not str(q).startswith(folders) and exists(q))
 
     own = {}
     if a.own_scheduler:

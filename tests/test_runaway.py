@@ -6,6 +6,7 @@ default (``on_runaway="ignore"``: the paper's HDET)."""
 from __future__ import annotations
 
 import io
+import math
 import re
 import warnings
 
@@ -1535,3 +1536,29 @@ def test_replicas_of_the_same_weights_are_never_runaways_of_their_data(local):
     else:
         assert runaway == [] and eng.schedulers[0].ensemble.slots.lr_scale == 1.0
         assert all(torch.equal(p, q) for m in eng.models[1:] for p, q in zip(eng.models[0].parameters(), m.parameters()))
+
+
+def test_the_weights_fingerprint_tells_replicas_apart_in_half_precision_and_sums_in_any_order():
+    """The fingerprint accumulates in float64 whatever the weights' dtype (in their own, an fp16 norm of a 1024 x 8192
+    layer overflowed to inf on every replica and a bf16 one kept 8 bits: replicas apart read as the same, a review);
+    the same weights summed in another order (the engine's views at other alignments on CUDA) agree within
+    SAME_WEIGHTS_RTOL, and weights one small step apart do not."""
+    from types import SimpleNamespace
+
+    from hdet.stability import same_weights
+    from hdet.sync import fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16):
+        w = (torch.randn(1024, 8192, generator=g) * 0.05).to(dtype)
+        moved = (w.float() + 1e-2 * torch.randn(w.shape, generator=g) * w.float().abs()).to(dtype)
+        a, b = (fingerprint([x], [True], torch.device("cpu")).item() for x in (w, moved))
+        assert math.isfinite(a) and a != b, dtype
+        assert not same_weights(SimpleNamespace(weights=[a, b, a]), [0, 1, 2])
+    parts = [torch.randn(n, generator=g) for n in (1000, 37, 4096)]
+    one = fingerprint(parts, [True] * 3, torch.device("cpu")).item()
+    other = fingerprint(parts[::-1], [True] * 3, torch.device("cpu")).item()
+    step = fingerprint([parts[0] + 1e-6, *parts[1:]], [True] * 3, torch.device("cpu")).item()
+    assert same_weights(SimpleNamespace(weights=[one, other, one]), [0, 1, 2])
+    assert not same_weights(SimpleNamespace(weights=[one, step, one]), [0, 1, 2])
+    assert not same_weights(SimpleNamespace(weights=[0.0, 0.0]), [0, 1])  # (no fingerprint: the guard off)

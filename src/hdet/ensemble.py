@@ -464,7 +464,8 @@ class Ensemble:
             total_steps=-1 if self.total_steps is None else self.total_steps, config=self.fingerprint(),
             state_layout=self._state_layout(),
             start_ok=self.stability.start_health(self.kept_tensors() if self.stability.starting else None),
-            start_sum=start_sum, start_n=start_n, weights=fingerprint(tensors, strict, dev),
+            start_sum=start_sum, start_n=start_n,
+            weights=fingerprint(tensors, strict, dev) if self.stability.on else zero,  # (read by the guard alone)
         ).to_tensor(dev)
         if new_window:
             self.window.reset()

@@ -150,20 +150,26 @@ def max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def fingerprint(tensors: list[torch.Tensor], strict: list[bool], dev: torch.device) -> torch.Tensor:
-    """On ``dev``, float64: the sum of the ``strict`` tensors' L1 norms (the parameters, and the optimizer state where
-    it is averaged). Replicas that hold the same weights give the same number, bit for bit (the same reductions of the
-    same values); replicas apart by a window's training do not (:func:`hdet.stability.same_weights`). Not a checksum
-    of the weights' order, nor compared across different models. No host sync (one fused read per device on CUDA)."""
+    """On ``dev``, float64: the sum of the ``strict`` floating-point tensors' L1 norms (the parameters, and the
+    optimizer state where it is averaged), each accumulated in float64. Replicas that hold the same weights give the
+    same number up to the order of its sums (a replica's views in the engine's stacked tensors sit at other alignments
+    on CUDA, which changes it: about 1e-16 relative a sum); replicas apart by a window's training differ by far more
+    (:func:`hdet.stability.same_weights` compares them within ``SAME_WEIGHTS_RTOL``). No host sync where ``dev`` is the
+    tensors' device (one fused read per device on CUDA); a blocking copy to the CPU, as :func:`health`'s, under gloo
+    with CUDA tensors."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for x, must_be_finite in zip(tensors, strict):
-        if must_be_finite and x.numel():
+        if must_be_finite and x.numel() and x.is_floating_point():
             by_device.setdefault(x.device, []).append(x)
     out = torch.zeros((), dtype=torch.float64, device=dev)
     for d, xs in by_device.items():
-        if d.type == "cpu":
-            part = torch.stack([x.abs().sum(dtype=torch.float64) for x in xs]).sum()
+        if d.type == "cuda":
+            try:  # (float64 accumulation: in the weights' own dtype a bf16 norm keeps 8 bits, an fp16 one overflows)
+                part = torch.stack(torch._foreach_norm(xs, 1, dtype=torch.float64)).sum()
+            except TypeError:  # (a torch without the dtype argument)
+                part = torch.stack([torch.linalg.vector_norm(x, 1, dtype=torch.float64) for x in xs]).sum()
         else:
-            part = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(xs, 1)]).sum()
+            part = torch.stack([torch.linalg.vector_norm(x, 1, dtype=torch.float64) for x in xs]).sum()
         out = out + part.to(dev)
     return out
 

@@ -186,3 +186,38 @@ def test_fused_sgd_whose_first_step_the_skip_guard_skips_starts_its_momentum_afr
         assert torch.equal(run(True), run(False))
     finally:
         torch.empty_like = empty_like
+
+
+@pytest.mark.parametrize("mode", ["vmap", "merged"])
+def test_the_engines_replicas_of_the_same_weights_read_as_the_same_on_cuda(mode):
+    """At alpha 0 with shared gradients the engine's replicas hold the same weights, as views of one [N, ...] tensor
+    at other alignments (a parameter count not a multiple of 4): their fingerprints, summed by CUDA's fused norm in an
+    order that depends on the alignment, agree within SAME_WEIGHTS_RTOL, so a replica's noisier shard is no runaway
+    (as on the CPU, tests/test_runaway.py); in bf16, replicas apart are told apart (a review, 2026-12-01)."""
+    from types import SimpleNamespace
+
+    from hdet.engine import ReplicaEngine
+    from hdet.stability import same_weights
+    from hdet.sync import fingerprint
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 1)).to(dev)  # 118 parameters
+    N, S = 4, 100
+    eng = ReplicaEngine(model, N, lambda m: torch.optim.AdamW(m.parameters(), lr=7e-3),
+                        lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=7e-3, total_steps=S, model_sync_interval=25,
+                                                              on_runaway="recover", model=m, replicas=rep), mode=mode)
+    g = torch.Generator(device=dev).manual_seed(1)
+    runaway = []
+    for t in range(1, S + 1):
+        xs = torch.randn(N, 32, 7, device=dev, generator=g)
+        ys = torch.tanh(xs.sum(-1, keepdim=True))
+        ys[3] += torch.randn(32, 1, device=dev, generator=g)  # replica 3: a noisier shard
+        eng.step(list(zip(xs, ys)), lambda m, b: (m(b[0]) - b[1]).pow(2).mean())
+        if eng.schedulers[0].is_sync_step(t):
+            runaway += eng.schedulers[0].last_sync.runaway
+    assert runaway == [] and eng.schedulers[0].ensemble.slots.lr_scale == 1.0
+    w = torch.randn(1024, 8192, device=dev, dtype=torch.bfloat16) * 0.05
+    moved = (w.float() * (1 + 1e-2 * torch.randn(w.shape, device=dev))).to(torch.bfloat16)
+    a, b = (fingerprint([x], [True], dev).item() for x in (w, moved))
+    assert not same_weights(SimpleNamespace(weights=[a, b, a]), [0, 1, 2])

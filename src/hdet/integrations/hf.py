@@ -85,8 +85,8 @@ class HDETTrainer(Trainer):
         """The Trainer's, noting whether it loaded anything on this rank: where the best checkpoint's files are not on
         this rank's disk (several nodes without ``save_on_each_node``) the Trainer logs that and keeps the weights, here
         one replica's own (:meth:`_HDETFinish.on_train_end` then settles it on every rank)."""
-        before = _weights_mark(self.model)
         found = self.is_deepspeed_enabled or self.is_fsdp_enabled or _best_files_here(self.state.best_model_checkpoint)
+        before = None if found else _weights_mark(self.model)
         super()._load_best_model()
         self._hdet_best_loaded = found or not torch.equal(before, _weights_mark(self.model))
 
@@ -96,11 +96,15 @@ class HDETTrainer(Trainer):
         that did. Where none could, False: the replicas are then averaged as at a run's end, and a warning says so.
         COLLECTIVE (under torch.distributed): an all-gather of one flag a rank, and a broadcast of the model's
         parameters and buffers where ranks differ."""
-        loaded = bool(getattr(self, "_hdet_best_loaded", True))  # (not noted: the Trainer loaded it its own way)
+        # (a rank where the Trainer recorded no best checkpoint, its folder not yet on this rank's disk when the
+        # Trainer looked, did not load one: the Trainer records it only where the folder exists; an audit)
+        loaded = self.state.best_model_checkpoint is not None and bool(getattr(self, "_hdet_best_loaded", True))
         tensors = [t for t in (*self.model.parameters(), *self.model.buffers())]
         flags = [loaded]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            mine = torch.tensor([float(loaded)], device=tensors[0].device if tensors else "cpu")
+            nccl = "nccl" in str(dist.get_backend()).lower()
+            mine = torch.tensor([float(loaded)], device=torch.device("cuda", torch.cuda.current_device()) if nccl
+                                else "cpu")
             every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(every, mine)  # COLLECTIVE (HOST SYNC: the flags are read)
             flags = [bool(f.item()) for f in every]
@@ -110,14 +114,16 @@ class HDETTrainer(Trainer):
             src = flags.index(True)
             for t in tensors:  # COLLECTIVE: the best checkpoint's weights to the ranks that could not load it
                 dist.broadcast(t.data, src)
-            warnings.warn(f"hdet: the best checkpoint ({self.state.best_model_checkpoint}) could not be loaded on "
+            warnings.warn(f"hdet: the best checkpoint could not be loaded on "
                           f"rank(s) {[r for r, f in enumerate(flags) if not f]} (its files are not on their disk: "
                           f"save_on_each_node=True keeps a copy on every node); rank {src}'s loaded model was "
                           "broadcast to them, so every rank holds the best checkpoint", stacklevel=user_stacklevel())
             return True
-        warnings.warn(f"hdet: the best checkpoint ({self.state.best_model_checkpoint}) could not be loaded on any rank; "
-                      "the replicas are averaged as at the end of a run instead (the model is the run's last average, "
-                      "not the best checkpoint's)", stacklevel=user_stacklevel())
+        step = getattr(self.state, "best_global_step", None)
+        warnings.warn(f"hdet: the best checkpoint{f' (step {step})' if step else ''} could not be loaded on any rank "
+                      "(its files are not on their disk); the replicas are averaged as "
+                      "at the end of a run instead: the model is the run's last average, the best checkpoint's only "
+                      "where that was the last step", stacklevel=user_stacklevel())
         return False
 
     def _sync_interval(self) -> int:
@@ -320,7 +326,7 @@ def _best_files_here(checkpoint: str) -> bool:
 def _weights_mark(model: torch.nn.Module) -> torch.Tensor:
     """A fingerprint of the model's parameters (:func:`hdet.sync.fingerprint`): equal before and after a load that
     changed nothing."""
-    params = [p.detach() for p in model.parameters()]
+    params = [p.detach() for p in model.parameters() if p.is_floating_point()]  # (not a quantized model's integers)
     dev = params[0].device if params else torch.device("cpu")
     return fingerprint(params, [True] * len(params), dev)
 
@@ -336,8 +342,9 @@ class _HDETFinish(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         sched = self.trainer.lr_scheduler
-        if args.load_best_model_at_end and state.best_model_checkpoint is not None \
-                and self.trainer._hdet_settle_best():  # COLLECTIVE
+        if args.load_best_model_at_end and state.best_metric is not None \
+                and self.trainer._hdet_settle_best():  # COLLECTIVE (entered on every rank: best_metric comes from the
+            # evaluations, the same everywhere; best_model_checkpoint only where its folder was on the rank's disk)
             # the Trainer has just loaded the best checkpoint (the replicas' average, the same on every rank): that
             # is the run's result. A closing sync would judge the windows of the weights it replaced, and a rise there
             # sent every replica back to the stability guard's best sync, over the model loaded (an audit). Where no
