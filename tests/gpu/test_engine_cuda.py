@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import hdet
 from hdet.engine import ReplicaEngine
@@ -196,7 +197,6 @@ def test_the_engines_replicas_of_the_same_weights_read_as_the_same_on_cuda(mode)
     (as on the CPU, tests/test_runaway.py); in bf16, replicas apart are told apart (a review, 2026-12-01)."""
     from types import SimpleNamespace
 
-    from hdet.engine import ReplicaEngine
     from hdet.stability import same_weights
     from hdet.sync import fingerprint
 
