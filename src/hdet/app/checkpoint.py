@@ -58,6 +58,14 @@ def _config(cfg: RunConfig) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in SAME_RUN_EXEMPT}
 
 
+def _differing(saved: dict[str, Any], now: dict[str, Any], raw: dict[str, Any],
+               given: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The options whose resolved values differ (``saved`` against ``now``), and of them those given differently
+    (``raw``, the saved config as given, against ``given``): the others follow from those."""
+    differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    return differ, [k for k in differ if raw.get(k) != given.get(k)]
+
+
 def _resolved(c: dict[str, Any], mode: str, device: str) -> dict[str, Any]:
     """The options of config dict ``c`` as the run resolves them (``mode``, ``device``: what it ran as): defaults
     that depend on other options filled in, flags that have no effect on this run left out; replicas go apart (the
@@ -149,9 +157,7 @@ def sweep_progress(path: Path, cfg: RunConfig, replicas: int, device: str) -> di
         now = _resolved(_config(cfg), "sweep", device)
         saved = _resolved(state.get("config") or {}, "sweep", str(state.get("device")))
         if saved != now or state.get("replicas") != replicas:
-            differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
-            raw, given = state.get("config") or {}, _config(cfg)
-            named = [k for k in differ if raw.get(k) != given.get(k)]  # flags given differently: the others follow
+            differ, named = _differing(saved, now, state.get("config") or {}, _config(cfg))
             diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}" for k in (named or differ)]
             if state.get("replicas") != replicas:
                 diff.append(f"replicas (the world size under torchrun) {state.get('replicas')} -> {replicas}")
@@ -237,9 +243,7 @@ def check_config(state: dict[str, Any], cfg: RunConfig, replicas: int, mode: str
         mode = saved_mode  # when the engine is built or at its first step): as the checkpointed run resolved it
     saved = _resolved(raw, saved_mode, saved_device)
     now = _resolved(_config(cfg), mode, device)
-    differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
-    given = _config(cfg)
-    named = [k for k in differ if raw.get(k) != given.get(k)]  # flags given differently: the others follow from them
+    differ, named = _differing(saved, now, raw, _config(cfg))
     asked = asked or cfg
     as_saved = after_sweep(dataclasses.replace(  # these --steps with the checkpointed run's sweep options
         asked, lr_sweep=raw.get("lr_sweep", 0.0), lr_sweep_then=raw.get("lr_sweep_then", "continue"))).steps
