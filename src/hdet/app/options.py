@@ -323,10 +323,10 @@ def unused(cfg: RunConfig, world: int | None = None) -> list[str]:
             out.append(f"--{name} with --task fashion (a CNN)")
     one = cfg.replicas == 1 if world is None else world == 1
     if cfg.auto_lr and (spread(cfg) == 0 or one):
-        out.append("--auto-lr with " + ("--alpha 0" + (" (its default with --lr-sweep: pass --alpha 0.2 for a spread)"
-                                                      if cfg.alpha is None else "") if spread(cfg) == 0 else
-                                        "--replicas 1" if world is None else "one process (world size 1)") +
-                   " (the controller compares the replicas' spread: there is none)")
+        why = ("--alpha 0" + (" (its default with --lr-sweep: pass --alpha 0.2 for a spread)" if cfg.alpha is None
+                              else "") if spread(cfg) == 0 else
+               "--replicas 1" if world is None else "one process (world size 1)")
+        out.append(f"--auto-lr with {why} (the controller compares the replicas' spread: there is none)")
     return out
 
 
