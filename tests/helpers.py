@@ -30,15 +30,12 @@ class ScriptedReplicas(Replicas):
     """Replica ``rank`` of ``world_size``, alone in this process. ``gather`` returns this replica's
     vector for its own row and, for the others, the vector with its loss entries replaced by
     ``other_losses(step)`` (a list of N window-loss means); ``average_`` does nothing. The rows' weight
-    fingerprints differ, as those of replicas at different LRs do (``same_weights``: equal, as at alpha 0 with
-    shared gradients)."""
+    fingerprints differ, as those of replicas at different LRs do."""
 
-    def __init__(self, rank: int, world_size: int, window_losses: Callable[[], list[float]] | None = None,
-                 same_weights: bool = False):
+    def __init__(self, rank: int, world_size: int, window_losses: Callable[[], list[float]] | None = None):
         self.rank = rank
         self.world_size = world_size
         self.window_losses = window_losses
-        self.same_weights = same_weights
         self.gathers = 0
 
     def gather(self, local: torch.Tensor, shard_sum=(), shard_min=(), shard_max=()) -> torch.Tensor:
@@ -49,8 +46,7 @@ class ScriptedReplicas(Replicas):
         if self.window_losses is not None:
             count = rows[0, 2].item()
             rows[:, 0] = torch.tensor(self.window_losses(), dtype=torch.float64) * count
-        if not self.same_weights:
-            rows[:, SyncVector._fields.index("weights")] += torch.arange(self.world_size, dtype=torch.float64)
+        rows[:, SyncVector._fields.index("weights")] += torch.arange(self.world_size, dtype=torch.float64)
         return rows
 
     def average_(self, tensors, exclude=(), into=None):

@@ -162,16 +162,20 @@ def fingerprint(tensors: list[torch.Tensor], strict: list[bool], dev: torch.devi
         if must_be_finite and x.numel() and x.is_floating_point():
             by_device.setdefault(x.device, []).append(x)
     out = torch.zeros((), dtype=torch.float64, device=dev)
-    for d, xs in by_device.items():
-        if d.type == "cuda":
-            try:  # (float64 accumulation: in the weights' own dtype a bf16 norm keeps 8 bits, an fp16 one overflows)
-                part = torch.stack(torch._foreach_norm(xs, 1, dtype=torch.float64)).sum()
-            except TypeError:  # (a torch without the dtype argument)
-                part = torch.stack([torch.linalg.vector_norm(x, 1, dtype=torch.float64) for x in xs]).sum()
-        else:
-            part = torch.stack([torch.linalg.vector_norm(x, 1, dtype=torch.float64) for x in xs]).sum()
-        out = out + part.to(dev)
+    for xs in by_device.values():
+        out = out + _l1_float64(xs).to(dev)
     return out
+
+
+def _l1_float64(xs: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the L1 norms of one device's tensors, each accumulated in float64 (in the weights' own dtype a bf16
+    norm keeps 8 bits, an fp16 one overflows): one fused read on CUDA, one norm a tensor elsewhere."""
+    if xs[0].device.type == "cuda":
+        try:
+            return torch.stack(torch._foreach_norm(xs, 1, dtype=torch.float64)).sum()
+        except TypeError:  # (a torch without the dtype argument)
+            pass
+    return torch.stack([torch.linalg.vector_norm(x, 1, dtype=torch.float64) for x in xs]).sum()
 
 
 def layout_signature(tensors: list[torch.Tensor]) -> int:
