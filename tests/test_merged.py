@@ -516,6 +516,23 @@ def test_under_autocast_a_forward_that_mixes_its_inputs_is_caught():
     _assert_same(eng, ref, la, lb, rtol=0, atol=0)
 
 
+def test_half_precision_parameters_get_half_precisions_tolerance_and_mixing_is_still_caught():
+    """bf16 parameters round as autocast does (an H200's bf16 GEMMs, merged against vmapped, differed by 6e-4 where
+    float32's 1e-4 was allowed: a bf16 model ran vmapped, warned, for nothing); a forward mixing rows is still caught."""
+    from hdet.merged import tolerance
+    cpu = torch.device("cpu")
+    assert tolerance([torch.zeros(2)], cpu) == 1e-4
+    assert tolerance([torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16)], cpu) == 5e-2
+    assert tolerance([torch.zeros(2, dtype=torch.float16)], cpu) == 5e-2
+    g = torch.Generator().manual_seed(6)
+    data = [(torch.randn(N, 256, 3, generator=g).bfloat16(), torch.randn(N, 256, 2, generator=g).bfloat16())
+            for _ in range(3)]
+    with pytest.warns(UserWarning, match="changing replica 0's weights and inputs changed the other replicas"):
+        eng, ref, la, lb = _step_both(lambda: InputScaled("std").bfloat16(), xy_loss, data, steps=3)
+    assert eng.mode == "vmap"
+    _assert_same(eng, ref, la, lb, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("target", ["labels", "embedding"])
 def test_float_inputs_that_hold_indices_stay_merged(target):
     """The check's change of replica 0's floating-point inputs (2 x + 1) made float labels cast in the loss, or float
