@@ -6,7 +6,8 @@ alpha-0.2 runs of the same seeds (``results/evidence/sweep_then_train/``: calls 
 acted in replaced by calls 22-23's, as that folder's headline does). Per task and start: each arm's mean, its distance
 from the grid's best (GPT 1.2127 validation loss, Fashion-MNIST 92.22%), the paired difference and its standard
 error, and the runs in which the stability guard acted; then the same for the GPT at one run's compute
-(``--steps 1250``, ``results/evidence/sweep_budget/``).
+(``--steps 1250``, ``results/evidence/sweep_budget/``) and for Fashion-MNIST there (this folder's calls 5 and 6, session
+34). Fashion-MNIST's alpha-0.2 runs at seeds 15-17 (1500 steps) are this folder's call 5, beside their alpha-0 runs.
 
     python benchmarks/sweep_alpha0_report.py --out benchmarks/results/evidence/sweep_alpha0/report.json
 """
@@ -41,6 +42,10 @@ def alpha02(task: str) -> dict[tuple[float, int], tuple[float, bool]]:
     for r in json.loads((R / "sweep_then_train" / f).read_text())["runs"]:
         if r["guard"] == guard and (r["start"], r["seed"]) in out:
             out[(r["start"], r["seed"])] = (r["metric"], True)
+    for f in sorted((R / "sweep_alpha0").glob(f"call*/lr_sweep_cli_alpha0.2_{task}_*.json")):  # both arms in one call
+        for r in json.loads(f.read_text())["runs"]:  # (Fashion-MNIST seeds 15-17, call 5)
+            if r.get("metric") is not None:
+                out[(r["start"], r["seed"])] = (r["metric"], acted(r["log_tail"]))
     return out
 
 
@@ -82,6 +87,7 @@ def main() -> None:
                             "paired_se": st.stdev(diffs) / len(diffs) ** 0.5}
         print(f"{task}, all {len(diffs)}: alpha 0 minus alpha 0.2 {st.mean(diffs):+.4f} (se {rec['all'][task]['paired_se']:.4f})")
     rec["one_run_compute"] = one_run_compute()
+    rec["one_run_compute_fashion"] = one_run_compute_fashion()
     Path(a.out).write_text(json.dumps(rec, indent=1))
 
 
@@ -112,6 +118,36 @@ def one_run_compute() -> dict:
         print(f"one run's compute, bytes {start:g}x ({len(seeds)} seeds): alpha 0 {c['alpha0_mean']:.4f} "
               f"({c['alpha0_vs_best']:+.2f}%), alpha 0.2 {c['alpha0.2_mean']:.4f} ({c['alpha0.2_vs_best']:+.2f}%); "
               f"paired {c['paired_difference']:+.4f} (se {c['paired_se']:.4f})")
+    return out
+
+
+def one_run_compute_fashion() -> dict:
+    """Fashion-MNIST at one run's compute (``--steps 1250``), both arms side by side at seeds 12-17 in call 6 (call 5's
+    alpha-0 arm at the same seeds is reported from its log's summary: its JSON did not come back)."""
+    def read(arm: str) -> dict[tuple[float, int], float]:
+        f = R / "sweep_alpha0" / "call6" / f"sweep_budget_alpha{arm}_fashion_s12-17.json"
+        return {(r["start"], r["seed"]): r["metric"] for r in json.loads(f.read_text())["runs"]
+                if r.get("metric") is not None}
+    new, old = read("0"), read("0.2")
+    every = [new[k] - old[k] for k in new if k in old]
+    out: dict = {"all": {"runs": len(every), "paired_difference": st.mean(every),
+                         "paired_se": st.stdev(every) / len(every) ** 0.5}}
+    call5 = json.loads((R / "sweep_alpha0" / "call5" / "budget_alpha0.log").read_text())
+    print(f"one run's compute, fashion, all {len(every)}: alpha 0 minus alpha 0.2 {st.mean(every):+.3f} "
+          f"(se {out['all']['paired_se']:.3f})")
+    for start in (0.1, 1.0, 10.0):
+        seeds = sorted(s for (st_, s) in new if st_ == start and (st_, s) in old)
+        x, y = [new[(start, s)] for s in seeds], [old[(start, s)] for s in seeds]
+        d = [u - v for u, v in zip(x, y)]
+        again = call5[f"fashion x{start}"]["mean"]
+        out[str(start)] = {"seeds": seeds, "alpha0_mean": st.mean(x), "alpha0.2_mean": st.mean(y),
+                           "alpha0_vs_best": st.mean(x) - BEST["fashion"], "alpha0.2_vs_best": st.mean(y) - BEST["fashion"],
+                           "paired_difference": st.mean(d), "paired_se": st.stdev(d) / len(d) ** 0.5,
+                           "alpha0_mean_call5": again, "alpha0_vs_best_call5": again - BEST["fashion"]}
+        c = out[str(start)]
+        print(f"one run's compute, fashion {start:g}x ({len(seeds)} seeds): alpha 0 {c['alpha0_mean']:.2f} "
+              f"({c['alpha0_vs_best']:+.2f} pt; call 5, the same seeds: {again:.2f}), alpha 0.2 {c['alpha0.2_mean']:.2f} "
+              f"({c['alpha0.2_vs_best']:+.2f} pt); paired {c['paired_difference']:+.3f} (se {c['paired_se']:.3f})")
     return out
 
 

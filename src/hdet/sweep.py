@@ -29,7 +29,7 @@ seeds, the picks lower from 0.1x and 10x); with ``keep="winner"`` and the remain
 +1.2% / +1.9% (12 seeds) and about -0.45 point (6 seeds): the picks were right, the steps the sweep took from the main
 run were not (its best run saw 1/N of the data). Hence ``keep="start"`` by default. Without HDET's spread in the
 run after the sweep (alpha 0, the stability guard kept: ``hdet train --lr-sweep``'s default since 2026-12-01),
-+0.37% / +0.57% / +0.43% and -0.02 / -0.03 / -0.08 point: seed for seed the same as with it
++0.37% / +0.57% / +0.43% and -0.10 / -0.06 / -0.01 point (6 seeds): seed for seed the same as with it
 (``benchmarks/results/evidence/sweep_alpha0/``), and the spread costs about 2% at 128M. At N = 2 (the same tasks, the
 ensemble's batch kept at N = 8's, 8 points, ``benchmarks/results/evidence/sweep_factor_n2/``) the picks were about half
 the grid's best as at N = 8, and the GPT ended -0.33% / +0.7% / +1.5% from its grid best at factors sqrt(8) / 2 /
