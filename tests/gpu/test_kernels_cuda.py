@@ -154,9 +154,11 @@ def test_the_engine_steps_the_same_with_the_fused_passes_as_with_torchs_ops(mode
     plain, plain_calls = _run(mode, False, monkeypatch, optimizer, hook=hook)
     assert calls.count("finite_row_mean") == 3 and calls.count("scale_add_rows_") >= 3 and not plain_calls
     for a, b in zip(fused, plain):
-        _agree(a, b, **(dict(rtol=2e-2, atol=2e-3, bound=(4e-2, 1.5e-2)) if optimizer.endswith("bf16")  # (bf16: once
+        _agree(a, b, **(dict(rtol=2e-2, atol=2e-3, bound=(4e-2, 6e-2)) if optimizer.endswith("bf16")  # (bf16: once
                         else dict(rtol=1e-4, atol=1e-6)))  # rounded against twice, 59% of the weights an ulp apart, 99%
-        # within 1e-3; an Adam step of 1e-2 and a few ulps at most: measured on an H200)
+        # within 1e-3, measured on an H200; an element whose gradient is about 0 can take Adam's step of lr = 1e-2 one
+        # way in one run and the other way in the other: at most 2 lr a step, 6e-2 over the 3 steps; merged bf16,
+        # checked since it stays merged, had one weight 0.016 apart, 99% within 2e-3)
 
 
 def _agree(a, b, rtol, atol, most=0.99, bound=(0.0, 1e-3)):
