@@ -679,6 +679,24 @@ def one_d_mesh(rank, world, *, name="shard", dadapt=False, shard=True):
     return {"error": None, "N": s.world_size}
 
 
+def swapped_mesh(rank, world):
+    """A 2-D mesh whose dimensions are named the other way round, ('shard', 'replicate'): fully_shard replicates along
+    the first dimension whatever its name, so the 'replicate' dimension holds shards. The scheduler's error."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("shard", "replicate"))
+    model = nn.Linear(4, 2)
+    fully_shard(model, mesh=mesh)
+    o = torch.optim.AdamW(model.parameters(), lr=0.01)
+    try:
+        hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=10, ensemble_lr_spread_ratio=0.5, model_sync_interval=5,
+                            model=model, device_mesh=mesh)
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
 def partitioned(rank, world, *, kind="fsdp1", steps=4, T=2):
     """What an FSDP1 or ZeroRedundancyOptimizer user writes: the scheduler's error, or (none) whether the run
     averaged shards of different parameters (``kind``: "fsdp1", "fsdp1-orig" (use_orig_params=True),

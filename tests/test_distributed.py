@@ -486,6 +486,20 @@ def test_a_plain_one_dimensional_fsdp2_mesh_is_not_taken_for_replicas():
     assert [r["N"] for r in check_ok(run_gloo(_one_d_mesh, 2, "replicate", False, False))] == [2, 2]
 
 
+def _swapped_mesh(rank, world):
+    from dist_workers import swapped_mesh
+
+    return swapped_mesh(rank, world)
+
+
+def test_a_two_dimensional_mesh_named_the_other_way_round_is_refused_saying_so():
+    """A ('shard', 'replicate') mesh: refused (fully_shard replicates along dimension 0 whatever its name), and the
+    error said "fully_shard over a 1-D mesh" of this 2-D mesh (an audit)."""
+    for r in check_ok(run_gloo(_swapped_mesh, 4)):
+        assert "replicates along a 2-D mesh's first dimension" in r["error"], r
+        assert "'replicate' dimension is its dimension 1" in r["error"] and "1-D mesh shards" not in r["error"], r
+
+
 def _partitioned(rank, world, kind):
     from dist_workers import partitioned
 
