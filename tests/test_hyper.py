@@ -62,6 +62,9 @@ def test_builtins_get_set_and_bad_input():
     temp = Setter("temperature", lambda: box["t"], lambda v: box.__setitem__("t", v), Spread("log", 0.2))
     temp.set(2.0)
     assert box["t"] == 2.0 and not temp.vmap_safe
+    for bad in (None, torch.ones(2)):  # float()'s own error named no hyperparameter (an audit)
+        with pytest.raises(ValueError, match="Expected 'scale''s getter to return a number, but it returned"):
+            Setter("scale", lambda bad=bad: bad, lambda v: None, Spread("log", 0.2))
     clip = GradClip(1.0)
     m(torch.ones(1, 3)).sum().mul(100).backward()
     clip.set(0.5)
@@ -137,6 +140,29 @@ def test_a_log_schedule_that_reaches_zero_is_an_error_under_the_paper_controller
         warnings.simplefilter("ignore")
         with pytest.raises(ValueError, match=r"weight_decay/0's values > 0 under the paper controller.*reached 0"):
             run(enable_auto_lr=True, controller="paper", auto_lr_warmup_steps=5, final_lr=0.01)
+
+
+def test_a_schedule_that_leaves_its_bounds_holds_the_base_there_and_says_so_once():
+    """A schedule past the spread's bounds: every replica's value was clamped to the bound (the spread gone) while the
+    sync records showed the schedule's value (weight decay -0.11, dropout 1.5), silently (an audit). Now the base is
+    held at the bound, the records show it, the replicas spread around it, and one warning says so."""
+    m = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.1), nn.Linear(3, 1))
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1)
+    wd = WeightDecay(opt, schedule=lambda t: 0.1 - 0.03 * t)
+    drop = Dropout(m, alpha=0.05, schedule=lambda t: 0.1 + 0.2 * t)
+    s = hdet.HDETLR(opt, None, 20, model_sync_interval=4, replicas=ScriptedReplicas(0, 2), explore=[wd, drop])
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for _ in range(8):
+            opt.step()
+            s.step(torch.tensor(1.0))
+    said = [str(w.message) for w in got if "outside its bounds" in str(w.message)]
+    assert len(said) == 2, said  # once each
+    assert "weight_decay/0's schedule gave -0.02 at step 4" in said[0] and "held at 0 there" in said[0]
+    assert "dropout's schedule gave 1.1 at step 5" in said[1] and "held at 0.999 there" in said[1]
+    bases = dict(zip(s.last_sync.names, s.last_sync.bases))
+    assert bases["weight_decay/0"] == 0.0 and bases["dropout"] == 0.999
+    assert m[1].p == pytest.approx(0.999 - 0.05)  # replica 0 of 2: the base minus alpha (it was clamped to 0.999)
 
 
 def test_explored_hyperparameters_take_any_seed_and_numpy_bounds():

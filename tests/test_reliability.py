@@ -1732,6 +1732,8 @@ def test_a_state_loaded_into_a_scheduler_built_with_another_schedule_or_spread_s
     assert s.ensemble.load_warnings == said  # (HDETTrainer raises them again after the Trainer's load)
     said, _ = _resumed_into(lambda t: 0.05 * (1 - t / 100), wd(alpha=0.9), state)
     assert len(said) == 1 and "explored spreads differ" in said[0] and "0.5" in said[0] and "0.9" in said[0], said
+    assert "next step uses the saved values, and the steps after it this scheduler's spreads" in said[0]  # (it said
+    # "from its next sync on", where the next step's values were already the new spread's: an audit)
     said, _ = _resumed_into(lambda t: 0.05 * (1 - t / 100), wd(schedule=lambda t: 0.1), state)
     assert any("schedule gave weight_decay/0 0.01" in m for m in said) and any("explored spreads" in m for m in said)
 

@@ -66,12 +66,22 @@ class Hyperparameter:
         (:class:`GradClip`); nothing by default."""
 
     def base(self, step: int) -> float:
+        """The base at ``step``: the value when made, or the schedule's, clamped into the spread's bounds (a schedule
+        that leaves them warns once: every replica's value was clamped there while the records showed the schedule's
+        value, silently; a base given outside them is refused when the object is made)."""
         if self.schedule is None:
             return self.initial
         v = float(self.schedule(step))
         if not math.isfinite(v):
             raise ValueError(f"Expected {self.name}'s schedule to give a finite value at step {step}, but it gave {v!r}")
-        return v
+        inside = self.spread.clamp(v)
+        if inside != v and not getattr(self, "_said_outside", False):
+            self._said_outside = True
+            warnings.warn(f"hdet: {self.name}'s schedule gave {v:g} at step {step}, outside its bounds "
+                          f"{self.spread.bounds}: its base is held at {inside:g} there (and the replicas' values spread "
+                          "around it, clamped into the bounds); keep the schedule inside them",
+                          stacklevel=user_stacklevel())
+        return inside
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {self.spread})"
@@ -299,7 +309,12 @@ class Setter(Hyperparameter):
         super().__init__(name, spread, **kw)
 
     def get(self) -> float:
-        return float(self._get())
+        v = self._get()
+        try:
+            return float(v)
+        except (TypeError, ValueError):  # (float()'s own error named no hyperparameter: an audit)
+            raise ValueError(f"Expected {self.name!r}'s getter to return a number, but it returned {v!r} "
+                             f"({type(v).__name__})") from None
 
     def set(self, value: float) -> None:
         self._set(float(value))

@@ -81,8 +81,9 @@ def _said_if_rebuilt_differently(s: "HDETLR", hdet_state: dict[str, Any], built:
         if changed:
             _say(ens, "hdet: the loaded state's explored spreads differ from this scheduler's ("
                       + "; ".join(f"{n}: kind, alpha, bounds, scheduled {o} saved, {c} now" for n, o, c in changed)
-                      + "): the resumed run deals this scheduler's from its next sync on. Build the explored "
-                      "hyperparameters as the saved run did to resume that run")
+                      + "): the resumed run's next step uses the saved values, and the steps after it this "
+                      "scheduler's spreads (the window under way mixes both). Build the explored hyperparameters as "
+                      "the saved run did to resume that run")
 
 
 def _copy(x: Any) -> Any:
