@@ -1,16 +1,18 @@
-# Call 21 (issue 15): the recovery's LR cut. The six GPT runs of calls 17-18 in which the stability guard acted,
-# again at their swept peak LR, with --lr-cut 0.5 (the default: call 20's runs again), 0.7 and 0.85; and the
-# 10x start without a sweep (GPT max_lr 0.04, Fashion-MNIST 0.16, seeds 0-2), where the guard cuts two to four
-# times, with the same three cuts (benchmarks/guard_events.py). Usage: bash benchmarks/gpu_guard_cut.sh
+# Session 34 (2026-12-01), one H200: the recipe's runs in which the stability guard acted (sweep_alpha0, alpha 0: the
+# GPT at 0.1x seeds 13, 18; 1x seeds 14, 20, 24, 26; 10x seeds 17, 26; each went back once or twice and ended 1.217-1.253
+# against 1.215 for the others), again with the default cut (0.7 ** k: how far a rerun moves) and with `--lr-cut 1`
+# (going back without a cut): does the cut, rather than the spike, cost those runs? 16 runs side by side.
+# Usage: `bash benchmarks/gpu_guard_cut.sh` (writes to $OUT)
 set -x
 export PYTHONPATH=$PWD/src
-D=benchmarks/results/evidence/sweep_then_train
-G=recover,recover:0.7,recover:0.85
 python -c "import sys,torch;print(sys.version, torch.__version__, torch.cuda.get_device_name())" > $OUT/env.txt
-python benchmarks/guard_events.py --task fashion --fixed-lr 0.16 --seeds 0,1,2 --guards $G --runs /tmp/gf \
-  --deadline 520 --out $OUT/guard_cut_fashion.json > $OUT/fashion.log 2>&1 &
-python benchmarks/guard_events.py --task bytes --from $D/call17/lr_sweep_cli_lattice_bytes_x10_s12-27.json \
-  $D/call18/lr_sweep_cli_lattice_bytes_x0.1_s12-27.json $D/call18/lr_sweep_cli_lattice_bytes_x1_s12-17.json \
-  --fixed-lr 0.04 --seeds 0,1,2 --guards $G --runs /tmp/gb --deadline 520 --out $OUT/guard_cut_bytes.json > $OUT/bytes.log 2>&1
+for CUT in 0.7 1; do
+  for SS in 0.1:13,18 1:14,20,24,26 10:17,26; do
+    S=${SS%%:*}; SEEDS=${SS#*:}
+    python benchmarks/lr_sweep_cli.py --tasks bytes --starts $S --seeds $SEEDS --then restart \
+      --deadline ${DEADLINE:-500} --runs /tmp/gc$CUT --extra "--alpha 0 --lr-cut $CUT" \
+      --out $OUT/cut${CUT}_x${S}.json > /tmp/gc_${CUT}_$S.log 2>&1 &
+  done
+done
 wait
-tail -5 $OUT/*.log
+tail -n 4 /tmp/gc_*.log > $OUT/run.log
