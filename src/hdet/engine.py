@@ -627,12 +627,24 @@ class ReplicaEngine:
         params = [list(m.parameters()) for m in self.models]
         oks = [torch.stack([all_finite(p.grad) for p in ps if p.grad is not None] or [torch.tensor(True)]).all()
                for ps in params]  # per replica: is every gradient finite (a float64 sum: no fp16 overflow)
+        names = None
         for i in range(len(params[0])):
             grads = [ps[i].grad for ps in params]
             if all(g is None for g in grads):
                 continue
-            if any(g is None for g in grads):
-                raise RuntimeError(f"Parameter {i} has a gradient on some replicas and not on others")
+            if any(g is None for g in grads):  # the loss reached it on some replicas only (a data-dependent branch):
+                # they count 0, as DDP's find_unused_parameters=True does, and every replica gets the mean
+                names = names or [n for n, _ in self.models[0].named_parameters()]
+                frozen = [r for r, ps in enumerate(params) if grads[r] is None and not ps[i].requires_grad]
+                if frozen:
+                    raise RuntimeError(f"Expected {names[i]!r} trainable on every replica or on none, but replica(s) "
+                                       f"{frozen} froze it (requires_grad=False) where others train it: freeze or "
+                                       "unfreeze a parameter on every replica")
+                like = next(g for g in grads if g is not None)
+                for ps, g in zip(params, grads):
+                    if g is None:
+                        ps[i].grad = torch.zeros_like(like)
+                grads = [ps[i].grad for ps in params]
             # sum_r g_r / N with a non-finite replica's gradient as 0 (the gradient guard, hdet.guard); fp16/bf16
             # summed in float32 and divided once, as vmap mode does (divided first in their dtype, 32 bf16 replicas'
             # mean was up to 2.9% off and small fp16 gradients came out 0: an audit)
@@ -715,7 +727,7 @@ class ReplicaEngine:
             layout = {n: (list(o) if o is not None else None) for n, o in self.stack.orders.items()} \
                 if self.stack is not None else {}  # the parameters' memory order (gradient_layout)
             return {"version": self.STATE_VERSION, "num_replicas": self.num_replicas,
-                    "share_gradients": self.share_gradients, "layout": layout,
+                    "share_gradients": self.share_gradients, "layout": layout, "optimizer_path": self.optimizer_path,
                     "replicas": [{"model": ms, "optimizer": o.state_dict(), "scheduler": s.state_dict()}
                                  for ms, o, s in zip(self._own_model_states(), self.optimizers, self.schedulers)]}
 
@@ -799,6 +811,13 @@ class ReplicaEngine:
             # lay the parameters out as the saved engine had them (from its first backward on): the same memory
             # order, so the resumed run's sums round as the uninterrupted run's
             self.stack.set_layout({n: (tuple(o) if o is not None else None) for n, o in saved.items()})
+        path = state.get("optimizer_path")
+        if self._stacked is not None and isinstance(path, str) and path.startswith("per-replica: "):
+            # the saved run had gone over to each replica's optimizer.step(), which rounds otherwise than the stacked
+            # step: so does the resumed one (its resume was 1e-7 off: an audit)
+            warnings.warn(f"hdet: the saved engine stepped each replica's optimizer ({path[13:]}); this one does too, "
+                          "to resume it exactly", stacklevel=user_stacklevel())
+            self._stop_stacked(f"{path[13:]}, as the saved engine", warn=False)
         for graphs in (self._graphs, self._vgraphs):  # (captured again at the next step: a graph reads the tensors
             if graphs is not None:  # where they were)
                 graphs.clear()
@@ -859,11 +878,13 @@ class ReplicaEngine:
             losses = vmapped()
         elif self.mode == "auto":
             saved = {k: b.clone() for k, b in self.stacked_buffers.items()}
+            rng = _rng_state(self.group.device)  # (the failed attempt's dropout draws: the loop draws as mode="loop")
             try:
                 losses = vmapped()
                 self.mode = "vmap"
             except Exception as e:  # noqa: BLE001 - any failure of vmap: the loop, if the loop can run the step
                 self._restore(saved)
+                _set_rng_state(rng)
                 try:
                     losses = looped()
                 except Exception:  # the loop fails too: the step's own error (loss_fn, batches), mode stays auto
@@ -976,6 +997,19 @@ class ReplicaEngine:
 MAX_LOSS_FNS = 8  # loss functions whose vmapped (and compiled) forms the engine keeps
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 MAX_MERGE_CHECKS = 16  # (loss function, batch shapes) pairs mode='merged' checks at their first step, then vmap
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.device, torch.Tensor | None]:
+    """The CPU's random state and, for a CUDA device, that device's."""
+    return (torch.get_rng_state(), device,
+            torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.device, torch.Tensor | None]) -> None:
+    cpu, device, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def _merge_key(batch: Any, loss_fn: LossFn) -> tuple[Any, list[Any]]:
