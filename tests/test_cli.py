@@ -1164,6 +1164,10 @@ def test_a_run_killed_inside_its_sweep_goes_on_from_the_sweeps_last_round(tmp_pa
     assert "the same command with --resume goes on" in capsys.readouterr().err
     assert (cut / "sweep.pt").is_file() and not (cut / "config.json").exists()
     monkeypatch.undo()
+    flipped = "continue" if then == "restart" else "restart"  # the error named --steps too, which the sweep option
+    assert main(["train", *args[:-1], flipped, "--out", str(cut), "--resume"]) == 2  # moves (an audit)
+    err = capsys.readouterr().err
+    assert f"--lr-sweep-then {then!r} -> {flipped!r}" in err and "--steps" not in err, err
     real_run, runs = hdet.sweep._run, []
     monkeypatch.setattr(hdet.sweep, "_run", lambda *a, **k: runs.append(1) or real_run(*a, **k))
     assert main(["train", *args, "--out", str(cut), "--resume", "--device", "cpu", "--checkpoint-every", "0"]) == 0

@@ -538,6 +538,27 @@ def _sweep_worker(rank, world, ddp, keep):
             "same_on_every_rank": all(torch.equal(o, out[0]) for o in out)}
 
 
+def _judge_worker(rank, world, own_data):
+    import warnings
+
+    def judge(model):  # (own_data: each rank's own held-out batch, which the docs rule out)
+        x, y = data(99 + (rank if own_data else 0), 0, 64)
+        return nn.functional.mse_loss(model(x), y)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        hdet.lr_sweep(make_model(), make_opt, loss_fn, batches, guess=0.1 * math.sqrt(8 / world), steps=STEPS,
+                      judge=judge, points=4)
+    return [str(w.message) for w in got if "judge gave" in str(w.message)]
+
+
+def test_a_judge_that_reads_each_ranks_own_data_is_said():
+    """Every rank judges rank 0's start weights: a judge giving them different losses reads different data on different
+    ranks (each run then judged on its own rank's data), accepted silently before (an audit). Rank 0 says so."""
+    said = check_ok(run_gloo(_judge_worker, 2, True))
+    assert len(said[0]) == 1 and "must read the same held-out data on every rank" in said[0][0] and said[1] == []
+    assert check_ok(run_gloo(_judge_worker, 2, False)) == [[], []]
+
+
 def _failing_worker(rank, world, how="batches"):
     short = (lambda r: [data(r, 0)] * 3) if rank == 1 and how == "batches" else batches  # rank 1's batches end early
     model = make_model()

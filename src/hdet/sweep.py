@@ -155,7 +155,7 @@ def pick_lr(lrs: list[float], losses: list[float], start: float | None = None,
     ok = [i for i, v in enumerate(losses) if math.isfinite(v)]
     if not ok:
         raise SweepFoundNothing(f"Every sweep run's judged loss was non-finite (LRs {_fmt(lrs)}): the guess is far "
-                                "too high")
+                                "too high, or the loss is non-finite at any LR (try the model and loss at a small one)")
     best = min(ok, key=lambda i: losses[i])
     if start is not None and not losses[best] < start:
         raise SweepFoundNothing(f"No sweep run ended below the start's loss ({start:.4g}; the best, "
@@ -436,6 +436,10 @@ class _Runs:
         if self.judge is None:
             finite = [f for f in firsts if math.isfinite(f)]
             return sum(finite) / len(finite) if finite else math.inf
+        if self.rank is not None and self.rank == 0 and _apart(starts):  # (every rank judged rank 0's start weights)
+            warnings.warn(f"hdet.lr_sweep: the judge gave the same start weights different losses on different ranks "
+                          f"({', '.join(f'{v:.6g}' for v in starts)}): it must read the same held-out data on every "
+                          "rank, or each run is judged on its own rank's data", stacklevel=user_stacklevel())
         return start_loss if self.rank is None else sum(starts) / len(starts)
 
     def more(self, ks: list[int]) -> None:
@@ -555,6 +559,12 @@ class _Runs:
             src = dist.get_global_rank(self.group, self.owner[k]) if self.group is not None else self.owner[k]
             for t in self.tensors:  # COLLECTIVE: one broadcast a tensor (once a sweep)
                 dist.broadcast(t, src=src, group=self.group)
+
+
+def _apart(values: list[float], rtol: float = 1e-4) -> bool:
+    """Whether finite ``values`` differ by more than rounding (``rtol`` of the largest)."""
+    finite = [v for v in values if math.isfinite(v)]
+    return bool(finite) and max(finite) - min(finite) > rtol * max(1.0, max(abs(v) for v in finite))
 
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:

@@ -66,6 +66,17 @@ def _differing(saved: dict[str, Any], now: dict[str, Any], raw: dict[str, Any],
     return differ, [k for k in differ if raw.get(k) != given.get(k)]
 
 
+def _steps_follow(named: list[str], raw: dict[str, Any], asked: RunConfig) -> int:
+    """Drops ``"steps"`` from ``named`` where the saved run's steps (``raw``'s) follow from its sweep options given
+    otherwise, not from ``--steps`` (``asked``: the options as given); returns these ``--steps`` under the saved sweep
+    options."""
+    as_saved = after_sweep(dataclasses.replace(
+        asked, lr_sweep=raw.get("lr_sweep", 0.0), lr_sweep_then=raw.get("lr_sweep_then", "continue"))).steps
+    if "steps" in named and raw.get("steps") == as_saved:
+        named.remove("steps")
+    return as_saved
+
+
 def _resolved(c: dict[str, Any], mode: str, device: str) -> dict[str, Any]:
     """The options of config dict ``c`` as the run resolves them (``mode``, ``device``: what it ran as): defaults
     that depend on other options filled in, flags that have no effect on this run left out; replicas go apart (the
@@ -142,9 +153,11 @@ def save_sweep(path: Path, cfg: RunConfig, replicas: int, progress: dict[str, An
                   "device": device, "progress": progress}, keep_previous)
 
 
-def sweep_progress(path: Path, cfg: RunConfig, replicas: int, device: str) -> dict[int, dict[str, Any]]:
+def sweep_progress(path: Path, cfg: RunConfig, replicas: int, device: str,
+                   asked: RunConfig | None = None) -> dict[int, dict[str, Any]]:
     """This process's readable sweep progress (newest and previous): rounds -> progress; a file of other options (as
-    the run resolves them: ``--device cpu`` is ``auto`` on a CPU) is an error that names them."""
+    the run resolves them: ``--device cpu`` is ``auto`` on a CPU) is an error that names them (``asked``: the options
+    as given, as :func:`check_config`'s)."""
     found: dict[int, dict[str, Any]] = {}
     for p in (path, previous(path)):
         try:
@@ -158,6 +171,7 @@ def sweep_progress(path: Path, cfg: RunConfig, replicas: int, device: str) -> di
         saved = _resolved(state.get("config") or {}, "sweep", str(state.get("device")))
         if saved != now or state.get("replicas") != replicas:
             differ, named = _differing(saved, now, state.get("config") or {}, _config(cfg))
+            _steps_follow(named, state.get("config") or {}, asked or cfg)
             diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}" for k in (named or differ)]
             if state.get("replicas") != replicas:
                 diff.append(f"replicas (the world size under torchrun) {state.get('replicas')} -> {replicas}")
@@ -245,10 +259,7 @@ def check_config(state: dict[str, Any], cfg: RunConfig, replicas: int, mode: str
     now = _resolved(_config(cfg), mode, device)
     differ, named = _differing(saved, now, raw, _config(cfg))
     asked = asked or cfg
-    as_saved = after_sweep(dataclasses.replace(  # these --steps with the checkpointed run's sweep options
-        asked, lr_sweep=raw.get("lr_sweep", 0.0), lr_sweep_then=raw.get("lr_sweep_then", "continue"))).steps
-    if "steps" in named and raw.get("steps") == as_saved:  # the run's steps follow from a sweep given differently,
-        named.remove("steps")  # not from --steps
+    as_saved = _steps_follow(named, raw, asked)
 
     def flag(k: str) -> str:
         cli = CLI.get(k)

@@ -70,10 +70,10 @@ def _sweep_saver(path: Path, cfg: RunConfig, N: int, device: torch.device, distr
 
 
 def _sweep_resumed(path: Path, cfg: RunConfig, N: int, distributed: bool, rank: int,
-                   device: torch.device) -> dict[str, Any] | None:
+                   device: torch.device, asked: RunConfig | None = None) -> dict[str, Any] | None:
     """The progress a stopped sweep goes on from: this process's newest (under torchrun, of the newest round every
     rank holds: COLLECTIVE, one all_gather_object), or None (the sweep starts again, said)."""
-    found = checkpoint.sweep_progress(path, cfg, N, device.type)
+    found = checkpoint.sweep_progress(path, cfg, N, device.type, asked)
     rounds = set(found)
     if distributed:
         held: list[Any] = [None] * N
@@ -283,7 +283,7 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
             if distributed and N < 2:
                 raise RunError("Expected 2 or more ranks with --lr-sweep under torchrun (each rank runs one of its "
                                "LRs a round), but the world size is 1")
-            resume_from = _sweep_resumed(sweep_file, cfg, N, distributed, rank, device) if sweep_resume else None
+            resume_from = _sweep_resumed(sweep_file, cfg, N, distributed, rank, device, asked) if sweep_resume else None
             if rank == 0:  # an earlier run's outputs go before the sweep: a run killed inside it leaves no stale
                 clear_earlier(out)  # checkpoint that --resume would take for this run's
             if resume_from is None:

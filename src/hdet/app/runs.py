@@ -104,7 +104,9 @@ def lr_sweep(task: Task, model: nn.Module, cfg: RunConfig, N: int, steps: int, d
                                  keep="start" if restart else "winner", points=cfg.lr_sweep_points,
                                  lr_factor=factor, progress=resume_from, on_round=on_round)
         except sweep.SweepFoundNothing as e:  # every run non-finite, or none below the start's: the guess is far off
-            raise RunError(f"Expected --lr-sweep to find an LR around --max-lr {cfg.max_lr:g}, but {e}") from None
+            why = str(e)
+            raise RunError(f"Expected --lr-sweep to find an LR around --max-lr {cfg.max_lr:g}, but "
+                           f"{why[:1].lower() + why[1:]}") from None
     finite = lambda v: v if math.isfinite(v) else None  # noqa: E731 - strict JSON
     found = {"steps": steps, "then": cfg.lr_sweep_then, "guess": cfg.max_lr, "max_lr": res.max_lr, "pick": res.pick,
              "lr_factor": res.lr_factor, "lrs": res.lrs, "losses": [finite(v) for v in res.losses],
