@@ -69,6 +69,9 @@ OPTIMIZERS = {
                                             {"params": [m[0].weight, m[0].bias], "weight_decay": 0.3}], lr=0.01), 1),
     "groups_own_betas": (lambda m: torch.optim.AdamW([{"params": [m[2].weight], "betas": (0.8, 0.99)},
                                                       {"params": [m[2].bias, m[0].weight, m[0].bias]}], lr=0.01), 1),
+    "groups_amsgrad": (lambda m: torch.optim.AdamW([{"params": [m[2].weight, m[2].bias], "amsgrad": True},  # (the
+                                                    {"params": [m[0].weight, m[0].bias]}], lr=0.01), 1),  # other
+    # group held a zero max_exp_avg_sq, which torch's state has not: an audit)
     "sgd_groups": (lambda m: torch.optim.SGD([{"params": [m[0].weight], "momentum": 0.5, "weight_decay": 0.01},
                                               {"params": [m[0].bias, m[2].weight]},
                                               {"params": [m[2].bias], "nesterov": True, "momentum": 0.9}],

@@ -219,6 +219,8 @@ class StackedStep:
                         st["step"] = self.steps[k]
                     if self.kind in ("adam", "dadapt", "prodigy") or (self.steps[k] > 0 and float(o.param_groups[k]["momentum"])):
                         for name, m in self.moments.items():
+                            if name == "max_exp_avg_sq" and not o.param_groups[k].get("amsgrad"):
+                                continue  # (a group without amsgrad keeps none in torch: a zero one was shown here)
                             st[name] = param_view(m[row, col:col + n], shape, order)
                     if st:
                         o.state[p] = st
