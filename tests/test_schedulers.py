@@ -902,6 +902,33 @@ def test_a_onecycle_lr_state_says_how_to_go_on_under_hdet():
     assert s3.last_sync.step == 100
 
 
+def test_misused_bases_and_step_arguments_get_clear_errors():
+    """An audit: a scheduler class for base was called with total_steps (its constructor's error named no base); a
+    OneCycleLR base shorter than total_steps failed at its end, torch's error after every replica's optimizer step
+    (replica 0 left at the plain LR), and a longer one ended near its peak, silently; step(epoch=5) gave Python's
+    "unexpected keyword"; step(torch.tensor(5)) was taken as a loss without the int's warning."""
+    def opt():
+        return torch.optim.SGD(nn.Linear(3, 1).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"got the class StepLR: build it, e.g. StepLR\(optimizer"):
+        hdet.HDETLR(opt(), torch.optim.lr_scheduler.StepLR, 20)
+    o = opt()
+    with pytest.raises(ValueError, match=r"OneCycleLR base's total_steps \(20\) to be the HDETLR's total_steps \(40\)"):
+        hdet.HDETLR(o, OneCycleLR(o, 0.1, total_steps=20), 40)
+    o = opt()
+    with pytest.warns(UserWarning, match=r"total_steps \(40\) is more than the HDETLR's \(20\): the run ends before"):
+        hdet.HDETLR(o, OneCycleLR(o, 0.1, total_steps=40), 20)
+    o = opt()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hdet.HDETLR(o, OneCycleLR(o, 0.1, total_steps=20), 20)  # the same length: nothing said
+    s = hdet.HDETLR(opt(), None, 10)
+    s.optimizer.step()
+    with pytest.raises(TypeError, match=r"got the keyword\(s\) \['epoch'\]: HDET steps its base schedule once"):
+        s.step(epoch=5)
+    with pytest.warns(UserWarning, match=r"scheduler.step\(5\) got an int"):
+        s.step(torch.tensor(5))
+
+
 def test_an_epoch_counter_passed_as_the_loss_is_said():
     """torch documents CosineAnnealingWarmRestarts.step(epoch + i / iters); under HDETLR those numbers were taken as
     losses and the base counted optimizer steps, silently (an audit: LRs 0.05, 0.1, 0.05, ... for torch's 0.1,

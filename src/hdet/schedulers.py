@@ -112,6 +112,7 @@ class HDETLR(LRScheduler):
                              f"({getattr(replicas, 'rank', '?')}) and size ({getattr(replicas, 'world_size', '?')}), "
                              f"but got rank={rank!r}, world_size={world_size!r}")
         self._base, self._base_fn = _resolve_base(base, optimizer)
+        _check_one_cycle_length(self._base, total_steps)
         explore = [explore] if isinstance(explore, Hyperparameter) else list(explore or ())
         _check_cycled_beta1(bool(scheduler_state.momentum_cyclers(self._base)), explore)
         if config.enable_auto_lr and any(isinstance(h, LabelSmoothing) for h in explore):
@@ -344,12 +345,17 @@ class HDETLR(LRScheduler):
         """This replica's training loss of the optimizer step just taken (what ``step(loss)`` passes on)."""
         self._hdet.observe(loss)
 
-    def step(self, loss: torch.Tensor | float | None = None) -> None:  # type: ignore[override]
+    def step(self, loss: torch.Tensor | float | None = None, **kwargs: Any) -> None:  # type: ignore[override]
         """Call after ``optimizer.step()``, with that step's training loss (needed by auto-LR).
 
         Off a sync step this only keeps the loss on its device (no host sync). On a sync step every
         replica must call it: it runs the collectives of :meth:`Ensemble.sync`."""
-        if isinstance(loss, int) and not isinstance(loss, bool) and not self._warned_epoch:
+        if kwargs:  # (torch's deprecated step(epoch=...) gave Python's own "unexpected keyword argument")
+            raise TypeError(f"Expected scheduler.step(loss) (this step's training loss, or nothing), but got the "
+                            f"keyword(s) {sorted(kwargs)}: HDET steps its base schedule once per optimizer step and "
+                            "takes no epoch")
+        integral = isinstance(loss, torch.Tensor) and not loss.is_floating_point() and not loss.is_complex()
+        if (integral or isinstance(loss, int) and not isinstance(loss, bool)) and not self._warned_epoch:
             self._warned_epoch = True
             warnings.warn(f"hdet: scheduler.step({loss}) got an int: HDET's step takes this step's training loss, not "
                           "an epoch (torch's deprecated step(epoch) is not supported); it was taken as a loss. Pass "
@@ -769,6 +775,22 @@ def _step_count_of(base: LRScheduler, default: int) -> int:
     return counts.pop() if len(counts) == 1 and None not in counts else default
 
 
+def _check_one_cycle_length(base: LRScheduler | None, total_steps: int) -> None:
+    """A ``OneCycleLR`` base of another length than ``total_steps``: shorter, torch raises when it is stepped past its
+    end (after every replica's optimizer step of that step: an audit left replica 0 at the plain LR and the others at
+    theirs); longer, the run ends before its cycle does (near its peak LR, silently)."""
+    if type(base) is not OneCycleLR:
+        return
+    if base.total_steps < total_steps:
+        raise ValueError(f"Expected the OneCycleLR base's total_steps ({base.total_steps}) to be the HDETLR's "
+                         f"total_steps ({total_steps}): OneCycleLR cannot be stepped past its end. Build both with the "
+                         "same total_steps")
+    if base.total_steps > total_steps:
+        warnings.warn(f"hdet: the OneCycleLR base's total_steps ({base.total_steps}) is more than the HDETLR's "
+                      f"({total_steps}): the run ends before the cycle does, at its step {total_steps}'s LR, not at "
+                      "the cycle's final LR. Build both with the same total_steps", stacklevel=user_stacklevel())
+
+
 def _resolve_base(base: Any, optimizer: torch.optim.Optimizer) -> tuple[LRScheduler | None, Callable | None]:
     if isinstance(base, ReduceLROnPlateau):
         raise ValueError("Expected a base schedule of the step (an LRScheduler stepped once per optimizer step, or a "
@@ -779,6 +801,10 @@ def _resolve_base(base: Any, optimizer: torch.optim.Optimizer) -> tuple[LRSchedu
         if base.optimizer is not optimizer:
             raise ValueError("Expected the base scheduler to be built on the same optimizer as HDETLR")
         return base, None
+    if isinstance(base, type):  # (a class is callable: it was called with the step, and failed in its constructor)
+        raise ValueError(f"Expected base to be an LRScheduler built on the optimizer (an instance), a callable of the "
+                         f"step, or None, but got the class {base.__name__}: build it, e.g. {base.__name__}(optimizer, "
+                         "...)")
     if callable(base):
         return None, base
     if base is not None:
