@@ -265,6 +265,10 @@ def test_compare_runs_six_configurations(tmp_path, capsys):
     assert "pre-training one replica for 4 steps" in shown and "Table 1 layout" in shown
     for r in res["runs"]:
         assert f"{r['final_val_loss']:.4f}" in shown
+        assert f"{r['final_metrics']['val_loss_full']:.4f}" in shown  # (the whole held-out split: the table showed
+        # only the fixed batches, whose ranking can differ, and named no winner: an audit)
+    best = min(res["runs"], key=lambda r: r["final_metrics"]["val_loss_full"])
+    assert f"{best['config']} *" in shown and shown.count(" *") == 1 + shown.count("* the best")
     assert (out / "loss.png").exists() and (out / "lr.png").exists()
 
 
@@ -748,6 +752,11 @@ def test_a_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, capsys, mode):
     assert "the same command with --resume goes on" in capsys.readouterr().err
     monkeypatch.undo()
     assert max(r["step"] for r in _jsonl(cut / "metrics.jsonl")) == 24  # records past the checkpoint
+    before = {p.name: p.read_bytes() for p in cut.iterdir() if p.is_file()}
+    assert main(["train", *args, "--out", str(cut)]) == 2  # --resume forgotten: it replaced the stopped run, silently
+    err = capsys.readouterr().err  # (an audit)
+    assert f"Expected --resume to go on with the run stopped in {cut} (it left checkpoint.pt" in err, err
+    assert {p.name: p.read_bytes() for p in cut.iterdir() if p.is_file()} == before
     assert main(["train", *args, "--out", str(cut), "--resume"]) == 0
     assert "resumed from step 15" in capsys.readouterr().out
     _same_run(tmp_path / "whole", cut)

@@ -135,6 +135,11 @@ def _cmd_plot(a: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _held_out(final: dict[str, Any]) -> tuple[float | None, float | None]:
+    """A row's loss on the whole held-out split and (Fashion-MNIST) its accuracy, from its summary's final metrics."""
+    return final.get("val_loss_full", final.get("test_loss")), final.get("test_accuracy")
+
+
 def _cmd_compare(a: argparse.Namespace, argv: list[str]) -> int:
     from .compare import compare
     from .plot import plot_dir
@@ -149,12 +154,16 @@ def _cmd_compare(a: argparse.Namespace, argv: list[str]) -> int:
         raise RunError(f"Expected --pretrain-steps >= 1, but got {a.pretrain_steps}")
     cfg = _config(a)
     result = compare(cfg, a.lr_low, a.lr_high, a.pretrain_steps)
-    rows = [(r["config"], r["description"], f"{r['lr']:g}",
+    held = [_held_out(r.get("final_metrics") or {}) for r in result["runs"]]  # (loss, accuracy or None)
+    best = min((k for k, h in enumerate(held) if h[0] is not None), key=lambda k: held[k][0], default=None)
+    rows = [(r["config"] + (" *" if k == best else ""), r["description"], f"{r['lr']:g}",
              (f"{r['final_train_loss']:.4f}" if r["final_train_loss"] is not None else "-")
              + (" †" if r["crashed"] else ""),
-             f"{r['final_val_loss']:.4f}" if r["final_val_loss"] is not None else "-", f"{r['train_seconds']:.0f}")
-            for r in result["runs"]]
-    cols = ("Config", "Description", "LR", "Train loss", "Val loss", "Time (s)")
+             f"{r['final_val_loss']:.4f}" if r["final_val_loss"] is not None else "-",
+             (f"{h[0]:.4f}" if h[0] is not None else "-") + (f" ({h[1]:.2f}%)" if h[1] is not None else ""),
+             f"{r['train_seconds']:.0f}")
+            for k, (r, h) in enumerate(zip(result["runs"], held))]
+    cols = ("Config", "Description", "LR", "Train loss", "Fixed batches", "Held-out", "Time (s)")
     title = f"Table 1 layout, our numbers: {result['title']}"
     try:
         from rich.console import Console
@@ -163,7 +172,7 @@ def _cmd_compare(a: argparse.Namespace, argv: list[str]) -> int:
         print(title)
         for row in [cols, *rows]:
             print("  ".join(f"{c:<38}" if k == 1 else f"{c:<20}" if k == 0 else f"{c:>10}" for k, c in enumerate(row)))
-        lines = [*result["notes"], "† crashed (non-finite loss or weights)."]
+        lines = [*result["notes"], "† crashed (non-finite loss or weights); * the best held-out loss."]
         print("\n".join(f"  {n}" for n in lines))
     else:
         t = Table(title=title)
@@ -173,7 +182,7 @@ def _cmd_compare(a: argparse.Namespace, argv: list[str]) -> int:
             t.add_row(*row)
         con = Console(width=None if sys.stdout.isatty() else 120)
         con.print(t)
-        for n in [*result["notes"], "† crashed (non-finite loss or weights)."]:
+        for n in [*result["notes"], "† crashed (non-finite loss or weights); * the best held-out loss."]:
             con.print(f"  {n}")
     for p in plot_dir(a.out):
         print(p)

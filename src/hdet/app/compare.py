@@ -67,14 +67,18 @@ def compare(base: RunConfig, lr_low: float, lr_high: float, pretrain_steps: int,
         runs.append({"config": name, "description": desc, "lr": lr, "folder": folder, "alpha": cfg.alpha,
                      "T": cfg.T, "auto_lr": cfg.auto_lr, "warm_init": cfg.warm_init,
                      "final_train_loss": s["final_train_loss"], "final_val_loss": s["final_val_loss"],
+                     "final_metrics": s.get("final_metrics") or {},
                      "crashed": s["crashed"], "train_seconds": s["train_seconds"], "mode": s["mode"]})
     result = {"title": f"{base.task}: {base.replicas or 4} replicas, {base.steps} steps, LR high/low = "
                        f"{lr_high / lr_low:.3g}x",
               "pretrain_steps": pretrain_steps, "lr_low": lr_low, "lr_high": lr_high,
               "config": dataclasses.asdict(base), "runs": runs,
               "notes": ["Warm-Init averages only after the last step (T = steps): hdet always averages there.",
-                        "Train loss: the mean training loss over the last 10% of steps; val loss: "
-                        "the final averaged model on fixed held-out batches.",
+                        "Train loss: the mean training loss over the log records of the last 10% of steps (a "
+                        "record averages the steps since the one before); fixed batches: the final averaged model on "
+                        "the run's fixed held-out batches (Fashion-MNIST: 8 x 32 test images); held-out: on the whole "
+                        "held-out split (the GPT: 2048 windows of the held-out files; Fashion-MNIST: the 10000 test "
+                        "images, and their accuracy); best: the row of the lowest held-out loss.",
                         f"Warm rows start from a checkpoint pre-trained {pretrain_steps} steps."]}
     (out / "compare.json").write_text(json.dumps(result, indent=1))
     return result

@@ -102,6 +102,15 @@ def tail_mean(train_losses: list[tuple[int, float]], after: float) -> float | No
     return sum(n * v for n, v in tail) / n
 
 
+def _stopped(out: Path) -> str | None:
+    """What a stopped (killed, not finished) run left in ``out``: its newest checkpoint or sweep progress, or None (no
+    run there, or a finished one, which a new run replaces: ``runs/latest``)."""
+    if (out / "summary.json").is_file():
+        return None
+    left = sorted(p.name for p in [*out.glob("checkpoint*.pt"), *out.glob("sweep*.pt")])
+    return f"it left {', '.join(left[:3])}" if left else None
+
+
 def check_out(out: Path, rank: int = 0) -> None:
     """That ``out`` is a folder this process can write to (made if missing); nothing in it is touched. Every torchrun
     rank checks (each its own probe file), so that a bad ``--out`` is an error on every rank, not rank 0's alone while
@@ -247,6 +256,10 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
         cfg = dataclasses.replace(cfg, resume=False)
     if cfg.resume and not dry_run and not (out / "config.json").is_file():
         raise RunError(f"Expected a run folder to resume at {out} (--out), but there is no run there")
+    stopped = None if cfg.resume or sweep_resume or dry_run else _stopped(out)
+    if stopped:  # (a forgotten --resume wiped a stopped run's checkpoint, silently: an audit)
+        raise RunError(f"Expected --resume to go on with the run stopped in {out} ({stopped}), or another --out: a new "
+                       "run there would delete it. To start afresh there, delete the folder first")
     if not dry_run:
         check_out(out, rank)
     task = make_task(cfg.task, data=cfg.data, ctx=cfg.ctx, width=cfg.width, layers=cfg.layers,
