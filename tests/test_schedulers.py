@@ -929,6 +929,36 @@ def test_misused_bases_and_step_arguments_get_clear_errors():
         s.step(torch.tensor(5))
 
 
+def test_a_resume_into_a_longer_run_says_the_run_keeps_its_saved_length():
+    """Lightning's ckpt_path or Accelerate's load_state into a scheduler rebuilt for 24 steps from a 16-step run: the
+    load says the state's total_steps replaces 24, then step 17 failed saying "raise total_steps", which the user had
+    (an audit). The error says why now."""
+    def sched(total):
+        o = torch.optim.SGD(nn.Linear(3, 1).parameters(), lr=0.1)
+        return hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=total)
+    a = sched(16)
+    for _ in range(8):
+        a.optimizer.step()
+        a.step(1.0)
+    b = sched(24)
+    with pytest.warns(UserWarning, match=r"total_steps 16 \(built with 24\)"):
+        b.load_state_dict(a.state_dict())
+    for _ in range(8):
+        b.optimizer.step()
+        b.step(1.0)
+    b.optimizer.step()
+    with pytest.raises(ValueError, match=r"call 17; this scheduler was built with total_steps=24, and the state it "
+                                         r"loaded keeps its run's length, 16 \(a resume cannot lengthen a run"):
+        b.step(1.0)
+    c = sched(16)
+    for _ in range(16):
+        c.optimizer.step()
+        c.step(1.0)
+    c.optimizer.step()
+    with pytest.raises(ValueError, match="call 17; raise total_steps or stop stepping"):
+        c.step(1.0)
+
+
 def test_an_epoch_counter_passed_as_the_loss_is_said():
     """torch documents CosineAnnealingWarmRestarts.step(epoch + i / iters); under HDETLR those numbers were taken as
     losses and the base counted optimizer steps, silently (an audit: LRs 0.05, 0.1, 0.05, ... for torch's 0.1,

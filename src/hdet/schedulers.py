@@ -102,6 +102,7 @@ class HDETLR(LRScheduler):
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0:
             raise ValueError(f"Expected positive integer total_steps, but got {total_steps!r}")
         self.total_steps = total_steps
+        self._built_total_steps = total_steps  # (a loaded state's total_steps replaces total_steps: said at the end)
         self.optimizer = optimizer
         if not isinstance(optimizer, torch.optim.Optimizer) or not optimizer.param_groups:
             raise ValueError("Expected a torch.optim.Optimizer with at least one param group, but got "
@@ -406,8 +407,13 @@ class HDETLR(LRScheduler):
         self._swap.check("scheduler.step() was called")
         t = self.last_epoch + 1  # optimizer steps taken so far
         if t > self.total_steps:
+            built = getattr(self, "_built_total_steps", self.total_steps)
             raise ValueError(f"Expected at most total_steps={self.total_steps} calls of scheduler.step() after "
-                             f"optimizer steps, but this is call {t}; raise total_steps or stop stepping")
+                             f"optimizer steps, but this is call {t}; "
+                             + ("raise total_steps or stop stepping" if built == self.total_steps else
+                                f"this scheduler was built with total_steps={built}, and the state it loaded keeps "
+                                f"its run's length, {self.total_steps} (a resume cannot lengthen a run: start a new "
+                                "one from the checkpoint's weights, or stop at the saved length)"))
         if len(self.optimizer.param_groups) != len(self._constant):  # (add_param_group after building the scheduler)
             raise ValueError(f"Expected the {len(self._constant)} param group(s) the scheduler was built with, but the "
                              f"optimizer has {len(self.optimizer.param_groups)} now (optimizer.add_param_group after "
