@@ -401,6 +401,22 @@ def test_the_cli_run_trains_with_each_peer(tmp_path):
         train(RunConfig(**tiny, optimizer="sgd", out=str(tmp_path / "y")))
 
 
+def test_d_adaptation_and_prodigy_decouple_counts_as_decoupled_weight_decay():
+    """Their groups spell it ``decouple``: decouple=True counted as coupled, and a resume at a converge step warned
+    that a coupled weight decay made it inexact (an audit)."""
+    import prodigyopt
+
+    from hdet.optimizers import coupled_weight_decay
+
+    p = [nn.Parameter(torch.zeros(2))]
+    for make in (lambda d: dadaptation.DAdaptAdam(p, lr=1.0, weight_decay=0.1, decouple=d),
+                 lambda d: prodigyopt.Prodigy(p, lr=1.0, weight_decay=0.1, decouple=d)):
+        assert not coupled_weight_decay(make(True)) and coupled_weight_decay(make(False))
+    assert coupled_weight_decay(torch.optim.Adam(p, weight_decay=0.1))
+    assert not coupled_weight_decay(torch.optim.AdamW(p, weight_decay=0.1))
+    assert not coupled_weight_decay(torch.optim.Adam(p, weight_decay=0.1, decoupled_weight_decay=True))
+
+
 def test_prodigy_safeguard_is_a_flag_and_off_by_default():
     """`--prodigy-safeguard` builds Prodigy with safeguard_warmup (its advice under a warm-up; it estimated a
     smaller step on both evidence tasks); without the flag, prodigyopt's default (off)."""

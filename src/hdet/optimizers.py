@@ -50,9 +50,11 @@ def innermost(optimizer: Any) -> Any:
 
 
 def decoupled(optimizer: Any, group: dict[str, Any]) -> bool:
-    """Whether ``group``'s weight decay is decoupled (AdamW's, or Adam's with ``decoupled_weight_decay``) rather
-    than added to the gradient, where each replica's own weights then shape its optimizer's moments."""
-    return bool(group.get("decoupled_weight_decay", isinstance(innermost(optimizer), torch.optim.AdamW)))
+    """Whether ``group``'s weight decay is decoupled (AdamW's, Adam's with ``decoupled_weight_decay``, D-Adaptation's
+    and Prodigy's with ``decouple``) rather than added to the gradient, where each replica's own weights then shape
+    its optimizer's moments."""
+    return bool(group.get("decoupled_weight_decay",
+                          group.get("decouple", isinstance(innermost(optimizer), torch.optim.AdamW))))
 
 
 def coupled_weight_decay(optimizer: Any) -> bool:
