@@ -953,6 +953,18 @@ def _unswept(max_lr: float) -> list[str]:
     return [*args, "--alpha", "0"]
 
 
+def test_a_sweep_that_finds_no_lr_leaves_a_folder_a_new_run_takes(tmp_path, capsys):
+    """A sweep that found no LR (a guess 1e6) left its progress (sweep.pt) and no summary: the next command there,
+    with a sane --max-lr, was refused as a stopped run's, and with --resume as another sweep's (a review)."""
+    out = tmp_path / "run"
+    args = list(SWEEP)
+    args[args.index("--max-lr") + 1] = "1e6"
+    assert main(["train", *args, "--out", str(out)]) == 2
+    assert "Expected --lr-sweep to find an LR around --max-lr 1e+06, but" in capsys.readouterr().err
+    assert not list(out.glob("sweep*"))
+    assert main(["train", *SWEEP, "--out", str(out)]) == 0
+
+
 def test_lr_sweep_then_restart_is_the_run_at_the_swept_peak_and_resumes(tmp_path, capsys):
     """--lr-sweep 0.25 of 40 steps, then (the default --lr-sweep-then restart) the run: 4 runs of 10 steps at
     about 1/32x-32x of 0.03 / sqrt(8) (and any beyond them), then the run's 40 steps from the initial weights at sqrt(8) x

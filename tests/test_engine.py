@@ -284,15 +284,40 @@ def test_a_resume_after_the_stacked_step_gave_way_goes_on_per_replica_exactly(mo
         torch.save(part.state_dict(), buf)
         resumed = engine()
         assert resumed.optimizer_path == "stacked"
-    with pytest.warns(UserWarning, match="the saved engine stepped each replica's optimizer"):
+    with pytest.warns(UserWarning, match="the saved engine had gone over to each replica's optimizer step"):
         resumed.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
     assert resumed.optimizer_path.startswith("per-replica") and resumed.optimizer_path.endswith("as the saved engine")
     run(resumed, save_at + 1, steps)
     assert full.mode == resumed.mode == mode
+    with warnings.catch_warnings():  # a state of an engine that stepped per replica from the start (its mode or its
+        warnings.simplefilter("error")  # choice, not a switch during the run) leaves a stacked engine stacked (a
+        for how in ({"mode": "loop"}, {"stacked_optimizer": False}):  # review)
+            other = ReplicaEngine(copy.deepcopy(base), 3, lambda m: torch.optim.SGD(m.parameters(), lr=0.05), _sched(),
+                                  **{"mode": mode, **how})
+            fresh = ReplicaEngine(copy.deepcopy(base), 3, lambda m: torch.optim.SGD(m.parameters(), lr=0.05), _sched(),
+                                  mode=mode)
+            fresh.load_state_dict(other.state_dict())
+            assert fresh.optimizer_path == "stacked"
     for a, b, oa, ob in zip(full.models, resumed.models, full.optimizers, resumed.optimizers):
         for p, q in zip(a.parameters(), b.parameters()):
             assert torch.equal(p, q)
             assert torch.equal(oa.state[p]["momentum_buffer"], ob.state[q]["momentum_buffer"])
+
+
+def test_an_engine_resumed_into_a_longer_schedule_says_the_run_keeps_its_length():
+    """A review: the engine's own end-of-run check fired first, saying "raise total_steps", which the user had."""
+    def engine(total):
+        torch.manual_seed(0)
+        return ReplicaEngine(nn.Linear(3, 1), 2, _sgd(), _sched(steps=total))
+    a = engine(4)
+    for _ in range(4):
+        a.step(torch.randn(2, 5, 3), lambda m, b: m(b).pow(2).mean(), stacked=True)
+    b = engine(8)
+    with pytest.warns(UserWarning, match=r"total_steps 4 \(built with 8\)"):
+        b.load_state_dict(a.state_dict())
+    with pytest.raises(ValueError, match=r"step 5; this scheduler was built with total_steps=8, and the state it "
+                                         r"loaded keeps its run's length, 4"):
+        b.step(torch.randn(2, 5, 3), lambda m, b: m(b).pow(2).mean(), stacked=True)
 
 
 def test_engine_compile_matches_eager():

@@ -163,6 +163,15 @@ def test_a_schedule_that_leaves_its_bounds_holds_the_base_there_and_says_so_once
     bases = dict(zip(s.last_sync.names, s.last_sync.bases))
     assert bases["weight_decay/0"] == 0.0 and bases["dropout"] == 0.999
     assert m[1].p == pytest.approx(0.999 - 0.05)  # replica 0 of 2: the base minus alpha (it was clamped to 0.999)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.3)  # a linear decay to 0 ends -5.6e-17 (a
+    s = hdet.HDETLR(opt, None, 20, model_sync_interval=4, replicas=ScriptedReplicas(0, 2),  # review): clamped,
+                    explore=[WeightDecay(opt, schedule=lambda t: 0.3 - 0.1 * t)])  # not said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            opt.step()
+            s.step(torch.tensor(1.0))
+    assert opt.param_groups[0]["weight_decay"] == 0.0
 
 
 def test_explored_hyperparameters_take_any_seed_and_numpy_bounds():

@@ -267,6 +267,7 @@ class ReplicaEngine:
         self._rejected: set[Any] = set()  # the loss functions' code that compile cannot run (eager from then on)
         self._unkept: set[str] = set()  # reassigned buffers whose new shape or dtype could not be kept (warned)
         self._stacked: StackedStep | None = None
+        self._gave_way: str | None = None  # why the stacked step gave way to each replica's during the run
         self.share_base_schedule = True  # False: every replica steps its own base schedule (see _follow)
         self._following: bool | None = None
         self.optimizer_path = "per-replica: loop mode" if self.mode == "loop" else self._setup_stacked(stacked_optimizer)
@@ -305,6 +306,8 @@ class ReplicaEngine:
     def _stop_stacked(self, why: str, warn: bool = True) -> None:
         """From now on each replica's ``optimizer.step()`` (its own copy of the state); ``warn``: say so (N optimizer
         steps a step instead of one, and N copies of the moments: a cost the user should hear of once)."""
+        if self._stacked is not None:
+            self._gave_way = why  # (kept in a state_dict: a resume goes on as this run does)
         if self._stacked is not None and warn:
             warnings.warn(f"hdet: the engine steps each replica's optimizer from now on, instead of one stacked step for "
                           f"all ({why}): slower, with a copy of the optimizer state per replica",
@@ -727,7 +730,8 @@ class ReplicaEngine:
             layout = {n: (list(o) if o is not None else None) for n, o in self.stack.orders.items()} \
                 if self.stack is not None else {}  # the parameters' memory order (gradient_layout)
             return {"version": self.STATE_VERSION, "num_replicas": self.num_replicas,
-                    "share_gradients": self.share_gradients, "layout": layout, "optimizer_path": self.optimizer_path,
+                    "share_gradients": self.share_gradients, "layout": layout,
+                    **({"stacked_gave_way": self._gave_way} if self._gave_way is not None else {}),
                     "replicas": [{"model": ms, "optimizer": o.state_dict(), "scheduler": s.state_dict()}
                                  for ms, o, s in zip(self._own_model_states(), self.optimizers, self.schedulers)]}
 
@@ -811,13 +815,7 @@ class ReplicaEngine:
             # lay the parameters out as the saved engine had them (from its first backward on): the same memory
             # order, so the resumed run's sums round as the uninterrupted run's
             self.stack.set_layout({n: (tuple(o) if o is not None else None) for n, o in saved.items()})
-        path = state.get("optimizer_path")
-        if self._stacked is not None and isinstance(path, str) and path.startswith("per-replica: "):
-            # the saved run had gone over to each replica's optimizer.step(), which rounds otherwise than the stacked
-            # step: so does the resumed one (its resume was 1e-7 off: an audit)
-            warnings.warn(f"hdet: the saved engine stepped each replica's optimizer ({path[13:]}); this one does too, "
-                          "to resume it exactly", stacklevel=user_stacklevel())
-            self._stop_stacked(f"{path[13:]}, as the saved engine", warn=False)
+        gave_way = state.get("stacked_gave_way")
         for graphs in (self._graphs, self._vgraphs):  # (captured again at the next step: a graph reads the tensors
             if graphs is not None:  # where they were)
                 graphs.clear()
@@ -831,6 +829,12 @@ class ReplicaEngine:
                 s.load_state_dict(rs["scheduler"])
         for message, category in dict.fromkeys((str(w.message), w.category) for w in caught):
             warnings.warn(message, category, stacklevel=user_stacklevel())
+        if self._stacked is not None and isinstance(gave_way, str):
+            # the saved run's stacked step had given way to each replica's optimizer.step() (a parameter without a
+            # gradient, ...), which rounds otherwise: so does the resumed run's (it stacked again, 1e-7 off: an audit)
+            warnings.warn(f"hdet: the saved engine had gone over to each replica's optimizer step ({gave_way}); this "
+                          "one does too, to go on as it did", stacklevel=user_stacklevel())
+            self._stop_stacked(f"{gave_way}, as the saved engine", warn=False)
         self._following = None
 
     # -- one step ---------------------------------------------------------------------------------
@@ -850,8 +854,8 @@ class ReplicaEngine:
         t = steps.pop() + 1  # this step's number: the schedulers' count, right after a load_state_dict too
         total = self.schedulers[0].total_steps
         if t > total:  # before the step changes anything (the scheduler would refuse it after the optimizer's)
-            raise ValueError(f"Expected at most total_steps={total} engine steps, but this is step {t}; raise "
-                             "total_steps or stop stepping (nothing was run)")
+            raise ValueError(f"Expected at most total_steps={total} engine steps, but this is step {t}; "
+                             f"{self.schedulers[0].past_the_end()} (nothing was run)")
         n = _leading(batches) if stacked else (len(batches) if isinstance(batches, Sequence) else None)
         if n != N:
             raise ValueError(f"Expected one batch per replica ({N}), but got {n}")

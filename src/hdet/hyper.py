@@ -75,7 +75,8 @@ class Hyperparameter:
         if not math.isfinite(v):
             raise ValueError(f"Expected {self.name}'s schedule to give a finite value at step {step}, but it gave {v!r}")
         inside = self.spread.clamp(v)
-        if inside != v and not getattr(self, "_said_outside", False):
+        if not math.isclose(inside, v, rel_tol=1e-9, abs_tol=1e-12) and not getattr(self, "_said_outside", False):
+            # (a linear decay to a bound ends a rounding past it, -5.6e-17: clamped, not said)
             self._said_outside = True
             warnings.warn(f"hdet: {self.name}'s schedule gave {v:g} at step {step}, outside its bounds "
                           f"{self.spread.bounds}: its base is held at {inside:g} there (and the replicas' values spread "

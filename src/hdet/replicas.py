@@ -353,8 +353,10 @@ def check_mesh_placements(device_mesh: Any, params: Any) -> None:
                 f"replicas), but a parameter of shape {tuple(p.shape)} is placed {tuple(placements)} on a mesh named "
                 f"{names or None}: "
                 + ("fully_shard over a 1-D mesh shards one model, whatever the mesh's name" if mesh.ndim == 1 else
-                   f"fully_shard replicates along a 2-D mesh's first dimension and shards along its second, whatever "
-                   f"their names, and this mesh's 'replicate' dimension is its dimension {dim}")
+                   f"fully_shard replicates along a {mesh.ndim}-D mesh's first dimension and shards along the next, "
+                   "whatever their names, and "
+                   + (f"this mesh's 'replicate' dimension is its dimension {dim}" if "replicate" in names else
+                      "this parameter is sharded along the mesh's first dimension, which holds HDET's replicas"))
                 + ". For HSDP use a 2-D mesh, init_device_mesh(..., (replicas, shards), mesh_dim_names=('replicate', "
                   "'shard')), and fully_shard(model, mesh=mesh)")
 

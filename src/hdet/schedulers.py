@@ -407,13 +407,8 @@ class HDETLR(LRScheduler):
         self._swap.check("scheduler.step() was called")
         t = self.last_epoch + 1  # optimizer steps taken so far
         if t > self.total_steps:
-            built = getattr(self, "_built_total_steps", self.total_steps)
             raise ValueError(f"Expected at most total_steps={self.total_steps} calls of scheduler.step() after "
-                             f"optimizer steps, but this is call {t}; "
-                             + ("raise total_steps or stop stepping" if built == self.total_steps else
-                                f"this scheduler was built with total_steps={built}, and the state it loaded keeps "
-                                f"its run's length, {self.total_steps} (a resume cannot lengthen a run: start a new "
-                                "one from the checkpoint's weights, or stop at the saved length)"))
+                             f"optimizer steps, but this is call {t}; {self.past_the_end()}")
         if len(self.optimizer.param_groups) != len(self._constant):  # (add_param_group after building the scheduler)
             raise ValueError(f"Expected the {len(self._constant)} param group(s) the scheduler was built with, but the "
                              f"optimizer has {len(self.optimizer.param_groups)} now (optimizer.add_param_group after "
@@ -463,6 +458,16 @@ class HDETLR(LRScheduler):
                 group["lr"] = lr
         self._last_lr = [g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"]
                          for g in self.optimizer.param_groups]
+
+    def past_the_end(self) -> str:
+        """What to do about a step past ``total_steps``: raise it, or (a loaded state kept a shorter run than this
+        scheduler was built for) why raising it did not help."""
+        built = getattr(self, "_built_total_steps", self.total_steps)
+        if built == self.total_steps:
+            return "raise total_steps or stop stepping"
+        return (f"this scheduler was built with total_steps={built}, and the state it loaded keeps its run's length, "
+                f"{self.total_steps} (a resume cannot lengthen a run: start a new one from the checkpoint's weights, "
+                "or stop at the saved length)")
 
     def follows(self, lead: "HDETLR") -> bool:
         """Whether this scheduler's base schedule is ``lead``'s, value for value, so that it can take ``lead``'s

@@ -564,7 +564,7 @@ class _Runs:
 def _apart(values: list[float], rtol: float = 1e-4) -> bool:
     """Whether finite ``values`` differ by more than rounding (``rtol`` of the largest)."""
     finite = [v for v in values if math.isfinite(v)]
-    return bool(finite) and max(finite) - min(finite) > rtol * max(1.0, max(abs(v) for v in finite))
+    return bool(finite) and max(finite) - min(finite) > rtol * max(abs(v) for v in finite) + 1e-12
 
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:

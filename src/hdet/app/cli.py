@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import signal
 import sys
@@ -155,7 +156,8 @@ def _cmd_compare(a: argparse.Namespace, argv: list[str]) -> int:
     cfg = _config(a)
     result = compare(cfg, a.lr_low, a.lr_high, a.pretrain_steps)
     held = [_held_out(r.get("final_metrics") or {}) for r in result["runs"]]  # (loss, accuracy or None)
-    best = min((k for k, h in enumerate(held) if h[0] is not None), key=lambda k: held[k][0], default=None)
+    best = min((k for k, h in enumerate(held) if h[0] is not None and math.isfinite(h[0])), key=lambda k: held[k][0],
+               default=None)
     rows = [(r["config"] + (" *" if k == best else ""), r["description"], f"{r['lr']:g}",
              (f"{r['final_train_loss']:.4f}" if r["final_train_loss"] is not None else "-")
              + (" †" if r["crashed"] else ""),

@@ -257,6 +257,10 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
     if cfg.resume and not dry_run and not (out / "config.json").is_file():
         raise RunError(f"Expected a run folder to resume at {out} (--out), but there is no run there")
     stopped = None if cfg.resume or sweep_resume or dry_run else _stopped(out)
+    if distributed and not dry_run:  # COLLECTIVE (once): rank 0's look, before it removes anything, on every rank
+        said = [stopped]  # (a slower rank looking while rank 0 cleared the folder raised alone, and rank 0 hung)
+        dist.broadcast_object_list(said, src=0)
+        stopped = said[0]
     if stopped:  # (a forgotten --resume wiped a stopped run's checkpoint, silently: an audit)
         raise RunError(f"Expected --resume to go on with the run stopped in {out} ({stopped}), or another --out: a new "
                        "run there would delete it. To start afresh there, delete the folder first")
@@ -306,8 +310,12 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
                 if rank == 0:
                     print(f"lr sweep: going on after its round {sweep_resumed} ({sweep_file.name})", flush=True)
             on_round = _sweep_saver(sweep_file, cfg, N, device, distributed) if checkpoint_every(cfg) else None
-            swept = lr_sweep(task, model, cfg, N, swept_steps, device, progress=rank == 0,
-                             distributed=distributed, resume_from=resume_from, on_round=on_round)
+            try:
+                swept = lr_sweep(task, model, cfg, N, swept_steps, device, progress=rank == 0,
+                                 distributed=distributed, resume_from=resume_from, on_round=on_round)
+            except RunError:  # the sweep found no LR: nothing to go on from (its progress left the folder refused
+                checkpoint.clear_sweep(sweep_file)  # as a stopped run's, and --resume refused another --max-lr)
+                raise
         cfg = dataclasses.replace(cfg, max_lr=swept["max_lr"])
     reps = (DDPRun(task, model, cfg, warmup, device) if distributed
             else EngineRun(task, model, N, cfg, warmup, device))
