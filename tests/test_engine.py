@@ -287,6 +287,8 @@ def test_a_resume_after_the_stacked_step_gave_way_goes_on_per_replica_exactly(mo
     with pytest.warns(UserWarning, match="the saved engine had gone over to each replica's optimizer step"):
         resumed.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
     assert resumed.optimizer_path.startswith("per-replica") and resumed.optimizer_path.endswith("as the saved engine")
+    assert resumed.state_dict()["stacked_gave_way"] == part.state_dict()["stacked_gave_way"]  # (a second resume
+    # says the reason once)
     run(resumed, save_at + 1, steps)
     assert full.mode == resumed.mode == mode
     with warnings.catch_warnings():  # a state of an engine that stepped per replica from the start (its mode or its

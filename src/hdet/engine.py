@@ -834,7 +834,8 @@ class ReplicaEngine:
             # gradient, ...), which rounds otherwise: so does the resumed run's (it stacked again, 1e-7 off: an audit)
             warnings.warn(f"hdet: the saved engine had gone over to each replica's optimizer step ({gave_way}); this "
                           "one does too, to go on as it did", stacklevel=user_stacklevel())
-            self._stop_stacked(f"{gave_way}, as the saved engine", warn=False)
+            self._stop_stacked(gave_way, warn=False)  # (the reason kept as saved: a second resume says it once)
+            self.optimizer_path += ", as the saved engine"
         self._following = None
 
     # -- one step ---------------------------------------------------------------------------------
