@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics as st
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 R = Path(__file__).resolve().parent / "results" / "evidence"
@@ -107,18 +108,24 @@ def one_run_compute() -> dict:
     print(f"one run's compute, bytes, all {len(every)}: alpha 0 minus alpha 0.2 {st.mean(every):+.4f} "
           f"(se {out['all']['paired_se']:.4f})")
     for start in (0.1, 1.0, 10.0):
-        seeds = sorted(s for (st_, s) in new if st_ == start and (st_, s) in old)
-        x, y = [new[(start, s)] for s in seeds], [old[(start, s)] for s in seeds]
-        d = [u - v for u, v in zip(x, y)]
-        out[str(start)] = {"seeds": seeds, "alpha0_mean": st.mean(x), "alpha0.2_mean": st.mean(y),
-                           "alpha0_vs_best": 100 * (st.mean(x) / BEST["bytes"] - 1),
-                           "alpha0.2_vs_best": 100 * (st.mean(y) / BEST["bytes"] - 1),
-                           "paired_difference": st.mean(d), "paired_se": st.stdev(d) / len(d) ** 0.5}
-        c = out[str(start)]
+        c = out[str(start)] = _paired(new, old, start, lambda m: 100 * (m / BEST["bytes"] - 1))
+        seeds = c["seeds"]
         print(f"one run's compute, bytes {start:g}x ({len(seeds)} seeds): alpha 0 {c['alpha0_mean']:.4f} "
               f"({c['alpha0_vs_best']:+.2f}%), alpha 0.2 {c['alpha0.2_mean']:.4f} ({c['alpha0.2_vs_best']:+.2f}%); "
               f"paired {c['paired_difference']:+.4f} (se {c['paired_se']:.4f})")
     return out
+
+
+def _paired(new: dict[tuple[float, int], float], old: dict[tuple[float, int], float], start: float,
+            rel: Callable[[float], float]) -> dict:
+    """One start's cell at one run's compute: the seeds both arms ran, each arm's mean and its distance from the grid's
+    best (``rel``), and the paired difference with its standard error."""
+    seeds = sorted(s for (st_, s) in new if st_ == start and (st_, s) in old)
+    x, y = [new[(start, s)] for s in seeds], [old[(start, s)] for s in seeds]
+    d = [u - v for u, v in zip(x, y)]
+    return {"seeds": seeds, "alpha0_mean": st.mean(x), "alpha0.2_mean": st.mean(y),
+            "alpha0_vs_best": rel(st.mean(x)), "alpha0.2_vs_best": rel(st.mean(y)),
+            "paired_difference": st.mean(d), "paired_se": st.stdev(d) / len(d) ** 0.5}
 
 
 def one_run_compute_fashion() -> dict:
@@ -136,15 +143,10 @@ def one_run_compute_fashion() -> dict:
     print(f"one run's compute, fashion, all {len(every)}: alpha 0 minus alpha 0.2 {st.mean(every):+.3f} "
           f"(se {out['all']['paired_se']:.3f})")
     for start in (0.1, 1.0, 10.0):
-        seeds = sorted(s for (st_, s) in new if st_ == start and (st_, s) in old)
-        x, y = [new[(start, s)] for s in seeds], [old[(start, s)] for s in seeds]
-        d = [u - v for u, v in zip(x, y)]
         again = call5[f"fashion x{start}"]["mean"]
-        out[str(start)] = {"seeds": seeds, "alpha0_mean": st.mean(x), "alpha0.2_mean": st.mean(y),
-                           "alpha0_vs_best": st.mean(x) - BEST["fashion"], "alpha0.2_vs_best": st.mean(y) - BEST["fashion"],
-                           "paired_difference": st.mean(d), "paired_se": st.stdev(d) / len(d) ** 0.5,
-                           "alpha0_mean_call5": again, "alpha0_vs_best_call5": again - BEST["fashion"]}
-        c = out[str(start)]
+        c = out[str(start)] = {**_paired(new, old, start, lambda m: m - BEST["fashion"]),
+                               "alpha0_mean_call5": again, "alpha0_vs_best_call5": again - BEST["fashion"]}
+        seeds = c["seeds"]
         print(f"one run's compute, fashion {start:g}x ({len(seeds)} seeds): alpha 0 {c['alpha0_mean']:.2f} "
               f"({c['alpha0_vs_best']:+.2f} pt; call 5, the same seeds: {again:.2f}), alpha 0.2 {c['alpha0.2_mean']:.2f} "
               f"({c['alpha0.2_vs_best']:+.2f} pt); paired {c['paired_difference']:+.3f} (se {c['paired_se']:.3f})")
