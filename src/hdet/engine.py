@@ -342,6 +342,10 @@ class ReplicaEngine:
         buffers, cpu, cuda = before
         for k, b in self.stacked_buffers.items():
             b.copy_(buffers[k])
+        self._restore_rng(cpu, cuda)
+
+    def _restore_rng(self, cpu: torch.Tensor, cuda: torch.Tensor | None) -> None:
+        """The random state :meth:`_before_forward` kept."""
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, self.group.device)
@@ -882,14 +886,13 @@ class ReplicaEngine:
         elif self.mode == "vmap":
             losses = vmapped()
         elif self.mode == "auto":
-            saved = {k: b.clone() for k, b in self.stacked_buffers.items()}
-            rng = _rng_state(self.group.device)  # (the failed attempt's dropout draws: the loop draws as mode="loop")
+            saved, *rng = self._before_forward()  # (the failed attempt's dropout draws: the loop draws as mode="loop")
             try:
                 losses = vmapped()
                 self.mode = "vmap"
             except Exception as e:  # noqa: BLE001 - any failure of vmap: the loop, if the loop can run the step
                 self._restore(saved)
-                _set_rng_state(rng)
+                self._restore_rng(*rng)
                 try:
                     losses = looped()
                 except Exception:  # the loop fails too: the step's own error (loss_fn, batches), mode stays auto
@@ -1002,19 +1005,6 @@ class ReplicaEngine:
 MAX_LOSS_FNS = 8  # loss functions whose vmapped (and compiled) forms the engine keeps
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 MAX_MERGE_CHECKS = 16  # (loss function, batch shapes) pairs mode='merged' checks at their first step, then vmap
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.device, torch.Tensor | None]:
-    """The CPU's random state and, for a CUDA device, that device's."""
-    return (torch.get_rng_state(), device,
-            torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-def _set_rng_state(state: tuple[torch.Tensor, torch.device, torch.Tensor | None]) -> None:
-    cpu, device, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)
 
 
 def _merge_key(batch: Any, loss_fn: LossFn) -> tuple[Any, list[Any]]:
