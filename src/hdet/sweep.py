@@ -436,7 +436,7 @@ class _Runs:
         if self.judge is None:
             finite = [f for f in firsts if math.isfinite(f)]
             return sum(finite) / len(finite) if finite else math.inf
-        if self.rank is not None and self.rank == 0 and _apart(starts):  # (every rank judged rank 0's start weights)
+        if self.rank == 0 and _apart(starts):  # (every rank judged rank 0's start weights)
             warnings.warn(f"hdet.lr_sweep: the judge gave the same start weights different losses on different ranks "
                           f"({', '.join(f'{v:.6g}' for v in starts)}): it must read the same held-out data on every "
                           "rank, or each run is judged on its own rank's data", stacklevel=user_stacklevel())

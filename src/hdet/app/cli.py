@@ -167,6 +167,7 @@ def _cmd_compare(a: argparse.Namespace, argv: list[str]) -> int:
             for k, (r, h) in enumerate(zip(result["runs"], held))]
     cols = ("Config", "Description", "LR", "Train loss", "Fixed batches", "Held-out", "Time (s)")
     title = f"Table 1 layout, our numbers: {result['title']}"
+    notes = [*result["notes"], "† crashed (non-finite loss or weights); * the best held-out loss."]
     try:
         from rich.console import Console
         from rich.table import Table
@@ -174,8 +175,7 @@ def _cmd_compare(a: argparse.Namespace, argv: list[str]) -> int:
         print(title)
         for row in [cols, *rows]:
             print("  ".join(f"{c:<38}" if k == 1 else f"{c:<20}" if k == 0 else f"{c:>10}" for k, c in enumerate(row)))
-        lines = [*result["notes"], "† crashed (non-finite loss or weights); * the best held-out loss."]
-        print("\n".join(f"  {n}" for n in lines))
+        print("\n".join(f"  {n}" for n in notes))
     else:
         t = Table(title=title)
         for col in cols:
@@ -184,7 +184,7 @@ def _cmd_compare(a: argparse.Namespace, argv: list[str]) -> int:
             t.add_row(*row)
         con = Console(width=None if sys.stdout.isatty() else 120)
         con.print(t)
-        for n in [*result["notes"], "† crashed (non-finite loss or weights); * the best held-out loss."]:
+        for n in notes:
             con.print(f"  {n}")
     for p in plot_dir(a.out):
         print(p)

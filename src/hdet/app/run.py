@@ -256,7 +256,8 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
         cfg = dataclasses.replace(cfg, resume=False)
     if cfg.resume and not dry_run and not (out / "config.json").is_file():
         raise RunError(f"Expected a run folder to resume at {out} (--out), but there is no run there")
-    stopped = None if cfg.resume or sweep_resume or dry_run else _stopped(out)
+    looks = not (cfg.resume or sweep_resume or dry_run) and rank == 0  # (the others take rank 0's look)
+    stopped = _stopped(out) if looks else None
     if distributed and not dry_run:  # COLLECTIVE (once): rank 0's look, before it removes anything, on every rank
         said = [stopped]  # (a slower rank looking while rank 0 cleared the folder raised alone, and rank 0 hung)
         dist.broadcast_object_list(said, src=0)
