@@ -140,6 +140,28 @@ def test_prodigy_under_a_wide_spread_keeps_one_estimate_every_step():
     assert sum(losses[-20:]) / 20 < 1.5 * sum(losses0[-20:]) / 20
 
 
+def test_a_refused_construction_leaves_no_hooks_on_the_optimizer():
+    """A scheduler that refuses its optimizer (or fails later in its construction) leaves the optimizer as it was: the
+    step-scale hooks that HDET puts on D-Adaptation and Prodigy used to stay on it after a refusal (a later scheduler
+    or a plain run of the same optimizer then stepped through a dead ensemble's hooks)."""
+    def hooks(o):
+        return (len(o._optimizer_step_pre_hooks), len(o._optimizer_step_post_hooks),
+                len(o._optimizer_load_state_dict_post_hooks), hasattr(o, "_hdet_step_scale"))
+
+    m = nn.Linear(3, 1)
+    o = dadaptation.DAdaptSGD(m.parameters(), lr=1.0)  # refused under an LR spread (dual averaging)
+    with pytest.raises(ValueError, match="dual averaging"):
+        _sched(o, ensemble_lr_spread_ratio=0.2)
+    assert hooks(o) == (0, 0, 0, False)
+    o = dadaptation.DAdaptAdam(m.parameters(), lr=1.0)  # accepted, but a later argument fails (the gradient guard's)
+    with pytest.raises(ValueError, match="guard_gradients"):
+        _sched(o, guard_gradients="sometimes")
+    assert hooks(o) == (0, 0, 0, False)
+    s = _sched(o)  # and the next construction installs its own, once
+    assert hooks(o)[3] and o._hdet_step_scale is s._hdet.step_scale
+    assert hooks(o)[:3] == (1, 2, 1)  # StepScale's pre, post and load hooks, and the scheduler's step counter
+
+
 @pytest.mark.parametrize("name", ["DAdaptSGD", "DAdaptAdaGrad"])
 def test_dual_averaging_d_adaptation_is_refused_under_an_lr_spread(name):
     """DAdaptSGD and DAdaptAdaGrad set the weights from their start point and a running sum: the multiplier on the

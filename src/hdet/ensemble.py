@@ -152,17 +152,18 @@ class Ensemble:
         self.failed_sync: str | None = None  # why the last converge step failed part-way (state_dict refuses then)
         self.on_sync: list[Callable[[SyncRecord], None]] = []
         self.hook_error: Exception | None = None  # an on_sync hook's, raised once the scheduler's step is complete
-        # D-Adaptation/Prodigy: the LR multiplier goes on the step, their estimates are averaged with the weights
-        self.step_scale = StepScale.install(optimizer) if lr_free_kind(optimizer) == "distance" else None
-        if self.step_scale is not None and isinstance(replicas, ProcessGroupReplicas) and replicas.world_size > 1:
-            # Prodigy: its estimate shared at every step, over the replicas (each rank's own values; prodigyopt
-            # 1.1.2 itself does not step FSDP2's sharded parameters: its flatten of a DTensor shard fails)
-            self.step_scale.share = replicas.gather
         params = self._params()
         _warn_if_masters(model, params)
         if config.probing and any(p.is_complex() for p in params):
             raise ValueError("controller='fit' does not support complex parameters (its probe averages real "
                              "iterates); use controller='paper' or auto-LR off")
+        # D-Adaptation/Prodigy: the LR multiplier goes on the step, their estimates are averaged with the weights
+        # (installed last: hooks on the optimizer, which a construction that failed would leave behind)
+        self.step_scale = StepScale.install(optimizer) if lr_free_kind(optimizer) == "distance" else None
+        if self.step_scale is not None and isinstance(replicas, ProcessGroupReplicas) and replicas.world_size > 1:
+            # Prodigy: its estimate shared at every step, over the replicas (each rank's own values; prodigyopt
+            # 1.1.2 itself does not step FSDP2's sharded parameters: its flatten of a DTensor shard fails)
+            self.step_scale.share = replicas.gather
 
     def share_copies(self, guard: SharedCopies, ramp: SharedCopies) -> None:
         """Replicas of one process (the engine): copies of tensors they share are made once per sync, for the

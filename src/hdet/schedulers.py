@@ -138,6 +138,11 @@ class HDETLR(LRScheduler):
                               "unsharded after a forward under no_grad, and hdet reshards the model before it writes "
                               "the shards only when it has the model: pass model= the fully_shard-ed module (without "
                               "it, swap_in_average()/averaged() is refused)", stacklevel=user_stacklevel())
+        self._sharded = device_mesh is not None
+        check_optimizer(optimizer, spreading(config, explore), config.average_optimizer_state, sharded=self._sharded,
+                        lr_spread=config.ensemble_lr_spread_ratio > 0, recovering=config.recovering)  # LR-free
+        # optimizers: refused where they would break (before the ensemble puts its hooks on the optimizer)
+        check_lr_groups(optimizer, config.enable_auto_lr, config.tie_lr_groups)
         self._constant = [_float(g["lr"]) for g in optimizer.param_groups]
         self._final = self._resolve_final(final_lr)
         if config.enable_auto_lr and config.controller == "paper" and config.eq8 == "decay" and \
@@ -149,34 +154,34 @@ class HDETLR(LRScheduler):
         self._hdet = Ensemble(config, resolved, optimizer, model, explore, probe=probe,
                               lr_control=LRControl(bounds=self._bounds(auto_lr_bounds), finals=self._final,
                                                     given=(auto_lr_bounds is not None, final_lr is not None)))
-        self._hdet.set_total_steps(total_steps)
-        if config.eq8 == "as_printed" and isinstance(self._base, OneCycleLR):
-            self._hdet.lr_control.gamma_as_printed = gamma_as_printed(
-                *self._onecycle_factors(), self._hdet.num_control_syncs)  # Eq. 8 as printed
-        self._sharded = device_mesh is not None
-        check_optimizer(optimizer, spreading(config, explore), config.average_optimizer_state, sharded=self._sharded,
-                        lr_spread=config.ensemble_lr_spread_ratio > 0, recovering=config.recovering)  # LR-free
-        # optimizers: refused where they would break
-        check_lr_groups(optimizer, config.enable_auto_lr, config.tie_lr_groups)
-        self._loss_scale = LossScale()  # a torch.amp.GradScaler seen driving the optimizer (here or by the hook guard)
-        self._guard = GuardSetting(guard_gradients, process_group, device_mesh, optimizer, resolved.world_size,
-                                   self._loss_scale, recovering=config.recovering)
-        self._history: dict[str, list[float]] | None = None
-        # optimizer steps counted by a post-hook (the real optimizer under wrappers): a second scheduler.step()
-        # with none in between is what a prepared Accelerate scheduler does (num_processes calls per step)
-        self._opt_steps = self._opt_steps_seen = 0
-        self._warned_double_step = self._warned_missed_step = self._warned_epoch = self._checked_local = False
-        self._finished_at: int | None = None  # the step finish() averaged the replicas after
-        self._swap = AverageSwap()  # this replica's own weights while the ensemble's average is in (swap_in_average)
-        self._scaler_idle = False  # an unmatched scheduler.step() came with no GradScaler update since the one before
-        self._scale_version: int | None = None  # the GradScaler scale's in-place version at the last scheduler.step()
-        self._unmatched = 0  # scheduler steps with no optimizer step (a GradScaler's skips, or a prepared scheduler)
-        self._first_floats: list[float] | None = []  # the first losses given as numbers (an epoch counter? step())
-        with _restored_on_failure(optimizer):
-            super().__init__(optimizer, last_epoch)
-            # the guard last (DDP takes one comm hook, which a construction that failed after it left behind); an
-            # install that fails takes back what it put on
-            self._guard.install(model)
+        try:
+            self._hdet.set_total_steps(total_steps)
+            if config.eq8 == "as_printed" and isinstance(self._base, OneCycleLR):
+                self._hdet.lr_control.gamma_as_printed = gamma_as_printed(
+                    *self._onecycle_factors(), self._hdet.num_control_syncs)  # Eq. 8 as printed
+            self._loss_scale = LossScale()  # a torch.amp.GradScaler seen driving the optimizer (here or by the hook guard)
+            self._guard = GuardSetting(guard_gradients, process_group, device_mesh, optimizer, resolved.world_size,
+                                       self._loss_scale, recovering=config.recovering)
+            self._history: dict[str, list[float]] | None = None
+            # optimizer steps counted by a post-hook (the real optimizer under wrappers): a second scheduler.step()
+            # with none in between is what a prepared Accelerate scheduler does (num_processes calls per step)
+            self._opt_steps = self._opt_steps_seen = 0
+            self._warned_double_step = self._warned_missed_step = self._warned_epoch = self._checked_local = False
+            self._finished_at: int | None = None  # the step finish() averaged the replicas after
+            self._swap = AverageSwap()  # this replica's own weights while the ensemble's average is in (swap_in_average)
+            self._scaler_idle = False  # an unmatched scheduler.step() came with no GradScaler update since the one before
+            self._scale_version: int | None = None  # the GradScaler scale's in-place version at the last scheduler.step()
+            self._unmatched = 0  # scheduler steps with no optimizer step (a GradScaler's skips, or a prepared scheduler)
+            self._first_floats: list[float] | None = []  # the first losses given as numbers (an epoch counter? step())
+            with _restored_on_failure(optimizer):
+                super().__init__(optimizer, last_epoch)
+                # the guard last (DDP takes one comm hook, which a construction that failed after it left behind); an
+                # install that fails takes back what it put on
+                self._guard.install(model)
+        except BaseException:  # the ensemble's hooks on a D-Adaptation/Prodigy optimizer: taken off again
+            if self._hdet.step_scale is not None:
+                self._hdet.step_scale.uninstall()
+            raise
         self._opt_hook = innermost(optimizer).register_step_post_hook(self._count_optimizer_step)
 
     # -- the base schedule ----------------------------------------------------------------------

@@ -109,6 +109,12 @@ class StepScale:
         for h in self._hooks:
             h.remove()
 
+    def uninstall(self) -> None:
+        """Take the hooks off and forget this optimizer's estimate (a scheduler whose construction failed)."""
+        self.remove()
+        if getattr(self.optimizer, "_hdet_step_scale", None) is self:
+            del self.optimizer._hdet_step_scale
+
     @torch.no_grad()
     def _save(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.take_estimates()  # after a recovery between syncs
