@@ -70,6 +70,11 @@ def test_cli_messages_name_the_commands(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--steps", "x"])
     assert "(see hdet train --help)" in capsys.readouterr().err
+    for cmd in ("train", "compare", "plot"):  # an unknown option: the command's own help (it said hdet --help)
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "run_dir", "--bogus"] if cmd == "plot" else [cmd, "--bogus"])
+        assert e.value.code == 2
+        assert f"unrecognized arguments: --bogus (see hdet {cmd} --help)" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"hdet {hdet.__version__}"

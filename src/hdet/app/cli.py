@@ -28,6 +28,15 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not usage + error
         self.exit(2, f"hdet: error: {message} (see {self.prog} --help)\n")
 
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        """argparse's, but an unknown option of a command points at that command's help (``hdet train --help``, where
+        the options are), not at ``hdet --help``."""
+        a, extra = self.parse_known_args(args, namespace)
+        if extra:
+            commands = next((x.choices for x in self._actions if isinstance(x, argparse._SubParsersAction)), {})
+            commands.get(getattr(a, "cmd", None), self).error(f"unrecognized arguments: {' '.join(extra)}")
+        return a
+
 
 COMPARE_SETS = ("max_lr", "auto_lr", "warm_init", "init_from", "optimizer", "prodigy_safeguard",  # compare sets these
                 "range_test", "range_backoff",  # (the range test is not one of the paper's configurations)
