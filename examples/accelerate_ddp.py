@@ -102,6 +102,7 @@ def main():
     acc.wait_for_everyone()
     torch.distributed.destroy_process_group()
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)
 
 

@@ -30,8 +30,9 @@ class HDETConfig:
             ``[1 - alpha, 1 + alpha]`` (Eq. 1); in [0, 1). Default 0 (no spread).
         model_sync_interval: [T] average the replicas every T optimizer steps (Eq. 3). Default 1000.
         enable_auto_lr: run the controller (Eqs. 4-9, or hdet's ``"fit"``). Default False.
-        auto_lr_warmup_steps: [S_warm] optimizer steps before the controller starts. Default 0 (OneCycleAutoLR
-            keeps the reference's 100000).
+        auto_lr_warmup_steps: [S_warm] optimizer steps before the controller starts. Default None: the
+            scheduler's own, 0 for HDETLR and the reference's 100000 for OneCycleAutoLR (with ``lr_range_test``,
+            OneCycle's warm-up); a number given here, 0 included, is used by both.
         loss_scale: [sigma] the paper controller's loss temperature (Eq. 4). Default 0.1.
         lr_of_lr: [lambda] the paper controller's step size (Eq. 7). Default 0.5.
         momentum_of_lr: [beta] the paper controller's velocity momentum (Eq. 7). Default 0.9.
@@ -74,7 +75,7 @@ class HDETConfig:
     ensemble_lr_spread_ratio: float = 0.0
     model_sync_interval: int = 1000
     enable_auto_lr: bool = False
-    auto_lr_warmup_steps: int = 0
+    auto_lr_warmup_steps: int | None = None  # (None: the scheduler's default, resolved when it is built)
     loss_scale: float = 0.1
     lr_of_lr: float = 0.5
     momentum_of_lr: float = 0.9
@@ -98,7 +99,8 @@ class HDETConfig:
         """Check every field; numpy scalars become Python numbers."""
         self.ensemble_lr_spread_ratio = check_alpha(self.ensemble_lr_spread_ratio)
         self.model_sync_interval = _check_int("model_sync_interval", self.model_sync_interval, lo=1)
-        self.auto_lr_warmup_steps = _check_int("auto_lr_warmup_steps", self.auto_lr_warmup_steps, lo=0)
+        if self.auto_lr_warmup_steps is not None:
+            self.auto_lr_warmup_steps = _check_int("auto_lr_warmup_steps", self.auto_lr_warmup_steps, lo=0)
         self.seed = _check_int("seed", self.seed, lo=0, hi=2 ** 63)  # (a torch.Generator seed)
         self.range_patience = _check_int("range_patience", self.range_patience, lo=1)
         self.judge_steps = _check_int("judge_steps", self.judge_steps, lo=1)

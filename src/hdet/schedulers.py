@@ -98,6 +98,8 @@ class HDETLR(LRScheduler):
             raise ValueError(f"Expected replicas= to be hdet.Replicas (rank, world_size, gather, average_), but got "
                              f"{type(replicas).__name__}")
         config = dataclasses.replace(config or HDETConfig(), **options)  # validated by __post_init__
+        if config.auto_lr_warmup_steps is None:  # HDETLR's default (OneCycleAutoLR sets the reference's)
+            config = dataclasses.replace(config, auto_lr_warmup_steps=0)
         total_steps = _as_int(total_steps)
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0:
             raise ValueError(f"Expected positive integer total_steps, but got {total_steps!r}")
@@ -707,7 +709,7 @@ class OneCycleAutoLR(HDETLR):
             base_momentum, max_momentum, div_factor, final_div_factor, three_phase, last_epoch: ``OneCycleLR``'s.
         auto_lr_warmup_steps: [S_warm] the reference's default, 100000 (``HDETLR``'s is 0); with
             ``lr_range_test=True``, OneCycle's warm-up (``int(pct_start * total_steps)``) unless given (as this
-            keyword, or a non-zero value in ``config=``).
+            keyword or in ``config=``, 0 included).
         **kwargs: every other :class:`HDETLR` keyword and HDET option (``ensemble_lr_spread_ratio``,
             ``model_sync_interval``, ``enable_auto_lr``, ``model``, ``probe``, ``explore``, ...). Eq. 8's decay
             targets OneCycle's ``min_lr``; ``auto_lr_bounds`` defaults to ``(min_lr, 10 max_lr)`` per group.
@@ -734,8 +736,8 @@ class OneCycleAutoLR(HDETLR):
                               last_epoch=last_epoch)
             self.div_factor, self.final_div_factor = float(div_factor), float(final_div_factor)
             config = kwargs.get("config")
-            if auto_lr_warmup_steps is None and not getattr(config, "auto_lr_warmup_steps", 0):
-                # not given (a config's 0 is HDETConfig's default): the range test runs during OneCycle's warm-up
+            if auto_lr_warmup_steps is None and getattr(config, "auto_lr_warmup_steps", None) is None:
+                # not given (as a keyword nor in config=): the range test runs during OneCycle's warm-up
                 ranging = kwargs.get("lr_range_test", getattr(config, "lr_range_test", False))
                 auto_lr_warmup_steps = int(float(pct_start) * base.total_steps) if ranging is True else 100_000
             if auto_lr_warmup_steps is not None:  # (else the config's stands)
