@@ -12,9 +12,12 @@ memory), so the converge step is as cheap as one all_reduce of a ready flat buff
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
+
+from .sync import memory_key
 
 __all__ = ["contiguous_parameters_", "contiguous_runs"]
 
@@ -33,8 +36,17 @@ def contiguous_parameters_(module: nn.Module) -> dict[tuple[torch.device, torch.
     ``torch.save``, ``safetensors.torch.save_file`` of a state_dict and Hugging Face's ``save_pretrained`` save them
     as usual; ``safetensors.torch.save_model`` refuses them (it wants each tensor to cover its storage)."""
     groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
-    for p in module.parameters():
+    aliases: list[tuple[nn.Parameter, nn.Parameter]] = []  # (a parameter, the earlier one it shares its memory with)
+    owner: dict[tuple[Any, ...], nn.Parameter] = {}
+    for p in module.parameters():  # (one Parameter under two names: once)
+        key = memory_key(p) if p.device.type != "meta" and p.numel() else None
+        if key is not None and key in owner:  # another Parameter object over the same memory: tied weights (a tied
+            aliases.append((p, owner[key]))  # model loaded with load_state_dict(assign=True), nn.Parameter(w)), kept
+            continue  # tied: it became a copy of its own, trained apart, silently (an audit)
+        if key is not None:
+            owner[key] = p
         groups.setdefault((p.device, p.dtype), []).append(p)
+    _check_no_overlap([p for params in groups.values() for p in params])
     flats = {}
     with torch.no_grad():
         for (device, dtype), params in groups.items():
@@ -47,7 +59,28 @@ def contiguous_parameters_(module: nn.Module) -> dict[tuple[torch.device, torch.
                 p.data = view
                 offset += n
             flats[(device, dtype)] = flat
+        for p, first in aliases:
+            p.data = first.data
     return flats
+
+
+def _check_no_overlap(params: list[nn.Parameter]) -> None:
+    """Refuse parameters that share part of their memory without being the same view (one a slice of another):
+    laid out apart, they would stop sharing it, and the model would train otherwise than it was built."""
+    spans: dict[tuple[int, torch.device], list[tuple[int, int, nn.Parameter]]] = {}
+    for p in params:
+        if p.device.type == "meta" or not p.numel():
+            continue
+        start = p.storage_offset() * p.element_size()
+        end = start + (1 + sum((size - 1) * stride for size, stride in zip(p.shape, p.stride()))) * p.element_size()
+        spans.setdefault((p.untyped_storage().data_ptr(), p.device), []).append((start, end, p))
+    for ranges in spans.values():
+        ranges.sort(key=lambda r: r[0])
+        for (s0, e0, p0), (s1, e1, p1) in zip(ranges, ranges[1:]):
+            if s1 < e0:
+                raise ValueError(f"Expected parameters that share no memory, or share all of it (tied weights), but "
+                                 f"one of shape {tuple(p1.shape)} overlaps one of shape {tuple(p0.shape)}: laid out "
+                                 "back to back they would stop sharing it. Leave such a module's parameters as they are")
 
 
 def contiguous_runs(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor | None]]:
