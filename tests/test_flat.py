@@ -116,3 +116,26 @@ def test_a_compiled_model_sees_in_place_updates_of_the_flat_buffer():
     out = fast(x).sum()
     out.backward()  # gradients flow to the view parameters
     assert m[2].weight.grad is not None
+
+
+def test_order_lays_the_parameters_out_as_the_param_groups_walk_them():
+    """Weight decay on the matrices only (two param groups) interleaves the groups in the module's order: the converge
+    step, walking group by group, found one-tensor runs (the matrices went through buckets). order=optimizer lays them
+    out in its groups' order: one run, and the optimizer keeps stepping the same parameters."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8))
+    decay = [p for p in m.parameters() if p.dim() >= 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0}])
+    walked = [p for g in opt.param_groups for p in g["params"]]
+    before = [p.detach().clone() for p in walked]
+    hdet.contiguous_parameters_(m)
+    assert len(contiguous_runs(walked)) == 4
+    hdet.contiguous_parameters_(m, order=opt)
+    assert [idx for idx, _ in contiguous_runs(walked)] == [list(range(6))]
+    assert all(torch.equal(p, b) for p, b in zip(walked, before))
+    m(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    assert not any(torch.equal(p, b) for p, b in zip(decay, before[:2]))  # stepped through the same objects
+    with pytest.raises(ValueError, match="only the module's parameters"):
+        hdet.contiguous_parameters_(m, order=[nn.Parameter(torch.zeros(2))])

@@ -11,7 +11,7 @@ memory), so the converge step is as cheap as one all_reduce of a ready flat buff
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -22,23 +22,33 @@ from .sync import memory_key
 __all__ = ["contiguous_parameters_", "contiguous_runs"]
 
 
-def contiguous_parameters_(module: nn.Module) -> dict[tuple[torch.device, torch.dtype], torch.Tensor]:
+def contiguous_parameters_(module: nn.Module, order: torch.optim.Optimizer | Iterable[torch.Tensor] | None = None
+                           ) -> dict[tuple[torch.device, torch.dtype], torch.Tensor]:
     """Make every parameter of ``module`` a view of one flat buffer per (device, dtype), in
     ``module.parameters()`` order (values unchanged, the same ``Parameter`` objects). Returns the buffers.
 
+    ``order``: an optimizer (or parameters in order): its param groups' parameters are laid out first, in the order
+    the converge step averages them, then the module's others. With several param groups (weight decay on the
+    matrices only, say) the module's order interleaves the groups, and the converge step, which walks them group by
+    group, finds only short runs to reduce in place (an audit: the matrices went through buckets); the optimizer
+    keeps working, as its parameters stay the same objects.
+
     Call it after moving the module to its device and before wrapping it (DDP, torch.compile) and
-    building the optimizer; a later ``module.to(...)`` gives each parameter its own storage again (the
+    building the optimizer (or after building it, with ``order=``); a later ``module.to(...)`` gives each parameter
+    its own storage again (the
     averaging then falls back to copying through buckets: slower, the same result up to the order of the sums at
     more than 2 replicas). Gradients keep their
     own layout (DDP's ``gradient_as_bucket_view`` handles those). Each parameter is stored row-major: a ``channels_last``
     convolution weight loses that layout (the results are the same; its speed may differ). fp16/bf16 runs are
     averaged through float32 buckets, not in place (:mod:`hdet.replicas`). The parameters then share one storage:
     ``torch.save``, ``safetensors.torch.save_file`` of a state_dict and Hugging Face's ``save_pretrained`` save them
-    as usual; ``safetensors.torch.save_model`` refuses them (it wants each tensor to cover its storage)."""
+    as usual (``torch.save`` keeps a shared storage whole: a state_dict of part of the model writes the whole buffer;
+    save clones for a part); ``safetensors.torch.save_model`` refuses them (it wants each tensor to cover its
+    storage)."""
     groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
     aliases: list[tuple[nn.Parameter, nn.Parameter]] = []  # (a parameter, the earlier one it shares its memory with)
     owner: dict[tuple[Any, ...], nn.Parameter] = {}
-    for p in module.parameters():  # (one Parameter under two names: once)
+    for p in _ordered(module, order):
         key = memory_key(p) if p.device.type != "meta" and p.numel() else None
         if key is not None and key in owner:  # another Parameter object over the same memory: tied weights (a tied
             aliases.append((p, owner[key]))  # model loaded with load_state_dict(assign=True), nn.Parameter(w)), kept
@@ -62,6 +72,27 @@ def contiguous_parameters_(module: nn.Module) -> dict[tuple[torch.device, torch.
         for p, first in aliases:
             p.data = first.data
     return flats
+
+
+def _ordered(module: nn.Module, order: Any) -> list[nn.Parameter]:
+    """The module's parameters, each once, ``order``'s first (an optimizer's: its param groups' order)."""
+    own = list(module.parameters())  # (one Parameter under two names: once)
+    if order is None:
+        return own
+    if isinstance(order, torch.optim.Optimizer):
+        order = [p for g in order.param_groups for p in g["params"]]
+    ids = {id(p) for p in own}
+    first, seen = [], set()
+    for p in order:
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(f"Expected order= as an optimizer or parameters, but it holds a {type(p).__name__}")
+        if id(p) not in ids:
+            raise ValueError(f"Expected order= to hold only the module's parameters, but it holds one of shape "
+                             f"{tuple(p.shape)} that the module does not have")
+        if id(p) not in seen:
+            seen.add(id(p))
+            first.append(p)
+    return first + [p for p in own if id(p) not in seen]
 
 
 def _check_no_overlap(params: list[nn.Parameter]) -> None:
