@@ -4,7 +4,9 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
+import hdet
 from dist_workers import (alpha_zero_vs_plain_ddp, averaging_collectives, bn_and_int_buffers, layout_mismatch,
                           missing_loss_on_one_rank, non_finite_weights, train)
 from helpers import check_ok, run_gloo
@@ -133,6 +135,100 @@ def test_contiguous_tensors_are_averaged_in_place_in_one_collective(exclude):
     res = check_ok(run_gloo(averaging_collectives, 2, 150, 1000, 0.1, "mixed", exclude))
     expected = 1 + math.ceil(75 * 4000 / (0.1 * 2**20)) + 1  # the run, float32 buckets, the float64 tensor
     assert all(r["calls"] == expected and r["close"] and r["same_storage"] for r in res)
+
+
+def _layouts_apart(rank, world, where):
+    """Rank 0's parameters contiguous, rank 1's not (a BatchNorm model: the runs' sizes differ); a converge step or
+    an evaluation of the average (``where``). Returns the error each rank raised."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    if rank == 0:
+        hdet.contiguous_parameters_(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    sched = hdet.HDETLR(opt, None, total_steps=10, model_sync_interval=2 if where == "sync" else 5, model=net,
+                        ensemble_lr_spread_ratio=0.2, bucket_cap_mb=1e-4)
+    try:
+        for _ in range(2):
+            net(torch.randn(8, 6)).square().mean().backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        if where == "averaged":
+            with sched.averaged():
+                pass
+    except hdet.ReplicaMismatchError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("where", ["sync", "averaged"])
+def test_ranks_whose_parameters_are_laid_out_apart_get_a_clear_error(where):
+    """contiguous_parameters_ on one rank only (or undone on one by a load with assign=True): the converge step
+    all-reduced runs in place on that rank and buckets on the other, other collectives (gloo aborted on a size
+    mismatch, NCCL hung until its timeout; an audit). The memory layouts are compared first: a clear error on
+    every rank, before any collective of the averaging."""
+    res = check_ok(run_gloo(_layouts_apart, 2, where))
+    assert all(r is not None and "laid out differently in memory" in r and "contiguous_parameters_" in r for r in res)
+
+
+def _resume_loaded(rank, world, when):
+    """Train 3 steps (T = 5: the replicas apart), save each rank's states, then resume into a fresh model whose state
+    is loaded ``when`` ("before" or "after" DDP is built); returns the warnings of the first resumed step that say
+    the weights are not the saved ones, and whether this rank resumed from its own saved weights."""
+    import copy
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def build(seed):
+        torch.manual_seed(seed)
+        net = nn.Linear(4, 2)
+        return net
+
+    def parts(net):
+        model = DDP(net)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, opt, hdet.HDETLR(opt, None, total_steps=10, model_sync_interval=5, ensemble_lr_spread_ratio=0.5,
+                                       model=model)
+
+    def step(model, opt, sched):
+        model(torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+    net = build(0)
+    model, opt, sched = parts(net)
+    for _ in range(3):
+        step(model, opt, sched)
+    saved = copy.deepcopy({"model": net.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
+    net2 = build(100 + rank)
+    if when == "before":
+        net2.load_state_dict(saved["model"])
+    model2, opt2, sched2 = parts(net2)
+    if when == "after":
+        net2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    sched2.load_state_dict(saved["sched"])
+    own = all(torch.equal(a, b) for a, b in zip(net2.state_dict().values(), saved["model"].values()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(model2, opt2, sched2)
+        step(model2, opt2, sched2)
+    return [str(w.message) for w in caught if "after load_state_dict" in str(w.message)], own
+
+
+def test_a_model_state_loaded_before_ddp_is_said_at_the_first_step():
+    """Each rank's own checkpoint loaded into the model before DDP(...) was built: DDP's constructor copies rank 0's
+    weights to every rank, and the resumed run went on from rank 0's replica everywhere, silently (an audit: 6.5e-3
+    from the uninterrupted run). The scheduler state holds its rank's weights' fingerprint; the first optimizer step
+    after the load compares: a warning on the ranks that lost theirs, once; none loaded after wrapping."""
+    before = check_ok(run_gloo(_resume_loaded, 2, "before"))
+    assert before[0] == ([], True)  # rank 0 kept its own
+    said, own = before[1]
+    assert not own and len(said) == 1 and "rank 1's weights" in said[0] and "after wrapping" in said[0]
+    after = check_ok(run_gloo(_resume_loaded, 2, "after"))
+    assert after == [([], True), ([], True)]
 
 
 def _train_contiguous(rank, world, contiguous):

@@ -360,6 +360,15 @@ class Ensemble:
             strict += [True] * len(estimates)
         return out, strict
 
+    def weights_fingerprint(self) -> float | None:
+        """This replica's parameters' fingerprint (:func:`hdet.sync.fingerprint`) where the replicas are the ranks of a
+        process group, whose checkpoints hold each rank's own replica; None otherwise. HOST SYNC: read as a float."""
+        if not isinstance(self.replicas, ProcessGroupReplicas) or self.replicas.world_size == 1:
+            return None
+        params = _distinct([as_real(local_shard(p.detach())) for p in self._params()])  # (model_tensors' parameters)
+        dev = params[0].device if params else torch.device("cpu")
+        return float(fingerprint(params, [True] * len(params), dev))  # HOST SYNC
+
     def model_tensors(self) -> tuple[list[torch.Tensor], list[bool]]:
         """The model's part of :meth:`tensors` (its parameters' local shards, then its persistent floating-point
         buffers: what an evaluation of the average needs, :meth:`hdet.HDETLR.swap_in_average`), and per tensor
@@ -467,6 +476,7 @@ class Ensemble:
             start_ok=self.stability.start_health(self.kept_tensors() if self.stability.starting else None),
             start_sum=start_sum, start_n=start_n,
             weights=fingerprint(tensors, strict, dev) if self.stability.on else zero,  # (read by the guard alone)
+            memory=self.replicas.memory_layout(tensors),
         ).to_tensor(dev)
         if new_window:
             self.window.reset()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -139,6 +140,11 @@ class Replicas(ABC):
         """The device a vector handed to :meth:`gather` should live on."""
         return torch.device("cpu")
 
+    def memory_layout(self, tensors: Sequence[torch.Tensor]) -> int:
+        """A hash of what :meth:`average_` reduces where it lives (the runs of tensors back to back in memory): the
+        collectives it issues follow it, so it must be the same on every replica. 0 where averaging issues none."""
+        return 0
+
 
 class SingleReplica(Replicas):
     """One replica, no process group: gather returns the local vector, averaging is a no-op."""
@@ -184,6 +190,15 @@ class ProcessGroupReplicas(Replicas):
         if "nccl" in self.backend:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+    def memory_layout(self, tensors: Sequence[torch.Tensor]) -> int:
+        return zlib.crc32(repr([idx for idx, _ in self._direct_runs(tensors)]).encode())  # < 2**32: exact in float64
+
+    def _direct_runs(self, tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+        """The runs :meth:`average_` all-reduces where they live (without ``into``): tensors back to back in one
+        storage (:func:`hdet.flat.contiguous_runs`), not fp16/bf16, and any single tensor of at least one bucket."""
+        return [(idx, flat) for idx, flat in contiguous_runs(tensors) if flat is not None and flat.dtype not in HALF
+                and not (len(idx) == 1 and flat.numel() * flat.element_size() < self.cap_bytes)]
 
     def gather(self, local: torch.Tensor, shard_sum: Sequence[int] = (), shard_min: Sequence[int] = (),
                shard_max: Sequence[int] = ()) -> torch.Tensor:
@@ -253,12 +268,10 @@ class ProcessGroupReplicas(Replicas):
 
         with torch.no_grad():
             direct: list[tuple[Any, torch.Tensor, None]] = []  # reduced where they live
-            rest: list[int] = []  # through buckets
-            for idx, flat in contiguous_runs(tensors):
-                if flat is None or into is not None or flat.dtype in HALF or \
-                        (len(idx) == 1 and flat.numel() * flat.element_size() < self.cap_bytes):
-                    rest.extend(idx)
-                    continue
+            runs = [] if into is not None else self._direct_runs(tensors)
+            taken = {i for idx, _ in runs for i in idx}
+            rest = [i for i in range(len(tensors)) if i not in taken]  # through buckets
+            for idx, flat in runs:
                 if excluded:
                     flat.zero_()  # NaN * 0 is NaN: contribute exact zeros instead (this replica gets the mean)
                 direct.append((dist.all_reduce(flat, op=op, group=self.group, async_op=True), flat, None))  # COLLECTIVE (one per run)

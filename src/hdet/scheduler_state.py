@@ -42,6 +42,9 @@ def state_dict(s: "HDETLR") -> dict[str, Any]:
         state["base_scheduler"] = type(s._base).__name__
     state["loss_scale_kept"] = s._loss_scale.kept_value()  # a GradScaler's scale at the last healthy sync (host read)
     state["guard"] = s._guard.state_dict()  # the gradient guard's stall counts (HOST SYNC: its skip counter)
+    weights = s.ensemble.weights_fingerprint()  # (HOST SYNC) under a process group: checked at the first optimizer
+    if weights is not None:  # step after a load (HDETLR.expect_weights)
+        state["weights"] = weights
     check_plain(state, "state_dict()")
     return state
 
@@ -151,6 +154,8 @@ def load(s: "HDETLR", state: dict[str, Any]) -> None:
     if same_replica:  # exactly the values this replica had (they equal what reapply computed)
         for h, v in zip(s.ensemble.hypers, hdet_state.get("hyper_values", [])):
             h.set(v)
+        if isinstance(state.get("weights"), float):
+            s.expect_weights(state["weights"])
 
 
 def _check_own(s: "HDETLR", state: dict[str, Any]) -> None:

@@ -35,7 +35,7 @@ from .replicas import (DEFAULT_BUCKET_CAP_MB, LocalReplica, Replicas, check_mesh
                        reshard_fsdp, resolve_replicas)
 from .slots import LRControl
 from .swap import AverageSwap, averaged, explored_bases
-from .sync import health, persistent_float_buffers
+from .sync import check_memory_layout, health, persistent_float_buffers
 from .values import real_number
 
 __all__ = ["HDETLR", "OneCycleAutoLR"]
@@ -412,6 +412,7 @@ class HDETLR(LRScheduler):
         ``lead``: another replica's scheduler of the same engine, whose base schedule has just stepped: this one's
         takes its state instead of computing the same values again (:meth:`follows`)."""
         self._swap.check("scheduler.step() was called")
+        self._unexpect_weights()
         t = self.last_epoch + 1  # optimizer steps taken so far
         if t > self.total_steps:
             raise ValueError(f"Expected at most total_steps={self.total_steps} calls of scheduler.step() after "
@@ -587,7 +588,10 @@ class HDETLR(LRScheduler):
                 ens.is_sync_step(t) or self._finished_at == t)):  # (else equal: a converge step, no step since)
             dev = ens.replicas.comm_device(tensors[0].device if tensors else None)
             ok = health(tensors, strict, dev)[0] if tensors else torch.ones((), dtype=torch.bool, device=dev)
-            rows = ens.replicas.gather(ok.to(torch.float64).reshape(1), shard_min=(0,))  # COLLECTIVE + HOST SYNC
+            memory = torch.tensor([float(ens.replicas.memory_layout(tensors))], dtype=torch.float64, device=dev)
+            rows = ens.replicas.gather(torch.cat([ok.to(torch.float64).reshape(1), memory]), shard_min=(0,))  # COLLECTIVE
+            # + HOST SYNC
+            check_memory_layout(t, rows[:, 1].tolist())
             finite = [bool(v >= 1) for v in rows[:, 0].tolist()]
 
         def average(bad: list[int]) -> None:
@@ -695,10 +699,40 @@ class HDETLR(LRScheduler):
         """Restore a state from :meth:`state_dict`. Everything is checked before anything is set: a foreign,
         corrupted or newer state raises ValueError and leaves the scheduler as it was. Then this replica's own
         values are set on the optimizer (:meth:`reapply`): a state saved by another rank never gives this
-        replica another replica's learning rate."""
+        replica another replica's learning rate. Under a process group, a state this rank saved holds its weights'
+        fingerprint, compared at the next optimizer step (:meth:`expect_weights`)."""
         scheduler_state.load(self, state_dict)
         if self.last_epoch > 0:  # a resumed run has taken steps: a stall right after it is one (the guards' watches)
             self._guard.resumed()
+
+    def expect_weights(self, fingerprint: float) -> None:
+        """Say (a warning) if this replica's weights at the next optimizer step are not those whose fingerprint
+        (:meth:`hdet.ensemble.Ensemble.weights_fingerprint`) the loaded state holds: a model state loaded before
+        ``DistributedDataParallel(...)`` was built is overwritten by rank 0's (its constructor broadcasts them), and the
+        resumed run went on from rank 0's replica on every rank, silently (an audit). One HOST SYNC, at that step."""
+        self._weights_expected = fingerprint
+        if getattr(self, "_weights_hook", None) is None:  # (taken off at the next scheduler step: not from inside the
+            self._weights_hook = innermost(self.optimizer).register_step_pre_hook(self._check_weights)  # hooks' loop)
+
+    def _check_weights(self, *_: Any) -> None:
+        expected, self._weights_expected = self._weights_expected, None
+        if expected is None:
+            return
+        now = self._hdet.weights_fingerprint()
+        if now is not None and not math.isclose(now, expected, rel_tol=1e-9, abs_tol=1e-30):
+            warnings.warn(f"hdet: rank {self.rank}'s weights at its first optimizer step after load_state_dict are not "
+                          f"the ones saved with its scheduler state (weights' fingerprint {now:.10g} against "
+                          f"{expected:.10g} saved), so the run does not go on from this replica as it was saved. "
+                          "DistributedDataParallel(...) copies rank 0's weights to every rank when it is built: load "
+                          "each rank's model state after wrapping the model (or build it with init_sync=False); or the "
+                          "model's state was not loaded", stacklevel=user_stacklevel())
+
+    def _unexpect_weights(self) -> None:
+        """The weights' check taken off once it has run (at a scheduler step)."""
+        hook = getattr(self, "_weights_hook", None)
+        if hook is not None and getattr(self, "_weights_expected", None) is None:
+            hook.remove()
+            self._weights_hook = None
 
 
 class OneCycleAutoLR(HDETLR):

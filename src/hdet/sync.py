@@ -9,6 +9,7 @@ moves the vectors and averages tensors.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -47,6 +48,7 @@ class SyncVector(NamedTuple):
     start_sum: Any  # while that state is kept: the first step's training loss where finite, else 0
     start_n: Any  # and 1 where it was finite (0: not kept, not observed, or not finite)
     weights: Any  # fingerprint of the weights (:func:`fingerprint`): equal on replicas that hold the same weights
+    memory: Any  # hash of the averaged tensors' runs in memory (Replicas.memory_layout): the converge step's collectives
 
     def to_tensor(self, dev: torch.device) -> torch.Tensor:
         """The 1-D float64 vector on ``dev`` (tensors stay on their device until this copy: no host sync; the
@@ -195,6 +197,19 @@ def check_state_layout(t: int, col: SyncVector, what: str) -> None:
             "parameter on every replica, or average no optimizer state")
 
 
+def check_memory_layout(t: int, memory: Sequence[Any]) -> None:
+    """That every replica lays out the averaged tensors alike in memory (:meth:`hdet.Replicas.memory_layout`): the
+    converge step all-reduces runs of tensors back to back where they live and the rest through buckets, so replicas
+    laid out otherwise issue other collectives (an audit: gloo aborted on a size mismatch, NCCL hung until its
+    timeout)."""
+    if len(set(memory)) > 1:
+        raise ReplicaMismatchError(
+            f"At sync step {t} the replicas' parameters are laid out differently in memory (hashes "
+            f"{[int(x) for x in memory]}): hdet.contiguous_parameters_ on some ranks and not on others, or undone on some "
+            "(module.to(...), load_state_dict(..., assign=True) on some ranks only), and the converge step's "
+            "collectives would not match. Nothing was averaged. Call it on every rank, after loading, or on none")
+
+
 def check_agreement(t: int, col: SyncVector, state: bool = False) -> None:
     """Every replica must be at the same step of the same run: same layout, seed, step, T, total_steps and
     settings (and, ``state``: its optimizer state averaged, the same parameters holding it). Averaging replicas
@@ -205,6 +220,7 @@ def check_agreement(t: int, col: SyncVector, state: bool = False) -> None:
             f"(count per replica: {[int(n) for n in col.ntensors]}, layout hashes: {[int(x) for x in col.layout]}). "
             "Every replica must build the optimizer, its param groups and the model identically."
         )
+    check_memory_layout(t, col.memory)
     if state:
         check_state_layout(t, col, "average their optimizer state (average_optimizer_state=True)")
     if len(set(col.seed)) > 1:
