@@ -231,6 +231,48 @@ def test_a_model_state_loaded_before_ddp_is_said_at_the_first_step():
     assert after == [([], True), ([], True)]
 
 
+def _hsdp_rank0_state(rank, world):
+    """HSDP as 2 replicas x 2 shard ranks: rank 0's scheduler state loaded on every rank (as Accelerate and Lightning
+    save it), each rank's own model shard; returns the weights warnings of the first step."""
+    import copy
+    import warnings
+
+    from hdet.replicas import ProcessGroupReplicas
+    shards = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
+    reps = [torch.distributed.new_group([0, 2]), torch.distributed.new_group([1, 3])]
+
+    def build():
+        torch.manual_seed(100 + rank % 2)  # this rank's shard
+        m = nn.Linear(4, 2)
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        return m, o, hdet.HDETLR(o, None, total_steps=50, model_sync_interval=10, model=m,
+                                 replicas=ProcessGroupReplicas(reps[rank % 2], shard_group=shards[rank // 2]))
+
+    m, o, s = build()
+    for _ in range(3):
+        m(torch.randn(8, 4)).square().mean().backward()
+        o.step()
+        o.zero_grad()
+        s.step()
+    own, state = copy.deepcopy(m.state_dict()), [s.state_dict()]
+    torch.distributed.broadcast_object_list(state, src=0)
+    m2, o2, s2 = build()
+    m2.load_state_dict(own)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s2.load_state_dict(state[0])
+        m2(torch.randn(8, 4)).square().mean().backward()
+        o2.step()
+    return [str(w.message) for w in caught if "after load_state_dict" in str(w.message)]
+
+
+def test_the_weights_check_compares_a_shard_with_the_same_shards_fingerprint():
+    """Under HSDP a replica is several ranks, each with its own shard: rank 0's state loaded on every rank made shard
+    rank 1 of replica 0 compare its shard with shard 0's fingerprint and warn (a review). Only the same shard rank
+    of the replica that saved it compares."""
+    assert check_ok(run_gloo(_hsdp_rank0_state, 4)) == [[], [], [], []]
+
+
 def _train_contiguous(rank, world, contiguous):
     return train(rank, world, steps=20, alpha=0.3, T=5, auto=True, warm=5, check_syncs=True, contiguous=contiguous)
 

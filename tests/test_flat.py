@@ -86,6 +86,11 @@ def test_parameters_overlapping_in_part_are_refused():
     m.part = nn.Parameter(m.weight.data[1:3])  # a slice of another parameter's memory
     with pytest.raises(ValueError, match=r"share no memory, or share all of it.*overlaps"):
         hdet.contiguous_parameters_(m)
+    fused = nn.Module()  # column blocks of one matrix interleave in memory but share no element: laid out
+    w = torch.randn(4, 6)
+    fused.a, fused.b = nn.Parameter(w[:, :3]), nn.Parameter(w[:, 3:])
+    hdet.contiguous_parameters_(fused)
+    assert torch.equal(torch.cat([fused.a, fused.b], 1), w)
 
 
 def test_runs_break_at_gaps_transposes_and_dtypes():
@@ -137,5 +142,5 @@ def test_order_lays_the_parameters_out_as_the_param_groups_walk_them():
     m(torch.randn(3, 8)).sum().backward()
     opt.step()
     assert not any(torch.equal(p, b) for p, b in zip(decay, before[:2]))  # stepped through the same objects
-    with pytest.raises(ValueError, match="only the module's parameters"):
-        hdet.contiguous_parameters_(m, order=[nn.Parameter(torch.zeros(2))])
+    hdet.contiguous_parameters_(m, order=[nn.Parameter(torch.zeros(2)), *reversed(walked)])  # one outside: left out
+    assert [idx for idx, _ in contiguous_runs(walked[::-1])] == [list(range(6))]

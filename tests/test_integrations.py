@@ -637,6 +637,10 @@ def test_lightning_validates_and_checkpoints_the_ensembles_average_between_conve
     for v in res[0]["validated"]:  # what ModelCheckpoint(monitor="val_loss") saved with each validation
         ckpt = torch.load(tmp_path / "val" / f"val-step={v['step']}.ckpt", weights_only=False)
         assert torch.equal(torch.cat([t.reshape(-1) for t in ckpt["state_dict"].values()]), v["replicas"].mean(0))
+        # the scheduler's weights fingerprint (checked at the first step after a resume) is the saved average's: it
+        # was rank 0's own replica's, and a resume from such a checkpoint warned on rank 0 (a review)
+        l1 = sum(float(torch.linalg.vector_norm(t, 1, dtype=torch.float64)) for t in ckpt["state_dict"].values())
+        assert ckpt["lr_schedulers"][0]["weights"] == pytest.approx(l1, rel=1e-12), v["step"]
     for got, ref in zip(res, plain):
         assert torch.equal(got["params"], ref["params"]) and got["lrs"] == ref["lrs"]
 

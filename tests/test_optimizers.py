@@ -831,3 +831,102 @@ def test_auto_lr_over_one_lr_optimizers_needs_tied_groups(make):
     assert s.ensemble.controllers[0].updates > 0
     adan = dadaptation.DAdaptAdan(groups(), lr=1.0)  # (takes groups of different LRs: not refused)
     build(adan)
+
+
+def test_optimizers_whose_steps_do_not_follow_their_lr_are_refused_under_a_spread():
+    """An audit of torch.optim under HDET's spread: Rprop reads the LR only for its first step sizes (re-dealt replicas
+    kept their first multipliers' 3x ratio; with average_optimizer_state=True the spread was gone after the first
+    converge step) and LBFGS's inner iterations and line search make its step depend on far more than the LR (3x the
+    LR gave 1.07-1.13x the step), while the records showed the spread: refused under one, allowed without."""
+    m = nn.Linear(3, 1)
+    with pytest.raises(ValueError, match=r"got Rprop: it reads group\['lr'\] only to set its first step sizes"):
+        _sched(torch.optim.Rprop(m.parameters(), lr=0.01), ensemble_lr_spread_ratio=0.2)
+    _sched(torch.optim.Rprop(m.parameters(), lr=0.01))  # averaging only
+    _sched(torch.optim.Rprop(m.parameters(), lr=0.01), explore=[])
+    with pytest.raises(ValueError, match="got LBFGS: its inner iterations and line search"):
+        _sched(torch.optim.LBFGS(m.parameters(), lr=0.5), ensemble_lr_spread_ratio=0.2)
+    o = torch.optim.LBFGS(m.parameters(), lr=0.5)
+    with pytest.raises(ValueError, match="got LBFGS"):
+        _sched(o, explore=[hdet.GradClip(1.0, alpha=0.5)])
+    _sched(torch.optim.LBFGS(m.parameters(), lr=0.5))
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor: torch >= 2.5")
+def test_adafactors_cap_on_its_lr_is_said_once():
+    """torch's Adafactor steps at min(lr, 1/sqrt(t)): replicas above the cap step alike (an audit: every replica the
+    same step from step 6 at base LR 1), so the spread acts less than the records say. Said once, at the first step
+    where a replica's LR is above the cap; not under a base LR far below it."""
+    def run(lr, steps):
+        m = nn.Linear(3, 1)
+        o = torch.optim.Adafactor(m.parameters(), lr=lr)
+        s = hdet.HDETLR(o, None, total_steps=20, replicas=ScriptedReplicas(3, 4), model_sync_interval=50,
+                        ensemble_lr_spread_ratio=0.5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(steps):
+                m(torch.randn(4, 3)).square().mean().backward()
+                o.step()
+                o.zero_grad()
+                s.step()
+        return [str(w.message) for w in caught if "Adafactor steps at min(lr, 1/sqrt(t))" in str(w.message)]
+    said = run(0.3, 12)  # replica 3's LR (0.3 x its multiplier, up to 1.5) is above 1/sqrt(t) within 12 steps
+    assert len(said) == 1 and "below this replica's LR" in said[0]
+    assert run(0.01, 12) == []
+
+
+def test_asgds_averaged_iterate_is_averaged_with_the_weights():
+    """ASGD keeps ax, an average of the weights (what its users evaluate): it stayed each replica's own after the
+    last converge step (1.85e-2 apart, an audit) while the weights were averaged. It is averaged with them now,
+    without average_optimizer_state (its eta and mu stay each replica's)."""
+    torch.manual_seed(0)
+    for mode in ("loop", "vmap"):
+        eng = ReplicaEngine(nn.Linear(4, 2), 2, lambda m: torch.optim.ASGD(m.parameters(), lr=0.05, t0=2),
+                            lambda o, rep, m: hdet.HDETLR(o, None, total_steps=6, replicas=rep, model=m,
+                                                          ensemble_lr_spread_ratio=0.5, model_sync_interval=3),
+                            mode=mode)
+        x, y = torch.randn(2, 8, 4), torch.randn(2, 8, 2)
+        for t in range(1, 7):
+            before = [[o.state[p]["ax"].clone() for p in o.param_groups[0]["params"]] if o.state else None
+                      for o in eng.optimizers]
+            eng.step((x, y), lambda m, b: (m(b[0]) - b[1]).square().mean(), stacked=True)
+            ax = [[o.state[p]["ax"] for p in o.param_groups[0]["params"]] for o in eng.optimizers]
+            apart = max(float((a - b).abs().max()) for a, b in zip(*ax))
+            assert (apart == 0) == (t % 3 == 0), (mode, t, apart)
+            eta = [o.state[o.param_groups[0]["params"][0]]["eta"] for o in eng.optimizers]
+            assert float(eta[0]) != float(eta[1])  # each replica's own LR's
+        del before
+
+
+def test_the_engine_refuses_sparse_embeddings_and_closure_optimizers():
+    """nn.Embedding(sparse=True) failed deep in torch (a reshape in vmap's backward, a masked average in the loop)
+    and LBFGS at its first step (no closure): the engine says why, when it is built."""
+    emb = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1))
+    sched = lambda o, rep, m: hdet.HDETLR(o, None, total_steps=4, replicas=rep, model=m)  # noqa: E731
+    with pytest.raises(ValueError, match=r"\['0'\] are embeddings with sparse=True"):
+        ReplicaEngine(emb, 2, lambda m: torch.optim.SparseAdam(m.parameters()), sched)
+    with pytest.raises(ValueError, match="step without a closure, but got LBFGS"):
+        ReplicaEngine(nn.Linear(3, 1), 2, lambda m: torch.optim.LBFGS(m.parameters()), sched)
+
+
+def test_a_failed_second_scheduler_puts_the_first_ones_hooks_back():
+    """A second scheduler built on the same D-Adaptation optimizer replaces the first's step-scale hooks; when its
+    construction failed, it took its own off and left the optimizer with none (the first scheduler's multipliers
+    silently stopped applying; a review). The first's are put back."""
+    m = nn.Linear(3, 3)
+    o = dadaptation.DAdaptAdam(m.parameters(), lr=1.0)
+    a = hdet.HDETLR(o, None, total_steps=10)
+    counts = (len(o._optimizer_step_pre_hooks), len(o._optimizer_step_post_hooks))
+    with pytest.raises(ValueError, match="auto_lr_warmup_steps < total_steps"):
+        hdet.HDETLR(o, None, total_steps=10, enable_auto_lr=True, controller="paper", auto_lr_warmup_steps=100)
+    assert o._hdet_step_scale is a.ensemble.step_scale
+    assert (len(o._optimizer_step_pre_hooks), len(o._optimizer_step_post_hooks)) == counts
+
+
+def test_an_ensemble_built_from_a_default_config_takes_warmup_zero():
+    """HDETConfig's auto_lr_warmup_steps is None ("the scheduler's own"); an Ensemble built from it directly (the
+    public class) takes HDETLR's 0 (a review: its set_total_steps raised a TypeError on None)."""
+    from hdet.replicas import SingleReplica
+    o = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    e = hdet.Ensemble(hdet.HDETConfig(enable_auto_lr=True, controller="paper", model_sync_interval=10), SingleReplica(), o)
+    e.set_total_steps(100)
+    assert e.config.auto_lr_warmup_steps == 0 and e.first_control_step() == 10

@@ -193,6 +193,12 @@ class ReplicaEngine:
             raise ValueError(f"Expected mode in {MODES}, but got {mode!r}")
         if not isinstance(model, nn.Module):
             raise ValueError(f"Expected model to be a torch.nn.Module, but got {type(model).__name__}")
+        sparse = [n or type(m).__name__ for n, m in model.named_modules()
+                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+        if sparse:  # (vmap's backward failed in a reshape, the loop in a masked average: torch's errors, no word why)
+            raise ValueError(f"Expected layers with dense gradients, but {sparse} are embeddings with sparse=True: the "
+                             "engine averages and stacks the replicas' gradients as dense tensors. Build them with "
+                             "sparse=False (and a dense optimizer)")
         n = int_number(num_replicas)  # (numpy, 0-d tensors)
         num_replicas = num_replicas if n is None else n
         self.group = LocalReplicaGroup(num_replicas)
@@ -208,6 +214,10 @@ class ReplicaEngine:
                                      relayout=gradient_layout and compile is False) \
             if mode != "loop" else None
         self.optimizers = [make_optimizer(m) for m in self.models]
+        if any(isinstance(innermost(o), torch.optim.LBFGS) for o in self.optimizers):
+            raise ValueError("Expected optimizers that step without a closure, but got LBFGS: the engine calls each "
+                             "replica's optimizer.step() after the replicas' backward, with no closure to evaluate the "
+                             "loss again")
         self.schedulers = [make_scheduler(o, self.group.views[r], m)
                            for r, (o, m) in enumerate(zip(self.optimizers, self.models))]
         for r, s in enumerate(self.schedulers):

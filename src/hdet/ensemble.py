@@ -13,12 +13,13 @@ that sequence through ``torch.distributed``. Glossary: ``docs/architecture.md``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import statistics
 import warnings
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -97,6 +98,11 @@ def _ramp(T: int, warm: int, max_factor: float) -> tuple[float, float]:
     return growth, min(RANGE_START * growth ** (warm // T - 1), max_factor)
 
 
+# optimizers whose state holds an average of the weights (what their users evaluate): averaged with the weights at
+# every converge step, as the weights are (an audit: ASGD's ax stayed each replica's own after the last converge step)
+ITERATE_AVERAGES: dict[type, tuple[str, ...]] = {torch.optim.ASGD: ("ax",)}
+
+
 class Ensemble:
     """The HDET state of one replica. Collectives happen only in :meth:`sync` and :meth:`recover`.
 
@@ -129,6 +135,8 @@ class Ensemble:
                              "they were built on another one (their spread would never reach training)")
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"Expected model to be a torch.nn.Module, but got {type(model).__name__}")
+        if config.auto_lr_warmup_steps is None:  # (HDETConfig's "the scheduler's own": HDETLR's 0)
+            config = dataclasses.replace(config, auto_lr_warmup_steps=0)
         self.config = config
         self.replicas = replicas
         self.optimizer = optimizer
@@ -354,6 +362,10 @@ class Ensemble:
             state = self._optimizer_state(params)
             out += state
             strict += [True] * len(state)
+        else:  # state that is an average of the weights themselves: averaged with them (ASGD's ax)
+            iterates = self._optimizer_state(params, keys=ITERATE_AVERAGES.get(type(innermost(self.optimizer)), ()))
+            out += iterates
+            strict += [True] * len(iterates)
         if self.step_scale is not None and out:
             estimates = self.step_scale.estimates(out[0])
             out += estimates
@@ -363,8 +375,9 @@ class Ensemble:
     def weights_fingerprint(self) -> float | None:
         """This replica's parameters' fingerprint (:func:`hdet.sync.fingerprint`) where the replicas are the ranks of a
         process group, whose checkpoints hold each rank's own replica; None otherwise. HOST SYNC: read as a float."""
-        if not isinstance(self.replicas, ProcessGroupReplicas) or self.replicas.world_size == 1:
-            return None
+        if not isinstance(self.replicas, ProcessGroupReplicas) or self.replicas.world_size == 1 or \
+                lr_free_kind(self.optimizer) == "schedule-free":  # (its train()/eval() move the weights: a checkpoint
+            return None  # saved in eval mode, as its docs say, resumes in train mode)
         params = _distinct([as_real(local_shard(p.detach())) for p in self._params()])  # (model_tensors' parameters)
         dev = params[0].device if params else torch.device("cpu")
         return float(fingerprint(params, [True] * len(params), dev))  # HOST SYNC
@@ -382,13 +395,14 @@ class Ensemble:
             strict += [False] * len(buffers)
         return out, strict
 
-    def _optimizer_state(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _optimizer_state(self, params: list[torch.Tensor], keys: Sequence[str] | None = None) -> list[torch.Tensor]:
+        """The optimizer's floating-point state of ``params`` (``keys``: only those), in a fixed order."""
         out = []
         for p in params:
             state = self.optimizer.state.get(p, {})
             for key in sorted(state):
                 v = state[key]
-                if key != "step" and isinstance(v, torch.Tensor) and averaged(v):
+                if key != "step" and (keys is None or key in keys) and isinstance(v, torch.Tensor) and averaged(v):
                     out.append(as_real(local_shard(v.detach())))
         return out
 

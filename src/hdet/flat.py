@@ -27,7 +27,7 @@ def contiguous_parameters_(module: nn.Module, order: torch.optim.Optimizer | Ite
     """Make every parameter of ``module`` a view of one flat buffer per (device, dtype), in
     ``module.parameters()`` order (values unchanged, the same ``Parameter`` objects). Returns the buffers.
 
-    ``order``: an optimizer (or parameters in order): its param groups' parameters are laid out first, in the order
+    ``order``: an optimizer (or parameters in order): its param groups' parameters of the module are laid out first, in the order
     the converge step averages them, then the module's others. With several param groups (weight decay on the
     matrices only, say) the module's order interleaves the groups, and the converge step, which walks them group by
     group, finds only short runs to reduce in place (an audit: the matrices went through buckets); the optimizer
@@ -86,9 +86,8 @@ def _ordered(module: nn.Module, order: Any) -> list[nn.Parameter]:
     for p in order:
         if not isinstance(p, torch.Tensor):
             raise ValueError(f"Expected order= as an optimizer or parameters, but it holds a {type(p).__name__}")
-        if id(p) not in ids:
-            raise ValueError(f"Expected order= to hold only the module's parameters, but it holds one of shape "
-                             f"{tuple(p.shape)} that the module does not have")
+        if id(p) not in ids:  # (an optimizer's parameter outside the module, a loss's temperature: not laid out)
+            continue
         if id(p) not in seen:
             seen.add(id(p))
             first.append(p)
@@ -96,8 +95,9 @@ def _ordered(module: nn.Module, order: Any) -> list[nn.Parameter]:
 
 
 def _check_no_overlap(params: list[nn.Parameter]) -> None:
-    """Refuse parameters that share part of their memory without being the same view (one a slice of another):
-    laid out apart, they would stop sharing it, and the model would train otherwise than it was built."""
+    """Refuse parameters that share some of their elements without being the same view (one a slice of another):
+    laid out apart, they would stop sharing them, and the model would train otherwise than it was built. Views that
+    interleave without sharing an element (column blocks of one matrix) are fine: they shared nothing."""
     spans: dict[tuple[int, torch.device], list[tuple[int, int, nn.Parameter]]] = {}
     for p in params:
         if p.device.type == "meta" or not p.numel():
@@ -107,37 +107,57 @@ def _check_no_overlap(params: list[nn.Parameter]) -> None:
         spans.setdefault((p.untyped_storage().data_ptr(), p.device), []).append((start, end, p))
     for ranges in spans.values():
         ranges.sort(key=lambda r: r[0])
-        for (s0, e0, p0), (s1, e1, p1) in zip(ranges, ranges[1:]):
-            if s1 < e0:
-                raise ValueError(f"Expected parameters that share no memory, or share all of it (tied weights), but "
-                                 f"one of shape {tuple(p1.shape)} overlaps one of shape {tuple(p0.shape)}: laid out "
-                                 "back to back they would stop sharing it. Leave such a module's parameters as they are")
+        active: list[tuple[int, int, nn.Parameter]] = []  # the earlier spans still open at this one's start
+        for s1, e1, p1 in ranges:
+            active = [a for a in active if a[1] > s1]
+            for _, _, p0 in active:
+                if _share_elements(p0, p1):
+                    raise ValueError(f"Expected parameters that share no memory, or share all of it (tied weights), "
+                                     f"but one of shape {tuple(p1.shape)} overlaps one of shape {tuple(p0.shape)}: laid "
+                                     "out back to back they would stop sharing it. Leave such a module's parameters as "
+                                     "they are")
+            active.append((s1, e1, p1))
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two views of one storage (whose spans overlap) share an element: marked on the CPU, element by element
+    (bytes where their dtypes differ)."""
+    if a.dtype != b.dtype:
+        return True  # (views of one storage in two dtypes: taken as sharing)
+    lo = min(a.storage_offset(), b.storage_offset())
+    hi = max(a.storage_offset() + sum((n - 1) * st for n, st in zip(a.shape, a.stride())),
+             b.storage_offset() + sum((n - 1) * st for n, st in zip(b.shape, b.stride()))) + 1
+    marks = torch.zeros(hi - lo, dtype=torch.int8)
+    marks.as_strided(a.shape, a.stride(), a.storage_offset() - lo).fill_(1)
+    return bool(marks.as_strided(b.shape, b.stride(), b.storage_offset() - lo).any())
 
 
 def contiguous_runs(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor | None]]:
     """Split ``tensors`` (in order) into runs of consecutive tensors that lie back to back in one
     storage (same device and dtype, each contiguous). Returns ``(indices, flat)`` per run, where ``flat``
-    is a 1-D view of the run's memory (writing it writes the tensors), or None for a tensor that cannot
-    be viewed so (not contiguous)."""
+    is a view of the run's memory (writing it writes the tensors: 1-D for several tensors, the tensor itself for one),
+    or None for a tensor that cannot be viewed so (not contiguous). Host work only, each tensor's storage read once
+    (a converge step walks the averaged tensors: 6 us a tensor before, 18 ms for 3000 on a 2-core CPU)."""
     runs: list[tuple[list[int], torch.Tensor | None]] = []
-    end = -1  # storage offset (elements) just past the open run; -1: no run open
+    open_key: tuple[Any, ...] | None = None  # (storage, device, dtype) of the open run
+    end = -1  # storage offset (elements) just past the open run
     for i, t in enumerate(tensors):
         if not t.is_contiguous():
             runs.append(([i], None))
-            end = -1
+            open_key = None
             continue
-        prev = tensors[runs[-1][0][-1]] if end >= 0 else None
-        if (prev is not None and t.device == prev.device and t.dtype == prev.dtype
-                and t.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
-                and t.storage_offset() == end):
+        key = (t.untyped_storage().data_ptr(), t.device, t.dtype)
+        offset = t.storage_offset()
+        if key == open_key and offset == end:
             runs[-1][0].append(i)
         else:
             runs.append(([i], t))
-        end = t.storage_offset() + t.numel()
-    out = []
+            open_key = key
+        end = offset + t.numel()
+    out: list[tuple[list[int], torch.Tensor | None]] = []
     for idx, first in runs:
-        if first is None:
-            out.append((idx, None))
+        if first is None or len(idx) == 1:
+            out.append((idx, None if first is None else first.detach()))
         else:
             total = sum(tensors[i].numel() for i in idx)
             out.append((idx, first.detach().as_strided((total,), (1,), first.storage_offset())))

@@ -135,6 +135,20 @@ def check_optimizer(optimizer: torch.optim.Optimizer, spreading: bool, average_o
     averaging."""
     kind = lr_free_kind(optimizer)
     name = type(innermost(optimizer)).__name__
+    if lr_spread and isinstance(innermost(optimizer), torch.optim.Rprop):
+        raise ValueError("Expected an optimizer whose steps follow its LR under an LR spread, but got Rprop: it reads "
+                         "group['lr'] only to set its first step sizes (its state's step_size), so each replica keeps "
+                         "the step sizes of its first multiplier whatever the schedule, the deal or the controller say "
+                         "(an audit: re-dealt replicas kept their first 3x ratio; with average_optimizer_state=True the "
+                         "spread was gone after the first converge step), while the records show a spread. Use "
+                         "ensemble_lr_spread_ratio=0 (averaging only), or another optimizer")
+    if spreading and isinstance(innermost(optimizer), torch.optim.LBFGS):
+        raise ValueError("Expected an optimizer whose step follows its LR under a spread, but got LBFGS: its inner "
+                         "iterations and line search make its step depend on far more than the LR (a 3x LR moved a "
+                         "replica 1.07-1.13x as far in an audit), and its curvature history (lists, never averaged) is "
+                         "each replica's own, which a converge step leaves at odds with the averaged weights. Use "
+                         "ensemble_lr_spread_ratio=0 and no explored hyperparameter (averaging only), or another "
+                         "optimizer")
     if spreading and any(c.__name__ == "ZeroRedundancyOptimizer" for c in type(innermost(optimizer)).__mro__):
         raise ValueError(f"Expected an optimizer that steps every parameter on every rank under a spread, but got {name}: "
                          "it steps each parameter on one rank and broadcasts it, so every replica would get the owner "

@@ -192,7 +192,13 @@ class ProcessGroupReplicas(Replicas):
         return torch.device("cpu")
 
     def memory_layout(self, tensors: Sequence[torch.Tensor]) -> int:
-        return zlib.crc32(repr([idx for idx, _ in self._direct_runs(tensors)]).encode())  # < 2**32: exact in float64
+        """A hash of the collectives :meth:`average_` issues for ``tensors`` (without ``into``): the tensors of each
+        all_reduce, in order (a run reduced in place and a bucket of the same tensors are the same collective)."""
+        runs = [idx for idx, _ in self._direct_runs(tensors)]
+        taken = {i for idx in runs for i in idx}
+        rest = [i for i in range(len(tensors)) if i not in taken]
+        buckets = [[rest[i] for i in idx] for idx in plan_buckets([tensors[i] for i in rest], self.cap_bytes)]
+        return zlib.crc32(repr(runs + buckets).encode())  # < 2**32: exact in float64
 
     def _direct_runs(self, tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
         """The runs :meth:`average_` all-reduces where they live (without ``into``): tensors back to back in one

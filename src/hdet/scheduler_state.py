@@ -117,6 +117,8 @@ def check(s: "HDETLR", state: Any) -> dict[str, Any]:
 
 
 def load(s: "HDETLR", state: dict[str, Any]) -> None:
+    from .ensemble_state import _shard_rank
+
     parsed = check(s, state)
     hdet_state = state["hdet"]
     same_replica = not parsed["elastic"] and hdet_state["rank"] == s.rank
@@ -154,8 +156,8 @@ def load(s: "HDETLR", state: dict[str, Any]) -> None:
     if same_replica:  # exactly the values this replica had (they equal what reapply computed)
         for h, v in zip(s.ensemble.hypers, hdet_state.get("hyper_values", [])):
             h.set(v)
-        if isinstance(state.get("weights"), float):
-            s.expect_weights(state["weights"])
+        if isinstance(state.get("weights"), float) and hdet_state.get("shard_rank", 0) == _shard_rank(s.ensemble):
+            s.expect_weights(state["weights"])  # (HSDP: the same shard rank of the replica saved it)
 
 
 def _check_own(s: "HDETLR", state: dict[str, Any]) -> None:

@@ -169,6 +169,7 @@ class HDETLR(LRScheduler):
             # with none in between is what a prepared Accelerate scheduler does (num_processes calls per step)
             self._opt_steps = self._opt_steps_seen = 0
             self._warned_double_step = self._warned_missed_step = self._warned_epoch = self._checked_local = False
+            self._warned_cap = False  # (Adafactor's cap on its LR, said once: _check_capped_lr)
             self._finished_at: int | None = None  # the step finish() averaged the replicas after
             self._swap = AverageSwap()  # this replica's own weights while the ensemble's average is in (swap_in_average)
             self._scaler_idle = False  # an unmatched scheduler.step() came with no GradScaler update since the one before
@@ -424,6 +425,7 @@ class HDETLR(LRScheduler):
                              "scheduler after adding every param group (a group frozen for now can hold parameters "
                              "with requires_grad=False)")
         self._check_optimizer_stepped()
+        self._check_capped_lr(t)
         if self._hdet.step_scale is not None:  # Prodigy under a process group: its estimate shared (COLLECTIVE)
             self._hdet.step_scale.exchange()
         if t == 1:  # again after the first step: an optimizer recognised only by what its first step leaves in the
@@ -448,6 +450,25 @@ class HDETLR(LRScheduler):
             self._base.step()
         self._hdet.after_optimizer_step(t)
         return t
+
+    def _check_capped_lr(self, t: int) -> None:
+        """torch's Adafactor steps at ``min(lr, 1 / sqrt(t))``: under a spread (or the controller) the replicas whose
+        LR is above that step alike, and the spread is narrower than the LRs and the records say (an audit: at base
+        LR 1, every replica's step was the same from step 6 on). Said once, at the first step where it happens."""
+        c = self._hdet.config
+        inner = innermost(self.optimizer)
+        if self._warned_cap or _ADAFACTOR is None or not isinstance(inner, _ADAFACTOR) or not (
+                c.ensemble_lr_spread_ratio > 0 or c.enable_auto_lr):
+            return
+        cap = 1.0 / math.sqrt(t)
+        over = [_float(g["lr"]) for g in inner.param_groups if _float(g["lr"]) > cap]
+        if over:
+            self._warned_cap = True
+            warnings.warn(f"hdet: torch's Adafactor steps at min(lr, 1/sqrt(t)), {cap:.3g} at step {t}, below this "
+                          f"replica's LR {max(over):.3g}: replicas whose LR is above it take the same step, so the "
+                          "spread (and the controller's moves) acts less than the LRs and records say, and less as the "
+                          "run goes on. Use a base LR well below 1/sqrt(total_steps), or another optimizer",
+                          stacklevel=user_stacklevel())
 
     def end_step(self, lead: "HDETLR | None" = None) -> None:
         """The second half of :meth:`step`: this replica's values for the next step (from ``lead``'s scheduled
@@ -719,13 +740,15 @@ class HDETLR(LRScheduler):
         if expected is None:
             return
         now = self._hdet.weights_fingerprint()
-        if now is not None and not math.isclose(now, expected, rel_tol=1e-9, abs_tol=1e-30):
+        if now is not None and (math.isfinite(now) or math.isfinite(expected)) and \
+                not math.isclose(now, expected, rel_tol=1e-9, abs_tol=1e-30):  # (non-finite both: saved so)
             warnings.warn(f"hdet: rank {self.rank}'s weights at its first optimizer step after load_state_dict are not "
                           f"the ones saved with its scheduler state (weights' fingerprint {now:.10g} against "
                           f"{expected:.10g} saved), so the run does not go on from this replica as it was saved. "
                           "DistributedDataParallel(...) copies rank 0's weights to every rank when it is built: load "
-                          "each rank's model state after wrapping the model (or build it with init_sync=False); or the "
-                          "model's state was not loaded", stacklevel=user_stacklevel())
+                          "each rank's model state after wrapping the model (or build it with init_sync=False). Or the "
+                          "model's state was saved inside averaged() (the replicas' average: the run goes on from "
+                          "there), or not loaded", stacklevel=user_stacklevel())
 
     def _unexpect_weights(self) -> None:
         """The weights' check taken off once it has run (at a scheduler step)."""
@@ -913,6 +936,7 @@ def _is_pair(x: Any) -> bool:
     return isinstance(x, (tuple, list)) and len(x) == 2 and all(real_number(v) is not None for v in x)
 
 
+_ADAFACTOR = getattr(torch.optim, "Adafactor", None)  # (torch >= 2.5)
 _TORCH_FIRST_STEP = ("Seems like `optimizer.step()` has been overridden", "Detected call of `lr_scheduler.step()` before")
 
 

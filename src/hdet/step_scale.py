@@ -92,6 +92,11 @@ class StepScale:
         self._pre: tuple[float, float, int] | None = None  # d, d_max and k before the step
         self.contribution: list[float] | None = None  # this step's [numerator, denominator, 1] (or zeros)
         self._took = self._warned = False
+        self._replaced: StepScale | None = None  # the one this replaced on the optimizer (a second scheduler's)
+        self._hooks: tuple[Any, ...] = ()
+        self._register()
+
+    def _register(self) -> None:
         self._hooks = (self.optimizer.register_step_pre_hook(self._save),
                        self.optimizer.register_step_post_hook(self._scale),
                        self.optimizer.register_load_state_dict_post_hook(self._loaded))
@@ -103,17 +108,23 @@ class StepScale:
         if old is not None:
             old.remove()
         inner._hdet_step_scale = new = cls(inner)
+        new._replaced = old
         return new
 
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
+        self._hooks = ()
 
     def uninstall(self) -> None:
-        """Take the hooks off and forget this optimizer's estimate (a scheduler whose construction failed)."""
+        """Take the hooks off (a scheduler whose construction failed): the one this replaced, if any, is put back."""
         self.remove()
         if getattr(self.optimizer, "_hdet_step_scale", None) is self:
-            del self.optimizer._hdet_step_scale
+            if self._replaced is not None:
+                self._replaced._register()
+                self.optimizer._hdet_step_scale = self._replaced
+            else:
+                del self.optimizer._hdet_step_scale
 
     @torch.no_grad()
     def _save(self, optimizer: Any, args: Any, kwargs: Any) -> None:

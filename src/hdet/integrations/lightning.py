@@ -164,6 +164,11 @@ class HDETCallback(Callback):
                 mean = pl_module.state_dict()  # (a copy: the weights go back before Lightning writes the file)
                 checkpoint["state_dict"] = {k: mean[k].clone() if isinstance(mean.get(k), torch.Tensor) else v
                                             for k, v in checkpoint["state_dict"].items()}
+                # the schedulers' states (taken before this callback) hold their replicas' weights' fingerprints,
+                # checked at the first step after a resume: the checkpoint's weights are the average's
+                for cfg, state in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers") or []):
+                    if isinstance(cfg.scheduler, HDETLR) and isinstance(state, dict) and "weights" in state:
+                        state["weights"] = cfg.scheduler.ensemble.weights_fingerprint()  # HOST SYNC
         finally:
             for s in reversed(swapped):  # last in, first out (see _swap_back)
                 s.swap_back()
