@@ -19,7 +19,7 @@ import math
 import statistics
 import warnings
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -96,11 +96,6 @@ def _ramp(T: int, warm: int, max_factor: float) -> tuple[float, float]:
     (it starts at RANGE_START; a short warm-up grows slower: at most MAX_RANGE_GROWTH a window)."""
     growth = min((max_factor / RANGE_START) ** (T / warm), MAX_RANGE_GROWTH)
     return growth, min(RANGE_START * growth ** (warm // T - 1), max_factor)
-
-
-# optimizers whose state holds an average of the weights (what their users evaluate): averaged with the weights at
-# every converge step, as the weights are (an audit: ASGD's ax stayed each replica's own after the last converge step)
-ITERATE_AVERAGES: dict[type, tuple[str, ...]] = {torch.optim.ASGD: ("ax",)}
 
 
 class Ensemble:
@@ -362,10 +357,6 @@ class Ensemble:
             state = self._optimizer_state(params)
             out += state
             strict += [True] * len(state)
-        else:  # state that is an average of the weights themselves: averaged with them (ASGD's ax)
-            iterates = self._optimizer_state(params, keys=ITERATE_AVERAGES.get(type(innermost(self.optimizer)), ()))
-            out += iterates
-            strict += [True] * len(iterates)
         if self.step_scale is not None and out:
             estimates = self.step_scale.estimates(out[0])
             out += estimates
@@ -395,14 +386,13 @@ class Ensemble:
             strict += [False] * len(buffers)
         return out, strict
 
-    def _optimizer_state(self, params: list[torch.Tensor], keys: Sequence[str] | None = None) -> list[torch.Tensor]:
-        """The optimizer's floating-point state of ``params`` (``keys``: only those), in a fixed order."""
+    def _optimizer_state(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         out = []
         for p in params:
             state = self.optimizer.state.get(p, {})
             for key in sorted(state):
                 v = state[key]
-                if key != "step" and (keys is None or key in keys) and isinstance(v, torch.Tensor) and averaged(v):
+                if key != "step" and isinstance(v, torch.Tensor) and averaged(v):
                     out.append(as_real(local_shard(v.detach())))
         return out
 

@@ -119,6 +119,11 @@ def check_shared_gradients(optimizer: torch.optim.Optimizer, average_optimizer_s
     do D-Adaptation's SGD and AdaGrad (dual averaging) unless their state is averaged too."""
     if dual_averaging(optimizer) and not average_optimizer_state:
         raise ValueError(_undone_average(optimizer, "local mode (each replica's running sum is its own)"))
+    if isinstance(innermost(optimizer), torch.optim.LBFGS):
+        raise ValueError("Expected shared gradients (an all-reduce every step) with LBFGS, but this is local mode: each "
+                         "replica's curvature history (lists, never averaged) follows its own gradients, at odds with "
+                         "the averaged weights after each converge step. Average the gradients every step, or use "
+                         "another optimizer")
     if lr_free_kind(optimizer) == "mechanic":
         raise ValueError(f"Expected shared gradients (an all-reduce every step) with {type(innermost(optimizer)).__name__} "
                          "(Mechanic), but this is local mode: each replica's scale would learn from its own gradients "
@@ -127,28 +132,37 @@ def check_shared_gradients(optimizer: torch.optim.Optimizer, average_optimizer_s
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, spreading: bool, average_optimizer_state: bool,
-                    sharded: bool = False, lr_spread: bool = False, recovering: bool = False) -> None:
+                    sharded: bool = False, lr_spread: bool = False, recovering: bool = False,
+                    lr_moved: bool = False) -> None:
     """Refuse, with the reason, an optimizer that a spread (``spreading``: any alpha > 0; ``lr_spread``: the LR's),
     a converge step or a go-back to a best sync (``recovering``: ``on_runaway="recover"``) would silently break.
     Averaging alone (alpha 0) is allowed; distance estimators take the multiplier on their step
     (:mod:`hdet.step_scale`), which does not handle ``sharded`` (FSDP2/HSDP, DTensor) parameters, nor dual
-    averaging."""
+    averaging. ``lr_moved``: the LR is moved for the whole ensemble too (the controller, the range test)."""
     kind = lr_free_kind(optimizer)
-    name = type(innermost(optimizer)).__name__
-    if lr_spread and isinstance(innermost(optimizer), torch.optim.Rprop):
-        raise ValueError("Expected an optimizer whose steps follow its LR under an LR spread, but got Rprop: it reads "
-                         "group['lr'] only to set its first step sizes (its state's step_size), so each replica keeps "
-                         "the step sizes of its first multiplier whatever the schedule, the deal or the controller say "
-                         "(an audit: re-dealt replicas kept their first 3x ratio; with average_optimizer_state=True the "
-                         "spread was gone after the first converge step), while the records show a spread. Use "
-                         "ensemble_lr_spread_ratio=0 (averaging only), or another optimizer")
-    if spreading and isinstance(innermost(optimizer), torch.optim.LBFGS):
-        raise ValueError("Expected an optimizer whose step follows its LR under a spread, but got LBFGS: its inner "
-                         "iterations and line search make its step depend on far more than the LR (a 3x LR moved a "
-                         "replica 1.07-1.13x as far in an audit), and its curvature history (lists, never averaged) is "
-                         "each replica's own, which a converge step leaves at odds with the averaged weights. Use "
+    inner = innermost(optimizer)
+    name = type(inner).__name__
+    if (lr_spread or lr_moved) and isinstance(inner, torch.optim.Rprop):
+        raise ValueError("Expected an optimizer whose steps follow its LR under an LR spread, the auto-LR controller or "
+                         "the range test, but got Rprop: it reads group['lr'] only to set its first step sizes (its "
+                         "state's step_size), so each replica keeps the step sizes of its first LR whatever the "
+                         "schedule, the deal or the controller say (an audit: re-dealt replicas kept their first 3x "
+                         "ratio; with average_optimizer_state=True the spread was gone after the first converge step), "
+                         "while the records show them. Use ensemble_lr_spread_ratio=0 without auto-LR or the range "
+                         "test (averaging only), or another optimizer")
+    if (spreading or lr_moved) and isinstance(inner, torch.optim.LBFGS):
+        raise ValueError("Expected an optimizer whose step follows its LR and whose state a converge step averages, "
+                         "but got LBFGS under a spread, the auto-LR controller or the range test: its inner iterations "
+                         "and line search make its step depend on far more than the LR (a 3x LR moved a replica "
+                         "1.07-1.13x as far in an audit), and its curvature history (lists, never averaged) is each "
+                         "replica's own, at odds with the averaged weights after a converge step. Use "
                          "ensemble_lr_spread_ratio=0 and no explored hyperparameter (averaging only), or another "
                          "optimizer")
+    if spreading and isinstance(inner, torch.optim.ASGD) and not average_optimizer_state:
+        raise ValueError("Expected average_optimizer_state=True with ASGD under a spread: its state holds ax, an "
+                         "average of the weights (what its users evaluate), which a converge step of the weights alone "
+                         "leaves each replica's own (an audit: 1.85e-2 apart after the last converge step while the "
+                         "weights were equal). Pass average_optimizer_state=True, or use another optimizer")
     if spreading and any(c.__name__ == "ZeroRedundancyOptimizer" for c in type(innermost(optimizer)).__mro__):
         raise ValueError(f"Expected an optimizer that steps every parameter on every rank under a spread, but got {name}: "
                          "it steps each parameter on one rank and broadcasts it, so every replica would get the owner "

@@ -142,7 +142,8 @@ class HDETLR(LRScheduler):
                               "it, swap_in_average()/averaged() is refused)", stacklevel=user_stacklevel())
         self._sharded = device_mesh is not None
         check_optimizer(optimizer, spreading(config, explore), config.average_optimizer_state, sharded=self._sharded,
-                        lr_spread=config.ensemble_lr_spread_ratio > 0, recovering=config.recovering)  # LR-free
+                        lr_spread=config.ensemble_lr_spread_ratio > 0, recovering=config.recovering,
+                        lr_moved=config.enable_auto_lr or config.lr_range_test)  # LR-free
         # optimizers: refused where they would break (before the ensemble puts its hooks on the optimizer)
         check_lr_groups(optimizer, config.enable_auto_lr, config.tie_lr_groups)
         self._constant = [_float(g["lr"]) for g in optimizer.param_groups]
@@ -432,7 +433,7 @@ class HDETLR(LRScheduler):
             c = self._hdet.config  # param groups (schedulefree.ScheduleFreeWrapper's base optimizer)
             check_optimizer(self.optimizer, spreading(c, self._hdet.hypers), c.average_optimizer_state,
                             sharded=self._sharded, lr_spread=c.ensemble_lr_spread_ratio > 0,
-                            recovering=c.recovering)
+                            recovering=c.recovering, lr_moved=c.enable_auto_lr or c.lr_range_test)
         if lead is not None:
             self._follow_base(lead)
         elif self._base is not None:
@@ -458,13 +459,16 @@ class HDETLR(LRScheduler):
         c = self._hdet.config
         inner = innermost(self.optimizer)
         if self._warned_cap or _ADAFACTOR is None or not isinstance(inner, _ADAFACTOR) or not (
-                c.ensemble_lr_spread_ratio > 0 or c.enable_auto_lr):
+                c.ensemble_lr_spread_ratio > 0 or c.enable_auto_lr or c.lr_range_test):
             return
+        steps = [st.get("step") for st in inner.state.values()]
+        steps = [float(x) for x in steps if isinstance(x, torch.Tensor) and x.device.type == "cpu"]  # (no host sync)
+        t = max(steps) if steps else t  # torch's own count (skipped steps, an optimizer stepped before): its cap's
         cap = 1.0 / math.sqrt(t)
         over = [_float(g["lr"]) for g in inner.param_groups if _float(g["lr"]) > cap]
         if over:
             self._warned_cap = True
-            warnings.warn(f"hdet: torch's Adafactor steps at min(lr, 1/sqrt(t)), {cap:.3g} at step {t}, below this "
+            warnings.warn(f"hdet: torch's Adafactor steps at min(lr, 1/sqrt(t)), {cap:.3g} at step {t:g}, below this "
                           f"replica's LR {max(over):.3g}: replicas whose LR is above it take the same step, so the "
                           "spread (and the controller's moves) acts less than the LRs and records say, and less as the "
                           "run goes on. Use a base LR well below 1/sqrt(total_steps), or another optimizer",
