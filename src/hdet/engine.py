@@ -42,7 +42,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_leaves
 
-from . import attention, autocast, embedding, linear
+from . import attention, autocast, cross_entropy, embedding, linear
 from .caller import user_stacklevel
 from .graphs import StepGraphs, function_key
 from .merged import MergedReplicas, NotMergeable, check_merged, failure, reason_not_mergeable
@@ -469,8 +469,9 @@ class ReplicaEngine:
     def _eager_vmapped(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[torch.Tensor, dict[str, Any]]:
         """The eager vmapped call. SDPA: one fused call for all replicas (hdet.attention); linear and conv layers in
         the autocast dtype (hdet.autocast); F.linear on the CPU: one baddbmm, dW in W's layout (hdet.linear);
-        F.embedding: padding_idx's row gets no gradient from the lookup (hdet.embedding)."""
-        with attention.routed(), autocast.routed(), self._linear(), embedding.routed():
+        F.embedding: padding_idx's row gets no gradient from the lookup (hdet.embedding); F.cross_entropy's common
+        form: one call for all replicas (hdet.cross_entropy)."""
+        with attention.routed(), autocast.routed(), self._linear(), embedding.routed(), cross_entropy.routed():
             return self._forward(fn, args)
 
     def _vmapped_forward(self, batch: Any, loss_fn: LossFn) -> tuple[torch.Tensor, dict[str, Any], bool]:
@@ -530,11 +531,12 @@ class ReplicaEngine:
     def _merged_forward(self, batch: Any, loss_fn: LossFn) -> tuple[torch.Tensor, bool]:
         """The merged forward's losses (replayed from a CUDA graph where ``cuda_graph``: :mod:`hdet.graphs`), and
         whether a graph ran."""
-        if self._graphs is None:
-            return self._merged.losses(batch, loss_fn, _scalar_loss), False
-        params = {n: p for n, p in self.stack.params.items() if p.requires_grad}
-        losses, _, graphed = self._graphs.losses(batch, loss_fn, params, tuple(m.training for m in self._modules[0]))
-        return losses, graphed
+        with cross_entropy.routed():  # (the loss runs vmapped over the replicas' outputs)
+            if self._graphs is None:
+                return self._merged.losses(batch, loss_fn, _scalar_loss), False
+            params = {n: p for n, p in self.stack.params.items() if p.requires_grad}
+            losses, _, graphed = self._graphs.losses(batch, loss_fn, params, tuple(m.training for m in self._modules[0]))
+            return losses, graphed
 
     def _no_merge(self, why: str) -> None:
         warnings.warn(f"hdet: mode='merged' cannot run these replicas as one batch ({why}); running them vmapped",
