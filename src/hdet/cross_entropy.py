@@ -5,8 +5,11 @@ Under ``torch.func.vmap`` torch runs ``F.cross_entropy`` through its decompositi
 30 us for the same rows in one call on 2 CPU cores), and the engine's tiny and small models are bound by such host
 work. While the engine runs its replicas' loss, the common form (class-index targets ``[B]`` for logits ``[B, C]``, no
 class weights, ``reduction="mean"``) runs as one call over every replica's rows with ``reduction="none"``, then each
-replica's mean over its counted rows (``ignore_index`` and ``label_smoothing`` as torch's own mean takes them);
-anything else is the function ``F`` held. Under ``torch.compile`` the rule is not used.
+replica's mean over its counted rows (``ignore_index`` and ``label_smoothing`` as torch's own mean takes them; int64
+targets: torch's call for one replica takes no other); anything else is torch's vmapped call. Where ``F`` holds a
+user's or a library's own wrapper (a z-loss, a ``functools.partial``), nothing is routed: the wrapper is called as it
+was. Under ``torch.autocast`` the routed loss is float32, as one replica's is (torch's vmapped call returns the
+autocast dtype). Under ``torch.compile`` the rule is not used.
 """
 
 from __future__ import annotations
@@ -23,9 +26,15 @@ from .patching import patched
 
 __all__ = ["routed", "replicas_cross_entropy"]
 
+_TORCH_CROSS_ENTROPY = F.cross_entropy  # torch's own (a user's wrapper installed later is left alone)
+
 
 def replicas_cross_entropy(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``fn`` (``F.cross_entropy``, or what F held), with the replicas' common form as one call (see the module)."""
+    """``fn`` (torch's ``F.cross_entropy``) with the replicas' common form as one call (see the module); any other
+    function (a user's wrapper: its own signature, defaults and terms, which one call over every replica's rows would
+    mix across replicas; a review) is returned as it is."""
+    if fn is not _TORCH_CROSS_ENTROPY:
+        return fn
 
     def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
                       size_average: bool | None = None, ignore_index: int = -100, reduce: bool | None = None,
@@ -35,7 +44,7 @@ def replicas_cross_entropy(fn: Callable[..., torch.Tensor]) -> Callable[..., tor
             x, xd = _unwrap(input, level)
             y, yd = _unwrap(target, level) if isinstance(target, torch.Tensor) else (None, None)
             if (xd is not None and y is not None and not _wrapped(x) and not _wrapped(y) and x.is_floating_point()
-                    and not y.is_floating_point() and not y.is_complex() and x.dim() == 3
+                    and y.dtype == torch.long and x.dim() == 3
                     and y.dim() - (yd is not None) == 1):
                 n = x.shape[xd]
                 x = x.movedim(xd, 0)  # [N, B, C]
