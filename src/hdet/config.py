@@ -143,6 +143,11 @@ class HDETConfig:
         return "fit" if isinstance(self.controller, FitController) else str(self.controller)
 
     @property
+    def moves_lr(self) -> bool:
+        """Whether the ensemble's LR is moved off its schedule for every replica (the controller, the range test)."""
+        return self.enable_auto_lr or self.lr_range_test
+
+    @property
     def recovering(self) -> bool:
         """Whether runaway replicas and a rising loss are acted on (``on_runaway="recover"``, or the range test)."""
         return self.on_runaway == "recover" or self.lr_range_test

@@ -369,16 +369,21 @@ class Ensemble:
         if not isinstance(self.replicas, ProcessGroupReplicas) or self.replicas.world_size == 1 or \
                 lr_free_kind(self.optimizer) == "schedule-free":  # (its train()/eval() move the weights: a checkpoint
             return None  # saved in eval mode, as its docs say, resumes in train mode)
-        params = _distinct([as_real(local_shard(p.detach())) for p in self._params()])  # (model_tensors' parameters)
+        params = self._param_tensors()
         dev = params[0].device if params else torch.device("cpu")
         return float(fingerprint(params, [True] * len(params), dev))  # HOST SYNC
+
+    def _param_tensors(self) -> list[torch.Tensor]:
+        """The parameters' local shards (real views of complex ones), each memory once (two Parameters on one memory,
+        nn.Parameter(emb.weight) as a tied head: averaged twice in place under a process group, a wrong mean; a
+        review)."""
+        return _distinct([as_real(local_shard(p.detach())) for p in self._params()])
 
     def model_tensors(self) -> tuple[list[torch.Tensor], list[bool]]:
         """The model's part of :meth:`tensors` (its parameters' local shards, then its persistent floating-point
         buffers: what an evaluation of the average needs, :meth:`hdet.HDETLR.swap_in_average`), and per tensor
         whether it must be finite."""
-        out = _distinct([as_real(local_shard(p.detach())) for p in self._params()])  # (two Parameters on one memory,
-        # nn.Parameter(emb.weight) as a tied head: averaged twice in place under a process group, a wrong mean; a review)
+        out = self._param_tensors()
         strict = [True] * len(out)
         if self.model is not None:
             buffers = persistent_float_buffers(self.model)

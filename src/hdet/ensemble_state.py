@@ -152,7 +152,7 @@ def _parse_fields(ens: "Ensemble", state: dict[str, Any], version: int) -> dict[
     config = _parse_config(state["config"], version)
     check_optimizer(ens.optimizer, spreading(config, ens.hypers), config.average_optimizer_state,
                     lr_spread=config.ensemble_lr_spread_ratio > 0, recovering=config.recovering,
-                    lr_moved=config.enable_auto_lr or config.lr_range_test)  # the saved
+                    lr_moved=config.moves_lr)  # the saved
     check_lr_groups(ens.optimizer, config.enable_auto_lr, config.tie_lr_groups)  # settings' refusals too
     if config.eq8 != ens.config.eq8:  # (Eq. 8 as printed needs OneCycle's factors, fixed at construction)
         raise ValueError(f"Expected the state's eq8 to be this scheduler's ({ens.config.eq8!r}), but it was saved with "

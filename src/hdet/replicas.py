@@ -141,8 +141,8 @@ class Replicas(ABC):
         return torch.device("cpu")
 
     def memory_layout(self, tensors: Sequence[torch.Tensor]) -> int:
-        """A hash of what :meth:`average_` reduces where it lives (the runs of tensors back to back in memory): the
-        collectives it issues follow it, so it must be the same on every replica. 0 where averaging issues none."""
+        """A hash of the collectives :meth:`average_` issues for ``tensors``, which follow where they lie in memory,
+        so it must be the same on every replica. 0 where averaging issues none."""
         return 0
 
 
@@ -194,17 +194,18 @@ class ProcessGroupReplicas(Replicas):
     def memory_layout(self, tensors: Sequence[torch.Tensor]) -> int:
         """A hash of the collectives :meth:`average_` issues for ``tensors`` (without ``into``): the tensors of each
         all_reduce, in order (a run reduced in place and a bucket of the same tensors are the same collective)."""
-        runs = [idx for idx, _ in self._direct_runs(tensors)]
-        taken = {i for idx in runs for i in idx}
-        rest = [i for i in range(len(tensors)) if i not in taken]
+        runs, rest = self._plan(tensors)
         buckets = [[rest[i] for i in idx] for idx in plan_buckets([tensors[i] for i in rest], self.cap_bytes)]
-        return zlib.crc32(repr(runs + buckets).encode())  # < 2**32: exact in float64
+        return zlib.crc32(repr([idx for idx, _ in runs] + buckets).encode())  # < 2**32: exact in float64
 
-    def _direct_runs(self, tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
-        """The runs :meth:`average_` all-reduces where they live (without ``into``): tensors back to back in one
-        storage (:func:`hdet.flat.contiguous_runs`), not fp16/bf16, and any single tensor of at least one bucket."""
-        return [(idx, flat) for idx, flat in contiguous_runs(tensors) if flat is not None and flat.dtype not in HALF
+    def _plan(self, tensors: Sequence[torch.Tensor]) -> tuple[list[tuple[list[int], torch.Tensor]], list[int]]:
+        """What :meth:`average_` all-reduces where it lives (without ``into``): the runs of tensors back to back in one
+        storage (:func:`hdet.flat.contiguous_runs`), not fp16/bf16, and any single tensor of at least one bucket; and
+        the indices of the rest, which go through buckets."""
+        runs = [(idx, flat) for idx, flat in contiguous_runs(tensors) if flat is not None and flat.dtype not in HALF
                 and not (len(idx) == 1 and flat.numel() * flat.element_size() < self.cap_bytes)]
+        taken = {i for idx, _ in runs for i in idx}
+        return runs, [i for i in range(len(tensors)) if i not in taken]
 
     def gather(self, local: torch.Tensor, shard_sum: Sequence[int] = (), shard_min: Sequence[int] = (),
                shard_max: Sequence[int] = ()) -> torch.Tensor:
@@ -274,9 +275,7 @@ class ProcessGroupReplicas(Replicas):
 
         with torch.no_grad():
             direct: list[tuple[Any, torch.Tensor, None]] = []  # reduced where they live
-            runs = [] if into is not None else self._direct_runs(tensors)
-            taken = {i for idx, _ in runs for i in idx}
-            rest = [i for i in range(len(tensors)) if i not in taken]  # through buckets
+            runs, rest = ([], list(range(len(tensors)))) if into is not None else self._plan(tensors)
             for idx, flat in runs:
                 if excluded:
                     flat.zero_()  # NaN * 0 is NaN: contribute exact zeros instead (this replica gets the mean)

@@ -143,7 +143,7 @@ class HDETLR(LRScheduler):
         self._sharded = device_mesh is not None
         check_optimizer(optimizer, spreading(config, explore), config.average_optimizer_state, sharded=self._sharded,
                         lr_spread=config.ensemble_lr_spread_ratio > 0, recovering=config.recovering,
-                        lr_moved=config.enable_auto_lr or config.lr_range_test)  # LR-free
+                        lr_moved=config.moves_lr)  # LR-free
         # optimizers: refused where they would break (before the ensemble puts its hooks on the optimizer)
         check_lr_groups(optimizer, config.enable_auto_lr, config.tie_lr_groups)
         self._constant = [_float(g["lr"]) for g in optimizer.param_groups]
@@ -171,6 +171,8 @@ class HDETLR(LRScheduler):
             self._opt_steps = self._opt_steps_seen = 0
             self._warned_double_step = self._warned_missed_step = self._warned_epoch = self._checked_local = False
             self._warned_cap = False  # (Adafactor's cap on its LR, said once: _check_capped_lr)
+            self._weights_expected: float | None = None  # a loaded state's weights' fingerprint (expect_weights)
+            self._weights_hook: Any = None
             self._finished_at: int | None = None  # the step finish() averaged the replicas after
             self._swap = AverageSwap()  # this replica's own weights while the ensemble's average is in (swap_in_average)
             self._scaler_idle = False  # an unmatched scheduler.step() came with no GradScaler update since the one before
@@ -433,7 +435,7 @@ class HDETLR(LRScheduler):
             c = self._hdet.config  # param groups (schedulefree.ScheduleFreeWrapper's base optimizer)
             check_optimizer(self.optimizer, spreading(c, self._hdet.hypers), c.average_optimizer_state,
                             sharded=self._sharded, lr_spread=c.ensemble_lr_spread_ratio > 0,
-                            recovering=c.recovering, lr_moved=c.enable_auto_lr or c.lr_range_test)
+                            recovering=c.recovering, lr_moved=c.moves_lr)
         if lead is not None:
             self._follow_base(lead)
         elif self._base is not None:
@@ -459,7 +461,7 @@ class HDETLR(LRScheduler):
         c = self._hdet.config
         inner = innermost(self.optimizer)
         if self._warned_cap or _ADAFACTOR is None or not isinstance(inner, _ADAFACTOR) or not (
-                c.ensemble_lr_spread_ratio > 0 or c.enable_auto_lr or c.lr_range_test):
+                c.ensemble_lr_spread_ratio > 0 or c.moves_lr):
             return
         steps = [st.get("step") for st in inner.state.values()]
         steps = [float(x) for x in steps if isinstance(x, torch.Tensor) and x.device.type == "cpu"]  # (no host sync)
@@ -736,7 +738,7 @@ class HDETLR(LRScheduler):
         ``DistributedDataParallel(...)`` was built is overwritten by rank 0's (its constructor broadcasts them), and the
         resumed run went on from rank 0's replica on every rank, silently (an audit). One HOST SYNC, at that step."""
         self._weights_expected = fingerprint
-        if getattr(self, "_weights_hook", None) is None:  # (taken off at the next scheduler step: not from inside the
+        if self._weights_hook is None:  # (taken off at the next scheduler step: not from inside the
             self._weights_hook = innermost(self.optimizer).register_step_pre_hook(self._check_weights)  # hooks' loop)
 
     def _check_weights(self, *_: Any) -> None:
@@ -756,9 +758,8 @@ class HDETLR(LRScheduler):
 
     def _unexpect_weights(self) -> None:
         """The weights' check taken off once it has run (at a scheduler step)."""
-        hook = getattr(self, "_weights_hook", None)
-        if hook is not None and getattr(self, "_weights_expected", None) is None:
-            hook.remove()
+        if self._weights_hook is not None and self._weights_expected is None:
+            self._weights_hook.remove()
             self._weights_hook = None
 
 

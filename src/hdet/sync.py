@@ -48,7 +48,7 @@ class SyncVector(NamedTuple):
     start_sum: Any  # while that state is kept: the first step's training loss where finite, else 0
     start_n: Any  # and 1 where it was finite (0: not kept, not observed, or not finite)
     weights: Any  # fingerprint of the weights (:func:`fingerprint`): equal on replicas that hold the same weights
-    memory: Any  # hash of the averaged tensors' runs in memory (Replicas.memory_layout): the converge step's collectives
+    memory: Any  # hash of the collectives the converge step issues (Replicas.memory_layout): where the tensors lie
 
     def to_tensor(self, dev: torch.device) -> torch.Tensor:
         """The 1-D float64 vector on ``dev`` (tensors stay on their device until this copy: no host sync; the
