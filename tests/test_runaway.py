@@ -1360,8 +1360,8 @@ def test_a_start_whose_optimizer_state_changes_layout_is_kept_again_and_resumes_
         m = nn.Linear(3, 1)
         o = torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=2)
         s = hdet.HDETLR(o, None, total_steps=30, model=m, replicas=ScriptedReplicas(0, 4, lambda: [1.0] * 4),
-                        ensemble_lr_spread_ratio=0.2, model_sync_interval=5, on_runaway="recover", judge_steps=1)
-        return m, o, s
+                        model_sync_interval=5, on_runaway="recover", judge_steps=1)  # (no spread: LBFGS is refused
+        return m, o, s  # under one, since session 35; the state's layout is the point here)
 
     def steps(m, o, s, ts):
         for t in ts:

@@ -31,7 +31,7 @@ from . import ensemble_state
 from .caller import user_stacklevel
 from .config import HDETConfig
 from .controller import ControllerStep
-from .hyper import Hyperparameter
+from .hyper import Hyperparameter, check_explored
 from .optimizers import innermost, lr_free_kind
 from .replicas import ProcessGroupReplicas, Replicas, ReplicaSyncError, local_shard, reshard_fsdp
 from .range_test import MAX_RANGE_GROWTH, RANGE_START, RampSnapshots, RangeTest
@@ -115,9 +115,7 @@ class Ensemble:
                  model: nn.Module | None = None, hypers: list[Hyperparameter] | tuple[Hyperparameter, ...] = (), *,
                  probe: Probe | None = None, lr_control: LRControl | None = None) -> None:
         hypers = list(hypers)
-        for h in hypers:
-            if not isinstance(h, Hyperparameter):
-                raise ValueError(f"Expected explore= to hold hdet hyperparameters, but got {type(h).__name__}")
+        check_explored(hypers)
         names = [h.name for h in hypers]
         lr_names = [f"lr/{g.get('name', j)}" for j, g in enumerate(optimizer.param_groups)]
         if len(set(names + lr_names)) != len(names + lr_names):

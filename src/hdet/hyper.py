@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -99,6 +99,13 @@ class _GroupValue(Hyperparameter):
     @property
     def group(self) -> dict[str, Any]:
         return self.optimizer.param_groups[self.group_index]
+
+
+def check_explored(hypers: Sequence[Any]) -> None:
+    """That ``explore=`` holds hdet hyperparameters (a ValueError naming what it holds otherwise)."""
+    for h in hypers:
+        if not isinstance(h, Hyperparameter):
+            raise ValueError(f"Expected explore= to hold hdet hyperparameters, but got {type(h).__name__}")
 
 
 def _group_index(optimizer: torch.optim.Optimizer, group: int | str) -> int:

@@ -28,7 +28,7 @@ from .config import OPTIONS, HDETConfig, spreading
 from .controller import gamma_as_printed
 from .ensemble import Ensemble, SyncRecord
 from .guard import GuardSetting, ScalerWatch, SkipWatch
-from .hyper import AdamBeta, Dropout, Hyperparameter, LabelSmoothing
+from .hyper import AdamBeta, Dropout, Hyperparameter, LabelSmoothing, check_explored
 from .loss_scale import LossScale
 from .optimizers import check_lr_groups, check_optimizer, check_shared_gradients, innermost
 from .replicas import (DEFAULT_BUCKET_CAP_MB, LocalReplica, Replicas, check_mesh_placements, check_not_fsdp1, is_sharded,
@@ -117,6 +117,7 @@ class HDETLR(LRScheduler):
         self._base, self._base_fn = _resolve_base(base, optimizer)
         _check_one_cycle_length(self._base, total_steps)
         explore = [explore] if isinstance(explore, Hyperparameter) else list(explore or ())
+        check_explored(explore)  # (before the checks that read their spreads)
         _check_cycled_beta1(bool(scheduler_state.momentum_cyclers(self._base)), explore)
         if config.enable_auto_lr and any(isinstance(h, LabelSmoothing) for h in explore):
             warnings.warn("hdet: the controller compares the replicas' losses, and label smoothing raises a replica's "
