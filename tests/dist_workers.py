@@ -700,7 +700,9 @@ def swapped_mesh(rank, world):
 def partitioned(rank, world, *, kind="fsdp1", steps=4, T=2):
     """What an FSDP1 or ZeroRedundancyOptimizer user writes: the scheduler's error, or (none) whether the run
     averaged shards of different parameters (``kind``: "fsdp1", "fsdp1-orig" (use_orig_params=True),
-    "fsdp1-no-model" (no model=), "zero"; "zero-alpha0": ZeRO without a spread, allowed)."""
+    "fsdp1-no-model" (no model=), "zero"; "zero-alpha0": ZeRO without a spread, allowed; refused without a spread:
+    "zero-recover" (on_runaway="recover"), "zero-range" (lr_range_test), "zero-warm" (hdet.warm_init_ after building
+    the scheduler, as its docs say: refused at the first step) and "zero-warm-before" (before: at construction))."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -712,18 +714,25 @@ def partitioned(rank, world, *, kind="fsdp1", steps=4, T=2):
     else:
         model = DDP(net)
         o = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    extra = {"zero-recover": {"on_runaway": "recover"}, "zero-range": {"lr_range_test": True, "auto_lr_warmup_steps": 2}
+             }.get(kind, {})
+    alpha0 = kind.startswith("zero-") and kind != "zero"
     try:
-        s = hdet.HDETLR(o, None, total_steps=steps, ensemble_lr_spread_ratio=0.0 if kind == "zero-alpha0" else 0.5,
-                        model_sync_interval=T, model=None if kind == "fsdp1-no-model" else model)
+        if kind == "zero-warm-before":
+            hdet.warm_init_(net)
+        s = hdet.HDETLR(o, None, total_steps=steps, ensemble_lr_spread_ratio=0.0 if alpha0 else 0.5,
+                        model_sync_interval=T, model=None if kind == "fsdp1-no-model" else model, **extra)
+        if kind == "zero-warm":
+            hdet.warm_init_(net)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            loss = (model(torch.randn(8, 4, generator=g)) ** 2).mean()
+            o.zero_grad()
+            loss.backward()
+            o.step()
+            s.step(loss)
     except ValueError as e:
         return {"error": str(e)}
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(steps):
-        loss = (model(torch.randn(8, 4, generator=g)) ** 2).mean()
-        o.zero_grad()
-        loss.backward()
-        o.step()
-        s.step(loss)
     return {"error": None, "params": gather_flat([p.detach() for p in net.parameters()])}
 
 

@@ -665,6 +665,18 @@ def test_zero_redundancy_optimizer_under_a_spread_is_refused_with_the_reason():
     assert torch.equal(res[0]["params"][0], res[0]["params"][1])
 
 
+@pytest.mark.parametrize("kind", ["zero-recover", "zero-range", "zero-warm", "zero-warm-before"])
+def test_zero_redundancy_optimizer_without_a_spread_is_refused_where_it_breaks_hdet(kind):
+    """Without a spread ZeroRedundancyOptimizer runs (above), but going back to a best sync (on_runaway="recover", the
+    range test) restored the weights and left its state (kept in optimizer.optim, on the owner rank) at the later step:
+    Adam's moments and step counts silently wrong after the go-back; and hdet.warm_init_'s noise was replaced by the
+    owner rank's at the first step (the replicas identical, the final model one rank's noise). Refused, with the
+    reason: at construction, or at the first step where warm_init_ ran after it (as its docs say to call it)."""
+    for r in check_ok(run_gloo(_partitioned, 2, kind)):
+        assert r["error"] is not None and "ZeroRedundancyOptimizer" in r["error"], r
+        assert ("warm_init_" in r["error"]) == kind.startswith("zero-warm"), r
+
+
 def test_d_adaptation_with_a_device_mesh_and_a_spread_is_refused_clearly():
     """D-Adaptation on FSDP2 replicas with a spread failed at the first step inside hdet.step_scale (a foreach copy
     of DTensors); it is refused at construction with the reason."""

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from .warm_init import warm_initialised
+
 __all__ = ["lr_free_kind", "dual_averaging", "check_optimizer", "check_shared_gradients", "innermost", "decoupled",
            "coupled_weight_decay"]
 
@@ -163,7 +165,21 @@ def check_optimizer(optimizer: torch.optim.Optimizer, spreading: bool, average_o
                          "average of the weights (what its users evaluate), which a converge step of the weights alone "
                          "leaves each replica's own (an audit: 1.85e-2 apart after the last converge step while the "
                          "weights were equal). Pass average_optimizer_state=True, or use another optimizer")
-    if spreading and any(c.__name__ == "ZeroRedundancyOptimizer" for c in type(innermost(optimizer)).__mro__):
+    zero = any(c.__name__ == "ZeroRedundancyOptimizer" for c in type(inner).__mro__)
+    if zero and recovering:
+        raise ValueError(f"Expected on_runaway='ignore' and no lr_range_test with {name}: going back to a best sync "
+                         "restores the weights and what optimizer.state holds, but ZeroRedundancyOptimizer keeps its "
+                         "state in the optimizer it wraps (optimizer.optim), on the rank that owns each parameter, so "
+                         "the moments and step counts stayed at the later step (an audit: Adam's exp_avg 4.3e-2 off "
+                         "after going back, the weights 6e-3 off a plain AdamW's three steps later). Use the optimizer "
+                         "it wraps (optimizer_class) with DDP, or on_runaway='ignore'")
+    if zero and warm_initialised(p for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(f"Expected no hdet.warm_init_ noise with {name}: it steps each parameter on its owner rank and "
+                         "broadcasts it, so after the first step every replica holds the owner's noise instead of its "
+                         "own, and the converge steps average identical replicas (an audit: the final model carried one "
+                         "rank's noise, 3.1e-3 off a plain AdamW's run). Use the optimizer it wraps (optimizer_class) "
+                         "with DDP, or leave out warm_init_")
+    if spreading and zero:
         raise ValueError(f"Expected an optimizer that steps every parameter on every rank under a spread, but got {name}: "
                          "it steps each parameter on one rank and broadcasts it, so every replica would get the owner "
                          "rank's multiplier for that parameter and the replicas would stay identical (an audit: no "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import warnings
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -14,7 +15,16 @@ from .caller import user_stacklevel
 from .replicas import reshard_fsdp
 from .values import int_number, real_number
 
-__all__ = ["warm_init_"]
+__all__ = ["warm_init_", "warm_initialised"]
+
+_PERTURBED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()  # the tensors
+# warm_init_ added noise to, by id (a WeakSet compares tensors with ==)
+
+
+def warm_initialised(params: Iterable[torch.Tensor]) -> bool:
+    """Whether :func:`warm_init_` added noise to any of ``params`` (an optimizer that broadcasts each parameter from one
+    rank, ZeroRedundancyOptimizer, replaces it: :func:`hdet.optimizers.check_optimizer`)."""
+    return any(_PERTURBED.get(id(p)) is p for p in params)
 
 
 @torch.no_grad()
@@ -29,7 +39,8 @@ def warm_init_(
 
     Call it once on every replica, after wrapping the model in DDP (DDP broadcasts rank 0's weights
     when it wraps) and after building the scheduler; HDET never averages before the first sync step,
-    so the noise survives until then. ``rank`` defaults to the process group rank (0 without one);
+    so the noise survives until then (not under ZeroRedundancyOptimizer, which broadcasts each parameter from its
+    owner rank after every step: refused there). ``rank`` defaults to the process group rank (0 without one);
     replica ``r`` draws from a dedicated generator on the parameters' device, seeded by a hash of ``(seed, r)``
     (not ``seed`` itself, which seeds the model's initial weights, nor ``seed + r``), so the caller's global RNG
     is untouched.
@@ -100,6 +111,7 @@ def warm_init_(
         stds = [nu * (q / n) ** 0.5 for q, n in zip(sq, numels)]
     for p, std in zip(local, stds):
         p.add_(noise_like(p).mul_(std).to(p.dtype))
+    _PERTURBED.update((id(p), p) for p in tensors)
     return max(stds)
 
 
