@@ -1091,7 +1091,7 @@ def hsdp_finish(rank, world):
 def swap_average(rank, world, *, nan_rank=None, mesh_shape=None):
     """Seven steps of 20 (T = 5), then ``with s.averaged():`` between converge steps: every rank's model holds the
     replicas' mean (of the finite ones), training calls are refused inside, and each rank's own weights come back
-    exactly; at converge step 10 nothing is averaged (no collective), and after an optimizer step without
+    exactly, BatchNorm's ``num_batches_tracked`` too after a forward in training mode inside; at converge step 10 nothing is averaged (no collective), and after an optimizer step without
     ``s.step()`` it is again. ``mesh_shape``: FSDP2/HSDP replicas on a ("replicate", "shard") mesh, without BatchNorm."""
     if mesh_shape is not None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -1124,6 +1124,7 @@ def swap_average(rank, world, *, nan_rank=None, mesh_shape=None):
     healthy = [e.double() for k, e in enumerate(every) if k != nan_rank]
     mean = sum(healthy) / len(healthy)
     refused = []
+    counts = [b.clone() for name, b in model.named_buffers() if name.endswith("num_batches_tracked")]
     with s.averaged() as changed:
         inside = flat()
         for call in (o.step, s.step, s.finish, s.swap_in_average):
@@ -1131,11 +1132,16 @@ def swap_average(rank, world, *, nan_rank=None, mesh_shape=None):
                 call()
             except hdet.SwappedInError as e:
                 refused.append(str(e).split(" while ")[0])
+        if mesh_shape is None:  # a forward in training mode inside (BatchNorm counts a batch and moves its stats)
+            with torch.no_grad():
+                model(batch(rank, 99)[0])
     after = flat()
     out = {"changed": changed, "inside_is_mean": torch.allclose(inside.double(), mean, rtol=1e-6, atol=1e-7),
            "apart": not all(torch.equal(every[0], e) for e in every[1:]),
            "restored": torch.equal(torch.nan_to_num(after, 7.0), torch.nan_to_num(own, 7.0)),
-           "refused": refused, "swapped_after": s.average_swapped_in}
+           "refused": refused, "swapped_after": s.average_swapped_in,
+           "counts_restored": all(torch.equal(b, c) for b, c in zip(
+               [b for name, b in model.named_buffers() if name.endswith("num_batches_tracked")], counts))}
     if nan_rank is not None:
         return out
     train_steps(model, o, s, rank, range(8, 11))  # 10: a converge step

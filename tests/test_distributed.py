@@ -967,10 +967,11 @@ def test_averaged_puts_the_replicas_mean_in_for_an_evaluation_and_puts_each_back
     """`with sched.averaged(): evaluate(model)` between converge steps (DDP at world 2 and 4; FSDP2/HSDP on a (2, 2)
     mesh): every rank holds the mean of the replicas' weights and BatchNorm statistics (a replica with a NaN weight
     left out), training calls are refused inside with SwappedInError, and each rank's own weights (the NaN too) come
-    back bit for bit. Right after a converge step nothing is averaged and no collective runs; after an optimizer step
+    back bit for bit, and BatchNorm's num_batches_tracked after a forward in training mode inside (an audit: it kept
+    the batch counted, and under momentum=None the statistics after it were weighted by it). Right after a converge step nothing is averaged and no collective runs; after an optimizer step
     without scheduler.step() the replicas differ again, and it averages."""
     for r in check_ok(run_gloo(_swap_average, world, nan_rank, mesh_shape)):
-        assert r["changed"] and r["apart"] and r["inside_is_mean"] and r["restored"], r
+        assert r["changed"] and r["apart"] and r["inside_is_mean"] and r["restored"] and r["counts_restored"], r
         assert r["refused"] == ["hdet: optimizer.step() was called", "hdet: scheduler.step() was called",
                                 "hdet: finish() was called", "hdet: swap_in_average() was called again"], r
         assert not r["swapped_after"]

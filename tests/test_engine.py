@@ -803,8 +803,8 @@ def test_engine_finish_sets_the_values_its_sync_deals():
 def test_engine_averaged_evaluates_the_replicas_mean_and_training_goes_on_unchanged(mode):
     """`with engine.averaged(): evaluate(engine.models[0])` after step 7 of 20 (T = 5), one replica's weight NaN:
     every replica holds the mean of the finite replicas' weights and BatchNorm statistics, step() and finish() are
-    refused inside, every replica's own weights (the NaN too) come back bit for bit, and the run goes on exactly as
-    one that never evaluated; right after the converge step at 10 nothing changes."""
+    refused inside, every replica's own weights (the NaN too) come back bit for bit, BatchNorm's num_batches_tracked
+    too after a forward in training mode inside, and the run goes on exactly as one that never evaluated; right after the converge step at 10 nothing changes."""
     from hdet.engine import ReplicaEngine
 
     def run(evaluate):
@@ -833,6 +833,8 @@ def test_engine_averaged_evaluates_the_replicas_mean_and_training_goes_on_unchan
                         for call in (lambda: eng.step([torch.randn(8, 4)] * 3, loss_fn), eng.finish):
                             with pytest.raises(hdet.SwappedInError):
                                 call()
+                        with torch.no_grad():  # a forward in training mode: BatchNorm counts a batch, moves its stats
+                            eng.models[1](torch.randn(8, 4))
                     seen["mean"] = (own[0] + own[1]) / 2
                     seen["restored"] = all(torch.equal(torch.nan_to_num(flat(m), 7.0), torch.nan_to_num(o, 7.0))
                                            for m, o in zip(eng.models, own))
@@ -842,15 +844,17 @@ def test_engine_averaged_evaluates_the_replicas_mean_and_training_goes_on_unchan
                 at_sync = [flat(m) for m in eng.models]
                 with eng.averaged() as seen["changed_at_sync"]:
                     seen["equal_at_sync"] = all(torch.equal(flat(m), a) for m, a in zip(eng.models, at_sync))
-        return [flat(m) for m in eng.models], seen
+        counts = [int(m[1].num_batches_tracked) for m in eng.models]
+        return [flat(m) for m in eng.models], seen, counts
 
     with one_thread():
-        plain, _ = run(False)
-        done, seen = run(True)
+        plain, _, plain_counts = run(False)
+        done, seen, counts = run(True)
     assert seen["changed"] and seen["restored"] and seen["changed_at_sync"] is False and seen["equal_at_sync"]
     for inside in seen["inside"]:
         torch.testing.assert_close(inside, seen["mean"], rtol=1e-6, atol=1e-7)
     assert all(torch.equal(a, b) for a, b in zip(done, plain))
+    assert counts == plain_counts == [20] * 3  # (the forward inside counted no batch: an audit)
 
 
 @pytest.mark.parametrize("explore", [False, True])

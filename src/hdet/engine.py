@@ -55,7 +55,7 @@ from .stacked_optim import StackedStep, Unstackable, unsupported
 from .stacking import StackedReplicas
 from .step_scale import share_local
 from .swap import AverageSwap, averaged, explored_bases
-from .sync import health
+from .sync import health, unaveraged_buffers
 from .values import int_number
 
 __all__ = ["ReplicaEngine"]
@@ -710,7 +710,8 @@ class ReplicaEngine:
             finite = torch.stack(oks).tolist()  # HOST SYNC
         tensors = [ts for ts, _ in lists]
         changed = self._swap.swap_in(tensors, finite, lambda bad: average_local(tensors, bad),
-                                     [innermost(o) for o in self.optimizers])
+                                     [innermost(o) for o in self.optimizers],
+                                     keep=[unaveraged_buffers(m) for m in self.models])
         for e in ens:  # every replica's explored values at their base meanwhile (its own objects)
             self._swap.hold_values(e.hypers, explored_bases(e))
         return changed

@@ -35,7 +35,7 @@ from .replicas import (DEFAULT_BUCKET_CAP_MB, LocalReplica, Replicas, check_mesh
                        reshard_fsdp, resolve_replicas)
 from .slots import LRControl
 from .swap import AverageSwap, averaged, explored_bases
-from .sync import check_memory_layout, health, persistent_float_buffers
+from .sync import check_memory_layout, health, persistent_float_buffers, unaveraged_buffers
 from .values import real_number
 
 __all__ = ["HDETLR", "OneCycleAutoLR"]
@@ -628,7 +628,8 @@ class HDETLR(LRScheduler):
             if over_shards is not None and ens.model is not None:  # HSDP: a replica's buffers, over its shard ranks
                 over_shards(persistent_float_buffers(ens.model))  # COLLECTIVES: one all_reduce per bucket
 
-        changed = self._swap.swap_in([tensors], finite, average, [innermost(self.optimizer)])
+        changed = self._swap.swap_in([tensors], finite, average, [innermost(self.optimizer)],
+                                     keep=[unaveraged_buffers(ens.model)] if ens.model is not None else ())
         self._swap.hold_values(ens.hypers, explored_bases(ens))
         return changed
 

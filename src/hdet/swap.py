@@ -78,10 +78,13 @@ class AverageSwap:
             raise _refuse(what)
 
     def swap_in(self, tensors: Sequence[Sequence[torch.Tensor]], finite: list[bool] | None,
-                average: Callable[[list[int]], None], optimizers: Sequence[torch.optim.Optimizer] = ()) -> bool:
+                average: Callable[[list[int]], None], optimizers: Sequence[torch.optim.Optimizer] = (),
+                keep: Sequence[Sequence[torch.Tensor]] = ()) -> bool:
         """Keep ``tensors`` (a copy of each, on its device), then ``average`` them in place over the replicas whose
         ``finite`` flag is set (``finite`` None: the replicas are equal already, right after a converge step, and
-        nothing changes). Every replica non-finite: nothing changes either (a warning). Until :meth:`swap_back`,
+        nothing changes). ``keep[r]``: replica r's tensors that are not averaged but put back too (BatchNorm's
+        ``num_batches_tracked``: a forward in training mode inside the evaluation counted a batch that training
+        never took, an audit). Every replica non-finite: nothing changes either (a warning). Until :meth:`swap_back`,
         the ``optimizers``' ``step()`` is refused, and a Schedule-Free optimizer's train/eval mode is put back as it
         was here before the tensors are (the Hugging Face Trainer calls ``optimizer.eval()`` inside the evaluation:
         its own weights then went back as the eval-mode point, and its next ``train()`` moved them, 4.7e-3 off in an
@@ -96,6 +99,7 @@ class AverageSwap:
         elif finite is not None:
             with torch.no_grad():
                 kept = [[t.clone() for t in ts] for ts in tensors]  # this replica's own: one copy
+                kept_too = [[t.clone() for t in ks] for ks in keep]
             try:
                 average(bad)
             except BaseException:  # (a failed collective, Ctrl-C): each replica's own back, nothing swapped in
@@ -104,6 +108,8 @@ class AverageSwap:
                         if ts:
                             torch._foreach_copy_(list(ts), ks)
                 raise
+            tensors = [list(ts) + list(keep[r] if r < len(keep) else []) for r, ts in enumerate(tensors)]
+            kept = [ks + (kept_too[r] if r < len(kept_too) else []) for r, ks in enumerate(kept)]
         self.tensors, self.saved = ([list(ts) for ts in tensors] if kept else []), kept
         self._hooks = [o.register_step_pre_hook(self._refuse_step) for o in optimizers]
         return bool(self.tensors)

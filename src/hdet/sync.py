@@ -115,6 +115,13 @@ def batch_counts(model: nn.Module) -> list[torch.Tensor]:
     return [b for name, b in _persistent_buffers(model) if name == "num_batches_tracked" and not averaged(b)]
 
 
+def unaveraged_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The model's persistent buffers a converge step does not average (integer and boolean: BatchNorm's
+    ``num_batches_tracked``), each once: an evaluation of the average keeps and puts back these too
+    (:class:`hdet.swap.AverageSwap`)."""
+    return [b for _, b in _persistent_buffers(model) if not averaged(b)]
+
+
 def health(tensors: list[torch.Tensor], strict: list[bool], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """On ``dev``: (every ``strict`` tensor is finite and no tensor holds a NaN or +Inf, the number of -Inf
     elements in the non-strict tensors (buffers)). A buffer may hold -inf by design (a persistent
