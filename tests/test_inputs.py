@@ -244,8 +244,11 @@ def test_a_param_group_added_after_the_scheduler_is_an_error_that_says_so():
     opt.add_param_group({"params": [b], "lr": 0.01})
     opt.step()
     with pytest.raises(ValueError, match=r"Expected the 1 param group\(s\) the scheduler was built with, but the "
-                                         r"optimizer has 2 now \(optimizer.add_param_group"):
+                                         r"optimizer has 2 now \(optimizer.add_param_group") as e:
         s.step(1.0)
+    # its advice for unfreezing later says what DDP needs (an audit: followed under DDP, the unfrozen group's gradients
+    # were never all-reduced, each replica's its own, silently)
+    assert "wrap the model again when they are unfrozen" in str(e.value)
 
 
 def test_warm_init_without_a_process_group_or_rank_warns():

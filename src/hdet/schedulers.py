@@ -427,7 +427,9 @@ class HDETLR(LRScheduler):
                              f"optimizer has {len(self.optimizer.param_groups)} now (optimizer.add_param_group after "
                              "the scheduler was built?): HDET's LR slots are fixed when it is built. Build the "
                              "scheduler after adding every param group (a group frozen for now can hold parameters "
-                             "with requires_grad=False)")
+                             "with requires_grad=False; under DistributedDataParallel wrap the model again when they "
+                             "are unfrozen: it all-reduces only the gradients of the parameters that required grad "
+                             "when it was built, and the replicas' gradients would differ silently)")
         self._check_optimizer_stepped()
         self._check_capped_lr(t)
         if self._hdet.step_scale is not None:  # Prodigy under a process group: its estimate shared (COLLECTIVE)
