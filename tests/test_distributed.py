@@ -171,18 +171,28 @@ def test_ranks_whose_parameters_are_laid_out_apart_get_a_clear_error(where):
     assert all(r is not None and "laid out differently in memory" in r and "contiguous_parameters_" in r for r in res)
 
 
-def _resume_loaded(rank, world, when):
+def _resume_loaded(rank, world, when, max_norm=False, evaluate=False):
     """Train 3 steps (T = 5: the replicas apart), save each rank's states, then resume into a fresh model whose state
     is loaded ``when`` ("before" or "after" DDP is built); returns the warnings of the first resumed step that say
-    the weights are not the saved ones, and whether this rank resumed from its own saved weights."""
+    the weights are not the saved ones, and whether this rank resumed from its own saved weights. ``max_norm``: the
+    model starts with an ``nn.Embedding(max_norm=...)``, whose forward renormalises its rows in place; ``evaluate``:
+    the first forward after the load evaluates the replicas' average (``sched2.averaged()``)."""
     import copy
     import warnings
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    class Embedded(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.out = nn.Embedding(10, 4, max_norm=0.5), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.out(self.emb((x.abs() * 3).long().clamp(max=9)).mean(1))
+
     def build(seed):
         torch.manual_seed(seed)
-        net = nn.Linear(4, 2)
+        net = Embedded() if max_norm else nn.Linear(4, 2)
         return net
 
     def parts(net):
@@ -213,6 +223,9 @@ def _resume_loaded(rank, world, when):
     own = all(torch.equal(a, b) for a, b in zip(net2.state_dict().values(), saved["model"].values()))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        if evaluate:
+            with sched2.averaged(), torch.no_grad():
+                model2(torch.randn(8, 4))
         step(model2, opt2, sched2)
         step(model2, opt2, sched2)
     return [str(w.message) for w in caught if "after load_state_dict" in str(w.message)], own
@@ -229,6 +242,20 @@ def test_a_model_state_loaded_before_ddp_is_said_at_the_first_step():
     assert not own and len(said) == 1 and "rank 1's weights" in said[0] and "after wrapping" in said[0]
     after = check_ok(run_gloo(_resume_loaded, 2, "after"))
     assert after == [([], True), ([], True)]
+
+
+def test_a_model_state_loaded_after_ddp_is_not_said_when_the_forward_writes_weights():
+    """The weights' check after a resume compared at the first optimizer step, after the forward: nn.Embedding with
+    max_norm renormalises its rows in place there, and a resume done as the docs say warned on every rank that its
+    weights were not the ones saved (an audit). With model= it compares before the first forward; loaded before DDP
+    the warning still comes."""
+    assert check_ok(run_gloo(_resume_loaded, 2, "after", True)) == [([], True), ([], True)]
+    said, own = check_ok(run_gloo(_resume_loaded, 2, "before", True))[1]
+    assert not own and len(said) == 1 and "rank 1's weights" in said[0]
+    # a first forward that evaluates the average (swapped in) is not what is compared: the one after it is
+    assert check_ok(run_gloo(_resume_loaded, 2, "after", False, True)) == [([], True), ([], True)]
+    said, own = check_ok(run_gloo(_resume_loaded, 2, "before", False, True))[1]
+    assert not own and len(said) == 1 and "rank 1's weights" in said[0]
 
 
 def _hsdp_rank0_state(rank, world):
