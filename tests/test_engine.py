@@ -1215,3 +1215,53 @@ def test_a_reset_replica_whose_optimizer_state_differs_is_refused_and_a_late_fir
         assert run(False).steps_taken == 2
         with pytest.raises(ReplicaMismatchError, match=r"reset replica\(s\) \[1\]'s optimizer state"):
             run(True)
+
+
+def _spectral_net(form):
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    torch.manual_seed(0)
+    sn = spectral_norm if form == "parametrization" else nn.utils.spectral_norm
+    return nn.Sequential(sn(nn.Linear(6, 16)), nn.Tanh(), sn(nn.Linear(16, 1)))
+
+
+def _spectral_norms(net):
+    """The spectral norm of each layer's weight as its eval-mode forward computes it (from the stored u, v)."""
+    net.eval()
+    with torch.no_grad():
+        net(torch.zeros(1, 6))  # (the hook form sets .weight in its forward)
+        out = [float(torch.linalg.matrix_norm(net[i].weight, ord=2)) for i in (0, 2)]
+    net.train()
+    return out
+
+
+@pytest.mark.parametrize("form", ["parametrization", "hook"])
+def test_spectral_norms_estimates_are_refreshed_for_the_averaged_weights(form):
+    """A converge step averaged spectral_norm's u and v buffers with the weights: the mean of unit vectors is shorter,
+    sigma = u^T W v too small, and the averaged model's eval-mode layers had spectral norms above 1 (an audit: 1.0076,
+    outputs 0.9% off). After a converge step, and inside averaged() mid-window, every layer's is 1 again (the power
+    iteration run on the weights now in), the replicas equal; each replica's own u, v come back after averaged()."""
+    from hdet.engine import ReplicaEngine
+
+    sched = lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=20, ensemble_lr_spread_ratio=0.5,  # noqa: E731
+                                                  model_sync_interval=10, replicas=rep, model=m)
+    eng = ReplicaEngine(_spectral_net(form), 2, lambda m: torch.optim.Adam(m.parameters(), lr=0.05), sched, mode="loop")
+    g = torch.Generator().manual_seed(1)
+
+    def loss_fn(m, b):
+        return F.mse_loss(m(b), (3 * b[:, :1]).sin())
+
+    with one_thread():
+        for t in range(1, 16):
+            eng.step([torch.randn(32, 6, generator=g) * (1 + r) for r in range(2)], loss_fn)
+            if t == 10:  # right after the converge step
+                after_sync = [_spectral_norms(m) for m in eng.models]
+        own = [copy.deepcopy(m.state_dict()) for m in eng.models]
+        with eng.averaged() as changed:
+            inside = [_spectral_norms(m) for m in eng.models]
+    assert changed
+    for norms in after_sync + inside:
+        assert norms == pytest.approx([1.0, 1.0], abs=1e-5), (after_sync, inside)
+    assert after_sync[0] == after_sync[1] and inside[0] == inside[1]
+    for m, o in zip(eng.models, own):
+        assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), o.values()))

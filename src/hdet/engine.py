@@ -42,7 +42,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_leaves
 
-from . import attention, autocast, cross_entropy, embedding, linear
+from . import attention, autocast, cross_entropy, embedding, linear, spectral
 from .caller import user_stacklevel
 from .graphs import StepGraphs, function_key
 from .merged import MergedReplicas, NotMergeable, check_merged, failure, reason_not_mergeable
@@ -709,7 +709,12 @@ class ReplicaEngine:
                    for ts, strict in lists]
             finite = torch.stack(oks).tolist()  # HOST SYNC
         tensors = [ts for ts, _ in lists]
-        changed = self._swap.swap_in(tensors, finite, lambda bad: average_local(tensors, bad),
+        def average(bad: list[int]) -> None:
+            average_local(tensors, bad)
+            for m in self.models:
+                spectral.refresh_(m)
+
+        changed = self._swap.swap_in(tensors, finite, average,
                                      [innermost(o) for o in self.optimizers],
                                      keep=[unaveraged_buffers(m) for m in self.models])
         for e in ens:  # every replica's explored values at their base meanwhile (its own objects)
@@ -1009,6 +1014,8 @@ class ReplicaEngine:
         try:
             for e, v in zip(ens, verdicts):
                 e.finish_sync(t, v)
+            for m in self.models:  # (spectral norms' u, v for the weights now in: averaged, or gone back to)
+                spectral.refresh_(m)
         finally:  # the next sync's copies start afresh (the snapshots keep what they need)
             for c in self._copies:
                 c.clear()

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import ensemble_state
+from . import ensemble_state, spectral
 from .caller import user_stacklevel
 from .config import HDETConfig
 from .controller import ControllerStep
@@ -659,7 +659,9 @@ class Ensemble:
             self._average(t, self.tensors(), verdict.exclude)  # Eq. 3 over the healthy replicas
             if verdict.exclude:
                 self._reset_moments(t, verdict.exclude)
-            return self.finish_sync(t, verdict)
+            rec = self.finish_sync(t, verdict)
+            spectral.refresh_(self.model)  # (spectral norms' u, v for the weights now in: averaged, or gone back to)
+            return rec
 
     @contextlib.contextmanager
     def marking_failure(self, t: int) -> Iterator[None]:
@@ -685,12 +687,14 @@ class Ensemble:
             verdict = self.check_sync(t, self._gather(t, self.prepare_sync(t, new_window=False)), everyone=False)
             if verdict.collapsed:  # every replica bad: back to the best sync now, as a sync would (a record says so)
                 self.finish_sync(t, verdict)
+                spectral.refresh_(self.model)
                 self.early_recovered = {r: t for r in verdict.nonfinite}  # (the next sync's window holds their NaNs)
                 return verdict.nonfinite
             bad = verdict.exclude
             if bad:
                 self._average(t, self.tensors(), bad)
                 self._reset_moments(t, bad)
+                spectral.refresh_(self.model)
                 for r in bad:  # (said at the next sync: sched.last_sync.recovered_early)
                     self.early_recovered.setdefault(r, t)
                 self.stability.forget(bad)  # (judged on their windows from now on)

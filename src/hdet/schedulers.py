@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR, ReduceLROnPlateau
 
-from . import scheduler_state
+from . import scheduler_state, spectral
 from .caller import user_stacklevel
 from .config import OPTIONS, HDETConfig, spreading
 from .controller import gamma_as_printed
@@ -629,6 +629,7 @@ class HDETLR(LRScheduler):
             over_shards = getattr(ens.replicas, "average_over_shards_", None)
             if over_shards is not None and ens.model is not None:  # HSDP: a replica's buffers, over its shard ranks
                 over_shards(persistent_float_buffers(ens.model))  # COLLECTIVES: one all_reduce per bucket
+            spectral.refresh_(ens.model)
 
         changed = self._swap.swap_in([tensors], finite, average, [innermost(self.optimizer)],
                                      keep=[unaveraged_buffers(ens.model)] if ens.model is not None else ())

@@ -1,0 +1,91 @@
+"""Spectral normalisation's estimates refreshed after the replicas' weights are averaged: :func:`refresh_`.
+
+``torch.nn.utils.parametrizations.spectral_norm`` (and the older ``torch.nn.utils.spectral_norm`` hook) divides a
+weight by ``sigma = u^T W v``, where ``u`` and ``v`` are buffers that a power iteration in each training forward keeps
+near W's top singular vectors; in eval mode they are used as they are. A converge step averages them with the weights
+(they are persistent floating-point buffers), but the mean of unit vectors is shorter than one: ``sigma`` came out too
+small and the averaged model's eval-mode weight had a spectral norm above 1 (an audit: 1.0076 for a 16 -> 1 layer,
+its outputs 0.9% off). After every write of averaged (or restored) weights into a model, :func:`refresh_` runs the
+power iteration on the weight now in the model, from the averaged vectors, until ``sigma`` settles (a relative change
+of at most 1e-6, at most 100 steps: one step, a training forward's, left 1.1% of a spectral norm of 1.71 after an
+average of two replicas 0.3 apart; more, 1.0000). Deterministic: replicas with equal weights and buffers stay equal.
+Sharded (DTensor) weights are left as they are.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+
+__all__ = ["refresh_"]
+
+try:  # torch's private classes: without them nothing is refreshed (and nothing else changes)
+    from torch.nn.utils.parametrizations import _SpectralNorm
+except ImportError:  # pragma: no cover - older or newer torch
+    _SpectralNorm = None
+_HookForm = getattr(importlib.import_module("torch.nn.utils.spectral_norm"), "SpectralNorm", None)
+
+
+RTOL, MAX_STEPS = 1e-6, 100  # when sigma has settled; the most steps
+
+
+@torch.no_grad()
+def refresh_(model: nn.Module | None) -> int:
+    """Run the power iteration of every spectral norm in ``model`` on its weight as it is now (after an average, a
+    reset or a go-back), until its ``sigma`` settles. Returns how many were refreshed (0 when the model has none: one
+    pass over its modules). HOST SYNC: one read per step of the iteration, where there are any."""
+    if model is None:
+        return 0
+    done = 0
+    for module in model.modules():
+        if _SpectralNorm is not None and parametrize.is_parametrized(module):
+            for plist in module.parametrizations.values():
+                for k, p in enumerate(plist):
+                    if isinstance(p, _SpectralNorm):
+                        weight = _input_of(plist, k)
+                        if weight is not None:
+                            _iterate(p._reshape_weight_to_matrix(weight), p._u, p._v, p.eps, u_first=True)
+                            done += 1
+        if _HookForm is not None:
+            for hook in module._forward_pre_hooks.values():
+                weight = getattr(module, hook.name + "_orig", None) if isinstance(hook, _HookForm) else None
+                if weight is not None and not _is_dtensor(weight):
+                    _iterate(hook.reshape_weight_to_matrix(weight), getattr(module, hook.name + "_u"),
+                             getattr(module, hook.name + "_v"), hook.eps, u_first=False)
+                    done += 1
+    return done
+
+
+def _input_of(plist: nn.ModuleList, k: int) -> torch.Tensor | None:
+    """The k-th parametrization's input: the original weight through the parametrizations before it (None for a
+    sharded or 1-d weight, which is normalised exactly, with no estimate)."""
+    weight = plist.original
+    if _is_dtensor(weight):
+        return None
+    for p in list(plist)[:k]:
+        weight = p(weight)
+    return weight if weight.ndim > 1 else None
+
+
+def _iterate(w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, eps: float, u_first: bool) -> None:
+    """Power iteration on ``w`` in place on ``u`` and ``v`` (in each form's order) until ``sigma = u^T w v`` settles."""
+    last = None
+    for _ in range(MAX_STEPS):
+        if u_first:
+            F.normalize(torch.mv(w, v), dim=0, eps=eps, out=u)
+            F.normalize(torch.mv(w.H, u), dim=0, eps=eps, out=v)
+        else:
+            F.normalize(torch.mv(w.H, u), dim=0, eps=eps, out=v)
+            F.normalize(torch.mv(w, v), dim=0, eps=eps, out=u)
+        sigma = float(torch.vdot(u, torch.mv(w, v)).real)  # HOST SYNC
+        if last is not None and abs(sigma - last) <= RTOL * abs(sigma):
+            return
+        last = sigma
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "placements")
