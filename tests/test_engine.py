@@ -1265,3 +1265,83 @@ def test_spectral_norms_estimates_are_refreshed_for_the_averaged_weights(form):
     assert after_sync[0] == after_sync[1] and inside[0] == inside[1]
     for m, o in zip(eng.models, own):
         assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), o.values()))
+
+
+class _LazyMean(nn.Module):
+    """A buffer registered as None and made in the forward (a lazily created running mean)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 8), nn.Linear(8, 1)
+        self.register_buffer("mu", None)
+
+    def forward(self, x):
+        h = self.l1(x)
+        m = h.detach().mean(0)
+        self.mu = m if self.mu is None else 0.9 * self.mu + 0.1 * m
+        return self.l2(torch.tanh(h - self.mu))
+
+
+def _none_buffer_run(mode):
+    from hdet.engine import ReplicaEngine
+
+    torch.manual_seed(0)
+    eng = ReplicaEngine(_LazyMean(), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                        lambda o, rep, m: hdet.HDETLR(o, None, total_steps=6, model_sync_interval=3,
+                                                      ensemble_lr_spread_ratio=0.5, replicas=rep, model=m), mode=mode)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(6):
+        losses.append(eng.step([torch.randn(5, 4, generator=g) for _ in range(2)],
+                               lambda m, b: m(b).square().mean()).tolist())
+    return eng, losses
+
+
+def test_a_buffer_made_in_the_forward_falls_back_to_the_loop_or_is_refused_clearly():
+    """A buffer registered as None and assigned in the forward: vmapped, replica 0's module kept a tensor escaped from
+    vmap and the others None, and the first converge step raised functorch's "escaped" error, naming neither the buffer
+    nor a way out (an audit). Now mode="auto" falls back to the loop (the same losses as mode="loop", through the
+    converge steps), and an explicit "vmap"/"merged" raises a ValueError naming it, replica 0's buffer left None."""
+    with one_thread():
+        _, loop = _none_buffer_run("loop")
+        with pytest.warns(UserWarning, match="'mu', registered as None"):
+            eng, auto = _none_buffer_run("auto")
+        assert eng.mode == "loop" and auto == loop
+        for mode in ("vmap", "merged"):
+            with pytest.raises(ValueError, match=r"the forward assigned 'mu', registered as None .* mode='loop'"):
+                _none_buffer_run(mode)
+
+
+@pytest.mark.parametrize("mode", ["loop", "auto"])
+def test_a_lazy_module_is_refused_when_the_engine_is_built(mode):
+    """nn.LazyLinear: in the loop each deep copy initialised its weights at its first forward from the global RNG, so the
+    replicas started apart (0.91 after one step at alpha 0 in an audit) and the converge steps averaged independent
+    networks, silently. Refused at construction, in every mode."""
+    from hdet.engine import ReplicaEngine
+
+    with pytest.raises(ValueError, match=r"\['0.weight', '0.bias'\] are uninitialised .* dummy batch"):
+        ReplicaEngine(nn.Sequential(nn.LazyLinear(3), nn.ReLU(), nn.Linear(3, 1)), 2,
+                      lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                      lambda o, rep, m: hdet.HDETLR(o, None, total_steps=4, replicas=rep, model=m), mode=mode)
+
+
+@pytest.mark.skipif(not hasattr(Exception, "add_note"), reason="exception notes: Python 3.11+")
+def test_torchs_error_in_an_explicit_vmap_mode_says_the_loop_runs_the_model():
+    """mode="vmap" with an LSTM raised torch's bare "Batching rule not implemented" error (an audit): it keeps its type
+    and message, with a note that mode='auto' or 'loop' runs such models."""
+    from hdet.engine import ReplicaEngine
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.out = nn.LSTM(3, 4, batch_first=True), nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.out(self.rnn(x)[0][:, -1])
+
+    eng = ReplicaEngine(Net(), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                        lambda o, rep, m: hdet.HDETLR(o, None, total_steps=4, replicas=rep, model=m), mode="vmap")
+    with pytest.raises(Exception) as e:
+        eng.step([torch.randn(2, 5, 3)] * 2, lambda m, b: m(b).square().mean())
+    notes = getattr(e.value, "__notes__", [])
+    assert len(notes) == 1 and "mode='vmap'" in notes[0] and "mode='loop' uses it" in notes[0], notes

@@ -114,8 +114,11 @@ class _Call(nn.Module):
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.m = module
-        self._buffer_slots = [(mod, k, f"m.{name}.{k}" if name else f"m.{k}") for name, mod in module.named_modules()
-                              for k, b in mod._buffers.items() if b is not None]
+        slots = [(mod, k, f"m.{name}.{k}" if name else f"m.{k}", b) for name, mod in module.named_modules()
+                 for k, b in mod._buffers.items()]
+        self._buffer_slots = [(mod, k, name) for mod, k, name, b in slots if b is not None]
+        self._none_slots = [(mod, k, name) for mod, k, name, b in slots if b is None]  # (registered as None: a
+        # forward that creates it, a lazily made running mean, cannot be stacked; see forward)
         # a submodule under two names (self.block2 = self.block1): functional_call swaps its tensors in twice and
         # puts back, under the second name, what it swapped in under the first (torch 2.13), leaving replica 0's
         # module holding the vmapped tensors; their own tensors, to put back after each call (restore)
@@ -132,6 +135,14 @@ class _Call(nn.Module):
     def forward(self, batch: Any, loss_fn: LossFn) -> tuple[torch.Tensor, dict[str, Any]]:
         before = [mod._buffers[k] for mod, k, _ in self._buffer_slots]
         loss = _scalar_loss(loss_fn(self.m, batch))
+        made = [name for mod, k, name in self._none_slots if mod._buffers[k] is not None]
+        if made:  # (left there, replica 0's module held a tensor escaped from vmap, the others None: functorch's
+            for mod, k, _ in self._none_slots:  # "escaped" error at the first converge step, an audit)
+                mod._buffers[k] = None
+            raise ValueError(f"Expected the buffers the vmapped replicas hold, but the forward assigned "
+                             f"{', '.join(repr(n[2:]) for n in made)}, registered as None when the engine was built: "
+                             "it cannot be stacked for the replicas. Create it in __init__ as a tensor of its final "
+                             "shape (or run one forward before building the engine), or use mode='loop'")
         return loss, {name: mod._buffers[k] for (mod, k, name), b in zip(self._buffer_slots, before)
                       if mod._buffers[k] is not b and isinstance(mod._buffers[k], torch.Tensor)}  # (None: dropped)
 
@@ -199,6 +210,12 @@ class ReplicaEngine:
             raise ValueError(f"Expected layers with dense gradients, but {sparse} are embeddings with sparse=True: the "
                              "engine averages and stacks the replicas' gradients as dense tensors. Build them with "
                              "sparse=False (and a dense optimizer)")
+        lazy = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if nn.parameter.is_lazy(t)]
+        if lazy:  # (the loop's deep copies each initialised theirs at its first forward from the global RNG: the
+            # replicas started apart and the first converge step averaged independent networks, an audit)
+            raise ValueError(f"Expected a model whose parameters are initialised, but {lazy} are uninitialised (a lazy "
+                             "module, nn.LazyLinear, ...): each replica would draw its own at its first forward. Run "
+                             "the model once on a dummy batch before building the engine")
         n = int_number(num_replicas)  # (numpy, 0-d tensors)
         num_replicas = num_replicas if n is None else n
         self.group = LocalReplicaGroup(num_replicas)
@@ -897,12 +914,14 @@ class ReplicaEngine:
             self._check_frozen()
         losses = None
         if self.mode == "merged":  # (None: it fell back to vmap, self.mode says so)
-            losses = self._merged_step(batches if stacked else _stack_batches(batches), loss_fn)
+            with _noting_the_mode("merged"):
+                losses = self._merged_step(batches if stacked else _stack_batches(batches), loss_fn)
         if losses is not None:  # each replica's .grad its view of the stacked gradient (per-replica optimizers
             self.stack.point_grads()  # read them), None where the loss did not reach a parameter, as vmapped()
             self.stack.unbind_missing()
         elif self.mode == "vmap":
-            losses = vmapped()
+            with _noting_the_mode("vmap"):
+                losses = vmapped()
         elif self.mode == "auto":
             saved, *rng = self._before_forward()  # (the failed attempt's dropout draws: the loop draws as mode="loop")
             try:
@@ -1025,6 +1044,21 @@ class ReplicaEngine:
 MAX_LOSS_FNS = 8  # loss functions whose vmapped (and compiled) forms the engine keeps
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 MAX_MERGE_CHECKS = 16  # (loss function, batch shapes) pairs mode='merged' checks at their first step, then vmap
+
+
+@contextlib.contextmanager
+def _noting_the_mode(mode: str) -> Iterator[None]:
+    """An error out of a step in an explicit ``mode="vmap"``/``"merged"`` (torch's own: "Batching rule not implemented",
+    ".item() under vmap", an escaped tensor) gets a note that the loop runs such models (Python 3.11+)."""
+    try:
+        yield
+    except Exception as e:
+        if hasattr(e, "add_note"):
+            e.add_note(f"hdet: raised in a ReplicaEngine step with mode={mode!r}, which runs the replicas under "
+                       "torch.func.vmap: where one replica runs without error, vmap cannot run this model (LSTM, "
+                       "spectral_norm, torch.utils.checkpoint, a host read in the forward, ...): mode='auto' falls "
+                       "back to the loop over replica copies, mode='loop' uses it")
+        raise
 
 
 def _merge_key(batch: Any, loss_fn: LossFn) -> tuple[Any, list[Any]]:
