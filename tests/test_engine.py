@@ -844,6 +844,8 @@ def test_engine_averaged_evaluates_the_replicas_mean_and_training_goes_on_unchan
                 at_sync = [flat(m) for m in eng.models]
                 with eng.averaged() as seen["changed_at_sync"]:
                     seen["equal_at_sync"] = all(torch.equal(flat(m), a) for m, a in zip(eng.models, at_sync))
+                    with torch.no_grad():  # (right after the converge step too: each replica's own back, a review)
+                        eng.models[2](torch.randn(8, 4))
         counts = [int(m[1].num_batches_tracked) for m in eng.models]
         return [flat(m) for m in eng.models], seen, counts
 
@@ -1310,6 +1312,42 @@ def test_a_buffer_made_in_the_forward_falls_back_to_the_loop_or_is_refused_clear
         for mode in ("vmap", "merged"):
             with pytest.raises(ValueError, match=r"the forward assigned 'mu', registered as None .* mode='loop'"):
                 _none_buffer_run(mode)
+
+
+class _LazyCache(nn.Module):
+    """A non-persistent buffer registered as None and built in the forward from plain values (a positional cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 8), nn.Linear(8, 1)
+        self.register_buffer("pos", None, persistent=False)
+
+    def forward(self, x):
+        if self.pos is None:
+            self.pos = torch.linspace(0, 1, 8)
+        return self.l2(torch.tanh(self.l1(x) + self.pos))
+
+
+def test_a_cache_of_plain_values_made_in_the_forward_stays_vmapped():
+    """The refusal above is for a replica's own value (made from its batch) or a persistent buffer: a non-persistent
+    cache built from plain values (a positional table) ran vmapped before it, through the converge steps, and still
+    does (a review), with the loop's losses."""
+    from hdet.engine import ReplicaEngine
+
+    def run(mode):
+        torch.manual_seed(0)
+        eng = ReplicaEngine(_LazyCache(), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                            lambda o, rep, m: hdet.HDETLR(o, None, total_steps=6, model_sync_interval=3,
+                                                          ensemble_lr_spread_ratio=0.5, replicas=rep, model=m), mode=mode)
+        g = torch.Generator().manual_seed(1)
+        out = [eng.step([torch.randn(5, 4, generator=g) for _ in range(2)], lambda m, b: m(b).square().mean())
+               for _ in range(6)]
+        return eng.mode, torch.stack(out)
+
+    with one_thread():
+        (mode, vmapped), (_, looped) = run("vmap"), run("loop")
+    assert mode == "vmap"
+    torch.testing.assert_close(vmapped, looped, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("mode", ["loop", "auto"])

@@ -248,7 +248,7 @@ def test_a_param_group_added_after_the_scheduler_is_an_error_that_says_so():
         s.step(1.0)
     # its advice for unfreezing later says what DDP needs (an audit: followed under DDP, the unfrozen group's gradients
     # were never all-reduced, each replica's its own, silently)
-    assert "wrap the model again when they are unfrozen" in str(e.value)
+    assert "DistributedDataParallel all-reduces only the gradients of the parameters that required grad" in str(e.value)
 
 
 def test_warm_init_without_a_process_group_or_rank_warns():

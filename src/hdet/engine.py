@@ -134,17 +134,25 @@ class _Call(nn.Module):
 
     def forward(self, batch: Any, loss_fn: LossFn) -> tuple[torch.Tensor, dict[str, Any]]:
         before = [mod._buffers[k] for mod, k, _ in self._buffer_slots]
+        unset = [(mod, k, name) for mod, k, name in self._none_slots if mod._buffers[k] is None]
         loss = _scalar_loss(loss_fn(self.m, batch))
-        made = [name for mod, k, name in self._none_slots if mod._buffers[k] is not None]
-        if made:  # (left there, replica 0's module held a tensor escaped from vmap, the others None: functorch's
-            for mod, k, _ in self._none_slots:  # "escaped" error at the first converge step, an audit)
-                mod._buffers[k] = None
+        made = [(mod, k, name) for mod, k, name in unset if mod._buffers[k] is not None and (
+            k not in mod._non_persistent_buffers_set or _functorch_wrapped(mod._buffers[k]))]
+        if made:  # a replica's own value (from its batch) or state (persistent): left there, replica 0's module held
+            for mod, k, _ in made:  # a tensor escaped from vmap, the others None, and the first converge step raised
+                mod._buffers[k] = None  # functorch's "escaped" error (an audit); a cache of plain values stays
             raise ValueError(f"Expected the buffers the vmapped replicas hold, but the forward assigned "
-                             f"{', '.join(repr(n[2:]) for n in made)}, registered as None when the engine was built: "
-                             "it cannot be stacked for the replicas. Create it in __init__ as a tensor of its final "
-                             "shape (or run one forward before building the engine), or use mode='loop'")
+                             f"{', '.join(repr(n[2:]) for _, _, n in made)}, registered as None when the engine was "
+                             "built: it cannot be stacked for the replicas. Create it in __init__ as a tensor of its "
+                             "final shape (or run one forward before building the engine), or use mode='loop'")
         return loss, {name: mod._buffers[k] for (mod, k, name), b in zip(self._buffer_slots, before)
                       if mod._buffers[k] is not b and isinstance(mod._buffers[k], torch.Tensor)}  # (None: dropped)
+
+
+def _functorch_wrapped(t: Any) -> bool:
+    """Whether ``t`` is a functorch-wrapped tensor (a vmapped replica's value, which cannot leave the vmapped call)."""
+    f = getattr(torch._C, "_functorch", None)
+    return isinstance(t, torch.Tensor) and f is not None and bool(f.is_functorch_wrapped_tensor(t))
 
 
 def _scalar_loss(loss: Any) -> torch.Tensor:
@@ -728,8 +736,8 @@ class ReplicaEngine:
         tensors = [ts for ts, _ in lists]
         def average(bad: list[int]) -> None:
             average_local(tensors, bad)
-            for m in self.models:
-                spectral.refresh_(m)
+            for m, ts in zip(self.models, tensors):  # (spectral norms' u, v for the averaged weights)
+                spectral.refresh_(m, lambda ts=ts: ts)
 
         changed = self._swap.swap_in(tensors, finite, average,
                                      [innermost(o) for o in self.optimizers],
@@ -1033,8 +1041,6 @@ class ReplicaEngine:
         try:
             for e, v in zip(ens, verdicts):
                 e.finish_sync(t, v)
-            for m in self.models:  # (spectral norms' u, v for the weights now in: averaged, or gone back to)
-                spectral.refresh_(m)
         finally:  # the next sync's copies start afresh (the snapshots keep what they need)
             for c in self._copies:
                 c.clear()

@@ -363,11 +363,17 @@ class Ensemble:
 
     def weights_fingerprint(self) -> float | None:
         """This replica's parameters' fingerprint (:func:`hdet.sync.fingerprint`) where the replicas are the ranks of a
-        process group, whose checkpoints hold each rank's own replica; None otherwise. HOST SYNC: read as a float."""
+        process group, whose checkpoints hold each rank's own replica; None otherwise. Without the weights of the
+        model's embeddings with ``max_norm``, which the forward renormalises in place (compared at the first optimizer
+        step after a load, a resume done right was said to be wrong, an audit). HOST SYNC: read as a float."""
         if not isinstance(self.replicas, ProcessGroupReplicas) or self.replicas.world_size == 1 or \
                 lr_free_kind(self.optimizer) == "schedule-free":  # (its train()/eval() move the weights: a checkpoint
             return None  # saved in eval mode, as its docs say, resumes in train mode)
         params = self._param_tensors()
+        renormed = {memory_key(m.weight.detach()) for m in (self.model.modules() if self.model is not None else ())
+                    if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
+                    and isinstance(m.weight, torch.Tensor) and not hasattr(m.weight, "placements")}
+        params = [p for p in params if memory_key(p) not in renormed] if renormed else params
         dev = params[0].device if params else torch.device("cpu")
         return float(fingerprint(params, [True] * len(params), dev))  # HOST SYNC
 
@@ -606,6 +612,8 @@ class Ensemble:
                             range_scale=None if rt is None else rt.scale(self.slots.peak0), range_ended=range_ended,
                             recovered_early=early)
         self.last_sync = record
+        spectral.refresh_(self.model, self._param_tensors)  # spectral norms' u, v for the weights now in (averaged, or
+        # gone back to), before the hooks see the model
         if self.step_scale is not None:  # the averaged (or gone-back-to) estimates into the param groups now
             self.step_scale.take_estimates()
         for hook in self.on_sync:  # (a logger's error, a full disk or a tracker's network, is raised after the step:
@@ -659,9 +667,7 @@ class Ensemble:
             self._average(t, self.tensors(), verdict.exclude)  # Eq. 3 over the healthy replicas
             if verdict.exclude:
                 self._reset_moments(t, verdict.exclude)
-            rec = self.finish_sync(t, verdict)
-            spectral.refresh_(self.model)  # (spectral norms' u, v for the weights now in: averaged, or gone back to)
-            return rec
+            return self.finish_sync(t, verdict)
 
     @contextlib.contextmanager
     def marking_failure(self, t: int) -> Iterator[None]:
@@ -687,14 +693,13 @@ class Ensemble:
             verdict = self.check_sync(t, self._gather(t, self.prepare_sync(t, new_window=False)), everyone=False)
             if verdict.collapsed:  # every replica bad: back to the best sync now, as a sync would (a record says so)
                 self.finish_sync(t, verdict)
-                spectral.refresh_(self.model)
                 self.early_recovered = {r: t for r in verdict.nonfinite}  # (the next sync's window holds their NaNs)
                 return verdict.nonfinite
             bad = verdict.exclude
             if bad:
                 self._average(t, self.tensors(), bad)
                 self._reset_moments(t, bad)
-                spectral.refresh_(self.model)
+                spectral.refresh_(self.model, self._param_tensors)
                 for r in bad:  # (said at the next sync: sched.last_sync.recovered_early)
                     self.early_recovered.setdefault(r, t)
                 self.stability.forget(bad)  # (judged on their windows from now on)

@@ -173,7 +173,7 @@ class HDETLR(LRScheduler):
             self._warned_double_step = self._warned_missed_step = self._warned_epoch = self._checked_local = False
             self._warned_cap = False  # (Adafactor's cap on its LR, said once: _check_capped_lr)
             self._weights_expected: float | None = None  # a loaded state's weights' fingerprint (expect_weights)
-            self._weights_hooks: list[Any] = []
+            self._weights_hook: Any = None
             self._finished_at: int | None = None  # the step finish() averaged the replicas after
             self._swap = AverageSwap()  # this replica's own weights while the ensemble's average is in (swap_in_average)
             self._scaler_idle = False  # an unmatched scheduler.step() came with no GradScaler update since the one before
@@ -427,9 +427,9 @@ class HDETLR(LRScheduler):
                              f"optimizer has {len(self.optimizer.param_groups)} now (optimizer.add_param_group after "
                              "the scheduler was built?): HDET's LR slots are fixed when it is built. Build the "
                              "scheduler after adding every param group (a group frozen for now can hold parameters "
-                             "with requires_grad=False; under DistributedDataParallel wrap the model again when they "
-                             "are unfrozen: it all-reduces only the gradients of the parameters that required grad "
-                             "when it was built, and the replicas' gradients would differ silently)")
+                             "with requires_grad=False; but DistributedDataParallel all-reduces only the gradients of "
+                             "the parameters that required grad when it was built: unfrozen later, that group's "
+                             "gradients stay each replica's own unless DDP is built again)")
         self._check_optimizer_stepped()
         self._check_capped_lr(t)
         if self._hdet.step_scale is not None:  # Prodigy under a process group: its estimate shared (COLLECTIVE)
@@ -629,7 +629,7 @@ class HDETLR(LRScheduler):
             over_shards = getattr(ens.replicas, "average_over_shards_", None)
             if over_shards is not None and ens.model is not None:  # HSDP: a replica's buffers, over its shard ranks
                 over_shards(persistent_float_buffers(ens.model))  # COLLECTIVES: one all_reduce per bucket
-            spectral.refresh_(ens.model)
+            spectral.refresh_(ens.model, lambda: tensors)  # (spectral norms' u, v for the averaged weights)
 
         changed = self._swap.swap_in([tensors], finite, average, [innermost(self.optimizer)],
                                      keep=[unaveraged_buffers(ens.model)] if ens.model is not None else ())
@@ -732,36 +732,30 @@ class HDETLR(LRScheduler):
         corrupted or newer state raises ValueError and leaves the scheduler as it was. Then this replica's own
         values are set on the optimizer (:meth:`reapply`): a state saved by another rank never gives this
         replica another replica's learning rate. Under a process group, a state this rank saved holds its weights'
-        fingerprint, compared at the next forward or optimizer step (:meth:`expect_weights`)."""
+        fingerprint, compared at the next optimizer step (:meth:`expect_weights`)."""
         scheduler_state.load(self, state_dict)
         if self.last_epoch > 0:  # a resumed run has taken steps: a stall right after it is one (the guards' watches)
             self._guard.resumed()
 
     def expect_weights(self, fingerprint: float) -> None:
-        """Say (a warning) if this replica's weights at its next forward (with ``model=``) or optimizer step are not
-        those whose fingerprint (:meth:`hdet.ensemble.Ensemble.weights_fingerprint`) the loaded state holds: a model
-        state loaded before ``DistributedDataParallel(...)`` was built is overwritten by rank 0's (its constructor
-        broadcasts them), and the resumed run went on from rank 0's replica on every rank, silently (an audit). Before
-        the forward where there is a model: ``nn.Embedding(max_norm=...)`` renormalises its rows in place in the forward
-        (compared at the step, a resume done right was said to be wrong, an audit). One HOST SYNC, then."""
+        """Say (a warning) if this replica's weights at the next optimizer step are not those whose fingerprint
+        (:meth:`hdet.ensemble.Ensemble.weights_fingerprint`) the loaded state holds: a model state loaded before
+        ``DistributedDataParallel(...)`` was built is overwritten by rank 0's (its constructor broadcasts them), and the
+        resumed run went on from rank 0's replica on every rank, silently (an audit). One HOST SYNC, at that step."""
         self._weights_expected = fingerprint
-        if not self._weights_hooks:  # (taken off at the next scheduler step: not from inside the hooks' loop)
-            self._weights_hooks = [innermost(self.optimizer).register_step_pre_hook(self._check_weights)]
-            if self._hdet.model is not None:
-                self._weights_hooks.append(self._hdet.model.register_forward_pre_hook(self._check_weights))
+        if self._weights_hook is None:  # (taken off at the next scheduler step: not from inside the
+            self._weights_hook = innermost(self.optimizer).register_step_pre_hook(self._check_weights)  # hooks' loop)
 
     def _check_weights(self, *_: Any) -> None:
-        if self._swap.active:  # (a forward evaluating the average: the next one, or the step, compares)
-            return
         expected, self._weights_expected = self._weights_expected, None
         if expected is None:
             return
         now = self._hdet.weights_fingerprint()
         if now is not None and (math.isfinite(now) or math.isfinite(expected)) and \
                 not math.isclose(now, expected, rel_tol=1e-9, abs_tol=1e-30):  # (non-finite both: saved so)
-            warnings.warn(f"hdet: rank {self.rank}'s weights at its first forward or optimizer step after "
-                          "load_state_dict are not the ones saved with its scheduler state (weights' fingerprint "
-                          f"{now:.10g} against {expected:.10g} saved), so the run does not go on from this replica as it was saved. "
+            warnings.warn(f"hdet: rank {self.rank}'s weights at its first optimizer step after load_state_dict are not "
+                          f"the ones saved with its scheduler state (weights' fingerprint {now:.10g} against "
+                          f"{expected:.10g} saved), so the run does not go on from this replica as it was saved. "
                           "DistributedDataParallel(...) copies rank 0's weights to every rank when it is built: load "
                           "each rank's model state after wrapping the model (or build it with init_sync=False). Or the "
                           "model's state was saved inside averaged() (the replicas' average: the run goes on from "
@@ -769,10 +763,9 @@ class HDETLR(LRScheduler):
 
     def _unexpect_weights(self) -> None:
         """The weights' check taken off once it has run (at a scheduler step)."""
-        if self._weights_hooks and self._weights_expected is None:
-            for h in self._weights_hooks:
-                h.remove()
-            self._weights_hooks = []
+        if self._weights_hook is not None and self._weights_expected is None:
+            self._weights_hook.remove()
+            self._weights_hook = None
 
 
 class OneCycleAutoLR(HDETLR):

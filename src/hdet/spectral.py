@@ -15,11 +15,14 @@ Sharded (DTensor) weights are left as they are.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
+
+from .sync import memory_key
 
 __all__ = ["refresh_"]
 
@@ -34,41 +37,47 @@ RTOL, MAX_STEPS = 1e-6, 100  # when sigma has settled; the most steps
 
 
 @torch.no_grad()
-def refresh_(model: nn.Module | None) -> int:
-    """Run the power iteration of every spectral norm in ``model`` on its weight as it is now (after an average, a
-    reset or a go-back), until its ``sigma`` settles. Returns how many were refreshed (0 when the model has none: one
-    pass over its modules). HOST SYNC: one read per step of the iteration, where there are any."""
+def refresh_(model: nn.Module | None, averaged: Callable[[], Iterable[torch.Tensor]]) -> int:
+    """Run the power iteration of every spectral norm in ``model`` whose weight is among ``averaged()`` (the tensors an
+    average, a reset or a go-back just wrote, listed only where there are spectral norms: two schedulers over one model each refresh their own, with the other's
+    weights still this replica's own) on that weight as it is now, until its ``sigma`` settles. Returns how many were
+    refreshed (0 when the model has none: one pass over its modules). HOST SYNC: one read per step of the iteration,
+    where there are any."""
     if model is None:
         return 0
+    keys = None
     done = 0
     for module in model.modules():
+        found = []  # (weight, its matrix form, u, v, eps, u first)
         if _SpectralNorm is not None and parametrize.is_parametrized(module):
             for plist in module.parametrizations.values():
                 for k, p in enumerate(plist):
                     if isinstance(p, _SpectralNorm):
-                        weight = _input_of(plist, k)
-                        if weight is not None:
-                            _iterate(p._reshape_weight_to_matrix(weight), p._u, p._v, p.eps, u_first=True)
-                            done += 1
+                        found.append((plist.original, lambda w, k=k, plist=plist, p=p: _matrix(plist, k, p, w),
+                                      p._u, p._v, p.eps, True))
         if _HookForm is not None:
             for hook in module._forward_pre_hooks.values():
-                weight = getattr(module, hook.name + "_orig", None) if isinstance(hook, _HookForm) else None
-                if weight is not None and not _is_dtensor(weight):
-                    _iterate(hook.reshape_weight_to_matrix(weight), getattr(module, hook.name + "_u"),
-                             getattr(module, hook.name + "_v"), hook.eps, u_first=False)
-                    done += 1
+                if isinstance(hook, _HookForm) and isinstance(getattr(module, hook.name + "_orig", None), torch.Tensor):
+                    found.append((getattr(module, hook.name + "_orig"), hook.reshape_weight_to_matrix,
+                                  getattr(module, hook.name + "_u"), getattr(module, hook.name + "_v"), hook.eps, False))
+        for weight, matrix, u, v, eps, u_first in found:
+            if keys is None:
+                keys = {memory_key(t) for t in averaged()}
+            if _is_dtensor(weight) or memory_key(weight.detach()) not in keys:
+                continue
+            w = matrix(weight)
+            if w is not None:
+                _iterate(w, u, v, eps, u_first)
+                done += 1
     return done
 
 
-def _input_of(plist: nn.ModuleList, k: int) -> torch.Tensor | None:
-    """The k-th parametrization's input: the original weight through the parametrizations before it (None for a
-    sharded or 1-d weight, which is normalised exactly, with no estimate)."""
-    weight = plist.original
-    if _is_dtensor(weight):
-        return None
+def _matrix(plist: nn.ModuleList, k: int, norm: nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
+    """The k-th parametrization's input as its matrix: the original weight through the parametrizations before it
+    (None for a 1-d one, which is normalised exactly, with no estimate)."""
     for p in list(plist)[:k]:
         weight = p(weight)
-    return weight if weight.ndim > 1 else None
+    return norm._reshape_weight_to_matrix(weight) if weight.ndim > 1 else None
 
 
 def _iterate(w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, eps: float, u_first: bool) -> None:

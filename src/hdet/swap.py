@@ -84,7 +84,8 @@ class AverageSwap:
         ``finite`` flag is set (``finite`` None: the replicas are equal already, right after a converge step, and
         nothing changes). ``keep[r]``: replica r's tensors that are not averaged but put back too (BatchNorm's
         ``num_batches_tracked``: a forward in training mode inside the evaluation counted a batch that training
-        never took, an audit). Every replica non-finite: nothing changes either (a warning). Until :meth:`swap_back`,
+        never took, an audit). Every replica non-finite: nothing changes either (a warning). Everything is kept and
+        put back in every case. Until :meth:`swap_back`,
         the ``optimizers``' ``step()`` is refused, and a Schedule-Free optimizer's train/eval mode is put back as it
         was here before the tensors are (the Hugging Face Trainer calls ``optimizer.eval()`` inside the evaluation:
         its own weights then went back as the eval-mode point, and its next ``train()`` moved them, 4.7e-3 off in an
@@ -92,27 +93,26 @@ class AverageSwap:
         self.check("swap_in_average() was called again")
         self._modes = [(o, mode) for o in optimizers if (mode := _train_mode(o)) is not None]
         bad = [r for r, ok in enumerate(finite or []) if not ok]
-        kept: list[list[torch.Tensor]] = []
-        if finite is not None and len(bad) == len(finite):
+        every = [list(ts) + list(keep[r] if r < len(keep) else []) for r, ts in enumerate(tensors)]
+        with torch.no_grad():  # this replica's own: one copy (also where nothing is averaged, right after a converge
+            kept = [[t.clone() for t in ts] for ts in every]  # step: a forward in training mode inside changed the
+            # statistics and counts of one replica, which stayed apart from the others after it, a review)
+        changed = finite is not None and len(bad) < len(finite)
+        if finite is not None and not changed:
             warnings.warn("hdet: every replica's weights are non-finite: there is no average to evaluate, so each "
                           "replica keeps its own", stacklevel=user_stacklevel())
-        elif finite is not None:
-            with torch.no_grad():
-                kept = [[t.clone() for t in ts] for ts in tensors]  # this replica's own: one copy
-                kept_too = [[t.clone() for t in ks] for ks in keep]
+        elif changed:
             try:
                 average(bad)
             except BaseException:  # (a failed collective, Ctrl-C): each replica's own back, nothing swapped in
                 with torch.no_grad():
-                    for ts, ks in zip(tensors, kept):
+                    for ts, ks in zip(every, kept):
                         if ts:
-                            torch._foreach_copy_(list(ts), ks)
+                            torch._foreach_copy_(ts, ks)
                 raise
-            tensors = [list(ts) + list(keep[r] if r < len(keep) else []) for r, ts in enumerate(tensors)]
-            kept = [ks + (kept_too[r] if r < len(kept_too) else []) for r, ks in enumerate(kept)]
-        self.tensors, self.saved = ([list(ts) for ts in tensors] if kept else []), kept
+        self.tensors, self.saved = every, kept
         self._hooks = [o.register_step_pre_hook(self._refuse_step) for o in optimizers]
-        return bool(self.tensors)
+        return changed
 
     def hold_values(self, hypers: Sequence[Any], bases: Sequence[float]) -> None:
         """While the average is in: each explored hyperparameter at its base (the ensemble's value: an evaluation's
