@@ -293,6 +293,13 @@ class StackedStep:
                 dk = d[:, seg.start - a:seg.stop - a]
                 if _fused_update(th, dk, values[k]):  # one pass, stored once (a CUDA device, with Triton)
                     kernels.scale_add_rows_(th, dk, c[1] if decay else None, c[0])
+                elif th.dtype != dk.dtype:  # fp16/bf16 weights of a fused optimizer, a float32 direction: computed
+                    for at in range(0, th.shape[1], OPMATH_SLICE):  # in float32 and stored once, as torch's fused
+                        cols_ = slice(at, at + OPMATH_SLICE)  # Adam does, a slice at a time
+                        t32 = th[:, cols_].float()
+                        if decay:
+                            t32.mul_(c[1])
+                        th[:, cols_] = t32.addcmul_(dk[:, cols_], c[0])
                 else:
                     if decay:
                         th.mul_(c[1])  # theta_r *= 1 - lr_r wd_r
@@ -573,8 +580,10 @@ class StackedStep:
         bc2 = self._one(c, 6, [math.sqrt(1 - b ** t) for b in v["b2"]])
         eps = self._one(c, 7, v["eps"])
         if v["fused"] and th.dtype in (torch.float16, torch.bfloat16):  # as torch's fused Adam: in float32 (in fp16,
-            # eps = 1e-8 is 0, and every weight was NaN after the first step: an audit), a slice at a time
-            out = torch.empty(mom["exp_avg"].shape, dtype=th.dtype, device=th.device)
+            # eps = 1e-8 is 0, and every weight was NaN after the first step: an audit), a slice at a time, and the
+            # direction kept in float32 for the update (rounded to bf16 first, the decay's multiply then rounded each
+            # weight back to itself: no decay at all, an audit)
+            out = torch.empty(mom["exp_avg"].shape, dtype=torch.float32, device=th.device)
             for a in range(0, out.shape[1], OPMATH_SLICE):
                 cols = slice(a, a + OPMATH_SLICE)
                 part = {name: m[:, cols] for name, m in mom.items()}
@@ -604,11 +613,12 @@ class StackedStep:
 def _fused_update(th: torch.Tensor, d: torch.Tensor, v: dict[str, Any]) -> bool:
     """Whether a group's ``theta_r = (1 - lr_r wd_r) theta_r - step_r d`` runs as one fused pass
     (:func:`hdet.kernels.scale_add_rows_`: computed in float32, stored once): float32 weights, or fp16/bf16 ones of
-    a fused optimizer (torch's fused Adam stores them once too, from a direction it keeps in float32, where this
-    one's is in the weights' dtype; a non-fused optimizer rounds after each op, kept).
+    a fused optimizer (torch's fused Adam stores them once too, from a direction it keeps in float32, as this one's
+    Adam direction is; a non-fused optimizer rounds after each op, kept).
     Torch's broadcasting ``mul_`` and ``addcmul_`` took 2.9 ms a step over the medium GPT's 8 replicas on an H200,
     the fused pass 1.3 ms (bf16: 4.6 and 0.6 ms; ``benchmarks/merged_kernels.py``)."""
-    return th.dtype == d.dtype and (th.dtype == torch.float32 or bool(v.get("fused"))) and kernels.usable(th, d)
+    return (th.dtype == torch.float32 == d.dtype or (bool(v.get("fused")) and d.dtype in (th.dtype, torch.float32))) \
+        and kernels.usable(th, d)
     # (kernels.usable last: its first True imports Triton and compiles the kernels, not for a group that never uses them)
 
 
