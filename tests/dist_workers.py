@@ -1549,3 +1549,40 @@ def spectral_average(rank, world, *, form="parametrization"):
         out["inside"] = norms()
     out["restored"] = all(torch.equal(v, own[k]) for k, v in net.state_dict().items())
     return out
+
+
+def two_optimizers_one_scaler(rank, world, *, use_hdet=True, guard_first=True, steps=5):
+    """One DDP model, two non-fused AdamW (body, head), one torch.amp.GradScaler (fp16 autocast, torch's
+    multi-optimizer AMP recipe); with ``use_hdet`` an HDETLR at alpha 0 over the body's optimizer (its "hook" guard on
+    the model). Rank 1's first backward overflows: the scaler must skip both optimizers' step 1, as plain DDP does.
+    ``guard_first``: the body's optimizer (the guard's) is stepped first. Returns the weights, Adam's step counts and
+    hdet's warnings."""
+    import warnings
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    ddp = DDP(m)
+    opts = [torch.optim.AdamW(m[0].parameters(), lr=1e-2), torch.optim.AdamW(m[2].parameters(), lr=1e-2)]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    sched = hdet.HDETLR(opts[0], None, steps, ensemble_lr_spread_ratio=0.0, model_sync_interval=3,
+                        model=ddp) if use_hdet else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(1, steps + 1):
+            g = torch.Generator().manual_seed(100 * rank + t)
+            x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(ddp(x).float(), y)
+            if t == 1 and rank == 1:
+                loss = loss * 1e30  # an overflow on one replica
+            for o in opts:
+                o.zero_grad()
+            scaler.scale(loss).backward()
+            for o in (opts if guard_first else opts[::-1]):
+                scaler.step(o)
+            scaler.update()
+            if sched is not None:
+                sched.step(loss.detach())
+    counts = [float(next(iter(o.state.values()))["step"]) for o in opts]
+    return {"params": [p.detach().clone() for p in m.parameters()], "counts": counts,
+            "said": [str(w.message) for w in caught if str(w.message).startswith("hdet: another optimizer")]}

@@ -1026,3 +1026,24 @@ def test_spectral_norms_of_the_averaged_weights_are_one(form):
         for norms in (r["after_sync"], r["inside"]):
             assert norms == pytest.approx([1.0, 1.0], abs=1e-5), r
     assert res[0]["after_sync"] == res[1]["after_sync"] and res[0]["inside"] == res[1]["inside"]
+
+
+def _two_optimizers_one_scaler(rank, world, use_hdet, guard_first):
+    from dist_workers import two_optimizers_one_scaler
+
+    return two_optimizers_one_scaler(rank, world, use_hdet=use_hdet, guard_first=guard_first)
+
+
+def test_a_first_overflow_skips_every_optimizer_of_the_model_as_plain_ddp():
+    """One DDP model, two optimizers, one GradScaler, HDET's "hook" guard on the model (alpha 0: plain DDP's run):
+    the hook zeroed rank 1's overflowing first buckets before the scaler was known, the guard held back its own
+    optimizer's step, and the other optimizer stepped on the zeros (its Adam count one ahead, the weights 0.036 off
+    plain DDP; an audit). Now the other's gradients are made +Inf there and the scaler skips it too: bit for bit plain
+    DDP. Stepped before the guard's optimizer, the other one cannot be held back: a warning says so."""
+    plain = check_ok(run_gloo(_two_optimizers_one_scaler, 2, False, True))
+    guarded = check_ok(run_gloo(_two_optimizers_one_scaler, 2, True, True))
+    for p, h in zip(plain, guarded):
+        assert h["counts"] == p["counts"] == [4.0, 4.0] and not h["said"], (p["counts"], h)
+        assert all(torch.equal(a, b) for a, b in zip(h["params"], p["params"]))
+    other_first = check_ok(run_gloo(_two_optimizers_one_scaler, 2, True, False))
+    assert all(len(r["said"]) == 1 for r in other_first), other_first

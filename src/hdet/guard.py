@@ -132,8 +132,9 @@ class HookGuard:
     scale: the run is then DDP's, step for step."""
 
     def __init__(self, process_group: Any, optimizer: torch.optim.Optimizer, loss_scale: LossScale,
-                 local: Callable[[], bool] = lambda: False) -> None:
+                 local: Callable[[], bool] = lambda: False, model_params: Sequence[torch.Tensor] = ()) -> None:
         self.process_group = process_group
+        self.model_params = list(model_params)  # the DDP model's: another optimizer may step some of them
         self.local = local  # the DDP model's last forward ran inside no_sync(): the hook did not run, nothing to agree
         self.loss_scale = loss_scale  # the scheduler's: the GradScaler once seen (by this guard or the scheduler)
         self._zeroed: torch.Tensor | None = None  # since the last optimizer step: this rank zeroed a bucket (device bool)
@@ -167,6 +168,25 @@ class HookGuard:
             self._held = [(p, p.grad) for p in grads]
             for p in grads:  # an optimizer steps no parameter without a gradient: this step changes nothing
                 p.grad = None
+            self._skip_other_optimizers(optimizer, found[0])
+
+    def _skip_other_optimizers(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+        """At a first scaler step held back: the DDP model's parameters that another optimizer steps (two optimizers
+        over one model, one GradScaler: torch's multi-optimizer AMP recipe) get +Inf gradients, so that the scaler
+        skips that optimizer's step too, as it would have without the hook's zeros (it stepped on them: its Adam step
+        count one ahead of plain DDP's, an audit). One that stepped already, before this one: said."""
+        mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for p in self.model_params:
+            if id(p) not in mine and p.grad is not None:
+                p.grad.fill_(float("inf"))
+        stepped = getattr(getattr(torch.amp, "grad_scaler", None), "OptState", None)
+        stepped = getattr(stepped, "STEPPED", None)
+        states = getattr(scaler, "_per_optimizer_states", {})
+        if stepped is not None and any(k != id(optimizer) and st.get("stage") is stepped for k, st in states.items()):
+            warnings.warn("hdet: another optimizer that the torch.amp.GradScaler drives stepped before this one at its "
+                          "first step, on gradients the \"hook\" guard had zeroed where a replica's overflowed (plain "
+                          "DDP would have skipped that step): step the optimizer HDET's scheduler drives first, or use "
+                          "one optimizer for the model", stacklevel=user_stacklevel())
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         held, self._held = self._held, []
@@ -699,7 +719,7 @@ def install_gradient_guard(ddp: "torch.nn.parallel.DistributedDataParallel", opt
     """Register the hook guard (:class:`HookGuard`) on ``ddp`` for ``optimizer``; None (with a warning) if DDP
     refuses (a hook is already registered, or training has started). ``local()``: the model's last forward ran
     inside ``no_sync()``."""
-    state = HookGuard(process_group, optimizer, loss_scale, local)
+    state = HookGuard(process_group, optimizer, loss_scale, local, model_params=list(ddp.parameters()))
     try:
         ddp.register_comm_hook(state, _guarded_allreduce)
     except RuntimeError as e:
