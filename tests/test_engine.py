@@ -1383,3 +1383,37 @@ def test_torchs_error_in_an_explicit_vmap_mode_says_the_loop_runs_the_model():
         eng.step([torch.randn(2, 5, 3)] * 2, lambda m, b: m(b).square().mean())
     notes = getattr(e.value, "__notes__", [])
     assert len(notes) == 1 and "mode='vmap'" in notes[0] and "mode='loop' uses it" in notes[0], notes
+
+
+def test_a_conv_batchnorm_model_under_bf16_autocast_runs_vmapped_as_the_loop():
+    """Conv2d -> BatchNorm2d under torch.autocast("cpu", bfloat16): the vmapped convolution's output is bf16 (hdet's
+    autocast routing) and torch's vmap rule for batch_norm refused it with float32 statistics ("expected scalar type
+    BFloat16 but found Float"; mode="auto" fell back to the loop, an audit). It runs vmapped now, in float32 and
+    returned in bf16 as one replica's batch norm is, with the loop's losses, weights and statistics to bf16's
+    rounding."""
+    from hdet.engine import ReplicaEngine
+
+    def run(mode):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),  # (a bias before
+                            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))  # BatchNorm: a gradient of 0 whose
+        # rounding noise Adam turns into steps of the LR, which no two orders of the same sums agree on)
+        eng = ReplicaEngine(net, 2, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+                            lambda o, rep, m: hdet.HDETLR(o, None, 10, ensemble_lr_spread_ratio=0.2,
+                                                          model_sync_interval=5, model=m, replicas=rep), mode=mode)
+        g = torch.Generator().manual_seed(1)
+
+        def loss_fn(m, b):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return F.cross_entropy(m(b[0]).float(), b[1])
+        losses = [eng.step([(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g))
+                            for _ in range(2)], loss_fn) for _ in range(3)]
+        return eng.mode, torch.stack(losses), [m.state_dict() for m in eng.models]
+
+    with one_thread():
+        (mode, vl, vs), (_, ll, ls) = run("vmap"), run("loop")
+    assert mode == "vmap"
+    torch.testing.assert_close(vl, ll, rtol=2e-2, atol=1e-3)
+    for a, b in zip(vs, ls):
+        for k in a:
+            torch.testing.assert_close(a[k].float(), b[k].float(), rtol=2e-2, atol=2e-3, msg=k)

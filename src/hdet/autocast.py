@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .attention import under_vmap
 from .patching import patched
 
-__all__ = ["routed", "cast", "cast_and_call", "casting", "CAST", "CAST_TORCH"]
+__all__ = ["routed", "cast", "cast_and_call", "casting", "norm_in_float", "CAST", "CAST_TORCH"]
 
 CAST = ("linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
 CAST_TORCH = ("addmm", "baddbmm", "addbmm")  # of the torch namespace
@@ -70,10 +70,29 @@ def casting(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     return call
 
 
+def norm_in_float(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``F.batch_norm`` for vmapped fp16/bf16 inputs with float32 statistics or affine (a convolution's output under
+    autocast, the model in float32): torch's vmap rule refuses the mixed dtypes ("expected scalar type BFloat16 but
+    found Float"; mode="auto" fell back to the loop, an audit) where one replica's batch norm takes them and returns
+    the input's dtype. Computed on the input in float32 and returned in its dtype, as that kernel computes."""
+    def call(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if (isinstance(input, torch.Tensor) and input.dtype in (torch.float16, torch.bfloat16) and under_vmap(input)
+                and any(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in (*args, *kwargs.values()))):
+            return fn(input.float(), *args, **kwargs).to(input.dtype)
+        return fn(input, *args, **kwargs)
+
+    call.__name__ = call.__qualname__ = getattr(fn, "__name__", "call")
+    call.__doc__ = "batch_norm in float32 for fp16/bf16 vmapped inputs with float32 statistics (see :mod:`hdet.autocast`)"
+    call.__wrapped__ = fn
+    return call
+
+
 @contextlib.contextmanager
 def routed() -> Iterator[None]:
     """Inside: ``torch.nn.functional``'s :data:`CAST` functions and torch's :data:`CAST_TORCH` (whatever the modules
-    hold: torch's, or a user's wrapper of them) cast as autocast does, also under vmap."""
+    hold: torch's, or a user's wrapper of them) cast as autocast does, also under vmap; ``F.batch_norm`` takes fp16/bf16
+    vmapped inputs with float32 statistics (:func:`norm_in_float`)."""
     with patched("autocast", F, {name: casting for name in CAST}), \
-            patched("autocast", torch, {name: casting for name in CAST_TORCH}):
+            patched("autocast", torch, {name: casting for name in CAST_TORCH}), \
+            patched("autocast-norm", F, {"batch_norm": norm_in_float}):
         yield
