@@ -281,3 +281,40 @@ def test_eager_steps_keep_torchs_layer_norm_by_default(monkeypatch):
                         mode="merged")
     eng.step(torch.randint(0, 256, (2, 4, 33), device="cuda"), _lm, stacked=True)
     assert eng.mode == "merged" and not calls and not kernels.EAGER_LAYER_NORM
+
+
+@pytest.mark.parametrize("fused_kernels", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_fused_adamw_decays_as_torchs_fused_adamw_on_the_gpu(dtype, fused_kernels, monkeypatch):
+    """The CPU test of tests/test_stacked_optim.py on CUDA: bf16/fp16 weights under AdamW(fused=True, weight_decay=0.1)
+    took no weight decay in the stacked step (the direction rounded to the weights' dtype before the decay's multiply;
+    an audit, 2026-12-01). With the float32 direction, through the Triton pass (one rounding) or torch's ops, each
+    replica's weights are torch's own fused AdamW's (the loop) to an ulp in a few elements, and apart from the run at
+    weight_decay 0."""
+    monkeypatch.setattr(kernels, "AVAILABLE", fused_kernels and kernels.AVAILABLE)
+    monkeypatch.setattr(kernels, "MIN_ELEMENTS", 0)
+    torch.manual_seed(0)
+    w0 = (torch.randn(64, 64, device="cuda") * 0.5).to(dtype)
+    grads = [(torch.randn(64, 64, device="cuda") * 1e-3).to(dtype) for _ in range(100)]
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(w0.clone())
+
+    def run(mode, wd):
+        eng = ReplicaEngine(M(), 4, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=wd, fused=True),
+                            lambda o, rep, m: hdet.HDETLR(o, None, 101, ensemble_lr_spread_ratio=0.3,
+                                                          model_sync_interval=10 ** 6, model=m, replicas=rep), mode=mode)
+        for g in grads:
+            eng.step([g] * 4, lambda m, c: (m.w.float() * c.float()).sum())
+        return eng.optimizer_path, [m.w.detach().clone() for m in eng.models]
+
+    path, stacked = run("vmap", 0.1)
+    _, undecayed = run("vmap", 0.0)
+    _, looped = run("loop", 0.1)
+    assert path == "stacked"
+    for a, b, c in zip(stacked, looped, undecayed):
+        assert (a != b).float().mean() < 0.02, (a != b).float().mean()
+        torch.testing.assert_close(a, b, rtol=2 * torch.finfo(dtype).eps, atol=0)
+        assert (a != c).float().mean() > 0.1
