@@ -1551,12 +1551,13 @@ def spectral_average(rank, world, *, form="parametrization"):
     return out
 
 
-def two_optimizers_one_scaler(rank, world, *, use_hdet=True, guard_first=True, steps=5):
+def two_optimizers_one_scaler(rank, world, *, use_hdet=True, guard_first=True, steps=5, clip=False):
     """One DDP model, two non-fused AdamW (body, head), one torch.amp.GradScaler (fp16 autocast, torch's
     multi-optimizer AMP recipe); with ``use_hdet`` an HDETLR at alpha 0 over the body's optimizer (its "hook" guard on
     the model). Rank 1's first backward overflows: the scaler must skip both optimizers' step 1, as plain DDP does.
-    ``guard_first``: the body's optimizer (the guard's) is stepped first. Returns the weights, Adam's step counts and
-    hdet's warnings."""
+    ``guard_first``: the body's optimizer (the guard's) is stepped first; ``clip``: torch's recipe with clipping (both
+    unscaled, the gradients clipped, then both stepped). Returns the weights, Adam's step counts and hdet's
+    warnings."""
     import warnings
 
     torch.manual_seed(0)
@@ -1578,11 +1579,16 @@ def two_optimizers_one_scaler(rank, world, *, use_hdet=True, guard_first=True, s
             for o in opts:
                 o.zero_grad()
             scaler.scale(loss).backward()
+            if clip:
+                for o in opts:
+                    scaler.unscale_(o)
+                nn.utils.clip_grad_norm_(m.parameters(), 1.0)
             for o in (opts if guard_first else opts[::-1]):
                 scaler.step(o)
             scaler.update()
             if sched is not None:
                 sched.step(loss.detach())
     counts = [float(next(iter(o.state.values()))["step"]) for o in opts]
+    assert all(torch.isfinite(p).all() for p in m.parameters())
     return {"params": [p.detach().clone() for p in m.parameters()], "counts": counts,
             "said": [str(w.message) for w in caught if str(w.message).startswith("hdet: another optimizer")]}

@@ -168,21 +168,29 @@ class HookGuard:
             self._held = [(p, p.grad) for p in grads]
             for p in grads:  # an optimizer steps no parameter without a gradient: this step changes nothing
                 p.grad = None
-            self._skip_other_optimizers(optimizer, found[0])
+            self._skip_other_optimizers(optimizer, found[0], optimizer_state)
 
-    def _skip_other_optimizers(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
-        """At a first scaler step held back: the DDP model's parameters that another optimizer steps (two optimizers
-        over one model, one GradScaler: torch's multi-optimizer AMP recipe) get +Inf gradients, so that the scaler
-        skips that optimizer's step too, as it would have without the hook's zeros (it stepped on them: its Adam step
-        count one ahead of plain DDP's, an audit). One that stepped already, before this one: said."""
+    def _skip_other_optimizers(self, optimizer: torch.optim.Optimizer, scaler: Any, own: dict[str, Any]) -> None:
+        """At a first scaler step held back: the scaler skips the other optimizers over the DDP model's parameters too
+        (two optimizers over one model, one GradScaler: torch's multi-optimizer AMP recipe), as it would have without
+        the hook's zeros (the other stepped on them: its Adam step count one ahead of plain DDP's, an audit): their
+        parameters' gradients made +Inf for the ones still to unscale, the scaler's found_inf set for the ones already
+        unscaled (their +Inf gradients would have reached the step: NaN weights, a review). One that stepped already,
+        before this one: said."""
         mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
         for p in self.model_params:
             if id(p) not in mine and p.grad is not None:
                 p.grad.fill_(float("inf"))
-        stepped = getattr(getattr(torch.amp, "grad_scaler", None), "OptState", None)
-        stepped = getattr(stepped, "STEPPED", None)
-        states = getattr(scaler, "_per_optimizer_states", {})
-        if stepped is not None and any(k != id(optimizer) and st.get("stage") is stepped for k, st in states.items()):
+        stage = getattr(getattr(torch.amp, "grad_scaler", None), "OptState", None)
+        stepped = False
+        for state in list(getattr(scaler, "_per_optimizer_states", {}).values()):
+            if state is own or stage is None:
+                continue
+            if state.get("stage") is stage.UNSCALED:
+                for found_inf in state.get("found_inf_per_device", {}).values():
+                    found_inf.fill_(1.0)
+            stepped = stepped or state.get("stage") is stage.STEPPED
+        if stepped:
             warnings.warn("hdet: another optimizer that the torch.amp.GradScaler drives stepped before this one at its "
                           "first step, on gradients the \"hook\" guard had zeroed where a replica's overflowed (plain "
                           "DDP would have skipped that step): step the optimizer HDET's scheduler drives first, or use "

@@ -27,7 +27,7 @@ decoupled (or no) weight decay (:meth:`StackedStep._dadapt_step`, :meth:`Stacked
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -284,26 +284,31 @@ class StackedStep:
             a, b = first.start, last.stop
             mom = {name: m[:, a:b] for name, m in self.moments.items()}
             g = -g_all[:, a:b] if v0["maximize"] else g_all[:, a:b]
-            d = direction(self.theta[:, a:b], g, mom, v0, cols[v0["at"]:], self.steps[ks[0]])
-            for k in ks:  # then each group's own LR (and decoupled weight decay), per replica
-                seg, c = self.segments[k], cols[values[k]["at"]:]
-                th = self.theta[:, seg.start:seg.stop]
-                decay = self.kind == "adam" and values[k]["decoupled"] and any(values[k]["wd"])  # (each group's own:
-                # a span holds groups of either kind where the moments agree)
-                dk = d[:, seg.start - a:seg.stop - a]
-                if _fused_update(th, dk, values[k]):  # one pass, stored once (a CUDA device, with Triton)
-                    kernels.scale_add_rows_(th, dk, c[1] if decay else None, c[0])
-                elif th.dtype != dk.dtype:  # fp16/bf16 weights of a fused optimizer, a float32 direction: computed
-                    for at in range(0, th.shape[1], OPMATH_SLICE):  # in float32 and stored once, as torch's fused
-                        cols_ = slice(at, at + OPMATH_SLICE)  # Adam does, a slice at a time
-                        t32 = th[:, cols_].float()
+
+            def update(lo: int, hi: int, d: torch.Tensor, ks: list[int] = ks, a: int = a) -> None:
+                """Columns [a + lo, a + hi) of every group in the span: its own LR (and decoupled weight decay),
+                per replica, from the direction ``d`` of those columns."""
+                for k in ks:
+                    seg, c = self.segments[k], cols[values[k]["at"]:]
+                    s0, s1 = max(seg.start - a, lo), min(seg.stop - a, hi)
+                    if s0 >= s1:
+                        continue
+                    th, dk = self.theta[:, a + s0:a + s1], d[:, s0 - lo:s1 - lo]
+                    decay = self.kind == "adam" and values[k]["decoupled"] and any(values[k]["wd"])  # (each group's
+                    # own: a span holds groups of either kind where the moments agree)
+                    if _fused_update(th, dk, values[k]):  # one pass, stored once (a CUDA device, with Triton)
+                        kernels.scale_add_rows_(th, dk, c[1] if decay else None, c[0])
+                    elif th.dtype != dk.dtype:  # fp16/bf16 weights of a fused optimizer, a float32 direction:
+                        t32 = th.float()  # computed in float32 and stored once, as torch's fused Adam does
                         if decay:
                             t32.mul_(c[1])
-                        th[:, cols_] = t32.addcmul_(dk[:, cols_], c[0])
-                else:
-                    if decay:
-                        th.mul_(c[1])  # theta_r *= 1 - lr_r wd_r
-                    th.addcmul_(dk, c[0])  # theta_r -= step_r * d
+                        th.copy_(t32.addcmul_(dk, c[0]))
+                    else:
+                        if decay:
+                            th.mul_(c[1])  # theta_r *= 1 - lr_r wd_r
+                        th.addcmul_(dk, c[0])  # theta_r -= step_r * d
+            direction(self.theta[:, a:b], g, mom, v0, cols[v0["at"]:], self.steps[ks[0]], update)
+            for k in ks:
                 self._step_t[k].fill_(float(self.steps[k]))
         if self.kind == "sgd" and 1 in self.steps:
             self._bind()  # torch's SGD shows a momentum buffer from its first step on
@@ -570,9 +575,10 @@ class StackedStep:
         return spans
 
     def _adam_direction(self, th: torch.Tensor, g: torch.Tensor, mom: dict[str, torch.Tensor], v: dict[str, Any],
-                        c: torch.Tensor, t: int) -> torch.Tensor:
+                        c: torch.Tensor, t: int, update: Callable[[int, int, torch.Tensor], None]) -> None:
         """Adam's moments, updated in place, and ``u = m / (sqrt(v / (1 - beta2^t)) + eps)``: ``[rows, n]``,
-        computed once for the ensemble when rows == 1 (the LR and ``1 / (1 - beta1^t)`` are in ``c[0]``)."""
+        computed once for the ensemble when rows == 1 (the LR and ``1 / (1 - beta1^t)`` are in ``c[0]``), handed to
+        ``update(lo, hi, u)`` for its columns [lo, hi)."""
         if any(v["wd"]) and not v["decoupled"]:
             g = g + self._one(c, 2, v["wd"]) * th  # Adam's L2 term: the replicas' moments differ (rows == N)
         b1c = self._one(c, 3, [1 - b for b in v["b1"]])
@@ -581,19 +587,26 @@ class StackedStep:
         eps = self._one(c, 7, v["eps"])
         if v["fused"] and th.dtype in (torch.float16, torch.bfloat16):  # as torch's fused Adam: in float32 (in fp16,
             # eps = 1e-8 is 0, and every weight was NaN after the first step: an audit), a slice at a time, and the
-            # direction kept in float32 for the update (rounded to bf16 first, the decay's multiply then rounded each
-            # weight back to itself: no decay at all, an audit)
-            out = torch.empty(mom["exp_avg"].shape, dtype=torch.float32, device=th.device)
-            for a in range(0, out.shape[1], OPMATH_SLICE):
-                cols = slice(a, a + OPMATH_SLICE)
+            # direction kept in float32 for the update, one slice at a time (rounded to bf16 first, the decay's
+            # multiply then rounded each weight back to itself: no decay at all, an audit; a whole float32 direction
+            # raised the step's peak memory by 2 bytes a weight and row, a review)
+            n = mom["exp_avg"].shape[1]
+            for a in range(0, n, OPMATH_SLICE):
+                cols = slice(a, min(a + OPMATH_SLICE, n))
                 part = {name: m[:, cols] for name, m in mom.items()}
-                out[:, cols] = _adam_moments(g[:, cols], part, v["amsgrad"], b1c, b2, b2c, bc2, eps, opmath=True)
-            return out
-        return _adam_moments(g, mom, v["amsgrad"], b1c, b2, b2c, bc2, eps, opmath=False)
+                update(cols.start, cols.stop, _adam_moments(g[:, cols], part, v["amsgrad"], b1c, b2, b2c, bc2, eps,
+                                                            opmath=True))
+            return
+        update(0, g.shape[1], _adam_moments(g, mom, v["amsgrad"], b1c, b2, b2c, bc2, eps, opmath=False))
 
     def _sgd_direction(self, th: torch.Tensor, g: torch.Tensor, mom: dict[str, torch.Tensor], v: dict[str, Any],
-                       c: torch.Tensor, t: int) -> torch.Tensor:
-        """SGD's direction (the LR is in ``c[0]``): the gradient (with the L2 term), or its momentum buffer."""
+                       c: torch.Tensor, t: int, update: Callable[[int, int, torch.Tensor], None]) -> None:
+        """SGD's direction (the LR is in ``c[0]``): the gradient (with the L2 term), or its momentum buffer, handed to
+        ``update(0, n, d)``."""
+        update(0, g.shape[1], self._sgd_d(th, g, mom, v, c, t))
+
+    def _sgd_d(self, th: torch.Tensor, g: torch.Tensor, mom: dict[str, torch.Tensor], v: dict[str, Any],
+               c: torch.Tensor, t: int) -> torch.Tensor:
         if any(v["wd"]):
             g = g + self._one(c, 1, v["wd"]) * th  # SGD's L2 term: the replicas' buffers differ (rows == N)
         if not any(v["momentum"]):
