@@ -1511,19 +1511,21 @@ def local_reset_scales(rank, world, *, T=2, steps=6, nan_at=3):
             "finite": bool(all(torch.isfinite(p).all() for p in net.parameters()))}
 
 
-def spectral_average(rank, world, *, form="parametrization"):
+def spectral_average(rank, world, *, form="parametrization", two=False):
     """DDP with spectral_norm layers (``form``: torch.nn.utils.parametrizations' or the older hook), alpha 0.5, T = 10:
     each layer's spectral norm as its eval-mode forward computes it (from u, v) after the converge step at 10 and inside
-    ``averaged()`` at 15, and whether this rank's own state came back after it."""
+    ``averaged()`` at 15, and whether this rank's own state came back after it. ``two``: each layer its own optimizer
+    and scheduler (both with ``model=``; the second layer's converge steps every 7 steps), the swap inside both."""
     from torch.nn.utils.parametrizations import spectral_norm
 
     torch.manual_seed(0)
     sn = spectral_norm if form == "parametrization" else nn.utils.spectral_norm
     net = nn.Sequential(sn(nn.Linear(6, 16)), nn.Tanh(), sn(nn.Linear(16, 1)))
     model = DDP(net)
-    o = torch.optim.Adam(model.parameters(), lr=0.05)
-    s = hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=20, ensemble_lr_spread_ratio=0.5, model_sync_interval=10,
-                            model=model)
+    opts = [torch.optim.Adam(net[0].parameters(), lr=0.05), torch.optim.Adam(net[2].parameters(), lr=0.05)] if two \
+        else [torch.optim.Adam(model.parameters(), lr=0.05)]
+    scheds = [hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=20, ensemble_lr_spread_ratio=0.5,
+                                  model_sync_interval=10 if k == 0 else 7, model=model) for k, o in enumerate(opts)]
 
     def norms():
         net.eval()
@@ -1538,14 +1540,18 @@ def spectral_average(rank, world, *, form="parametrization"):
     for t in range(1, 16):
         x = torch.randn(32, 6, generator=g)
         loss = nn.functional.mse_loss(model(x), (3 * x[:, :1]).sin() * (1 + rank))
-        o.zero_grad()
+        for o in opts:
+            o.zero_grad()
         loss.backward()
-        o.step()
-        s.step(loss)
+        for o in opts:
+            o.step()
+        for s in scheds:
+            s.step(loss)
         if t == 10:
             out["after_sync"] = norms()
     own = {k: v.clone() for k, v in net.state_dict().items()}
-    with s.averaged() as out["changed"]:
+    with contextlib.ExitStack() as swaps:
+        out["changed"] = all(swaps.enter_context(s.averaged()) for s in scheds)
         out["inside"] = norms()
     out["restored"] = all(torch.equal(v, own[k]) for k, v in net.state_dict().items())
     return out

@@ -612,8 +612,8 @@ class Ensemble:
                             range_scale=None if rt is None else rt.scale(self.slots.peak0), range_ended=range_ended,
                             recovered_early=early)
         self.last_sync = record
-        spectral.refresh_(self.model, self._param_tensors)  # spectral norms' u, v for the weights now in (averaged, or
-        # gone back to), before the hooks see the model
+        spectral.refresh_(self.model, lambda: self.model_tensors()[0])  # spectral norms' u, v for the weights now in
+        # (averaged, or gone back to), before the hooks see the model
         if self.step_scale is not None:  # the averaged (or gone-back-to) estimates into the param groups now
             self.step_scale.take_estimates()
         for hook in self.on_sync:  # (a logger's error, a full disk or a tracker's network, is raised after the step:
@@ -699,7 +699,7 @@ class Ensemble:
             if bad:
                 self._average(t, self.tensors(), bad)
                 self._reset_moments(t, bad)
-                spectral.refresh_(self.model, self._param_tensors)
+                spectral.refresh_(self.model, lambda: self.model_tensors()[0])
                 for r in bad:  # (said at the next sync: sched.last_sync.recovered_early)
                     self.early_recovered.setdefault(r, t)
                 self.stability.forget(bad)  # (judged on their windows from now on)

@@ -38,11 +38,13 @@ RTOL, MAX_STEPS = 1e-6, 100  # when sigma has settled; the most steps
 
 @torch.no_grad()
 def refresh_(model: nn.Module | None, averaged: Callable[[], Iterable[torch.Tensor]]) -> int:
-    """Run the power iteration of every spectral norm in ``model`` whose weight is among ``averaged()`` (the tensors an
-    average, a reset or a go-back just wrote, listed only where there are spectral norms: two schedulers over one model each refresh their own, with the other's
-    weights still this replica's own) on that weight as it is now, until its ``sigma`` settles. Returns how many were
-    refreshed (0 when the model has none: one pass over its modules). HOST SYNC: one read per step of the iteration,
-    where there are any."""
+    """Run the power iteration of every spectral norm in ``model`` whose weight or ``u`` is among ``averaged()`` (the
+    tensors an average, a reset or a go-back just wrote, listed only where there are spectral norms) on its weight as
+    it is now, until its ``sigma`` settles. Two schedulers over one model, each with ``model=``: each averages the
+    model's buffers, the other's ``u``, ``v`` too, which are refreshed for that replica's own weight (its own until the
+    other's converge step); a scheduler without ``model=`` averages no buffer and refreshes nothing. Returns how many
+    were refreshed (0 when the model has none: one pass over its modules). HOST SYNC: one read per step of the
+    iteration, where there are any."""
     if model is None:
         return 0
     keys = None
@@ -63,7 +65,7 @@ def refresh_(model: nn.Module | None, averaged: Callable[[], Iterable[torch.Tens
         for weight, matrix, u, v, eps, u_first in found:
             if keys is None:
                 keys = {memory_key(t) for t in averaged()}
-            if _is_dtensor(weight) or memory_key(weight.detach()) not in keys:
+            if _is_dtensor(weight) or (memory_key(weight.detach()) not in keys and memory_key(u) not in keys):
                 continue
             w = matrix(weight)
             if w is not None:
