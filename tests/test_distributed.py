@@ -1058,3 +1058,29 @@ def test_a_first_overflow_skips_every_optimizer_of_the_model_as_plain_ddp():
     for p, h in zip(plain, guarded):
         assert h["counts"] == p["counts"] == [4.0, 4.0] and not h["said"], (p["counts"], h)
         assert all(torch.equal(a, b) for a, b in zip(h["params"], p["params"]))
+
+
+def _users_comm_hook(rank, world):
+    """A user's own DDP comm hook (torch's allreduce_hook) registered before the scheduler, a non-fused SGD (the "hook"
+    guard wanted): the warnings hdet gives."""
+    import warnings
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(4, 2))
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hdet.HDETLR(opt, None, total_steps=4, model_sync_interval=2, model=model)
+    return [str(w.message) for w in caught if str(w.message).startswith("hdet:")], len(model._comm_hooks)
+
+
+def test_a_users_own_comm_hook_is_said_to_keep_the_guard_off():
+    """torch lists a comm hook before it refuses a second one: hdet's refused entry stayed, and was taken for another
+    HDET scheduler's guard ("it keeps a replica's non-finite gradient out of every bucket": false, a NaN on one rank
+    reached the other's weights; an audit). The warning now says the guard could not be installed."""
+    for said, hooks in check_ok(run_gloo(_users_comm_hook, 2)):
+        assert hooks == 1 and len(said) == 1 and "could not install the gradient guard" in said[0], said

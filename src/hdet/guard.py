@@ -732,6 +732,9 @@ def install_gradient_guard(ddp: "torch.nn.parallel.DistributedDataParallel", opt
         ddp.register_comm_hook(state, _guarded_allreduce)
     except RuntimeError as e:
         state.remove()
+        hooks = getattr(ddp, "_comm_hooks", None)  # (torch lists the hook before it refuses a second one: this one's
+        if isinstance(hooks, list):  # entry taken out, a user's own hook was taken for another scheduler's, an audit)
+            hooks[:] = [entry for entry in hooks if not (isinstance(entry, tuple) and entry[-1] is state)]
         if _hdet_hook_on(ddp) is not None:  # another scheduler's (or a discarded one's): it zeroes a replica's
             # non-finite contribution to every bucket, but watches that scheduler's optimizer only (its GradScaler,
             # its stall counts): not this one's, so it is not taken as this scheduler's guard
