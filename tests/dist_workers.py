@@ -1598,3 +1598,36 @@ def two_optimizers_one_scaler(rank, world, *, use_hdet=True, guard_first=True, s
     assert all(torch.isfinite(p).all() for p in m.parameters())
     return {"params": [p.detach().clone() for p in m.parameters()], "counts": counts,
             "said": [str(w.message) for w in caught if str(w.message).startswith("hdet: another optimizer")]}
+
+
+def joined(rank, world, *, throw=True, batches=(6, 6), T=4):
+    """The loop inside torch's ``model.join()`` (uneven inputs), ``batches[rank]`` steps on this rank, of 100, then
+    ``sched.finish()``: the error inside (if any) and the weights after, with the same run's weights without join()
+    (even batches)."""
+    def run(use_join):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+        model = DDP(net)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        sched = hdet.OneCycleAutoLR(opt, max_lr=0.05, total_steps=100, ensemble_lr_spread_ratio=0.3,
+                                    model_sync_interval=T, model=model)
+        error = None
+        try:
+            with model.join(throw_on_early_termination=throw) if use_join else contextlib.nullcontext():
+                for t in range(1, batches[rank] + 1):
+                    x, y = batch(rank, t)
+                    loss = nn.functional.mse_loss(model(x), y)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    sched.step(loss)
+        except (RuntimeError, ValueError) as e:
+            error = f"{type(e).__name__}: {e}"
+        if error is None or "exhausted" in error:
+            sched.finish()
+        return error, gather_flat([p.detach() for p in net.parameters()]), sched.last_epoch
+    error, weights, steps = run(True)
+    out = {"error": error, "weights": weights, "steps": steps}
+    if len(set(batches)) == 1 and throw:
+        out["without_join"] = run(False)[1]
+    return out

@@ -1084,3 +1084,27 @@ def test_a_users_own_comm_hook_is_said_to_keep_the_guard_off():
     reached the other's weights; an audit). The warning now says the guard could not be installed."""
     for said, hooks in check_ok(run_gloo(_users_comm_hook, 2)):
         assert hooks == 1 and len(said) == 1 and "could not install the gradient guard" in said[0], said
+
+
+def _joined(rank, world, throw, batches):
+    from dist_workers import joined
+
+    return joined(rank, world, throw=throw, batches=batches)
+
+
+def test_torchs_join_for_uneven_inputs():
+    """model.join() around the loop: without throw_on_early_termination its stand-ins for a finished rank's collectives
+    cannot match a converge step's, and every rank waited out the process group's timeout (an audit): refused at the
+    first step. With it, uneven inputs stop every rank at the shortest count and finish() averages; even inputs ending
+    early (at step 6 of 100): the join's end copied the last rank's replica to every rank, and finish() averaged N
+    copies of it (0.034 off the average, silently): the converge step runs first there, as without join()."""
+    for r in check_ok(run_gloo(_joined, 2, False, (6, 6))):
+        assert r["error"].startswith("ValueError: Expected model.join(throw_on_early_termination=True)"), r["error"]
+    uneven = check_ok(run_gloo(_joined, 2, True, (8, 6)))
+    for r in uneven:
+        assert "exhausted" in r["error"] and r["steps"] == 6, r["error"]
+        assert torch.equal(r["weights"][0], r["weights"][1])
+    for r in check_ok(run_gloo(_joined, 2, True, (6, 6))):
+        assert r["error"] is None and r["steps"] == 6
+        assert torch.equal(r["weights"][0], r["weights"][1])
+        torch.testing.assert_close(r["weights"], r["without_join"], rtol=1e-6, atol=1e-7)

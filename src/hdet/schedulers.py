@@ -27,7 +27,7 @@ from .caller import user_stacklevel
 from .config import OPTIONS, HDETConfig, spreading
 from .controller import gamma_as_printed
 from .ensemble import Ensemble, SyncRecord
-from .guard import GuardSetting, ScalerWatch, SkipWatch
+from .guard import GuardSetting, ScalerWatch, SkipWatch, uncompiled
 from .hyper import AdamBeta, Dropout, Hyperparameter, LabelSmoothing, check_explored
 from .loss_scale import LossScale
 from .optimizers import check_lr_groups, check_optimizer, check_shared_gradients, innermost
@@ -431,6 +431,7 @@ class HDETLR(LRScheduler):
                              "the parameters that required grad when it was built: unfrozen later, that group's "
                              "gradients stay each replica's own unless DDP is built again)")
         self._check_optimizer_stepped()
+        self._check_join()
         self._check_capped_lr(t)
         if self._hdet.step_scale is not None:  # Prodigy under a process group: its estimate shared (COLLECTIVE)
             self._hdet.step_scale.exchange()
@@ -456,6 +457,36 @@ class HDETLR(LRScheduler):
             self._base.step()
         self._hdet.after_optimizer_step(t)
         return t
+
+    def _check_join(self) -> None:
+        """torch's ``model.join()`` (uneven inputs across ranks) around the training loop: its stand-ins for a
+        finished rank's collectives cannot match a converge step's (every rank waited out the process group's timeout,
+        then a ReplicaSyncError blamed a dead replica: refused without ``throw_on_early_termination=True``); and at the
+        end of the block it copies the last rank's model to every rank, so ``finish()`` after it averaged N copies of
+        one replica, silently (an audit): the run's converge step (``finish()``) goes first there."""
+        ddp = uncompiled(self._hdet.model) if self._hdet.model is not None else None
+        config = getattr(ddp, "_join_config", None)
+        if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel) or not getattr(config, "enable", False):
+            return
+        if not config.throw_on_early_termination:
+            raise ValueError("Expected model.join(throw_on_early_termination=True) around an HDET run, but got join() "
+                             "without it: its stand-ins for a finished rank's collectives cannot match a converge step's, "
+                             "so a rank that runs out of batches leaves the others waiting until the process group's "
+                             "timeout. With throw_on_early_termination=True every rank stops at the shortest one's "
+                             "step: catch that error, then call sched.finish() on every rank")
+        synced = ddp.__dict__.get("_sync_final_model")
+        if getattr(synced, "_hdet_schedulers", None) is None:
+            original = ddp._sync_final_model
+            schedulers: list[HDETLR] = []
+
+            def synced(is_last_joiner: bool) -> Any:  # (the join's end: the replicas averaged before DDP copies one)
+                for s in schedulers:
+                    s.finish()  # COLLECTIVES (every rank runs the join's end)
+                return original(is_last_joiner)
+            synced._hdet_schedulers = schedulers  # type: ignore[attr-defined]
+            ddp._sync_final_model = synced
+        if self not in synced._hdet_schedulers:
+            synced._hdet_schedulers.append(self)
 
     def _check_capped_lr(self, t: int) -> None:
         """torch's Adafactor steps at ``min(lr, 1 / sqrt(t))``: under a spread (or the controller) the replicas whose
