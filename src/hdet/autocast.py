@@ -71,7 +71,7 @@ def casting(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
 
 
 def norm_in_float(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``F.batch_norm`` for vmapped fp16/bf16 inputs with float32 statistics or affine (a convolution's output under
+    """``F.batch_norm`` (and ``F.instance_norm``) for vmapped fp16/bf16 inputs with float32 statistics or affine (a convolution's output under
     autocast, the model in float32): torch's vmap rule refuses the mixed dtypes ("expected scalar type BFloat16 but
     found Float"; mode="auto" fell back to the loop, an audit) where one replica's batch norm takes them and returns
     the input's dtype. Computed on the input in float32 and returned in its dtype, as that kernel computes."""
@@ -90,9 +90,9 @@ def norm_in_float(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
 @contextlib.contextmanager
 def routed() -> Iterator[None]:
     """Inside: ``torch.nn.functional``'s :data:`CAST` functions and torch's :data:`CAST_TORCH` (whatever the modules
-    hold: torch's, or a user's wrapper of them) cast as autocast does, also under vmap; ``F.batch_norm`` takes fp16/bf16
-    vmapped inputs with float32 statistics (:func:`norm_in_float`)."""
+    hold: torch's, or a user's wrapper of them) cast as autocast does, also under vmap; ``F.batch_norm`` and
+    ``F.instance_norm`` take fp16/bf16 vmapped inputs with float32 statistics (:func:`norm_in_float`)."""
     with patched("autocast", F, {name: casting for name in CAST}), \
             patched("autocast", torch, {name: casting for name in CAST_TORCH}), \
-            patched("autocast-norm", F, {"batch_norm": norm_in_float}):
+            patched("autocast-norm", F, {"batch_norm": norm_in_float, "instance_norm": norm_in_float}):
         yield

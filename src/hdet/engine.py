@@ -134,25 +134,17 @@ class _Call(nn.Module):
 
     def forward(self, batch: Any, loss_fn: LossFn) -> tuple[torch.Tensor, dict[str, Any]]:
         before = [mod._buffers[k] for mod, k, _ in self._buffer_slots]
-        unset = [(mod, k, name) for mod, k, name in self._none_slots if mod._buffers[k] is None]
         loss = _scalar_loss(loss_fn(self.m, batch))
-        made = [(mod, k, name) for mod, k, name in unset if mod._buffers[k] is not None and (
-            k not in mod._non_persistent_buffers_set or _functorch_wrapped(mod._buffers[k]))]
-        if made:  # a replica's own value (from its batch) or state (persistent): left there, replica 0's module held
-            for mod, k, _ in made:  # a tensor escaped from vmap, the others None, and the first converge step raised
-                mod._buffers[k] = None  # functorch's "escaped" error (an audit); a cache of plain values stays
-            raise ValueError(f"Expected the buffers the vmapped replicas hold, but the forward assigned "
+        made = [(mod, k, name) for mod, k, name in self._none_slots if mod._buffers[k] is not None]
+        if made:  # left there, replica 0's module held a tensor escaped from vmap (a replica's own value), the others
+            for mod, k, _ in made:  # None, and the first converge step raised functorch's "escaped" error (an audit);
+                mod._buffers[k] = None  # a plain value, later updated from each replica's batch, did the same or failed
+            raise ValueError(f"Expected the buffers the vmapped replicas hold, but the forward assigned "  # (a review)
                              f"{', '.join(repr(n[2:]) for _, _, n in made)}, registered as None when the engine was "
                              "built: it cannot be stacked for the replicas. Create it in __init__ as a tensor of its "
                              "final shape (or run one forward before building the engine), or use mode='loop'")
         return loss, {name: mod._buffers[k] for (mod, k, name), b in zip(self._buffer_slots, before)
                       if mod._buffers[k] is not b and isinstance(mod._buffers[k], torch.Tensor)}  # (None: dropped)
-
-
-def _functorch_wrapped(t: Any) -> bool:
-    """Whether ``t`` is a functorch-wrapped tensor (a vmapped replica's value, which cannot leave the vmapped call)."""
-    f = getattr(torch._C, "_functorch", None)
-    return isinstance(t, torch.Tensor) and f is not None and bool(f.is_functorch_wrapped_tensor(t))
 
 
 def _scalar_loss(loss: Any) -> torch.Tensor:
