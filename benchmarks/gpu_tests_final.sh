@@ -1,5 +1,6 @@
-# Session 34 (2026-12-01), one H200, the last call: `python -m pytest tests/gpu` on the session's final code (the
-# bf16 merged bound of tests/gpu/test_kernels_cuda.py among them), and `hdet train --device cuda` (the README's job).
+# The last call of a session on one H200: `python -m pytest tests/gpu` on the session's final code, and
+# `hdet train --device cuda` (the README's job). Sessions 34 and 36 (2026-12-01; 36: the half-precision fused AdamW
+# decay test of tests/gpu/test_kernels_cuda.py among them).
 # Usage: `bash benchmarks/gpu_tests_final.sh` (writes to $OUT)
 export PYTHONPATH=$PWD/src
 python -c "import sys,torch;print(sys.version, torch.__version__, torch.cuda.get_device_name())" > $OUT/env.txt

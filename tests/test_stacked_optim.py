@@ -672,15 +672,18 @@ def test_half_precision_adam_computes_in_float32_as_fused_adam_does(dtype, fused
     assert all(torch.isfinite(p).all() for m in fast.models for p in m.parameters())
 
 
+@pytest.mark.parametrize("kind", ["AdamW", "Adam"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_fused_adamw_decays_as_torchs_fused_adamw(dtype, monkeypatch):
+def test_half_precision_fused_adamw_decays_as_torchs_fused_adamw(dtype, kind, monkeypatch):
     """bf16 weights, AdamW(fused=True, weight_decay=0.1): the stacked step rounded Adam's direction to bf16 and then
     multiplied by 1 - lr wd in bf16, which rounded each weight back to itself: no decay at all, bit for bit the run
     at weight_decay 0 (an audit: 0.17 of the movement off torch's fused AdamW over 100 steps at lr 1e-3, and the
     weights grew at 1e-2 where torch's shrank; fp16 one ulp off in 93-99% of the weights). The direction stays in
     float32 and the update is computed in float32 and stored once, as torch's fused kernel does: each replica's own
     fused AdamW (the loop's steps) bit for bit in bf16, to an ulp in a few fp16 weights, over several slices of
-    columns. Gradients that do not depend on the weights: nothing chaotic amplifies a difference."""
+    columns. Gradients that do not depend on the weights: nothing chaotic amplifies a difference. Adam's coupled L2
+    term (``g + wd theta``) was added in the weights' dtype, where torch's fused Adam adds it in float32: 4-13% of the
+    weights an ulp or more off (a review); in float32 now."""
     from hdet.engine import ReplicaEngine
 
     monkeypatch.setattr(hdet.stacked_optim, "OPMATH_SLICE", 1000)  # (4096 columns)
@@ -694,7 +697,8 @@ def test_half_precision_fused_adamw_decays_as_torchs_fused_adamw(dtype, monkeypa
             self.w = nn.Parameter(w0.clone())
 
     def run(mode, wd):
-        eng = ReplicaEngine(M(), 4, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=wd, fused=True),
+        eng = ReplicaEngine(M(), 4, lambda m: getattr(torch.optim, kind)(m.parameters(), lr=1e-3, weight_decay=wd,
+                                                                          fused=True),
                             lambda o, rep, m: hdet.HDETLR(o, None, 101, ensemble_lr_spread_ratio=0.3,
                                                           model_sync_interval=10 ** 6, model=m, replicas=rep), mode=mode)
         for g in grads:
@@ -709,9 +713,9 @@ def test_half_precision_fused_adamw_decays_as_torchs_fused_adamw(dtype, monkeypa
     for a, b, c in zip(stacked, looped, undecayed):
         if dtype == torch.bfloat16:
             assert torch.equal(a, b)
-        else:  # (fp16's finer rounding: the float32 ops' order moves 2 of 4096 elements by one ulp; before, 93-99%)
-            assert (a != b).float().mean() < 0.01
-            torch.testing.assert_close(a, b, rtol=2 ** -10, atol=0)
+        else:  # (fp16's finer rounding: the float32 ops' order moves 1-2 of 4096 elements by an ulp or two; before,
+            assert (a != b).float().mean() < 0.01  # 93-99%)
+            torch.testing.assert_close(a, b, rtol=2 ** -8, atol=0)
         assert (a != c).float().mean() > 0.1  # (the decay moves 16-38% of bf16 weights by an ulp or more)
 
 

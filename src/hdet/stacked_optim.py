@@ -579,13 +579,16 @@ class StackedStep:
         """Adam's moments, updated in place, and ``u = m / (sqrt(v / (1 - beta2^t)) + eps)``: ``[rows, n]``,
         computed once for the ensemble when rows == 1 (the LR and ``1 / (1 - beta1^t)`` are in ``c[0]``), handed to
         ``update(lo, hi, u)`` for its columns [lo, hi)."""
-        if any(v["wd"]) and not v["decoupled"]:
-            g = g + self._one(c, 2, v["wd"]) * th  # Adam's L2 term: the replicas' moments differ (rows == N)
+        l2 = self._one(c, 2, v["wd"]) if any(v["wd"]) and not v["decoupled"] else None  # Adam's L2 term: the
+        # replicas' moments differ (rows == N)
+        half = v["fused"] and th.dtype in (torch.float16, torch.bfloat16)
+        if l2 is not None and not half:
+            g = g + l2 * th
         b1c = self._one(c, 3, [1 - b for b in v["b1"]])
         b2, b2c = self._one(c, 4, v["b2"]), self._one(c, 5, [1 - b for b in v["b2"]])
         bc2 = self._one(c, 6, [math.sqrt(1 - b ** t) for b in v["b2"]])
         eps = self._one(c, 7, v["eps"])
-        if v["fused"] and th.dtype in (torch.float16, torch.bfloat16):  # as torch's fused Adam: in float32 (in fp16,
+        if half:  # as torch's fused Adam: in float32 (in fp16,
             # eps = 1e-8 is 0, and every weight was NaN after the first step: an audit), a slice at a time, and the
             # direction kept in float32 for the update, one slice at a time (rounded to bf16 first, the decay's
             # multiply then rounded each weight back to itself: no decay at all, an audit; a whole float32 direction
@@ -594,7 +597,10 @@ class StackedStep:
             for a in range(0, n, OPMATH_SLICE):
                 cols = slice(a, min(a + OPMATH_SLICE, n))
                 part = {name: m[:, cols] for name, m in mom.items()}
-                update(cols.start, cols.stop, _adam_moments(g[:, cols], part, v["amsgrad"], b1c, b2, b2c, bc2, eps,
+                gs = g[:, cols].float()  # (the L2 term in float32 too: added in the weights' dtype, 4-13% of the
+                if l2 is not None:  # weights an ulp or more off torch's fused Adam, a review)
+                    gs = gs + l2 * th[:, cols].float()
+                update(cols.start, cols.stop, _adam_moments(gs, part, v["amsgrad"], b1c, b2, b2c, bc2, eps,
                                                             opmath=True))
             return
         update(0, g.shape[1], _adam_moments(g, mom, v["amsgrad"], b1c, b2, b2c, bc2, eps, opmath=False))
