@@ -1600,10 +1600,11 @@ def two_optimizers_one_scaler(rank, world, *, use_hdet=True, guard_first=True, s
             "said": [str(w.message) for w in caught if str(w.message).startswith("hdet: another optimizer")]}
 
 
-def joined(rank, world, *, throw=True, batches=(6, 6), T=4):
+def joined(rank, world, *, throw=True, batches=(6, 6), T=4, evaluate=False):
     """The loop inside torch's ``model.join()`` (uneven inputs), ``batches[rank]`` steps on this rank, of 100, then
     ``sched.finish()``: the error inside (if any) and the weights after, with the same run's weights without join()
-    (even batches)."""
+    (even batches). ``evaluate``: the loop outside join(), with an evaluation inside ``model.join()`` (without
+    throw_on_early_termination) after step 3: whether the replicas still differ after it."""
     def run(use_join):
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
@@ -1621,13 +1622,19 @@ def joined(rank, world, *, throw=True, batches=(6, 6), T=4):
                     loss.backward()
                     opt.step()
                     sched.step(loss)
+                    if evaluate and t == 3:
+                        with model.join(), torch.no_grad():
+                            model(x)
+                        mine = gather_flat([p.detach() for p in net.parameters()])
+                        out["apart_after_eval"] = not torch.equal(mine[0], mine[1])
         except (RuntimeError, ValueError) as e:
             error = f"{type(e).__name__}: {e}"
         if error is None or "exhausted" in error:
             sched.finish()
         return error, gather_flat([p.detach() for p in net.parameters()]), sched.last_epoch
-    error, weights, steps = run(True)
-    out = {"error": error, "weights": weights, "steps": steps}
+    out = {}
+    error, weights, steps = run(not evaluate)
+    out.update({"error": error, "weights": weights, "steps": steps})
     if len(set(batches)) == 1 and throw:
         out["without_join"] = run(False)[1]
     return out

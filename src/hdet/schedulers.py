@@ -185,6 +185,8 @@ class HDETLR(LRScheduler):
                 # the guard last (DDP takes one comm hook, which a construction that failed after it left behind); an
                 # install that fails takes back what it put on
                 self._guard.install(model)
+            if isinstance(uncompiled(model), torch.nn.parallel.DistributedDataParallel):
+                _keep_replicas_at_join_end(uncompiled(model))  # (an evaluation's join before the first step, too)
         except BaseException:  # the ensemble's hooks on a D-Adaptation/Prodigy optimizer: taken off again
             if self._hdet.step_scale is not None:
                 self._hdet.step_scale.uninstall()
@@ -290,6 +292,8 @@ class HDETLR(LRScheduler):
         if self._hdet.model is None:
             self._hdet.model = model
         self._guard.install(model)
+        if isinstance(uncompiled(model), torch.nn.parallel.DistributedDataParallel):
+            _keep_replicas_at_join_end(uncompiled(model))
 
     def _count_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._opt_steps += 1
@@ -459,34 +463,23 @@ class HDETLR(LRScheduler):
         return t
 
     def _check_join(self) -> None:
-        """torch's ``model.join()`` (uneven inputs across ranks) around the training loop: its stand-ins for a
-        finished rank's collectives cannot match a converge step's (every rank waited out the process group's timeout,
-        then a ReplicaSyncError blamed a dead replica: refused without ``throw_on_early_termination=True``); and at the
-        end of the block it copies the last rank's model to every rank, so ``finish()`` after it averaged N copies of
-        one replica, silently (an audit): the run's converge step (``finish()``) goes first there."""
+        """torch's ``model.join()`` (uneven inputs across ranks): its stand-ins for a finished rank's collectives cannot
+        match a converge step's (every rank waited out the process group's timeout, then a ReplicaSyncError blamed a dead
+        replica, an audit): training inside one without ``throw_on_early_termination=True`` is refused. And the end of a
+        join block (:func:`_keep_replicas_at_join_end`) copied the last rank's model to every rank: ``finish()`` after
+        it averaged N copies of one replica, silently. About a microsecond a step."""
         ddp = uncompiled(self._hdet.model) if self._hdet.model is not None else None
-        config = getattr(ddp, "_join_config", None)
-        if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel) or not getattr(config, "enable", False):
+        if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
             return
-        if not config.throw_on_early_termination:
-            raise ValueError("Expected model.join(throw_on_early_termination=True) around an HDET run, but got join() "
-                             "without it: its stand-ins for a finished rank's collectives cannot match a converge step's, "
-                             "so a rank that runs out of batches leaves the others waiting until the process group's "
-                             "timeout. With throw_on_early_termination=True every rank stops at the shortest one's "
-                             "step: catch that error, then call sched.finish() on every rank")
-        synced = ddp.__dict__.get("_sync_final_model")
-        if getattr(synced, "_hdet_schedulers", None) is None:
-            original = ddp._sync_final_model
-            schedulers: list[HDETLR] = []
-
-            def synced(is_last_joiner: bool) -> Any:  # (the join's end: the replicas averaged before DDP copies one)
-                for s in schedulers:
-                    s.finish()  # COLLECTIVES (every rank runs the join's end)
-                return original(is_last_joiner)
-            synced._hdet_schedulers = schedulers  # type: ignore[attr-defined]
-            ddp._sync_final_model = synced
-        if self not in synced._hdet_schedulers:
-            synced._hdet_schedulers.append(self)
+        _keep_replicas_at_join_end(ddp)
+        config = getattr(ddp, "_join_config", None)
+        if getattr(config, "enable", False) and not config.throw_on_early_termination \
+                and config is not ddp.__dict__.get("_hdet_join_ended"):  # (torch leaves a block's config on after it)
+            raise ValueError("Expected model.join(throw_on_early_termination=True) around HDET's training steps, but "
+                             "got join() without it: its stand-ins for a finished rank's collectives cannot match a "
+                             "converge step's, so a rank that runs out of batches leaves the others waiting until the "
+                             "process group's timeout. With throw_on_early_termination=True every rank stops at the "
+                             "shortest one's step: catch that error, then call sched.finish() on every rank")
 
     def _check_capped_lr(self, t: int) -> None:
         """torch's Adafactor steps at ``min(lr, 1 / sqrt(t))``: under a spread (or the controller) the replicas whose
@@ -797,6 +790,22 @@ class HDETLR(LRScheduler):
         if self._weights_hook is not None and self._weights_expected is None:
             self._weights_hook.remove()
             self._weights_hook = None
+
+
+def _keep_replicas_at_join_end(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+    """At the end of a ``model.join()`` block torch copies the last rank's model to every rank
+    (``DistributedDataParallel._sync_final_model``), for ranks that stopped stepping earlier: each replica's own weights
+    were lost (an audit). Under HDET a block that training steps run in throws on uneven inputs (refused otherwise), so
+    the end runs only where every rank took every step: the copy is left out, and the config of the block that ended
+    kept (torch leaves it enabled: an evaluation's join without throw_on_early_termination is no training's)."""
+    if getattr(ddp.__dict__.get("_sync_final_model"), "_hdet", False):
+        return
+
+    def keep_replicas(is_last_joiner: bool) -> None:
+        ddp.__dict__["_hdet_join_ended"] = getattr(ddp, "_join_config", None)
+
+    keep_replicas._hdet = True  # type: ignore[attr-defined]
+    ddp._sync_final_model = keep_replicas
 
 
 class OneCycleAutoLR(HDETLR):
