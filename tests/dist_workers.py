@@ -1638,3 +1638,36 @@ def joined(rank, world, *, throw=True, batches=(6, 6), T=4, evaluate=False):
     if len(set(batches)) == 1 and throw:
         out["without_join"] = run(False)[1]
     return out
+
+
+def two_models_one_scaler(rank, world, *, use_hdet=True):
+    """Two DDP models (A with an HDETLR and its "hook" guard, B with its own plain AdamW), one GradScaler, torch's
+    recipe with clipping (both unscaled and clipped, then stepped). Rank 1's first backward overflows in A only: plain
+    DDP skips A's step 1 and steps B. Adam's step counts after 3 steps and B's weights."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(6, 4), nn.Linear(6, 4)
+    A, B = DDP(a), DDP(b)
+    oa, ob = torch.optim.AdamW(a.parameters(), lr=1e-2), torch.optim.AdamW(b.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    sched = hdet.HDETLR(oa, None, 3, ensemble_lr_spread_ratio=0.0, model_sync_interval=3, model=A) if use_hdet else None
+    for t in range(1, 4):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(100 * rank + t))
+        with torch.autocast("cpu", dtype=torch.float16):
+            ya, yb = A(x), B(x)
+        if t == 1 and rank == 1:
+            ya.register_hook(lambda gr: gr * float("inf"))
+        loss = ya.float().pow(2).mean() + yb.float().pow(2).mean()
+        oa.zero_grad()
+        ob.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale_(oa)
+        scaler.unscale_(ob)
+        nn.utils.clip_grad_norm_(a.parameters(), 1.0)
+        nn.utils.clip_grad_norm_(b.parameters(), 1.0)
+        scaler.step(oa)
+        scaler.step(ob)
+        scaler.update()
+        if sched is not None:
+            sched.step(loss.detach())
+    counts = [float(next(iter(o.state.values()))["step"]) for o in (oa, ob)]
+    return {"counts": counts, "B": b.weight.detach().clone()}

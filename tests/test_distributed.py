@@ -1113,3 +1113,19 @@ def test_torchs_join_for_uneven_inputs():
     # which refused every later step, and its end collapsed the replicas into one (a review)
     for r in check_ok(run_gloo(_joined, 2, True, (6, 6), True)):
         assert r["error"] is None and r["steps"] == 6 and r["apart_after_eval"], r["error"]
+
+
+def _two_models_one_scaler(rank, world, use_hdet):
+    from dist_workers import two_models_one_scaler
+
+    return two_models_one_scaler(rank, world, use_hdet=use_hdet)
+
+
+def test_a_first_overflow_in_one_model_leaves_another_models_optimizer_alone():
+    """Two DDP models under one GradScaler, HDET's hook guard on one: at its first overflow the guard set found_inf for
+    every optimizer the scaler had unscaled, and the other model's optimizer skipped a step plain DDP takes (a review).
+    Only optimizers over the guarded model's other parameters are held back: as plain DDP."""
+    plain = check_ok(run_gloo(_two_models_one_scaler, 2, False))
+    guarded = check_ok(run_gloo(_two_models_one_scaler, 2, True))
+    for p, h in zip(plain, guarded):
+        assert h["counts"] == p["counts"] == [2.0, 3.0] and torch.equal(h["B"], p["B"]), (p["counts"], h["counts"])

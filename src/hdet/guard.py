@@ -54,6 +54,7 @@ GradScaler (whose skipped steps stall every replica alike), :class:`ScalerWatch`
 """
 
 import copy
+import gc
 import math
 import warnings
 import weakref
@@ -178,14 +179,21 @@ class HookGuard:
         unscaled (their +Inf gradients would have reached the step: NaN weights, a review). One that stepped already,
         before this one: said."""
         mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        others = {id(p) for p in self.model_params} - mine
         for p in self.model_params:
             if id(p) not in mine and p.grad is not None:
                 p.grad.fill_(float("inf"))
         stage = getattr(getattr(torch.amp, "grad_scaler", None), "OptState", None)
+        states = {k: st for k, st in getattr(scaler, "_per_optimizer_states", {}).items() if st is not own}
         stepped = False
-        for state in list(getattr(scaler, "_per_optimizer_states", {}).values()):
-            if state is own or stage is None:
+        if stage is None or not states or not others:
+            return
+        # the scaler keeps its optimizers by id only: found among the live objects (once, at this first overflow),
+        # those over this model's other parameters (another model's optimizer the scaler also drives steps, a review)
+        for o in [o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer) and id(o) in states]:
+            if not any(id(p) in others for g in o.param_groups for p in g["params"]):
                 continue
+            state = states[id(o)]
             if state.get("stage") is stage.UNSCALED:
                 for found_inf in state.get("found_inf_per_device", {}).values():
                     found_inf.fill_(1.0)
