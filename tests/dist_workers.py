@@ -1511,6 +1511,16 @@ def local_reset_scales(rank, world, *, T=2, steps=6, nan_at=3):
             "finite": bool(all(torch.isfinite(p).all() for p in net.parameters()))}
 
 
+def spectral_norms(net) -> list[float]:
+    """The spectral norm of layers 0 and 2's weights as their eval-mode forward computes it (from the stored u, v)."""
+    net.eval()
+    with torch.no_grad():
+        net(torch.zeros(1, 6))  # (the hook form sets .weight in its forward)
+        out = [float(torch.linalg.matrix_norm(net[i].weight, ord=2)) for i in (0, 2)]
+    net.train()
+    return out
+
+
 def spectral_average(rank, world, *, form="parametrization", two=False):
     """DDP with spectral_norm layers (``form``: torch.nn.utils.parametrizations' or the older hook), alpha 0.5, T = 10:
     each layer's spectral norm as its eval-mode forward computes it (from u, v) after the converge step at 10 and inside
@@ -1527,14 +1537,6 @@ def spectral_average(rank, world, *, form="parametrization", two=False):
     scheds = [hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=20, ensemble_lr_spread_ratio=0.5,
                                   model_sync_interval=10 if k == 0 else 7, model=model) for k, o in enumerate(opts)]
 
-    def norms():
-        net.eval()
-        with torch.no_grad():
-            net(torch.zeros(1, 6))  # (the hook form sets .weight in its forward)
-            out = [float(torch.linalg.matrix_norm(net[i].weight, ord=2)) for i in (0, 2)]
-        net.train()
-        return out
-
     g = torch.Generator().manual_seed(rank)
     out = {}
     for t in range(1, 16):
@@ -1548,11 +1550,11 @@ def spectral_average(rank, world, *, form="parametrization", two=False):
         for s in scheds:
             s.step(loss)
         if t == 10:
-            out["after_sync"] = norms()
+            out["after_sync"] = spectral_norms(net)
     own = {k: v.clone() for k, v in net.state_dict().items()}
     with contextlib.ExitStack() as swaps:
         out["changed"] = all(swaps.enter_context(s.averaged()) for s in scheds)
-        out["inside"] = norms()
+        out["inside"] = spectral_norms(net)
     out["restored"] = all(torch.equal(v, own[k]) for k, v in net.state_dict().items())
     return out
 
@@ -1616,15 +1618,10 @@ def joined(rank, world, *, throw=True, batches=(6, 6), T=4, evaluate=False):
         try:
             with model.join(throw_on_early_termination=throw) if use_join else contextlib.nullcontext():
                 for t in range(1, batches[rank] + 1):
-                    x, y = batch(rank, t)
-                    loss = nn.functional.mse_loss(model(x), y)
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-                    sched.step(loss)
+                    train_steps(model, opt, sched, rank, range(t, t + 1))
                     if evaluate and t == 3:
                         with model.join(), torch.no_grad():
-                            model(x)
+                            model(batch(rank, t)[0])
                         mine = gather_flat([p.detach() for p in net.parameters()])
                         out["apart_after_eval"] = not torch.equal(mine[0], mine[1])
         except (RuntimeError, ValueError) as e:

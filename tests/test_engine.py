@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dist_workers import engine_run, train
+from dist_workers import engine_run, spectral_norms, train
 from hdet.engine import ReplicaEngine
 from helpers import check_ok, one_thread, run_gloo
 
@@ -1227,16 +1227,6 @@ def _spectral_net(form):
     return nn.Sequential(sn(nn.Linear(6, 16)), nn.Tanh(), sn(nn.Linear(16, 1)))
 
 
-def _spectral_norms(net):
-    """The spectral norm of each layer's weight as its eval-mode forward computes it (from the stored u, v)."""
-    net.eval()
-    with torch.no_grad():
-        net(torch.zeros(1, 6))  # (the hook form sets .weight in its forward)
-        out = [float(torch.linalg.matrix_norm(net[i].weight, ord=2)) for i in (0, 2)]
-    net.train()
-    return out
-
-
 @pytest.mark.parametrize("form", ["parametrization", "hook"])
 def test_spectral_norms_estimates_are_refreshed_for_the_averaged_weights(form):
     """A converge step averaged spectral_norm's u and v buffers with the weights: the mean of unit vectors is shorter,
@@ -1257,10 +1247,10 @@ def test_spectral_norms_estimates_are_refreshed_for_the_averaged_weights(form):
         for t in range(1, 16):
             eng.step([torch.randn(32, 6, generator=g) * (1 + r) for r in range(2)], loss_fn)
             if t == 10:  # right after the converge step
-                after_sync = [_spectral_norms(m) for m in eng.models]
+                after_sync = [spectral_norms(m) for m in eng.models]
         own = [copy.deepcopy(m.state_dict()) for m in eng.models]
         with eng.averaged() as changed:
-            inside = [_spectral_norms(m) for m in eng.models]
+            inside = [spectral_norms(m) for m in eng.models]
     assert changed
     for norms in after_sync + inside:
         assert norms == pytest.approx([1.0, 1.0], abs=1e-5), (after_sync, inside)

@@ -71,10 +71,11 @@ def casting(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
 
 
 def norm_in_float(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``F.batch_norm`` (and ``F.instance_norm``) for vmapped fp16/bf16 inputs with float32 statistics or affine (a convolution's output under
-    autocast, the model in float32): torch's vmap rule refuses the mixed dtypes ("expected scalar type BFloat16 but
-    found Float"; mode="auto" fell back to the loop, an audit) where one replica's batch norm takes them and returns
-    the input's dtype. Computed on the input in float32 and returned in its dtype, as that kernel computes."""
+    """``F.batch_norm`` (and ``F.instance_norm``) for vmapped fp16/bf16 inputs with float32 statistics or affine (a
+    convolution's output under autocast, the model in float32): torch's vmap rule refuses the mixed dtypes ("expected
+    scalar type BFloat16 but found Float"; mode="auto" fell back to the loop, an audit) where one replica's batch norm
+    takes them and returns the input's dtype. Computed on the input in float32 and returned in its dtype, as that
+    kernel computes."""
     def call(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if (isinstance(input, torch.Tensor) and input.dtype in (torch.float16, torch.bfloat16) and under_vmap(input)
                 and any(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in (*args, *kwargs.values()))):
@@ -82,7 +83,7 @@ def norm_in_float(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
         return fn(input, *args, **kwargs)
 
     call.__name__ = call.__qualname__ = getattr(fn, "__name__", "call")
-    call.__doc__ = "batch_norm in float32 for fp16/bf16 vmapped inputs with float32 statistics (see :mod:`hdet.autocast`)"
+    call.__doc__ = "in float32 for fp16/bf16 vmapped inputs with float32 statistics (see :mod:`hdet.autocast`)"
     call.__wrapped__ = fn
     return call
 

@@ -85,11 +85,11 @@ class AverageSwap:
         nothing changes). ``keep[r]``: replica r's tensors that are not averaged but put back too (BatchNorm's
         ``num_batches_tracked``: a forward in training mode inside the evaluation counted a batch that training
         never took, an audit). Every replica non-finite: nothing changes either (a warning). Everything is kept and
-        put back in every case. Until :meth:`swap_back`,
-        the ``optimizers``' ``step()`` is refused, and a Schedule-Free optimizer's train/eval mode is put back as it
-        was here before the tensors are (the Hugging Face Trainer calls ``optimizer.eval()`` inside the evaluation:
-        its own weights then went back as the eval-mode point, and its next ``train()`` moved them, 4.7e-3 off in an
-        audit's run). Returns whether the weights changed."""
+        put back in every case. Until :meth:`swap_back`, the ``optimizers``' ``step()`` is refused, and a
+        Schedule-Free optimizer's train/eval mode is put back as it was here before the tensors are (the Hugging Face
+        Trainer calls ``optimizer.eval()`` inside the evaluation: its own weights then went back as the eval-mode
+        point, and its next ``train()`` moved them, 4.7e-3 off in an audit's run). Returns whether the weights
+        changed."""
         self.check("swap_in_average() was called again")
         self._modes = [(o, mode) for o in optimizers if (mode := _train_mode(o)) is not None]
         bad = [r for r, ok in enumerate(finite or []) if not ok]
