@@ -1274,11 +1274,12 @@ class _LazyMean(nn.Module):
         return self.l2(torch.tanh(h - self.mu))
 
 
-def _none_buffer_run(mode):
+def _none_buffer_run(mode, model=None):
+    """Six steps of an engine (N = 2, T = 3) over ``model`` (a class; default :class:`_LazyMean`): it and its losses."""
     from hdet.engine import ReplicaEngine
 
     torch.manual_seed(0)
-    eng = ReplicaEngine(_LazyMean(), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+    eng = ReplicaEngine((model or _LazyMean)(), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
                         lambda o, rep, m: hdet.HDETLR(o, None, total_steps=6, model_sync_interval=3,
                                                       ensemble_lr_spread_ratio=0.5, replicas=rep, model=m), mode=mode)
     g = torch.Generator().manual_seed(1)
@@ -1323,25 +1324,13 @@ def test_a_cache_of_plain_values_made_in_the_forward_runs_in_the_loop():
     refusal above; allowed, a plain value later updated from each replica's batch failed at the second step or left an
     escaped tensor on replica 0 (a review): so it is refused too, and mode="auto" trains it in the loop, through the
     converge steps, with the loop's losses."""
-    from hdet.engine import ReplicaEngine
-
-    def run(mode):
-        torch.manual_seed(0)
-        eng = ReplicaEngine(_LazyCache(), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
-                            lambda o, rep, m: hdet.HDETLR(o, None, total_steps=6, model_sync_interval=3,
-                                                          ensemble_lr_spread_ratio=0.5, replicas=rep, model=m), mode=mode)
-        g = torch.Generator().manual_seed(1)
-        out = [eng.step([torch.randn(5, 4, generator=g) for _ in range(2)], lambda m, b: m(b).square().mean())
-               for _ in range(6)]
-        return eng.mode, torch.stack(out)
-
     with one_thread():
         with pytest.warns(UserWarning, match="'pos', registered as None"):
-            mode, auto = run("auto")
-        _, looped = run("loop")
+            eng, auto = _none_buffer_run("auto", _LazyCache)
+        _, looped = _none_buffer_run("loop", _LazyCache)
         with pytest.raises(ValueError, match="'pos', registered as None"):
-            run("vmap")
-    assert mode == "loop" and torch.equal(auto, looped)
+            _none_buffer_run("vmap", _LazyCache)
+    assert eng.mode == "loop" and auto == looped
 
 
 @pytest.mark.parametrize("mode", ["loop", "auto"])

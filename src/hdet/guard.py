@@ -178,10 +178,9 @@ class HookGuard:
         parameters' gradients made +Inf for the ones still to unscale, the scaler's found_inf set for the ones already
         unscaled (their +Inf gradients would have reached the step: NaN weights, a review). One that stepped already,
         before this one: said."""
-        mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        others = {id(p) for p in self.model_params} - mine
+        others = {id(p) for p in self.model_params} - {id(p) for g in optimizer.param_groups for p in g["params"]}
         for p in self.model_params:
-            if id(p) not in mine and p.grad is not None:
+            if id(p) in others and p.grad is not None:
                 p.grad.fill_(float("inf"))
         stage = getattr(getattr(torch.amp, "grad_scaler", None), "OptState", None)
         states = {k: st for k, st in getattr(scaler, "_per_optimizer_states", {}).items() if st is not own}
@@ -735,7 +734,7 @@ def install_gradient_guard(ddp: "torch.nn.parallel.DistributedDataParallel", opt
     """Register the hook guard (:class:`HookGuard`) on ``ddp`` for ``optimizer``; None (with a warning) if DDP
     refuses (a hook is already registered, or training has started). ``local()``: the model's last forward ran
     inside ``no_sync()``."""
-    state = HookGuard(process_group, optimizer, loss_scale, local, model_params=list(ddp.parameters()))
+    state = HookGuard(process_group, optimizer, loss_scale, local, model_params=ddp.parameters())
     try:
         ddp.register_comm_hook(state, _guarded_allreduce)
     except RuntimeError as e:

@@ -185,8 +185,7 @@ class HDETLR(LRScheduler):
                 # the guard last (DDP takes one comm hook, which a construction that failed after it left behind); an
                 # install that fails takes back what it put on
                 self._guard.install(model)
-            if isinstance(uncompiled(model), torch.nn.parallel.DistributedDataParallel):
-                _keep_replicas_at_join_end(uncompiled(model))  # (an evaluation's join before the first step, too)
+            _keep_replicas_at_join_end(model)  # (an evaluation's join before the first step, too)
         except BaseException:  # the ensemble's hooks on a D-Adaptation/Prodigy optimizer: taken off again
             if self._hdet.step_scale is not None:
                 self._hdet.step_scale.uninstall()
@@ -292,8 +291,7 @@ class HDETLR(LRScheduler):
         if self._hdet.model is None:
             self._hdet.model = model
         self._guard.install(model)
-        if isinstance(uncompiled(model), torch.nn.parallel.DistributedDataParallel):
-            _keep_replicas_at_join_end(uncompiled(model))
+        _keep_replicas_at_join_end(model)
 
     def _count_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._opt_steps += 1
@@ -468,10 +466,9 @@ class HDETLR(LRScheduler):
         replica, an audit): training inside one without ``throw_on_early_termination=True`` is refused. And the end of a
         join block (:func:`_keep_replicas_at_join_end`) copied the last rank's model to every rank: ``finish()`` after
         it averaged N copies of one replica, silently. About a microsecond a step."""
-        ddp = uncompiled(self._hdet.model) if self._hdet.model is not None else None
-        if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+        ddp = _keep_replicas_at_join_end(self._hdet.model)
+        if ddp is None:
             return
-        _keep_replicas_at_join_end(ddp)
         config = getattr(ddp, "_join_config", None)
         if getattr(config, "enable", False) and not config.throw_on_early_termination \
                 and config is not ddp.__dict__.get("_hdet_join_ended"):  # (torch leaves a block's config on after it)
@@ -792,20 +789,25 @@ class HDETLR(LRScheduler):
             self._weights_hook = None
 
 
-def _keep_replicas_at_join_end(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+def _keep_replicas_at_join_end(model: Any) -> torch.nn.parallel.DistributedDataParallel | None:
     """At the end of a ``model.join()`` block torch copies the last rank's model to every rank
     (``DistributedDataParallel._sync_final_model``), for ranks that stopped stepping earlier: each replica's own weights
     were lost (an audit). Under HDET a block that training steps run in throws on uneven inputs (refused otherwise), so
     the end runs only where every rank took every step: the copy is left out, and the config of the block that ended
-    kept (torch leaves it enabled: an evaluation's join without throw_on_early_termination is no training's)."""
+    kept (torch leaves it enabled: an evaluation's join without throw_on_early_termination is no training's). Returns
+    the DDP module (inside ``torch.compile``'s wrapper), None where the model is not one."""
+    ddp = uncompiled(model) if model is not None else None
+    if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+        return None
     if getattr(ddp.__dict__.get("_sync_final_model"), "_hdet", False):
-        return
+        return ddp
 
     def keep_replicas(is_last_joiner: bool) -> None:
         ddp.__dict__["_hdet_join_ended"] = getattr(ddp, "_join_config", None)
 
     keep_replicas._hdet = True  # type: ignore[attr-defined]
     ddp._sync_final_model = keep_replicas
+    return ddp
 
 
 class OneCycleAutoLR(HDETLR):
