@@ -76,9 +76,10 @@ class Module(L.LightningModule):
 
 
 class Report(L.Callback):
-    def __init__(self, out):
+    def __init__(self, out, ema=False):
         self.out = out
         self.validated = []  # (--val) per validation: step, this rank's weights and every rank's, then the metric
+        self.ema, self.shadow, self.shadow_step, self.mid = ema, None, 0, None  # (--ema) see on_train_batch_end
 
     def on_validation_start(self, trainer, pl_module):  # (after HDETCallback's: the weights validated)
         if not trainer.sanity_checking:
@@ -92,6 +93,16 @@ class Report(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # this rank's own weights
         self.before = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]).clone()
+        if self.ema and trainer.global_step > self.shadow_step:  # (--ema) this rank's own EMA, never averaged, updated
+            # as EMAWeightAveraging updates its own: by linearity the ranks' mean is the ensemble's EMA
+            if self.shadow is None:
+                self.shadow = torch.optim.swa_utils.AveragedModel(
+                    pl_module, use_buffers=True, avg_fn=torch.optim.swa_utils.get_ema_avg_fn(EMA_DECAY))
+            self.shadow.update_parameters(pl_module)
+            self.shadow_step = trainer.global_step
+            if trainer.global_step == 6:  # (the mid-window checkpoint's step: saved after this hook)
+                self.mid = {"ema": pl_module.all_gather(_flat(self.shadow.module)).mean(0),
+                            "live": pl_module.all_gather(self.before).mean(0)}
 
     def on_train_end(self, trainer, pl_module):
         sched = trainer.lr_scheduler_configs[0].scheduler
@@ -104,8 +115,29 @@ class Report(L.Callback):
                     "guard": sched.gradient_guard, "raw_losses": pl_module.raw_losses, "windows": pl_module.windows,
                     "rank": sched.rank, "validated": self.validated, "clipped": pl_module.clipped, "skipped": None if sched.skip_guard is None or sched.skip_guard.skipped is None
                     else float(sched.skip_guard.skipped),
-                    "finite": all(bool(torch.isfinite(p).all()) for p in pl_module.parameters())},
+                    "finite": all(bool(torch.isfinite(p).all()) for p in pl_module.parameters()),
+                    "ema_mean": None if self.shadow is None else pl_module.all_gather(_flat(self.shadow.module)).mean(0),
+                    "ema_mid": self.mid},
                    os.path.join(self.out, f"result_rank{trainer.global_rank}.pt"))
+
+
+EMA_DECAY = 0.8
+
+
+def ema_fn(averaged, current, num_averaged):  # (a module's function: ddp_spawn pickles the callbacks, and
+    return EMA_DECAY * averaged + (1 - EMA_DECAY) * current  # EMAWeightAveraging's get_ema_avg_fn closure fails)
+
+
+class EMA(L.pytorch.callbacks.WeightAveraging):  # EMAWeightAveraging(decay=EMA_DECAY), as lightning's docs write it
+    def __init__(self):
+        super().__init__(avg_fn=ema_fn, use_buffers=True)
+
+    def should_update(self, step_idx=None, epoch_idx=None):
+        return step_idx is not None
+
+
+def _flat(module):
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
 def main():
@@ -120,6 +152,8 @@ def main():
     p.add_argument("--precision", default="32-true", help='Lightning\'s precision, e.g. "bf16-true" (bf16 weights)')
     p.add_argument("--clip", type=float, default=0.0, help="explore the gradient-clipping norm around this value "
                    "(hdet.GradClip; HDETCallback clips with it)")
+    p.add_argument("--ema", choices=["before", "after"], default=None, help="lightning's WeightAveraging as an EMA, before or "
+                   "after HDETCallback in callbacks=[...]; a checkpoint mid-window (mid-step=6.ckpt)")
     p.add_argument("--val", type=int, default=0, help="validate every N training batches (a val_loss-monitoring "
                    "ModelCheckpoint saves val-step=<step>.ckpt at each)")
     a = p.parse_args()
@@ -127,8 +161,14 @@ def main():
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=a.out, every_n_train_steps=8, save_top_k=-1)
     best = [L.pytorch.callbacks.ModelCheckpoint(dirpath=a.out, filename="val-{step}", monitor="val_loss",
                                                 save_top_k=-1)] if a.val else []
+    callbacks = [HDETCallback()]
+    if a.ema:
+        ema = EMA()
+        callbacks = [ema, *callbacks] if a.ema == "before" else [*callbacks, ema]
+        best.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=a.out, filename="mid-{step}", every_n_train_steps=6,
+                                                        save_top_k=-1))
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=a.max_steps,
-                        accumulate_grad_batches=2, callbacks=[HDETCallback(), ckpt, *best, Report(a.out)],
+                        accumulate_grad_batches=2, callbacks=[*callbacks, ckpt, *best, Report(a.out, bool(a.ema))],
                         limit_val_batches=None if a.val else 0, val_check_interval=a.val or None,
                         num_sanity_val_steps=0,
                         plugins=[L.pytorch.plugins.MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler(

@@ -1668,3 +1668,67 @@ def two_models_one_scaler(rank, world, *, use_hdet=True):
             sched.step(loss.detach())
     counts = [float(next(iter(o.state.values()))["step"]) for o in (oa, ob)]
     return {"counts": counts, "B": b.weight.detach().clone()}
+
+
+def ema_average(rank, world, *, register="every", T=4, steps=10, alpha=0.5, evaluate=True):
+    """The README's DDP loop with an EMA of the weights (``torch.optim.swa_utils.AveragedModel``, buffers too) updated
+    after every step, and, as the reference, a second EMA updated from the ensemble's average (inside ``averaged()``)
+    every step. ``register``: which ranks call ``sched.also_average(ema)`` ("every", "none", "rank0")."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    net = make_model(0)
+    model = DDP(net)
+    o = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    s = hdet.OneCycleAutoLR(o, max_lr=3e-2, total_steps=steps, ensemble_lr_spread_ratio=alpha, model_sync_interval=T,
+                            model=model)
+    ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.8), use_buffers=True)
+    ref = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.8), use_buffers=True)
+    if register == "every" or (register == "rank0" and rank == 0):
+        assert s.also_average(ema) is s
+    state = lambda m: [t.detach().clone() for t in [*m.parameters(), *m.buffers()] if t.is_floating_point()]  # noqa: E731
+    out = {}
+    for t in range(steps):
+        train_steps(model, o, s, rank, range(t, t + 1))
+        ema.update_parameters(net)
+        if not evaluate:
+            continue
+        with s.averaged():
+            ref.update_parameters(net)
+            if t + 1 == 6:  # mid-window: what a user evaluates or saves inside averaged()
+                out["mid"] = state(ema)
+        if t + 1 == 6:
+            out["mid_ref"] = state(ref)
+            out["mid_after"] = state(ema)  # (left averaged)
+    if not evaluate:
+        return {}
+    out["end"], out["end_ref"] = state(ema), state(ref)
+    out["ranks_end"] = [x.tolist() for x in gather_flat(out["end"])]
+    out["ranks_mid"] = [x.tolist() for x in gather_flat(out["mid"])]
+    out["n_averaged"] = int(ema.n_averaged)
+    return out
+
+
+def swa_after_hdet(rank, world, *, base=True):
+    """The README's SWA phase after HDET: ``sched.finish()`` at step 12 of 20, each group's LR set to the base
+    (``base``), then ``SWALR`` and an ``AveragedModel`` for the last 8 steps. Returns every rank's SWA weights."""
+    net = make_model(0)
+    model = DDP(net)
+    o = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    s = hdet.OneCycleAutoLR(o, max_lr=3e-2, total_steps=20, ensemble_lr_spread_ratio=0.5, model_sync_interval=5,
+                            model=model)
+    train_steps(model, o, s, rank, range(12))
+    s.finish()
+    if base:
+        for g, lr in zip(o.param_groups, s.base_lrs_now):
+            g["lr"] = lr
+    swa = torch.optim.swa_utils.AveragedModel(net)
+    swa_sched = torch.optim.swa_utils.SWALR(o, swa_lr=1e-3, anneal_epochs=5)
+    for t in range(12, 20):
+        x, y = batch(rank, t)
+        loss = nn.functional.mse_loss(model(x), y)
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        swa.update_parameters(net)
+        swa_sched.step()
+    return [x.tolist() for x in gather_flat(list(swa.parameters()))]

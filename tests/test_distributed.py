@@ -1129,3 +1129,55 @@ def test_a_first_overflow_in_one_model_leaves_another_models_optimizer_alone():
     guarded = check_ok(run_gloo(_two_models_one_scaler, 2, True))
     for p, h in zip(plain, guarded):
         assert h["counts"] == p["counts"] == [2.0, 3.0] and torch.equal(h["B"], p["B"]), (p["counts"], h["counts"])
+
+
+def _ema_average(rank, world, register, evaluate=True):
+    from dist_workers import ema_average
+
+    return ema_average(rank, world, register=register, evaluate=evaluate)
+
+
+def _max_diff(a, b):
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def test_an_ema_registered_with_also_average_is_the_ensembles_ema():
+    """An EMA of the weights (AveragedModel, buffers too) kept beside HDET: with sched.also_average(ema) on every rank it
+    is, inside averaged() between converge steps and after the run, the EMA of the ensemble's average (a second EMA
+    updated from the average every step), the same on every rank, and stays averaged after averaged(). Without it
+    each rank's EMA follows its own replica (an audit: at alpha 0.5, T 1000, rank 0's saved EMA had 5x the loss)."""
+    res = check_ok(run_gloo(_ema_average, 2, "every"))
+    for r in res:
+        assert _max_diff(r["mid"], r["mid_ref"]) < 1e-5, r
+        assert _max_diff(r["mid_after"], r["mid_ref"]) < 1e-5
+        assert _max_diff(r["end"], r["end_ref"]) < 1e-5
+        assert r["n_averaged"] == 10
+    assert res[0]["ranks_end"][0] == res[0]["ranks_end"][1] and res[0]["ranks_mid"][0] == res[0]["ranks_mid"][1]
+    plain = check_ok(run_gloo(_ema_average, 2, "none"))  # what the user got before: each rank its own replica's EMA
+    assert _max_diff(plain[0]["mid"], plain[0]["mid_ref"]) > 1e-3
+    assert _max_diff(plain[0]["end"], plain[0]["end_ref"]) > 1e-3
+
+
+def test_also_average_on_one_rank_only_is_an_error_at_the_next_converge_step():
+    """Registered on rank 0 only: the collectives would not match; every rank raises at the first converge step, or at
+    the first averaged() before it, and says so (no hang)."""
+    for evaluate, words in ((False, "hold different tensors to average"), (True, "laid out differently in memory")):
+        res = run_gloo(_ema_average, 2, "rank0", evaluate)
+        for r in res:
+            assert isinstance(r, dict) and r.get("error") == "ReplicaMismatchError", r
+            assert words in r["msg"] and "also_average" in r["msg"], r["msg"]
+
+
+def _swa_after_hdet(rank, world, base):
+    from dist_workers import swa_after_hdet
+
+    return swa_after_hdet(rank, world, base=base)
+
+
+def test_an_swa_phase_after_finish_at_the_base_lr_keeps_the_replicas_together():
+    """The README's recipe for an SWA phase after HDET (finish(), each group's LR set to base_lrs_now, then SWALR):
+    every rank's SWA model the same; without setting the base LR each rank annealed from its own multiplied LR."""
+    ranks = check_ok(run_gloo(_swa_after_hdet, 2, True))[0]
+    assert ranks[0] == ranks[1]
+    apart = check_ok(run_gloo(_swa_after_hdet, 2, False))[0]
+    assert max(abs(a - b) for a, b in zip(*apart)) > 1e-2

@@ -1402,3 +1402,32 @@ def test_a_conv_batchnorm_model_under_bf16_autocast_runs_vmapped_as_the_loop(nor
     for a, b in zip(vs, ls):
         for k in a:
             torch.testing.assert_close(a[k].float(), b[k].float(), rtol=2e-2, atol=2e-3, msg=k)
+
+
+def test_engine_ema_updated_inside_averaged_is_the_mean_of_the_replicas_emas():
+    """docs/engine.md: an EMA of the run's model in one process is updated from the ensemble's average, `with
+    engine.averaged(): ema.update_parameters(engine.models[0])`: by linearity that is the mean of each replica's own
+    EMA (kept here as the reference), which an EMA of engine.models[0] alone is not (replica 0's, at its multiplier)."""
+    from hdet.engine import ReplicaEngine
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    sched = lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=12, ensemble_lr_spread_ratio=0.5,  # noqa: E731
+                                                  model_sync_interval=5, replicas=rep, model=m)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    eng = ReplicaEngine(net, 3, lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), sched)
+    ema_fn = get_ema_multi_avg_fn(0.8)
+    ema, own = AveragedModel(net, multi_avg_fn=ema_fn), [AveragedModel(m, multi_avg_fn=ema_fn) for m in eng.models]
+    g = torch.Generator().manual_seed(1)
+    loss_fn = lambda m, b: nn.functional.mse_loss(m(b), b[:, :1])  # noqa: E731
+    flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()])  # noqa: E731
+    for t in range(1, 13):
+        eng.step([torch.randn(8, 4, generator=g) for _ in range(3)], loss_fn)
+        for e, m in zip(own, eng.models):
+            e.update_parameters(m)
+        with eng.averaged():
+            ema.update_parameters(eng.models[0])
+        if t in (7, 12):
+            mean = torch.stack([flat(e) for e in own]).mean(0)
+            assert torch.allclose(flat(ema), mean, atol=1e-6), t
+            assert not torch.allclose(flat(own[0]), mean, atol=1e-3), t

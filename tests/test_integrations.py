@@ -645,6 +645,53 @@ def test_lightning_validates_and_checkpoints_the_ensembles_average_between_conve
         assert torch.equal(got["params"], ref["params"]) and got["lrs"] == ref["lrs"]
 
 
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_lightning_ema_weight_averaging_is_the_ensembles_ema(tmp_path, order):
+    """lightning's WeightAveraging as an EMA (EMAWeightAveraging's update, whose closure ddp_spawn cannot pickle) beside
+    HDETCallback, either order in callbacks=[...]: each rank's average model
+    followed its own replica, so the module after fit (the EMA, copied in at train end) differed by rank (4.5e-2 in an
+    audit at alpha 0.5), and a checkpoint saved between converge steps held rank 0's EMA, or (EMA first) the live
+    weights' average where the EMA belongs and rank 0's replica as current_model_state. Now HDETCallback averages the
+    average model with the replicas: after fit every rank holds the ensemble's EMA (the mean of each rank's own EMA,
+    kept apart as the reference), and the mid-window checkpoint holds that EMA as state_dict and the live weights'
+    average as current_model_state."""
+    pytest.importorskip("lightning")
+    import lightning.pytorch.callbacks as callbacks
+    if not hasattr(callbacks, "WeightAveraging"):
+        pytest.skip("lightning without WeightAveraging")
+    out = tmp_path / order
+    res = _lightning(out, "--ema", order)
+    for r in res:
+        assert torch.equal(r["params"][0], r["params"][1])
+        assert torch.allclose(r["params"][0], r["ema_mean"], atol=1e-6), (r["params"][0] - r["ema_mean"]).abs().max()
+    ckpt = torch.load(out / "mid-step=6.ckpt", weights_only=False)
+    flat = lambda sd: torch.cat([v.reshape(-1) for k, v in sd.items() if k != "n_averaged"])  # noqa: E731
+    mid = res[0]["ema_mid"]
+    assert not torch.allclose(mid["ema"], mid["live"], atol=1e-3)  # (an EMA, not the weights)
+    assert torch.allclose(flat(ckpt["state_dict"]), mid["ema"], atol=1e-6)
+    assert torch.allclose(flat(ckpt["current_model_state"]), mid["live"], atol=1e-6)
+
+
+def test_lightning_refuses_stochastic_weight_averaging_with_hdet():
+    """lightning's StochasticWeightAveraging replaces the schedulers with SWALR at its first epoch: HDET stopped
+    there, without averaging, and each rank went on at its own LR (modules 0.126 apart after fit in an audit)."""
+    pytest.importorskip("lightning")
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    from hdet.integrations.lightning import HDETCallback
+
+    class Trainer:  # what on_train_start reads
+        callbacks = [StochasticWeightAveraging(swa_lrs=1e-3)]
+        gradient_clip_val = None
+        checkpoint_callbacks = []
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    sched = hdet.OneCycleAutoLR(opt, max_lr=0.1, total_steps=10, ensemble_lr_spread_ratio=0.2)
+    Trainer.lr_scheduler_configs = [type("Cfg", (), {"scheduler": sched, "interval": "step", "frequency": 1})()]
+    with pytest.raises(ValueError, match="StochasticWeightAveraging.*SWALR"):
+        HDETCallback().on_train_start(Trainer(), None)
+
+
 def test_lightning_clips_to_each_replicas_explored_norm_and_refuses_gradient_clip_val(tmp_path):
     """An explored hdet.GradClip under Lightning: nothing applied it unless the user overrode
     configure_gradient_clipping, and Trainer(gradient_clip_val=...) clipped every replica to that value while hdet

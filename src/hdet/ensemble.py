@@ -152,6 +152,7 @@ class Ensemble:
         self.early_recovered: dict[int, int] = {}  # replica -> the step of its early recovery since the last sync
         self.failed_sync: str | None = None  # why the last converge step failed part-way (state_dict refuses then)
         self.on_sync: list[Callable[[SyncRecord], None]] = []
+        self.also: list[nn.Module] = []  # modules averaged with the weights (an EMA, an SWA model): also_average()
         self.hook_error: Exception | None = None  # an on_sync hook's, raised once the scheduler's step is complete
         params = self._params()
         _warn_if_masters(model, params)
@@ -395,6 +396,38 @@ class Ensemble:
             strict += [False] * len(buffers)
         return out, strict
 
+    def also_average(self, module: nn.Module) -> None:
+        """Average ``module``'s floating-point parameters and persistent buffers with the weights from now on (at
+        converge steps, early recoveries and swap-ins): an EMA or SWA copy of this replica's model
+        (:meth:`hdet.HDETLR.also_average`)."""
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"Expected also_average(a torch.nn.Module: an EMA or SWA copy of the model), but got "
+                             f"{type(module).__name__}")
+        if any(m is module for m in self.also):
+            return
+        own = {memory_key(t) for t in self.model_tensors()[0]}
+        shared = [name for name, t in [*module.named_parameters(), *module.named_buffers()]
+                  if averaged(t) and memory_key(as_real(local_shard(t.detach()))) in own]
+        if shared:
+            raise ValueError(f"Expected also_average(a module apart from the model and the optimizer's parameters, "
+                             f"such as torch.optim.swa_utils.AveragedModel(model), which copies them), but "
+                             f"{len(shared)} of its tensors ({', '.join(shared[:3])}{', ...' if len(shared) > 3 else ''})"
+                             " are the weights hdet averages already")
+        self.also.append(module)
+
+    def also_tensors(self) -> list[torch.Tensor]:
+        """The floating-point parameters and persistent buffers of the :meth:`also_average` modules (local shards,
+        each memory once). Averaged in place, never swapped back: an EMA is linear in the weights, so the mean of
+        the replicas' EMAs is the EMA of the ensemble's average, and averaging keeps that mean."""
+        return self._also()[0]
+
+    def _also(self) -> tuple[list[torch.Tensor], list[bool]]:
+        """:meth:`also_tensors`, and per tensor whether it must be finite (parameters; buffers only free of NaN)."""
+        params = _distinct([as_real(local_shard(p.detach())) for m in self.also for p in m.parameters() if averaged(p)])
+        seen = {memory_key(p) for p in params}
+        buffers = _distinct([b for m in self.also for b in persistent_float_buffers(m) if memory_key(b) not in seen])
+        return params + buffers, [True] * len(params) + [False] * len(buffers)
+
     def _optimizer_state(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         out = []
         for p in params:
@@ -467,9 +500,11 @@ class Ensemble:
         early recovery keeps it). No host sync."""
         c = self.config
         tensors, strict = self._tensors()
+        also, also_strict = self._also()  # (in the health, layout and memory checks: every replica averages them)
+        every = tensors + also
         self.window.fold()
         dev = self.replicas.comm_device()
-        finite, buf_inf = health(tensors, strict, dev)
+        finite, buf_inf = health(every, strict + also_strict, dev)
         start_sum, start_n = self.stability.start_loss()
         zero = torch.zeros((), dtype=torch.float64)
         probe = torch.full((), float("nan"), dtype=torch.float64)
@@ -482,14 +517,14 @@ class Ensemble:
             loss_n=self.window.finite if self.window.finite is not None else zero,
             loss_sq=self.window.sq if self.window.sq is not None else zero, observed=self.window.count,
             nonfinite=self.window.count - (self.window.finite if self.window.finite is not None else zero),
-            finite=finite, buf_inf=buf_inf, layout=layout_signature(tensors), ntensors=len(tensors), seed=c.seed,
+            finite=finite, buf_inf=buf_inf, layout=layout_signature(every), ntensors=len(every), seed=c.seed,
             probe=probe, step=t, interval=c.model_sync_interval,
             total_steps=-1 if self.total_steps is None else self.total_steps, config=self.fingerprint(),
             state_layout=self._state_layout(),
             start_ok=self.stability.start_health(self.kept_tensors() if self.stability.starting else None),
             start_sum=start_sum, start_n=start_n,
             weights=fingerprint(tensors, strict, dev) if self.stability.on else zero,  # (read by the guard alone)
-            memory=self.replicas.memory_layout(tensors),
+            memory=self.replicas.memory_layout(every),
         ).to_tensor(dev)
         if new_window:
             self.window.reset()
@@ -664,7 +699,7 @@ class Ensemble:
         reshard_fsdp(self.model)  # (FSDP2: the writes below must reach what the next forward reads)
         with self.marking_failure(t):
             verdict = self.check_sync(t, self._gather(t, self.prepare_sync(t)))
-            self._average(t, self.tensors(), verdict.exclude)  # Eq. 3 over the healthy replicas
+            self._average(t, self.tensors() + self.also_tensors(), verdict.exclude)  # Eq. 3 over the healthy replicas
             if verdict.exclude:
                 self._reset_moments(t, verdict.exclude)
             return self.finish_sync(t, verdict)
@@ -697,7 +732,7 @@ class Ensemble:
                 return verdict.nonfinite
             bad = verdict.exclude
             if bad:
-                self._average(t, self.tensors(), bad)
+                self._average(t, self.tensors() + self.also_tensors(), bad)
                 self._reset_moments(t, bad)
                 spectral.refresh_(self.model, lambda: self.model_tensors()[0])
                 for r in bad:  # (said at the next sync: sched.last_sync.recovered_early)

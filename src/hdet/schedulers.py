@@ -293,6 +293,25 @@ class HDETLR(LRScheduler):
         self._guard.install(model)
         _keep_replicas_at_join_end(model)
 
+    def also_average(self, module: nn.Module) -> "HDETLR":
+        """Average ``module`` with the weights from now on: an EMA or SWA copy of this replica's model
+        (``torch.optim.swa_utils.AveragedModel``), updated from it after every step. Between converge steps each
+        rank's copy follows its own replica; its floating-point parameters and buffers are averaged in place at
+        every converge step, early recovery, ``finish()`` and ``swap_in_average()`` (``averaged()``), and stay so:
+        an EMA or a running mean is linear in the weights, so the replicas' mean is the EMA of the ensemble's
+        average, and averaging keeps it. Without it rank 0's EMA, the one saved, is its own replica's (at alpha
+        0.5 and T 1000 an audit's was 5x the average's loss). Call it on every replica (checked at the next converge
+        step), before the run's first step or at a converge step; integer buffers (the
+        ``n_averaged`` count) are left as they are, equal on every replica. A go-back to a best sync
+        (``on_runaway="recover"``) leaves the module as it is. Returns the scheduler."""
+        if isinstance(self._hdet.replicas, LocalReplica):
+            raise RuntimeError("hdet: this scheduler is a ReplicaEngine's replica, whose models live in one process: "
+                               "update one EMA from the ensemble's average instead (`with engine.averaged(): "
+                               "ema.update_parameters(engine.models[0])`, docs/engine.md)")
+        self._swap.check("also_average() was called")
+        self._hdet.also_average(module)
+        return self
+
     def _count_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._opt_steps += 1
         if self._unmatched or self._opt_steps <= 100:  # a GradScaler? (its first steps, and after an unmatched one)
@@ -634,19 +653,20 @@ class HDETLR(LRScheduler):
         # forward would reuse, unseen the average written into the shards)
         t = self.last_epoch
         tensors, strict = ens.model_tensors()
+        also = ens.also_tensors()  # (averaged in place and left so: also_average)
         finite = None
         if ens.replicas.world_size > 1 and not (self._opt_steps == self._opt_steps_seen and t > 0 and (
                 ens.is_sync_step(t) or self._finished_at == t)):  # (else equal: a converge step, no step since)
             dev = ens.replicas.comm_device(tensors[0].device if tensors else None)
             ok = health(tensors, strict, dev)[0] if tensors else torch.ones((), dtype=torch.bool, device=dev)
-            memory = torch.tensor([float(ens.replicas.memory_layout(tensors))], dtype=torch.float64, device=dev)
+            memory = torch.tensor([float(ens.replicas.memory_layout(tensors + also))], dtype=torch.float64, device=dev)
             rows = ens.replicas.gather(torch.cat([ok.to(torch.float64).reshape(1), memory]), shard_min=(0,))  # COLLECTIVE
             # + HOST SYNC
             check_memory_layout(t, rows[:, 1].tolist())
             finite = [bool(v >= 1) for v in rows[:, 0].tolist()]
 
         def average(bad: list[int]) -> None:
-            ens.replicas.average_(tensors, exclude=bad)  # COLLECTIVES: one all_reduce per bucket
+            ens.replicas.average_(tensors + also, exclude=bad)  # COLLECTIVES: one all_reduce per bucket
             over_shards = getattr(ens.replicas, "average_over_shards_", None)
             if over_shards is not None and ens.model is not None:  # HSDP: a replica's buffers, over its shard ranks
                 over_shards(persistent_float_buffers(ens.model))  # COLLECTIVES: one all_reduce per bucket

@@ -213,8 +213,9 @@ def check_memory_layout(t: int, memory: Sequence[Any]) -> None:
         raise ReplicaMismatchError(
             f"At sync step {t} the replicas' parameters are laid out differently in memory (hashes "
             f"{[int(x) for x in memory]}): hdet.contiguous_parameters_ on some ranks and not on others, or undone on some "
-            "(module.to(...), load_state_dict(..., assign=True) on some ranks only), and the converge step's "
-            "collectives would not match. Nothing was averaged. Call it on every rank, after loading, or on none")
+            "(module.to(...), load_state_dict(..., assign=True) on some ranks only), or scheduler.also_average(module) "
+            "called on some ranks only, and the converge step's collectives would not match. Nothing was averaged. "
+            "Call each on every rank (contiguous_parameters_ after loading), or on none")
 
 
 def check_agreement(t: int, col: SyncVector, state: bool = False) -> None:
@@ -225,7 +226,8 @@ def check_agreement(t: int, col: SyncVector, state: bool = False) -> None:
         raise ReplicaMismatchError(
             f"At sync step {t} the replicas hold different tensors to average "
             f"(count per replica: {[int(n) for n in col.ntensors]}, layout hashes: {[int(x) for x in col.layout]}). "
-            "Every replica must build the optimizer, its param groups and the model identically."
+            "Every replica must build the optimizer, its param groups and the model identically, and call "
+            "scheduler.also_average() alike."
         )
     check_memory_layout(t, col.memory)
     if state:

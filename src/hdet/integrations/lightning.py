@@ -47,6 +47,12 @@ def _hdet_schedulers(trainer: Any) -> list[HDETLR]:
     return [cfg.scheduler for cfg in trainer.lr_scheduler_configs if isinstance(cfg.scheduler, HDETLR)]
 
 
+def _weight_averaging(trainer: Any) -> list[Any]:
+    """Lightning's ``WeightAveraging`` callbacks (``EMAWeightAveraging``, ...) with an average model, in order."""
+    return [c for c in trainer.callbacks if isinstance(getattr(c, "_average_model", None), torch.nn.Module)
+            and any(k.__name__ == "WeightAveraging" for k in type(c).__mro__)]
+
+
 class HDETCallback(Callback):
     """Observe this rank's loss for every HDET scheduler of the module; re-apply LRs after a restore."""
 
@@ -162,8 +168,17 @@ class HDETCallback(Callback):
                 swapped.append(s)
             if any(s.average_swapped_in for s in swapped):
                 mean = pl_module.state_dict()  # (a copy: the weights go back before Lightning writes the file)
-                checkpoint["state_dict"] = {k: mean[k].clone() if isinstance(mean.get(k), torch.Tensor) else v
-                                            for k, v in checkpoint["state_dict"].items()}
+                # a WeightAveraging callback that saved before this one moved the module's state to
+                # "current_model_state" and put its average model's in "state_dict": each is the ensemble's now (the
+                # average model was averaged in place by the swap-in: also_average, on_train_start)
+                averaging = _weight_averaging(trainer) if "current_model_state" in checkpoint else []
+                key = "current_model_state" if averaging else "state_dict"
+                checkpoint[key] = {k: mean[k].clone() if isinstance(mean.get(k), torch.Tensor) else v
+                                   for k, v in checkpoint[key].items()}
+                if averaging:
+                    state = averaging[-1]._average_model.state_dict()
+                    checkpoint["state_dict"] = {k: state["module." + k].clone() if isinstance(
+                        state.get("module." + k), torch.Tensor) else v for k, v in checkpoint["state_dict"].items()}
                 # the schedulers' states (taken before this callback) hold their replicas' weights' fingerprints,
                 # checked at the first step after a resume: the checkpoint's weights are the average's
                 for cfg, state in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers") or []):
@@ -191,8 +206,17 @@ class HDETCallback(Callback):
             warnings.warn("hdet: the module overrides configure_gradient_clipping, which Lightning runs after "
                           "HDETCallback has clipped each replica to its explored hdet.GradClip norm: a clip of its own "
                           "there overrides the spread hdet reports", stacklevel=user_stacklevel())
+        swa = [type(c).__name__ for c in trainer.callbacks if type(c).__name__ == "StochasticWeightAveraging"]
+        if swa and _hdet_schedulers(trainer):
+            raise ValueError("Expected no StochasticWeightAveraging callback with an HDET scheduler, but got one: at "
+                             "its first SWA epoch it replaces the schedulers with its SWALR, so HDET would stop "
+                             "without averaging the replicas and each rank would go on at its own LR. Use "
+                             "lightning's WeightAveraging (or EMAWeightAveraging), whose average model HDETCallback "
+                             "averages with the replicas")
         for sched in _hdet_schedulers(trainer):
             sched.attach_model(trainer.strategy.model)  # buffers averaged if no model= was given; the guard on DDP
+            for cb in _weight_averaging(trainer):  # each rank's average model follows its own replica: averaged
+                sched.also_average(cb._average_model)  # with it (an EMA is linear in the weights)
         weights_only = [c for c in trainer.checkpoint_callbacks if getattr(c, "save_weights_only", False)]
         if weights_only and _hdet_schedulers(trainer) and trainer.world_size > 1:
             warnings.warn("hdet: ModelCheckpoint(save_weights_only=True) saves without calling any callback, so its "
