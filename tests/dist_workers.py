@@ -1670,41 +1670,56 @@ def two_models_one_scaler(rank, world, *, use_hdet=True):
     return {"counts": counts, "B": b.weight.detach().clone()}
 
 
-def ema_average(rank, world, *, register="every", T=4, steps=10, alpha=0.5, evaluate=True):
+def ema_average(rank, world, *, register="every", T=4, steps=10, alpha=0.5, evaluate=True, register_at=0,
+                collapse_at=None, judge_steps=None):
     """The README's DDP loop with an EMA of the weights (``torch.optim.swa_utils.AveragedModel``, buffers too) updated
-    after every step, and, as the reference, a second EMA updated from the ensemble's average (inside ``averaged()``)
-    every step. ``register``: which ranks call ``sched.also_average(ema)`` ("every", "none", "rank0")."""
+    after every step; as references, an EMA updated from the ensemble's average (inside ``averaged()``, with
+    ``evaluate``) and each rank's own EMA never averaged (``shadow``: by linearity the ranks' mean is the ensemble's
+    EMA). ``register``: which ranks call ``sched.also_average(ema)`` ("every", "none", "rank0"), before the first step
+    or after step ``register_at``; ``collapse_at``: every rank's weights NaN after that step (``on_runaway="recover"`` goes back to its best sync,
+    or, with the default ``judge_steps`` (longer than T), to the start it kept after step 1)."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
     net = make_model(0)
     model = DDP(net)
     o = torch.optim.AdamW(model.parameters(), lr=3e-2)
     s = hdet.OneCycleAutoLR(o, max_lr=3e-2, total_steps=steps, ensemble_lr_spread_ratio=alpha, model_sync_interval=T,
-                            model=model)
-    ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.8), use_buffers=True)
-    ref = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.8), use_buffers=True)
-    if register == "every" or (register == "rank0" and rank == 0):
-        assert s.also_average(ema) is s
+                            model=model, **({"on_runaway": "recover"} if collapse_at else {}),
+                            **({"judge_steps": judge_steps} if judge_steps else {}))
+    ema, ref, shadow = (AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.8), use_buffers=True) for _ in range(3))
     state = lambda m: [t.detach().clone() for t in [*m.parameters(), *m.buffers()] if t.is_floating_point()]  # noqa: E731
-    out = {}
+    mean = lambda ts: [g.reshape(t.shape) for g, t in zip(torch.stack(gather_flat(ts)).mean(0).split(  # noqa: E731
+        [t.numel() for t in ts]), ts)]
+    out = {"went_back": []}
+    registers = register == "every" or (register == "rank0" and rank == 0)
+    if registers and not register_at:
+        assert s.also_average(ema) is s
     for t in range(steps):
         train_steps(model, o, s, rank, range(t, t + 1))
+        if t + 1 == collapse_at:
+            with torch.no_grad():
+                net[0].weight.fill_(float("nan"))
         ema.update_parameters(net)
+        shadow.update_parameters(net)
+        if s.last_sync is not None and s.last_sync.step == t + 1:
+            out["went_back"].append(s.last_sync.went_back_to)
+        if registers and register_at and t + 1 == register_at:  # (after its step and its EMA's update)
+            s.also_average(ema)
         if not evaluate:
             continue
         with s.averaged():
             ref.update_parameters(net)
-            if t + 1 == 6:  # mid-window: what a user evaluates or saves inside averaged()
-                out["mid"] = state(ema)
+            if t + 1 in (6, register_at):  # mid-window, and right after a late registration
+                out[f"in{t + 1}"] = state(ema)
+                out[f"in{t + 1}_shadow"] = mean(state(shadow)) if not collapse_at else None
         if t + 1 == 6:
             out["mid_ref"] = state(ref)
             out["mid_after"] = state(ema)  # (left averaged)
-    if not evaluate:
-        return {}
-    out["end"], out["end_ref"] = state(ema), state(ref)
+    out["end"], out["end_shadow"] = state(ema), (mean(state(shadow)) if not collapse_at else None)
+    out["end_ref"] = state(ref) if evaluate else None
     out["ranks_end"] = [x.tolist() for x in gather_flat(out["end"])]
-    out["ranks_mid"] = [x.tolist() for x in gather_flat(out["mid"])]
     out["n_averaged"] = int(ema.n_averaged)
+    out["finite"] = all(bool(torch.isfinite(x).all()) for x in out["end"])
     return out
 
 
@@ -1732,3 +1747,95 @@ def swa_after_hdet(rank, world, *, base=True):
         swa.update_parameters(net)
         swa_sched.step()
     return [x.tolist() for x in gather_flat(list(swa.parameters()))]
+
+
+def after_hdet(rank, world, *, case="join"):
+    """Plain training on the same DDP model after an HDET run of 10 steps (T 5, a non-fused AdamW: the "hook" guard;
+    ``case="gc"``: a fused one, left at step 7 and dropped). Returns what each case checks."""
+    import gc
+    import warnings
+    import weakref
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+    ddp = DDP(net)
+    fused = case == "gc"
+    o = torch.optim.AdamW(ddp.parameters(), lr=1e-2, fused=fused or None)
+    s = hdet.OneCycleAutoLR(o, max_lr=1e-2, total_steps=10, ensemble_lr_spread_ratio=0.5, model_sync_interval=5,
+                            model=ddp)
+    train_steps(ddp, o, s, rank, range(7 if fused else 10))
+    out = {"closed": s.closed, "guard": s.gradient_guard}
+    if case == "gc":
+        ref = weakref.ref(s)
+        del s
+        gc.collect()
+        out["collected"] = ref() is None
+        out["hooks"] = [len(o._optimizer_step_pre_hooks), len(o._optimizer_step_post_hooks),
+                        len(ddp._forward_pre_hooks)]
+        return out
+    if case == "join":  # uneven inputs: rank 0 runs out first; torch copies the last joiner's model to every rank
+        plain = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        with ddp.join():
+            for t in range(3 + 3 * rank):
+                x, y = batch(rank, 100 + t)
+                plain.zero_grad()
+                nn.functional.mse_loss(ddp(x), y).backward()
+                plain.step()
+        out["ranks"] = [x.tolist() for x in gather_flat(list(net.parameters()))]
+    elif case == "scaler":  # a fine-tune under a GradScaler: rank 1's loss overflows at step 3
+        plain = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        out["stepped"] = []
+        for t in range(6):
+            x, y = batch(rank, 100 + t)
+            loss = nn.functional.mse_loss(ddp(x), y) * (float("inf") if t == 3 and rank == 1 else 1.0)
+            plain.zero_grad()
+            scaler.scale(loss).backward()
+            before = net[0].weight.detach().clone()
+            scaler.step(plain)
+            scaler.update()
+            out["stepped"].append(not torch.equal(before, net[0].weight))
+        out["scale"] = float(scaler.get_scale())
+    elif case == "trial2":  # the next trial of a search on the same DDP model
+        o2 = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            s2 = hdet.OneCycleAutoLR(o2, max_lr=1e-3, total_steps=6, ensemble_lr_spread_ratio=0.2,
+                                     model_sync_interval=3, model=ddp)
+            train_steps(ddp, o2, s2, rank, range(20, 26))
+        out["guard2"] = s2.gradient_guard
+        out["said"] = [str(w.message) for w in said if "hdet" in str(w.message)]
+    return out
+
+
+def hsdp_ema(rank, world):
+    """HSDP (2, 2) mesh with BatchNorm and an EMA of the weights and buffers (a copy made before sharding, sharded on
+    the same mesh: AveragedModel cannot deepcopy an FSDP2 module; decay 0.8, updated by hand on the local shards)
+    registered with also_average, and each rank's own EMA never averaged. Returns every rank's EMA buffers and the
+    mean of the own ones."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    ema, own = copy.deepcopy(model), copy.deepcopy(model)
+    for m in (model, ema, own):
+        fully_shard(m, mesh=mesh)
+    o = torch.optim.Adam(model.parameters(), lr=0.01)
+    s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=8, ensemble_lr_spread_ratio=0.3, model_sync_interval=4,
+                            model=model, seed=3, device_mesh=mesh)
+    s.also_average(ema)
+    local = lambda m: [t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+                       for t in [*m.parameters(), *[b for b in m.buffers() if b.is_floating_point()]]]
+    for t in range(1, 9):
+        train_steps(model, o, s, rank, range(t, t + 1))
+        with torch.no_grad():
+            for e in (ema, own):
+                for a, b in zip(local(e), local(model)):
+                    a.lerp_(b, 0.2)
+    bufs = lambda m: torch.cat([b.reshape(-1) for b in m.buffers() if b.is_floating_point()])  # noqa: E731
+    return {"ema": [x.tolist() for x in gather_flat([bufs(ema)])],
+            "own_mean": torch.stack(gather_flat([bufs(own)])).mean(0).tolist()}

@@ -294,14 +294,18 @@ def test_an_optimizer_over_master_copies_of_the_model_says_the_model_is_not_aver
 
 
 def test_also_average_says_what_it_takes():
-    """sched.also_average(module): a module apart from the weights (an EMA copy); the model itself, a non-module, or an
-    engine's replica (one process: update the EMA inside engine.averaged()) are refused, saying why."""
+    """sched.also_average(module): a module apart from the weights (an EMA copy) on their device; the model itself, a
+    non-module, one on another device, or an engine's replica (one process: update the EMA inside engine.averaged())
+    are refused, saying why."""
     m, opt = _opt()
     sched = hdet.OneCycleAutoLR(opt, max_lr=0.1, total_steps=10, ensemble_lr_spread_ratio=0.2, model=m)
     with pytest.raises(ValueError, match="Expected also_average.*torch.nn.Module.*got dict"):
         sched.also_average({})
     with pytest.raises(ValueError, match="are the weights hdet averages already"):
         sched.also_average(m)
+    with pytest.raises(ValueError, match=r"on the weights' device, \['cpu'\].*got one on \['meta'\]"):
+        sched.also_average(torch.optim.swa_utils.AveragedModel(m, device="meta"))  # (an EMA kept elsewhere: NCCL
+        # cannot reduce CPU tensors, a review)
     ema = torch.optim.swa_utils.AveragedModel(m)
     assert sched.also_average(ema) is sched and sched.also_average(ema) is sched  # (once)
     assert [t.shape for t in sched.ensemble.also_tensors()] == [(3, 3), (3,)]  # (n_averaged: an integer, left)

@@ -1039,3 +1039,47 @@ def test_a_state_saved_with_the_other_cycle_momentum_loads_as_torchs_does(saved,
         runs[cls] = seen
     assert runs[OneCycleAutoLR] == runs[OneCycleLR]
     assert (len({m for _, m in runs[OneCycleLR]}) > 4) == saved  # (cycled as saved, or held)
+
+
+def test_close_leaves_the_optimizer_as_plain_training_would_and_a_second_scheduler_closes_the_first():
+    """close() after finish(), to train on without HDET (a fine-tune, an SWA phase): every hook off the optimizer,
+    each group's LR and each explored value at the base (the same on every replica; each replica's own multiplied
+    value stayed before), and step(), finish() mid-window and load_state_dict() refused; a scheduler closes itself
+    after its step at total_steps. A second scheduler built on the same optimizer (a notebook cell run again) closes
+    the first, saying so (both drove the LRs, their guards read the gradients twice: an audit)."""
+    import warnings
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(0.1), torch.nn.Linear(4, 1))
+    o = torch.optim.AdamW(m.parameters(), lr=0.1)
+    hooks = lambda: (len(o._optimizer_step_pre_hooks), len(o._optimizer_step_post_hooks))  # noqa: E731
+    plain = hooks()
+    reps = ScriptedReplicas(rank=1, world_size=4)
+    s = OneCycleAutoLR(o, max_lr=0.1, total_steps=20, ensemble_lr_spread_ratio=0.5, model_sync_interval=5,
+                       replicas=reps, explore=[hdet.Dropout(m, alpha=0.05)])
+    for _ in range(7):
+        m(torch.randn(4, 3)).pow(2).mean().backward()
+        o.step()
+        o.zero_grad()
+        s.step(torch.tensor(1.0))
+    assert o.param_groups[0]["lr"] != pytest.approx(s.base_lrs_now[0])  # (replica 1's own multiplier)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        s2 = OneCycleAutoLR(o, max_lr=0.1, total_steps=20, ensemble_lr_spread_ratio=0.5, model_sync_interval=5,
+                            replicas=ScriptedReplicas(rank=1, world_size=4))
+    assert s.closed and not s2.closed and any("already had an HDET scheduler, open at step 7" in str(w.message)
+                                              for w in said)
+    assert hooks() == (plain[0], plain[1] + 1)  # (the second's step counter only)
+    s2.close()
+    assert hooks() == plain and o.param_groups[0]["lr"] == pytest.approx(s2.base_lrs_now[0])
+    with pytest.raises(RuntimeError, match="closed scheduler"):
+        s2.step(torch.tensor(1.0))
+    with pytest.raises(RuntimeError, match="closed scheduler"):
+        s2.load_state_dict(s2.state_dict())
+    s3 = OneCycleAutoLR(o, max_lr=0.1, total_steps=4, ensemble_lr_spread_ratio=0.5, model_sync_interval=2,
+                        replicas=ScriptedReplicas(rank=1, world_size=4), explore=[hdet.Dropout(m, alpha=0.05)])
+    for t in range(4):
+        o.step()
+        s3.step(torch.tensor(1.0))
+        assert s3.closed == (t == 3)
+    assert hooks() == plain and m[1].p == pytest.approx(0.1) and s3.finish() is None

@@ -709,6 +709,19 @@ class ReplicaEngine:
         self._raise_hook_errors()
         return True
 
+    def close(self) -> None:
+        """Every replica's scheduler closed (:meth:`hdet.HDETLR.close`) and each optimizer given its own state: after
+        the run (done by itself after the step at ``total_steps``) or after :meth:`finish`, so that a replica's model
+        and optimizer train on alone as plain torch would (a fine-tune of ``models[0]`` with ``optimizers[0]`` shared
+        the other replicas' moments and step counts with the stacked step: an audit). Idempotent."""
+        self._swap.check("engine.close() was called")
+        for s in self.schedulers:
+            s.close()
+        if self._stacked is not None:
+            self._stacked.release()
+            self._stacked = None
+            self.optimizer_path = "per-replica: the run is over"
+
     def swap_in_average(self) -> bool:
         """Put the replicas' average into every replica, to evaluate (or save) the model the ensemble is building
         between converge steps: :meth:`hdet.HDETLR.swap_in_average` for the N replicas at once (the finite replicas'
@@ -975,6 +988,8 @@ class ReplicaEngine:
         if self.schedulers[0].ensemble.is_sync_step(t):
             self._sync(t)
         self._end_steps()
+        if all(s.closed for s in self.schedulers):  # the run is over (each scheduler closed itself)
+            self.close()
         self._raise_hook_errors()
         return losses
 

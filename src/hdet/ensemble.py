@@ -153,6 +153,7 @@ class Ensemble:
         self.failed_sync: str | None = None  # why the last converge step failed part-way (state_dict refuses then)
         self.on_sync: list[Callable[[SyncRecord], None]] = []
         self.also: list[nn.Module] = []  # modules averaged with the weights (an EMA, an SWA model): also_average()
+        self.also_apart = False  # a module registered since the last averaging (the next swap-in must average)
         self.hook_error: Exception | None = None  # an on_sync hook's, raised once the scheduler's step is complete
         params = self._params()
         _warn_if_masters(model, params)
@@ -314,8 +315,10 @@ class Ensemble:
         """The state to keep as the start (:meth:`kept_tensors`'s) and its health (a device flag: no host sync)."""
         tensors, strict = self._tensors()
         moments = self.recovery_tensors()
-        ok = health(tensors + moments, strict + [True] * len(moments), self.replicas.comm_device())[0]
-        kept = tensors + moments + self.step_counts()
+        also, also_strict = self._also()
+        ok = health(tensors + moments + also, strict + [True] * len(moments) + also_strict,
+                    self.replicas.comm_device())[0]
+        kept = tensors + moments + also + self.step_counts()  # (kept_tensors' order)
         if self.step_scale is not None:  # (its estimates were read for the copy, not for a sync: nothing to
             self.step_scale.unfill()  # take back into the param groups before the next step)
         self._start_checked = (self._state_signature(), True)  # (it fits the state it is kept from)
@@ -413,7 +416,15 @@ class Ensemble:
                              f"such as torch.optim.swa_utils.AveragedModel(model), which copies them), but "
                              f"{len(shared)} of its tensors ({', '.join(shared[:3])}{', ...' if len(shared) > 3 else ''})"
                              " are the weights hdet averages already")
+        own_devices = {t.device for t in self.model_tensors()[0]}
+        elsewhere = sorted({str(t.device) for t in self._also_of(module)[0] if t.device not in own_devices})
+        if own_devices and elsewhere:
+            raise ValueError(f"Expected also_average(a module on the weights' device, {sorted(map(str, own_devices))}), "
+                             f"but got one on {elsewhere} (an EMA kept on the CPU: AveragedModel(device=...), "
+                             "WeightAveraging(device=...)): it is averaged with the weights, through their "
+                             "collectives. Keep it on the weights' device")
         self.also.append(module)
+        self.also_apart = True  # (registered after a converge step: the next swap-in averages it)
 
     def also_tensors(self) -> list[torch.Tensor]:
         """The floating-point parameters and persistent buffers of the :meth:`also_average` modules (local shards,
@@ -421,12 +432,21 @@ class Ensemble:
         the replicas' EMAs is the EMA of the ensemble's average, and averaging keeps that mean."""
         return self._also()[0]
 
+    def also_buffers(self) -> list[torch.Tensor]:
+        """The :meth:`also_average` modules' persistent floating-point buffers (HSDP averages them over a replica's
+        shard ranks too, as the model's)."""
+        return self._also_of(*self.also)[2]
+
     def _also(self) -> tuple[list[torch.Tensor], list[bool]]:
         """:meth:`also_tensors`, and per tensor whether it must be finite (parameters; buffers only free of NaN)."""
-        params = _distinct([as_real(local_shard(p.detach())) for m in self.also for p in m.parameters() if averaged(p)])
+        return self._also_of(*self.also)[:2]
+
+    @staticmethod
+    def _also_of(*modules: nn.Module) -> tuple[list[torch.Tensor], list[bool], list[torch.Tensor]]:
+        params = _distinct([as_real(local_shard(p.detach())) for m in modules for p in m.parameters() if averaged(p)])
         seen = {memory_key(p) for p in params}
-        buffers = _distinct([b for m in self.also for b in persistent_float_buffers(m) if memory_key(b) not in seen])
-        return params + buffers, [True] * len(params) + [False] * len(buffers)
+        buffers = _distinct([b for m in modules for b in persistent_float_buffers(m) if memory_key(b) not in seen])
+        return params + buffers, [True] * len(params) + [False] * len(buffers), buffers
 
     def _optimizer_state(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         out = []
@@ -478,7 +498,9 @@ class Ensemble:
         averaged tensors, the moments when they are not among them, and the step counts (last, so that a
         checkpoint's snapshot from before they were kept still fits: :func:`hdet.stability.fit_snapshot`)."""
         tensors = self.tensors()  # (first: it fills the step scale's estimates and counts for this sync)
-        return tensors + self.recovery_tensors() + self.step_counts()
+        return tensors + self.recovery_tensors() + self.also_tensors() + self.step_counts()  # (an EMA goes back too:
+        # left NaN after every replica's weights went back, every later sync found the replicas bad and went back
+        # again, a review)
 
     def _params(self) -> list[torch.Tensor]:
         """The parameters a converge step averages: every floating-point one of the optimizer's, frozen ones too (one
@@ -700,6 +722,7 @@ class Ensemble:
         with self.marking_failure(t):
             verdict = self.check_sync(t, self._gather(t, self.prepare_sync(t)))
             self._average(t, self.tensors() + self.also_tensors(), verdict.exclude)  # Eq. 3 over the healthy replicas
+            self.also_apart = False
             if verdict.exclude:
                 self._reset_moments(t, verdict.exclude)
             return self.finish_sync(t, verdict)
@@ -778,7 +801,8 @@ class Ensemble:
             self.replicas.average_(tensors, exclude=exclude, **({} if into is None else {"into": into}))
             over_shards = getattr(self.replicas, "average_over_shards_", None)
             if over_shards is not None and into is None and self.model is not None:  # HSDP: buffers are whole on
-                over_shards(persistent_float_buffers(self.model))  # each shard rank (COLLECTIVES: one per bucket)
+                over_shards(persistent_float_buffers(self.model) + self.also_buffers())  # each shard rank
+                # (COLLECTIVES: one per bucket)
         except ReplicaSyncError as e:
             self.failed_sync = f"the converge step after optimizer step {t} failed while averaging"
             raise ReplicaSyncError(f"hdet: the converge step after optimizer step {t} failed while averaging: "

@@ -113,7 +113,7 @@ def _guarded_allreduce(state: "HookGuard", bucket: dist.GradBucket) -> torch.fut
     """The comm hook :class:`HookGuard` registers: :func:`finite_allreduce_hook`, or DDP's own average once a
     GradScaler drives the optimizer."""
     buf = bucket.buffer()
-    if state.loss_scale.scaler is None:
+    if not state.closed and state.loss_scale.scaler is None:  # (closed: its scheduler's run is over, DDP's own mean)
         state.note(_zero_unless_finite(buf))
     return _allreduce_mean(state.process_group, buf)
 
@@ -141,8 +141,23 @@ class HookGuard:
         self._zeroed: torch.Tensor | None = None  # since the last optimizer step: this rank zeroed a bucket (device bool)
         self.taken = 0  # optimizer steps taken (a step the GradScaler skips never calls optimizer.step())
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # the gradients held back from a skipped step
+        self.closed = False  # its scheduler closed: the comm hook (DDP keeps it) averages as DDP does, nothing else
         optimizer = _innermost(optimizer)
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
+
+    def close(self) -> None:
+        """Its scheduler's run is over: the optimizer's hooks off, and the comm hook, which DDP cannot take off,
+        averages as DDP does (a GradScaler's overflow reaches the scaler; an audit: a fine-tune on the same DDP model
+        after HDET never skipped an overflowed step). A new scheduler on the model takes it over (:meth:`reopen`)."""
+        self.remove()
+        self.closed, self._held, self._zeroed = True, [], None
+        self.model_params, self.local = [], _never
+
+    def reopen(self, process_group: Any, optimizer: torch.optim.Optimizer, loss_scale: LossScale,
+               local: Callable[[], bool], model_params: Sequence[torch.Tensor]) -> None:
+        """A closed guard, still the DDP model's comm hook, taken over by a new scheduler (the next trial of a search
+        on one DDP model had no guard: DDP takes one comm hook, an audit)."""
+        HookGuard.__init__(self, process_group, optimizer, loss_scale, local, model_params)
 
     def note(self, ok: torch.Tensor) -> None:
         bad = ok.logical_not()
@@ -212,6 +227,10 @@ class HookGuard:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def _never() -> bool:
+    return False
 
 
 def all_finite(buf: torch.Tensor) -> torch.Tensor:
@@ -734,6 +753,10 @@ def install_gradient_guard(ddp: "torch.nn.parallel.DistributedDataParallel", opt
     """Register the hook guard (:class:`HookGuard`) on ``ddp`` for ``optimizer``; None (with a warning) if DDP
     refuses (a hook is already registered, or training has started). ``local()``: the model's last forward ran
     inside ``no_sync()``."""
+    old = _hdet_hook_on(ddp)
+    if old is not None and old.closed:  # (a closed scheduler's, on this DDP model for good: taken over)
+        old.reopen(process_group, optimizer, loss_scale, local, list(ddp.parameters()))
+        return old
     state = HookGuard(process_group, optimizer, loss_scale, local, model_params=ddp.parameters())
     try:
         ddp.register_comm_hook(state, _guarded_allreduce)
@@ -826,6 +849,17 @@ class GuardSetting:
         it left a local run treated as shared at that step's sync (its early recovery's collective entered alone)."""
         if torch.is_grad_enabled():
             self.local = not module.require_backward_grad_sync
+
+    def close(self) -> None:
+        """Everything the guard put on the optimizer and the model taken off (:meth:`hdet.HDETLR.close`); the hook
+        guard's comm hook, which DDP keeps, averages as DDP does from now on."""
+        if self._local_hook is not None:
+            self._local_hook.remove()
+            self._local_hook = None
+        if self.skip is not None:
+            self.skip.remove()
+        if self.hook is not None:
+            self.hook.close()
 
     def install(self, model: Any) -> None:
         """Install the guard on ``model`` (once); an install that fails (a "skip" guard on a non-fused optimizer, a

@@ -15,6 +15,7 @@ import math
 import numbers
 import re
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -175,22 +176,29 @@ class HDETLR(LRScheduler):
             self._weights_expected: float | None = None  # a loaded state's weights' fingerprint (expect_weights)
             self._weights_hook: Any = None
             self._finished_at: int | None = None  # the step finish() averaged the replicas after
+            self._closed = False  # close(): its hooks off, done
             self._swap = AverageSwap()  # this replica's own weights while the ensemble's average is in (swap_in_average)
             self._scaler_idle = False  # an unmatched scheduler.step() came with no GradScaler update since the one before
             self._scale_version: int | None = None  # the GradScaler scale's in-place version at the last scheduler.step()
             self._unmatched = 0  # scheduler steps with no optimizer step (a GradScaler's skips, or a prepared scheduler)
             self._first_floats: list[float] | None = []  # the first losses given as numbers (an epoch counter? step())
             with _restored_on_failure(optimizer):
+                _close_earlier(optimizer)  # (first: the earlier one's values and "hook" guard are this one's to set)
                 super().__init__(optimizer, last_epoch)
                 # the guard last (DDP takes one comm hook, which a construction that failed after it left behind); an
                 # install that fails takes back what it put on
                 self._guard.install(model)
-            _keep_replicas_at_join_end(model)  # (an evaluation's join before the first step, too)
+            _keep_replicas_at_join_end(model, self)  # (an evaluation's join before the first step, too)
         except BaseException:  # the ensemble's hooks on a D-Adaptation/Prodigy optimizer: taken off again
             if self._hdet.step_scale is not None:
                 self._hdet.step_scale.uninstall()
             raise
-        self._opt_hook = innermost(optimizer).register_step_post_hook(self._count_optimizer_step)
+        self._opt_hook = innermost(optimizer).register_step_post_hook(_weak_hook(self._count_optimizer_step))
+        # what close() takes off, also when the scheduler is dropped unclosed (a trial of a search left early): its
+        # hooks hold it weakly, so it is collected, and this runs then (every trial stayed in memory: an audit)
+        self._release = weakref.finalize(self, _release, self._guard, self._opt_hook, self._hdet.step_scale)
+        self._release.atexit = False
+        _OPEN.setdefault(innermost(optimizer), weakref.WeakSet()).add(self)
 
     # -- the base schedule ----------------------------------------------------------------------
     def _onecycle_factors(self) -> tuple[float, float]:
@@ -291,7 +299,49 @@ class HDETLR(LRScheduler):
         if self._hdet.model is None:
             self._hdet.model = model
         self._guard.install(model)
-        _keep_replicas_at_join_end(model)
+        _keep_replicas_at_join_end(model, self)
+
+    def close(self) -> None:
+        """Take off what this scheduler put on the optimizer and the model, leaving them as plain training would:
+        the gradient guard (a "hook" guard's comm hook, which DDP keeps, averages as DDP does from now on), its
+        optimizer hooks, the step scale over D-Adaptation/Prodigy, its hold on ``model.join()``'s end; each param
+        group's LR and each explored value at the base schedule's value now (the ensemble's, the same on every
+        replica). A scheduler closes itself after its step at ``total_steps``; close one left before it (after
+        ``finish()``) to train on without it, in a fine-tune, an SWA phase or the next trial of a search on the same
+        model (left on, the guard zeroed or skipped what plain training would not, a later ``join()`` kept the
+        ranks apart, and every trial's scheduler stayed in memory: an audit). Once closed, ``step()``,
+        ``finish()`` between converge steps and ``load_state_dict()`` raise. Idempotent; no collective."""
+        if self._closed:
+            return
+        self._closed = True
+        self._release()
+        if self._weights_hook is not None:
+            self._weights_hook.remove()
+            self._weights_hook = None
+        ens = self._hdet
+        if not self._swap.active:
+            for group, lr in zip(self.optimizer.param_groups, self.base_lrs_now):
+                if isinstance(group["lr"], torch.Tensor):
+                    group["lr"].fill_(lr)
+                else:
+                    group["lr"] = lr
+            for h, base in zip(ens.hypers, explored_bases(ens)):
+                h.set(base)
+        ddp = uncompiled(ens.model) if ens.model is not None else None
+        open_ = ddp.__dict__.get("_hdet_open") if isinstance(ddp, nn.Module) else None
+        if open_ is not None:
+            open_.discard(self)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (by itself after the step at ``total_steps``)."""
+        return self._closed
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"hdet: {what} on a closed scheduler (closed after its step at total_steps="
+                               f"{self.total_steps}, or by close() at step {self.last_epoch}): its hooks are off and "
+                               "its replicas no longer averaged. Build a new scheduler to train with HDET again")
 
     def also_average(self, module: nn.Module) -> "HDETLR":
         """Average ``module`` with the weights from now on: an EMA or SWA copy of this replica's model
@@ -300,10 +350,11 @@ class HDETLR(LRScheduler):
         every converge step, early recovery, ``finish()`` and ``swap_in_average()`` (``averaged()``), and stay so:
         an EMA or a running mean is linear in the weights, so the replicas' mean is the EMA of the ensemble's
         average, and averaging keeps it. Without it rank 0's EMA, the one saved, is its own replica's (at alpha
-        0.5 and T 1000 an audit's was 5x the average's loss). Call it on every replica (checked at the next converge
-        step), before the run's first step or at a converge step; integer buffers (the
-        ``n_averaged`` count) are left as they are, equal on every replica. A go-back to a best sync
-        (``on_runaway="recover"``) leaves the module as it is. Returns the scheduler."""
+        0.5 and T 1000 an audit measured, mid-run, a loss of 0.25 for rank 0's EMA against 0.047 for the ensemble's).
+        Call it on every replica (checked at the next converge step), on the weights' device; when resuming, before
+        ``load_state_dict`` (a best sync of ``on_runaway="recover"`` keeps the module too, and a go-back puts it
+        back), with each replica's own EMA saved and loaded as its model is (the registration is not saved). Integer
+        buffers (the ``n_averaged`` count) are left as they are, equal on every replica. Returns the scheduler."""
         if isinstance(self._hdet.replicas, LocalReplica):
             raise RuntimeError("hdet: this scheduler is a ReplicaEngine's replica, whose models live in one process: "
                                "update one EMA from the ensemble's average instead (`with engine.averaged(): "
@@ -443,6 +494,7 @@ class HDETLR(LRScheduler):
         if t > self.total_steps:
             raise ValueError(f"Expected at most total_steps={self.total_steps} calls of scheduler.step() after "
                              f"optimizer steps, but this is call {t}; {self.past_the_end()}")
+        self._check_open("scheduler.step() was called")
         if len(self.optimizer.param_groups) != len(self._constant):  # (add_param_group after building the scheduler)
             raise ValueError(f"Expected the {len(self._constant)} param group(s) the scheduler was built with, but the "
                              f"optimizer has {len(self.optimizer.param_groups)} now (optimizer.add_param_group after "
@@ -485,7 +537,7 @@ class HDETLR(LRScheduler):
         replica, an audit): training inside one without ``throw_on_early_termination=True`` is refused. And the end of a
         join block (:func:`_keep_replicas_at_join_end`) copied the last rank's model to every rank: ``finish()`` after
         it averaged N copies of one replica, silently. About a microsecond a step."""
-        ddp = _keep_replicas_at_join_end(self._hdet.model)
+        ddp = _keep_replicas_at_join_end(self._hdet.model, self)
         if ddp is None:
             return
         config = getattr(ddp, "_join_config", None)
@@ -523,7 +575,13 @@ class HDETLR(LRScheduler):
         """The second half of :meth:`step`: this replica's values for the next step (from ``lead``'s scheduled
         bases, computed once for the engine's replicas, when given)."""
         if lead is None:
-            return super().step()
+            super().step()
+        else:
+            self._follow_step(lead)
+        if self.last_epoch >= self.total_steps:  # the run is over (its last converge step taken): hooks off
+            self.close()
+
+    def _follow_step(self, lead: "HDETLR") -> None:
         self._step_count += 1  # what LRScheduler.step() does, without computing the schedule again
         self.last_epoch += 1
         n = len(self.optimizer.param_groups)  # the LR slots' bases: the lead's; the explored ones: this replica's
@@ -616,6 +674,7 @@ class HDETLR(LRScheduler):
         t = self.last_epoch
         if t <= 0 or self._hdet.is_sync_step(t) or self._finished_at == t:
             return None
+        self._check_open("finish() was called")
         rec = self._hdet.sync(t)
         self._finished_at = t
         if self._guard.watch is not None:
@@ -655,8 +714,9 @@ class HDETLR(LRScheduler):
         tensors, strict = ens.model_tensors()
         also = ens.also_tensors()  # (averaged in place and left so: also_average)
         finite = None
-        if ens.replicas.world_size > 1 and not (self._opt_steps == self._opt_steps_seen and t > 0 and (
-                ens.is_sync_step(t) or self._finished_at == t)):  # (else equal: a converge step, no step since)
+        equal = self._opt_steps == self._opt_steps_seen and t > 0 and (ens.is_sync_step(t) or self._finished_at == t)
+        if ens.replicas.world_size > 1 and (ens.also_apart or not equal):  # (equal: a converge step, no step since;
+            # also_apart: a module registered since)
             dev = ens.replicas.comm_device(tensors[0].device if tensors else None)
             ok = health(tensors, strict, dev)[0] if tensors else torch.ones((), dtype=torch.bool, device=dev)
             memory = torch.tensor([float(ens.replicas.memory_layout(tensors + also))], dtype=torch.float64, device=dev)
@@ -667,9 +727,10 @@ class HDETLR(LRScheduler):
 
         def average(bad: list[int]) -> None:
             ens.replicas.average_(tensors + also, exclude=bad)  # COLLECTIVES: one all_reduce per bucket
+            ens.also_apart = False
             over_shards = getattr(ens.replicas, "average_over_shards_", None)
             if over_shards is not None and ens.model is not None:  # HSDP: a replica's buffers, over its shard ranks
-                over_shards(persistent_float_buffers(ens.model))  # COLLECTIVES: one all_reduce per bucket
+                over_shards(persistent_float_buffers(ens.model) + ens.also_buffers())  # COLLECTIVES: one per bucket
             spectral.refresh_(ens.model, lambda: tensors)  # (spectral norms' u, v for the averaged weights)
 
         changed = self._swap.swap_in([tensors], finite, average, [innermost(self.optimizer)],
@@ -774,6 +835,9 @@ class HDETLR(LRScheduler):
         values are set on the optimizer (:meth:`reapply`): a state saved by another rank never gives this
         replica another replica's learning rate. Under a process group, a state this rank saved holds its weights'
         fingerprint, compared at the next optimizer step (:meth:`expect_weights`)."""
+        if self._closed and not (isinstance(state_dict, dict) and isinstance(state_dict.get("last_epoch"), int)
+                                 and state_dict["last_epoch"] >= state_dict.get("total_steps", self.total_steps)):
+            self._check_open("load_state_dict() of a run not over was called")  # (a finished run's state: nothing to do)
         scheduler_state.load(self, state_dict)
         if self.last_epoch > 0:  # a resumed run has taken steps: a stall right after it is one (the guards' watches)
             self._guard.resumed()
@@ -785,7 +849,7 @@ class HDETLR(LRScheduler):
         resumed run went on from rank 0's replica on every rank, silently (an audit). One HOST SYNC, at that step."""
         self._weights_expected = fingerprint
         if self._weights_hook is None:  # (taken off at the next scheduler step: not from inside the
-            self._weights_hook = innermost(self.optimizer).register_step_pre_hook(self._check_weights)  # hooks' loop)
+            self._weights_hook = innermost(self.optimizer).register_step_pre_hook(_weak_hook(self._check_weights))  # hooks' loop)
 
     def _check_weights(self, *_: Any) -> None:
         expected, self._weights_expected = self._weights_expected, None
@@ -809,25 +873,66 @@ class HDETLR(LRScheduler):
             self._weights_hook = None
 
 
-def _keep_replicas_at_join_end(model: Any) -> torch.nn.parallel.DistributedDataParallel | None:
+def _keep_replicas_at_join_end(model: Any, sched: "HDETLR | None" = None
+                               ) -> torch.nn.parallel.DistributedDataParallel | None:
     """At the end of a ``model.join()`` block torch copies the last rank's model to every rank
     (``DistributedDataParallel._sync_final_model``), for ranks that stopped stepping earlier: each replica's own weights
     were lost (an audit). Under HDET a block that training steps run in throws on uneven inputs (refused otherwise), so
     the end runs only where every rank took every step: the copy is left out, and the config of the block that ended
     kept (torch leaves it enabled: an evaluation's join without throw_on_early_termination is no training's). Returns
-    the DDP module (inside ``torch.compile``'s wrapper), None where the model is not one."""
+    the DDP module (inside ``torch.compile``'s wrapper), None where the model is not one. ``sched``: an open scheduler
+    on the model; with none left open (closed, or gone) torch's copy runs again (a plain ``join()`` after HDET's run
+    left the ranks apart, an audit)."""
     ddp = uncompiled(model) if model is not None else None
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         return None
+    if sched is not None and not sched.closed:
+        ddp.__dict__.setdefault("_hdet_open", weakref.WeakSet()).add(sched)
     if getattr(ddp.__dict__.get("_sync_final_model"), "_hdet", False):
         return ddp
 
     def keep_replicas(is_last_joiner: bool) -> None:
+        if not ddp.__dict__.get("_hdet_open"):
+            return type(ddp)._sync_final_model(ddp, is_last_joiner)
         ddp.__dict__["_hdet_join_ended"] = getattr(ddp, "_join_config", None)
 
     keep_replicas._hdet = True  # type: ignore[attr-defined]
     ddp._sync_final_model = keep_replicas
     return ddp
+
+
+def _weak_hook(method: Callable[..., Any]) -> Callable[..., Any]:
+    """An optimizer hook that calls ``method`` while its object lives (the optimizer's hooks hold no scheduler)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+    return hook
+
+
+def _release(guard: GuardSetting, opt_hook: Any, step_scale: Any) -> None:
+    """:meth:`HDETLR.close`'s hooks taken off (also when the scheduler is collected: ``weakref.finalize``)."""
+    guard.close()
+    opt_hook.remove()
+    if step_scale is not None:
+        step_scale.remove()
+        if getattr(step_scale.optimizer, "_hdet_step_scale", None) is step_scale:
+            del step_scale.optimizer._hdet_step_scale
+
+
+_OPEN: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakSet[HDETLR]]" = weakref.WeakKeyDictionary()
+
+
+def _close_earlier(optimizer: torch.optim.Optimizer) -> None:
+    """A second scheduler on one optimizer (a notebook's cell run again): the earlier one, still open, is closed and
+    said (both drove the optimizer's LRs, and their guards read its gradients twice: an audit)."""
+    earlier = [s for s in _OPEN.get(innermost(optimizer), ()) if not s.closed]
+    for s in earlier:
+        warnings.warn(f"hdet: this optimizer already had an HDET scheduler, open at step {s.last_epoch} of "
+                      f"{s.total_steps}: it was closed (its hooks taken off; a cell run again?). One scheduler per "
+                      "optimizer", stacklevel=user_stacklevel())
+        s.close()
 
 
 class OneCycleAutoLR(HDETLR):

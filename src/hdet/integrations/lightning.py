@@ -98,6 +98,13 @@ class HDETCallback(Callback):
         for k, sched in enumerate(_hdet_schedulers(trainer)):
             self._log_sync(trainer, k, finish_at_train_end(sched))  # (that sync's scalars too: an audit)
 
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """Each ``WeightAveraging`` callback's average model is registered (:meth:`hdet.HDETLR.also_average`) before a
+        resume loads the schedulers' states, whose best sync keeps it (Lightning restores them after this hook)."""
+        for sched in _hdet_schedulers(trainer):
+            for cb in _weight_averaging(trainer):
+                sched.also_average(cb._average_model)
+
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         self._restored = True
 
@@ -216,7 +223,7 @@ class HDETCallback(Callback):
         for sched in _hdet_schedulers(trainer):
             sched.attach_model(trainer.strategy.model)  # buffers averaged if no model= was given; the guard on DDP
             for cb in _weight_averaging(trainer):  # each rank's average model follows its own replica: averaged
-                sched.also_average(cb._average_model)  # with it (an EMA is linear in the weights)
+                sched.also_average(cb._average_model)  # with it (an EMA is linear in the weights; on_fit_start did)
         weights_only = [c for c in trainer.checkpoint_callbacks if getattr(c, "save_weights_only", False)]
         if weights_only and _hdet_schedulers(trainer) and trainer.world_size > 1:
             warnings.warn("hdet: ModelCheckpoint(save_weights_only=True) saves without calling any callback, so its "
