@@ -406,6 +406,7 @@ def soak(rank, world, *, steps=2500, T=10, seed=0):
     import warnings
 
     warnings.filterwarnings("ignore", message="hdet: at sync step")  # each recovery warns; expected here
+    warnings.filterwarnings("ignore", message="hdet: this optimizer already had")  # (each rebuild closes one)
     model = make_model(0)
     ddp = DDP(model, broadcast_buffers=False)
     o = torch.optim.Adam(ddp.parameters(), lr=0.01)
@@ -454,8 +455,9 @@ def soak(rank, world, *, steps=2500, T=10, seed=0):
             buf.seek(0)
             ck = torch.load(buf, weights_only=True)
             o.load_state_dict(ck["opt"])
-            if victim % 2:  # a freshly built scheduler (the DDP hook is already there)
-                s = hdet.OneCycleAutoLR(o, **kw, guard_gradients=False)
+            if victim % 2:  # a freshly built scheduler: it closes the one before and takes over its DDP hook guard
+                s = hdet.OneCycleAutoLR(o, **kw)
+                assert s.gradient_guard == "hook"
                 counts["rebuild"] += 1
             s.load_state_dict(ck["sched"])
     return counts
