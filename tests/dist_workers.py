@@ -1765,7 +1765,7 @@ def after_hdet(rank, world, *, case="join"):
     o = torch.optim.AdamW(ddp.parameters(), lr=1e-2, fused=fused or None)
     s = hdet.OneCycleAutoLR(o, max_lr=1e-2, total_steps=10, ensemble_lr_spread_ratio=0.5, model_sync_interval=5,
                             model=ddp)
-    train_steps(ddp, o, s, rank, range(7 if fused else 10))
+    train_steps(ddp, o, s, rank, range(7 if fused or case == "dropped" else 10))
     out = {"closed": s.closed, "guard": s.gradient_guard}
     if case == "gc":
         ref = weakref.ref(s)
@@ -1784,6 +1784,9 @@ def after_hdet(rank, world, *, case="join"):
                 nn.functional.mse_loss(ddp(x), y).backward()
                 plain.step()
         out["ranks"] = [x.tolist() for x in gather_flat(list(net.parameters()))]
+        o2 = torch.optim.AdamW(ddp.parameters(), lr=1e-3)  # the next scheduler on the model is not refused for
+        s2 = hdet.OneCycleAutoLR(o2, max_lr=1e-3, total_steps=4, model=ddp)  # that plain join (a review)
+        train_steps(ddp, o2, s2, rank, range(30, 34))
     elif case == "scaler":  # a fine-tune under a GradScaler: rank 1's loss overflows at step 3
         plain = torch.optim.SGD(ddp.parameters(), lr=0.1)
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -1798,6 +1801,24 @@ def after_hdet(rank, world, *, case="join"):
             scaler.update()
             out["stepped"].append(not torch.equal(before, net[0].weight))
         out["scale"] = float(scaler.get_scale())
+    elif case == "dropped":  # a trial left early (finish(), no close()); the next one built while it is still
+        # referenced gets no guard, then takes the hook over at its first step, once the last one is dropped
+        s.finish()
+        o2 = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            s = hdet.OneCycleAutoLR(o2, max_lr=1e-3, total_steps=6, ensemble_lr_spread_ratio=0.2,
+                                    model_sync_interval=3, model=ddp)  # (the last one dropped here)
+        out["guard_built"], out["said"] = s.gradient_guard, [str(w.message)[:60] for w in said]
+        for t in range(40, 46):
+            x, y = batch(rank, t)
+            loss = nn.functional.mse_loss(ddp(x), y) * (float("nan") if t == 40 and rank == 1 else 1.0)
+            o2.zero_grad()
+            loss.backward()
+            o2.step()
+            s.step(loss)
+        out["guard2"] = s.gradient_guard
+        out["finite"] = all(bool(torch.isfinite(p).all()) for p in net.parameters())
     elif case == "trial2":  # the next trial of a search on the same DDP model
         o2 = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
         with warnings.catch_warnings(record=True) as said:

@@ -1083,3 +1083,39 @@ def test_close_leaves_the_optimizer_as_plain_training_would_and_a_second_schedul
         s3.step(torch.tensor(1.0))
         assert s3.closed == (t == 3)
     assert hooks() == plain and m[1].p == pytest.approx(0.1) and s3.finish() is None
+
+
+def test_close_puts_the_last_steps_lr_and_a_failed_second_scheduler_leaves_the_first_open():
+    """At total_steps, close() leaves each group at the LR of the run's last step (OneCycle's min_lr, as a plain
+    OneCycleLR leaves it), not the schedule one step past it (-1.4e-2 with a linear anneal: a review); a second
+    scheduler whose construction fails leaves the first open (it was closed, and its step() raised)."""
+    for anneal in ("linear", "cos"):
+        m = torch.nn.Linear(3, 1)
+        o = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        s = OneCycleAutoLR(o, max_lr=1e-2, total_steps=10, ensemble_lr_spread_ratio=0.3, model_sync_interval=5,
+                           anneal_strategy=anneal, replicas=ScriptedReplicas(rank=1, world_size=2))
+        for _ in range(10):
+            o.step()
+            s.step(torch.tensor(1.0))
+        assert s.closed and o.param_groups[0]["lr"] == pytest.approx(o.param_groups[0]["min_lr"], rel=1e-6), anneal
+    m = torch.nn.Linear(3, 1)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    first = hdet.HDETLR(o, lambda t: 0.1, 10, ensemble_lr_spread_ratio=0.2)
+    with pytest.raises(ZeroDivisionError):
+        hdet.HDETLR(o, lambda t: 0.1 * t ** -0.5, 10, ensemble_lr_spread_ratio=0.2)
+    assert not first.closed
+    o.step()
+    first.step(torch.tensor(1.0))
+
+
+def test_a_best_sync_saved_without_an_ema_fits_a_run_that_registers_one_before_loading():
+    """fit_snapshot: a snapshot of (weights, moments, step counts) saved before an EMA was registered fits the kept
+    tensors (weights, moments, EMA, step counts) of the run that registered it before load_state_dict, taking the
+    EMA as it is (it was dropped, with a warning that blamed another model: a review)."""
+    from hdet.stability import fit_snapshot
+
+    w, mom, ema, count = torch.ones(3), torch.full((3,), 2.0), torch.full((3,), 5.0), torch.tensor(7.0)
+    snap = [torch.zeros(3), torch.zeros(3), torch.tensor(1.0)]
+    fitted = fit_snapshot(snap, [w, mom, ema, count], counts=1, also=1)
+    assert [t.tolist() for t in fitted] == [[0.0] * 3, [0.0] * 3, [5.0] * 3, 1.0]
+    assert fit_snapshot(snap, [w, mom, count], counts=1) is snap  # (nothing registered: as before)

@@ -719,8 +719,7 @@ class ReplicaEngine:
             s.close()
         if self._stacked is not None:
             self._stacked.release()
-            self._stacked = None
-            self.optimizer_path = "per-replica: the run is over"
+            self._stacked = None  # (optimizer_path keeps what the run stepped with: summary.json reports it)
 
     def swap_in_average(self) -> bool:
         """Put the replicas' average into every replica, to evaluate (or save) the model the ensemble is building
@@ -863,6 +862,8 @@ class ReplicaEngine:
         if len(steps) > 1:
             raise ValueError(f"Expected every replica's scheduler state at the same step, but got last_epoch "
                              f"{[rs['scheduler']['last_epoch'] for rs in state['replicas']]}")
+        for s, rs in zip(self.schedulers, state["replicas"]):  # (before anything is loaded: a closed engine's
+            s.check_open_for(rs["scheduler"])  # models and optimizers were loaded, then its schedulers refused)
         if self.stack is not None and self.stack.relayout and not self.stack.grads_bound and saved:
             # lay the parameters out as the saved engine had them (from its first backward on): the same memory
             # order, so the resumed run's sums round as the uninterrupted run's

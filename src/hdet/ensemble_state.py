@@ -329,8 +329,9 @@ def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
     s.range = new["range_test"]
     kept, counts = ens.kept_tensors(), len(ens.step_counts())
     empty = not ens.optimizer.state  # (a snapshot with moments cannot fit before the optimizer's state is loaded)
-    ens._ramp.load(new["range_snapshots"], kept, counts, empty)
-    ens.stability.load(new["stability"], kept, counts, empty)
+    also = len(ens.also_tensors())
+    ens._ramp.load(new["range_snapshots"], kept, counts, empty, also)
+    ens.stability.load(new["stability"], kept, counts, empty, also)
     ens._start_checked = (None, True)  # (whether the loaded start fits: checked at the next step)
     ens.window.load(new["window"])
     ens.early_recovered = dict(new["early_recovered"])

@@ -142,6 +142,7 @@ class HookGuard:
         self.taken = 0  # optimizer steps taken (a step the GradScaler skips never calls optimizer.step())
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # the gradients held back from a skipped step
         self.closed = False  # its scheduler closed: the comm hook (DDP keeps it) averages as DDP does, nothing else
+        self.orphaned = False  # its scheduler dropped unclosed: the comm hook still zeroes, its optimizer hooks idle
         optimizer = _innermost(optimizer)
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 
@@ -151,6 +152,13 @@ class HookGuard:
         after HDET never skipped an overflowed step). A new scheduler on the model takes it over (:meth:`reopen`)."""
         self.remove()
         self.closed, self._held, self._zeroed = True, [], None
+        self.model_params, self.local = [], _never
+
+    def orphan(self) -> None:
+        """Its scheduler was dropped unclosed (collected: :func:`hdet.schedulers._release`, which may run inside a
+        step, so nothing is taken off here): the comm hook goes on keeping non-finite gradients out, its optimizer
+        hooks do nothing, until a new scheduler on the model takes it over (:meth:`reopen`)."""
+        self.orphaned, self._held, self._zeroed = True, [], None
         self.model_params, self.local = [], _never
 
     def reopen(self, process_group: Any, optimizer: torch.optim.Optimizer, loss_scale: LossScale,
@@ -165,7 +173,7 @@ class HookGuard:
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         zeroed, self._zeroed = self._zeroed, None
-        if self.loss_scale.scaler is not None:
+        if self.orphaned or self.loss_scale.scaler is not None:
             return
         found = driving_scaler()
         if found is None:
@@ -231,6 +239,17 @@ class HookGuard:
 
 def _never() -> bool:
     return False
+
+
+def weak_method(method: Callable[..., Any], gone: Any = None) -> Callable[..., Any]:
+    """``method`` called while its object lives, else ``gone``: a hook that holds no scheduler or guard (one dropped
+    unclosed is freed, with its optimizer)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return gone if bound is None else bound(*args)
+    return call
 
 
 def all_finite(buf: torch.Tensor) -> torch.Tensor:
@@ -340,6 +359,7 @@ class SkipNonFiniteStep:
         if reads not in READS:
             raise ValueError(f"Expected reads in {READS}, but got {reads!r}")
         self.reads = reads
+        self.active = True  # False: its scheduler dropped unclosed, the hooks idle (taken off only by close())
         optimizer = _innermost(optimizer)
         if not _fused(optimizer):
             raise ValueError("Expected an optimizer that can skip a step on the device (torch's Adam, AdamW, SGD, "
@@ -377,6 +397,8 @@ class SkipNonFiniteStep:
         self._norm = (total_norm, [(g, g._version) for g in grads])
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        if not self.active:  # (its scheduler dropped unclosed: see HookGuard.orphan)
+            return None
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args[0]: the optimizer itself)
         if closure is None:
             self._verdict(optimizer)
@@ -754,7 +776,8 @@ def install_gradient_guard(ddp: "torch.nn.parallel.DistributedDataParallel", opt
     refuses (a hook is already registered, or training has started). ``local()``: the model's last forward ran
     inside ``no_sync()``."""
     old = _hdet_hook_on(ddp)
-    if old is not None and old.closed:  # (a closed scheduler's, on this DDP model for good: taken over)
+    if old is not None and (old.closed or old.orphaned):  # (a closed or dropped scheduler's, on this DDP model for
+        # good: taken over)
         old.reopen(process_group, optimizer, loss_scale, local, list(ddp.parameters()))
         return old
     state = HookGuard(process_group, optimizer, loss_scale, local, model_params=ddp.parameters())
@@ -771,8 +794,9 @@ def install_gradient_guard(ddp: "torch.nn.parallel.DistributedDataParallel", opt
             warnings.warn("hdet: the DDP model already carries another HDET scheduler's \"hook\" gradient guard (DDP "
                           "takes one comm hook): it keeps a replica's non-finite gradient out of every bucket, but "
                           "watches that scheduler's optimizer only (its GradScaler, its early recovery), so this "
-                          "scheduler has no guard of its own. Build one scheduler per DDP model, or use fused "
-                          "optimizers (fused=True: the \"skip\" guard, one per optimizer)",
+                          "scheduler has no guard of its own until that one is closed or dropped (then it takes the "
+                          "hook over; sched.close() ends a run left early). Build one scheduler per DDP model, or use "
+                          "fused optimizers (fused=True: the \"skip\" guard, one per optimizer)",
                           stacklevel=user_stacklevel())
         else:
             warnings.warn(f"hdet: could not install the gradient guard on the DDP model ({e}); a non-finite gradient "
@@ -802,6 +826,7 @@ class GuardSetting:
         self.hook: HookGuard | None = None
         self.watch: SkipWatch | ScalerWatch | None = None  # early recovery when every replica stalls
         self._resumed = False  # loaded from a run that had taken steps (see resumed)
+        self._waiting: Any = None  # the DDP model whose hook guard another scheduler holds (retry)
         self._loaded: dict[str, Any] | None = None  # the watch's loaded state, until the watch exists
 
     def state_dict(self) -> dict[str, Any] | None:
@@ -840,6 +865,9 @@ class GuardSetting:
         if self.hook is not None:
             self.hook.taken = max(self.hook.taken, 1)
 
+    def _is_local(self) -> bool:
+        return self.local
+
     def _note_local(self, module: Any, args: Any) -> None:
         """At each forward of the DDP model: inside ``ddp.no_sync()`` its backward all-reduces nothing. When the
         optimizer steps on such gradients (local mode; not gradient accumulation, whose last micro-step syncs),
@@ -850,9 +878,33 @@ class GuardSetting:
         if torch.is_grad_enabled():
             self.local = not module.require_backward_grad_sync
 
+    def orphan(self) -> None:
+        """Its scheduler dropped unclosed (from a finalizer, maybe inside a step: nothing is taken off, the hooks
+        idle): a hook guard goes on zeroing until the next scheduler on the model takes it over."""
+        if self.skip is not None:
+            self.skip.active = False
+        if self.hook is not None:
+            self.hook.orphan()
+
+    @property
+    def waiting(self) -> bool:
+        """Whether another scheduler's hook guard holds the model (:meth:`retry`)."""
+        return self._waiting is not None
+
+    def retry(self) -> None:
+        """A "hook" guard that could not go on because another scheduler's held the DDP model: taken over once that
+        one is closed or dropped (a search's next trial, built while the last one's scheduler was still referenced,
+        had no guard at all once that one was collected: a review). At a scheduler step, while it waits."""
+        ddp = self._waiting
+        old = _hdet_hook_on(ddp) if ddp is not None else None
+        if old is not None and (old.closed or old.orphaned):
+            self._waiting = None
+            self._install(ddp)
+
     def close(self) -> None:
         """Everything the guard put on the optimizer and the model taken off (:meth:`hdet.HDETLR.close`); the hook
         guard's comm hook, which DDP keeps, averages as DDP does from now on."""
+        self._waiting = None
         if self._local_hook is not None:
             self._local_hook.remove()
             self._local_hook = None
@@ -876,7 +928,8 @@ class GuardSetting:
     def _install(self, model: Any) -> None:
         model = uncompiled(model)  # torch.compile(DDP(net)): the guard goes on the DDP module inside
         if isinstance(model, torch.nn.parallel.DistributedDataParallel) and self._local_hook is None:
-            self._local_hook = model.register_forward_pre_hook(self._note_local)
+            self._local_hook = model.register_forward_pre_hook(weak_method(self._note_local))  # (the DDP model
+            # holds no guard: a dropped scheduler's optimizer is freed)
         ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.world_size > 1
         sharded = self.device_mesh is not None and self.world_size > 1
         if self.installed is not None or not (ddp or sharded):
@@ -892,8 +945,10 @@ class GuardSetting:
             self.installed = guard
         elif guard == "hook" and ddp:
             self.hook = install_gradient_guard(model, self.optimizer, self.loss_scale, self.process_group,
-                                               local=lambda: self.local)
+                                               local=weak_method(self._is_local, False))
             self.installed = "hook" if self.hook is not None else None
+            held = self.hook is None and _hdet_hook_on(model) is not None
+            self._waiting = model if held else None
             if self.hook is not None and not _fused(self.optimizer):  # (steps stall only under a GradScaler; a fused
                 # optimizer, "hook" chosen by hand, is stepped by the scaler even when it skips: no count to read)
                 self.watch = ScalerWatch(self.hook, local=lambda: self.local)

@@ -205,10 +205,10 @@ class RampSnapshots:
         return [(x[0], x[1], x[2], x[3]) for x in state]
 
     def load(self, items: list[tuple[int, float, float, list[torch.Tensor]]], tensors: list[torch.Tensor],
-             counts: int = 0, optimizer_empty: bool = False) -> None:
+             counts: int = 0, optimizer_empty: bool = False, also: int = 0) -> None:
         """Set parsed snapshots onto the devices of ``tensors`` (snapshots of another layout are dropped, with a
-        warning; ``counts``: the step counts at the end of ``tensors``, see :func:`hdet.stability.fit_snapshot`)."""
-        items = [(step, lr, loss, fit_snapshot(ts, tensors, counts)) for step, lr, loss, ts in items]
+        warning; ``counts``, ``also``: see :func:`hdet.stability.fit_snapshot`)."""
+        items = [(step, lr, loss, fit_snapshot(ts, tensors, counts, also)) for step, lr, loss, ts in items]
         self.items = [(step, lr, loss, [s.to(t.device, t.dtype, copy=True) for s, t in zip(ts, tensors)])
                       for step, lr, loss, ts in items if len(ts) == len(tensors)
                       and all(same_shape(s, t) for s, t in zip(ts, tensors))]

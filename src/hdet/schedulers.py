@@ -28,7 +28,7 @@ from .caller import user_stacklevel
 from .config import OPTIONS, HDETConfig, spreading
 from .controller import gamma_as_printed
 from .ensemble import Ensemble, SyncRecord
-from .guard import GuardSetting, ScalerWatch, SkipWatch, uncompiled
+from .guard import GuardSetting, ScalerWatch, SkipWatch, uncompiled, weak_method
 from .hyper import AdamBeta, Dropout, Hyperparameter, LabelSmoothing, check_explored
 from .loss_scale import LossScale
 from .optimizers import check_lr_groups, check_optimizer, check_shared_gradients, innermost
@@ -177,14 +177,17 @@ class HDETLR(LRScheduler):
             self._weights_hook: Any = None
             self._finished_at: int | None = None  # the step finish() averaged the replicas after
             self._closed = False  # close(): its hooks off, done
+            self._last_bases: list[float] | None = None  # the bases of the step at total_steps (close() sets them:
+            # one past it, OneCycle's linear anneal is below zero)
             self._swap = AverageSwap()  # this replica's own weights while the ensemble's average is in (swap_in_average)
             self._scaler_idle = False  # an unmatched scheduler.step() came with no GradScaler update since the one before
             self._scale_version: int | None = None  # the GradScaler scale's in-place version at the last scheduler.step()
             self._unmatched = 0  # scheduler steps with no optimizer step (a GradScaler's skips, or a prepared scheduler)
             self._first_floats: list[float] | None = []  # the first losses given as numbers (an epoch counter? step())
             with _restored_on_failure(optimizer):
-                _close_earlier(optimizer)  # (first: the earlier one's values and "hook" guard are this one's to set)
                 super().__init__(optimizer, last_epoch)
+                if _close_earlier(optimizer):  # (built: the earlier one's "hook" guard is this one's to take over)
+                    self.reapply()  # (its values, which the earlier one's close() set to that one's base)
                 # the guard last (DDP takes one comm hook, which a construction that failed after it left behind); an
                 # install that fails takes back what it put on
                 self._guard.install(model)
@@ -193,10 +196,10 @@ class HDETLR(LRScheduler):
             if self._hdet.step_scale is not None:
                 self._hdet.step_scale.uninstall()
             raise
-        self._opt_hook = innermost(optimizer).register_step_post_hook(_weak_hook(self._count_optimizer_step))
+        self._opt_hook = innermost(optimizer).register_step_post_hook(weak_method(self._count_optimizer_step))
         # what close() takes off, also when the scheduler is dropped unclosed (a trial of a search left early): its
         # hooks hold it weakly, so it is collected, and this runs then (every trial stayed in memory: an audit)
-        self._release = weakref.finalize(self, _release, self._guard, self._opt_hook, self._hdet.step_scale)
+        self._release = weakref.finalize(self, _release, self._guard, self._hdet.step_scale)
         self._release.atexit = False
         _OPEN.setdefault(innermost(optimizer), weakref.WeakSet()).add(self)
 
@@ -313,20 +316,28 @@ class HDETLR(LRScheduler):
         ``finish()`` between converge steps and ``load_state_dict()`` raise. Idempotent; no collective."""
         if self._closed:
             return
+        self._swap.check("close() was called")
         self._closed = True
-        self._release()
+        self._release.detach()
+        self._guard.close()
+        self._opt_hook.remove()
+        step_scale = self._hdet.step_scale
+        if step_scale is not None:
+            step_scale.remove()
+            if getattr(step_scale.optimizer, "_hdet_step_scale", None) is step_scale:
+                del step_scale.optimizer._hdet_step_scale
         if self._weights_hook is not None:
             self._weights_hook.remove()
             self._weights_hook = None
         ens = self._hdet
-        if not self._swap.active:
-            for group, lr in zip(self.optimizer.param_groups, self.base_lrs_now):
-                if isinstance(group["lr"], torch.Tensor):
-                    group["lr"].fill_(lr)
-                else:
-                    group["lr"] = lr
-            for h, base in zip(ens.hypers, explored_bases(ens)):
-                h.set(base)
+        lrs = self.base_lrs_now if self._last_bases is None else self._last_bases
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+        for h, base in zip(ens.hypers, explored_bases(ens)):
+            h.set(base)
         ddp = uncompiled(ens.model) if ens.model is not None else None
         open_ = ddp.__dict__.get("_hdet_open") if isinstance(ddp, nn.Module) else None
         if open_ is not None:
@@ -336,6 +347,13 @@ class HDETLR(LRScheduler):
     def closed(self) -> bool:
         """Whether :meth:`close` has run (by itself after the step at ``total_steps``)."""
         return self._closed
+
+    def check_open_for(self, state_dict: Any) -> None:
+        """RuntimeError where this scheduler is closed and ``state_dict`` is of a run not over (a finished run's
+        state loads: nothing is left to step)."""
+        if self._closed and not (isinstance(state_dict, dict) and isinstance(state_dict.get("last_epoch"), int)
+                                 and state_dict["last_epoch"] >= state_dict.get("total_steps", self.total_steps)):
+            self._check_open("load_state_dict() of a run not over was called")
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -495,6 +513,10 @@ class HDETLR(LRScheduler):
             raise ValueError(f"Expected at most total_steps={self.total_steps} calls of scheduler.step() after "
                              f"optimizer steps, but this is call {t}; {self.past_the_end()}")
         self._check_open("scheduler.step() was called")
+        if self._guard.waiting:  # (another scheduler's hook guard on the model: taken over once it is closed)
+            self._guard.retry()
+        if t == self.total_steps:  # (the LRs the last optimizer step took, before its sync deals the next)
+            self._last_bases = list(self.base_lrs_now)
         if len(self.optimizer.param_groups) != len(self._constant):  # (add_param_group after building the scheduler)
             raise ValueError(f"Expected the {len(self._constant)} param group(s) the scheduler was built with, but the "
                              f"optimizer has {len(self.optimizer.param_groups)} now (optimizer.add_param_group after "
@@ -835,9 +857,7 @@ class HDETLR(LRScheduler):
         values are set on the optimizer (:meth:`reapply`): a state saved by another rank never gives this
         replica another replica's learning rate. Under a process group, a state this rank saved holds its weights'
         fingerprint, compared at the next optimizer step (:meth:`expect_weights`)."""
-        if self._closed and not (isinstance(state_dict, dict) and isinstance(state_dict.get("last_epoch"), int)
-                                 and state_dict["last_epoch"] >= state_dict.get("total_steps", self.total_steps)):
-            self._check_open("load_state_dict() of a run not over was called")  # (a finished run's state: nothing to do)
+        self.check_open_for(state_dict)
         scheduler_state.load(self, state_dict)
         if self.last_epoch > 0:  # a resumed run has taken steps: a stall right after it is one (the guards' watches)
             self._guard.resumed()
@@ -849,7 +869,7 @@ class HDETLR(LRScheduler):
         resumed run went on from rank 0's replica on every rank, silently (an audit). One HOST SYNC, at that step."""
         self._weights_expected = fingerprint
         if self._weights_hook is None:  # (taken off at the next scheduler step: not from inside the
-            self._weights_hook = innermost(self.optimizer).register_step_pre_hook(_weak_hook(self._check_weights))  # hooks' loop)
+            self._weights_hook = innermost(self.optimizer).register_step_pre_hook(weak_method(self._check_weights))  # hooks' loop)
 
     def _check_weights(self, *_: Any) -> None:
         expected, self._weights_expected = self._weights_expected, None
@@ -892,39 +912,29 @@ def _keep_replicas_at_join_end(model: Any, sched: "HDETLR | None" = None
         return ddp
 
     def keep_replicas(is_last_joiner: bool) -> None:
+        ddp.__dict__["_hdet_join_ended"] = getattr(ddp, "_join_config", None)  # (a plain join's too: the next
+        # scheduler on the model is not refused for it, a review)
         if not ddp.__dict__.get("_hdet_open"):
-            return type(ddp)._sync_final_model(ddp, is_last_joiner)
-        ddp.__dict__["_hdet_join_ended"] = getattr(ddp, "_join_config", None)
+            type(ddp)._sync_final_model(ddp, is_last_joiner)
 
     keep_replicas._hdet = True  # type: ignore[attr-defined]
     ddp._sync_final_model = keep_replicas
     return ddp
 
 
-def _weak_hook(method: Callable[..., Any]) -> Callable[..., Any]:
-    """An optimizer hook that calls ``method`` while its object lives (the optimizer's hooks hold no scheduler)."""
-    ref = weakref.WeakMethod(method)
-
-    def hook(*args: Any) -> Any:
-        bound = ref()
-        return None if bound is None else bound(*args)
-    return hook
-
-
-def _release(guard: GuardSetting, opt_hook: Any, step_scale: Any) -> None:
-    """:meth:`HDETLR.close`'s hooks taken off (also when the scheduler is collected: ``weakref.finalize``)."""
-    guard.close()
-    opt_hook.remove()
+def _release(guard: GuardSetting, step_scale: Any) -> None:
+    """A scheduler dropped unclosed (``weakref.finalize``, which may run inside a step or a forward: nothing is taken
+    off a hook dict there): its guard's and step scale's hooks idle (a hook guard's comm hook goes on zeroing until
+    the next scheduler on the model takes it over); its own hooks hold it weakly and do nothing now."""
+    guard.orphan()
     if step_scale is not None:
-        step_scale.remove()
-        if getattr(step_scale.optimizer, "_hdet_step_scale", None) is step_scale:
-            del step_scale.optimizer._hdet_step_scale
+        step_scale.active = False
 
 
 _OPEN: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakSet[HDETLR]]" = weakref.WeakKeyDictionary()
 
 
-def _close_earlier(optimizer: torch.optim.Optimizer) -> None:
+def _close_earlier(optimizer: torch.optim.Optimizer) -> bool:
     """A second scheduler on one optimizer (a notebook's cell run again): the earlier one, still open, is closed and
     said (both drove the optimizer's LRs, and their guards read its gradients twice: an audit)."""
     earlier = [s for s in _OPEN.get(innermost(optimizer), ()) if not s.closed]
@@ -933,6 +943,7 @@ def _close_earlier(optimizer: torch.optim.Optimizer) -> None:
                       f"{s.total_steps}: it was closed (its hooks taken off; a cell run again?). One scheduler per "
                       "optimizer", stacklevel=user_stacklevel())
         s.close()
+    return bool(earlier)
 
 
 class OneCycleAutoLR(HDETLR):

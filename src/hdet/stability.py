@@ -615,7 +615,7 @@ class StabilityGuard:
                                                    pool["dirty"])}
 
     def load(self, parsed: dict[str, Any], tensors: list[torch.Tensor], counts: int = 0,
-             optimizer_empty: bool = False) -> None:
+             optimizer_empty: bool = False, also: int = 0) -> None:
         """``optimizer_empty``: the optimizer holds no state yet (loaded after the scheduler?), said if the saved
         best sync does not fit."""
         self.best_loss, self.best_step, self.best_se = parsed["best_loss"], parsed["best_step"], parsed["best_se"]
@@ -625,7 +625,7 @@ class StabilityGuard:
         self.clear_pool()
         if parsed.get("pool") is not None:
             self._pool, self._pooled, self._pool_dirty = parsed["pool"]
-        snap = None if parsed["snapshot"] is None else fit_snapshot(parsed["snapshot"], tensors, counts)
+        snap = None if parsed["snapshot"] is None else fit_snapshot(parsed["snapshot"], tensors, counts, also)
         start = parsed.get("start")
         self.starting, self.start_ok = start is not None, True if start is None else start["ok"]
         self._start_loss = (0.0, 0.0) if start is None else tuple(float(x) for x in start.get("loss", [0.0, 0.0]))
@@ -648,10 +648,16 @@ class StabilityGuard:
             s.to(t.device, t.dtype, copy=True) for s, t in zip(snap, tensors)]  # never the caller's tensors
 
 
-def fit_snapshot(snap: list[torch.Tensor], tensors: list[torch.Tensor], counts: int) -> list[torch.Tensor]:
+def fit_snapshot(snap: list[torch.Tensor], tensors: list[torch.Tensor], counts: int, also: int = 0
+                 ) -> list[torch.Tensor]:
     """A saved snapshot for ``tensors``, whose last ``counts`` are step counts (the optimizer's, then the model's
     integer buffers: :meth:`hdet.Ensemble.kept_tensors`): one saved before hdet kept some or all of them fits the
-    others, and goes back to the missing ones as the run resumed with them (before, a go-back left them as they were)."""
+    others, and goes back to the missing ones as the run resumed with them (before, a go-back left them as they were).
+    ``also``: the :meth:`hdet.Ensemble.also_average` modules' tensors, just before the counts: one saved without them
+    (a run that registered its EMA only now) takes theirs as they are (it was dropped, a review)."""
+    a = len(tensors) - counts - also
+    if also and a <= len(snap) <= len(tensors) - also and same_layout(snap[:a], tensors[:a]):
+        snap = list(snap[:a]) + [t.detach().clone() for t in tensors[a:a + also]] + list(snap[a:])
     n = len(tensors) - counts
     if n <= len(snap) < len(tensors) and same_layout(snap, tensors[:len(snap)]):
         return list(snap) + [t.detach().clone() for t in tensors[len(snap):]]

@@ -94,6 +94,7 @@ class StepScale:
         self._took = self._warned = False
         self._replaced: StepScale | None = None  # the one this replaced on the optimizer (a second scheduler's)
         self._hooks: tuple[Any, ...] = ()
+        self.active = True  # False: its scheduler dropped unclosed (hdet.schedulers._release)
         self._register()
 
     def _register(self) -> None:
@@ -128,6 +129,8 @@ class StepScale:
 
     @torch.no_grad()
     def _save(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.active:  # (its scheduler dropped unclosed: the hooks idle, taken off only by close())
+            return
         self.take_estimates()  # after a recovery between syncs
         if self.every_step:
             g = self.optimizer.param_groups[0]
@@ -149,6 +152,8 @@ class StepScale:
 
     @torch.no_grad()
     def _scale(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.active:
+            return
         if self.every_step:
             self._contribute()
         if self._stepped is None:
