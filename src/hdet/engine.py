@@ -862,8 +862,8 @@ class ReplicaEngine:
         if len(steps) > 1:
             raise ValueError(f"Expected every replica's scheduler state at the same step, but got last_epoch "
                              f"{[rs['scheduler']['last_epoch'] for rs in state['replicas']]}")
-        for s, rs in zip(self.schedulers, state["replicas"]):  # (before anything is loaded: a closed engine's
-            s.check_open_for(rs["scheduler"])  # models and optimizers were loaded, then its schedulers refused)
+        closed = self._stacked is None and self.optimizer_path == "stacked"  # (released by close(): the loaded run
+        # goes on with each replica's optimizer.step())
         if self.stack is not None and self.stack.relayout and not self.stack.grads_bound and saved:
             # lay the parameters out as the saved engine had them (from its first backward on): the same memory
             # order, so the resumed run's sums round as the uninterrupted run's
@@ -889,6 +889,8 @@ class ReplicaEngine:
                           "one does too, to go on as it did", stacklevel=user_stacklevel())
             self._stop_stacked(gave_way, warn=False)  # (the reason kept as saved: a second resume says it once)
             self.optimizer_path += ", as the saved engine"
+        if closed and not all(s.closed for s in self.schedulers):
+            self.optimizer_path = "per-replica: loaded after the engine closed"
         self._following = None
 
     # -- one step ---------------------------------------------------------------------------------

@@ -913,6 +913,25 @@ class GuardSetting:
         if self.hook is not None:
             self.hook.close()
 
+    def reopen(self, model: Any) -> None:
+        """After :meth:`close`: the same guard on again (its counts kept; a closed "hook" guard taken back over)."""
+        if self.skip is not None:
+            opt = self.skip.optimizer
+            self.skip.active = True
+            self.skip._handles = [opt.register_step_pre_hook(self.skip._pre), opt.register_step_post_hook(self.skip._post)]
+        model = uncompiled(model)
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            if self._local_hook is None:
+                self._local_hook = model.register_forward_pre_hook(weak_method(self._note_local))
+            if self.hook is not None and _hdet_hook_on(model) is self.hook and (self.hook.closed or self.hook.orphaned):
+                counts = self.watch.state_dict() if self.watch is not None else None
+                self.hook.reopen(self.process_group, self.optimizer, self.loss_scale, weak_method(self._is_local, False),
+                                 list(model.parameters()))
+                if counts is not None:
+                    self.watch.load_state_dict(counts)
+            elif self.hook is not None:  # (another scheduler took it over meanwhile: this one waits for it)
+                self.hook, self.installed, self.watch, self._waiting = None, None, None, model
+
     def install(self, model: Any) -> None:
         """Install the guard on ``model`` (once); an install that fails (a "skip" guard on a non-fused optimizer, a
         "hook" with a device mesh) takes back the forward pre-hook it put on."""

@@ -177,8 +177,6 @@ class HDETLR(LRScheduler):
             self._weights_hook: Any = None
             self._finished_at: int | None = None  # the step finish() averaged the replicas after
             self._closed = False  # close(): its hooks off, done
-            self._last_bases: list[float] | None = None  # the bases of the step at total_steps (close() sets them:
-            # one past it, OneCycle's linear anneal is below zero)
             self._swap = AverageSwap()  # this replica's own weights while the ensemble's average is in (swap_in_average)
             self._scaler_idle = False  # an unmatched scheduler.step() came with no GradScaler update since the one before
             self._scale_version: int | None = None  # the GradScaler scale's in-place version at the last scheduler.step()
@@ -312,8 +310,9 @@ class HDETLR(LRScheduler):
         replica). A scheduler closes itself after its step at ``total_steps``; close one left before it (after
         ``finish()``) to train on without it, in a fine-tune, an SWA phase or the next trial of a search on the same
         model (left on, the guard zeroed or skipped what plain training would not, a later ``join()`` kept the
-        ranks apart, and every trial's scheduler stayed in memory: an audit). Once closed, ``step()``,
-        ``finish()`` between converge steps and ``load_state_dict()`` raise. Idempotent; no collective."""
+        ranks apart, and every trial's scheduler stayed in memory: an audit). Once closed, ``step()`` and
+        ``finish()`` between converge steps raise; ``load_state_dict()`` of a run not over puts the hooks back.
+        Idempotent; no collective; refused inside ``averaged()``."""
         if self._closed:
             return
         self._swap.check("close() was called")
@@ -330,8 +329,8 @@ class HDETLR(LRScheduler):
             self._weights_hook.remove()
             self._weights_hook = None
         ens = self._hdet
-        lrs = self.base_lrs_now if self._last_bases is None else self._last_bases
-        for group, lr in zip(self.optimizer.param_groups, lrs):
+        for group, lr in zip(self.optimizer.param_groups, self.base_lrs_now):  # (after the last step, torch's
+            # OneCycleLR's value one step past its end, as it leaves its optimizer: a drop-in replacement)
             if isinstance(group["lr"], torch.Tensor):
                 group["lr"].fill_(lr)
             else:
@@ -348,12 +347,21 @@ class HDETLR(LRScheduler):
         """Whether :meth:`close` has run (by itself after the step at ``total_steps``)."""
         return self._closed
 
-    def check_open_for(self, state_dict: Any) -> None:
-        """RuntimeError where this scheduler is closed and ``state_dict`` is of a run not over (a finished run's
-        state loads: nothing is left to step)."""
-        if self._closed and not (isinstance(state_dict, dict) and isinstance(state_dict.get("last_epoch"), int)
-                                 and state_dict["last_epoch"] >= state_dict.get("total_steps", self.total_steps)):
-            self._check_open("load_state_dict() of a run not over was called")
+    def _reopen(self) -> None:
+        """What :meth:`close` took off put back (a state of a run not over loaded into a closed scheduler)."""
+        _close_earlier(self.optimizer)
+        self._closed = False
+        self._opt_hook = innermost(self.optimizer).register_step_post_hook(weak_method(self._count_optimizer_step))
+        step_scale = self._hdet.step_scale
+        if step_scale is not None:
+            step_scale.active = True
+            step_scale._register()
+            step_scale.optimizer._hdet_step_scale = step_scale
+        self._guard.reopen(self._hdet.model)
+        _keep_replicas_at_join_end(self._hdet.model, self)
+        self._release = weakref.finalize(self, _release, self._guard, step_scale)
+        self._release.atexit = False
+        _OPEN.setdefault(innermost(self.optimizer), weakref.WeakSet()).add(self)
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -515,8 +523,6 @@ class HDETLR(LRScheduler):
         self._check_open("scheduler.step() was called")
         if self._guard.waiting:  # (another scheduler's hook guard on the model: taken over once it is closed)
             self._guard.retry()
-        if t == self.total_steps:  # (the LRs the last optimizer step took, before its sync deals the next)
-            self._last_bases = list(self.base_lrs_now)
         if len(self.optimizer.param_groups) != len(self._constant):  # (add_param_group after building the scheduler)
             raise ValueError(f"Expected the {len(self._constant)} param group(s) the scheduler was built with, but the "
                              f"optimizer has {len(self.optimizer.param_groups)} now (optimizer.add_param_group after "
@@ -857,8 +863,9 @@ class HDETLR(LRScheduler):
         values are set on the optimizer (:meth:`reapply`): a state saved by another rank never gives this
         replica another replica's learning rate. Under a process group, a state this rank saved holds its weights'
         fingerprint, compared at the next optimizer step (:meth:`expect_weights`)."""
-        self.check_open_for(state_dict)
         scheduler_state.load(self, state_dict)
+        if self._closed and self.last_epoch < self.total_steps:  # (a closed scheduler given a run not over: its
+            self._reopen()  # hooks back on, as when it was built)
         if self.last_epoch > 0:  # a resumed run has taken steps: a stall right after it is one (the guards' watches)
             self._guard.resumed()
 

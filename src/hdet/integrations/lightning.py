@@ -49,7 +49,7 @@ def _hdet_schedulers(trainer: Any) -> list[HDETLR]:
 
 def _weight_averaging(trainer: Any) -> list[Any]:
     """Lightning's ``WeightAveraging`` callbacks (``EMAWeightAveraging``, ...) with an average model, in order."""
-    return [c for c in trainer.callbacks if isinstance(getattr(c, "_average_model", None), torch.nn.Module)
+    return [c for c in getattr(trainer, "callbacks", ()) if isinstance(getattr(c, "_average_model", None), torch.nn.Module)
             and any(k.__name__ == "WeightAveraging" for k in type(c).__mro__)]
 
 
@@ -213,7 +213,7 @@ class HDETCallback(Callback):
             warnings.warn("hdet: the module overrides configure_gradient_clipping, which Lightning runs after "
                           "HDETCallback has clipped each replica to its explored hdet.GradClip norm: a clip of its own "
                           "there overrides the spread hdet reports", stacklevel=user_stacklevel())
-        swa = [type(c).__name__ for c in trainer.callbacks if type(c).__name__ == "StochasticWeightAveraging"]
+        swa = [c for c in getattr(trainer, "callbacks", ()) if type(c).__name__ == "StochasticWeightAveraging"]
         if swa and _hdet_schedulers(trainer):
             raise ValueError("Expected no StochasticWeightAveraging callback with an HDET scheduler, but got one: at "
                              "its first SWA epoch it replaces the schedulers with its SWALR, so HDET would stop "
