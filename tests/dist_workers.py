@@ -1726,8 +1726,9 @@ def ema_average(rank, world, *, register="every", T=4, steps=10, alpha=0.5, eval
 
 
 def swa_after_hdet(rank, world, *, base=True):
-    """The README's SWA phase after HDET: ``sched.finish()`` at step 12 of 20, each group's LR set to the base
-    (``base``), then ``SWALR`` and an ``AveragedModel`` for the last 8 steps. Returns every rank's SWA weights."""
+    """The README's SWA phase after HDET: ``sched.finish()`` at step 12 of 20, then ``sched.close()`` (``base``: each
+    group's LR at the base on every rank), then ``SWALR`` and an ``AveragedModel`` for the last 8 steps. Returns every
+    rank's SWA weights."""
     net = make_model(0)
     model = DDP(net)
     o = torch.optim.AdamW(model.parameters(), lr=3e-2)
@@ -1736,8 +1737,7 @@ def swa_after_hdet(rank, world, *, base=True):
     train_steps(model, o, s, rank, range(12))
     s.finish()
     if base:
-        for g, lr in zip(o.param_groups, s.base_lrs_now):
-            g["lr"] = lr
+        s.close()
     swa = torch.optim.swa_utils.AveragedModel(net)
     swa_sched = torch.optim.swa_utils.SWALR(o, swa_lr=1e-3, anneal_epochs=5)
     for t in range(12, 20):

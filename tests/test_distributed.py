@@ -1198,8 +1198,8 @@ def _swa_after_hdet(rank, world, base):
 
 
 def test_an_swa_phase_after_finish_at_the_base_lr_keeps_the_replicas_together():
-    """The README's recipe for an SWA phase after HDET (finish(), each group's LR set to base_lrs_now, then SWALR):
-    every rank's SWA model the same; without setting the base LR each rank annealed from its own multiplied LR."""
+    """The README's recipe for an SWA phase after HDET (finish(), close(), then SWALR): every rank's SWA model the
+    same; left open, each rank annealed from its own multiplied LR."""
     ranks = check_ok(run_gloo(_swa_after_hdet, 2, True))[0]
     assert ranks[0] == ranks[1]
     apart = check_ok(run_gloo(_swa_after_hdet, 2, False))[0]
