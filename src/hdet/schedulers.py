@@ -194,12 +194,17 @@ class HDETLR(LRScheduler):
             if self._hdet.step_scale is not None:
                 self._hdet.step_scale.uninstall()
             raise
-        self._opt_hook = innermost(optimizer).register_step_post_hook(weak_method(self._count_optimizer_step))
+        self._open_hooks()
+
+    def _open_hooks(self) -> None:
+        """This scheduler's own hooks on (built, or reopened): the optimizer step counter, what runs when it is
+        dropped unclosed, and its place among the optimizer's open schedulers (:func:`_close_earlier`)."""
+        self._opt_hook = innermost(self.optimizer).register_step_post_hook(weak_method(self._count_optimizer_step))
         # what close() takes off, also when the scheduler is dropped unclosed (a trial of a search left early): its
         # hooks hold it weakly, so it is collected, and this runs then (every trial stayed in memory: an audit)
         self._release = weakref.finalize(self, _release, self._guard, self._hdet.step_scale)
         self._release.atexit = False
-        _OPEN.setdefault(innermost(optimizer), weakref.WeakSet()).add(self)
+        _OPEN.setdefault(innermost(self.optimizer), weakref.WeakSet()).add(self)
 
     # -- the base schedule ----------------------------------------------------------------------
     def _onecycle_factors(self) -> tuple[float, float]:
@@ -320,21 +325,15 @@ class HDETLR(LRScheduler):
         self._release.detach()
         self._guard.close()
         self._opt_hook.remove()
-        step_scale = self._hdet.step_scale
-        if step_scale is not None:
-            step_scale.remove()
-            if getattr(step_scale.optimizer, "_hdet_step_scale", None) is step_scale:
-                del step_scale.optimizer._hdet_step_scale
+        if self._hdet.step_scale is not None:
+            self._hdet.step_scale.turn_off()
         if self._weights_hook is not None:
             self._weights_hook.remove()
             self._weights_hook = None
         ens = self._hdet
         for group, lr in zip(self.optimizer.param_groups, self.base_lrs_now):  # (after the last step, torch's
             # OneCycleLR's value one step past its end, as it leaves its optimizer: a drop-in replacement)
-            if isinstance(group["lr"], torch.Tensor):
-                group["lr"].fill_(lr)
-            else:
-                group["lr"] = lr
+            _set_lr(group, lr)
         for h, base in zip(ens.hypers, explored_bases(ens)):
             h.set(base)
         ddp = uncompiled(ens.model) if ens.model is not None else None
@@ -351,17 +350,11 @@ class HDETLR(LRScheduler):
         """What :meth:`close` took off put back (a state of a run not over loaded into a closed scheduler)."""
         _close_earlier(self.optimizer)
         self._closed = False
-        self._opt_hook = innermost(self.optimizer).register_step_post_hook(weak_method(self._count_optimizer_step))
-        step_scale = self._hdet.step_scale
-        if step_scale is not None:
-            step_scale.active = True
-            step_scale._register()
-            step_scale.optimizer._hdet_step_scale = step_scale
+        if self._hdet.step_scale is not None:
+            self._hdet.step_scale.turn_on()
         self._guard.reopen(self._hdet.model)
         _keep_replicas_at_join_end(self._hdet.model, self)
-        self._release = weakref.finalize(self, _release, self._guard, step_scale)
-        self._release.atexit = False
-        _OPEN.setdefault(innermost(self.optimizer), weakref.WeakSet()).add(self)
+        self._open_hooks()
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -554,7 +547,7 @@ class HDETLR(LRScheduler):
                                  "base.step() runs the schedule at twice its speed). Step only the HDETLR, and resume "
                                  "with its load_state_dict")
             for g, b in zip(self.optimizer.param_groups, self._scheduled_bases()):
-                g["lr"] = b if not isinstance(g["lr"], torch.Tensor) else g["lr"].fill_(b)
+                _set_lr(g, b)
             self._base.step()
         self._hdet.after_optimizer_step(t)
         return t
@@ -616,10 +609,7 @@ class HDETLR(LRScheduler):
         self._bases_now = lead._bases_now[:n] + [h.base(self.last_epoch) for h in self._hdet.hypers]
         values = self._values(self._bases_now)
         for group, lr in zip(self.optimizer.param_groups, values):
-            if isinstance(group["lr"], torch.Tensor):
-                group["lr"].fill_(lr)
-            else:
-                group["lr"] = lr
+            _set_lr(group, lr)
         self._last_lr = [g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"]
                          for g in self.optimizer.param_groups]
 
@@ -1094,6 +1084,14 @@ def _check_probe(config: HDETConfig, probe: Any, model: Any) -> None:
     if model is None:
         raise ValueError("Expected model=<the module> with controller='fit': the probe evaluates it at the mean of "
                          "its iterates over the window")
+
+
+def _set_lr(group: dict[str, Any], lr: float) -> None:
+    """A param group's LR set to ``lr``: in place where it is a tensor (a compiled or capturable optimizer's)."""
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(lr)
+    else:
+        group["lr"] = lr
 
 
 def _float(x: float | torch.Tensor) -> float:

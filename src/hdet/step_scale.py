@@ -117,6 +117,18 @@ class StepScale:
             h.remove()
         self._hooks = ()
 
+    def turn_off(self) -> None:
+        """Its hooks off and its place on the optimizer left (its scheduler closed: :meth:`turn_on` puts both back)."""
+        self.remove()
+        if getattr(self.optimizer, "_hdet_step_scale", None) is self:
+            del self.optimizer._hdet_step_scale
+
+    def turn_on(self) -> None:
+        """Its hooks back on, as the optimizer's step scale (a closed scheduler reopened by a loaded state)."""
+        self.active = True
+        self._register()
+        self.optimizer._hdet_step_scale = self
+
     def uninstall(self) -> None:
         """Take the hooks off (a scheduler whose construction failed): the one this replaced, if any, is put back."""
         self.remove()
