@@ -191,6 +191,24 @@ def test_hf_trainer_resume_into_a_run_of_another_length_follows_it(tmp_path, len
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))  # averaged at the last step
 
 
+def test_hf_trainer_resume_from_the_last_checkpoint_into_more_steps_goes_on_with_hdet(tmp_path, full_run):
+    """The run's last checkpoint (step 20, where the scheduler closed itself; a loaded state of a finished run now
+    loads closed) resumed with max_steps 30: the scheduler reopens for the longer run, every rank steps at its own
+    multiplied LR again, and the replicas are averaged at step 30."""
+    import shutil
+
+    full_out, _ = full_run
+    out = tmp_path / "more"
+    out.mkdir()
+    shutil.copytree(full_out / "checkpoint-20", out / "checkpoint-20")
+    p = _torchrun(out, "--resume", str(out / "checkpoint-20"), "--max-steps", "30")
+    assert p.stderr.count("into a run of 30 optimizer steps, where the checkpoint's run had 20") == 2, p.stderr[-3000:]
+    r0, r1 = _results(out)
+    assert r0["step"] == r1["step"] == 30 and len(r0["lrs"]) == 10
+    assert all(a != pytest.approx(b, rel=1e-3) for a, b in zip(r0["lrs"][:-1], r1["lrs"][:-1]))  # (the spread)
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))  # averaged at the last step
+
+
 @pytest.mark.parametrize("ratio, warned", [(0.25, False), (0.3, True)])
 def test_hf_trainer_save_steps_as_a_ratio_is_checked_in_steps(tmp_path, ratio, warned):
     """save_steps < 1 is a ratio of max_steps (the Trainer saves every ceil(max_steps * ratio) steps): 0.25 of 12 is

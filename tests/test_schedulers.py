@@ -1124,3 +1124,76 @@ def test_a_best_sync_saved_without_an_ema_fits_a_run_that_registers_one_before_l
     fitted = fit_snapshot(snap, [w, mom, ema, count], counts=1, also=1)
     assert [t.tolist() for t in fitted] == [[0.0] * 3, [0.0] * 3, [5.0] * 3, 1.0]
     assert fit_snapshot(snap, [w, mom, count], counts=1) is snap  # (nothing registered: as before)
+
+
+def test_a_state_saved_at_the_end_loads_closed_and_set_total_steps_reopens_it():
+    """A state saved after the last step (where the scheduler closed itself) loaded into a fresh scheduler left it
+    open: each replica at its own multiplied LR, HDET's hooks on (an audit: plain training after an Accelerate
+    resume drifted the ranks 7e-3 apart). It loads closed now, at the base LR the uninterrupted run left, its hooks
+    off; ``set_total_steps`` of a longer run (the Trainer resumed into more steps) reopens it at the replica's own
+    LR, and refuses a length that leaves an open run no last converge step."""
+    def build():
+        o = torch.optim.AdamW(torch.nn.Linear(3, 1).parameters(), lr=1e-3)
+        return o, OneCycleAutoLR(o, max_lr=1e-2, total_steps=6, ensemble_lr_spread_ratio=0.5,
+                                 model_sync_interval=3, replicas=ScriptedReplicas(rank=1, world_size=2))
+    o, s = build()
+    for _ in range(6):
+        o.step()
+        s.step(torch.tensor(1.0))
+    assert s.closed
+    o2, s2 = build()
+    plain = len(o2._optimizer_step_post_hooks) - 1  # (without the open scheduler's step counter)
+    s2.load_state_dict(roundtrip(s.state_dict()))
+    assert s2.closed and len(o2._optimizer_step_post_hooks) == plain
+    assert o2.param_groups[0]["lr"] == pytest.approx(o.param_groups[0]["lr"], rel=1e-12)
+    assert o2.param_groups[0]["lr"] == pytest.approx(s2.base_lrs_now[0], rel=1e-12)
+    with pytest.raises(ValueError, match="OneCycleLR"):  # (its cycle is 6 steps long)
+        s2.set_total_steps(9)
+    h = torch.optim.AdamW(torch.nn.Linear(3, 1).parameters(), lr=1e-3)
+    s3 = hdet.HDETLR(h, lambda t: 1e-2, total_steps=6, ensemble_lr_spread_ratio=0.5, model_sync_interval=3,
+                     replicas=ScriptedReplicas(rank=1, world_size=2))
+    for _ in range(6):
+        h.step()
+        s3.step(torch.tensor(1.0))
+    assert s3.closed and h.param_groups[0]["lr"] == pytest.approx(1e-2)
+    s3.set_total_steps(9)
+    assert not s3.closed and h.param_groups[0]["lr"] == pytest.approx(1e-2 * s3.multipliers[0]) \
+        and s3.multipliers[0] != pytest.approx(1.0)
+    for _ in range(3):
+        h.step()
+        s3.step(torch.tensor(1.0))
+    assert s3.closed and s3.last_epoch == 9
+    _, s4 = build()
+    for _ in range(2):
+        s4.optimizer.step()
+        s4.step(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="at least 3"):
+        s4.set_total_steps(2)
+
+
+def test_a_run_left_between_converge_steps_without_finish_is_said_at_exit(tmp_path):
+    """A loop that took fewer optimizer steps than total_steps and never called finish() (an audit's Accelerate loop
+    counted a partial accumulation window its loader never stepped) ended with each replica its own model, unsaid: a
+    RuntimeWarning at exit says so now; a run that called finish(), or ran to its end, says nothing."""
+    import subprocess
+    import sys
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys, torch, hdet\n"
+        "from hdet.engine import ReplicaEngine\n"
+        "steps, finish = int(sys.argv[1]), sys.argv[2] == '1'\n"
+        "eng = ReplicaEngine(torch.nn.Linear(3, 1), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),\n"
+        "    lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=10, ensemble_lr_spread_ratio=0.5,\n"
+        "    model_sync_interval=4, replicas=rep, model=m), mode='loop')\n"
+        "x = torch.randn(2, 4, 3)\n"
+        "for _ in range(steps):\n"
+        "    eng.step(x, lambda m, b: m(b).pow(2).mean(), stacked=True)\n"
+        "if finish:\n"
+        "    eng.finish()\n")
+    said = {}
+    for steps, finish in ((6, 0), (6, 1), (10, 0), (8, 0)):
+        out = subprocess.run([sys.executable, str(script), str(steps), str(finish)], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        said[steps, finish] = out.stderr.count("without finish()")
+    assert said == {(6, 0): 1, (6, 1): 0, (10, 0): 0, (8, 0): 0}  # (step 8: a converge step, averaged)

@@ -208,8 +208,7 @@ class HDETTrainer(Trainer):
             raise ValueError(f"Expected a run of at least the checkpoint's {sched.last_epoch} optimizer steps to "
                              f"resume {checkpoint}, but the Trainer's run has {want} (max_steps / num_train_epochs)")
         saved = sched.total_steps
-        sched.ensemble.set_total_steps(want)  # (checks auto-LR's and the range test's windows against it)
-        sched.total_steps = want
+        sched.set_total_steps(want)
         return f"total_steps {saved} (built with {want})"
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
