@@ -1487,3 +1487,56 @@ def test_a_replica_trains_on_alone_after_the_engine_run_as_plain_torch(mode):
             for _ in range(5):
                 eng.step(batches(), loss_fn)
             assert all(s.closed for s in eng.schedulers)
+
+
+@pytest.mark.parametrize("mode", ["vmap", "loop"])
+def test_a_closed_engines_state_loads_closed_and_its_replica_trains_on_as_the_finished_one(mode):
+    """A finished engine's state (closed at total_steps, or by finish() and close() before it) loaded into a fresh
+    engine came back open, each replica at its own multiplied LR (0.7x-1.3x the base the run left) with the stacked
+    step on again, and loaded into the closed engine itself spread its LRs again: replica 0 then fine-tuned at 0.7x the
+    LR (1e-4 off after 3 steps: an audit). It loads closed now: the same LRs, each optimizer its own state, and
+    replica 0 trains on exactly as the finished engine's."""
+    import copy
+    import io
+
+    from hdet.engine import ReplicaEngine
+
+    def build():
+        torch.manual_seed(0)
+        return ReplicaEngine(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), 3,
+                             lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                             lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-2, total_steps=12,
+                                                                   ensemble_lr_spread_ratio=0.3, model_sync_interval=4,
+                                                                   replicas=rep, model=m), mode=mode)
+
+    def finetune(m, o):
+        g = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            o.zero_grad()
+            m(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
+            o.step()
+        return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+    for early in (False, True):
+        eng = build()
+        g = torch.Generator().manual_seed(1)
+        for _ in range(7 if early else 12):
+            eng.step([torch.randn(8, 4, generator=g) for _ in range(3)], lambda m, b: m(b).pow(2).mean())
+        if early:
+            eng.finish()
+            eng.close()
+        buf = io.BytesIO()
+        torch.save(eng.state_dict(), buf)
+        state = lambda: torch.load(io.BytesIO(buf.getvalue()), weights_only=True)  # noqa: E731
+        lrs = [o.param_groups[0]["lr"] for o in eng.optimizers]
+        assert len(set(lrs)) == 1
+        fresh = build()
+        fresh.load_state_dict(state())
+        assert all(s.closed for s in fresh.schedulers) and fresh._stacked is None, early
+        assert [o.param_groups[0]["lr"] for o in fresh.optimizers] == lrs
+        eng.load_state_dict(state())  # (the closed engine itself given its own state: still the base's LRs)
+        assert all(s.closed for s in eng.schedulers) and [o.param_groups[0]["lr"] for o in eng.optimizers] == lrs
+        ref = copy.deepcopy(eng.models[0]), copy.deepcopy(eng.optimizers[0].state_dict())
+        o = torch.optim.AdamW(ref[0].parameters(), lr=1e-2)
+        o.load_state_dict(ref[1])
+        assert torch.equal(finetune(fresh.models[0], fresh.optimizers[0]), finetune(ref[0], o)), early

@@ -1070,11 +1070,14 @@ def test_close_leaves_the_optimizer_as_plain_training_would_and_a_second_schedul
     assert s.closed and not s2.closed and any("already had an HDET scheduler, open at step 7" in str(w.message)
                                               for w in said)
     assert hooks() == (plain[0], plain[1] + 1)  # (the second's step counter only)
+    open_state = roundtrip(s2.state_dict())
     s2.close()
     assert hooks() == plain and o.param_groups[0]["lr"] == pytest.approx(s2.base_lrs_now[0])
     with pytest.raises(RuntimeError, match="closed scheduler"):
         s2.step(torch.tensor(1.0))
-    s2.load_state_dict(s2.state_dict())  # (a state of a run not over: its hooks back on, as when it was built)
+    s2.load_state_dict(s2.state_dict())  # (its own state, closed: it stays closed, at the base's LR)
+    assert s2.closed and hooks() == plain and o.param_groups[0]["lr"] == pytest.approx(s2.base_lrs_now[0])
+    s2.load_state_dict(open_state)  # (a state of a run not over: its hooks back on, as when it was built)
     assert not s2.closed and hooks() == (plain[0], plain[1] + 1)
     s2.close()
     s3 = OneCycleAutoLR(o, max_lr=0.1, total_steps=4, ensemble_lr_spread_ratio=0.5, model_sync_interval=2,

@@ -891,6 +891,9 @@ class ReplicaEngine:
             self.optimizer_path += ", as the saved engine"
         if closed and not all(s.closed for s in self.schedulers):
             self.optimizer_path = "per-replica: loaded after the engine closed"
+        elif all(s.closed for s in self.schedulers) and self._stacked is not None:  # (a closed run's state: each
+            self._stacked.release()  # optimizer its own state, as after close(); an audit found the stacked step
+            self._stacked = None  # back for a run that could take no step)
         self._following = None
 
     # -- one step ---------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ def state_dict(s: "HDETLR") -> dict[str, Any]:
         state["base"] = s._base.state_dict()
         state["base_scheduler"] = type(s._base).__name__
     state["loss_scale_kept"] = s._loss_scale.kept_value()  # a GradScaler's scale at the last healthy sync (host read)
+    state["closed"] = s.closed  # (a run closed before its end, after finish(), loads closed: HDETLR.load_state_dict)
     state["guard"] = s._guard.state_dict()  # the gradient guard's stall counts (HOST SYNC: its skip counter)
     weights = s.ensemble.weights_fingerprint()  # (HOST SYNC) under a process group: checked at the first optimizer
     if weights is not None:  # step after a load (HDETLR.expect_weights)
@@ -181,6 +182,8 @@ def _check_own(s: "HDETLR", state: dict[str, Any]) -> None:
     if done is not None and (isinstance(done, bool) or not isinstance(done, int) or not 0 < done <= last):
         raise ValueError(f"Expected the state's _finished_at as a step in 1..last_epoch ({last}) or None, but got "
                          f"{done!r}")
+    if not isinstance(state.get("closed", False), bool):
+        raise ValueError(f"Expected the state's closed as True or False, but got {state['closed']!r}")
     check_watch_state(state.get("guard"))
     kept = state.get("loss_scale_kept")
     if kept is not None and (isinstance(kept, bool) or not isinstance(kept, (int, float)) or not math.isfinite(kept)

@@ -331,16 +331,20 @@ class HDETLR(LRScheduler):
         if self._weights_hook is not None:
             self._weights_hook.remove()
             self._weights_hook = None
+        self._set_base_values()
         ens = self._hdet
-        for group, lr in zip(self.optimizer.param_groups, self.base_lrs_now):  # (after the last step, torch's
-            # OneCycleLR's value one step past its end, as it leaves its optimizer: a drop-in replacement)
-            _set_lr(group, lr)
-        for h, base in zip(ens.hypers, explored_bases(ens)):
-            h.set(base)
         ddp = uncompiled(ens.model) if ens.model is not None else None
         open_ = ddp.__dict__.get("_hdet_open") if isinstance(ddp, nn.Module) else None
         if open_ is not None:
             open_.discard(self)
+
+    def _set_base_values(self) -> None:
+        """Each param group's LR and each explored value at the base's, the same on every replica (a closed run's)."""
+        for group, lr in zip(self.optimizer.param_groups, self.base_lrs_now):  # (after the last step, torch's
+            # OneCycleLR's value one step past its end, as it leaves its optimizer: a drop-in replacement)
+            _set_lr(group, lr)
+        for h, base in zip(self._hdet.hypers, explored_bases(self._hdet)):
+            h.set(base)
 
     @property
     def closed(self) -> bool:
@@ -869,14 +873,20 @@ class HDETLR(LRScheduler):
         corrupted or newer state raises ValueError and leaves the scheduler as it was. Then this replica's own
         values are set on the optimizer (:meth:`reapply`): a state saved by another rank never gives this
         replica another replica's learning rate. Under a process group, a state this rank saved holds its weights'
-        fingerprint, compared at the next optimizer step (:meth:`expect_weights`)."""
+        fingerprint, compared at the next optimizer step (:meth:`expect_weights`). A closed run's state (saved after
+        the last step, or after :meth:`close`) loads closed, at the base's values; an open run's reopens a closed
+        scheduler."""
         scheduler_state.load(self, state_dict)
-        if self._closed and self.last_epoch < self.total_steps:  # (a closed scheduler given a run not over: its
-            self._reopen()  # hooks back on, as when it was built)
-        elif not self._closed and self.last_epoch >= self.total_steps:  # a run that was over (saved after its last
-            # step, where it closed itself): closed as it was, its LRs the base's (an audit: each rank resumed at
-            # its own multiplied LR, HDET's hooks on, and plain training after it drifted the ranks 7e-3 apart)
-            self.close()
+        # a state of a closed run (after its last step, or closed after finish()) loads closed, its values the
+        # base's; before, each rank resumed at its own multiplied LR with HDET's hooks on (an audit: plain training
+        # after a resume from a run's last checkpoint drifted the ranks 7e-3 apart)
+        if state_dict.get("closed") or self.last_epoch >= self.total_steps:
+            if self._closed:
+                self._set_base_values()  # (the load set this replica's own)
+            else:
+                self.close()
+        elif self._closed:  # a closed scheduler given an open run's state: its hooks back on, as when it was built
+            self._reopen()
         if self.last_epoch > 0 and not self._closed:  # a resumed run has taken steps: a stall right after it is one
             self._guard.resumed()  # (the guards' watches)
 
