@@ -1253,3 +1253,47 @@ def test_an_ema_of_hsdp_replicas_has_the_ensembles_buffers_on_every_rank():
     res = check_ok(run_gloo(_hsdp_ema, 4))
     ema, mean = torch.tensor(res[0]["ema"], dtype=torch.float64), torch.tensor(res[0]["own_mean"], dtype=torch.float64)
     assert (ema - ema[0]).abs().max() == 0 and (ema[0] - mean).abs().max() < 1e-6
+
+
+def _closed_state_inside_averaged(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def parts():
+        torch.manual_seed(0)
+        model = DDP(nn.Linear(4, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, opt, hdet.HDETLR(opt, None, total_steps=6, model_sync_interval=3, ensemble_lr_spread_ratio=0.5,
+                                       model=model)
+
+    def step(model, opt, sched):
+        model(torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+    model, opt, sched = parts()
+    for _ in range(6):
+        step(model, opt, sched)
+    end = sched.state_dict()
+    model2, opt2, sched2 = parts()
+    for _ in range(2):
+        step(model2, opt2, sched2)
+    lr = opt2.param_groups[0]["lr"]
+    with sched2.averaged():
+        try:
+            sched2.load_state_dict(end)
+            said = None
+        except hdet.SwappedInError as e:
+            said = str(e)
+    kept = (sched2.last_epoch, sched2.closed, opt2.param_groups[0]["lr"] == lr)
+    sched2.load_state_dict(end)
+    return said, kept, sched2.closed, opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_a_closed_runs_state_is_refused_inside_averaged_before_anything_is_set():
+    """Loading a finished run's state inside averaged() raised from close() after the state was set, leaving the
+    scheduler open at its last step at this rank's own LR, and naming close(), which the user never called (a
+    review). It is refused before anything is set, saying why; outside averaged() it loads closed."""
+    for said, kept, closed, same_lr in check_ok(run_gloo(_closed_state_inside_averaged, 2)):
+        assert said is not None and "closed run's state" in said
+        assert kept == (2, False, True) and closed and same_lr

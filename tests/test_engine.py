@@ -1540,3 +1540,15 @@ def test_a_closed_engines_state_loads_closed_and_its_replica_trains_on_as_the_fi
         o = torch.optim.AdamW(ref[0].parameters(), lr=1e-2)
         o.load_state_dict(ref[1])
         assert torch.equal(finetune(fresh.models[0], fresh.optimizers[0]), finetune(ref[0], o)), early
+
+
+def test_set_total_steps_is_refused_for_an_engines_replica():
+    """An engine's replicas step together: set_total_steps on one of them left the engine half-stepped (replica 1
+    stepped its optimizer, then its scheduler raised: a review); it is refused, saying what to do."""
+    from hdet.engine import ReplicaEngine
+
+    eng = ReplicaEngine(nn.Linear(3, 1), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                        lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=8, ensemble_lr_spread_ratio=0.5,
+                                                              model_sync_interval=4, replicas=rep, model=m), mode="loop")
+    with pytest.raises(ValueError, match="ReplicaEngine"):
+        eng.schedulers[0].set_total_steps(12)

@@ -194,7 +194,8 @@ def test_hf_trainer_resume_into_a_run_of_another_length_follows_it(tmp_path, len
 def test_hf_trainer_resume_from_the_last_checkpoint_into_more_steps_goes_on_with_hdet(tmp_path, full_run):
     """The run's last checkpoint (step 20, where the scheduler closed itself; a loaded state of a finished run now
     loads closed) resumed with max_steps 30: the scheduler reopens for the longer run, every rank steps at its own
-    multiplied LR again, and the replicas are averaged at step 30."""
+    multiplied LR again, and the replicas are averaged at step 30 (it passed before the change too, where the state
+    loaded open: it keeps the close-then-reopen path, HDETLR.set_total_steps, from breaking this resume)."""
     import shutil
 
     full_out, _ = full_run

@@ -1150,6 +1150,10 @@ def test_a_state_saved_at_the_end_loads_closed_and_set_total_steps_reopens_it():
     assert s2.closed and len(o2._optimizer_step_post_hooks) == plain
     assert o2.param_groups[0]["lr"] == pytest.approx(o.param_groups[0]["lr"], rel=1e-12)
     assert o2.param_groups[0]["lr"] == pytest.approx(s2.base_lrs_now[0], rel=1e-12)
+    s2.attach_model(torch.nn.Linear(3, 1))  # (what the integrations call after a load: the replica's own LR came
+    s2.reapply()  # back, and a DDP model got the guard again: a review)
+    assert s2.closed and s2.gradient_guard is None and len(o2._optimizer_step_post_hooks) == plain
+    assert o2.param_groups[0]["lr"] == pytest.approx(o.param_groups[0]["lr"], rel=1e-12)
     with pytest.raises(ValueError, match="OneCycleLR"):  # (its cycle is 6 steps long)
         s2.set_total_steps(9)
     h = torch.optim.AdamW(torch.nn.Linear(3, 1).parameters(), lr=1e-3)
@@ -1166,6 +1170,23 @@ def test_a_state_saved_at_the_end_loads_closed_and_set_total_steps_reopens_it():
         h.step()
         s3.step(torch.tensor(1.0))
     assert s3.closed and s3.last_epoch == 9
+    for kind in ("lambda", "callable"):  # (the Hugging Face Trainer's base is a LambdaLR)
+        lrs = []
+        for _ in range(2):
+            h = torch.optim.AdamW(torch.nn.Linear(3, 1).parameters(), lr=1e-2)
+            base = torch.optim.lr_scheduler.LambdaLR(h, lambda t: 1 - t / 8) if kind == "lambda" else \
+                (lambda t: 1e-2 * (1 - t / 8))
+            s5 = hdet.HDETLR(h, base, total_steps=6, ensemble_lr_spread_ratio=0.5, model_sync_interval=3,
+                             replicas=ScriptedReplicas(rank=1, world_size=2), explore=[hdet.WeightDecay(h, alpha=0.5)])
+            if not lrs:
+                for _ in range(6):
+                    h.step()
+                    s5.step(torch.tensor(1.0))
+                end = roundtrip(s5.state_dict())
+            else:
+                s5.load_state_dict(end)
+            lrs.append((s5.closed, h.param_groups[0]["lr"], h.param_groups[0]["weight_decay"]))
+        assert lrs[0] == lrs[1] and lrs[0][0], (kind, lrs)
     _, s4 = build()
     for _ in range(2):
         s4.optimizer.step()
@@ -1184,19 +1205,23 @@ def test_a_run_left_between_converge_steps_without_finish_is_said_at_exit(tmp_pa
     script.write_text(
         "import sys, torch, hdet\n"
         "from hdet.engine import ReplicaEngine\n"
-        "steps, finish = int(sys.argv[1]), sys.argv[2] == '1'\n"
+        "steps, finish, alpha, crash = int(sys.argv[1]), sys.argv[2] == '1', float(sys.argv[3]), sys.argv[4] == '1'\n"
         "eng = ReplicaEngine(torch.nn.Linear(3, 1), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),\n"
-        "    lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=10, ensemble_lr_spread_ratio=0.5,\n"
+        "    lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=10, ensemble_lr_spread_ratio=alpha,\n"
         "    model_sync_interval=4, replicas=rep, model=m), mode='loop')\n"
         "x = torch.randn(2, 4, 3)\n"
         "for _ in range(steps):\n"
         "    eng.step(x, lambda m, b: m(b).pow(2).mean(), stacked=True)\n"
         "if finish:\n"
-        "    eng.finish()\n")
+        "    eng.finish()\n"
+        "if crash:\n"
+        "    raise RuntimeError('data loader died')\n")
     said = {}
-    for steps, finish in ((6, 0), (6, 1), (10, 0), (8, 0)):
-        out = subprocess.run([sys.executable, str(script), str(steps), str(finish)], capture_output=True, text=True,
+    for case in ((6, 0, 0.5, 0), (6, 1, 0.5, 0), (10, 0, 0.5, 0), (8, 0, 0.5, 0), (6, 0, 0.0, 0), (6, 0, 0.5, 1)):
+        out = subprocess.run([sys.executable, str(script), *map(str, case)], capture_output=True, text=True,
                              timeout=120)
-        assert out.returncode == 0, out.stderr
-        said[steps, finish] = out.stderr.count("without finish()")
-    assert said == {(6, 0): 1, (6, 1): 0, (10, 0): 0, (8, 0): 0}  # (step 8: a converge step, averaged)
+        assert out.returncode == (1 if case[3] else 0), out.stderr
+        said[case] = out.stderr.count("without finish()")
+    # (step 8: a converge step, averaged; alpha 0: the replicas are equal; a crash: its traceback says enough)
+    assert said == {(6, 0, 0.5, 0): 1, (6, 1, 0.5, 0): 0, (10, 0, 0.5, 0): 0, (8, 0, 0.5, 0): 0, (6, 0, 0.0, 0): 0,
+                    (6, 0, 0.5, 1): 0}

@@ -117,10 +117,11 @@ def check(s: "HDETLR", state: Any) -> dict[str, Any]:
     return parsed
 
 
-def load(s: "HDETLR", state: dict[str, Any]) -> None:
+def load(s: "HDETLR", state: dict[str, Any], parsed: dict[str, Any] | None = None) -> None:
+    """Set a state (``parsed``: :func:`check`'s answer for it, if it was checked already)."""
     from .ensemble_state import _shard_rank
 
-    parsed = check(s, state)
+    parsed = check(s, state) if parsed is None else parsed
     hdet_state = state["hdet"]
     same_replica = not parsed["elastic"] and hdet_state["rank"] == s.rank
     s.ensemble.commit_state(parsed, hdet_state)
@@ -154,8 +155,8 @@ def load(s: "HDETLR", state: dict[str, Any]) -> None:
         s._loss_scale.set_kept(state["loss_scale_kept"])
     s.reapply()  # this replica's values on the optimizer and hyperparameters
     _said_if_rebuilt_differently(s, hdet_state, built, (state.get("base") or {}).get("base_lrs"))
-    if same_replica:  # exactly the values this replica had (they equal what reapply computed)
-        for h, v in zip(s.ensemble.hypers, hdet_state.get("hyper_values", [])):
+    if same_replica and not s.closed:  # exactly the values this replica had (they equal what reapply computed; a
+        for h, v in zip(s.ensemble.hypers, hdet_state.get("hyper_values", [])):  # closed scheduler's are the base's)
             h.set(v)
         if isinstance(state.get("weights"), float) and hdet_state.get("shard_rank", 0) == _shard_rank(s.ensemble):
             s.expect_weights(state["weights"])  # (HSDP: the same shard rank of the replica saved it)

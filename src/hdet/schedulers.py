@@ -15,6 +15,7 @@ import dataclasses
 import math
 import numbers
 import re
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -305,6 +306,8 @@ class HDETLR(LRScheduler):
             raise ValueError(f"Expected a torch.nn.Module, but got {type(model).__name__}")
         if self._hdet.model is None:
             self._hdet.model = model
+        if self._closed:  # (a closed run's state loaded before: no guard, no hold on join(); _reopen installs them)
+            return
         self._guard.install(model)
         _keep_replicas_at_join_end(model, self)
 
@@ -365,6 +368,9 @@ class HDETLR(LRScheduler):
         """Run to ``total_steps`` instead (a resume into a longer or shorter run, not shorter than the steps taken):
         HDET's last converge step moves there. A scheduler closed at its old end reopens, with its replicas' own
         values for the step now (the Hugging Face Trainer resumed from a run's last checkpoint into more steps)."""
+        if isinstance(self._hdet.replicas, LocalReplica):
+            raise ValueError("Expected a scheduler of its own replica (a process group's), but got one of a "
+                             "ReplicaEngine's: its replicas step together; build the engine for the new length")
         least = self.last_epoch + (not self._closed)  # (an open run's last step, its final average, still to come)
         if not isinstance(total_steps, int) or isinstance(total_steps, bool) or total_steps < max(least, 1):
             raise ValueError(f"Expected total_steps as an integer of at least {max(least, 1)} (the {self.last_epoch} "
@@ -376,6 +382,8 @@ class HDETLR(LRScheduler):
         if self._closed and self.last_epoch < total_steps:
             self._reopen()
             self.reapply()
+            if self.last_epoch > 0:
+                self._guard.resumed()  # (what a load of an open run's state does)
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -798,6 +806,10 @@ class HDETLR(LRScheduler):
         """Set this replica's current values on the optimizer (and explored hyperparameters) again. For
         frameworks that restore one rank's optimizer state on every rank (the Hugging Face Trainer saves
         rank 0's), which would otherwise give every replica rank 0's learning rate until the next step."""
+        if self._closed:  # (the base's values, as close() left them: the integrations call it after a load)
+            self._set_base_values()
+            self._last_lr = [_float(g["lr"]) for g in self.optimizer.param_groups]
+            return
         with warnings.catch_warnings():  # torch warns when get_lr runs outside step()
             warnings.simplefilter("ignore", UserWarning)
             values = self.get_lr()
@@ -876,17 +888,19 @@ class HDETLR(LRScheduler):
         fingerprint, compared at the next optimizer step (:meth:`expect_weights`). A closed run's state (saved after
         the last step, or after :meth:`close`) loads closed, at the base's values; an open run's reopens a closed
         scheduler."""
-        scheduler_state.load(self, state_dict)
+        parsed = scheduler_state.check(self, state_dict)
         # a state of a closed run (after its last step, or closed after finish()) loads closed, its values the
         # base's; before, each rank resumed at its own multiplied LR with HDET's hooks on (an audit: plain training
         # after a resume from a run's last checkpoint drifted the ranks 7e-3 apart)
-        if state_dict.get("closed") or self.last_epoch >= self.total_steps:
-            if self._closed:
-                self._set_base_values()  # (the load set this replica's own)
-            else:
-                self.close()
-        elif self._closed:  # a closed scheduler given an open run's state: its hooks back on, as when it was built
-            self._reopen()
+        closing = bool(state_dict.get("closed")) or state_dict["last_epoch"] >= state_dict.get("total_steps",
+                                                                                                 self.total_steps)
+        if closing and not self._closed:
+            self._swap.check("load_state_dict() was given a closed run's state")  # (before anything is set)
+        if not closing and self._closed:  # a closed scheduler given an open run's state: its hooks back on, as when
+            self._reopen()  # it was built (before the load, which sets this replica's own values then)
+        scheduler_state.load(self, state_dict, parsed)
+        if closing and not self._closed:
+            self.close()
         if self.last_epoch > 0 and not self._closed:  # a resumed run has taken steps: a stall right after it is one
             self._guard.resumed()  # (the guards' watches)
 
@@ -967,19 +981,31 @@ def _unaveraged_at_exit() -> list[str]:
     converge steps before its ``total_steps``, without ``finish()`` (a loop that took fewer optimizer steps than it
     was given: an audit's Accelerate loop counted a partial accumulation window its loader never stepped, and ended
     2 steps short with the ranks 7e-3 apart, unsaid). Said as a warning at exit (:func:`_warn_at_exit`)."""
-    said = []
+    said: list[str] = []
+    if _QUIET_AT_EXIT or getattr(sys, "last_value", None) is not None:  # (a stop to resume, or a crash: its traceback
+        return said  # says enough)
     for scheds in list(_OPEN.values()):
         for s in list(scheds):
-            t = s.last_epoch
-            if s.closed or s.world_size <= 1 or not 0 < t < s.total_steps or s._hdet.is_sync_step(t) or \
-                    s._finished_at == t:
+            t, ens = s.last_epoch, s._hdet
+            if s.closed or s.world_size <= 1 or not spreading(ens.config, ens.hypers) or \
+                    not 0 < t < s.total_steps or ens.is_sync_step(t) or s._finished_at == t:
                 continue
-            said.append(f"hdet: the run ended at step {t} of total_steps={s.total_steps} (model_sync_interval="
-                        f"{s._hdet.config.model_sync_interval}) without finish(): each replica's model (this rank's) is its "
-                        "own since the last converge step, not the ensemble's average, and the schedule stopped before its "
-                        "end. Call sched.finish() on every rank when leaving the loop early, and give total_steps the "
-                        "optimizer steps the loop takes")
+            said.append(f"hdet: the process exits with its run at step {t} of total_steps={s.total_steps}, between "
+                        f"converge steps (model_sync_interval={ens.config.model_sync_interval}) and without finish(): "
+                        "each replica's model (this rank's) is its own, not the ensemble's average. If the run ends "
+                        "here, call sched.finish() on every rank when leaving the loop early, and give total_steps the "
+                        "optimizer steps the loop takes; a run to be resumed from a checkpoint goes on as it was")
     return said
+
+
+_QUIET_AT_EXIT = False  # (set by the hdet command when it stops to be resumed: stopped_to_resume)
+
+
+def stopped_to_resume() -> None:
+    """The process stops to be resumed from a checkpoint (the hdet command's Ctrl-C or SIGTERM): nothing said at exit
+    about runs left between converge steps (:func:`_unaveraged_at_exit`)."""
+    global _QUIET_AT_EXIT
+    _QUIET_AT_EXIT = True
 
 
 @atexit.register
