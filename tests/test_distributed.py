@@ -1286,7 +1286,15 @@ def _closed_state_inside_averaged(rank, world_size):
         except hdet.SwappedInError as e:
             said = str(e)
     kept = (sched2.last_epoch, sched2.closed, opt2.param_groups[0]["lr"] == lr)
+    open_state = sched2.state_dict()
     sched2.load_state_dict(end)
+    with sched.averaged():  # (the reverse: an open run's state into a closed scheduler inside averaged())
+        try:
+            sched.load_state_dict(open_state)
+            reopened = None
+        except hdet.SwappedInError as e:
+            reopened = str(e)
+    assert reopened is not None and "an open run's state" in reopened and sched.closed
     return said, kept, sched2.closed, opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
 
 

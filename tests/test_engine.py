@@ -1533,6 +1533,11 @@ def test_a_closed_engines_state_loads_closed_and_its_replica_trains_on_as_the_fi
         fresh = build()
         fresh.load_state_dict(state())
         assert all(s.closed for s in fresh.schedulers) and fresh._stacked is None, early
+        if early:  # (the optimizers stepped, then the schedulers refused: the weights a step ahead, a review)
+            before = [p.detach().clone() for m in fresh.models for p in m.parameters()]
+            with pytest.raises(RuntimeError, match="schedulers are closed"):
+                fresh.step([torch.randn(8, 4) for _ in range(3)], lambda m, b: m(b).pow(2).mean())
+            assert all(torch.equal(a, p) for a, p in zip(before, (p for m in fresh.models for p in m.parameters())))
         assert [o.param_groups[0]["lr"] for o in fresh.optimizers] == lrs
         eng.load_state_dict(state())  # (the closed engine itself given its own state: still the base's LRs)
         assert all(s.closed for s in eng.schedulers) and [o.param_groups[0]["lr"] for o in eng.optimizers] == lrs

@@ -915,6 +915,11 @@ class ReplicaEngine:
         if t > total:  # before the step changes anything (the scheduler would refuse it after the optimizer's)
             raise ValueError(f"Expected at most total_steps={total} engine steps, but this is step {t}; "
                              f"{self.schedulers[0].past_the_end()} (nothing was run)")
+        if any(s.closed for s in self.schedulers):  # (close() after finish(), or a closed run's state loaded: the
+            # optimizers stepped, then the schedulers refused, the weights a step ahead of them: a review)
+            raise RuntimeError(f"hdet: engine.step() at step {t} of an engine whose schedulers are closed (close() "
+                               "after finish(), or a closed run's state loaded): nothing was run. Build a new engine "
+                               "to train with HDET again, or train a replica alone with its own optimizer")
         n = _leading(batches) if stacked else (len(batches) if isinstance(batches, Sequence) else None)
         if n != N:
             raise ValueError(f"Expected one batch per replica ({N}), but got {n}")

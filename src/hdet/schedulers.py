@@ -9,13 +9,11 @@ replica's values, and owns what a training loop needs (the gradient guard, the c
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import math
 import numbers
 import re
-import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -378,8 +376,10 @@ class HDETLR(LRScheduler):
                              f"{total_steps!r}")
         _check_one_cycle_length(self._base, total_steps)
         self._hdet.set_total_steps(total_steps)  # (checks auto-LR's and the range test's windows against it)
-        self.total_steps = total_steps
+        at_end, self.total_steps = self.last_epoch == self.total_steps, total_steps
         if self._closed and self.last_epoch < total_steps:
+            if at_end:  # (the replicas were averaged at the old end, as finish() does: is_sync_step says so still)
+                self._finished_at = self.last_epoch
             self._reopen()
             self.reapply()
             if self.last_epoch > 0:
@@ -866,8 +866,10 @@ class HDETLR(LRScheduler):
     last_sync: SyncRecord | None = property(lambda self: self._hdet.last_sync)  # type: ignore[assignment]
 
     def is_sync_step(self, t: int | None = None) -> bool:
-        """Whether optimizer step ``t`` (default: the last one taken) was a sync step."""
-        return self._hdet.is_sync_step(self.last_epoch if t is None else t)
+        """Whether optimizer step ``t`` (default: the last one taken) was a sync step (a converge step, or
+        :meth:`finish`'s: the replicas are equal after it)."""
+        t = self.last_epoch if t is None else t
+        return self._hdet.is_sync_step(t) or (t > 0 and t == self._finished_at)
 
     # -- state (hdet.scheduler_state) -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -894,11 +896,17 @@ class HDETLR(LRScheduler):
         # after a resume from a run's last checkpoint drifted the ranks 7e-3 apart)
         closing = bool(state_dict.get("closed")) or state_dict["last_epoch"] >= state_dict.get("total_steps",
                                                                                                  self.total_steps)
-        if closing and not self._closed:
-            self._swap.check("load_state_dict() was given a closed run's state")  # (before anything is set)
-        if not closing and self._closed:  # a closed scheduler given an open run's state: its hooks back on, as when
-            self._reopen()  # it was built (before the load, which sets this replica's own values then)
-        scheduler_state.load(self, state_dict, parsed)
+        was_closed = self._closed
+        if closing != was_closed:  # (before anything is set: swap_back would put the values held before it back)
+            self._swap.check(f"load_state_dict() was given {'a closed' if closing else 'an open'} run's state")
+        try:
+            if was_closed and not closing:  # a closed scheduler given an open run's state: its hooks back on, as when
+                self._reopen()  # it was built (before the load, which sets this replica's own values then)
+            scheduler_state.load(self, state_dict, parsed)
+        except BaseException:  # (a base schedule or a warning filter that raises in the load: closed as it was)
+            if was_closed and not self._closed:
+                self.close()
+            raise
         if closing and not self._closed:
             self.close()
         if self.last_epoch > 0 and not self._closed:  # a resumed run has taken steps: a stall right after it is one
@@ -974,44 +982,6 @@ def _release(guard: GuardSetting, step_scale: Any) -> None:
 
 
 _OPEN: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakSet[HDETLR]]" = weakref.WeakKeyDictionary()
-
-
-def _unaveraged_at_exit() -> list[str]:
-    """What the process leaves unaveraged as it exits: each open scheduler of several replicas stopped between
-    converge steps before its ``total_steps``, without ``finish()`` (a loop that took fewer optimizer steps than it
-    was given: an audit's Accelerate loop counted a partial accumulation window its loader never stepped, and ended
-    2 steps short with the ranks 7e-3 apart, unsaid). Said as a warning at exit (:func:`_warn_at_exit`)."""
-    said: list[str] = []
-    if _QUIET_AT_EXIT or getattr(sys, "last_value", None) is not None:  # (a stop to resume, or a crash: its traceback
-        return said  # says enough)
-    for scheds in list(_OPEN.values()):
-        for s in list(scheds):
-            t, ens = s.last_epoch, s._hdet
-            if s.closed or s.world_size <= 1 or not spreading(ens.config, ens.hypers) or \
-                    not 0 < t < s.total_steps or ens.is_sync_step(t) or s._finished_at == t:
-                continue
-            said.append(f"hdet: the process exits with its run at step {t} of total_steps={s.total_steps}, between "
-                        f"converge steps (model_sync_interval={ens.config.model_sync_interval}) and without finish(): "
-                        "each replica's model (this rank's) is its own, not the ensemble's average. If the run ends "
-                        "here, call sched.finish() on every rank when leaving the loop early, and give total_steps the "
-                        "optimizer steps the loop takes; a run to be resumed from a checkpoint goes on as it was")
-    return said
-
-
-_QUIET_AT_EXIT = False  # (set by the hdet command when it stops to be resumed: stopped_to_resume)
-
-
-def stopped_to_resume() -> None:
-    """The process stops to be resumed from a checkpoint (the hdet command's Ctrl-C or SIGTERM): nothing said at exit
-    about runs left between converge steps (:func:`_unaveraged_at_exit`)."""
-    global _QUIET_AT_EXIT
-    _QUIET_AT_EXIT = True
-
-
-@atexit.register
-def _warn_at_exit() -> None:
-    for message in dict.fromkeys(_unaveraged_at_exit()):  # (once for an engine's replicas)
-        warnings.warn(message, RuntimeWarning, stacklevel=1)
 
 
 def _close_earlier(optimizer: torch.optim.Optimizer) -> bool:

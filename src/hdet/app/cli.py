@@ -18,7 +18,6 @@ import threading
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ..schedulers import stopped_to_resume
 from . import stop
 from .options import RunConfig, RunError, check, unused
 
@@ -259,12 +258,10 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
         return 141
     except (RunError, TaskError, ValueError, OSError) as e:  # OSError: missing files, permissions, a full disk
-        stopped_to_resume()  # (said here: nothing more at exit about the run's replicas)
         msg = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror and e.filename else str(e)
         print(f"hdet: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        stopped_to_resume()  # (its checkpoint goes on: the replicas between converge steps are not a finished run's)
         saved = a.cmd == "train" and any(p for g in ("checkpoint*.pt", "sweep*.pt") for p in Path(a.out).glob(g))
         print(("hdet: terminated" if isinstance(e, stop.Terminated) else "hdet: interrupted") +
               ("; the same command with --resume goes on from its last checkpoint" if saved else ""), file=sys.stderr)
