@@ -996,10 +996,10 @@ def test_lightning_logs_every_sync_once_at_its_step(every):
             pass
 
     class Mod(L.LightningModule):
-        def __init__(self):
+        def __init__(self, T=T):
             super().__init__()
             self.l = nn.Linear(4, 1)
-            self.windows = []
+            self.windows, self.T = [], T
 
         def training_step(self, b, i):
             return ((self.l(b[0]).squeeze(-1) - b[1]) ** 2).mean()
@@ -1007,16 +1007,18 @@ def test_lightning_logs_every_sync_once_at_its_step(every):
         def configure_optimizers(self):
             opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
             sched = hdet.OneCycleAutoLR(opt, max_lr=1e-3, total_steps=S, ensemble_lr_spread_ratio=0.2,
-                                        model_sync_interval=T)
+                                        model_sync_interval=self.T)
             sched.ensemble.on_sync.append(lambda r: self.windows.append((r.step, r.losses[0])))
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     torch.manual_seed(0)
     x = torch.randn(8 * S, 4)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1)), batch_size=8)
-    cap, m = Cap(), Mod()
-    L.Trainer(max_steps=S, callbacks=[HDETCallback()], logger=cap, log_every_n_steps=every, accelerator="cpu",
-              devices=1, enable_progress_bar=False, enable_checkpointing=False,
-              enable_model_summary=False).fit(m, loader)
-    assert [s for s, _ in m.windows] == [4, 8, 12]
-    assert cap.rows == [(s, pytest.approx(v)) for s, v in m.windows]
+    cb = HDETCallback()
+    for fit, syncs in ((T, [4, 8, 12]), (S, [12])):  # (a second fit with the same callback: a first sync at the step
+        cap, m = Cap(), Mod(fit)                       # the first fit logged last went unlogged, an audit)
+        L.Trainer(max_steps=S, callbacks=[cb], logger=cap, log_every_n_steps=every, accelerator="cpu",
+                  devices=1, enable_progress_bar=False, enable_checkpointing=False,
+                  enable_model_summary=False).fit(m, loader)
+        assert [s for s, _ in m.windows] == syncs
+        assert cap.rows == [(s, pytest.approx(v)) for s, v in m.windows], fit

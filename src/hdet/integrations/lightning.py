@@ -100,7 +100,9 @@ class HDETCallback(Callback):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Each ``WeightAveraging`` callback's average model is registered (:meth:`hdet.HDETLR.also_average`) before a
-        resume loads the schedulers' states, whose best sync keeps it (Lightning restores them after this hook)."""
+        resume loads the schedulers' states, whose best sync keeps it (Lightning restores them after this hook). A new
+        ``fit``'s syncs are logged anew (a second ``fit`` with this callback skipped those at steps logged before)."""
+        self._logged = {}
         for sched in _hdet_schedulers(trainer):
             for cb in _weight_averaging(trainer):
                 sched.also_average(cb._average_model)
