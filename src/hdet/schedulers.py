@@ -346,6 +346,7 @@ class HDETLR(LRScheduler):
             _set_lr(group, lr)
         for h, base in zip(self._hdet.hypers, explored_bases(self._hdet)):
             h.set(base)
+        self._last_lr = [_float(g["lr"]) for g in self.optimizer.param_groups]  # (get_last_lr(): what is used)
 
     @property
     def closed(self) -> bool:
@@ -808,7 +809,6 @@ class HDETLR(LRScheduler):
         rank 0's), which would otherwise give every replica rank 0's learning rate until the next step."""
         if self._closed:  # (the base's values, as close() left them: the integrations call it after a load)
             self._set_base_values()
-            self._last_lr = [_float(g["lr"]) for g in self.optimizer.param_groups]
             return
         with warnings.catch_warnings():  # torch warns when get_lr runs outside step()
             warnings.simplefilter("ignore", UserWarning)
@@ -839,14 +839,16 @@ class HDETLR(LRScheduler):
     # -- conveniences ---------------------------------------------------------------------------
     @property
     def multipliers(self) -> list[float]:
-        """This replica's current multiplier per param group."""
+        """This replica's current multiplier per param group (1 once closed: every replica at the base)."""
+        if self._closed:
+            return [1.0] * self._hdet.num_lr_slots
         return [self._hdet.multiplier(j) for j in range(self._hdet.num_lr_slots)]
 
     @property
     def effective_lrs(self) -> list[float]:
         """This replica's LR per group as it acts on the weights: ``get_last_lr()``, times the multiplier on
         the step for D-Adaptation/Prodigy (whose optimizer holds the ensemble's base LR, :mod:`hdet.step_scale`)."""
-        scale = self._hdet.step_scale
+        scale = self._hdet.step_scale if not self._closed else None  # (closed: its step scale is off)
         lrs = self.get_last_lr()
         return lrs if scale is None else [lr * m for lr, m in zip(lrs, scale.multipliers)]
 
