@@ -1294,7 +1294,7 @@ def _closed_state_inside_averaged(rank, world_size):
             reopened = None
         except hdet.SwappedInError as e:
             reopened = str(e)
-    assert reopened is not None and "an open run's state" in reopened and sched.closed
+    assert reopened is not None and "load_state_dict() was called" in reopened and sched.closed
     return said, kept, sched2.closed, opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
 
 
@@ -1303,5 +1303,5 @@ def test_a_closed_runs_state_is_refused_inside_averaged_before_anything_is_set()
     scheduler open at its last step at this rank's own LR, and naming close(), which the user never called (a
     review). It is refused before anything is set, saying why; outside averaged() it loads closed."""
     for said, kept, closed, same_lr in check_ok(run_gloo(_closed_state_inside_averaged, 2)):
-        assert said is not None and "closed run's state" in said
+        assert said is not None and "load_state_dict() was called" in said
         assert kept == (2, False, True) and closed and same_lr

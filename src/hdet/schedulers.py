@@ -899,8 +899,8 @@ class HDETLR(LRScheduler):
         closing = bool(state_dict.get("closed")) or state_dict["last_epoch"] >= state_dict.get("total_steps",
                                                                                                  self.total_steps)
         was_closed = self._closed
-        if closing != was_closed:  # (before anything is set: swap_back would put the values held before it back)
-            self._swap.check(f"load_state_dict() was given {'a closed' if closing else 'an open'} run's state")
+        self._swap.check("load_state_dict() was called (what it loads, and a model loaded with it, would be undone "
+                         "when this replica's own weights and values are put back)")  # (before anything is set)
         try:
             if was_closed and not closing:  # a closed scheduler given an open run's state: its hooks back on, as when
                 self._reopen()  # it was built (before the load, which sets this replica's own values then)
