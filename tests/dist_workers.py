@@ -123,7 +123,7 @@ def train(rank, world, *, steps=40, alpha=0.0, T=10, auto=False, warm=10, use_hd
             after = gather_flat(list(model.parameters()) + float_buffers(model))
             obs["equal_after_sync"].append(all(torch.equal(after[0], a) for a in after[1:]))
             if auto and t >= warm and t % T == 0:
-                m = torch.tensor([s.multipliers[0]], dtype=torch.float64)
+                m = torch.tensor([s.ensemble.multiplier(0)], dtype=torch.float64)  # (the deal: after the close too)
                 ms = [torch.empty_like(m) for _ in range(world)]
                 dist.all_gather(ms, m)
                 obs["mults_after_control"].append([float(v) for v in ms])
@@ -445,7 +445,7 @@ def soak(rank, world, *, steps=2500, T=10, seed=0):
             flat = gather_flat(list(model.parameters()) + float_buffers(model))
             assert all(torch.equal(flat[0], f) for f in flat[1:]), f"replicas differ after the sync at {t}"
             assert all(torch.isfinite(f).all() for f in flat), f"non-finite weights after the sync at {t}"
-            m = torch.tensor([s.multipliers[0]], dtype=torch.float64)
+            m = torch.tensor([s.ensemble.multiplier(0)], dtype=torch.float64)  # (the deal: after the close too)
             ms = [torch.empty_like(m) for _ in range(world)]
             dist.all_gather(ms, m)
             assert sorted(x.item() for x in ms) == rho, f"multipliers not a permutation of rho at {t}"

@@ -1221,3 +1221,20 @@ def test_a_load_that_fails_leaves_a_closed_scheduler_closed():
     with pytest.raises(IndexError):
         s.load_state_dict(roundtrip(longer.state_dict()))
     assert s.closed and len(o._optimizer_step_post_hooks) == plain
+
+
+def test_a_tensor_lr_stays_the_optimizers_tensor_through_reapply_and_close():
+    """A tensor LR (a compiled or captured optimizer step reads that tensor): reapply() replaced it with a float (the
+    integrations call it after every load), and a closed scheduler's get_last_lr() gave floats where torch gives the
+    groups' type (a review). The group keeps its tensor, filled in place; get_last_lr() gives tensors."""
+    o = torch.optim.Adam(torch.nn.Linear(3, 1).parameters(), lr=torch.tensor(0.01))
+    lr = o.param_groups[0]["lr"]
+    s = OneCycleAutoLR(o, max_lr=0.01, total_steps=4, ensemble_lr_spread_ratio=0.5, model_sync_interval=2,
+                       replicas=ScriptedReplicas(rank=1, world_size=2))
+    s.reapply()
+    assert o.param_groups[0]["lr"] is lr and isinstance(s.get_last_lr()[0], torch.Tensor)
+    for _ in range(4):
+        o.step()
+        s.step(torch.tensor(1.0))
+    assert s.closed and o.param_groups[0]["lr"] is lr and isinstance(s.get_last_lr()[0], torch.Tensor)
+    assert float(s.get_last_lr()[0]) == pytest.approx(s.base_lrs_now[0])

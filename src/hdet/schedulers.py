@@ -346,7 +346,7 @@ class HDETLR(LRScheduler):
             _set_lr(group, lr)
         for h, base in zip(self._hdet.hypers, explored_bases(self._hdet)):
             h.set(base)
-        self._last_lr = [_float(g["lr"]) for g in self.optimizer.param_groups]  # (get_last_lr(): what is used)
+        self._last_lr = _lrs_of(self.optimizer)  # (get_last_lr(): what is used)
 
     @property
     def closed(self) -> bool:
@@ -640,8 +640,7 @@ class HDETLR(LRScheduler):
         values = self._values(self._bases_now)
         for group, lr in zip(self.optimizer.param_groups, values):
             _set_lr(group, lr)
-        self._last_lr = [g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"]
-                         for g in self.optimizer.param_groups]
+        self._last_lr = _lrs_of(self.optimizer)
 
     def past_the_end(self) -> str:
         """What to do about a step past ``total_steps``: raise it, or (a loaded state kept a shorter run than this
@@ -814,8 +813,8 @@ class HDETLR(LRScheduler):
             warnings.simplefilter("ignore", UserWarning)
             values = self.get_lr()
         for group, lr in zip(self.optimizer.param_groups, values):
-            group["lr"] = lr
-        self._last_lr = values
+            _set_lr(group, lr)  # (a tensor LR in place: a captured or compiled step reads that tensor)
+        self._last_lr = _lrs_of(self.optimizer)
 
     def record_schedule(self) -> "HDETLR":
         """Remember, from now on, every step's base value per explored slot (see :mod:`hdet.replay`).
@@ -1147,6 +1146,11 @@ def _set_lr(group: dict[str, Any], lr: float) -> None:
         group["lr"].fill_(lr)
     else:
         group["lr"] = lr
+
+
+def _lrs_of(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """Every param group's LR as torch's ``get_last_lr()`` gives it: a copy of a tensor LR, a float as it is."""
+    return [g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"] for g in optimizer.param_groups]
 
 
 def _float(x: float | torch.Tensor) -> float:
