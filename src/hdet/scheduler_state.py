@@ -117,6 +117,12 @@ def check(s: "HDETLR", state: Any) -> dict[str, Any]:
     return parsed
 
 
+def closed(s: "HDETLR", state: dict[str, Any]) -> bool:
+    """Whether a checked ``state`` is a closed run's: saved after :meth:`hdet.HDETLR.close` or after the run's last
+    step (an older state, without ``"closed"``: its step count at its ``total_steps``)."""
+    return bool(state.get("closed")) or state["last_epoch"] >= state.get("total_steps", s.total_steps)
+
+
 def load(s: "HDETLR", state: dict[str, Any], parsed: dict[str, Any] | None = None) -> None:
     """Set a state (``parsed``: :func:`check`'s answer for it, if it was checked already)."""
     from .ensemble_state import _shard_rank

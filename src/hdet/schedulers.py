@@ -895,8 +895,7 @@ class HDETLR(LRScheduler):
         # a state of a closed run (after its last step, or closed after finish()) loads closed, its values the
         # base's; before, each rank resumed at its own multiplied LR with HDET's hooks on (an audit: plain training
         # after a resume from a run's last checkpoint drifted the ranks 7e-3 apart)
-        closing = bool(state_dict.get("closed")) or state_dict["last_epoch"] >= state_dict.get("total_steps",
-                                                                                                 self.total_steps)
+        closing = scheduler_state.closed(self, state_dict)
         was_closed = self._closed
         self._swap.check("load_state_dict() was called (what it loads, and a model loaded with it, would be undone "
                          "when this replica's own weights and values are put back)")  # (before anything is set)
