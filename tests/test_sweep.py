@@ -288,6 +288,7 @@ def test_a_diverged_run_is_judged_inf_and_the_edge_warns_without_runs_beyond_the
     assert all(torch.isfinite(p).all() for p in model.parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message=".*cycle momentum")  # (plain SGD: the runs' momentum, said)
         more = hdet.lr_sweep(make_model(), sgd, loss_fn, batches, guess=5.0, steps=STEPS, num_replicas=N,
                              judge=held_out)
     assert more.lrs[-N:] == pytest.approx(res.lrs, rel=1e-12) and more.losses[-N:] == pytest.approx(res.losses)
@@ -882,3 +883,74 @@ def test_an_optimizer_that_steps_parameters_outside_the_model_is_refused():
         hdet.lr_sweep(model, lambda ps, lr: make_opt([*ps, temperature], lr), loss_fn, batches, guess=0.1,
                       steps=STEPS, num_replicas=2)
     assert float(temperature) == 0.0 and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_an_optimizer_that_ignores_the_sweeps_lr_is_refused():
+    """make_optimizer that drops its ``lr`` (every run at its own default): the runs differed only by their
+    batches' noise and the sweep picked 3.5e-7 for an AdamW at 1e-3 (an audit); refused with both LRs it gave, the
+    model as it came. Groups at fixed fractions of ``lr`` are fine."""
+    model = make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"set its param groups' learning rates from lr .* summed to [\d.]+ x lr in "
+                                         r"the first run and to [\d.]+ x lr in the run"):
+        hdet.lr_sweep(model, lambda ps, lr: torch.optim.AdamW(ps), loss_fn, batches, guess=0.1, steps=STEPS,
+                      num_replicas=N, judge=held_out)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+    def tenths(ps, lr):  # no group at lr itself
+        ps = list(ps)
+        return torch.optim.AdamW([{"params": ps[:2], "lr": lr / 10}, {"params": ps[2:], "lr": lr / 2}])
+    assert math.isfinite(hdet.lr_sweep(make_model(), tenths, loss_fn, batches, guess=0.1, steps=STEPS,
+                                       num_replicas=N, judge=held_out).max_lr)
+
+
+def test_momentum_the_runs_add_to_an_optimizer_without_it_is_said():
+    """OneCycle's momentum cycle, as torch's OneCycleLR gives it to a main run, trains ``SGD(momentum=0)`` with
+    momentum 0.85-0.95 (picks several times apart from the runs without): a warning says so; none for
+    ``cycle_momentum=False`` or an SGD with momentum."""
+    def sgd(momentum):
+        return lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=momentum)
+    with pytest.warns(UserWarning, match=r"cycle momentum 0\.85-0\.95 into SGD\(momentum=0\)"):
+        hdet.lr_sweep(make_model(), sgd(0.0), loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N, judge=held_out)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*cycle momentum")
+        hdet.lr_sweep(make_model(), sgd(0.0), loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N, judge=held_out,
+                      cycle_momentum=False)
+        hdet.lr_sweep(make_model(), sgd(0.9), loss_fn, batches, guess=0.01, steps=STEPS, num_replicas=N, judge=held_out)
+
+
+def _zero_worker(rank, world):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    model = make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        hdet.lr_sweep(nn.parallel.DistributedDataParallel(model),
+                      lambda ps, lr: ZeroRedundancyOptimizer(ps, torch.optim.AdamW, lr=lr), loss_fn, batches,
+                      guess=0.1, steps=STEPS, points=3)
+    except TypeError as e:
+        return {"msg": str(e), "at_start": all(torch.equal(v, before[k]) for k, v in model.state_dict().items())}
+    return {"msg": None}
+
+
+@pytest.mark.distributed
+def test_a_zero_redundancy_optimizer_is_refused_on_every_rank():
+    """A ZeroRedundancyOptimizer from make_optimizer broadcasts each rank's shard after its step: the ranks' runs
+    mixed (the best moved 7x, an audit) and the round with an idle rank hung. Refused, every rank back at its start."""
+    for r in check_ok(run_gloo(_zero_worker, 2)):
+        assert r["msg"] and "ZeroRedundancyOptimizer" in r["msg"] and r["at_start"], r
+
+
+def _ignored_lr_worker(rank, world):
+    model = make_model()
+    try:
+        hdet.lr_sweep(model, lambda ps, lr: torch.optim.AdamW(ps), loss_fn, batches, guess=0.1, steps=STEPS, points=2,
+                      extend=0)
+    except ValueError as e:
+        return {"msg": str(e)}
+    return {"msg": None}
+
+
+@pytest.mark.distributed
+def test_an_optimizer_that_ignores_the_sweeps_lr_is_refused_on_every_rank_after_one_round():
+    for r in check_ok(run_gloo(_ignored_lr_worker, 2)):
+        assert r["msg"] and "learning rates from lr" in r["msg"], r

@@ -196,8 +196,9 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     ended no worse); ``span``: the grid's reach each way from its centre (its points ``span ** (2 / (points - 1))``
     apart, on a lattice that gives guesses apart by a power of that ratio the same points: :func:`sweep_lrs`);
     ``lr_factor``: the main run's peak over the pick (default sqrt(max(N, 8)): :data:`FACTOR_FLOOR_N`); ``pct_start``, ``cycle_momentum``: each run's
-    OneCycleLR (by default its momentum or beta1 cycles where the optimizer has one, as OneCycleLR and OneCycleAutoLR do
-    in the main run the pick is for; False for a main run that keeps it fixed); ``keep``: ``"start"`` (the model back at
+    OneCycleLR (by default its momentum or beta1 cycles where the optimizer's defaults have one, as OneCycleLR and
+    OneCycleAutoLR do in the main run the pick is for: ``SGD(momentum=0)`` and ``RMSprop`` then train with momentum
+    0.85-0.95, said by a warning; False for a main run that keeps it fixed); ``keep``: ``"start"`` (the model back at
     the weights the sweep started from, rank 0's on every rank, for a main run of all its steps: measured better) or
     ``"winner"`` (the best run's weights and buffers, for a main run of the steps left); ``extend``: the most rounds of
     runs beyond the grid (0: none), one grid ratio apart, up to the grid's own reach (``span ** 2``) again on each side,
@@ -367,6 +368,7 @@ class _Runs:
         self.owner: dict[int, int] = {}
         self.best: tuple[float, int] = (math.inf, 0)  # this process's best run: (loss, place)
         self.kept, self.held = None, False  # its tensors; or still in the module
+        self.scale: float | None = None  # the first run's param groups' LRs summed over its LR (_check_scales)
         self.rounds = 0  # rounds run so far (or taken from a progress dict: not run again)
         self.resumed = 0  # how many of the first rounds a progress dict holds
         self.first: tuple[list[float], list[float]] = ([], [])  # the first round's first losses and judged starts
@@ -492,11 +494,12 @@ class _Runs:
             firsts = []
             for i, k in enumerate(ks):
                 self._from_start()
-                value, f = self._run(i, k)
+                value, f, scale = self._run(i, k)
+                self._check_scales([scale], [k])
                 self._done(k, value)
                 firsts.append(f)
             return firsts, []
-        mine, judged, failed = (math.nan, math.nan), math.nan, None
+        mine, judged, failed = (math.nan, math.nan, math.nan), math.nan, None
         try:  # (under ranks, the module holds this rank's own weights until now in the first round)
             self._from_start()
         except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
@@ -510,26 +513,41 @@ class _Runs:
                 mine = self._run(self.rank, ks[self.rank])
         except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
             failed = e
-        rows = ProcessGroupReplicas(self.group).gather(  # COLLECTIVE (once a round): [ranks, 4 + plan] on the host
+        rows = ProcessGroupReplicas(self.group).gather(  # COLLECTIVE (once a round): [ranks, 5 + plan] on the host
             torch.tensor([*mine, judged, float(failed is not None), *self.plan], dtype=torch.float64))
-        losses, firsts, starts, fails = (col.tolist() for col in rows.T[:4])
-        if any(len(set(col.tolist())) > 1 for col in rows.T[4:]):  # (every rank sees the same rows: all raise)
+        losses, firsts, scales, starts, fails = (col.tolist() for col in rows.T[:5])
+        if any(len(set(col.tolist())) > 1 for col in rows.T[5:]):  # (every rank sees the same rows: all raise)
             raise ValueError(f"Expected every rank to sweep the same grid (the same guess, lr_factor, span, points and "
                              f"steps), but they differ: (points, log of the first LR, log of the ratio, steps, lr_factor) "
                              f"by rank "
-                             f"{[tuple(r) for r in rows[:, 4:].tolist()]}")
+                             f"{[tuple(r) for r in rows[:, 5:].tolist()]}")
         if failed is not None:
             raise failed
         if any(fails):
             raise RuntimeError(f"lr_sweep failed on rank(s) {[r for r, f in enumerate(fails) if f]} of the group "
                                "(their error is raised there); this rank's model is back at its start weights")
+        self._check_scales(scales[:len(ks)], ks)  # (the same rows on every rank: all raise, or none)
         for i, k in enumerate(ks):
             self.loss[k], self.owner[k] = losses[i], i
         if self.rank < len(ks):
             self._done(ks[self.rank], losses[self.rank])
         return firsts[:len(ks)], starts
 
-    def _run(self, i: int, k: int) -> tuple[float, float]:
+    def _check_scales(self, scales: list[float], ks: list[int]) -> None:
+        """ValueError unless every run's param groups' LRs summed over its LR (``scales``, the runs at places ``ks``)
+        are the first run's: a ``make_optimizer`` that drops its ``lr`` trains every run at the same LRs, and the
+        sweep would pick among its batches' noise (an audit: 3.5e-7 for an AdamW whose every run was at 1e-3)."""
+        if self.scale is None:
+            self.scale = scales[0]
+        bad = [i for i, x in enumerate(scales) if not math.isclose(x, self.scale, rel_tol=1e-6)]
+        if bad:
+            lrs = [_on_lattice(ks[i], self.base, self.step) for i in bad]
+            raise ValueError(f"Expected make_optimizer(params, lr) to set its param groups' learning rates from lr (in "
+                             f"proportion to it), but its groups' LRs summed to {self.scale:.4g} x lr in the first run "
+                             f"and to {_fmt([scales[i] for i in bad])} x lr in the run(s) at lr {_fmt(lrs)}: the runs "
+                             "would train at the same learning rates")
+
+    def _run(self, i: int, k: int) -> tuple[float, float, float]:
         """The run at place ``k``, the i-th of its round (on ``batches(i)``)."""
         make_optimizer, loss_fn, batches, steps, pct, judge, cycle, train = self.args
         try:
@@ -646,11 +664,18 @@ def _run(module: nn.Module, make_optimizer: Callable[..., torch.optim.Optimizer]
          pct_start: float, judge: Callable[[nn.Module], Any] | None, cycle_momentum: bool | None,
          train: list[tuple[nn.Module, bool]]) -> tuple[float, float]:
     """One sweep run from the module's current weights: ``steps`` steps of OneCycle to ``lr``. Its judged loss (inf
-    where non-finite) and its first training loss (the start's, on its first batch)."""
+    where non-finite), its first training loss (the start's, on its first batch), and its param groups' LRs summed,
+    over ``lr`` (the same for every run where ``make_optimizer`` follows ``lr``: :meth:`_Runs.check_scales`)."""
     opt = make_optimizer(module.parameters(), lr)
     if not isinstance(opt, torch.optim.Optimizer):
         raise TypeError(f"Expected make_optimizer(params, lr) to return a torch.optim.Optimizer, but got "
                         f"{type(opt).__name__}")
+    if any(c.__name__ == "ZeroRedundancyOptimizer" for c in type(opt).__mro__):  # (an audit: the runs' shards
+        # mixed, then a round with an idle rank hung)
+        raise TypeError("Expected make_optimizer to return an optimizer of this rank's own (each rank is one "
+                        "independent run of the sweep), but got a ZeroRedundancyOptimizer, whose step broadcasts each "
+                        "rank's shard of the weights to the others: return the optimizer it wraps for the sweep")
+    scale = sum(float(g["lr"]) for g in opt.param_groups) / lr
     own = {id(p) for p in module.parameters()}
     outside = [p for g in opt.param_groups for p in g["params"] if id(p) not in own]
     if outside:  # (a loss module's learnable temperature, added in make_optimizer's closure)
@@ -659,6 +684,10 @@ def _run(module: nn.Module, make_optimizer: Callable[..., torch.optim.Optimizer]
                          "alone, so each run would start where the one before left them, and the run after the sweep "
                          "from the last run's; make them part of the model, or leave them out of the sweep's optimizer")
     cycle = cycle_momentum if cycle_momentum is not None else ("momentum" in opt.defaults or "betas" in opt.defaults)
+    if cycle_momentum is None and cycle and any(g.get("momentum", 1) == 0 for g in opt.param_groups):
+        warnings.warn(f"hdet.lr_sweep: the runs cycle momentum 0.85-0.95 into {type(opt).__name__}(momentum=0), as "
+                      "torch's OneCycleLR (and OneCycleAutoLR) does in a main run: pass cycle_momentum=False for a "
+                      "main run without momentum (the pick differs by several times)", stacklevel=user_stacklevel())
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[g["lr"] for g in opt.param_groups],
                                                 total_steps=steps, pct_start=pct_start, cycle_momentum=cycle)
     _set_modes(train)
@@ -682,7 +711,7 @@ def _run(module: nn.Module, make_optimizer: Callable[..., torch.optim.Optimizer]
     value, first_f = torch.stack([torch.stack(tail).mean(), first]).tolist()  # HOST SYNC (once a run)
     if judge is not None:
         value = _judged(module, judge)
-    return (value if math.isfinite(value) else math.inf), first_f
+    return (value if math.isfinite(value) else math.inf), first_f, scale
 
 
 def _judged(module: nn.Module, judge: Callable[[nn.Module], Any]) -> float:
