@@ -112,6 +112,11 @@ def main() -> None:
     if a.lr_sweep and round(a.lr_sweep * a.steps) < hdet.sweep.MIN_STEPS:
         p.error(f"expected --lr-sweep x --steps to give the sweep at least {hdet.sweep.MIN_STEPS} steps, but "
                 f"--lr-sweep {a.lr_sweep} of --steps {a.steps} is {round(a.lr_sweep * a.steps)}")
+    if a.out:  # (before training: a run whose summary cannot be written is lost at its end)
+        where = next((q for q in Path(a.out).absolute().parents if q.exists()), None)
+        if Path(a.out).is_dir() or (where is not None and not where.is_dir()):
+            p.error(f"expected --out to be a file path whose folder is or can be made, but got {a.out} "
+                    f"({'a folder' if Path(a.out).is_dir() else f'{where} is a file'})")
 
     distributed = "RANK" in os.environ
     if distributed:
@@ -149,8 +154,9 @@ def main() -> None:
         max_lr, swept = res.max_lr, {"steps": steps, "guess": a.max_lr, "lrs": res.lrs, "losses": finite,
                                      "pick": res.pick, "max_lr": res.max_lr}  # the model is back at its start
         if rank == 0:
-            print(f"lr sweep: the best of {res.lrs[0]:.2g}-{res.lrs[-1]:.2g} at {res.lrs[res.winner]:.2g}; "
-                  f"the run at --max-lr {res.max_lr:.3g}, --alpha {a.alpha:g}, --on-runaway {a.on_runaway}", flush=True)
+            print(f"lr sweep: the best of {res.lrs[0]:.2g}-{res.lrs[-1]:.2g} at {res.lrs[res.winner]:.2g}, the pick "
+                  f"{res.pick:.3g} (the fit's vertex); the run at --max-lr {res.max_lr:.3g} ({res.lr_factor:.3g} x the "
+                  f"pick), --alpha {a.alpha:g}, --on-runaway {a.on_runaway}", flush=True)
     opt = torch.optim.AdamW(ddp.parameters(), lr=max_lr, weight_decay=0.01)
     sched = hdet.OneCycleAutoLR(
         opt, max_lr=max_lr, total_steps=a.steps, ensemble_lr_spread_ratio=a.alpha, model_sync_interval=a.T,
@@ -169,14 +175,16 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        lr = opt.param_groups[0]["lr"]  # this step's LR on this rank: the base LR times its multiplier
         sched.step(loss)  # off sync steps: no host sync, no collective
         if sched.is_sync_step(t):
-            rec = sched.last_sync  # the window that just ended: its losses, its multipliers, this step's base LR
-            syncs.append({"step": t, "losses": rec.losses, "base_lr": rec.bases[0], "multipliers": used,
-                          "next_multipliers": rec.multipliers[0]})
+            rec = sched.last_sync  # the window that just ended: its losses, its multipliers; the base LR after the
+            base = lr / used[rank]  # controller's update is rec.bases (next_base_lr), this step's is base
+            syncs.append({"step": t, "losses": rec.losses, "base_lr": base, "next_base_lr": rec.bases[0],
+                          "multipliers": used, "next_multipliers": rec.multipliers[0]})
             if rank == 0:
                 losses = ", ".join(f"{v:.3f}" for v in rec.losses or [])
-                print(f"step {t:5d}  replica losses [{losses}]  base lr {rec.bases[0]:.2e}  "
+                print(f"step {t:5d}  replica losses [{losses}]  base lr {base:.2e}  "
                       f"multipliers {[round(m, 3) for m in used]}", flush=True)
             used = list(rec.multipliers[0])  # dealt for the next window (Eq. 9)
     elapsed = time.perf_counter() - t0

@@ -496,6 +496,16 @@ def test_the_ddp_examples_lr_sweep_refuses_a_sweep_too_short_to_judge():
     assert p.returncode == 2 and "at least 10 steps, but --lr-sweep 0.1 of --steps 60 is 6" in p.stderr
 
 
+def test_the_ddp_example_refuses_an_out_path_it_cannot_write_before_training(tmp_path):
+    """--out under a file (or a folder as --out): the whole run trained, then died writing its summary (an audit)."""
+    (tmp_path / "afile").write_text("")
+    for out, why in ((tmp_path / "afile" / "x.json", "afile is a file"), (tmp_path, "a folder")):
+        p = subprocess.run([sys.executable, str(EXAMPLES / "ddp_train.py"), "--steps", "20", "--out", str(out)],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and "expected --out to be a file path" in p.stderr and why in p.stderr, p.stderr
+        assert "step " not in p.stdout
+
+
 @pytest.mark.distributed
 def test_the_ddp_examples_lr_sweep_then_trains_from_the_initial_weights_at_its_peak(tmp_path):
     """examples/ddp_train.py --lr-sweep under torchrun (world 4): each rank sweeps one LR, then the run starts again
@@ -515,7 +525,8 @@ def test_the_ddp_examples_lr_sweep_then_trains_from_the_initial_weights_at_its_p
     grid = hdet.sweep.sweep_lrs(0.01 / math.sqrt(8), 4, 32.0)  # (about /32 to x32 around it, then any runs beyond)
     assert sw["steps"] == 10 and all(any(v == pytest.approx(g, rel=1e-12) for v in sw["lrs"]) for g in grid)
     assert sw["max_lr"] == pytest.approx(math.sqrt(8) * sw["pick"])
-    assert f"the run at --max-lr {sw['max_lr']:.3g}, --alpha 0, --on-runaway recover" in said
+    assert (f"the pick {sw['pick']:.3g} (the fit's vertex); the run at --max-lr {sw['max_lr']:.3g} (2.83 x the pick), "
+            "--alpha 0, --on-runaway recover") in said
     assert s["args"]["alpha"] == 0.0 and s["args"]["on_runaway"] == "recover"
     assert all(x["multipliers"] == [1.0] * 4 for x in s["syncs"])
     plain, _ = run(tmp_path / "plain.json", "--max-lr", repr(sw["max_lr"]), "--alpha", "0", "--on-runaway", "recover")
@@ -549,8 +560,8 @@ def test_the_ddp_examples_lr_sweep_at_two_ranks_sweeps_eight_lrs(tmp_path):
 def test_the_ddp_example_reports_each_window_with_its_own_multipliers_and_base(tmp_path):
     """examples/ddp_train.py under torchrun, with the paper controller re-dealing the multipliers (Eq. 9): each sync
     line and JSON entry gives the window that just ended its own multipliers (before: the ones dealt for the next
-    window, beside the losses of the last) and this step's base LR (before on screen: the next step's), and the JSON
-    names the command that ran."""
+    window, beside the losses of the last) and this step's base LR, the one its LRs were multiplied from (before: the
+    base the controller set for the next window), and the JSON names the command that ran."""
     out = tmp_path / "summary.json"
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         str(EXAMPLES / "ddp_train.py"), "--steps", "30", "--T", "10", "--batch", "4", "--ctx", "16",
@@ -567,6 +578,19 @@ def test_the_ddp_example_reports_each_window_with_its_own_multipliers_and_base(t
     shown = [line for line in p.stdout.splitlines() if line.startswith("step ")]
     for line, x in zip(shown, syncs):
         assert f"base lr {x['base_lr']:.2e}" in line and f"multipliers {[round(m, 3) for m in x['multipliers']]}" in line
+    # the base LR each window trained at: OneCycle's from the base the controller set at the sync before (an audit: the
+    # line gave the base set for the next window, 22x off the one used)
+    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    one_cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=s["args"]["max_lr"], total_steps=30)
+    base = []  # base[t - 1]: step t's LR
+    for _ in range(30):
+        base.append(opt.param_groups[0]["lr"])
+        opt.step()
+        one_cycle.step()
+    moved = [x for x in syncs if x["next_base_lr"] != pytest.approx(base[x["step"] - 1], rel=1e-6)]
+    assert moved and moved[0]["step"] < 30  # the controller's first move (the windows before: OneCycle's bases)
+    for x in syncs[:syncs.index(moved[0]) + 1]:
+        assert x["base_lr"] == pytest.approx(base[x["step"] - 1], rel=1e-9), x
 
 
 LIGHTNING_WORKER = str(EXAMPLES / "lightning_ddp.py")
