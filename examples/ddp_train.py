@@ -114,9 +114,10 @@ def main() -> None:
                 f"--lr-sweep {a.lr_sweep} of --steps {a.steps} is {round(a.lr_sweep * a.steps)}")
     if a.out:  # (before training: a run whose summary cannot be written is lost at its end)
         where = next((q for q in Path(a.out).absolute().parents if q.exists()), None)
-        if Path(a.out).is_dir() or (where is not None and not where.is_dir()):
-            p.error(f"expected --out to be a file path whose folder is or can be made, but got {a.out} "
-                    f"({'a folder' if Path(a.out).is_dir() else f'{where} is a file'})")
+        why = ("a folder" if Path(a.out).is_dir() else f"{where} is a file" if where is not None and not where.is_dir()
+               else f"{where} is not writable" if where is not None and not os.access(where, os.W_OK) else None)
+        if why:
+            p.error(f"expected --out to be a file path whose folder is or can be made, but got {a.out} ({why})")
 
     distributed = "RANK" in os.environ
     if distributed:
@@ -178,9 +179,9 @@ def main() -> None:
         lr = opt.param_groups[0]["lr"]  # this step's LR on this rank: the base LR times its multiplier
         sched.step(loss)  # off sync steps: no host sync, no collective
         if sched.is_sync_step(t):
-            rec = sched.last_sync  # the window that just ended: its losses, its multipliers; the base LR after the
-            base = lr / used[rank]  # controller's update is rec.bases (next_base_lr), this step's is base
-            syncs.append({"step": t, "losses": rec.losses, "base_lr": base, "next_base_lr": rec.bases[0],
+            rec = sched.last_sync  # the window that just ended: its losses, its multipliers; rec.bases: the base LR
+            base = lr / used[rank]  # after the sync (moved where the controller or the guard's cut moved it)
+            syncs.append({"step": t, "losses": rec.losses, "base_lr": base, "base_lr_after_sync": rec.bases[0],
                           "multipliers": used, "next_multipliers": rec.multipliers[0]})
             if rank == 0:
                 losses = ", ".join(f"{v:.3f}" for v in rec.losses or [])

@@ -587,7 +587,7 @@ def test_the_ddp_example_reports_each_window_with_its_own_multipliers_and_base(t
         base.append(opt.param_groups[0]["lr"])
         opt.step()
         one_cycle.step()
-    moved = [x for x in syncs if x["next_base_lr"] != pytest.approx(base[x["step"] - 1], rel=1e-6)]
+    moved = [x for x in syncs if x["base_lr_after_sync"] != pytest.approx(base[x["step"] - 1], rel=1e-6)]
     assert moved and moved[0]["step"] < 30  # the controller's first move (the windows before: OneCycle's bases)
     for x in syncs[:syncs.index(moved[0]) + 1]:
         assert x["base_lr"] == pytest.approx(base[x["step"] - 1], rel=1e-9), x

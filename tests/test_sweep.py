@@ -887,12 +887,13 @@ def test_an_optimizer_that_steps_parameters_outside_the_model_is_refused():
 
 def test_an_optimizer_that_ignores_the_sweeps_lr_is_refused():
     """make_optimizer that drops its ``lr`` (every run at its own default): the runs differed only by their
-    batches' noise and the sweep picked 3.5e-7 for an AdamW at 1e-3 (an audit); refused with both LRs it gave, the
-    model as it came. Groups at fixed fractions of ``lr`` are fine."""
+    batches' noise and the sweep picked 3.5e-7 for an AdamW at 1e-3 (an audit); refused after two runs with what it
+    gave, the model as it came. Groups at fixed fractions of ``lr``, a group at a fixed LR beside a swept one, and LRs
+    the user rounds are fine (a review: the first check refused the last two)."""
     model = make_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=r"set its param groups' learning rates from lr .* summed to [\d.]+ x lr in "
-                                         r"the first run and to [\d.]+ x lr in the run"):
+    with pytest.raises(ValueError, match=r"set its param groups' learning rates from lr, but they summed to 0\.001 "
+                                         r"in the runs at lr [\d.e-]+, [\d.e-]+ alike:"):
         hdet.lr_sweep(model, lambda ps, lr: torch.optim.AdamW(ps), loss_fn, batches, guess=0.1, steps=STEPS,
                       num_replicas=N, judge=held_out)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
@@ -900,23 +901,47 @@ def test_an_optimizer_that_ignores_the_sweeps_lr_is_refused():
     def tenths(ps, lr):  # no group at lr itself
         ps = list(ps)
         return torch.optim.AdamW([{"params": ps[:2], "lr": lr / 10}, {"params": ps[2:], "lr": lr / 2}])
-    assert math.isfinite(hdet.lr_sweep(make_model(), tenths, loss_fn, batches, guess=0.1, steps=STEPS,
-                                       num_replicas=N, judge=held_out).max_lr)
+
+    def fixed_head(ps, lr):  # the last layer at a fixed LR
+        ps = list(ps)
+        return torch.optim.AdamW([{"params": ps[:2], "lr": lr}, {"params": ps[2:], "lr": 1e-3}])
+    for make in (tenths, fixed_head, lambda ps, lr: torch.optim.AdamW(ps, lr=float(f"{lr:.2g}"))):
+        assert math.isfinite(hdet.lr_sweep(make_model(), make, loss_fn, batches, guess=0.1, steps=STEPS,
+                                           num_replicas=N, judge=held_out).max_lr)
 
 
 def test_momentum_the_runs_add_to_an_optimizer_without_it_is_said():
     """OneCycle's momentum cycle, as torch's OneCycleLR gives it to a main run, trains ``SGD(momentum=0)`` with
-    momentum 0.85-0.95 (picks several times apart from the runs without): a warning says so; none for
-    ``cycle_momentum=False`` or an SGD with momentum."""
+    momentum 0.85-0.95 (picks several times apart from the runs without): a warning says so, once a sweep; also for
+    Adam's beta1 at 0; none for ``cycle_momentum=False``, an SGD with momentum or an Adam."""
     def sgd(momentum):
         return lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=momentum)
-    with pytest.warns(UserWarning, match=r"cycle momentum 0\.85-0\.95 into SGD\(momentum=0\)"):
-        hdet.lr_sweep(make_model(), sgd(0.0), loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N, judge=held_out)
+    cases = [(sgd(0.0), 0.1, "SGD with momentum=0"),
+             (lambda ps, lr: torch.optim.Adam(ps, lr=lr, betas=(0.0, 0.999)), 0.01, "Adam with beta1=0")]
+    for make, guess, what in cases:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            hdet.lr_sweep(make_model(), make, loss_fn, batches, guess=guess, steps=STEPS, num_replicas=N,
+                          judge=held_out)
+        said = [str(w.message) for w in seen if "cycle momentum" in str(w.message)]
+        assert len(said) == 1 and f"0.85-0.95 into an optimizer whose momentum is 0 ({what})" in said[0], said
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*cycle momentum")
         hdet.lr_sweep(make_model(), sgd(0.0), loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N, judge=held_out,
                       cycle_momentum=False)
         hdet.lr_sweep(make_model(), sgd(0.9), loss_fn, batches, guess=0.01, steps=STEPS, num_replicas=N, judge=held_out)
+        hdet.lr_sweep(make_model(), make_opt, loss_fn, batches, guess=0.1, steps=STEPS, num_replicas=N, judge=held_out)
+
+
+def test_a_resumed_sweep_still_refuses_an_optimizer_that_ignores_its_lr():
+    """The runs' LRs are part of the progress: a sweep resumed with a make_optimizer that drops ``lr`` is refused at
+    its second run (a review: the first run after the resume was taken as the reference)."""
+    kw = dict(guess=0.1, steps=STEPS, num_replicas=4, points=6, judge=held_out, extend=0)
+    seen = []
+    hdet.lr_sweep(make_model(), make_opt, loss_fn, batches, on_round=lambda p: seen.append(_saved(p)), **kw)
+    assert len(seen) == 2
+    with pytest.raises(ValueError, match="learning rates from lr, but they summed to 0.001 in the runs at"):
+        hdet.lr_sweep(make_model(), lambda ps, lr: make_opt(ps, 1e-3), loss_fn, batches, progress=seen[0], **kw)
 
 
 def _zero_worker(rank, world):

@@ -186,7 +186,9 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
 
     ``make_optimizer(params, lr)``: a fresh optimizer at peak LR ``lr`` (its param groups' LRs are each run's OneCycle
     peaks, so groups at a multiple of ``lr`` keep it; a main run that clips its gradients can have the sweep's runs clip
-    alike through a step pre-hook registered there, as ``benchmarks/gpt_multi_gpu.py`` does); ``loss_fn(model, batch)``: the scalar training loss;
+    alike through a step pre-hook registered there, as ``benchmarks/gpt_multi_gpu.py`` does; refused: one whose
+    groups' LRs do not follow ``lr``, found after two runs, and a ``ZeroRedundancyOptimizer``, which mixes the ranks'
+    runs); ``loss_fn(model, batch)``: the scalar training loss;
     ``batches(r)``: replica r's batches (at least ``steps`` of them; a fresh iterable at each call: a round beyond the
     grid calls it again, its i-th run with ``batches(i)``); ``guess``: the user's peak LR, the grid's centre over
     ``lr_factor``; ``num_replicas``: N in one process (under torch.distributed, the group's size); ``judge(model)``: a
@@ -197,8 +199,8 @@ def lr_sweep(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter],
     apart, on a lattice that gives guesses apart by a power of that ratio the same points: :func:`sweep_lrs`);
     ``lr_factor``: the main run's peak over the pick (default sqrt(max(N, 8)): :data:`FACTOR_FLOOR_N`); ``pct_start``, ``cycle_momentum``: each run's
     OneCycleLR (by default its momentum or beta1 cycles where the optimizer's defaults have one, as OneCycleLR and
-    OneCycleAutoLR do in the main run the pick is for: ``SGD(momentum=0)`` and ``RMSprop`` then train with momentum
-    0.85-0.95, said by a warning; False for a main run that keeps it fixed); ``keep``: ``"start"`` (the model back at
+    OneCycleAutoLR do in the main run the pick is for: ``SGD(momentum=0)``, ``RMSprop`` and ``Adam(betas=(0, ...))``
+    then train with momentum 0.85-0.95, said by a warning; False for a main run that keeps it fixed); ``keep``: ``"start"`` (the model back at
     the weights the sweep started from, rank 0's on every rank, for a main run of all its steps: measured better) or
     ``"winner"`` (the best run's weights and buffers, for a main run of the steps left); ``extend``: the most rounds of
     runs beyond the grid (0: none), one grid ratio apart, up to the grid's own reach (``span ** 2``) again on each side,
@@ -368,7 +370,8 @@ class _Runs:
         self.owner: dict[int, int] = {}
         self.best: tuple[float, int] = (math.inf, 0)  # this process's best run: (loss, place)
         self.kept, self.held = None, False  # its tensors; or still in the module
-        self.scale: float | None = None  # the first run's param groups' LRs summed over its LR (_check_scales)
+        self.lr_sums: dict[int, float] = {}  # place -> that run's param groups' LRs summed (_check_lrs_follow)
+        self.said_momentum = False  # the warning that the runs cycle momentum into an optimizer without it
         self.rounds = 0  # rounds run so far (or taken from a progress dict: not run again)
         self.resumed = 0  # how many of the first rounds a progress dict holds
         self.first: tuple[list[float], list[float]] = ([], [])  # the first round's first losses and judged starts
@@ -418,6 +421,7 @@ class _Runs:
         self.kept = None if kept is None else [k.to(t.device, t.dtype, copy=True) for k, t in zip(kept, self.tensors)]
         self.held = False
         self.resumed, self.rng = rounds, progress["rng"]
+        self.lr_sums = {int(k): float(v) for k, v in (progress.get("lr_sums") or {}).items()}  # (older progress: none)
 
     def _progress(self) -> dict[str, Any]:
         """This process's progress after the rounds so far (plain data; the best run's tensors copied to the CPU)."""
@@ -426,7 +430,8 @@ class _Runs:
             best = [t.detach().to("cpu", copy=True) for t in (self.tensors if self.held else self.kept)]
         return {"version": 1, "plan": list(self.plan), "n": self.n, "keep_best": self.keep_best, "rounds": self.rounds,
                 "loss": dict(self.loss), "owner": dict(self.owner), "first": [list(self.first[0]), list(self.first[1])],
-                "best": [self.best[0], self.best[1]], "kept": best, "rng": _rng_state(self.tensors)}
+                "best": [self.best[0], self.best[1]], "kept": best, "rng": _rng_state(self.tensors),
+                "lr_sums": dict(self.lr_sums)}
 
     def grid(self, ks: list[int]) -> float | None:
         """The grid's runs, ``n`` at a time; the start's loss: judged (one process: before the runs; under ranks: the
@@ -494,8 +499,8 @@ class _Runs:
             firsts = []
             for i, k in enumerate(ks):
                 self._from_start()
-                value, f, scale = self._run(i, k)
-                self._check_scales([scale], [k])
+                value, f, lr_sum = self._run(i, k)
+                self._check_lrs_follow({k: lr_sum})
                 self._done(k, value)
                 firsts.append(f)
             return firsts, []
@@ -515,7 +520,7 @@ class _Runs:
             failed = e
         rows = ProcessGroupReplicas(self.group).gather(  # COLLECTIVE (once a round): [ranks, 5 + plan] on the host
             torch.tensor([*mine, judged, float(failed is not None), *self.plan], dtype=torch.float64))
-        losses, firsts, scales, starts, fails = (col.tolist() for col in rows.T[:5])
+        losses, firsts, sums, starts, fails = (col.tolist() for col in rows.T[:5])
         if any(len(set(col.tolist())) > 1 for col in rows.T[5:]):  # (every rank sees the same rows: all raise)
             raise ValueError(f"Expected every rank to sweep the same grid (the same guess, lr_factor, span, points and "
                              f"steps), but they differ: (points, log of the first LR, log of the ratio, steps, lr_factor) "
@@ -526,35 +531,43 @@ class _Runs:
         if any(fails):
             raise RuntimeError(f"lr_sweep failed on rank(s) {[r for r, f in enumerate(fails) if f]} of the group "
                                "(their error is raised there); this rank's model is back at its start weights")
-        self._check_scales(scales[:len(ks)], ks)  # (the same rows on every rank: all raise, or none)
+        self._check_lrs_follow(dict(zip(ks, sums)))  # (the same rows on every rank: all raise, or none)
         for i, k in enumerate(ks):
             self.loss[k], self.owner[k] = losses[i], i
         if self.rank < len(ks):
             self._done(ks[self.rank], losses[self.rank])
         return firsts[:len(ks)], starts
 
-    def _check_scales(self, scales: list[float], ks: list[int]) -> None:
-        """ValueError unless every run's param groups' LRs summed over its LR (``scales``, the runs at places ``ks``)
-        are the first run's: a ``make_optimizer`` that drops its ``lr`` trains every run at the same LRs, and the
-        sweep would pick among its batches' noise (an audit: 3.5e-7 for an AdamW whose every run was at 1e-3)."""
-        if self.scale is None:
-            self.scale = scales[0]
-        bad = [i for i, x in enumerate(scales) if not math.isclose(x, self.scale, rel_tol=1e-6)]
-        if bad:
-            lrs = [_on_lattice(ks[i], self.base, self.step) for i in bad]
-            raise ValueError(f"Expected make_optimizer(params, lr) to set its param groups' learning rates from lr (in "
-                             f"proportion to it), but its groups' LRs summed to {self.scale:.4g} x lr in the first run "
-                             f"and to {_fmt([scales[i] for i in bad])} x lr in the run(s) at lr {_fmt(lrs)}: the runs "
-                             "would train at the same learning rates")
+    def _check_lrs_follow(self, sums: dict[int, float]) -> None:
+        """ValueError where two runs at different LRs had their param groups' LRs summed to the same value (``sums``:
+        the new runs' by place): a ``make_optimizer`` that drops its ``lr`` trains every run at the same LRs, and the
+        sweep would pick among its batches' noise (an audit: 3.5e-7 for an AdamW whose every run was at 1e-3). Groups
+        at fixed LRs beside the swept ones, or LRs rounded by the user, move the sum: fine."""
+        for k, v in sums.items():
+            same = [j for j, w in self.lr_sums.items() if j != k and math.isclose(v, w, rel_tol=1e-9)]
+            if same:
+                lrs = [_on_lattice(j, self.base, self.step) for j in (same[0], k)]
+                raise ValueError(f"Expected make_optimizer(params, lr) to set its param groups' learning rates from "
+                                 f"lr, but they summed to {v:.4g} in the runs at lr {_fmt(lrs)} alike: those runs "
+                                 "would train at the same learning rates")
+            self.lr_sums[k] = v
 
     def _run(self, i: int, k: int) -> tuple[float, float, float]:
-        """The run at place ``k``, the i-th of its round (on ``batches(i)``)."""
+        """The run at place ``k``, the i-th of its round (on ``batches(i)``): its judged loss, its first training
+        loss and its param groups' LRs summed."""
         make_optimizer, loss_fn, batches, steps, pct, judge, cycle, train = self.args
         try:
-            return _run(self.module, make_optimizer, loss_fn, batches(i), _on_lattice(k, self.base, self.step), steps,
-                        pct, judge, cycle, train)
+            value, first, lr_sum, added = _run(self.module, make_optimizer, loss_fn, batches(i),
+                                               _on_lattice(k, self.base, self.step), steps, pct, judge, cycle, train)
         finally:
             _rebind(self.buffers)
+        if added and not self.said_momentum and self.rank in (None, 0):  # (once a sweep, one rank)
+            self.said_momentum = True
+            warnings.warn(f"hdet.lr_sweep: the runs cycle momentum (beta1) 0.85-0.95 into an optimizer whose "
+                          f"momentum is 0 ({added}), as torch's OneCycleLR (and OneCycleAutoLR) does in a main run: "
+                          "pass cycle_momentum=False for a main run without momentum (the pick differs by several "
+                          "times)", stacklevel=user_stacklevel())
+        return value, first, lr_sum
 
     def _from_start(self) -> None:
         """The module back at this process's start weights; this process's best run's tensors kept first."""
@@ -662,10 +675,11 @@ def _replicas(model: nn.Module, num_replicas: int | None, group: Any) -> tuple[n
 def _run(module: nn.Module, make_optimizer: Callable[..., torch.optim.Optimizer],
          loss_fn: Callable[[nn.Module, Any], torch.Tensor], batches: Iterable[Any], lr: float, steps: int,
          pct_start: float, judge: Callable[[nn.Module], Any] | None, cycle_momentum: bool | None,
-         train: list[tuple[nn.Module, bool]]) -> tuple[float, float]:
+         train: list[tuple[nn.Module, bool]]) -> tuple[float, float, float, str | None]:
     """One sweep run from the module's current weights: ``steps`` steps of OneCycle to ``lr``. Its judged loss (inf
-    where non-finite), its first training loss (the start's, on its first batch), and its param groups' LRs summed,
-    over ``lr`` (the same for every run where ``make_optimizer`` follows ``lr``: :meth:`_Runs.check_scales`)."""
+    where non-finite), its first training loss (the start's, on its first batch), its param groups' LRs summed
+    (:meth:`_Runs._check_lrs_follow`), and the optimizer where its momentum cycle adds momentum the optimizer did not
+    have (``SGD(momentum=0)``, ``RMSprop``, ``Adam(betas=(0, ...))``; None otherwise)."""
     opt = make_optimizer(module.parameters(), lr)
     if not isinstance(opt, torch.optim.Optimizer):
         raise TypeError(f"Expected make_optimizer(params, lr) to return a torch.optim.Optimizer, but got "
@@ -675,7 +689,7 @@ def _run(module: nn.Module, make_optimizer: Callable[..., torch.optim.Optimizer]
         raise TypeError("Expected make_optimizer to return an optimizer of this rank's own (each rank is one "
                         "independent run of the sweep), but got a ZeroRedundancyOptimizer, whose step broadcasts each "
                         "rank's shard of the weights to the others: return the optimizer it wraps for the sweep")
-    scale = sum(float(g["lr"]) for g in opt.param_groups) / lr
+    lr_sum = sum(float(g["lr"]) for g in opt.param_groups)
     own = {id(p) for p in module.parameters()}
     outside = [p for g in opt.param_groups for p in g["params"] if id(p) not in own]
     if outside:  # (a loss module's learnable temperature, added in make_optimizer's closure)
@@ -684,10 +698,10 @@ def _run(module: nn.Module, make_optimizer: Callable[..., torch.optim.Optimizer]
                          "alone, so each run would start where the one before left them, and the run after the sweep "
                          "from the last run's; make them part of the model, or leave them out of the sweep's optimizer")
     cycle = cycle_momentum if cycle_momentum is not None else ("momentum" in opt.defaults or "betas" in opt.defaults)
-    if cycle_momentum is None and cycle and any(g.get("momentum", 1) == 0 for g in opt.param_groups):
-        warnings.warn(f"hdet.lr_sweep: the runs cycle momentum 0.85-0.95 into {type(opt).__name__}(momentum=0), as "
-                      "torch's OneCycleLR (and OneCycleAutoLR) does in a main run: pass cycle_momentum=False for a "
-                      "main run without momentum (the pick differs by several times)", stacklevel=user_stacklevel())
+    added = None
+    if cycle_momentum is None and cycle and any(g.get("momentum", 1) == 0 or (g.get("betas") or (1,))[0] == 0
+                                                for g in opt.param_groups):
+        added = f"{type(opt).__name__} with " + ("momentum=0" if "momentum" in opt.defaults else "beta1=0")
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[g["lr"] for g in opt.param_groups],
                                                 total_steps=steps, pct_start=pct_start, cycle_momentum=cycle)
     _set_modes(train)
@@ -711,7 +725,7 @@ def _run(module: nn.Module, make_optimizer: Callable[..., torch.optim.Optimizer]
     value, first_f = torch.stack([torch.stack(tail).mean(), first]).tolist()  # HOST SYNC (once a run)
     if judge is not None:
         value = _judged(module, judge)
-    return (value if math.isfinite(value) else math.inf), first_f, scale
+    return (value if math.isfinite(value) else math.inf), first_f, lr_sum, added
 
 
 def _judged(module: nn.Module, judge: Callable[[nn.Module], Any]) -> float:

@@ -78,9 +78,9 @@ def sync_record_dict(rec: SyncRecord) -> dict[str, Any]:
 def sync_scalars(rec: SyncRecord) -> dict[str, float]:
     """One sync as flat scalars, for the trackers frameworks log to (TensorBoard, W&B, MLflow through the
     Hugging Face Trainer's ``report_to``, Lightning's logger, ``accelerator.log``): per replica its window
-    loss (the window that ended), per slot the base and the spread's lowest and highest value set for the next window
-    (after the controller's update: the window that ended trained at the previous sync's), and the controller's Delta
-    (the fit controller: its log step); how many replicas were reset (non-finite, runaway), how many losses were
+    loss (the window that ended), per slot the base after the sync (the schedule's value at this step, or where the
+    controller or the guard's cut moved it: what the next window's values follow) and the spread's lowest and highest
+    value dealt for the next window, and the controller's Delta (the fit controller: its log step); how many replicas were reset (non-finite, runaway), how many losses were
     non-finite, and the LR schedule's cut so far."""
     if not isinstance(rec, SyncRecord):
         raise ValueError(f"Expected a hdet SyncRecord (what on_sync hooks get, or sched.last_sync once a sync has run), "
