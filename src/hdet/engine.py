@@ -743,11 +743,12 @@ class ReplicaEngine:
             for m, ts in zip(self.models, tensors):  # (spectral norms' u, v for the averaged weights)
                 spectral.refresh_(m, lambda ts=ts: ts)
 
+        owns = [[h.get() for h in e.hypers] for e in ens]  # (before the swap-in: it averages a value in a buffer)
         changed = self._swap.swap_in(tensors, finite, average,
                                      [innermost(o) for o in self.optimizers],
                                      keep=[unaveraged_buffers(m) for m in self.models])
-        for e in ens:  # every replica's explored values at their base meanwhile (its own objects)
-            self._swap.hold_values(e.hypers, explored_bases(e))
+        for e, own in zip(ens, owns):  # every replica's explored values at their base meanwhile (its own objects)
+            self._swap.hold_values(e.hypers, explored_bases(e), own)
         return changed
 
     def _finished_at(self) -> int | None:

@@ -308,7 +308,10 @@ class GradClip(Hyperparameter):
 class Setter(Hyperparameter):
     """Any scalar through a getter/setter pair, e.g. an attention temperature:
     ``Setter("temperature", lambda: attn.scale, lambda v: setattr(attn, "scale", v), Spread("log", 0.2, (0, inf)))``.
-    ``vmap_safe`` defaults to False (the value usually lives in the module)."""
+    ``vmap_safe`` defaults to False (the value usually lives in the module: the engine then runs its loop). Pass True
+    only where ``set`` writes a tensor the forward reads in place (a registered buffer: ``lambda v: m.temp.fill_(v)``)
+    or an optimizer's param group: a Python attribute (a float) is one value for every replica under the engine's vmap
+    and merged modes, which run replica 0's module (an audit: every replica trained at replica 0's, unsaid)."""
 
     def __init__(self, name: str, get: Callable[[], float], set: Callable[[float], None], spread: Spread,
                  vmap_safe: bool = False, **kw: Any) -> None:

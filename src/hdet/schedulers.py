@@ -780,9 +780,10 @@ class HDETLR(LRScheduler):
                 over_shards(persistent_float_buffers(ens.model) + ens.also_buffers())  # COLLECTIVES: one per bucket
             spectral.refresh_(ens.model, lambda: tensors)  # (spectral norms' u, v for the averaged weights)
 
+        owns = [h.get() for h in ens.hypers]  # (before the swap-in: it averages a value kept in a model's buffer)
         changed = self._swap.swap_in([tensors], finite, average, [innermost(self.optimizer)],
                                      keep=[unaveraged_buffers(ens.model)] if ens.model is not None else ())
-        self._swap.hold_values(ens.hypers, explored_bases(ens))
+        self._swap.hold_values(ens.hypers, explored_bases(ens), owns)
         return changed
 
     def swap_back(self) -> bool:

@@ -114,12 +114,13 @@ class AverageSwap:
         self._hooks = [o.register_step_pre_hook(self._refuse_step) for o in optimizers]
         return changed
 
-    def hold_values(self, hypers: Sequence[Any], bases: Sequence[float]) -> None:
+    def hold_values(self, hypers: Sequence[Any], bases: Sequence[float], owns: Sequence[float]) -> None:
         """While the average is in: each explored hyperparameter at its base (the ensemble's value: an evaluation's
-        label smoothing or attention temperature), its own value put back by :meth:`swap_back`."""
+        label smoothing or attention temperature), its own value ``owns`` (read before :meth:`swap_in`, which averages
+        a value kept in a model's buffer) put back by :meth:`swap_back`."""
         try:
-            for h, base in zip(hypers, bases):
-                self._values.append((h, h.get()))
+            for h, base, own in zip(hypers, bases, owns):
+                self._values.append((h, own))
                 h.set(base)
         except BaseException:  # (a Setter that raised): nothing swapped in, every value and weight back
             try:
