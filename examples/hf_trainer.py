@@ -54,6 +54,26 @@ class Classes(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.labels[i]}
 
 
+class PredictAt(TrainerCallback):
+    """--predict-at N: a callback's ``trainer.predict()`` and ``trainer.save_model()`` (on every rank) after step N;
+    records every rank's own weights then (to average by hand), the prediction's loss, and whether this rank's own
+    weights are back after."""
+
+    def __init__(self, step, out):
+        self.step, self.out, self.trainer, self.seen = step, out, None, None
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        if state.global_step != self.step:
+            return
+        own = torch.cat([q.detach().reshape(-1) for q in model.parameters()]).clone()
+        every = [torch.empty_like(own) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(every, own)
+        loss = self.trainer.predict(Tokens(32, seed=1)).metrics["test_loss"]
+        self.trainer.save_model(os.path.join(self.out, f"saved-{self.step}"))
+        back = torch.equal(torch.cat([q.detach().reshape(-1) for q in model.parameters()]), own)
+        self.seen = {"replicas": torch.stack(every), "test_loss": loss, "own_back": back}
+
+
 class Record(TrainerCallback):
     def __init__(self, stop_at=None):
         self.lrs, self.stop_at, self.logs, self.windows, self.hdet_logged = [], stop_at, [], [], []
@@ -123,6 +143,8 @@ def main():
     p.add_argument("--eval-steps", type=int, default=0, help="evaluate every N optimizer steps (eval_strategy "
                    '"steps") on held-out sequences')
     p.add_argument("--best", action="store_true", help="with --eval-steps: load_best_model_at_end on eval_loss")
+    p.add_argument("--predict-at", type=int, default=None, help="a callback's trainer.predict() and save_model() "
+                   "after this optimizer step")
     p.add_argument("--clip", type=float, default=0.0, help="explore the gradient-clipping norm around this value "
                    "(hdet.GradClip; the Trainer's max_grad_norm stays at its default)")
     p.add_argument("--recover", action="store_true", help='on_runaway="recover" (the stability guard)')
@@ -153,6 +175,7 @@ def main():
                                 if a.eval_steps else {}),
                              **({"load_best_model_at_end": True, "metric_for_best_model": "eval_loss"} if a.best else {}))
     rec = Record(a.stop_at)
+    predict = PredictAt(a.predict_at, a.out)
     if a.eval_steps:
         rec.evaluated = []
     rank = int(os.environ.get("RANK", 0))
@@ -204,13 +227,14 @@ def main():
 
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         own = {"optimizers": (opt, get_linear_schedule_with_warmup(opt, 2, 20))}
-    trainer = Trainer(model=model, args=args, train_dataset=Classes() if a.classifier else Tokens(uneven=a.uneven, label0=a.label0), callbacks=[rec], **own,
+    trainer = Trainer(model=model, args=args, train_dataset=Classes() if a.classifier else Tokens(uneven=a.uneven, label0=a.label0), callbacks=[rec] + ([predict] if a.predict_at else []), **own,
                       eval_dataset=Tokens(32, seed=1) if a.eval_steps else None,
                           hdet=dict(ensemble_lr_spread_ratio=a.alpha, model_sync_interval=5, controller="paper", enable_auto_lr=True,
                                     auto_lr_warmup_steps=10, loss_scale=0.05, final_lr=3e-4,  # (Eq. 8's target: the
                                     # Trainer's linear schedule ends at 0, no target for the paper controller's decay)
                                     explore=[hdet.GradClip(a.clip)] if a.clip else [],
                                     **({"on_runaway": "recover", "judge_steps": a.judge_steps} if a.recover else {})))
+    predict.trainer = trainer
     trainer.train(resume_from_checkpoint=a.resume)
     s = trainer.lr_scheduler
     torch.save({"params": [q.detach().clone() for q in model.parameters()], "lrs": rec.lrs,
@@ -221,7 +245,8 @@ def main():
                 "trainer_shifts_labels": bool(getattr(trainer, "_loss_shifts_labels", True)),
                 "finite": all(bool(torch.isfinite(q).all()) for q in model.parameters()),
                 "best_checkpoint": trainer.state.best_model_checkpoint,
-                "went_back": rec.went_back},
+                "went_back": rec.went_back, "predicted": predict.seen, "closed": s.closed,
+                "lrs_after": [float(g["lr"]) for g in trainer.optimizer.param_groups]},
                os.path.join(a.out, f"result_rank{rank}.pt"))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -271,6 +271,36 @@ def test_hf_trainer_stopped_early_averages_the_replicas(tmp_path):
     assert [s for s, _ in r0["windows"]] == r0["hdet_logged"] == [5, 8]  # the end's sync logged too (an audit)
 
 
+def test_hf_trainer_predicts_and_saves_the_average_from_a_callback_and_closes_at_an_early_stop(tmp_path):
+    """A callback's trainer.predict() and trainer.save_model() at step 7 (T = 5, off a converge step): predict's loss
+    was a mix of the replicas, each on its share of the data, and save_model wrote rank 0's replica (0.021 off the
+    average, an audit); now both see the replicas' average, and each rank's own weights are back after. Stopped at
+    step 12 (off a converge step): the replicas are averaged and the scheduler closed, every rank at the base's LR
+    (before, each rank kept its own multiplied LR and explored values)."""
+    from transformers import GPT2LMHeadModel
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from hf_trainer import Tokens
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    out = tmp_path / "predict"
+    _torchrun(out, "--predict-at", "7", "--stop-at", "12", "--save-steps", "20")
+    r0, r1 = _results(out)
+    seen = r0["predicted"]
+    mean = seen["replicas"].mean(0)
+    assert not torch.equal(seen["replicas"][0], seen["replicas"][1]) and seen["own_back"] and r1["predicted"]["own_back"]
+    model = GPT2LMHeadModel.from_pretrained(out / "saved-7")  # (a local folder: no download)
+    assert torch.equal(torch.cat([q.detach().reshape(-1) for q in model.parameters()]), mean)
+    held_out = Tokens(32, seed=1)
+    with torch.no_grad():
+        logits = model(input_ids=held_out.x).logits[:, :-1]
+        truth = float(torch.nn.functional.cross_entropy(logits.reshape(-1, 64), held_out.labels[:, 1:].reshape(-1)))
+    assert seen["test_loss"] == r1["predicted"]["test_loss"] == pytest.approx(truth, rel=1e-6)
+    assert r0["step"] == r1["step"] == 12 and r0["closed"] and r1["closed"]
+    assert r0["lrs_after"] == r1["lrs_after"] and all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
+
+
 def test_hf_trainer_evaluates_and_saves_the_ensembles_average_between_converge_steps(full_run, tmp_path):
     """eval_strategy="steps" every 4 steps and save_steps 4 with T = 5, as a user sets them: between converge steps
     each rank evaluated its own replica on its half of the evaluation set (eval_loss a mix of two models) and the
