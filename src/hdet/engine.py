@@ -210,6 +210,13 @@ class ReplicaEngine:
             raise ValueError(f"Expected layers with dense gradients, but {sparse} are embeddings with sparse=True: the "
                              "engine averages and stacks the replicas' gradients as dense tensors. Build them with "
                              "sparse=False (and a dense optimizer)")
+        hooked = [n for n, p in model.named_parameters() if p._backward_hooks or p._post_accumulate_grad_hooks]
+        if hooked:  # (dropped on every replica, in every mode, unsaid: an audit)
+            raise ValueError(f"Expected no hooks on the model's parameters, but hooks are registered on {_names(hooked)} "
+                             "(register_hook or register_post_accumulate_grad_hook): the replicas are deep copies, which "
+                             "do not keep a "
+                             "parameter's hooks, so every replica would train without them. Register them on each "
+                             "engine.models[r]'s parameters after building the engine, with mode='loop'")
         lazy = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if nn.parameter.is_lazy(t)]
         if lazy:  # (the loop's deep copies each initialised theirs at its first forward from the global RNG: the
             # replicas started apart and the first converge step averaged independent networks, an audit)
@@ -244,6 +251,13 @@ class ReplicaEngine:
         self._copies = (SharedCopies(), SharedCopies())  # snapshots: shared tensors (moments) copied once
         for s in self.schedulers:
             s.ensemble.share_copies(*self._copies)
+        hooked = _backward_hooks(self.models[0], self.stack.views if self.stack is not None else None)
+        if hooked and self.mode != "loop":  # (vmap's backward runs on the stacked tensors: never reached, unsaid)
+            if mode in ("vmap", "merged"):
+                raise ValueError(f"Expected no backward hooks under mode={mode!r}, but {hooked}: the vmapped or "
+                                 "merged backward runs on the replicas' stacked tensors and never calls them; use "
+                                 "mode='loop' or 'auto'")
+            self.mode = "loop"
         unsafe = [h.name for h in self.schedulers[0].ensemble.hypers if not h.vmap_safe]
         if unsafe and self.mode != "loop":
             if mode in ("vmap", "merged"):
@@ -274,6 +288,7 @@ class ReplicaEngine:
         self._graph_ready: dict[Any, bool] = {}  # loss function code -> whether its vmapped step may be graphed
         self._merged: MergedReplicas | None = None
         self._grad_flags: tuple[list[torch.Tensor], list[bool]] | None = None  # (_check_frozen)
+        self._hooks_seen: tuple[list[nn.Module], list[torch.Tensor]] | None = None  # (step: backward hooks)
         # (loss function, the batch's shapes) whose first merged step was checked, each with what its key refers to
         self._merge_checked: dict[Any, list[Any]] = {}
         if self.mode == "merged":
@@ -940,6 +955,19 @@ class ReplicaEngine:
         if self.mode != "loop":
             self._check_flags()
             self._check_frozen()
+            if self._hooks_seen is None:  # (once: every replica's modules and parameter views, flat)
+                self._hooks_seen = ([m for mods in self._modules for m in mods],
+                                    [p for views in self.stack.views.values() for p in views])
+            mods, params = self._hooks_seen
+            if (any(map(_BWD, mods)) or any(map(_BWD_PRE, mods)) or any(map(_BWD, params))
+                    or any(map(_POST_ACC, params)) or nn.modules.module._global_backward_hooks
+                    or nn.modules.module._global_backward_pre_hooks):
+                hooked = next(filter(None, (_backward_hooks(m, self.stack.views, r)
+                                            for r, m in enumerate(self.models))), "hooks")
+                raise ValueError(f"Expected no backward hooks in a vmapped step, but {hooked} (registered after the "
+                                 "engine was built): the vmapped or merged backward runs on the replicas' stacked "
+                                 "tensors and never calls them; build the engine with the hooks on (mode='auto' then "
+                                 "runs the loop) or use mode='loop'; nothing was run")
         losses = None
         if self.mode == "merged":  # (None: it fell back to vmap, self.mode says so)
             with _noting_the_mode("merged"):
@@ -1071,6 +1099,24 @@ class ReplicaEngine:
 
 MAX_LOSS_FNS = 8  # loss functions whose vmapped (and compiled) forms the engine keeps
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_BWD, _BWD_PRE = operator.attrgetter("_backward_hooks"), operator.attrgetter("_backward_pre_hooks")
+_POST_ACC = operator.attrgetter("_post_accumulate_grad_hooks")
+
+
+def _backward_hooks(module: nn.Module, views: dict[str, list[torch.Tensor]] | None, r: int = 0) -> str | None:
+    """What backward hooks replica ``r``'s ``module`` has (its modules' full, pre and legacy ones, its parameters':
+    ``views``, the engine's stacked parameters' per-replica views; torch's global ones), said; None where none (the
+    vmapped and merged backward never reach them; tensor hooks set inside ``forward`` are not seen: docs/engine.md)."""
+    glob = nn.modules.module
+    if getattr(glob, "_global_backward_hooks", None) or getattr(glob, "_global_backward_pre_hooks", None):
+        return "global module backward hooks are registered"
+    for name, m in module.named_modules():
+        if m._backward_hooks or m._backward_pre_hooks:
+            return f"{name or 'the model'!r} ({type(m).__name__}) on replica {r} has backward hooks"
+    for name, ps in (views or {}).items():
+        if ps[r]._backward_hooks or ps[r]._post_accumulate_grad_hooks:
+            return f"parameter {name!r} on replica {r} has hooks"
+    return None
 MAX_MERGE_CHECKS = 16  # (loss function, batch shapes) pairs mode='merged' checks at their first step, then vmap
 
 
