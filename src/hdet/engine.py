@@ -893,11 +893,9 @@ class ReplicaEngine:
                 graphs.clear()
         with warnings.catch_warnings(record=True) as caught:  # each replica's scheduler says the same: once
             warnings.simplefilter("always")
-            for m, o, s, rs in zip(self.models, self.optimizers, self.schedulers, state["replicas"]):
+            self._load_optimizers([rs["optimizer"] for rs in state["replicas"]])  # (first: the one load not checked
+            for m, s, rs in zip(self.models, self.schedulers, state["replicas"]):  # before)
                 m.load_state_dict(rs["model"])  # in place: in vmap mode the stacked tensors follow
-                o.load_state_dict(rs["optimizer"])  # the stacked step takes the loaded state in at its next step
-                for st in o.state.values():  # a state saved by the stacked step holds views of one shared copy
-                    st.update({k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)})
                 s.load_state_dict(rs["scheduler"])
         for message, category in dict.fromkeys((str(w.message), w.category) for w in caught):
             warnings.warn(message, category, stacklevel=user_stacklevel())
@@ -914,6 +912,26 @@ class ReplicaEngine:
             self._stacked.release()  # optimizer its own state, as after close(); an audit found the stacked step
             self._stacked = None  # back for a run that could take no step)
         self._following = None
+
+    def _load_optimizers(self, states: list[Any]) -> None:
+        """Each replica's optimizer state, or none: one that fails to load (another optimizer's state: torch's
+        ``KeyError: 'step'`` for SGD's into AdamW, after replica 0's model was loaded, an audit) puts back every
+        optimizer loaded so far, and a ValueError says which. The stacked step takes the loaded states in at its next
+        step."""
+        olds: list[dict[str, Any]] = []
+        for r, (o, st) in enumerate(zip(self.optimizers, states)):
+            olds.append(o.state_dict())  # (its own tensors: a load replaces them, it does not write into them)
+            try:
+                o.load_state_dict(st)
+            except Exception as e:
+                for q, old in zip(self.optimizers, olds):
+                    q.load_state_dict(old)
+                raise ValueError(f"Expected replica {r}'s optimizer state to load into its "
+                                 f"{type(innermost(o)).__name__}, but it did not ({type(e).__name__}: {e}): a state "
+                                 "of another optimizer? Nothing was loaded") from e
+        for o in self.optimizers:
+            for st in o.state.values():  # a state saved by the stacked step holds views of one shared copy
+                st.update({k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)})
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self, batches: Sequence[Any] | Any, loss_fn: LossFn, *, stacked: bool = False) -> torch.Tensor:
