@@ -809,13 +809,13 @@ def test_resume_compares_options_as_the_run_resolves_them(tmp_path, capsys):
     _same_run(tmp_path / "whole", tmp_path / "again")
     capsys.readouterr()
     for other, said in ((["--eval-every", "20"], "--eval-every 10 -> 20"), (["--mode", "loop"],
-                        "--mode 'engine-vmap' -> 'engine-loop'"), (["--auto-lr"], "--auto-lr False -> True")):
+                        "--mode 'vmap' -> 'loop'"), (["--auto-lr"], "--auto-lr False -> True")):
         assert main(["train", *args, *other, "--out", str(tmp_path / "again"), "--resume"]) == 2
         assert said in capsys.readouterr().err
     loop = [*TINY, "--steps", "30", "--T", "10", "--checkpoint-every", "15", "--out", str(tmp_path / "loop")]
     assert main(["train", *loop, "--mode", "loop"]) == 0
     assert main(["train", *loop, "--resume"]) == 2  # auto would run vmap: another run
-    assert "--mode 'engine-loop' -> 'engine-auto'" in capsys.readouterr().err
+    assert "--mode 'loop' -> 'auto'" in capsys.readouterr().err  # (as given: not the engine's names, an audit)
     vm = [*TINY, "--steps", "30", "--T", "10", "--checkpoint-every", "15", "--out", str(tmp_path / "vmap")]
     assert main(["train", *vm, "--mode", "vmap"]) == 0
     shutil.copytree(tmp_path / "vmap", tmp_path / "vmap_whole")

@@ -268,13 +268,23 @@ def check_config(state: dict[str, Any], cfg: RunConfig, replicas: int, mode: str
         name = cli["flag"] or f"--{k.replace('_', '-')}"
         if cli["kw"].get("invert"):  # (--grad-sync is local's opposite: said as the flag, its values turned over)
             return f"{name} {not saved.get(k)!r} -> {not now.get(k)!r}"
-        return f"{name} {saved.get(k)!r} -> {now.get(k)!r}"
+        return f"{name} {_said(k, saved.get(k))} -> {_said(k, now.get(k))}"
     after = as_saved != asked.steps or cfg.steps != asked.steps  # either run's steps are those after its sweep
     diff = [flag(k) + (" (the steps after the sweep)" if k == "steps" and after else "") for k in (named or differ)]
     if state.get("replicas", replicas) != replicas:
         diff.append(f"replicas (the world size under torchrun) {state['replicas']} -> {replicas}")
     if diff:
         raise RunError(f"Expected the options of the checkpointed run to resume it, but these differ: {'; '.join(diff)}")
+
+
+def _said(k: str, v: Any) -> str:
+    """An option's value as a user gives it (an audit: the resolved mode 'engine-vmap', a default as None)."""
+    if v is None:
+        return "(its default)"
+    if k == "mode" and isinstance(v, str):
+        return repr(v.removeprefix("engine-")) if v.startswith("engine-") else \
+            f"torchrun ({v.removeprefix('ddp-')})" if v.startswith("ddp-") else repr(v)
+    return repr(v)
 
 
 def restore_rng(state: dict[str, Any], gens: dict[int, torch.Generator]) -> None:
