@@ -55,7 +55,8 @@ class Classes(torch.utils.data.Dataset):
 
 
 class PredictAt(TrainerCallback):
-    """--predict-at N: a callback's ``trainer.predict()`` and ``trainer.save_model()`` (on every rank) after step N;
+    """--predict-at N: a callback's ``trainer.predict()`` and ``trainer.save_model()`` (inside ``averaged()``, on every
+    rank) after step N;
     records every rank's own weights then (to average by hand), the prediction's loss, and whether this rank's own
     weights are back after."""
 
@@ -69,7 +70,8 @@ class PredictAt(TrainerCallback):
         every = [torch.empty_like(own) for _ in range(torch.distributed.get_world_size())]
         torch.distributed.all_gather(every, own)
         loss = self.trainer.predict(Tokens(32, seed=1)).metrics["test_loss"]
-        self.trainer.save_model(os.path.join(self.out, f"saved-{self.step}"))
+        with self.trainer.lr_scheduler.averaged():  # (on every rank: docs/hf_trainer.md)
+            self.trainer.save_model(os.path.join(self.out, f"saved-{self.step}"))
         back = torch.equal(torch.cat([q.detach().reshape(-1) for q in model.parameters()]), own)
         self.seen = {"replicas": torch.stack(every), "test_loss": loss, "own_back": back}
 
@@ -245,8 +247,7 @@ def main():
                 "trainer_shifts_labels": bool(getattr(trainer, "_loss_shifts_labels", True)),
                 "finite": all(bool(torch.isfinite(q).all()) for q in model.parameters()),
                 "best_checkpoint": trainer.state.best_model_checkpoint,
-                "went_back": rec.went_back, "predicted": predict.seen, "closed": s.closed,
-                "lrs_after": [float(g["lr"]) for g in trainer.optimizer.param_groups]},
+                "went_back": rec.went_back, "predicted": predict.seen},
                os.path.join(a.out, f"result_rank{rank}.pt"))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -258,12 +258,14 @@ class ReplicaEngine:
                                  "merged backward runs on the replicas' stacked tensors and never calls them; use "
                                  "mode='loop' or 'auto'")
             self.mode = "loop"
+        loop_why = f"{hooked} (the loop runs backward hooks)" if hooked and mode != "loop" else None
         unsafe = [h.name for h in self.schedulers[0].ensemble.hypers if not h.vmap_safe]
         if unsafe and self.mode != "loop":
             if mode in ("vmap", "merged"):
                 raise ValueError(f"Expected hyperparameters that vmap can batch, but {unsafe} live in the module's "
                                  "Python state, which vmap shares across replicas: use mode='loop' or 'auto'")
             self.mode = "loop"  # per-replica Python attributes (dropout p, ...) need one module call each
+            loop_why = loop_why or f"explored {unsafe} live in the module's Python state, which needs one call per replica"
         self.before_optimizer_step = before_optimizer_step
         self.share_gradients = share_gradients
         if not share_gradients:
@@ -279,7 +281,7 @@ class ReplicaEngine:
         if cuda_graph and (self.mode == "loop" or compile is not False or self.group.device.type != "cuda"):
             raise ValueError(f"Expected cuda_graph=True with mode 'auto', 'vmap' or 'merged', compile=False and the "
                              f"model on a CUDA device, but got mode={self.mode!r}"
-                             + (f" (explored {unsafe} need the loop)" if unsafe and mode != "loop" else "")
+                             + (f" ({loop_why})" if loop_why else "")
                              + f", compile={compile!r} on {self.group.device.type}")
         self.cuda_graph = bool(cuda_graph)
         self._graphs = StepGraphs(lambda b, f: (self._merged.losses(b, f, _scalar_loss), {}), self.group.device) \
@@ -299,8 +301,8 @@ class ReplicaEngine:
                 self._merged = MergedReplicas(self.models[0], self.stack.params, num_replicas)
         if compile is not False and self.mode == "loop":
             warnings.warn("hdet: compile has no effect here: the engine runs its loop over replica copies ("
-                          + ("mode='loop'" if mode == "loop" else f"explored {unsafe} live in the module's Python "
-                             "state, which needs one call per replica") + "), and only the vmapped call is compiled",
+                          + ("mode='loop'" if mode == "loop" else str(loop_why)) + "), and only the vmapped call is "
+                          "compiled",
                           stacklevel=user_stacklevel())
         self.compile = compile
         self._fns: dict[Any, list[Any]] = {}  # loss_fn -> [the vmapped function, its compiled form or None,
@@ -831,8 +833,8 @@ class ReplicaEngine:
         return states
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`: models, then optimizers, then schedulers (which set each replica's own
-        values on its optimizer). The number of replicas and the gradient mode must match; every scheduler
+        """Restore :meth:`state_dict`: the optimizers (every one, or none: :meth:`_load_optimizers`), then the models
+        and schedulers (which set each replica's own values on its optimizer). The number of replicas and the gradient mode must match; every scheduler
         state is checked before anything is loaded. Refused inside :meth:`averaged` (the weights kept aside then would
         be put back over the loaded ones: 0.79 off in an audit's run)."""
         self._swap.check("engine.load_state_dict() was called (the replicas' own weights kept aside would be put "

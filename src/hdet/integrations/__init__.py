@@ -21,14 +21,11 @@ def explored_clips(sched: Any) -> list[Any]:
 
 def finish_at_train_end(sched: Any) -> Any:
     """At a framework's end of training: :meth:`hdet.HDETLR.finish`, and a warning when it averaged (the run
-    stopped before ``total_steps``, off a converge step), then :meth:`hdet.HDETLR.close` (as after the step at
-    ``total_steps``: each param group's LR and explored value the base's on every rank, where an early stop left each
-    rank at its own, so that a ``predict()`` after it ran the replicas' identical weights with each rank's own label
-    smoothing: an audit). Returns that sync's record (None when it did not average), for the integration to log as it
-    logs every sync."""
+    stopped before ``total_steps``, off a converge step). Returns that sync's record (None when it did not
+    average), for the integration to log as it logs every sync. The scheduler stays open (a checkpoint Lightning writes
+    after this, ``last.ckpt``, must resume into more steps: closing here broke that, a review); each rank keeps its own
+    LR and explored values until :meth:`hdet.HDETLR.close` (docs/hf_trainer.md)."""
     sched.swap_back()  # (an evaluation that raised may have left the average in: each replica's own first)
-    if sched.closed:
-        return None
     rec = sched.finish()
     if rec is not None:
         warnings.warn(f"hdet: training ended after optimizer step {sched.last_epoch}, before total_steps="
@@ -36,5 +33,4 @@ def finish_at_train_end(sched: Any) -> Any:
                       "saved since the last converge step without sched.averaged() holds one replica, not the "
                       "average; HDETTrainer's and HDETCallback's full checkpoints hold the average)",
                       stacklevel=user_stacklevel())
-    sched.close()
     return rec

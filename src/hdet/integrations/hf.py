@@ -265,11 +265,6 @@ class HDETTrainer(Trainer):
         (before, a mix of the replicas, each on its share of the data: an audit)."""
         return self._with_average(lambda: super(HDETTrainer, self).predict(*args, **kwargs))
 
-    def save_model(self, *args: Any, **kwargs: Any) -> Any:
-        """A model saved during training (a callback's, on every rank as the Trainer's ``save_model`` expects) holds
-        the ensemble's average, not rank 0's replica (an audit: 0.021 off the average between converge steps)."""
-        return self._with_average(lambda: super(HDETTrainer, self).save_model(*args, **kwargs))
-
     def _save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """A checkpoint saved between converge steps holds the ensemble's average (the model the run is building),
         not rank 0's replica, which the Trainer would save; with rank 0's optimizer and scheduler state, as before."""
@@ -361,8 +356,6 @@ class _HDETFinish(TrainerCallback):
             # is the run's result. A closing sync would judge the windows of the weights it replaced, and a rise there
             # sent every replica back to the stability guard's best sync, over the model loaded (an audit). Where no
             # rank could load it, each rank still held its own replica, and the run ended unaveraged (an audit)
-            if isinstance(sched, HDETLR):
-                sched.close()  # (each rank's LR and explored values the base's, as at the run's end)
             return
         if isinstance(sched, HDETLR):
             rec = finish_at_train_end(sched)
