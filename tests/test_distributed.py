@@ -173,6 +173,14 @@ def test_ranks_whose_parameters_are_laid_out_apart_get_a_clear_error(where):
     assert all(r is not None and "laid out differently in memory" in r and "contiguous_parameters_" in r for r in res)
 
 
+
+def _square_step(model, opt, sched, rank):
+    """One step of a 4-input model on this rank's own batch (a squared output's mean), its scheduler's step after."""
+    model(torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+
 def _resume_loaded(rank, world, when, max_norm=False, evaluate=False):
     """Train 3 steps (T = 5: the replicas apart), save each rank's states, then resume into a fresh model whose state
     is loaded ``when`` ("before" or "after" DDP is built); returns the warnings of the first resumed step that say
@@ -203,16 +211,10 @@ def _resume_loaded(rank, world, when, max_norm=False, evaluate=False):
         return model, opt, hdet.HDETLR(opt, None, total_steps=10, model_sync_interval=5, ensemble_lr_spread_ratio=0.5,
                                        model=model)
 
-    def step(model, opt, sched):
-        model(torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-
     net = build(0)
     model, opt, sched = parts(net)
     for _ in range(3):
-        step(model, opt, sched)
+        _square_step(model, opt, sched, rank)
     saved = copy.deepcopy({"model": net.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
     net2 = build(100 + rank)
     if when == "before":
@@ -228,8 +230,8 @@ def _resume_loaded(rank, world, when, max_norm=False, evaluate=False):
         if evaluate:
             with sched2.averaged(), torch.no_grad():
                 model2(torch.randn(8, 4))
-        step(model2, opt2, sched2)
-        step(model2, opt2, sched2)
+        _square_step(model2, opt2, sched2, rank)
+        _square_step(model2, opt2, sched2, rank)
     return [str(w.message) for w in caught if "after load_state_dict" in str(w.message)], own
 
 
@@ -1267,19 +1269,13 @@ def _closed_state_inside_averaged(rank, world_size):
         return model, opt, hdet.HDETLR(opt, None, total_steps=6, model_sync_interval=3, ensemble_lr_spread_ratio=0.5,
                                        model=model)
 
-    def step(model, opt, sched):
-        model(torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-
     model, opt, sched = parts()
     for _ in range(6):
-        step(model, opt, sched)
+        _square_step(model, opt, sched, rank)
     end = sched.state_dict()
     model2, opt2, sched2 = parts()
     for _ in range(2):
-        step(model2, opt2, sched2)
+        _square_step(model2, opt2, sched2, rank)
     lr = opt2.param_groups[0]["lr"]
     with sched2.averaged():
         try:

@@ -1130,6 +1130,14 @@ def test_a_best_sync_saved_without_an_ema_fits_a_run_that_registers_one_before_l
     assert fit_snapshot(snap, [w, mom, count], counts=1) is snap  # (nothing registered: as before)
 
 
+def _steps(sched, n):
+    """``n`` optimizer and scheduler steps (a loss of 1 each; the optimizer has no gradients: the LRs are what the
+    tests read)."""
+    for _ in range(n):
+        sched.optimizer.step()
+        sched.step(torch.tensor(1.0))
+
+
 def test_a_state_saved_at_the_end_loads_closed_and_set_total_steps_reopens_it():
     """A state saved after the last step (where the scheduler closed itself) loaded into a fresh scheduler left it
     open: each replica at its own multiplied LR, HDET's hooks on (an audit: plain training after an Accelerate
@@ -1141,9 +1149,7 @@ def test_a_state_saved_at_the_end_loads_closed_and_set_total_steps_reopens_it():
         return o, OneCycleAutoLR(o, max_lr=1e-2, total_steps=6, ensemble_lr_spread_ratio=0.5,
                                  model_sync_interval=3, replicas=ScriptedReplicas(rank=1, world_size=2))
     o, s = build()
-    for _ in range(6):
-        o.step()
-        s.step(torch.tensor(1.0))
+    _steps(s, 6)
     assert s.closed
     assert s.get_last_lr() == [o.param_groups[0]["lr"]] == s.effective_lrs and s.multipliers == [1.0]  # (they
     # reported this replica's own multiplied LR, 1.5x, after the close: an audit)
@@ -1163,17 +1169,13 @@ def test_a_state_saved_at_the_end_loads_closed_and_set_total_steps_reopens_it():
     h = torch.optim.AdamW(torch.nn.Linear(3, 1).parameters(), lr=1e-3)
     s3 = hdet.HDETLR(h, lambda t: 1e-2, total_steps=6, ensemble_lr_spread_ratio=0.5, model_sync_interval=3,
                      replicas=ScriptedReplicas(rank=1, world_size=2))
-    for _ in range(6):
-        h.step()
-        s3.step(torch.tensor(1.0))
+    _steps(s3, 6)
     assert s3.closed and h.param_groups[0]["lr"] == pytest.approx(1e-2)
     s3.set_total_steps(9)
     assert not s3.closed and h.param_groups[0]["lr"] == pytest.approx(1e-2 * s3.multipliers[0]) \
         and s3.multipliers[0] != pytest.approx(1.0)
     assert s3.is_sync_step(6)  # (averaged at the old end: a checkpoint there is exact, finish() is no second sync)
-    for _ in range(3):
-        h.step()
-        s3.step(torch.tensor(1.0))
+    _steps(s3, 3)
     assert s3.closed and s3.last_epoch == 9
     for kind in ("lambda", "callable"):  # (the Hugging Face Trainer's base is a LambdaLR)
         lrs = []
@@ -1184,18 +1186,14 @@ def test_a_state_saved_at_the_end_loads_closed_and_set_total_steps_reopens_it():
             s5 = hdet.HDETLR(h, base, total_steps=6, ensemble_lr_spread_ratio=0.5, model_sync_interval=3,
                              replicas=ScriptedReplicas(rank=1, world_size=2), explore=[hdet.WeightDecay(h, alpha=0.5)])
             if not lrs:
-                for _ in range(6):
-                    h.step()
-                    s5.step(torch.tensor(1.0))
+                _steps(s5, 6)
                 end = roundtrip(s5.state_dict())
             else:
                 s5.load_state_dict(end)
             lrs.append((s5.closed, h.param_groups[0]["lr"], h.param_groups[0]["weight_decay"]))
         assert lrs[0] == lrs[1] and lrs[0][0], (kind, lrs)
     _, s4 = build()
-    for _ in range(2):
-        s4.optimizer.step()
-        s4.step(torch.tensor(1.0))
+    _steps(s4, 2)
     with pytest.raises(ValueError, match="at least 3"):
         s4.set_total_steps(2)
 
@@ -1208,16 +1206,12 @@ def test_a_load_that_fails_leaves_a_closed_scheduler_closed():
     o = torch.optim.SGD(torch.nn.Linear(3, 1).parameters(), lr=1e-2)
     s = hdet.HDETLR(o, lambda t: lrs[t], total_steps=6, ensemble_lr_spread_ratio=0.5, model_sync_interval=3,
                     replicas=ScriptedReplicas(rank=1, world_size=2))
-    for _ in range(6):
-        o.step()
-        s.step(torch.tensor(1.0))
+    _steps(s, 6)
     plain = len(o._optimizer_step_post_hooks)
     o2 = torch.optim.SGD(torch.nn.Linear(3, 1).parameters(), lr=1e-2)
     longer = hdet.HDETLR(o2, lambda t: 1e-2, total_steps=12, ensemble_lr_spread_ratio=0.5, model_sync_interval=3,
                          replicas=ScriptedReplicas(rank=1, world_size=2))
-    for _ in range(8):
-        o2.step()
-        longer.step(torch.tensor(1.0))
+    _steps(longer, 8)
     with pytest.raises(IndexError):
         s.load_state_dict(roundtrip(longer.state_dict()))
     assert s.closed and len(o._optimizer_step_post_hooks) == plain

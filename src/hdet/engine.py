@@ -265,7 +265,6 @@ class ReplicaEngine:
                 raise ValueError(f"Expected hyperparameters that vmap can batch, but {unsafe} live in the module's "
                                  "Python state, which vmap shares across replicas: use mode='loop' or 'auto'")
             self.mode = "loop"  # per-replica Python attributes (dropout p, ...) need one module call each
-            loop_why = loop_why or f"explored {unsafe} live in the module's Python state, which needs one call per replica"
         self.before_optimizer_step = before_optimizer_step
         self.share_gradients = share_gradients
         if not share_gradients:
@@ -281,7 +280,8 @@ class ReplicaEngine:
         if cuda_graph and (self.mode == "loop" or compile is not False or self.group.device.type != "cuda"):
             raise ValueError(f"Expected cuda_graph=True with mode 'auto', 'vmap' or 'merged', compile=False and the "
                              f"model on a CUDA device, but got mode={self.mode!r}"
-                             + (f" ({loop_why})" if loop_why else "")
+                             + (f" (explored {unsafe} need the loop)" if unsafe and mode != "loop" else
+                                f" ({loop_why})" if loop_why else "")
                              + f", compile={compile!r} on {self.group.device.type}")
         self.cuda_graph = bool(cuda_graph)
         self._graphs = StepGraphs(lambda b, f: (self._merged.losses(b, f, _scalar_loss), {}), self.group.device) \
@@ -301,8 +301,9 @@ class ReplicaEngine:
                 self._merged = MergedReplicas(self.models[0], self.stack.params, num_replicas)
         if compile is not False and self.mode == "loop":
             warnings.warn("hdet: compile has no effect here: the engine runs its loop over replica copies ("
-                          + ("mode='loop'" if mode == "loop" else str(loop_why)) + "), and only the vmapped call is "
-                          "compiled",
+                          + ("mode='loop'" if mode == "loop" else f"explored {unsafe} live in the module's Python "
+                             "state, which needs one call per replica" if unsafe else str(loop_why))
+                          + "), and only the vmapped call is compiled",
                           stacklevel=user_stacklevel())
         self.compile = compile
         self._fns: dict[Any, list[Any]] = {}  # loss_fn -> [the vmapped function, its compiled form or None,
