@@ -878,9 +878,9 @@ class ReplicaEngine:
                 raise ValueError(f"Expected replica {r}'s state with 'model', 'optimizer' and 'scheduler', but got "
                                  f"{sorted(rs) if isinstance(rs, dict) else type(rs).__name__}")
             sched.check_state_dict(rs["scheduler"])  # everything checked before anything is loaded
-            want = {k: tuple(v.shape) for k, v in m.state_dict().items()}
+            want = {k: _shape(v) for k, v in m.state_dict().items()}
             got = _as_loaded(m, rs["model"]) if isinstance(rs["model"], dict) else {}
-            if {k: tuple(getattr(v, "shape", ())) for k, v in got.items()} != want:
+            if {k: _shape(v) for k, v in got.items()} != want:
                 raise ValueError(f"Expected replica {r}'s model state with this model's keys and shapes, but it "
                                  f"differs (missing {sorted(set(want) - set(got))[:5]}, unexpected "
                                  f"{sorted(set(got) - set(want))[:5]})")
@@ -1179,6 +1179,12 @@ def _code_of(loss_fn: Any) -> Any:
     while isinstance(loss_fn, functools.partial):
         loss_fn = loss_fn.func
     return getattr(loss_fn, "__code__", None) or type(loss_fn)
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    """A model state entry's shape; None for a module's extra state (``get_extra_state``: any object, which has
+    none; it raised AttributeError in the load's check, an audit)."""
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
 def _as_loaded(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
