@@ -1520,3 +1520,13 @@ def test_lr_sweep_points_under_torchrun_is_the_one_process_sweep(tmp_path):
     assert len(ranks["lrs"]) >= 6 and ranks["lrs"] == pytest.approx(one["lrs"], rel=1e-12)
     assert ranks["losses"] == pytest.approx(one["losses"], rel=1e-4) and ranks["winner"] == one["winner"]
     assert ranks["max_lr"] == pytest.approx(one["max_lr"], rel=1e-6)
+
+
+def test_a_vmap_run_with_explored_dropout_is_refused_in_the_commands_words(tmp_path, capsys):
+    """`hdet train --mode vmap --explore dropout` was refused with the API's spelling only ("use mode='loop' or
+    'auto'"): the error now names the command's flag too."""
+    with pytest.raises(SystemExit) as e:
+        sys.exit(main(["train", *TINY, "--mode", "vmap", "--explore", "dropout", "--out", str(tmp_path / "o")]))
+    assert e.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("hdet: error:") and "--mode loop or auto" in last, last

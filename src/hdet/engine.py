@@ -255,14 +255,15 @@ class ReplicaEngine:
             if mode in ("vmap", "merged"):
                 raise ValueError(f"Expected no backward hooks under mode={mode!r}, but {hooked}: the vmapped or "
                                  "merged backward runs on the replicas' stacked tensors and never calls them; use "
-                                 "mode='loop' or 'auto'")
+                                 "mode='loop' or 'auto' (hdet train: --mode loop or auto)")
             self.mode = "loop"
         loop_why = f"{hooked} (the loop runs backward hooks)" if hooked and mode != "loop" else None
         unsafe = [h.name for h in self.schedulers[0].ensemble.hypers if not h.vmap_safe]
         if unsafe and self.mode != "loop":
             if mode in ("vmap", "merged"):
                 raise ValueError(f"Expected hyperparameters that vmap can batch, but {unsafe} live in the module's "
-                                 "Python state, which vmap shares across replicas: use mode='loop' or 'auto'")
+                                 "Python state, which vmap shares across replicas: use mode='loop' or 'auto' (hdet "
+                                 "train: --mode loop or auto)")
             self.mode = "loop"  # per-replica Python attributes (dropout p, ...) need one module call each
         self.before_optimizer_step = before_optimizer_step
         self.share_gradients = share_gradients
