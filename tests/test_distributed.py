@@ -1303,3 +1303,75 @@ def test_a_closed_runs_state_is_refused_inside_averaged_before_anything_is_set()
     for said, kept, closed, same_lr in check_ok(run_gloo(_closed_state_inside_averaged, 2)):
         assert said is not None and "load_state_dict() was called" in said
         assert kept == (2, False, True) and closed and same_lr
+
+
+def _guard_said(rank, world, given):
+    """Two steps of a DDP model under a fused AdamW whose scheduler gets ``given`` as ``model=`` ("ddp", "module" (the
+    model DDP wraps), "none" or "off" (no model, guard_gradients=False)); returns the guard installed and the warnings
+    that say there is none."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    kw = {"ddp": {"model": model}, "module": {"model": model.module}, "none": {},
+          "off": {"guard_gradients": False}}[given]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sched = hdet.HDETLR(opt, None, total_steps=10, model_sync_interval=5, ensemble_lr_spread_ratio=0.5, **kw)
+        for _ in range(2):
+            _square_step(model, opt, sched, rank)
+    sched.close()
+    return sched.gradient_guard, [str(w.message) for w in caught if "no gradient guard" in str(w.message)]
+
+
+@pytest.mark.parametrize("given", ["ddp", "module", "none", "off"])
+def test_a_scheduler_without_the_ddp_model_says_it_has_no_gradient_guard(given):
+    """`model=model.module` (the module `warm_init_` takes) or no `model=` left a DDP run without its gradient guard,
+    unsaid: one rank's NaN gradient reached every replica and the run stopped at the next converge step with a message
+    about non-finite weights (an audit). The first step says so now, once, on every rank; with the DDP model the guard
+    is on, and `guard_gradients=False` asks for none."""
+    res = check_ok(run_gloo(_guard_said, 2, given))
+    for installed, said in res:
+        if given == "ddp":
+            assert installed == "skip-all" and said == []
+        elif given == "off":
+            assert installed is None and said == []
+        else:
+            assert installed is None and len(said) == 1
+            assert ("model= was not given" if given == "none" else "model= is a Linear, not a "
+                    "DistributedDataParallel module") in said[0] and "guard_gradients=False" in said[0]
+
+
+def _shards_apart(rank, world, which):
+    """HSDP as 2 replicas x 2 shard ranks (replica rank // 2), every rank's LR 0.1 but ``which`` ranks' 0.2 (a value
+    each rank computed from its own shard, say); returns what the first converge step raised."""
+    from hdet.replicas import ProcessGroupReplicas
+    shards = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
+    reps = [torch.distributed.new_group([0, 2]), torch.distributed.new_group([1, 3])]
+    torch.manual_seed(100 + rank % 2)  # this rank's shard
+    m = nn.Linear(4, 2)
+    o = torch.optim.SGD(m.parameters(), lr=0.2 if rank in which else 0.1)
+    s = hdet.HDETLR(o, None, total_steps=10, model_sync_interval=2, ensemble_lr_spread_ratio=0.5, model=m,
+                    replicas=ProcessGroupReplicas(reps[rank % 2], shard_group=shards[rank // 2]))
+    try:
+        for _ in range(2):
+            _square_step(m, o, s, rank)
+    except Exception as e:  # noqa: BLE001 - what each rank raised
+        return type(e).__name__, str(e)
+    return None
+
+
+@pytest.mark.parametrize("which", [(1,), (1, 3)])
+def test_shard_ranks_of_one_replica_built_apart_are_refused_on_every_rank(which):
+    """Under HSDP the settings check compared each shard position across the replicas only: shard ranks of one
+    replica built with different values (an LR, a clipping norm, a weight decay each rank computed from its own
+    shard) trained halves of the replica at different values, silently, where the same mismatch between replicas is
+    an error; and where one replica's ranks alone differed, some ranks raised and the others went on into the next
+    collective (an audit). Every rank refuses at the first converge step now, naming the replica."""
+    res = check_ok(run_gloo(_shards_apart, 4, which))
+    apart = [0] if which == (1,) else [0, 1]
+    for r in res:
+        assert r is not None and r[0] == "ReplicaMismatchError", res
+        assert f"the shard ranks of replica(s) {apart}" in r[1], r[1]

@@ -1232,3 +1232,25 @@ def test_a_tensor_lr_stays_the_optimizers_tensor_through_reapply_and_close():
         s.step(torch.tensor(1.0))
     assert s.closed and o.param_groups[0]["lr"] is lr and isinstance(s.get_last_lr()[0], torch.Tensor)
     assert float(s.get_last_lr()[0]) == pytest.approx(s.base_lrs_now[0])
+
+
+def test_a_scheduler_stepped_on_every_micro_batch_says_gradient_accumulation():
+    """`sched.step(loss)` on each of k micro-batches of gradient accumulation (one optimizer step per k): the warning
+    named GradScaler and Accelerate only, and the error past the end advised raising total_steps (an audit): both
+    say now to step once per optimizer step."""
+    import warnings
+    net = nn.Linear(4, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    sched = hdet.OneCycleAutoLR(opt, max_lr=0.1, total_steps=4, model_sync_interval=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="under gradient accumulation call it once per optimizer step"):
+            for _ in range(4):
+                for micro in range(3):
+                    net(torch.randn(8, 4)).square().mean().div(3).backward()
+                    if micro == 2:
+                        opt.step()
+                        opt.zero_grad()
+                    sched.step(1.0)
+    said = [str(w.message) for w in caught if "no optimizer.step()" in str(w.message)]
+    assert len(said) == 1 and "Under gradient accumulation, call scheduler.step(loss) once per optimizer step" in said[0]

@@ -534,6 +534,9 @@ class Ensemble:
                 and self.is_control_step(t):
             probe = self.window_mean.probe(self.model, self.probe) / self._shards()  # (FSDP2: each shard rank of a
             # replica ran the same probe; the gather sums the entry over them, so their mean is what every one reads)
+        total, config = -1 if self.total_steps is None else self.total_steps, self.fingerprint()
+        key = zlib.crc32(json.dumps([c.seed, t, c.model_sync_interval, total, config]).encode())  # (the
+        # agreement fields as one number: its min and max over a replica's shard ranks tell whether they agree)
         vec = SyncVector(
             loss_sum=self.window.sum if self.window.sum is not None else zero,
             loss_n=self.window.finite if self.window.finite is not None else zero,
@@ -541,12 +544,12 @@ class Ensemble:
             nonfinite=self.window.count - (self.window.finite if self.window.finite is not None else zero),
             finite=finite, buf_inf=buf_inf, layout=layout_signature(every), ntensors=len(every), seed=c.seed,
             probe=probe, step=t, interval=c.model_sync_interval,
-            total_steps=-1 if self.total_steps is None else self.total_steps, config=self.fingerprint(),
+            total_steps=total, config=config,
             state_layout=self._state_layout(),
             start_ok=self.stability.start_health(self.kept_tensors() if self.stability.starting else None),
             start_sum=start_sum, start_n=start_n,
             weights=fingerprint(tensors, strict, dev) if self.stability.on else zero,  # (read by the guard alone)
-            memory=self.replicas.memory_layout(every),
+            memory=self.replicas.memory_layout(every), key=key, key_neg=-key,
         ).to_tensor(dev)
         if new_window:
             self.window.reset()

@@ -28,7 +28,7 @@ from .caller import user_stacklevel
 from .config import OPTIONS, HDETConfig, spreading
 from .controller import gamma_as_printed
 from .ensemble import Ensemble, SyncRecord
-from .guard import GuardSetting, ScalerWatch, SkipWatch, uncompiled, weak_method
+from .guard import GuardSetting, ScalerWatch, SkipWatch, resolve_guard, uncompiled, weak_method
 from .hyper import AdamBeta, Dropout, Hyperparameter, LabelSmoothing, check_explored
 from .loss_scale import LossScale
 from .optimizers import check_lr_groups, check_optimizer, check_shared_gradients, innermost
@@ -132,6 +132,7 @@ class HDETLR(LRScheduler):
                           stacklevel=user_stacklevel())
         _check_probe(config, probe, model)
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
+        self._replicas_given = replicas is not None  # (replicas=: the user's own group, DDP or not: _say_no_guard)
         params = [p for g in innermost(optimizer).param_groups for p in g["params"]]
         check_not_fsdp1(params, model)
         self._has_shards = any(is_sharded(p) for p in params)  # (FSDP2: writes need the model, to reshard it first)
@@ -172,6 +173,7 @@ class HDETLR(LRScheduler):
             # with none in between is what a prepared Accelerate scheduler does (num_processes calls per step)
             self._opt_steps = self._opt_steps_seen = 0
             self._warned_double_step = self._warned_missed_step = self._warned_epoch = self._checked_local = False
+            self._guard_said = False  # (the first step: no guard where one was asked for, said once: _say_no_guard)
             self._warned_cap = False  # (Adafactor's cap on its LR, said once: _check_capped_lr)
             self._weights_expected: float | None = None  # a loaded state's weights' fingerprint (expect_weights)
             self._weights_hook: Any = None
@@ -436,7 +438,9 @@ class HDETLR(LRScheduler):
                                          "the scaler skipped would explain it") +
                 ": keep calling scheduler.step() after each scaler.step(), as torch's AMP recipe does). HDET counts "
                 "optimizer steps: its converge steps and schedule now run ahead of training. A scheduler passed to "
-                "accelerator.prepare() does this (stepped num_processes times per optimizer step): do not prepare it",
+                "accelerator.prepare() is stepped num_processes times per optimizer step: do not prepare it. Under "
+                "gradient accumulation, call scheduler.step(loss) once per optimizer step, after optimizer.step(), "
+                "not on every micro-batch (total_steps counts optimizer steps)",
                 stacklevel=user_stacklevel())
         self._scale_version = version
         if self._guard.local and not self._checked_local:  # (once: it reads every parameter's optimizer state)
@@ -513,6 +517,31 @@ class HDETLR(LRScheduler):
             self.end_step()
         self._hdet.raise_hook_error()  # (an on_sync hook's, now that the step is complete)
 
+    def _say_no_guard(self) -> None:
+        """At the first step: a process group's replica whose gradient guard is asked for (``guard_gradients``, on by
+        default) but not installed because the scheduler never got a DDP module (``model=`` left out, or the module
+        DDP wraps: its ``.module``, the one ``warm_init_`` takes). Under DDP one rank's NaN gradient then reached every
+        replica through the all-reduce, and the run stopped, or went back and cut its LR, at the next converge step,
+        with no word why (an audit): said once, on every rank. Not for replicas the user built (``replicas=``: a group
+        of their own, which may share no gradients), nor where a DDP model was given (a guard that could not go on
+        there says why itself)."""
+        g = self._guard
+        model = self._hdet.model
+        if (g.installed is not None or g.waiting or g.device_mesh is not None or g.world_size < 2 or self._replicas_given
+                or isinstance(uncompiled(model), torch.nn.parallel.DistributedDataParallel)
+                or isinstance(self._hdet.replicas, LocalReplica)
+                or resolve_guard(g.guard, self.optimizer, advise=False, recovering=g.recovering) is None):
+            return
+        got = ("model= was not given" if model is None else
+               f"model= is a {type(uncompiled(model)).__name__}, not a DistributedDataParallel module (DDP(...) "
+               "returns one; its .module is the model inside)")
+        warnings.warn(f"hdet: no gradient guard on this replica: {got}. If the model is wrapped in DDP, one replica's "
+                      "NaN or Inf gradient reaches every replica through the gradients' all-reduce, and the run stops "
+                      "(or, with on_runaway='recover', goes back and cuts its LR) at the next converge step. Pass "
+                      "model= the DDP-wrapped model (or device_mesh= for FSDP2/HSDP; integrations call "
+                      "attach_model), or guard_gradients=False to run without the guard",
+                      stacklevel=user_stacklevel())
+
     def _check_epoch_counter(self, loss: float) -> None:
         """torch documents ``CosineAnnealingWarmRestarts.step(epoch + i / iters)``: under HDET that number was taken
         as the loss, silently (and the base, stepped once per optimizer step, counted steps). Three first losses in
@@ -554,6 +583,9 @@ class HDETLR(LRScheduler):
                              "with requires_grad=False; but DistributedDataParallel all-reduces only the gradients of "
                              "the parameters that required grad when it was built: unfrozen later, that group's "
                              "gradients stay each replica's own unless DDP is built again)")
+        if not self._guard_said:
+            self._guard_said = True
+            self._say_no_guard()
         self._check_optimizer_stepped()
         self._check_join()
         self._check_capped_lr(t)
@@ -647,7 +679,9 @@ class HDETLR(LRScheduler):
         scheduler was built for) why raising it did not help."""
         built = getattr(self, "_built_total_steps", self.total_steps)
         if built == self.total_steps:
-            return "raise total_steps or stop stepping"
+            return "raise total_steps or stop stepping" + (
+                " (scheduler.step() ran without an optimizer.step() before: under gradient accumulation call it once "
+                "per optimizer step, not on every micro-batch)" if self._warned_double_step else "")
         return (f"this scheduler was built with total_steps={built}, and the state it loaded keeps its run's length, "
                 f"{self.total_steps} (a resume cannot lengthen a run: start a new one from the checkpoint's weights, "
                 "or stop at the saved length)")

@@ -49,6 +49,8 @@ class SyncVector(NamedTuple):
     start_n: Any  # and 1 where it was finite (0: not kept, not observed, or not finite)
     weights: Any  # fingerprint of the weights (:func:`fingerprint`): equal on replicas that hold the same weights
     memory: Any  # hash of the collectives the converge step issues (Replicas.memory_layout): where the tensors lie
+    key: Any  # hash of (seed, step, interval, total_steps, config): min-reduced over a replica's shard ranks...
+    key_neg: Any  # ...and its negation, min-reduced too (minus the max): apart where the shard ranks disagree
 
     def to_tensor(self, dev: torch.device) -> torch.Tensor:
         """The 1-D float64 vector on ``dev`` (tensors stay on their device until this copy: no host sync; the
@@ -72,7 +74,7 @@ class SyncVector(NamedTuple):
 SHARD_SUM = tuple(SyncVector._fields.index(f) for f in ("loss_sum", "loss_n", "observed", "buf_inf", "loss_sq",
                                                         "start_sum", "start_n", "probe", "weights"))  # (probe: each
 # rank's / shards; weights: a replica's is its shards')
-SHARD_MIN = (SyncVector._fields.index("finite"), SyncVector._fields.index("start_ok"))
+SHARD_MIN = tuple(SyncVector._fields.index(f) for f in ("finite", "start_ok", "key", "key_neg"))
 SHARD_MAX = (SyncVector._fields.index("nonfinite"),)
 
 
@@ -222,6 +224,16 @@ def check_agreement(t: int, col: SyncVector, state: bool = False) -> None:
     """Every replica must be at the same step of the same run: same layout, seed, step, T, total_steps and
     settings (and, ``state``: its optimizer state averaged, the same parameters holding it). Averaging replicas
     that disagree would be silently wrong."""
+    apart = [r for r, (lo, neg) in enumerate(zip(col.key, col.key_neg)) if lo != -neg]
+    if apart:  # (first: the other fields are compared shard position by shard position, and a rank that
+        # raised there alone would leave the others in the averaging's collectives)
+        raise ReplicaMismatchError(
+            f"At the converge step after optimizer step {t} the shard ranks of replica(s) {apart} (FSDP2/HSDP: one "
+            "replica's ranks along the mesh's shard dimension) disagree on their optimizer steps, model_sync_interval, "
+            "total_steps, seed or settings (the HDET options, explored hyperparameters and schedules): halves of one "
+            "replica would train with different values. Nothing was averaged. Build every rank's scheduler with the "
+            "same settings (a value computed on each rank from its own shard of the gradients or weights differs by "
+            "shard) and resume every rank from the same checkpoint step.")
     if len(set(zip(col.layout, col.ntensors))) > 1:
         raise ReplicaMismatchError(
             f"At sync step {t} the replicas hold different tensors to average "
