@@ -932,6 +932,14 @@ class GuardSetting:
             elif self.hook is not None:  # (another scheduler took it over meanwhile: this one waits for it)
                 self.hook, self.installed, self.watch, self._waiting = None, None, None, model
 
+    def missing(self, model: Any) -> bool:
+        """Whether a guard asked for (``guard_gradients``) is off only because ``model`` is no DDP module: with
+        several replicas and no device mesh, where :meth:`_install` would have put one on a DDP model (nothing
+        installed, none waiting for another scheduler's). Read by the scheduler's first step, which says so."""
+        return (self.installed is None and not self.waiting and self.device_mesh is None and self.world_size > 1
+                and not isinstance(uncompiled(model), torch.nn.parallel.DistributedDataParallel)
+                and resolve_guard(self.guard, self.optimizer, advise=False, recovering=self.recovering) is not None)
+
     def install(self, model: Any) -> None:
         """Install the guard on ``model`` (once); an install that fails (a "skip" guard on a non-fused optimizer, a
         "hook" with a device mesh) takes back the forward pre-hook it put on."""

@@ -28,7 +28,7 @@ from .caller import user_stacklevel
 from .config import OPTIONS, HDETConfig, spreading
 from .controller import gamma_as_printed
 from .ensemble import Ensemble, SyncRecord
-from .guard import GuardSetting, ScalerWatch, SkipWatch, resolve_guard, uncompiled, weak_method
+from .guard import GuardSetting, ScalerWatch, SkipWatch, uncompiled, weak_method
 from .hyper import AdamBeta, Dropout, Hyperparameter, LabelSmoothing, check_explored
 from .loss_scale import LossScale
 from .optimizers import check_lr_groups, check_optimizer, check_shared_gradients, innermost
@@ -527,10 +527,7 @@ class HDETLR(LRScheduler):
         there says why itself)."""
         g = self._guard
         model = self._hdet.model
-        if (g.installed is not None or g.waiting or g.device_mesh is not None or g.world_size < 2 or self._replicas_given
-                or isinstance(uncompiled(model), torch.nn.parallel.DistributedDataParallel)
-                or isinstance(self._hdet.replicas, LocalReplica)
-                or resolve_guard(g.guard, self.optimizer, advise=False, recovering=g.recovering) is None):
+        if self._replicas_given or isinstance(self._hdet.replicas, LocalReplica) or not g.missing(model):
             return
         got = ("model= was not given" if model is None else
                f"model= is a {type(uncompiled(model)).__name__}, not a DistributedDataParallel module (DDP(...) "
