@@ -1093,7 +1093,9 @@ def hsdp_finish(rank, world):
 def swap_average(rank, world, *, nan_rank=None, mesh_shape=None):
     """Seven steps of 20 (T = 5), then ``with s.averaged():`` between converge steps: every rank's model holds the
     replicas' mean (of the finite ones), training calls are refused inside, and each rank's own weights come back
-    exactly, BatchNorm's ``num_batches_tracked`` too after a forward in training mode inside; at converge step 10 nothing is averaged (no collective), and after an optimizer step without
+    exactly, BatchNorm's ``num_batches_tracked`` too after a forward in training mode inside; at converge step 10
+    nothing is averaged (no collective) in a model without floating-point buffers, and the BatchNorm model's are (a
+    training forward may have moved them since), then after a training forward; after an optimizer step without
     ``s.step()`` it is again. ``mesh_shape``: FSDP2/HSDP replicas on a ("replicate", "shard") mesh, without BatchNorm."""
     if mesh_shape is not None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -1155,6 +1157,19 @@ def swap_average(rank, world, *, nan_rank=None, mesh_shape=None):
     with s.averaged() as out["changed_at_sync"]:
         out["equal_at_sync"] = torch.equal(flat(), at_sync)
     out["calls_at_sync"] = list(calls)
+    if mesh_shape is None:  # a training forward since the converge step (a gradient accumulation's micro-batch
+        with model.no_sync():  # before a validation): each rank's BatchNorm statistics moved on their own
+            nn.functional.mse_loss(*(lambda x, y: (model(x), y))(*batch(rank, 12))).backward()
+        own = flat()
+        every = [torch.empty_like(own) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, own, group=group)
+        with s.averaged():
+            out["mean_after_a_forward"] = torch.allclose(flat().double(), sum(e.double() for e in every) / len(every),
+                                                         rtol=1e-6, atol=1e-7)
+            out["apart_after_a_forward"] = not all(torch.equal(every[0], e) for e in every[1:])
+        out["restored_after_a_forward"] = torch.equal(flat(), own)
+        o.zero_grad()
+    calls.clear()
     x, y = batch(rank, 11)
     o.zero_grad()
     nn.functional.mse_loss(model(x), y).backward()

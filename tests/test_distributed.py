@@ -1000,15 +1000,23 @@ def test_averaged_puts_the_replicas_mean_in_for_an_evaluation_and_puts_each_back
     mesh): every rank holds the mean of the replicas' weights and BatchNorm statistics (a replica with a NaN weight
     left out), training calls are refused inside with SwappedInError, and each rank's own weights (the NaN too) come
     back bit for bit, and BatchNorm's num_batches_tracked after a forward in training mode inside (an audit: it kept
-    the batch counted, and under momentum=None the statistics after it were weighted by it). Right after a converge step nothing is averaged and no collective runs; after an optimizer step
-    without scheduler.step() the replicas differ again, and it averages."""
+    the batch counted, and under momentum=None the statistics after it were weighted by it). Right after a converge
+    step nothing is averaged and no collective runs where the model has no floating-point buffers; BatchNorm's are
+    averaged there (a training forward since the converge step, a gradient accumulation's micro-batch before a
+    validation, moved each rank's apart: an audit). After an optimizer step without scheduler.step() the replicas
+    differ again, and it averages."""
     for r in check_ok(run_gloo(_swap_average, world, nan_rank, mesh_shape)):
         assert r["changed"] and r["apart"] and r["inside_is_mean"] and r["restored"] and r["counts_restored"], r
         assert r["refused"] == ["hdet: optimizer.step() was called", "hdet: scheduler.step() was called",
                                 "hdet: finish() was called", "hdet: swap_in_average() was called again"], r
         assert not r["swapped_after"]
-        if nan_rank is None:
+        if nan_rank is None and mesh_shape is not None:  # (no buffers)
             assert r["changed_at_sync"] is False and r["equal_at_sync"] and r["calls_at_sync"] == [], r
+        if nan_rank is None and mesh_shape is None:  # BatchNorm: averaged at a converge step too (an audit: a
+            # validation after a gradient accumulation's micro-batch measured each rank's own statistics)
+            assert r["changed_at_sync"] and r["equal_at_sync"] and r["calls_at_sync"] == ["gather", "average"], r
+            assert r["apart_after_a_forward"] and r["mean_after_a_forward"] and r["restored_after_a_forward"], r
+        if nan_rank is None:
             assert r["changed_after_a_step"] and r["calls"] == ["gather", "average"], r
 
 

@@ -804,7 +804,9 @@ def test_engine_averaged_evaluates_the_replicas_mean_and_training_goes_on_unchan
     """`with engine.averaged(): evaluate(engine.models[0])` after step 7 of 20 (T = 5), one replica's weight NaN:
     every replica holds the mean of the finite replicas' weights and BatchNorm statistics, step() and finish() are
     refused inside, every replica's own weights (the NaN too) come back bit for bit, BatchNorm's num_batches_tracked
-    too after a forward in training mode inside, and the run goes on exactly as one that never evaluated; right after the converge step at 10 nothing changes."""
+    too after a forward in training mode inside, and the run goes on exactly as one that never evaluated; right after
+    the converge step at 10 every replica is the same, and after a forward in training mode since (BatchNorm's
+    statistics moved apart) the mean again."""
     from hdet.engine import ReplicaEngine
 
     def run(evaluate):
@@ -846,15 +848,28 @@ def test_engine_averaged_evaluates_the_replicas_mean_and_training_goes_on_unchan
                     seen["equal_at_sync"] = all(torch.equal(flat(m), a) for m, a in zip(eng.models, at_sync))
                     with torch.no_grad():  # (right after the converge step too: each replica's own back, a review)
                         eng.models[2](torch.randn(8, 4))
+                kept = [copy.deepcopy(m.state_dict()) for m in eng.models]
+                with torch.no_grad():  # a forward in training mode since the converge step moves each replica's
+                    for m in eng.models:  # BatchNorm statistics apart (a gradient accumulation's micro-batch)
+                        m(torch.randn(8, 4))
+                own = [flat(m) for m in eng.models]
+                with eng.averaged():
+                    seen["after_a_forward"] = [flat(m) for m in eng.models]
+                seen["mean_after_a_forward"] = sum(own) / 3
+                seen["restored_after_a_forward"] = all(torch.equal(flat(m), o) for m, o in zip(eng.models, own))
+                for m, k in zip(eng.models, kept):
+                    m.load_state_dict(k)
         counts = [int(m[1].num_batches_tracked) for m in eng.models]
         return [flat(m) for m in eng.models], seen, counts
 
     with one_thread():
         plain, _, plain_counts = run(False)
         done, seen, counts = run(True)
-    assert seen["changed"] and seen["restored"] and seen["changed_at_sync"] is False and seen["equal_at_sync"]
+    assert seen["changed"] and seen["restored"] and seen["equal_at_sync"] and seen["restored_after_a_forward"]
     for inside in seen["inside"]:
         torch.testing.assert_close(inside, seen["mean"], rtol=1e-6, atol=1e-7)
+    for inside in seen["after_a_forward"]:  # (each replica's own statistics, without a swap: an audit)
+        torch.testing.assert_close(inside, seen["mean_after_a_forward"], rtol=1e-6, atol=1e-7)
     assert all(torch.equal(a, b) for a, b in zip(done, plain))
     assert counts == plain_counts == [20] * 3  # (the forward inside counted no batch: an audit)
 

@@ -763,14 +763,17 @@ class ReplicaEngine:
         """Put the replicas' average into every replica, to evaluate (or save) the model the ensemble is building
         between converge steps: :meth:`hdet.HDETLR.swap_in_average` for the N replicas at once (the finite replicas'
         mean of the parameters and floating-point buffers, each replica's own kept aside: N copies). Right after a
-        converge step nothing changes. Until :meth:`swap_back`, :meth:`step` and :meth:`finish` raise
+        converge step nothing changes in a model without floating-point buffers (BatchNorm's are averaged: a forward
+        in training mode since moves them apart). Until :meth:`swap_back`, :meth:`step` and :meth:`finish` raise
         :class:`hdet.SwappedInError`. Returns whether the weights changed. HOST SYNC: one read of N flags."""
         self._swap.check("swap_in_average() was called again")
         ens = [s.ensemble for s in self.schedulers]
         lists = [e.model_tensors() for e in ens]
         t = self.steps_taken
         finite = None
-        if self.num_replicas > 1 and not (t > 0 and (ens[0].is_sync_step(t) or self._finished_at() == t)):
+        equal = t > 0 and (ens[0].is_sync_step(t) or self._finished_at() == t) and all(all(s) for _, s in lists)
+        if self.num_replicas > 1 and not equal:  # (floating-point buffers: a forward since the converge step may have
+            # moved them apart, as a micro-batch of a DDP run's gradient accumulation did: an audit)
             dev = self.group.device
             oks = [health(ts, strict, dev)[0] if ts else torch.ones((), dtype=torch.bool, device=dev)
                    for ts, strict in lists]

@@ -772,7 +772,8 @@ class HDETLR(LRScheduler):
         (label smoothing, an attention temperature, ...) are set to their base, the ensemble's value, meanwhile.
         Without it an evaluation between converge steps measures each rank's own replica on its share of the data. Every replica must call
         it, after ``scheduler.step()``; right after a converge step (or ``finish()``) the replicas are equal and it
-        changes nothing, with no collective. Until :meth:`swap_back`, ``optimizer.step()``, ``scheduler.step()``
+        changes nothing, with no collective, in a model without floating-point buffers (BatchNorm's are averaged
+        again: a training forward since, a gradient accumulation's micro-batch, moved them apart). Until :meth:`swap_back`, ``optimizer.step()``, ``scheduler.step()``
         and ``finish()`` raise :class:`hdet.SwappedInError`. Returns whether the weights changed. The integrations
         call it around evaluations and the checkpoints saved with them. COLLECTIVES: one all_gather of one float64
         (a HOST SYNC), then one all_reduce per bucket."""
@@ -792,7 +793,9 @@ class HDETLR(LRScheduler):
         tensors, strict = ens.model_tensors()
         also = ens.also_tensors()  # (averaged in place and left so: also_average)
         finite = None
-        equal = self._opt_steps == self._opt_steps_seen and t > 0 and (ens.is_sync_step(t) or self._finished_at == t)
+        equal = self._opt_steps == self._opt_steps_seen and t > 0 and (ens.is_sync_step(t) or self._finished_at == t) \
+            and all(strict)  # (floating-point buffers: a training forward since the converge step, a gradient
+        # accumulation's micro-batch before a validation, moved each replica's BatchNorm statistics apart: an audit)
         if ens.replicas.world_size > 1 and (ens.also_apart or not equal):  # (equal: a converge step, no step since;
             # also_apart: a module registered since)
             dev = ens.replicas.comm_device(tensors[0].device if tensors else None)

@@ -132,7 +132,8 @@ class HDETCallback(Callback):
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         """A validation measures the ensemble's average (:meth:`hdet.HDETLR.swap_in_average`, on every rank, explored
-        values at their base; nothing to swap right after a converge step or ``fit``): between converge steps each
+        values at their base; nothing to swap right after a converge step or ``fit`` but BatchNorm's statistics, which a gradient
+        accumulation's micro-batch since may have moved): between converge steps each
         rank's module is its own replica, and the logged metrics (and what ``ModelCheckpoint(monitor=...)`` and
         ``EarlyStopping`` read) were a mix of them, each on its share of the validation data. Not in the sanity check
         before training."""
