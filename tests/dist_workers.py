@@ -63,12 +63,13 @@ class Probe:
 def train(rank, world, *, steps=40, alpha=0.0, T=10, auto=False, warm=10, use_hdet=True, seed_model=0,
           uneven_rng=False, check_syncs=False, save_at=None, ckpt_dir=None, resume_from=None, opt="adam",
           loss_scale=0.05, controller="paper", contiguous=False, local=False, explore_wd=False, fused=False,
-          load_rank=None):
+          load_rank=None, sched_first=False):
     """DDP training of make_model() on rank-specific batches; returns a dict of observations.
     ``contiguous``: parameters laid out in one flat buffer (hdet.contiguous_parameters_); ``local``: DDP's
     no_sync() on every step (no gradient all-reduce between converge steps); ``explore_wd``: Adam's weight
     decay explored too (hdet.WeightDecay); ``fused``: fused Adam (the 'skip' guard); ``resume_from``: a
-    folder, or one folder per rank; ``load_rank``: every rank loads this rank's checkpoint."""
+    folder, or one folder per rank; ``load_rank``: every rank loads this rank's checkpoint; ``sched_first``: the
+    scheduler's state loaded before the optimizer's. ``stepped``: each optimizer step's LR and weight decay."""
     model = make_model(seed_model)
     if contiguous:
         hdet.contiguous_parameters_(model)
@@ -80,6 +81,7 @@ def train(rank, world, *, steps=40, alpha=0.0, T=10, auto=False, warm=10, use_hd
         o = dadaptation.DAdaptAdam(ddp.parameters(), lr=1.0, decouple=True, weight_decay=0.01)
     else:
         o = torch.optim.Adam(ddp.parameters(), lr=0.01, fused=fused or None, **kw) if opt == "adam" else \
+            torch.optim.AdamW(ddp.parameters(), lr=0.01, **kw) if opt == "adamw" else \
             torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     if use_hdet:
         s = hdet.OneCycleAutoLR(o, max_lr=0.02, total_steps=steps, ensemble_lr_spread_ratio=alpha,
@@ -95,12 +97,18 @@ def train(rank, world, *, steps=40, alpha=0.0, T=10, auto=False, warm=10, use_hd
         ck = torch.load(os.path.join(folder, f"rank{rank if load_rank is None else load_rank}.pt"),
                         weights_only=True)
         model.load_state_dict(ck["model"])
+        if sched_first:
+            s.load_state_dict(ck["sched"])
         o.load_state_dict(ck["opt"])
-        s.load_state_dict(ck["sched"])
+        if not sched_first:
+            s.load_state_dict(ck["sched"])
         start = ck["step"]
     obs = {"lrs": [s.get_last_lr()[0]], "equal_after_sync": [], "differ_before_sync": [],
            "mults_after_control": [], "rng_untouched": True, "nbt": None,
-           "wd": [o.param_groups[0].get("weight_decay")], "wd_hdet": [s.hyperparameters if use_hdet else None]}
+           "wd": [o.param_groups[0].get("weight_decay")], "wd_hdet": [s.hyperparameters if use_hdet else None],
+           "stepped": []}
+    o.register_step_post_hook(lambda opt, *_: obs["stepped"].append((opt.param_groups[0]["lr"],
+                                                                     opt.param_groups[0].get("weight_decay"))))
     for t in range(start + 1, steps + 1):
         x, y = batch(rank, t)
         with ddp.no_sync() if local else contextlib.nullcontext():

@@ -176,7 +176,8 @@ class HDETLR(LRScheduler):
             self._guard_said = False  # (the first step: no guard where one was asked for, said once: _say_no_guard)
             self._warned_cap = False  # (Adafactor's cap on its LR, said once: _check_capped_lr)
             self._weights_expected: float | None = None  # a loaded state's weights' fingerprint (expect_weights)
-            self._weights_hook: Any = None
+            self._values_loaded: tuple[list[float], list[float]] | None = None  # a load's LRs and explored values
+            self._weights_hook: Any = None  # (both checked at the first optimizer step after the load: _after_load)
             self._finished_at: int | None = None  # the step finish() averaged the replicas after
             self._closed = False  # close(): its hooks off, done
             self._swap = AverageSwap()  # this replica's own weights while the ensemble's average is in (swap_in_average)
@@ -946,6 +947,16 @@ class HDETLR(LRScheduler):
             self.close()
         if self.last_epoch > 0 and not self._closed:  # a resumed run has taken steps: a stall right after it is one
             self._guard.resumed()  # (the guards' watches)
+        if not self._closed:
+            self._expect_values()
+
+    def _expect_values(self) -> None:
+        """Keep this replica's LRs and explored values as the load set them, to set them again at the first optimizer
+        step if an optimizer state loaded since replaced them: rank 0's checkpoint loaded on every rank, scheduler
+        first (its param groups hold rank 0's LR and weight decay), trained every replica's first resumed step at
+        replica 0's values, silently (an audit: weights 1.4e-2 off at the end). Torch's order-free resume holds."""
+        self._values_loaded = ([_float(lr) for lr in _lrs_of(self.optimizer)], [h.get() for h in self._hdet.hypers])
+        self._hook_after_load()
 
     def expect_weights(self, fingerprint: float) -> None:
         """Say (a warning) if this replica's weights at the next optimizer step are not those whose fingerprint
@@ -953,10 +964,26 @@ class HDETLR(LRScheduler):
         ``DistributedDataParallel(...)`` was built is overwritten by rank 0's (its constructor broadcasts them), and the
         resumed run went on from rank 0's replica on every rank, silently (an audit). One HOST SYNC, at that step."""
         self._weights_expected = fingerprint
-        if self._weights_hook is None:  # (taken off at the next scheduler step: not from inside the
-            self._weights_hook = innermost(self.optimizer).register_step_pre_hook(weak_method(self._check_weights))  # hooks' loop)
+        self._hook_after_load()
 
-    def _check_weights(self, *_: Any) -> None:
+    def _hook_after_load(self) -> None:
+        if self._weights_hook is None:  # (taken off at the next scheduler step: not from inside the hooks' loop)
+            self._weights_hook = innermost(self.optimizer).register_step_pre_hook(weak_method(self._after_load))
+
+    def _after_load(self, *_: Any) -> None:
+        """At the first optimizer step after a load: this replica's values as the load set them (:meth:`_expect_values`),
+        then its weights (:meth:`expect_weights`)."""
+        values, self._values_loaded = self._values_loaded, None
+        if values is not None and not self._closed:
+            lrs, hypers = values
+            now = [_float(lr) for lr in _lrs_of(self.optimizer)]  # (HOST SYNC where an LR is a tensor, once)
+            if now != lrs or [h.get() for h in self._hdet.hypers] != hypers:
+                self.reapply()  # (the base schedule's value again: OneCycleLR reads max_lr from the groups loaded)
+                for h, v in zip(self._hdet.hypers, hypers):
+                    h.set(v)
+        self._check_weights()
+
+    def _check_weights(self) -> None:
         expected, self._weights_expected = self._weights_expected, None
         if expected is None:
             return
@@ -972,7 +999,9 @@ class HDETLR(LRScheduler):
                           "there), or not loaded", stacklevel=user_stacklevel())
 
     def _unexpect_weights(self) -> None:
-        """The weights' check taken off once it has run (at a scheduler step)."""
+        """The weights' check taken off once it has run (at a scheduler step: the values' check too, the step sets
+        them)."""
+        self._values_loaded = None
         if self._weights_hook is not None and self._weights_expected is None:
             self._weights_hook.remove()
             self._weights_hook = None
