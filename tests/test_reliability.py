@@ -1760,6 +1760,43 @@ def test_a_one_cycle_state_loaded_with_another_max_lr_says_so(max_lr, warned):
         s2.load_state_dict(state)
     said = [str(w.message) for w in caught if "schedule gave" in str(w.message)]
     assert bool(said) == warned and (not said or "OneCycleLR's base_lrs[0] 0.0004" in said[0]), said
+    if warned:
+        assert "or load the saved optimizer state after this" in said[0]
+
+
+def test_a_one_cycle_state_loaded_after_its_optimizer_with_another_max_lr_resumes_the_saved_run_unsaid():
+    """OneCycleLR reads max_lr and initial_lr from the param groups: the saved optimizer state loaded first gives them
+    back, and the run resumes exactly, but the check compared the base_lrs it was built with and said it would not
+    (an audit): the groups' are compared now."""
+    def build(peak):
+        torch.manual_seed(0)
+        m = nn.Linear(3, 1)
+        o = torch.optim.AdamW(m.parameters(), lr=peak)
+        return m, o, hdet.OneCycleAutoLR(o, max_lr=peak, total_steps=30, model_sync_interval=5,
+                                         ensemble_lr_spread_ratio=0.3)
+
+    def steps(m, o, s, n):
+        lrs = []
+        for t in range(n):
+            o.zero_grad()
+            m(torch.full((4, 3), 0.1 * t)).pow(2).mean().backward()
+            o.step()
+            s.step(1.0)
+            lrs.append(o.param_groups[0]["lr"])
+        return lrs
+
+    m, o, s = build(0.01)
+    steps(m, o, s, 12)
+    saved = roundtrip({"m": m.state_dict(), "o": o.state_dict(), "s": s.state_dict()})
+    full = steps(m, o, s, 10)
+    m2, o2, s2 = build(0.02)
+    m2.load_state_dict(saved["m"])
+    o2.load_state_dict(saved["o"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s2.load_state_dict(saved["s"])
+    assert not [w for w in caught if "schedule gave" in str(w.message)]
+    assert steps(m2, o2, s2, 10) == full and torch.equal(m2.weight, m.weight)
 
 
 def _scaled_run(stop=None, state=None, steps=25, nan_at=12):

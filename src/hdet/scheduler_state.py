@@ -78,7 +78,8 @@ def _said_if_rebuilt_differently(s: "HDETLR", hdet_state: dict[str, Any], built:
                       f"step {s.last_epoch}, and this scheduler's gives {', '.join(f'{b:.6g}' for _, _, b in moved)}: "
                       "it was built with another base schedule (max_lr, a callable, an explored value's schedule=), "
                       "and the resumed run does not follow the saved run's. Build it as the saved run was to resume "
-                      "that run")
+                      "that run" + (" (or load the saved optimizer state after this: OneCycleLR reads max_lr and "
+                                    "initial_lr from its param groups)" if isinstance(s._base, OneCycleLR) else ""))
     spreads = hdet_state.get("hyper_spreads")
     if isinstance(spreads, list) and len(spreads) == len(ens.hypers):
         changed = [(h.name, old, _spread(h)) for h, old in zip(ens.hypers, spreads) if list(old) != _spread(h)]
@@ -153,7 +154,9 @@ def load(s: "HDETLR", state: dict[str, Any], parsed: dict[str, Any] | None = Non
                       stacklevel=user_stacklevel())
     s._finished_at = state.get("_finished_at")  # (None in states before it, and when finish() never ran)
     s._guard.load_state_dict(state.get("guard"))  # (states before it have none: the guard's resumed() rule)
-    built = list(getattr(s._base, "base_lrs", None) or [])  # the base scheduler's own, as built here
+    built = list(getattr(s._base, "base_lrs", None) or [])  # the base scheduler's own, as built here (OneCycleLR's
+    if isinstance(s._base, OneCycleLR):  # from the param groups, which it reads: an optimizer loaded before this holds
+        built = [float(torch.as_tensor(g.get("initial_lr", b)).item()) for g, b in zip(s.optimizer.param_groups, built)]  # the saved run's)
     if s._base is not None:
         _load_base(s, state)
         _cycled_momentum(s._base)
