@@ -1681,6 +1681,13 @@ def test_an_engine_state_whose_optimizer_part_does_not_load_loads_nothing(mode):
         sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
         assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
     adam.step(batches[1], loss_fn, stacked=True)
+    sgd_before = copy.deepcopy(sgd.state_dict())  # the other way: torch loads AdamW's groups into SGD, without its
+    with pytest.raises(ValueError, match=r"into its SGD, but it did not \(KeyError.*lack \['dampening', 'momentum'"):
+        sgd.load_state_dict(adam.state_dict())  # momentum (its step raised a bare KeyError: an audit)
+    for a, b in zip(sgd_before["replicas"], sgd.state_dict()["replicas"]):
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+        assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    sgd.step(batches[3], loss_fn, stacked=True)
 
 
 def test_engine_state_of_a_model_with_extra_state_resumes_exactly():

@@ -941,14 +941,19 @@ class ReplicaEngine:
 
     def _load_optimizers(self, states: list[Any]) -> None:
         """Each replica's optimizer state, or none: one that fails to load (another optimizer's state: torch's
-        ``KeyError: 'step'`` for SGD's into AdamW, after replica 0's model was loaded, an audit) puts back every
+        ``KeyError: 'step'`` for SGD's into AdamW, after replica 0's model was loaded, an audit; AdamW's into SGD, whose
+        param groups then lack SGD's options, loads in torch and failed at the step) puts back every
         optimizer loaded so far, and a ValueError says which. The stacked step takes the loaded states in at its next
         step."""
         olds: list[dict[str, Any]] = []
         for r, (o, st) in enumerate(zip(self.optimizers, states)):
             olds.append(o.state_dict())  # (its own tensors: a load replaces them, it does not write into them)
+            keys = {k for g in o.param_groups for k in g}  # (its own options, as its groups hold them)
             try:
                 o.load_state_dict(st)
+                lacks = sorted({k for g in o.param_groups for k in keys if k not in g})
+                if lacks:  # (AdamW's into SGD: torch loads it, and its step raised a bare KeyError: 'momentum', an
+                    raise KeyError(f"its param groups lack {lacks}")  # audit)
             except Exception as e:
                 for q, old in zip(self.optimizers, olds):
                     q.load_state_dict(old)

@@ -954,7 +954,11 @@ class HDETLR(LRScheduler):
         """Keep this replica's LRs and explored values as the load set them, to set them again at the first optimizer
         step if an optimizer state loaded since replaced them: rank 0's checkpoint loaded on every rank, scheduler
         first (its param groups hold rank 0's LR and weight decay), trained every replica's first resumed step at
-        replica 0's values, silently (an audit: weights 1.4e-2 off at the end). Torch's order-free resume holds."""
+        replica 0's values, silently (an audit: weights 1.4e-2 off at the end). Torch's order-free resume holds. Not
+        for a ReplicaEngine's replicas: the engine loads the optimizers first (and a hook would keep its stacked step
+        off)."""
+        if isinstance(self._hdet.replicas, LocalReplica):
+            return
         self._values_loaded = ([_float(lr) for lr in _lrs_of(self.optimizer)], [h.get() for h in self._hdet.hypers])
         self._hook_after_load()
 
