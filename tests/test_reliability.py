@@ -1700,12 +1700,13 @@ def test_local_mode_a_reset_replica_takes_the_healthy_step_count_with_their_mome
     assert [s for t, _, s in res[1]["out"] if t == 7] == [2.0]  # (the skipped steps, before the reset)
 
 
-def _resumed_into(base, explore, state=None, steps=7):
-    """An HDETLR (one replica, alpha 0.3) over ``base``, with ``explore(opt)``; ``state``: loaded (its warnings
-    returned), else ``steps`` steps taken and its state returned."""
+def _resumed_into(base, explore, state=None, steps=7, lambda_lr=False):
+    """An HDETLR (one replica, alpha 0.3) over ``base`` (``lambda_lr``: a LambdaLR over it), with ``explore(opt)``;
+    ``state``: loaded (its warnings returned), else ``steps`` steps taken and its state returned."""
     torch.manual_seed(0)
     m = nn.Linear(3, 1)
     o = torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.01)
+    base = torch.optim.lr_scheduler.LambdaLR(o, base) if lambda_lr else base
     s = hdet.HDETLR(o, base, total_steps=100, model_sync_interval=5, ensemble_lr_spread_ratio=0.3, explore=explore(o))
     if state is None:
         for _ in range(steps):
@@ -1737,6 +1738,18 @@ def test_a_state_loaded_into_a_scheduler_built_with_another_schedule_or_spread_s
     # "from its next sync on", where the next step's values were already the new spread's: an audit)
     said, _ = _resumed_into(lambda t: 0.05 * (1 - t / 100), wd(schedule=lambda t: 0.1), state)
     assert any("schedule gave weight_decay/0 0.01" in m for m in said) and any("explored spreads" in m for m in said)
+    # a schedule rebuilt otherwise that agrees at the saved step (a linear decay as a cosine one crossing it there,
+    # or another end): said from the saved state's probe of the schedule over the run (an audit: unsaid before)
+    said, _ = _resumed_into(lambda t: 0.05 * (1 - 7 / 100) * (1 + math.cos(math.pi * t / 100)) /
+                            (1 + math.cos(math.pi * 7 / 100)), wd(), state)
+    assert len(said) == 1 and "base schedule gave [0.05] at step 0" in said[0], said
+    said, _ = _resumed_into(lambda t: 0.05 * (1 - t / 100) if t < 50 else 0.0, wd(), state)
+    assert len(said) == 1 and "[0.0125] at step 75" in said[0] and "gives [0.0]" in said[0], said
+    state = _resumed_into(lambda t: 1 - t / 100, wd(), lambda_lr=True)
+    said, _ = _resumed_into(lambda t: 1 - t / 100, wd(), state, lambda_lr=True)
+    assert said == []
+    said, _ = _resumed_into(lambda t: 1 - t / 200 - 7 / 200, wd(), state, lambda_lr=True)
+    assert len(said) == 1 and "base schedule gave [0.05] at step 0" in said[0], said
 
 
 @pytest.mark.parametrize("max_lr, warned", [(0.01, False), (0.1, True)])

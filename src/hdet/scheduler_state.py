@@ -43,6 +43,9 @@ def state_dict(s: "HDETLR") -> dict[str, Any]:
     state["loss_scale_kept"] = s._loss_scale.kept_value()  # a GradScaler's scale at the last healthy sync (host read)
     state["closed"] = s.closed  # (a run closed before its end, after finish(), loads closed: HDETLR.load_state_dict)
     state["guard"] = s._guard.state_dict()  # the gradient guard's stall counts (HOST SYNC: its skip counter)
+    probe = schedule_probe(s, s.total_steps)
+    if probe is not None:
+        state["schedule_probe"] = probe
     weights = s.ensemble.weights_fingerprint()  # (HOST SYNC) under a process group: checked at the first optimizer
     if weights is not None:  # step after a load (HDETLR.expect_weights)
         state["weights"] = weights
@@ -50,12 +53,32 @@ def state_dict(s: "HDETLR") -> dict[str, Any]:
     return state
 
 
+def schedule_probe(s: "HDETLR", total: int, steps: list[int] | None = None) -> list[list[Any]] | None:
+    """The base schedule at nine steps over the run (0, total/8, ..., total), or at ``steps``: ``[[t, [value per
+    group]], ...]``, for a base that is a function of the step (a callable, a ``LambdaLR``); None otherwise, or where
+    the schedule cannot be evaluated there (it raised). A state holds it, and a load compares the rebuilt schedule at
+    the same steps: a linear decay rebuilt as a cosine one to the same end, which agrees at the saved step, resumed
+    on the cosine unsaid (an audit)."""
+    steps = sorted({round(k * total / 8) for k in range(9)}) if steps is None else steps
+    try:
+        out = []
+        for t in steps:
+            values = s._base_at(t)
+            if values is None:
+                return None
+            out.append([int(t), [float(v) for v in values]])
+        return out
+    except Exception:  # (a user's schedule defined on part of the range: no probe, nothing compared)
+        return None
+
+
 def _spread(h: Any) -> list[Any]:
     """An explored hyperparameter's spread as plain data: kind, alpha, bounds, and whether it has a schedule."""
     return [h.spread.kind, float(h.spread.alpha), [float(b) for b in h.spread.bounds], h.schedule is not None]
 
 
-def _said_if_rebuilt_differently(s: "HDETLR", hdet_state: dict[str, Any], built: list[float], saved_base: Any) -> None:
+def _said_if_rebuilt_differently(s: "HDETLR", hdet_state: dict[str, Any], built: list[float], saved_base: Any,
+                                 state_probe: Any = None) -> None:
     """A state loaded into a scheduler built with another schedule or spread resumes on the new one: said, where
     it was silent (an audit: a callable base 10x higher resumed at 10x the LR; an explored weight decay's alpha
     0.5 -> 0.9 moved its values at the next deal). The saved schedule's value at the saved step against the
@@ -67,6 +90,7 @@ def _said_if_rebuilt_differently(s: "HDETLR", hdet_state: dict[str, Any], built:
     ens = s.ensemble
     saved = hdet_state.get("scheduled")
     now = ens.slots.scheduled
+    moved: list[Any] = []
     if isinstance(saved, list) and len(saved) == len(now) and s.last_epoch >= 0:
         moved = [(name, float(a), float(b)) for name, a, b in zip(ens.slots.names, saved, now)
                  if f"{float(a):.6g}" != f"{float(b):.6g}"]
@@ -80,6 +104,19 @@ def _said_if_rebuilt_differently(s: "HDETLR", hdet_state: dict[str, Any], built:
                       "and the resumed run does not follow the saved run's. Build it as the saved run was to resume "
                       "that run" + (" (or load the saved optimizer state after this: OneCycleLR reads max_lr and "
                                     "initial_lr from its param groups)" if isinstance(s._base, OneCycleLR) else ""))
+    probe = [p for p in state_probe if isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and
+             isinstance(p[1], list) and all(isinstance(v, (int, float)) for v in p[1])] \
+        if isinstance(state_probe, list) else []  # (plain data, as saved; anything else is not compared)
+    if probe and not moved:  # (said already at the saved step)
+        now = schedule_probe(s, s.total_steps, [p[0] for p in probe])
+        apart = [(t, a, b) for (t, a), (_, b) in zip(probe, now or [])
+                 if len(a) == len(b) and any(f"{float(x):.6g}" != f"{float(y):.6g}" for x, y in zip(a, b))]
+        if now is not None and apart:
+            _say(ens, "hdet: the loaded state's base schedule gave " + ", ".join(
+                f"{[float(f'{x:.6g}') for x in a]} at step {t}" for t, a, _ in apart[:3]) + ", and this scheduler's "
+                "gives " + ", ".join(f"{[float(f'{y:.6g}') for y in b]}" for _, _, b in apart[:3]) + " there: it was "
+                "built with another base schedule (a callable, a LambdaLR's lambdas), which the resumed run follows "
+                "from here on. Build it as the saved run was to resume that run")
     spreads = hdet_state.get("hyper_spreads")
     if isinstance(spreads, list) and len(spreads) == len(ens.hypers):
         changed = [(h.name, old, _spread(h)) for h, old in zip(ens.hypers, spreads) if list(old) != _spread(h)]
@@ -163,7 +200,8 @@ def load(s: "HDETLR", state: dict[str, Any], parsed: dict[str, Any] | None = Non
     if "loss_scale_kept" in state:  # (states saved before it: the scale kept by this process, if any)
         s._loss_scale.set_kept(state["loss_scale_kept"])
     s.reapply()  # this replica's values on the optimizer and hyperparameters
-    _said_if_rebuilt_differently(s, hdet_state, built, (state.get("base") or {}).get("base_lrs"))
+    _said_if_rebuilt_differently(s, hdet_state, built, (state.get("base") or {}).get("base_lrs"),
+                                 state.get("schedule_probe"))
     if same_replica and not s.closed:  # exactly the values this replica had (they equal what reapply computed; a
         for h, v in zip(s.ensemble.hypers, hdet_state.get("hyper_values", [])):  # closed scheduler's are the base's)
             h.set(v)

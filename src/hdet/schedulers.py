@@ -257,6 +257,16 @@ class HDETLR(LRScheduler):
                              f"such pair per param group ({len(groups)}), but got {bounds!r}")
         return pairs  # type: ignore[return-value]
 
+    def _base_at(self, t: int) -> list[float] | None:
+        """The base schedule's value per param group at any step ``t``, where it is a function of the step (a callable
+        base, a ``LambdaLR``'s lambdas); None for a stateful torch scheduler. Compared on load (a schedule rebuilt
+        otherwise that agrees at the saved step went on unsaid: :func:`hdet.scheduler_state.schedule_probe`)."""
+        if self._base_fn is not None:
+            return [_float(v) for v in self._per_group(self._base_fn(t), f"base({t})", False)]
+        if isinstance(self._base, LambdaLR) and type(self._base) is LambdaLR:
+            return [b * float(f(t)) for b, f in zip(self._base.base_lrs, self._base.lr_lambdas)]
+        return None
+
     def _scheduled_bases(self) -> list[float]:
         """The base schedule's value of every param group at step ``self.last_epoch`` (finite and >= 0, else a
         ValueError: a schedule that gives NaN or a negative LR would train silently wrong)."""
