@@ -80,7 +80,9 @@ def sync_scalars(rec: SyncRecord) -> dict[str, float]:
     Hugging Face Trainer's ``report_to``, Lightning's logger, ``accelerator.log``): per replica its window
     loss (the window that ended), per slot the base after the sync (the schedule's value at this step, or where the
     controller or the guard's cut moved it: what the next window's values follow) and the spread's lowest and highest
-    value dealt for the next window, and the controller's Delta (the fit controller: its log step); how many replicas were reset (non-finite, runaway), how many losses were
+    value dealt for the next window, at this step's base (the multipliers dealt times it: the next step's LR is the
+    schedule's next value times them, which an LR monitor such as Lightning's logs at this same step, an audit),
+    and the controller's Delta (the fit controller: its log step); how many replicas were reset (non-finite, runaway), how many losses were
     non-finite, and the LR schedule's cut so far."""
     if not isinstance(rec, SyncRecord):
         raise ValueError(f"Expected a hdet SyncRecord (what on_sync hooks get, or sched.last_sync once a sync has run), "
