@@ -314,3 +314,72 @@ def test_also_average_says_what_it_takes():
                                                                        ensemble_lr_spread_ratio=0.2, replicas=replicas))
     with pytest.raises(RuntimeError, match="engine.averaged"):
         eng.schedulers[0].also_average(torch.optim.swa_utils.AveragedModel(eng.models[0]))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda m, o: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=100, pct_start=0.01), "pct_start x total_steps"),
+    (lambda m, o: hdet.OneCycleAutoLR(o, max_lr=0.1, epochs=4, steps_per_epoch=10, pct_start=0.025),
+     "pct_start x total_steps"),
+    (lambda m, o: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=100, max_momentum=1.5), "max_momentum in"),
+    (lambda m, o: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=100, max_momentum=1.0), "max_momentum in"),
+    (lambda m, o: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=100, base_momentum=-0.5), "base_momentum in"),
+    (lambda m, o: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=100, base_momentum=[float("nan")]),
+     "base_momentum in"),
+    (lambda m, o: hdet.HDETLR(o, None, 100, model="net"), "model= a torch.nn.Module"),
+    (lambda m, o: hdet.WeightDecay("opt"), "a torch optimizer"),
+    (lambda m, o: hdet.AdamBeta(None), "a torch optimizer"),
+    (lambda m, o: hdet.WeightDecay(o, kind="additive", alpha=0.9, bounds=(-1, 1)), r"bounds within \[0, inf\]"),
+    (lambda m, o: hdet.AdamBeta(o, 1, kind="linear", alpha=0.9, bounds=(-5, 5)), r"bounds within \[0, 1\)"),
+    (lambda m, o: hdet.AdamBeta(o, 1, bounds=(0.0, 1.0)), r"bounds within \[0, 1\)"),
+    (lambda m, o: hdet.Dropout(nn.Sequential(nn.Dropout(0.1)), bounds=(-1, 2)), r"bounds within \[0, 1\]"),
+    (lambda m, o: hdet.LabelSmoothing(nn.CrossEntropyLoss(label_smoothing=0.1), bounds=(-1, 2)),
+     r"bounds within \[0, 1\]"),
+    (lambda m, o: hdet.WeightDecay(o, schedule=0.05), "schedule= as a function of the step"),
+    (lambda m, o: hdet.HDETLR(o, None, 100, explore=[hdet.Dropout(nn.Sequential(m, nn.Dropout(0.1)), name="a"),
+                                                     hdet.Dropout(nn.Sequential(m, nn.Dropout(0.1)), name="b")]),
+     None),
+])
+def test_values_a_run_cannot_take_are_refused_when_built(make, match):
+    """An audit's fuzz of the public API (2026-12-02): OneCycleLR's momentum outside [0, 1) trained with beta1 1.5 (or
+    -0.5) unsaid, or divided by zero; a warm-up of exactly one step raised torch's ZeroDivisionError; built-ins given
+    bounds outside their setting's values dealt a negative weight decay or a beta2 of 1.9; a model=, an optimizer or a
+    schedule= of the wrong kind failed deep inside (an AttributeError, or at the first step). Each says what it
+    expected and what it got now."""
+    m, o = _opt()
+    if match is None:  # (two Dropout modules apart: accepted)
+        make(m, o)
+        return
+    with pytest.raises(ValueError, match=match):
+        make(m, o)
+    assert o.param_groups[0]["lr"] == 0.1  # (nothing changed on the optimizer)
+
+
+def test_a_module_explored_twice_is_refused():
+    """Two Dropout explorers over the same modules (under two names): the modules held the value set last, and the
+    other's records (what the controller reads) described values never applied (an audit). Refused, naming both."""
+    m = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.1), nn.Linear(4, 1))
+    o = torch.optim.AdamW(m.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="explored once, but the Dropout is in both 'drop_a' and 'drop_b'"):
+        hdet.HDETLR(o, None, 100, explore=[hdet.Dropout(m, name="drop_a"), hdet.Dropout(m, name="drop_b")])
+    with pytest.raises(ValueError, match="explored once, but the Dropout is in both 'drop_a' and 'x'"):
+        hdet.HDETLR(o, None, 100, explore=[hdet.Dropout(m, name="drop_a"), hdet.Dropout(m[1:2], name="x")])
+    hdet.HDETLR(o, None, 100, explore=[hdet.Dropout(m, name="drop_a")])  # (once: accepted)
+
+
+def test_a_final_lr_above_the_schedule_says_eq8_would_raise_the_lr():
+    """The paper controller's Eq. 8 decays the base towards final_lr: one above the schedule's highest LR grew a
+    constant 0.1 to 1.0 over the run, silently (an audit). Said when built; a final_lr below (or OneCycle's between
+    its start and max_lr) says nothing."""
+    def build(**kw):
+        m, o = _opt()
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            kw.setdefault("total_steps", 100)
+            sched = hdet.OneCycleAutoLR if "max_lr" in kw else (lambda o, **k: hdet.HDETLR(o, None, **k))
+            sched(o, model_sync_interval=10, enable_auto_lr=True, controller="paper", auto_lr_warmup_steps=10, **kw)
+        return [str(w.message) for w in said if "final_lr" in str(w.message)]
+
+    said = build(final_lr=1.0)
+    assert len(said) == 1 and "final_lr 1 (param group 0) is above the base schedule's highest LR 0.1" in said[0]
+    assert build(final_lr=0.01) == [] and build(max_lr=0.1, final_lr=0.05) == []
+    assert len(build(max_lr=0.1, final_lr=0.2)) == 1

@@ -45,6 +45,9 @@ class Hyperparameter:
                  schedule: Callable[[int], float] | None = None) -> None:
         if not isinstance(spread, Spread):
             raise ValueError(f"Expected spread to be an hdet.Spread, but got {type(spread).__name__}")
+        if schedule is not None and not callable(schedule):  # (it failed at the first step: 'float' object is not
+            raise ValueError(f"Expected {name}'s schedule= as a function of the step (or None), but got "  # callable)
+                             f"{schedule!r}")
         self.name = name
         self.spread = spread
         self.schedule = schedule
@@ -106,9 +109,27 @@ def check_explored(hypers: Sequence[Any]) -> None:
     for h in hypers:
         if not isinstance(h, Hyperparameter):
             raise ValueError(f"Expected explore= to hold hdet hyperparameters, but got {type(h).__name__}")
+    seen: dict[int, str] = {}  # a module or loss explored twice (under two names): it held the value set last, and
+    for h in hypers:  # the other's records described values never applied (an audit)
+        for obj in list(getattr(h, "modules", None) or []) + ([h.loss] if isinstance(h, LabelSmoothing) else []):
+            other = seen.setdefault(id(obj), h.name)
+            if other != h.name:
+                raise ValueError(f"Expected each module explored once, but the {type(obj).__name__} "
+                                 f"is in both {other!r} and {h.name!r}")
+
+
+def _domain(h: Hyperparameter, low: float, high: float, high_open: bool = False) -> None:
+    """A built-in's ``bounds=`` inside the values its setting can take (weight decay >= 0, a probability in [0, 1], a
+    beta in [0, 1)): bounds outside them dealt replicas a negative weight decay or a beta of 1.9, silently (an audit)."""
+    lo, hi = h.spread.bounds
+    if lo < low or hi > high or (high_open and hi >= high):
+        inside = f"[{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ValueError(f"Expected {h.name}'s bounds within {inside}, but got {h.spread.bounds}")
 
 
 def _group_index(optimizer: torch.optim.Optimizer, group: int | str) -> int:
+    if not isinstance(getattr(optimizer, "param_groups", None), list):
+        raise ValueError(f"Expected a torch optimizer (with param_groups), but got {type(optimizer).__name__}")
     groups = optimizer.param_groups
     j = int_number(group)
     if j is not None and 0 <= j < len(groups):
@@ -129,6 +150,7 @@ class WeightDecay(_GroupValue):
             raise ValueError(f"Expected an optimizer with weight_decay, but {type(optimizer).__name__} has none")
         name = self.group.get("name", str(self.group_index))
         super().__init__(f"weight_decay/{name}", Spread(kind, alpha, bounds), **kw)
+        _domain(self, 0.0, math.inf)
 
     @classmethod
     def per_group(cls, optimizer: torch.optim.Optimizer, **kw: Any) -> list[WeightDecay]:
@@ -161,6 +183,7 @@ class AdamBeta(_GroupValue):
             raise ValueError("Expected float betas; tensor betas are not supported")
         self.index = index = int_number(index)
         super().__init__(f"beta{index + 1}/{self.group.get('name', str(j))}", Spread(kind, alpha, bounds), **kw)
+        _domain(self, 0.0, 1.0, high_open=True)
 
     def get(self) -> float:
         return float(self.group["betas"][self.index])
@@ -215,6 +238,7 @@ class Dropout(Hyperparameter):
                              "(one Dropout per group of modules, each with its own name=), attention=False to leave "
                              "nn.MultiheadAttention's dropout out, or base= for one value")
         super().__init__(name, Spread(kind, alpha, bounds), **kw)
+        _domain(self, 0.0, 1.0)
 
     @staticmethod
     def _p(m: nn.Module) -> float:
@@ -246,6 +270,7 @@ class LabelSmoothing(Hyperparameter):
                              f"epsilon), but got {type(loss).__name__}")
         self.loss = loss
         super().__init__("label_smoothing", Spread(kind, alpha, bounds), **kw)
+        _domain(self, 0.0, 1.0)
 
     def get(self) -> float:
         return float(getattr(self.loss, self.attr))

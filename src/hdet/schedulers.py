@@ -111,6 +111,9 @@ class HDETLR(LRScheduler):
             raise ValueError("Expected a torch.optim.Optimizer with at least one param group, but got "
                              + (f"{type(optimizer).__name__}" if not isinstance(optimizer, torch.optim.Optimizer)
                                 else "one with none"))
+        if model is not None and not isinstance(model, nn.Module):  # (an AttributeError from deep inside before)
+            raise ValueError(f"Expected model= a torch.nn.Module (the DDP-wrapped one, under DDP) or None, but got "
+                             f"{type(model).__name__}")
         if replicas is not None and (rank is not None or world_size is not None):
             raise ValueError(f"Expected replicas= or rank=/world_size=, not both: the replicas say their own rank "
                              f"({getattr(replicas, 'rank', '?')}) and size ({getattr(replicas, 'world_size', '?')}), "
@@ -157,6 +160,14 @@ class HDETLR(LRScheduler):
                           f"value is {self._final}: not a positive LR per group), so once the controller starts the "
                           "base LR no longer decays as the schedule would. Pass final_lr=..., or use the fit "
                           "controller (it corrects the schedule instead of replacing it)", stacklevel=user_stacklevel())
+        elif config.enable_auto_lr and config.controller == "paper" and config.eq8 == "decay" and final_lr is not None:
+            peak = self._peaks()
+            above = [(j, f, p) for j, (f, p) in enumerate(zip(self._final, peak)) if f > p * (1 + 1e-9)]
+            if above:  # (Eq. 8's "decay" to it grew the LR 10x, silently: an audit)
+                warnings.warn(f"hdet: final_lr {above[0][1]:g} (param group {above[0][0]}) is above the base schedule's "
+                              f"highest LR {above[0][2]:g}, so the paper controller's decay (Eq. 8) raises the base LR "
+                              "towards it instead of lowering it. Pass the LR the run should end at",
+                              stacklevel=user_stacklevel())
         self._hdet = Ensemble(config, resolved, optimizer, model, explore, probe=probe,
                               lr_control=LRControl(bounds=self._bounds(auto_lr_bounds), finals=self._final,
                                                     given=(auto_lr_bounds is not None, final_lr is not None)))
@@ -256,6 +267,22 @@ class HDETLR(LRScheduler):
             raise ValueError(f"Expected auto_lr_bounds as (low, high) with 0 <= low <= high and a finite low, or one "
                              f"such pair per param group ({len(groups)}), but got {bounds!r}")
         return pairs  # type: ignore[return-value]
+
+    def _peaks(self) -> list[float]:
+        """Per param group, the base schedule's highest LR as far as it can be seen when built: OneCycleLR's
+        ``max_lr``, a function of the step's highest at nine steps over the run, else the LR set now."""
+        if isinstance(self._base, OneCycleLR):
+            return [_float(g["max_lr"]) for g in self.optimizer.param_groups]
+        peaks = list(self._constant)
+        for k in range(9):
+            try:
+                values = self._base_at(round(k * self.total_steps / 8))
+            except Exception:  # (checked where it is used)
+                values = None
+            if values is None:
+                break
+            peaks = [max(p, v) for p, v in zip(peaks, values)]
+        return peaks
 
     def _base_at(self, t: int) -> list[float] | None:
         """The base schedule's value per param group at any step ``t``, where it is a function of the step (a callable
@@ -1102,6 +1129,16 @@ class OneCycleAutoLR(HDETLR):
                 value = real_number(factor)  # (torch takes any: a negative one gives negative LRs, met only late on)
                 if value is None or not (math.isfinite(value) and value > 0):
                     raise ValueError(f"Expected {name} as a finite number > 0, but got {factor!r}")
+            for name, m in (("base_momentum", base_momentum), ("max_momentum", max_momentum)) if cycle_momentum else ():
+                ms = [real_number(v) for v in (m if isinstance(m, (list, tuple)) else [m])]  # (torch takes any: beta1
+                if not ms or not all(v is not None and 0 <= v < 1 for v in ms):  # 1.5 or -0.5 trained unsaid, 1.0
+                    raise ValueError(f"Expected {name} in [0, 1) (or one such per param group), but got {m!r}")  # /0)
+            steps = total_steps if total_steps is not None else (
+                epochs * steps_per_epoch if isinstance(epochs, int) and isinstance(steps_per_epoch, int) else None)
+            pct = real_number(pct_start)
+            if isinstance(steps, int) and pct is not None and pct * steps == 1:  # (torch's OneCycleLR divides by the
+                raise ValueError(f"Expected pct_start x total_steps ({steps}) to be other than one step (OneCycleLR "
+                                 f"cannot build a warm-up of exactly one step), but got pct_start {pct_start!r}")
             base = OneCycleLR(optimizer, max_lr, total_steps=total_steps, epochs=epochs,
                               steps_per_epoch=steps_per_epoch, pct_start=pct_start, anneal_strategy=anneal_strategy,
                               cycle_momentum=cycle_momentum, base_momentum=base_momentum, max_momentum=max_momentum,
