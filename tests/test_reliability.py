@@ -1700,14 +1700,14 @@ def test_local_mode_a_reset_replica_takes_the_healthy_step_count_with_their_mome
     assert [s for t, _, s in res[1]["out"] if t == 7] == [2.0]  # (the skipped steps, before the reset)
 
 
-def _resumed_into(base, explore, state=None, steps=7, lambda_lr=False):
+def _resumed_into(base, explore, state=None, steps=7, lambda_lr=False, total=100):
     """An HDETLR (one replica, alpha 0.3) over ``base`` (``lambda_lr``: a LambdaLR over it), with ``explore(opt)``;
     ``state``: loaded (its warnings returned), else ``steps`` steps taken and its state returned."""
     torch.manual_seed(0)
     m = nn.Linear(3, 1)
     o = torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.01)
     base = torch.optim.lr_scheduler.LambdaLR(o, base) if lambda_lr else base
-    s = hdet.HDETLR(o, base, total_steps=100, model_sync_interval=5, ensemble_lr_spread_ratio=0.3, explore=explore(o))
+    s = hdet.HDETLR(o, base, total_steps=total, model_sync_interval=5, ensemble_lr_spread_ratio=0.3, explore=explore(o))
     if state is None:
         for _ in range(steps):
             o.step()
@@ -1750,6 +1750,13 @@ def test_a_state_loaded_into_a_scheduler_built_with_another_schedule_or_spread_s
     assert said == []
     said, _ = _resumed_into(lambda t: 1 - t / 200 - 7 / 200, wd(), state, lambda_lr=True)
     assert len(said) == 1 and "base schedule gave [0.05] at step 0" in said[0], said
+    # a run resumed into another length (then set_total_steps, or the HF Trainer's resume) follows a schedule of that
+    # length: only the length is said (the probe said the schedule differed: a review)
+    def wsd(total):
+        return lambda t: 0.05 if t < 0.8 * total else 0.05 * (total - t) / (0.2 * total)
+    state = _resumed_into(wsd(100), wd())
+    said, s = _resumed_into(wsd(200), wd(), state, total=200)
+    assert len(said) == 1 and "total_steps 100 (built with 200)" in said[0], said
 
 
 @pytest.mark.parametrize("max_lr, warned", [(0.01, False), (0.1, True)])

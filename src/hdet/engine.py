@@ -763,15 +763,17 @@ class ReplicaEngine:
         """Put the replicas' average into every replica, to evaluate (or save) the model the ensemble is building
         between converge steps: :meth:`hdet.HDETLR.swap_in_average` for the N replicas at once (the finite replicas'
         mean of the parameters and floating-point buffers, each replica's own kept aside: N copies). Right after a
-        converge step nothing changes in a model without floating-point buffers (BatchNorm's are averaged: a forward
-        in training mode since moves them apart). Until :meth:`swap_back`, :meth:`step` and :meth:`finish` raise
+        converge step nothing changes but a model's floating-point buffers (BatchNorm's: a forward in training mode
+        since moves them apart), which are averaged; after :meth:`finish` or the last step nothing at all. Until :meth:`swap_back`, :meth:`step` and :meth:`finish` raise
         :class:`hdet.SwappedInError`. Returns whether the weights changed. HOST SYNC: one read of N flags."""
         self._swap.check("swap_in_average() was called again")
         ens = [s.ensemble for s in self.schedulers]
         lists = [e.model_tensors() for e in ens]
         t = self.steps_taken
         finite = None
-        equal = t > 0 and (ens[0].is_sync_step(t) or self._finished_at() == t) and all(all(s) for _, s in lists)
+        ended = self._finished_at() == t or t >= self.schedulers[0].total_steps
+        params_equal = t > 0 and (ens[0].is_sync_step(t) or ended)
+        equal = params_equal and (ended or all(all(s) for _, s in lists))
         if self.num_replicas > 1 and not equal:  # (floating-point buffers: a forward since the converge step may have
             # moved them apart, as a micro-batch of a DDP run's gradient accumulation did: an audit)
             dev = self.group.device
@@ -779,8 +781,10 @@ class ReplicaEngine:
                    for ts, strict in lists]
             finite = torch.stack(oks).tolist()  # HOST SYNC
         tensors = [ts for ts, _ in lists]
+        some = [[x for x, s in zip(ts, strict) if not s] for ts, strict in lists] if params_equal else tensors
+
         def average(bad: list[int]) -> None:
-            average_local(tensors, bad)
+            average_local(some, bad)
             for m, ts in zip(self.models, tensors):  # (spectral norms' u, v for the averaged weights)
                 spectral.refresh_(m, lambda ts=ts: ts)
 
@@ -948,7 +952,8 @@ class ReplicaEngine:
         olds: list[dict[str, Any]] = []
         for r, (o, st) in enumerate(zip(self.optimizers, states)):
             olds.append(o.state_dict())  # (its own tensors: a load replaces them, it does not write into them)
-            keys = {k for g in o.param_groups for k in g}  # (its own options, as its groups hold them)
+            keys = {k for k in innermost(o).defaults if all(k in g for g in o.param_groups)}  # (its own options, as
+            # every group of it holds them: not a group's name, nor a key some optimizers add at their first step)
             try:
                 o.load_state_dict(st)
                 lacks = sorted({k for g in o.param_groups for k in keys if k not in g})

@@ -107,7 +107,8 @@ def _said_if_rebuilt_differently(s: "HDETLR", hdet_state: dict[str, Any], built:
     probe = [p for p in state_probe if isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and
              isinstance(p[1], list) and all(isinstance(v, (int, float)) for v in p[1])] \
         if isinstance(state_probe, list) else []  # (plain data, as saved; anything else is not compared)
-    if probe and not moved:  # (said already at the saved step)
+    if probe and not moved and s.total_steps == s._built_total_steps:  # (said already at the saved step; a run of
+        # another length, set_total_steps or the HF Trainer's resume, follows a schedule of that length, as it should)
         now = schedule_probe(s, s.total_steps, [p[0] for p in probe])
         apart = [(t, a, b) for (t, a), (_, b) in zip(probe, now or [])
                  if len(a) == len(b) and any(f"{float(x):.6g}" != f"{float(y):.6g}" for x, y in zip(a, b))]

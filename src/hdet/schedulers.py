@@ -809,9 +809,9 @@ class HDETLR(LRScheduler):
         buffers; not the optimizer state), over the replicas whose weights are finite; the explored hyperparameters
         (label smoothing, an attention temperature, ...) are set to their base, the ensemble's value, meanwhile.
         Without it an evaluation between converge steps measures each rank's own replica on its share of the data. Every replica must call
-        it, after ``scheduler.step()``; right after a converge step (or ``finish()``) the replicas are equal and it
-        changes nothing, with no collective, in a model without floating-point buffers (BatchNorm's are averaged
-        again: a training forward since, a gradient accumulation's micro-batch, moved them apart). Until :meth:`swap_back`, ``optimizer.step()``, ``scheduler.step()``
+        it, after ``scheduler.step()``; right after a converge step (or ``finish()``, or the last step) the replicas are equal and it
+        changes nothing, with no collective; after a converge step mid-run, a model's floating-point buffers (BatchNorm's)
+        are averaged, nothing else: a training forward since, a gradient accumulation's micro-batch, moved them apart. Until :meth:`swap_back`, ``optimizer.step()``, ``scheduler.step()``
         and ``finish()`` raise :class:`hdet.SwappedInError`. Returns whether the weights changed. The integrations
         call it around evaluations and the checkpoints saved with them. COLLECTIVES: one all_gather of one float64
         (a HOST SYNC), then one all_reduce per bucket."""
@@ -831,9 +831,12 @@ class HDETLR(LRScheduler):
         tensors, strict = ens.model_tensors()
         also = ens.also_tensors()  # (averaged in place and left so: also_average)
         finite = None
-        equal = self._opt_steps == self._opt_steps_seen and t > 0 and (ens.is_sync_step(t) or self._finished_at == t) \
-            and all(strict)  # (floating-point buffers: a training forward since the converge step, a gradient
-        # accumulation's micro-batch before a validation, moved each replica's BatchNorm statistics apart: an audit)
+        ended = self._finished_at == t or t >= self.total_steps or self._closed  # (training over: no forward pending)
+        params_equal = self._opt_steps == self._opt_steps_seen and t > 0 and (ens.is_sync_step(t) or ended)
+        equal = params_equal and (ended or all(strict))  # (floating-point buffers after a converge step mid-run: a
+        # training forward since, a gradient accumulation's micro-batch before a validation, moved each replica's
+        # BatchNorm statistics apart, an audit; only they are averaged then, the parameters left exactly as they are)
+        only_buffers = params_equal and not equal and not ens.also_apart
         if ens.replicas.world_size > 1 and (ens.also_apart or not equal):  # (equal: a converge step, no step since;
             # also_apart: a module registered since)
             dev = ens.replicas.comm_device(tensors[0].device if tensors else None)
@@ -845,7 +848,8 @@ class HDETLR(LRScheduler):
             finite = [bool(v >= 1) for v in rows[:, 0].tolist()]
 
         def average(bad: list[int]) -> None:
-            ens.replicas.average_(tensors + also, exclude=bad)  # COLLECTIVES: one all_reduce per bucket
+            some = [x for x, s in zip(tensors, strict) if not s] if only_buffers else tensors + also
+            ens.replicas.average_(some, exclude=bad)  # COLLECTIVES: one all_reduce per bucket
             ens.also_apart = False
             over_shards = getattr(ens.replicas, "average_over_shards_", None)
             if over_shards is not None and ens.model is not None:  # HSDP: a replica's buffers, over its shard ranks
