@@ -16,6 +16,7 @@ from torch.optim.lr_scheduler import OneCycleLR, SequentialLR
 
 from .caller import user_stacklevel
 from .guard import check_watch_state
+from .values import as_float
 
 if TYPE_CHECKING:
     from .schedulers import HDETLR
@@ -194,7 +195,7 @@ def load(s: "HDETLR", state: dict[str, Any], parsed: dict[str, Any] | None = Non
     s._guard.load_state_dict(state.get("guard"))  # (states before it have none: the guard's resumed() rule)
     built = list(getattr(s._base, "base_lrs", None) or [])  # the base scheduler's own, as built here (OneCycleLR's
     if isinstance(s._base, OneCycleLR):  # from the param groups, which it reads: an optimizer loaded before this holds
-        built = [float(torch.as_tensor(g.get("initial_lr", b)).item()) for g, b in zip(s.optimizer.param_groups, built)]  # the saved run's)
+        built = [as_float(g.get("initial_lr", b)) for g, b in zip(s.optimizer.param_groups, built)]  # the saved run's)
     if s._base is not None:
         _load_base(s, state)
         _cycled_momentum(s._base)

@@ -37,7 +37,7 @@ from .replicas import (DEFAULT_BUCKET_CAP_MB, LocalReplica, Replicas, check_mesh
 from .slots import LRControl
 from .swap import AverageSwap, averaged, explored_bases
 from .sync import check_memory_layout, health, persistent_float_buffers, unaveraged_buffers
-from .values import real_number
+from .values import as_float, real_number
 
 __all__ = ["HDETLR", "OneCycleAutoLR"]
 
@@ -152,7 +152,7 @@ class HDETLR(LRScheduler):
                         lr_moved=config.moves_lr)  # LR-free
         # optimizers: refused where they would break (before the ensemble puts its hooks on the optimizer)
         check_lr_groups(optimizer, config.enable_auto_lr, config.tie_lr_groups)
-        self._constant = [_float(g["lr"]) for g in optimizer.param_groups]
+        self._constant = [as_float(g["lr"]) for g in optimizer.param_groups]
         self._final = self._resolve_final(final_lr)
         if config.enable_auto_lr and config.controller == "paper" and config.eq8 == "decay" and \
                 (self._final is None or min(self._final) <= 0):
@@ -223,7 +223,7 @@ class HDETLR(LRScheduler):
     # -- the base schedule ----------------------------------------------------------------------
     def _onecycle_factors(self) -> tuple[float, float]:
         g = self.optimizer.param_groups[0]
-        return _float(g["max_lr"]) / _float(g["initial_lr"]), _float(g["initial_lr"]) / _float(g["min_lr"])
+        return as_float(g["max_lr"]) / as_float(g["initial_lr"]), as_float(g["initial_lr"]) / as_float(g["min_lr"])
 
     def _per_group(self, value: Any, what: str, used: bool = True) -> list[float]:
         """``value`` per param group: one LR for all or one each, every one finite and >= 0 where it is ``used`` (a
@@ -243,7 +243,7 @@ class HDETLR(LRScheduler):
         if final_lr is not None:
             return self._per_group(final_lr, "final_lr")
         if isinstance(self._base, OneCycleLR):
-            return [_float(g["min_lr"]) for g in self.optimizer.param_groups]
+            return [as_float(g["min_lr"]) for g in self.optimizer.param_groups]
         if self._base_fn is not None:
             return self._per_group(self._base_fn(self.total_steps), f"base({self.total_steps})")
         if isinstance(self._base, LambdaLR):  # (the Hugging Face Trainer's schedules): its value at the last step
@@ -256,7 +256,7 @@ class HDETLR(LRScheduler):
         groups = self.optimizer.param_groups
         if bounds is None:
             if isinstance(self._base, OneCycleLR):
-                return [(_float(g["min_lr"]), 10.0 * _float(g["max_lr"])) for g in groups]
+                return [(as_float(g["min_lr"]), 10.0 * as_float(g["max_lr"])) for g in groups]
             if isinstance(self._base, LambdaLR) and self._final is not None:  # a decaying schedule's last value
                 # is the floor, as OneCycle's min_lr is (a constant one's is its peak: no floor then)
                 return [(f if 0 < f < b else 0.0, math.inf) for f, b in zip(self._final, self._base.base_lrs)]
@@ -272,15 +272,10 @@ class HDETLR(LRScheduler):
         """Per param group, the base schedule's highest LR as far as it can be seen when built: OneCycleLR's
         ``max_lr``, a function of the step's highest at nine steps over the run, else the LR set now."""
         if isinstance(self._base, OneCycleLR):
-            return [_float(g["max_lr"]) for g in self.optimizer.param_groups]
+            return [as_float(g["max_lr"]) for g in self.optimizer.param_groups]
         peaks = list(self._constant)
-        for k in range(9):
-            try:
-                values = self._base_at(round(k * self.total_steps / 8))
-            except Exception:  # (checked where it is used)
-                values = None
-            if values is None:
-                break
+        probe = scheduler_state.schedule_probe(self, self.total_steps)  # (None: not a function of the step)
+        for _, values in probe or []:
             peaks = [max(p, v) for p, v in zip(peaks, values)]
         return peaks
 
@@ -289,7 +284,7 @@ class HDETLR(LRScheduler):
         base, a ``LambdaLR``'s lambdas); None for a stateful torch scheduler. Compared on load (a schedule rebuilt
         otherwise that agrees at the saved step went on unsaid: :func:`hdet.scheduler_state.schedule_probe`)."""
         if self._base_fn is not None:
-            return [_float(v) for v in self._per_group(self._base_fn(t), f"base({t})", False)]
+            return [as_float(v) for v in self._per_group(self._base_fn(t), f"base({t})", False)]
         if isinstance(self._base, LambdaLR) and type(self._base) is LambdaLR:
             return [b * float(f(t)) for b, f in zip(self._base.base_lrs, self._base.lr_lambdas)]
         return None
@@ -499,7 +494,7 @@ class HDETLR(LRScheduler):
     def get_lr(self) -> list[float]:  # type: ignore[override]
         """This replica's LR per group (Eqs. 1, 9); also sets every explored hyperparameter's value."""
         ens = self._hdet
-        self._bases_now = [_float(b) for b in self._scheduled_bases()] + [h.base(self.last_epoch) for h in ens.hypers]
+        self._bases_now = [as_float(b) for b in self._scheduled_bases()] + [h.base(self.last_epoch) for h in ens.hypers]
         return self._values(self._bases_now)
 
     def _values(self, bases: list[float]) -> list[float]:
@@ -680,7 +675,7 @@ class HDETLR(LRScheduler):
         steps = [float(x) for x in steps if isinstance(x, torch.Tensor) and x.device.type == "cpu"]  # (no host sync)
         t = max(steps) if steps else t  # torch's own count (skipped steps, an optimizer stepped before): its cap's
         cap = 1.0 / math.sqrt(t)
-        over = [_float(g["lr"]) for g in inner.param_groups if _float(g["lr"]) > cap]
+        over = [as_float(g["lr"]) for g in inner.param_groups if as_float(g["lr"]) > cap]
         if over:
             self._warned_cap = True
             warnings.warn(f"hdet: torch's Adafactor steps at min(lr, 1/sqrt(t)), {cap:.3g} at step {t:g}, below this "
@@ -1000,7 +995,7 @@ class HDETLR(LRScheduler):
         off)."""
         if isinstance(self._hdet.replicas, LocalReplica):
             return
-        self._values_loaded = ([_float(lr) for lr in _lrs_of(self.optimizer)], [h.get() for h in self._hdet.hypers])
+        self._values_loaded = ([as_float(lr) for lr in _lrs_of(self.optimizer)], [h.get() for h in self._hdet.hypers])
         self._hook_after_load()
 
     def expect_weights(self, fingerprint: float) -> None:
@@ -1021,7 +1016,7 @@ class HDETLR(LRScheduler):
         values, self._values_loaded = self._values_loaded, None
         if values is not None and not self._closed:
             lrs, hypers = values
-            now = [_float(lr) for lr in _lrs_of(self.optimizer)]  # (HOST SYNC where an LR is a tensor, once)
+            now = [as_float(lr) for lr in _lrs_of(self.optimizer)]  # (HOST SYNC where an LR is a tensor, once)
             if now != lrs or [h.get() for h in self._hdet.hypers] != hypers:
                 self.reapply()  # (the base schedule's value again: OneCycleLR reads max_lr from the groups loaded)
                 for h, v in zip(self._hdet.hypers, hypers):
@@ -1269,10 +1264,6 @@ def _set_lr(group: dict[str, Any], lr: float) -> None:
 def _lrs_of(optimizer: torch.optim.Optimizer) -> list[Any]:
     """Every param group's LR as torch's ``get_last_lr()`` gives it: a copy of a tensor LR, a float as it is."""
     return [g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"] for g in optimizer.param_groups]
-
-
-def _float(x: float | torch.Tensor) -> float:
-    return float(x) if not isinstance(x, torch.Tensor) else float(x.detach().cpu())
 
 
 def _as_int(x: Any) -> Any:

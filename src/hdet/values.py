@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["real_number", "int_number", "PLAIN"]
+__all__ = ["real_number", "int_number", "as_float", "PLAIN"]
 
 # values compared by value, not identity (a graph's key, a loss function's plain arguments)
 PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
@@ -23,6 +23,12 @@ def real_number(x: Any) -> float | None:
     if isinstance(x, numbers.Real) and not isinstance(x, bool):
         return float(x)
     return None
+
+
+def as_float(x: float | torch.Tensor) -> float:
+    """A Python float or a one-element tensor (an optimizer's ``lr`` may be either) as a Python float; a tensor is
+    read on the host."""
+    return float(x) if not isinstance(x, torch.Tensor) else float(x.detach().cpu())  # HOST SYNC (a tensor lr only)
 
 
 def int_number(x: Any) -> int | None:
