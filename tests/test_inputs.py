@@ -383,3 +383,72 @@ def test_a_final_lr_above_the_schedule_says_eq8_would_raise_the_lr():
     assert len(said) == 1 and "final_lr 1 (param group 0) is above the base schedule's highest LR 0.1" in said[0]
     assert build(final_lr=0.01) == [] and build(max_lr=0.1, final_lr=0.05) == []
     assert len(build(max_lr=0.1, final_lr=0.2)) == 1
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: hdet.PaperController(sigma=0.0), "finite sigma > 0"),
+    (lambda: hdet.PaperController(sigma=float("nan")), "finite sigma > 0"),
+    (lambda: hdet.PaperController(beta=1.0), "0 <= beta < 1"),
+    (lambda: hdet.PaperController(lam=float("nan")), "finite lam >= 0"),
+    (lambda: hdet.PaperController(gamma=1.0), "finite gamma < 1"),
+    (lambda: hdet.PaperController(bounds=(1.0, 0.0)), "lo <= hi"),
+    (lambda: hdet.PaperController(bounds=(float("nan"), 1.0)), "two numbers"),
+    (lambda: hdet.FitController(c=float("nan")), "finite number for c"),
+    (lambda: hdet.softmax_weights([1.0, 2.0], 0.0), "finite sigma > 0"),
+    (lambda: hdet.softmax_weights([], 0.1), "at least one loss"),
+    (lambda: hdet.gamma_decay(1.0, 0.1, 0), "finite K > 0"),
+    (lambda: hdet.gamma_as_printed(25.0, 1e4, float("nan")), "finite K > 0"),
+])
+def test_the_controllers_own_classes_and_helpers_refuse_nan_and_zero(make, match):
+    """The schedulers build the controllers from checked options, but the public classes and helpers took NaN or a
+    zero sigma unchecked (an audit's fuzz): a PaperController(sigma=0) weighted by 0/0 and set every later base to
+    NaN, a FitController(c=nan) multiplied the schedule by NaN. Each says what it expected now, and a state loaded
+    into them is checked the same way."""
+    with pytest.raises(ValueError, match=match):
+        make()
+    ctrl = hdet.PaperController()
+    state = {**ctrl.state_dict(), "sigma": 0.0}
+    with pytest.raises(ValueError, match="finite sigma > 0"):
+        ctrl.load_state_dict(state)
+    fit = hdet.FitController()
+    with pytest.raises(ValueError, match="finite number for m"):
+        fit.load_state_dict({**fit.state_dict(), "m": math.inf})
+    assert hdet.PaperController(bounds=(-math.inf, 3.0), gamma=-0.8).bounds == (-math.inf, 3.0)  # (as the scheduler
+    assert hdet.softmax_weights([1.0, 1.0], 0.1) == [0.5, 0.5]  # builds them: a log space's bounds, Eq. 8 as printed)
+
+
+def test_eq8_as_printed_with_a_warm_up_to_the_end_builds_and_runs():
+    """K of Eq. 8 is (total_steps - warm-up) / T: with the controller off, a warm-up of the whole run (no controller
+    update ever) raised Python's ZeroDivisionError when built with eq8='as_printed' (the controller on refuses it)."""
+    m, o = _opt()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sched = hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=10, auto_lr_warmup_steps=10, eq8="as_printed",
+                                    model_sync_interval=2, controller="paper")
+    for _ in range(10):
+        o.step()
+        sched.step(1.0)
+    assert sched.last_epoch == 10
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda m: ReplicaEngine(m, 2, lambda mm: torch.optim.SGD(mm.parameters(), lr=0.1),
+                             lambda o: hdet.HDETLR(o, None, 10), share_gradients="no"), "share_gradients to be a bool"),
+    (lambda m: ReplicaEngine(m, 2, lambda mm: torch.optim.SGD(mm.parameters(), lr=0.1),
+                             lambda o: hdet.HDETLR(o, None, 10), stacked_optimizer="False"),
+     "stacked_optimizer to be a bool"),
+    (lambda m: hdet.Dropout(m, attention=0), "attention to be a bool"),
+    (lambda m: hdet.Setter("t", lambda: 1.0, lambda v: None, hdet.Spread("log", 0.2, (0, math.inf)), vmap_safe="yes"),
+     "vmap_safe to be a bool"),
+    (lambda m: hdet.Setter("t", 1.0, lambda v: None, hdet.Spread("log", 0.2, (0, math.inf))), "callables"),
+    (lambda m: hdet.Dropout(m, name=3), "name= to be a non-empty str"),
+    (lambda m: hdet.Dropout(m, name=""), "name= to be a non-empty str"),
+])
+def test_flags_and_names_of_the_wrong_kind_are_refused(make, match):
+    """Flags were read by truthiness: ``share_gradients="no"`` shared the gradients, ``Dropout(attention=0)`` (meant as
+    "no") left attention out only by luck and ``attention="False"`` took it in; an explored value's ``name=`` of 3 named
+    its telemetry columns and records 3 (an audit's fuzz). Refused now, saying what was expected; numpy bools pass."""
+    m = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.1))
+    with pytest.raises(ValueError, match=match):
+        make(m)
+    assert hdet.Dropout(m, attention=np.bool_(False)).modules == [m[1]]

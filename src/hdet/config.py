@@ -16,7 +16,7 @@ from typing import Any
 
 from .controller import CONTROLLERS, FitController
 from .spread import check_alpha
-from .values import int_number, real_number
+from .values import check_bool, int_number, real_number
 
 __all__ = ["HDETConfig", "OPTIONS", "spreading"]
 
@@ -105,7 +105,7 @@ class HDETConfig:
         self.range_patience = _check_int("range_patience", self.range_patience, lo=1)
         self.judge_steps = _check_int("judge_steps", self.judge_steps, lo=1)
         for name in ("enable_auto_lr", "average_optimizer_state", "tie_lr_groups", "lr_range_test"):
-            setattr(self, name, _check_bool(name, getattr(self, name)))
+            setattr(self, name, check_bool(name, getattr(self, name)))
         for name, symbol, ok, want in (("loss_scale", "sigma", lambda v: v > 0, "{} > 0"),
                                        ("lr_of_lr", "lambda", lambda v: v >= 0, "{} >= 0"),
                                        ("momentum_of_lr", "beta", lambda v: 0 <= v < 1, "0 <= {} < 1"),
@@ -190,14 +190,6 @@ LEGACY_NAMES = {"alpha": "ensemble_lr_spread_ratio", "sync_interval": "model_syn
 def _is_real(x: Any) -> bool:
     """A real number, numpy scalars included (they register as ``numbers.Real``); not a bool."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    """``value`` as a bool (a numpy bool included), or a ValueError naming ``name``."""
-    item = value.item() if hasattr(value, "item") and getattr(value, "shape", None) == () else value
-    if not isinstance(item, bool):
-        raise ValueError(f"Expected {name} to be a bool, but got {value!r}")
-    return item
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:

@@ -30,9 +30,35 @@ __all__ = ["softmax_weights", "gamma_as_printed", "gamma_decay", "PaperControlle
 GammaMode = Literal["decay", "as_printed"]
 
 
+def _number(name: str, v: Any, ok: Any, want: str) -> float:
+    """``v`` as a float where it is one real number with ``ok(v)``; else a ValueError saying ``want``."""
+    x = real_number(v)
+    if x is None or math.isnan(x) or not ok(x):
+        raise ValueError(f"Expected {want.format(name)}, but got {v!r}")
+    return x
+
+
+def _finite(name: str, v: Any) -> float:
+    return _number(name, v, math.isfinite, "a finite number for {}")
+
+
+def _bounds(v: Any) -> tuple[float, float]:
+    """``(lo, hi)``, two numbers (infinite allowed) with lo <= hi."""
+    pair = tuple(v) if isinstance(v, (tuple, list)) else ()
+    if len(pair) != 2 or any(real_number(b) is None or math.isnan(real_number(b)) for b in pair):
+        raise ValueError(f"Expected bounds as (lo, hi), two numbers, but got {v!r}")
+    lo, hi = (real_number(b) for b in pair)
+    if lo > hi:
+        raise ValueError(f"Expected bounds (lo, hi) with lo <= hi, but got {v!r}")
+    return lo, hi
+
+
 def softmax_weights(losses: Sequence[float], sigma: float) -> list[float]:
     """Eq. 4: ``s_r = (mean(L) - L_r) / sigma``, ``w = softmax(s)``, max-shifted before the division:
     ``s_r - max(s) = (min(L) - L_r) / sigma`` (a tiny sigma then gives 0 and -inf, never inf - inf = NaN)."""
+    sigma = _number("sigma", sigma, lambda x: 0 < x < math.inf, "a finite {} > 0")
+    if not losses:
+        raise ValueError("Expected at least one loss, but got none")
     L_min = min(losses)
     e = [math.exp((L_min - L_r) / sigma) for L_r in losses]
     Z = sum(e)
@@ -44,12 +70,16 @@ def gamma_as_printed(div_factor: float, final_div_factor: float, K: float) -> fl
 
     With OneCycleLR's defaults (25, 1e4) this is negative: with no signal the base grows by
     ``f_final / f_div`` (x400) over the K controller steps."""
+    for name, v in (("div_factor", div_factor), ("final_div_factor", final_div_factor), ("K", K)):
+        _number(name, v, lambda x: 0 < x < math.inf, "a finite {} > 0")
     return 1.0 - math.exp(-math.log(div_factor / final_div_factor) / K)
 
 
 def gamma_decay(start: float, final: float, K: float) -> float:
     """The evident intent of Eq. 8: a per-sync decay that takes ``start`` to ``final`` in K syncs,
     ``(1 - gamma)^K = final / start``. For OneCycle, ``final`` is its floor ``min_lr``."""
+    K = _number("K", K, lambda x: 0 < x < math.inf, "a finite {} > 0")
+    start, final = _finite("start", start), _finite("final", final)
     if start <= 0 or final <= 0:
         return 0.0
     return 1.0 - math.exp(-math.log(start / final) / K)
@@ -110,6 +140,21 @@ class PaperController:
     kind: ClassVar[str] = "paper"
     uses_probe: ClassVar[bool] = False
 
+    def __post_init__(self) -> None:
+        """The same ranges as the scheduler's ``momentum_of_lr``, ``loss_scale`` and ``lr_of_lr`` (a controller
+        built by hand took NaN or zero unchecked and turned every later base into NaN: an audit); ``gamma`` < 1
+        (Eq. 8 as printed is negative: the base grows)."""
+        self.beta = _number("beta", self.beta, lambda x: 0 <= x < 1, "0 <= {} < 1")
+        self.sigma = _number("sigma", self.sigma, lambda x: 0 < x < math.inf, "a finite {} > 0")
+        self.lam = _number("lam", self.lam, lambda x: 0 <= x < math.inf, "a finite {} >= 0")
+        self.gamma = _number("gamma", self.gamma, lambda x: -math.inf < x < 1, "a finite {} < 1")
+        self.bounds = _bounds(self.bounds)
+        self.v = _finite("v", self.v)
+        if not isinstance(self.log_space, bool):
+            raise ValueError(f"Expected log_space to be a bool, but got {self.log_space!r}")
+        if self.value is not None:
+            self.value = _finite("value", self.value)
+
     def base(self, scheduled: float) -> float:
         """The slot's base: the controller's own value once it has updated (Eq. 7 replaces the schedule)."""
         return scheduled if self.value is None else self.value
@@ -162,6 +207,7 @@ class PaperController:
         if value is not None and not math.isfinite(float(value)):
             raise ValueError(f"Expected a finite controlled base, but got {value!r}")
         self.value = None if value is None else float(value)
+        self.__post_init__()  # (a state edited by hand, or from another version: the same checks as when built)
 
 
 def fit_parabola(x: Sequence[float], y: Sequence[float]) -> tuple[float, float, float]:
@@ -255,6 +301,7 @@ class FitController:
             raise ValueError(f"Expected correction bounds (lo, hi) with 0 < lo <= 1 <= hi < inf, but got {self.bounds!r}")
         if not self.log_scale and not lo <= 0 <= hi:
             raise ValueError(f"Expected offset bounds (lo, hi) with lo <= 0 <= hi, but got {self.bounds!r}")
+        self.c, self.m = _finite("c", self.c), _finite("m", self.m)
 
     @property
     def c_bounds(self) -> tuple[float, float]:
@@ -321,6 +368,7 @@ class FitController:
         self.bounds = (float(state["bounds"][0]), float(state["bounds"][1]))
         self.log_scale = bool(state["log_scale"])
         self.updates = int(state["updates"])
+        self.__post_init__()  # (a state edited by hand, or from another version: the same checks as when built)
 
 
 CONTROLLERS: dict[str, type[PaperController] | type[FitController]] = {"paper": PaperController, "fit": FitController}

@@ -56,7 +56,7 @@ from .stacking import StackedReplicas
 from .step_scale import share_local
 from .swap import AverageSwap, averaged, explored_bases
 from .sync import health, unaveraged_buffers
-from .values import int_number
+from .values import check_bool, int_number
 
 __all__ = ["ReplicaEngine"]
 
@@ -204,6 +204,9 @@ class ReplicaEngine:
             raise ValueError(f"Expected mode in {MODES}, but got {mode!r}")
         if not isinstance(model, nn.Module):
             raise ValueError(f"Expected model to be a torch.nn.Module, but got {type(model).__name__}")
+        share_gradients, stacked_optimizer, gradient_layout, cuda_graph = (check_bool(k, v) for k, v in (
+            ("share_gradients", share_gradients), ("stacked_optimizer", stacked_optimizer),
+            ("gradient_layout", gradient_layout), ("cuda_graph", cuda_graph)))  # ("no" was True: an audit)
         sparse = [n or type(m).__name__ for n, m in model.named_modules()
                   if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
         if sparse:  # (vmap's backward failed in a reshape, the loop in a masked average: torch's errors, no word why)

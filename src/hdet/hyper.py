@@ -23,7 +23,7 @@ from torch import nn
 
 from .caller import user_stacklevel
 from .spread import Spread
-from .values import int_number, real_number
+from .values import check_bool, int_number, real_number
 
 __all__ = ["Spread", "Hyperparameter", "WeightDecay", "AdamBeta", "Dropout", "LabelSmoothing", "GradClip",
            "Setter", "group_params"]
@@ -48,6 +48,8 @@ class Hyperparameter:
         if schedule is not None and not callable(schedule):  # (it failed at the first step: 'float' object is not
             raise ValueError(f"Expected {name}'s schedule= as a function of the step (or None), but got "  # callable)
                              f"{schedule!r}")
+        if not isinstance(name, str) or not name:  # (a number or None named the records' columns and the telemetry)
+            raise ValueError(f"Expected name= to be a non-empty str, but got {name!r}")
         self.name = name
         self.spread = spread
         self.schedule = schedule
@@ -207,6 +209,8 @@ class Dropout(Hyperparameter):
     def __init__(self, modules: nn.Module | Iterable[nn.Module], alpha: float = 0.05, kind: str = "additive",
                  bounds: tuple[float, float] = UNIT, name: str = "dropout", attention: bool | None = None,
                  **kw: Any) -> None:
+        if attention is not None:  # (None, True or False: "no" or 0 was read by truthiness, an audit)
+            attention = check_bool("attention", attention)
         roots = [modules] if isinstance(modules, nn.Module) else list(modules) if isinstance(modules, Iterable) else []
         if not roots or not all(isinstance(m, nn.Module) for m in roots):
             raise ValueError(f"Expected a torch.nn.Module or modules whose dropout to explore, but got {modules!r}")
@@ -340,8 +344,11 @@ class Setter(Hyperparameter):
 
     def __init__(self, name: str, get: Callable[[], float], set: Callable[[float], None], spread: Spread,
                  vmap_safe: bool = False, **kw: Any) -> None:
+        if not callable(get) or not callable(set):
+            raise ValueError(f"Expected get and set to be callables, but got {type(get).__name__} and "
+                             f"{type(set).__name__}")
         self._get, self._set = get, set
-        self.vmap_safe = vmap_safe
+        self.vmap_safe = check_bool("vmap_safe", vmap_safe)
         super().__init__(name, spread, **kw)
 
     def get(self) -> float:

@@ -173,7 +173,8 @@ class HDETLR(LRScheduler):
                                                     given=(auto_lr_bounds is not None, final_lr is not None)))
         try:
             self._hdet.set_total_steps(total_steps)
-            if config.eq8 == "as_printed" and isinstance(self._base, OneCycleLR):
+            if config.eq8 == "as_printed" and isinstance(self._base, OneCycleLR) and self._hdet.num_control_syncs > 0:
+                # (K <= 0: warm-up to the end, no controller update ever runs)
                 self._hdet.lr_control.gamma_as_printed = gamma_as_printed(
                     *self._onecycle_factors(), self._hdet.num_control_syncs)  # Eq. 8 as printed
             self._loss_scale = LossScale()  # a torch.amp.GradScaler seen driving the optimizer (here or by the hook guard)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["real_number", "int_number", "as_float", "PLAIN"]
+__all__ = ["real_number", "int_number", "as_float", "check_bool", "PLAIN"]
 
 # values compared by value, not identity (a graph's key, a loss function's plain arguments)
 PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
@@ -29,6 +29,15 @@ def as_float(x: float | torch.Tensor) -> float:
     """A Python float or a one-element tensor (an optimizer's ``lr`` may be either) as a Python float; a tensor is
     read on the host."""
     return float(x) if not isinstance(x, torch.Tensor) else float(x.detach().cpu())  # HOST SYNC (a tensor lr only)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` as a bool (a numpy bool or a 0-d bool tensor included), or a ValueError naming ``name``: a flag read
+    by truthiness took ``"no"`` or ``"False"`` as True, unsaid (an audit)."""
+    item = value.item() if hasattr(value, "item") and getattr(value, "shape", None) == () else value
+    if not isinstance(item, bool):
+        raise ValueError(f"Expected {name} to be a bool, but got {value!r}")
+    return item
 
 
 def int_number(x: Any) -> int | None:
