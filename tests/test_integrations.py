@@ -1073,3 +1073,64 @@ def test_lightning_logs_every_sync_once_at_its_step(every):
                   enable_model_summary=False).fit(m, loader)
         assert [s for s, _ in m.windows] == syncs
         assert cap.rows == [(s, pytest.approx(v)) for s, v in m.windows], fit
+
+
+def test_lightning_manual_optimization_with_a_divided_loss_is_said_and_observe_loss_false_sees_the_true_loss():
+    """Manual optimization, 2 micro-batches per optimizer step, manual_backward(loss / 2) as Lightning's recipe
+    writes it: the callback observed the divided loss, so every window loss the paper controller judged was half the
+    true one, unsaid (an audit; its loss_scale is in the loss's units). Said at train start now; with
+    HDETCallback(observe_loss=False) and the user's own sched.observe(loss), each window is the true mean (1 process)."""
+    L = pytest.importorskip("lightning")
+    import warnings
+
+    import hdet
+    from hdet.integrations.lightning import HDETCallback
+
+    class Manual(L.LightningModule):
+        def __init__(self, user_observes):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+            self.automatic_optimization = False
+            self.user_observes, self.raw, self.windows = user_observes, [], []
+
+        def training_step(self, batch, i):
+            opt, sched = self.optimizers(), self.lr_schedulers()
+            loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            self.raw.append(float(loss))
+            if self.user_observes:
+                sched.observe(loss.detach())
+            self.manual_backward(loss / 2)
+            if i % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.01)
+            sched = hdet.OneCycleAutoLR(opt, max_lr=0.01, total_steps=8, model_sync_interval=2, enable_auto_lr=True,
+                                        controller="paper", auto_lr_warmup_steps=2)
+            sched.ensemble.on_sync.append(lambda r: self.windows.append((r.step, r.losses)))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def run(observe_loss):
+        torch.manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+        m = Manual(user_observes=not observe_loss)
+        trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[HDETCallback(observe_loss=observe_loss)])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(m, torch.utils.data.DataLoader(data, batch_size=4))
+        return m, [str(w.message) for w in caught if "under manual optimization" in str(w.message)]
+
+    divided, said = run(observe_loss=True)
+    assert len(said) == 1 and "HDETCallback(observe_loss=False)" in said[0]
+    assert [s for s, _ in divided.windows] == [2, 4, 6, 8]
+    true, said = run(observe_loss=False)
+    assert said == [] and [s for s, _ in true.windows] == [2, 4, 6, 8]
+    for k, (_, losses) in enumerate(true.windows):
+        assert losses[0] == pytest.approx(sum(true.raw[4 * k:4 * k + 4]) / 4, rel=1e-6)
+        assert divided.windows[k][1][0] == pytest.approx(losses[0] / 2, rel=1e-6)  # (what the callback can see)
+    with pytest.raises(ValueError, match="observe_loss to be a bool"):
+        HDETCallback(observe_loss="no")

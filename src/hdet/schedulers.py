@@ -465,16 +465,18 @@ class HDETLR(LRScheduler):
                                                                      or self._scaler_idle):
             self._warned_double_step = True
             warnings.warn(
-                f"hdet: scheduler.step() was called {self._unmatched} time(s) with no optimizer.step() since the "
-                "previous call, and " + ("no torch.amp.GradScaler steps this optimizer (whose skipped steps would "
-                                         "explain it" if self._loss_scale.scaler is None else
-                                         "no scaler.update() of the torch.amp.GradScaler that steps it either (a step "
-                                         "the scaler skipped would explain it") +
-                ": keep calling scheduler.step() after each scaler.step(), as torch's AMP recipe does). HDET counts "
-                "optimizer steps: its converge steps and schedule now run ahead of training. A scheduler passed to "
-                "accelerator.prepare() is stepped num_processes times per optimizer step: do not prepare it. Under "
-                "gradient accumulation, call scheduler.step(loss) once per optimizer step, after optimizer.step(), "
-                "not on every micro-batch (total_steps counts optimizer steps)",
+                "hdet: scheduler.step() was called with no optimizer.step() since the previous call (first seen at "
+                f"scheduler step {self.last_epoch}): HDET counts optimizer steps, so its converge steps and schedule "
+                "now run ahead of training. Under gradient accumulation, call scheduler.step(loss) once per optimizer "
+                "step, after optimizer.step(), not on every micro-batch (total_steps counts optimizer steps), with the "
+                "step's loss as it is, the mean over its micro-batches, not divided by their number (the paper "
+                "controller's loss_scale is in the loss's own units). A scheduler passed to accelerator.prepare() is "
+                "stepped num_processes times per optimizer step: do not prepare it. "
+                + ("Also, no torch.amp.GradScaler steps this optimizer (whose skipped steps would explain it)"
+                   if self._loss_scale.scaler is None else
+                   "Also, no scaler.update() of the torch.amp.GradScaler that steps it ran (a step the scaler skipped "
+                   "would explain it)") + ": with one, keep calling scheduler.step() after each scaler.step(), as "
+                "torch's AMP recipe does. Said once",
                 stacklevel=user_stacklevel())
         self._scale_version = version
         if self._guard.local and not self._checked_local:  # (once: it reads every parameter's optimizer state)

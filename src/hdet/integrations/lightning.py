@@ -32,6 +32,7 @@ from ..caller import user_stacklevel
 from ..optimizers import innermost
 from ..schedulers import HDETLR
 from ..telemetry import sync_scalars
+from ..values import check_bool
 from . import explored_clips, finish_at_train_end
 
 try:
@@ -54,14 +55,21 @@ def _weight_averaging(trainer: Any) -> list[Any]:
 
 
 class HDETCallback(Callback):
-    """Observe this rank's loss for every HDET scheduler of the module; re-apply LRs after a restore."""
+    """Observe this rank's loss for every HDET scheduler of the module; re-apply LRs after a restore.
 
-    def __init__(self) -> None:
+    ``observe_loss=False``: leave the loss to you (``sched.step(loss)`` or ``sched.observe(loss)``), for manual
+    optimization whose ``manual_backward`` gets the loss divided by the number of micro-batches, which the callback
+    cannot undo (the paper controller reads the loss in its own units: docs/lightning.md)."""
+
+    def __init__(self, observe_loss: bool = True) -> None:
+        self._observe_loss = check_bool("observe_loss", observe_loss)
         self._restored = False
         self._logged: dict[int, int] = {}  # scheduler index -> the sync step last logged
         self._swapped: list[HDETLR] = []  # the schedulers whose average is in for a validation
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        if not self._observe_loss:
+            return
         scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1  # undo Lightning's division
         true = loss.detach().float() * scale
         scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
@@ -223,6 +231,14 @@ class HDETCallback(Callback):
                              "without averaging the replicas and each rank would go on at its own LR. Use "
                              "lightning's WeightAveraging (or EMAWeightAveraging), whose average model HDETCallback "
                              "averages with the replicas")
+        paper = [s for s in _hdet_schedulers(trainer) if s._hdet.config.enable_auto_lr
+                 and s._hdet.config.controller_kind == "paper"]
+        if paper and self._observe_loss and pl_module is not None and not pl_module.automatic_optimization:
+            warnings.warn("hdet: under manual optimization HDETCallback observes the loss given to manual_backward() "
+                          "as it is, and the paper controller reads it in its own units (loss_scale, sigma of Eq. 4): "
+                          "if you divide it by the number of micro-batches, pass HDETCallback(observe_loss=False) and "
+                          "give the scheduler the undivided loss yourself (sched.step(loss), docs/lightning.md)",
+                          stacklevel=user_stacklevel())
         for sched in _hdet_schedulers(trainer):
             sched.attach_model(trainer.strategy.model)  # buffers averaged if no model= was given; the guard on DDP
             for cb in _weight_averaging(trainer):  # each rank's average model follows its own replica: averaged
