@@ -390,7 +390,7 @@ def test_a_final_lr_above_the_schedule_says_eq8_would_raise_the_lr():
     (lambda: hdet.PaperController(sigma=float("nan")), "finite sigma > 0"),
     (lambda: hdet.PaperController(beta=1.0), "0 <= beta < 1"),
     (lambda: hdet.PaperController(lam=float("nan")), "finite lam >= 0"),
-    (lambda: hdet.PaperController(gamma=1.0), "finite gamma < 1"),
+    (lambda: hdet.PaperController(gamma=1.5), "finite gamma <= 1"),
     (lambda: hdet.PaperController(bounds=(1.0, 0.0)), "lo <= hi"),
     (lambda: hdet.PaperController(bounds=(float("nan"), 1.0)), "two numbers"),
     (lambda: hdet.FitController(c=float("nan")), "finite number for c"),
@@ -452,3 +452,54 @@ def test_flags_and_names_of_the_wrong_kind_are_refused(make, match):
     with pytest.raises(ValueError, match=match):
         make(m)
     assert hdet.Dropout(m, attention=np.bool_(False)).modules == [m[1]]
+
+
+def test_eq8s_decay_over_a_fraction_of_a_sync_runs_to_the_end():
+    """K of Eq. 8 below 1 (the warm-up ends part-way through the last window) rounds gamma to exactly 1.0: a review
+    found the check of gamma < 1 then stopping the run at its last sync. gamma <= 1 is accepted (the base is
+    replaced by the velocity's step, as before)."""
+    assert hdet.gamma_decay(0.1, 0.001, 0.05) == 1.0
+    m = nn.Linear(2, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sched = hdet.HDETLR(opt, lambda t: 0.1, 100, model=m, enable_auto_lr=True, controller="paper",
+                            final_lr=0.001, model_sync_interval=100, auto_lr_warmup_steps=95)
+    x = torch.randn(8, 2)
+    for _ in range(100):
+        opt.zero_grad()
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        sched.step(loss.item())
+    assert sched.last_epoch == 100
+
+
+def test_a_controller_state_refused_leaves_the_controller_as_it_was():
+    """load_state_dict checks a state as the constructor checks its arguments, on a copy: a refused one used to leave
+    the fields it set before the check (a review)."""
+    ctrl = hdet.PaperController(sigma=0.2, v=0.5)
+    with pytest.raises(ValueError, match="0 <= beta < 1"):
+        ctrl.load_state_dict({**hdet.PaperController(sigma=0.3, v=0.1).state_dict(), "beta": 2.0})
+    assert (ctrl.sigma, ctrl.v, ctrl.beta) == (0.2, 0.5, 0.9)
+    fit = hdet.FitController(c=0.25)
+    with pytest.raises(ValueError, match="kappa > 0"):
+        fit.load_state_dict({**hdet.FitController(c=-1.0).state_dict(), "kappa": 0.0})
+    assert fit.c == 0.25
+    fit.load_state_dict(hdet.FitController(c=-1.0, m=0.5).state_dict())
+    assert (fit.c, fit.m) == (-1.0, 0.5)
+
+
+def test_a_schedule_defined_on_part_of_the_run_keeps_its_peak_for_the_final_lr_check():
+    """A schedule that raises past its own range (a list indexed by the step) kept its highest value before the
+    failure when the final_lr check looked for the peak; a refactor through the schedule probe (which gives nothing
+    where the schedule raises) made it the optimizer's LR, and warned about a final_lr below the schedule (a review)."""
+    lrs = [0.1 * min(1, (t + 1) / 10) for t in range(80)]
+    m = nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.001)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        sched = hdet.HDETLR(opt, lambda t: lrs[t], 80, model=m, enable_auto_lr=True, controller="paper",
+                            final_lr=0.005, model_sync_interval=10)
+    assert sched._peaks() == [pytest.approx(0.1)]
+    assert not [w for w in said if "final_lr" in str(w.message)]

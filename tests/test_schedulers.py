@@ -1254,3 +1254,4 @@ def test_a_scheduler_stepped_on_every_micro_batch_says_gradient_accumulation():
                     sched.step(1.0)
     said = [str(w.message) for w in caught if "no optimizer.step()" in str(w.message)]
     assert len(said) == 1 and "Under gradient accumulation, call scheduler.step(loss) once per optimizer step" in said[0]
+    assert "(first at the step() call that took last_epoch from 1)" in said[0]  # (the first unmatched call: a review)

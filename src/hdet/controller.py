@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
-from .values import real_number
+from .values import check_bool, real_number
 
 __all__ = ["softmax_weights", "gamma_as_printed", "gamma_decay", "PaperController", "FitController", "ControllerStep",
            "Observation", "fit_parabola", "CONTROLLERS", "controller_from_state"]
@@ -46,7 +46,7 @@ def _bounds(v: Any) -> tuple[float, float]:
     """``(lo, hi)``, two numbers (infinite allowed) with lo <= hi."""
     pair = tuple(v) if isinstance(v, (tuple, list)) else ()
     if len(pair) != 2 or any(real_number(b) is None or math.isnan(real_number(b)) for b in pair):
-        raise ValueError(f"Expected bounds as (lo, hi), two numbers, but got {v!r}")
+        raise ValueError(f"Expected bounds as (lo, hi), two numbers (not NaN), but got {v!r}")
     lo, hi = (real_number(b) for b in pair)
     if lo > hi:
         raise ValueError(f"Expected bounds (lo, hi) with lo <= hi, but got {v!r}")
@@ -142,16 +142,15 @@ class PaperController:
 
     def __post_init__(self) -> None:
         """The same ranges as the scheduler's ``momentum_of_lr``, ``loss_scale`` and ``lr_of_lr`` (a controller
-        built by hand took NaN or zero unchecked and turned every later base into NaN: an audit); ``gamma`` < 1
-        (Eq. 8 as printed is negative: the base grows)."""
+        built by hand took NaN or zero unchecked and turned every later base into NaN: an audit); ``gamma`` <= 1
+        (Eq. 8 as printed is negative: the base grows; a decay over a fraction of a sync rounds to 1)."""
         self.beta = _number("beta", self.beta, lambda x: 0 <= x < 1, "0 <= {} < 1")
         self.sigma = _number("sigma", self.sigma, lambda x: 0 < x < math.inf, "a finite {} > 0")
         self.lam = _number("lam", self.lam, lambda x: 0 <= x < math.inf, "a finite {} >= 0")
-        self.gamma = _number("gamma", self.gamma, lambda x: -math.inf < x < 1, "a finite {} < 1")
+        self.gamma = _number("gamma", self.gamma, lambda x: -math.inf < x <= 1, "a finite {} <= 1")
         self.bounds = _bounds(self.bounds)
         self.v = _finite("v", self.v)
-        if not isinstance(self.log_space, bool):
-            raise ValueError(f"Expected log_space to be a bool, but got {self.log_space!r}")
+        self.log_space = check_bool("log_space", self.log_space)
         if self.value is not None:
             self.value = _finite("value", self.value)
 
@@ -198,16 +197,15 @@ class PaperController:
                 "value": self.value}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("beta", "sigma", "lam", "gamma", "v"):
-            setattr(self, key, float(state[key]))
-        self.bounds = (float(state["bounds"][0]), float(state["bounds"][1]))
-        self.updates = int(state["updates"])
-        self.log_space = bool(state.get("log_space", False))
         value = state.get("value")
         if value is not None and not math.isfinite(float(value)):
             raise ValueError(f"Expected a finite controlled base, but got {value!r}")
-        self.value = None if value is None else float(value)
-        self.__post_init__()  # (a state edited by hand, or from another version: the same checks as when built)
+        fields = {key: float(state[key]) for key in ("beta", "sigma", "lam", "gamma", "v")}
+        # (checked as when built, on a copy: a state refused leaves this controller as it was)
+        checked = replace(self, **fields, bounds=(float(state["bounds"][0]), float(state["bounds"][1])),
+                          updates=int(state["updates"]), log_space=bool(state.get("log_space", False)),
+                          value=None if value is None else float(value))
+        self.__dict__.update(checked.__dict__)
 
 
 def fit_parabola(x: Sequence[float], y: Sequence[float]) -> tuple[float, float, float]:
@@ -363,12 +361,11 @@ class FitController:
                 "updates": self.updates}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("kappa", "beta", "max_step", "c", "m"):
-            setattr(self, key, float(state[key]))
-        self.bounds = (float(state["bounds"][0]), float(state["bounds"][1]))
-        self.log_scale = bool(state["log_scale"])
-        self.updates = int(state["updates"])
-        self.__post_init__()  # (a state edited by hand, or from another version: the same checks as when built)
+        fields = {key: float(state[key]) for key in ("kappa", "beta", "max_step", "c", "m")}
+        # (checked as when built, on a copy: a state refused leaves this controller as it was)
+        checked = replace(self, **fields, bounds=(float(state["bounds"][0]), float(state["bounds"][1])),
+                          log_scale=bool(state["log_scale"]), updates=int(state["updates"]))
+        self.__dict__.update(checked.__dict__)
 
 
 CONTROLLERS: dict[str, type[PaperController] | type[FitController]] = {"paper": PaperController, "fit": FitController}

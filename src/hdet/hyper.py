@@ -344,7 +344,7 @@ class Setter(Hyperparameter):
 
     def __init__(self, name: str, get: Callable[[], float], set: Callable[[float], None], spread: Spread,
                  vmap_safe: bool = False, **kw: Any) -> None:
-        if not callable(get) or not callable(set):
+        if type(self).get is Setter.get and not callable(get) or type(self).set is Setter.set and not callable(set):
             raise ValueError(f"Expected get and set to be callables, but got {type(get).__name__} and "
                              f"{type(set).__name__}")
         self._get, self._set = get, set

@@ -196,6 +196,7 @@ class HDETLR(LRScheduler):
             self._scaler_idle = False  # an unmatched scheduler.step() came with no GradScaler update since the one before
             self._scale_version: int | None = None  # the GradScaler scale's in-place version at the last scheduler.step()
             self._unmatched = 0  # scheduler steps with no optimizer step (a GradScaler's skips, or a prepared scheduler)
+            self._first_unmatched = 0  # (the scheduler step where the first of them was seen)
             self._first_floats: list[float] | None = []  # the first losses given as numbers (an epoch counter? step())
             with _restored_on_failure(optimizer):
                 super().__init__(optimizer, last_epoch)
@@ -275,9 +276,11 @@ class HDETLR(LRScheduler):
         if isinstance(self._base, OneCycleLR):
             return [as_float(g["max_lr"]) for g in self.optimizer.param_groups]
         peaks = list(self._constant)
-        probe = scheduler_state.schedule_probe(self, self.total_steps)  # (None: not a function of the step)
-        for _, values in probe or []:
-            peaks = [max(p, v) for p, v in zip(peaks, values)]
+        for k in range(9):  # (step by step: a schedule that raises part-way keeps the peak before it)
+            probe = scheduler_state.schedule_probe(self, self.total_steps, [round(k * self.total_steps / 8)])
+            if probe is None:  # (not a function of the step, or it raised there)
+                break
+            peaks = [max(p, v) for p, v in zip(peaks, probe[0][1])]
         return peaks
 
     def _base_at(self, t: int) -> list[float] | None:
@@ -459,14 +462,16 @@ class HDETLR(LRScheduler):
         if self._opt_steps == self._opt_steps_seen and self._step_count > 1:
             # (at the first step torch's own check says it: _torch_first_step_checks)
             self._unmatched += 1  # said at the next optimizer step, unless a GradScaler drives it (then it skipped)
+            if self._unmatched == 1:
+                self._first_unmatched = self.last_epoch
             if version is not None and version == self._scale_version:  # a step the scaler skipped still runs its
                 self._scaler_idle = True  # update(): none since the scheduler step before, so no skipped step
         elif self._unmatched and not self._warned_double_step and (self._loss_scale.scaler is None
                                                                      or self._scaler_idle):
             self._warned_double_step = True
             warnings.warn(
-                "hdet: scheduler.step() was called with no optimizer.step() since the previous call (first seen at "
-                f"scheduler step {self.last_epoch}): HDET counts optimizer steps, so its converge steps and schedule "
+                "hdet: scheduler.step() was called with no optimizer.step() since the previous call (first at the "
+                f"step() call that took last_epoch from {self._first_unmatched}): HDET counts optimizer steps, so its converge steps and schedule "
                 "now run ahead of training. Under gradient accumulation, call scheduler.step(loss) once per optimizer "
                 "step, after optimizer.step(), not on every micro-batch (total_steps counts optimizer steps), with the "
                 "step's loss as it is, the mean over its micro-batches, not divided by their number (the paper "
