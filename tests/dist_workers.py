@@ -1885,3 +1885,36 @@ def hsdp_ema(rank, world):
     bufs = lambda m: torch.cat([b.reshape(-1) for b in m.buffers() if b.is_floating_point()])  # noqa: E731
     return {"ema": [x.tolist() for x in gather_flat([bufs(ema)])],
             "own_mean": torch.stack(gather_flat([bufs(own)])).mean(0).tolist()}
+
+
+def warm_init_order(rank, world, order):
+    """warm_init_ before DDP(...) (its broadcast copies rank 0's noise to every rank), after DDP and the scheduler (the
+    README's order), or before DDP built with init_sync=False (no broadcast): what the scheduler says, and whether the
+    replicas start apart. A second scheduler on the same DDP model after training says nothing."""
+    import warnings
+
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    if order in ("before", "before-no-sync"):
+        hdet.warm_init_(net)
+    ddp = DDP(net, init_sync=order != "before-no-sync")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sched = hdet.HDETLR(opt, None, total_steps=4, model=ddp, model_sync_interval=2)
+    if order == "after":
+        hdet.warm_init_(ddp.module)
+    said = [str(w.message) for w in caught if "warm_init_" in str(w.message)]
+    w = net.weight.detach().clone()
+    others = [torch.zeros_like(w) for _ in range(world)]
+    dist.all_gather(others, w)
+    apart = any(not torch.equal(others[0], o) for o in others[1:])
+    for _ in range(4):
+        opt.zero_grad()
+        ddp(torch.randn(8, 4)).square().mean().backward()
+        opt.step()
+        sched.step(1.0)
+    with warnings.catch_warnings(record=True) as later:
+        warnings.simplefilter("always")
+        hdet.HDETLR(opt, None, total_steps=4, model=ddp, model_sync_interval=2)
+    return {"said": said, "apart": apart, "later": [str(w.message) for w in later if "warm_init_" in str(w.message)]}

@@ -1402,3 +1402,24 @@ def test_shard_ranks_of_one_replica_built_apart_are_refused_on_every_rank(which)
     for r in res:
         assert r is not None and r[0] == "ReplicaMismatchError", res
         assert f"the shard ranks of replica(s) {apart}" in r[1], r[1]
+
+
+def _warm_init_order(rank, world, order):
+    from dist_workers import warm_init_order
+
+    return warm_init_order(rank, world, order)
+
+
+@pytest.mark.parametrize("order", ["before", "after", "before-no-sync"])
+def test_warm_init_before_ddp_says_its_noise_was_lost(order):
+    """hdet.warm_init_ called before DistributedDataParallel(...): DDP's constructor broadcast rank 0's weights, noise
+    included, so the replicas started equal and Eq. 10 did nothing, unsaid (an audit). The scheduler given the DDP
+    model says so now, on every rank; in the README's order (after DDP and the scheduler), or before a DDP that does
+    not broadcast (init_sync=False), the replicas start apart and nothing is said (2 gloo processes)."""
+    for r in check_ok(run_gloo(_warm_init_order, 2, order)):
+        if order == "before":
+            assert len(r["said"]) == 1 and "before DistributedDataParallel(...) wrapped it" in r["said"][0], r
+            assert not r["apart"]
+        else:
+            assert r["said"] == [] and r["apart"], r
+        assert r["later"] == []  # (a second scheduler after training: its writes are no broadcast)

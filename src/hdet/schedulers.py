@@ -38,6 +38,7 @@ from .slots import LRControl
 from .swap import AverageSwap, averaged, explored_bases
 from .sync import check_memory_layout, health, persistent_float_buffers, unaveraged_buffers
 from .values import as_float, real_number
+from .warm_init import warm_noise_overwritten
 
 __all__ = ["HDETLR", "OneCycleAutoLR"]
 
@@ -114,6 +115,7 @@ class HDETLR(LRScheduler):
         if model is not None and not isinstance(model, nn.Module):  # (an AttributeError from deep inside before)
             raise ValueError(f"Expected model= a torch.nn.Module (the DDP-wrapped one, under DDP) or None, but got "
                              f"{type(model).__name__}")
+        _say_warm_noise_lost(model)
         if replicas is not None and (rank is not None or world_size is not None):
             raise ValueError(f"Expected replicas= or rank=/world_size=, not both: the replicas say their own rank "
                              f"({getattr(replicas, 'rank', '?')}) and size ({getattr(replicas, 'world_size', '?')}), "
@@ -341,6 +343,7 @@ class HDETLR(LRScheduler):
         replica, before the first step (integrations do)."""
         if not isinstance(model, nn.Module):
             raise ValueError(f"Expected a torch.nn.Module, but got {type(model).__name__}")
+        _say_warm_noise_lost(model)
         if self._hdet.model is None:
             self._hdet.model = model
         if self._closed:  # (a closed run's state loaded before: no guard, no hold on join(); _reopen installs them)
@@ -1053,6 +1056,23 @@ class HDETLR(LRScheduler):
         if self._weights_hook is not None and self._weights_expected is None:
             self._weights_hook.remove()
             self._weights_hook = None
+
+
+def _say_warm_noise_lost(model: Any) -> None:
+    """The first scheduler given a DDP module whose parameters :func:`hdet.warm_init_` perturbed and something wrote
+    since says so: ``DistributedDataParallel(...)`` built after ``warm_init_`` broadcasts rank 0's weights, noise
+    included, so every replica started equal and Eq. 10 did nothing, unsaid (an audit). Once per DDP module (a later
+    scheduler on it comes after training, which writes them too)."""
+    ddp = uncompiled(model) if model is not None else None
+    if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel) or ddp.__dict__.get("_hdet_warm_checked"):
+        return
+    ddp.__dict__["_hdet_warm_checked"] = True
+    if warm_noise_overwritten(ddp.module.parameters()):
+        warnings.warn("hdet: warm_init_ perturbed this model's parameters before DistributedDataParallel(...) wrapped "
+                      "it (or they were written since): DDP's constructor copies rank 0's weights, noise included, to "
+                      "every rank, so the replicas start equal and Eq. 10's noise is lost. Call "
+                      "hdet.warm_init_(model.module) after DDP(...) and after building the scheduler (README)",
+                      stacklevel=user_stacklevel())
 
 
 def _keep_replicas_at_join_end(model: Any, sched: "HDETLR | None" = None

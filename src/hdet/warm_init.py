@@ -15,10 +15,20 @@ from .caller import user_stacklevel
 from .replicas import reshard_fsdp
 from .values import int_number, real_number
 
-__all__ = ["warm_init_", "warm_initialised"]
+__all__ = ["warm_init_", "warm_initialised", "warm_noise_overwritten"]
 
 _PERTURBED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()  # the tensors
 # warm_init_ added noise to, by id (a WeakSet compares tensors with ==)
+
+
+_VERSION: dict[int, int] = {}  # by id: each perturbed tensor's in-place version right after its noise
+
+
+def warm_noise_overwritten(params: Iterable[torch.Tensor]) -> bool:
+    """Whether a tensor :func:`warm_init_` perturbed was written in place since (its version moved):
+    ``DistributedDataParallel(...)`` built after it broadcasts rank 0's weights, noise included, to every rank (an
+    audit: the replicas started equal, unsaid). The caller says it where nothing else should have written them yet."""
+    return any(_PERTURBED.get(id(p)) is p and p._version != _VERSION.get(id(p)) for p in params)
 
 
 def warm_initialised(params: Iterable[torch.Tensor]) -> bool:
@@ -112,6 +122,7 @@ def warm_init_(
     for p, std in zip(local, stds):
         p.add_(noise_like(p).mul_(std).to(p.dtype))
     _PERTURBED.update((id(p), p) for p in tensors)
+    _VERSION.update((id(p), p._version) for p in tensors)
     return max(stds)
 
 
