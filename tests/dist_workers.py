@@ -1918,3 +1918,23 @@ def warm_init_order(rank, world, order):
         warnings.simplefilter("always")
         hdet.HDETLR(opt, None, total_steps=4, model=ddp, model_sync_interval=2)
     return {"said": said, "apart": apart, "later": [str(w.message) for w in later if "warm_init_" in str(w.message)]}
+
+
+def asgd_own_eta(rank, world):
+    """ASGD under a spread with average_optimizer_state=True, T = 5: each rank's eta (the step size of its next step,
+    from its own LR) and the averaged ax right after the converge step at step 5, and the LR each rank set there."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    ddp = DDP(net)
+    opt = torch.optim.ASGD(net.parameters(), lr=0.05, lambd=0.1, t0=0)
+    sched = hdet.HDETLR(opt, None, total_steps=8, model=ddp, model_sync_interval=5, ensemble_lr_spread_ratio=0.5,
+                        average_optimizer_state=True)
+    g = torch.Generator().manual_seed(1)
+    for step in range(1, 6):
+        opt.zero_grad()
+        ddp(torch.randn(8, 4, generator=g)).square().mean().backward()
+        opt.step()
+        sched.step(1.0)
+    state = opt.state[net.weight]
+    return {"eta": float(state["eta"]), "ax": state["ax"].clone(), "lr_used": sched.last_sync.values[0]
+            if hasattr(sched, "last_sync") and sched.last_sync is not None else None}

@@ -1423,3 +1423,20 @@ def test_warm_init_before_ddp_says_its_noise_was_lost(order):
         else:
             assert r["said"] == [] and r["apart"], r
         assert r["later"] == []  # (a second scheduler after training: its writes are no broadcast)
+
+
+def _asgd_own_eta(rank, world):
+    from dist_workers import asgd_own_eta
+
+    return asgd_own_eta(rank, world)
+
+
+def test_asgd_keeps_each_replicas_own_step_size_when_its_state_is_averaged():
+    """ASGD's state holds eta, the step size its next step takes, from this replica's own LR; average_optimizer_state
+    (which ASGD needs under a spread, for its ax) averaged it too, so every replica took the first step of each window
+    at the mean LR while the records showed the spread (an audit: weights 1.6e-2 off at T = 5). eta stays each
+    replica's own (their ratio the spread's, 3 at alpha 0.5); ax is averaged (2 gloo processes)."""
+    r0, r1 = check_ok(run_gloo(_asgd_own_eta, 2))
+    assert torch.equal(r0["ax"], r1["ax"])
+    lo, hi = sorted([r0["eta"], r1["eta"]])
+    assert hi / lo > 2.5, (r0["eta"], r1["eta"])

@@ -32,7 +32,7 @@ from .caller import user_stacklevel
 from .config import HDETConfig
 from .controller import ControllerStep
 from .hyper import Hyperparameter, check_explored
-from .optimizers import innermost, lr_free_kind
+from .optimizers import innermost, lr_free_kind, replica_own_state
 from .replicas import ProcessGroupReplicas, Replicas, ReplicaSyncError, local_shard, reshard_fsdp
 from .range_test import MAX_RANGE_GROWTH, RANGE_START, RampSnapshots, RangeTest
 from .slots import LRControl, Slots
@@ -449,12 +449,13 @@ class Ensemble:
         return params + buffers, [True] * len(params) + [False] * len(buffers), buffers
 
     def _optimizer_state(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        own = replica_own_state(self.optimizer)
         out = []
         for p in params:
             state = self.optimizer.state.get(p, {})
             for key in sorted(state):
                 v = state[key]
-                if key != "step" and isinstance(v, torch.Tensor) and averaged(v):
+                if key not in own and isinstance(v, torch.Tensor) and averaged(v):
                     out.append(as_real(local_shard(v.detach())))
         return out
 

@@ -39,7 +39,18 @@ import torch
 from .warm_init import warm_initialised
 
 __all__ = ["lr_free_kind", "dual_averaging", "check_optimizer", "check_shared_gradients", "innermost", "decoupled",
-           "coupled_weight_decay"]
+           "coupled_weight_decay", "replica_own_state"]
+
+
+def replica_own_state(optimizer: Any) -> frozenset[str]:
+    """The optimizer state keys each replica keeps as its own where the rest is averaged (``average_optimizer_state``)
+    or reset to the healthy replicas' mean: the step counts, and state that follows the replica's own LR or explored
+    value rather than the weights: ASGD's ``eta`` (the step size its next step uses, from this replica's LR: averaged,
+    every replica took the first step of each window at the mean LR, an audit: weights 1.6e-2 off), NAdam's
+    ``mu_product`` (the product of its momentum schedule, from this replica's beta1)."""
+    inner = innermost(optimizer)
+    extra = {torch.optim.ASGD: {"eta"}, torch.optim.NAdam: {"mu_product"}}
+    return frozenset({"step"}.union(*(keys for cls, keys in extra.items() if isinstance(inner, cls))))
 
 
 def innermost(optimizer: Any) -> Any:
