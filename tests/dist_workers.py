@@ -1917,6 +1917,8 @@ def warm_init_order(rank, world, order):
     with warnings.catch_warnings(record=True) as later:
         warnings.simplefilter("always")
         hdet.HDETLR(opt, None, total_steps=4, model=ddp, model_sync_interval=2)
+        ddp2 = DDP(net)  # (a second stage: a new DDP over the trained module, as unfreezing needs)
+        hdet.HDETLR(torch.optim.SGD(net.parameters(), lr=0.1), None, total_steps=4, model=ddp2, model_sync_interval=2)
     return {"said": said, "apart": apart, "later": [str(w.message) for w in later if "warm_init_" in str(w.message)]}
 
 
@@ -1938,3 +1940,38 @@ def asgd_own_eta(rank, world):
     state = opt.state[net.weight]
     return {"eta": float(state["eta"]), "ax": state["ax"].clone(), "lr_used": sched.last_sync.values[0]
             if hasattr(sched, "last_sync") and sched.last_sync is not None else None}
+
+
+class _BufferDropout(nn.Module):
+    """docs/explore.md's dropout whose p is a buffer (one compiled graph for every value)."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.register_buffer("p", torch.tensor(p))
+
+    def forward(self, x):
+        return x * (torch.rand_like(x) >= self.p) / (1 - self.p) if self.training else x
+
+
+def buffer_value_under_ddp(rank, world, broadcast_buffers):
+    """An explored value kept in a buffer (Setter(..., vmap_safe=True)), under DDP with or without
+    broadcast_buffers: what the scheduler says after the first step, and the value the forward saw."""
+    import warnings
+
+    torch.manual_seed(0)
+    drop = _BufferDropout(0.1)
+    net = nn.Sequential(nn.Linear(4, 8), drop, nn.Linear(8, 1))
+    ddp = DDP(net, broadcast_buffers=broadcast_buffers)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    explored = hdet.Setter("dropout", lambda: float(drop.p), lambda v: drop.p.fill_(v),
+                           hdet.Spread("additive", 0.05, (0.0, 0.999)), vmap_safe=True)
+    sched = hdet.HDETLR(opt, None, total_steps=4, model=ddp, model_sync_interval=2, explore=[explored])
+    set_for_step = float(drop.p)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            opt.zero_grad()
+            ddp(torch.randn(16, 4)).square().mean().backward()
+            opt.step()
+            sched.step(1.0)
+    return {"set": set_for_step, "said": [str(w.message) for w in caught if "explored 'dropout'" in str(w.message)]}

@@ -1422,7 +1422,8 @@ def test_warm_init_before_ddp_says_its_noise_was_lost(order):
             assert not r["apart"]
         else:
             assert r["said"] == [] and r["apart"], r
-        assert r["later"] == []  # (a second scheduler after training: its writes are no broadcast)
+        assert r["later"] == []  # (a second scheduler after training, or a new DDP over the trained module (a review):
+        # no broadcast of the noise)
 
 
 def _asgd_own_eta(rank, world):
@@ -1440,3 +1441,24 @@ def test_asgd_keeps_each_replicas_own_step_size_when_its_state_is_averaged():
     assert torch.equal(r0["ax"], r1["ax"])
     lo, hi = sorted([r0["eta"], r1["eta"]])
     assert hi / lo > 2.5, (r0["eta"], r1["eta"])
+
+
+def _buffer_value_under_ddp(rank, world, broadcast_buffers):
+    from dist_workers import buffer_value_under_ddp
+
+    return buffer_value_under_ddp(rank, world, broadcast_buffers)
+
+
+@pytest.mark.parametrize("broadcast_buffers", [True, False])
+def test_an_explored_value_in_a_buffer_overwritten_by_ddps_broadcast_is_said(broadcast_buffers):
+    """docs/explore.md's buffer-and-Setter dropout under DDP's default broadcast_buffers=True: DDP copied rank 0's
+    buffer to rank 1 at every forward, so every replica trained at rank 0's value while the records showed the
+    spread, unsaid (a review). The rank whose value moved says so after its first step, naming broadcast_buffers;
+    with broadcast_buffers=False each rank keeps its own value and nothing is said (2 gloo processes)."""
+    r0, r1 = check_ok(run_gloo(_buffer_value_under_ddp, 2, broadcast_buffers))
+    assert r0["set"] != r1["set"]
+    assert r0["said"] == []
+    if broadcast_buffers:
+        assert len(r1["said"]) == 1 and "broadcast_buffers=False" in r1["said"][0], r1
+    else:
+        assert r1["said"] == []

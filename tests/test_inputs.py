@@ -503,3 +503,23 @@ def test_a_schedule_defined_on_part_of_the_run_keeps_its_peak_for_the_final_lr_c
                             final_lr=0.005, model_sync_interval=10)
     assert sched._peaks() == [pytest.approx(0.1)]
     assert not [w for w in said if "final_lr" in str(w.message)]
+
+
+def test_parameters_warm_init_perturbed_can_still_be_swapped_by_module_to():
+    """warm_init_ kept a weak reference to each tensor it perturbed, and torch.utils.swap_tensors (module.to() under
+    swap_module_params_on_conversion, and always for FSDP2's DTensors) refuses a tensor with one: a review found
+    `module.to(torch.float64)` raising after warm_init_. Marks in the tensor's own dict now; the ZeRO check still
+    sees the noise."""
+    from hdet.warm_init import warm_initialised
+
+    net = nn.Linear(3, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hdet.warm_init_(net, rank=1)
+    assert warm_initialised(net.parameters())
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        net.to(torch.float64)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    assert net.weight.dtype == torch.float64

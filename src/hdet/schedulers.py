@@ -115,7 +115,6 @@ class HDETLR(LRScheduler):
         if model is not None and not isinstance(model, nn.Module):  # (an AttributeError from deep inside before)
             raise ValueError(f"Expected model= a torch.nn.Module (the DDP-wrapped one, under DDP) or None, but got "
                              f"{type(model).__name__}")
-        _say_warm_noise_lost(model)
         if replicas is not None and (rank is not None or world_size is not None):
             raise ValueError(f"Expected replicas= or rank=/world_size=, not both: the replicas say their own rank "
                              f"({getattr(replicas, 'rank', '?')}) and size ({getattr(replicas, 'world_size', '?')}), "
@@ -207,6 +206,7 @@ class HDETLR(LRScheduler):
                 # the guard last (DDP takes one comm hook, which a construction that failed after it left behind); an
                 # install that fails takes back what it put on
                 self._guard.install(model)
+                _say_warm_noise_lost(model)  # (once built: a construction refused says nothing, and forgets nothing)
             _keep_replicas_at_join_end(model, self)  # (an evaluation's join before the first step, too)
         except BaseException:  # the ensemble's hooks on a D-Adaptation/Prodigy optimizer: taken off again
             if self._hdet.step_scale is not None:
@@ -514,6 +514,7 @@ class HDETLR(LRScheduler):
         values = ens.apply_schedule(bases)
         for h, v in zip(ens.hypers, values[ens.num_lr_slots:]):
             h.set(v)
+        self._values_set = [float(v) for v in values[ens.num_lr_slots:]]  # (compared once: _check_values_kept)
         if self._history is not None:  # the base of every slot in effect for step last_epoch + 1
             self._history[str(self.last_epoch)] = list(ens.current_bases)
         lrs = values[: ens.num_lr_slots]
@@ -600,6 +601,25 @@ class HDETLR(LRScheduler):
                           "the base's periods (CosineAnnealingWarmRestarts' T_0) in optimizer steps",
                           stacklevel=user_stacklevel())
 
+    def _check_values_kept(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """At the first step under DDP: each explored value is still the one set for that step. DDP's default
+        ``broadcast_buffers=True`` copies rank 0's buffers to every rank at each forward, so a value kept in a buffer
+        (a ``Setter(..., vmap_safe=True)`` writing it in place) trained every replica at rank 0's while the records
+        showed the spread (a review). Said once, on the ranks whose value moved; only such values under such a DDP are
+        read (HOST SYNC, once)."""
+        if not getattr(ddp, "broadcast_buffers", False):
+            return
+        said = [(h.name, v, h.get()) for h, v in zip(self._hdet.hypers, getattr(self, "_values_set", []))
+                if getattr(h, "vmap_safe", False)]  # (a value written in place into a tensor: a buffer, maybe)
+        moved = [(n, v, g) for n, v, g in said if not math.isclose(g, v, rel_tol=1e-5, abs_tol=1e-12)]
+        if moved:
+            name, v, got = moved[0]
+            warnings.warn(f"hdet: the explored {name!r} on rank {self.rank} is {got:.6g} after the first step, not the "
+                          f"{v:.6g} hdet set for it, so this replica trained at another value than its records say: "
+                          "this DDP has broadcast_buffers=True, which copies rank 0's buffers to every rank at each "
+                          "forward. Build it with broadcast_buffers=False where a buffer holds an explored value",
+                          stacklevel=user_stacklevel())
+
     def begin_step(self, lead: "HDETLR | None" = None) -> int:
         """The first half of :meth:`step` (the one-process engine runs the sync between the halves): checks,
         Prodigy's estimate shared under a process group (COLLECTIVE: :meth:`hdet.step_scale.StepScale.exchange`), the
@@ -627,6 +647,10 @@ class HDETLR(LRScheduler):
         if not self._guard_said:
             self._guard_said = True
             self._say_no_guard()
+            model = uncompiled(self._hdet.model) if self._hdet.model is not None else None
+            if isinstance(model, torch.nn.parallel.DistributedDataParallel):  # (trained from here: a later DDP over
+                warm_noise_overwritten(model.module.parameters(), forget=True)  # it is no broadcast of the noise)
+                self._check_values_kept(model)
         self._check_optimizer_stepped()
         self._check_join()
         self._check_capped_lr(t)
@@ -1061,13 +1085,12 @@ class HDETLR(LRScheduler):
 def _say_warm_noise_lost(model: Any) -> None:
     """The first scheduler given a DDP module whose parameters :func:`hdet.warm_init_` perturbed and something wrote
     since says so: ``DistributedDataParallel(...)`` built after ``warm_init_`` broadcasts rank 0's weights, noise
-    included, so every replica started equal and Eq. 10 did nothing, unsaid (an audit). Once per DDP module (a later
-    scheduler on it comes after training, which writes them too)."""
+    included, so every replica started equal and Eq. 10 did nothing, unsaid (an audit). Once: the versions are
+    forgotten after the check (a later DDP over the trained module, or a later scheduler, is no broadcast of the
+    noise)."""
     ddp = uncompiled(model) if model is not None else None
-    if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel) or ddp.__dict__.get("_hdet_warm_checked"):
-        return
-    ddp.__dict__["_hdet_warm_checked"] = True
-    if warm_noise_overwritten(ddp.module.parameters()):
+    if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and warm_noise_overwritten(ddp.module.parameters(),
+                                                                                            forget=True):
         warnings.warn("hdet: warm_init_ perturbed this model's parameters before DistributedDataParallel(...) wrapped "
                       "it (or they were written since): DDP's constructor copies rank 0's weights, noise included, to "
                       "every rank, so the replicas start equal and Eq. 10's noise is lost. Call "

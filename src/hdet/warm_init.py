@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import math
 import warnings
-import weakref
 from collections.abc import Iterable
 
 import torch
@@ -17,24 +16,29 @@ from .values import int_number, real_number
 
 __all__ = ["warm_init_", "warm_initialised", "warm_noise_overwritten"]
 
-_PERTURBED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()  # the tensors
-# warm_init_ added noise to, by id (a WeakSet compares tensors with ==)
+# A tensor warm_init_ perturbed carries two marks in its __dict__ (no weak reference to it: one made
+# torch.utils.swap_tensors, and so module.to() of FSDP2's DTensors, refuse the tensor, a review): _hdet_warm, for good,
+# and _hdet_warm_version, its in-place version right after the noise, until a scheduler has checked it.
 
 
-_VERSION: dict[int, int] = {}  # by id: each perturbed tensor's in-place version right after its noise
-
-
-def warm_noise_overwritten(params: Iterable[torch.Tensor]) -> bool:
+def warm_noise_overwritten(params: Iterable[torch.Tensor], forget: bool = False) -> bool:
     """Whether a tensor :func:`warm_init_` perturbed was written in place since (its version moved):
     ``DistributedDataParallel(...)`` built after it broadcasts rank 0's weights, noise included, to every rank (an
-    audit: the replicas started equal, unsaid). The caller says it where nothing else should have written them yet."""
-    return any(_PERTURBED.get(id(p)) is p and p._version != _VERSION.get(id(p)) for p in params)
+    audit: the replicas started equal, unsaid). The caller says it where nothing else should have written them yet;
+    ``forget``: the versions are dropped after (a later DDP over the trained module is no broadcast of the noise)."""
+    moved = False
+    for p in params:
+        version = p.__dict__.get("_hdet_warm_version")
+        moved = moved or (version is not None and p._version != version)
+        if forget:
+            p.__dict__.pop("_hdet_warm_version", None)
+    return moved
 
 
 def warm_initialised(params: Iterable[torch.Tensor]) -> bool:
     """Whether :func:`warm_init_` added noise to any of ``params`` (an optimizer that broadcasts each parameter from one
     rank, ZeroRedundancyOptimizer, replaces it: :func:`hdet.optimizers.check_optimizer`)."""
-    return any(_PERTURBED.get(id(p)) is p for p in params)
+    return any(p.__dict__.get("_hdet_warm", False) for p in params)
 
 
 @torch.no_grad()
@@ -121,8 +125,9 @@ def warm_init_(
         stds = [nu * (q / n) ** 0.5 for q, n in zip(sq, numels)]
     for p, std in zip(local, stds):
         p.add_(noise_like(p).mul_(std).to(p.dtype))
-    _PERTURBED.update((id(p), p) for p in tensors)
-    _VERSION.update((id(p), p._version) for p in tensors)
+    for p in tensors:
+        p.__dict__["_hdet_warm"] = True
+        p.__dict__["_hdet_warm_version"] = p._version
     return max(stds)
 
 
