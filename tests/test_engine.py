@@ -1787,3 +1787,28 @@ def test_an_engine_with_a_named_param_group_resumes_its_own_state():
     b = engine()
     b.load_state_dict(a.state_dict())
     assert b.schedulers[0].last_epoch == 1
+
+
+@pytest.mark.parametrize("mode", ["loop", "vmap"])
+def test_one_lr_tensor_given_to_every_replica_trains_each_at_its_own_lr(mode):
+    """make_optimizer closing over one LR tensor (torch's compiled-optimizer recipe, lr=torch.tensor(...)): torch keeps
+    that object in every replica's param groups, and hdet sets a tensor LR in place, so every replica trained at the
+    last value set while the records showed the spread (an audit: both at 0.075 instead of 0.025 and 0.075). Each
+    replica's group gets a copy of its own: the same run as with a tensor per replica, bit for bit."""
+    def run(shared):
+        torch.manual_seed(0)
+        lr = torch.tensor(0.05)
+        eng = ReplicaEngine(nn.Linear(4, 2), 2, lambda m: torch.optim.Adam(m.parameters(), lr=lr if shared else
+                                                                           torch.tensor(0.05)),
+                            lambda o, rep, m: hdet.HDETLR(o, None, 6, replicas=rep, model_sync_interval=3,
+                                                          ensemble_lr_spread_ratio=0.5), mode=mode)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            eng.step([torch.randn(8, 4, generator=g) for _ in range(2)], lambda m, b: m(b).square().mean())
+        return eng, [float(o.param_groups[0]["lr"]) for o in eng.optimizers], [p.detach().clone() for p in
+                                                                               eng.models[1].parameters()]
+
+    eng, lrs, params = run(shared=True)
+    _, own_lrs, own_params = run(shared=False)
+    assert lrs == own_lrs and lrs[1] == pytest.approx(3 * lrs[0])
+    assert all(torch.equal(a, b) for a, b in zip(params, own_params))

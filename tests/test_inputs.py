@@ -523,3 +523,34 @@ def test_parameters_warm_init_perturbed_can_still_be_swapped_by_module_to():
     finally:
         torch.__future__.set_swap_module_params_on_conversion(False)
     assert net.weight.dtype == torch.float64
+
+
+def test_one_lr_tensor_over_two_param_groups_gives_each_group_its_own_lr():
+    """An optimizer built with lr=torch.tensor(...) holds that one object in every param group; hdet sets a tensor LR
+    in place, so two groups at different LRs (a per-group base) held the last one set (an audit of tensor LRs). Each
+    group gets a copy of its own when the scheduler is built."""
+    net = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    lr = torch.tensor(0.1)
+    opt = torch.optim.Adam([{"params": net[0].parameters()}, {"params": net[1].parameters()}], lr=lr)
+    assert opt.param_groups[0]["lr"] is opt.param_groups[1]["lr"]
+    hdet.HDETLR(opt, lambda t: [0.1, 0.01], 10)
+    assert [float(g["lr"]) for g in opt.param_groups] == [pytest.approx(0.1), pytest.approx(0.01)]
+
+
+@pytest.mark.parametrize("kw, said", [
+    (dict(on_runaway="recover"), True),
+    (dict(enable_auto_lr=True, controller="paper"), True),
+    (dict(enable_auto_lr=True, controller="fit"), False),
+    (dict(), False),
+])
+def test_maximize_is_said_where_hdet_reads_the_loss(kw, said):
+    """maximize=True with on_runaway='recover': the objective passed as it is rose, and hdet took it for a runaway,
+    sent the replicas back and cut the LR (an audit: weights 0.40 off the hand-run loop). Said when built where hdet
+    reads the loss (recover, the paper controller, the range test)."""
+    net = nn.Linear(3, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, maximize=True)
+    probe = (lambda m: torch.zeros(())) if kw.get("controller") == "fit" else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hdet.HDETLR(opt, None, 100, model_sync_interval=10, **kw, **({"probe": probe, "model": net} if probe else {}))
+    assert any("maximize=True" in str(w.message) for w in caught) == said

@@ -49,7 +49,7 @@ from .merged import MergedReplicas, NotMergeable, check_merged, failure, reason_
 from .ensemble import ReplicaMismatchError
 from .guard import all_finite
 from .replicas import LocalReplicaGroup, Replicas, accumulation, average_local
-from .optimizers import check_shared_gradients, innermost
+from .optimizers import check_shared_gradients, innermost, own_lr_tensors
 from .stability import SharedCopies
 from .stacked_optim import StackedStep, Unstackable, unsupported
 from .stacking import StackedReplicas
@@ -240,6 +240,7 @@ class ReplicaEngine:
                                      relayout=gradient_layout and compile is False) \
             if mode != "loop" else None
         self.optimizers = [make_optimizer(m) for m in self.models]
+        own_lr_tensors(self.optimizers)  # (one LR tensor given to every replica's optimizer: each its own copy)
         if any(isinstance(innermost(o), torch.optim.LBFGS) for o in self.optimizers):
             raise ValueError("Expected optimizers that step without a closure, but got LBFGS: the engine calls each "
                              "replica's optimizer.step() after the replicas' backward, with no closure to evaluate the "

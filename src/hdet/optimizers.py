@@ -32,14 +32,16 @@ not by class, so forks and new versions are caught too; Mechanic by its state's 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
+from .caller import user_stacklevel
 from .warm_init import warm_initialised
 
 __all__ = ["lr_free_kind", "dual_averaging", "check_optimizer", "check_shared_gradients", "innermost", "decoupled",
-           "coupled_weight_decay", "replica_own_state"]
+           "coupled_weight_decay", "replica_own_state", "own_lr_tensors", "say_maximize"]
 
 
 def replica_own_state(optimizer: Any) -> frozenset[str]:
@@ -109,6 +111,33 @@ def _undone_average(optimizer: torch.optim.Optimizer, why: str) -> str:
 
 
 ONE_LR = ("DAdaptAdam", "DAdaptLion", "DAdaptSGD", "Prodigy")  # their step refuses param groups of different LRs
+
+
+def own_lr_tensors(optimizers: list[Any]) -> None:
+    """Give every param group whose ``lr`` is a tensor another group also holds (the same object: an optimizer built
+    with ``lr=torch.tensor(...)`` gives it to every group, and the engine's ``make_optimizer`` one tensor to every
+    replica) a copy of its own, on its device: hdet sets each group's LR in place in a tensor, so one shared tensor
+    held the last value set, and every replica (or LR group) trained at it while the records showed the spread, unsaid
+    (an audit: both replicas at 0.075 instead of 0.025 and 0.075)."""
+    seen: set[int] = set()
+    for opt in optimizers:
+        for g in innermost(opt).param_groups:
+            lr = g.get("lr")
+            if isinstance(lr, torch.Tensor):
+                if id(lr) in seen:
+                    g["lr"] = lr.detach().clone()
+                seen.add(id(g["lr"]))
+
+
+def say_maximize(optimizer: Any, reads_loss: bool) -> None:
+    """Warn where an optimizer maximizes (``maximize=True``) and hdet reads the training loss (the paper controller,
+    ``on_runaway="recover"``, the range test): it takes the value given to ``step(loss)`` as a loss, lower better, so
+    a rising objective passed as it is was judged a runaway, the replicas sent back and the LR cut (an audit)."""
+    if reads_loss and any(g.get("maximize") for g in innermost(optimizer).param_groups):
+        warnings.warn("hdet: the optimizer has maximize=True, and hdet reads the value given to scheduler.step(loss) "
+                      "as a loss, lower is better (the paper controller, on_runaway='recover', the range test): pass "
+                      "the quantity the run minimises (the negated objective), not the objective itself",
+                      stacklevel=user_stacklevel())
 
 
 def check_lr_groups(optimizer: torch.optim.Optimizer, auto_lr: bool, tie_lr_groups: bool) -> None:

@@ -31,7 +31,8 @@ from .ensemble import Ensemble, SyncRecord
 from .guard import GuardSetting, ScalerWatch, SkipWatch, uncompiled, weak_method
 from .hyper import AdamBeta, Dropout, Hyperparameter, LabelSmoothing, check_explored
 from .loss_scale import LossScale
-from .optimizers import check_lr_groups, check_optimizer, check_shared_gradients, innermost
+from .optimizers import (check_lr_groups, check_optimizer, check_shared_gradients, innermost, own_lr_tensors,
+                         say_maximize)
 from .replicas import (DEFAULT_BUCKET_CAP_MB, LocalReplica, Replicas, check_mesh_placements, check_not_fsdp1, is_sharded,
                        reshard_fsdp, resolve_replicas)
 from .slots import LRControl
@@ -153,6 +154,8 @@ class HDETLR(LRScheduler):
                         lr_moved=config.moves_lr)  # LR-free
         # optimizers: refused where they would break (before the ensemble puts its hooks on the optimizer)
         check_lr_groups(optimizer, config.enable_auto_lr, config.tie_lr_groups)
+        own_lr_tensors([optimizer])  # (one LR tensor over several groups: each group's own copy)
+        say_maximize(optimizer, config.recovering or config.enable_auto_lr and config.controller_kind == "paper")
         self._constant = [as_float(g["lr"]) for g in optimizer.param_groups]
         self._final = self._resolve_final(final_lr)
         if config.enable_auto_lr and config.controller == "paper" and config.eq8 == "decay" and \
