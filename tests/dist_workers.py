@@ -1953,7 +1953,7 @@ class _BufferDropout(nn.Module):
         return x * (torch.rand_like(x) >= self.p) / (1 - self.p) if self.training else x
 
 
-def buffer_value_under_ddp(rank, world, broadcast_buffers):
+def buffer_value_under_ddp(rank, world, broadcast_buffers, vmap_safe=True):
     """An explored value kept in a buffer (Setter(..., vmap_safe=True)), under DDP with or without
     broadcast_buffers: what the scheduler says after the first step, and the value the forward saw."""
     import warnings
@@ -1964,7 +1964,7 @@ def buffer_value_under_ddp(rank, world, broadcast_buffers):
     ddp = DDP(net, broadcast_buffers=broadcast_buffers)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     explored = hdet.Setter("dropout", lambda: float(drop.p), lambda v: drop.p.fill_(v),
-                           hdet.Spread("additive", 0.05, (0.0, 0.999)), vmap_safe=True)
+                           hdet.Spread("additive", 0.05, (0.0, 0.999)), vmap_safe=vmap_safe)
     sched = hdet.HDETLR(opt, None, total_steps=4, model=ddp, model_sync_interval=2, explore=[explored])
     set_for_step = float(drop.p)
     with warnings.catch_warnings(record=True) as caught:

@@ -554,3 +554,30 @@ def test_maximize_is_said_where_hdet_reads_the_loss(kw, said):
         warnings.simplefilter("always")
         hdet.HDETLR(opt, None, 100, model_sync_interval=10, **kw, **({"probe": probe, "model": net} if probe else {}))
     assert any("maximize=True" in str(w.message) for w in caught) == said
+
+
+def test_lr_tensors_shared_again_by_an_optimizer_load_get_their_own_and_a_users_base_that_wrote_one_is_refused():
+    """Two cases a review found after the copies were made when built: (1) optimizer.load_state_dict of a state saved
+    with one LR tensor over both groups (plain torch's, or one from before) deep-copies it shared again, and every
+    group trained at the last LR set; each gets its own again, with this replica's values. (2) A LambdaLR the user
+    built over groups sharing one tensor has written its first values into it, the last group's for all: refused,
+    saying how to build the groups. OneCycleAutoLR, which builds its OneCycleLR itself, copies first."""
+    def build(lr):
+        net = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+        return torch.optim.SGD([{"params": net[0].parameters()}, {"params": net[1].parameters()}], lr=lr)
+
+    shared_state = build(torch.tensor(0.1)).state_dict()
+    opt = build(torch.tensor(0.1))
+    sched = hdet.HDETLR(opt, lambda t: [0.1, 0.025], 20)
+    opt.load_state_dict(shared_state)
+    assert opt.param_groups[0]["lr"] is not opt.param_groups[1]["lr"]
+    assert [float(g["lr"]) for g in opt.param_groups] == [pytest.approx(0.1), pytest.approx(0.025)]
+    sched.close()
+
+    opt = build(torch.tensor(0.1))
+    base = torch.optim.lr_scheduler.LambdaLR(opt, [lambda t: 1.0, lambda t: 0.25])
+    with pytest.raises(ValueError, match="one LR tensor per param group under LambdaLR"):
+        hdet.HDETLR(opt, base, 20)
+    opt = build(torch.tensor(0.1))
+    hdet.OneCycleAutoLR(opt, max_lr=[0.1, 0.4], total_steps=20)
+    assert [float(g["lr"]) for g in opt.param_groups] == [pytest.approx(0.004), pytest.approx(0.016)]

@@ -159,7 +159,8 @@ def test_a_refused_construction_leaves_no_hooks_on_the_optimizer():
     assert hooks(o) == (0, 0, 0, False)
     s = _sched(o)  # and the next construction installs its own, once
     assert hooks(o)[3] and o._hdet_step_scale is s._hdet.step_scale
-    assert hooks(o)[:3] == (1, 2, 1)  # StepScale's pre, post and load hooks, and the scheduler's step counter
+    assert hooks(o)[:3] == (1, 2, 2)  # StepScale's pre, post and load hooks, the scheduler's step counter and its
+    # load hook (an LR tensor a load shares again: own_lr_tensors)
 
 
 @pytest.mark.parametrize("name", ["DAdaptSGD", "DAdaptAdaGrad"])

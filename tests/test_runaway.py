@@ -1562,3 +1562,38 @@ def test_the_weights_fingerprint_tells_replicas_apart_in_half_precision_and_sums
     assert same_weights(SimpleNamespace(weights=[one, other, one]), [0, 1, 2])
     assert not same_weights(SimpleNamespace(weights=[one, step, one]), [0, 1, 2])
     assert not same_weights(SimpleNamespace(weights=[0.0, 0.0]), [0, 1])  # (no fingerprint: the guard off)
+
+
+@pytest.mark.parametrize("kind, key", [("nadam", "mu_product"), ("asgd", "eta")])
+def test_going_back_restores_each_replicas_own_optimizer_state(kind, key):
+    """NAdam's mu_product and ASGD's eta are each replica's own (never averaged: they follow its LR and beta1), but a
+    review found the go-back of on_runaway='recover' then leaving them at the later step's while the step count went
+    back (NAdam's bias correction at odds with its moments). Every replica collapses at step 3; the go-back at the sync
+    of step 5 puts back the value of step 1, where the start was kept."""
+    from hdet.engine import ReplicaEngine
+
+    def make(m):
+        if kind == "asgd":
+            return torch.optim.ASGD(m.parameters(), lr=0.05, lambd=0.5, t0=0)
+        return torch.optim.NAdam(m.parameters(), lr=1e-2)
+
+    torch.manual_seed(0)
+    eng = ReplicaEngine(nn.Linear(3, 1), 3, make, lambda o, rep, m: hdet.HDETLR(
+        o, None, total_steps=30, model=m, replicas=rep, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+        on_runaway="recover", judge_steps=1, average_optimizer_state=True), mode="loop")
+    x = torch.randn(8, 3)
+    batches = [(x, x.sum(-1, keepdim=True))] * 3
+    at_step_1 = None
+    for t in range(1, 6):
+        if t == 3:
+            with torch.no_grad():
+                for m in eng.models:
+                    m.weight.fill_(float("nan"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            eng.step(batches, lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
+        state = eng.optimizers[0].state[eng.models[0].weight]
+        if t == 1:
+            at_step_1 = float(state[key])
+    assert eng.schedulers[0].last_sync.went_back_to == 1 and float(state["step"]) == 1.0
+    assert float(state[key]) == at_step_1

@@ -313,8 +313,7 @@ class Ensemble:
 
     def _start_state(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The state to keep as the start (:meth:`kept_tensors`'s) and its health (a device flag: no host sync)."""
-        tensors, strict = self._tensors()
-        moments = self.recovery_tensors()
+        tensors, strict, moments = self._kept_parts()
         also, also_strict = self._also()
         ok = health(tensors + moments + also, strict + [True] * len(moments) + also_strict,
                     self.replicas.comm_device())[0]
@@ -350,13 +349,14 @@ class Ensemble:
         floating-point state (except ``step``)."""
         return self._tensors()[0]
 
-    def _tensors(self) -> tuple[list[torch.Tensor], list[bool]]:
+    def _tensors(self, own: bool = False) -> tuple[list[torch.Tensor], list[bool]]:
         """The tensors to average, and per tensor whether it must be finite (parameters, optimizer
-        state) or only free of NaN (buffers: a mask may hold -inf)."""
+        state) or only free of NaN (buffers: a mask may hold -inf). ``own``: with each replica's own optimizer state
+        too (:func:`hdet.optimizers.replica_own_state`: kept and gone back to, never averaged)."""
         params = self._params()
         out, strict = self.model_tensors()
         if self.config.average_optimizer_state:
-            state = self._optimizer_state(params)
+            state = self._optimizer_state(params, own)
             out += state
             strict += [True] * len(state)
         if self.step_scale is not None and out:
@@ -448,14 +448,14 @@ class Ensemble:
         buffers = _distinct([b for m in modules for b in persistent_float_buffers(m) if memory_key(b) not in seen])
         return params + buffers, [True] * len(params) + [False] * len(buffers), buffers
 
-    def _optimizer_state(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        own = replica_own_state(self.optimizer)
+    def _optimizer_state(self, params: list[torch.Tensor], own: bool = False) -> list[torch.Tensor]:
+        left_out = {"step"} if own else replica_own_state(self.optimizer)
         out = []
         for p in params:
             state = self.optimizer.state.get(p, {})
             for key in sorted(state):
                 v = state[key]
-                if key not in own and isinstance(v, torch.Tensor) and averaged(v):
+                if key not in left_out and isinstance(v, torch.Tensor) and averaged(v):
                     out.append(as_real(local_shard(v.detach())))
         return out
 
@@ -498,10 +498,18 @@ class Ensemble:
         """What a best sync (``on_runaway="recover"``) and the range test's snapshots keep and go back to: the
         averaged tensors, the moments when they are not among them, and the step counts (last, so that a
         checkpoint's snapshot from before they were kept still fits: :func:`hdet.stability.fit_snapshot`)."""
-        tensors = self.tensors()  # (first: it fills the step scale's estimates and counts for this sync)
-        return tensors + self.recovery_tensors() + self.also_tensors() + self.step_counts()  # (an EMA goes back too:
+        tensors, _, moments = self._kept_parts()  # (first: it fills the step scale's estimates and counts for this sync)
+        return tensors + moments + self.also_tensors() + self.step_counts()  # (an EMA goes back too:
         # left NaN after every replica's weights went back, every later sync found the replicas bad and went back
         # again, a review)
+
+    def _kept_parts(self) -> tuple[list[torch.Tensor], list[bool], list[torch.Tensor]]:
+        """:meth:`kept_tensors`' first parts: the averaged tensors (with each replica's own optimizer state where the
+        state is averaged) and their strictness, then the moments where they are not averaged, own state included
+        (ASGD's eta: a go-back left it at the later step's, a review)."""
+        tensors, strict = self._tensors(own=True)
+        moments = [] if self.config.average_optimizer_state else self._optimizer_state(self._params(), own=True)
+        return tensors, strict, moments
 
     def _params(self) -> list[torch.Tensor]:
         """The parameters a converge step averages: every floating-point one of the optimizer's, frozen ones too (one

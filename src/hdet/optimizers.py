@@ -113,20 +113,22 @@ def _undone_average(optimizer: torch.optim.Optimizer, why: str) -> str:
 ONE_LR = ("DAdaptAdam", "DAdaptLion", "DAdaptSGD", "Prodigy")  # their step refuses param groups of different LRs
 
 
-def own_lr_tensors(optimizers: list[Any]) -> None:
+def own_lr_tensors(optimizers: list[Any]) -> bool:
     """Give every param group whose ``lr`` is a tensor another group also holds (the same object: an optimizer built
     with ``lr=torch.tensor(...)`` gives it to every group, and the engine's ``make_optimizer`` one tensor to every
     replica) a copy of its own, on its device: hdet sets each group's LR in place in a tensor, so one shared tensor
     held the last value set, and every replica (or LR group) trained at it while the records showed the spread, unsaid
-    (an audit: both replicas at 0.075 instead of 0.025 and 0.075)."""
+    (an audit: both replicas at 0.075 instead of 0.025 and 0.075). Returns whether any was copied."""
     seen: set[int] = set()
+    copied = False
     for opt in optimizers:
         for g in innermost(opt).param_groups:
             lr = g.get("lr")
             if isinstance(lr, torch.Tensor):
                 if id(lr) in seen:
-                    g["lr"] = lr.detach().clone()
+                    g["lr"], copied = lr.detach().clone(), True
                 seen.add(id(g["lr"]))
+    return copied
 
 
 def say_maximize(optimizer: Any, reads_loss: bool) -> None:

@@ -154,7 +154,6 @@ class HDETLR(LRScheduler):
                         lr_moved=config.moves_lr)  # LR-free
         # optimizers: refused where they would break (before the ensemble puts its hooks on the optimizer)
         check_lr_groups(optimizer, config.enable_auto_lr, config.tie_lr_groups)
-        own_lr_tensors([optimizer])  # (one LR tensor over several groups: each group's own copy)
         say_maximize(optimizer, config.recovering or config.enable_auto_lr and config.controller_kind == "paper")
         self._constant = [as_float(g["lr"]) for g in optimizer.param_groups]
         self._final = self._resolve_final(final_lr)
@@ -203,6 +202,7 @@ class HDETLR(LRScheduler):
             self._first_unmatched = 0  # (the scheduler step where the first of them was seen)
             self._first_floats: list[float] | None = []  # the first losses given as numbers (an epoch counter? step())
             with _restored_on_failure(optimizer):
+                _own_lr_tensors(optimizer, self._base, self._base_firsts())
                 super().__init__(optimizer, last_epoch)
                 if _close_earlier(optimizer):  # (built: the earlier one's "hook" guard is this one's to take over)
                     self.reapply()  # (its values, which the earlier one's close() set to that one's base)
@@ -221,6 +221,8 @@ class HDETLR(LRScheduler):
         """This scheduler's own hooks on (built, or reopened): the optimizer step counter, what runs when it is
         dropped unclosed, and its place among the optimizer's open schedulers (:func:`_close_earlier`)."""
         self._opt_hook = innermost(self.optimizer).register_step_post_hook(weak_method(self._count_optimizer_step))
+        self._load_hook = innermost(self.optimizer).register_load_state_dict_post_hook(
+            weak_method(self._optimizer_loaded))
         # what close() takes off, also when the scheduler is dropped unclosed (a trial of a search left early): its
         # hooks hold it weakly, so it is collected, and this runs then (every trial stayed in memory: an audit)
         self._release = weakref.finalize(self, _release, self._guard, self._hdet.step_scale)
@@ -287,6 +289,18 @@ class HDETLR(LRScheduler):
                 break
             peaks = [max(p, v) for p, v in zip(peaks, probe[0][1])]
         return peaks
+
+    def _base_firsts(self) -> list[float] | None:
+        """A torch scheduler's values per group at its current step, as far as they can be known without the param
+        groups (which it has written): a ``LambdaLR``'s from its lambdas, another's ``base_lrs``; None for no torch
+        scheduler (nothing has written the groups yet)."""
+        if not isinstance(self._base, LRScheduler):
+            return None
+        try:
+            values = self._base_at(max(self._base.last_epoch, 0))
+        except Exception:  # (checked where it is used)
+            values = None
+        return values if values is not None else [as_float(b) for b in getattr(self._base, "base_lrs", [])] or None
 
     def _base_at(self, t: int) -> list[float] | None:
         """The base schedule's value per param group at any step ``t``, where it is a function of the step (a callable
@@ -372,6 +386,7 @@ class HDETLR(LRScheduler):
         self._release.detach()
         self._guard.close()
         self._opt_hook.remove()
+        self._load_hook.remove()
         if self._hdet.step_scale is not None:
             self._hdet.step_scale.turn_off()
         if self._weights_hook is not None:
@@ -457,6 +472,13 @@ class HDETLR(LRScheduler):
         self._hdet.also_average(module)
         return self
 
+    def _optimizer_loaded(self, optimizer: Any) -> None:
+        """After ``optimizer.load_state_dict``: torch deep-copies the saved param groups, so one LR tensor that several
+        groups held when saved is shared again (a review: the copies :func:`hdet.optimizers.own_lr_tensors` made were
+        undone, and every group trained at the last LR set); each gets its own again, with this replica's values."""
+        if own_lr_tensors([optimizer]):
+            self.reapply()
+
     def _count_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._opt_steps += 1
         if self._unmatched or self._opt_steps <= 100:  # a GradScaler? (its first steps, and after an unmatched one)
@@ -517,7 +539,10 @@ class HDETLR(LRScheduler):
         values = ens.apply_schedule(bases)
         for h, v in zip(ens.hypers, values[ens.num_lr_slots:]):
             h.set(v)
-        self._values_set = [float(v) for v in values[ens.num_lr_slots:]]  # (compared once: _check_values_kept)
+        if not self._guard_said and ens.hypers:  # (before the first step: what each reads back as set, compared once
+            # after it, _check_values_kept; read back, so a setter that rounds or a bf16 buffer is no change)
+            self._values_set = [h.get() for h in ens.hypers]  # (HOST SYNC where a value lives in a tensor: before
+            # the first step only)
         if self._history is not None:  # the base of every slot in effect for step last_epoch + 1
             self._history[str(self.last_epoch)] = list(ens.current_bases)
         lrs = values[: ens.num_lr_slots]
@@ -607,14 +632,13 @@ class HDETLR(LRScheduler):
     def _check_values_kept(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """At the first step under DDP: each explored value is still the one set for that step. DDP's default
         ``broadcast_buffers=True`` copies rank 0's buffers to every rank at each forward, so a value kept in a buffer
-        (a ``Setter(..., vmap_safe=True)`` writing it in place) trained every replica at rank 0's while the records
-        showed the spread (a review). Said once, on the ranks whose value moved; only such values under such a DDP are
-        read (HOST SYNC, once)."""
+        (a ``Setter`` writing it in place) trained every replica at rank 0's while the records showed the spread (a
+        review). Said once, on the ranks whose value moved, against what each value read back as right after it was
+        set; read under such a DDP only (HOST SYNC, once)."""
         if not getattr(ddp, "broadcast_buffers", False):
             return
-        said = [(h.name, v, h.get()) for h, v in zip(self._hdet.hypers, getattr(self, "_values_set", []))
-                if getattr(h, "vmap_safe", False)]  # (a value written in place into a tensor: a buffer, maybe)
-        moved = [(n, v, g) for n, v, g in said if not math.isclose(g, v, rel_tol=1e-5, abs_tol=1e-12)]
+        said = [(h.name, v, h.get()) for h, v in zip(self._hdet.hypers, getattr(self, "_values_set", []))]
+        moved = [(n, v, g) for n, v, g in said if g != v and not (math.isnan(g) and math.isnan(v))]
         if moved:
             name, v, got = moved[0]
             warnings.warn(f"hdet: the explored {name!r} on rank {self.rank} is {got:.6g} after the first step, not the "
@@ -1175,6 +1199,7 @@ class OneCycleAutoLR(HDETLR):
                  three_phase: bool = False, last_epoch: int = -1, *, auto_lr_warmup_steps: int | None = None,
                  **kwargs: Any) -> None:
         with _restored_on_failure(optimizer):  # (OneCycleLR rewrites the groups before hdet's checks)
+            own_lr_tensors([optimizer])  # (before OneCycleLR writes its first values: one per group)
             explore = kwargs.get("explore") or ()
             _check_cycled_beta1(cycle_momentum, [explore] if isinstance(explore, Hyperparameter) else explore)
             total_steps, epochs, steps_per_epoch = (_as_int(x) for x in (total_steps, epochs, steps_per_epoch))
@@ -1305,6 +1330,23 @@ def _check_probe(config: HDETConfig, probe: Any, model: Any) -> None:
     if model is None:
         raise ValueError("Expected model=<the module> with controller='fit': the probe evaluates it at the mean of "
                          "its iterates over the window")
+
+
+def _own_lr_tensors(optimizer: torch.optim.Optimizer, base: Any, firsts: list[float] | None) -> None:
+    """:func:`hdet.optimizers.own_lr_tensors` as a scheduler is built; a torch scheduler built by the user over groups
+    that shared one LR tensor has already written its first values into it, one for all, so where its values for the
+    groups (``firsts``: a ``LambdaLR``'s at its step, else its ``base_lrs``) differ, it is refused (the first step
+    would have run every group at the last one's, a review)."""
+    groups = innermost(optimizer).param_groups
+    shared = [isinstance(g["lr"], torch.Tensor) and any(g["lr"] is h["lr"] for h in groups[:i])
+              for i, g in enumerate(groups)]
+    if any(shared) and firsts is not None and len({f"{v:.6g}" for v in firsts}) > 1:
+        raise ValueError(f"Expected one LR tensor per param group under {type(base).__name__}, whose LRs differ by "
+                         f"group ({[float(f'{v:.6g}') for v in firsts]}), but the groups share one tensor (an optimizer built "
+                         "with lr=torch.tensor(...) gives every group the same one): the base scheduler wrote its "
+                         "first values into it, the last group's for all. Give each group its own, e.g. "
+                         "[{'params': ..., 'lr': torch.tensor(0.1)}, ...], before building the base scheduler")
+    own_lr_tensors([optimizer])
 
 
 def _set_lr(group: dict[str, Any], lr: float) -> None:
