@@ -498,7 +498,8 @@ class Ensemble:
         """What a best sync (``on_runaway="recover"``) and the range test's snapshots keep and go back to: the
         averaged tensors, the moments when they are not among them, and the step counts (last, so that a
         checkpoint's snapshot from before they were kept still fits: :func:`hdet.stability.fit_snapshot`)."""
-        tensors, _, moments = self._kept_parts()  # (first: it fills the step scale's estimates and counts for this sync)
+        tensors, _, moments = self._kept_parts()  # (first: it fills the step scale's estimates and counts for this
+        # sync)
         return tensors + moments + self.also_tensors() + self.step_counts()  # (an EMA goes back too:
         # left NaN after every replica's weights went back, every later sync found the replicas bad and went back
         # again, a review)

@@ -499,8 +499,9 @@ class HDETLR(LRScheduler):
             self._warned_double_step = True
             warnings.warn(
                 "hdet: scheduler.step() was called with no optimizer.step() since the previous call (first at the "
-                f"step() call that took last_epoch from {self._first_unmatched}): HDET counts optimizer steps, so its converge steps and schedule "
-                "now run ahead of training. Under gradient accumulation, call scheduler.step(loss) once per optimizer "
+                f"step() call that took last_epoch from {self._first_unmatched}): HDET counts optimizer steps, so its "
+                "converge steps and schedule now run ahead of training. Under gradient accumulation, call "
+                "scheduler.step(loss) once per optimizer "
                 "step, after optimizer.step(), not on every micro-batch (total_steps counts optimizer steps), with the "
                 "step's loss as it is, the mean over its micro-batches, not divided by their number (the paper "
                 "controller's loss_scale is in the loss's own units). A scheduler passed to accelerator.prepare() is "
@@ -1336,17 +1337,15 @@ def _own_lr_tensors(optimizer: torch.optim.Optimizer, base: Any, firsts: list[fl
     """:func:`hdet.optimizers.own_lr_tensors` as a scheduler is built; a torch scheduler built by the user over groups
     that shared one LR tensor has already written its first values into it, one for all, so where its values for the
     groups (``firsts``: a ``LambdaLR``'s at its step, else its ``base_lrs``) differ, it is refused (the first step
-    would have run every group at the last one's, a review)."""
-    groups = innermost(optimizer).param_groups
-    shared = [isinstance(g["lr"], torch.Tensor) and any(g["lr"] is h["lr"] for h in groups[:i])
-              for i, g in enumerate(groups)]
-    if any(shared) and firsts is not None and len({f"{v:.6g}" for v in firsts}) > 1:
+    would have run every group at the last one's, a review). Called inside :func:`_restored_on_failure`, which puts the
+    user's shared tensor back where it is refused."""
+    if own_lr_tensors([optimizer]) and firsts is not None and len({f"{v:.6g}" for v in firsts}) > 1:
         raise ValueError(f"Expected one LR tensor per param group under {type(base).__name__}, whose LRs differ by "
-                         f"group ({[float(f'{v:.6g}') for v in firsts]}), but the groups share one tensor (an optimizer built "
-                         "with lr=torch.tensor(...) gives every group the same one): the base scheduler wrote its "
-                         "first values into it, the last group's for all. Give each group its own, e.g. "
-                         "[{'params': ..., 'lr': torch.tensor(0.1)}, ...], before building the base scheduler")
-    own_lr_tensors([optimizer])
+                         f"group ({[float(f'{v:.6g}') for v in firsts]}), but the groups share one tensor (an "
+                         "optimizer built with lr=torch.tensor(...) gives every group the same one): the base "
+                         "scheduler wrote its first values into it, the last group's for all. Give each group its "
+                         "own, e.g. [{'params': ..., 'lr': torch.tensor(0.1)}, ...], before building the base "
+                         "scheduler")
 
 
 def _set_lr(group: dict[str, Any], lr: float) -> None:
