@@ -1079,7 +1079,9 @@ def test_lightning_manual_optimization_with_a_divided_loss_is_said_and_observe_l
     """Manual optimization, 2 micro-batches per optimizer step, manual_backward(loss / 2) as Lightning's recipe
     writes it: the callback observed the divided loss, so every window loss the paper controller judged was half the
     true one, unsaid (an audit; its loss_scale is in the loss's units). Said at train start now; with
-    HDETCallback(observe_loss=False) and the user's own sched.observe(loss), each window is the true mean (1 process)."""
+    HDETCallback(observe_loss=False) and the user's own sched.observe(loss), each window is the true mean (1 process).
+    Said at the second manual_backward of a step, not for a manual loop of one backward a step (an audit: it was
+    said at train start for every manual loop)."""
     L = pytest.importorskip("lightning")
     import warnings
 
@@ -1087,11 +1089,11 @@ def test_lightning_manual_optimization_with_a_divided_loss_is_said_and_observe_l
     from hdet.integrations.lightning import HDETCallback
 
     class Manual(L.LightningModule):
-        def __init__(self, user_observes):
+        def __init__(self, user_observes, micro=2):
             super().__init__()
             self.net = torch.nn.Linear(4, 1)
             self.automatic_optimization = False
-            self.user_observes, self.raw, self.windows = user_observes, [], []
+            self.user_observes, self.raw, self.windows, self.micro = user_observes, [], [], micro
 
         def training_step(self, batch, i):
             opt, sched = self.optimizers(), self.lr_schedulers()
@@ -1099,8 +1101,8 @@ def test_lightning_manual_optimization_with_a_divided_loss_is_said_and_observe_l
             self.raw.append(float(loss))
             if self.user_observes:
                 sched.observe(loss.detach())
-            self.manual_backward(loss / 2)
-            if i % 2 == 1:
+            self.manual_backward(loss / self.micro)
+            if i % self.micro == self.micro - 1:
                 opt.step()
                 opt.zero_grad()
                 sched.step()
@@ -1112,10 +1114,10 @@ def test_lightning_manual_optimization_with_a_divided_loss_is_said_and_observe_l
             sched.ensemble.on_sync.append(lambda r: self.windows.append((r.step, r.losses)))
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    def run(observe_loss):
+    def run(observe_loss, micro=2):
         torch.manual_seed(0)
-        data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
-        m = Manual(user_observes=not observe_loss)
+        data = torch.utils.data.TensorDataset(torch.randn(32 * micro, 4), torch.randn(32 * micro, 1))
+        m = Manual(user_observes=not observe_loss, micro=micro)
         trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False,
                             callbacks=[HDETCallback(observe_loss=observe_loss)])
@@ -1132,5 +1134,7 @@ def test_lightning_manual_optimization_with_a_divided_loss_is_said_and_observe_l
     for k, (_, losses) in enumerate(true.windows):
         assert losses[0] == pytest.approx(sum(true.raw[4 * k:4 * k + 4]) / 4, rel=1e-6)
         assert divided.windows[k][1][0] == pytest.approx(losses[0] / 2, rel=1e-6)  # (what the callback can see)
+    one, said = run(observe_loss=True, micro=1)  # one backward a step: the loss as it is, nothing to say
+    assert said == [] and [s for s, _ in one.windows] == [2, 4, 6, 8]
     with pytest.raises(ValueError, match="observe_loss to be a bool"):
         HDETCallback(observe_loss="no")

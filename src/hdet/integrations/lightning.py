@@ -66,6 +66,8 @@ class HDETCallback(Callback):
         self._restored = False
         self._logged: dict[int, int] = {}  # scheduler index -> the sync step last logged
         self._swapped: list[HDETLR] = []  # the schedulers whose average is in for a validation
+        self._backward_at: dict[int, int] = {}  # manual optimization: scheduler index -> its step at the last backward
+        self._said_manual = False
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         if not self._observe_loss:
@@ -77,8 +79,27 @@ class HDETCallback(Callback):
             # GradScaler's scale (a power of two: dividing is exact); its device tensor, so no host sync
             amp = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else scaler.get_scale()
             true = true / amp
-        for sched in _hdet_schedulers(trainer):
+        for k, sched in enumerate(_hdet_schedulers(trainer)):
+            if not pl_module.automatic_optimization:
+                self._say_divided(k, sched)
             sched.observe(true)  # this rank's own loss, on its device
+
+    def _say_divided(self, k: int, sched: HDETLR) -> None:
+        """Manual optimization: a second ``manual_backward`` before the scheduler's next step is gradient
+        accumulation, whose loss Lightning's recipe divides by the number of micro-batches; the paper controller
+        reads it in its own units (``loss_scale``, sigma of Eq. 4). Said once, then (at train start it was said for
+        every manual loop, one backward a step included: an audit)."""
+        last, self._backward_at[k] = self._backward_at.get(k), sched.last_epoch
+        ens = sched._hdet
+        if last == sched.last_epoch and not self._said_manual and ens.config.enable_auto_lr \
+                and ens.config.controller_kind == "paper":
+            self._said_manual = True
+            warnings.warn("hdet: under manual optimization HDETCallback observes the loss given to manual_backward() "
+                          "as it is, and manual_backward() ran more than once before this scheduler's step (gradient "
+                          "accumulation): the paper controller reads the loss in its own units (loss_scale, sigma of "
+                          "Eq. 4), so if you divide it by the number of micro-batches, pass "
+                          "HDETCallback(observe_loss=False) and give the scheduler the undivided loss yourself "
+                          "(sched.step(loss), docs/lightning.md)", stacklevel=user_stacklevel())
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Each new sync's scalars (:func:`hdet.sync_scalars`) to the trainer's loggers, once, at the sync's step
@@ -110,7 +131,7 @@ class HDETCallback(Callback):
         """Each ``WeightAveraging`` callback's average model is registered (:meth:`hdet.HDETLR.also_average`) before a
         resume loads the schedulers' states, whose best sync keeps it (Lightning restores them after this hook). A new
         ``fit``'s syncs are logged anew (a second ``fit`` with this callback skipped those at steps logged before)."""
-        self._logged = {}
+        self._logged, self._backward_at = {}, {}
         for sched in _hdet_schedulers(trainer):
             for cb in _weight_averaging(trainer):
                 sched.also_average(cb._average_model)
@@ -231,14 +252,6 @@ class HDETCallback(Callback):
                              "without averaging the replicas and each rank would go on at its own LR. Use "
                              "lightning's WeightAveraging (or EMAWeightAveraging), whose average model HDETCallback "
                              "averages with the replicas")
-        paper = [s for s in _hdet_schedulers(trainer) if s._hdet.config.enable_auto_lr
-                 and s._hdet.config.controller_kind == "paper"]
-        if paper and self._observe_loss and pl_module is not None and not pl_module.automatic_optimization:
-            warnings.warn("hdet: under manual optimization HDETCallback observes the loss given to manual_backward() "
-                          "as it is, and the paper controller reads it in its own units (loss_scale, sigma of Eq. 4): "
-                          "if you divide it by the number of micro-batches, pass HDETCallback(observe_loss=False) and "
-                          "give the scheduler the undivided loss yourself (sched.step(loss), docs/lightning.md)",
-                          stacklevel=user_stacklevel())
         for sched in _hdet_schedulers(trainer):
             sched.attach_model(trainer.strategy.model)  # buffers averaged if no model= was given; the guard on DDP
             for cb in _weight_averaging(trainer):  # each rank's average model follows its own replica: averaged
