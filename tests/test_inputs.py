@@ -581,3 +581,25 @@ def test_lr_tensors_shared_again_by_an_optimizer_load_get_their_own_and_a_users_
     opt = build(torch.tensor(0.1))
     hdet.OneCycleAutoLR(opt, max_lr=[0.1, 0.4], total_steps=20)
     assert [float(g["lr"]) for g in opt.param_groups] == [pytest.approx(0.004), pytest.approx(0.016)]
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda o: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=10, explore=0.5), "explore= to be an hdet hyperparameter"),
+    (lambda o: hdet.HDETLR(o, None, 10, explore={}), "explore= to be an hdet hyperparameter"),
+    (lambda o: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=10, last_epoch="x"), "last_epoch to be an int >= -1"),
+    (lambda o: hdet.HDETLR(o, None, 10, last_epoch=-2), "last_epoch to be an int >= -1"),
+    (lambda o: hdet.HDETLR(o, None, 10, rank=0.0), "rank= to be an int"),
+    (lambda o: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=10, world_size="1"), "world_size= to be an int"),
+])
+def test_explore_last_epoch_and_rank_of_the_wrong_kind_say_what_was_expected(make, match):
+    """``explore=0.5`` gave Python's "'float' object is not iterable", ``last_epoch="x"`` torch's KeyError on a
+    missing 'initial_lr' (a resume, it supposed), ``rank=0.0`` compared equal to rank 0 (left from session 42's audit
+    notes). Said now; a 0-d integer tensor rank, a generator of hyperparameters and numpy ints pass."""
+    m, opt = _opt()
+    with pytest.raises(ValueError, match=match):
+        make(opt)
+    m, opt = _opt()
+    drop = nn.Sequential(m, nn.Dropout(0.1))
+    sched = hdet.HDETLR(opt, None, 10, rank=torch.tensor(0), world_size=np.int64(1),
+                        explore=(h for h in [hdet.Dropout(drop)]))
+    assert [h.name for h in sched.ensemble.hypers] == ["dropout"]

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .flat import contiguous_runs
+from .values import int_number
 
 __all__ = ["Replicas", "SingleReplica", "ProcessGroupReplicas", "LocalReplicaGroup", "LocalReplica", "plan_buckets",
            "resolve_replicas", "ReplicaSyncError", "average_local"]
@@ -394,6 +395,10 @@ def resolve_replicas(
     agree with it. Without a process group there is one replica."""
     if replicas is not None:
         return replicas
+    for name, value in (("rank", rank), ("world_size", world_size)):  # (a tensor rank compared as a tensor: torch's
+        if value is not None and int_number(value) is None:  # "Boolean value of Tensor ... is ambiguous" at world 2)
+            raise ValueError(f"Expected {name}= to be an int (or None: from the process group), but got {value!r}")
+    rank, world_size = (None if v is None else int_number(v) for v in (rank, world_size))
     shard_group = None
     if device_mesh is not None:  # FSDP2/HSDP: replicas along dim 0 ("replicate"), shards along dim 1
         if process_group is not None:

@@ -38,7 +38,7 @@ from .replicas import (DEFAULT_BUCKET_CAP_MB, LocalReplica, Replicas, check_mesh
 from .slots import LRControl
 from .swap import AverageSwap, averaged, explored_bases
 from .sync import check_memory_layout, health, persistent_float_buffers, unaveraged_buffers
-from .values import as_float, real_number
+from .values import as_float, int_number, real_number
 from .warm_init import warm_noise_overwritten
 
 __all__ = ["HDETLR", "OneCycleAutoLR"]
@@ -122,8 +122,9 @@ class HDETLR(LRScheduler):
                              f"but got rank={rank!r}, world_size={world_size!r}")
         self._base, self._base_fn = _resolve_base(base, optimizer)
         _check_one_cycle_length(self._base, total_steps)
-        explore = [explore] if isinstance(explore, Hyperparameter) else list(explore or ())
+        explore = _explored(explore)
         check_explored(explore)  # (before the checks that read their spreads)
+        last_epoch = _last_epoch(last_epoch)
         _check_cycled_beta1(bool(scheduler_state.momentum_cyclers(self._base)), explore)
         if config.enable_auto_lr and any(isinstance(h, LabelSmoothing) for h in explore):
             warnings.warn("hdet: the controller compares the replicas' losses, and label smoothing raises a replica's "
@@ -1201,8 +1202,8 @@ class OneCycleAutoLR(HDETLR):
                  **kwargs: Any) -> None:
         with _restored_on_failure(optimizer):  # (OneCycleLR rewrites the groups before hdet's checks)
             own_lr_tensors([optimizer])  # (before OneCycleLR writes its first values: one per group)
-            explore = kwargs.get("explore") or ()
-            _check_cycled_beta1(cycle_momentum, [explore] if isinstance(explore, Hyperparameter) else explore)
+            _check_cycled_beta1(cycle_momentum, _explored(kwargs.get("explore")))
+            last_epoch = _last_epoch(last_epoch)
             total_steps, epochs, steps_per_epoch = (_as_int(x) for x in (total_steps, epochs, steps_per_epoch))
             for name, factor in (("div_factor", div_factor), ("final_div_factor", final_div_factor)):
                 value = real_number(factor)  # (torch takes any: a negative one gives negative LRs, met only late on)
@@ -1359,6 +1360,27 @@ def _set_lr(group: dict[str, Any], lr: float) -> None:
 def _lrs_of(optimizer: torch.optim.Optimizer) -> list[Any]:
     """Every param group's LR as torch's ``get_last_lr()`` gives it: a copy of a tensor LR, a float as it is."""
     return [g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"] for g in optimizer.param_groups]
+
+
+def _explored(explore: Any) -> list[Any]:
+    """``explore=`` as a list: one hdet hyperparameter, or a list (any iterable) of them (checked by ``check_explored``);
+    a ValueError otherwise (a number or a dict gave Python's own "not iterable", or iterated the keys)."""
+    if isinstance(explore, Hyperparameter):
+        return [explore]
+    if explore is None:
+        return []
+    if isinstance(explore, (str, bytes, dict, torch.Tensor)) or not hasattr(explore, "__iter__"):
+        raise ValueError(f"Expected explore= to be an hdet hyperparameter or a list of them, but got "
+                         f"{type(explore).__name__} {explore!r}")
+    return list(explore)
+
+
+def _last_epoch(last_epoch: Any) -> int:
+    """``last_epoch`` as an int >= -1 (torch's own schedulers took a string and failed on a missing 'initial_lr')."""
+    value = int_number(last_epoch)
+    if value is None or value < -1:
+        raise ValueError(f"Expected last_epoch to be an int >= -1 (-1: a new run), but got {last_epoch!r}")
+    return value
 
 
 def _as_int(x: Any) -> Any:
