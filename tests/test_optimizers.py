@@ -438,6 +438,12 @@ def test_d_adaptation_and_prodigy_decouple_counts_as_decoupled_weight_decay():
     assert coupled_weight_decay(torch.optim.Adam(p, weight_decay=0.1))
     assert not coupled_weight_decay(torch.optim.AdamW(p, weight_decay=0.1))
     assert not coupled_weight_decay(torch.optim.Adam(p, weight_decay=0.1, decoupled_weight_decay=True))
+    # torch's Muon and Adafactor multiply the weights by (1 - lr * wd): an exact resume was said not to be (an audit)
+    m = [nn.Parameter(torch.zeros(2, 2))]
+    if hasattr(torch.optim, "Muon"):
+        assert not coupled_weight_decay(torch.optim.Muon(m, weight_decay=0.1))
+    if hasattr(torch.optim, "Adafactor"):
+        assert not coupled_weight_decay(torch.optim.Adafactor(m, weight_decay=0.1))
 
 
 def test_prodigy_safeguard_is_a_flag_and_off_by_default():
@@ -948,3 +954,27 @@ def test_an_ensemble_built_from_a_default_config_takes_warmup_zero():
     e = hdet.Ensemble(hdet.HDETConfig(enable_auto_lr=True, controller="paper", model_sync_interval=10), SingleReplica(), o)
     e.set_total_steps(100)
     assert e.config.auto_lr_warmup_steps == 0 and e.first_control_step() == 10
+
+
+def test_dadapt_sgds_first_gradient_norm_is_averaged_with_its_estimates_in_local_mode():
+    """DAdaptSGD divides every step by ``g0_norm``, the norm of its first gradient: in local mode (no shared
+    gradients) each replica's own, left per replica by the converge step that averaged d, so at alpha 0 the four
+    replicas' steps stayed up to 1.7x apart for the whole run (an audit). Averaged with the other estimates now:
+    after the converge step at step 8 every replica's g0_norm, d and step size d / g0_norm are the same."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    eng = ReplicaEngine(model, 4, lambda m: dadaptation.DAdaptSGD(m.parameters(), lr=1.0),
+                        lambda o, rep, m: hdet.HDETLR(o, None, total_steps=12, model_sync_interval=8, replicas=rep,
+                                                      model=m, ensemble_lr_spread_ratio=0.0,
+                                                      average_optimizer_state=True),
+                        share_gradients=False)
+    g = torch.Generator().manual_seed(1)
+    for t in range(1, 9):
+        xs = [torch.randn(8, 6, generator=g) for _ in range(4)]  # (local mode: a batch per replica)
+        eng.step([(x, x[:, :3].argmax(-1)) for x in xs], lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]))
+        if t == 1:
+            first = [float(o.param_groups[0]["g0_norm"]) for o in eng.optimizers]
+            assert max(first) / min(first) > 1.05  # (each replica's own batch: its own first gradient)
+    groups = [o.param_groups[0] for o in eng.optimizers]
+    assert [float(gr["g0_norm"]) for gr in groups] == [pytest.approx(sum(first) / 4, rel=1e-6)] * 4
+    assert len({float(gr["g0_norm"]) for gr in groups}) == len({float(gr["d"]) for gr in groups}) == 1

@@ -64,12 +64,18 @@ def innermost(optimizer: Any) -> Any:
     return optimizer
 
 
+# optimizers whose weight decay multiplies the weights by (1 - lr * weight_decay), never the gradient (torch's Muon
+# and Adafactor: read as coupled, a resume that was exact was said not to be, an audit)
+_DECOUPLED = tuple(c for c in (torch.optim.AdamW, getattr(torch.optim, "Muon", None),
+                               getattr(torch.optim, "Adafactor", None)) if c is not None)
+
+
 def decoupled(optimizer: Any, group: dict[str, Any]) -> bool:
-    """Whether ``group``'s weight decay is decoupled (AdamW's, Adam's with ``decoupled_weight_decay``, D-Adaptation's
-    and Prodigy's with ``decouple``) rather than added to the gradient, where each replica's own weights then shape
-    its optimizer's moments."""
+    """Whether ``group``'s weight decay is decoupled (AdamW's, Muon's, Adafactor's, Adam's with
+    ``decoupled_weight_decay``, D-Adaptation's and Prodigy's with ``decouple``) rather than added to the gradient,
+    where each replica's own weights then shape its optimizer's moments."""
     return bool(group.get("decoupled_weight_decay",
-                          group.get("decouple", isinstance(innermost(optimizer), torch.optim.AdamW))))
+                          group.get("decouple", isinstance(innermost(optimizer), _DECOUPLED))))
 
 
 def coupled_weight_decay(optimizer: Any) -> bool:

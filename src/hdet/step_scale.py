@@ -46,8 +46,9 @@ __all__ = ["StepScale", "ESTIMATES", "prodigy_estimate", "reads_weights"]
 
 # the param-group scalars of the distance estimators that the converge step averages and a go-back restores
 # (D-Adaptation, Prodigy; DAdaptAdan's and DAdaptAdaGrad's sums too: left at their later values by a go-back, d
-# stalled, 383x off in an audit's run)
-ESTIMATES = ("d", "d_max", "d_numerator", "numerator_weighted", "gsq_weighted", "skl1", "sksq_weighted")
+# stalled, 383x off in an audit's run; DAdaptSGD's g0_norm, the norm of each replica's own first gradient in local
+# mode, which divides its every step: left per replica, steps 1.7x apart at alpha 0, an audit)
+ESTIMATES = ("d", "d_max", "d_numerator", "numerator_weighted", "gsq_weighted", "skl1", "sksq_weighted", "g0_norm")
 _PRODIGY = ("d0", "d_coef", "d_max", "d_numerator", "growth_rate")  # its param groups' signature
 
 
