@@ -1255,3 +1255,46 @@ def test_a_scheduler_stepped_on_every_micro_batch_says_gradient_accumulation():
     said = [str(w.message) for w in caught if "no optimizer.step()" in str(w.message)]
     assert len(said) == 1 and "Under gradient accumulation, call scheduler.step(loss) once per optimizer step" in said[0]
     assert "(first at the step() call that took last_epoch from 1)" in said[0]  # (the first unmatched call: a review)
+
+
+@pytest.mark.parametrize("writer", ["loop", "plateau", None])
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_an_lr_written_beside_the_scheduler_is_said(writer, tensor_lr):
+    """A loop that sets group['lr'] itself before every step (nanoGPT's get_lr(it)) trained every replica at that
+    schedule, no spread, while the records showed one; a ReduceLROnPlateau stepped beside HDET cut the LR for one
+    step, then hdet's value was back (an audit: 10x above plain DDP for the rest of the run). Said once now, naming
+    the group; an optimizer's state loaded mid-run (which writes the LRs), and a loop that leaves them alone, say
+    nothing. A tensor LR is told by its in-place version (no host read)."""
+    import warnings
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 1)
+    o = torch.optim.Adam([{"params": [m.weight]}, {"params": [m.bias]}],
+                         lr=torch.tensor(0.01) if tensor_lr else 0.01)
+    s = hdet.HDETLR(o, torch.optim.lr_scheduler.CosineAnnealingLR(o, 12), 12)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0) if writer == "plateau" else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(1, 9):
+            if writer == "loop":
+                for g in o.param_groups[1:]:
+                    if tensor_lr:
+                        g["lr"].fill_(1e-3 * t)
+                    else:
+                        g["lr"] = 1e-3 * t
+            o.zero_grad()
+            loss = m(torch.randn(4, 3)).square().mean()
+            loss.backward()
+            o.step()
+            s.step(loss)
+            if plateau is not None:
+                plateau.step(1.0)  # (no improvement after the first: a cut of 10x)
+            if t == 4:
+                o.load_state_dict(o.state_dict())
+    said = [str(w.message) for w in caught if "LR was written" in str(w.message)]
+    if writer is None:
+        assert said == []
+    else:
+        assert len(said) == 1, said
+        assert said[0].startswith(f"hdet: param group {1 if writer == 'loop' else 0}'s LR was written")
+        assert "Give your schedule to HDETLR as its base" in said[0]

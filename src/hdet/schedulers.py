@@ -191,6 +191,8 @@ class HDETLR(LRScheduler):
             self._warned_double_step = self._warned_missed_step = self._warned_epoch = self._checked_local = False
             self._guard_said = False  # (the first step: no guard where one was asked for, said once: _say_no_guard)
             self._warned_cap = False  # (Adafactor's cap on its LR, said once: _check_capped_lr)
+            self._lr_marks: list[Any] | None = None  # each group's LR as this scheduler left it (_check_lrs_kept)
+            self._warned_lr_written = False
             self._weights_expected: float | None = None  # a loaded state's weights' fingerprint (expect_weights)
             self._values_loaded: tuple[list[float], list[float]] | None = None  # a load's LRs and explored values
             self._weights_hook: Any = None  # (both checked at the first optimizer step after the load: _after_load)
@@ -205,6 +207,7 @@ class HDETLR(LRScheduler):
             with _restored_on_failure(optimizer):
                 _own_lr_tensors(optimizer, self._base, self._base_firsts())
                 super().__init__(optimizer, last_epoch)
+                self._lr_marks = _lr_marks(optimizer)
                 if _close_earlier(optimizer):  # (built: the earlier one's "hook" guard is this one's to take over)
                     self.reapply()  # (its values, which the earlier one's close() set to that one's base)
                 # the guard last (DDP takes one comm hook, which a construction that failed after it left behind); an
@@ -408,6 +411,7 @@ class HDETLR(LRScheduler):
         for h, base in zip(self._hdet.hypers, explored_bases(self._hdet)):
             h.set(base)
         self._last_lr = _lrs_of(self.optimizer)  # (get_last_lr(): what is used)
+        self._lr_marks = _lr_marks(self.optimizer)
 
     @property
     def closed(self) -> bool:
@@ -477,6 +481,7 @@ class HDETLR(LRScheduler):
         """After ``optimizer.load_state_dict``: torch deep-copies the saved param groups, so one LR tensor that several
         groups held when saved is shared again (a review: the copies :func:`hdet.optimizers.own_lr_tensors` made were
         undone, and every group trained at the last LR set); each gets its own again, with this replica's values."""
+        self._lr_marks = None  # (the load wrote the LRs: the next step does not take them for another writer's)
         if own_lr_tensors([optimizer]):
             self.reapply()
 
@@ -672,7 +677,9 @@ class HDETLR(LRScheduler):
                              "scheduler after adding every param group (a group frozen for now can hold parameters "
                              "with requires_grad=False; but DistributedDataParallel all-reduces only the gradients of "
                              "the parameters that required grad when it was built: unfrozen later, that group's "
-                             "gradients stay each replica's own unless DDP is built again)")
+                             "gradients stay each replica's own unless DDP is built again, right after a converge "
+                             "step or with init_sync=False: its constructor copies rank 0's weights to every rank, "
+                             "which mid-window replaces each replica's own with rank 0's)")
         if not self._guard_said:
             self._guard_said = True
             self._say_no_guard()
@@ -691,6 +698,7 @@ class HDETLR(LRScheduler):
                             sharded=self._sharded, lr_spread=c.ensemble_lr_spread_ratio > 0,
                             recovering=c.recovering, lr_moved=c.moves_lr)
         if lead is not None:
+            self._check_lrs_kept()
             self._follow_base(lead)
         elif self._base is not None:
             # Chainable schedulers compute from group['lr']: give them their own last value, not base * rho (nor
@@ -702,11 +710,37 @@ class HDETLR(LRScheduler):
                                  "or loaded at another step (HDETLR steps it, once per optimizer step; a second "
                                  "base.step() runs the schedule at twice its speed). Step only the HDETLR, and resume "
                                  "with its load_state_dict")
+            self._check_lrs_kept()  # (after that check: a base stepped elsewhere wrote the LRs too)
             for g, b in zip(self.optimizer.param_groups, self._scheduled_bases()):
                 _set_lr(g, b)
             self._base.step()
+        else:
+            self._check_lrs_kept()
         self._hdet.after_optimizer_step(t)
         return t
+
+    def _check_lrs_kept(self) -> None:
+        """Each param group's LR as this scheduler set it after its previous step, or something else wrote it since:
+        a loop that sets ``group['lr']`` itself (nanoGPT's ``get_lr(it)``) trained every replica at its own schedule,
+        no spread, while the records showed one; a ``ReduceLROnPlateau`` stepped beside HDET cut the LR for one step,
+        then hdet's value was back (an audit). Said once. A tensor LR by identity and in-place version (no host sync)."""
+        marks, self._lr_marks = self._lr_marks, None
+        if marks is None or self._warned_lr_written:
+            return
+        now = _lr_marks(self.optimizer)
+        moved = [i for i, (a, b) in enumerate(zip(marks, now)) if a != b]
+        if moved:
+            self._warned_lr_written = True
+            i = moved[0]
+            got = f" to {now[i]:.6g}" if isinstance(now[i], float) else ""
+            was = f" ({marks[i]:.6g})" if isinstance(marks[i], float) else ""
+            warnings.warn(f"hdet: param group {i}'s LR was written{got} after this scheduler set it{was} at its "
+                          "previous step, by something else (a loop that sets group['lr'] itself, ReduceLROnPlateau "
+                          "or another scheduler stepped beside it): that step ran at the other writer's LR, not at "
+                          "this replica's spread one that the records show, and hdet sets its own value again now, so "
+                          "a cut made there lasted one step. Give your schedule to HDETLR as its base (a torch "
+                          "scheduler, or a callable of the step) and step only the HDETLR; ReduceLROnPlateau cannot be "
+                          "one (it steps on a metric, not on the step). Said once", stacklevel=user_stacklevel())
 
     def _check_join(self) -> None:
         """torch's ``model.join()`` (uneven inputs across ranks): its stand-ins for a finished rank's collectives cannot
@@ -755,6 +789,7 @@ class HDETLR(LRScheduler):
             super().step()
         else:
             self._follow_step(lead)
+        self._lr_marks = _lr_marks(self.optimizer)
         if self.last_epoch >= self.total_steps:  # the run is over (its last converge step taken): hooks off
             self.close()
 
@@ -951,6 +986,7 @@ class HDETLR(LRScheduler):
         for group, lr in zip(self.optimizer.param_groups, values):
             _set_lr(group, lr)  # (a tensor LR in place: a captured or compiled step reads that tensor)
         self._last_lr = _lrs_of(self.optimizer)
+        self._lr_marks = _lr_marks(self.optimizer)
 
     def record_schedule(self) -> "HDETLR":
         """Remember, from now on, every step's base value per explored slot (see :mod:`hdet.replay`).
@@ -1355,6 +1391,13 @@ def _set_lr(group: dict[str, Any], lr: float) -> None:
         group["lr"].fill_(lr)
     else:
         group["lr"] = lr
+
+
+def _lr_marks(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """Each param group's LR as it is now, to tell later whether anything wrote it: a float as it is, a tensor by its
+    identity and in-place version (no host sync)."""
+    return [(id(g["lr"]), g["lr"]._version) if isinstance(g["lr"], torch.Tensor) else g["lr"]
+            for g in optimizer.param_groups]
 
 
 def _lrs_of(optimizer: torch.optim.Optimizer) -> list[Any]:
