@@ -1975,3 +1975,75 @@ def buffer_value_under_ddp(rank, world, broadcast_buffers, vmap_safe=True):
             opt.step()
             sched.step(1.0)
     return {"set": set_for_step, "said": [str(w.message) for w in caught if "explored 'dropout'" in str(w.message)]}
+
+
+def dcp_rank_state(rank, world, ckpt):
+    """A DDP run (alpha 0.5, T 4, the paper controller, on_runaway="recover") checkpointed with
+    torch.distributed.checkpoint mid-window (step 6): the scheduler itself is refused by dcp.save; wrapped in
+    hdet.RankState, each rank's state loads into a new scheduler as it was saved, and the resumed run's LRs and weights
+    are the uninterrupted run's."""
+    import torch.distributed.checkpoint as dcp
+
+    def build():
+        torch.manual_seed(0)
+        net = nn.Linear(4, 3)
+        ddp = DDP(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        sched = hdet.HDETLR(opt, None, total_steps=10, model=ddp, model_sync_interval=4, ensemble_lr_spread_ratio=0.5,
+                            enable_auto_lr=True, controller="paper", auto_lr_warmup_steps=0, on_runaway="recover")
+        return net, ddp, opt, sched
+
+    def train(ddp, opt, sched, steps, lrs):
+        for t in steps:
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(100 * t + rank))
+            opt.zero_grad()
+            loss = ddp(x).square().mean()
+            loss.backward()
+            opt.step()
+            sched.step(loss)
+            lrs.append(opt.param_groups[0]["lr"])
+
+    net, ddp, opt, sched = build()
+    lrs_a: list[float] = []
+    train(ddp, opt, sched, range(1, 7), lrs_a)
+    refused = None
+    try:
+        dcp.save({"sched": sched}, checkpoint_id=os.path.join(ckpt, "direct"))
+    except ValueError as e:
+        refused = str(e)
+    dcp.save({"sched": hdet.RankState(sched)}, checkpoint_id=os.path.join(ckpt, "wrapped"))
+    # (the model and optimizer per rank: mid-window DCP keeps one replica's copy of a replicated tensor, docs/sharded.md)
+    torch.save({"model": net.state_dict(), "opt": opt.state_dict()}, os.path.join(ckpt, f"rank{rank}.pt"))
+    saved = copy.deepcopy(sched.state_dict())
+    train(ddp, opt, sched, range(7, 11), lrs_a)
+    end_a = net.weight.detach().clone()
+
+    net2, ddp2, opt2, sched2 = build()
+    own = torch.load(os.path.join(ckpt, f"rank{rank}.pt"))
+    net2.load_state_dict(own["model"])
+    opt2.load_state_dict(own["opt"])
+    dcp.load({"sched": hdet.RankState(sched2)}, checkpoint_id=os.path.join(ckpt, "wrapped"))
+    loaded = sched2.state_dict()
+    lrs_b: list[float] = []
+    train(ddp2, opt2, sched2, range(7, 11), lrs_b)
+    diffs: list[str] = []
+    return {"refused": refused, "same_state": _same(saved, loaded, "", diffs), "diffs": diffs, "lrs_a": lrs_a[6:], "lrs_b": lrs_b,
+            "end_a": end_a, "end_b": net2.weight.detach().clone()}
+
+
+def _same(a, b, path="", diffs=None) -> bool:
+    """Two nested states equal, tensors by value (NaN where both are); ``diffs`` collects the paths that differ."""
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or a.keys() != b.keys():
+            return False
+        same = [_same(a[k], b[k], f"{path}.{k}", diffs) for k in a]
+        if diffs is not None:
+            diffs += [f"{path}.{k}" for k, ok in zip(a, same) if ok is False and not isinstance(a[k], (dict, list))]
+        return all(same)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return a == b

@@ -1463,3 +1463,25 @@ def test_an_explored_value_in_a_buffer_overwritten_by_ddps_broadcast_is_said(bro
         assert len(r1["said"]) == 1 and "broadcast_buffers=False" in r1["said"][0], r1
     else:
         assert r1["said"] == []
+
+
+def _dcp_rank_state(rank, world, ckpt):
+    from dist_workers import dcp_rank_state
+
+    return dcp_rank_state(rank, world, ckpt)
+
+
+def test_a_scheduler_in_a_dcp_checkpoint_is_refused_and_rank_state_resumes_mid_window(tmp_path):
+    """The scheduler itself in a torch.distributed.checkpoint state dict (its state_dict/load_state_dict make it a
+    Stateful): a checkpoint saved mid-window or with on_runaway="recover" could not be loaded (DCP builds the state to
+    load from a new scheduler, of another shape), with DCP's own error at the resume, and DCP kept one copy of what
+    the ranks saved alike (an audit). Refused at dcp.save now; hdet.RankState(sched) keeps each rank's own state, and
+    the run resumed from it mid-window is the uninterrupted one (2 gloo processes)."""
+    pytest.importorskip("torch.distributed.checkpoint")
+    results = check_ok(run_gloo(_dcp_rank_state, 2, str(tmp_path)))
+    for r in results:
+        assert r["refused"] is not None and "hdet.RankState(sched)" in r["refused"], r["refused"]
+        assert r["same_state"], r["diffs"]
+        assert r["lrs_b"] == r["lrs_a"] and len(r["lrs_a"]) == 4
+        assert torch.equal(r["end_a"], r["end_b"])
+    assert results[0]["lrs_a"] != results[1]["lrs_a"]  # (the ranks' own LRs: a spread)

@@ -9,6 +9,7 @@ from .hyper import (AdamBeta, Dropout, GradClip, Hyperparameter, LabelSmoothing,
 from .warm_init import warm_init_
 from .replicas import ProcessGroupReplicas, Replicas, SingleReplica
 from .replay import ReplayLR
+from .scheduler_state import RankState
 from .schedulers import HDETLR, OneCycleAutoLR
 from .spread import Dealer, linear_multipliers
 from .swap import SwappedInError
@@ -22,6 +23,7 @@ __all__ = [
     "OneCycleAutoLR",
     "ReplicaEngine",
     "HDETLR",
+    "RankState",
     "warm_init_",
     "linear_multipliers",
     "Dealer",

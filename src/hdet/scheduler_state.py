@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import bisect
 import copy
+import io
 import math
 import warnings
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch.optim.lr_scheduler import OneCycleLR, SequentialLR
 
 from .caller import user_stacklevel
@@ -21,10 +24,55 @@ from .values import as_float
 if TYPE_CHECKING:
     from .schedulers import HDETLR
 
-__all__ = ["state_dict", "check", "load", "check_plain", "momentum_cyclers"]
+__all__ = ["state_dict", "check", "load", "check_plain", "momentum_cyclers", "RankState", "refuse_dcp"]
 
 OWN = ("last_epoch", "_step_count", "_last_lr", "base_lrs", "total_steps", "_history", "_constant",
        "_finished_at")  # (the step finish() averaged after: a resumed run's finish() there again is no second sync)
+
+
+class RankState:
+    """An HDET scheduler in a ``torch.distributed.checkpoint`` (DCP) state dict: ``{"sched": hdet.RankState(sched)}``
+    beside the model's and optimizer's. Each rank's own state, as the bytes of ``torch.save``, under its own key
+    ``rank{r}`` (global rank), loaded back into the same rank's scheduler. The scheduler given as it is was refused:
+    DCP builds the state to load from a freshly built scheduler, whose state has another shape (a loss window, a
+    controller's or a go-back's state that a new run has none of yet: a checkpoint saved mid-window or with
+    ``on_runaway="recover"`` could not be loaded, with DCP's own error, after the crash), and it keeps one copy of the
+    values every rank saved alike, so a rank's own (its rank, last LRs, a go-back's start) was another's (an audit).
+    Resume on the same number of ranks (a rank's state is its replica's)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        if not (callable(getattr(scheduler, "state_dict", None)) and callable(getattr(scheduler, "load_state_dict",
+                                                                                      None))):
+            raise ValueError(f"Expected an hdet scheduler (HDETLR, OneCycleAutoLR), but got {type(scheduler).__name__}")
+        self.scheduler = scheduler
+
+    def _key(self) -> str:
+        return f"rank{dist.get_rank() if dist.is_available() and dist.is_initialized() else 0}"
+
+    def state_dict(self) -> dict[str, bytes]:
+        buffer = io.BytesIO()
+        torch.save(self.scheduler.state_dict(), buffer)
+        return {self._key(): buffer.getvalue()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        key = self._key()
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get(key), bytes):
+            raise ValueError(f"Expected this rank's scheduler state under {key!r} (hdet.RankState's), but got "
+                             f"{sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__}")
+        self.scheduler.load_state_dict(torch.load(io.BytesIO(state_dict[key]), weights_only=True))
+
+
+def refuse_dcp(caller: FrameType | None) -> None:
+    """A scheduler's ``state_dict()`` called by ``torch.distributed.checkpoint`` (a ``Stateful`` in ``dcp.save`` or
+    ``dcp.load``): refused, saying to wrap it in :class:`RankState` (a checkpoint that could not be loaded was found
+    only at the resume: an audit)."""
+    name = caller.f_globals.get("__name__", "") if caller is not None else ""
+    if name.startswith("torch.distributed.checkpoint"):
+        raise ValueError("Expected hdet.RankState(sched) in a torch.distributed.checkpoint state dict, but got the "
+                         "scheduler itself: DCP keeps one copy of what every rank saves alike and loads into the state "
+                         "of a new scheduler, whose shape differs from a running one's (a checkpoint saved mid-window "
+                         "or with on_runaway='recover' could not be loaded). Use {'sched': hdet.RankState(sched)}, or "
+                         "torch.save(sched.state_dict()) on each rank")
 
 
 def state_dict(s: "HDETLR") -> dict[str, Any]:

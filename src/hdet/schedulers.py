@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 import numbers
 import re
 import warnings
@@ -1048,7 +1049,9 @@ class HDETLR(LRScheduler):
     def state_dict(self) -> dict[str, Any]:
         """Plain data only, so ``torch.load(weights_only=True)`` reads it: the scheduler's counters and last LRs,
         the base scheduler's state under ``"base"``, the ensemble's versioned state under ``"hdet"``. Live
-        objects (the optimizer, the guard, callables) stay out."""
+        objects (the optimizer, the guard, callables) stay out. Not for ``torch.distributed.checkpoint`` as it is
+        (refused there: :class:`hdet.RankState`)."""
+        scheduler_state.refuse_dcp(sys._getframe(1))
         return scheduler_state.state_dict(self)
 
     def check_state_dict(self, state_dict: Any) -> dict[str, Any]:

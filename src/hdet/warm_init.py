@@ -61,6 +61,9 @@ def warm_init_(
 
     ``scope="model"`` is Eq. 10: one std ``nu * ||theta_0|| / sqrt(d)`` over all parameters.
     ``scope="tensor"`` uses each tensor's own ``nu * ||theta|| / sqrt(numel)`` (the reference README).
+    A tensor initialised to zero, a LoRA adapter's ``B``, gets the model's noise under ``scope="model"``, so the model
+    at step 0 is no longer the base model (1.1% off in its output in an audit's LoRA run, 2026-12-02);
+    ``scope="tensor"`` leaves a zero tensor zero.
 
     Args:
         params: this replica's module (the DDP-wrapped one's ``.module``: its trainable parameters; frozen ones are
