@@ -12,15 +12,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import sys
 import numbers
 import re
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR, ReduceLROnPlateau
 
@@ -1133,7 +1134,10 @@ class HDETLR(LRScheduler):
         now = self._hdet.weights_fingerprint()
         if now is not None and (math.isfinite(now) or math.isfinite(expected)) and \
                 not math.isclose(now, expected, rel_tol=1e-9, abs_tol=1e-30):  # (non-finite both: saved so)
-            warnings.warn(f"hdet: rank {self.rank}'s weights at its first optimizer step after load_state_dict are not "
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else self.rank
+            who = f"rank {rank}" if rank == self.rank else f"global rank {rank} (replica {self.rank})"  # (HSDP: a
+            # replica's shard ranks; "rank 0's" on global rank 1 read as another rank's, an audit)
+            warnings.warn(f"hdet: {who}'s weights at its first optimizer step after load_state_dict are not "
                           f"the ones saved with its scheduler state (weights' fingerprint {now:.10g} against "
                           f"{expected:.10g} saved), so the run does not go on from this replica as it was saved. "
                           "DistributedDataParallel(...) copies rank 0's weights to every rank when it is built: load "
