@@ -1982,6 +1982,8 @@ def dcp_rank_state(rank, world, ckpt):
     torch.distributed.checkpoint mid-window (step 6): the scheduler itself is refused by dcp.save; wrapped in
     hdet.RankState, each rank's state loads into a new scheduler as it was saved, and the resumed run's LRs and weights
     are the uninterrupted run's."""
+    import warnings
+
     import torch.distributed.checkpoint as dcp
 
     def build():
@@ -2006,11 +2008,19 @@ def dcp_rank_state(rank, world, ckpt):
     net, ddp, opt, sched = build()
     lrs_a: list[float] = []
     train(ddp, opt, sched, range(1, 7), lrs_a)
-    refused = None
-    try:
-        dcp.save({"sched": sched}, checkpoint_id=os.path.join(ckpt, "direct"))
-    except ValueError as e:
-        refused = str(e)
+    class AppState:  # torch's DCP tutorial's Stateful, with the scheduler's state among its own
+        def state_dict(self):
+            return {"model": net.state_dict(), "sched": sched.state_dict()}
+
+        def load_state_dict(self, state):
+            pass
+
+    refused = []
+    for name, state in (("direct", {"sched": sched}), ("app", {"app": AppState()})):
+        try:
+            dcp.save(state, checkpoint_id=os.path.join(ckpt, name))
+        except ValueError as e:
+            refused.append(str(e))
     dcp.save({"sched": hdet.RankState(sched)}, checkpoint_id=os.path.join(ckpt, "wrapped"))
     # (the model and optimizer per rank: mid-window DCP keeps one replica's copy of a replicated tensor, docs/sharded.md)
     torch.save({"model": net.state_dict(), "opt": opt.state_dict()}, os.path.join(ckpt, f"rank{rank}.pt"))
@@ -2026,8 +2036,26 @@ def dcp_rank_state(rank, world, ckpt):
     loaded = sched2.state_dict()
     lrs_b: list[float] = []
     train(ddp2, opt2, sched2, range(7, 11), lrs_b)
+    # local mode (ddp.no_sync()) resumed into a fresh optimizer that DCP's set_state_dict stepped once at lr 0 to
+    # make its state (torch's _init_optim_state): not a missed step of the resumed run's (a review)
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    net3, ddp3, opt3, sched3 = build()
+    _init_optim_state(opt3)
+    sched3.load_state_dict(copy.deepcopy(saved))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))
+        for _ in range(2):
+            opt3.zero_grad()
+            with ddp3.no_sync():
+                loss = ddp3(x).square().mean()
+                loss.backward()
+            opt3.step()
+            sched3.step(loss)
+    missed = [str(w.message) for w in caught if "optimizer.step() ran" in str(w.message)]
     diffs: list[str] = []
-    return {"refused": refused, "same_state": _same(saved, loaded, "", diffs), "diffs": diffs, "lrs_a": lrs_a[6:], "lrs_b": lrs_b,
+    return {"refused": refused, "missed": missed, "same_state": _same(saved, loaded, "", diffs), "diffs": diffs, "lrs_a": lrs_a[6:], "lrs_b": lrs_b,
             "end_a": end_a, "end_b": net2.weight.detach().clone()}
 
 

@@ -1475,12 +1475,15 @@ def test_a_scheduler_in_a_dcp_checkpoint_is_refused_and_rank_state_resumes_mid_w
     """The scheduler itself in a torch.distributed.checkpoint state dict (its state_dict/load_state_dict make it a
     Stateful): a checkpoint saved mid-window or with on_runaway="recover" could not be loaded (DCP builds the state to
     load from a new scheduler, of another shape), with DCP's own error at the resume, and DCP kept one copy of what
-    the ranks saved alike (an audit). Refused at dcp.save now; hdet.RankState(sched) keeps each rank's own state, and
-    the run resumed from it mid-window is the uninterrupted one (2 gloo processes)."""
+    the ranks saved alike (an audit). Refused at dcp.save now, also inside a Stateful of the user's (torch's tutorial's
+    AppState, a review); hdet.RankState(sched) keeps each rank's own state, and the run resumed from it mid-window is
+    the uninterrupted one. DCP's set_state_dict steps a fresh optimizer once at lr 0 to make its state: in local mode
+    that read as a missed step after the resume (a review); not now (2 gloo processes)."""
     pytest.importorskip("torch.distributed.checkpoint")
     results = check_ok(run_gloo(_dcp_rank_state, 2, str(tmp_path)))
     for r in results:
-        assert r["refused"] is not None and "hdet.RankState(sched)" in r["refused"], r["refused"]
+        assert len(r["refused"]) == 2 and all("hdet.RankState(sched)" in m for m in r["refused"]), r["refused"]
+        assert r["missed"] == []
         assert r["same_state"], r["diffs"]
         assert r["lrs_b"] == r["lrs_a"] and len(r["lrs_a"]) == 4
         assert torch.equal(r["end_a"], r["end_b"])

@@ -603,3 +603,9 @@ def test_explore_last_epoch_and_rank_of_the_wrong_kind_say_what_was_expected(mak
     sched = hdet.HDETLR(opt, None, 10, rank=torch.tensor(0), world_size=np.int64(1),
                         explore=(h for h in [hdet.Dropout(drop)]))
     assert [h.name for h in sched.ensemble.hypers] == ["dropout"]
+    for cycle in (False, True):  # (OneCycleAutoLR read a generator for its own check, then HDETLR got it empty: a
+        m, opt = _opt()  # review; cycle_momentum=True's check drained it before)
+        drop = nn.Sequential(m, nn.Dropout(0.1))
+        one = hdet.OneCycleAutoLR(opt, max_lr=0.1, total_steps=10, cycle_momentum=cycle,
+                                  explore=(h for h in [hdet.Dropout(drop)]))
+        assert [h.name for h in one.ensemble.hypers] == ["dropout"]

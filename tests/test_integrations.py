@@ -1138,3 +1138,45 @@ def test_lightning_manual_optimization_with_a_divided_loss_is_said_and_observe_l
     assert said == [] and [s for s, _ in one.windows] == [2, 4, 6, 8]
     with pytest.raises(ValueError, match="observe_loss to be a bool"):
         HDETCallback(observe_loss="no")
+
+
+def test_lightning_manual_optimization_with_two_optimizers_says_the_mixed_losses_not_accumulation():
+    """Manual optimization with two optimizers, each with one manual_backward and its own HDET scheduler's step (a
+    GAN's loop): the divided-loss warning fired at the second model's backward, taken for accumulation (a review);
+    and the callback gives every manual_backward's loss to both schedulers, mixing the models' losses in each window,
+    unsaid. Said at train start now, and nothing about accumulation (1 process)."""
+    L = pytest.importorskip("lightning")
+    import warnings
+
+    import hdet
+    from hdet.integrations.lightning import HDETCallback
+
+    class Two(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, i):
+            (oa, ob), (sa, sb) = self.optimizers(), self.lr_schedulers()
+            for net, opt, sched in ((self.a, oa, sa), (self.b, ob, sb)):
+                self.manual_backward(torch.nn.functional.mse_loss(net(batch[0]), batch[1]))
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+
+        def configure_optimizers(self):
+            opts = [torch.optim.SGD(n.parameters(), lr=0.01) for n in (self.a, self.b)]
+            scheds = [hdet.OneCycleAutoLR(o, max_lr=0.01, total_steps=8, model_sync_interval=2, enable_auto_lr=True,
+                                          controller="paper", auto_lr_warmup_steps=2) for o in opts]
+            return opts, [{"scheduler": s, "interval": "step"} for s in scheds]
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[HDETCallback()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Two(), torch.utils.data.DataLoader(data, batch_size=4))
+    said = [str(w.message) for w in caught if "hdet: under manual optimization" in str(w.message)]
+    assert len(said) == 1 and "to each of the 2 HDET schedulers" in said[0], said

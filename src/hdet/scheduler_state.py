@@ -66,8 +66,13 @@ def refuse_dcp(caller: FrameType | None) -> None:
     """A scheduler's ``state_dict()`` called by ``torch.distributed.checkpoint`` (a ``Stateful`` in ``dcp.save`` or
     ``dcp.load``): refused, saying to wrap it in :class:`RankState` (a checkpoint that could not be loaded was found
     only at the resume: an audit)."""
-    name = caller.f_globals.get("__name__", "") if caller is not None else ""
-    if name.startswith("torch.distributed.checkpoint"):
+    frame, depth, dcp = caller, 0, False
+    while frame is not None and depth < 8 and not dcp:  # (a Stateful of the user's, torch's DCP tutorial's AppState,
+        name = frame.f_globals.get("__name__", "")       # that returns sched.state_dict() among its own: a few up)
+        if name == __name__:  # (RankState's own call)
+            return
+        dcp, frame, depth = name.startswith("torch.distributed.checkpoint"), frame.f_back, depth + 1
+    if dcp:
         raise ValueError("Expected hdet.RankState(sched) in a torch.distributed.checkpoint state dict, but got the "
                          "scheduler itself: DCP keeps one copy of what every rank saves alike and loads into the state "
                          "of a new scheduler, whose shape differs from a running one's (a checkpoint saved mid-window "

@@ -739,8 +739,9 @@ class HDETLR(LRScheduler):
             warnings.warn(f"hdet: param group {i}'s LR was written{got} after this scheduler set it{was} at its "
                           "previous step, by something else (a loop that sets group['lr'] itself, ReduceLROnPlateau "
                           "or another scheduler stepped beside it): that step ran at the other writer's LR, not at "
-                          "this replica's spread one that the records show, and hdet sets its own value again now, so "
-                          "a cut made there lasted one step. Give your schedule to HDETLR as its base (a torch "
+                          "this replica's spread one that the records show, and hdet sets its own value again now: a "
+                          "cut made there lasts one step, and a writer that runs before every step replaces HDET's LRs "
+                          "at every step (no spread for the whole run). Give your schedule to HDETLR as its base (a torch "
                           "scheduler, or a callable of the step) and step only the HDETLR; ReduceLROnPlateau cannot be "
                           "one (it steps on a metric, not on the step). Said once", stacklevel=user_stacklevel())
 
@@ -1087,6 +1088,8 @@ class HDETLR(LRScheduler):
             self.close()
         if self.last_epoch > 0 and not self._closed:  # a resumed run has taken steps: a stall right after it is one
             self._guard.resumed()  # (the guards' watches)
+        self._opt_steps_seen = self._opt_steps  # (a resumed run counts from here: torch.distributed.checkpoint's
+        # set_state_dict steps a fresh optimizer once at lr 0 to make its state, which read as a missed step, a review)
         if not self._closed:
             self._expect_values()
 
@@ -1245,7 +1248,8 @@ class OneCycleAutoLR(HDETLR):
                  **kwargs: Any) -> None:
         with _restored_on_failure(optimizer):  # (OneCycleLR rewrites the groups before hdet's checks)
             own_lr_tensors([optimizer])  # (before OneCycleLR writes its first values: one per group)
-            _check_cycled_beta1(cycle_momentum, _explored(kwargs.get("explore")))
+            kwargs["explore"] = _explored(kwargs.get("explore"))  # (a list: a generator read here was empty there)
+            _check_cycled_beta1(cycle_momentum, kwargs["explore"])
             last_epoch = _last_epoch(last_epoch)
             total_steps, epochs, steps_per_epoch = (_as_int(x) for x in (total_steps, epochs, steps_per_epoch))
             for name, factor in (("div_factor", div_factor), ("final_div_factor", final_div_factor)):

@@ -79,20 +79,22 @@ class HDETCallback(Callback):
             # GradScaler's scale (a power of two: dividing is exact); its device tensor, so no host sync
             amp = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else scaler.get_scale()
             true = true / amp
-        for k, sched in enumerate(_hdet_schedulers(trainer)):
-            if not pl_module.automatic_optimization:
-                self._say_divided(k, sched)
+        scheds = _hdet_schedulers(trainer)
+        if not pl_module.automatic_optimization:
+            self._say_divided(scheds)
+        for sched in scheds:
             sched.observe(true)  # this rank's own loss, on its device
 
-    def _say_divided(self, k: int, sched: HDETLR) -> None:
-        """Manual optimization: a second ``manual_backward`` before the scheduler's next step is gradient
-        accumulation, whose loss Lightning's recipe divides by the number of micro-batches; the paper controller
-        reads it in its own units (``loss_scale``, sigma of Eq. 4). Said once, then (at train start it was said for
-        every manual loop, one backward a step included: an audit)."""
-        last, self._backward_at[k] = self._backward_at.get(k), sched.last_epoch
-        ens = sched._hdet
-        if last == sched.last_epoch and not self._said_manual and ens.config.enable_auto_lr \
-                and ens.config.controller_kind == "paper":
+    def _say_divided(self, scheds: list[HDETLR]) -> None:
+        """Manual optimization: a second ``manual_backward`` with no scheduler stepped since the one before is
+        gradient accumulation, whose loss Lightning's recipe divides by the number of micro-batches; the paper
+        controller reads it in its own units (``loss_scale``, sigma of Eq. 4). Said once, then (at train start it was
+        said for every manual loop, one backward a step included: an audit; two optimizers, each with one backward and
+        its scheduler's step, are no accumulation: a review)."""
+        now = {k: s.last_epoch for k, s in enumerate(scheds)}
+        last, self._backward_at = self._backward_at, now
+        if last == now and not self._said_manual and any(
+                s._hdet.config.enable_auto_lr and s._hdet.config.controller_kind == "paper" for s in scheds):
             self._said_manual = True
             warnings.warn("hdet: under manual optimization HDETCallback observes the loss given to manual_backward() "
                           "as it is, and manual_backward() ran more than once before this scheduler's step (gradient "
@@ -252,6 +254,13 @@ class HDETCallback(Callback):
                              "without averaging the replicas and each rank would go on at its own LR. Use "
                              "lightning's WeightAveraging (or EMAWeightAveraging), whose average model HDETCallback "
                              "averages with the replicas")
+        if self._observe_loss and pl_module is not None and not pl_module.automatic_optimization \
+                and len(_hdet_schedulers(trainer)) > 1:
+            warnings.warn("hdet: under manual optimization HDETCallback gives the loss of every manual_backward() to "
+                          f"each of the {len(_hdet_schedulers(trainer))} HDET schedulers (it cannot tell which "
+                          "optimizer a loss is for: each scheduler's window mixes the other models' losses, a review): "
+                          "pass HDETCallback(observe_loss=False) and give each scheduler its own model's loss "
+                          "(sched.step(loss))", stacklevel=user_stacklevel())
         for sched in _hdet_schedulers(trainer):
             sched.attach_model(trainer.strategy.model)  # buffers averaged if no model= was given; the guard on DDP
             for cb in _weight_averaging(trainer):  # each rank's average model follows its own replica: averaged
