@@ -37,6 +37,42 @@ def test_no_host_sync_off_sync_steps():
     assert checked == 54 and sched.ensemble.controllers[0].updates == 6
 
 
+@pytest.mark.parametrize("kw", [dict(capturable=True), dict(fused=True)])
+def test_tensor_lrs_on_the_device_give_no_host_sync_and_no_lr_written_warning(kw):
+    """A tensor LR on the GPU (capturable or fused AdamW, OneCycleAutoLR with cycled betas): the check that an LR was
+    written beside the scheduler (session 43) tells hdet's own writes by the tensor's in-place version, with no host
+    read off sync steps, and says nothing in a loop that leaves the LRs alone; one written by hand is said once."""
+    import warnings
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)).to(dev)
+    opt = torch.optim.AdamW([{"params": model[0].parameters(), "lr": torch.tensor(1e-3, device=dev)},
+                             {"params": model[2].parameters(), "lr": torch.tensor(1e-3, device=dev)}], **kw)
+    sched = hdet.OneCycleAutoLR(opt, max_lr=1e-3, total_steps=40, ensemble_lr_spread_ratio=0.2,
+                                model_sync_interval=10, model=model)
+    x, y = torch.randn(32, 64, device=dev), torch.randn(32, 1, device=dev)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(1, 41):
+            sync_step = sched.ensemble.is_sync_step(t)
+            if t == 30:
+                opt.param_groups[1]["lr"].fill_(5e-4)  # (by hand: said at this step's scheduler.step())
+            torch.cuda.set_sync_debug_mode(0 if sync_step or t <= 2 else "error")
+            try:
+                loss = nn.functional.mse_loss(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step(loss)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            if t == 29:
+                assert not [w for w in caught if "LR was written" in str(w.message)], [str(w.message) for w in caught]
+    said = [str(w.message) for w in caught if "LR was written" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("hdet: param group 1's LR was written")
+
+
 def test_sync_debug_mode_catches_a_host_sync():
     """The check above can fail: an .item() under the same mode raises."""
     x = torch.ones(2, device="cuda")
