@@ -323,7 +323,7 @@ class HDETLR(LRScheduler):
         ValueError: a schedule that gives NaN or a negative LR would train silently wrong)."""
         used = self.last_epoch < self.total_steps  # (after the last step, torch's linear OneCycleLR goes below 0)
         if self._base is not None:
-            return self._per_group(self._base.get_last_lr(), f"{type(self._base).__name__}'s LR at step "
+            return self._per_group(_last_lrs_on_host(self._base), f"{type(self._base).__name__}'s LR at step "
                                    f"{self.last_epoch}", used)
         if self._base_fn is not None:
             return self._per_group(self._base_fn(self.last_epoch), f"base({self.last_epoch})", used)
@@ -1402,6 +1402,20 @@ def _set_lr(group: dict[str, Any], lr: float) -> None:
         group["lr"].fill_(lr)
     else:
         group["lr"] = lr
+
+
+def _last_lrs_on_host(base: LRScheduler) -> list[Any]:
+    """The base scheduler's last LRs, read without a host sync where that can be: a ``OneCycleLR`` over device tensor
+    LRs (a capturable or compiled optimizer's) gives its closed form at its step, in floats (what its ``step()`` wrote
+    into the tensors; reading them back was one host sync a step, found on an H200: tests/gpu). Its ``get_lr`` sets the
+    cycled momentum to the same value again."""
+    values = base.get_last_lr()
+    if isinstance(base, OneCycleLR) and 0 <= base.last_epoch <= base.total_steps and any(
+            isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in values):
+        with warnings.catch_warnings():  # (torch warns when get_lr runs outside step())
+            warnings.simplefilter("ignore", UserWarning)
+            values = base.get_lr()
+    return values
 
 
 def _lr_marks(optimizer: torch.optim.Optimizer) -> list[Any]:
