@@ -373,6 +373,10 @@ def test_flags_a_run_does_not_use_are_named(tmp_path, capsys):
         assert f"hdet: warning: {said} has no effect" in err
     assert main(["train", *TINY, "--replicas", "2", "--alpha", "0", "--auto-lr", "--out", str(tmp_path / "a")]) == 0
     assert "--auto-lr with --alpha 0 (the controller compares the replicas' spread" in capsys.readouterr().err
+    with pytest.warns(UserWarning, match="the paper controller with ensemble_lr_spread_ratio=0 has no spread"):
+        assert main(["train", *TINY, "--replicas", "2", "--alpha", "0", "--auto-lr", "--controller", "paper",
+                     "--out", str(tmp_path / "p")]) == 0
+    assert "--auto-lr with --alpha 0" not in capsys.readouterr().err  # (its Eq. 8 decays the base: an effect, an audit)
 
 
 @pytest.mark.distributed

@@ -609,3 +609,24 @@ def test_explore_last_epoch_and_rank_of_the_wrong_kind_say_what_was_expected(mak
         one = hdet.OneCycleAutoLR(opt, max_lr=0.1, total_steps=10, cycle_momentum=cycle,
                                   explore=(h for h in [hdet.Dropout(drop)]))
         assert [h.name for h in one.ensemble.hypers] == ["dropout"]
+
+
+def test_the_paper_controller_without_a_spread_says_eq8_still_decays_the_base():
+    """``ensemble_lr_spread_ratio=0`` (or one replica) with the paper controller: nothing to rank, but Eq. 8 decayed
+    the base at every control sync, 1.3e-4 against OneCycleLR's 2.4e-3 mid-run, while the README's table calls alpha 0
+    plain DDP and the CLI said "no effect" (an audit of the examples). Said when built; not for the fit controller,
+    whose update with no spread leaves the base alone."""
+    def build(**kw):
+        m, opt = _opt()
+        return hdet.OneCycleAutoLR(opt, max_lr=0.1, total_steps=40, model_sync_interval=5, enable_auto_lr=True,
+                                   auto_lr_warmup_steps=10, model=m, **kw)
+
+    with pytest.warns(UserWarning, match="the paper controller with one replica has no spread of LRs to rank"):
+        build(controller="paper", ensemble_lr_spread_ratio=0.2)
+    with pytest.warns(UserWarning, match="ensemble_lr_spread_ratio=0 has no spread"):
+        build(controller="paper", ensemble_lr_spread_ratio=0.0, replicas=ScriptedReplicas(0, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build(controller="fit", ensemble_lr_spread_ratio=0.0, probe=lambda model: torch.tensor(0.0))
+        build(controller="paper", ensemble_lr_spread_ratio=0.2, replicas=ScriptedReplicas(0, 2))
+    assert not [w for w in caught if "no spread of LRs to rank" in str(w.message)]

@@ -219,6 +219,16 @@ class Ensemble:
                     f"{c.model_sync_interval}) falls in [auto_lr_warmup_steps={c.auto_lr_warmup_steps}, "
                     f"total_steps={total_steps}]: the controller would never run"
                 )
+            if c.controller_kind == "paper" and (c.ensemble_lr_spread_ratio == 0 or self.replicas.world_size < 2) \
+                    and self.replicas.rank == 0:
+                warnings.warn(
+                    "hdet: the paper controller with " + ("ensemble_lr_spread_ratio=0" if self.replicas.world_size > 1
+                                                          else "one replica") + " has no spread of LRs to rank, but "
+                    "Eq. 8 still decays the base at every control sync, from the schedule's value toward its end "
+                    "value: "
+                    "the run is not plain training at the base schedule (an audit: 1.3e-4 against OneCycleLR's "
+                    "2.4e-3 mid-run). Give a spread and several replicas, or leave enable_auto_lr off",
+                    stacklevel=user_stacklevel())
 
     def first_control_step(self) -> int:
         T = self.config.model_sync_interval

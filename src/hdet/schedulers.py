@@ -725,7 +725,8 @@ class HDETLR(LRScheduler):
         """Each param group's LR as this scheduler set it after its previous step, or something else wrote it since:
         a loop that sets ``group['lr']`` itself (nanoGPT's ``get_lr(it)``) trained every replica at its own schedule,
         no spread, while the records showed one; a ``ReduceLROnPlateau`` stepped beside HDET cut the LR for one step,
-        then hdet's value was back (an audit). Said once. A tensor LR by identity and in-place version (no host sync)."""
+        then hdet's value was back (an audit). Said once. A tensor LR by identity and in-place version (no host
+        sync)."""
         marks, self._lr_marks = self._lr_marks, None
         if marks is None or self._warned_lr_written:
             return
@@ -741,7 +742,8 @@ class HDETLR(LRScheduler):
                           "or another scheduler stepped beside it): that step ran at the other writer's LR, not at "
                           "this replica's spread one that the records show, and hdet sets its own value again now: a "
                           "cut made there lasts one step, and a writer that runs before every step replaces HDET's LRs "
-                          "at every step (no spread for the whole run). Give your schedule to HDETLR as its base (a torch "
+                          "at every step (no spread for the whole run). Give your schedule to HDETLR as its base (a "
+                          "torch "
                           "scheduler, or a callable of the step) and step only the HDETLR; ReduceLROnPlateau cannot be "
                           "one (it steps on a metric, not on the step). Said once", stacklevel=user_stacklevel())
 
@@ -1431,7 +1433,8 @@ def _lrs_of(optimizer: torch.optim.Optimizer) -> list[Any]:
 
 
 def _explored(explore: Any) -> list[Any]:
-    """``explore=`` as a list: one hdet hyperparameter, or a list (any iterable) of them (checked by ``check_explored``);
+    """``explore=`` as a list: one hdet hyperparameter, or a list (any iterable) of them (checked by
+    ``check_explored``);
     a ValueError otherwise (a number or a dict gave Python's own "not iterable", or iterated the keys)."""
     if isinstance(explore, Hyperparameter):
         return [explore]

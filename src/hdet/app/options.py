@@ -322,7 +322,8 @@ def unused(cfg: RunConfig, world: int | None = None) -> list[str]:
         if getattr(cfg, name) != getattr(default, name) and cfg.task == "fashion":
             out.append(f"--{name} with --task fashion (a CNN)")
     one = cfg.replicas == 1 if world is None else world == 1
-    if cfg.auto_lr and (spread(cfg) == 0 or one):
+    if cfg.auto_lr and (spread(cfg) == 0 or one) and cfg.controller != "paper":  # (the paper's still decays the
+        # base by Eq. 8: not "no effect", an audit; the scheduler says it)
         why = ("--alpha 0" + (" (its default with --lr-sweep: pass --alpha 0.2 for a spread)" if cfg.alpha is None
                               else "") if spread(cfg) == 0 else
                "--replicas 1" if world is None else "one process (world size 1)")
