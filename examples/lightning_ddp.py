@@ -3,7 +3,8 @@
     python examples/lightning_ddp.py --out /tmp/lt
 
 Lightning ddp_spawn on CPU, 2 devices, with
-HDETCallback; optionally stopped after a checkpoint and resumed from it. Rank 0 writes the results."""
+HDETCallback; optionally stopped after a checkpoint and resumed from it. Each rank writes its results
+(result_rank{r}.pt)."""
 
 import argparse
 import os
