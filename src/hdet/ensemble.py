@@ -225,9 +225,8 @@ class Ensemble:
                     "hdet: the paper controller with " + ("ensemble_lr_spread_ratio=0" if self.replicas.world_size > 1
                                                           else "one replica") + " has no spread of LRs to rank, but "
                     "Eq. 8 still decays the base at every control sync, from the schedule's value toward its end "
-                    "value: "
-                    "the run is not plain training at the base schedule (an audit: 1.3e-4 against OneCycleLR's "
-                    "2.4e-3 mid-run). Give a spread and several replicas, or leave enable_auto_lr off",
+                    "value: the run is not plain training at the base schedule (an audit: 1.3e-4 against "
+                    "OneCycleLR's 2.4e-3 mid-run). Give a spread and several replicas, or leave enable_auto_lr off",
                     stacklevel=user_stacklevel())
 
     def first_control_step(self) -> int:

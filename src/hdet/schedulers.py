@@ -699,12 +699,7 @@ class HDETLR(LRScheduler):
             check_optimizer(self.optimizer, spreading(c, self._hdet.hypers), c.average_optimizer_state,
                             sharded=self._sharded, lr_spread=c.ensemble_lr_spread_ratio > 0,
                             recovering=c.recovering, lr_moved=c.moves_lr)
-        if lead is not None:
-            self._check_lrs_kept()
-            self._follow_base(lead)
-        elif self._base is not None:
-            # Chainable schedulers compute from group['lr']: give them their own last value, not base * rho (nor
-            # the base, which holds the controller's correction and the LR cuts: they would compound every step)
+        if lead is None and self._base is not None:
             stepped = _step_count_of(self._base, self.last_epoch)
             if stepped != self.last_epoch:
                 raise ValueError(f"Expected the base schedule ({type(self._base).__name__}) at step {self.last_epoch}, "
@@ -712,12 +707,15 @@ class HDETLR(LRScheduler):
                                  "or loaded at another step (HDETLR steps it, once per optimizer step; a second "
                                  "base.step() runs the schedule at twice its speed). Step only the HDETLR, and resume "
                                  "with its load_state_dict")
-            self._check_lrs_kept()  # (after that check: a base stepped elsewhere wrote the LRs too)
+        self._check_lrs_kept()  # (after that check: a base stepped elsewhere wrote the LRs too)
+        if lead is not None:
+            self._follow_base(lead)
+        elif self._base is not None:
+            # Chainable schedulers compute from group['lr']: give them their own last value, not base * rho (nor
+            # the base, which holds the controller's correction and the LR cuts: they would compound every step)
             for g, b in zip(self.optimizer.param_groups, self._scheduled_bases()):
                 _set_lr(g, b)
             self._base.step()
-        else:
-            self._check_lrs_kept()
         self._hdet.after_optimizer_step(t)
         return t
 
@@ -743,9 +741,9 @@ class HDETLR(LRScheduler):
                           "this replica's spread one that the records show, and hdet sets its own value again now: a "
                           "cut made there lasts one step, and a writer that runs before every step replaces HDET's LRs "
                           "at every step (no spread for the whole run). Give your schedule to HDETLR as its base (a "
-                          "torch "
-                          "scheduler, or a callable of the step) and step only the HDETLR; ReduceLROnPlateau cannot be "
-                          "one (it steps on a metric, not on the step). Said once", stacklevel=user_stacklevel())
+                          "torch scheduler, or a callable of the step) and step only the HDETLR; ReduceLROnPlateau "
+                          "cannot be one (it steps on a metric, not on the step). Said once",
+                          stacklevel=user_stacklevel())
 
     def _check_join(self) -> None:
         """torch's ``model.join()`` (uneven inputs across ranks): its stand-ins for a finished rank's collectives cannot
@@ -1434,8 +1432,7 @@ def _lrs_of(optimizer: torch.optim.Optimizer) -> list[Any]:
 
 def _explored(explore: Any) -> list[Any]:
     """``explore=`` as a list: one hdet hyperparameter, or a list (any iterable) of them (checked by
-    ``check_explored``);
-    a ValueError otherwise (a number or a dict gave Python's own "not iterable", or iterated the keys)."""
+    ``check_explored``); a ValueError otherwise (a number or a dict gave Python's own "not iterable", or iterated the keys)."""
     if isinstance(explore, Hyperparameter):
         return [explore]
     if explore is None:

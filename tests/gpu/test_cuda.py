@@ -9,6 +9,19 @@ import hdet
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+def _step_without_host_sync(model, opt, sched, x, y, allow):
+    """One training step (MSE), under torch.cuda.set_sync_debug_mode("error") unless ``allow``: a host sync raises."""
+    torch.cuda.set_sync_debug_mode(0 if allow else "error")
+    try:
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step(loss)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def test_no_host_sync_off_sync_steps():
     """torch.cuda.set_sync_debug_mode('error') raises on any host-device sync: it is on for every
     step except the sync steps."""
@@ -23,15 +36,7 @@ def test_no_host_sync_off_sync_steps():
     checked = 0
     for t in range(1, 61):
         sync_step = sched.ensemble.is_sync_step(t)
-        torch.cuda.set_sync_debug_mode(0 if sync_step else "error")
-        try:
-            loss = nn.functional.mse_loss(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step(loss)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        _step_without_host_sync(model, opt, sched, x, y, allow=sync_step)
         checked += not sync_step
         assert isinstance(opt.param_groups[0]["lr"], float)
     assert checked == 54 and sched.ensemble.controllers[0].updates == 6
@@ -67,15 +72,7 @@ def test_tensor_lrs_on_the_device_give_no_host_sync_and_no_lr_written_warning(kw
             sync_step = sched.ensemble.is_sync_step(t)
             if t == 30:
                 opt.param_groups[1]["lr"].fill_(5e-4)  # (by hand: said at this step's scheduler.step())
-            torch.cuda.set_sync_debug_mode(0 if sync_step or t <= 2 else "error")
-            try:
-                loss = nn.functional.mse_loss(model(x), y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                sched.step(loss)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
+            _step_without_host_sync(model, opt, sched, x, y, allow=sync_step or t <= 2)
             if t == 29:
                 assert not [w for w in caught if "LR was written" in str(w.message)], [str(w.message) for w in caught]
             if base == "onecycle" and t < 30:  # (the LRs the closed form gave: torch's OneCycleLR's, step by step)

@@ -254,10 +254,10 @@ class HDETCallback(Callback):
                              "without averaging the replicas and each rank would go on at its own LR. Use "
                              "lightning's WeightAveraging (or EMAWeightAveraging), whose average model HDETCallback "
                              "averages with the replicas")
-        if self._observe_loss and pl_module is not None and not pl_module.automatic_optimization \
-                and len(_hdet_schedulers(trainer)) > 1:
+        count = len(_hdet_schedulers(trainer))
+        if self._observe_loss and pl_module is not None and not pl_module.automatic_optimization and count > 1:
             warnings.warn("hdet: under manual optimization HDETCallback gives the loss of every manual_backward() to "
-                          f"each of the {len(_hdet_schedulers(trainer))} HDET schedulers (it cannot tell which "
+                          f"each of the {count} HDET schedulers (it cannot tell which "
                           "optimizer a loss is for: each scheduler's window mixes the other models' losses, a review): "
                           "pass HDETCallback(observe_loss=False) and give each scheduler its own model's loss "
                           "(sched.step(loss))", stacklevel=user_stacklevel())
