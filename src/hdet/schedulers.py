@@ -123,6 +123,7 @@ class HDETLR(LRScheduler):
                              f"({getattr(replicas, 'rank', '?')}) and size ({getattr(replicas, 'world_size', '?')}), "
                              f"but got rank={rank!r}, world_size={world_size!r}")
         self._base, self._base_fn = _resolve_base(base, optimizer)
+        self._host_base_lrs: dict[str, Any] = {}  # (a LambdaLR's base LRs on the host: _last_lrs_on_host)
         _check_one_cycle_length(self._base, total_steps)
         explore = _explored(explore)
         check_explored(explore)  # (before the checks that read their spreads)
@@ -323,7 +324,8 @@ class HDETLR(LRScheduler):
         ValueError: a schedule that gives NaN or a negative LR would train silently wrong)."""
         used = self.last_epoch < self.total_steps  # (after the last step, torch's linear OneCycleLR goes below 0)
         if self._base is not None:
-            return self._per_group(_last_lrs_on_host(self._base), f"{type(self._base).__name__}'s LR at step "
+            return self._per_group(_last_lrs_on_host(self._base, self._host_base_lrs),
+                                   f"{type(self._base).__name__}'s LR at step "
                                    f"{self.last_epoch}", used)
         if self._base_fn is not None:
             return self._per_group(self._base_fn(self.last_epoch), f"base({self.last_epoch})", used)
@@ -1404,17 +1406,27 @@ def _set_lr(group: dict[str, Any], lr: float) -> None:
         group["lr"] = lr
 
 
-def _last_lrs_on_host(base: LRScheduler) -> list[Any]:
-    """The base scheduler's last LRs, read without a host sync where that can be: a ``OneCycleLR`` over device tensor
-    LRs (a capturable or compiled optimizer's) gives its closed form at its step, in floats (what its ``step()`` wrote
-    into the tensors; reading them back was one host sync a step, found on an H200: tests/gpu). Its ``get_lr`` sets the
-    cycled momentum to the same value again."""
+def _last_lrs_on_host(base: LRScheduler, host: dict[str, Any] | None = None) -> list[Any]:
+    """The base scheduler's last LRs, read without a host sync where that can be, over device tensor LRs (a capturable
+    or compiled optimizer's; reading them back was one host sync a step, found on an H200: tests/gpu). A ``OneCycleLR``
+    gives its closed form at its step, in floats (what its ``step()`` wrote into the tensors; its ``get_lr`` sets the
+    cycled momentum to the same value again); a ``LambdaLR`` (Hugging Face's schedules) its base LRs times its lambdas
+    at its step, the base LRs read from the device once (HOST SYNC, once) and kept in ``host`` by the tensors' identity
+    and in-place version (a load replaces them)."""
     values = base.get_last_lr()
-    if isinstance(base, OneCycleLR) and 0 <= base.last_epoch <= base.total_steps and any(
-            isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in values):
+    if not any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in values):
+        return values
+    if isinstance(base, OneCycleLR) and 0 <= base.last_epoch <= base.total_steps:
         with warnings.catch_warnings():  # (torch warns when get_lr runs outside step())
             warnings.simplefilter("ignore", UserWarning)
             values = base.get_lr()
+    elif type(base) is LambdaLR and host is not None and base.last_epoch >= 0:
+        versions = [b._version if isinstance(b, torch.Tensor) else b for b in base.base_lrs]
+        if host.get("of") is not base.base_lrs or host.get("refs") != [id(b) for b in base.base_lrs] or \
+                host.get("versions") != versions:  # (held, so an id is not reused while kept)
+            host.update(of=base.base_lrs, refs=[id(b) for b in base.base_lrs], versions=versions, kept=list(
+                base.base_lrs), floats=[as_float(b) for b in base.base_lrs])  # HOST SYNC (once: constants)
+        values = [b * float(f(base.last_epoch)) for b, f in zip(host["floats"], base.lr_lambdas)]
     return values
 
 

@@ -42,14 +42,15 @@ def test_no_host_sync_off_sync_steps():
     assert checked == 54 and sched.ensemble.controllers[0].updates == 6
 
 
-@pytest.mark.parametrize("base", ["none", "callable", "onecycle"])
+@pytest.mark.parametrize("base", ["none", "callable", "onecycle", "lambda"])
 @pytest.mark.parametrize("kw", [dict(capturable=True), dict(fused=True)])
 def test_tensor_lrs_on_the_device_give_no_host_sync_and_no_lr_written_warning(kw, base):
     """A tensor LR on the GPU (capturable or fused AdamW): the check that an LR was written beside the scheduler
     (session 43) tells hdet's own writes by the tensor's in-place version, with no host read off sync steps, and says
     nothing in a loop that leaves the LRs alone; one written by hand is said once. OneCycleAutoLR's OneCycleLR gives
     its closed form on the host (its LRs were read back from the device tensors every step, a host sync, found by the
-    first version of this test); another torch scheduler as the base still reads them (docs/cost.md)."""
+    first version of this test); a LambdaLR (Hugging Face's schedules) its lambdas times its base LRs, read once
+    (session 44); another torch scheduler as the base still reads them (docs/cost.md)."""
     import warnings
 
     dev = torch.device("cuda")
@@ -62,6 +63,11 @@ def test_tensor_lrs_on_the_device_give_no_host_sync_and_no_lr_written_warning(kw
                                     model_sync_interval=10, model=model, enable_auto_lr=False)
         ref_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
         ref = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=1e-3, total_steps=40)  # (one replica: rho = 1)
+    elif base == "lambda":
+        sched = hdet.HDETLR(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1 - t / 50), total_steps=40,
+                            ensemble_lr_spread_ratio=0.2, model_sync_interval=10, model=model)
+        ref_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+        ref = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda t: 1 - t / 50)
     else:
         sched = hdet.HDETLR(opt, None if base == "none" else (lambda t: 1e-3 * (1 - t / 50)), total_steps=40,
                             ensemble_lr_spread_ratio=0.2, model_sync_interval=10, model=model)
@@ -75,7 +81,7 @@ def test_tensor_lrs_on_the_device_give_no_host_sync_and_no_lr_written_warning(kw
             _step_without_host_sync(model, opt, sched, x, y, allow=sync_step or t <= 2)
             if t == 29:
                 assert not [w for w in caught if "LR was written" in str(w.message)], [str(w.message) for w in caught]
-            if base == "onecycle" and t < 30:  # (the LRs the closed form gave: torch's OneCycleLR's, step by step)
+            if base in ("onecycle", "lambda") and t < 30:  # (the LRs given on the host: torch's, step by step)
                 ref_opt.step()
                 ref.step()
                 assert [float(g["lr"]) for g in opt.param_groups] == pytest.approx([ref.get_last_lr()[0]] * 2,
