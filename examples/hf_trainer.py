@@ -116,9 +116,8 @@ class Record(TrainerCallback):
             torch.distributed.all_gather(self.replicas, own)
             self.replicas = torch.stack(self.replicas)
         self.lrs.append(optimizer.param_groups[0]["lr"])
-        if self.ce[1]:
-            self.own_losses.append(self.ce[0] / self.ce[1])
-            self.ce = [0.0, 0]
+        self.own_losses.append(self.ce[0] / self.ce[1] if self.ce[1] else None)  # (None: no label token)
+        self.ce = [0.0, 0]
         if self.stop_at is not None and state.global_step == self.stop_at:
             control.should_training_stop = True  # a "crash" right after the checkpoint of this step
 
@@ -138,6 +137,8 @@ def main():
     p.add_argument("--uneven", action="store_true", help="rank 1's batches have a quarter of the labels")
     p.add_argument("--label0", action="store_true", help="with --uneven: keep the label at position 0 (a causal LM's "
                    "loss never predicts it)")
+    p.add_argument("--empty-steps", default="", help="comma-separated optimizer steps whose batches have no label "
+                   "token on rank 1 (an SFT sample whose answer was truncated away)")
     p.add_argument("--classifier", action="store_true", help="a tiny BERT sequence classifier instead of the GPT-2 "
                    "(its loss a plain mean: model.accepts_loss_kwargs = False, as docs/hf_trainer.md says)")
     p.add_argument("--own-loss", action="store_true", help="the Trainer subclass computes its own per-token loss "
@@ -208,6 +209,12 @@ def main():
                         logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum"))
                     rec.ce[1] += int((labels != -100).sum())
             return loss
+
+        def _get_num_items_in_batch(self, batch_samples, device):  # (--empty-steps: before the Trainer counts them)
+            if rank == 1 and self.model.training and str(self.state.global_step + 1) in a.empty_steps.split(","):
+                for b in batch_samples:
+                    b["labels"].fill_(-100)
+            return super()._get_num_items_in_batch(batch_samples, device)
 
         def _save_checkpoint(self, *args, **kwargs):  # (where the Trainer records the best checkpoint)
             with self._hidden():

@@ -109,6 +109,30 @@ def test_hf_trainer_window_loss_is_each_ranks_own_per_token_loss_with_uneven_tok
             assert losses[rank] == pytest.approx(sum(r["own_losses"][5 * k:5 * k + 5]) / 5, rel=1e-4)
 
 
+def test_hf_trainer_window_loss_leaves_out_a_step_with_no_label_token(tmp_path):
+    """An optimizer step whose batches hold no label token on rank 1 (an SFT sample whose answer was truncated away):
+    the Trainer's loss is 0 there, and it counted as a loss of 0 in that replica's window, which then looked better
+    than it was and the paper controller ranked it so (an audit: x0.75 with one such step in four). Each window's loss
+    is now the mean of this rank's own per-token losses of the steps that had tokens; a window with none (steps 6-10,
+    a control sync) reports NaN for that replica, gives it no weight in Eq. 4, and warns of no non-finite loss."""
+    out = tmp_path / "empty"
+    p = _torchrun(out, "--uneven", "--empty-steps", "3,6,7,8,9,10,14")
+    r0, r1 = _results(out)
+    assert "non-finite" not in p.stderr and r0["finite"] and r1["finite"]
+    assert [s for s, _ in r0["windows"]] == [5, 10, 15, 20] and repr(r0["windows"]) == repr(r1["windows"])  # (NaN)
+    for rank, r in enumerate((r0, r1)):
+        assert len(r["own_losses"]) == 20
+        for k, (step, losses) in enumerate(r["windows"]):
+            own = [x for x in r["own_losses"][5 * k:5 * k + 5] if x is not None]
+            if own:
+                assert losses[rank] == pytest.approx(sum(own) / len(own), rel=1e-4)
+            else:
+                assert rank == 1 and step == 10 and math.isnan(losses[rank])
+    assert sum(x is None for x in r1["own_losses"]) == 7 and None not in r0["own_losses"]
+    assert r0["bases"] == r1["bases"] and r0["updates"] == 3 and all(math.isfinite(b) for b in r0["bases"])
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
+
+
 def test_hf_trainer_window_loss_of_a_users_own_compute_loss_is_taken_as_it_is(tmp_path):
     """A subclass's compute_loss that returns its own per-token mean without calling super() (rank 1 with a quarter of
     rank 0's labels): HDET's correction of the Trainer's token averaging was applied to it anyway, and the window

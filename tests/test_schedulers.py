@@ -1298,3 +1298,43 @@ def test_an_lr_written_beside_the_scheduler_is_said(writer, tensor_lr):
         assert len(said) == 1, said
         assert said[0].startswith(f"hdet: param group {1 if writer == 'loop' else 0}'s LR was written")
         assert "Give your schedule to HDETLR as its base" in said[0]
+
+
+def test_a_step_that_measured_nothing_is_left_out_of_the_window_and_kept_across_a_resume():
+    """observe(loss, counted=False), or a bool tensor read only at the sync: a step with no label token (the Hugging
+    Face Trainer's loss is 0 there) is left out of the window's mean and is no non-finite loss; a non-finite loss is
+    one whatever counted says; a window saved mid-way keeps its left-out steps (session 44's audit: such a step
+    counted as a loss of 0)."""
+    from hdet.window import LossWindow
+
+    w = LossWindow()
+    for loss, counted in ((2.0, True), (0.0, torch.tensor(False)), (4.0, torch.tensor(True)), (0.0, False),
+                          (float("nan"), False)):
+        w.observe(torch.tensor(loss), counted)
+    w.fold()
+    assert float(w.sum) / float(w.finite) == 3.0 and float(w.empty) == 2 and float(w.nonfinite) == 1
+    with pytest.raises(ValueError, match="counted= as a bool"):
+        w.observe(1.0, torch.tensor([1.0]))
+
+    def run(split):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = hdet.HDETLR(opt, None, total_steps=8, model_sync_interval=4, rank=0, world_size=1)
+        syncs = []
+        for t in range(1, 9):
+            opt.step()
+            sched.step(torch.tensor(float(t)) if t % 3 else None)
+            if t % 3 == 0:
+                sched.observe(torch.tensor(0.0), torch.tensor(False))  # steps 3 and 6 measured nothing
+            if t == split:  # a resume: a new optimizer and scheduler, the state loaded
+                state = sched.state_dict()
+                sched.close()
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                sched = hdet.HDETLR(opt, None, total_steps=8, model_sync_interval=4, rank=0, world_size=1)
+                sched.load_state_dict(state)
+            if sched.last_sync is not None and sched.last_sync.step == t:
+                syncs.append((t, sched.last_sync.losses, sched.last_sync.nonfinite_losses))
+        return syncs
+
+    assert run(None) == run(3) == run(6) == [(4, [(1 + 2 + 4) / 3], [0]), (8, [(5 + 7 + 8) / 3], [0])]

@@ -298,9 +298,10 @@ class Ensemble:
         return self.slots.all_values()
 
     # ----------------------------------------------------------------- between syncs
-    def observe(self, loss: torch.Tensor | float) -> None:
-        """Keep this replica's training loss of the step just taken (on its device, no host sync)."""
-        self.window.observe(loss)
+    def observe(self, loss: torch.Tensor | float, counted: torch.Tensor | bool = True) -> None:
+        """Keep this replica's training loss of the step just taken (on its device, no host sync); ``counted``:
+        :meth:`hdet.window.LossWindow.observe`."""
+        self.window.observe(loss, counted)
 
     def after_optimizer_step(self, t: int) -> None:
         """Optimizer step ``t`` is done: the fit controller's window mean takes the parameters (once per step;
@@ -560,7 +561,7 @@ class Ensemble:
             loss_sum=self.window.sum if self.window.sum is not None else zero,
             loss_n=self.window.finite if self.window.finite is not None else zero,
             loss_sq=self.window.sq if self.window.sq is not None else zero, observed=self.window.count,
-            nonfinite=self.window.count - (self.window.finite if self.window.finite is not None else zero),
+            nonfinite=self.window.nonfinite,
             finite=finite, buf_inf=buf_inf, layout=layout_signature(every), ntensors=len(every), seed=c.seed,
             probe=probe, step=t, interval=c.model_sync_interval,
             total_steps=total, config=config,
@@ -664,6 +665,10 @@ class Ensemble:
             healthy = [losses[r] for r in range(N) if r not in worst_ranked and math.isfinite(losses[r])]
             worst = (max(healthy) if healthy else 0.0) + 10 * c.loss_scale
             losses = [worst if r in worst_ranked else x for r, x in enumerate(losses)]
+        nothing = [r for r in range(N) if r not in worst_ranked and not math.isfinite(losses[r])]
+        if nothing:  # every step of the window measured nothing there (observe's counted=False): no weight in Eq. 4
+            known = any(math.isfinite(x) for x in losses)
+            losses = [(math.inf if known else 0.0) if r in nothing else x for r, x in enumerate(losses)]
         steps: list[ControllerStep] | None = None
         if self.is_control_step(t):
             missing = [r for r in range(N) if col.observed[r] == 0]

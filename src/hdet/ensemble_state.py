@@ -220,7 +220,7 @@ def _parse_fields(ens: "Ensemble", state: dict[str, Any], version: int) -> dict[
     return {"elastic": elastic, "config": config, "replaced": replaced, "mean": mean, "lr_control": lr_control,
             "bases": [float(x) for x in bases], "controllers": controllers,
             "dealer": dealer, "total_steps": total, "peak0": float(state.get("peak0", 0.0)), "scheduled": scheduled,
-            "perms": [[int(i) for i in p] for p in perms], "window": (None, None, 0, None) if elastic else window,
+            "perms": [[int(i) for i in p] for p in perms], "window": (None, None, 0, None, None) if elastic else window,
             "window_mean": window_mean, "lr_scale": _positive(state.get("lr_scale", 1.0), "lr_scale"),
             "lr_cuts": _cuts(state, config),
             "stability": StabilityGuard.parse(state.get("stability")),

@@ -563,9 +563,12 @@ class HDETLR(LRScheduler):
             return shared
         return lrs
 
-    def observe(self, loss: torch.Tensor | float) -> None:
-        """This replica's training loss of the optimizer step just taken (what ``step(loss)`` passes on)."""
-        self._hdet.observe(loss)
+    def observe(self, loss: torch.Tensor | float, counted: torch.Tensor | bool = True) -> None:
+        """This replica's training loss of the optimizer step just taken (what ``step(loss)`` passes on).
+        ``counted`` False, or a bool tensor that is False (read at the sync, no host sync here), for a step that
+        measured nothing on this replica (no label token in any of its micro-batches): left out of the window's mean
+        loss, and not taken for a non-finite loss (:class:`hdet.HDETTrainer` passes it)."""
+        self._hdet.observe(loss, counted)
 
     def step(self, loss: torch.Tensor | float | None = None, **kwargs: Any) -> None:  # type: ignore[override]
         """Call after ``optimizer.step()``, with that step's training loss (needed by auto-LR).

@@ -49,23 +49,34 @@ class LossWindow:
         self.sum: torch.Tensor | None = None  # sum of the reduced finite losses
         self.finite: torch.Tensor | None = None  # how many of them were finite
         self.sq: torch.Tensor | None = None  # sum of their squares (the window's noise, hdet.stability)
+        self.empty: torch.Tensor | None = None  # how many finite ones measured nothing (``counted`` False)
+        self._counted: list[Any] = []  # each kept loss's ``counted`` (True, or a bool tensor on the device)
         self.count = 0  # losses observed (finite or not)
 
-    def observe(self, loss: torch.Tensor | float) -> None:
+    def observe(self, loss: torch.Tensor | float, counted: torch.Tensor | bool = True) -> None:
+        """Keep one step's loss. ``counted`` False (or a bool tensor, on the device: no host read) for a step that
+        measured nothing (no label token on this rank: the Hugging Face Trainer's loss is 0 there): left out of the
+        mean, and not taken for a non-finite loss (a non-finite one still is)."""
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
                 raise ValueError(f"Expected a scalar loss, but got a tensor of shape {tuple(loss.shape)}")
-            self._kept.append(loss.detach().clone())
+            kept = loss.detach().clone()
         elif isinstance(loss, numbers.Real) and not isinstance(loss, bool):
-            self._kept.append(torch.tensor(float(loss), dtype=torch.float64))
+            kept = torch.tensor(float(loss), dtype=torch.float64)
         else:
             raise ValueError(f"Expected the loss as a scalar tensor or a float, but got {type(loss).__name__}")
+        if not (isinstance(counted, bool) or isinstance(counted, torch.Tensor) and counted.numel() == 1
+                and counted.dtype == torch.bool):
+            raise ValueError(f"Expected counted= as a bool or a one-element bool tensor, but got {counted!r}")
+        self._kept.append(kept)
+        self._counted.append(counted)
         self.count += 1
 
     def keep(self, loss: torch.Tensor) -> None:
         """:meth:`observe` without the copy, for a scalar tensor nobody writes again (the engine's own copy of
         its N losses: one copy a step instead of N)."""
         self._kept.append(loss)
+        self._counted.append(True)
         self.count += 1
 
     def fold(self) -> None:
@@ -74,6 +85,7 @@ class LossWindow:
         if not self._kept:
             return
         w, self._kept = self._kept, []
+        counted, self._counted = self._counted, []
         dev = w[0].device
         dtype = torch.float32 if dev.type == "mps" else torch.float64
         if all(x.device == dev and x.dtype == w[0].dtype for x in w):
@@ -81,9 +93,15 @@ class LossWindow:
         else:
             vals = torch.stack([x.reshape(()).to(dev, dtype) for x in w])
         ok = torch.isfinite(vals)
+        empty = None
+        if not all(c is True for c in counted):  # (steps that measured nothing: finite, left out of the mean)
+            use = torch.stack([torch.as_tensor(c).reshape(()).to(dev) for c in counted])
+            empty, ok = (ok & ~use).sum().to(dtype), ok & use
         kept = torch.where(ok, vals, torch.zeros_like(vals))
         s, q = kept.sum(), kept.square().sum()
         n = ok.sum().to(dtype)
+        if empty is not None:
+            self.empty = empty if self.empty is None else self.empty.to(dev, dtype) + empty
         if self.sum is None or self.finite is None:
             self.sum, self.finite, self.sq = s, n, q
         else:  # a window restored from a state_dict, continued
@@ -91,35 +109,46 @@ class LossWindow:
             self.finite = self.finite.to(dev, dtype) + n
             self.sq = q if self.sq is None else self.sq.to(dev, dtype) + q
 
+    @property
+    def nonfinite(self) -> torch.Tensor | int:
+        """How many of the observed losses were non-finite (those that measured nothing left out), after
+        :meth:`fold`."""
+        return self.count - (self.finite if self.finite is not None else 0) - (self.empty if self.empty is not None
+                                                                                 else 0)
+
     def reset(self) -> None:
-        self._kept, self.sum, self.finite, self.sq, self.count = [], None, None, None, 0
+        self._kept, self._counted, self.sum, self.finite, self.sq, self.empty, self.count = [], [], None, None, None, \
+            None, 0
 
     def state_dict(self) -> dict[str, Any]:
         self.fold()
         return {"loss_sum": None if self.sum is None else self.sum.detach().cpu().clone(),
                 "loss_n": None if self.finite is None else self.finite.detach().cpu().clone(),
                 "loss_sq": None if self.sq is None else self.sq.detach().cpu().clone(),
+                "loss_empty": None if self.empty is None else self.empty.detach().cpu().clone(),
                 "loss_count": self.count}
 
     @staticmethod
     def parse(state: dict[str, Any]) -> tuple[Any, ...]:
-        """``(sum, finite, count, sq)`` from a saved state, checked (ValueError); changes nothing."""
+        """``(sum, finite, count, sq, empty)`` from a saved state, checked (ValueError); changes nothing."""
         count = state["loss_count"]
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"Expected the state's loss_count as an integer >= 0, but got {count!r}")
         loss_sum, loss_n, loss_sq = state["loss_sum"], state.get("loss_n"), state.get("loss_sq")
-        for name, x in (("loss_sum", loss_sum), ("loss_n", loss_n), ("loss_sq", loss_sq)):
+        loss_empty = state.get("loss_empty")  # (saved since session 44: none before, none measured nothing)
+        for name, x in (("loss_sum", loss_sum), ("loss_n", loss_n), ("loss_sq", loss_sq), ("loss_empty", loss_empty)):
             if x is not None and (not isinstance(x, torch.Tensor) or x.numel() != 1):
                 raise ValueError(f"Expected the state's {name} as None or a scalar tensor, but got {x!r}")
         if loss_sum is not None and loss_n is None:  # version 1: every observed loss was summed
             loss_n = torch.tensor(float(count), dtype=loss_sum.dtype)
         return (None if loss_sum is None else loss_sum.clone().reshape(()),
                 None if loss_n is None else loss_n.clone().reshape(()), count,
-                None if loss_sq is None else loss_sq.clone().reshape(()))
+                None if loss_sq is None else loss_sq.clone().reshape(()),
+                None if loss_empty is None else loss_empty.clone().reshape(()))
 
     def load(self, parsed: tuple[Any, ...]) -> None:
-        self._kept = []
-        self.sum, self.finite, self.count, self.sq = parsed
+        self._kept, self._counted = [], []
+        self.sum, self.finite, self.count, self.sq, self.empty = parsed
 
 
 class WindowMean:

@@ -68,6 +68,8 @@ class HDETTrainer(Trainer):
                              "compares the replicas' own losses")
         self._hdet_loss: torch.Tensor | None = None  # this optimizer step's micro-batch losses, summed on the device
         self._hdet_token_scale: torch.Tensor | None = None  # this window's correction of a token-averaged loss
+        self._hdet_has_tokens: torch.Tensor | None = None  # whether this rank's window had a label token (device)
+        self._hdet_counted: torch.Tensor | bool = True  # this optimizer step's counted= (HDETLR.observe)
         self._hdet_trainer_loss = False  # this micro-step's loss came from the Trainer's own compute_loss
         self.add_callback(_HDETHooks(self))
         self.callback_handler.callbacks.insert(0, _HDETFinish(self))  # first: the reporting callbacks' on_train_end
@@ -221,7 +223,7 @@ class HDETTrainer(Trainer):
         fewer tokens looks better). The ratio that turns it back into this rank's own per-token loss is kept
         for the window's losses (:meth:`training_step`); the gradients are left as the Trainer makes them."""
         n = super()._get_num_items_in_batch(batch_samples, device)
-        self._hdet_token_scale = None
+        self._hdet_token_scale = self._hdet_has_tokens = None
         args = self.args
         if n is not None and args.average_tokens_across_devices and args.world_size > 1 and args.n_gpu <= 1:
             args.average_tokens_across_devices = False
@@ -231,7 +233,10 @@ class HDETTrainer(Trainer):
                 args.average_tokens_across_devices = True
             tp = self.get_tp_size() if hasattr(self, "get_tp_size") else 1  # (older transformers: no TP divisor)
             per_rank = self.accelerator.num_processes // tp  # compute_loss's multiplier
-            own = torch.as_tensor(own, dtype=torch.float64, device=device).clamp(min=1)  # no tokens: loss 0 anyway
+            own = torch.as_tensor(own, dtype=torch.float64, device=device)
+            self._hdet_has_tokens = own.reshape(()) > 0  # (none: the loss is 0, a step that measured nothing; counted
+            # as a loss of 0, it made that replica's window look better, and the paper controller ranked it so: an audit)
+            own = own.clamp(min=1)
             self._hdet_token_scale = (torch.as_tensor(n, dtype=torch.float64, device=device) / (own * per_rank)).float()
         return n
 
@@ -250,6 +255,8 @@ class HDETTrainer(Trainer):
             part = loss.detach().float().mean()
             if self._hdet_token_scale is not None and self._hdet_trainer_loss:
                 part = part * self._hdet_token_scale  # averaged over every rank's tokens: back to this rank's own
+                if self._hdet_has_tokens is not None:  # (one count for the optimizer step's micro-batches)
+                    self._hdet_counted = self._hdet_has_tokens
             self._hdet_loss = part if self._hdet_loss is None else self._hdet_loss + part  # on the device
         return loss
 
@@ -316,8 +323,10 @@ class _HDETHooks(TrainerCallback):
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
         loss, t._hdet_loss = t._hdet_loss, None
+        counted, t._hdet_counted = t._hdet_counted, True
         if loss is not None and isinstance(t.lr_scheduler, HDETLR):  # (a step the GradScaler skipped counts too)
-            t.lr_scheduler.observe(loss)  # this rank's own loss of the step, on its device
+            t.lr_scheduler.observe(loss, counted)  # this rank's own loss of the step, on its device; one with no
+            # label token left out of its window's mean
 
 
 def _best_files_here(checkpoint: str) -> bool:
