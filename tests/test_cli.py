@@ -1534,3 +1534,65 @@ def test_a_vmap_run_with_explored_dropout_is_refused_in_the_commands_words(tmp_p
     assert e.value.code == 2
     last = capsys.readouterr().err.splitlines()[-1]
     assert last.startswith("hdet: error:") and "--mode loop or auto" in last, last
+
+
+def test_schedule_free_refuses_explore(tmp_path, capsys):
+    """--optimizer schedulefree-adamw --explore ...: refused (before, its scheduler was built without explore=, and
+    --explore did nothing, unsaid: session 44's audit; hdet refuses a spread over Schedule-Free)."""
+    assert main(["train", *TINY, "--alpha", "0", "--optimizer", "schedulefree-adamw", "--explore", "weight-decay",
+                 "--out", str(tmp_path / "sf")]) == 2
+    assert "Expected no --explore with --optimizer schedulefree-adamw" in capsys.readouterr().err
+    assert not (tmp_path / "sf").exists()
+
+
+def test_flags_a_run_does_not_use_are_said_session_44():
+    from hdet.app.options import RunConfig, unused
+
+    said = unused(RunConfig(optimizer="schedulefree-adamw", alpha=0, pct_start=0.5, auto_lr=True))
+    assert "--pct-start with --optimizer schedulefree-adamw (no schedule and no controller: its own warm-up, then a " \
+           "constant LR)" in said and any(s.startswith("--auto-lr with --optimizer schedulefree") for s in said)
+    assert unused(RunConfig(auto_lr=True, controller="paper", probe_batches=8)) == [
+        "--probe-batches with --controller paper (the fit controller's probe)"]
+    assert unused(RunConfig(replicas=1, alpha=0.5, explore=("weight-decay",))) == [
+        f"--{w} with --replicas 1 (one replica takes the base value: nothing to spread)" for w in ("alpha", "explore")]
+    assert unused(RunConfig(replicas=1)) == [] and unused(RunConfig(alpha=0.5, explore=("dropout",))) == []
+
+
+@pytest.mark.parametrize("device", ["meta", "mps", "xpu"])
+def test_a_device_other_than_cpu_or_cuda_is_refused_before_the_folder_is_touched(tmp_path, device, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")  # an earlier run's
+    assert main(["train", *TINY, "--device", device, "--out", str(out)]) == 2
+    assert f"Expected --device auto, cpu, cuda or cuda:N, but got '{device}'" in capsys.readouterr().err
+    assert (out / "summary.json").read_text() == "{}"
+
+
+def test_a_sigterm_of_an_earlier_main_does_not_stop_the_next(tmp_path):
+    """stop.requested, set by one run's SIGTERM, stopped every later main() in the process at its first step."""
+    from hdet.app import stop
+
+    stop.requested = True  # (what an earlier run's SIGTERM left)
+    try:
+        assert main(["train", *TINY, "--steps", "4", "--replicas", "2", "--out", str(tmp_path / "run")]) == 0
+    finally:
+        stop.requested = False
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["crashed"] is None
+
+
+def test_plot_reads_a_run_whose_last_line_was_cut(tmp_path):
+    """A kill mid-write leaves a cut last line (--resume drops it): hdet plot left it out too now, where it failed
+    with a bare JSON error; a bad line before the last is an error naming the file."""
+    from hdet.app.plot import load_run
+
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--replicas", "2", "--out", str(out)]) == 0
+    (out / "summary.json").unlink()
+    text = (out / "metrics.jsonl").read_text()
+    n = len(text.splitlines())
+    (out / "metrics.jsonl").write_text(text[:-40])
+    assert len(load_run(out)["metrics"]) == n - 1
+    assert main(["plot", str(out)]) == 0
+    (out / "metrics.jsonl").write_text("{\n" + text)
+    with pytest.raises(ValueError, match="metrics.jsonl, but line 1 is not"):
+        load_run(out)

@@ -241,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     # workers with SIGTERM when one fails, and a Python handler runs only once a blocked collective returns (the rank
     # would wait there for torchrun's SIGKILL instead of ending at once)
     handle = threading.current_thread() is threading.main_thread() and "WORLD_SIZE" not in os.environ
+    if handle:
+        stop.requested = False  # (a SIGTERM of an earlier main() in this process: it stopped every later run, an audit)
     before = signal.signal(signal.SIGTERM, stop.on_sigterm) if handle else None
     try:
         return _run(a, argv)

@@ -164,6 +164,8 @@ def resolve_device(name: str) -> torch.device:
         dev = torch.device(name)
     except RuntimeError:
         raise RunError(f"Expected --device auto, cpu, cuda or cuda:N, but got {name!r}") from None
+    if dev.type not in ("cpu", "cuda"):  # (meta, mps, xpu: a traceback, after the earlier run was cleared: an audit)
+        raise RunError(f"Expected --device auto, cpu, cuda or cuda:N, but got {name!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RunError(f"Expected a CUDA device for --device {name}, but torch sees none")
     return dev
@@ -260,6 +262,9 @@ def check(cfg: RunConfig) -> None:
     if cfg.optimizer == "schedulefree-adamw" and spread(cfg) > 0:
         raise RunError(f"Expected --alpha 0 with --optimizer schedulefree-adamw (Schedule-Free: its LR also sets its "
                        f"averaging weights, so a spread breaks them), but got --alpha {spread(cfg)}")
+    if cfg.optimizer == "schedulefree-adamw" and cfg.explore:  # (taken, and did nothing: an audit)
+        raise RunError(f"Expected no --explore with --optimizer schedulefree-adamw (hdet refuses a spread over "
+                       f"Schedule-Free: its averaging weights), but got --explore {','.join(cfg.explore)}")
     if cfg.optimizer == "mechanic-adamw" and cfg.local:
         raise RunError("Expected --grad-sync with --optimizer mechanic-adamw (Mechanic's scale learns from each "
                        "replica's gradients: in local mode the replicas' scales drift apart), but got --no-grad-sync")
@@ -309,9 +314,14 @@ def unused(cfg: RunConfig, world: int | None = None) -> list[str]:
     for name in ("controller", "probe_batches"):
         if getattr(cfg, name) != getattr(default, name) and not cfg.auto_lr:
             out.append(f"--{name.replace('_', '-')} without --auto-lr")
+    if cfg.probe_batches != default.probe_batches and cfg.auto_lr and cfg.controller != "fit":
+        out.append(f"--probe-batches with --controller {cfg.controller} (the fit controller's probe)")
     if cfg.optimizer == "schedulefree-adamw":
         out += [f"--{name.replace('_', '-')} with --optimizer schedulefree-adamw (its runs have no stability guard)"
                 for name in ("on_runaway", "lr_cut", "judge_steps") if getattr(cfg, name) != getattr(default, name)]
+        out += [f"--{name.replace('_', '-')} with --optimizer schedulefree-adamw (no schedule and no controller: its "
+                "own warm-up, then a constant LR)" for name in ("pct_start", "auto_lr", "warmup", "tie_lr_groups")
+                if getattr(cfg, name) != getattr(default, name)]
     elif cfg.on_runaway != "recover":
         out += [f"--{name.replace('_', '-')} with --on-runaway {cfg.on_runaway}"
                 for name in ("lr_cut", "judge_steps")  # (the range test turns the guard on)
@@ -322,6 +332,10 @@ def unused(cfg: RunConfig, world: int | None = None) -> list[str]:
         if getattr(cfg, name) != getattr(default, name) and cfg.task == "fashion":
             out.append(f"--{name} with --task fashion (a CNN)")
     one = cfg.replicas == 1 if world is None else world == 1
+    if one and (spread(cfg) > 0 or cfg.explore):  # (one replica: every multiplier 1, every explored value its base)
+        out += [f"--{what} with {'--replicas 1' if world is None else 'one process (world size 1)'} (one replica "
+                "takes the base value: nothing to spread)" for what in (["alpha"] if cfg.alpha else []) +
+                (["explore"] if cfg.explore else [])]
     if cfg.auto_lr and (spread(cfg) == 0 or one) and cfg.controller != "paper":  # (the paper's still decays the
         # base by Eq. 8: not "no effect", an audit; the scheduler says it)
         why = ("--alpha 0" + (" (its default with --lr-sweep: pass --alpha 0.2 for a spread)" if cfg.alpha is None

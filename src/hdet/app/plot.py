@@ -19,7 +19,20 @@ __all__ = ["load_run", "plot_losses", "plot_lrs", "plot_hparams", "plot_dir", "p
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    """The records of a ``.jsonl`` file; a last line cut by a kill mid-write (or a run still writing) left out, as
+    ``--resume`` leaves it; a bad line before it is an error naming the file."""
+    if not path.exists():
+        return []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"Expected one JSON record a line in {path}, but line {i + 1} is not ({e})") from None
+    return out
 
 
 def load_run(run_dir: str | Path) -> dict[str, Any]:

@@ -197,7 +197,7 @@ def make_scheduler(cfg: RunConfig, warmup: int, task: Task, device: torch.device
         if cfg.optimizer == "schedulefree-adamw":  # no schedule: Schedule-Free's own warm-up, then constant
             return HDETLR(optimizer, None, total_steps=cfg.steps, ensemble_lr_spread_ratio=cfg.alpha,
                           model_sync_interval=cfg.T, model=module, seed=cfg.seed, replicas=replicas,
-                          average_optimizer_state=True)
+                          average_optimizer_state=True)  # (no --explore: refused, options.check)
         return OneCycleAutoLR(optimizer, max_lr=cfg.max_lr, total_steps=cfg.steps, pct_start=cfg.pct_start,
                               ensemble_lr_spread_ratio=cfg.alpha, model_sync_interval=cfg.T,
                               enable_auto_lr=cfg.auto_lr, auto_lr_warmup_steps=warmup, eq8=cfg.eq8,
