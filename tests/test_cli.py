@@ -1596,3 +1596,22 @@ def test_plot_reads_a_run_whose_last_line_was_cut(tmp_path):
     (out / "metrics.jsonl").write_text("{\n" + text)
     with pytest.raises(ValueError, match="metrics.jsonl, but line 1 is not"):
         load_run(out)
+
+
+def test_a_second_run_into_a_folder_another_run_writes_to_is_refused(tmp_path, capsys):
+    """Two runs started at once into one --out (runs/latest by default) both said they had finished, while the folder
+    held one of them: the later start deleted the files the other was writing (session 44's audit). Rank 0 holds an
+    flock on out/.hdet.lock for the whole run; a second run is refused before it touches anything, and the hold ends
+    with the run (the next run there starts)."""
+    fcntl = pytest.importorskip("fcntl")
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--steps", "4", "--replicas", "2", "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    with open(out / ".hdet.lock", "a+") as other:  # (another process's hold, as the kernel sees it: one more open)
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        capsys.readouterr()
+        assert main(["train", *TINY, "--steps", "4", "--replicas", "2", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"another hdet run (pid {os.getpid()}) is writing to it ({out})" in err, err
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert main(["train", *TINY, "--steps", "4", "--replicas", "2", "--out", str(out)]) == 0

@@ -10,6 +10,7 @@ per-replica window losses, multipliers and values, controller weights w, Delta, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -213,10 +214,44 @@ def _step_size_estimate(optimizer: torch.optim.Optimizer) -> float | None:
     return None
 
 
+def _lock_out(out: Path, held: contextlib.ExitStack) -> str | None:
+    """Rank 0's hold on ``out`` for the whole run: an exclusive ``flock`` on ``out/.hdet.lock`` (the kernel lets go at
+    any end, a SIGKILL's too). Two runs started at once into one folder both said they had finished while it held one
+    of them, and the other wrote into files the later one's start had deleted (an audit). Returns why not ("another
+    hdet run, pid N, ..."), None once held (or where there is no flock: not POSIX, or a folder not made yet)."""
+    try:
+        import fcntl
+    except ImportError:  # (not POSIX: no hold)
+        return None
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        f = open(out / ".hdet.lock", "a+")
+    except OSError:  # (check_out says what is wrong with the folder)
+        return None
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        pid = f.read().strip()
+        f.close()
+        return f"another hdet run{f' (pid {pid})' if pid else ''} is writing to it"
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    held.callback(f.close)  # (closing the file lets go of the lock)
+    return None
+
+
 def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) -> dict[str, Any]:
     """Run ``cfg``; returns the summary (also written to ``<out>/summary.json`` on rank 0). ``dry_run``: check
     the options and build the run (task, model, optimizers, schedulers; ``--init-from`` is not read), then return
     ``{}`` without writing anything (``hdet compare`` checks every row so before it trains any)."""
+    with contextlib.ExitStack() as held:  # (rank 0's hold on the folder: _lock_out)
+        return _train(cfg, argv, dry_run, held)
+
+
+def _train(cfg: RunConfig, argv: list[str] | None, dry_run: bool, held: contextlib.ExitStack) -> dict[str, Any]:
     check(cfg)
     cfg = resolve(cfg)
     swept_steps, asked = sweep_steps(cfg), cfg
@@ -257,11 +292,15 @@ def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) 
     if cfg.resume and not dry_run and not (out / "config.json").is_file():
         raise RunError(f"Expected a run folder to resume at {out} (--out), but there is no run there")
     looks = not (cfg.resume or sweep_resume or dry_run) and rank == 0  # (the others take rank 0's look)
-    stopped = _stopped(out) if looks else None
+    busy = _lock_out(out, held) if rank == 0 and not dry_run else None
+    stopped = _stopped(out) if looks and busy is None else None
     if distributed and not dry_run:  # COLLECTIVE (once): rank 0's look, before it removes anything, on every rank
-        said = [stopped]  # (a slower rank looking while rank 0 cleared the folder raised alone, and rank 0 hung)
+        said = [stopped, busy]  # (a slower rank looking while rank 0 cleared the folder raised alone, and rank 0 hung)
         dist.broadcast_object_list(said, src=0)
-        stopped = said[0]
+        stopped, busy = said
+    if busy:
+        raise RunError(f"Expected --out to be a folder no other run writes to, but {busy} ({out}): wait for it to end, "
+                       "or pass another --out")
     if stopped:  # (a forgotten --resume wiped a stopped run's checkpoint, silently: an audit)
         raise RunError(f"Expected --resume to go on with the run stopped in {out} ({stopped}), or another --out: a new "
                        "run there would delete it. To start afresh there, delete the folder first")
