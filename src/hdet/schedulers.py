@@ -1424,11 +1424,11 @@ def _last_lrs_on_host(base: LRScheduler, host: dict[str, Any] | None = None) -> 
             warnings.simplefilter("ignore", UserWarning)
             values = base.get_lr()
     elif type(base) is LambdaLR and host is not None and base.last_epoch >= 0:
-        versions = [b._version if isinstance(b, torch.Tensor) else b for b in base.base_lrs]
-        if host.get("of") is not base.base_lrs or host.get("refs") != [id(b) for b in base.base_lrs] or \
-                host.get("versions") != versions:  # (held, so an id is not reused while kept)
-            host.update(of=base.base_lrs, refs=[id(b) for b in base.base_lrs], versions=versions, kept=list(
-                base.base_lrs), floats=[as_float(b) for b in base.base_lrs])  # HOST SYNC (once: constants)
+        kept, versions = host.get("kept", []), [b._version if isinstance(b, torch.Tensor) else b for b in base.base_lrs]
+        if len(kept) != len(base.base_lrs) or any(a is not b for a, b in zip(kept, base.base_lrs)) or \
+                host["versions"] != versions:  # (the same tensors, unwritten since)
+            host.update(kept=list(base.base_lrs), versions=versions,
+                        floats=[as_float(b) for b in base.base_lrs])  # HOST SYNC (once: the base LRs are constants)
         values = [b * float(f(base.last_epoch)) for b, f in zip(host["floats"], base.lr_lambdas)]
     return values
 
