@@ -350,6 +350,25 @@ def test_compare_checks_every_row_before_it_trains(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["compare.json"]  # no pre-training, nothing removed
 
 
+def test_a_comparison_into_a_folder_another_comparison_writes_to_is_refused(tmp_path, capsys):
+    """`hdet compare` took no hold on its --out (each row held its own folder): a second comparison started there
+    removed the first's compare.json and pre-trained over the checkpoint its warm rows were about to read (session 44's
+    notes). It holds out/.hdet.lock for the whole comparison now, refused before it touches anything."""
+    fcntl = pytest.importorskip("fcntl")
+    out = tmp_path / "cmp"
+    out.mkdir()
+    (out / "compare.json").write_text("{}")  # the other comparison's table
+    with open(out / ".hdet.lock", "a+") as other:  # (another process's hold, as the kernel sees it: one more open)
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        other.write(str(os.getpid()))
+        other.flush()
+        assert main(["compare", *TINY, "--steps", "8", "--replicas", "2", "--pretrain-steps", "4",
+                     "--out", str(out)]) == 2
+        assert f"another hdet run (pid {os.getpid()}) is writing to it ({out})" in capsys.readouterr().err
+        assert sorted(p.name for p in out.iterdir()) == [".hdet.lock", "compare.json"]
+        assert (out / "compare.json").read_text() == "{}"
+
+
 def test_help_states_defaults_in_the_flags_own_terms(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])

@@ -7,13 +7,14 @@ its own data stream) makes one, and the warm rows start from it. They therefore 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Callable
 
-from .options import check, spread
-from .run import RunConfig, check_out, train
+from .options import RunError, check, spread
+from .run import RunConfig, _lock_out, check_out, train
 
 __all__ = ["ABLATIONS", "compare"]
 
@@ -56,6 +57,16 @@ def compare(base: RunConfig, lr_low: float, lr_high: float, pretrain_steps: int,
         # rows' checkpoint is made by the pre-training below) before anything trains or is removed
         rows.append((i, name, desc, lr, folder, cfg))
     check_out(out)
+    with contextlib.ExitStack() as held:  # (the comparison's hold on ``out`` itself; each row holds its own folder)
+        busy = _lock_out(out, held)
+        if busy:
+            raise RunError(f"Expected --out to be a folder no other comparison writes to, but {busy} ({out}): wait "
+                           "for it to end, or pass another --out")
+        return _compare(out, base, pre, rows, pretrain_steps, lr_low, lr_high, say)
+
+
+def _compare(out: Path, base: RunConfig, pre: RunConfig, rows: list, pretrain_steps: int, lr_low: float,
+             lr_high: float, say: Callable[[str], None]) -> dict[str, Any]:
     (out / "compare.json").unlink(missing_ok=True)  # an earlier comparison's table goes with its first row
     say(f"Warm init needs a checkpoint: pre-training one replica for {pretrain_steps} steps at LR {lr_low:g} "
         f"-> {pre.out}/model.pt (the warm rows start from it).")
