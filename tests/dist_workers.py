@@ -215,6 +215,30 @@ def missing_loss_on_one_rank(rank, world):
         s.step(None if rank == 1 else 1.0)
 
 
+def empty_windows(rank, world, losses):
+    """Paper controller, one replica a rank at LRs 0.05 / 0.10 / 0.15 (alpha 0.5): rank r's window is ``losses[r]``
+    at both steps, None for a window that measured nothing (observe(..., counted=False) at every step). Returns the
+    control sync's Eq. 4-7 record."""
+    import warnings
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    o = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = hdet.HDETLR(o, None, total_steps=4, model=model, model_sync_interval=2, enable_auto_lr=True,
+                    controller="paper", ensemble_lr_spread_ratio=0.5, guard_gradients=False, auto_lr_warmup_steps=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            o.step()
+            if losses[rank] is None:
+                s.observe(torch.tensor(0.0), False)
+            else:
+                s.observe(torch.tensor(losses[rank]))
+            s.step()
+    c = s.last_sync.controller[0]
+    return {"values": c.values, "losses": c.losses, "weights": c.weights, "h_tilde": c.h_tilde, "h_bar": c.h_bar,
+            "delta": c.delta, "new_base": c.new_base}
+
+
 def averaging_collectives(rank, world, n_tensors, numel, cap_mb, layout="separate", exclude=()):
     """Count all_reduce calls of one converge step over ``n_tensors`` tensors. ``layout``: "separate"
     tensors, "contiguous" (views of one flat buffer) or "mixed" (the first half views, then separate

@@ -8,7 +8,7 @@ from torch import nn
 
 import hdet
 from dist_workers import (alpha_zero_vs_plain_ddp, averaging_collectives, bn_and_int_buffers, layout_mismatch,
-                          missing_loss_on_one_rank, non_finite_weights, train)
+                          missing_loss_on_one_rank, non_finite_weights, train, empty_windows)
 from helpers import check_ok, run_gloo
 from hdet import linear_multipliers
 
@@ -135,6 +135,24 @@ def test_missing_loss_on_one_rank_fails_on_all_ranks():
     res = run_gloo(missing_loss_on_one_rank, 2)
     for r in res:
         assert r["error"] == "ValueError" and "replica(s) [1] passed no loss" in r["msg"]
+
+
+def test_a_window_that_measured_nothing_moves_neither_eq4_nor_eq5():
+    """A replica whose window measured nothing (a rank whose every step had no label token: observe(counted=False))
+    gets no weight in Eq. 4 and stays out of Eq. 5's h_bar: two equal losses beside it give a delta of 0, as three
+    equal losses do (a review: h_bar over all three gave -0.025 at LRs 0.05 / 0.10 / 0.15, the base pushed towards the
+    measured replicas whatever their losses). Where the only other replica had a NaN loss (ranked worst), the empty
+    ones are the healthy ones: the NaN replica got all the weight (its stand-in loss read as a measurement)."""
+    equal = check_ok(run_gloo(empty_windows, 3, [2.0, 2.0, 2.0]))[0]
+    got = check_ok(run_gloo(empty_windows, 3, [2.0, 2.0, None]))[0]
+    assert got["values"] == pytest.approx([0.05, 0.10, 0.15]) and got["weights"] == pytest.approx([0.5, 0.5, 0.0])
+    assert equal["delta"] == pytest.approx(0.0, abs=1e-15) and got["delta"] == pytest.approx(0.0, abs=1e-15)
+    assert got["new_base"] == equal["new_base"]  # Eq. 7 goes on from the base (every replica's mean)
+    one = check_ok(run_gloo(empty_windows, 3, [3.0, None, None]))[0]  # one measured replica: no signal
+    assert one["weights"] == pytest.approx([1.0, 0.0, 0.0]) and one["delta"] == pytest.approx(0.0, abs=1e-15)
+    nan = check_ok(run_gloo(empty_windows, 3, [float("nan"), None, None]))[0]
+    assert nan["weights"][0] < 1e-3 and nan["delta"] > 0  # away from the NaN replica's low LR
+    assert check_ok(run_gloo(empty_windows, 3, [None, None, None]))[0]["delta"] == pytest.approx(0.0, abs=1e-15)
 
 
 def test_one_collective_per_bucket():

@@ -1315,6 +1315,12 @@ def test_a_step_that_measured_nothing_is_left_out_of_the_window_and_kept_across_
     assert float(w.sum) / float(w.finite) == 3.0 and float(w.empty) == 2 and float(w.nonfinite) == 1
     with pytest.raises(ValueError, match="counted= as a bool"):
         w.observe(1.0, torch.tensor([1.0]))
+    w, flag = LossWindow(), torch.tensor(True)  # one flag buffer written again at every step (a CUDA graph's): each
+    for loss, counted in ((2.0, True), (0.0, False), (4.0, True), (0.0, False)):  # step keeps its own (a review:
+        flag.fill_(counted)  # every step took the last one's, and the mean was NaN)
+        w.observe(torch.tensor(loss), flag)
+    w.fold()
+    assert float(w.sum) / float(w.finite) == 3.0 and float(w.empty) == 2 and float(w.nonfinite) == 0
 
     def run(split):
         torch.manual_seed(0)

@@ -179,12 +179,18 @@ class PaperController:
         better anchor (hdet passes it for hyperparameters other than the LR)."""
         if len(values) != len(losses) or not values:
             raise ValueError(f"Expected one value per loss, but got {len(values)} values and {len(losses)} losses")
-        w = softmax_weights(losses, self.sigma)  # Eq. 4
+        w = softmax_weights(losses, self.sigma)  # Eq. 4 (a loss of +inf: weight 0)
         h_tilde = sum(w_r * h_r for w_r, h_r in zip(w, values))  # Eq. 5
-        h_bar = sum(values) / len(values)  # Eq. 5
+        # a replica whose window measured nothing (+inf: observe(counted=False) at every step) is left out of h_bar
+        # too: counted there, it moved the base towards the replicas that measured something, whatever their losses
+        # (a review: two equal losses and one empty replica gave a delta of -0.025 at LRs 0.05 / 0.10 / 0.15)
+        measured = [h_r for h_r, L_r in zip(values, losses) if L_r != math.inf] or list(values)
+        h_bar = sum(measured) / len(measured)  # Eq. 5
         delta = h_tilde - h_bar  # Eq. 6
         self.v = self.beta * self.v + (1.0 - self.beta) * delta  # Eq. 7
-        new_base = (h_bar if anchor is None else anchor) * (1.0 - self.gamma) + self.v * self.lam  # Eq. 7
+        if anchor is None:  # Eq. 7 goes on from every replica's mean (the base), not the measured ones'
+            anchor = sum(values) / len(values)
+        new_base = anchor * (1.0 - self.gamma) + self.v * self.lam  # Eq. 7
         lo, hi = self.bounds
         clamped = not lo <= new_base <= hi
         new_base = min(max(new_base, lo), hi)

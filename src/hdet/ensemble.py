@@ -661,14 +661,16 @@ class Ensemble:
         self.early_recovered = {}
         window = list(losses)  # each replica's own window mean (NaN where it had no finite loss): what is reported
         worst_ranked = set(bad) | set(bad_loss)
+        healthy = [losses[r] for r in range(N) if r not in worst_ranked and math.isfinite(losses[r])]
+        nothing = [r for r in range(N) if r not in worst_ranked and not math.isfinite(losses[r])]
         if worst_ranked:  # the controller ranks them worst: ten loss temperatures above the worst healthy loss
-            healthy = [losses[r] for r in range(N) if r not in worst_ranked and math.isfinite(losses[r])]
             worst = (max(healthy) if healthy else 0.0) + 10 * c.loss_scale
             losses = [worst if r in worst_ranked else x for r, x in enumerate(losses)]
-        nothing = [r for r in range(N) if r not in worst_ranked and not math.isfinite(losses[r])]
-        if nothing:  # every step of the window measured nothing there (observe's counted=False): no weight in Eq. 4
-            known = any(math.isfinite(x) for x in losses)
-            losses = [(math.inf if known else 0.0) if r in nothing else x for r, x in enumerate(losses)]
+        if nothing:  # every step of the window measured nothing there (observe's counted=False): no weight in Eq. 4,
+            # nor in Eq. 5's h_bar (+inf: PaperController.update). Where no healthy replica measured anything, they
+            # are the healthy ones (0, the worst-ranked at 10 temperatures above; a review: the worst-ranked
+            # replica's stand-in loss was read as a measurement there, and it got all the weight)
+            losses = [(math.inf if healthy else 0.0) if r in nothing else x for r, x in enumerate(losses)]
         steps: list[ControllerStep] | None = None
         if self.is_control_step(t):
             missing = [r for r in range(N) if col.observed[r] == 0]

@@ -69,7 +69,8 @@ class LossWindow:
                 and counted.dtype == torch.bool):
             raise ValueError(f"Expected counted= as a bool or a one-element bool tensor, but got {counted!r}")
         self._kept.append(kept)
-        self._counted.append(counted)
+        self._counted.append(counted if isinstance(counted, bool) else counted.detach().clone())  # (copied as the
+        # loss is: a flag buffer written again at every step gave each kept step the last step's flag; a review)
         self.count += 1
 
     def keep(self, loss: torch.Tensor) -> None:
@@ -95,7 +96,8 @@ class LossWindow:
         ok = torch.isfinite(vals)
         empty = None
         if not all(c is True for c in counted):  # (steps that measured nothing: finite, left out of the mean)
-            use = torch.stack([torch.as_tensor(c).reshape(()).to(dev) for c in counted])
+            use = torch.stack([torch.as_tensor(c).reshape(()).to(dev) for c in counted])  # (a Python flag: one
+            # host-to-device copy of one bool, at the fold: a sync step, a state_dict)
             empty, ok = (ok & ~use).sum().to(dtype), ok & use
         kept = torch.where(ok, vals, torch.zeros_like(vals))
         s, q = kept.sum(), kept.square().sum()
