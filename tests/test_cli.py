@@ -350,6 +350,43 @@ def test_compare_checks_every_row_before_it_trains(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["compare.json"]  # no pre-training, nothing removed
 
 
+def test_the_folder_is_held_while_the_plots_are_written_and_a_file_system_without_flock_runs(tmp_path, capsys,
+                                                                                              monkeypatch):
+    """Two things a review found in the folder's hold: it ended before `hdet train` wrote its plots (a second run
+    could clear the folder under them), and a file system without flock (Lustre without -o flock: ENOSYS, NFS with
+    nolock: ENOLCK) was read as another run writing there, a refusal for ever; now a warning, and the run goes on."""
+    import errno
+    fcntl = pytest.importorskip("fcntl")
+    from hdet.app import plot
+
+    out, seen, real = tmp_path / "run", [], fcntl.flock
+
+    def plot_dir(folder):  # is the folder held while the plots are written? (another open's flock: refused)
+        with open(out / ".hdet.lock", "a+") as other:
+            try:
+                real(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                seen.append("free")
+            except BlockingIOError:
+                seen.append("held")
+        return []
+
+    monkeypatch.setattr(plot, "plot_dir", plot_dir)
+    assert main(["train", *TINY, "--steps", "4", "--replicas", "2", "--out", str(out)]) == 0
+    assert seen == ["held"]
+    for code in (errno.ENOSYS, errno.ENOLCK):
+        def flock(fd, op, code=code):
+            if op & fcntl.LOCK_EX:
+                raise OSError(code, os.strerror(code))
+            return real(fd, op)
+
+        monkeypatch.setattr(fcntl, "flock", flock)
+        capsys.readouterr()
+        assert main(["train", *TINY, "--steps", "4", "--replicas", "2", "--out", str(out)]) == 0
+        err = capsys.readouterr().err
+        assert f"{out} cannot be locked ({os.strerror(code)}): nothing stops another run" in err, err
+        assert "another hdet run" not in err
+
+
 def test_a_comparison_into_a_folder_another_comparison_writes_to_is_refused(tmp_path, capsys):
     """`hdet compare` took no hold on its --out (each row held its own folder): a second comparison started there
     removed the first's compare.json and pre-trained over the checkpoint its warm rows were about to read (session 44's

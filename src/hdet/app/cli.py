@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -100,7 +101,6 @@ def _config(a: argparse.Namespace) -> RunConfig:
 
 
 def _cmd_train(a: argparse.Namespace, argv: list[str]) -> int:
-    from .plot import plot_dir
     from .run import train
 
     cfg = _config(a)
@@ -109,7 +109,14 @@ def _cmd_train(a: argparse.Namespace, argv: list[str]) -> int:
     world = int(os.environ["WORLD_SIZE"]) if torchrun and os.environ["WORLD_SIZE"].isdigit() else None
     for what in unused(cfg, world) if os.environ.get("RANK", "0") == "0" else ():
         print(f"hdet: warning: {what} has no effect", file=sys.stderr)
-    s = train(cfg, argv=argv)
+    with contextlib.ExitStack() as held:  # (the folder held until the plots are written: a second run cleared it
+        return _trained(a, train(cfg, argv=argv, held=held))  # while this one wrote them; a review)
+
+
+def _trained(a: argparse.Namespace, s: dict[str, Any]) -> int:
+    """What ``hdet train`` says once its run is done (rank 0: the summary and plots)."""
+    from .plot import plot_dir
+
     if s.get("config") is None:  # not rank 0
         return 0
     resumed = f" (resumed from step {s['resumed_from']})" if "resumed_from" in s else ""
@@ -152,7 +159,6 @@ def _held_out(final: dict[str, Any]) -> tuple[float | None, float | None]:
 
 def _cmd_compare(a: argparse.Namespace, argv: list[str]) -> int:
     from .compare import compare
-    from .plot import plot_dir
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # (its pre-training row is one replica: it said --replicas)
         raise RunError("Expected `hdet compare` in one process (its rows run in the one-process engine, the "
@@ -163,7 +169,14 @@ def _cmd_compare(a: argparse.Namespace, argv: list[str]) -> int:
     if a.pretrain_steps < 1:
         raise RunError(f"Expected --pretrain-steps >= 1, but got {a.pretrain_steps}")
     cfg = _config(a)
-    result = compare(cfg, a.lr_low, a.lr_high, a.pretrain_steps)
+    with contextlib.ExitStack() as held:  # (its --out held until the table and plots are written)
+        return _compared(a, compare(cfg, a.lr_low, a.lr_high, a.pretrain_steps, held=held))
+
+
+def _compared(a: argparse.Namespace, result: dict[str, Any]) -> int:
+    """What ``hdet compare`` says once its rows are done: the table, then the plots."""
+    from .plot import plot_dir
+
     held = [_held_out(r.get("final_metrics") or {}) for r in result["runs"]]  # (loss, accuracy or None)
     best = min((k for k, h in enumerate(held) if h[0] is not None and math.isfinite(h[0])), key=lambda k: held[k][0],
                default=None)

@@ -31,8 +31,9 @@ ABLATIONS: list[tuple[str, str, dict[str, Any]]] = [
 
 
 def compare(base: RunConfig, lr_low: float, lr_high: float, pretrain_steps: int,
-            say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the six configurations into ``base.out``/<n>-<name>; write ``compare.json``; return it."""
+            say: Callable[[str], None] = print, held: contextlib.ExitStack | None = None) -> dict[str, Any]:
+    """Run the six configurations into ``base.out``/<n>-<name>; write ``compare.json``; return it. ``base.out`` is
+    held (:func:`hdet.app.run._lock_out`) until it returns, or until ``held`` closes where one is given."""
     out = Path(base.out)
     check(base)  # as hdet train checks them (the alpha-0 rows drop lr-groups, so theirs would pass where it fails)
     unspread = tuple(e for e in base.explore if e != "lr-groups")  # what rows at alpha 0 explore
@@ -57,8 +58,8 @@ def compare(base: RunConfig, lr_low: float, lr_high: float, pretrain_steps: int,
         # rows' checkpoint is made by the pre-training below) before anything trains or is removed
         rows.append((i, name, desc, lr, folder, cfg))
     check_out(out)
-    with contextlib.ExitStack() as held:  # (the comparison's hold on ``out`` itself; each row holds its own folder)
-        busy = _lock_out(out, held)
+    with contextlib.ExitStack() as own:  # (the comparison's hold on ``out`` itself; each row holds its own folder)
+        busy = _lock_out(out, own if held is None else held)
         if busy:
             raise RunError(f"Expected --out to be a folder no other comparison writes to, but {busy} ({out}): wait "
                            "for it to end, or pass another --out")

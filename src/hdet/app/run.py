@@ -225,16 +225,21 @@ def _lock_out(out: Path, held: contextlib.ExitStack) -> str | None:
         return None
     try:
         out.mkdir(parents=True, exist_ok=True)
-        f = open(out / ".hdet.lock", "a+")
+        f = open(out / ".hdet.lock", "a+", errors="replace")  # (any bytes there: read, never raised)
     except OSError:  # (check_out says what is wrong with the folder)
         return None
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:  # (EAGAIN / EWOULDBLOCK: another process holds it)
         f.seek(0)
-        pid = f.read().strip()
+        pid = f.read(32).strip()
         f.close()
-        return f"another hdet run{f' (pid {pid})' if pid else ''} is writing to it"
+        return f"another hdet run{f' (pid {pid})' if pid.isdigit() else ''} is writing to it"
+    except OSError as e:  # a file system without flock (Lustre without -o flock: ENOSYS; NFS with nolock: ENOLCK)
+        f.close()  # was read as "another run" for ever (a review): no hold there, said
+        print(f"hdet: warning: {out} cannot be locked ({e.strerror or e}): nothing stops another run from writing "
+              "to it at the same time", file=sys.stderr, flush=True)
+        return None
     f.seek(0)
     f.truncate()
     f.write(str(os.getpid()))
@@ -243,12 +248,15 @@ def _lock_out(out: Path, held: contextlib.ExitStack) -> str | None:
     return None
 
 
-def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False) -> dict[str, Any]:
+def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False,
+          held: contextlib.ExitStack | None = None) -> dict[str, Any]:
     """Run ``cfg``; returns the summary (also written to ``<out>/summary.json`` on rank 0). ``dry_run``: check
     the options and build the run (task, model, optimizers, schedulers; ``--init-from`` is not read), then return
-    ``{}`` without writing anything (``hdet compare`` checks every row so before it trains any)."""
-    with contextlib.ExitStack() as held:  # (rank 0's hold on the folder: _lock_out)
-        return _train(cfg, argv, dry_run, held)
+    ``{}`` without writing anything (``hdet compare`` checks every row so before it trains any). Rank 0 holds the
+    folder (:func:`_lock_out`) until ``train`` returns, or until ``held`` closes where one is given (``hdet train``
+    holds it while it writes the plots)."""
+    with contextlib.ExitStack() as own:
+        return _train(cfg, argv, dry_run, own if held is None else held)
 
 
 def _train(cfg: RunConfig, argv: list[str] | None, dry_run: bool, held: contextlib.ExitStack) -> dict[str, Any]:
