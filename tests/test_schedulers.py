@@ -1344,3 +1344,37 @@ def test_a_step_that_measured_nothing_is_left_out_of_the_window_and_kept_across_
         return syncs
 
     assert run(None) == run(3) == run(6) == [(4, [(1 + 2 + 4) / 3], [0]), (8, [(5 + 7 + 8) / 3], [0])]
+
+
+def test_a_lambdalr_bases_host_copy_follows_its_base_lrs():
+    """Over device tensor LRs a LambdaLR base's LRs are its lambdas times base LRs kept on the host (no host sync a
+    step); the kept copy is read again when a base LR is written in place, replaced, loaded, or given new storage
+    through ``.data =`` (which keeps the tensor's version: a review found that one stale). A tensor subclass that
+    says it is on a GPU stands in for one."""
+    from hdet.schedulers import _last_lrs_on_host
+
+    class OnGPU(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+    def check(change):
+        o = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=torch.tensor(0.1).as_subclass(OnGPU))
+        base, host = LambdaLR(o, lambda t: 1.0 - t / 100), {}
+        for _ in range(3):
+            o.step()
+            base.step()
+            _last_lrs_on_host(base, host)
+        change(base)
+        o.step()
+        base.step()
+        wrote = float(torch.Tensor.as_subclass(base.get_last_lr()[0], torch.Tensor))
+        assert _last_lrs_on_host(base, host)[0] == pytest.approx(wrote, rel=1e-6)
+        return wrote
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert check(lambda b: None) == pytest.approx(0.096)
+        assert check(lambda b: torch.Tensor.fill_(b.base_lrs[0], 0.2)) == pytest.approx(0.192)
+        assert check(lambda b: b.base_lrs.__setitem__(0, torch.tensor(0.2).as_subclass(OnGPU))) == pytest.approx(0.192)
+        assert check(lambda b: setattr(b.base_lrs[0], "data", torch.tensor(0.2))) == pytest.approx(0.192)

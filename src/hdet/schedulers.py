@@ -1424,7 +1424,9 @@ def _last_lrs_on_host(base: LRScheduler, host: dict[str, Any] | None = None) -> 
             warnings.simplefilter("ignore", UserWarning)
             values = base.get_lr()
     elif type(base) is LambdaLR and host is not None and base.last_epoch >= 0:
-        kept, versions = host.get("kept", []), [b._version if isinstance(b, torch.Tensor) else b for b in base.base_lrs]
+        kept = host.get("kept", [])
+        versions = [(b._version, b.data_ptr()) if isinstance(b, torch.Tensor) else b for b in base.base_lrs]  # (the
+        # storage too: ``.data = ...`` keeps the version; a write through ``.data`` in place is seen by neither)
         if len(kept) != len(base.base_lrs) or any(a is not b for a, b in zip(kept, base.base_lrs)) or \
                 host["versions"] != versions:  # (the same tensors, unwritten since)
             host.update(kept=list(base.base_lrs), versions=versions,
