@@ -1378,3 +1378,60 @@ def test_a_lambdalr_bases_host_copy_follows_its_base_lrs():
         assert check(lambda b: torch.Tensor.fill_(b.base_lrs[0], 0.2)) == pytest.approx(0.192)
         assert check(lambda b: b.base_lrs.__setitem__(0, torch.tensor(0.2).as_subclass(OnGPU))) == pytest.approx(0.192)
         assert check(lambda b: setattr(b.base_lrs[0], "data", torch.tensor(0.2))) == pytest.approx(0.192)
+
+
+def test_a_bfloat16_loss_under_a_controller_is_said_once():
+    """A bfloat16 loss (a bf16 model's cross-entropy) rounds each loss by up to 0.4%, more than the replicas' losses
+    differ, and the controllers ranked the replicas on the rounding (an audit: the fit controller's optimum off by more
+    than half the spread at 6-9 of 20 syncs). Said once where a controller runs (the scheduler's loss, the engine's
+    losses, a probe's), not without one, and not for a float32 loss."""
+    from hdet import ReplicaEngine
+
+    def caught(auto, dtype, engine=False):
+        torch.manual_seed(0)
+        make = lambda o, rep=None, m=None, **kw: hdet.OneCycleAutoLR(  # noqa: E731
+            o, max_lr=0.01, total_steps=8, model_sync_interval=2, enable_auto_lr=auto, auto_lr_warmup_steps=2,
+            controller="paper", **({"replicas": rep, "model": m} if engine else
+                                   {"replicas": ScriptedReplicas(rank=1, world_size=2)}))
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            if engine:
+                eng = ReplicaEngine(torch.nn.Linear(2, 1), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.01), make,
+                                    mode="loop")
+                for _ in range(3):
+                    x = torch.randn(2, 4, 2)
+                    eng.step((x,), lambda m, b: m(b[0]).pow(2).mean().to(dtype), stacked=True)
+            else:
+                o = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.01)
+                s = make(o)
+                for _ in range(3):
+                    o.step()
+                    s.step(torch.tensor(1.5, dtype=dtype))
+        return [str(x.message) for x in w if "bfloat16" in str(x.message)]
+
+    for engine in (False, True):
+        said = caught(True, torch.bfloat16, engine)
+        assert len(said) == 1 and "Compute the loss in float32" in said[0], (engine, said)
+        assert caught(False, torch.bfloat16, engine) == [] and caught(True, torch.float32, engine) == []
+
+
+def test_an_explored_value_that_reads_back_rounded_is_said():
+    """A Setter into a bfloat16 buffer holds 1.00333 as 1.0 (a third of the spread's step): the replica trained at
+    the rounded value while its records and the controller used the value set, unsaid (an audit). Said at the first
+    set, once; a float32 buffer (rounding to 1e-7) is not."""
+    def said(dtype):
+        temp = torch.ones((), dtype=dtype)
+        h = hdet.Setter("temp", lambda: temp, lambda v: temp.fill_(v), hdet.Spread("linear", 0.01))
+        o = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.01)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            s = hdet.HDETLR(o, None, total_steps=6, model_sync_interval=3, ensemble_lr_spread_ratio=0.0, explore=[h],
+                            replicas=ScriptedReplicas(rank=2, world_size=4))
+            for _ in range(2):
+                o.step()
+                s.step(1.0)
+        return [str(x.message) for x in w if "reads back" in str(x.message)]
+
+    got = said(torch.bfloat16)
+    assert len(got) == 1 and "'temp' on rank 2 reads back as 1 right after hdet set it to 1.00333" in got[0], got
+    assert said(torch.float32) == []

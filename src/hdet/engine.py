@@ -55,6 +55,7 @@ from .stacked_optim import StackedStep, Unstackable, unsupported
 from .stacking import StackedReplicas
 from .step_scale import share_local
 from .swap import AverageSwap, averaged, explored_bases
+from .window import coarse_loss
 from .sync import health, unaveraged_buffers
 from .values import check_bool, int_number
 
@@ -154,6 +155,19 @@ def _scalar_loss(loss: Any) -> torch.Tensor:
     if loss.dim() != 0:
         raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(loss.shape)}")
     return loss
+
+
+def _unscaled_fp16(p: torch.Tensor | None) -> bool:
+    """Warn (and return True) where the engine steps under float16 autocast: it runs the backward itself, with no
+    ``GradScaler``, so small gradients underflow to 0 in float16 (an audit: 13% of a first layer's gradient elements 0,
+    26% relative error, late in a run), where the same model under DDP has the scaler."""
+    dev = p.device.type if p is not None else "cpu"
+    if not (torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == torch.float16):
+        return False
+    warnings.warn("hdet: engine.step() under float16 autocast: the engine runs the backward without loss scaling (no "
+                  "GradScaler), so small gradients underflow to 0. Use bfloat16 autocast (the same speed on recent "
+                  "GPUs, no scaling needed)", stacklevel=user_stacklevel())
+    return True
 
 
 class ReplicaEngine:
@@ -316,6 +330,8 @@ class ReplicaEngine:
         self._rejected: set[Any] = set()  # the loss functions' code that compile cannot run (eager from then on)
         self._unkept: set[str] = set()  # reassigned buffers whose new shape or dtype could not be kept (warned)
         self._stacked: StackedStep | None = None
+        self._said_coarse = False  # (a bfloat16 loss under a controller: said once, step)
+        self._said_fp16 = False  # (float16 autocast, no loss scaling here: said once, step)
         self._gave_way: str | None = None  # why the stacked step gave way to each replica's during the run
         self.share_base_schedule = True  # False: every replica steps its own base schedule (see _follow)
         self._following: bool | None = None
@@ -330,13 +346,19 @@ class ReplicaEngine:
         for k, h in enumerate(self.schedulers[0].ensemble.hypers):
             got = [s.ensemble.hypers[k].get() for s in self.schedulers]
             want = [s.ensemble.all_values()[s.ensemble.num_lr_slots + k][r] for r, s in enumerate(self.schedulers)]
-            # a replica reads another's value (not its own, rounded: a float32 buffer holds it to 1e-7)
-            if any(not math.isclose(g, w, rel_tol=1e-9, abs_tol=1e-12)
-                   and any(abs(g - v) <= abs(g - w) for v in want if v != w) for g, w in zip(got, want)):
+            # a replica reads another's value (not its own; a float32 buffer holds either to 1e-7), or all read one
+            # value (one object for all). A value a low-precision buffer rounds between two replicas' is neither (a
+            # bfloat16 buffer was called shared: an audit; the schedulers said the rounding when they set it)
+            def near(a: float, b: float) -> bool:
+                return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)
+
+            if len(set(want)) > 1 and (len(set(got)) == 1 or any(
+                    not near(g, w) and any(near(g, v) for v in want if v != w) for g, w in zip(got, want))):
                 raise ValueError(
                     f"Expected each replica's explored {h.name} to act on its own object, but the replicas read "
                     f"{got} where their schedulers set {want}: one object serves them all (e.g. one loss criterion "
-                    "for every replica's LabelSmoothing). Build it per replica inside make_scheduler, from that "
+                    "for every replica's LabelSmoothing; or a bfloat16 or float16 tensor rounds every value to one). "
+                    "Build it per replica inside make_scheduler, from that "
                     "replica's module (e.g. m.crit = nn.CrossEntropyLoss(); explore=[hdet.LabelSmoothing(m.crit)]), "
                     "and use it in loss_fn (m.crit(m(x), y))")
 
@@ -1000,6 +1022,8 @@ class ReplicaEngine:
         n = _leading(batches) if stacked else (len(batches) if isinstance(batches, Sequence) else None)
         if n != N:
             raise ValueError(f"Expected one batch per replica ({N}), but got {n}")
+        if not self._said_fp16:
+            self._said_fp16 = _unscaled_fp16(next(self.models[0].parameters(), None))
         def vmapped() -> torch.Tensor:
             losses = self._vmap_losses(batches if stacked else _stack_batches(batches), loss_fn)
             self.stack.point_grads()
@@ -1066,6 +1090,8 @@ class ReplicaEngine:
             for o in self.optimizers:
                 o.step()
             share_local([s.ensemble.step_scale for s in self.schedulers])  # Prodigy's estimate, one per step
+        if not self._said_coarse and any(s.ensemble.config.enable_auto_lr for s in self.schedulers):
+            self._said_coarse = coarse_loss(losses, "the replicas' loss (loss_fn's)")
         kept = losses.detach().clone()  # the windows' copy (the caller may write into what step() returns)
         for s, loss in zip(self.schedulers, kept):
             s.ensemble.window.keep(loss)  # = s.observe(loss), with one copy for the N replicas

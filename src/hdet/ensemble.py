@@ -41,7 +41,7 @@ from .step_scale import StepScale
 from .sync import (SHARD_MAX, SHARD_MIN, SHARD_SUM, ReplicaMismatchError, SyncVector, as_real, averaged, batch_counts,
                    check_agreement, check_state_layout, fingerprint, health, layout_signature, memory_key,
                    persistent_float_buffers)
-from .window import LossWindow, Probe, WindowMean
+from .window import LossWindow, Probe, WindowMean, coarse_loss
 
 __all__ = ["Ensemble", "Verdict", "NonFiniteReplicaError", "ReplicaSyncError", "ReplicaMismatchError", "SyncRecord",
            "STATE_VERSION", "HDETConfig"]
@@ -141,6 +141,7 @@ class Ensemble:
                            [h.spread for h in hypers], names)
         self.lr_control = lr_control or LRControl(bounds=[(0.0, math.inf)] * self.slots.num_lr_slots)
         self.window = LossWindow()
+        self.said_coarse = False  # (a bfloat16 loss under a controller: said once, observe)
         self._clamp_checked = False  # (the first values checked against the spreads' bounds: _warn_clamped)
         self.window_mean = WindowMean(self._float_params()) if config.probing else None
         self.total_steps: int | None = None
@@ -301,6 +302,8 @@ class Ensemble:
     def observe(self, loss: torch.Tensor | float, counted: torch.Tensor | bool = True) -> None:
         """Keep this replica's training loss of the step just taken (on its device, no host sync); ``counted``:
         :meth:`hdet.window.LossWindow.observe`."""
+        if not self.said_coarse and self.config.enable_auto_lr and isinstance(loss, torch.Tensor):
+            self.said_coarse = coarse_loss(loss, "the training loss given to the scheduler")
         self.window.observe(loss, counted)
 
     def after_optimizer_step(self, t: int) -> None:

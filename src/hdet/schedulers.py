@@ -552,8 +552,11 @@ class HDETLR(LRScheduler):
             h.set(v)
         if not self._guard_said and ens.hypers:  # (before the first step: what each reads back as set, compared once
             # after it, _check_values_kept; read back, so a setter that rounds or a bf16 buffer is no change)
+            first = getattr(self, "_values_set", None) is None
             self._values_set = [h.get() for h in ens.hypers]  # (HOST SYNC where a value lives in a tensor: before
             # the first step only)
+            if first:
+                _say_rounded(ens.hypers, values[ens.num_lr_slots:], self._values_set, self.rank)
         if self._history is not None:  # the base of every slot in effect for step last_epoch + 1
             self._history[str(self.last_epoch)] = list(ens.current_bases)
         lrs = values[: ens.num_lr_slots]
@@ -1407,6 +1410,20 @@ def _set_lr(group: dict[str, Any], lr: float) -> None:
         group["lr"].fill_(lr)
     else:
         group["lr"] = lr
+
+
+def _say_rounded(hypers: list[Hyperparameter], wanted: list[float], got: list[float], rank: int) -> None:
+    """Before the first step: an explored value that reads back further from the value set than float32 rounding
+    (a ``Setter`` into a bfloat16 buffer: 1.00333 held as 1.0, a third of the spread's step, an audit) is said once:
+    the replica trains at what it holds, while its records and the controller use the value set."""
+    off = [(h.name, w, g) for h, w, g in zip(hypers, wanted, got)
+           if math.isfinite(w) and math.isfinite(g) and not math.isclose(g, w, rel_tol=1e-6, abs_tol=1e-12)]
+    if off:
+        name, w, g = off[0]
+        warnings.warn(f"hdet: the explored {name!r} on rank {rank} reads back as {g:.6g} right after hdet set it to "
+                      f"{w:.6g} (a bfloat16 or float16 buffer rounds it?): this replica trains at {g:.6g}, while its "
+                      "records and the controller use the value set. Keep the value in a float32 tensor (the forward "
+                      "can cast it)", stacklevel=user_stacklevel())
 
 
 def _last_lrs_on_host(base: LRScheduler, host: dict[str, Any] | None = None) -> list[Any]:
