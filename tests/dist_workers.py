@@ -581,7 +581,7 @@ def hsdp(rank, world, *, mesh_shape=(2, 2), steps=10, T=5, bn=False):
     """FSDP2 through a (replicate, shard) DeviceMesh: HDET replicas are the replicate dimension. ``bn``: a BatchNorm
     layer, whose statistics each rank keeps whole (returned after each converge step)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from helpers import fully_shard
 
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
@@ -617,7 +617,7 @@ def hsdp_fit(rank, world, *, mesh_shape=(2, 2), steps=16, T=4, checkpoint_at=Non
 
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from helpers import fully_shard
 
     R, S = mesh_shape
     replica, shard = divmod(rank, S)
@@ -693,7 +693,7 @@ def one_d_mesh(rank, world, *, name="shard", dadapt=False, shard=True):
     """A plain 1-D FSDP2 mesh passed as device_mesh: the error (or, named 'replicate' with whole replicas, the number
     of replicas). ``dadapt``: D-Adaptation Adam instead of AdamW; ``shard``: fully_shard the model over the mesh."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from helpers import fully_shard
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(name,))
     model = nn.Linear(4, 2)
@@ -717,7 +717,7 @@ def swapped_mesh(rank, world):
     """A 2-D mesh whose dimensions are named the other way round, ('shard', 'replicate'): fully_shard replicates along
     the first dimension whatever its name, so the 'replicate' dimension holds shards. The scheduler's error."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from helpers import fully_shard
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("shard", "replicate"))
     model = nn.Linear(4, 2)
@@ -777,7 +777,7 @@ def hsdp_guard(rank, world, *, fault="loss", steps=10, T=5, at=3):
     weight matrix ("shard-matrix", under "auto"), or rank 1 a NaN in its weight shard ("weight"). Records,
     per step, whether this rank's shards changed."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from helpers import fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
@@ -892,7 +892,7 @@ def hsdp_one_file_resume(rank, world, *, stop=7, T=5):
     import warnings
 
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from helpers import fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
@@ -1000,7 +1000,7 @@ def hsdp_warm_init(rank, world, *, mesh_shape=(2, 2), nu=0.05, seed=7, scope="mo
     """``hdet.warm_init_`` on an FSDP2 model over a (replicate, shard) mesh: the full weights before and after, the std
     it returned, and the noise an unsharded copy of the model gets from ``warm_init_(copy, rank=replica)``."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from helpers import fully_shard
 
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     torch.manual_seed(0)
@@ -1097,7 +1097,7 @@ def hsdp_finish(rank, world):
     """FSDP2 on a (2, 2) mesh, T = 5 of 20 steps, left after step 7: ``finish()`` averages the two replicas (their
     full weights equal afterwards, apart before)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from helpers import fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
@@ -1131,7 +1131,7 @@ def swap_average(rank, world, *, nan_rank=None, mesh_shape=None):
     ``s.step()`` it is again. ``mesh_shape``: FSDP2/HSDP replicas on a ("replicate", "shard") mesh, without BatchNorm."""
     if mesh_shape is not None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from helpers import fully_shard
 
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
         torch.manual_seed(0)
@@ -1303,7 +1303,7 @@ def hsdp_after_an_evaluation(rank, world, *, case="averaged"):
     ``s.finish()`` and an evaluation; ``warm_init`` - ``hdet.warm_init_(model)`` (before any step). Each evaluation is
     compared with a plain forward of the full weights it should use."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from helpers import fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
 
@@ -1375,7 +1375,7 @@ def sharded_without_its_mesh(rank, world, *, how="none"):
     rank, no device_mesh), ``hsdp-none`` (HSDP on (2, 2), no device_mesh), ``hsdp-replicate`` (device_mesh=
     mesh["replicate"]), ``hsdp-group`` (process_group= the replicate group). The error, or None."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from helpers import fully_shard
 
     if how == "none":
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
@@ -1886,7 +1886,7 @@ def hsdp_ema(rank, world):
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from helpers import fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
@@ -1922,7 +1922,7 @@ def warm_init_order(rank, world, order):
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     if order in ("before", "before-no-sync"):
         hdet.warm_init_(net)
-    ddp = DDP(net, init_sync=order != "before-no-sync")
+    ddp = DDP(net, **({"init_sync": False} if order == "before-no-sync" else {}))  # (init_sync: torch >= 2.5)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sched = hdet.HDETLR(opt, None, total_steps=4, model=ddp, model_sync_interval=2)

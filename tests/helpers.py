@@ -17,6 +17,12 @@ import torch.multiprocessing as mp
 
 from hdet.replicas import Replicas
 
+try:  # FSDP2's fully_shard: torch.distributed.fsdp since torch 2.6, torch.distributed._composable.fsdp before (2.4-2.5,
+    from torch.distributed.fsdp import fully_shard  # the package supports both: hdet.replicas)
+except ImportError:  # pragma: no cover - torch < 2.6
+    import torch.distributed._composable.fsdp as _fsdp2
+    fully_shard = _fsdp2.fully_shard
+
 
 def roundtrip(obj):
     """``obj`` through ``torch.save`` and ``torch.load(weights_only=True)``, as a checkpoint holds it."""
