@@ -71,6 +71,7 @@ class HDETTrainer(Trainer):
         self._hdet_has_tokens: torch.Tensor | None = None  # whether this rank's window had a label token (device)
         self._hdet_counted: torch.Tensor | bool = True  # this optimizer step's counted= (HDETLR.observe)
         self._hdet_trainer_loss = False  # this micro-step's loss came from the Trainer's own compute_loss
+        self._hdet_max_grad_norm: float | None = None  # the user's max_grad_norm while an explored one is in args
         self.add_callback(_HDETHooks(self))
         self.callback_handler.callbacks.insert(0, _HDETFinish(self))  # first: the reporting callbacks' on_train_end
         # (WandbCallback's model upload, ...) then see the averaged model
@@ -250,6 +251,12 @@ class HDETTrainer(Trainer):
 
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         self._hdet_trainer_loss = False
+        if not hasattr(Trainer, "_clip_grad_norm") and self._hdet_max_grad_norm is None:  # (older transformers: the
+            clips = explored_clips(self.lr_scheduler) if isinstance(self.lr_scheduler, HDETLR) else []  # loop clips
+            if clips:  # to args.max_grad_norm inline, and _clip_grad_norm was never called: every replica clipped
+                # at the user's norm while hdet reported the explored ones, found on transformers 4.57; the explored
+                # norm is put in args until the optimizer step is done, _HDETHooks.on_optimizer_step)
+                self._hdet_max_grad_norm, self.args.max_grad_norm = self.args.max_grad_norm, clips[0].max_norm
         loss = super().training_step(model, inputs, *args, **kwargs)  # scaled for the window, as the Trainer logs it
         if isinstance(loss, torch.Tensor):
             part = loss.detach().float().mean()
@@ -322,6 +329,8 @@ class _HDETHooks(TrainerCallback):
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
+        if t._hdet_max_grad_norm is not None:  # (older transformers: the explored norm was in args for the clip)
+            t.args.max_grad_norm, t._hdet_max_grad_norm = t._hdet_max_grad_norm, None
         loss, t._hdet_loss = t._hdet_loss, None
         counted, t._hdet_counted = t._hdet_counted, True
         if loss is not None and isinstance(t.lr_scheduler, HDETLR):  # (a step the GradScaler skipped counts too)
