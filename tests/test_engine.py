@@ -598,6 +598,15 @@ def test_a_value_each_replica_keeps_in_a_float32_buffer_is_its_own():
                                                               lambda v: m.temp.fill_(v), hdet.Spread("linear", 0.01),
                                                               vmap_safe=True)]), mode="vmap")
     assert sorted(float(m.temp) for m in eng.models) == [0.98828125, 0.99609375, 1.0, 1.0078125]
+    # a rounding that lands on another replica's value (N = 3, a log spread of 0.003: replica 1's 1.003 held as the
+    # middle replica's 1.0) is no shared object either (a review: still refused by a rule on the values read)
+    eng = ReplicaEngine(M().to(torch.bfloat16), 3, _sgd(0.1),
+                        lambda o, rep, m: hdet.HDETLR(o, None, 12, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
+                                                      replicas=rep, model=m, explore=[hdet.Setter(
+                                                          "temperature", lambda: float(m.temp),
+                                                          lambda v: m.temp.fill_(v), hdet.Spread("log", 0.003),
+                                                          vmap_safe=True)]), mode="vmap")
+    assert sorted(float(m.temp) for m in eng.models) == [0.99609375, 1.0, 1.0]
     assert any("'temperature' on rank 2 reads back as 1 right after hdet set it to 1.00333" in str(x.message)
                for x in w), [str(x.message) for x in w]
 

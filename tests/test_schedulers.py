@@ -1387,12 +1387,14 @@ def test_a_bfloat16_loss_under_a_controller_is_said_once():
     losses, a probe's), not without one, and not for a float32 loss."""
     from hdet import ReplicaEngine
 
-    def caught(auto, dtype, engine=False):
+    def caught(auto, dtype, engine=False, controller="paper"):
         torch.manual_seed(0)
+        net = torch.nn.Linear(2, 1)
         make = lambda o, rep=None, m=None, **kw: hdet.OneCycleAutoLR(  # noqa: E731
             o, max_lr=0.01, total_steps=8, model_sync_interval=2, enable_auto_lr=auto, auto_lr_warmup_steps=2,
-            controller="paper", **({"replicas": rep, "model": m} if engine else
-                                   {"replicas": ScriptedReplicas(rank=1, world_size=2)}))
+            controller=controller, probe=(lambda m: torch.tensor(1.0)) if controller == "fit" else None,
+            **({"replicas": rep, "model": m} if engine else
+                                   {"replicas": ScriptedReplicas(rank=1, world_size=2), "model": net}))
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             if engine:
@@ -1402,7 +1404,7 @@ def test_a_bfloat16_loss_under_a_controller_is_said_once():
                     x = torch.randn(2, 4, 2)
                     eng.step((x,), lambda m, b: m(b[0]).pow(2).mean().to(dtype), stacked=True)
             else:
-                o = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.01)
+                o = torch.optim.SGD(net.parameters(), lr=0.01)
                 s = make(o)
                 for _ in range(3):
                     o.step()
@@ -1413,6 +1415,7 @@ def test_a_bfloat16_loss_under_a_controller_is_said_once():
         said = caught(True, torch.bfloat16, engine)
         assert len(said) == 1 and "Compute the loss in float32" in said[0], (engine, said)
         assert caught(False, torch.bfloat16, engine) == [] and caught(True, torch.float32, engine) == []
+        assert caught(True, torch.bfloat16, engine, "fit") == []  # (it ranks its probes: a float32 one here)
 
 
 def test_an_explored_value_that_reads_back_rounded_is_said():

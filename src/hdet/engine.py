@@ -157,6 +157,11 @@ def _scalar_loss(loss: Any) -> torch.Tensor:
     return loss
 
 
+def _same(a: float, b: float) -> bool:
+    """One value read twice: equal, or both NaN."""
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
 def _unscaled_fp16(p: torch.Tensor | None) -> bool:
     """Warn (and return True) where the engine steps under float16 autocast: it runs the backward itself, with no
     ``GradScaler``, so small gradients underflow to 0 in float16 (an audit: 13% of a first layer's gradient elements 0,
@@ -344,21 +349,26 @@ class ReplicaEngine:
         all of them while the records report a spread. Each scheduler has set its replica's values by now, so
         reading them back tells."""
         for k, h in enumerate(self.schedulers[0].ensemble.hypers):
-            got = [s.ensemble.hypers[k].get() for s in self.schedulers]
+            hs = [s.ensemble.hypers[k] for s in self.schedulers]
+            got = [x.get() for x in hs]
             want = [s.ensemble.all_values()[s.ensemble.num_lr_slots + k][r] for r, s in enumerate(self.schedulers)]
-            # a replica reads another's value (not its own; a float32 buffer holds either to 1e-7), or all read one
-            # value (one object for all). A value a low-precision buffer rounds between two replicas' is neither (a
-            # bfloat16 buffer was called shared: an audit; the schedulers said the rounding when they set it)
-            def near(a: float, b: float) -> bool:
-                return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)
-
-            if len(set(want)) > 1 and (len(set(got)) == 1 or any(
-                    not near(g, w) and any(near(g, v) for v in want if v != w) for g, w in zip(got, want))):
+            # one replica's value set again moves another's read: they share an object (asked directly: a value a
+            # low-precision buffer rounds onto another replica's was taken for sharing, two reviews)
+            shared = False
+            try:
+                for r in range(len(hs)):
+                    hs[r].set(want[r])
+                    if any(not _same(hs[j].get(), got[j]) for j in range(len(hs)) if j != r):
+                        shared = True
+                        break
+            finally:
+                for x, w in zip(hs, want):  # (as the schedulers set them, in order)
+                    x.set(w)
+            if shared:
                 raise ValueError(
                     f"Expected each replica's explored {h.name} to act on its own object, but the replicas read "
                     f"{got} where their schedulers set {want}: one object serves them all (e.g. one loss criterion "
-                    "for every replica's LabelSmoothing; or a bfloat16 or float16 tensor rounds every value to one). "
-                    "Build it per replica inside make_scheduler, from that "
+                    "for every replica's LabelSmoothing). Build it per replica inside make_scheduler, from that "
                     "replica's module (e.g. m.crit = nn.CrossEntropyLoss(); explore=[hdet.LabelSmoothing(m.crit)]), "
                     "and use it in loss_fn (m.crit(m(x), y))")
 
@@ -1068,6 +1078,10 @@ class ReplicaEngine:
                 self.mode = "loop"
         else:
             losses = looped()
+        if not self._said_coarse and any(s.ensemble.config.enable_auto_lr and not s.ensemble.config.probing
+                                         for s in self.schedulers):  # (before anything steps: a warning raised as an
+            # error leaves the optimizers and schedulers together; the fit controller ranks its probes instead)
+            self._said_coarse = coarse_loss(losses, "the replicas' loss (loss_fn's)")
         if self.before_optimizer_step is not None:  # e.g. per-replica gradient clipping (hdet.GradClip)
             for r, (m, o) in enumerate(zip(self.models, self.optimizers)):
                 self.before_optimizer_step(r, m, o)
@@ -1090,8 +1104,6 @@ class ReplicaEngine:
             for o in self.optimizers:
                 o.step()
             share_local([s.ensemble.step_scale for s in self.schedulers])  # Prodigy's estimate, one per step
-        if not self._said_coarse and any(s.ensemble.config.enable_auto_lr for s in self.schedulers):
-            self._said_coarse = coarse_loss(losses, "the replicas' loss (loss_fn's)")
         kept = losses.detach().clone()  # the windows' copy (the caller may write into what step() returns)
         for s, loss in zip(self.schedulers, kept):
             s.ensemble.window.keep(loss)  # = s.observe(loss), with one copy for the N replicas

@@ -302,7 +302,8 @@ class Ensemble:
     def observe(self, loss: torch.Tensor | float, counted: torch.Tensor | bool = True) -> None:
         """Keep this replica's training loss of the step just taken (on its device, no host sync); ``counted``:
         :meth:`hdet.window.LossWindow.observe`."""
-        if not self.said_coarse and self.config.enable_auto_lr and isinstance(loss, torch.Tensor):
+        if not self.said_coarse and self.config.enable_auto_lr and not self.config.probing and \
+                isinstance(loss, torch.Tensor):  # (the paper controller ranks these; the fit one its probes)
             self.said_coarse = coarse_loss(loss, "the training loss given to the scheduler")
         self.window.observe(loss, counted)
 

@@ -249,6 +249,17 @@ class HDETTrainer(Trainer):
         self._hdet_trainer_loss = True
         return super().compute_loss(model, inputs, *args, **kwargs)
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)
+        finally:  # (an error mid-step, before the optimizer step restored it)
+            self._hdet_restore_max_grad_norm()
+
+    def _hdet_restore_max_grad_norm(self) -> None:
+        """The user's ``max_grad_norm`` back in ``args`` where :meth:`training_step` put an explored one in."""
+        if self._hdet_max_grad_norm is not None:
+            self.args.max_grad_norm, self._hdet_max_grad_norm = self._hdet_max_grad_norm, None
+
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         self._hdet_trainer_loss = False
         if not hasattr(Trainer, "_clip_grad_norm") and self._hdet_max_grad_norm is None:  # (older transformers: the
@@ -329,8 +340,7 @@ class _HDETHooks(TrainerCallback):
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
-        if t._hdet_max_grad_norm is not None:  # (older transformers: the explored norm was in args for the clip)
-            t.args.max_grad_norm, t._hdet_max_grad_norm = t._hdet_max_grad_norm, None
+        t._hdet_restore_max_grad_norm()  # (older transformers: the explored norm was in args for the clip)
         loss, t._hdet_loss = t._hdet_loss, None
         counted, t._hdet_counted = t._hdet_counted, True
         if loss is not None and isinstance(t.lr_scheduler, HDETLR):  # (a step the GradScaler skipped counts too)
@@ -366,6 +376,7 @@ class _HDETFinish(TrainerCallback):
         self.trainer = trainer
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._hdet_restore_max_grad_norm()  # (a stop between training_step and the optimizer step: a review)
         sched = self.trainer.lr_scheduler
         if args.load_best_model_at_end and state.best_metric is not None \
                 and self.trainer._hdet_settle_best():  # COLLECTIVE (entered on every rank: best_metric comes from the
