@@ -688,8 +688,8 @@ class HDETLR(LRScheduler):
                              "with requires_grad=False; but DistributedDataParallel all-reduces only the gradients of "
                              "the parameters that required grad when it was built: unfrozen later, that group's "
                              "gradients stay each replica's own unless DDP is built again, right after a converge "
-                             "step or with init_sync=False (torch >= 2.5): its constructor copies rank 0's weights to every rank, "
-                             "which mid-window replaces each replica's own with rank 0's)")
+                             "step or with init_sync=False (torch >= 2.5): its constructor copies rank 0's weights "
+                             "to every rank, which mid-window replaces each replica's own with rank 0's)")
         if not self._guard_said:
             self._guard_said = True
             self._say_no_guard()
@@ -1152,9 +1152,9 @@ class HDETLR(LRScheduler):
                           f"the ones saved with its scheduler state (weights' fingerprint {now:.10g} against "
                           f"{expected:.10g} saved), so the run does not go on from this replica as it was saved. "
                           "DistributedDataParallel(...) copies rank 0's weights to every rank when it is built: load "
-                          "each rank's model state after wrapping the model (or build it with init_sync=False, torch >= 2.5). Or the "
-                          "model's state was saved inside averaged() (the replicas' average: the run goes on from "
-                          "there), or not loaded", stacklevel=user_stacklevel())
+                          "each rank's model state after wrapping the model (or build it with init_sync=False, "
+                          "torch >= 2.5). Or the model's state was saved inside averaged() (the replicas' average: "
+                          "the run goes on from there), or not loaded", stacklevel=user_stacklevel())
 
     def _unexpect_weights(self) -> None:
         """The weights' check taken off once it has run (at a scheduler step: the values' check too, the step sets
