@@ -1853,3 +1853,29 @@ def test_float16_autocast_without_loss_scaling_is_said_once():
 
     assert len(said(torch.float16)) == 1 and "Use bfloat16 autocast" in said(torch.float16)[0]
     assert said(torch.bfloat16) == [] and said(None) == []
+
+
+def test_a_model_whose_gradients_all_come_transposed_steps_in_vmap_mode():
+    """Bias-free layers used as ``x @ W.t()``: every weight gradient comes out of vmap's backward in the transposed
+    layout, so no gradient matched its ``.grad``'s layout and torch's foreach copy was given an empty list at step 2
+    (a crash, after mode="auto" had settled on vmap; an audit) wherever the gradients are copied rather than summed
+    in the backward: share_gradients=False, a before_optimizer_step, or any run on a GPU. Same weights as the loop."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = nn.Parameter(torch.randn(32, 16) * 0.1)
+            self.w2 = nn.Parameter(torch.randn(1, 32) * 0.1)
+
+        def forward(self, x):
+            return torch.tanh(x @ self.w1.t()) @ self.w2.t()
+
+    for kw in (dict(share_gradients=False), dict(before_optimizer_step=lambda r, m, o: None)):
+        weights = []
+        for mode in ("vmap", "loop"):
+            torch.manual_seed(0)
+            eng = ReplicaEngine(M(), 2, _sgd(1e-2), _sched(steps=4, alpha=0.2), mode=mode, **kw)
+            for t in range(3):
+                x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(t))
+                eng.step(x, lambda m, b: m(b).pow(2).mean(), stacked=True)
+            weights.append([p.detach().clone() for m in eng.models for p in m.parameters()])
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(*weights)), kw

@@ -264,10 +264,12 @@ class StackedReplicas:
                 dense = [i for i, (d, g) in enumerate(zip(dests, srcs)) if d.stride() == g.stride()]
                 if len(dense) == len(dests):
                     torch._foreach_copy_(dests, srcs)
-                else:
-                    torch._foreach_copy_([dests[i] for i in dense], [srcs[i] for i in dense])
-                    rest = set(range(len(dests))) - set(dense)
-                    torch._foreach_copy_([dests[i] for i in sorted(rest)], [srcs[i] for i in sorted(rest)])
+                else:  # (either part may be empty: no gradient in its .grad's layout, e.g. bias-free layers
+                    # whose weight gradients come transposed; torch's foreach copy refuses an empty list, an audit)
+                    rest = sorted(set(range(len(dests))) - set(dense))
+                    for part in (dense, rest):
+                        if part:
+                            torch._foreach_copy_([dests[i] for i in part], [srcs[i] for i in part])
 
     @torch.no_grad()
     def _reduce(self, names: list[str], grads: Sequence[torch.Tensor]) -> None:
