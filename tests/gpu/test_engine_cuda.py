@@ -221,3 +221,31 @@ def test_the_engines_replicas_of_the_same_weights_read_as_the_same_on_cuda(mode)
     moved = (w.float() * (1 + 1e-2 * torch.randn(w.shape, device=dev))).to(torch.bfloat16)
     a, b = (fingerprint([x], [True], dev).item() for x in (w, moved))
     assert not same_weights(SimpleNamespace(weights=[a, b, a]), [0, 1, 2])
+
+
+def test_bias_free_layers_step_in_vmap_mode_on_cuda():
+    """On a GPU the engine copies each replica's gradient (no sum in the backward): a model whose weight gradients
+    all come transposed (bias-free layers as ``x @ W.t()``) gave torch's foreach copy an empty list at step 2 (an
+    audit, simulated on the CPU; this is the GPU's own path). Default settings, vmap against the loop."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = nn.Parameter(torch.randn(32, 16) * 0.1)
+            self.w2 = nn.Parameter(torch.randn(1, 32) * 0.1)
+
+        def forward(self, x):
+            return torch.tanh(x @ self.w1.t()) @ self.w2.t()
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    weights = []
+    for mode in ("vmap", "loop"):
+        torch.manual_seed(0)
+        eng = ReplicaEngine(M().cuda(), 2, lambda m: torch.optim.SGD(m.parameters(), lr=1e-2),
+                            lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-2, total_steps=4,
+                                                                  ensemble_lr_spread_ratio=0.2, model_sync_interval=2,
+                                                                  replicas=rep, model=m), mode=mode)
+        for t in range(3):
+            x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(t)).cuda()
+            eng.step(x, lambda m, b: m(b).pow(2).mean(), stacked=True)
+        weights.append([p.detach().clone() for m in eng.models for p in m.parameters()])
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(*weights))
