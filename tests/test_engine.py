@@ -579,11 +579,14 @@ def test_a_value_each_replica_keeps_in_a_float32_buffer_is_its_own():
         def forward(self, x):
             return self.lin(x) / self.temp
 
-    def make(o, rep, m):
-        return hdet.HDETLR(o, None, 12, ensemble_lr_spread_ratio=0.2, model_sync_interval=5, replicas=rep, model=m,
-                           explore=[hdet.Setter("temperature", lambda: float(m.temp), lambda v: m.temp.fill_(v),
-                                                hdet.Spread("log", 0.5), vmap_safe=True)])
-    eng = ReplicaEngine(M(), 4, _sgd(0.1), make, mode="vmap")
+    def engine(N, spread, dtype=torch.float32):
+        def make(o, rep, m):
+            return hdet.HDETLR(o, None, 12, ensemble_lr_spread_ratio=0.2, model_sync_interval=5, replicas=rep, model=m,
+                               explore=[hdet.Setter("temperature", lambda: float(m.temp), lambda v: m.temp.fill_(v),
+                                                    spread, vmap_safe=True)])
+        return ReplicaEngine(M().to(dtype), N, _sgd(0.1), make, mode="vmap")
+
+    eng = engine(4, hdet.Spread("log", 0.5))
     temps = [float(m.temp) for m in eng.models]
     assert temps == pytest.approx([s.ensemble.all_values()[1][r] for r, s in enumerate(eng.schedulers)], rel=1e-6)
     assert len(set(temps)) == 4
@@ -591,21 +594,11 @@ def test_a_value_each_replica_keeps_in_a_float32_buffer_is_its_own():
     # all" (an audit): said as the rounding it is, by the replica whose value moved, and the engine runs
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        eng = ReplicaEngine(M().to(torch.bfloat16), 4, _sgd(0.1),
-                            lambda o, rep, m: hdet.HDETLR(o, None, 12, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
-                                                          replicas=rep, model=m, explore=[hdet.Setter(
-                                                              "temperature", lambda: float(m.temp),
-                                                              lambda v: m.temp.fill_(v), hdet.Spread("linear", 0.01),
-                                                              vmap_safe=True)]), mode="vmap")
+        eng = engine(4, hdet.Spread("linear", 0.01), torch.bfloat16)
     assert sorted(float(m.temp) for m in eng.models) == [0.98828125, 0.99609375, 1.0, 1.0078125]
     # a rounding that lands on another replica's value (N = 3, a log spread of 0.003: replica 1's 1.003 held as the
     # middle replica's 1.0) is no shared object either (a review: still refused by a rule on the values read)
-    eng = ReplicaEngine(M().to(torch.bfloat16), 3, _sgd(0.1),
-                        lambda o, rep, m: hdet.HDETLR(o, None, 12, ensemble_lr_spread_ratio=0.2, model_sync_interval=5,
-                                                      replicas=rep, model=m, explore=[hdet.Setter(
-                                                          "temperature", lambda: float(m.temp),
-                                                          lambda v: m.temp.fill_(v), hdet.Spread("log", 0.003),
-                                                          vmap_safe=True)]), mode="vmap")
+    eng = engine(3, hdet.Spread("log", 0.003), torch.bfloat16)
     assert sorted(float(m.temp) for m in eng.models) == [0.99609375, 1.0, 1.0]
     assert any("'temperature' on rank 2 reads back as 1 right after hdet set it to 1.00333" in str(x.message)
                for x in w), [str(x.message) for x in w]
