@@ -1013,6 +1013,42 @@ def test_hf_trainer_logs_every_sync_at_its_step_whatever_logging_steps(tmp_path)
     assert losses == [5, 10]  # the Trainer's own loss logs, step 10 a sync too
 
 
+def test_hf_trainer_gives_max_grad_norm_back_after_an_error_on_a_trainer_that_clips_inline(tmp_path, monkeypatch):
+    """transformers 4.57's loop clips inline at args.max_grad_norm (no Trainer._clip_grad_norm): HDETTrainer puts the
+    explored GradClip norm in args from training_step to the optimizer step. An error between them (the loss of the
+    third micro-step raises) left the explored norm in the user's args; train() gives the user's back. (That Trainer
+    is stood in for by hiding _clip_grad_norm from the check; transformers 5.24's loop still clips through it.)"""
+    import types
+
+    from transformers import Trainer, TrainingArguments
+
+    import hdet
+    import hdet.integrations.hf as hf
+
+    monkeypatch.setattr(hf, "Trainer", types.SimpleNamespace(_get_num_items_in_batch=Trainer._get_num_items_in_batch))
+    seen = []
+
+    class Failing(hf.HDETTrainer):
+        def compute_loss(self, *a, **k):
+            seen.append(self.args.max_grad_norm)
+            if len(seen) == 3:
+                raise RuntimeError("boom")
+            return super().compute_loss(*a, **k)
+
+    torch.manual_seed(0)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=12, save_strategy="no",
+                             report_to=[], use_cpu=True, disable_tqdm=True, max_grad_norm=1.0)
+    model, data = _hf_model_and_data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a spread over one replica is said)
+        tr = Failing(model=model, args=args, train_dataset=data, hdet=dict(explore=[hdet.GradClip(0.05)]))
+        with pytest.raises(RuntimeError, match="boom"):
+            tr.train()
+    explored = hdet.integrations.hf.explored_clips(tr.lr_scheduler)[0].max_norm
+    assert explored != 1.0 and seen == [explored] * 3  # the inline path was taken at every micro-step
+    assert args.max_grad_norm == 1.0 and tr.args.max_grad_norm == 1.0
+
+
 def test_hf_trainer_counts_a_step_the_grad_scaler_skipped_and_averages_after_the_last(tmp_path):
     """The Trainer leaves its scheduler unstepped after a step that fp16's GradScaler skipped: HDET's ended one step
     short of max_steps per skip, with no final average (its last sync at 8 of 12). HDETTrainer steps it, as torch's
