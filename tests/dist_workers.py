@@ -239,6 +239,35 @@ def empty_windows(rank, world, losses):
             "delta": c.delta, "new_base": c.new_base}
 
 
+def unfrozen_under_ddp(rank, world, unfreeze_at):
+    """A frozen first layer (in the optimizer, requires_grad=False when DDP is built) unfrozen before step
+    ``unfreeze_at`` (None: never), HDETLR at T 2 over 6 steps. Returns hdet's warnings and whether the first layer's
+    weights differed across the ranks right before the converge step after the unfreezing."""
+    import warnings
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
+    net[0].requires_grad_(False)
+    model = DDP(net)
+    o = torch.optim.SGD(net.parameters(), lr=0.05)
+    s = hdet.HDETLR(o, None, total_steps=6, model=model, model_sync_interval=2, ensemble_lr_spread_ratio=0.0)
+    apart = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(1, 7):
+            if t == unfreeze_at:
+                net[0].requires_grad_(True)
+            x, y = batch(rank, t)
+            loss = nn.functional.mse_loss(model(x), y)
+            o.zero_grad()
+            loss.backward()
+            o.step()
+            if unfreeze_at is not None and t == unfreeze_at + (unfreeze_at % 2):  # (the sync step: T 2)
+                w = gather_flat([net[0].weight])
+                apart = not torch.equal(w[0], w[1])
+            s.step(loss)
+    return {"warnings": [str(w.message) for w in caught if "hdet" in str(w.message)], "apart": apart}
+
+
 def averaging_collectives(rank, world, n_tensors, numel, cap_mb, layout="separate", exclude=()):
     """Count all_reduce calls of one converge step over ``n_tensors`` tensors. ``layout``: "separate"
     tensors, "contiguous" (views of one flat buffer) or "mixed" (the first half views, then separate

@@ -9,7 +9,7 @@ from torch import nn
 
 import hdet
 from dist_workers import (alpha_zero_vs_plain_ddp, averaging_collectives, bn_and_int_buffers, layout_mismatch,
-                          missing_loss_on_one_rank, non_finite_weights, train, empty_windows)
+                          missing_loss_on_one_rank, non_finite_weights, train, empty_windows, unfrozen_under_ddp)
 from helpers import check_ok, run_gloo
 from hdet import linear_multipliers
 
@@ -1509,3 +1509,17 @@ def test_a_scheduler_in_a_dcp_checkpoint_is_refused_and_rank_state_resumes_mid_w
         assert r["lrs_b"] == r["lrs_a"] and len(r["lrs_a"]) == 4
         assert torch.equal(r["end_a"], r["end_b"])
     assert results[0]["lrs_a"] != results[1]["lrs_a"]  # (the ranks' own LRs: a spread)
+
+
+def test_a_parameter_unfrozen_after_ddp_was_built_is_said_at_the_next_sync():
+    """DDP all-reduces only the parameters that required grad when it was built: a layer unfrozen mid-run (in the
+    optimizer all along, so no add_param_group error) trained on each rank's own batches alone, averaged only at the
+    converge steps, with no word from torch or hdet (a carry-over of session 44's review). Said at the next sync, once,
+    on every rank, naming the parameter; a run that unfreezes nothing says nothing."""
+    res = check_ok(run_gloo(unfrozen_under_ddp, 2, 3))
+    for r in res:
+        assert r["apart"]  # (what the warning says: the ranks' copies of the layer parted before the sync)
+        said = [w for w in r["warnings"] if "requires grad now" in w]
+        assert len(said) == 1 and "'0.weight' and 1 more" in said[0], r["warnings"]
+    for r in check_ok(run_gloo(unfrozen_under_ddp, 2, None)):
+        assert not [w for w in r["warnings"] if "requires grad now" in w], r["warnings"]

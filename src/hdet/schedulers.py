@@ -196,6 +196,7 @@ class HDETLR(LRScheduler):
             self._warned_cap = False  # (Adafactor's cap on its LR, said once: _check_capped_lr)
             self._lr_marks: list[Any] | None = None  # each group's LR as this scheduler left it (_check_lrs_kept)
             self._warned_lr_written = False
+            self._ddp_trained: tuple[Any, set[int]] | None = None  # DDP and its trained parameters (_check_unfrozen)
             self._weights_expected: float | None = None  # a loaded state's weights' fingerprint (expect_weights)
             self._values_loaded: tuple[list[float], list[float]] | None = None  # a load's LRs and explored values
             self._weights_hook: Any = None  # (both checked at the first optimizer step after the load: _after_load)
@@ -598,6 +599,7 @@ class HDETLR(LRScheduler):
             t = self.begin_step()
             stalled = self._guard.watch is not None and self._guard.watch.poll(t)  # skip: a lagged read; hook: a count
             if self._hdet.is_sync_step(t):
+                self._check_unfrozen()
                 rec = self._hdet.sync(t)
                 if self._guard.watch is not None:
                     self._guard.watch.reset()
@@ -645,6 +647,25 @@ class HDETLR(LRScheduler):
                           "steps the base schedule once per optimizer step: pass the loss, or nothing, and give "
                           "the base's periods (CosineAnnealingWarmRestarts' T_0) in optimizer steps",
                           stacklevel=user_stacklevel())
+
+    def _check_unfrozen(self) -> None:
+        """At a sync step under DDP: a parameter that requires grad now but did not at the first step (unfrozen
+        mid-run, a fine-tuning schedule's usual move) is not in DDP's all-reduce, which is fixed when DDP is built:
+        each replica trained it on its own batches alone, and only the converge steps averaged it, while the run read
+        as data-parallel (torch's DDP says nothing either). Said once, on every rank, naming it (host-side only)."""
+        if self._ddp_trained is None:
+            return
+        ddp, trained = self._ddp_trained
+        new = [n for n, p in _trainable(ddp) if p.requires_grad and id(p) not in trained]
+        if new:
+            self._ddp_trained = None
+            more = f" and {len(new) - 1} more" if len(new) > 1 else ""
+            warnings.warn(f"hdet: the parameter {new[0]!r}{more} requires grad now but did not when DDP was built "
+                          "(unfrozen mid-run?): DistributedDataParallel all-reduces only the gradients of the "
+                          "parameters that required grad when it was built, so each replica has trained it on its own "
+                          "batches alone since, averaged only at HDET's converge steps. Build DDP again right after "
+                          "a converge step (or with init_sync=False, torch >= 2.5) to train it data-parallel, or "
+                          "unfreeze it before building DDP", stacklevel=user_stacklevel())
 
     def _check_values_kept(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """At the first step under DDP: each explored value is still the one set for that step. DDP's default
@@ -697,6 +718,7 @@ class HDETLR(LRScheduler):
             if isinstance(model, torch.nn.parallel.DistributedDataParallel):  # (trained from here: a later DDP over
                 warm_noise_overwritten(model.module.parameters(), forget=True)  # it is no broadcast of the noise)
                 self._check_values_kept(model)
+                self._ddp_trained = (model, _trained_ids(model))
         self._check_optimizer_stepped()
         self._check_join()
         self._check_capped_lr(t)
@@ -1410,6 +1432,17 @@ def _set_lr(group: dict[str, Any], lr: float) -> None:
         group["lr"].fill_(lr)
     else:
         group["lr"] = lr
+
+
+def _trainable(ddp: torch.nn.parallel.DistributedDataParallel) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters of a DDP module that DDP does not ignore (``_set_params_and_buffers_to_ignore_for_model``)."""
+    ignored = getattr(ddp, "parameters_to_ignore", ()) or ()
+    return [(n, p) for n, p in ddp.module.named_parameters() if n not in ignored]
+
+
+def _trained_ids(ddp: torch.nn.parallel.DistributedDataParallel) -> set[int]:
+    """The parameters that require grad in a DDP module now (at the first step: what DDP's all-reduce holds)."""
+    return {id(p) for _, p in _trainable(ddp) if p.requires_grad}
 
 
 def _say_rounded(hypers: list[Hyperparameter], wanted: list[float], got: list[float], rank: int) -> None:
