@@ -239,22 +239,32 @@ def empty_windows(rank, world, losses):
             "delta": c.delta, "new_base": c.new_base}
 
 
-def unfrozen_under_ddp(rank, world, unfreeze_at):
+def unfrozen_under_ddp(rank, world, unfreeze_at, mode="late"):
     """A frozen first layer (in the optimizer, requires_grad=False when DDP is built) unfrozen before step
     ``unfreeze_at`` (None: never), HDETLR at T 2 over 6 steps. Returns hdet's warnings and whether the first layer's
-    weights differed across the ranks right before the converge step after the unfreezing."""
+    weights differed across the ranks right before the converge step after the unfreezing. ``mode``: "late" (as said);
+    "rebuild" (unfrozen right after the converge step before ``unfreeze_at``, DDP built again and given to
+    ``attach_model``, as the warning advises); "built_trainable" (DDP with find_unused_parameters=True built over the
+    layer trainable, frozen before HDETLR is built: DDP all-reduces it once unfrozen); "early" (unfrozen after HDETLR
+    was built, before step 1)."""
     import warnings
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
-    net[0].requires_grad_(False)
-    model = DDP(net)
+    if mode == "built_trainable":
+        model = DDP(net, find_unused_parameters=True)
+        net[0].requires_grad_(False)
+    else:
+        net[0].requires_grad_(False)
+        model = DDP(net)
     o = torch.optim.SGD(net.parameters(), lr=0.05)
     s = hdet.HDETLR(o, None, total_steps=6, model=model, model_sync_interval=2, ensemble_lr_spread_ratio=0.0)
+    if mode == "early":
+        net[0].requires_grad_(True)
     apart = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for t in range(1, 7):
-            if t == unfreeze_at:
+            if t == unfreeze_at and mode in ("late", "built_trainable"):
                 net[0].requires_grad_(True)
             x, y = batch(rank, t)
             loss = nn.functional.mse_loss(model(x), y)
@@ -265,6 +275,10 @@ def unfrozen_under_ddp(rank, world, unfreeze_at):
                 w = gather_flat([net[0].weight])
                 apart = not torch.equal(w[0], w[1])
             s.step(loss)
+            if mode == "rebuild" and t + 1 == unfreeze_at:  # (right after a converge step: t is even)
+                net[0].requires_grad_(True)
+                model = DDP(net)
+                s.attach_model(model)
     return {"warnings": [str(w.message) for w in caught if "hdet" in str(w.message)], "apart": apart}
 
 

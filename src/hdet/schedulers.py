@@ -196,7 +196,7 @@ class HDETLR(LRScheduler):
             self._warned_cap = False  # (Adafactor's cap on its LR, said once: _check_capped_lr)
             self._lr_marks: list[Any] | None = None  # each group's LR as this scheduler left it (_check_lrs_kept)
             self._warned_lr_written = False
-            self._ddp_trained: tuple[Any, set[int]] | None = None  # DDP and its trained parameters (_check_unfrozen)
+            self._ddp_trained: tuple[Any, set[int]] | None = None  # the DDP given and what it trains (_note_ddp)
             self._weights_expected: float | None = None  # a loaded state's weights' fingerprint (expect_weights)
             self._values_loaded: tuple[list[float], list[float]] | None = None  # a load's LRs and explored values
             self._weights_hook: Any = None  # (both checked at the first optimizer step after the load: _after_load)
@@ -218,6 +218,7 @@ class HDETLR(LRScheduler):
                 # install that fails takes back what it put on
                 self._guard.install(model)
                 _say_warm_noise_lost(model)  # (once built: a construction refused says nothing, and forgets nothing)
+                self._note_ddp(model)
             _keep_replicas_at_join_end(model, self)  # (an evaluation's join before the first step, too)
         except BaseException:  # the ensemble's hooks on a D-Adaptation/Prodigy optimizer: taken off again
             if self._hdet.step_scale is not None:
@@ -370,6 +371,7 @@ class HDETLR(LRScheduler):
         if not isinstance(model, nn.Module):
             raise ValueError(f"Expected a torch.nn.Module, but got {type(model).__name__}")
         _say_warm_noise_lost(model)
+        self._note_ddp(model)
         if self._hdet.model is None:
             self._hdet.model = model
         if self._closed:  # (a closed run's state loaded before: no guard, no hold on join(); _reopen installs them)
@@ -648,24 +650,42 @@ class HDETLR(LRScheduler):
                           "the base's periods (CosineAnnealingWarmRestarts' T_0) in optimizer steps",
                           stacklevel=user_stacklevel())
 
+    def _note_ddp(self, model: nn.Module | None) -> None:
+        """A DDP module handed over (``model=``, or ``attach_model``: one built again after unfreezing, as
+        :meth:`_check_unfrozen` advises): the parameters that require grad now, what its all-reduce holds where it was
+        built just before (checked at each converge step against what requires grad then). The same DDP again keeps
+        what it had (host-side only)."""
+        ddp = uncompiled(model) if model is not None else None
+        if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and \
+                (self._ddp_trained is None or self._ddp_trained[0] is not ddp):
+            self._ddp_trained = (ddp, _trained_ids(ddp))
+
     def _check_unfrozen(self) -> None:
-        """At a sync step under DDP: a parameter that requires grad now but did not at the first step (unfrozen
-        mid-run, a fine-tuning schedule's usual move) is not in DDP's all-reduce, which is fixed when DDP is built:
-        each replica trained it on its own batches alone, and only the converge steps averaged it, while the run read
-        as data-parallel (torch's DDP says nothing either). Said once, on every rank, naming it (host-side only)."""
+        """At a sync step under DDP: a parameter that requires grad now but did not when the DDP module was given
+        (unfrozen mid-run, a fine-tuning schedule's usual move) is not in DDP's all-reduce, which is fixed when DDP is
+        built: each replica trained it on its own batches alone, and only the converge steps averaged it, while the
+        run read as data-parallel (torch's DDP says nothing either). One that looks so is looked up in DDP's own
+        buckets (one trainable when DDP was built, frozen and unfrozen since, is all-reduced: an audit), which are the
+        reference from then on. Said once, on every rank, naming it (host-side only)."""
         if self._ddp_trained is None:
             return
         ddp, trained = self._ddp_trained
-        new = [n for n, p in _trainable(ddp) if p.requires_grad and id(p) not in trained]
+        new = [(n, p) for n, p in _trainable(ddp) if p.requires_grad and id(p) not in trained]
+        if new:
+            reduced = _reduced_ids(ddp)
+            if reduced is not None:
+                self._ddp_trained = (ddp, reduced)
+                new = [(n, p) for n, p in new if id(p) not in reduced]
         if new:
             self._ddp_trained = None
             more = f" and {len(new) - 1} more" if len(new) > 1 else ""
-            warnings.warn(f"hdet: the parameter {new[0]!r}{more} requires grad now but did not when DDP was built "
+            warnings.warn(f"hdet: the parameter {new[0][0]!r}{more} requires grad now but did not when DDP was built "
                           "(unfrozen mid-run?): DistributedDataParallel all-reduces only the gradients of the "
                           "parameters that required grad when it was built, so each replica has trained it on its own "
                           "batches alone since, averaged only at HDET's converge steps. Build DDP again right after "
-                          "a converge step (or with init_sync=False, torch >= 2.5) to train it data-parallel, or "
-                          "unfreeze it before building DDP", stacklevel=user_stacklevel())
+                          "a converge step (or with init_sync=False, torch >= 2.5) and give it to "
+                          "scheduler.attach_model() to train it data-parallel, or unfreeze it before building DDP",
+                          stacklevel=user_stacklevel())
 
     def _check_values_kept(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """At the first step under DDP: each explored value is still the one set for that step. DDP's default
@@ -718,7 +738,6 @@ class HDETLR(LRScheduler):
             if isinstance(model, torch.nn.parallel.DistributedDataParallel):  # (trained from here: a later DDP over
                 warm_noise_overwritten(model.module.parameters(), forget=True)  # it is no broadcast of the noise)
                 self._check_values_kept(model)
-                self._ddp_trained = (model, _trained_ids(model))
         self._check_optimizer_stepped()
         self._check_join()
         self._check_capped_lr(t)
@@ -1443,6 +1462,16 @@ def _trainable(ddp: torch.nn.parallel.DistributedDataParallel) -> list[tuple[str
 def _trained_ids(ddp: torch.nn.parallel.DistributedDataParallel) -> set[int]:
     """The parameters that require grad in a DDP module now (at the first step: what DDP's all-reduce holds)."""
     return {id(p) for _, p in _trainable(ddp) if p.requires_grad}
+
+
+def _reduced_ids(ddp: torch.nn.parallel.DistributedDataParallel) -> set[int] | None:
+    """The parameters in DDP's reducer's buckets: what its all-reduce holds, fixed when it was built; None where this
+    torch or DDP does not say. (Zeroed copies of the buckets for a moment: looked up only where a parameter looks
+    unfrozen, once per DDP.)"""
+    try:
+        return {id(p) for b in ddp.reducer._get_zeros_like_grad_buckets() for p in b.parameters()}
+    except (AttributeError, RuntimeError, TypeError):
+        return None
 
 
 def _say_rounded(hypers: list[Hyperparameter], wanted: list[float], got: list[float], rank: int) -> None:
