@@ -35,6 +35,29 @@ def test_a_non_finite_gradient_skips_the_step_and_a_finite_one_does_not(bad):
     assert float(guard.skipped) == 1.0
 
 
+def test_a_compiled_step_is_guarded_as_an_eager_one():
+    """torch.compile(opt.step) over a fused optimizer (torch's recipe for a fast step): dynamo traced the pre-hook's
+    found_inf into a graph that did not hand it to the step, so a NaN gradient was stepped, and the post-hook raised
+    AttributeError at the first step (an audit of session 46). The hooks run eagerly around the compiled step now: the
+    NaN step is skipped and the weights are the eager run's, bit for bit."""
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        p, q, opt = _setup()
+        guard = SkipNonFiniteStep(opt)
+        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+        for t in range(4):
+            p.grad, q.grad = torch.full((5,), 0.5 + t), torch.ones(3, 2)
+            if t == 2:
+                q.grad[0, 1] = float("nan")
+            step()
+            assert not hasattr(opt, "found_inf")
+        assert float(guard.skipped) == 1.0 and float(opt.state[q]["step"]) == 3.0
+        runs.append([p.detach().clone(), q.detach().clone()])
+    assert all(torch.isfinite(w).all() for w in runs[1])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 @pytest.mark.parametrize("how", ["keyword", "positional"])
 def test_a_closure_that_makes_a_nan_gradient_inside_the_step_is_caught(how):
     """optimizer.step(closure) (Lightning's way): the backward runs inside the step, after the pre-hook. The verdict

@@ -381,7 +381,15 @@ class SkipNonFiniteStep:
         self._fresh_sgd = isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0)
                                                                           for g in optimizer.param_groups)
         self._no_buffer: list[torch.Tensor] = []
-        self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
+        self._handles: list[Any] = []
+        self.hook_on()
+
+    def hook_on(self) -> None:
+        """Its step hooks on the optimizer, run eagerly where the step is compiled: ``torch.compile(opt.step)``
+        traced the pre-hook's ``found_inf`` into a graph that did not hand it to the fused step (no guard: a NaN
+        gradient was stepped) and the post-hook then failed (an audit). A graph break on each side of the step."""
+        self._handles = [self.optimizer.register_step_pre_hook(torch.compiler.disable(self._pre)),
+                         self.optimizer.register_step_post_hook(torch.compiler.disable(self._post))]
 
     def use_norm(self, total_norm: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
         """The next step's verdict comes from ``total_norm``, a norm of ``grads`` (what
@@ -916,9 +924,8 @@ class GuardSetting:
     def reopen(self, model: Any) -> None:
         """After :meth:`close`: the same guard on again (its counts kept; a closed "hook" guard taken back over)."""
         if self.skip is not None:
-            opt = self.skip.optimizer
             self.skip.active = True
-            self.skip._handles = [opt.register_step_pre_hook(self.skip._pre), opt.register_step_post_hook(self.skip._post)]
+            self.skip.hook_on()
         model = uncompiled(model)
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             if self._local_hook is None:
