@@ -964,7 +964,8 @@ def _hf_model_and_data():
             super().__init__()
             self.l = nn.Linear(4, 1)
 
-        def forward(self, x, y):
+        def forward(self, x, y):  # (in the weights' dtype: a bfloat16 model's loss is bfloat16)
+            x, y = x.to(self.l.weight.dtype), y.to(self.l.weight.dtype)
             return {"loss": ((self.l(x).squeeze(-1) - y) ** 2).mean()}
 
     class DS(torch.utils.data.Dataset):
@@ -1240,3 +1241,66 @@ def test_lightning_manual_optimization_with_two_optimizers_says_the_mixed_losses
         trainer.fit(Two(), torch.utils.data.DataLoader(data, batch_size=4))
     said = [str(w.message) for w in caught if "hdet: under manual optimization" in str(w.message)]
     assert len(said) == 1 and "to each of the 2 HDET schedulers" in said[0], said
+
+
+def _said_bf16(caught):
+    return [str(w.message) for w in caught if "bfloat16 tensor" in str(w.message)]
+
+
+def test_hf_trainer_says_a_bfloat16_loss_under_the_paper_controller(tmp_path):
+    """A bfloat16 model's loss under the paper controller, which ranks the replicas on it: HDETTrainer cast the loss to
+    float32 before giving it to the scheduler, so the warning sched.step(loss) gives never came (an audit of session
+    46). Said once, naming the Trainer's loss; a float32 model says nothing."""
+    from transformers import TrainingArguments
+
+    from hdet.integrations.hf import HDETTrainer
+
+    for dtype, n in ((torch.bfloat16, 1), (torch.float32, 0)):
+        model, data = _hf_model_and_data()
+        args = TrainingArguments(output_dir=str(tmp_path / str(dtype)), per_device_train_batch_size=8, max_steps=6,
+                                 save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tr = HDETTrainer(model=model.to(dtype), args=args, train_dataset=data,
+                             hdet=dict(model_sync_interval=2, enable_auto_lr=True, controller="paper",
+                                       auto_lr_warmup_steps=2))
+            tr.train()
+        said = _said_bf16(caught)
+        assert len(said) == n and all("the Trainer's training loss" in m for m in said), said
+
+
+def test_lightning_says_a_bfloat16_loss_under_the_paper_controller(tmp_path):
+    """precision="bf16-true" under the paper controller: HDETCallback cast the loss before observe(), so the warning
+    never came (an audit of session 46). Said once; "32-true" says nothing."""
+    L = pytest.importorskip("lightning")
+    from torch import nn
+
+    from hdet.integrations.lightning import HDETCallback
+
+    class LM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 1)
+
+        def training_step(self, batch, i):
+            x, y = batch
+            return ((self.l(x).squeeze(-1) - y) ** 2).mean()
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.01)
+            sched = hdet.OneCycleAutoLR(opt, max_lr=0.01, total_steps=6, model_sync_interval=2, enable_auto_lr=True,
+                                        controller="paper", auto_lr_warmup_steps=2)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    x = torch.randn(48, 4, generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(-1)), batch_size=8)
+    for precision, n in (("bf16-true", 1), ("32-true", 0)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = L.Trainer(max_steps=6, accelerator="cpu", devices=1, precision=precision,
+                                callbacks=[HDETCallback()], logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False,
+                                default_root_dir=str(tmp_path / precision))
+            trainer.fit(LM(), data)
+        said = _said_bf16(caught)
+        assert len(said) == n and all("on_before_backward" in m for m in said), said

@@ -302,10 +302,16 @@ class Ensemble:
     def observe(self, loss: torch.Tensor | float, counted: torch.Tensor | bool = True) -> None:
         """Keep this replica's training loss of the step just taken (on its device, no host sync); ``counted``:
         :meth:`hdet.window.LossWindow.observe`."""
-        if not self.said_coarse and self.config.enable_auto_lr and not self.config.probing and \
-                isinstance(loss, torch.Tensor):  # (the paper controller ranks these; the fit one its probes)
-            self.said_coarse = coarse_loss(loss, "the training loss given to the scheduler")
+        self.say_coarse(loss, "the training loss given to the scheduler")
         self.window.observe(loss, counted)
+
+    def say_coarse(self, loss: Any, what: str) -> None:
+        """A bfloat16 training loss where the paper controller ranks the losses (the fit one ranks its probes): said
+        once (:func:`hdet.window.coarse_loss`). Integrations that cast the loss before :meth:`observe` call it first
+        (the warning never came from them before: an audit)."""
+        if not self.said_coarse and self.config.enable_auto_lr and not self.config.probing and \
+                isinstance(loss, torch.Tensor):
+            self.said_coarse = coarse_loss(loss, what)
 
     def after_optimizer_step(self, t: int) -> None:
         """Optimizer step ``t`` is done: the fit controller's window mean takes the parameters (once per step;

@@ -286,8 +286,8 @@ def coarse_loss(loss: Any, what: str) -> bool:
     0-1 with the same logits' loss in float32). float16's 11 bits measured fine."""
     if not (isinstance(loss, torch.Tensor) and loss.dtype == torch.bfloat16):
         return False
-    warnings.warn(f"hdet: {what} is a bfloat16 tensor: its rounding (up to 0.4% of the loss) is larger than the "
-                  "replicas' losses differ, and the controller ranks them on it. Compute the loss in float32 (e.g. "
+    warnings.warn(f"hdet: {what} is a bfloat16 tensor: its rounding (up to 0.4% of each step's loss) is larger "
+                  "than the replicas' losses differ, and the controller ranks them on it. Compute the loss in float32 (e.g. "
                   "F.cross_entropy(logits.float(), y))", stacklevel=user_stacklevel())
     return True
 

@@ -270,6 +270,8 @@ class HDETTrainer(Trainer):
                 self._hdet_max_grad_norm, self.args.max_grad_norm = self.args.max_grad_norm, clips[0].max_norm
         loss = super().training_step(model, inputs, *args, **kwargs)  # scaled for the window, as the Trainer logs it
         if isinstance(loss, torch.Tensor):
+            if isinstance(self.lr_scheduler, HDETLR):  # (before the cast)
+                self.lr_scheduler.ensemble.say_coarse(loss, "the Trainer's training loss")
             part = loss.detach().float().mean()
             if self._hdet_token_scale is not None and self._hdet_trainer_loss:
                 part = part * self._hdet_token_scale  # averaged over every rank's tokens: back to this rank's own

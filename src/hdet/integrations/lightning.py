@@ -75,6 +75,8 @@ class HDETCallback(Callback):
         scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1  # undo Lightning's division
         true = loss.detach().float() * scale
         scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        for sched in _hdet_schedulers(trainer):  # (the loss before the cast)
+            sched.ensemble.say_coarse(loss, "the training loss (on_before_backward's)")
         if scaler is not None and scaler.is_enabled():  # "16-mixed": the loss here is already multiplied by the
             # GradScaler's scale (a power of two: dividing is exact); its device tensor, so no host sync
             amp = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else scaler.get_scale()
