@@ -534,6 +534,39 @@ def test_loop_mode_averages_fp16_gradients_without_overflowing_the_check():
     assert torch.equal(eng.models[0].weight.grad, torch.full((1, 64), 755.0, dtype=torch.float16))
 
 
+def test_one_object_for_every_replica_is_refused_where_they_all_start_at_one_value():
+    """A Setter on shared state whose replicas all hold one value when the engine is built (a KL weight warmed up from
+    0): setting each replica's value again moved nothing to see, and every replica trained at the last one's value
+    from the first step on, unsaid (an audit of session 46). A probe value apart from theirs tells; one object per
+    replica, at one value each as well, is taken (the probe leaves each at its value)."""
+    import types
+
+    from torch import nn
+
+    from hdet.engine import ReplicaEngine
+
+    def make(cfg_of):
+        def build(o, rep, m):
+            cfg = cfg_of(m)
+            return hdet.HDETLR(o, None, 8, ensemble_lr_spread_ratio=0.0, model_sync_interval=4, replicas=rep, model=m,
+                               explore=[hdet.Setter("kl_weight", lambda: cfg.beta, lambda v: setattr(cfg, "beta", v),
+                                                    hdet.Spread("log", 0.5, (0.0, 10.0)), base=1.0,
+                                                    schedule=lambda t: min(1.0, t / 4))])
+        return build
+    shared = types.SimpleNamespace(beta=1.0)
+    with pytest.raises(ValueError, match=r"explored kl_weight to act on its own object, but setting replica 0's"):
+        ReplicaEngine(nn.Linear(4, 1), 3, _sgd(0.1), make(lambda m: shared))
+
+    def own(m):
+        m.cfg = types.SimpleNamespace(beta=1.0)
+        return m.cfg
+    eng = ReplicaEngine(nn.Linear(4, 1), 3, _sgd(0.1), make(own))
+    assert [m.cfg.beta for m in eng.models] == [0.0, 0.0, 0.0]
+    eng.step([(torch.randn(4, 4), torch.randn(4, 1))] * 3, lambda m, b: (m(b[0]) - b[1]).pow(2).mean() * m.cfg.beta)
+    betas = [m.cfg.beta for m in eng.models]
+    assert len(set(betas)) == 3 and betas == [s.ensemble.all_values()[-1][r] for r, s in enumerate(eng.schedulers)]
+
+
 def test_one_explored_object_for_every_replica_is_refused_and_one_each_works():
     """LabelSmoothing on one criterion shared by the replicas: the last replica's value held for all of them
     while the records reported a spread (silently). Refused with the advice; one criterion per replica (built

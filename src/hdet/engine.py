@@ -162,6 +162,17 @@ def _same(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
 
+def _probe_value(v: float, bounds: tuple[float, float]) -> float:
+    """A value inside ``bounds`` well apart from ``v`` (a quarter of it, or 0.1 from it, or the bounds' middle), to
+    tell whether setting it moves another replica's read (:meth:`ReplicaEngine._check_own_values`)."""
+    lo, hi = bounds
+    mid = (lo + hi) / 2 if math.isfinite(lo) and math.isfinite(hi) else lo + 1.0 if math.isfinite(lo) else hi - 1.0
+    for p in (v * 1.25, v * 0.8, v + 0.1, v - 0.1, mid):
+        if math.isfinite(p) and lo <= p <= hi and p != v:
+            return p
+    return v
+
+
 def _unscaled_fp16(p: torch.Tensor | None) -> bool:
     """Warn (and return True) where the engine steps under float16 autocast: it runs the backward itself, with no
     ``GradScaler``, so small gradients underflow to 0 in float16 (an audit: 13% of a first layer's gradient elements 0,
@@ -354,20 +365,28 @@ class ReplicaEngine:
             want = [s.ensemble.all_values()[s.ensemble.num_lr_slots + k][r] for r, s in enumerate(self.schedulers)]
             # one replica's value set again moves another's read: they share an object (asked directly: a value a
             # low-precision buffer rounds onto another replica's was taken for sharing, two reviews)
-            shared = False
+            shared = None  # (replica set, the value, the replica whose read moved, its read then)
             try:
                 for r in range(len(hs)):
-                    hs[r].set(want[r])
-                    if any(not _same(hs[j].get(), got[j]) for j in range(len(hs)) if j != r):
-                        shared = True
+                    # a value another replica holds too (all of them at a warm-up's 0, say) moves nothing to see: a
+                    # probe value apart from it instead (the replicas trained at one shared value, unsaid: an audit)
+                    alike = any(_same(want[r], want[j]) for j in range(len(hs)) if j != r)
+                    v = _probe_value(want[r], h.spread.bounds) if alike else want[r]
+                    hs[r].set(v)
+                    moved = [(j, x) for j in range(len(hs)) if j != r and not _same(x := hs[j].get(), got[j])]
+                    if moved:
+                        shared = (r, v, *moved[0])
                         break
+                    hs[r].set(want[r])  # (a probe value taken back before the next replica's)
             finally:
                 for x, w in zip(hs, want):  # (as the schedulers set them, in order)
                     x.set(w)
-            if shared:
+            if shared is not None:
+                r, v, j, x = shared
                 raise ValueError(
-                    f"Expected each replica's explored {h.name} to act on its own object, but the replicas read "
-                    f"{got} where their schedulers set {want}: one object serves them all (e.g. one loss criterion "
+                    f"Expected each replica's explored {h.name} to act on its own object, but setting replica {r}'s "
+                    f"to {v:g} moved replica {j}'s read from {got[j]:g} to {x:g} (the schedulers set {want}, the "
+                    f"replicas read {got}): one object serves them all (e.g. one loss criterion "
                     "for every replica's LabelSmoothing). Build it per replica inside make_scheduler, from that "
                     "replica's module (e.g. m.crit = nn.CrossEntropyLoss(); explore=[hdet.LabelSmoothing(m.crit)]), "
                     "and use it in loss_fn (m.crit(m(x), y))")
