@@ -1304,3 +1304,45 @@ def test_lightning_says_a_bfloat16_loss_under_the_paper_controller(tmp_path):
             trainer.fit(LM(), data)
         said = _said_bf16(caught)
         assert len(said) == n and all("on_before_backward" in m for m in said), said
+
+
+def test_hf_trainer_saves_the_users_max_grad_norm_after_a_stop_mid_accumulation(tmp_path, monkeypatch):
+    """On a Trainer that clips inline (transformers 4.57, stood in for as above) the explored GradClip norm is in args
+    from training_step to the optimizer step: an epoch stopped mid-accumulation saved its checkpoint then, and its
+    training_args.bin held the explored norm (0.05) instead of the user's (an audit of session 46). Every checkpoint
+    holds the user's now, and args have it back after train()."""
+    import glob
+    import types
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    import hdet
+    import hdet.integrations.hf as hf
+
+    monkeypatch.setattr(hf, "Trainer", types.SimpleNamespace(_get_num_items_in_batch=Trainer._get_num_items_in_batch))
+    held = []
+
+    class Stop(TrainerCallback):
+        n = 0
+
+        def on_substep_end(self, args, state, control, **kw):
+            self.n += 1
+            if self.n == 4:  # the first micro-step of optimizer step 2 (GA 3), in the first epoch
+                held.append(args.max_grad_norm)
+                control.should_epoch_stop = True
+
+    torch.manual_seed(0)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, gradient_accumulation_steps=3,
+                             num_train_epochs=2, save_strategy="epoch", report_to=[], use_cpu=True, disable_tqdm=True,
+                             max_grad_norm=1.0, logging_strategy="no")
+    model, data = _hf_model_and_data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tr = hf.HDETTrainer(model=model, args=args, train_dataset=data, callbacks=[Stop()],
+                            hdet=dict(explore=[hdet.GradClip(0.05)], model_sync_interval=2))
+        tr.train()
+    assert held == [hf.explored_clips(tr.lr_scheduler)[0].max_norm] and held[0] != 1.0  # (the explored one was in)
+    saved = [torch.load(os.path.join(d, "training_args.bin"), weights_only=False).max_grad_norm
+             for d in sorted(glob.glob(str(tmp_path / "checkpoint-*")))]
+    assert len(saved) == 2 and saved == [1.0, 1.0]
+    assert args.max_grad_norm == 1.0

@@ -297,6 +297,19 @@ class HDETTrainer(Trainer):
         not rank 0's replica, which the Trainer would save; with rank 0's optimizer and scheduler state, as before."""
         return self._with_average(lambda: super(HDETTrainer, self)._save_checkpoint(*args, **kwargs))
 
+    def save_model(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's ``max_grad_norm`` in ``args`` while the model and ``training_args.bin`` are saved: on a Trainer
+        that clips inline an explored one is there between micro-steps, and a save after a stop mid-accumulation (the
+        epoch's checkpoint) stored it (an audit, transformers 4.57)."""
+        held = self._hdet_max_grad_norm
+        if held is None:
+            return super().save_model(*args, **kwargs)
+        explored, self.args.max_grad_norm = self.args.max_grad_norm, held
+        try:
+            return super().save_model(*args, **kwargs)
+        finally:
+            self.args.max_grad_norm = explored
+
     def _with_average(self, call: Any) -> Any:
         """``call()`` with the replicas' average in (once: not again inside an evaluation's save)."""
         sched = self.lr_scheduler
