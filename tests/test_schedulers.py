@@ -1422,14 +1422,14 @@ def test_an_explored_value_that_reads_back_rounded_is_said():
     """A Setter into a bfloat16 buffer holds 1.00333 as 1.0 (a third of the spread's step): the replica trained at
     the rounded value while its records and the controller used the value set, unsaid (an audit). Said at the first
     set, once; a float32 buffer (rounding to 1e-7) is not."""
-    def said(dtype):
+    def said(dtype, spread=hdet.Spread("linear", 0.01), rank=2):
         temp = torch.ones((), dtype=dtype)
-        h = hdet.Setter("temp", lambda: temp, lambda v: temp.fill_(v), hdet.Spread("linear", 0.01))
+        h = hdet.Setter("temp", lambda: temp, lambda v: temp.fill_(v), spread)
         o = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.01)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             s = hdet.HDETLR(o, None, total_steps=6, model_sync_interval=3, ensemble_lr_spread_ratio=0.0, explore=[h],
-                            replicas=ScriptedReplicas(rank=2, world_size=4))
+                            replicas=ScriptedReplicas(rank=rank, world_size=4))
             for _ in range(2):
                 o.step()
                 s.step(1.0)
@@ -1438,3 +1438,8 @@ def test_an_explored_value_that_reads_back_rounded_is_said():
     got = said(torch.bfloat16)
     assert len(got) == 1 and "'temp' on rank 2 reads back as 1 right after hdet set it to 1.00333" in got[0], got
     assert said(torch.float32) == []
+    # only where it matters (session 46's audit): float16 holds rank 2's 1.14471 as 1.14453, 0.07% of the 0.271 step
+    # to the nearest other replica's value (0.87358), which was said too; a bfloat16 buffer's 1.14844 (1.4%) is said
+    log = hdet.Spread("log", 0.5)
+    assert said(torch.float16, log) == []
+    assert len(said(torch.bfloat16, log)) == 1
