@@ -161,3 +161,32 @@ def test_the_kept_loss_scale_loaded_from_a_checkpoint_is_kept_without_a_host_syn
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert kept.kept_value() == 2.0 ** 10
+
+
+def test_a_compiled_fused_step_on_cuda_is_guarded_as_an_eager_one():
+    """torch.compile(opt.step) (inductor) over CUDA's fused AdamW with a tensor LR, the skip guard on: its hooks run
+    eagerly around the compiled step (before, the compiled step dropped found_inf: a NaN gradient was stepped; session
+    46's audit, on CPU). The NaN step is skipped, Adam's count stays, and the weights match the eager run's."""
+    from hdet.guard import SkipNonFiniteStep
+
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        net = nn.Linear(64, 32, device="cuda")
+        opt = torch.optim.AdamW(net.parameters(), lr=torch.tensor(1e-2, device="cuda"), fused=True)
+        guard = SkipNonFiniteStep(opt)
+        step = torch.compile(opt.step) if compiled else opt.step
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for t in range(6):
+            loss = net(torch.randn(16, 64, device="cuda", generator=g)).square().mean()
+            if t == 3:
+                loss = loss * float("nan")
+            opt.zero_grad()
+            loss.backward()
+            step()
+        assert float(guard.skipped) == 1.0 and float(opt.state[net.weight]["step"]) == 5.0
+        runs.append([p.detach().clone() for p in net.parameters()])
+    assert all(torch.isfinite(w).all() for w in runs[1])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
