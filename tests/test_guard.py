@@ -58,6 +58,31 @@ def test_a_compiled_step_is_guarded_as_an_eager_one():
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+def test_a_compiled_step_with_a_closure_is_guarded_as_an_eager_one():
+    """torch.compile(opt.step)(closure) (Lightning's way, compiled): the closure runs inside the traced step, and the
+    guard's verdict on its gradients was traced with it, so the fused step never saw found_inf and a NaN gradient
+    was stepped (session 46's review, B1). The verdict runs eagerly: the NaN step is skipped, the weights are the
+    eager run's, bit for bit."""
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        p, q, opt = _setup()
+        guard = SkipNonFiniteStep(opt)
+        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+        for t in range(4):
+            def closure():
+                opt.zero_grad()
+                loss = (p * (0.5 + t)).sum() + q.sum() * (float("nan") if t == 2 else 1.0)
+                loss.backward()
+                return loss
+            step(closure)
+            assert not hasattr(opt, "found_inf")
+        assert float(guard.skipped) == 1.0 and float(opt.state[q]["step"]) == 3.0
+        runs.append([p.detach().clone(), q.detach().clone()])
+    assert all(torch.isfinite(w).all() for w in runs[1])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 @pytest.mark.parametrize("how", ["keyword", "positional"])
 def test_a_closure_that_makes_a_nan_gradient_inside_the_step_is_caught(how):
     """optimizer.step(closure) (Lightning's way): the backward runs inside the step, after the pre-hook. The verdict

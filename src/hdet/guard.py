@@ -414,7 +414,9 @@ class SkipNonFiniteStep:
 
         def checked() -> Any:  # optimizer.step(closure) (Lightning's way): the closure runs the backward inside the
             loss = closure()   # step, after this hook, so the verdict is taken on what it made, before the update
-            self._verdict(optimizer, after_closure=True)  # (the optimizer reads found_inf after its closure)
+            # (the optimizer reads found_inf after its closure); eager where the step is compiled, as the hooks are:
+            # traced inside torch.compile(opt.step)(closure), its found_inf never reached the fused step
+            torch.compiler.disable(self._verdict)(optimizer, after_closure=True)
             return loss
         if "closure" in kwargs:
             return args, {**kwargs, "closure": checked}
