@@ -567,6 +567,47 @@ def test_one_object_for_every_replica_is_refused_where_they_all_start_at_one_val
     assert len(set(betas)) == 3 and betas == [s.ensemble.all_values()[-1][r] for r, s in enumerate(eng.schedulers)]
 
 
+@pytest.mark.parametrize("kind", ["rejects", "rounds"])
+def test_the_sharing_probe_respects_a_setter_that_rejects_or_rounds_its_value(kind):
+    """The probe above set a value of its own choosing (a quarter above the replicas' common one): a Setter that
+    rejects it (a probability, 0.9 -> 1.125, under the additive spread's unbounded default bounds) made the engine's
+    construction fail, and a Setter that rounds to an int (1 -> 1.25 -> 1) moved nothing to see, so one shared
+    object passed (session 46's review, B2 and H3). A rejected or unseen probe value gives way to the next one: one
+    object per replica is built, one shared object is still refused."""
+    import types
+
+    from torch import nn
+
+    from hdet.engine import ReplicaEngine
+
+    start = 0.9 if kind == "rejects" else 1.0
+
+    def setter(cfg):
+        def set_(v):
+            if kind == "rejects" and not 0.0 <= v <= 1.0:
+                raise ValueError(f"a probability, got {v}")
+            cfg.p = int(round(v)) if kind == "rounds" else v
+        return set_
+
+    def make(cfg_of):
+        def build(o, rep, m):
+            cfg = cfg_of(m)
+            return hdet.HDETLR(o, None, 8, ensemble_lr_spread_ratio=0.0, model_sync_interval=4, replicas=rep, model=m,
+                               explore=[hdet.Setter("p", lambda: cfg.p, setter(cfg), hdet.Spread("additive", 0.0),
+                                                    base=start)])
+        return build
+
+    def own(m):
+        m.cfg = types.SimpleNamespace(p=start)
+        return m.cfg
+    eng = ReplicaEngine(nn.Linear(4, 1), 3, _sgd(0.1), make(own))
+    assert [m.cfg.p for m in eng.models] == [start] * 3
+    shared = types.SimpleNamespace(p=start)
+    with pytest.raises(ValueError, match=r"explored p to act on its own object, but setting replica 0's"):
+        ReplicaEngine(nn.Linear(4, 1), 3, _sgd(0.1), make(lambda m: shared))
+    assert shared.p == start
+
+
 def test_one_explored_object_for_every_replica_is_refused_and_one_each_works():
     """LabelSmoothing on one criterion shared by the replicas: the last replica's value held for all of them
     while the records reported a spread (silently). Refused with the advice; one criterion per replica (built

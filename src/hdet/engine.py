@@ -162,15 +162,32 @@ def _same(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
 
-def _probe_value(v: float, bounds: tuple[float, float]) -> float:
-    """A value inside ``bounds`` well apart from ``v`` (a quarter of it, or 0.1 from it, or the bounds' middle), to
-    tell whether setting it moves another replica's read (:meth:`ReplicaEngine._check_own_values`)."""
+def _probe_values(v: float, bounds: tuple[float, float]) -> list[float]:
+    """Values inside ``bounds`` well apart from ``v`` (a quarter of it, 0.1 from it, twice or half it, 1 from it, the
+    bounds' middle), in the order tried, to tell whether setting one moves another replica's read
+    (:meth:`ReplicaEngine._check_own_values`): a setter may reject one (a probability's 1.125) or round it away (an
+    int's 1.25), and the next is tried."""
     lo, hi = bounds
     mid = (lo + hi) / 2 if math.isfinite(lo) and math.isfinite(hi) else lo + 1.0 if math.isfinite(lo) else hi - 1.0
-    for p in (v * 1.25, v * 0.8, v + 0.1, v - 0.1, mid):
-        if math.isfinite(p) and lo <= p <= hi and p != v:
-            return p
-    return v
+    out: list[float] = []
+    for p in (v * 1.25, v * 0.8, v + 0.1, v - 0.1, v * 2, v / 2, v + 1, v - 1, mid):
+        if math.isfinite(p) and lo <= p <= hi and p != v and p not in out:
+            out.append(p)
+    return out
+
+
+def _probe(h: Any, want: float, got: float, bounds: tuple[float, float]) -> float:
+    """The first of :func:`_probe_values` that ``h`` takes and reads back apart from ``got`` (a value its setter
+    rejects, or rounds back onto ``got``, shows nothing: the next is tried); ``want`` where none does (nothing can
+    be told then, as before the probe)."""
+    for v in _probe_values(want, bounds):
+        try:
+            h.set(v)
+        except Exception:  # (the user's setter refused a value of ours: not an error of theirs)
+            continue
+        if not _same(h.get(), got):
+            return v
+    return want
 
 
 def _unscaled_fp16(p: torch.Tensor | None) -> bool:
@@ -371,7 +388,7 @@ class ReplicaEngine:
                     # a value another replica holds too (all of them at a warm-up's 0, say) moves nothing to see: a
                     # probe value apart from it instead (the replicas trained at one shared value, unsaid: an audit)
                     alike = any(_same(want[r], want[j]) for j in range(len(hs)) if j != r)
-                    v = _probe_value(want[r], h.spread.bounds) if alike else want[r]
+                    v = _probe(hs[r], want[r], got[r], h.spread.bounds) if alike else want[r]
                     hs[r].set(v)
                     moved = [(j, x) for j in range(len(hs)) if j != r and not _same(x := hs[j].get(), got[j])]
                     if moved:
