@@ -1309,8 +1309,9 @@ def test_lightning_says_a_bfloat16_loss_under_the_paper_controller(tmp_path):
 def test_hf_trainer_saves_the_users_max_grad_norm_after_a_stop_mid_accumulation(tmp_path, monkeypatch):
     """On a Trainer that clips inline (transformers 4.57, stood in for as above) the explored GradClip norm is in args
     from training_step to the optimizer step: an epoch stopped mid-accumulation saved its checkpoint then, and its
-    training_args.bin held the explored norm (0.05) instead of the user's (an audit of session 46). Every checkpoint
-    holds the user's now, and args have it back after train()."""
+    training_args.bin held the explored norm (0.05) instead of the user's (an audit of session 46), and so did a push
+    to the Hub from that checkpoint (torch.save of args) and the callbacks' on_save after it (a review). Every
+    checkpoint, push and on_save sees the user's now, and args have it back after train()."""
     import glob
     import types
 
@@ -1331,6 +1332,10 @@ def test_hf_trainer_saves_the_users_max_grad_norm_after_a_stop_mid_accumulation(
                 held.append(args.max_grad_norm)
                 control.should_epoch_stop = True
 
+        def on_save(self, args, state, control, **kw):
+            seen.append(("on_save", args.max_grad_norm))
+
+    seen = []
     torch.manual_seed(0)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, gradient_accumulation_steps=3,
                              num_train_epochs=2, save_strategy="epoch", report_to=[], use_cpu=True, disable_tqdm=True,
@@ -1340,9 +1345,12 @@ def test_hf_trainer_saves_the_users_max_grad_norm_after_a_stop_mid_accumulation(
         warnings.simplefilter("ignore")
         tr = hf.HDETTrainer(model=model, args=args, train_dataset=data, callbacks=[Stop()],
                             hdet=dict(explore=[hdet.GradClip(0.05)], model_sync_interval=2))
+        args.push_to_hub = True  # (set after the Trainer made no repo; its push stood in for: no Hub here)
+        tr._push_from_checkpoint = lambda folder: seen.append(("push", tr.args.max_grad_norm))
         tr.train()
     assert held == [hf.explored_clips(tr.lr_scheduler)[0].max_norm] and held[0] != 1.0  # (the explored one was in)
     saved = [torch.load(os.path.join(d, "training_args.bin"), weights_only=False).max_grad_norm
              for d in sorted(glob.glob(str(tmp_path / "checkpoint-*")))]
     assert len(saved) == 2 and saved == [1.0, 1.0]
+    assert seen == [("push", 1.0), ("on_save", 1.0)] * 2
     assert args.max_grad_norm == 1.0

@@ -27,10 +27,11 @@ scheduler states only, so after loading them each rank re-applies its own learni
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -294,19 +295,32 @@ class HDETTrainer(Trainer):
 
     def _save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """A checkpoint saved between converge steps holds the ensemble's average (the model the run is building),
-        not rank 0's replica, which the Trainer would save; with rank 0's optimizer and scheduler state, as before."""
-        return self._with_average(lambda: super(HDETTrainer, self)._save_checkpoint(*args, **kwargs))
+        not rank 0's replica, which the Trainer would save; with rank 0's optimizer and scheduler state, as before.
+        With the user's ``max_grad_norm`` in ``args`` (:meth:`_users_max_grad_norm`)."""
+        with self._users_max_grad_norm():
+            return self._with_average(lambda: super(HDETTrainer, self)._save_checkpoint(*args, **kwargs))
 
     def save_model(self, *args: Any, **kwargs: Any) -> Any:
-        """The user's ``max_grad_norm`` in ``args`` while the model and ``training_args.bin`` are saved: on a Trainer
-        that clips inline an explored one is there between micro-steps, and a save after a stop mid-accumulation (the
-        epoch's checkpoint) stored it (an audit, transformers 4.57)."""
+        with self._users_max_grad_norm():
+            return super().save_model(*args, **kwargs)
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        with self._users_max_grad_norm():  # (its on_save callbacks after the checkpoint's save)
+            return super()._maybe_log_save_evaluate(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _users_max_grad_norm(self) -> Iterator[None]:
+        """The user's ``max_grad_norm`` in ``args`` while the model, the checkpoint and ``training_args.bin`` are
+        saved, pushed to the Hub and told to the callbacks' ``on_save``: on a Trainer that clips inline an explored
+        one is there between micro-steps, and a save after a stop mid-accumulation (the epoch's checkpoint) stored
+        it (an audit, transformers 4.57), as its push did (a review). The explored one back after."""
         held = self._hdet_max_grad_norm
         if held is None:
-            return super().save_model(*args, **kwargs)
+            yield
+            return
         explored, self.args.max_grad_norm = self.args.max_grad_norm, held
         try:
-            return super().save_model(*args, **kwargs)
+            yield
         finally:
             self.args.max_grad_norm = explored
 
