@@ -246,7 +246,7 @@ def unfrozen_under_ddp(rank, world, unfreeze_at, mode="late"):
     "rebuild" (unfrozen right after the converge step before ``unfreeze_at``, DDP built again and given to
     ``attach_model``, as the warning advises); "built_trainable" (DDP with find_unused_parameters=True built over the
     layer trainable, frozen before HDETLR is built: DDP all-reduces it once unfrozen); "early" (unfrozen after HDETLR
-    was built, before step 1)."""
+    was built, before step 1); "between" (unfrozen after DDP was built, before HDETLR was)."""
     import warnings
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -257,6 +257,8 @@ def unfrozen_under_ddp(rank, world, unfreeze_at, mode="late"):
         net[0].requires_grad_(False)
         model = DDP(net)
     o = torch.optim.SGD(net.parameters(), lr=0.05)
+    if mode == "between":
+        net[0].requires_grad_(True)
     s = hdet.HDETLR(o, None, total_steps=6, model=model, model_sync_interval=2, ensemble_lr_spread_ratio=0.0)
     if mode == "early":
         net[0].requires_grad_(True)

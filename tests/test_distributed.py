@@ -1525,12 +1525,14 @@ def test_a_parameter_unfrozen_after_ddp_was_built_is_said_at_the_next_sync():
         assert not [w for w in r["warnings"] if "requires grad now" in w], r["warnings"]
 
 
-@pytest.mark.parametrize("mode,said", [("rebuild", False), ("built_trainable", False), ("early", True)])
+@pytest.mark.parametrize("mode,said", [("rebuild", False), ("built_trainable", False), ("early", True),
+                                       ("between", True)])
 def test_the_unfrozen_check_holds_to_what_the_ddp_given_all_reduces(mode, said):
     """The check's reference is the DDP handed over (model=, attach_model) and, where a parameter looks unfrozen,
     DDP's own buckets (an audit of session 46: it warned after its own advice was taken, a DDP built again and
     attached; it warned where DDP(find_unused_parameters=True) was built over a layer frozen after, which DDP does
-    all-reduce once unfrozen; it missed a layer unfrozen between the scheduler's construction and its first step).
+    all-reduce once unfrozen; it missed a layer unfrozen between the scheduler's construction and its first step,
+    and one unfrozen between DDP's construction and the scheduler's: a review).
     Whether it warns matches whether the layer's copies parted across the ranks before the next converge step."""
     for r in check_ok(run_gloo(unfrozen_under_ddp, 2, 3, mode)):
         assert r["apart"] is said

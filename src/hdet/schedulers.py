@@ -654,12 +654,16 @@ class HDETLR(LRScheduler):
     def _note_ddp(self, model: nn.Module | None) -> None:
         """A DDP module handed over (``model=``, or ``attach_model``: one built again after unfreezing, as
         :meth:`_check_unfrozen` advises): the parameters that require grad now, what its all-reduce holds where it was
-        built just before (checked at each converge step against what requires grad then). The same DDP again keeps
-        what it had (host-side only)."""
+        built just before (checked at each converge step against what requires grad then). Where they disagree with
+        the count and size DDP logged when it was built (a layer unfrozen in between: a review), DDP's own buckets are
+        the reference. The same DDP again keeps what it had (host-side only)."""
         ddp = uncompiled(model) if model is not None else None
         if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and \
                 (self._ddp_trained is None or self._ddp_trained[0] is not ddp):
-            self._ddp_trained = (ddp, _trained_ids(ddp))
+            trained = _trained_ids(ddp)
+            if not _as_built(ddp):
+                trained = _reduced_ids(ddp) or trained
+            self._ddp_trained = (ddp, trained)
 
     def _check_unfrozen(self) -> None:
         """At a sync step under DDP: a parameter that requires grad now but did not when the DDP module was given
@@ -1463,6 +1467,18 @@ def _trainable(ddp: torch.nn.parallel.DistributedDataParallel) -> list[tuple[str
 def _trained_ids(ddp: torch.nn.parallel.DistributedDataParallel) -> set[int]:
     """The parameters that require grad in a DDP module now (at the first step: what DDP's all-reduce holds)."""
     return {id(p) for _, p in _trainable(ddp) if p.requires_grad}
+
+
+def _as_built(ddp: torch.nn.parallel.DistributedDataParallel) -> bool:
+    """Whether the parameters that require grad now match, in number and bytes, those DDP logged at its
+    construction (what its all-reduce holds); True where this torch does not say (host-side, no allocation)."""
+    try:
+        built = ddp._get_ddp_logging_data()
+        now = [p for _, p in _trainable(ddp) if p.requires_grad]
+        return (int(built["num_parameter_tensors"]) == len(now) and
+                int(built["total_parameter_size_bytes"]) == sum(p.numel() * p.element_size() for p in now))
+    except (AttributeError, KeyError, RuntimeError, TypeError, ValueError):
+        return True
 
 
 def _reduced_ids(ddp: torch.nn.parallel.DistributedDataParallel) -> set[int] | None:
