@@ -2144,3 +2144,26 @@ def _same(a, b, path="", diffs=None) -> bool:
     if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
         return True
     return a == b
+
+
+def sparse_embedding_hook_guard(rank, world, nan_at=3, steps=6):
+    """DDP over a sparse ``nn.Embedding`` and a linear head, SGD (no fused: the "hook" guard), HDETLR at alpha 0 and
+    T 3. Rank 1's loss is NaN at step ``nan_at``. Returns the guard, the weights after each step and each step's
+    gradients as DDP averaged them (densified), for a check against a hand-run average of the finite ones."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(8, 1))
+    model = DDP(net)
+    o = torch.optim.SGD(net.parameters(), lr=0.1)
+    s = hdet.HDETLR(o, None, total_steps=steps, model=model, model_sync_interval=3, ensemble_lr_spread_ratio=0.0)
+    out = {"guard": s.gradient_guard, "weights": [], "grads": []}
+    for t in range(1, steps + 1):
+        g = torch.Generator().manual_seed(100 * t + rank)
+        x, y = torch.randint(0, 10, (4, 2), generator=g), torch.randn(4, 1, generator=g)
+        loss = nn.functional.mse_loss(model(x), y) * (float("nan") if (rank == 1 and t == nan_at) else 1.0)
+        o.zero_grad()
+        loss.backward()
+        out["grads"].append([p.grad.to_dense().clone() for p in net.parameters()])
+        o.step()
+        s.step(loss)
+        out["weights"].append([p.detach().clone() for p in net.parameters()])
+    return out

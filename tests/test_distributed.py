@@ -1540,3 +1540,32 @@ def test_the_unfrozen_check_holds_to_what_the_ddp_given_all_reduces(mode, said):
         assert len(warned) == int(said), r["warnings"]
         if said:
             assert "attach_model" in warned[0]
+
+
+def test_the_hook_guard_zeroes_a_sparse_embeddings_non_finite_gradient():
+    """DDP over nn.Embedding(sparse=True) with a non-fused optimizer (the default "hook" guard's comm hook): the hook
+    raised at the first backward (torch.where has no out= form on a sparse tensor: a review), so such a model could
+    not train under hdet at all. The hook checks a sparse bucket's values: every step's averaged gradient is the same
+    on both ranks, and at the step where rank 1's loss is NaN it is rank 0's own, halved (rank 1's zeroed, as in a
+    dense bucket); the weights stay finite and equal on both ranks."""
+    from dist_workers import sparse_embedding_hook_guard
+
+    res = check_ok(run_gloo(sparse_embedding_hook_guard, 2, 3))
+    assert [r["guard"] for r in res] == ["hook", "hook"]
+    for t in range(6):
+        for a, b in zip(res[0]["grads"][t], res[1]["grads"][t]):
+            assert torch.equal(a, b)
+        assert all(torch.isfinite(w).all() for w in res[0]["weights"][t])
+        for a, b in zip(res[0]["weights"][t], res[1]["weights"][t]):
+            assert torch.equal(a, b)
+    torch.manual_seed(0)  # rank 0's step 3 on its own, from the weights after step 2, halved (rank 1's zeroed)
+    net = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(8, 1))
+    with torch.no_grad():
+        for p, w in zip(net.parameters(), res[0]["weights"][1]):
+            p.copy_(w)
+    g = torch.Generator().manual_seed(100 * 3 + 0)
+    x, y = torch.randint(0, 10, (4, 2), generator=g), torch.randn(4, 1, generator=g)
+    nn.functional.mse_loss(net(x), y).backward()
+    for got, p in zip(res[0]["grads"][2], net.parameters()):
+        assert float(p.grad.to_dense().abs().sum()) > 0
+        torch.testing.assert_close(got, p.grad.to_dense() / 2, rtol=1e-6, atol=1e-7)

@@ -92,7 +92,10 @@ def finite_allreduce_hook(process_group: Any, bucket: dist.GradBucket) -> torch.
 
 
 def _zero_unless_finite(buf: torch.Tensor) -> torch.Tensor:
-    """Zero ``buf`` in place unless every element is finite; returns whether it was (a device bool: no host sync)."""
+    """Zero ``buf`` in place unless every element is finite; returns whether it was (a device bool: no host sync). A
+    sparse bucket (``nn.Embedding(sparse=True)``): its values (torch.where has no sparse out= form: a review)."""
+    if buf.is_sparse:
+        buf = buf._values()  # (a view: zeroed in place, the indices kept)
     ok = all_finite(buf)
     torch.where(ok, buf, torch.zeros((), dtype=buf.dtype, device=buf.device), out=buf)  # NaN * 0 is NaN
     return ok
