@@ -163,10 +163,12 @@ def test_the_kept_loss_scale_loaded_from_a_checkpoint_is_kept_without_a_host_syn
     assert kept.kept_value() == 2.0 ** 10
 
 
-def test_a_compiled_fused_step_on_cuda_is_guarded_as_an_eager_one():
+@pytest.mark.parametrize("closure", [False, True])
+def test_a_compiled_fused_step_on_cuda_is_guarded_as_an_eager_one(closure):
     """torch.compile(opt.step) (inductor) over CUDA's fused AdamW with a tensor LR, the skip guard on: its hooks run
     eagerly around the compiled step (before, the compiled step dropped found_inf: a NaN gradient was stepped; session
-    46's audit, on CPU). The NaN step is skipped, Adam's count stays, and the weights match the eager run's."""
+    46's audit, on CPU), and so does its check after a closure (``step(closure)``, Lightning's form: session 46's
+    review, on CPU). The NaN step is skipped, Adam's count stays, and the weights match the eager run's."""
     from hdet.guard import SkipNonFiniteStep
 
     runs = []
@@ -179,12 +181,20 @@ def test_a_compiled_fused_step_on_cuda_is_guarded_as_an_eager_one():
         step = torch.compile(opt.step) if compiled else opt.step
         g = torch.Generator(device="cuda").manual_seed(1)
         for t in range(6):
-            loss = net(torch.randn(16, 64, device="cuda", generator=g)).square().mean()
-            if t == 3:
-                loss = loss * float("nan")
-            opt.zero_grad()
-            loss.backward()
-            step()
+            x = torch.randn(16, 64, device="cuda", generator=g)
+
+            def backward(x=x, t=t):
+                loss = net(x).square().mean()
+                if t == 3:
+                    loss = loss * float("nan")
+                opt.zero_grad()
+                loss.backward()
+                return loss
+            if closure:
+                step(backward)
+            else:
+                backward()
+                step()
         assert float(guard.skipped) == 1.0 and float(opt.state[net.weight]["step"]) == 5.0
         runs.append([p.detach().clone() for p in net.parameters()])
     assert all(torch.isfinite(w).all() for w in runs[1])
