@@ -160,6 +160,7 @@ def test_bad_input_gives_one_line(args, message, capsys, tmp_path):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("hdet: error:") and message in err, err
+    assert not (tmp_path / "o").exists()  # (a refusal after the folder's hold left it, empty but for the lock)
 
 
 def test_init_from_another_models_weights_names_the_keys(tmp_path, capsys):

@@ -223,11 +223,14 @@ def _lock_out(out: Path, held: contextlib.ExitStack) -> str | None:
         import fcntl
     except ImportError:  # (not POSIX: no hold)
         return None
+    made = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
         f = open(out / ".hdet.lock", "a+", errors="replace")  # (any bytes there: read, never raised)
     except OSError:  # (check_out says what is wrong with the folder)
         return None
+    if made:  # a run refused after the hold (an --init-from it cannot read, say) left an empty folder with the lock
+        held.callback(_unmake, out)  # (a review): the folder goes with it again (after the lock's release: below)
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:  # (EAGAIN / EWOULDBLOCK: another process holds it)
@@ -246,6 +249,16 @@ def _lock_out(out: Path, held: contextlib.ExitStack) -> str | None:
     f.flush()
     held.callback(f.close)  # (closing the file lets go of the lock)
     return None
+
+
+def _unmake(out: Path) -> None:
+    """Remove ``out``, made by :func:`_lock_out`, where the run wrote nothing into it but the lock."""
+    try:
+        if [p.name for p in out.iterdir()] == [".hdet.lock"]:
+            (out / ".hdet.lock").unlink()
+            out.rmdir()
+    except OSError:  # (another process's file there meanwhile: left as it is)
+        pass
 
 
 def train(cfg: RunConfig, argv: list[str] | None = None, dry_run: bool = False,
