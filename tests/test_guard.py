@@ -35,11 +35,14 @@ def test_a_non_finite_gradient_skips_the_step_and_a_finite_one_does_not(bad):
     assert float(guard.skipped) == 1.0
 
 
-def test_a_compiled_step_is_guarded_as_an_eager_one():
+@pytest.mark.parametrize("closure", [False, True])
+def test_a_compiled_step_is_guarded_as_an_eager_one(closure):
     """torch.compile(opt.step) over a fused optimizer (torch's recipe for a fast step): dynamo traced the pre-hook's
     found_inf into a graph that did not hand it to the step, so a NaN gradient was stepped, and the post-hook raised
-    AttributeError at the first step (an audit of session 46). The hooks run eagerly around the compiled step now: the
-    NaN step is skipped and the weights are the eager run's, bit for bit."""
+    AttributeError at the first step (an audit of session 46). With a closure (``step(closure)``, Lightning's way,
+    compiled) the guard's check after it was traced the same way (session 46's review, B1). The hooks and that check
+    run eagerly around the compiled step now: the NaN step is skipped and the weights are the eager run's, bit for
+    bit."""
     runs = []
     for compiled in (False, True):
         torch._dynamo.reset()
@@ -47,35 +50,16 @@ def test_a_compiled_step_is_guarded_as_an_eager_one():
         guard = SkipNonFiniteStep(opt)
         step = torch.compile(opt.step, backend="eager") if compiled else opt.step
         for t in range(4):
-            p.grad, q.grad = torch.full((5,), 0.5 + t), torch.ones(3, 2)
-            if t == 2:
-                q.grad[0, 1] = float("nan")
-            step()
-            assert not hasattr(opt, "found_inf")
-        assert float(guard.skipped) == 1.0 and float(opt.state[q]["step"]) == 3.0
-        runs.append([p.detach().clone(), q.detach().clone()])
-    assert all(torch.isfinite(w).all() for w in runs[1])
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
-
-
-def test_a_compiled_step_with_a_closure_is_guarded_as_an_eager_one():
-    """torch.compile(opt.step)(closure) (Lightning's way, compiled): the closure runs inside the traced step, and the
-    guard's verdict on its gradients was traced with it, so the fused step never saw found_inf and a NaN gradient
-    was stepped (session 46's review, B1). The verdict runs eagerly: the NaN step is skipped, the weights are the
-    eager run's, bit for bit."""
-    runs = []
-    for compiled in (False, True):
-        torch._dynamo.reset()
-        p, q, opt = _setup()
-        guard = SkipNonFiniteStep(opt)
-        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
-        for t in range(4):
-            def closure():
+            def backward(t=t):
                 opt.zero_grad()
                 loss = (p * (0.5 + t)).sum() + q.sum() * (float("nan") if t == 2 else 1.0)
                 loss.backward()
                 return loss
-            step(closure)
+            if closure:
+                step(backward)
+            else:
+                backward()
+                step()
             assert not hasattr(opt, "found_inf")
         assert float(guard.skipped) == 1.0 and float(opt.state[q]["step"]) == 3.0
         runs.append([p.detach().clone(), q.detach().clone()])
