@@ -141,6 +141,11 @@ class Replicas(ABC):
         """The device a vector handed to :meth:`gather` should live on."""
         return torch.device("cpu")
 
+    def first_to_say(self, what: str) -> bool:
+        """Whether this replica is the first of its process to say ``what`` (a warning every replica of the
+        one-process engine would give: said once there, not N times); a process's only replica always is."""
+        return True
+
     def memory_layout(self, tensors: Sequence[torch.Tensor]) -> int:
         """A hash of the collectives :meth:`average_` issues for ``tensors``, which follow where they lie in memory,
         so it must be the same on every replica. 0 where averaging issues none."""
@@ -454,6 +459,7 @@ class LocalReplicaGroup:
         self.world_size = world_size
         self.device = torch.device("cpu")  # where the sync vectors are built (the engine sets its model's device)
         self.views = [LocalReplica(self, r) for r in range(world_size)]
+        self.said: set[str] = set()  # the warnings one of the views gave (LocalReplica.first_to_say)
 
 
 def average_local(lists: Sequence[Sequence[torch.Tensor]], exclude: Sequence[int] = (),
@@ -485,6 +491,11 @@ class LocalReplica(Replicas):
         self.group = group
         self.rank = rank
         self.world_size = group.world_size
+
+    def first_to_say(self, what: str) -> bool:
+        said = what in self.group.said
+        self.group.said.add(what)
+        return not said
 
     def comm_device(self, hint: torch.device | None = None) -> torch.device:
         """The engine's device: the N vectors are stacked there and read in one copy (one host sync a sync)."""

@@ -560,7 +560,7 @@ class HDETLR(LRScheduler):
             # the first step only)
             if first:
                 _say_rounded(ens.hypers, values[ens.num_lr_slots:], self._values_set, self.rank,
-                             ens.all_values()[ens.num_lr_slots:])
+                             ens.all_values()[ens.num_lr_slots:], lambda: ens.replicas.first_to_say("rounded"))
         if self._history is not None:  # the base of every slot in effect for step last_epoch + 1
             self._history[str(self.last_epoch)] = list(ens.current_bases)
         lrs = values[: ens.num_lr_slots]
@@ -1492,21 +1492,22 @@ def _reduced_ids(ddp: torch.nn.parallel.DistributedDataParallel) -> set[int] | N
 
 
 def _say_rounded(hypers: list[Hyperparameter], wanted: list[float], got: list[float], rank: int,
-                 spread: list[list[float]]) -> None:
+                 spread: list[list[float]], first: Callable[[], bool] = lambda: True) -> None:
     """Before the first step: an explored value that reads back further from the value set than float32 rounding
     (a ``Setter`` into a bfloat16 buffer: 1.00333 held as 1.0, a third of the spread's step, an audit) is said once:
     the replica trains at what it holds, while its records and the controller use the value set. Only where it
     matters: off by more than 1% of the step to the nearest other replica's value (``spread``: each slot's values,
     replica by replica), or by more than 0.1% of the value where no other replica's differs (a float16 buffer's
     2.4e-4 beside a 50% step was said too: an audit). Read once, before the first step (later reads would be host
-    syncs where a value lives in a device tensor)."""
+    syncs where a value lives in a device tensor). Said by the ``first`` replica of a process that has one to say:
+    once for the one-process engine's N replicas, not N times."""
     def material(w: float, g: float, others: list[float]) -> bool:
         gaps = [abs(w - o) for o in others if o != w and math.isfinite(o)]
         return abs(g - w) > (0.01 * min(gaps) if gaps else 1e-3 * abs(w) + 1e-12)
     off = [(h.name, w, g) for h, w, g, vs in zip(hypers, wanted, got, spread)
            if math.isfinite(w) and math.isfinite(g) and not math.isclose(g, w, rel_tol=1e-6, abs_tol=1e-12)
            and material(w, g, vs)]
-    if off:
+    if off and first():
         name, w, g = off[0]
         warnings.warn(f"hdet: the explored {name!r} on rank {rank} reads back as {g:.6g} right after hdet set it to "
                       f"{w:.6g} (a bfloat16 or float16 buffer, or its setter, rounds it?): this replica trains at "
