@@ -770,7 +770,7 @@ def _blow_up_steps(eng, start, stop, g, W, saved=None, first=None):
             losses = eng.step([(x[r], x[r] @ W) for r in range(4)], lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
             if t == 1 and first is not None:
                 first += [[p.detach().clone() for p in m.parameters()] for m in eng.models]
-            if saved is not None and t == 5:
+            if saved is not None and t in (5, 10):
                 saved.append((io.BytesIO(_bytes(eng.state_dict())), g.get_state()))
     return losses, [str(w.message) for w in caught]
 
@@ -790,7 +790,7 @@ def test_a_run_that_blows_up_in_its_first_window_keeps_the_start_to_go_back_to()
     st = eng.schedulers[0].ensemble.stability
     assert st.best_loss is None and st.starting and eng.schedulers[0].last_sync.went_back_to is None
     assert sum("is more than 9x its first step's loss magnitude above it" in m and "not kept as a best sync" in m
-               for m in said) == 4, said
+               for m in said) == 1, said  # (once for the engine's four replicas; it was said by each of them)
     losses, said = _blow_up_steps(eng, 11, 200, g, W)
     assert not any("is more than 9x its first step's loss" in m for m in said)  # (once a run)
     assert any("before any best sync, the ensemble's loss" in m and "is more than 9x both its first step's and its "
@@ -803,6 +803,27 @@ def test_a_run_that_blows_up_in_its_first_window_keeps_the_start_to_go_back_to()
     g2 = torch.Generator()
     g2.set_state(rng)
     _blow_up_steps(again, 6, 200, g2, W)
+    for a, b in zip(again.models, eng.models):
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_the_blown_up_first_window_is_said_once_a_run_resumes_included():
+    """At lr 30 the loss blows up from the first step's again at the syncs after 50 (said at step 10 only). A run
+    resumed from step 10's checkpoint, after it was said, said it again at the next one (the flag was not in the
+    state: a session's note); now the resumed run says nothing and ends as the uninterrupted one."""
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(8, 1, generator=g)
+    eng, saved = _blowing_up(), []
+    _, said = _blow_up_steps(eng, 1, 10, g, W, saved)
+    assert sum("is more than 9x its first step's loss magnitude above it" in m for m in said) == 1, said
+    at_10 = g.get_state()
+    _, said = _blow_up_steps(eng, 11, 200, g, W)
+    assert not any("its first step's loss magnitude above it" in m for m in said), said
+    again = _blowing_up()
+    again.load_state_dict(torch.load(saved[1][0], weights_only=True))
+    g.set_state(at_10)
+    _, said = _blow_up_steps(again, 11, 200, g, W)
+    assert not any("its first step's loss magnitude above it" in m for m in said), said
     for a, b in zip(again.models, eng.models):
         assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
@@ -853,8 +874,8 @@ def test_a_first_loss_of_zero_trains_as_before_and_says_why_no_best_is_kept():
     normal, normal_losses, _ = run(False)
     assert eng.schedulers[0].last_sync.lr_scale == 1.0 and float(losses.max()) < 0.1
     assert float(normal_losses.max()) < 0.1 and normal.schedulers[0].ensemble.stability.best_step == 60
-    assert len(said) == 4 and all("not kept as a best sync" in m and "a student that starts as its teacher" in m
-                                  for m in said), said
+    assert len(said) == 1 and all("not kept as a best sync" in m and "a student that starts as its teacher" in m
+                                  for m in said), said  # (once for the engine's four replicas)
 
 
 @pytest.mark.parametrize("observed, first", [((2.0, 4.0), 3.0), ((float("inf"), 2.0), 2.0), ((5.0,), 5.0)])

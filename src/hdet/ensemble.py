@@ -145,7 +145,7 @@ class Ensemble:
         self._clamp_checked = False  # (the first values checked against the spreads' bounds: _warn_clamped)
         self.window_mean = WindowMean(self._float_params()) if config.probing else None
         self.total_steps: int | None = None
-        self.stability = StabilityGuard(config)  # on_runaway="recover"
+        self.stability = StabilityGuard(config, replicas.first_to_say)  # on_runaway="recover"
         self._start_checked: tuple[Any, bool] = (None, True)  # (_start_misfits: the state's signature, start fits)
         self.load_warnings: list[str] = []  # what the last load_state_dict warned about (hdet.ensemble_state)
         self._ramp = RampSnapshots()  # lr_range_test: the ramp's recent states

@@ -45,7 +45,7 @@ import contextlib
 import math
 import statistics
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -185,8 +185,9 @@ class Copier:
 class StabilityGuard:
     """The best ensemble loss so far and the state of the run at that sync."""
 
-    def __init__(self, config: HDETConfig) -> None:
+    def __init__(self, config: HDETConfig, first_to_say: Callable[[str], bool] = lambda what: True) -> None:
         self.config = config
+        self.first_to_say = first_to_say  # (Replicas.first_to_say: a warning once for the engine's N replicas)
         self.best_loss: float | None = None  # the healthy replicas' median window loss, lowest so far
         self.best_step: int | None = None
         self.best_se = 0.0  # the standard error of the best sync's ensemble loss
@@ -339,17 +340,18 @@ class StabilityGuard:
             self.lowest = (loss, step)
         blown, self._start_rise = self._start_rise, None
         if blown is not None and not self._said_blown:
-            self._said_blown = True
+            self._said_blown = True  # (in the state: not said again after a resume)
             times = max(RISE_CEILING, self.config.rise_threshold)
-            warnings.warn(f"hdet: at sync step {step} the ensemble's loss ({blown[0]:.4g}) is more than {times:g}x its "
-                          f"first step's loss magnitude above it ({blown[1]:.4g}): not kept as a best sync (a run that "
-                          "blew up within its first window went back to such a sync at every later one); a collapse, "
-                          "or a window with no finite loss, goes back to the start (the state after step "
-                          f"{self.best_step}) until a sync is kept, and so does a window also {times:g}x the last or "
-                          "the lowest one's loss magnitude above it (a blow-up; not from a first loss within "
-                          f"{NEAR_ZERO:g} of 0). If a first loss near 0 is by design (a student "
-                          "that starts as its teacher), no other rise is caught until then",
-                          stacklevel=user_stacklevel())
+            if self.first_to_say("blown"):  # (said once for the one-process engine's replicas)
+                warnings.warn(f"hdet: at sync step {step} the ensemble's loss ({blown[0]:.4g}) is more than {times:g}x "
+                              f"its first step's loss magnitude above it ({blown[1]:.4g}): not kept as a best sync (a "
+                              "run that blew up within its first window went back to such a sync at every later "
+                              "one); a collapse, or a window with no finite loss, goes back to the start (the state "
+                              f"after step {self.best_step}) until a sync is kept, and so does a window also "
+                              f"{times:g}x the last or the lowest one's loss magnitude above it (a blow-up; not from a "
+                              f"first loss within {NEAR_ZERO:g} of 0). If a first loss near 0 is by design (a student "
+                              "that starts as its teacher), no other rise is caught until then",
+                              stacklevel=user_stacklevel())
         clean = not exclude and blown is None and (self.best_loss is None or not any(getattr(col, "nonfinite", ())))
         # (no replica reset, and after the first best no non-finite loss: a sync that reset a runaway replica kept the
         # weights its huge gradients had already reached, under a loss measured before them, a best no later window
@@ -554,6 +556,7 @@ class StabilityGuard:
         return {"best_loss": self.best_loss, "best_step": self.best_step, "best_se": self.best_se,
                 "first_loss": self.first_loss, "lowest": None if self.lowest is None else list(self.lowest),
                 "last_loss": self.last_loss,
+                **({"said_blown": True} if self._said_blown else {}),  # (its warning once a run, resumes included)
                 "snapshot": None if self._snapshot is None else self.copier.saved(self._snapshot),
                 # the kept start (HOST SYNC, while one is kept: its health flag, read with the copies)
                 **({"start": {"ok": bool(self.start_ok), "loss": [float(x) for x in self._start_loss]}}
@@ -607,7 +610,11 @@ class StabilityGuard:
             raise ValueError("Expected the state's pool as {'sums': [three lists of numbers (no NaN), one a replica, "
                              "the counts finite and >= 0], 'windows': an integer >= 1, 'dirty': a bool}, but got "
                              f"{pool!r}")
+        said = state.get("said_blown", False)  # (states saved before it: said again, once)
+        if not isinstance(said, bool):
+            raise ValueError(f"Expected the state's said_blown as a bool, but got {said!r}")
         return {"start": start, "best_loss": None if best is None else float(best), "best_step": state.get("best_step"),
+                "said_blown": said,
                 "best_se": float(state.get("best_se", 0.0)), "first_loss": None if first is None else float(first),
                 "lowest": None if lowest is None else (float(lowest[0]), int(lowest[1])), "snapshot": snap,
                 "last_loss": None if last is None else float(last),
@@ -622,6 +629,7 @@ class StabilityGuard:
         self.first_loss = parsed.get("first_loss")
         self.lowest = parsed.get("lowest")
         self.last_loss = parsed.get("last_loss")
+        self._said_blown = parsed.get("said_blown", False)
         self.clear_pool()
         if parsed.get("pool") is not None:
             self._pool, self._pooled, self._pool_dirty = parsed["pool"]
