@@ -4,18 +4,21 @@
 # 0.1x, 1x and 10x the grid's best. One GPU; data/fashion carried.
 # Usage: call 1 `bash benchmarks/gpu_sweep_alpha0.sh` (GPT 12-16 and Fashion-MNIST 12-14 side by side);
 #        calls 2-3 `BYTES_SEEDS=17,18,19,20,21,22 FASHION_SEEDS= bash benchmarks/gpu_sweep_alpha0.sh`, then 23-27.
+#        Session 48, fresh GPT seeds (out of the sample the default was chosen on): call 7
+#        `STARTS=1 BYTES_SEEDS=28,...,43 FASHION_SEEDS= DEADLINE=420 bash benchmarks/gpu_sweep_alpha0.sh`, call 8 the same
+#        with `STARTS=0.1,10` and seeds 28-35.
 set -x
 export PYTHONPATH=$PWD/src
 BS=${BYTES_SEEDS-12,13,14,15,16}
 FS=${FASHION_SEEDS-12,13,14}
 python -c "import sys,torch;print(sys.version, torch.__version__, torch.cuda.get_device_name())" > $OUT/env.txt
 if [ -n "$BS" ]; then
-  python benchmarks/lr_sweep_cli.py --tasks bytes --starts 0.1,1,10 --seeds $BS --then restart \
+  python benchmarks/lr_sweep_cli.py --tasks bytes --starts ${STARTS:-0.1,1,10} --seeds $BS --then restart \
     --deadline ${DEADLINE:-540} --runs /tmp/lsc_b --extra "--alpha 0" \
-    --out $OUT/lr_sweep_cli_alpha0_bytes_s${BS//,/-}.json > $OUT/sweep_bytes.log 2>&1 &
+    --out $OUT/lr_sweep_cli_alpha0_bytes_x${STARTS:-all}_s${BS//,/-}.json > $OUT/sweep_bytes.log 2>&1 &
 fi
 if [ -n "$FS" ]; then
-  python benchmarks/lr_sweep_cli.py --tasks fashion --starts 0.1,1,10 --seeds $FS --then restart \
+  python benchmarks/lr_sweep_cli.py --tasks fashion --starts ${STARTS:-0.1,1,10} --seeds $FS --then restart \
     --deadline ${DEADLINE:-540} --runs /tmp/lsc_f --extra "--alpha 0" \
     --out $OUT/lr_sweep_cli_alpha0_fashion_s${FS//,/-}.json > $OUT/sweep_fashion.log 2>&1 &
 fi
