@@ -68,7 +68,7 @@ def main() -> None:
         new, old = alpha0(task), alpha02(task)
         diffs = []
         for start in (0.1, 1.0, 10.0):
-            seeds = sorted(s for (st_, s) in new if st_ == start)
+            seeds = sorted(s for (st_, s) in new if st_ == start and (st_, s) in old)  # (paired: both arms' seeds)
             x = [new[(start, s)][0] for s in seeds]
             y = [old[(start, s)][0] for s in seeds]
             d = [u - v for u, v in zip(x, y)]
@@ -84,6 +84,16 @@ def main() -> None:
             print(f"{task} {start:g}x ({len(seeds)} seeds): alpha 0 {cell['alpha0_mean']:.4f} ({cell['alpha0_vs_best']:+.2f}{unit}), "
                   f"alpha 0.2 {cell['alpha0.2_mean']:.4f} ({cell['alpha0.2_vs_best']:+.2f}{unit}); paired "
                   f"{cell['paired_difference']:+.4f} (se {cell['paired_se']:.4f}); guard acted {cell['guard_acted']}")
+        for start in (0.1, 1.0, 10.0):  # alpha 0 at every seed run, paired or not (GPT 28-43: calls 7-9, session 48)
+            seeds = sorted(s for (st_, s) in new if st_ == start)
+            x = [new[(start, s)][0] for s in seeds]
+            cell = {"task": task, "start": start, "seeds": seeds, "mean": st.mean(x),
+                    "vs_best": rel(st.mean(x)), "se": (st.stdev(x) / len(x) ** 0.5) * (100 / BEST[task]
+                                                                                      if task == "bytes" else 1),
+                    "guard_acted": sum(new[(start, s)][1] for s in seeds)}
+            rec.setdefault("alpha0_every_seed", []).append(cell)
+            print(f"{task} {start:g}x, alpha 0 at all {len(seeds)} seeds: {cell['mean']:.4f} ({cell['vs_best']:+.2f}"
+                  f"{unit}, se {cell['se']:.2f}); guard acted {cell['guard_acted']}")
         rec["all"][task] = {"runs": len(diffs), "paired_difference": st.mean(diffs),
                             "paired_se": st.stdev(diffs) / len(diffs) ** 0.5}
         print(f"{task}, all {len(diffs)}: alpha 0 minus alpha 0.2 {st.mean(diffs):+.4f} (se {rec['all'][task]['paired_se']:.4f})")
