@@ -7,7 +7,8 @@
 #        Session 48, fresh GPT seeds (out of the sample the default was chosen on): call 7
 #        `STARTS=1 BYTES_SEEDS=28,...,43 FASHION_SEEDS= DEADLINE=420 bash benchmarks/gpu_sweep_alpha0.sh`, call 8 the same
 #        with `STARTS=0.1,10` and seeds 28-35 (its JSON, named with a comma, did not come back: `--collect`ed into
-#        `..._x0.1-10_s28-35.json` on the warm machine), call 9 seeds 36-43.
+#        `..._x0.1-10_s28-35.json` on the warm machine), call 9 seeds 36-43. Call 10: the factor 2.5 instead of sqrt(8),
+#        from 1x at seeds 28-43, paired with call 7: `EXTRA="--lr-sweep-factor 2.5" TAG=_f2.5 STARTS=1 ...`.
 set -x
 export PYTHONPATH=$PWD/src
 BS=${BYTES_SEEDS-12,13,14,15,16}
@@ -15,8 +16,8 @@ FS=${FASHION_SEEDS-12,13,14}
 python -c "import sys,torch;print(sys.version, torch.__version__, torch.cuda.get_device_name())" > $OUT/env.txt
 if [ -n "$BS" ]; then
   python benchmarks/lr_sweep_cli.py --tasks bytes --starts ${STARTS:-0.1,1,10} --seeds $BS --then restart \
-    --deadline ${DEADLINE:-540} --runs /tmp/lsc_b --extra "--alpha 0" \
-    --out $OUT/lr_sweep_cli_alpha0_bytes_x${STARTS//,/-}_s${BS//,/-}.json > $OUT/sweep_bytes.log 2>&1 &
+    --deadline ${DEADLINE:-540} --runs /tmp/lsc_b --extra "--alpha 0 $EXTRA" \
+    --out $OUT/lr_sweep_cli_alpha0${TAG}_bytes_x${STARTS//,/-}_s${BS//,/-}.json > $OUT/sweep_bytes.log 2>&1 &
 fi
 if [ -n "$FS" ]; then
   python benchmarks/lr_sweep_cli.py --tasks fashion --starts ${STARTS:-0.1,1,10} --seeds $FS --then restart \
