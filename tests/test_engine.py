@@ -4,6 +4,7 @@ import contextlib
 import copy
 import functools
 import io
+import re
 import warnings
 
 import pytest
@@ -675,10 +676,16 @@ def test_a_value_each_replica_keeps_in_a_float32_buffer_is_its_own():
     assert len(rounded) == 1, rounded
     # a rounding that lands on another replica's value (N = 3, a log spread of 0.003: replica 1's 1.003 held as the
     # middle replica's 1.0) is no shared object either (a review: still refused by a rule on the values read)
-    eng = engine(3, hdet.Spread("log", 0.003), torch.bfloat16)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        eng = engine(3, hdet.Spread("log", 0.003), torch.bfloat16)
     assert sorted(float(m.temp) for m in eng.models) == [0.99609375, 1.0, 1.0]
-    assert any("'temperature' on rank 2 reads back as 1 right after hdet set it to 1.00333" in str(x.message)
-               for x in w), [str(x.message) for x in w]
+    # said once, by the first replica whose value rounds (which one follows the deal of the multipliers); before,
+    # each replica said its own
+    rounded = [str(x.message) for x in w if "reads back as" in str(x.message)]
+    got = re.search(r"'temperature' on rank [0-2] reads back as ([0-9.]+) right after hdet set it to ([0-9.]+) ",
+                    rounded[0] if len(rounded) == 1 else "")
+    assert got and float(got[1]) in (0.996094, 1.0) and float(got[1]) != float(got[2]), rounded
 
 
 def test_the_record_reports_each_replicas_own_window_loss_after_a_non_finite_one():
