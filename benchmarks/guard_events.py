@@ -6,8 +6,11 @@ run have come back by itself, or broken?). Issue 15: what the guard's events cos
 
     python benchmarks/guard_events.py --task bytes --from A.json B.json --out guard_events.json
 
---guards takes variants of the guard, comma-separated: ignore, recover, or recover:F (--lr-cut F); old:V runs variant V
-with the hdet of --old-src instead (an earlier commit's src/, to compare rules side by side). With --fixed-lr X
+--guards takes variants of the guard, comma-separated: ignore, recover, recover:F (--lr-cut F) or recover:F:K (and
+--lr-cut-after K); old:V runs variant V with the hdet of --old-src instead (an earlier commit's src/, to compare rules
+side by side). --names picks the sources' runs by name instead (comma-separated, e.g. bytes-x1-s31: runs whose logs
+were not kept). Each row keeps the run's trajectory: every sync's median window loss, LR scale and go-back, and the
+logged training losses. With --fixed-lr X
 --seeds S the runs are instead every seed of S at --max-lr X (the same task and size, no sweep): a stress test of the
 guard at one LR.
 """
@@ -38,6 +41,7 @@ def main() -> None:
     p.add_argument("--seeds", default="")
     p.add_argument("--old-src", default=None, help="the src/ folder of the hdet that old:V variants run")
     p.add_argument("--guards", default="recover,ignore")
+    p.add_argument("--names", default="", help="comma-separated run names of the sources (instead of their events)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--data", default="data/fashion")
     p.add_argument("--runs", default="runs/guard_events")
@@ -45,21 +49,22 @@ def main() -> None:
     p.add_argument("--out", required=True)
     a = p.parse_args()
     picked = [(src, r) for src in a.sources for r in json.loads(Path(src).read_text())["runs"]
-              if r["task"] == a.task and r.get("lr_sweep") and any(e in r["log_tail"] for e in EVENTS)]
+              if r["task"] == a.task and r.get("lr_sweep")
+              and (r["name"] in a.names.split(",") if a.names else any(e in r["log_tail"] for e in EVENTS))]
     if a.fixed_lr is not None:  # the stress test: no source, every seed at one LR
         picked += [(None, {"name": f"{a.task}-lr{a.fixed_lr:g}-s{seed}", "seed": int(seed), "start": None,
                            "metric": None, "lr_sweep": {"max_lr": a.fixed_lr}}) for seed in a.seeds.split(",") if seed]
     procs = {}
     for src, r in picked:
         for guard in a.guards.split(","):
-            name = f"{r['name']}-{guard.replace('old:', 'old-').replace(':', '')}"
+            name = f"{r['name']}-{guard.replace('old:', 'old-').replace(':', '', 1).replace(':', '-after')}"
             out = Path(a.runs) / name
             out.parent.mkdir(parents=True, exist_ok=True)
             old = guard.startswith("old:")
-            on, _, cut = guard.removeprefix("old:").partition(":")
+            on, cut, after = (guard.removeprefix("old:").split(":") + ["", ""])[:3]
             cmd = train_command(a.task, r["seed"], "1500", a.device, a.data,
                                 ["--max-lr", repr(r["lr_sweep"]["max_lr"]), "--on-runaway", on]
-                                + (["--lr-cut", cut] if cut else []), out)
+                                + (["--lr-cut", cut] if cut else []) + (["--lr-cut-after", after] if after else []), out)
             log = (out.parent / f"{name}.log").open("w")
             procs[name] = (src, r, guard, out, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
                                                                 env={**os.environ, "OMP_NUM_THREADS": "1",
@@ -79,7 +84,7 @@ def main() -> None:
                      "metric": final_metric(a.task, s),
                      "events": sum(log.count(e) for e in EVENTS),
                      "lr_scales": re.findall(r"cut to ([0-9.e-]+) of its value", log),  # after each event
-                     "rc": proc.returncode, "log_tail": log[-1200:]})
+                     "rc": proc.returncode, "log_tail": log[-1200:], **_trajectory(out)})
     import torch
 
     rec = {"command": "python " + " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,
@@ -90,6 +95,20 @@ def main() -> None:
     Path(a.out).write_text(json.dumps(rec, indent=1))
     for row in rows:
         print(row["name"], row["swept_metric"], row["metric"], row["events"])
+
+
+def _trajectory(out: Path) -> dict:
+    """The run's syncs ([step, median window loss, lr_scale, went_back_to]) and logged training losses ([step,
+    loss]), from its syncs.jsonl and metrics.jsonl (what there is of them)."""
+    import statistics
+
+    def records(name: str) -> list[dict]:
+        f = out / name
+        return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.is_file() else []
+    syncs = [[d["step"], statistics.median(d["losses"]), d["lr_scale"], d["went_back_to"]]
+             for d in records("syncs.jsonl")]
+    return {"syncs": syncs, "train_loss": [[d["step"], d["train_loss"]] for d in records("metrics.jsonl")
+                                           if "train_loss" in d]}
 
 
 def _commit(src: str | None) -> str | None:

@@ -509,6 +509,38 @@ def test_each_cut_is_harder_than_the_one_before_and_a_resume_counts_them():
         _scripted([], lr_cut=0.7)[2].load_state_dict(bad)
 
 
+def test_the_first_lr_cut_after_events_go_back_without_a_cut_and_a_resume_counts_them():
+    """lr_cut_after=1: the first event (a rise at the second sync) goes back and cuts nothing, said so; the next ones
+    cut as the k-th after it, lr_cut ** k (the schedule at 1, 0.7, 0.343); a run resumed after the uncut event cuts at
+    its next one (the count is in the state); a negative count is refused."""
+    script = [[2.0] * 8] + [[2.5] * 8] * 4
+    m, o, s = _scripted(script, lr_cut=0.7, lr_cut_after=1)
+    scales, backs = [], []
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for k in range(4):
+            _window(o, s)
+            scales.append(s.ensemble.slots.lr_scale)
+            backs.append(s.last_sync.went_back_to)
+            if k == 1:
+                state = torch.load(io.BytesIO(_bytes(s.state_dict())), weights_only=True)
+    assert scales == pytest.approx([1.0, 1.0, 0.7, 0.7 ** 3]) and backs == [None, 5, 5, 5]
+    events = [str(w.message) for w in said if "went back to its state at step 5" in str(w.message)]
+    assert len(events) == 3
+    assert "the LR schedule is not cut (event 1 of the first lr_cut_after=1, which cut nothing" in events[0]
+    assert "cut to 0.7 of its value" in events[1] and "cut to 0.343 of its value" in events[2]
+    assert state["hdet"]["lr_cuts"] == 1 and state["hdet"]["lr_scale"] == 1.0
+    _, o2, s2 = _scripted([[2.5] * 8] * 2, lr_cut=0.7, lr_cut_after=1)
+    s2.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x in (0.7, 0.7 ** 3):
+            _window(o2, s2)
+            assert s2.ensemble.slots.lr_scale == pytest.approx(x)
+    with pytest.raises(ValueError, match=r"lr_cut_after.*-1"):
+        hdet.HDETConfig(lr_cut_after=-1)
+
+
 def _quadratic_rank(rank, world, mode, judge_steps=1):
     """One replica per gloo process, each on its own gradient between syncs (local mode, as DDP under
     no_sync), on the same least-squares problem as the engine test: the replica at rho 1.6 is unstable."""

@@ -60,6 +60,10 @@ class HDETConfig:
             cut for the rest of the run, the k-th time by ``lr_cut ** k`` (0.7, then 0.49, ... of what it was:
             a repeated event says the LR is further past the edge). Default 0.7 (measured against 0.5, 0.85 and
             every cut by the same factor: ``docs/reliability.md``).
+        lr_cut_after: with "recover": the first this many events go back (and reset their runaway replicas) without
+            cutting the LR; the k-th after them cuts by ``lr_cut ** k``. A loss spike is often its batches' and not
+            the LR's, and the data moves on past them when the run goes back (PaLM's rewind and skip: arXiv
+            2204.02311). Default 0: every event cuts.
         lr_range_test: an LR range test during the warm-up (the first ``auto_lr_warmup_steps`` steps,
             :mod:`hdet.range_test`): the LR schedule is multiplied by a factor that starts at 1/25 and grows at
             every sync until the ensemble's loss stops making progress or turns unstable; the peak LR becomes the
@@ -90,6 +94,7 @@ class HDETConfig:
     rise_threshold: float = 0.05
     judge_steps: int = 25
     lr_cut: float = 0.7
+    lr_cut_after: int = 0
     lr_range_test: bool = False
     range_max_factor: float = 300.0
     range_backoff: float = 2.0
@@ -104,6 +109,7 @@ class HDETConfig:
         self.seed = _check_int("seed", self.seed, lo=0, hi=2 ** 63)  # (a torch.Generator seed)
         self.range_patience = _check_int("range_patience", self.range_patience, lo=1)
         self.judge_steps = _check_int("judge_steps", self.judge_steps, lo=1)
+        self.lr_cut_after = _check_int("lr_cut_after", self.lr_cut_after, lo=0)
         for name in ("enable_auto_lr", "average_optimizer_state", "tie_lr_groups", "lr_range_test"):
             setattr(self, name, check_bool(name, getattr(self, name)))
         for name, symbol, ok, want in (("loss_scale", "sigma", lambda v: v > 0, "{} > 0"),

@@ -643,12 +643,15 @@ class Ensemble:
             range_ended = rt.reason if not rt.ramping else None
         elif verdict.runaway or verdict.rising:
             # the k-th cut of the run is lr_cut ** k: the first event says the LR is at the edge of stability, each
-            # further one that it is further past it (measured: benchmarks/results/evidence/sweep_then_train/call21)
+            # further one that it is further past it (measured: benchmarks/results/evidence/sweep_then_train/call21);
+            # the first lr_cut_after events cut nothing (a spike of its batches': the run goes back past them)
             self.slots.cuts += 1
-            self.slots.cut_lr(max(c.lr_cut ** self.slots.cuts, MIN_LR_SCALE / self.slots.lr_scale))
+            k = self.slots.cuts - c.lr_cut_after
+            if k > 0:
+                self.slots.cut_lr(max(c.lr_cut ** k, MIN_LR_SCALE / self.slots.lr_scale))
             self.stability.warn(t, verdict.runaway, losses, verdict.rising, back, self.slots.lr_scale, verdict.collapsed,
                                 "sync step" if self.is_sync_step(t) else "an early recovery at step" if verdict.early
-                                else "the sync of finish() at step")
+                                else "the sync of finish() at step", uncut=0 if k > 0 else self.slots.cuts)
         nonfinite_losses = [int(col.nonfinite[r]) for r in range(N)]
         bad_loss = [r for r in range(N) if nonfinite_losses[r] > 0]
         healthy_loss = [r for r in bad_loss if r not in bad and r not in verdict.nonfinite]  # (a collapse excludes none)

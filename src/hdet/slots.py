@@ -66,7 +66,7 @@ class Slots:
         self.controllers: list[Controller | None] = [None] * self.num_slots
         self.dealer = Dealer(config.seed)
         self.lr_scale = 1.0  # the cuts of the LR schedule so far (runaway replicas, an unstable ensemble)
-        self.cuts = 0  # how many of them the stability guard made (its k-th is lr_cut ** k)
+        self.cuts = 0  # the stability guard's events (the k-th past lr_cut_after cuts by lr_cut ** k)
         self.range: RangeTest | None = None  # the in-run LR range test (lr_range_test=True), set with the run's length
 
     def resize(self, world_size: int, redeal: bool) -> None:

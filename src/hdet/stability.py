@@ -525,8 +525,9 @@ class StabilityGuard:
         self._went_back()
 
     def warn(self, t: int, runaway: list[int], losses: list[float], rising: bool, back: bool, scale: float,
-             collapsed: bool = False, at: str = "sync step") -> None:
-        """Say what this sync did (a UserWarning pointing at the training loop); ``at``: what step ``t`` was."""
+             collapsed: bool = False, at: str = "sync step", uncut: int = 0) -> None:
+        """Say what this sync did (a UserWarning pointing at the training loop); ``at``: what step ``t`` was;
+        ``uncut``: this event is the uncut-th of the first ``lr_cut_after`` (0: it cut the LR)."""
         warnings.warn(
             f"hdet: at {at} {t} " + ("every replica had non-finite weights or buffers; " if collapsed else "")
             + (f"replica(s) {runaway} ran away (window losses {[round(losses[r], 4) for r in runaway]}"
@@ -535,7 +536,9 @@ class StabilityGuard:
             + "): left out of the average, reset to the others' mean and ranked worst; " if runaway else "")
             + (self._rise_said() if rising and not collapsed else "")
             + (f"every replica went back to its state at step {self.best_step}; " if back else "")
-            + f"the LR schedule is cut to {scale:.3g} of its value", stacklevel=user_stacklevel())
+            + (f"the LR schedule is cut to {scale:.3g} of its value" if not uncut else
+               f"the LR schedule is not cut (event {uncut} of the first lr_cut_after={self.config.lr_cut_after}, "
+               f"which cut nothing; it stays at {scale:.3g} of its value)"), stacklevel=user_stacklevel())
 
     def _rise_said(self) -> str:
         if self._said_gross is not None:

@@ -46,12 +46,13 @@ def previous(path: Path) -> Path:
 
 
 ADDED = {"pct_start": 0.3, "lr_sweep": 0.0, "cuda_graph": False, "lr_sweep_points": None, "lr_cut": 0.5,  # options
-         "lr_sweep_factor": None, "judge_steps": 1}
+         "lr_sweep_factor": None, "judge_steps": 1, "lr_cut_after": 0}
 # added since checkpoints exist (and --lr-sweep-then, set in _resolved): what runs did before each, OneCycle's warm-up
 # 0.3, no sweep, no CUDA graph, a sweep grid of one LR a replica, the recovery's LR cut 0.5 (its cuts after the
 # resume the rule of now, 0.5 ** k: hdet.ensemble_state warns where one was made before), the sweep's factor by default (sqrt(N) then,
 # sqrt(max(N, 8)) now: a sweep stopped under the old one goes on with its plan's factor, runs.py), every window judged
-# alone by the stability guard (judge_steps 1; 25 now, which changes nothing at T >= 25)
+# alone by the stability guard (judge_steps 1; 25 now, which changes nothing at T >= 25), every event cutting the LR
+# (lr_cut_after 0)
 
 
 def _config(cfg: RunConfig) -> dict[str, Any]:
@@ -100,6 +101,8 @@ def _resolved(c: dict[str, Any], mode: str, device: str) -> dict[str, Any]:
             "lr_cut": (c.get("on_runaway") != "recover" and not c.get("range_test"))
             or c.get("optimizer") == "schedulefree-adamw",  # (the range test turns the guard on)
             "judge_steps": (c.get("on_runaway") != "recover" and not c.get("range_test"))
+            or c.get("optimizer") == "schedulefree-adamw",
+            "lr_cut_after": (c.get("on_runaway") != "recover" and not c.get("range_test"))
             or c.get("optimizer") == "schedulefree-adamw",
             "pct_start": c.get("optimizer") == "schedulefree-adamw", "data": c.get("task") != "fashion",
             "nu": not c.get("warm_init"), "clip": "grad-clip" not in (c.get("explore") or ()),

@@ -68,6 +68,9 @@ class RunConfig:
     lr_cut: float = field(default=0.7, metadata=_cli(
         "with --on-runaway recover: the LR schedule's cut at such an event, for the rest of the run (the k-th event's "
         "is FRAC ** k)", metavar="FRAC"))
+    lr_cut_after: int = field(default=0, metadata=_cli(
+        "with --on-runaway recover: the first N such events go back without cutting the LR (a spike is often its "
+        "batches', and the data moves on past them); the k-th after them cuts by --lr-cut ** k", metavar="N"))
     judge_steps: int = field(default=25, metadata=_cli(
         "with --on-runaway recover: runaways and rises are judged over at least N steps (windows of a shorter --T "
         "pooled: 5-step windows set the rule off on their noise; 1: every window alone)", metavar="N"))
@@ -199,6 +202,8 @@ def check(cfg: RunConfig) -> None:
         raise RunError(f"Expected --on-runaway ignore or recover, but got {cfg.on_runaway!r}")
     if not 0 < cfg.lr_cut <= 1:
         raise RunError(f"Expected --lr-cut in (0, 1] (the LR schedule's factor at a recovery), but got {cfg.lr_cut}")
+    if cfg.lr_cut_after < 0:
+        raise RunError(f"Expected --lr-cut-after >= 0 (events that cut nothing), but got {cfg.lr_cut_after}")
     if cfg.judge_steps < 1:
         raise RunError(f"Expected --judge-steps >= 1 (steps of windows judged together), but got {cfg.judge_steps}")
     if not (cfg.range_backoff >= 1 and math.isfinite(cfg.range_backoff)):
@@ -318,13 +323,14 @@ def unused(cfg: RunConfig, world: int | None = None) -> list[str]:
         out.append(f"--probe-batches with --controller {cfg.controller} (the fit controller's probe)")
     if cfg.optimizer == "schedulefree-adamw":
         out += [f"--{name.replace('_', '-')} with --optimizer schedulefree-adamw (its runs have no stability guard)"
-                for name in ("on_runaway", "lr_cut", "judge_steps") if getattr(cfg, name) != getattr(default, name)]
+                for name in ("on_runaway", "lr_cut", "lr_cut_after", "judge_steps")
+                if getattr(cfg, name) != getattr(default, name)]
         out += [f"--{name.replace('_', '-')} with --optimizer schedulefree-adamw (no schedule and no controller: its "
                 "own warm-up, then a constant LR)" for name in ("pct_start", "auto_lr", "warmup", "tie_lr_groups")
                 if getattr(cfg, name) != getattr(default, name)]
     elif cfg.on_runaway != "recover":
         out += [f"--{name.replace('_', '-')} with --on-runaway {cfg.on_runaway}"
-                for name in ("lr_cut", "judge_steps")  # (the range test turns the guard on)
+                for name in ("lr_cut", "lr_cut_after", "judge_steps")  # (the range test turns the guard on)
                 if getattr(cfg, name) != getattr(default, name) and not cfg.range_test]
     if cfg.range_backoff != default.range_backoff and not cfg.range_test:
         out.append("--range-backoff without --range-test")
