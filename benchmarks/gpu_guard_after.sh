@@ -4,12 +4,14 @@
 # it is (recover: go back and cut 0.7 ** k) and with its first event going back without a cut (--lr-cut-after 1).
 # Usage: bash benchmarks/gpu_guard_after.sh   (one GPU; GUARDS=... for other variants, TAG for the file name)
 # Call 1 (session 49) ran the reruns at hdet train's default alpha 0.2, not the sources' 0: guard_events.py did not pass
-# the source run's --alpha then (it does now); call 2 is the same command at alpha 0: TAG=_after1_a0.
+# the source run's --alpha then (it does now); call 2 is the same command at alpha 0: TAG=_after1_a0. Call 3: the
+# event runs of seeds 12-27 (calls 1-3, whose rows do not say their alpha: --alpha 0 given):
+# SOURCES="$D/call1/*bytes*.json $D/call2/*.json $D/call3/*.json" TAG=_after1_s12-27 bash benchmarks/gpu_guard_after.sh
 set -x
 export PYTHONPATH=$PWD/src
 python -c "import sys,torch;print(sys.version, torch.__version__, torch.cuda.get_device_name())" > $OUT/env.txt
 D=benchmarks/results/evidence/sweep_alpha0
-python benchmarks/guard_events.py --task bytes --from $D/call7/*.json $D/call8/*.json $D/call9/*.json \
-  --guards ${GUARDS:-recover,recover:0.7:1} --runs /tmp/ge${TAG:-_after1} --deadline ${DEADLINE:-520} \
+python benchmarks/guard_events.py --task bytes --from ${SOURCES:-$D/call7/*.json $D/call8/*.json $D/call9/*.json} \
+  --alpha 0 --guards ${GUARDS:-recover,recover:0.7:1} --runs /tmp/ge${TAG:-_after1} --deadline ${DEADLINE:-520} \
   --out $OUT/guard_events${TAG:-_after1}.json > $OUT/guard_events.log 2>&1
 tail -n 30 $OUT/guard_events.log

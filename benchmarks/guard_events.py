@@ -41,7 +41,8 @@ def main() -> None:
     p.add_argument("--seeds", default="")
     p.add_argument("--old-src", default=None, help="the src/ folder of the hdet that old:V variants run")
     p.add_argument("--guards", default="recover,ignore")
-    p.add_argument("--alpha", type=float, default=None, help="--fixed-lr runs' --alpha (default: hdet train's)")
+    p.add_argument("--alpha", type=float, default=None, help="--alpha of the --fixed-lr runs and of source runs that "
+                                                             "do not say theirs (default: hdet train's)")
     p.add_argument("--names", default="", help="comma-separated run names of the sources (instead of their events)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--data", default="data/fashion")
@@ -54,7 +55,7 @@ def main() -> None:
               and (r["name"] in a.names.split(",") if a.names else any(e in r["log_tail"] for e in EVENTS))]
     if a.fixed_lr is not None:  # the stress test: no source, every seed at one LR
         picked += [(None, {"name": f"{a.task}-lr{a.fixed_lr:g}-s{seed}", "seed": int(seed), "start": None,
-                           "metric": None, "lr_sweep": {"max_lr": a.fixed_lr}, "alpha": a.alpha}) for seed in a.seeds.split(",") if seed]
+                           "metric": None, "lr_sweep": {"max_lr": a.fixed_lr}}) for seed in a.seeds.split(",") if seed]
     procs = {}
     for src, r in picked:
         for guard in a.guards.split(","):
@@ -63,10 +64,11 @@ def main() -> None:
             out.parent.mkdir(parents=True, exist_ok=True)
             old = guard.startswith("old:")
             on, cut, after = (guard.removeprefix("old:").split(":") + ["", ""])[:3]
+            alpha = r["alpha"] if r.get("alpha") is not None else a.alpha
             cmd = train_command(a.task, r["seed"], "1500", a.device, a.data,
                                 ["--max-lr", repr(r["lr_sweep"]["max_lr"]), "--on-runaway", on]
-                                + (["--alpha", repr(r["alpha"])] if r.get("alpha") is not None else [])  # (the
-                                # source run's spread: alpha 0 after a sweep; a run without one defaults to 0.2)
+                                + (["--alpha", repr(alpha)] if alpha is not None else [])  # (the source run's
+                                # spread, alpha 0 after a sweep: a run without a sweep defaults to 0.2)
                                 + (["--lr-cut", cut] if cut else []) + (["--lr-cut-after", after] if after else []), out)
             log = (out.parent / f"{name}.log").open("w")
             procs[name] = (src, r, guard, out, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
@@ -83,7 +85,7 @@ def main() -> None:
         log = (out.parent / f"{name}.log").read_text()
         s = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
         rows.append({"name": name, "source": src, "seed": r["seed"], "start": r["start"], "guard": guard,
-                     "alpha": r.get("alpha"),
+                     "alpha": r["alpha"] if r.get("alpha") is not None else a.alpha,
                      "max_lr": r["lr_sweep"]["max_lr"], "swept_metric": r["metric"],
                      "metric": final_metric(a.task, s),
                      "events": sum(log.count(e) for e in EVENTS),
