@@ -11,7 +11,17 @@ set -x
 export PYTHONPATH=$PWD/src
 python -c "import sys,torch;print(sys.version, torch.__version__, torch.cuda.get_device_name())" > $OUT/env.txt
 D=benchmarks/results/evidence/sweep_alpha0
+if [ -n "$FIXED" ]; then
+  for t in bytes:0.04 fashion:0.16; do
+    python benchmarks/guard_events.py --task ${t%%:*} --fixed-lr ${t##*:} --seeds 0,1,2 --guards recover,recover:0.7:1 \
+      --runs /tmp/ge_fixed --deadline 500 --out $OUT/guard_events_10x_${t%%:*}.json > $OUT/guard_events_${t%%:*}.log 2>&1 &
+  done
+  wait; tail -n 8 $OUT/guard_events_*.log; exit
+fi
 python benchmarks/guard_events.py --task bytes --from ${SOURCES:-$D/call7/*.json $D/call8/*.json $D/call9/*.json} \
   --alpha 0 --guards ${GUARDS:-recover,recover:0.7:1} --runs /tmp/ge${TAG:-_after1} --deadline ${DEADLINE:-520} \
   --out $OUT/guard_events${TAG:-_after1}.json > $OUT/guard_events.log 2>&1
 tail -n 30 $OUT/guard_events.log
+# Call 4 (FIXED=1): started 10x too high without a sweep (hdet train's default alpha 0.2), where the guard has to bring
+# the LR down: GPT max_lr 0.04 and Fashion-MNIST 0.16, seeds 0-2 (sweep_then_train calls 21-22's runs), both rules.
+# FIXED=1 bash benchmarks/gpu_guard_after.sh   (data/fashion carried)

@@ -1,0 +1,72 @@
+"""The recipe with the stability guard's first event going back without a cut (``--lr-cut-after 1``), issue 15.
+
+`hdet train --lr-sweep 0.2` runs at alpha 0 after the sweep (``results/evidence/sweep_alpha0/``, GPT seeds 12-43 from
+0.1x, 1x and 10x the grid's best) are deterministic on one H200: a run without a guard event is the same run with
+``--lr-cut-after 1`` (it changes nothing before the first event), and the runs with one were run again at their swept
+peak LR with both rules (``results/evidence/guard_after/`` calls 2-3, ``benchmarks/gpu_guard_after.sh``; each
+``recover`` rerun repeated its source run to the last digit). This puts each event run's ``--lr-cut-after 1`` metric
+in place of its source's and reports, per start: the mean over the 32 seeds with each rule, its distance from the grid's
+best (1.2127), the paired difference over the event runs and its standard error.
+
+    python benchmarks/guard_after_report.py --out benchmarks/results/evidence/guard_after/report.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics as st
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sweep_alpha0_report import BEST, R, alpha0  # noqa: E402  (same folder)
+
+RERUNS = ["call2/guard_events_after1_a0.json", "call3/guard_events_after1_s12-27.json"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variant", default="recover:0.7:1")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    before = {k: m for k, (m, _) in alpha0("bytes").items()}
+    after = dict(before)
+    events: dict[tuple[float, int], tuple[float, float, int, int]] = {}
+    for f in RERUNS:
+        rows = json.loads((R / "guard_after" / f).read_text())["runs"]
+        mine = {(r["start"], r["seed"]): r for r in rows if r["guard"] == a.variant}
+        again = {(r["start"], r["seed"]): r for r in rows if r["guard"] == "recover"}
+        for k, r in mine.items():
+            if abs(again[k]["metric"] - before[k]) > 1e-9:  # (the rerun of the rule before is its source run)
+                raise SystemExit(f"{k}: the recover rerun ({again[k]['metric']}) is not its source run ({before[k]})")
+            after[k] = r["metric"]
+            events[k] = (before[k], r["metric"], again[k]["events"], r["events"])
+    rel = lambda x: 100 * (x / BEST["bytes"] - 1)  # noqa: E731
+    rec: dict = {"command": "python " + " ".join(sys.argv), "variant": a.variant, "best": BEST["bytes"], "starts": []}
+    for start in sorted({k[0] for k in before}):
+        seeds = sorted(s for (st_, s) in before if st_ == start)
+        b, n = [before[(start, s)] for s in seeds], [after[(start, s)] for s in seeds]
+        ev = [events[(start, s)] for s in seeds if (start, s) in events]
+        d = [rel(y) - rel(x) for x, y, *_ in ev]
+        cell = {"start": start, "seeds": len(seeds), "before": st.mean(b), "after": st.mean(n),
+                "before_vs_best": rel(st.mean(b)), "after_vs_best": rel(st.mean(n)),
+                "after_se": 100 * st.stdev(n) / len(n) ** 0.5 / BEST["bytes"], "event_runs": len(ev),
+                "event_paired_difference": st.mean(d) if d else None,
+                "event_paired_se": st.stdev(d) / len(d) ** 0.5 if len(d) > 1 else None}
+        rec["starts"].append(cell)
+        print(f"{start:g}x, {len(seeds)} seeds: {cell['before']:.4f} ({cell['before_vs_best']:+.2f}%) -> {cell['after']:.4f}"
+              f" ({cell['after_vs_best']:+.2f}%, se {cell['after_se']:.2f}%); {len(ev)} event runs, paired "
+              f"{cell['event_paired_difference']:+.2f}%")
+    d = [rel(y) - rel(x) for x, y, *_ in events.values()]
+    rec["events"] = {"runs": len(d), "paired_difference": st.mean(d), "paired_se": st.stdev(d) / len(d) ** 0.5,
+                     "wins": sum(x < 0 for x in d),
+                     "runs_detail": [{"start": k[0], "seed": k[1], "before": v[0], "after": v[1], "events_before": v[2],
+                                      "events_after": v[3]} for k, v in sorted(events.items())]}
+    print(f"all {len(d)} event runs: {st.mean(d):+.2f}% (se {rec['events']['paired_se']:.2f}%), better in "
+          f"{rec['events']['wins']}")
+    Path(a.out).write_text(json.dumps(rec, indent=1))
+
+
+if __name__ == "__main__":
+    main()
