@@ -18,10 +18,12 @@ if [ -n "$FIXED" ]; then
   done
   wait; tail -n 8 $OUT/guard_events_*.log; exit
 fi
-python benchmarks/guard_events.py --task bytes --from ${SOURCES:-$D/call7/*.json $D/call8/*.json $D/call9/*.json} \
+python benchmarks/guard_events.py --task ${TASK:-bytes} --from ${SOURCES:-$D/call7/*.json $D/call8/*.json $D/call9/*.json} \
   --alpha 0 --guards ${GUARDS:-recover,recover:0.7:1} --runs /tmp/ge${TAG:-_after1} --deadline ${DEADLINE:-520} \
   --out $OUT/guard_events${TAG:-_after1}.json > $OUT/guard_events.log 2>&1
 tail -n 30 $OUT/guard_events.log
 # Call 4 (FIXED=1): started 10x too high without a sweep (hdet train's default alpha 0.2), where the guard has to bring
 # the LR down: GPT max_lr 0.04 and Fashion-MNIST 0.16, seeds 0-2 (sweep_then_train calls 21-22's runs), both rules.
 # FIXED=1 bash benchmarks/gpu_guard_after.sh   (data/fashion carried)
+# Call 5: Fashion-MNIST's event runs of the recipe (sweep_alpha0 calls 1 and 5: seeds 12-17), both rules (data/fashion
+# carried): TASK=fashion SOURCES="$D/call1/*alpha0_fashion*.json $D/call5/*alpha0_fashion*.json" TAG=_after1_fashion

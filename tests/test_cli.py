@@ -581,7 +581,8 @@ def test_lr_cut_is_the_factor_of_each_recovery(tmp_path, capsys):
     --lr-cut is another run for --resume, and with --on-runaway ignore it does nothing (said)."""
     from hdet.app.options import RunConfig, unused
 
-    args = [*TINY, "--max-lr", "1", "--checkpoint-every", "6", "--judge-steps", "1"]  # (--T 4: every window judged)
+    args = [*TINY, "--max-lr", "1", "--checkpoint-every", "6", "--judge-steps", "1", "--lr-cut-after", "0"]  # (--T 4:
+    # every window judged; every event cuts)
     with pytest.warns(UserWarning) as said:
         assert main(["train", *args, "--lr-cut", "0.6", "--out", str(tmp_path / "cut")]) == 0
     cuts = sorted({re.search(r"step (\d+) .* cut to ([\d.]+) of its value", str(w.message)).groups()
@@ -629,7 +630,8 @@ def test_lr_cut_after_goes_back_at_the_first_event_without_a_cut(tmp_path, capsy
     if later and end + 1 in ratio:
         assert ratio[end + 1] == pytest.approx(0.6), ratio
     capsys.readouterr()
-    assert main(["train", *args, "--lr-cut", "0.6", "--out", str(tmp_path / "cut"), "--resume"]) == 2
+    assert main(["train", *args, "--lr-cut", "0.6", "--lr-cut-after", "0", "--out", str(tmp_path / "cut"),
+                 "--resume"]) == 2
     assert "--lr-cut-after 1 -> 0" in capsys.readouterr().err
     assert "--lr-cut-after with --on-runaway ignore" in unused(RunConfig(lr_cut_after=1, on_runaway="ignore"))
     assert main(["train", *TINY, "--lr-cut-after", "-1", "--out", str(tmp_path / "bad")]) == 2

@@ -68,9 +68,10 @@ class RunConfig:
     lr_cut: float = field(default=0.7, metadata=_cli(
         "with --on-runaway recover: the LR schedule's cut at such an event, for the rest of the run (the k-th event's "
         "is FRAC ** k)", metavar="FRAC"))
-    lr_cut_after: int = field(default=0, metadata=_cli(
+    lr_cut_after: int = field(default=1, metadata=_cli(
         "with --on-runaway recover: the first N such events go back without cutting the LR (a spike is often its "
-        "batches', and the data moves on past them); the k-th after them cuts by --lr-cut ** k", metavar="N"))
+        "batches', and the data moves on past them); the k-th after them cuts by --lr-cut ** k (1: measured on the "
+        "GPT recipe's 21 event runs, 0.57%% better than 0 on average: docs/reliability.md)", metavar="N"))
     judge_steps: int = field(default=25, metadata=_cli(
         "with --on-runaway recover: runaways and rises are judged over at least N steps (windows of a shorter --T "
         "pooled: 5-step windows set the rule off on their noise; 1: every window alone)", metavar="N"))
