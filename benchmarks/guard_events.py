@@ -7,7 +7,8 @@ run have come back by itself, or broken?). Issue 15: what the guard's events cos
     python benchmarks/guard_events.py --task bytes --from A.json B.json --out guard_events.json
 
 --guards takes variants of the guard, comma-separated: ignore, recover, recover:F (--lr-cut F) or recover:F:K (and
---lr-cut-after K); old:V runs variant V with the hdet of --old-src instead (an earlier commit's src/, to compare rules
+--lr-cut-after K; since `hdet train`'s default is --lr-cut-after 1, plain recover and recover:F mean K = 1 too: the
+rule before is recover:0.7:0); old:V runs variant V with the hdet of --old-src instead (an earlier commit's src/, to compare rules
 side by side). --names picks the sources' runs by name instead (comma-separated, e.g. bytes-x1-s31: runs whose logs
 were not kept). Each row keeps the run's trajectory: every sync's median window loss, LR scale and go-back, and the
 logged training losses. With --fixed-lr X
