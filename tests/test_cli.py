@@ -633,7 +633,7 @@ def test_lr_cut_after_goes_back_at_the_first_event_without_a_cut(tmp_path, capsy
     assert main(["train", *args, "--lr-cut", "0.6", "--lr-cut-after", "0", "--out", str(tmp_path / "cut"),
                  "--resume"]) == 2
     assert "--lr-cut-after 1 -> 0" in capsys.readouterr().err
-    assert "--lr-cut-after with --on-runaway ignore" in unused(RunConfig(lr_cut_after=1, on_runaway="ignore"))
+    assert "--lr-cut-after with --on-runaway ignore" in unused(RunConfig(lr_cut_after=0, on_runaway="ignore"))
     assert main(["train", *TINY, "--lr-cut-after", "-1", "--out", str(tmp_path / "bad")]) == 2
     assert "Expected --lr-cut-after >= 0 (events that cut nothing), but got -1" in capsys.readouterr().err
 
