@@ -30,7 +30,8 @@ def main() -> None:
     p.add_argument("--variant", default="recover:0.7:1")
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    before = {k: m for k, (m, _) in alpha0("bytes").items()}
+    source = alpha0("bytes")
+    before = {k: m for k, (m, _) in source.items()}
     after = dict(before)
     events: dict[tuple[float, int], tuple[float, float, int, int]] = {}
     for f in RERUNS:
@@ -42,6 +43,10 @@ def main() -> None:
                 raise SystemExit(f"{k}: the recover rerun ({again[k]['metric']}) is not its source run ({before[k]})")
             after[k] = r["metric"]
             events[k] = (before[k], r["metric"], again[k]["events"], r["events"])
+    acted = {k for k, (_, x) in source.items() if x}
+    if acted != set(events):  # (a run the guard acted in without its rerun would keep the rule before's metric)
+        raise SystemExit(f"Expected a rerun of every run the guard acted in: none for {sorted(acted - set(events))}, "
+                         f"reruns of runs it did not act in: {sorted(set(events) - acted)}")
     rel = lambda x: 100 * (x / BEST["bytes"] - 1)  # noqa: E731
     rec: dict = {"command": "python " + " ".join(sys.argv), "variant": a.variant, "best": BEST["bytes"], "starts": []}
     for start in sorted({k[0] for k in before}):
@@ -56,8 +61,8 @@ def main() -> None:
                 "event_paired_se": st.stdev(d) / len(d) ** 0.5 if len(d) > 1 else None}
         rec["starts"].append(cell)
         print(f"{start:g}x, {len(seeds)} seeds: {cell['before']:.4f} ({cell['before_vs_best']:+.2f}%) -> {cell['after']:.4f}"
-              f" ({cell['after_vs_best']:+.2f}%, se {cell['after_se']:.2f}%); {len(ev)} event runs, paired "
-              f"{cell['event_paired_difference']:+.2f}%")
+              f" ({cell['after_vs_best']:+.2f}%, se {cell['after_se']:.2f}%); {len(ev)} event runs"
+              + (f", paired {cell['event_paired_difference']:+.2f}%" if d else ""))
     d = [rel(y) - rel(x) for x, y, *_ in events.values()]
     rec["events"] = {"runs": len(d), "paired_difference": st.mean(d), "paired_se": st.stdev(d) / len(d) ** 0.5,
                      "wins": sum(x < 0 for x in d),

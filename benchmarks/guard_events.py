@@ -66,6 +66,10 @@ def main() -> None:
             old = guard.startswith("old:")
             on, cut, after = (guard.removeprefix("old:").split(":") + ["", ""])[:3]
             alpha = r["alpha"] if r.get("alpha") is not None else a.alpha
+            if alpha is None and src is not None:
+                print(f"{r['name']}: its source does not say its --alpha, and no --alpha was given: rerun at hdet "
+                      "train's default without a sweep (0.2), which is not its run if it ran at alpha 0 after its "
+                      "sweep (hdet train's default there since 2026-12-01)", file=sys.stderr)
             cmd = train_command(a.task, r["seed"], "1500", a.device, a.data,
                                 ["--max-lr", repr(r["lr_sweep"]["max_lr"]), "--on-runaway", on]
                                 + (["--alpha", repr(alpha)] if alpha is not None else [])  # (the source run's
@@ -90,7 +94,8 @@ def main() -> None:
                      "max_lr": r["lr_sweep"]["max_lr"], "swept_metric": r["metric"],
                      "metric": final_metric(a.task, s),
                      "events": sum(log.count(e) for e in EVENTS),
-                     "lr_scales": re.findall(r"cut to ([0-9.e-]+) of its value", log),  # after each event
+                     "lr_scales": re.findall(r"(?:cut to|it stays at) ([0-9.e-]+) of its value", log),  # after
+                     # each event (one of the first --lr-cut-after: "it stays at")
                      "rc": proc.returncode, "log_tail": log[-1200:], **_trajectory(out)})
     import torch
 
@@ -112,8 +117,10 @@ def _trajectory(out: Path) -> dict:
     def records(name: str) -> list[dict]:
         f = out / name
         return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.is_file() else []
-    syncs = [[d["step"], statistics.median(d["losses"]), d["lr_scale"], d["went_back_to"]]
-             for d in records("syncs.jsonl")]
+    def median(xs: list) -> float | None:  # (a non-finite window loss is null in syncs.jsonl)
+        finite = [x for x in xs if x is not None]
+        return statistics.median(finite) if finite else None
+    syncs = [[d["step"], median(d["losses"]), d["lr_scale"], d["went_back_to"]] for d in records("syncs.jsonl")]
     return {"syncs": syncs, "train_loss": [[d["step"], d["train_loss"]] for d in records("metrics.jsonl")
                                            if "train_loss" in d]}
 

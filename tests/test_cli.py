@@ -609,26 +609,25 @@ def test_lr_cut_is_the_factor_of_each_recovery(tmp_path, capsys):
 
 
 def test_lr_cut_after_goes_back_at_the_first_event_without_a_cut(tmp_path, capsys):
-    """--lr-cut-after 1: the run of test_lr_cut_is_the_factor_of_each_recovery goes back at its first event (the
-    ensemble's loss rose at step 8) and says that it cut nothing; its LR stays the unguarded run's after it, until a
-    later event cuts by --lr-cut ** 1. Another run for --resume; unused with --on-runaway ignore; negative refused."""
+    """--lr-cut-after 1: the run of test_lr_cut_is_the_factor_of_each_recovery (16 steps) goes back at its first event
+    (the ensemble's loss rose at step 8) and says that it cut nothing; its LR stays the unguarded run's until its
+    second event (step 12) cuts by --lr-cut ** 1. Another run for --resume; unused with --on-runaway ignore; negative
+    refused."""
     from hdet.app.options import RunConfig, unused
 
-    args = [*TINY, "--max-lr", "1", "--checkpoint-every", "6", "--judge-steps", "1"]
+    args = [*TINY, "--steps", "16", "--max-lr", "1", "--checkpoint-every", "6", "--judge-steps", "1"]
     with pytest.warns(UserWarning) as said:
         assert main(["train", *args, "--lr-cut", "0.6", "--lr-cut-after", "1", "--out", str(tmp_path / "cut")]) == 0
     events = list(dict.fromkeys(str(w.message) for w in said if "the LR schedule is" in str(w.message)))  # (one for
     # each of the engine's replicas)
     assert re.search(r"at sync step 8 .*went back to its state at step 4; the LR schedule is not cut \(event 1 of the "
                      r"first lr_cut_after=1", events[0]), events[0]
-    later = [int(re.search(r"step (\d+) .* cut to 0.6 of its value", w).group(1)) for w in events[1:2]]
+    assert re.search(r"at sync step 12 .* cut to 0.6 of its value", events[1]), events
     assert main(["train", *args, "--on-runaway", "ignore", "--out", str(tmp_path / "free")]) == 0
     cut, free = (_strict_jsonl(tmp_path / d / "metrics.jsonl") for d in ("cut", "free"))
     ratio = {m["step"]: m["lr_mean"]["mlp"] / f["lr_mean"]["mlp"] for m, f in zip(cut, free)}
-    end = later[0] if later else len(ratio)
-    assert all(ratio[t] == pytest.approx(1.0) for t in range(1, end + 1)), ratio
-    if later and end + 1 in ratio:
-        assert ratio[end + 1] == pytest.approx(0.6), ratio
+    assert all(ratio[t] == pytest.approx(1.0) for t in range(1, 13)), ratio
+    assert all(ratio[t] == pytest.approx(0.6) for t in range(13, 17)), ratio
     capsys.readouterr()
     assert main(["train", *args, "--lr-cut", "0.6", "--lr-cut-after", "0", "--out", str(tmp_path / "cut"),
                  "--resume"]) == 2

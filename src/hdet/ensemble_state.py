@@ -256,9 +256,10 @@ def _positive(x: Any, name: str) -> float:
 
 
 def _cuts(state: dict[str, Any], config: HDETConfig) -> int:
-    """How many times the stability guard cut the run's LR schedule: saved, or, in a state from before it was, what
-    the rule of then (every cut by ``lr_cut``) left in ``lr_scale`` (from there the run cuts by the rule of now, the
-    k-th by ``lr_cut ** k``, which is not how it would have gone on: :func:`commit` says so)."""
+    """How many events the stability guard acted on (each cut the LR schedule but the first ``lr_cut_after``): saved,
+    or, in a state from before it was (and before ``lr_cut_after``: 0, every event a cut), what the rule of then (every
+    cut by ``lr_cut``) left in ``lr_scale`` (from there the run cuts by the rule of now, the k-th by ``lr_cut ** k``,
+    which is not how it would have gone on: :func:`commit` says so)."""
     if "lr_cuts" not in state:
         scale = _positive(state.get("lr_scale", 1.0), "lr_scale")
         return round(math.log(scale) / math.log(config.lr_cut)) if scale < 1 and config.lr_cut < 1 else 0
