@@ -60,7 +60,8 @@ def main() -> None:
                 "event_paired_difference": st.mean(d) if d else None,
                 "event_paired_se": st.stdev(d) / len(d) ** 0.5 if len(d) > 1 else None}
         rec["starts"].append(cell)
-        print(f"{start:g}x, {len(seeds)} seeds: {cell['before']:.4f} ({cell['before_vs_best']:+.2f}%) -> {cell['after']:.4f}"
+        print(f"{start:g}x, {len(seeds)} seeds: {cell['before']:.4f} ({cell['before_vs_best']:+.2f}%) -> "
+              f"{cell['after']:.4f}"
               f" ({cell['after_vs_best']:+.2f}%, se {cell['after_se']:.2f}%); {len(ev)} event runs"
               + (f", paired {cell['event_paired_difference']:+.2f}%" if d else ""))
     d = [rel(y) - rel(x) for x, y, *_ in events.values()]

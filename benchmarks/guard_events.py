@@ -8,12 +8,12 @@ run have come back by itself, or broken?). Issue 15: what the guard's events cos
 
 --guards takes variants of the guard, comma-separated: ignore, recover, recover:F (--lr-cut F) or recover:F:K (and
 --lr-cut-after K; since `hdet train`'s default is --lr-cut-after 1, plain recover and recover:F mean K = 1 too: the
-rule before is recover:0.7:0); old:V runs variant V with the hdet of --old-src instead (an earlier commit's src/, to compare rules
-side by side). --names picks the sources' runs by name instead (comma-separated, e.g. bytes-x1-s31: runs whose logs
-were not kept). Each row keeps the run's trajectory: every sync's median window loss, LR scale and go-back, and the
-logged training losses. With --fixed-lr X
---seeds S the runs are instead every seed of S at --max-lr X (the same task and size, no sweep): a stress test of the
-guard at one LR.
+rule before is recover:0.7:0); old:V runs variant V with the hdet of --old-src instead (an earlier commit's src/, to
+compare rules side by side). --names picks the sources' runs by name instead (comma-separated, e.g. bytes-x1-s31: runs
+whose logs were not kept). Each row keeps the run's trajectory: every sync's median window loss, LR scale and go-back,
+and the logged training losses. With --fixed-lr X --seeds S the runs are instead every seed of S at --max-lr X (the
+same task and size, no sweep): a stress test of the guard at one LR. --alpha: the spread of the --fixed-lr runs and of
+source runs that do not say theirs (hdet train's default otherwise).
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ def main() -> None:
     if a.fixed_lr is not None:  # the stress test: no source, every seed at one LR
         picked += [(None, {"name": f"{a.task}-lr{a.fixed_lr:g}-s{seed}", "seed": int(seed), "start": None,
                            "metric": None, "lr_sweep": {"max_lr": a.fixed_lr}}) for seed in a.seeds.split(",") if seed]
+    def alpha_of(r: dict) -> float | None:
+        return r["alpha"] if r.get("alpha") is not None else a.alpha
+
     procs = {}
     for src, r in picked:
         for guard in a.guards.split(","):
@@ -65,7 +68,7 @@ def main() -> None:
             out.parent.mkdir(parents=True, exist_ok=True)
             old = guard.startswith("old:")
             on, cut, after = (guard.removeprefix("old:").split(":") + ["", ""])[:3]
-            alpha = r["alpha"] if r.get("alpha") is not None else a.alpha
+            alpha = alpha_of(r)
             if alpha is None and src is not None:
                 print(f"{r['name']}: its source does not say its --alpha, and no --alpha was given: rerun at hdet "
                       "train's default without a sweep (0.2), which is not its run if it ran at alpha 0 after its "
@@ -74,7 +77,8 @@ def main() -> None:
                                 ["--max-lr", repr(r["lr_sweep"]["max_lr"]), "--on-runaway", on]
                                 + (["--alpha", repr(alpha)] if alpha is not None else [])  # (the source run's
                                 # spread, alpha 0 after a sweep: a run without a sweep defaults to 0.2)
-                                + (["--lr-cut", cut] if cut else []) + (["--lr-cut-after", after] if after else []), out)
+                                + (["--lr-cut", cut] if cut else [])
+                                + (["--lr-cut-after", after] if after else []), out)
             log = (out.parent / f"{name}.log").open("w")
             procs[name] = (src, r, guard, out, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
                                                                 env={**os.environ, "OMP_NUM_THREADS": "1",
@@ -90,7 +94,7 @@ def main() -> None:
         log = (out.parent / f"{name}.log").read_text()
         s = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
         rows.append({"name": name, "source": src, "seed": r["seed"], "start": r["start"], "guard": guard,
-                     "alpha": r["alpha"] if r.get("alpha") is not None else a.alpha,
+                     "alpha": alpha_of(r),
                      "max_lr": r["lr_sweep"]["max_lr"], "swept_metric": r["metric"],
                      "metric": final_metric(a.task, s),
                      "events": sum(log.count(e) for e in EVENTS),
@@ -117,6 +121,7 @@ def _trajectory(out: Path) -> dict:
     def records(name: str) -> list[dict]:
         f = out / name
         return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.is_file() else []
+
     def median(xs: list) -> float | None:  # (a non-finite window loss is null in syncs.jsonl)
         finite = [x for x in xs if x is not None]
         return statistics.median(finite) if finite else None
