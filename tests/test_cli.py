@@ -11,6 +11,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -608,7 +609,7 @@ def test_lr_cut_is_the_factor_of_each_recovery(tmp_path, capsys):
     assert "Expected --lr-cut in (0, 1]" in capsys.readouterr().err
 
 
-def test_lr_cut_after_goes_back_at_the_first_event_without_a_cut(tmp_path, capsys):
+def test_lr_cut_after_goes_back_at_the_first_event_without_a_cut(tmp_path, monkeypatch, capsys):
     """--lr-cut-after 1: the run of test_lr_cut_is_the_factor_of_each_recovery (16 steps) goes back at its first event
     (the ensemble's loss rose at step 8) and says that it cut nothing; its LR stays the unguarded run's until its
     second event (step 12) cuts by --lr-cut ** 1. Another run for --resume; unused with --on-runaway ignore; negative
@@ -628,7 +629,27 @@ def test_lr_cut_after_goes_back_at_the_first_event_without_a_cut(tmp_path, capsy
     ratio = {m["step"]: m["lr_mean"]["mlp"] / f["lr_mean"]["mlp"] for m, f in zip(cut, free)}
     assert all(ratio[t] == pytest.approx(1.0) for t in range(1, 13)), ratio
     assert all(ratio[t] == pytest.approx(0.6) for t in range(13, 17)), ratio
-    capsys.readouterr()
+    # killed at step 14 (its checkpoint at 12 holds both events: the uncut one and the cut) and resumed: the run that
+    # was never stopped, bit for bit (its third event, at step 16, cuts as the second after the free one)
+    from hdet.app.runs import EngineRun
+
+    real, calls = EngineRun.step, [0]
+
+    def killed_at_14(self, batches):
+        calls[0] += 1
+        if calls[0] == 14:
+            raise KeyboardInterrupt
+        return real(self, batches)
+
+    monkeypatch.setattr(EngineRun, "step", killed_at_14)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["train", *args, "--lr-cut", "0.6", "--lr-cut-after", "1", "--out", str(tmp_path / "again")]) == 130
+        monkeypatch.undo()
+        assert main(["train", *args, "--lr-cut", "0.6", "--lr-cut-after", "1", "--out", str(tmp_path / "again"),
+                     "--resume"]) == 0
+    assert "resumed from step 12" in capsys.readouterr().out
+    _same_run(tmp_path / "cut", tmp_path / "again")
     assert main(["train", *args, "--lr-cut", "0.6", "--lr-cut-after", "0", "--out", str(tmp_path / "cut"),
                  "--resume"]) == 2
     assert "--lr-cut-after 1 -> 0" in capsys.readouterr().err
