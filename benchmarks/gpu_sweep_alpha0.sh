@@ -9,6 +9,9 @@
 #        with `STARTS=0.1,10` and seeds 28-35 (its JSON, named with a comma, did not come back: `--collect`ed into
 #        `..._x0.1-10_s28-35.json` on the warm machine), call 9 seeds 36-43. Call 10: the factor 2.5 instead of sqrt(8),
 #        from 1x at seeds 28-43, paired with call 7: `EXTRA="--lr-sweep-factor 2.5" TAG=_f2.5 STARTS=1 ...`.
+#        Session 50, the confirmation of --lr-cut-after 1 at fresh seeds (../confirm_after1/): call 1 `STARTS=1
+#        FASHION_STARTS=0.1,1,10 BYTES_SEEDS=44,...,59 FASHION_SEEDS=18,19,20 DEADLINE=480`, calls 2-3 `STARTS=0.1,10
+#        BYTES_SEEDS=44,...,51 FASHION_SEEDS=` and 52-59 (FASHION_STARTS: Fashion-MNIST's starts, STARTS' otherwise).
 set -x
 export PYTHONPATH=$PWD/src
 BS=${BYTES_SEEDS-12,13,14,15,16}
@@ -20,9 +23,10 @@ if [ -n "$BS" ]; then
     --out $OUT/lr_sweep_cli_alpha0${TAG}_bytes_x${STARTS//,/-}_s${BS//,/-}.json > $OUT/sweep_bytes.log 2>&1 &
 fi
 if [ -n "$FS" ]; then
-  python benchmarks/lr_sweep_cli.py --tasks fashion --starts ${STARTS:-0.1,1,10} --seeds $FS --then restart \
+  FST=${FASHION_STARTS:-${STARTS:-0.1,1,10}}
+  python benchmarks/lr_sweep_cli.py --tasks fashion --starts $FST --seeds $FS --then restart \
     --deadline ${DEADLINE:-540} --runs /tmp/lsc_f --extra "--alpha 0" \
-    --out $OUT/lr_sweep_cli_alpha0_fashion_s${FS//,/-}.json > $OUT/sweep_fashion.log 2>&1 &
+    --out $OUT/lr_sweep_cli_alpha0${TAG}_fashion_x${FST//,/-}_s${FS//,/-}.json > $OUT/sweep_fashion.log 2>&1 &
 fi
 wait
 tail -n 12 $OUT/sweep_*.log
