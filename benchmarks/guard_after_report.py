@@ -25,28 +25,41 @@ from sweep_alpha0_report import BEST, R, alpha0  # noqa: E402  (same folder)
 RERUNS = ["call2/guard_events_after1_a0.json", "call3/guard_events_after1_s12-27.json"]
 
 
+Key = tuple[float, int]  # (start, seed)
+
+
+def replaced(variant: str = "recover:0.7:1", source: dict[Key, tuple[float, bool]] | None = None,
+             reruns: list[Path] | None = None, again_guard: str = "recover") -> tuple[dict, dict, dict]:
+    """Each source run's metric (``before``), the same with every event run's ``variant`` rerun in its place
+    (``after``), and per event run (before, after, events in the ``again_guard`` rerun, events in the variant's). The
+    ``again_guard`` rerun must repeat its source run to the digit, and every run the guard acted in must have a rerun."""
+    source = alpha0("bytes") if source is None else source
+    before = {k: m for k, (m, _) in source.items()}
+    after = dict(before)
+    events: dict[Key, tuple[float, float, int, int]] = {}
+    for f in reruns or [R / "guard_after" / f for f in RERUNS]:
+        rows = json.loads(Path(f).read_text())["runs"]
+        mine = {(r["start"], r["seed"]): r for r in rows if r["guard"] == variant}
+        again = {(r["start"], r["seed"]): r for r in rows if r["guard"] == again_guard}
+        for k, r in mine.items():
+            if abs(again[k]["metric"] - before[k]) > 1e-9:  # (the rerun of the source's rule is its source run)
+                raise SystemExit(f"{k}: the {again_guard} rerun ({again[k]['metric']}) is not its source run "
+                                 f"({before[k]})")
+            after[k] = r["metric"]
+            events[k] = (before[k], r["metric"], again[k]["events"], r["events"])
+    acted = {k for k, (_, x) in source.items() if x}
+    if acted != set(events):  # (a run the guard acted in without its rerun would keep the source rule's metric)
+        raise SystemExit(f"Expected a rerun of every run the guard acted in: none for {sorted(acted - set(events))}, "
+                         f"reruns of runs it did not act in: {sorted(set(events) - acted)}")
+    return before, after, events
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variant", default="recover:0.7:1")
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    source = alpha0("bytes")
-    before = {k: m for k, (m, _) in source.items()}
-    after = dict(before)
-    events: dict[tuple[float, int], tuple[float, float, int, int]] = {}
-    for f in RERUNS:
-        rows = json.loads((R / "guard_after" / f).read_text())["runs"]
-        mine = {(r["start"], r["seed"]): r for r in rows if r["guard"] == a.variant}
-        again = {(r["start"], r["seed"]): r for r in rows if r["guard"] == "recover"}
-        for k, r in mine.items():
-            if abs(again[k]["metric"] - before[k]) > 1e-9:  # (the rerun of the rule before is its source run)
-                raise SystemExit(f"{k}: the recover rerun ({again[k]['metric']}) is not its source run ({before[k]})")
-            after[k] = r["metric"]
-            events[k] = (before[k], r["metric"], again[k]["events"], r["events"])
-    acted = {k for k, (_, x) in source.items() if x}
-    if acted != set(events):  # (a run the guard acted in without its rerun would keep the rule before's metric)
-        raise SystemExit(f"Expected a rerun of every run the guard acted in: none for {sorted(acted - set(events))}, "
-                         f"reruns of runs it did not act in: {sorted(set(events) - acted)}")
+    before, after, events = replaced(a.variant)
     rel = lambda x: 100 * (x / BEST["bytes"] - 1)  # noqa: E731
     rec: dict = {"command": "python " + " ".join(sys.argv), "variant": a.variant, "best": BEST["bytes"], "starts": []}
     for start in sorted({k[0] for k in before}):
@@ -75,16 +88,22 @@ def main() -> None:
     Path(a.out).write_text(json.dumps(rec, indent=1))
 
 
-def fashion() -> dict:
-    """Fashion-MNIST's recipe (seeds 12-17) with its 3 event runs replaced by call 5's, run after ``hdet train``'s
-    default became ``--lr-cut-after 1`` (both of its arms ran that rule and agree to the digit). Its GPU path is not
-    bit-reproducible (a rerun of the same run differs by up to 0.24 point), so these are not paired with the sources."""
+def fashion_after() -> tuple[dict[Key, float], dict[Key, float]]:
+    """Fashion-MNIST's recipe runs (seeds 12-17) before and after call 5's reruns of its 3 event runs (see fashion)."""
     before = {k: m for k, (m, _) in alpha0("fashion").items()}
     after = dict(before)
     runs = json.loads((R / "guard_after" / "call5" / "guard_events_after1_fashion.json").read_text())["runs"]
     for r in runs:
         if r["guard"] == "recover:0.7:1":
             after[(r["start"], r["seed"])] = r["metric"]
+    return before, after
+
+
+def fashion() -> dict:
+    """Fashion-MNIST's recipe (seeds 12-17) with its 3 event runs replaced by call 5's, run after ``hdet train``'s
+    default became ``--lr-cut-after 1`` (both of its arms ran that rule and agree to the digit). Its GPU path is not
+    bit-reproducible (a rerun of the same run differs by up to 0.24 point), so these are not paired with the sources."""
+    before, after = fashion_after()
     out = {"replaced": {f"{k[0]:g}x-s{k[1]}": [before[k], after[k]] for k in sorted(after) if after[k] != before[k]},
            "starts": []}
     for start in sorted({k[0] for k in before}):
