@@ -47,6 +47,8 @@ def main() -> None:
     p.add_argument("--names", default="", help="comma-separated run names of the sources (instead of their events)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--data", default="data/fashion")
+    p.add_argument("--steps", default="1500", help="the runs' --steps (the run after the sweep: 1250 for the recipe at "
+                                                  "one run's compute, `lr_sweep_cli.py --steps 1250`)")
     p.add_argument("--runs", default="runs/guard_events")
     p.add_argument("--deadline", type=float, default=480.0)
     p.add_argument("--out", required=True)
@@ -73,7 +75,7 @@ def main() -> None:
                 print(f"{r['name']}: its source does not say its --alpha, and no --alpha was given: rerun at hdet "
                       "train's default without a sweep (0.2), which is not its run if it ran at alpha 0 after its "
                       "sweep (hdet train's default there since 2026-12-01)", file=sys.stderr)
-            cmd = train_command(a.task, r["seed"], "1500", a.device, a.data,
+            cmd = train_command(a.task, r["seed"], a.steps, a.device, a.data,
                                 ["--max-lr", repr(r["lr_sweep"]["max_lr"]), "--on-runaway", on]
                                 + (["--alpha", repr(alpha)] if alpha is not None else [])  # (the source run's
                                 # spread, alpha 0 after a sweep: a run without a sweep defaults to 0.2)
