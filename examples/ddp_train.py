@@ -86,6 +86,9 @@ def main() -> None:
     p.add_argument("--T", type=int, default=25, help="sync interval (steps)")
     p.add_argument("--on-runaway", choices=["ignore", "recover"], default=None, help="the stability guard (default: "
                    "recover with --lr-sweep, where it takes the spread's place; ignore, the paper's HDET, without)")
+    p.add_argument("--lr-cut-after", type=int, default=1, help="with --on-runaway recover: the first this many of "
+                   "the guard's events go back without cutting the LR (hdet train's default, 1: measured with the sweep "
+                   "recipe, docs/reliability.md; the library's HDETConfig default is 0)")
     p.add_argument("--auto-lr", action="store_true", help="auto-LR with the paper's controller (the library's default, "
                    "the fit controller, needs probe=: docs/auto-lr.md)")
     p.add_argument("--warmup", type=int, default=None, help="auto-LR warmup steps (default: 100, or a third of "
@@ -157,12 +160,12 @@ def main() -> None:
         if rank == 0:
             print(f"lr sweep: the best of {res.lrs[0]:.2g}-{res.lrs[-1]:.2g} at {res.lrs[res.winner]:.2g}, the pick "
                   f"{res.pick:.3g} (the fit's vertex); the run at --max-lr {res.max_lr:.3g} ({res.lr_factor:.3g} x the "
-                  f"pick), --alpha {a.alpha:g}, --on-runaway {a.on_runaway}", flush=True)
+                  f"pick), --alpha {a.alpha:g}, --on-runaway {a.on_runaway} (--lr-cut-after {a.lr_cut_after})", flush=True)
     opt = torch.optim.AdamW(ddp.parameters(), lr=max_lr, weight_decay=0.01)
     sched = hdet.OneCycleAutoLR(
         opt, max_lr=max_lr, total_steps=a.steps, ensemble_lr_spread_ratio=a.alpha, model_sync_interval=a.T,
         controller="paper", enable_auto_lr=a.auto_lr, auto_lr_warmup_steps=a.warmup, model=ddp, seed=a.seed,
-        on_runaway=a.on_runaway,
+        on_runaway=a.on_runaway, lr_cut_after=a.lr_cut_after,
     )
     if a.warm_init:
         hdet.warm_init_(model, nu=0.01, seed=a.seed)
@@ -182,7 +185,8 @@ def main() -> None:
             rec = sched.last_sync  # the window that just ended: its losses, its multipliers; rec.bases: the base LR
             base = lr / used[rank]  # after the sync (moved where the controller or the guard's cut moved it)
             syncs.append({"step": t, "losses": rec.losses, "base_lr": base, "base_lr_after_sync": rec.bases[0],
-                          "multipliers": used, "next_multipliers": rec.multipliers[0]})
+                          "multipliers": used, "next_multipliers": rec.multipliers[0],
+                          "went_back_to": rec.went_back_to, "lr_scale": rec.lr_scale})  # (the stability guard's)
             if rank == 0:
                 losses = ", ".join(f"{v:.3f}" for v in rec.losses or [])
                 print(f"step {t:5d}  replica losses [{losses}]  base lr {base:.2e}  "

@@ -547,6 +547,37 @@ def test_the_ddp_examples_lr_sweep_refuses_a_sweep_too_short_to_judge():
     assert p.returncode == 2 and "at least 10 steps, but --lr-sweep 0.1 of --steps 60 is 6" in p.stderr
 
 
+def test_the_ddp_examples_stability_guard_goes_back_without_a_cut_at_its_first_event_as_hdet_train_does(tmp_path):
+    """The example's --on-runaway recover with hdet train's --lr-cut-after 1 (the rule the sweep recipe was measured
+    with; the library's default is 0): started far too high, its first event goes back with the LR schedule uncut and
+    the next cuts it by 0.7, where --lr-cut-after 0 cuts at the first. Checked on what the summary reports: each sync's
+    go-back and LR scale, and the next window's base LR against OneCycleLR's."""
+    def run(*extra):
+        out = tmp_path / f"guard{len(extra)}.json"
+        p = subprocess.run([sys.executable, str(EXAMPLES / "ddp_train.py"), "--steps", "60", "--T", "10", "--batch",
+                            "4", "--ctx", "16", "--data-bytes", "200000", "--max-lr", "5.0", "--alpha", "0",
+                            "--on-runaway", "recover", "--out", str(out), *extra],
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(out.read_text())
+    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=5.0)
+    one_cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5.0, total_steps=60)
+    base = []  # base[t - 1]: step t's LR
+    for _ in range(60):
+        base.append(opt.param_groups[0]["lr"])
+        opt.step()
+        one_cycle.step()
+    for extra, scales in (((), [1.0, 0.7]), (("--lr-cut-after", "0"), [0.7, 0.7 ** 3])):
+        s = run(*extra)
+        assert s["args"]["lr_cut_after"] == (int(extra[1]) if extra else 1)
+        syncs = {x["step"]: x for x in s["syncs"]}
+        events = [x for x in s["syncs"] if x["went_back_to"] is not None]
+        assert len(events) >= 2, s["syncs"]
+        assert [x["lr_scale"] for x in events[:2]] == pytest.approx(scales, rel=1e-12)
+        t = events[0]["step"] + 10  # the window after the first event trains at OneCycle's base times the scale
+        assert syncs[t]["base_lr"] == pytest.approx(scales[0] * base[t - 1], rel=1e-9)
+
+
 def test_the_ddp_example_refuses_an_out_path_it_cannot_write_before_training(tmp_path):
     """--out under a file (or a folder as --out): the whole run trained, then died writing its summary (an audit)."""
     (tmp_path / "afile").write_text("")

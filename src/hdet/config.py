@@ -63,7 +63,9 @@ class HDETConfig:
         lr_cut_after: with "recover": the first this many events go back (and reset their runaway replicas) without
             cutting the LR; the k-th after them cuts by ``lr_cut ** k``. A loss spike is often its batches' and not
             the LR's, and the data moves on past them when the run goes back (PaLM's rewind and skip: arXiv
-            2204.02311). Default 0: every event cuts.
+            2204.02311). Default 0: every event cuts. ``hdet train`` and ``examples/ddp_train.py`` use 1, the rule
+            the LR sweep's recipe was measured with (confirmed at fresh seeds: ``docs/reliability.md``); from a start
+            10x too high without a sweep the two were about even.
         lr_range_test: an LR range test during the warm-up (the first ``auto_lr_warmup_steps`` steps,
             :mod:`hdet.range_test`): the LR schedule is multiplied by a factor that starts at 1/25 and grows at
             every sync until the ensemble's loss stops making progress or turns unstable; the peak LR becomes the
