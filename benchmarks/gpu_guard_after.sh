@@ -7,6 +7,8 @@
 # the source run's --alpha then (it does now); call 2 is the same command at alpha 0: TAG=_after1_a0. Call 3: the
 # event runs of seeds 12-27 (calls 1-3, whose rows do not say their alpha: --alpha 0 given):
 # SOURCES="$D/call1/*bytes*.json $D/call2/*.json $D/call3/*.json" TAG=_after1_s12-27 bash benchmarks/gpu_guard_after.sh
+# Session 50 (../confirm_after1/ call 4): the fresh seeds' event runs with the rule before and the default:
+# SOURCES="<confirm_after1 calls 1-3's GPT JSONs>" GUARDS=recover,recover:0.7:0 TAG=_confirm DEADLINE=400
 set -x
 export PYTHONPATH=$PWD/src
 python -c "import sys,torch;print(sys.version, torch.__version__, torch.cuda.get_device_name())" > $OUT/env.txt

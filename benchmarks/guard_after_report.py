@@ -42,6 +42,8 @@ def replaced(variant: str = "recover:0.7:1", source: dict[Key, tuple[float, bool
         mine = {(r["start"], r["seed"]): r for r in rows if r["guard"] == variant}
         again = {(r["start"], r["seed"]): r for r in rows if r["guard"] == again_guard}
         for k, r in mine.items():
+            if k not in again:
+                raise SystemExit(f"{k}: {f} has a {variant} rerun but no {again_guard} rerun to check it against")
             if abs(again[k]["metric"] - before[k]) > 1e-9:  # (the rerun of the source's rule is its source run)
                 raise SystemExit(f"{k}: the {again_guard} rerun ({again[k]['metric']}) is not its source run "
                                  f"({before[k]})")

@@ -86,9 +86,9 @@ def main() -> None:
     p.add_argument("--T", type=int, default=25, help="sync interval (steps)")
     p.add_argument("--on-runaway", choices=["ignore", "recover"], default=None, help="the stability guard (default: "
                    "recover with --lr-sweep, where it takes the spread's place; ignore, the paper's HDET, without)")
-    p.add_argument("--lr-cut-after", type=int, default=1, help="with --on-runaway recover: the first this many of "
-                   "the guard's events go back without cutting the LR (hdet train's default, 1: measured with the sweep "
-                   "recipe, docs/reliability.md; the library's HDETConfig default is 0)")
+    p.add_argument("--lr-cut-after", type=int, default=None, help="with --on-runaway recover: the first this many of "
+                   "the guard's events go back without cutting the LR (default 1, hdet train's: measured with the "
+                   "sweep recipe, docs/reliability.md; the library's HDETConfig default is 0)")
     p.add_argument("--auto-lr", action="store_true", help="auto-LR with the paper's controller (the library's default, "
                    "the fit controller, needs probe=: docs/auto-lr.md)")
     p.add_argument("--warmup", type=int, default=None, help="auto-LR warmup steps (default: 100, or a third of "
@@ -110,6 +110,11 @@ def main() -> None:
         a.alpha = 0.0 if a.lr_sweep else 0.2
     if a.on_runaway is None:
         a.on_runaway = "recover" if a.lr_sweep else "ignore"
+    if a.lr_cut_after is not None and a.lr_cut_after < 0:
+        p.error(f"expected --lr-cut-after to be a whole number >= 0, but got {a.lr_cut_after}")
+    if a.lr_cut_after is not None and a.on_runaway != "recover":
+        p.error(f"--lr-cut-after acts only with --on-runaway recover, but got --on-runaway {a.on_runaway}")
+    a.lr_cut_after = 1 if a.lr_cut_after is None else a.lr_cut_after
     if not 0 <= a.lr_sweep < 1:
         p.error(f"expected --lr-sweep in [0, 1) (a fraction of --steps), but got {a.lr_sweep}")
     if a.lr_sweep and round(a.lr_sweep * a.steps) < hdet.sweep.MIN_STEPS:

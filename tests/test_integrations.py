@@ -551,7 +551,8 @@ def test_the_ddp_examples_stability_guard_goes_back_without_a_cut_at_its_first_e
     """The example's --on-runaway recover with hdet train's --lr-cut-after 1 (the rule the sweep recipe was measured
     with; the library's default is 0): started far too high, its first event goes back with the LR schedule uncut and
     the next cuts it by 0.7, where --lr-cut-after 0 cuts at the first. Checked on what the summary reports: each sync's
-    go-back and LR scale, and the next window's base LR against OneCycleLR's."""
+    go-back and LR scale, the warning a user reads, and the next window's base LR against OneCycleLR's; a negative
+    value, or one without the guard, is refused."""
     def run(*extra):
         out = tmp_path / f"guard{len(extra)}.json"
         p = subprocess.run([sys.executable, str(EXAMPLES / "ddp_train.py"), "--steps", "60", "--T", "10", "--batch",
@@ -559,7 +560,7 @@ def test_the_ddp_examples_stability_guard_goes_back_without_a_cut_at_its_first_e
                             "--on-runaway", "recover", "--out", str(out), *extra],
                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, p.stderr[-3000:]
-        return json.loads(out.read_text())
+        return json.loads(out.read_text()), p.stderr
     opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=5.0)
     one_cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5.0, total_steps=60)
     base = []  # base[t - 1]: step t's LR
@@ -568,14 +569,20 @@ def test_the_ddp_examples_stability_guard_goes_back_without_a_cut_at_its_first_e
         opt.step()
         one_cycle.step()
     for extra, scales in (((), [1.0, 0.7]), (("--lr-cut-after", "0"), [0.7, 0.7 ** 3])):
-        s = run(*extra)
+        s, warned = run(*extra)
         assert s["args"]["lr_cut_after"] == (int(extra[1]) if extra else 1)
+        assert ("not cut (event 1 of the first lr_cut_after=1" in warned) == (not extra), warned[-3000:]
         syncs = {x["step"]: x for x in s["syncs"]}
         events = [x for x in s["syncs"] if x["went_back_to"] is not None]
         assert len(events) >= 2, s["syncs"]
         assert [x["lr_scale"] for x in events[:2]] == pytest.approx(scales, rel=1e-12)
         t = events[0]["step"] + 10  # the window after the first event trains at OneCycle's base times the scale
         assert syncs[t]["base_lr"] == pytest.approx(scales[0] * base[t - 1], rel=1e-9)
+    for extra, said in ((("--lr-cut-after", "-1", "--on-runaway", "recover"), "whole number >= 0, but got -1"),
+                        (("--lr-cut-after", "1"), "only with --on-runaway recover, but got --on-runaway ignore")):
+        p = subprocess.run([sys.executable, str(EXAMPLES / "ddp_train.py"), "--steps", "20", *extra],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and said in p.stderr and "step " not in p.stdout, p.stderr
 
 
 def test_the_ddp_example_refuses_an_out_path_it_cannot_write_before_training(tmp_path):
