@@ -165,7 +165,8 @@ def main() -> None:
         if rank == 0:
             print(f"lr sweep: the best of {res.lrs[0]:.2g}-{res.lrs[-1]:.2g} at {res.lrs[res.winner]:.2g}, the pick "
                   f"{res.pick:.3g} (the fit's vertex); the run at --max-lr {res.max_lr:.3g} ({res.lr_factor:.3g} x the "
-                  f"pick), --alpha {a.alpha:g}, --on-runaway {a.on_runaway} (--lr-cut-after {a.lr_cut_after})", flush=True)
+                  f"pick), --alpha {a.alpha:g}, --on-runaway {a.on_runaway} (--lr-cut-after {a.lr_cut_after})",
+                  flush=True)
     opt = torch.optim.AdamW(ddp.parameters(), lr=max_lr, weight_decay=0.01)
     sched = hdet.OneCycleAutoLR(
         opt, max_lr=max_lr, total_steps=a.steps, ensemble_lr_spread_ratio=a.alpha, model_sync_interval=a.T,
