@@ -631,17 +631,7 @@ def test_lr_cut_after_goes_back_at_the_first_event_without_a_cut(tmp_path, monke
     assert all(ratio[t] == pytest.approx(0.6) for t in range(13, 17)), ratio
     # killed at step 14 (its checkpoint at 12 holds both events: the uncut one and the cut) and resumed: the run that
     # was never stopped, bit for bit (its third event, at step 16, cuts as the second after the free one)
-    from hdet.app.runs import EngineRun
-
-    real, calls = EngineRun.step, [0]
-
-    def killed_at_14(self, batches):
-        calls[0] += 1
-        if calls[0] == 14:
-            raise KeyboardInterrupt
-        return real(self, batches)
-
-    monkeypatch.setattr(EngineRun, "step", killed_at_14)
+    _kill_at_step(monkeypatch, 14)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert main(["train", *args, "--lr-cut", "0.6", "--lr-cut-after", "1", "--out", str(tmp_path / "again")]) == 130
@@ -845,20 +835,10 @@ def test_a_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, capsys, mode):
     """`hdet train` killed at step 25 (its checkpoint at 15, its records written to 24) and run again with
     --resume ends as the run that was never stopped: the same records, schedule, weights and losses (with the fit
     controller's probes, explored weight decay and dropout, dropout masks and the data streams mid-way)."""
-    from hdet.app.runs import EngineRun
-
     args = [*RESUMABLE, "--mode", mode] + ["--explore", "weight-decay"] * (mode != "loop")  # (dropout: loop only)
     assert main(["train", *args, "--out", str(tmp_path / "whole")]) == 0
     assert json.loads((tmp_path / "whole" / "summary.json").read_text())["mode"] == "engine-" + mode
-    real, calls = EngineRun.step, [0]
-
-    def killed_at_25(self, batches):
-        calls[0] += 1
-        if calls[0] == 25:
-            raise KeyboardInterrupt
-        return real(self, batches)
-
-    monkeypatch.setattr(EngineRun, "step", killed_at_25)
+    _kill_at_step(monkeypatch, 25)
     cut = tmp_path / "cut"
     assert main(["train", *args, "--out", str(cut)]) == 130
     assert "the same command with --resume goes on" in capsys.readouterr().err
@@ -944,8 +924,6 @@ def test_resume_leaves_no_stale_end_and_reads_the_records_first(tmp_path, monkey
     mid-way is an error before either file is cut); a last line cut short by the kill goes; a finished run resumed
     and stopped again keeps no summary or model of the earlier end; --init-from is not read again; a fresh run clears
     an earlier run's checkpoints, half-written ones included."""
-    from hdet.app.runs import EngineRun
-
     missing = tmp_path / "none"
     assert main(["train", *TINY, "--out", str(missing), "--resume"]) == 2
     assert "Expected a run folder to resume at" in capsys.readouterr().err and not missing.exists()
@@ -965,15 +943,7 @@ def test_resume_leaves_no_stale_end_and_reads_the_records_first(tmp_path, monkey
     assert "Expected one JSON record a line in" in capsys.readouterr().err
     assert (cut / "syncs.jsonl").read_text() == syncs + '{"step": 2'  # neither file cut
     (cut / "metrics.jsonl").write_text(metrics)
-    real, calls = EngineRun.step, [0]
-
-    def killed_at_20(self, batches):
-        calls[0] += 1
-        if calls[0] == 5:  # step 20 of the resumed run
-            raise KeyboardInterrupt
-        return real(self, batches)
-
-    monkeypatch.setattr(EngineRun, "step", killed_at_20)
+    _kill_at_step(monkeypatch, 5)  # step 20 of the resumed run
     assert main(["train", *args, "--out", str(cut), "--resume"]) == 130
     monkeypatch.undo()
     assert not (cut / "summary.json").exists() and not (cut / "model.pt").exists()  # not the earlier end's
@@ -1261,6 +1231,21 @@ def test_torchrun_ranks_killed_after_their_sweep_resume_without_sweeping_again(t
     out = torchrun("--out", str(tmp_path / "cut"), "--resume")
     assert "lr sweep:" not in out and "resumed from step 0" in out
     _same_run(tmp_path / "whole", tmp_path / "cut")
+
+
+def _kill_at_step(monkeypatch, n: int) -> None:
+    """A Ctrl-C at the n-th engine step this process runs from now (a run killed there); ``monkeypatch.undo()`` ends
+    it."""
+    from hdet.app.runs import EngineRun
+
+    real, calls = EngineRun.step, [0]
+
+    def killed(self, batches):
+        calls[0] += 1
+        if calls[0] == n:
+            raise KeyboardInterrupt
+        return real(self, batches)
+    monkeypatch.setattr(EngineRun, "step", killed)
 
 
 def _kill_after_round_2(monkeypatch) -> None:
