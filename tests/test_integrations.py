@@ -547,6 +547,18 @@ def test_the_ddp_examples_lr_sweep_refuses_a_sweep_too_short_to_judge():
     assert p.returncode == 2 and "at least 10 steps, but --lr-sweep 0.1 of --steps 60 is 6" in p.stderr
 
 
+def _one_cycle_lrs(max_lr: float, steps: int) -> list[float]:
+    """torch's OneCycleLR (its defaults) over ``steps``: the list's [t - 1] is step t's LR, the examples' base LR."""
+    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=max_lr)
+    one_cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=max_lr, total_steps=steps)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        one_cycle.step()
+    return lrs
+
+
 def test_the_ddp_examples_stability_guard_goes_back_without_a_cut_at_its_first_event_as_hdet_train_does(tmp_path):
     """The example's --on-runaway recover with hdet train's --lr-cut-after 1 (the rule the sweep recipe was measured
     with; the library's default is 0): started far too high, its first event goes back with the LR schedule uncut and
@@ -561,13 +573,7 @@ def test_the_ddp_examples_stability_guard_goes_back_without_a_cut_at_its_first_e
                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, p.stderr[-3000:]
         return json.loads(out.read_text()), p.stderr
-    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=5.0)
-    one_cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5.0, total_steps=60)
-    base = []  # base[t - 1]: step t's LR
-    for _ in range(60):
-        base.append(opt.param_groups[0]["lr"])
-        opt.step()
-        one_cycle.step()
+    base = _one_cycle_lrs(5.0, 60)
     for extra, scales in (((), [1.0, 0.7]), (("--lr-cut-after", "0"), [0.7, 0.7 ** 3])):
         s, warned = run(*extra)
         assert s["args"]["lr_cut_after"] == (int(extra[1]) if extra else 1)
@@ -621,13 +627,7 @@ def test_the_ddp_examples_lr_sweep_then_trains_from_the_initial_weights_at_its_p
     plain, _ = run(tmp_path / "plain.json", "--max-lr", repr(sw["max_lr"]), "--alpha", "0", "--on-runaway", "recover")
     assert plain["lr_sweep"] is None and plain["val_loss"] == s["val_loss"]
     assert [x["losses"] for x in plain["syncs"]] == [x["losses"] for x in s["syncs"]]
-    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=sw["max_lr"])
-    one_cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=sw["max_lr"], total_steps=40)
-    base = []  # base[t - 1]: step t's LR
-    for _ in range(40):
-        base.append(opt.param_groups[0]["lr"])
-        opt.step()
-        one_cycle.step()
+    base = _one_cycle_lrs(sw["max_lr"], 40)
     assert [x["base_lr"] for x in s["syncs"]] == pytest.approx([base[t - 1] for t in (10, 20, 30, 40)], rel=1e-12)
 
 
@@ -669,13 +669,7 @@ def test_the_ddp_example_reports_each_window_with_its_own_multipliers_and_base(t
         assert f"base lr {x['base_lr']:.2e}" in line and f"multipliers {[round(m, 3) for m in x['multipliers']]}" in line
     # the base LR each window trained at: OneCycle's from the base the controller set at the sync before (an audit: the
     # line gave the base set for the next window, 22x off the one used)
-    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=1e-3)
-    one_cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=s["args"]["max_lr"], total_steps=30)
-    base = []  # base[t - 1]: step t's LR
-    for _ in range(30):
-        base.append(opt.param_groups[0]["lr"])
-        opt.step()
-        one_cycle.step()
+    base = _one_cycle_lrs(s["args"]["max_lr"], 30)
     moved = [x for x in syncs if x["base_lr_after_sync"] != pytest.approx(base[x["step"] - 1], rel=1e-6)]
     assert moved and moved[0]["step"] < 30  # the controller's first move (the windows before: OneCycle's bases)
     for x in syncs[:syncs.index(moved[0]) + 1]:
