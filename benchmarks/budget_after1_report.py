@@ -18,25 +18,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sweep_alpha0_report import BEST, R, acted  # noqa: E402  (same folder)
+from confirm_after1_report import cell, runs  # noqa: E402  (same folder)
+from sweep_alpha0_report import BEST, R  # noqa: E402
 
 HERE = R / "budget_after1"
 BEFORE = {"bytes": ["sweep_budget/call7/sweep_budget_bytes_sweep0.2_x0.1-1-10_s12-13-14-15-16.json",
                     "sweep_alpha0/call4/sweep_budget_alpha0_bytes_s17-21.json"],
           "fashion": ["sweep_alpha0/call6/sweep_budget_alpha0_fashion_s12-17.json"]}  # the cells these replace
 REGISTERED = {"bytes": (range(12, 22), range(22, 27)), "fashion": (range(12, 18), range(0))}  # (calls 1-2, call 3)
-
-
-def runs(files: list[Path]) -> dict[tuple[float, int], tuple[float, bool]]:
-    out: dict[tuple[float, int], tuple[float, bool]] = {}
-    for f in files:
-        for r in json.loads(f.read_text())["runs"]:
-            if r.get("metric") is None:
-                raise SystemExit(f"{r['name']} in {f} has no metric (crashed or stopped): the test counts every run")
-            if (r["start"], r["seed"]) in out:
-                raise SystemExit(f"{r['name']} in {f}: a second run of the same start and seed")
-            out[(r["start"], r["seed"])] = (r["metric"], acted(r["log_tail"]))
-    return out
 
 
 def now(task: str) -> dict[tuple[float, int], tuple[float, bool]]:
@@ -48,13 +37,6 @@ def now(task: str) -> dict[tuple[float, int], tuple[float, bool]]:
         raise SystemExit(f"Expected the registered {task} runs: missing {sorted(want - set(out))}, not registered "
                          f"{sorted(set(out) - want - extra)}")
     return out
-
-
-def cell(values: list[float], best: float, relative: bool) -> dict:
-    m, se = st.mean(values), st.stdev(values) / len(values) ** 0.5
-    if relative:
-        return {"n": len(values), "mean": m, "vs_best_pct": 100 * (m / best - 1), "se_pct": 100 * se / best}
-    return {"n": len(values), "mean": m, "vs_best_pt": m - best, "se_pt": se}
 
 
 def main() -> None:

@@ -32,15 +32,22 @@ HERE = R / "confirm_after1"
 REGISTERED = {"bytes": range(44, 60), "fashion": range(18, 21)}  # the seeds the test wrote down, from 0.1x, 1x, 10x
 
 
-def fresh(task: str) -> dict[tuple[float, int], tuple[float, bool]]:
-    out = {}
-    for f in sorted(HERE.glob(f"call[123]/lr_sweep_cli_alpha0_{task}_*.json")):
+def runs(files: list[Path]) -> dict[tuple[float, int], tuple[float, bool]]:
+    """Every run in ``files`` (``lr_sweep_cli.py`` JSONs) by (start, seed): its metric and whether the guard acted;
+    a run without a metric (crashed or stopped) or twice stops the report."""
+    out: dict[tuple[float, int], tuple[float, bool]] = {}
+    for f in files:
         for r in json.loads(f.read_text())["runs"]:
             if r.get("metric") is None:
                 raise SystemExit(f"{r['name']} in {f} has no metric (crashed or stopped): the test counts every run")
             if (r["start"], r["seed"]) in out:
                 raise SystemExit(f"{r['name']} in {f}: a second run of the same start and seed")
             out[(r["start"], r["seed"])] = (r["metric"], acted(r["log_tail"]))
+    return out
+
+
+def fresh(task: str) -> dict[tuple[float, int], tuple[float, bool]]:
+    out = runs(sorted(HERE.glob(f"call[123]/lr_sweep_cli_alpha0_{task}_*.json")))
     want = {(s0, sd) for s0 in (0.1, 1.0, 10.0) for sd in REGISTERED[task]}
     if set(out) != want:
         raise SystemExit(f"Expected the registered {task} runs, {len(want)}: missing {sorted(want - set(out))}, "
