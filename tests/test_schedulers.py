@@ -1380,6 +1380,69 @@ def test_a_lambdalr_bases_host_copy_follows_its_base_lrs():
         assert check(lambda b: setattr(b.base_lrs[0], "data", torch.tensor(0.2))) == pytest.approx(0.192)
 
 
+STEP_FUNCTION_BASES = {
+    "CosineAnnealingLR": dict(T_max=7, eta_min=0.01), "StepLR": dict(step_size=3, gamma=0.5),
+    "MultiStepLR": dict(milestones=[2, 5], gamma=0.3), "LinearLR": dict(start_factor=0.2, total_iters=4),
+    "ConstantLR": dict(factor=0.5, total_iters=3), "ExponentialLR": dict(gamma=0.9),
+    "PolynomialLR": dict(total_iters=6, power=2.0)}
+
+
+@pytest.mark.parametrize("name", list(STEP_FUNCTION_BASES))
+def test_a_step_function_bases_lrs_over_device_tensor_lrs_are_read_once_not_every_step(name, monkeypatch):
+    """Over device tensor LRs (a capturable or compiled optimizer's) a torch scheduler whose LR is a function of the
+    step gives HDETLR its closed form on the host, over base LRs read from the device once: it read the LRs back at
+    every step (a host sync a step, docs/cost.md). The LRs set are those over float LRs, step for step, and a base
+    LR written in place is read again (once). A tensor subclass that says it is on a GPU stands in for one; every read of
+    one through hdet's ``as_float`` is counted."""
+    import hdet.schedulers as S
+
+    class OnGPU(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+    reads = []
+    as_float = S.as_float
+
+    def counted(x):
+        if isinstance(x, OnGPU):
+            reads.append(1)
+        return as_float(x)
+    monkeypatch.setattr(S, "as_float", counted)
+
+    def run(tensor_lr, write_at=None):
+        torch.manual_seed(0)
+        net = torch.nn.Linear(3, 1)
+        lr = torch.tensor(0.1).as_subclass(OnGPU) if tensor_lr else 0.1
+        opt = torch.optim.SGD(net.parameters(), lr=lr)
+        base = getattr(torch.optim.lr_scheduler, name)(opt, **STEP_FUNCTION_BASES[name])
+        sched = hdet.HDETLR(opt, base, total_steps=10)
+        lrs, counts = [], []
+        for t in range(10):
+            if t == write_at:
+                torch.Tensor.mul_(base.base_lrs[0], 2)
+            net(torch.ones(2, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            reads.clear()
+            sched.step()
+            counts.append(len(reads))
+            lr = opt.param_groups[0]["lr"]
+            lrs.append(float(torch.Tensor.as_subclass(lr, torch.Tensor)) if tensor_lr else lr)
+        return lrs, counts
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        floats, _ = run(False)
+        tensors, counts = run(True)
+        assert tensors == pytest.approx(floats, rel=1e-6) and len(set(floats)) > 1
+        assert counts == [0] * 10  # (the base LR read once, when the scheduler was built)
+        written, counts = run(True, write_at=3)
+        assert counts == [0] * 3 + [1] + [0] * 6  # (written in place: read again, once)
+        assert written[:3] == tensors[:3] and written[3] != pytest.approx(tensors[3])  # (the closed form follows it,
+        # as torch's step(epoch) does; its recursive step() over float LRs does not read base_lrs again)
+
+
 def test_a_bfloat16_loss_under_a_controller_is_said_once():
     """A bfloat16 loss (a bf16 model's cross-entropy) rounds each loss by up to 0.4%, more than the replicas' losses
     differ, and the controllers ranked the replicas on the rounding (an audit: the fit controller's optimum off by more

@@ -10,6 +10,7 @@ replica's values, and owns what a training loop needs (the gradient guard, the c
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import numbers
@@ -1520,8 +1521,10 @@ def _last_lrs_on_host(base: LRScheduler, host: dict[str, Any] | None = None) -> 
     or compiled optimizer's; reading them back was one host sync a step, found on an H200: tests/gpu). A ``OneCycleLR``
     gives its closed form at its step, in floats (what its ``step()`` wrote into the tensors; its ``get_lr`` sets the
     cycled momentum to the same value again); a ``LambdaLR`` (Hugging Face's schedules) its base LRs times its lambdas
-    at its step, the base LRs read from the device once (HOST SYNC, once) and kept in ``host`` by the tensors' identity
-    and in-place version (a load replaces them)."""
+    at its step, and torch's step-function schedulers (``CosineAnnealingLR``, ``StepLR``, ``MultiStepLR``,
+    ``LinearLR``, ``ConstantLR``, ``ExponentialLR``, ``PolynomialLR``; not a subclass) their closed form at their step,
+    over the base LRs read from the device once (:func:`_host_base_lrs`). Others (``SequentialLR``,
+    ``ChainedScheduler``, ``CyclicLR``, a subclass) are read back: one host sync a step."""
     values = base.get_last_lr()
     if not any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in values):
         return values
@@ -1530,15 +1533,29 @@ def _last_lrs_on_host(base: LRScheduler, host: dict[str, Any] | None = None) -> 
             warnings.simplefilter("ignore", UserWarning)
             values = base.get_lr()
     elif type(base) is LambdaLR and host is not None and base.last_epoch >= 0:
-        kept = host.get("kept", [])
-        versions = [(b._version, b.data_ptr()) if isinstance(b, torch.Tensor) else b for b in base.base_lrs]  # (the
-        # storage too: ``.data = ...`` keeps the version; a write through ``.data`` in place is seen by neither)
-        if len(kept) != len(base.base_lrs) or any(a is not b for a, b in zip(kept, base.base_lrs)) or \
-                host["versions"] != versions:  # (the same tensors, unwritten since)
-            host.update(kept=list(base.base_lrs), versions=versions,
-                        floats=[as_float(b) for b in base.base_lrs])  # HOST SYNC (once: the base LRs are constants)
-        values = [b * float(f(base.last_epoch)) for b, f in zip(host["floats"], base.lr_lambdas)]
+        values = [b * float(f(base.last_epoch)) for b, f in zip(_host_base_lrs(base, host), base.lr_lambdas)]
+    elif type(base) in _CLOSED_FORM and host is not None and base.last_epoch >= 0:
+        shadow = copy.copy(base)  # (its closed form over the base LRs on the host: floats, what its recursive
+        shadow.base_lrs = _host_base_lrs(base, host)  # step computed on the device, to rounding)
+        values = shadow._get_closed_form_lr()
     return values
+
+
+_CLOSED_FORM = tuple(c for c in (getattr(torch.optim.lr_scheduler, n, None) for n in (
+    "StepLR", "MultiStepLR", "ConstantLR", "LinearLR", "ExponentialLR", "CosineAnnealingLR", "PolynomialLR"))
+    if c is not None and hasattr(c, "_get_closed_form_lr"))  # torch's schedulers whose value is a function of the step
+
+
+def _host_base_lrs(base: LRScheduler, host: dict[str, Any]) -> list[float]:
+    """A base scheduler's base LRs as floats, read from the device once (HOST SYNC, once: they are constants) and
+    kept in ``host`` by the tensors' identity, in-place version and storage (a load replaces them)."""
+    kept = host.get("kept", [])
+    versions = [(b._version, b.data_ptr()) if isinstance(b, torch.Tensor) else b for b in base.base_lrs]  # (the
+    # storage too: ``.data = ...`` keeps the version; a write through ``.data`` in place is seen by neither)
+    if len(kept) != len(base.base_lrs) or any(a is not b for a, b in zip(kept, base.base_lrs)) or \
+            host["versions"] != versions:  # (the same tensors, unwritten since)
+        host.update(kept=list(base.base_lrs), versions=versions, floats=[as_float(b) for b in base.base_lrs])
+    return host["floats"]
 
 
 def _lr_marks(optimizer: torch.optim.Optimizer) -> list[Any]:

@@ -42,7 +42,7 @@ def test_no_host_sync_off_sync_steps():
     assert checked == 54 and sched.ensemble.controllers[0].updates == 6
 
 
-@pytest.mark.parametrize("base", ["none", "callable", "onecycle", "lambda"])
+@pytest.mark.parametrize("base", ["none", "callable", "onecycle", "lambda", "cosine", "multistep"])
 @pytest.mark.parametrize("kw", [dict(capturable=True), dict(fused=True)])
 def test_tensor_lrs_on_the_device_give_no_host_sync_and_no_lr_written_warning(kw, base):
     """A tensor LR on the GPU (capturable or fused AdamW): the check that an LR was written beside the scheduler
@@ -50,7 +50,8 @@ def test_tensor_lrs_on_the_device_give_no_host_sync_and_no_lr_written_warning(kw
     nothing in a loop that leaves the LRs alone; one written by hand is said once. OneCycleAutoLR's OneCycleLR gives
     its closed form on the host (its LRs were read back from the device tensors every step, a host sync, found by the
     first version of this test); a LambdaLR (Hugging Face's schedules) its lambdas times its base LRs, read once
-    (session 44); another torch scheduler as the base still reads them (docs/cost.md)."""
+    (session 44); torch's step-function schedulers (cosine, multistep here) their closed form over the base LRs read
+    once (session 52); another torch scheduler as the base still reads them (docs/cost.md)."""
     import warnings
 
     dev = torch.device("cuda")
@@ -68,6 +69,15 @@ def test_tensor_lrs_on_the_device_give_no_host_sync_and_no_lr_written_warning(kw
                             ensemble_lr_spread_ratio=0.2, model_sync_interval=10, model=model)
         ref_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
         ref = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda t: 1 - t / 50)
+    elif base in ("cosine", "multistep"):
+        def make(o):
+            if base == "cosine":
+                return torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=40, eta_min=1e-5)
+            return torch.optim.lr_scheduler.MultiStepLR(o, milestones=[7, 20], gamma=0.3)
+        sched = hdet.HDETLR(opt, make(opt), total_steps=40, ensemble_lr_spread_ratio=0.2, model_sync_interval=10,
+                            model=model)
+        ref_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+        ref = make(ref_opt)
     else:
         sched = hdet.HDETLR(opt, None if base == "none" else (lambda t: 1e-3 * (1 - t / 50)), total_steps=40,
                             ensemble_lr_spread_ratio=0.2, model_sync_interval=10, model=model)
@@ -81,7 +91,7 @@ def test_tensor_lrs_on_the_device_give_no_host_sync_and_no_lr_written_warning(kw
             _step_without_host_sync(model, opt, sched, x, y, allow=sync_step or t <= 2)
             if t == 29:
                 assert not [w for w in caught if "LR was written" in str(w.message)], [str(w.message) for w in caught]
-            if base in ("onecycle", "lambda") and t < 30:  # (the LRs given on the host: torch's, step by step)
+            if base in ("onecycle", "lambda", "cosine", "multistep") and t < 30:  # (the LRs given on the host: torch's, step by step)
                 ref_opt.step()
                 ref.step()
                 assert [float(g["lr"]) for g in opt.param_groups] == pytest.approx([ref.get_last_lr()[0]] * 2,
