@@ -767,9 +767,11 @@ class HDETLR(LRScheduler):
             self._follow_base(lead)
         elif self._base is not None:
             # Chainable schedulers compute from group['lr']: give them their own last value, not base * rho (nor
-            # the base, which holds the controller's correction and the LR cuts: they would compound every step)
-            for g, b in zip(self.optimizer.param_groups, self._scheduled_bases()):
-                _set_lr(g, b)
+            # the base, which holds the controller's correction and the LR cuts: they would compound every step);
+            # OneCycleLR and LambdaLR compute from their own constants
+            if type(self._base) not in (OneCycleLR, LambdaLR):
+                for g, b in zip(self.optimizer.param_groups, self._scheduled_bases()):
+                    _set_lr(g, b)
             self._base.step()
         self._hdet.after_optimizer_step(t)
         return t
@@ -844,7 +846,8 @@ class HDETLR(LRScheduler):
         """The second half of :meth:`step`: this replica's values for the next step (from ``lead``'s scheduled
         bases, computed once for the engine's replicas, when given)."""
         if lead is None:
-            super().step()
+            self._advance()  # (what LRScheduler.step() does; its call-order checks at the first step are
+            # _torch_first_step_checks', around this step)
         else:
             self._follow_step(lead)
         self._lr_marks = _lr_marks(self.optimizer)
@@ -852,12 +855,22 @@ class HDETLR(LRScheduler):
             self.close()
 
     def _follow_step(self, lead: "HDETLR") -> None:
-        self._step_count += 1  # what LRScheduler.step() does, without computing the schedule again
-        self.last_epoch += 1
         n = len(self.optimizer.param_groups)  # the LR slots' bases: the lead's; the explored ones: this replica's
-        self._bases_now = lead._bases_now[:n] + [h.base(self.last_epoch) for h in self._hdet.hypers]
-        values = self._values(self._bases_now)
-        for group, lr in zip(self.optimizer.param_groups, values):
+        self._advance(lead._bases_now[:n])
+
+    def _advance(self, lead_bases: list[float] | None = None) -> None:
+        """What ``LRScheduler.step()`` does after its checks, without torch's machinery around it: one step counted,
+        this replica's LR per group at the new step (:meth:`get_lr`; from ``lead_bases``, another replica's bases of
+        the LR slots, where given: the engine's followers) written, in place where an LR is a tensor, and kept as the
+        last LRs."""
+        self._step_count += 1
+        self.last_epoch += 1
+        if lead_bases is None:
+            values = self.get_lr()
+        else:  # (the schedule not computed again)
+            self._bases_now = lead_bases + [h.base(self.last_epoch) for h in self._hdet.hypers]
+            values = self._values(self._bases_now)
+        for group, lr in zip(self.optimizer.param_groups, values, strict=True):
             _set_lr(group, lr)
         self._last_lr = _lrs_of(self.optimizer)
 
