@@ -1380,42 +1380,60 @@ def test_a_lambdalr_bases_host_copy_follows_its_base_lrs():
         assert check(lambda b: setattr(b.base_lrs[0], "data", torch.tensor(0.2))) == pytest.approx(0.192)
 
 
-STEP_FUNCTION_BASES = {
-    "CosineAnnealingLR": dict(T_max=7, eta_min=0.01), "StepLR": dict(step_size=3, gamma=0.5),
-    "MultiStepLR": dict(milestones=[2, 5], gamma=0.3), "LinearLR": dict(start_factor=0.2, total_iters=4),
-    "ConstantLR": dict(factor=0.5, total_iters=3), "ExponentialLR": dict(gamma=0.9),
-    "PolynomialLR": dict(total_iters=6, power=2.0)}
+STEP_FUNCTION_BASES = {  # name: (torch's class, its arguments, whether its closed form is taken)
+    "CosineAnnealingLR": ("CosineAnnealingLR", dict(T_max=7, eta_min=0.01), True),
+    "StepLR": ("StepLR", dict(step_size=3, gamma=0.5), True),
+    "MultiStepLR": ("MultiStepLR", dict(milestones=[2, 5, 5], gamma=0.3), True),
+    "LinearLR": ("LinearLR", dict(start_factor=0.2, total_iters=4), True),
+    "ConstantLR": ("ConstantLR", dict(factor=0.5, total_iters=3), True),
+    "ExponentialLR": ("ExponentialLR", dict(gamma=0.9), True),
+    "PolynomialLR": ("PolynomialLR", dict(total_iters=6, power=2.0), True),
+    # where the closed form is not the recursive step (a review: 0 steps divided by zero, or a 0-step ConstantLR
+    # lost its factor; a negative milestone counted): read back, as before
+    "LinearLR, 0 steps": ("LinearLR", dict(start_factor=0.5, total_iters=0), False),
+    "ConstantLR, 0 steps": ("ConstantLR", dict(factor=0.5, total_iters=0), False),
+    "PolynomialLR, 0 steps": ("PolynomialLR", dict(total_iters=0), False),
+    "MultiStepLR, a negative milestone": ("MultiStepLR", dict(milestones=[-1, 2], gamma=0.5), False),
+}
 
 
-@pytest.mark.parametrize("name", list(STEP_FUNCTION_BASES))
-def test_a_step_function_bases_lrs_over_device_tensor_lrs_are_read_once_not_every_step(name, monkeypatch):
+class _OnGPU(torch.Tensor):
+    """A CPU tensor that says it is on a GPU (hdet's device checks), standing in for one; each read of its value on
+    the host (``item``, ``float``, ``tolist``: a host sync on a GPU) is counted in :attr:`reads`."""
+
+    reads: list[str] = []
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.tolist):
+            cls.reads.append(func.__name__)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _lr_value(lr):
+    return float(torch.Tensor.as_subclass(lr, torch.Tensor)) if isinstance(lr, torch.Tensor) else lr
+
+
+@pytest.mark.parametrize("case", list(STEP_FUNCTION_BASES))
+def test_a_step_function_bases_lrs_over_device_tensor_lrs_are_read_once_not_every_step(case):
     """Over device tensor LRs (a capturable or compiled optimizer's) a torch scheduler whose LR is a function of the
     step gives HDETLR its closed form on the host, over base LRs read from the device once: it read the LRs back at
     every step (a host sync a step, docs/cost.md). The LRs set are those over float LRs, step for step, and a base
-    LR written in place is read again (once). A tensor subclass that says it is on a GPU stands in for one; every read of
-    one through hdet's ``as_float`` is counted."""
-    import hdet.schedulers as S
-
-    class OnGPU(torch.Tensor):
-        @property
-        def device(self):
-            return torch.device("cuda", 0)
-
-    reads = []
-    as_float = S.as_float
-
-    def counted(x):
-        if isinstance(x, OnGPU):
-            reads.append(1)
-        return as_float(x)
-    monkeypatch.setattr(S, "as_float", counted)
+    LR written in place is read again (once). Where the closed form is not what the scheduler's step gives (0 steps,
+    a negative milestone) its LRs are read back at every step, as before."""
+    name, kwargs, closed = STEP_FUNCTION_BASES[case]
+    reads = _OnGPU.reads
 
     def run(tensor_lr, write_at=None):
         torch.manual_seed(0)
         net = torch.nn.Linear(3, 1)
-        lr = torch.tensor(0.1).as_subclass(OnGPU) if tensor_lr else 0.1
+        lr = torch.tensor(0.1).as_subclass(_OnGPU) if tensor_lr else 0.1
         opt = torch.optim.SGD(net.parameters(), lr=lr)
-        base = getattr(torch.optim.lr_scheduler, name)(opt, **STEP_FUNCTION_BASES[name])
+        base = getattr(torch.optim.lr_scheduler, name)(opt, **kwargs)
         sched = hdet.HDETLR(opt, base, total_steps=10)
         lrs, counts = [], []
         for t in range(10):
@@ -1427,20 +1445,60 @@ def test_a_step_function_bases_lrs_over_device_tensor_lrs_are_read_once_not_ever
             reads.clear()
             sched.step()
             counts.append(len(reads))
-            lr = opt.param_groups[0]["lr"]
-            lrs.append(float(torch.Tensor.as_subclass(lr, torch.Tensor)) if tensor_lr else lr)
+            lrs.append(_lr_value(opt.param_groups[0]["lr"]))
         return lrs, counts
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         floats, _ = run(False)
         tensors, counts = run(True)
-        assert tensors == pytest.approx(floats, rel=1e-6) and len(set(floats)) > 1
+        assert tensors == pytest.approx(floats, rel=1e-6)
+        if not closed:
+            assert all(c >= 1 for c in counts)  # (read back at every step)
+            return
+        assert len(set(floats)) > 1
         assert counts == [0] * 10  # (the base LR read once, when the scheduler was built)
         written, counts = run(True, write_at=3)
         assert counts == [0] * 3 + [1] + [0] * 6  # (written in place: read again, once)
         assert written[:3] == tensors[:3] and written[3] != pytest.approx(tensors[3])  # (the closed form follows it,
         # as torch's step(epoch) does; its recursive step() over float LRs does not read base_lrs again)
+
+
+@pytest.mark.parametrize("device", ["cpu", "a stand-in GPU"])
+def test_a_chainable_base_does_not_compound_the_spread_where_torch_keeps_the_lr_tensor_as_its_last_lr(device,
+                                                                                                   monkeypatch):
+    """torch 2.4's LRScheduler kept a tensor LR itself as the scheduler's last LR (2.13 keeps a copy): HDET's in-place
+    write of a replica's LR then became the base's last LR, and a chainable base (StepLR) stepped from it, so the
+    spread compounded at every step (a review found 0.025, 0.0125, ... where float LRs stay at 0.05). That torch is
+    simulated here; the LRs must be those over float LRs."""
+    import torch.optim.lr_scheduler as L
+    if not hasattr(L, "_param_groups_val_list"):
+        pytest.skip("this torch has no _param_groups_val_list to simulate 2.4's aliasing with")
+    own = L._param_groups_val_list
+    monkeypatch.setattr(L, "_param_groups_val_list",
+                        lambda opt, key: [g[key] for g in opt.param_groups] if key == "lr" else own(opt, key))
+
+    def run(kind):
+        torch.manual_seed(0)
+        net = torch.nn.Linear(3, 1)
+        lr = {"float": 0.1, "cpu": torch.tensor(0.1, dtype=torch.float64),
+              "a stand-in GPU": torch.tensor(0.1, dtype=torch.float64).as_subclass(_OnGPU)}[kind]
+        opt = torch.optim.SGD(net.parameters(), lr=lr)
+        sched = hdet.HDETLR(opt, L.StepLR(opt, step_size=4, gamma=0.5), total_steps=8, ensemble_lr_spread_ratio=0.5,
+                            model_sync_interval=100, replicas=ScriptedReplicas(0, 2))
+        out = []
+        for _ in range(8):
+            net(torch.ones(2, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            out.append(_lr_value(opt.param_groups[0]["lr"]))
+        return out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        floats = run("float")
+        assert run(device) == pytest.approx(floats, rel=1e-9) and len(set(floats)) > 1
 
 
 def test_a_bfloat16_loss_under_a_controller_is_said_once():

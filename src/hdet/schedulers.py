@@ -124,7 +124,7 @@ class HDETLR(LRScheduler):
                              f"({getattr(replicas, 'rank', '?')}) and size ({getattr(replicas, 'world_size', '?')}), "
                              f"but got rank={rank!r}, world_size={world_size!r}")
         self._base, self._base_fn = _resolve_base(base, optimizer)
-        self._host_base_lrs: dict[str, Any] = {}  # (a LambdaLR's base LRs on the host: _last_lrs_on_host)
+        self._host_base_lrs: dict[str, Any] = {}  # (the base's base LRs on the host: _last_lrs_on_host)
         _check_one_cycle_length(self._base, total_steps)
         explore = _explored(explore)
         check_explored(explore)  # (before the checks that read their spreads)
@@ -211,6 +211,8 @@ class HDETLR(LRScheduler):
             self._first_floats: list[float] | None = []  # the first losses given as numbers (an epoch counter? step())
             with _restored_on_failure(optimizer):
                 _own_lr_tensors(optimizer, self._base, self._base_firsts())
+                if self._base is not None:
+                    _unalias_last_lrs(self._base, optimizer)  # (before this scheduler writes its own LRs)
                 super().__init__(optimizer, last_epoch)
                 self._lr_marks = _lr_marks(optimizer)
                 if _close_earlier(optimizer):  # (built: the earlier one's "hook" guard is this one's to take over)
@@ -773,6 +775,7 @@ class HDETLR(LRScheduler):
                 for g, b in zip(self.optimizer.param_groups, self._scheduled_bases()):
                     _set_lr(g, b)
             self._base.step()
+            _unalias_last_lrs(self._base, self.optimizer)
         self._hdet.after_optimizer_step(t)
         return t
 
@@ -847,7 +850,7 @@ class HDETLR(LRScheduler):
         bases, computed once for the engine's replicas, when given)."""
         if lead is None:
             self._advance()  # (what LRScheduler.step() does; its call-order checks at the first step are
-            # _torch_first_step_checks', around this step)
+            # _torch_first_step_checks', around step(); the engine, which calls this itself, orders its own calls)
         else:
             self._follow_step(lead)
         self._lr_marks = _lr_marks(self.optimizer)
@@ -1537,7 +1540,9 @@ def _last_lrs_on_host(base: LRScheduler, host: dict[str, Any] | None = None) -> 
     at its step, and torch's step-function schedulers (``CosineAnnealingLR``, ``StepLR``, ``MultiStepLR``,
     ``LinearLR``, ``ConstantLR``, ``ExponentialLR``, ``PolynomialLR``; not a subclass) their closed form at their step,
     over the base LRs read from the device once (:func:`_host_base_lrs`). Others (``SequentialLR``,
-    ``ChainedScheduler``, ``CyclicLR``, a subclass) are read back: one host sync a step."""
+    ``ChainedScheduler``, ``CyclicLR``, ``MultiplicativeLR``, ``CosineAnnealingWarmRestarts``, a subclass, or one of
+    those seven whose closed form is not its step: :func:`_closed_form_is_its_step`) are read back: one host sync a
+    step."""
     values = base.get_last_lr()
     if not any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in values):
         return values
@@ -1547,7 +1552,7 @@ def _last_lrs_on_host(base: LRScheduler, host: dict[str, Any] | None = None) -> 
             values = base.get_lr()
     elif type(base) is LambdaLR and host is not None and base.last_epoch >= 0:
         values = [b * float(f(base.last_epoch)) for b, f in zip(_host_base_lrs(base, host), base.lr_lambdas)]
-    elif type(base) in _CLOSED_FORM and host is not None and base.last_epoch >= 0:
+    elif _closed_form_is_its_step(base) and host is not None and base.last_epoch >= 0:
         shadow = copy.copy(base)  # (its closed form over the base LRs on the host: floats, what its recursive
         shadow.base_lrs = _host_base_lrs(base, host)  # step computed on the device, to rounding)
         values = shadow._get_closed_form_lr()
@@ -1557,6 +1562,30 @@ def _last_lrs_on_host(base: LRScheduler, host: dict[str, Any] | None = None) -> 
 _CLOSED_FORM = tuple(c for c in (getattr(torch.optim.lr_scheduler, n, None) for n in (
     "StepLR", "MultiStepLR", "ConstantLR", "LinearLR", "ExponentialLR", "CosineAnnealingLR", "PolynomialLR"))
     if c is not None and hasattr(c, "_get_closed_form_lr"))  # torch's schedulers whose value is a function of the step
+
+
+def _closed_form_is_its_step(base: LRScheduler) -> bool:
+    """Whether ``base`` is one of torch's step-function schedulers (:data:`_CLOSED_FORM`, exact type) whose closed
+    form gives what its recursive ``step()`` does: not with ``total_iters``, ``T_max`` or ``step_size`` <= 0 (the closed
+    form divides by it, or a 0-step ``ConstantLR`` keeps its factor only in the recursive form: a review), nor with a
+    negative milestone (counted by the closed form only)."""
+    if type(base) not in _CLOSED_FORM:
+        return False
+    for name in ("total_iters", "T_max", "step_size"):
+        value = getattr(base, name, None)
+        if value is not None and not value > 0:
+            return False
+    return all(m >= 0 for m in getattr(base, "milestones", ()))
+
+
+def _unalias_last_lrs(base: LRScheduler, optimizer: torch.optim.Optimizer) -> None:
+    """After ``base.step()``: a torch that keeps a tensor LR itself as the scheduler's last LR (2.4's ``LRScheduler``
+    does; 2.13's keeps a copy) gets a copy of it there, or HDET's in-place write of this replica's LR became the base's
+    last LR, which a chainable base then stepped from: the spread compounded at every step (a review, simulating
+    2.4). An identity check a step; a clone only on such a torch."""
+    last = getattr(base, "_last_lr", None)
+    if last and any(isinstance(v, torch.Tensor) and v is g["lr"] for v, g in zip(last, optimizer.param_groups)):
+        base._last_lr = [v.clone() if isinstance(v, torch.Tensor) else v for v in last]
 
 
 def _host_base_lrs(base: LRScheduler, host: dict[str, Any]) -> list[float]:
