@@ -1346,6 +1346,23 @@ def test_a_step_that_measured_nothing_is_left_out_of_the_window_and_kept_across_
     assert run(None) == run(3) == run(6) == [(4, [(1 + 2 + 4) / 3], [0]), (8, [(5 + 7 + 8) / 3], [0])]
 
 
+class _OnGPU(torch.Tensor):
+    """A CPU tensor that says it is on a GPU (hdet's device checks), standing in for one; each read of its value on
+    the host (``item``, ``float``, ``tolist``: a host sync on a GPU) is counted in :attr:`reads`."""
+
+    reads: list[str] = []
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.tolist):
+            cls.reads.append(func.__name__)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
 def test_a_lambdalr_bases_host_copy_follows_its_base_lrs():
     """Over device tensor LRs a LambdaLR base's LRs are its lambdas times base LRs kept on the host (no host sync a
     step); the kept copy is read again when a base LR is written in place, replaced, loaded, or given new storage
@@ -1353,13 +1370,8 @@ def test_a_lambdalr_bases_host_copy_follows_its_base_lrs():
     says it is on a GPU stands in for one."""
     from hdet.schedulers import _last_lrs_on_host
 
-    class OnGPU(torch.Tensor):
-        @property
-        def device(self):
-            return torch.device("cuda", 0)
-
     def check(change):
-        o = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=torch.tensor(0.1).as_subclass(OnGPU))
+        o = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=torch.tensor(0.1).as_subclass(_OnGPU))
         base, host = LambdaLR(o, lambda t: 1.0 - t / 100), {}
         for _ in range(3):
             o.step()
@@ -1376,7 +1388,7 @@ def test_a_lambdalr_bases_host_copy_follows_its_base_lrs():
         warnings.simplefilter("ignore")
         assert check(lambda b: None) == pytest.approx(0.096)
         assert check(lambda b: torch.Tensor.fill_(b.base_lrs[0], 0.2)) == pytest.approx(0.192)
-        assert check(lambda b: b.base_lrs.__setitem__(0, torch.tensor(0.2).as_subclass(OnGPU))) == pytest.approx(0.192)
+        assert check(lambda b: b.base_lrs.__setitem__(0, torch.tensor(0.2).as_subclass(_OnGPU))) == pytest.approx(0.192)
         assert check(lambda b: setattr(b.base_lrs[0], "data", torch.tensor(0.2))) == pytest.approx(0.192)
 
 
@@ -1395,23 +1407,6 @@ STEP_FUNCTION_BASES = {  # name: (torch's class, its arguments, whether its clos
     "PolynomialLR, 0 steps": ("PolynomialLR", dict(total_iters=0), False),
     "MultiStepLR, a negative milestone": ("MultiStepLR", dict(milestones=[-1, 2], gamma=0.5), False),
 }
-
-
-class _OnGPU(torch.Tensor):
-    """A CPU tensor that says it is on a GPU (hdet's device checks), standing in for one; each read of its value on
-    the host (``item``, ``float``, ``tolist``: a host sync on a GPU) is counted in :attr:`reads`."""
-
-    reads: list[str] = []
-
-    @property
-    def device(self):
-        return torch.device("cuda", 0)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in (torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.tolist):
-            cls.reads.append(func.__name__)
-        return super().__torch_function__(func, types, args, kwargs or {})
 
 
 def _lr_value(lr):
