@@ -46,7 +46,7 @@ def main() -> None:
         t0 = time.perf_counter()
         for _ in range(a.steps):
             for s in scheds:  # what optimizer.step() would count (the timed part is the bookkeeping alone)
-                s._opt_steps += 1
+                s._watch.opt_steps += 1
             for s, loss in zip(scheds, losses):
                 s.ensemble.window.keep(loss)
             eng._begin_steps()  # (replica 0's base schedule, the others following it)

@@ -34,7 +34,7 @@ from .ensemble import Ensemble, SyncRecord
 from .guard import GuardSetting, ScalerWatch, SkipWatch, uncompiled, weak_method
 from .hyper import AdamBeta, Dropout, Hyperparameter, LabelSmoothing, check_explored
 from .loss_scale import LossScale
-from .optimizers import (check_lr_groups, check_optimizer, check_shared_gradients, innermost, own_lr_tensors,
+from .optimizers import (check_lr_groups, check_optimizer, innermost, own_lr_tensors,
                          say_maximize)
 from .replicas import (DEFAULT_BUCKET_CAP_MB, LocalReplica, Replicas, check_mesh_placements, check_not_fsdp1, is_sharded,
                        reshard_fsdp, resolve_replicas)
@@ -42,6 +42,7 @@ from .slots import LRControl
 from .swap import AverageSwap, averaged, explored_bases
 from .sync import check_memory_layout, health, persistent_float_buffers, unaveraged_buffers
 from .values import as_float, int_number, real_number
+from .step_watch import StepWatch, keep_replicas_at_join_end, lrs_of
 from .warm_init import warm_noise_overwritten
 
 __all__ = ["HDETLR", "OneCycleAutoLR"]
@@ -189,14 +190,8 @@ class HDETLR(LRScheduler):
             self._guard = GuardSetting(guard_gradients, process_group, device_mesh, optimizer, resolved.world_size,
                                        self._loss_scale, recovering=config.recovering)
             self._history: dict[str, list[float]] | None = None
-            # optimizer steps counted by a post-hook (the real optimizer under wrappers): a second scheduler.step()
-            # with none in between is what a prepared Accelerate scheduler does (num_processes calls per step)
-            self._opt_steps = self._opt_steps_seen = 0
-            self._warned_double_step = self._warned_missed_step = self._warned_epoch = self._checked_local = False
+            self._watch = StepWatch(self._loss_scale)  # how this scheduler is driven, checked at each step
             self._guard_said = False  # (the first step: no guard where one was asked for, said once: _say_no_guard)
-            self._warned_cap = False  # (Adafactor's cap on its LR, said once: _check_capped_lr)
-            self._lr_marks: list[Any] | None = None  # each group's LR as this scheduler left it (_check_lrs_kept)
-            self._warned_lr_written = False
             self._ddp_trained: tuple[Any, set[int]] | None = None  # the DDP given and what it trains (_note_ddp)
             self._weights_expected: float | None = None  # a loaded state's weights' fingerprint (expect_weights)
             self._values_loaded: tuple[list[float], list[float]] | None = None  # a load's LRs and explored values
@@ -204,17 +199,12 @@ class HDETLR(LRScheduler):
             self._finished_at: int | None = None  # the step finish() averaged the replicas after
             self._closed = False  # close(): its hooks off, done
             self._swap = AverageSwap()  # this replica's own weights while the ensemble's average is in (swap_in_average)
-            self._scaler_idle = False  # an unmatched scheduler.step() came with no GradScaler update since the one before
-            self._scale_version: int | None = None  # the GradScaler scale's in-place version at the last scheduler.step()
-            self._unmatched = 0  # scheduler steps with no optimizer step (a GradScaler's skips, or a prepared scheduler)
-            self._first_unmatched = 0  # (the scheduler step where the first of them was seen)
-            self._first_floats: list[float] | None = []  # the first losses given as numbers (an epoch counter? step())
             with _restored_on_failure(optimizer):
                 _own_lr_tensors(optimizer, self._base, self._base_firsts())
                 if self._base is not None:
                     _unalias_last_lrs(self._base, optimizer)  # (before this scheduler writes its own LRs)
                 super().__init__(optimizer, last_epoch)
-                self._lr_marks = _lr_marks(optimizer)
+                self._watch.mark_lrs(optimizer)
                 if _close_earlier(optimizer):  # (built: the earlier one's "hook" guard is this one's to take over)
                     self.reapply()  # (its values, which the earlier one's close() set to that one's base)
                 # the guard last (DDP takes one comm hook, which a construction that failed after it left behind); an
@@ -222,7 +212,7 @@ class HDETLR(LRScheduler):
                 self._guard.install(model)
                 _say_warm_noise_lost(model)  # (once built: a construction refused says nothing, and forgets nothing)
                 self._note_ddp(model)
-            _keep_replicas_at_join_end(model, self)  # (an evaluation's join before the first step, too)
+            keep_replicas_at_join_end(model, self)  # (an evaluation's join before the first step, too)
         except BaseException:  # the ensemble's hooks on a D-Adaptation/Prodigy optimizer: taken off again
             if self._hdet.step_scale is not None:
                 self._hdet.step_scale.uninstall()
@@ -380,7 +370,7 @@ class HDETLR(LRScheduler):
         if self._closed:  # (a closed run's state loaded before: no guard, no hold on join(); _reopen installs them)
             return
         self._guard.install(model)
-        _keep_replicas_at_join_end(model, self)
+        keep_replicas_at_join_end(model, self)
 
     def close(self) -> None:
         """Take off what this scheduler put on the optimizer and the model, leaving them as plain training would:
@@ -420,8 +410,8 @@ class HDETLR(LRScheduler):
             _set_lr(group, lr)
         for h, base in zip(self._hdet.hypers, explored_bases(self._hdet)):
             h.set(base)
-        self._last_lr = _lrs_of(self.optimizer)  # (get_last_lr(): what is used)
-        self._lr_marks = _lr_marks(self.optimizer)
+        self._last_lr = lrs_of(self.optimizer)  # (get_last_lr(): what is used)
+        self._watch.mark_lrs(self.optimizer)
 
     @property
     def closed(self) -> bool:
@@ -435,7 +425,7 @@ class HDETLR(LRScheduler):
         if self._hdet.step_scale is not None:
             self._hdet.step_scale.turn_on()
         self._guard.reopen(self._hdet.model)
-        _keep_replicas_at_join_end(self._hdet.model, self)
+        keep_replicas_at_join_end(self._hdet.model, self)
         self._open_hooks()
 
     def set_total_steps(self, total_steps: int) -> None:
@@ -491,57 +481,12 @@ class HDETLR(LRScheduler):
         """After ``optimizer.load_state_dict``: torch deep-copies the saved param groups, so one LR tensor that several
         groups held when saved is shared again (a review: the copies :func:`hdet.optimizers.own_lr_tensors` made were
         undone, and every group trained at the last LR set); each gets its own again, with this replica's values."""
-        self._lr_marks = None  # (the load wrote the LRs: the next step does not take them for another writer's)
+        self._watch.forget_lrs()  # (the load wrote the LRs: the next step does not take them for another writer's)
         if own_lr_tensors([optimizer]):
             self.reapply()
 
     def _count_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._opt_steps += 1
-        if self._unmatched or self._opt_steps <= 100:  # a GradScaler? (its first steps, and after an unmatched one)
-            self._loss_scale.look()
-
-    def _check_optimizer_stepped(self) -> None:
-        scale = getattr(self._loss_scale.scaler, "_scale", None)
-        version = scale._version if isinstance(scale, torch.Tensor) else None  # update() writes the scale in place
-        if self._opt_steps == self._opt_steps_seen and self._step_count > 1:
-            # (at the first step torch's own check says it: _torch_first_step_checks)
-            self._unmatched += 1  # said at the next optimizer step, unless a GradScaler drives it (then it skipped)
-            if self._unmatched == 1:
-                self._first_unmatched = self.last_epoch
-            if version is not None and version == self._scale_version:  # a step the scaler skipped still runs its
-                self._scaler_idle = True  # update(): none since the scheduler step before, so no skipped step
-        elif self._unmatched and not self._warned_double_step and (self._loss_scale.scaler is None
-                                                                     or self._scaler_idle):
-            self._warned_double_step = True
-            warnings.warn(
-                "hdet: scheduler.step() was called with no optimizer.step() since the previous call (first at the "
-                f"step() call that took last_epoch from {self._first_unmatched}): HDET counts optimizer steps, so its "
-                "converge steps and schedule now run ahead of training. Under gradient accumulation, call "
-                "scheduler.step(loss) once per optimizer "
-                "step, after optimizer.step(), not on every micro-batch (total_steps counts optimizer steps), with the "
-                "step's loss as it is, the mean over its micro-batches, not divided by their number (the paper "
-                "controller's loss_scale is in the loss's own units). A scheduler passed to accelerator.prepare() is "
-                "stepped num_processes times per optimizer step: do not prepare it. "
-                + ("Also, no torch.amp.GradScaler steps this optimizer (whose skipped steps would explain it)"
-                   if self._loss_scale.scaler is None else
-                   "Also, no scaler.update() of the torch.amp.GradScaler that steps it ran (a step the scaler skipped "
-                   "would explain it)") + ": with one, keep calling scheduler.step() after each scaler.step(), as "
-                "torch's AMP recipe does. Said once",
-                stacklevel=user_stacklevel())
-        self._scale_version = version
-        if self._guard.local and not self._checked_local:  # (once: it reads every parameter's optimizer state)
-            check_shared_gradients(self.optimizer, self._hdet.config.average_optimizer_state)
-            self._checked_local = True
-        if self._opt_steps > self._opt_steps_seen + 1 and self._guard.local and not self._warned_missed_step:
-            # (local mode only: under DDP every replica skips alike, e.g. a step GradScaler skipped on the device)
-            self._warned_missed_step = True
-            warnings.warn(
-                f"hdet: optimizer.step() ran {self._opt_steps - self._opt_steps_seen} times since the previous "
-                "scheduler.step(). HDET counts optimizer steps by its scheduler: this replica's schedule and converge "
-                "steps now run behind its training, and in local mode (no gradient all-reduce) it is averaged with the "
-                "others at another step without any other error. Call scheduler.step() after every optimizer.step(), "
-                "on every replica", stacklevel=user_stacklevel())
-        self._opt_steps_seen = self._opt_steps
+        self._watch.optimizer_stepped()
 
     # -- LRScheduler ----------------------------------------------------------------------------
     def get_lr(self) -> list[float]:  # type: ignore[override]
@@ -589,14 +534,7 @@ class HDETLR(LRScheduler):
             raise TypeError(f"Expected scheduler.step(loss) (this step's training loss, or nothing), but got the "
                             f"keyword(s) {sorted(kwargs)}: HDET steps its base schedule once per optimizer step and "
                             "takes no epoch")
-        integral = isinstance(loss, torch.Tensor) and not loss.is_floating_point() and not loss.is_complex()
-        if (integral or isinstance(loss, int) and not isinstance(loss, bool)) and not self._warned_epoch:
-            self._warned_epoch = True
-            warnings.warn(f"hdet: scheduler.step({loss}) got an int: HDET's step takes this step's training loss, not "
-                          "an epoch (torch's deprecated step(epoch) is not supported); it was taken as a loss. Pass "
-                          "the loss (a tensor or float), or nothing", stacklevel=user_stacklevel())
-        elif isinstance(loss, float) and self._first_floats is not None:
-            self._check_epoch_counter(loss)
+        self._watch.check_loss(loss)
         if loss is not None:
             self._hdet.observe(loss)
         if getattr(self, "_step_count", 0) == 0:  # LRScheduler.__init__'s own first step
@@ -636,23 +574,6 @@ class HDETLR(LRScheduler):
                       "model= the DDP-wrapped model (or device_mesh= for FSDP2/HSDP; integrations call "
                       "attach_model), or guard_gradients=False to run without the guard",
                       stacklevel=user_stacklevel())
-
-    def _check_epoch_counter(self, loss: float) -> None:
-        """torch documents ``CosineAnnealingWarmRestarts.step(epoch + i / iters)``: under HDET that number was taken
-        as the loss, silently (and the base, stepped once per optimizer step, counted steps). Three first losses in
-        an exact arithmetic progression upward are an epoch counter, not losses: said once."""
-        self._first_floats.append(loss)
-        if len(self._first_floats) < 3:
-            return
-        a, b, c = self._first_floats
-        self._first_floats = None
-        if b > a and math.isclose(c - b, b - a, rel_tol=1e-9) and not self._warned_epoch:
-            self._warned_epoch = True
-            warnings.warn(f"hdet: scheduler.step() got {a!r}, {b!r}, {c!r}: an epoch counter (torch's step(epoch + "
-                          "i / iters))? HDET's step takes this step's training loss (they were taken as losses) and "
-                          "steps the base schedule once per optimizer step: pass the loss, or nothing, and give "
-                          "the base's periods (CosineAnnealingWarmRestarts' T_0) in optimizer steps",
-                          stacklevel=user_stacklevel())
 
     def _note_ddp(self, model: nn.Module | None) -> None:
         """A DDP module handed over (``model=``, or ``attach_model``: one built again after unfreezing, as
@@ -746,13 +667,15 @@ class HDETLR(LRScheduler):
             if isinstance(model, torch.nn.parallel.DistributedDataParallel):  # (trained from here: a later DDP over
                 warm_noise_overwritten(model.module.parameters(), forget=True)  # it is no broadcast of the noise)
                 self._check_values_kept(model)
-        self._check_optimizer_stepped()
-        self._check_join()
-        self._check_capped_lr(t)
+        c = self._hdet.config
+        self._watch.check_stepped(self._step_count, self.last_epoch, self._guard.local, self.optimizer,
+                                  c.average_optimizer_state)
+        self._watch.check_join(self._hdet.model, self)
+        self._watch.check_capped_lr(self.optimizer, c.ensemble_lr_spread_ratio > 0 or c.moves_lr, t)
         if self._hdet.step_scale is not None:  # Prodigy under a process group: its estimate shared (COLLECTIVE)
             self._hdet.step_scale.exchange()
         if t == 1:  # again after the first step: an optimizer recognised only by what its first step leaves in the
-            c = self._hdet.config  # param groups (schedulefree.ScheduleFreeWrapper's base optimizer)
+            # param groups (schedulefree.ScheduleFreeWrapper's base optimizer)
             check_optimizer(self.optimizer, spreading(c, self._hdet.hypers), c.average_optimizer_state,
                             sharded=self._sharded, lr_spread=c.ensemble_lr_spread_ratio > 0,
                             recovering=c.recovering, lr_moved=c.moves_lr)
@@ -764,7 +687,7 @@ class HDETLR(LRScheduler):
                                  "or loaded at another step (HDETLR steps it, once per optimizer step; a second "
                                  "base.step() runs the schedule at twice its speed). Step only the HDETLR, and resume "
                                  "with its load_state_dict")
-        self._check_lrs_kept()  # (after that check: a base stepped elsewhere wrote the LRs too)
+        self._watch.check_lrs_kept(self.optimizer)  # (after that check: a base stepped elsewhere wrote the LRs too)
         if lead is not None:
             self._follow_base(lead)
         elif self._base is not None:
@@ -779,72 +702,6 @@ class HDETLR(LRScheduler):
         self._hdet.after_optimizer_step(t)
         return t
 
-    def _check_lrs_kept(self) -> None:
-        """Each param group's LR as this scheduler set it after its previous step, or something else wrote it since:
-        a loop that sets ``group['lr']`` itself (nanoGPT's ``get_lr(it)``) trained every replica at its own schedule,
-        no spread, while the records showed one; a ``ReduceLROnPlateau`` stepped beside HDET cut the LR for one step,
-        then hdet's value was back (an audit). Said once. A tensor LR by identity and in-place version (no host
-        sync)."""
-        marks, self._lr_marks = self._lr_marks, None
-        if marks is None or self._warned_lr_written:
-            return
-        now = _lr_marks(self.optimizer)
-        moved = [i for i, (a, b) in enumerate(zip(marks, now)) if a != b]
-        if moved:
-            self._warned_lr_written = True
-            i = moved[0]
-            got = f" to {now[i]:.6g}" if isinstance(now[i], float) else ""
-            was = f" ({marks[i]:.6g})" if isinstance(marks[i], float) else ""
-            warnings.warn(f"hdet: param group {i}'s LR was written{got} after this scheduler set it{was} at its "
-                          "previous step, by something else (a loop that sets group['lr'] itself, ReduceLROnPlateau "
-                          "or another scheduler stepped beside it): that step ran at the other writer's LR, not at "
-                          "this replica's spread one that the records show, and hdet sets its own value again now: a "
-                          "cut made there lasts one step, and a writer that runs before every step replaces HDET's LRs "
-                          "at every step (no spread for the whole run). Give your schedule to HDETLR as its base (a "
-                          "torch scheduler, or a callable of the step) and step only the HDETLR; ReduceLROnPlateau "
-                          "cannot be one (it steps on a metric, not on the step). Said once",
-                          stacklevel=user_stacklevel())
-
-    def _check_join(self) -> None:
-        """torch's ``model.join()`` (uneven inputs across ranks): its stand-ins for a finished rank's collectives cannot
-        match a converge step's (every rank waited out the process group's timeout, then a ReplicaSyncError blamed a dead
-        replica, an audit): training inside one without ``throw_on_early_termination=True`` is refused. And the end of a
-        join block (:func:`_keep_replicas_at_join_end`) copied the last rank's model to every rank: ``finish()`` after
-        it averaged N copies of one replica, silently. About a microsecond a step."""
-        ddp = _keep_replicas_at_join_end(self._hdet.model, self)
-        if ddp is None:
-            return
-        config = getattr(ddp, "_join_config", None)
-        if getattr(config, "enable", False) and not config.throw_on_early_termination \
-                and config is not ddp.__dict__.get("_hdet_join_ended"):  # (torch leaves a block's config on after it)
-            raise ValueError("Expected model.join(throw_on_early_termination=True) around HDET's training steps, but "
-                             "got join() without it: its stand-ins for a finished rank's collectives cannot match a "
-                             "converge step's, so a rank that runs out of batches leaves the others waiting until the "
-                             "process group's timeout. With throw_on_early_termination=True every rank stops at the "
-                             "shortest one's step: catch that error, then call sched.finish() on every rank")
-
-    def _check_capped_lr(self, t: int) -> None:
-        """torch's Adafactor steps at ``min(lr, 1 / sqrt(t))``: under a spread (or the controller) the replicas whose
-        LR is above that step alike, and the spread is narrower than the LRs and the records say (an audit: at base
-        LR 1, every replica's step was the same from step 6 on). Said once, at the first step where it happens."""
-        c = self._hdet.config
-        inner = innermost(self.optimizer)
-        if self._warned_cap or _ADAFACTOR is None or not isinstance(inner, _ADAFACTOR) or not (
-                c.ensemble_lr_spread_ratio > 0 or c.moves_lr):
-            return
-        steps = [st.get("step") for st in inner.state.values()]
-        steps = [float(x) for x in steps if isinstance(x, torch.Tensor) and x.device.type == "cpu"]  # (no host sync)
-        t = max(steps) if steps else t  # torch's own count (skipped steps, an optimizer stepped before): its cap's
-        cap = 1.0 / math.sqrt(t)
-        over = [as_float(g["lr"]) for g in inner.param_groups if as_float(g["lr"]) > cap]
-        if over:
-            self._warned_cap = True
-            warnings.warn(f"hdet: torch's Adafactor steps at min(lr, 1/sqrt(t)), {cap:.3g} at step {t:g}, below this "
-                          f"replica's LR {max(over):.3g}: replicas whose LR is above it take the same step, so the "
-                          "spread (and the controller's moves) acts less than the LRs and records say, and less as the "
-                          "run goes on. Use a base LR well below 1/sqrt(total_steps), or another optimizer",
-                          stacklevel=user_stacklevel())
-
     def end_step(self, lead: "HDETLR | None" = None) -> None:
         """The second half of :meth:`step`: this replica's values for the next step (from ``lead``'s scheduled
         bases, computed once for the engine's replicas, when given)."""
@@ -853,7 +710,7 @@ class HDETLR(LRScheduler):
             # _torch_first_step_checks', around step(); the engine, which calls this itself, orders its own calls)
         else:
             self._follow_step(lead)
-        self._lr_marks = _lr_marks(self.optimizer)
+        self._watch.mark_lrs(self.optimizer)
         if self.last_epoch >= self.total_steps:  # the run is over (its last converge step taken): hooks off
             self.close()
 
@@ -875,7 +732,7 @@ class HDETLR(LRScheduler):
             values = self._values(self._bases_now)
         for group, lr in zip(self.optimizer.param_groups, values, strict=True):
             _set_lr(group, lr)
-        self._last_lr = _lrs_of(self.optimizer)
+        self._last_lr = lrs_of(self.optimizer)
 
     def past_the_end(self) -> str:
         """What to do about a step past ``total_steps``: raise it, or (a loaded state kept a shorter run than this
@@ -884,7 +741,7 @@ class HDETLR(LRScheduler):
         if built == self.total_steps:
             return "raise total_steps or stop stepping" + (
                 " (scheduler.step() ran without an optimizer.step() before: under gradient accumulation call it once "
-                "per optimizer step, not on every micro-batch)" if self._warned_double_step else "")
+                "per optimizer step, not on every micro-batch)" if self._watch.warned_double_step else "")
         return (f"this scheduler was built with total_steps={built}, and the state it loaded keeps its run's length, "
                 f"{self.total_steps} (a resume cannot lengthen a run: start a new one from the checkpoint's weights, "
                 "or stop at the saved length)")
@@ -1000,7 +857,7 @@ class HDETLR(LRScheduler):
         also = ens.also_tensors()  # (averaged in place and left so: also_average)
         finite = None
         ended = self._finished_at == t or t >= self.total_steps or self._closed  # (training over: no forward pending)
-        params_equal = self._opt_steps == self._opt_steps_seen and t > 0 and (ens.is_sync_step(t) or ended)
+        params_equal = not self._watch.stepped_since and t > 0 and (ens.is_sync_step(t) or ended)
         equal = params_equal and (ended or all(strict))  # (floating-point buffers after a converge step mid-run: a
         # training forward since, a gradient accumulation's micro-batch before a validation, moved each replica's
         # BatchNorm statistics apart, an audit; only they are averaged then, the parameters left exactly as they are)
@@ -1059,8 +916,8 @@ class HDETLR(LRScheduler):
             values = self.get_lr()
         for group, lr in zip(self.optimizer.param_groups, values):
             _set_lr(group, lr)  # (a tensor LR in place: a captured or compiled step reads that tensor)
-        self._last_lr = _lrs_of(self.optimizer)
-        self._lr_marks = _lr_marks(self.optimizer)
+        self._last_lr = lrs_of(self.optimizer)
+        self._watch.mark_lrs(self.optimizer)
 
     def record_schedule(self) -> "HDETLR":
         """Remember, from now on, every step's base value per explored slot (see :mod:`hdet.replay`).
@@ -1159,8 +1016,7 @@ class HDETLR(LRScheduler):
             self.close()
         if self.last_epoch > 0 and not self._closed:  # a resumed run has taken steps: a stall right after it is one
             self._guard.resumed()  # (the guards' watches)
-        self._opt_steps_seen = self._opt_steps  # (a resumed run counts from here: torch.distributed.checkpoint's
-        # set_state_dict steps a fresh optimizer once at lr 0 to make its state, which read as a missed step, a review)
+        self._watch.resumed()  # (a resumed run counts optimizer steps from here)
         if not self._closed:
             self._expect_values()
 
@@ -1173,7 +1029,7 @@ class HDETLR(LRScheduler):
         off)."""
         if isinstance(self._hdet.replicas, LocalReplica):
             return
-        self._values_loaded = ([as_float(lr) for lr in _lrs_of(self.optimizer)], [h.get() for h in self._hdet.hypers])
+        self._values_loaded = ([as_float(lr) for lr in lrs_of(self.optimizer)], [h.get() for h in self._hdet.hypers])
         self._hook_after_load()
 
     def expect_weights(self, fingerprint: float) -> None:
@@ -1194,7 +1050,7 @@ class HDETLR(LRScheduler):
         values, self._values_loaded = self._values_loaded, None
         if values is not None and not self._closed:
             lrs, hypers = values
-            now = [as_float(lr) for lr in _lrs_of(self.optimizer)]  # (HOST SYNC where an LR is a tensor, once)
+            now = [as_float(lr) for lr in lrs_of(self.optimizer)]  # (HOST SYNC where an LR is a tensor, once)
             if now != lrs or [h.get() for h in self._hdet.hypers] != hypers:
                 self.reapply()  # (the base schedule's value again: OneCycleLR reads max_lr from the groups loaded)
                 for h, v in zip(self._hdet.hypers, hypers):
@@ -1242,35 +1098,6 @@ def _say_warm_noise_lost(model: Any) -> None:
                       "every rank, so the replicas start equal and Eq. 10's noise is lost. Call "
                       "hdet.warm_init_(model.module) after DDP(...) and after building the scheduler (README)",
                       stacklevel=user_stacklevel())
-
-
-def _keep_replicas_at_join_end(model: Any, sched: "HDETLR | None" = None
-                               ) -> torch.nn.parallel.DistributedDataParallel | None:
-    """At the end of a ``model.join()`` block torch copies the last rank's model to every rank
-    (``DistributedDataParallel._sync_final_model``), for ranks that stopped stepping earlier: each replica's own weights
-    were lost (an audit). Under HDET a block that training steps run in throws on uneven inputs (refused otherwise), so
-    the end runs only where every rank took every step: the copy is left out, and the config of the block that ended
-    kept (torch leaves it enabled: an evaluation's join without throw_on_early_termination is no training's). Returns
-    the DDP module (inside ``torch.compile``'s wrapper), None where the model is not one. ``sched``: an open scheduler
-    on the model; with none left open (closed, or gone) torch's copy runs again (a plain ``join()`` after HDET's run
-    left the ranks apart, an audit)."""
-    ddp = uncompiled(model) if model is not None else None
-    if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
-        return None
-    if sched is not None and not sched.closed:
-        ddp.__dict__.setdefault("_hdet_open", weakref.WeakSet()).add(sched)
-    if getattr(ddp.__dict__.get("_sync_final_model"), "_hdet", False):
-        return ddp
-
-    def keep_replicas(is_last_joiner: bool) -> None:
-        ddp.__dict__["_hdet_join_ended"] = getattr(ddp, "_join_config", None)  # (a plain join's too: the next
-        # scheduler on the model is not refused for it, a review)
-        if not ddp.__dict__.get("_hdet_open"):
-            type(ddp)._sync_final_model(ddp, is_last_joiner)
-
-    keep_replicas._hdet = True  # type: ignore[attr-defined]
-    ddp._sync_final_model = keep_replicas
-    return ddp
 
 
 def _release(guard: GuardSetting, step_scale: Any) -> None:
@@ -1600,18 +1427,6 @@ def _host_base_lrs(base: LRScheduler, host: dict[str, Any]) -> list[float]:
     return host["floats"]
 
 
-def _lr_marks(optimizer: torch.optim.Optimizer) -> list[Any]:
-    """Each param group's LR as it is now, to tell later whether anything wrote it: a float as it is, a tensor by its
-    identity and in-place version (no host sync)."""
-    return [(id(g["lr"]), g["lr"]._version) if isinstance(g["lr"], torch.Tensor) else g["lr"]
-            for g in optimizer.param_groups]
-
-
-def _lrs_of(optimizer: torch.optim.Optimizer) -> list[Any]:
-    """Every param group's LR as torch's ``get_last_lr()`` gives it: a copy of a tensor LR, a float as it is."""
-    return [g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"] for g in optimizer.param_groups]
-
-
 def _explored(explore: Any) -> list[Any]:
     """``explore=`` as a list: one hdet hyperparameter, or a list (any iterable) of them (checked by
     ``check_explored``); a ValueError otherwise (a number or a dict gave Python's own "not iterable", or iterated the keys)."""
@@ -1664,7 +1479,6 @@ def _is_pair(x: Any) -> bool:
     return isinstance(x, (tuple, list)) and len(x) == 2 and all(real_number(v) is not None for v in x)
 
 
-_ADAFACTOR = getattr(torch.optim, "Adafactor", None)  # (torch >= 2.5)
 _TORCH_FIRST_STEP = ("Seems like `optimizer.step()` has been overridden", "Detected call of `lr_scheduler.step()` before")
 
 
