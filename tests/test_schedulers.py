@@ -1559,3 +1559,53 @@ def test_an_explored_value_that_reads_back_rounded_is_said():
     log = hdet.Spread("log", 0.5)
     assert said(torch.float16, log) == []
     assert len(said(torch.bfloat16, log)) == 1
+
+
+def test_the_step_watch_remembers_only_a_model_that_is_no_ddp(tmp_path):
+    """StepWatch.check_join skips a model it found to be no DDP module (no cost a step, hdet.step_watch); a DDP module
+    it is given afterwards is still checked: inside ``join()`` without throw_on_early_termination the step is
+    refused."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from helpers import in_gloo_world_of_one
+    from hdet.loss_scale import LossScale
+    from hdet.step_watch import StepWatch
+
+    def run():
+        watch = StepWatch(LossScale())
+        plain = nn.Linear(3, 1)
+        watch.check_join(plain, None)
+        watch.check_join(plain, None)  # remembered
+        ddp = DDP(nn.Linear(3, 1))
+        watch.check_join(ddp, None)  # (a step outside join(): checked, and not remembered)
+        with ddp.join():
+            with pytest.raises(ValueError, match=r"Expected model.join\(throw_on_early_termination=True\)"):
+                watch.check_join(ddp, None)
+        with ddp.join(throw_on_early_termination=True):
+            watch.check_join(ddp, None)
+
+    in_gloo_world_of_one(tmp_path, run)
+
+
+def test_an_lr_written_on_one_engine_replica_is_said():
+    """The engine's replicas past the first follow replica 0's base schedule (HDETLR.follows); each still checks its
+    own optimizer's LRs: one written on replica 2's optimizer between steps is said, naming the group."""
+    import warnings
+
+    from hdet.engine import ReplicaEngine
+
+    torch.manual_seed(0)
+    eng = ReplicaEngine(nn.Linear(3, 1), 3, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                        lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.1, total_steps=20, model_sync_interval=10,
+                                                              ensemble_lr_spread_ratio=0.2, replicas=rep, model=m),
+                        mode="vmap")
+    batch = torch.randn(3, 4, 3)
+    loss = lambda m, b: m(b).square().mean()  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(4):
+            eng.step(batch, loss, stacked=True)
+            if t == 1:
+                eng.optimizers[2].param_groups[0]["lr"] = 0.5
+    said = [str(w.message) for w in caught if "LR was written" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("hdet: param group 0's LR was written to 0.5"), said
