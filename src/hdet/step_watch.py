@@ -48,6 +48,7 @@ class StepWatch:
         self.lr_marks: list[Any] | None = None  # each group's LR as the scheduler left it (check_lrs_kept)
         self.warned_lr_written = False
         self._plain: Any = None  # the model last found to be no DDP module (check_join has nothing to do for it)
+        self._ddp: tuple[Any, Any] | None = None  # (the DDP model check_join has seen, its DDP module)
         self._adafactor: tuple[Any, bool] | None = None  # (the optimizer, whether torch's Adafactor steps it)
 
     # -- optimizer steps against scheduler steps -------------------------------------------------------------
@@ -181,14 +182,19 @@ class StepWatch:
         match a converge step's (every rank waited out the process group's timeout, then a ReplicaSyncError blamed a dead
         replica, an audit): training inside one without ``throw_on_early_termination=True`` is refused. And the end of a
         join block (:func:`keep_replicas_at_join_end`) copied the last rank's model to every rank: ``finish()`` after
-        it averaged N copies of one replica, silently. ``sched``: the open scheduler on ``model``. Nothing for a model
-        that is no DDP module (remembered: no cost a step)."""
+        it averaged N copies of one replica, silently. ``sched``: the open scheduler on ``model``, the watch's own.
+        Nothing for a model that is no DDP module, and the join end's hold taken once for a DDP one (remembered: about
+        no cost a step; a closed scheduler that reopens takes the hold again itself)."""
         if model is None or model is self._plain:
             return
-        ddp = keep_replicas_at_join_end(model, sched)
-        if ddp is None:
-            self._plain = model
-            return
+        if self._ddp is not None and self._ddp[0] is model:
+            ddp = self._ddp[1]  # (its join end already kept the replicas apart, this scheduler among its open ones)
+        else:
+            ddp = keep_replicas_at_join_end(model, sched)
+            if ddp is None:
+                self._plain = model
+                return
+            self._ddp = (model, ddp)
         config = getattr(ddp, "_join_config", None)
         if getattr(config, "enable", False) and not config.throw_on_early_termination \
                 and config is not ddp.__dict__.get("_hdet_join_ended"):  # (torch leaves a block's config on after it)
