@@ -87,12 +87,15 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             engine_mode, _, path = mode.partition("/")
-            fused_passes, per_replica_min = hdet.kernels.AVAILABLE, hdet.linear.PER_REPLICA_MIN
+            fused_passes, per_replica_min, native_max = (hdet.kernels.AVAILABLE, hdet.linear.PER_REPLICA_MIN,
+                                                         hdet.linear.NATIVE_MAX)
             norm_usable = hdet.kernels.layer_norm_usable
             try:  # (every toggle put back, whatever fails: the next mode measures the code as it is)
                 hdet.kernels.AVAILABLE = fused_passes and path != "torch-passes"  # ("/torch-passes": no hdet.kernels)
                 if path == "baddbmm":  # ("/baddbmm": every linear layer one baddbmm, none one addmm per replica)
                     hdet.linear.PER_REPLICA_MIN = float("inf")
+                if path == "native":  # ("/native": every linear layer torch's baddbmm with autograd's backward)
+                    hdet.linear.NATIVE_MAX = float("inf")
                 if path == "torchnorm":  # ("/torchnorm": the merged layer norms in torch's ops, in graphs too)
                     hdet.kernels.layer_norm_usable = lambda *x: False
                 eng = ReplicaEngine(
@@ -114,6 +117,7 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
                 dt = time_steps(eng_step, warm + (3 if "+" in mode else 0), steps, device)
             finally:
                 hdet.kernels.AVAILABLE, hdet.linear.PER_REPLICA_MIN = fused_passes, per_replica_min
+                hdet.linear.NATIVE_MAX = native_max
                 hdet.kernels.layer_norm_usable = norm_usable
         out[mode] = {"seconds_per_step": dt, "tokens_per_s": N * B * ctx / dt,
                      "ratio_to_baseline": out["baseline"]["seconds_per_step"] / dt,

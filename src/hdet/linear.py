@@ -103,11 +103,22 @@ def _stacked_linear(x: torch.Tensor, xd: int | None, w: torch.Tensor, wd: int, b
 
 def batched_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """``y[r] = x[r] @ w[r]^T + b[r]`` on plain ``[N, R, in]``, ``[N, out, in]``, ``[N, out]`` tensors, one ``baddbmm``
-    (:class:`_BatchedLinear`), cast as autocast casts ``F.linear``."""
+    (:class:`_BatchedLinear`; torch's own with autograd's backward below :data:`NATIVE_MAX`), cast as autocast casts
+    ``F.linear``."""
     device = x.device.type
+    fn = _native if x.is_cuda and x.shape[1] * w.shape[1] * w.shape[2] < NATIVE_MAX else _BatchedLinear.apply
     if torch.is_autocast_enabled(device):
-        return autocast.cast_and_call(device, _BatchedLinear.apply, x, w, b)
-    return _BatchedLinear.apply(x, w, b)
+        return autocast.cast_and_call(device, fn, x, w, b)
+    return fn(x, w, b)
+
+
+NATIVE_MAX = 0  # rows x outputs x inputs of one replica's CUDA layer below which torch's own baddbmm runs it, with
+# autograd's backward (no Python backward: host time; dW then comes transposed); 0: never (benchmarks set it)
+
+
+def _native(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    wt = w.transpose(1, 2)
+    return _BMM(x, wt) if b is None else _BADDBMM(b.unsqueeze(1), x, wt)
 
 
 PER_REPLICA_MIN = 1 << 22  # rows x outputs of one replica's layer from which a CUDA layer with a bias runs one addmm
