@@ -46,7 +46,7 @@ def main() -> None:
         ctx, B = size["ctx"], size["B"]
         g = torch.Generator(device=dev).manual_seed(0)
         data = torch.randint(0, 256, (N * B * 4, ctx + 1), device=dev, generator=g)
-        total = (a.rounds + 1) * (a.steps + 5) + 10
+        total = len(a.modes.split(",")) * (a.rounds + 1) * (a.steps + 5) + 10  # (the baseline steps in every mode)
 
         def model():
             torch.manual_seed(0)
