@@ -106,14 +106,16 @@ def batched_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> 
     (:class:`_BatchedLinear`; torch's own with autograd's backward below :data:`NATIVE_MAX`), cast as autocast casts
     ``F.linear``."""
     device = x.device.type
-    fn = _native if x.is_cuda and x.shape[1] * w.shape[1] * w.shape[2] < NATIVE_MAX else _BatchedLinear.apply
+    fn = _native if (x.is_cuda and x.shape[1] * w.shape[1] * w.shape[2] < NATIVE_MAX
+                     and not _per_replica(x, w, b)) else _BatchedLinear.apply
     if torch.is_autocast_enabled(device):
         return autocast.cast_and_call(device, fn, x, w, b)
     return fn(x, w, b)
 
 
 NATIVE_MAX = 0  # rows x outputs x inputs of one replica's CUDA layer below which torch's own baddbmm runs it, with
-# autograd's backward (no Python backward: host time; dW then comes transposed); 0: never (benchmarks set it)
+# autograd's backward (no Python backward: host time; dW then comes transposed), unless it runs one addmm a replica
+# (_per_replica); 0: never (benchmarks set it)
 
 
 def _native(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
