@@ -36,11 +36,13 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--native-max", type=float, default=hdet.linear.NATIVE_MAX,
+                   help="hdet.linear.NATIVE_MAX for the native engine (default: the library's)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = True  # (as engine_throughput.py)
-    N, results = a.replicas, []
+    N, results, default = a.replicas, [], hdet.linear.NATIVE_MAX
     for name in a.sizes.split(","):
         size = SIZES[name]
         ctx, B = size["ctx"], size["B"]
@@ -68,7 +70,7 @@ def main() -> None:
 
         for mode in a.modes.split(","):
             steps, limits = {"baseline": base_step}, {}
-            for key, limit in (("function", 0), ("native", float("inf"))):
+            for key, limit in (("function", 0), ("native", a.native_max)):
                 hdet.linear.NATIVE_MAX = limit
                 eng = ReplicaEngine(model(), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True),
                                     lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=total,
@@ -89,7 +91,7 @@ def main() -> None:
                 for k in order[r % 3:] + order[: r % 3]:
                     hdet.linear.NATIVE_MAX = limits.get(k, 0)
                     times[k].append(time_steps(steps[k], 3, a.steps, dev))
-            hdet.linear.NATIVE_MAX = 0
+            hdet.linear.NATIVE_MAX = default
             med = {k: statistics.median(v) for k, v in times.items()}
             results.append({"size": name, "mode": mode, "N": N, "batch_per_replica": B,
                             "median_seconds_per_step": med, "all_seconds_per_step": times,
@@ -97,7 +99,7 @@ def main() -> None:
                             "native_speedup_per_round": [f / n for f, n in zip(times["function"], times["native"])]})
             print(name, mode, {k: round(v * 1e3, 2) for k, v in med.items()},
                   "native/function speed-up per round:", [round(x, 3) for x in results[-1]["native_speedup_per_round"]])
-    rec = {"command": "python " + " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,
+    rec = {"command": "python " + " ".join(sys.argv), "native_max": a.native_max, "python": platform.python_version(), "torch": torch.__version__,
            "device": torch.cuda.get_device_name(dev), "tf32": True, "results": results}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rec, indent=1))

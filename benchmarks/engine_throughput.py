@@ -94,8 +94,10 @@ def bench(size: dict, N: int, B: int, steps: int, warm: int, T: int, device, mod
                 hdet.kernels.AVAILABLE = fused_passes and path != "torch-passes"  # ("/torch-passes": no hdet.kernels)
                 if path == "baddbmm":  # ("/baddbmm": every linear layer one baddbmm, none one addmm per replica)
                     hdet.linear.PER_REPLICA_MIN = float("inf")
-                if path == "native":  # ("/native": every linear layer torch's baddbmm with autograd's backward)
+                if path == "native":  # ("/native": every merged linear layer torch's baddbmm, autograd's backward)
                     hdet.linear.NATIVE_MAX = float("inf")
+                if path == "function":  # ("/function": every merged linear layer hdet's autograd.Function)
+                    hdet.linear.NATIVE_MAX = 0
                 if path == "torchnorm":  # ("/torchnorm": the merged layer norms in torch's ops, in graphs too)
                     hdet.kernels.layer_norm_usable = lambda *x: False
                 eng = ReplicaEngine(

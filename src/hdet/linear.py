@@ -101,21 +101,23 @@ def _stacked_linear(x: torch.Tensor, xd: int | None, w: torch.Tensor, wd: int, b
     return _functorch._add_batch_dim(y, 0, level)
 
 
-def batched_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def batched_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, native: bool = False) -> torch.Tensor:
     """``y[r] = x[r] @ w[r]^T + b[r]`` on plain ``[N, R, in]``, ``[N, out, in]``, ``[N, out]`` tensors, one ``baddbmm``
-    (:class:`_BatchedLinear`; torch's own with autograd's backward below :data:`NATIVE_MAX`), cast as autocast casts
-    ``F.linear``."""
+    (:class:`_BatchedLinear`; with ``native``, a CUDA layer below :data:`NATIVE_MAX` runs torch's own with autograd's
+    backward), cast as autocast casts ``F.linear``."""
     device = x.device.type
-    fn = _native if (x.is_cuda and x.shape[1] * w.shape[1] * w.shape[2] < NATIVE_MAX
+    fn = _native if (native and x.is_cuda and x.shape[1] * w.shape[1] * w.shape[2] < NATIVE_MAX
                      and not _per_replica(x, w, b)) else _BatchedLinear.apply
     if torch.is_autocast_enabled(device):
         return autocast.cast_and_call(device, fn, x, w, b)
     return fn(x, w, b)
 
 
-NATIVE_MAX = 0  # rows x outputs x inputs of one replica's CUDA layer below which torch's own baddbmm runs it, with
-# autograd's backward (no Python backward: host time; dW then comes transposed), unless it runs one addmm a replica
-# (_per_replica); 0: never (benchmarks set it)
+NATIVE_MAX = 1 << 31  # rows x outputs x inputs of one replica's CUDA layer below which the merged replicas' layer runs
+# torch's own baddbmm with autograd's backward: no Python backward, the host time that bounds small models (dW then
+# comes transposed), unless it runs one addmm a replica (_per_replica); 0: never. The tiny and small GPTs merged on an
+# H200: 1.04x and 1.07-1.12x the Function's speed; the medium one's layers above it but one
+# (benchmarks/results/gpu_h200/native_linear/)
 
 
 def _native(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -216,7 +216,7 @@ def _linear(mr: MergedReplicas, mod: nn.Linear, ws: dict[str, torch.Tensor]) -> 
         fast = x.shape[0] == mr.rows and x.is_contiguous()  # (the common case, at the least host cost)
         x3, shared = (x.view(mr.N, -1, x.shape[-1]), False) if fast else mr.split(x, "Linear")
         lead = x.shape[1:-1] if fast else x3.shape[1:-1]
-        y = batched_linear(x3.reshape(mr.N, -1, x3.shape[-1]), w, b)
+        y = batched_linear(x3.reshape(mr.N, -1, x3.shape[-1]), w, b, native=True)
         return y.view(*x.shape[:-1], y.shape[-1]) if fast else mr.join(y.view(mr.N, *lead, y.shape[-1]), shared)
     return forward
 

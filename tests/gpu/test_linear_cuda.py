@@ -88,3 +88,59 @@ def test_the_engine_trains_the_same_with_one_addmm_per_replica(monkeypatch):
     torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-2, atol=1e-4)
     for a, b in zip(out[True][1], out[False][1]):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-4)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_torchs_own_baddbmm_computes_what_the_function_does(autocast, bias, monkeypatch):
+    """The merged replicas' small CUDA layers (``native=True``, below NATIVE_MAX) run torch's baddbmm with autograd's
+    backward: y and every gradient as hdet's autograd.Function computes them (TF32 off), under bf16 autocast too."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    out = {}
+    for native in (False, True):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(3, 64, 48, device="cuda", generator=g).requires_grad_()
+        w = (torch.randn(3, 32, 48, device="cuda", generator=g) / 10).requires_grad_()
+        b = torch.randn(3, 32, device="cuda", generator=g).requires_grad_() if bias else None
+        dy = torch.randn(3, 64, 32, device="cuda", generator=g)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            y = hdet.linear.batched_linear(x, w, b, native=native)
+        assert isinstance(y.grad_fn, torch.autograd.function.BackwardCFunction) is not native  # (the Function's)
+        y.float().backward(dy)
+        out[native] = y.detach(), [t.grad for t in (x, w, b) if t is not None]
+    assert out[True][0].dtype == out[False][0].dtype == (torch.bfloat16 if autocast else torch.float32)
+    tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[True][0].float(), out[False][0].float(), **tol)
+    for a, r in zip(out[True][1], out[False][1]):
+        torch.testing.assert_close(a, r, **tol)
+
+
+def test_the_merged_engine_trains_the_same_with_torchs_own_baddbmm(monkeypatch):
+    """A small GPT, 4 replicas merged, 10 steps with two syncs: with torch's baddbmm for its layers (the default below
+    NATIVE_MAX) losses, weights and LRs as with hdet's autograd.Function (NATIVE_MAX 0), TF32 off."""
+    from hdet.app.tasks import ByteGPT
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    native = hdet.linear._native
+    out, calls = {}, []
+    monkeypatch.setattr(hdet.linear, "_native", lambda *a: calls.append(limit) or native(*a))
+    for limit in (0, hdet.linear.NATIVE_MAX):
+        monkeypatch.setattr(hdet.linear, "NATIVE_MAX", limit)
+        torch.manual_seed(0)
+        eng = ReplicaEngine(ByteGPT(32, 64, 2, 2).cuda(), 4, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+                            lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-3, total_steps=10, replicas=rep,
+                                                                  ensemble_lr_spread_ratio=0.3, model_sync_interval=4,
+                                                                  model=m), mode="merged")
+        g = torch.Generator(device="cuda").manual_seed(1)
+        data = torch.randint(0, 256, (10, 4, 8, 33), device="cuda", generator=g)
+        losses = [eng.step(data[t], lambda m, b: F.cross_entropy(m(b[..., :-1]).reshape(-1, 256),
+                                                                 b[..., 1:].reshape(-1)), stacked=True)
+                  for t in range(10)]
+        assert eng.mode == "merged"
+        out[limit] = (torch.stack(losses), [p.detach().clone() for p in eng.stacked_params.values()],
+                      [s.get_last_lr() for s in eng.schedulers])
+    assert calls and all(calls) and hdet.linear.NATIVE_MAX > 0  # (torch's baddbmm by default, none at 0)
+    torch.testing.assert_close(out[hdet.linear.NATIVE_MAX][0], out[0][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(out[hdet.linear.NATIVE_MAX][1], out[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # (Adam's rounding noise, as the graphed step's test)
+    assert out[hdet.linear.NATIVE_MAX][2] == out[0][2]
