@@ -14,30 +14,33 @@ from hdet.engine import ReplicaEngine
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _layer(per_replica, autocast, monkeypatch, bias=True):
-    """y and the gradients of a 3-replica layer large enough for the per-replica path (4096 rows x 1024 outputs),
-    with it on or off, and how many addmm calls it made."""
+def _layer(per_replica, autocast, monkeypatch, bias=True, native=False, shape=(4096, 1024, 96)):
+    """y and the gradients of a 3-replica layer (by default large enough for the per-replica path: 4096 rows x 1024
+    outputs), with it on or off, how many addmm calls it made, and whether hdet's autograd.Function computed it
+    (``native``: torch's baddbmm where the layer is below NATIVE_MAX)."""
     monkeypatch.setattr(hdet.linear, "PER_REPLICA_MIN", 1 << 22 if per_replica else float("inf"))
     calls = []
     addmm = torch.addmm
     monkeypatch.setattr(hdet.linear, "_ADDMM", lambda *a, **k: calls.append(1) or addmm(*a, **k))
+    rows, out, inp = shape
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(3, 4096, 96, device="cuda", generator=g).requires_grad_()
-    w = (torch.randn(3, 1024, 96, device="cuda", generator=g) / 10).requires_grad_()
-    b = torch.randn(3, 1024, device="cuda", generator=g).requires_grad_() if bias else None
-    dy = torch.randn(3, 4096, 1024, device="cuda", generator=g)
+    x = torch.randn(3, rows, inp, device="cuda", generator=g).requires_grad_()
+    w = (torch.randn(3, out, inp, device="cuda", generator=g) / 10).requires_grad_()
+    b = torch.randn(3, out, device="cuda", generator=g).requires_grad_() if bias else None
+    dy = torch.randn(3, rows, out, device="cuda", generator=g)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        y = hdet.linear.batched_linear(x, w, b)
+        y = hdet.linear.batched_linear(x, w, b, native=native)
+    function = isinstance(y.grad_fn, torch.autograd.function.BackwardCFunction)
     y.float().backward(dy)
-    return y.detach(), [t.grad for t in (x, w, b) if t is not None], len(calls)
+    return y.detach(), [t.grad for t in (x, w, b) if t is not None], len(calls), function
 
 
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("tf32", [False, True])
 def test_one_addmm_per_replica_matches_the_batched_matmul(autocast, tf32, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
-    y0, g0, n0 = _layer(False, autocast, monkeypatch)
-    y1, g1, n1 = _layer(True, autocast, monkeypatch)
+    y0, g0, n0, _ = _layer(False, autocast, monkeypatch)
+    y1, g1, n1, _ = _layer(True, autocast, monkeypatch)
     assert (n0, n1) == (0, 3)
     assert y1.dtype == y0.dtype == (torch.bfloat16 if autocast else torch.float32)
     tol = dict(rtol=2e-2, atol=2e-2) if autocast or tf32 else dict(rtol=1e-5, atol=1e-4)
@@ -96,18 +99,8 @@ def test_torchs_own_baddbmm_computes_what_the_function_does(autocast, bias, monk
     """The merged replicas' small CUDA layers (``native=True``, below NATIVE_MAX) run torch's baddbmm with autograd's
     backward: y and every gradient as hdet's autograd.Function computes them (TF32 off), under bf16 autocast too."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    out = {}
-    for native in (False, True):
-        g = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(3, 64, 48, device="cuda", generator=g).requires_grad_()
-        w = (torch.randn(3, 32, 48, device="cuda", generator=g) / 10).requires_grad_()
-        b = torch.randn(3, 32, device="cuda", generator=g).requires_grad_() if bias else None
-        dy = torch.randn(3, 64, 32, device="cuda", generator=g)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            y = hdet.linear.batched_linear(x, w, b, native=native)
-        assert isinstance(y.grad_fn, torch.autograd.function.BackwardCFunction) is not native  # (the Function's)
-        y.float().backward(dy)
-        out[native] = y.detach(), [t.grad for t in (x, w, b) if t is not None]
+    out = {native: _layer(False, autocast, monkeypatch, bias, native, shape=(64, 32, 48)) for native in (False, True)}
+    assert (out[False][3], out[True][3]) == (True, False)  # (hdet's Function, then torch's baddbmm)
     assert out[True][0].dtype == out[False][0].dtype == (torch.bfloat16 if autocast else torch.float32)
     tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out[True][0].float(), out[False][0].float(), **tol)
