@@ -34,15 +34,14 @@ from .ensemble import Ensemble, SyncRecord
 from .guard import GuardSetting, ScalerWatch, SkipWatch, uncompiled, weak_method
 from .hyper import AdamBeta, Dropout, Hyperparameter, LabelSmoothing, check_explored
 from .loss_scale import LossScale
-from .optimizers import (check_lr_groups, check_optimizer, innermost, own_lr_tensors,
-                         say_maximize)
+from .optimizers import check_lr_groups, check_optimizer, innermost, own_lr_tensors, say_maximize
 from .replicas import (DEFAULT_BUCKET_CAP_MB, LocalReplica, Replicas, check_mesh_placements, check_not_fsdp1, is_sharded,
                        reshard_fsdp, resolve_replicas)
 from .slots import LRControl
+from .step_watch import StepWatch, keep_replicas_at_join_end, lrs_of
 from .swap import AverageSwap, averaged, explored_bases
 from .sync import check_memory_layout, health, persistent_float_buffers, unaveraged_buffers
 from .values import as_float, int_number, real_number
-from .step_watch import StepWatch, keep_replicas_at_join_end, lrs_of
 from .warm_init import warm_noise_overwritten
 
 __all__ = ["HDETLR", "OneCycleAutoLR"]
