@@ -116,8 +116,8 @@ def batched_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, nat
 NATIVE_MAX = 1 << 31  # rows x outputs x inputs of one replica's CUDA layer below which the merged replicas' layer runs
 # torch's own baddbmm with autograd's backward: no Python backward, the host time that bounds small models (dW then
 # comes transposed), unless it runs one addmm a replica (_per_replica); 0: never. The tiny and small GPTs merged on an
-# H200: 1.04x and 1.07-1.12x the Function's speed; the medium one's layers above it but one
-# (benchmarks/results/gpu_h200/native_linear/)
+# H200: 1.06-1.10x the Function's speed a round side by side, but not faster in a sequential run (mixed evidence); the
+# medium one (its layers above it but one) unchanged (benchmarks/results/gpu_h200/native_linear/)
 
 
 def _native(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -49,7 +49,7 @@ class StepWatch:
         self.warned_lr_written = False
         self._plain: Any = None  # the model last found to be no DDP module (check_join has nothing to do for it)
         self._ddp: tuple[Any, Any] | None = None  # (the DDP model check_join has seen, its DDP module)
-        self._adafactor: tuple[Any, bool] | None = None  # (the optimizer, whether torch's Adafactor steps it)
+        self._adafactor: tuple[Any, Any] | None = None  # (the optimizer, the torch Adafactor inside it, or None)
 
     # -- optimizer steps against scheduler steps -------------------------------------------------------------
     def optimizer_stepped(self) -> None:
@@ -139,10 +139,9 @@ class StepWatch:
                               stacklevel=user_stacklevel())
 
     # -- LRs written by another --------------------------------------------------------------------------
-    def mark_lrs(self, optimizer: torch.optim.Optimizer, marks: list[Any] | None = None) -> None:
-        """Each param group's LR as the scheduler has just set it (``marks``: :func:`lr_marks` of it, where the
-        caller has them)."""
-        self.lr_marks = lr_marks(optimizer) if marks is None else marks
+    def mark_lrs(self, optimizer: torch.optim.Optimizer) -> None:
+        """Each param group's LR as the scheduler has just set it."""
+        self.lr_marks = lr_marks(optimizer)
 
     def forget_lrs(self) -> None:
         """Something that is no other writer set the LRs (an optimizer's load): the next step does not check them."""
@@ -213,10 +212,11 @@ class StepWatch:
         if self.warned_cap or _ADAFACTOR is None or not spread_or_moved:
             return
         if self._adafactor is None or self._adafactor[0] is not optimizer:
-            self._adafactor = (optimizer, isinstance(innermost(optimizer), _ADAFACTOR))
-        if not self._adafactor[1]:
+            inner = innermost(optimizer)
+            self._adafactor = (optimizer, inner if isinstance(inner, _ADAFACTOR) else None)
+        inner = self._adafactor[1]
+        if inner is None:
             return
-        inner = innermost(optimizer)
         steps = [st.get("step") for st in inner.state.values()]
         steps = [float(x) for x in steps if isinstance(x, torch.Tensor) and x.device.type == "cpu"]  # (no host sync)
         t = max(steps) if steps else t  # torch's own count (skipped steps, an optimizer stepped before): its cap's
