@@ -48,6 +48,7 @@ def main() -> None:
     p.add_argument("--old", required=True, help="folder holding the previous hdet package")
     p.add_argument("--task", default="mlp", choices=["mlp", *SIZES])
     p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--batch", type=int, default=32, help="the MLP's examples a replica")
     p.add_argument("--compile", action="store_true", help="the engines with compile=True, the baseline compiled")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=7)
@@ -66,7 +67,7 @@ def main() -> None:
     old_hdet, old_engine = load_old(a.old)
     total = (a.steps + 10) * a.rounds * 3 + 100
     if a.task == "mlp":
-        B = 32
+        B = a.batch
 
         def model() -> nn.Module:
             torch.manual_seed(0)
@@ -121,6 +122,7 @@ def main() -> None:
     rec = {"command": "python " + " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,
            "hdet": hdet.__version__, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else
            f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)", "task": a.task, "N": N,
+           **({"batch_per_replica": B} if a.task == "mlp" else {}),
            "compile": a.compile, "mode": a.mode, "autocast": a.autocast, "tf32": torch.backends.cuda.matmul.allow_tf32,
            "seconds_per_step_median": med, "seconds_per_step_all": times,
            "ratio_to_baseline": {k: med["baseline"] / med[k] for k in engines},

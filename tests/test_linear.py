@@ -217,3 +217,103 @@ def test_the_per_replica_addmm_is_for_large_cuda_layers_with_a_bias():
     assert not hdet.linear._per_replica(big, w, None)
     assert not hdet.linear._per_replica(big, w, b.half())
     assert not hdet.linear._per_replica(big, torch.randn(3, 1024, 8), torch.randn(3, 1024))  # (baddbmm raises)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _sharing_run(shares, mode, bad=None, steps=8):
+    """An engine of N replicas (AdamW, HDET with syncs every 3 steps) trained ``steps`` steps, with the weights'
+    gradient shares (hdet.linear.sharing) or without; ``bad(t, r)``: whether replica r's step t gets a gradient that is
+    not finite, in its linear layers (a NaN input) or in the last layer's bias only (sqrt's gradient at 0, times 0: the
+    weights' shares finite). Returns the
+    engine, the mean gradient after each step, the losses, how many steps reduced shares and how many ran again."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(N, 8, 6, generator=g), torch.randint(0, 3, (N, 8), generator=g)) for _ in range(steps)]
+    eng = ReplicaEngine(_mlp(), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                        lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-2, total_steps=steps,
+                                                              ensemble_lr_spread_ratio=0.3, model_sync_interval=3,
+                                                              replicas=rep, model=m), mode=mode)
+    if not shares:
+        eng._takes_shares = lambda: False
+    def loss_fn(m, b):  # (merged: loss_fn cannot reach a replica's parameters)
+        loss = F.cross_entropy(m(b[0]), b[1])
+        return loss if mode == "merged" else loss + (m[4].bias.sum() * b[2]).abs().sqrt() * 1e-3
+    counts = {"shares": 0, "again": 0}
+    reduce = eng.stack._reduce
+
+    def counting(names, grads):
+        counts["shares"] += any(g is not None and g.stride(0) == 0 for g in grads)
+        reduce(names, grads)
+        counts["again"] += eng.stack.redo
+    eng.stack._reduce = counting
+    grads, losses = [], []
+    for t, (x, y) in enumerate(data):
+        flag = torch.ones(N)
+        if bad is not None:
+            for r in range(N):
+                if bad(t, r) == "input":
+                    x = x.clone()
+                    x[r, 0, 0] = float("nan")
+                elif bad(t, r) == "bias":
+                    flag[r] = 0.0
+        losses.append(eng.step((x, y, flag), loss_fn, stacked=True))
+        grads.append(eng.stack.grad.clone())
+    return eng, grads, losses, counts
+
+
+@pytest.mark.filterwarnings("ignore:hdet. at sync step")
+@pytest.mark.parametrize("mode,bad", [("vmap", None), ("vmap", "input"), ("vmap", "bias"), ("merged", None),
+                                      ("merged", "input")])
+def test_weight_gradient_shares_train_as_each_replicas_own_gradients(mode, bad):
+    """On the CPU the linear layers' weights get the replicas' shares of their summed gradient (one mm over all
+    rows, stride 0 over the replicas) from the first step on: the mean gradient, the losses and the trained
+    replicas are the per-replica gradients' (to rounding). A replica whose gradient is not finite at a step, in its
+    linear layers or only in a bias (its weights' shares finite), is left out of the mean as
+    without shares: that step runs again without them."""
+    when = {None: None, "input": lambda t, r: "input" if (t, r) in ((2, 1), (4, 3)) else None,
+            "bias": lambda t, r: "bias" if (t, r) == (4, 2) else None}[bad]
+    eng, grads, losses, counts = _sharing_run(True, mode, when)
+    ref, ref_grads, ref_losses, ref_counts = _sharing_run(False, mode, when)
+    assert counts["shares"] == 8 and ref_counts["shares"] == 0  # (the runs this test compares)
+    assert counts["again"] == {None: 0, "input": 2, "bias": 1}[bad]
+    assert eng.mode == mode
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-5, atol=1e-7, equal_nan=True)
+    for m, mr in zip(eng.models, ref.models):
+        for p, q in zip(m.parameters(), mr.parameters()):
+            assert torch.isfinite(p).all()
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_second_run_of_a_step_draws_what_the_first_drew():
+    """A step run again without the shares (a replica's gradient not finite) draws the same dropout masks and
+    updates BatchNorm's statistics once, as the step run once without shares does."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 3))
+
+    def run(shares):
+        torch.manual_seed(5)
+        eng = ReplicaEngine(model(), N, lambda m: torch.optim.SGD(m.parameters(), lr=1e-2),
+                            lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-2, total_steps=4,
+                                                                  model_sync_interval=2, replicas=rep, model=m),
+                            mode="vmap")
+        if not shares:
+            eng._takes_shares = lambda: False
+        g = torch.Generator().manual_seed(2)
+        for t in range(4):
+            x = torch.randn(N, 8, 6, generator=g)
+            if t == 1:
+                x[2, 0, 0] = float("nan")
+            eng.step((x, torch.randint(0, 3, (N, 8), generator=g)), lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+                     stacked=True)
+        return eng
+    a, b = run(True), run(False)
+    for k in a.stacked_buffers:
+        torch.testing.assert_close(a.stacked_buffers[k], b.stacked_buffers[k], rtol=1e-5, atol=1e-6, equal_nan=True)
+    for p, q in zip(a.stacked_params.values(), b.stacked_params.values()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

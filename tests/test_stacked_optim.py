@@ -44,17 +44,17 @@ def _engine(make_opt, stacked=True, model=None, loss_fn=_loss, steps=STEPS, expl
     return eng
 
 
-def _close(a, b):
+def _close(a, b, rtol=1e-5, atol=1e-6):
     for ma, mb in zip(a.models, b.models):
         for pa, pb in zip(ma.parameters(), mb.parameters()):
-            torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(pa, pb, rtol=rtol, atol=atol)
     for oa, ob in zip(a.optimizers, b.optimizers):
         sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
         assert sa.keys() == sb.keys()
         for i in sb:
             assert sa[i].keys() == sb[i].keys()
             for k in sb[i]:
-                torch.testing.assert_close(sa[i][k], sb[i][k], rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(sa[i][k], sb[i][k], rtol=rtol, atol=atol)
 
 
 OPTIMIZERS = {
@@ -323,8 +323,10 @@ def test_snapshots_copy_the_shared_moments_once(kind):
             eng.step((X[t], Y[t]), _loss, stacked=True)
         back = [r.step for r in recs if r.went_back_to is not None]
         assert back, "the run must go back to a snapshot for this test to mean anything"
-        _close(fast, slow)
-        _close(eng, slow)
+        # (the stacked path sums the replicas' weight gradients in one mm, hdet.linear.sharing, the per-replica path
+        # each replica's, then their mean: last-bit differences, which this run's large learning rate amplifies)
+        _close(fast, slow, rtol=1e-4, atol=1e-5)
+        _close(eng, slow, rtol=1e-4, atol=1e-5)
         assert _snapshot_bytes(fast, "guard") == (N + 2) * P + 4  # each replica's weights, the moments once
         assert _snapshot_bytes(slow, "guard") == 3 * N * P + N * C
         if kind == "range_test":  # mid-ramp: up to a few snapshots, each with the moments once

@@ -557,14 +557,14 @@ class ReplicaEngine:
     def _vmap_losses(self, batch: Any, loss_fn: LossFn, merged: bool = False) -> torch.Tensor:
         """Forward + backward of all replicas at once; leaves ``sum_r g_r / N`` in every replica's grad
         (its own ``g_r`` in local mode). ``merged``: the forward on the replicas' merged batch (:mod:`hdet.merged`)."""
-        if merged:
-            self.stack.before_backward()
-            (losses, graphed), reassigned = self._merged_forward(batch, loss_fn), {}
-        else:
-            losses, reassigned, graphed = self._vmapped_forward(batch, loss_fn)
-        if losses.shape != (self.num_replicas,):
-            raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(losses.shape[1:])}")
+        shares = self._takes_shares()
+        before = self._before_shares() if shares else None  # (what a second run of the step needs)
+        losses, reassigned, graphed = self._losses(batch, loss_fn, merged, shares)
         self.stack.backward(losses)
+        if self.stack.redo:  # a NaN or Inf among the shares: the step again, each replica's own weight gradients
+            self._restore_shares(before)  # (the forward's random draws and buffer updates as the first run's)
+            losses, reassigned, graphed = self._losses(batch, loss_fn, merged, False)
+            self.stack.backward(losses)
         if graphed:  # the graph's next run writes over its output: what step() returns is the caller's
             losses = losses.detach().clone()
         self._keep_reassigned(reassigned)  # (after the backward: it may have saved the old value)
@@ -575,6 +575,41 @@ class ReplicaEngine:
         if self.share_gradients:  # (local mode: each replica keeps its own gradient)
             self.stack.average_gradients()
         return losses.detach()
+
+    def _losses(self, batch: Any, loss_fn: LossFn, merged: bool, shares: bool
+                ) -> tuple[torch.Tensor, dict[str, Any], bool]:
+        """The forward of :meth:`_vmap_losses`: the losses, the reassigned buffers and whether a CUDA graph ran it;
+        ``shares``: under :func:`hdet.linear.sharing`."""
+        with linear.sharing() if shares else contextlib.nullcontext():
+            if merged:
+                self.stack.before_backward()
+                (losses, graphed), reassigned = self._merged_forward(batch, loss_fn), {}
+            else:
+                losses, reassigned, graphed = self._vmapped_forward(batch, loss_fn)
+        if losses.shape != (self.num_replicas,):
+            raise ValueError(f"Expected loss_fn to return a scalar loss, but got shape {tuple(losses.shape[1:])}")
+        return losses, reassigned, graphed
+
+    def _before_shares(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """What a second run of a step with shares needs (:meth:`_vmap_losses`): a copy of the stacked buffers
+        (BatchNorm's statistics; their version counters do not tell whether a vmapped forward changed them) and the
+        random state."""
+        return {k: b.clone() for k, b in self.stack.buffers.items()}, torch.get_rng_state()
+
+    @torch.no_grad()
+    def _restore_shares(self, before: tuple[dict[str, torch.Tensor], torch.Tensor]) -> None:
+        """:meth:`_before_shares`' state back for the second run (no optimizer step has run)."""
+        kept, rng = before
+        for k, b in self.stack.buffers.items():
+            b.copy_(kept[k])
+        torch.set_rng_state(rng)
+
+    def _takes_shares(self) -> bool:
+        """Whether this step's eager backward gives the linear layers' weights the replicas' shares of their summed
+        gradient (:func:`hdet.linear.sharing`): shared gradients reduced on the CPU (:attr:`StackedReplicas.takes_shares`;
+        a compiled forward never calls hdet's linear layers). A replica's own weight gradient is then never formed:
+        where one is not finite, the step runs again without the shares (:meth:`_vmap_losses`)."""
+        return self.share_gradients and self.stack is not None and self.stack.takes_shares
 
     def _vmap_fns(self, loss_fn: LossFn) -> list[Any]:
         """``[the vmapped function, its compiled form or None, whether its first compiled losses are still to be

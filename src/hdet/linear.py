@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +31,10 @@ from . import autocast
 from .attention import under_vmap
 from .patching import patched
 
-__all__ = ["linear", "routed", "batched_linear"]
+__all__ = ["linear", "routed", "batched_linear", "sharing"]
 
 _TORCH_LINEAR = torch._C._nn.linear  # torch's own F.linear
-_BMM, _BADDBMM, _ADDMM = torch.bmm, torch.baddbmm, torch.addmm  # torch's own (the engine routes torch.baddbmm and
+_BMM, _BADDBMM, _ADDMM, _MM = torch.bmm, torch.baddbmm, torch.addmm, torch.mm  # torch's own (the engine routes torch.baddbmm and
 # torch.addmm: hdet.autocast)
 _functorch = getattr(torch._C, "_functorch", None)
 try:  # functorch's interpreter stack (torch's own autograd.Function support under vmap uses the same calls)
@@ -148,6 +149,7 @@ class _BatchedLinear(torch.autograd.Function):
     def forward(ctx, x, w, b):  # noqa: ANN001, ANN205 - torch's protocol
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
+        ctx.share = getattr(_SHARING, "on", False) and x.dtype in _SHARED_DTYPES and x.dtype == w.dtype
         wt = w.transpose(1, 2)
         if _per_replica(x, w, b):
             y = x.new_empty(x.shape[0], x.shape[1], w.shape[1])
@@ -161,9 +163,36 @@ class _BatchedLinear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
         dx = _BMM(dy, w) if need_x else None
-        dw = _BMM(dy.transpose(1, 2), x) if need_w else None  # [N, out, in]: the weight's own layout
+        if need_w and ctx.share:  # the replicas' summed weight gradient in one mm over all N x R rows, each replica's
+            n = x.shape[0]  # share of it (stride 0: one [out, in] tensor), see sharing()
+            dw = _MM(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1])).div_(n).expand(n, -1, -1)
+        else:
+            dw = _BMM(dy.transpose(1, 2), x) if need_w else None  # [N, out, in]: the weight's own layout
         db = dy.sum(1) if ctx.has_bias and need_b else None
         return dx, dw, db
+
+
+_SHARING = threading.local()  # .on: this thread's forward is under sharing()
+_SHARED_DTYPES = (torch.float32, torch.float64)  # (fp16/bf16 gradients are summed in float32 by the engine: per replica)
+
+
+@contextlib.contextmanager
+def sharing() -> Iterator[None]:
+    """Inside (the engine's forward, CPU, shared gradients): each :class:`_BatchedLinear` call's backward gives its
+    stacked weight ``[N, out, in]`` the replicas' *share* of their summed gradient, ``sum_r dy_r^T x_r / N`` computed
+    as one ``mm`` over all N x R rows and expanded over the replicas (stride 0), instead of N gradients from one
+    ``bmm``: the ``[N, out, in]`` output is neither written nor read back for the mean (the hand-written bound of
+    ``benchmarks/engine_mlp_bound.py``: 0.67x -> 0.88x one model). The rows then sum to what the N gradients sum to
+    (DDP's all-reduce of the replicas' gradients, :meth:`hdet.stacking.StackedReplicas._reduce`), but no row is its
+    replica's own gradient: a caller that needs them (a replica with a NaN or Inf gradient, left out of the mean)
+    runs the step again without it. float32 and float64 only (the rows of half-precision gradients are summed in
+    float32)."""
+    before = getattr(_SHARING, "on", False)
+    _SHARING.on = True
+    try:
+        yield
+    finally:
+        _SHARING.on = before
 
 
 def _routing(before: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -75,6 +75,8 @@ class StackedReplicas:
         self._stride_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.reduce = False  # flattened, one_grad_row, on the CPU: the backward reduces into grad's one row
         self._reducing: bool | None = None  # reduce, and every parameter got a gradient (None: no backward yet)
+        self.redo = False  # the last backward's gradients were shares (hdet.linear.sharing) and not finite: run the
+        # step again without them (hdet.ReplicaEngine._vmap_losses)
         self.missing: list[str] = []  # bound: the flattened parameters the last backward did not reach
 
     # -- the flat layout -------------------------------------------------------------------------------
@@ -213,6 +215,7 @@ class StackedReplicas:
         (once bound; before, accumulated) into the ``.grad`` of the stacked parameters (:meth:`average_gradients`
         then averages them)."""
         self.missing = []
+        self.redo = False
         if self.grads_bound and self._copying():
             self._copy_grads(*self._param_grads(losses))
             return
@@ -224,6 +227,9 @@ class StackedReplicas:
         names, grads = self._param_grads(losses)
         if self._reducing is None:  # the first backward
             if any(g is None for g in grads):  # a parameter got no gradient: as the accumulating path leaves it
+                if any(g is not None and g.dim() and g.stride(0) == 0 for g in grads):  # (which needs each
+                    self.redo = True  # replica's own: the step again without shares)
+                    return
                 for n, g in zip(names, grads):  # (a copy: autograd may hand one expanded tensor to several)
                     self.params[n].grad = None if g is None else g.clone(memory_format=torch.contiguous_format)
                 self._reducing = False
@@ -233,6 +239,15 @@ class StackedReplicas:
             self._reducing = True
             self._bind()
         self._reduce(names, grads)
+
+    @property
+    def takes_shares(self) -> bool:
+        """Whether the next backward may give the weights the replicas' shares of their summed gradient
+        (:func:`hdet.linear.sharing`): it reduces them on the CPU (from the first backward on, so that a resumed engine
+        rounds as the uninterrupted one; the accumulating path, taken where that backward leaves a parameter without a
+        gradient, needs each replica's own: that step runs again without shares)."""
+        return self.reduce and self._reducing is not False and _free_host_read(self.grad.device)  # (the check
+        # that sends a step with a NaN or Inf among them back reads the host)
 
     def _copying(self) -> bool:
         return not self.reduce and _copy_into_bound(self.grad.device)
@@ -279,29 +294,46 @@ class StackedReplicas:
         weight's under vmap is transposed: reading it across, as accumulating it into a row-major buffer does,
         costs more than the whole reduction). A parameter the loss did not reach this time gets 0 and is listed in
         :attr:`missing` (see :meth:`unbind_missing`)."""
-        rows, dests = [], []
+        rows, dests, shares = [], [], []
         for n, g in zip(names, grads):
             if g is None:
                 self._grads[n][0].zero_()
                 self.missing.append(n)
                 continue
             order = [0] + sorted(range(1, g.dim()), key=lambda i: (-g.stride(i), i))
-            rows.append(g.permute(order).reshape(self.N, -1))  # [N, k] in memory order: a view of a dense g
-            dests.append(self._grads[n][0].permute([i - 1 for i in order[1:]]))  # the mean's view, that order
-        if not rows:
+            row = g.permute(order).reshape(self.N, -1)  # [N, k] in memory order: a view of a dense g
+            dest = self._grads[n][0].permute([i - 1 for i in order[1:]])  # the mean's view, that order
+            if row.stride(0) == 0:  # the replicas' shares of their sum, already divided (hdet.linear.sharing)
+                shares.append((row, dest))
+            else:
+                rows.append(row)
+                dests.append(dest)
+        self.redo = False
+        if not rows and not shares:
             return
         G = self.grad
         if _free_host_read(G.device):  # mask only when needed
             self._sum_rows(rows, dests, None)
+            for r, d in shares:
+                d.copy_(r[0].view(d.shape))
             if not bool(torch.isfinite(G.sum(dtype=torch.float64))):  # HOST SYNC (CPU: free): a NaN/Inf somewhere
+                if shares:  # which replica's it is cannot be told from shares: the caller runs the step again
+                    self.redo = True  # without them (hdet.ReplicaEngine._vmap_losses)
+                    return
                 ok = torch.stack([torch.isfinite(r).all(1) for r in rows]).all(0)
                 self._sum_rows(rows, dests, ok)
         else:
+            if shares:  # (hdet.linear.sharing runs on the CPU only)
+                raise RuntimeError("hdet: internal error: the replicas' gradient shares reached a device-side reduce")
             ok = torch.isfinite(torch.stack([r.sum(1, dtype=torch.float64) for r in rows]).sum(0))  # [N] (float64:
             # no sum of finite float32 values overflows, so no healthy replica is left out)
             self._sum_rows(rows, dests, ok)
-        if G.dtype not in HALF:  # (fp16/bf16: divided in the sum's float32, _sum_rows)
+        if G.dtype in HALF:  # (fp16/bf16: divided in the sum's float32, _sum_rows)
+            return
+        if not shares:
             G.div_(self.N)
+        elif dests:
+            torch._foreach_div_(dests, self.N)
 
     def _sum_rows(self, rows: list[torch.Tensor], dests: list[torch.Tensor], ok: torch.Tensor | None) -> None:
         """``dest = sum_r rows[r]`` for each tensor, over the replicas ``ok`` says are finite (all: None); fp16/bf16:
