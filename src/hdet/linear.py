@@ -149,7 +149,8 @@ class _BatchedLinear(torch.autograd.Function):
     def forward(ctx, x, w, b):  # noqa: ANN001, ANN205 - torch's protocol
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
-        ctx.share = getattr(_SHARING, "on", False) and x.dtype in _SHARED_DTYPES and x.dtype == w.dtype
+        ctx.share = (getattr(_SHARING, "on", False) and x.dtype in _SHARED_DTYPES and x.dtype == w.dtype
+                     and x.shape[1] <= min(SHARE_MAX_ROWS, w.shape[1]))
         wt = w.transpose(1, 2)
         if _per_replica(x, w, b):
             y = x.new_empty(x.shape[0], x.shape[1], w.shape[1])
@@ -173,6 +174,11 @@ class _BatchedLinear(torch.autograd.Function):
 
 
 _SHARING = threading.local()  # .on: this thread's forward is under sharing()
+SHARE_MAX_ROWS = 128  # a replica's rows up to which its layer's weight takes a share (and no more than the layer's
+# outputs): on 2 CPU cores the one mm over every row, its A operand transposed, against N gradients and their sum
+# (benchmarks/weight_share_gemm.py, benchmarks/results/cpu/weight_shares/gemm.json): 784 -> 256 and 256 -> 256 layers
+# 1.28-1.29x at 32 rows a replica and 1.05-1.07x at 128, 1.03-1.26x at 256, 0.95-1.0x at 512 (the whole engine step
+# 0.95x there); a 256 -> 10 layer 0.89x at 32 rows and 0.65-0.74x beyond
 _SHARED_DTYPES = (torch.float32, torch.float64)  # (fp16/bf16 gradients are summed in float32 by the engine: per replica)
 
 
@@ -186,7 +192,8 @@ def sharing() -> Iterator[None]:
     (DDP's all-reduce of the replicas' gradients, :meth:`hdet.stacking.StackedReplicas._reduce`), but no row is its
     replica's own gradient: a caller that needs them (a replica with a NaN or Inf gradient, left out of the mean)
     runs the step again without it. float32 and float64 only (the rows of half-precision gradients are summed in
-    float32)."""
+    float32), and for layers of at most :data:`SHARE_MAX_ROWS` rows a replica, and no more rows than outputs (the
+    others' one mm is slower than N and their sum)."""
     before = getattr(_SHARING, "on", False)
     _SHARING.on = True
     try:
