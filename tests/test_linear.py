@@ -317,3 +317,59 @@ def test_a_second_run_of_a_step_draws_what_the_first_drew():
         torch.testing.assert_close(a.stacked_buffers[k], b.stacked_buffers[k], rtol=1e-5, atol=1e-6, equal_nan=True)
     for p, q in zip(a.stacked_params.values(), b.stacked_params.values()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+class _Derived(nn.Module):
+    """A layer whose weight is computed from the parameter (tanh), one used twice (tied), and a scalar parameter added
+    to the loss (its gradient comes expanded over the replicas, stride 0, without being a share)."""
+
+    def __init__(self, tied_only=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tied_only = tied_only  # a's weight computed too: b, used twice, is the only layer that shares
+        self.a, self.b = nn.Linear(6, 16), nn.Linear(16, 16)
+        self.w = nn.Parameter(torch.randn(16, 16) * 0.3)  # (as many outputs as a replica's rows: it could share)
+        self.p = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        a = F.linear(x, self.a.weight * 1.0, self.a.bias) if self.tied_only else self.a(x)
+        h = torch.tanh(self.b(torch.tanh(self.b(torch.tanh(a)))))  # b tied: used twice
+        return F.linear(h, torch.tanh(self.w))  # w: a weight computed from the parameter
+
+
+@pytest.mark.filterwarnings("ignore:hdet. at sync step")
+@pytest.mark.parametrize("nan", [False, True])
+@pytest.mark.parametrize("tied_only", [False, True])
+def test_a_weight_computed_from_its_parameter_takes_no_share_and_tied_uses_leave_a_nan_replica_out(nan, tied_only):
+    """A share is each replica's only where the weight is the stacked parameter or a view of it: a weight computed from
+    it (tanh here; dropped out, a LoRA sum, a parametrization) gets each replica's own gradient (a share through its
+    per-replica Jacobian trained every replica wrong, a review), and a parameter used twice, whose gradient is a share
+    added to another, or whose gradient comes expanded without being one (added to the loss), is not taken for a
+    share: with a NaN on one replica that replica alone is left out, as without shares (every replica was left out,
+    or all went NaN, in the review's runs)."""
+    def run(shares):
+        eng = ReplicaEngine(_Derived(tied_only), N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                            lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-2, total_steps=6,
+                                                                  ensemble_lr_spread_ratio=0.3, model_sync_interval=3,
+                                                                  replicas=rep, model=m), mode="vmap")
+        if not shares:
+            eng._takes_shares = lambda: False
+        g, grads, took = torch.Generator().manual_seed(1), [], []
+        for t in range(6):
+            x = torch.randn(N, 8, 6, generator=g)
+            if nan and t == 2:
+                x[1, 0, 0] = float("nan")
+            eng.step((x, torch.randint(0, 3, (N, 8), generator=g)),
+                     lambda m, b: F.cross_entropy(m(b[0]), b[1]) + (0.5 * m.p if tied_only else m.p), stacked=True)
+            grads.append(eng.stack.grad.clone())
+            took.append(set(eng.stack.took))
+        return eng, grads, took
+    (eng, grads, took), (ref, ref_grads, _) = run(True), run(False)
+    assert took[0] == ({"b.weight"} if tied_only else {"a.weight", "b.weight"})  # (not w: computed; not p)
+    if nan:
+        assert took[2] == set()  # (the step ran again without shares)
+    for a, b in zip(grads, ref_grads):
+        assert torch.isfinite(a).all() and a.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    for p, q in zip(eng.stacked_params.values(), ref.stacked_params.values()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -565,6 +565,9 @@ class ReplicaEngine:
             self._restore_shares(before)  # (the forward's random draws and buffer updates as the first run's)
             losses, reassigned, graphed = self._losses(batch, loss_fn, merged, False)
             self.stack.backward(losses)
+            if self.stack.redo:  # (no share taken: the redo is never asked again)
+                raise RuntimeError("hdet: internal error: a step run without weight-gradient shares asked for a "
+                                   "second run")
         if graphed:  # the graph's next run writes over its output: what step() returns is the caller's
             losses = losses.detach().clone()
         self._keep_reassigned(reassigned)  # (after the backward: it may have saved the old value)
@@ -580,7 +583,8 @@ class ReplicaEngine:
                 ) -> tuple[torch.Tensor, dict[str, Any], bool]:
         """The forward of :meth:`_vmap_losses`: the losses, the reassigned buffers and whether a CUDA graph ran it;
         ``shares``: under :func:`hdet.linear.sharing`."""
-        with linear.sharing() if shares else contextlib.nullcontext():
+        self.stack.took.clear()  # (the parameters whose gradient holds a share: hdet.linear.sharing fills it)
+        with linear.sharing(self.stack.share_leaves(), self.stack.took) if shares else contextlib.nullcontext():
             if merged:
                 self.stack.before_backward()
                 (losses, graphed), reassigned = self._merged_forward(batch, loss_fn), {}

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ from . import autocast
 from .attention import under_vmap
 from .patching import patched
 
-__all__ = ["linear", "routed", "batched_linear", "sharing"]
+__all__ = ["linear", "routed", "batched_linear"]
 
 _TORCH_LINEAR = torch._C._nn.linear  # torch's own F.linear
 _BMM, _BADDBMM, _ADDMM, _MM = torch.bmm, torch.baddbmm, torch.addmm, torch.mm  # torch's own (the engine routes torch.baddbmm and
@@ -149,8 +149,7 @@ class _BatchedLinear(torch.autograd.Function):
     def forward(ctx, x, w, b):  # noqa: ANN001, ANN205 - torch's protocol
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
-        ctx.share = (getattr(_SHARING, "on", False) and x.dtype in _SHARED_DTYPES and x.dtype == w.dtype
-                     and x.shape[1] <= min(SHARE_MAX_ROWS, w.shape[1]))
+        ctx.share = _takes_share(x, w)
         wt = w.transpose(1, 2)
         if _per_replica(x, w, b):
             y = x.new_empty(x.shape[0], x.shape[1], w.shape[1])
@@ -173,7 +172,7 @@ class _BatchedLinear(torch.autograd.Function):
         return dx, dw, db
 
 
-_SHARING = threading.local()  # .on: this thread's forward is under sharing()
+_SHARING = threading.local()  # .leaves, .took: this thread's forward is under sharing()
 SHARE_MAX_ROWS = 128  # a replica's rows up to which its layer's weight takes a share (and no more than the layer's
 # outputs): on 2 CPU cores the one mm over every row, its A operand transposed, against N gradients and their sum
 # (benchmarks/weight_share_gemm.py, benchmarks/results/cpu/weight_shares/gemm.json): 784 -> 256 and 256 -> 256 layers
@@ -182,24 +181,41 @@ SHARE_MAX_ROWS = 128  # a replica's rows up to which its layer's weight takes a 
 _SHARED_DTYPES = (torch.float32, torch.float64)  # (fp16/bf16 gradients are summed in float32 by the engine: per replica)
 
 
+def _takes_share(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether this call's weight gets a share in its backward (:func:`sharing`): under it, the weight one of the
+    stacked parameters it names or a view of one (a view maps every replica's gradient alike, so their sum goes
+    through it as theirs would; a weight computed from the parameter, dropped out, a LoRA sum, a parametrization,
+    applies each replica's own Jacobian, which a share would skip), float32/float64, and no more rows a replica than
+    :data:`SHARE_MAX_ROWS` and the layer's outputs. The parameter is recorded in ``took``."""
+    leaves = getattr(_SHARING, "leaves", None)
+    if (leaves is None or x.dtype not in _SHARED_DTYPES or x.dtype != w.dtype
+            or x.shape[1] > min(SHARE_MAX_ROWS, w.shape[1])):
+        return False
+    name = leaves.get(id(w if w._base is None else w._base))
+    if name is None:
+        return False
+    _SHARING.took.add(name)
+    return True
+
+
 @contextlib.contextmanager
-def sharing() -> Iterator[None]:
-    """Inside (the engine's forward, CPU, shared gradients): each :class:`_BatchedLinear` call's backward gives its
-    stacked weight ``[N, out, in]`` the replicas' *share* of their summed gradient, ``sum_r dy_r^T x_r / N`` computed
-    as one ``mm`` over all N x R rows and expanded over the replicas (stride 0), instead of N gradients from one
-    ``bmm``: the ``[N, out, in]`` output is neither written nor read back for the mean (the hand-written bound of
-    ``benchmarks/engine_mlp_bound.py``: 0.67x -> 0.88x one model). The rows then sum to what the N gradients sum to
-    (DDP's all-reduce of the replicas' gradients, :meth:`hdet.stacking.StackedReplicas._reduce`), but no row is its
-    replica's own gradient: a caller that needs them (a replica with a NaN or Inf gradient, left out of the mean)
-    runs the step again without it. float32 and float64 only (the rows of half-precision gradients are summed in
-    float32), and for layers of at most :data:`SHARE_MAX_ROWS` rows a replica, and no more rows than outputs (the
-    others' one mm is slower than N and their sum)."""
-    before = getattr(_SHARING, "on", False)
-    _SHARING.on = True
+def sharing(leaves: Mapping[int, str], took: set[str]) -> Iterator[None]:
+    """Inside (the engine's forward, CPU, shared gradients): the backward of each :class:`_BatchedLinear` call whose
+    weight is one of ``leaves`` (``id`` of a stacked ``[N, out, in]`` parameter -> its name) or a view of one gives it
+    the replicas' *share* of their summed gradient, ``sum_r dy_r^T x_r / N`` computed as one ``mm`` over all N x R rows
+    and expanded over the replicas (stride 0), instead of N gradients from one ``bmm``: the ``[N, out, in]`` output is
+    neither written nor read back for the mean (the hand-written bound of ``benchmarks/engine_mlp_bound.py``: 0.67x
+    -> 0.88x one model). Their sum is what the N gradients sum to (DDP's all-reduce of the replicas' gradients,
+    :meth:`hdet.stacking.StackedReplicas._reduce`), through any other use of the parameter too, but no row is its
+    replica's own gradient: the names of the parameters that took one are added to ``took``, for the caller to know
+    which gradients are not each replica's (where one is needed, a replica with a NaN or Inf gradient left out of the
+    mean, the engine runs the step again without shares). Conditions: :func:`_takes_share`."""
+    before = getattr(_SHARING, "leaves", None), getattr(_SHARING, "took", None)
+    _SHARING.leaves, _SHARING.took = leaves, took
     try:
         yield
     finally:
-        _SHARING.on = before
+        _SHARING.leaves, _SHARING.took = before
 
 
 def _routing(before: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

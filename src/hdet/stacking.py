@@ -77,6 +77,8 @@ class StackedReplicas:
         self._reducing: bool | None = None  # reduce, and every parameter got a gradient (None: no backward yet)
         self.redo = False  # the last backward's gradients were shares (hdet.linear.sharing) and not finite: run the
         # step again without them (hdet.ReplicaEngine._vmap_losses)
+        self.took: set[str] = set()  # the parameters whose gradient holds a share at this step (hdet.linear.sharing)
+        self._share_leaves: dict[int, str] | None = None
         self.missing: list[str] = []  # bound: the flattened parameters the last backward did not reach
 
     # -- the flat layout -------------------------------------------------------------------------------
@@ -227,8 +229,8 @@ class StackedReplicas:
         names, grads = self._param_grads(losses)
         if self._reducing is None:  # the first backward
             if any(g is None for g in grads):  # a parameter got no gradient: as the accumulating path leaves it
-                if any(g is not None and g.dim() and g.stride(0) == 0 for g in grads):  # (which needs each
-                    self.redo = True  # replica's own: the step again without shares)
+                if self.took:  # (which needs each replica's own: the step again without shares)
+                    self.redo = True
                     return
                 for n, g in zip(names, grads):  # (a copy: autograd may hand one expanded tensor to several)
                     self.params[n].grad = None if g is None else g.clone(memory_format=torch.contiguous_format)
@@ -239,6 +241,13 @@ class StackedReplicas:
             self._reducing = True
             self._bind()
         self._reduce(names, grads)
+
+    def share_leaves(self) -> dict[int, str]:
+        """The stacked parameters a linear layer's weight may take a share for (:func:`hdet.linear.sharing`), by id
+        (the flattened ones, whose gradients :meth:`_reduce` sums; they keep their identity)."""
+        if self._share_leaves is None:
+            self._share_leaves = {id(self.params[n]): n for n in self.columns}
+        return self._share_leaves
 
     @property
     def takes_shares(self) -> bool:
@@ -303,12 +312,11 @@ class StackedReplicas:
             order = [0] + sorted(range(1, g.dim()), key=lambda i: (-g.stride(i), i))
             row = g.permute(order).reshape(self.N, -1)  # [N, k] in memory order: a view of a dense g
             dest = self._grads[n][0].permute([i - 1 for i in order[1:]])  # the mean's view, that order
-            if row.stride(0) == 0:  # the replicas' shares of their sum, already divided (hdet.linear.sharing)
+            if n in self.took and row.stride(0) == 0:  # a share alone: the replicas' sum, divided (hdet.linear.sharing)
                 shares.append((row, dest))
             else:
                 rows.append(row)
                 dests.append(dest)
-        self.redo = False
         if not rows and not shares:
             return
         G = self.grad
@@ -317,9 +325,9 @@ class StackedReplicas:
             for r, d in shares:
                 d.copy_(r[0].view(d.shape))
             if not bool(torch.isfinite(G.sum(dtype=torch.float64))):  # HOST SYNC (CPU: free): a NaN/Inf somewhere
-                if shares:  # which replica's it is cannot be told from shares: the caller runs the step again
-                    self.redo = True  # without them (hdet.ReplicaEngine._vmap_losses)
-                    return
+                if self.took:  # which replica's it is cannot be told from a share, alone or added to another
+                    self.redo = True  # use's gradient: the caller runs the step again without them
+                    return  # (hdet.ReplicaEngine._vmap_losses)
                 ok = torch.stack([torch.isfinite(r).all(1) for r in rows]).all(0)
                 self._sum_rows(rows, dests, ok)
         else:
