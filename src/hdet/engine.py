@@ -610,9 +610,10 @@ class ReplicaEngine:
 
     def _takes_shares(self) -> bool:
         """Whether this step's eager backward gives the linear layers' weights the replicas' shares of their summed
-        gradient (:func:`hdet.linear.sharing`): shared gradients reduced on the CPU (:attr:`StackedReplicas.takes_shares`;
-        a compiled forward never calls hdet's linear layers). A replica's own weight gradient is then never formed:
-        where one is not finite, the step runs again without the shares (:meth:`_vmap_losses`)."""
+        gradient (:func:`hdet.linear.sharing`): shared gradients reduced on the CPU
+        (:attr:`StackedReplicas.takes_shares`; a compiled forward never calls hdet's linear layers). A replica's own
+        weight gradient is then never formed: where one is not finite, the step runs again without the shares
+        (:meth:`_vmap_losses`)."""
         return self.share_gradients and self.stack is not None and self.stack.takes_shares
 
     def _vmap_fns(self, loss_fn: LossFn) -> list[Any]:

@@ -34,8 +34,8 @@ from .patching import patched
 __all__ = ["linear", "routed", "batched_linear"]
 
 _TORCH_LINEAR = torch._C._nn.linear  # torch's own F.linear
-_BMM, _BADDBMM, _ADDMM, _MM = torch.bmm, torch.baddbmm, torch.addmm, torch.mm  # torch's own (the engine routes torch.baddbmm and
-# torch.addmm: hdet.autocast)
+_BMM, _BADDBMM, _ADDMM, _MM = torch.bmm, torch.baddbmm, torch.addmm, torch.mm  # torch's own (the engine routes
+# torch.baddbmm and torch.addmm: hdet.autocast)
 _functorch = getattr(torch._C, "_functorch", None)
 try:  # functorch's interpreter stack (torch's own autograd.Function support under vmap uses the same calls)
     from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter as _interpreter
@@ -178,7 +178,7 @@ SHARE_MAX_ROWS = 128  # a replica's rows up to which its layer's weight takes a 
 # (benchmarks/weight_share_gemm.py, benchmarks/results/cpu/weight_shares/gemm.json): 784 -> 256 and 256 -> 256 layers
 # 1.28-1.29x at 32 rows a replica and 1.05-1.07x at 128, 1.03-1.26x at 256, 0.95-1.0x at 512 (the whole engine step
 # 0.95x there); a 256 -> 10 layer 0.89x at 32 rows and 0.65-0.74x beyond
-_SHARED_DTYPES = (torch.float32, torch.float64)  # (fp16/bf16 gradients are summed in float32 by the engine: per replica)
+_SHARED_DTYPES = (torch.float32, torch.float64)  # (the engine sums fp16/bf16 gradients in float32: per replica)
 
 
 def _takes_share(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -75,8 +75,9 @@ class StackedReplicas:
         self._stride_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.reduce = False  # flattened, one_grad_row, on the CPU: the backward reduces into grad's one row
         self._reducing: bool | None = None  # reduce, and every parameter got a gradient (None: no backward yet)
-        self.redo = False  # the last backward's gradients were shares (hdet.linear.sharing) and not finite: run the
-        # step again without them (hdet.ReplicaEngine._vmap_losses)
+        self.redo = False  # the last backward's gradients hold shares (hdet.linear.sharing) where each replica's own
+        # is needed (not finite; a first backward leaving a parameter without one): run the step again without them
+        # (hdet.ReplicaEngine._vmap_losses)
         self.took: set[str] = set()  # the parameters whose gradient holds a share at this step (hdet.linear.sharing)
         self._share_leaves: dict[int, str] | None = None
         self.missing: list[str] = []  # bound: the flattened parameters the last backward did not reach
