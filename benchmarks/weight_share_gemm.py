@@ -16,19 +16,12 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-
-def _time(f, steps: int) -> float:
-    for _ in range(2):
-        f()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        f()
-    return (time.perf_counter() - t0) / steps
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_throughput import time_steps  # noqa: E402  (same folder)
 
 
 def main() -> None:
@@ -51,7 +44,7 @@ def main() -> None:
             times: dict[str, list[float]] = {k: [] for k in fs}
             for r in range(a.rounds):
                 for k in (list(fs) if r % 2 else list(fs)[::-1]):
-                    times[k].append(_time(fs[k], a.steps))
+                    times[k].append(time_steps(fs[k], 2, a.steps, torch.device("cpu")))
             med = {k: statistics.median(v) for k, v in times.items()}
             out.append({"out": O, "in": I, "rows_per_replica": R, "seconds_median": med,
                         "share_speedup": med["bmm_and_sum"] / med["share_mm"]})
