@@ -797,3 +797,25 @@ def test_the_fused_passes_are_for_cuda_tensors_only():
     from hdet import kernels
 
     assert not kernels.usable(torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_the_reduces_finite_check_reads_a_sum_that_overflows_as_finite_and_any_nan_or_inf_as_not(dtype):
+    """The CPU reduce's check of the summed gradient (``hdet.stacking._all_finite``) sums in the tensor's own dtype:
+    finite values whose sum overflows are finite (no healthy replica is left out, no step runs again), a NaN or an Inf
+    anywhere is not."""
+    from hdet.replicas import accumulation
+    from hdet.stacking import _all_finite
+    big = torch.finfo(dtype).max / 2
+    t = torch.full((1, 64), big, dtype=dtype)
+    if dtype != torch.float16:  # (fp16's largest values sum to a finite float32)
+        assert not torch.isfinite(t.sum(dtype=accumulation(dtype)))  # the sum overflows
+    assert _all_finite(t)
+    assert _all_finite(torch.zeros(1, 64, dtype=dtype))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        u = torch.ones(1, 64, dtype=dtype)
+        u[0, 37] = bad
+        assert not _all_finite(u)
+        v = t.clone()
+        v[0, 5] = bad
+        assert not _all_finite(v)
