@@ -30,6 +30,7 @@ from . import scheduler_state, spectral
 from .caller import user_stacklevel
 from .config import OPTIONS, HDETConfig, spreading
 from .controller import gamma_as_printed
+from .ddp_watch import DDPWatch
 from .ensemble import Ensemble, SyncRecord
 from .guard import GuardSetting, ScalerWatch, SkipWatch, uncompiled, weak_method
 from .hyper import AdamBeta, Dropout, Hyperparameter, LabelSmoothing, check_explored
@@ -142,7 +143,7 @@ class HDETLR(LRScheduler):
                           stacklevel=user_stacklevel())
         _check_probe(config, probe, model)
         resolved = resolve_replicas(replicas, rank, world_size, process_group, bucket_cap_mb, device_mesh)
-        self._replicas_given = replicas is not None  # (replicas=: the user's own group, DDP or not: _say_no_guard)
+        self._replicas_given = replicas is not None  # (replicas=: the user's own group, DDP or not: no guard asked)
         params = [p for g in innermost(optimizer).param_groups for p in g["params"]]
         check_not_fsdp1(params, model)
         self._has_shards = any(is_sharded(p) for p in params)  # (FSDP2: writes need the model, to reshard it first)
@@ -190,8 +191,7 @@ class HDETLR(LRScheduler):
                                        self._loss_scale, recovering=config.recovering)
             self._history: dict[str, list[float]] | None = None
             self._watch = StepWatch(self._loss_scale)  # how this scheduler is driven, checked at each step
-            self._guard_said = False  # (the first step: no guard where one was asked for, said once: _say_no_guard)
-            self._ddp_trained: tuple[Any, set[int]] | None = None  # the DDP given and what it trains (_note_ddp)
+            self._ddp = DDPWatch()  # the DDP module around this replica, checked (hdet.ddp_watch)
             self._weights_expected: float | None = None  # a loaded state's weights' fingerprint (expect_weights)
             self._values_loaded: tuple[list[float], list[float]] | None = None  # a load's LRs and explored values
             self._weights_hook: Any = None  # (both checked at the first optimizer step after the load: _after_load)
@@ -210,7 +210,7 @@ class HDETLR(LRScheduler):
                 # install that fails takes back what it put on
                 self._guard.install(model)
                 _say_warm_noise_lost(model)  # (once built: a construction refused says nothing, and forgets nothing)
-                self._note_ddp(model)
+                self._ddp.note(model)
             keep_replicas_at_join_end(model, self)  # (an evaluation's join before the first step, too)
         except BaseException:  # the ensemble's hooks on a D-Adaptation/Prodigy optimizer: taken off again
             if self._hdet.step_scale is not None:
@@ -363,7 +363,7 @@ class HDETLR(LRScheduler):
         if not isinstance(model, nn.Module):
             raise ValueError(f"Expected a torch.nn.Module, but got {type(model).__name__}")
         _say_warm_noise_lost(model)
-        self._note_ddp(model)
+        self._ddp.note(model)
         if self._hdet.model is None:
             self._hdet.model = model
         if self._closed:  # (a closed run's state loaded before: no guard, no hold on join(); _reopen installs them)
@@ -500,13 +500,14 @@ class HDETLR(LRScheduler):
         values = ens.apply_schedule(bases)
         for h, v in zip(ens.hypers, values[ens.num_lr_slots:]):
             h.set(v)
-        if not self._guard_said and ens.hypers:  # (before the first step: what each reads back as set, compared once
-            # after it, _check_values_kept; read back, so a setter that rounds or a bf16 buffer is no change)
-            first = getattr(self, "_values_set", None) is None
-            self._values_set = [h.get() for h in ens.hypers]  # (HOST SYNC where a value lives in a tensor: before
+        if not self._ddp.started and ens.hypers:  # (before the first step: what each reads back as set, compared
+            # once after it under DDP's broadcast_buffers; read back, so a setter that rounds or a bf16 buffer is no
+            # change)
+            first = self._ddp.values_set is None
+            self._ddp.values_set = [h.get() for h in ens.hypers]  # (HOST SYNC where a value lives in a tensor: before
             # the first step only)
             if first:
-                _say_rounded(ens.hypers, values[ens.num_lr_slots:], self._values_set, self.rank,
+                _say_rounded(ens.hypers, values[ens.num_lr_slots:], self._ddp.values_set, self.rank,
                              ens.all_values()[ens.num_lr_slots:], lambda: ens.replicas.first_to_say("rounded"))
         if self._history is not None:  # the base of every slot in effect for step last_epoch + 1
             self._history[str(self.last_epoch)] = list(ens.current_bases)
@@ -542,7 +543,7 @@ class HDETLR(LRScheduler):
             t = self.begin_step()
             stalled = self._guard.watch is not None and self._guard.watch.poll(t)  # skip: a lagged read; hook: a count
             if self._hdet.is_sync_step(t):
-                self._check_unfrozen()
+                self._ddp.check_unfrozen()
                 rec = self._hdet.sync(t)
                 if self._guard.watch is not None:
                     self._guard.watch.reset()
@@ -551,87 +552,6 @@ class HDETLR(LRScheduler):
                 self._recover_stall(t, self._guard.watch)
             self.end_step()
         self._hdet.raise_hook_error()  # (an on_sync hook's, now that the step is complete)
-
-    def _say_no_guard(self) -> None:
-        """At the first step: a process group's replica whose gradient guard is asked for (``guard_gradients``, on by
-        default) but not installed because the scheduler never got a DDP module (``model=`` left out, or the module
-        DDP wraps: its ``.module``, the one ``warm_init_`` takes). Under DDP one rank's NaN gradient then reached every
-        replica through the all-reduce, and the run stopped, or went back and cut its LR, at the next converge step,
-        with no word why (an audit): said once, on every rank. Not for replicas the user built (``replicas=``: a group
-        of their own, which may share no gradients), nor where a DDP model was given (a guard that could not go on
-        there says why itself)."""
-        g = self._guard
-        model = self._hdet.model
-        if self._replicas_given or isinstance(self._hdet.replicas, LocalReplica) or not g.missing(model):
-            return
-        got = ("model= was not given" if model is None else
-               f"model= is a {type(uncompiled(model)).__name__}, not a DistributedDataParallel module (DDP(...) "
-               "returns one; its .module is the model inside)")
-        warnings.warn(f"hdet: no gradient guard on this replica: {got}. If the model is wrapped in DDP, one replica's "
-                      "NaN or Inf gradient reaches every replica through the gradients' all-reduce, and the run stops "
-                      "(or, with on_runaway='recover', goes back and cuts its LR) at the next converge step. Pass "
-                      "model= the DDP-wrapped model (or device_mesh= for FSDP2/HSDP; integrations call "
-                      "attach_model), or guard_gradients=False to run without the guard",
-                      stacklevel=user_stacklevel())
-
-    def _note_ddp(self, model: nn.Module | None) -> None:
-        """A DDP module handed over (``model=``, or ``attach_model``: one built again after unfreezing, as
-        :meth:`_check_unfrozen` advises): the parameters that require grad now, what its all-reduce holds where it was
-        built just before (checked at each converge step against what requires grad then). Where they disagree with
-        the count and size DDP logged when it was built (a layer unfrozen in between: a review), DDP's own buckets are
-        the reference. The same DDP again keeps what it had (host-side only)."""
-        ddp = uncompiled(model) if model is not None else None
-        if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and \
-                (self._ddp_trained is None or self._ddp_trained[0] is not ddp):
-            trained = _trained_ids(ddp)
-            if not _as_built(ddp):
-                trained = _reduced_ids(ddp) or trained
-            self._ddp_trained = (ddp, trained)
-
-    def _check_unfrozen(self) -> None:
-        """At a sync step under DDP: a parameter that requires grad now but did not when the DDP module was given
-        (unfrozen mid-run, a fine-tuning schedule's usual move) is not in DDP's all-reduce, which is fixed when DDP is
-        built: each replica trained it on its own batches alone, and only the converge steps averaged it, while the
-        run read as data-parallel (torch's DDP says nothing either). One that looks so is looked up in DDP's own
-        buckets (one trainable when DDP was built, frozen and unfrozen since, is all-reduced: an audit), which are the
-        reference from then on. Said once, on every rank, naming it (host-side only)."""
-        if self._ddp_trained is None:
-            return
-        ddp, trained = self._ddp_trained
-        new = [(n, p) for n, p in _trainable(ddp) if p.requires_grad and id(p) not in trained]
-        if new:
-            reduced = _reduced_ids(ddp)
-            if reduced is not None:
-                self._ddp_trained = (ddp, reduced)
-                new = [(n, p) for n, p in new if id(p) not in reduced]
-        if new:
-            self._ddp_trained = None
-            more = f" and {len(new) - 1} more" if len(new) > 1 else ""
-            warnings.warn(f"hdet: the parameter {new[0][0]!r}{more} requires grad now but did not when DDP was built "
-                          "(unfrozen mid-run?): DistributedDataParallel all-reduces only the gradients of the "
-                          "parameters that required grad when it was built, so each replica has trained it on its own "
-                          "batches alone since, averaged only at HDET's converge steps. Build DDP again right after "
-                          "a converge step (or with init_sync=False, torch >= 2.5) and give it to "
-                          "scheduler.attach_model() to train it data-parallel, or unfreeze it before building DDP",
-                          stacklevel=user_stacklevel())
-
-    def _check_values_kept(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
-        """At the first step under DDP: each explored value is still the one set for that step. DDP's default
-        ``broadcast_buffers=True`` copies rank 0's buffers to every rank at each forward, so a value kept in a buffer
-        (a ``Setter`` writing it in place) trained every replica at rank 0's while the records showed the spread (a
-        review). Said once, on the ranks whose value moved, against what each value read back as right after it was
-        set; read under such a DDP only (HOST SYNC, once)."""
-        if not getattr(ddp, "broadcast_buffers", False):
-            return
-        said = [(h.name, v, h.get()) for h, v in zip(self._hdet.hypers, getattr(self, "_values_set", []))]
-        moved = [(n, v, g) for n, v, g in said if g != v and not (math.isnan(g) and math.isnan(v))]
-        if moved:
-            name, v, got = moved[0]
-            warnings.warn(f"hdet: the explored {name!r} on rank {self.rank} is {got:.6g} after the first step, not the "
-                          f"{v:.6g} hdet set for it, so this replica trained at another value than its records say: "
-                          "this DDP has broadcast_buffers=True, which copies rank 0's buffers to every rank at each "
-                          "forward. Build it with broadcast_buffers=False where a buffer holds an explored value",
-                          stacklevel=user_stacklevel())
 
     def begin_step(self, lead: "HDETLR | None" = None) -> int:
         """The first half of :meth:`step` (the one-process engine runs the sync between the halves): checks,
@@ -659,13 +579,10 @@ class HDETLR(LRScheduler):
                              "gradients stay each replica's own unless DDP is built again, right after a converge "
                              "step or with init_sync=False (torch >= 2.5): its constructor copies rank 0's weights "
                              "to every rank, which mid-window replaces each replica's own with rank 0's)")
-        if not self._guard_said:
-            self._guard_said = True
-            self._say_no_guard()
-            model = uncompiled(self._hdet.model) if self._hdet.model is not None else None
-            if isinstance(model, torch.nn.parallel.DistributedDataParallel):  # (trained from here: a later DDP over
-                warm_noise_overwritten(model.module.parameters(), forget=True)  # it is no broadcast of the noise)
-                self._check_values_kept(model)
+        if not self._ddp.started:  # (the replicas the user built, replicas=, may share no gradients: no guard asked)
+            unguarded = not (self._replicas_given or isinstance(self._hdet.replicas, LocalReplica)) \
+                and self._guard.missing(self._hdet.model)
+            self._ddp.first_step(self._hdet.model, unguarded, self._hdet.hypers, self.rank)
         c = self._hdet.config
         self._watch.check_stepped(self._step_count, self.last_epoch, self._guard.local, self.optimizer,
                                   c.average_optimizer_state)
@@ -1301,37 +1218,12 @@ def _set_lr(group: dict[str, Any], lr: float) -> None:
         group["lr"] = lr
 
 
-def _trainable(ddp: torch.nn.parallel.DistributedDataParallel) -> list[tuple[str, torch.nn.Parameter]]:
-    """The parameters of a DDP module that DDP does not ignore (``_set_params_and_buffers_to_ignore_for_model``)."""
-    ignored = getattr(ddp, "parameters_to_ignore", ()) or ()
-    return [(n, p) for n, p in ddp.module.named_parameters() if n not in ignored]
 
 
-def _trained_ids(ddp: torch.nn.parallel.DistributedDataParallel) -> set[int]:
-    """The parameters that require grad in a DDP module now (at the first step: what DDP's all-reduce holds)."""
-    return {id(p) for _, p in _trainable(ddp) if p.requires_grad}
 
 
-def _as_built(ddp: torch.nn.parallel.DistributedDataParallel) -> bool:
-    """Whether the parameters that require grad now match, in number and bytes, those DDP logged at its
-    construction (what its all-reduce holds); True where this torch does not say (host-side, no allocation)."""
-    try:
-        built = ddp._get_ddp_logging_data()
-        now = [p for _, p in _trainable(ddp) if p.requires_grad]
-        return (int(built["num_parameter_tensors"]) == len(now) and
-                int(built["total_parameter_size_bytes"]) == sum(p.numel() * p.element_size() for p in now))
-    except (AttributeError, KeyError, RuntimeError, TypeError, ValueError):
-        return True
 
 
-def _reduced_ids(ddp: torch.nn.parallel.DistributedDataParallel) -> set[int] | None:
-    """The parameters in DDP's reducer's buckets: what its all-reduce holds, fixed when it was built; None where this
-    torch or DDP does not say. (Zeroed copies of the buckets for a moment: looked up only where a parameter looks
-    unfrozen, once per DDP.)"""
-    try:
-        return {id(p) for b in ddp.reducer._get_zeros_like_grad_buckets() for p in b.parameters()}
-    except (AttributeError, RuntimeError, TypeError):
-        return None
 
 
 def _say_rounded(hypers: list[Hyperparameter], wanted: list[float], got: list[float], rank: int,
