@@ -373,3 +373,25 @@ def test_a_weight_computed_from_its_parameter_takes_no_share_and_tied_uses_leave
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     for p, q in zip(eng.stacked_params.values(), ref.stacked_params.values()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_step_takes_no_share_and_copies_nothing_for_a_second_run():
+    """A compiled forward never calls hdet's linear layers, so its steps take no share: the buffers and the random
+    state are not copied for a second run (they were at every compiled step). Its eager steps still take them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+    def engine(compile):
+        return ReplicaEngine(model, N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                             lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=1e-2, total_steps=4, model_sync_interval=2,
+                                                                   replicas=rep, model=m), mode="vmap", compile=compile)
+    x, y = torch.randn(N, 8, 6), torch.randint(0, 3, (N, 8))
+    for compile, copies in ((True, 0), (False, 3)):
+        eng = engine(compile)
+        before, calls = eng._before_shares, []
+        eng._before_shares = lambda: calls.append(1) or before()
+        for _ in range(3):
+            eng.step((x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]), stacked=True)
+        assert len(calls) == copies, compile
+        assert (eng._fns[next(iter(eng._fns))][1] is not None) == compile  # (the compiled function ran the steps)
+        assert bool(eng.stack.took) != compile

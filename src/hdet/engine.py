@@ -557,7 +557,8 @@ class ReplicaEngine:
     def _vmap_losses(self, batch: Any, loss_fn: LossFn, merged: bool = False) -> torch.Tensor:
         """Forward + backward of all replicas at once; leaves ``sum_r g_r / N`` in every replica's grad
         (its own ``g_r`` in local mode). ``merged``: the forward on the replicas' merged batch (:mod:`hdet.merged`)."""
-        shares = self._takes_shares()
+        shares = self._takes_shares() and (merged or self._vmap_fns(loss_fn)[1] is None)  # (a compiled forward never
+        # calls hdet's linear layers: no share, no copy of the buffers for a second run)
         before = self._before_shares() if shares else None  # (what a second run of the step needs)
         losses, reassigned, graphed = self._losses(batch, loss_fn, merged, shares)
         self.stack.backward(losses)
