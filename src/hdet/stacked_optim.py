@@ -610,12 +610,11 @@ class StackedStep:
 
     def _workspace(self, s: torch.Tensor, *scalars: Any) -> torch.Tensor | None:
         """On the CPU: a buffer shaped like ``s`` (the second moments of a span), kept from step to step, for Adam's
-        direction, computed there in place (the same operations, so the same values). A new ``[rows, n]`` tensor for
-        each of the direction's three results cost 0.2 ms each a step for the MLP of ``benchmarks/engine_mlp.py``
-        (fresh memory from the system on every step), where the same division into memory kept takes 0.03 ms. None (a
-        new tensor, as before) on other devices, where torch's caching allocator hands memory back at once and a
-        buffer kept would add a copy of the moments to the engine's memory, and where a per-replica ``scalars`` tensor
-        would broadcast the direction to more rows than ``s``."""
+        direction, computed there in place (the same operations, so the same values). Into new ``[rows, n]`` tensors,
+        the direction's two divisions took about 0.2 ms each inside the step of ``benchmarks/engine_mlp.py``'s MLP,
+        into the kept buffer 0.04 ms (``torch.profiler``; the engine 1.03-1.04x side by side, docs/engine.md). None (a
+        new tensor, as before) on other devices, where a buffer kept would add a copy of the moments to the engine's
+        memory, and where a per-replica ``scalars`` tensor would broadcast the direction to more rows than ``s``."""
         if s.device.type != "cpu" or any(isinstance(c, torch.Tensor) and c.shape[0] > s.shape[0] for c in scalars):
             return None
         if self._work is None or self._work.numel() < s.numel() or self._work.dtype != s.dtype:
