@@ -819,3 +819,82 @@ def test_the_reduces_finite_check_reads_a_sum_that_overflows_as_finite_and_any_n
         v = t.clone()
         v[0, 5] = bad
         assert not _all_finite(v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scalars", ["floats", "per-replica"])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adams_direction_in_the_kept_cpu_buffer_is_the_new_tensors_bit_for_bit(dtype, scalars, amsgrad):
+    """On the CPU the stacked Adam step computes its direction in a buffer it keeps (StackedStep._workspace): the same
+    values, bit for bit, as into a new tensor, for every weight dtype; per-replica betas/eps come as float32 [N, 1]
+    tensors, which promote a bf16/fp16 direction to float32 (there the buffer is not used: in place in bf16 the
+    direction was rounded, in fp16 eps was 0 and a zero moment gave 0/0, a review). Built on the device of the
+    moments, not torch's default device."""
+    import types
+    from hdet.stacked_optim import StackedStep, _adam_moments
+    N, n = 3, 257
+    g0 = torch.Generator().manual_seed(0)
+    g = torch.randn(N, n, generator=g0).to(dtype)
+    g[:, :5] = 0  # (zero moments: sqrt(0) + eps)
+    if scalars == "floats":
+        b1c, b2, b2c, bc2, eps = 0.1, 0.999, 0.001, 0.3, 1e-8
+    else:
+        scalar = torch.float64 if dtype == torch.float64 else torch.float32  # (StackedStep._to_device's)
+        col = lambda *v: torch.tensor(v, dtype=scalar).view(N, 1)  # noqa: E731
+        b1c, b2, b2c = 0.1, col(0.99, 0.995, 0.999), col(0.01, 0.005, 0.001)  # (an explored beta2)
+        bc2, eps = col(0.2, 0.3, 0.4), col(1e-8, 1e-8, 1e-6)
+
+    def moments():
+        m = torch.randn(N, n, generator=torch.Generator().manual_seed(1)).to(dtype) * 0.1
+        v = torch.rand(N, n, generator=torch.Generator().manual_seed(2)).to(dtype) * 0.01
+        m[:, :5], v[:, :5] = 0, 0
+        mom = {"exp_avg": m, "exp_avg_sq": v}
+        if amsgrad:
+            mom["max_exp_avg_sq"] = v.clone() * 1.1
+        return mom
+    fake = types.SimpleNamespace(_work=None)
+    mom = moments()
+    with torch.device("meta"):  # (the buffer on the moments' device, not this one)
+        buf = StackedStep._workspace(fake, mom["exp_avg_sq"], bc2, eps)
+    assert buf is None or buf.device.type == "cpu"
+    if dtype in (torch.float16, torch.bfloat16) and scalars == "per-replica":
+        assert buf is None  # (the direction is float32: no buffer of the weights' dtype)
+    elif dtype == torch.float32 or dtype == torch.float64:
+        assert buf is not None
+    kept = _adam_moments(g, mom, amsgrad, b1c, b2, b2c, bc2, eps, opmath=False, out=buf)
+    ref_mom = moments()
+    new = _adam_moments(g, ref_mom, amsgrad, b1c, b2, b2c, bc2, eps, opmath=False)
+    assert kept.dtype == new.dtype
+    torch.testing.assert_close(kept, new, rtol=0, atol=0, equal_nan=True)  # (fp16: eps = 1e-8 is 0 there, 0/0 both)
+    for k in mom:
+        torch.testing.assert_close(mom[k], ref_mom[k], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.filterwarnings("ignore:hdet")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("beta", [0, 1])
+def test_an_explored_beta_over_half_precision_weights_steps_stacked_as_per_replica(dtype, beta):
+    """bf16/fp16 weights (a non-fused AdamW) with an explored beta1 or beta2 (hdet.AdamBeta): the stacked step trains
+    as each replica's own optimizer.step() does, to the weights' rounding. An explored beta1 raised there before
+    (lerp_ refused a float32 weight tensor over bf16 moments)."""
+    def run(stacked):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)).to(dtype)
+        eng = ReplicaEngine(model, N, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-3),
+                            lambda o, rep, m: hdet.OneCycleAutoLR(
+                                o, max_lr=1e-2, total_steps=6, ensemble_lr_spread_ratio=0.2, model_sync_interval=3,
+                                cycle_momentum=False, replicas=rep, model=m,
+                                explore=[hdet.AdamBeta(o, beta, alpha=0.05 if beta == 0 else 5e-4)]),
+                            mode="vmap", stacked_optimizer=stacked)
+        g = torch.Generator().manual_seed(3)
+        for _ in range(5):
+            eng.step((torch.randn(N, 8, 6, generator=g).to(dtype), torch.randint(0, 3, (N, 8), generator=g)),
+                     lambda m, b: F.cross_entropy(m(b[0]).float(), b[1]), stacked=True)
+        return eng
+    fast, slow = run(True), run(False)
+    assert fast.optimizer_path == "stacked"
+    assert len({o.param_groups[0]["betas"][beta] for o in fast.optimizers}) > 1
+    ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+    for p, q in zip(fast.stacked_params.values(), slow.stacked_params.values()):
+        assert torch.isfinite(p).all()
+        torch.testing.assert_close(p.float(), q.float(), rtol=ulp, atol=ulp)

@@ -1218,14 +1218,6 @@ def _set_lr(group: dict[str, Any], lr: float) -> None:
         group["lr"] = lr
 
 
-
-
-
-
-
-
-
-
 def _say_rounded(hypers: list[Hyperparameter], wanted: list[float], got: list[float], rank: int,
                  spread: list[list[float]], first: Callable[[], bool] = lambda: True) -> None:
     """Before the first step: an explored value that reads back further from the value set than float32 rounding

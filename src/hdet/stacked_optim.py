@@ -244,6 +244,7 @@ class StackedStep:
                         dev = p.device if on_device else torch.device("cpu")
                         o.state[p] = {key: self._own(key, v, dev) for key, v in st.items()}
         self.rows, self.moments, self._bound, self._state_steps = 0, {}, [], []
+        self._work = None
 
     def _own(self, key: str, v: Any, device: torch.device) -> Any:
         """One state entry as its optimizer's own: a tensor ``step`` a new tensor (bound: kept current every step;
@@ -614,11 +615,14 @@ class StackedStep:
         the direction's two divisions took about 0.2 ms each inside the step of ``benchmarks/engine_mlp.py``'s MLP,
         into the kept buffer 0.04 ms (``torch.profiler``; the engine 1.03-1.04x side by side, docs/engine.md). None (a
         new tensor, as before) on other devices, where a buffer kept would add a copy of the moments to the engine's
-        memory, and where a per-replica ``scalars`` tensor would broadcast the direction to more rows than ``s``."""
-        if s.device.type != "cpu" or any(isinstance(c, torch.Tensor) and c.shape[0] > s.shape[0] for c in scalars):
+        memory, and where a ``scalars`` tensor (per-replica betas or eps) would broadcast the direction to more rows than
+        ``s`` or promote it to another dtype (float32 scalars with bf16 weights: the direction is float32 there, and
+        in fp16 eps = 1e-8 would be 0, a review)."""
+        if s.device.type != "cpu" or any(isinstance(c, torch.Tensor) and (c.shape[0] > s.shape[0] or c.dtype != s.dtype)
+                                         for c in scalars):
             return None
         if self._work is None or self._work.numel() < s.numel() or self._work.dtype != s.dtype:
-            self._work = torch.empty(s.numel(), dtype=s.dtype)
+            self._work = torch.empty(s.numel(), dtype=s.dtype, device=s.device)  # (not the default device)
         return self._work[:s.numel()].view(s.shape)
 
     def _sgd_direction(self, th: torch.Tensor, g: torch.Tensor, mom: dict[str, torch.Tensor], v: dict[str, Any],
@@ -669,7 +673,12 @@ def _adam_moments(g: torch.Tensor, mom: dict[str, torch.Tensor], amsgrad: bool, 
     m, s = mom["exp_avg"], mom["exp_avg_sq"]
     if opmath:
         m, s, g = m.float(), s.float(), g.float()
-    m.lerp_(g, b1c)
+    if isinstance(b1c, torch.Tensor) and b1c.dtype != m.dtype:  # (an explored beta1 over fp16/bf16 moments: lerp_
+        # takes a weight tensor of its own dtype only, and raised; computed in float32 and rounded once, as torch's
+        # fp16/bf16 lerp_ computes with a float weight)
+        m.copy_(m.float().lerp_(g.float(), b1c))
+    else:
+        m.lerp_(g, b1c)
     if isinstance(b2c, torch.Tensor):
         s.mul_(b2).add_(g * g * b2c)
     else:
