@@ -898,3 +898,106 @@ def test_an_explored_beta_over_half_precision_weights_steps_stacked_as_per_repli
     for p, q in zip(fast.stacked_params.values(), slow.stacked_params.values()):
         assert torch.isfinite(p).all()
         torch.testing.assert_close(p.float(), q.float(), rtol=ulp, atol=ulp)
+
+
+def _continued(stacked, change, make_opt=OPTIMIZERS["adamw"][0], at=5, **kw):
+    """The engine ``at`` steps, then ``change(eng)``, then the rest of STEPS steps."""
+    eng = _engine(make_opt, stacked=stacked, steps=at, **kw)
+    change(eng)
+    for t in range(at, STEPS):
+        eng.step((X[t], Y[t]), _loss, stacked=True)
+    return eng
+
+
+@pytest.mark.parametrize("where", ["optimizer", "global"])
+def test_a_step_pre_hook_registered_after_the_engine_is_refused_before_anything_runs(where):
+    """A step pre-hook registered after the engine was built (on each optimizer, or torch's global one): the stacked
+    step calls none (before, it went on without them, unsaid: weights 0.045 off in a review), and each replica's own
+    step would share one averaged .grad. The next step raises, nothing run; the hook removed, training goes on."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def hook(o, args, kwargs):
+        for g in o.param_groups:
+            for p in g["params"]:
+                p.grad.mul_(0.1)
+    eng = _engine(OPTIMIZERS["adamw"][0], steps=3)
+    handles = [register_optimizer_step_pre_hook(hook)] if where == "global" else [
+        o.register_step_pre_hook(hook) for o in eng.optimizers]
+    before = {k: v.clone() for k, v in eng.stacked_params.items()}
+    try:
+        with pytest.raises(RuntimeError, match="step pre-hooks.*registered after the engine was built"):
+            eng.step((X[3], Y[3]), _loss, stacked=True)
+    finally:
+        for h in handles:
+            h.remove()
+    assert eng.steps_taken == 3 and all(torch.equal(v, before[k]) for k, v in eng.stacked_params.items())
+    eng.step((X[3], Y[3]), _loss, stacked=True)
+    assert eng.optimizer_path == "stacked" and eng.steps_taken == 4
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd_momentum"])
+@pytest.mark.parametrize("how", ["clear", "del"])
+def test_optimizer_state_emptied_in_place_mid_run_starts_afresh_as_torchs_step_does(opt, how):
+    """``optimizer.state.clear()`` (or ``del state[p]``) mid-run: torch's step starts those parameters' moments afresh;
+    the stacked step went on with its own, and the states it showed were empty (a review: weights 0.036 off)."""
+    def empty(eng):
+        for o in eng.optimizers:
+            if how == "clear":
+                o.state.clear()
+            else:
+                for p in list(o.state)[:2]:
+                    del o.state[p]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (some parameters' state deleted: the replicas step their own optimizers)
+        fast, slow = _continued(True, empty, OPTIMIZERS[opt][0]), _continued(False, empty, OPTIMIZERS[opt][0])
+    assert (fast.optimizer_path == "stacked") == (how == "clear")
+    _close(fast, slow)
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 3)
+        self.scale = nn.Parameter(torch.tensor(0.5))  # a 0-d parameter
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("make_opt", [lambda m: torch.optim.NAdam(m.parameters(), lr=0.01),
+                                      lambda m: torch.optim.AdamW(m.parameters(), lr=0.01)])
+def test_a_zero_dim_parameter_trains_when_each_replica_steps_its_own_optimizer(make_opt):
+    """A 0-d parameter (a learned scale) with shared gradients and each replica's own step (an optimizer the stacked
+    step does not take, or stacked_optimizer=False) raised IndexError in the gradients' mean (a review); it trains as
+    the loop does."""
+    def run(mode, stacked):
+        torch.manual_seed(1)
+        eng = ReplicaEngine(_Scaled(), N, make_opt,
+                            lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=8, model_sync_interval=3,
+                                                                  ensemble_lr_spread_ratio=0.3, replicas=rep, model=m),
+                            mode=mode, stacked_optimizer=stacked)
+        for t in range(6):
+            eng.step((X[t], Y[t]), _loss, stacked=True)
+        return eng
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b = run("vmap", False), run("loop", False)
+    assert float(a.models[0].scale) != 0.5
+    _close(a, b)
+
+
+def test_fused_and_non_fused_groups_step_as_their_own_optimizers():
+    """bf16 weights in two param groups with the same betas, one non-fused and one fused: the fused group's step is
+    torch's fused AdamW's, bit for bit (computed in float32, stored once). The groups' moments were updated as one
+    span whose first group decided for both: 56% of a fused group's parameter off after a step (a review)."""
+    def make(m):
+        return torch.optim.AdamW([{"params": [m[2].weight, m[2].bias]},
+                                  {"params": [m[0].weight, m[0].bias], "fused": True}], lr=0.01, fused=False)
+    model = lambda: _model().to(torch.bfloat16)  # noqa: E731
+    loss = lambda m, b: F.cross_entropy(m(b[0].to(torch.bfloat16)).float(), b[1])  # noqa: E731
+    fast = _engine(make, model=model(), loss_fn=loss, steps=1)  # (one step: the non-fused group's rounding, an ulp
+    slow = _engine(make, stacked=False, model=model(), loss_fn=loss, steps=1)  # off torch's, reaches every group after)
+    assert fast.optimizer_path == "stacked"
+    for ma, mb in zip(fast.models, slow.models):
+        assert torch.equal(ma[0].weight, mb[0].weight) and torch.equal(ma[0].bias, mb[0].bias)  # the fused group

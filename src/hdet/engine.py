@@ -51,7 +51,7 @@ from .guard import all_finite
 from .replicas import LocalReplicaGroup, Replicas, accumulation, average_local
 from .optimizers import check_shared_gradients, innermost, own_lr_tensors
 from .stability import SharedCopies
-from .stacked_optim import StackedStep, Unstackable, unsupported
+from .stacked_optim import StackedStep, Unstackable, foreign_pre_hooks, unsupported
 from .stacking import StackedReplicas
 from .step_scale import share_local
 from .swap import AverageSwap, averaged, explored_bases
@@ -1106,6 +1106,13 @@ class ReplicaEngine:
             raise RuntimeError(f"hdet: engine.step() at step {t} of an engine whose schedulers are closed (close() "
                                "after finish(), or a closed run's state loaded): nothing was run. Build a new engine "
                                "to train with HDET again, or train a replica alone with its own optimizer")
+        if self._stacked is not None and (why := foreign_pre_hooks(self.optimizers)):  # (a dict's truth a replica)
+            raise RuntimeError(f"hdet: engine.step() at step {t}: {why}, registered after the engine was built, and the "
+                               "engine's stacked optimizer step calls no pre-hook (it would leave them uncalled; each "
+                               "replica's own step would now share one averaged .grad, which a hook that changes it in "
+                               "place would change N times): nothing was run. Register the hook before building the "
+                               "engine (it then steps each replica's optimizer, each with its own .grad), or build it "
+                               "with stacked_optimizer=False")
         n = _leading(batches) if stacked else (len(batches) if isinstance(batches, Sequence) else None)
         if n != N:
             raise ValueError(f"Expected one batch per replica ({N}), but got {n}")

@@ -38,7 +38,7 @@ from . import kernels
 from .optimizers import decoupled
 from .step_scale import prodigy_estimate
 
-__all__ = ["Segment", "StackedStep", "Unstackable", "param_view", "unsupported"]
+__all__ = ["foreign_pre_hooks", "Segment", "StackedStep", "Unstackable", "param_view", "unsupported"]
 
 KINDS = {torch.optim.Adam: "adam", torch.optim.AdamW: "adam", torch.optim.SGD: "sgd"}
 # D-Adaptation: the group values its shared state reads, the same on every replica (its weight decay may differ)
@@ -99,6 +99,22 @@ def _kind(optimizer: torch.optim.Optimizer) -> str | None:
     if t in KINDS:
         return KINDS[t]
     return DISTANCE.get((t.__module__.split(".")[0], t.__name__))
+
+
+def foreign_pre_hooks(optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
+    """What step pre-hooks the stacked step would leave uncalled, or None: a global one, or one on an optimizer, that
+    is not hdet's own (a pre-hook may change or skip one replica's step; hdet's, a loaded state's checks or the
+    average swapped in for an evaluation, are its own business, and D-Adaptation's/Prodigy's step scale is applied by
+    the stacked step itself)."""
+    if any(not _hdets(h) for h in _global_optimizer_pre_hooks.values()):
+        return "global optimizer step pre-hooks are registered"
+    if any(not _hdets(h) for o in optimizers for h in o._optimizer_step_pre_hooks.values()):
+        return "an optimizer has step pre-hooks"
+    return None
+
+
+def _hdets(hook: Any) -> bool:
+    return (getattr(hook, "__module__", None) or "").split(".")[0] == "hdet"
 
 
 def _only_step_scale_hooks(o: torch.optim.Optimizer) -> bool:
@@ -228,9 +244,16 @@ class StackedStep:
                     else:  # torch keeps no state for SGD without momentum
                         o.state.pop(p, None)
                     col += n
-        self._bound = [o.state for o in self.optimizers]
+        self._bound = [(o.state, len(o.state)) for o in self.optimizers]
         self._state_steps = [(o.state[p], k) for o in self.optimizers for k, g in enumerate(o.param_groups)
                              for p in trained(g) if p in o.state] if self.kind == "prodigy" else []
+
+    def _unbound(self) -> bool:
+        """Whether an optimizer's state is no longer the one bound: replaced (``load_state_dict``, a new dict) or
+        emptied in place (``state.clear()``, ``del state[p]``: torch's step then starts those parameters afresh; the
+        stacked step went on with its moments, unsaid, and the states saved none, a review). (A key added is not
+        counted: a read of ``state[p]`` for a parameter without state adds an empty one.)"""
+        return any(o.state is not b or len(o.state) < n for o, (b, n) in zip(self.optimizers, self._bound))
 
     def release(self) -> None:
         """Give every optimizer its own copy of its state (so that ``optimizer.step()`` may run on each
@@ -267,8 +290,7 @@ class StackedStep:
             return self._prodigy_step()
         values = [self._values(k) for k in range(len(self.segments))]
         want = 1 if self.shared and all(v["same"] for v in values) else self.N
-        if not self.rows or any(o.state is not b for o, b in zip(self.optimizers, self._bound)) \
-                or list(self.moments) != self._moment_names(values):  # (a momentum switched on: its buffer appears)
+        if not self.rows or self._unbound() or list(self.moments) != self._moment_names(values):  # (a momentum switched on: its buffer appears)
             self._adopt(want, values)
         elif want > self.rows:  # the replicas' moments part from here (e.g. a weight decay that became coupled)
             self._adopt(want, values)
@@ -384,7 +406,7 @@ class StackedStep:
         for key in same:  # the shared state's values: one for the ensemble (weight decay may differ)
             if any(g.get(key) != g0.get(key) for o in self.optimizers[1:] for g, g0 in zip(o.param_groups, groups0)):
                 raise Unstackable(f"the replicas' {name} optimizers differ in {key!r}")
-        if not self.rows or any(o.state is not b for o, b in zip(self.optimizers, self._bound)):
+        if not self.rows or self._unbound():
             self._adopt(1, [])
         if self.rows != 1:
             self.release()
@@ -515,7 +537,7 @@ class StackedStep:
     def _buffers_held(self, k: int) -> bool:
         """Whether group ``k``'s parameters hold SGD momentum buffers (bound: the stacked ones; else, loaded: the
         optimizers' states)."""
-        if self.rows and all(o.state is b for o, b in zip(self.optimizers, self._bound)):
+        if self.rows and not self._unbound():
             return "momentum_buffer" in self.moments and self.steps[k] > 0
         return any("momentum_buffer" in (o.state.get(p) or {}) for o in self.optimizers
                    for p in trained(o.param_groups[k]))
@@ -567,7 +589,8 @@ class StackedStep:
             if any(v["wd"]) and not v["decoupled"]:
                 return ("alone", k)  # the L2 term reads each group's own weight decay
             shaping = ("b1", "b2", "eps", "amsgrad") if self.kind == "adam" else ("momentum", "dampening", "nesterov")
-            return (v["maximize"], self.steps[k], *(tuple(v[s]) if isinstance(v[s], list) else v[s] for s in shaping))
+            return (v["maximize"], v.get("fused"), self.steps[k],  # (fused: fp16/bf16 computed in float32, a review)
+                    *(tuple(v[s]) if isinstance(v[s], list) else v[s] for s in shaping))
         spans: list[list[int]] = []
         for k in range(len(values)):
             if spans and key(spans[-1][-1]) == key(k):

@@ -436,7 +436,7 @@ class StackedReplicas:
             return
         if not self.grads_bound:
             grads = [s.grad for s in self.params.values() if s.grad is not None]
-            ok = torch.stack([torch.isfinite(as_real(g).flatten(1).sum(1, dtype=torch.float64))  # (complex: both
+            ok = torch.stack([torch.isfinite(as_real(g).reshape(len(g), -1).sum(1, dtype=torch.float64))  # (complex: both
                               for g in grads]).all(0)  # parts; casting to float64 dropped the imaginary one)
             for g in grads:
                 keep = ok.view(-1, *[1] * (g.dim() - 1))
