@@ -1107,8 +1107,8 @@ class ReplicaEngine:
                                "after finish(), or a closed run's state loaded): nothing was run. Build a new engine "
                                "to train with HDET again, or train a replica alone with its own optimizer")
         if self._stacked is not None and (why := foreign_pre_hooks(self.optimizers)):  # (a dict's truth a replica)
-            raise RuntimeError(f"hdet: engine.step() at step {t}: {why}, registered after the engine was built, and the "
-                               "engine's stacked optimizer step calls no pre-hook (it would leave them uncalled; each "
+            raise RuntimeError(f"hdet: engine.step() at step {t}: {why}, registered after the engine was built, and "
+                               "the engine's stacked optimizer step calls no pre-hook (it would leave them uncalled; each "
                                "replica's own step would now share one averaged .grad, which a hook that changes it in "
                                "place would change N times): nothing was run. Register the hook before building the "
                                "engine (it then steps each replica's optimizer, each with its own .grad), or build it "

@@ -161,7 +161,7 @@ class StackedStep:
         self.moments: dict[str, torch.Tensor] = {}  # name -> [rows, D]
         self.steps: list[int] = []  # per group: Adam's t, SGD's steps with a momentum buffer
         self._step_t: list[torch.Tensor] = []  # per group: the "step" tensor every state of the group shows
-        self._bound: list[Any] = []  # each optimizer's state object when bound (load_state_dict replaces it)
+        self._bound: list[Any] = []  # each optimizer's state object when bound (load_state_dict replaces it), its size
         self._pinned: list[tuple[torch.Tensor, Any]] = []
         self._work: torch.Tensor | None = None  # (CPU) Adam's direction written here: _workspace
         self._slot = 0
@@ -290,7 +290,8 @@ class StackedStep:
             return self._prodigy_step()
         values = [self._values(k) for k in range(len(self.segments))]
         want = 1 if self.shared and all(v["same"] for v in values) else self.N
-        if not self.rows or self._unbound() or list(self.moments) != self._moment_names(values):  # (a momentum switched on: its buffer appears)
+        if not self.rows or self._unbound() or list(self.moments) != self._moment_names(values):  # (a momentum
+            # switched on: its buffer appears)
             self._adopt(want, values)
         elif want > self.rows:  # the replicas' moments part from here (e.g. a weight decay that became coupled)
             self._adopt(want, values)
@@ -638,8 +639,8 @@ class StackedStep:
         the direction's two divisions took about 0.2 ms each inside the step of ``benchmarks/engine_mlp.py``'s MLP,
         into the kept buffer 0.04 ms (``torch.profiler``; the engine 1.03-1.04x side by side, docs/engine.md). None (a
         new tensor, as before) on other devices, where a buffer kept would add a copy of the moments to the engine's
-        memory, and where a ``scalars`` tensor (per-replica betas or eps) would broadcast the direction to more rows than
-        ``s`` or promote it to another dtype (float32 scalars with bf16 weights: the direction is float32 there, and
+        memory, and where a ``scalars`` tensor (per-replica betas or eps) would broadcast the direction to more rows
+        than ``s`` or promote it to another dtype (float32 scalars with bf16 weights: the direction is float32 there, and
         in fp16 eps = 1e-8 would be 0, a review)."""
         if s.device.type != "cpu" or any(isinstance(c, torch.Tensor) and (c.shape[0] > s.shape[0] or c.dtype != s.dtype)
                                          for c in scalars):

@@ -436,8 +436,9 @@ class StackedReplicas:
             return
         if not self.grads_bound:
             grads = [s.grad for s in self.params.values() if s.grad is not None]
-            ok = torch.stack([torch.isfinite(as_real(g).reshape(len(g), -1).sum(1, dtype=torch.float64))  # (complex: both
-                              for g in grads]).all(0)  # parts; casting to float64 dropped the imaginary one)
+            ok = torch.stack([torch.isfinite(as_real(g).reshape(len(g), -1).sum(1, dtype=torch.float64))  # (complex:
+                              for g in grads]).all(0)  # both parts; casting to float64 dropped the imaginary one; a 0-d
+            # parameter's [N] gradient: reshape, not flatten(1))
             for g in grads:
                 keep = ok.view(-1, *[1] * (g.dim() - 1))
                 g.copy_(torch.where(keep, g, torch.zeros_like(g)).mean(0, keepdim=True).expand_as(g))
