@@ -658,6 +658,16 @@ def test_d_adaptation_replicas_whose_estimates_differ_step_per_replica():
     step()
     assert eng.optimizer_path == "per-replica: the replicas' D-Adaptation optimizers differ in 'd'"
     assert eng.optimizers[1].param_groups[0]["d"] != eng.optimizers[0].param_groups[0]["d"]
+    for o in eng.optimizers:  # its step count an int, as DAdaptAdam keeps it (a float tensor after the give-way and in
+        # the stacked engine's state_dict: an audit)
+        assert all(type(st["step"]) is int and st["step"] == 2 for st in o.state.values())
+        assert all(type(st["step"]) is int for st in o.state_dict()["state"].values())
+
+
+def test_the_stacked_d_adaptation_state_dict_keeps_an_int_step():
+    eng = _dadapt_engine(True, steps=3)
+    assert eng.optimizer_path == "stacked"
+    assert all(type(st["step"]) is int and st["step"] == 3 for st in eng.optimizers[0].state_dict()["state"].values())
 
 
 def test_d_adaptation_steps_per_replica_where_its_state_is_not_shared():

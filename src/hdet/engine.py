@@ -297,6 +297,15 @@ class ReplicaEngine:
         for r, s in enumerate(self.schedulers):
             if getattr(s, "ensemble", None) is None or s.ensemble.replicas is not self.group.views[r]:
                 raise ValueError("Expected make_scheduler to build an hdet scheduler with replicas=<the given view>")
+            given = s.ensemble.model
+            if given is not None and given is not self.models[r] and not _holds(given, self.models[r]):
+                raise ValueError(  # (the outer model, or another replica's: its probe and its buffers' average were
+                    # another model's, silently: an audit)
+                    f"Expected make_scheduler to pass model= the replica's own module (its third argument), but "
+                    f"replica {r}'s scheduler got a {type(given).__name__} that holds none of that replica's "
+                    "parameters (the model given to the engine, or another replica's?): the fit controller would probe, "
+                    "and each converge step average the buffers of, that model instead. Write "
+                    "make_scheduler=lambda o, rep, m: hdet.OneCycleAutoLR(o, ..., replicas=rep, model=m)")
         self._check_own_values()
         self._copies = (SharedCopies(), SharedCopies())  # snapshots: shared tensors (moments) copied once
         for s in self.schedulers:
@@ -434,6 +443,7 @@ class ReplicaEngine:
             self._stacked = None
         if self.stack is not None:
             self.stack.drop_stride_hooks()
+            self.stack.own_grads()  # (one shared .grad row would take one replica's in-place change to every replica)
         self.optimizer_path = f"per-replica: {why}"
 
     # -- vmap path ------------------------------------------------------------------------------------
@@ -574,8 +584,10 @@ class ReplicaEngine:
         self._keep_reassigned(reassigned)  # (after the backward: it may have saved the old value)
         if self._stacked is not None and not self.stack.grads_bound and not self.stack.bind_grads():
             unused = [n for n, p in self.stack.params.items() if p.requires_grad and p.grad is None]
-            self._stop_stacked(f"{_names(unused)} got no gradient at the first step (unused in the loss; freeze what "
-                               "it never uses with requires_grad_(False) to keep the stacked step)")
+            t = self.schedulers[0].last_epoch + 1  # (a resumed engine's first backward is a later step: an audit)
+            when = "at the first step" if t == 1 else f"at step {t}, this engine's first"
+            self._stop_stacked(f"{_names(unused)} got no gradient {when} (unused in the loss; freeze what it never "
+                               "uses with requires_grad_(False) to keep the stacked step)")
         if self.share_gradients:  # (local mode: each replica keeps its own gradient)
             self.stack.average_gradients()
         return losses.detach()
@@ -1379,6 +1391,12 @@ def _reset_steps(steps: list[list[torch.Tensor]], bad: list[int]) -> None:
         mean = torch.stack([steps[r][k].detach().double().reshape(()).cpu() for r in healthy]).mean().round()
         for r in bad:
             steps[r][k].copy_(mean)
+
+
+def _holds(model: nn.Module, replica: nn.Module) -> bool:
+    """Whether ``model`` holds a parameter of ``replica`` (the replica's module, a submodule or a wrapper of it)."""
+    own = {id(p) for p in replica.parameters()}
+    return any(id(p) in own for p in model.parameters())
 
 
 def _names(names: Sequence[str]) -> str:

@@ -391,6 +391,31 @@ class StackedReplicas:
                 p.grad = v
         self.grads_bound = True
 
+    @torch.no_grad()
+    def own_grads(self) -> None:
+        """Each replica's ``.grad`` its own tensor from now on (the per-replica optimizer steps that follow a stacked
+        step given up): with :attr:`one_grad_row` every replica's is a view of one row, and an in-place change to one
+        replica's (torch's foreach SGD with Nesterov adds the momentum into it; Prodigy's coupled weight decay; a step
+        pre-hook) reached every replica after it (losses 5% apart by step 5: an audit). The gradients are unbound (each
+        backward accumulates a fresh ``[N, ...]`` one, averaged by :meth:`average_gradients`, each replica's a row of
+        it: :meth:`point_grads`), as a resumed engine's are; the current step's mean is copied to every replica."""
+        if not self.one_grad_row:
+            return
+        self.one_grad_row = self.reduce = False
+        self._reducing = False
+        if not self.grads_bound:
+            return
+        self.grads_bound = False
+        for n in self.columns:
+            s = self.params[n]
+            if s.grad is None:  # (unbind_missing's, this step)
+                continue
+            mean = self._replica_grads[n][0]
+            s.grad = mean.expand(s.shape).clone(memory_format=torch.contiguous_format)
+            for r, p in enumerate(self.views[n]):
+                p.grad = None if p.grad is None else s.grad[r]
+        self._grads, self._replica_grads, self._rows = {}, {}, {}
+
     def unbind_missing(self) -> None:
         """The parameters the last backward did not reach (:attr:`missing`) get no ``.grad`` (None, on the stacked
         parameter and every replica's view) until the next backward, which binds them again: an optimizer then
