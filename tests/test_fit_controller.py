@@ -3,6 +3,7 @@
 
 import math
 import random
+import warnings
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from hdet.controller import fit_parabola
 from hdet.engine import ReplicaEngine
 
 from dist_workers import Probe, batch, engine_run, train
-from helpers import check_ok, one_thread, run_gloo
+from helpers import check_ok, one_thread, roundtrip, run_gloo
 
 LOG_RHO = [math.log(r) for r in (0.5, 0.643, 0.786, 0.929, 1.071, 1.214, 1.357, 1.5)]
 
@@ -48,6 +49,23 @@ def test_no_signal_no_move_and_weight_scales_the_step():
     half = FitController(beta=0.0).update(LOG_RHO, [(x - 0.1) ** 2 for x in LOG_RHO], weight=0.5).delta
     full = FitController(beta=0.0).update(LOG_RHO, [(x - 0.1) ** 2 for x in LOG_RHO], weight=1.0).delta
     assert half == pytest.approx(full / 2) and full > 0
+
+
+@pytest.mark.parametrize("n, alpha, loss", [(4, 0.5, 0.422673), (4, 0.2, 0.65625), (8, 0.2, 2.5), (3, 0.3, 2.5),
+                                             (5, 0.1, 0.1234567)])
+def test_tied_probe_losses_move_nothing(n, alpha, loss):
+    """Every replica's probe the same loss (a bf16 probe, one that cannot tell the replicas apart): the fit's own
+    rounding left b ~ 1e-16, whose sign sent x* to the spread's edge (the LR 1.00 -> 1.71 in an engine run on no
+    signal: an audit). A real difference of one float32 rounding step still moves it."""
+    x = [math.log(r) for r in hdet.spread.linear_multipliers(n, alpha)]
+    c = FitController()
+    for _ in range(10):
+        step = c.update(x, [loss] * n)
+        assert step.h_tilde == 0.0
+    assert c.factor == 1.0
+    ulp = torch.finfo(torch.float32).eps * loss  # the lowest LR's probe one float32 step lower: a line downhill
+    moved = FitController().update(x, [loss - ulp * (i == 0) for i in range(n)])
+    assert moved.h_tilde < 0 and moved.delta < 0
 
 
 def test_concave_fit_goes_downhill_and_nan_losses_are_left_out():
@@ -492,3 +510,114 @@ def test_no_finite_probe_is_no_verdict_and_moves_nothing():
     assert (ctrl.c, ctrl.m, ctrl.updates, step.delta) == (c, m, updates + 1, 0.0)
     ctrl.update(LOG_RHO, [float("nan")] + [1.0] * (len(LOG_RHO) - 1))  # (one left out: still a fit of the others)
     assert ctrl.m != m
+
+
+_LEVELS = {1: 1.0, 2: 0.9, 3: 0.8, 4: 0.81, 5: 0.82, 6: 0.83, 7: 0.9, 8: 0.79, 9: 0.78, 10: 0.77}  # each window's
+
+
+def _goback_run(kind, steps=50, T=5, stop=None, state=None):
+    """4 replicas whose window losses follow _LEVELS (best at sync 15, a rise at sync 35 that goes back there) and
+    whose probe always prefers the highest LR (the fit controller raises it every sync); the base LR of each step."""
+    def data(r, t):
+        g = torch.Generator().manual_seed(1000 * t + r)
+        x = torch.randn(16, 3, generator=g, dtype=torch.float64)
+        return x, (x[:, :1] * 2 - x[:, 1:2]).sin(), torch.tensor(_LEVELS[(t - 1) // T + 1], dtype=torch.float64)
+
+    def loss_fn(m, b):
+        mse = nn.functional.mse_loss(m(b[0]), b[1])
+        return mse - mse.detach() + b[2]
+    eng = None
+
+    def probe(m):
+        r = [id(x) for x in eng.models].index(id(m))
+        return torch.tensor(-math.log(eng.schedulers[r].multipliers[0]))
+
+    def make(o, rep, m):
+        kw = dict(ensemble_lr_spread_ratio=0.5, model_sync_interval=T, replicas=rep, model=m, on_runaway="recover",
+                  judge_steps=T, enable_auto_lr=True)
+        kw.update(probe=probe) if kind == "fit" else kw.update(controller="paper")
+        return hdet.HDETLR(o, None, steps, **kw)
+    torch.manual_seed(0)
+    eng = ReplicaEngine(nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).double(), 4,
+                        lambda m: torch.optim.Adam(m.parameters(), lr=0.01), make, mode="loop")
+    if state is not None:
+        eng.load_state_dict(state)
+    bases, records = {}, []
+    eng.schedulers[0].ensemble.on_sync.append(records.append)
+    for t in range(eng.steps_taken + 1, steps + 1):
+        bases[t] = eng.schedulers[0].base_lrs_now[0]
+        eng.step([data(r, t) for r in range(4)], loss_fn)
+        if t == stop:
+            return roundtrip(eng.state_dict())
+    return bases, records
+
+
+@pytest.mark.parametrize("kind", ["fit", "paper"])
+def test_a_go_back_takes_the_controllers_back_to_the_best_sync(kind):
+    """on_runaway="recover" went back to the best sync's weights but kept the controller's moves since (made on the
+    windows it discarded) and ran it at the go-back sync too: the fit controller's LR after the go-back and a 0.7
+    cut was 3.64x the best sync's (an audit). The controllers go back with the weights (a paper controller's base
+    cut as the schedule is), nothing is controlled at the go-back sync, and a resume goes on as the run does."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bases, records = _goback_run(kind)
+        back = next(r for r in records if r.went_back_to is not None)
+        assert (back.step, back.went_back_to, back.lr_scale) == (35, 15, 0.7) and back.controller is None
+        # the window after the best sync ran at bases[16]; after the go-back, that times the cut
+        assert bases[36] == pytest.approx(0.7 * bases[16], rel=1e-12)
+        if kind == "fit":
+            assert bases[16] > bases[15] and bases[35] > 2 * bases[16]  # it had raised the LR since
+        resumed, _ = _goback_run(kind, state=_goback_run(kind, stop=25))
+    assert all(resumed[t] == bases[t] for t in resumed) and len(resumed) == 25
+
+
+def _built(n=4, make_model=None, **kw):
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    return ReplicaEngine(model, n, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), lambda o, rep, m: hdet.OneCycleAutoLR(
+        o, max_lr=0.1, total_steps=30, model_sync_interval=5, replicas=rep,
+        model=m if make_model is None else make_model(model, m), **kw), mode="loop")
+
+
+def _probe(m):
+    return m(torch.ones(4, 2)).pow(2).mean()
+
+
+@pytest.mark.parametrize("given", [{"auto_lr_bounds": (0.05, 0.06)}, {"final_lr": 0.05},
+                                   {"auto_lr_bounds": (0.05, 0.06), "final_lr": 0.05}])
+@pytest.mark.parametrize("auto", ["fit", "off"])
+def test_options_only_the_paper_controller_reads_are_said_to_be_ignored(given, auto):
+    """auto_lr_bounds= and final_lr= were taken under the fit controller (or auto-LR off) and did nothing, unsaid (an
+    audit). Said now; under the paper controller, which reads them, nothing is said."""
+    kw = {"enable_auto_lr": True, "auto_lr_warmup_steps": 10, "probe": _probe} if auto == "fit" else {}
+    names = " and ".join(given)
+    with pytest.warns(UserWarning, match=f"hdet: {names} given, but only the paper controller .* reads "
+                                         f"{'them' if len(given) > 1 else 'it'}: ignored. "
+                                         + ("The fit controller" if auto == "fit" else "Auto-LR is off")):
+        _built(ensemble_lr_spread_ratio=0.3, **given, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _built(ensemble_lr_spread_ratio=0.3, enable_auto_lr=True, auto_lr_warmup_steps=10, controller="paper", **given)
+    assert not [w for w in caught if "only the paper controller" in str(w.message)]
+
+
+@pytest.mark.parametrize("n, alpha, said", [(4, 0.0, "ensemble_lr_spread_ratio=0"), (1, 0.3, "one replica")])
+def test_the_fit_controller_without_a_spread_says_it_never_moves(n, alpha, said):
+    """The paper controller said it had no spread to rank; the fit controller sat still, unsaid (an audit)."""
+    with pytest.warns(UserWarning, match=f"the fit controller with {said} has no spread of LRs to fit, so it never "
+                                         "moves the LR"):
+        eng = _built(n, ensemble_lr_spread_ratio=alpha, enable_auto_lr=True, auto_lr_warmup_steps=10, probe=_probe)
+    for _ in range(30):
+        eng.step([torch.randn(8, 2)] * n, lambda m, b: m(b).pow(2).mean())
+    assert eng.schedulers[0].ensemble.controllers[0].factor == 1.0
+
+
+def test_the_engine_refuses_a_scheduler_given_another_model_than_its_replicas():
+    """make_scheduler passing model= the model given to the engine (not the replica's m): the fit controller probed
+    that one model for every replica, and each converge step averaged its buffers, unsaid (an audit)."""
+    kw = {"ensemble_lr_spread_ratio": 0.3, "enable_auto_lr": True, "auto_lr_warmup_steps": 10, "probe": _probe}
+    with pytest.raises(ValueError, match=r"Expected make_scheduler to pass model= the replica's own module \(its third "
+                                         r"argument\), but replica 0's scheduler got a Linear that holds none of"):
+        _built(make_model=lambda outer, m: outer, **kw)
+    wrapped = _built(make_model=lambda outer, m: nn.Sequential(m), **kw)  # (a wrapper of the replica's: fine)
+    assert wrapped.schedulers[1].ensemble.model[0] is wrapped.models[1]

@@ -340,7 +340,15 @@ class FitController:
         w = (max(x) - min(x)) / 2
         x_star = 0.0
         if len(ok) >= 2 and w > 0:  # two replicas: a line, so a step downhill
-            _, b, q = fit_parabola([p[0] for p in ok], [p[1] for p in ok])
+            ys = [p[1] for p in ok]
+            _, b, q = fit_parabola([p[0] for p in ok], ys)
+            tol = 1e-9 * max(abs(y) for y in ys)  # below the fit's own rounding: tied probe losses (bf16, a probe
+            # that cannot tell the replicas apart) left b ~ 1e-16, and the sign of that moved the LR at full speed
+            # (1.00 -> 1.71 on no signal: an audit)
+            if abs(b) * w <= tol:
+                b = 0.0
+            if abs(q) * w * w <= tol:
+                q = 0.0
             if q > 0:
                 x_star = min(max(-b / (2 * q), -2 * w), 2 * w)
             elif b != 0:

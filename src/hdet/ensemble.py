@@ -229,6 +229,15 @@ class Ensemble:
                     "value: the run is not plain training at the base schedule (an audit: 1.3e-4 against "
                     "OneCycleLR's 2.4e-3 mid-run). Give a spread and several replicas, or leave enable_auto_lr off",
                     stacklevel=user_stacklevel())
+            elif c.controller_kind == "fit" and (c.ensemble_lr_spread_ratio == 0 or self.replicas.world_size < 2) \
+                    and self.replicas.rank == 0:  # (said for the paper controller; the fit one sat still, unsaid: an
+                # audit)
+                one = self.replicas.world_size < 2
+                warnings.warn(
+                    "hdet: the fit controller with " + ("one replica" if one else "ensemble_lr_spread_ratio=0")
+                    + " has no spread of LRs to fit, so it never moves the LR: the run trains at the base schedule"
+                    + (" (nor any explored hyperparameter: one replica has no spread at all)" if one else "")
+                    + ". Give a spread and several replicas, or leave enable_auto_lr off", stacklevel=user_stacklevel())
 
     def first_control_step(self) -> int:
         T = self.config.model_sync_interval
@@ -638,6 +647,7 @@ class Ensemble:
             back = self.stability.on and self.stability.after_average(t, losses, bad, verdict.rising, kept, verdict.col)
         rt = self.slots.range
         range_ended = None
+        restored = False  # gone back to the best sync, the controllers with it
         if rt is not None and rt.ramping and t <= c.auto_lr_warmup_steps:  # the range test decides, no cut
             back = self._range_step(t, verdict, back, kept)
             range_ended = rt.reason if not rt.ramping else None
@@ -645,6 +655,9 @@ class Ensemble:
             # the k-th cut of the run is lr_cut ** k: the first event says the LR is at the edge of stability, each
             # further one that it is further past it (measured: benchmarks/results/evidence/sweep_then_train/call21);
             # the first lr_cut_after events cut nothing (a spike of its batches': the run goes back past them)
+            if back:  # the controllers as at the sync gone back to (their moves since rode the discarded windows)
+                self.slots.restore_controllers()
+                restored = True
             self.slots.cuts += 1
             k = self.slots.cuts - c.lr_cut_after
             if k > 0:
@@ -685,7 +698,8 @@ class Ensemble:
             # replica's stand-in loss was read as a measurement there, and it got all the weight)
             losses = [(math.inf if healthy else 0.0) if r in nothing else x for r, x in enumerate(losses)]
         steps: list[ControllerStep] | None = None
-        if self.is_control_step(t):
+        if self.is_control_step(t) and not restored:  # (gone back: this window's losses and probes are of the
+            # discarded weights)
             missing = [r for r in range(N) if col.observed[r] == 0]
             if missing:
                 raise ValueError(
@@ -701,6 +715,8 @@ class Ensemble:
                 # window loss is (left out, an inf at the highest LR read as no verdict and the fit moved up: an audit)
                 probes = [max(finite) + 10 * c.loss_scale if r in overflowed else v for r, v in enumerate(probes)]
             steps = self.slots.control(losses, probes, self.lr_control, self.num_control_syncs)
+        if self.stability.on and self.stability.best_step == t:  # a new best sync: a go-back restores these
+            self.slots.keep_controllers()
         if self.window_mean is not None:  # a new window starts (after finish() mid-window too, as the losses' does:
             self.window_mean.reset()  # it went on averaging each replica's own iterates from before; an audit)
         record = SyncRecord(step=t, losses=window if any(col.observed) else None, multipliers=self.slots.all_offsets(),

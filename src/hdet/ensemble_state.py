@@ -57,6 +57,7 @@ def state_dict(ens: "Ensemble") -> dict[str, Any]:
         "names": list(s.names),
         "lr_scale": s.lr_scale,
         "lr_cuts": s.cuts,
+        "kept_controllers": None if s.kept is None else {"controllers": list(s.kept[0]), "lr_scale": s.kept[1]},
         "stability": ens.stability.state_dict(),
         "range_test": None if s.range is None else s.range.state_dict(),
         "range_snapshots": ens._ramp.state_dict(),
@@ -222,7 +223,7 @@ def _parse_fields(ens: "Ensemble", state: dict[str, Any], version: int) -> dict[
             "dealer": dealer, "total_steps": total, "peak0": float(state.get("peak0", 0.0)), "scheduled": scheduled,
             "perms": [[int(i) for i in p] for p in perms], "window": (None, None, 0, None, None) if elastic else window,
             "window_mean": window_mean, "lr_scale": _positive(state.get("lr_scale", 1.0), "lr_scale"),
-            "lr_cuts": _cuts(state, config),
+            "lr_cuts": _cuts(state, config), "kept_controllers": _kept_controllers(state.get("kept_controllers"), n),
             "stability": StabilityGuard.parse(state.get("stability")),
             "range_test": _parse_range(state.get("range_test"), config, ens),
             "range_snapshots": RampSnapshots.parse(state.get("range_snapshots")),
@@ -253,6 +254,21 @@ def _positive(x: Any, name: str) -> float:
     if not _is_real(x) or not 0 < x < math.inf:
         raise ValueError(f"Expected the state's {name} as a positive number, but got {x!r}: a corrupted state_dict")
     return float(x)
+
+
+def _kept_controllers(state: Any, n: int) -> tuple[list[dict[str, Any] | None], float] | None:
+    """The controllers' states at the best sync (:attr:`hdet.slots.Slots.kept`), checked; None: a state saved before
+    they were kept (a go-back then leaves the controllers as they are, as it did)."""
+    if state is None:
+        return None
+    states = state.get("controllers") if isinstance(state, dict) else None
+    if not isinstance(states, list) or len(states) != n or not all(x is None or isinstance(x, dict) for x in states):
+        raise ValueError(f"Expected the state's kept_controllers as {{'controllers': one controller state or None per "
+                         f"slot ({n}), 'lr_scale': ...}}, but got {state!r}: a corrupted state_dict")
+    for x in states:
+        if x is not None:
+            controller_from_state(x)  # (raises on a corrupted one)
+    return [None if x is None else dict(x) for x in states], _positive(state.get("lr_scale"), "kept lr_scale")
 
 
 def _cuts(state: dict[str, Any], config: HDETConfig) -> int:
@@ -322,7 +338,7 @@ def commit(ens: "Ensemble", new: dict[str, Any], state: dict[str, Any]) -> None:
     s = ens.slots
     s.bases, s.controllers, s.dealer = new["bases"], new["controllers"], new["dealer"]
     s.peak0, s.scheduled, s.perms, s.lr_scale = new["peak0"], new["scheduled"], new["perms"], new["lr_scale"]
-    s.cuts = new["lr_cuts"]
+    s.cuts, s.kept = new["lr_cuts"], new["kept_controllers"]
     if "lr_cuts" not in state and s.cuts:
         _say(ens, f"hdet: this state was saved before the stability guard's cuts were counted: its LR schedule, cut to "
                   f"{s.lr_scale:.3g} of itself, is taken as {s.cuts} cut(s) of {ens.config.lr_cut:g}, and the next cut "

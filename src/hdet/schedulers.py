@@ -177,6 +177,13 @@ class HDETLR(LRScheduler):
                               f"highest LR {above[0][2]:g}, so the paper controller's decay (Eq. 8) raises the base LR "
                               "towards it instead of lowering it. Pass the LR the run should end at",
                               stacklevel=user_stacklevel())
+        ignored = [name for name, v in (("auto_lr_bounds", auto_lr_bounds), ("final_lr", final_lr)) if v is not None]
+        if ignored and not (config.enable_auto_lr and config.controller_kind == "paper"):  # (taken, unused: an audit)
+            warnings.warn(f"hdet: {' and '.join(ignored)} given, but only the paper controller (enable_auto_lr=True, "
+                          f"controller='paper') reads {'them' if len(ignored) > 1 else 'it'}: ignored. "
+                          + ("The fit controller corrects the base schedule by a factor within its own bounds "
+                             "(controller=hdet.FitController(bounds=(lo, hi)))" if config.enable_auto_lr else
+                             "Auto-LR is off: the LR follows the base schedule"), stacklevel=user_stacklevel())
         self._hdet = Ensemble(config, resolved, optimizer, model, explore, probe=probe,
                               lr_control=LRControl(bounds=self._bounds(auto_lr_bounds), finals=self._final,
                                                     given=(auto_lr_bounds is not None, final_lr is not None)))

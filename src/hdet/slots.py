@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass
 
 from .config import HDETConfig
-from .controller import CONTROLLERS, ControllerStep, FitController, Observation, PaperController, gamma_decay
+from .controller import (CONTROLLERS, ControllerStep, FitController, Observation, PaperController,
+                         controller_from_state, gamma_decay)
 from .range_test import RangeTest
 from .spread import Dealer, Spread, linear_multipliers
 
@@ -68,6 +69,9 @@ class Slots:
         self.lr_scale = 1.0  # the cuts of the LR schedule so far (runaway replicas, an unstable ensemble)
         self.cuts = 0  # the stability guard's events (the k-th past lr_cut_after cuts by lr_cut ** k)
         self.range: RangeTest | None = None  # the in-run LR range test (lr_range_test=True), set with the run's length
+        self.kept: tuple[list[dict | None], float] | None = ([None] * self.num_slots, 1.0)  # the controllers' states
+        # and lr_scale at the stability guard's best sync (as built: none has run), which a go-back restores; None:
+        # not known (a state saved before they were kept)
 
     def resize(self, world_size: int, redeal: bool) -> None:
         """Positions for ``world_size`` replicas under the current config (after a load); ``redeal``: a fresh
@@ -120,6 +124,23 @@ class Slots:
             if ctrl is not None:
                 ctrl.scale(factor)
             self.bases[j] = self._base(j)
+
+    def keep_controllers(self) -> None:
+        """The controllers as they are now: the best sync's (a go-back restores them, :meth:`restore_controllers`)."""
+        self.kept = ([None if c is None else c.state_dict() for c in self.controllers], self.lr_scale)
+
+    def restore_controllers(self) -> None:
+        """The controllers as :meth:`keep_controllers` kept them, with the cuts made since (a paper controller's own
+        base scaled): a go-back to the best sync took the weights back there, and the LR the controllers had raised
+        since stayed (3.6x the best sync's after a go-back and a 0.7 cut: an audit). Nothing where not known."""
+        if self.kept is None:
+            return
+        states, scale = self.kept
+        self.controllers = [None if st is None else controller_from_state(st) for st in states]
+        for ctrl in self.controllers[: self.num_lr_slots]:
+            if ctrl is not None and scale != self.lr_scale:
+                ctrl.scale(self.lr_scale / scale)
+        self.refresh()
 
     def offsets_of(self, j: int) -> list[float]:
         """Every replica's multiplier (offset for additive spreads) for slot ``j``, in rank order."""
