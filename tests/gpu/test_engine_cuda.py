@@ -1,5 +1,7 @@
 """The one-process engine on a GPU (run on the GPU machine: `python -m pytest tests/gpu`)."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -249,3 +251,38 @@ def test_bias_free_layers_step_in_vmap_mode_on_cuda():
             eng.step(x, lambda m, b: m(b).pow(2).mean(), stacked=True)
         weights.append([p.detach().clone() for m in eng.models for p in m.parameters()])
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(*weights))
+
+
+@pytest.mark.parametrize("mode", ["vmap", "merged"])
+def test_after_the_stacked_step_gives_way_each_replica_steps_on_its_own_gradient_on_cuda(mode):
+    """torch's SGD with Nesterov runs foreach by default on CUDA and adds the momentum into ``.grad`` in place: after
+    the stacked step gave way (a layer the loss skips at step 3), every replica's ``.grad`` was one shared row, so each
+    replica's step changed the next one's gradient (an audit, on the CPU with foreach=True). Each replica has its own
+    now: the same training as stacked_optimizer=False."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cuda").manual_seed(1)
+    xs, ys = torch.randn(8, 3, 6, 5, device="cuda", generator=g), torch.randn(8, 3, 6, 2, device="cuda", generator=g)
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2), nn.Linear(2, 2)).cuda()
+
+    def run(stacked):
+        eng = ReplicaEngine(base, 3, lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True),
+                            lambda o, rep, m: hdet.OneCycleAutoLR(o, max_lr=0.05, total_steps=12, replicas=rep, model=m,
+                                                                  ensemble_lr_spread_ratio=0.2, model_sync_interval=4),
+                            mode=mode, stacked_optimizer=stacked)
+        out = []
+        for t in range(8):
+            skip = t == 2
+            out.append(eng.step((xs[t], ys[t]), lambda m, b: F.mse_loss(m[2](m[1](m[0](b[0]))) if skip else m(b[0]),
+                                                                         b[1]), stacked=True))
+        return eng, torch.stack(out)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (gave, lg), (ref, lr) = run(True), run(False)
+    assert gave.optimizer_path.startswith("per-replica: parameters '3.weight', '3.bias' got no gradient at step 3")
+    assert len({m[0].weight.grad.data_ptr() for m in gave.models}) == 3
+    torch.testing.assert_close(lg, lr, rtol=1e-5, atol=1e-6)
+    for a, b in zip(gave.models, ref.models):
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
