@@ -574,9 +574,11 @@ def test_a_go_back_takes_the_controllers_back_to_the_best_sync(kind):
 def _built(n=4, make_model=None, **kw):
     torch.manual_seed(0)
     model = nn.Linear(2, 1)
-    return ReplicaEngine(model, n, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), lambda o, rep, m: hdet.OneCycleAutoLR(
+    return ReplicaEngine(model, n, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, weight_decay=0.01),
+                         lambda o, rep, m: hdet.OneCycleAutoLR(
         o, max_lr=0.1, total_steps=30, model_sync_interval=5, replicas=rep,
-        model=m if make_model is None else make_model(model, m), **kw), mode="loop")
+        model=m if make_model is None else make_model(model, m),
+        **{k: (v(o) if k == "explore" else v) for k, v in kw.items()}), mode="loop")
 
 
 def _probe(m):
@@ -610,6 +612,13 @@ def test_the_fit_controller_without_a_spread_says_it_never_moves(n, alpha, said)
     for _ in range(30):
         eng.step([torch.randn(8, 2)] * n, lambda m, b: m(b).pow(2).mean())
     assert eng.schedulers[0].ensemble.controllers[0].factor == 1.0
+
+
+def test_the_fit_controller_without_an_lr_spread_says_the_explored_values_are_still_fitted():
+    with pytest.warns(UserWarning, match=r"never moves the LR: the run trains at the base schedule \(the explored "
+                                         r"hyperparameters are still fitted\)$"):
+        _built(ensemble_lr_spread_ratio=0.0, enable_auto_lr=True, auto_lr_warmup_steps=10, probe=_probe,
+               explore=lambda o: [hdet.WeightDecay(o, alpha=1.0)])
 
 
 def test_the_engine_refuses_a_scheduler_given_another_model_than_its_replicas():

@@ -744,6 +744,11 @@ def test_a_constant_lambda_schedule_gives_the_paper_controller_no_floor():
         s = HDETLR(o, torch.optim.lr_scheduler.LambdaLR(o, lam), total_steps=40, model_sync_interval=5,
                    enable_auto_lr=True, controller="paper", final_lr=None, replicas=ScriptedReplicas(0, 4))
         assert s._bounds(None) == [(pytest.approx(low), math.inf)]
+        _, o = _opt("adam")  # the same schedule as a function of the step: the same floor (it had none: an audit)
+        lr = o.param_groups[0]["lr"]
+        f = HDETLR(o, lambda t, lam=lam: lr * lam(t), total_steps=40, model_sync_interval=5, enable_auto_lr=True,
+                   controller="paper", replicas=ScriptedReplicas(0, 4))
+        assert f._bounds(None) == [(pytest.approx(low), math.inf)]
 
 
 def test_a_missed_scheduler_step_in_local_mode_is_said_once(tmp_path):

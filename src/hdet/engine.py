@@ -883,6 +883,8 @@ class ReplicaEngine:
         if self._stacked is not None:
             self._stacked.release()
             self._stacked = None  # (optimizer_path keeps what the run stepped with: summary.json reports it)
+        if self.stack is not None:  # each replica its own .grad too (a closed engine that loads a state steps per
+            self.stack.own_grads()  # replica, on one shared row otherwise: a review)
 
     def swap_in_average(self) -> bool:
         """Put the replicas' average into every replica, to evaluate (or save) the model the ensemble is building

@@ -233,11 +233,14 @@ class Ensemble:
                     and self.replicas.rank == 0:  # (said for the paper controller; the fit one sat still, unsaid: an
                 # audit)
                 one = self.replicas.world_size < 2
+                explored = self.slots.num_slots > self.slots.num_lr_slots
                 warnings.warn(
                     "hdet: the fit controller with " + ("one replica" if one else "ensemble_lr_spread_ratio=0")
                     + " has no spread of LRs to fit, so it never moves the LR: the run trains at the base schedule"
-                    + (" (nor any explored hyperparameter: one replica has no spread at all)" if one else "")
-                    + ". Give a spread and several replicas, or leave enable_auto_lr off", stacklevel=user_stacklevel())
+                    + (" (nor any explored hyperparameter: one replica has no spread at all)" if one else
+                       " (the explored hyperparameters are still fitted)" if explored else "")
+                    + (". Give a spread and several replicas, or leave enable_auto_lr off" if one or not explored else
+                       ""), stacklevel=user_stacklevel())
 
     def first_control_step(self) -> int:
         T = self.config.model_sync_interval

@@ -269,14 +269,16 @@ class HDETLR(LRScheduler):
 
     def _bounds(self, bounds: Any) -> list[tuple[float, float]]:
         """Per group, the paper controller's (low, high): given, or OneCycle's ``(min_lr, 10 max_lr)``, a decaying
-        LambdaLR's ``(last value, inf)`` (the last value: ``final_lr`` where given), or (0, inf)."""
+        LambdaLR's or function's ``(last value, inf)`` (the last value: ``final_lr`` where given), or (0, inf)."""
         groups = self.optimizer.param_groups
         if bounds is None:
             if isinstance(self._base, OneCycleLR):
                 return [(as_float(g["min_lr"]), 10.0 * as_float(g["max_lr"])) for g in groups]
-            if isinstance(self._base, LambdaLR) and self._final is not None:  # a decaying schedule's last value
-                # is the floor, as OneCycle's min_lr is (a constant one's is its peak: no floor then)
-                return [(f if 0 < f < b else 0.0, math.inf) for f, b in zip(self._final, self._base.base_lrs)]
+            if (isinstance(self._base, LambdaLR) or self._base_fn is not None) and self._final is not None:  # a
+                # decaying schedule's last value is the floor, as OneCycle's min_lr is (a constant one's is its peak: no
+                # floor then); a function of the step as the same LambdaLR (it had none: an audit)
+                tops = self._base.base_lrs if isinstance(self._base, LambdaLR) else self._peaks()
+                return [(f if 0 < f < b else 0.0, math.inf) for f, b in zip(self._final, tops)]
             return [(0.0, math.inf)] * len(groups)
         per_group = [bounds] * len(groups) if _is_pair(bounds) else list(bounds) if isinstance(bounds, (list, tuple)) else []
         pairs = [tuple(real_number(v) for v in b) for b in per_group if _is_pair(b)]

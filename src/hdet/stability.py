@@ -527,7 +527,10 @@ class StabilityGuard:
     def warn(self, t: int, runaway: list[int], losses: list[float], rising: bool, back: bool, scale: float,
              collapsed: bool = False, at: str = "sync step", uncut: int = 0) -> None:
         """Say what this sync did (a UserWarning pointing at the training loop); ``at``: what step ``t`` was;
-        ``uncut``: this event is the uncut-th of the first ``lr_cut_after`` (0: it cut the LR)."""
+        ``uncut``: this event is the uncut-th of the first ``lr_cut_after`` (0: it cut the LR). Said once for the
+        one-process engine's replicas (it said the same N times)."""
+        if not self.first_to_say(f"event at {at} {t}"):
+            return
         warnings.warn(
             f"hdet: at {at} {t} " + ("every replica had non-finite weights or buffers; " if collapsed else "")
             + (f"replica(s) {runaway} ran away (window losses {[round(losses[r], 4) for r in runaway]}"

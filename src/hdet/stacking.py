@@ -403,6 +403,9 @@ class StackedReplicas:
             return
         self.one_grad_row = self.reduce = False
         self._reducing = False
+        held = self.grad  # (freed: each backward makes its own [N, ...] gradients from now on; kept, it doubled the
+        # gradients' memory: a review; an empty one keeps its device and dtype)
+        self.grad = held.new_empty(0, held.shape[1]) if held is not None else None
         if not self.grads_bound:
             return
         self.grads_bound = False
