@@ -361,7 +361,8 @@ def test_a_weight_computed_from_its_parameter_takes_no_share_and_tied_uses_leave
                 x[1, 0, 0] = float("nan")
             eng.step((x, torch.randint(0, 3, (N, 8), generator=g)),
                      lambda m, b: F.cross_entropy(m(b[0]), b[1]) + (0.5 * m.p if tied_only else m.p), stacked=True)
-            grads.append(eng.stack.grad.clone())
+            if t < 5:  # (the last step closes the engine, which gives each replica its own .grad: grad freed)
+                grads.append(eng.stack.grad.clone())
             took.append(set(eng.stack.took))
         return eng, grads, took
     (eng, grads, took), (ref, ref_grads, _) = run(True), run(False)
