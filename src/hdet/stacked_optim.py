@@ -752,12 +752,13 @@ def _same_state(per_replica: list[list[Any]], names: list[str]) -> bool:
 
 def _own_step_tensors(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     """A state_dict post-hook: every parameter's ``step`` its own tensor (D-Adaptation's an int, as it keeps it;
-    the stacked step shares one per group; an optimizer that loaded a shared one would add 1 to it once per parameter), and Prodigy's ``s`` and
-    ``p0`` flat, as Prodigy keeps them (bound, they are views shaped like the parameter)."""
-    dadapt = _kind(optimizer) == "dadapt"  # (D-Adaptation keeps an int)
-    state_dict["state"] = {i: ({**s, "step": int(s["step"]) if dadapt else s["step"].clone()}
+    the stacked step shares one per group; an optimizer that loaded a shared one would add 1 to it once per
+    parameter), and Prodigy's ``s`` and ``p0`` flat, as Prodigy keeps them (bound, they are views shaped like the
+    parameter)."""
+    kind = _kind(optimizer)
+    state_dict["state"] = {i: ({**s, "step": int(s["step"]) if kind == "dadapt" else s["step"].clone()}
                                if isinstance(s.get("step"), torch.Tensor) else s) for i, s in state_dict["state"].items()}
-    if _kind(optimizer) == "prodigy":
+    if kind == "prodigy":
         state_dict["state"] = {i: {k: _flat(k, v) for k, v in s.items()} for i, s in state_dict["state"].items()}
     return state_dict
 
